@@ -1,0 +1,1 @@
+"""The `pdplane` command line."""

@@ -1,0 +1,198 @@
+"""gRPC plumbing shared by every pdplane server and client: health, reflection, token auth, TLS.
+
+Every pdplane gRPC server exposes `grpc.health.v1.Health` and server reflection (so `grpcurl`
+and `grpc_health_probe` work) and, when a token is configured, rejects calls without the gRPC
+metadata `authorization: Bearer <token>` with UNAUTHENTICATED. Both the sync (`grpc.server`,
+used inside vLLM's engine process) and the asyncio (`grpc.aio.server`) flavours are covered.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Awaitable, Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+__all__ = [
+    "AioTokenAuthInterceptor",
+    "TokenAuthInterceptor",
+    "add_health_and_reflection",
+    "add_port",
+    "aio_add_health_and_reflection",
+    "aio_channel",
+    "channel",
+    "token_metadata",
+]
+
+_AUTH_KEY = "authorization"
+
+#: Channel options shared by every pdplane client: fail fast on a dead peer instead of
+#: buffering forever, and allow KV chunks of up to 64 MiB (bytes).
+CHANNEL_OPTIONS: list[tuple[str, Any]] = [
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    ("grpc.max_send_message_length", 64 * 1024 * 1024),
+]
+SERVER_OPTIONS: list[tuple[str, Any]] = [
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    ("grpc.max_send_message_length", 64 * 1024 * 1024),
+    ("grpc.so_reuseport", 0),
+]
+
+
+def token_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
+    """Call metadata carrying `token` as a bearer token; empty when no token is configured."""
+    return ((_AUTH_KEY, f"Bearer {token}"),) if token else ()
+
+
+def _authorized(metadata: Iterable[tuple[str, str | bytes]] | None, token: str) -> bool:
+    expected = f"Bearer {token}"
+    for key, value in metadata or ():
+        if key == _AUTH_KEY:
+            got = value.decode() if isinstance(value, bytes) else value
+            return hmac.compare_digest(got, expected)
+    return False
+
+
+def _is_open(method: str) -> bool:
+    # Health and reflection stay open so that probes work without the token.
+    return method.startswith(("/grpc.health.v1.", "/grpc.reflection."))
+
+
+def _deny_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    def deny(_request: Any, context: grpc.ServicerContext) -> Any:
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token")
+
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(deny)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(deny)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(deny)
+    return grpc.unary_unary_rpc_method_handler(deny)
+
+
+class TokenAuthInterceptor(grpc.ServerInterceptor):
+    """Sync server interceptor: UNAUTHENTICATED unless the call carries the bearer token."""
+
+    def __init__(self, token: str) -> None:
+        self._token = token
+
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        handler = continuation(handler_call_details)
+        if handler is None or _is_open(handler_call_details.method):
+            return handler
+        if _authorized(handler_call_details.invocation_metadata, self._token):
+            return handler
+        return _deny_handler(handler)
+
+
+class AioTokenAuthInterceptor(grpc.aio.ServerInterceptor):
+    """Asyncio server interceptor: UNAUTHENTICATED unless the call carries the bearer token."""
+
+    def __init__(self, token: str) -> None:
+        self._token = token
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None or _is_open(handler_call_details.method):
+            return handler
+        if _authorized(handler_call_details.invocation_metadata, self._token):
+            return handler
+        return _deny_handler(handler)
+
+
+def _reflect(server: grpc.Server | grpc.aio.Server, names: list[str]) -> None:
+    reflection.enable_server_reflection(
+        [*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
+    )
+
+
+def add_health_and_reflection(
+    server: grpc.Server, service_names: Iterable[str]
+) -> health.HealthServicer:
+    """Registers grpc.health.v1.Health (every name SERVING) and reflection on a sync server.
+
+    `service_names` are full names such as "pdplane.v1.Registry". Returns the health servicer
+    so the caller can flip statuses (e.g. NOT_SERVING while draining).
+    """
+    names = list(service_names)
+    servicer = health.HealthServicer(experimental_non_blocking=True)
+    for name in [*names, ""]:
+        servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    _reflect(server, names)
+    return servicer
+
+
+async def aio_add_health_and_reflection(
+    server: grpc.aio.Server, service_names: Iterable[str]
+) -> health.aio.HealthServicer:
+    """The asyncio-server twin of `add_health_and_reflection` (same contract)."""
+    names = list(service_names)
+    servicer = health.aio.HealthServicer()
+    for name in [*names, ""]:
+        await servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    _reflect(server, names)
+    return servicer
+
+
+def add_port(
+    server: grpc.Server | grpc.aio.Server,
+    address: str,
+    tls_cert: str | Path | None = None,
+    tls_key: str | Path | None = None,
+) -> int:
+    """Binds `address` ("host:port", port 0 = any free port), with TLS when cert and key are set.
+
+    Returns the bound port. Raises ValueError when only one of cert/key is given and RuntimeError
+    when the address cannot be bound.
+    """
+    if bool(tls_cert) != bool(tls_key):
+        raise ValueError("TLS needs both a certificate and a key")
+    if tls_cert and tls_key:
+        creds = grpc.ssl_server_credentials(
+            [(Path(tls_key).read_bytes(), Path(tls_cert).read_bytes())]
+        )
+        port = server.add_secure_port(address, creds)
+    else:
+        port = server.add_insecure_port(address)
+    if port == 0:
+        raise RuntimeError(f"cannot bind gRPC server to {address}")
+    return port
+
+
+def _credentials(tls_ca: str | Path | None) -> grpc.ChannelCredentials | None:
+    if tls_ca is None:
+        return None
+    return grpc.ssl_channel_credentials(root_certificates=Path(tls_ca).read_bytes())
+
+
+def channel(target: str, tls_ca: str | Path | None = None) -> grpc.Channel:
+    """A sync channel to `target` ("host:port"); TLS when `tls_ca` (a PEM file) is given."""
+    creds = _credentials(tls_ca)
+    if creds is None:
+        return grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+    return grpc.secure_channel(target, creds, options=CHANNEL_OPTIONS)
+
+
+def aio_channel(target: str, tls_ca: str | Path | None = None) -> grpc.aio.Channel:
+    """An asyncio channel to `target` ("host:port"); TLS when `tls_ca` (a PEM file) is given."""
+    creds = _credentials(tls_ca)
+    if creds is None:
+        return grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+    return grpc.aio.secure_channel(target, creds, options=CHANNEL_OPTIONS)

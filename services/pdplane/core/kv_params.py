@@ -1,0 +1,141 @@
+"""The `kv_transfer_params` protocol between the gateway, the prefill and the decode instance.
+
+vLLM carries a request's `kv_transfer_params` (a JSON object) into the KV connector and returns
+the connector's `request_finished` dict as `kv_transfer_params` in the non-streaming response.
+pdplane uses that channel, and nothing else, to coordinate a transfer:
+
+1. gateway -> prefill: `PrefillRequestParams` (`do_remote_decode: true` + the gateway's request id).
+2. prefill -> gateway (in its response): `DecodeRequestParams`: where and what to pull.
+3. gateway -> decode: those parameters unchanged, on the client's original request.
+
+Field names follow vLLM's NixlConnector where the meaning is the same (`do_remote_decode`,
+`do_remote_prefill`, `remote_engine_id`, `remote_block_ids`, `remote_host`, `remote_port`), so
+routers written for NIXL (e.g. vllm-router's P/D mode) can drive pdplane instances; pdplane's own
+fields are prefixed `pdplane_`. Values are JSON-only (they cross vLLM's process boundary
+serialised).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "DecodeRequestParams",
+    "KvParamsError",
+    "PrefillRequestParams",
+]
+
+#: Bumped on any incompatible change of the fields below.
+PROTOCOL_VERSION = 1
+
+
+class KvParamsError(ValueError):
+    """Raised when `kv_transfer_params` are missing a field or hold a value of the wrong type."""
+
+
+def _require(d: dict[str, Any], key: str, typ: type | tuple[type, ...]) -> Any:
+    if key not in d:
+        raise KvParamsError(f"kv_transfer_params.{key} is missing")
+    value = d[key]
+    if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
+        raise KvParamsError(f"kv_transfer_params.{key} has type {type(value).__name__}")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillRequestParams:
+    """What the gateway puts on the prefill leg: keep the KV for a remote decode.
+
+    `request_id` is the gateway-visible request id (X-Request-Id); the connector derives its
+    transfer id from it (never from vLLM's internal, randomised request id).
+    """
+
+    request_id: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "do_remote_decode": True,
+            "do_remote_prefill": False,
+            "remote_engine_id": None,
+            "remote_block_ids": None,
+            "remote_host": None,
+            "remote_port": None,
+            "pdplane_version": PROTOCOL_VERSION,
+            "pdplane_request_id": self.request_id,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> PrefillRequestParams:
+        """Raises KvParamsError unless `d` asks for a remote decode with a request id."""
+        if d.get("do_remote_decode") is not True:
+            raise KvParamsError("kv_transfer_params.do_remote_decode is not true")
+        return cls(request_id=_require(d, "pdplane_request_id", str))
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeRequestParams:
+    """What prefill returns and the decode leg carries: where and what to pull.
+
+    Attributes:
+        request_id: gateway-visible request id (same as in PrefillRequestParams).
+        transfer_id: issued by prefill; the only key that grants a pull of its blocks.
+        engine_id: prefill's registry instance id.
+        kv_endpoint: host:port of prefill's KvTransfer gRPC server.
+        block_ids: prefill's KV cache block ids holding the prompt, in token order.
+        num_tokens: prompt tokens whose KV prefill computed (tokens).
+        kv_layout: layout fingerprint (`pdplane.core.layout.fingerprint`); decode refuses a
+            mismatch.
+        transport: "tcp" or "nccl".
+        tp_size: prefill's tensor-parallel size.
+    """
+
+    request_id: str
+    transfer_id: str
+    engine_id: str
+    kv_endpoint: str
+    block_ids: list[int] = field(default_factory=list)
+    num_tokens: int = 0
+    kv_layout: str = ""
+    transport: str = "tcp"
+    tp_size: int = 1
+
+    def to_dict(self) -> dict[str, Any]:
+        host, _, port = self.kv_endpoint.rpartition(":")
+        d = asdict(self)
+        return {
+            "do_remote_decode": False,
+            "do_remote_prefill": True,
+            "remote_engine_id": self.engine_id,
+            "remote_block_ids": list(self.block_ids),
+            "remote_host": host,
+            "remote_port": int(port) if port.isdigit() else None,
+            "pdplane_version": PROTOCOL_VERSION,
+            **{f"pdplane_{k}": v for k, v in d.items() if k not in ("engine_id", "block_ids")},
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> DecodeRequestParams:
+        """Raises KvParamsError unless `d` is a complete remote-prefill description."""
+        if d.get("do_remote_prefill") is not True:
+            raise KvParamsError("kv_transfer_params.do_remote_prefill is not true")
+        version = _require(d, "pdplane_version", int)
+        if version != PROTOCOL_VERSION:
+            raise KvParamsError(
+                f"kv_transfer_params.pdplane_version {version} != {PROTOCOL_VERSION}"
+            )
+        block_ids = _require(d, "remote_block_ids", list)
+        if not all(isinstance(b, int) and not isinstance(b, bool) for b in block_ids):
+            raise KvParamsError("kv_transfer_params.remote_block_ids must be integers")
+        return cls(
+            request_id=_require(d, "pdplane_request_id", str),
+            transfer_id=_require(d, "pdplane_transfer_id", str),
+            engine_id=_require(d, "remote_engine_id", str),
+            kv_endpoint=_require(d, "pdplane_kv_endpoint", str),
+            block_ids=list(block_ids),
+            num_tokens=_require(d, "pdplane_num_tokens", int),
+            kv_layout=_require(d, "pdplane_kv_layout", str),
+            transport=_require(d, "pdplane_transport", str),
+            tp_size=_require(d, "pdplane_tp_size", int),
+        )

@@ -1,0 +1,37 @@
+"""Project-wide rules that every change must keep."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+_FORBIDDEN = re.compile(r"^\s*(import|from)\s+(pickle|msgpack|marshal|cloudpickle|dill)\b", re.M)
+
+
+def _project_python_files() -> list[Path]:
+    dirs = ["services", "connector", "tests", "bench", "deploy", "protos"]
+    return [p for d in dirs for p in (ROOT / d).rglob("*.py") if ".venv" not in p.parts]
+
+
+def test_no_pickle_msgpack_or_marshal_imports() -> None:
+    offenders = [str(p) for p in _project_python_files() if _FORBIDDEN.search(p.read_text())]
+    assert offenders == []
+
+
+def test_forbidden_import_pattern_catches_offenders() -> None:
+    # Guards the guard: the pattern must match the forms it is meant to forbid.
+    for line in ("import pickle", "from msgpack import packb", "  import marshal"):
+        assert _FORBIDDEN.search(line), line
+    assert not _FORBIDDEN.search("import pickled_thing_name_only_prefix_is_fine")
+
+
+def test_generated_protobuf_code_is_current() -> None:
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "protos" / "generate.py"), "--check"],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
