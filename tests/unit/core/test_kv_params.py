@@ -1,0 +1,71 @@
+"""The kv_transfer_params protocol: round trips, NIXL-compatible names, clear errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pdplane.core.kv_params import (
+    PROTOCOL_VERSION,
+    DecodeRequestParams,
+    KvParamsError,
+    PrefillRequestParams,
+)
+
+
+def _decode_params() -> DecodeRequestParams:
+    return DecodeRequestParams(
+        request_id="req-1",
+        transfer_id="req-1.ab12",
+        engine_id="prefill-0",
+        kv_endpoint="127.0.0.1:50100",
+        block_ids=[7, 3, 9],
+        num_tokens=300,
+        kv_layout="L2.H2.D32.B128.float32",
+        transport="tcp",
+        tp_size=1,
+    )
+
+
+def test_prefill_params_ask_for_remote_decode_and_round_trip() -> None:
+    d = PrefillRequestParams("req-1").to_dict()
+    assert d["do_remote_decode"] is True and d["do_remote_prefill"] is False
+    assert PrefillRequestParams.from_dict(json.loads(json.dumps(d))).request_id == "req-1"
+
+
+def test_decode_params_round_trip_through_json() -> None:
+    params = _decode_params()
+    d = json.loads(json.dumps(params.to_dict()))
+    assert DecodeRequestParams.from_dict(d) == params
+
+
+def test_decode_params_carry_nixl_field_names() -> None:
+    d = _decode_params().to_dict()
+    assert d["do_remote_prefill"] is True
+    assert d["remote_engine_id"] == "prefill-0"
+    assert d["remote_block_ids"] == [7, 3, 9]
+    assert (d["remote_host"], d["remote_port"]) == ("127.0.0.1", 50100)
+    assert d["pdplane_version"] == PROTOCOL_VERSION
+
+
+@pytest.mark.parametrize(
+    ("mutate", "field"),
+    [
+        (lambda d: d.pop("pdplane_transfer_id"), "pdplane_transfer_id"),
+        (lambda d: d.update(remote_block_ids=[1, "2"]), "remote_block_ids"),
+        (lambda d: d.update(pdplane_num_tokens="300"), "pdplane_num_tokens"),
+        (lambda d: d.update(pdplane_version=PROTOCOL_VERSION + 1), "pdplane_version"),
+        (lambda d: d.update(do_remote_prefill=False), "do_remote_prefill"),
+    ],
+)
+def test_decode_params_errors_name_the_field(mutate, field) -> None:  # type: ignore[no-untyped-def]
+    d = _decode_params().to_dict()
+    mutate(d)
+    with pytest.raises(KvParamsError, match=field):
+        DecodeRequestParams.from_dict(d)
+
+
+def test_prefill_params_require_request_id() -> None:
+    with pytest.raises(KvParamsError, match="pdplane_request_id"):
+        PrefillRequestParams.from_dict({"do_remote_decode": True})
