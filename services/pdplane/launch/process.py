@@ -1,0 +1,160 @@
+"""A supervised child process with its own log file, process group and bounded shutdown.
+
+Used by `pdplane up`, the end-to-end tests and the vLLM launcher: a child never outlives its
+parent's orderly shutdown (SIGTERM to the whole process group, then SIGKILL after a grace
+period), and a child that dies while we wait for it to become ready fails the wait at once with
+the tail of its log.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+import grpc
+import httpx
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+__all__ = [
+    "ManagedProcess",
+    "ProcessDied",
+    "grpc_serving",
+    "http_ok",
+    "wait_until",
+]
+
+
+class ProcessDied(RuntimeError):
+    """A supervised process exited while something waited on it."""
+
+
+class ManagedProcess:
+    """One child process: `start()`, `alive()`, `stop()`; stdout+stderr go to `log_path`.
+
+    The child runs in a new session (its own process group) so that `stop()` also reaches the
+    grandchildren it spawns (vLLM's engine core, for instance).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        argv: Sequence[str],
+        log_path: Path,
+        env: Mapping[str, str] | None = None,
+        cwd: Path | None = None,
+    ) -> None:
+        self.name = name
+        self.argv = list(argv)
+        self.log_path = log_path
+        self.env = dict(env) if env is not None else None
+        self.cwd = cwd
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.poll() if self._proc else None
+
+    def start(self) -> None:
+        """Starts the child. Raises RuntimeError if it is already running."""
+        if self._proc is not None and self._proc.poll() is None:
+            raise RuntimeError(f"{self.name} is already running (pid {self._proc.pid})")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("ab") as log:
+            self._proc = subprocess.Popen(
+                self.argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=self.env,
+                cwd=self.cwd,
+                start_new_session=True,
+            )
+
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def check_alive(self) -> None:
+        """Raises ProcessDied (with the log's tail) if the child has exited."""
+        if self._proc is not None and self._proc.poll() is not None:
+            raise ProcessDied(
+                f"{self.name} exited with status {self._proc.returncode}; "
+                f"last lines of {self.log_path}:\n{self.tail()}"
+            )
+
+    def stop(self, grace_s: float = 10.0) -> int | None:
+        """SIGTERM to the process group, SIGKILL after `grace_s` seconds; returns the status."""
+        proc = self._proc
+        if proc is None:
+            return None
+        if proc.poll() is None:
+            self._signal_group(signal.SIGTERM)
+            try:
+                proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                self._signal_group(signal.SIGKILL)
+                proc.wait(timeout=5)
+        # Grandchildren may linger after the leader exits; the group id outlives the leader.
+        self._signal_group(signal.SIGKILL)
+        return proc.returncode
+
+    def _signal_group(self, sig: signal.Signals) -> None:
+        assert self._proc is not None
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self._proc.pid, sig)
+
+    def tail(self, lines: int = 30) -> str:
+        """The last `lines` lines of the log (for error messages)."""
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+
+def wait_until(
+    predicate: Callable[[], bool],
+    timeout_s: float,
+    *,
+    interval_s: float = 0.25,
+    watch: Sequence[ManagedProcess] = (),
+    what: str = "condition",
+) -> None:
+    """Polls `predicate` until true. Raises ProcessDied if a watched process exits meanwhile and
+    TimeoutError (naming `what`) after `timeout_s` seconds."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        for proc in watch:
+            proc.check_alive()
+        if predicate():
+            return
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+        time.sleep(interval_s)
+
+
+def http_ok(url: str, timeout_s: float = 2.0) -> bool:
+    """True when GET `url` answers 200."""
+    try:
+        return httpx.get(url, timeout=timeout_s).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def grpc_serving(address: str, service: str = "", timeout_s: float = 2.0) -> bool:
+    """True when the gRPC health service at `address` reports `service` SERVING."""
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        try:
+            reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
+        except grpc.RpcError:
+            return False
+    return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
