@@ -50,6 +50,8 @@ class ScheduleRequest(_message.Message):
     MAX_TOKENS_FIELD_NUMBER: _builtins.int
     ROUTING_KEY_FIELD_NUMBER: _builtins.int
     EXCLUDE_INSTANCE_IDS_FIELD_NUMBER: _builtins.int
+    PREFILL_POLICY_FIELD_NUMBER: _builtins.int
+    DECODE_POLICY_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     model: _builtins.str
     prompt_tokens: _builtins.int
@@ -58,6 +60,11 @@ class ScheduleRequest(_message.Message):
     """tokens to generate; 0 = unknown"""
     routing_key: _builtins.str
     """optional key for consistent_hash"""
+    prefill_policy: _builtins.str
+    """Per-request policy overrides ("" = the scheduler's --prefill-policy / --decode-policy).
+    An unknown name is INVALID_ARGUMENT.
+    """
+    decode_policy: _builtins.str
     @_builtins.property
     def prefix_block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """hashes of the prompt's full blocks, if known"""
@@ -76,10 +83,12 @@ class ScheduleRequest(_message.Message):
         max_tokens: _builtins.int = ...,
         routing_key: _builtins.str = ...,
         exclude_instance_ids: _abc.Iterable[_builtins.str] | None = ...,
+        prefill_policy: _builtins.str = ...,
+        decode_policy: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["exclude_instance_ids", b"exclude_instance_ids", "max_tokens", b"max_tokens", "model", b"model", "prefix_block_hashes", b"prefix_block_hashes", "prompt_tokens", b"prompt_tokens", "request_id", b"request_id", "routing_key", b"routing_key"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_policy", b"decode_policy", "exclude_instance_ids", b"exclude_instance_ids", "max_tokens", b"max_tokens", "model", b"model", "prefill_policy", b"prefill_policy", "prefix_block_hashes", b"prefix_block_hashes", "prompt_tokens", b"prompt_tokens", "request_id", b"request_id", "routing_key", b"routing_key"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
