@@ -1,0 +1,130 @@
+"""Wiring of a scheduler process: settings -> registry watcher -> service -> gRPC (+ metrics).
+
+Used by `pdplane scheduler` and by the in-process test fixture, so both run the same objects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from http.server import HTTPServer
+
+import grpc
+from prometheus_client import start_http_server
+
+from pdplane.core import grpc_util
+from pdplane.registry.client import InstanceWatcher
+from pdplane.scheduler.inflight import InflightTracker
+from pdplane.scheduler.metrics import SchedulerMetrics
+from pdplane.scheduler.service import SchedulerService
+from pdplane.scheduler.servicer import SchedulerServicer
+from pdplane.scheduler.settings import SchedulerSettings
+from pdplane.scheduler.view import CandidateView, InstanceSource
+from pdplane.v1 import scheduler_pb2, scheduler_pb2_grpc
+
+__all__ = ["SchedulerApp"]
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
+
+
+class SchedulerApp:
+    """One scheduler: `await start()` returns the gRPC address, `await stop()` frees everything.
+
+    `source` replaces the registry watcher (tests, benchmarks); by default an `InstanceWatcher`
+    on `settings.registry` is started and stopped with the app.
+    """
+
+    def __init__(self, settings: SchedulerSettings, *, source: InstanceSource | None = None):
+        self.settings = settings
+        self._watcher: InstanceWatcher | None = None
+        self.view = CandidateView(source) if source is not None else None
+        self.metrics = SchedulerMetrics()
+        self.service: SchedulerService | None = None
+        self._server: grpc.aio.Server | None = None
+        self._http: tuple[HTTPServer, threading.Thread] | None = None
+        self.address = ""
+        self.metrics_port = 0
+
+    async def start(self) -> str:
+        """Starts watching, serving gRPC and (if configured) metrics; returns "host:port".
+
+        Raises RuntimeError / OSError when a port cannot be bound (everything started so far is
+        stopped again).
+        """
+        s = self.settings
+        try:
+            view = self.view or self._start_watcher()
+            self.service = SchedulerService(
+                view,
+                prefill_policy=s.prefill_policy,
+                decode_policy=s.decode_policy,
+                inflight=InflightTracker(s.inflight_timeout_s),
+                metrics=self.metrics,
+                seed=s.seed,
+            )
+            self.metrics.watch(self.service.inflight.inflight_by_instance, view.all)
+            await self._start_grpc()
+            if s.metrics_port:
+                server, thread = start_http_server(
+                    s.metrics_port, addr=s.host, registry=self.metrics.registry
+                )
+                self._http = (server, thread)
+                self.metrics_port = server.server_port
+            if self._watcher is not None:
+                ready = await asyncio.to_thread(self._watcher.wait_ready, s.registry_wait_s)
+                if not ready:
+                    log.warning(
+                        "no snapshot from registry %s after %.1f s; serving UNAVAILABLE until "
+                        "it arrives",
+                        s.registry,
+                        s.registry_wait_s,
+                    )
+        except BaseException:
+            await self.stop(grace=0)
+            raise
+        return self.address
+
+    def _start_watcher(self) -> CandidateView:
+        s = self.settings
+        holder: list[CandidateView] = []
+        # on_change forces a re-read even if a restarted registry reuses a revision number.
+        self._watcher = InstanceWatcher(
+            s.registry,
+            token=s.registry_token or s.token,
+            tls_ca=s.tls_ca,
+            on_change=lambda _view: holder[0].mark_dirty() if holder else None,
+        )
+        self.view = CandidateView(self._watcher)
+        holder.append(self.view)
+        self._watcher.start()
+        return self.view
+
+    async def _start_grpc(self) -> None:
+        s = self.settings
+        assert self.service is not None
+        interceptors = [grpc_util.AioTokenAuthInterceptor(s.token)] if s.token else []
+        server = grpc.aio.server(interceptors=interceptors, options=grpc_util.SERVER_OPTIONS)
+        scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(self.service), server)
+        await grpc_util.aio_add_health_and_reflection(server, [SERVICE_NAME])
+        host = f"[{s.host}]" if ":" in s.host else s.host
+        port = grpc_util.add_port(server, f"{host}:{s.port}", s.tls_cert, s.tls_key)
+        self._server = server
+        await server.start()
+        self.address = f"{host}:{port}"
+
+    async def stop(self, grace: float = 1.0) -> None:
+        """Stops gRPC (letting calls finish for `grace` seconds), metrics and the watcher."""
+        server, self._server = self._server, None
+        if server is not None:
+            await server.stop(grace)
+        http, self._http = self._http, None
+        if http is not None:
+            http[0].shutdown()
+            http[0].server_close()
+            http[1].join(timeout=2.0)
+        watcher, self._watcher = self._watcher, None
+        if watcher is not None:
+            await asyncio.to_thread(watcher.stop)

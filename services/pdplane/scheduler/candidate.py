@@ -1,0 +1,77 @@
+"""An instance as the scheduler sees it: a flat, immutable copy of the fields a decision reads.
+
+Decisions read these attributes many times per request; copying them out of the protobuf once
+per registry revision keeps the hot path to plain attribute access.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdplane.core.layout import fingerprint
+from pdplane.v1 import instance_pb2
+
+__all__ = ["Candidate", "PairKey"]
+
+#: Two instances can be paired only when these are equal: KV layout fingerprint, transport
+#: (enum value) and max model length (tokens).
+PairKey = tuple[str, int, int]
+
+_PREFILL_ROLES = (instance_pb2.ROLE_PREFILL, instance_pb2.ROLE_BOTH)
+_DECODE_ROLES = (instance_pb2.ROLE_DECODE, instance_pb2.ROLE_BOTH)
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """One registered instance with its latest load report.
+
+    Token counts in tokens, KV sizes in KV cache blocks, `kv_cache_usage` a fraction 0..1.
+    `revision` is the registry revision of the instance's last change (its load epoch).
+    """
+
+    instance_id: str
+    model: str
+    url: str
+    kv_endpoint: str
+    transport: int
+    fingerprint: str
+    block_size: int
+    max_model_len: int
+    can_prefill: bool
+    can_decode: bool
+    serving: bool
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    free_kv_blocks: int
+    total_kv_blocks: int
+    revision: int
+
+    @property
+    def pair_key(self) -> PairKey:
+        """What must match between a prefill and its decode instance."""
+        return (self.fingerprint, self.transport, self.max_model_len)
+
+    @classmethod
+    def from_instance(cls, instance: instance_pb2.Instance) -> Candidate:
+        """Copies the scheduling-relevant fields out of a registry `Instance`."""
+        spec, load = instance.spec, instance.load
+        return cls(
+            instance_id=spec.instance_id,
+            model=spec.model,
+            url=spec.url,
+            kv_endpoint=spec.kv_endpoint,
+            transport=spec.transport,
+            fingerprint=fingerprint(spec.kv_layout),
+            block_size=spec.kv_layout.block_size,
+            max_model_len=spec.max_model_len,
+            can_prefill=spec.role in _PREFILL_ROLES,
+            can_decode=spec.role in _DECODE_ROLES,
+            serving=instance.state == instance_pb2.INSTANCE_STATE_SERVING,
+            num_running=load.num_running,
+            num_waiting=load.num_waiting,
+            kv_cache_usage=load.kv_cache_usage,
+            free_kv_blocks=load.free_kv_blocks,
+            total_kv_blocks=load.total_kv_blocks,
+            revision=instance.revision,
+        )

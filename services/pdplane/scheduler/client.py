@@ -1,0 +1,158 @@
+"""Asyncio client of the scheduler, used by the gateway once per request.
+
+client = SchedulerClient("127.0.0.1:50052")
+pair = await client.schedule("req-1", "tiny", prompt_tokens=42, max_tokens=16)
+...  # pair.prefill.url, pair.decode.url, pair.reason
+await client.release("req-1", "success")
+await client.close()
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+import grpc
+
+from pdplane.core.grpc_util import aio_channel, token_metadata
+from pdplane.v1 import scheduler_pb2, scheduler_pb2_grpc
+
+__all__ = ["OUTCOMES", "SchedulerClient", "SchedulerError", "SchedulerUnavailable"]
+
+#: Release outcomes accepted by `SchedulerClient.release`.
+OUTCOMES: dict[str, scheduler_pb2.Outcome.ValueType] = {
+    "success": scheduler_pb2.OUTCOME_SUCCESS,
+    "failed": scheduler_pb2.OUTCOME_FAILED,
+    "cancelled": scheduler_pb2.OUTCOME_CANCELLED,
+}
+
+_UINT32_MAX = 2**32 - 1
+
+
+class SchedulerError(Exception):
+    """The scheduler answered with an error other than UNAVAILABLE / INVALID_ARGUMENT."""
+
+    def __init__(self, code: grpc.StatusCode, reason: str) -> None:
+        super().__init__(f"{code.name}: {reason}")
+        self.code = code
+        self.reason = reason
+
+
+class SchedulerUnavailable(SchedulerError):
+    """No compatible pair right now, or the scheduler itself cannot be reached (gateway: 503).
+
+    `reason` is the scheduler's message, e.g. "no prefill instance for model tiny: ...".
+    """
+
+    def __init__(self, reason: str, code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE) -> None:
+        super().__init__(code, reason)
+
+
+def _check_length(name: str, value: int) -> None:
+    if not 0 <= value <= _UINT32_MAX:
+        raise ValueError(f"{name} must be between 0 and {_UINT32_MAX} tokens, got {value}")
+
+
+class SchedulerClient:
+    """Calls `pdplane.v1.Scheduler` over one shared grpc.aio channel.
+
+    The channel is opened on first use (inside the caller's event loop). `timeout_s` bounds
+    every call (seconds); a scheduler that does not answer in time counts as unavailable.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        token: str | None = None,
+        tls_ca: str | Path | None = None,
+        timeout_s: float = 5.0,
+    ) -> None:
+        self._address = address
+        self._tls_ca = tls_ca
+        self._metadata = token_metadata(token)
+        self._timeout_s = timeout_s
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: scheduler_pb2_grpc.SchedulerStub | None = None
+
+    def _get_stub(self) -> scheduler_pb2_grpc.SchedulerStub:
+        if self._stub is None:
+            self._channel = aio_channel(self._address, self._tls_ca)
+            self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
+        return self._stub
+
+    async def schedule(
+        self,
+        request_id: str,
+        model: str,
+        prompt_tokens: int,
+        max_tokens: int = 0,
+        *,
+        routing_key: str = "",
+        prefix_block_hashes: Iterable[int] = (),
+        exclude_instance_ids: Iterable[str] = (),
+        prefill_policy: str = "",
+        decode_policy: str = "",
+    ) -> scheduler_pb2.ScheduleResponse:
+        """Asks for a (prefill, decode) pair and counts it in flight until `release`.
+
+        `prompt_tokens` and `max_tokens` are token counts (max_tokens 0 = unknown);
+        `prefix_block_hashes` are uint64 hashes of the prompt's full KV cache blocks;
+        `exclude_instance_ids` skips instances (e.g. ones that just failed this request).
+        Scheduling an id already in flight replaces its earlier assignment (retries).
+
+        Raises ValueError on bad input (checked here, or INVALID_ARGUMENT from the scheduler),
+        SchedulerUnavailable when no compatible pair exists or the scheduler is unreachable or
+        slow, and SchedulerError on any other gRPC error (e.g. UNAUTHENTICATED).
+        """
+        _check_length("prompt_tokens", prompt_tokens)
+        _check_length("max_tokens", max_tokens)
+        request = scheduler_pb2.ScheduleRequest(
+            request_id=request_id,
+            model=model,
+            prompt_tokens=prompt_tokens,
+            max_tokens=max_tokens,
+            routing_key=routing_key,
+            prefix_block_hashes=prefix_block_hashes,
+            exclude_instance_ids=exclude_instance_ids,
+            prefill_policy=prefill_policy,
+            decode_policy=decode_policy,
+        )
+        try:
+            return await self._get_stub().Schedule(
+                request, timeout=self._timeout_s, metadata=self._metadata
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise _translate(exc) from None
+
+    async def release(self, request_id: str, outcome: str) -> bool:
+        """Ends the in-flight accounting of `request_id`; outcome "success"|"failed"|"cancelled".
+
+        Returns False when the id was not in flight (harmless). Raises ValueError on an
+        unknown outcome or empty id, SchedulerUnavailable / SchedulerError as `schedule`.
+        """
+        if outcome not in OUTCOMES:
+            raise ValueError(f"outcome must be one of {sorted(OUTCOMES)}, got {outcome!r}")
+        request = scheduler_pb2.ReleaseRequest(request_id=request_id, outcome=OUTCOMES[outcome])
+        try:
+            response = await self._get_stub().Release(
+                request, timeout=self._timeout_s, metadata=self._metadata
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise _translate(exc) from None
+        return response.released
+
+    async def close(self) -> None:
+        """Closes the channel; the client may be used again afterwards (it reopens)."""
+        channel, self._channel, self._stub = self._channel, None, None
+        if channel is not None:
+            await channel.close()
+
+
+def _translate(exc: grpc.aio.AioRpcError) -> Exception:
+    code, details = exc.code(), exc.details() or ""
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return ValueError(details)
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        return SchedulerUnavailable(details or code.name, code)
+    return SchedulerError(code, details)

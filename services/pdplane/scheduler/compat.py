@@ -1,0 +1,127 @@
+"""Compatibility filter and decode guard: which instances may serve one request.
+
+Per side (prefill: role PREFILL/BOTH; decode: role DECODE/BOTH) an instance qualifies when it
+serves the model (the view is already grouped by model), is SERVING (not DRAINING), is not
+excluded by the request, has `max_model_len >= prompt_tokens + max_tokens` and, for decode,
+has KV room for the request when its load report says how much (`total_kv_blocks > 0`):
+`(free_kv_blocks - blocks already assigned since that report) * block_size >= tokens`.
+Pairing (equal layout fingerprint, transport and max model length) happens in `pair`.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass, field
+
+from pdplane.scheduler.candidate import Candidate, PairKey
+from pdplane.scheduler.errors import NoInstance
+from pdplane.v1 import instance_pb2
+
+__all__ = ["SideCandidates", "blocks_for", "describe_keys", "pair_keys_of", "split_sides"]
+
+
+def blocks_for(tokens: int, block_size: int) -> int:
+    """KV cache blocks holding `tokens` tokens (ceil); 0 when the block size is unknown."""
+    return -(-tokens // block_size) if block_size > 0 else 0
+
+
+@dataclass(slots=True)
+class SideCandidates:
+    """Qualifying candidates of one side, and why the others were turned down."""
+
+    side: str
+    eligible: list[Candidate] = field(default_factory=list)
+    with_role: int = 0
+    rejected: Counter[str] = field(default_factory=Counter)
+
+    def explain(self, model: str, served: Collection[str]) -> str:
+        """The UNAVAILABLE message for this side, e.g. "no decode instance for model m: ...".
+
+        `served` = the model names the view holds (for "no instance serves this model").
+        """
+        head = f"no {self.side} instance for model {model!r}"
+        if self.with_role == 0 and not served:
+            return f"{head}: no instance serves this model (none registered)"
+        if self.with_role == 0 and model not in served:
+            return f"{head}: no instance serves this model (served: {', '.join(sorted(served))})"
+        if self.with_role == 0:
+            return f"{head}: none registered with role {self.side} or both"
+        why = ", ".join(f"{n} {reason}" for reason, n in sorted(self.rejected.items()))
+        return f"{head}: {self.with_role} registered, all turned down ({why})"
+
+    def require(self, model: str, served: Callable[[], Collection[str]]) -> list[Candidate]:
+        """The eligible candidates; raises NoInstance(side) when there are none.
+
+        `served()` is only called to word the error.
+        """
+        if not self.eligible:
+            raise NoInstance(self.side, self.explain(model, served()))
+        return self.eligible
+
+
+def split_sides(
+    candidates: Sequence[Candidate],
+    *,
+    tokens: int,
+    exclude: Collection[str],
+    pending_blocks: Callable[[Candidate], int],
+) -> tuple[SideCandidates, SideCandidates]:
+    """One pass over a model's candidates -> (prefill side, decode side).
+
+    `tokens` = prompt_tokens + max_tokens; `pending_blocks(c)` = KV blocks the scheduler
+    already assigned to decode candidate `c` since its last load report.
+    """
+    prefill, decode = SideCandidates("prefill"), SideCandidates("decode")
+    for c in candidates:
+        common = _common_rejection(c, tokens, exclude)
+        if c.can_prefill:
+            prefill.with_role += 1
+            if common:
+                prefill.rejected[common] += 1
+            else:
+                prefill.eligible.append(c)
+        if c.can_decode:
+            decode.with_role += 1
+            reason = common or _kv_room_rejection(c, tokens, pending_blocks)
+            if reason:
+                decode.rejected[reason] += 1
+            else:
+                decode.eligible.append(c)
+    return prefill, decode
+
+
+def _common_rejection(c: Candidate, tokens: int, exclude: Collection[str]) -> str:
+    if not c.serving:
+        return "draining"
+    if c.instance_id in exclude:
+        return "excluded"
+    if c.max_model_len < tokens:
+        return f"max_model_len < {tokens} tokens"
+    return ""
+
+
+def _kv_room_rejection(
+    c: Candidate, tokens: int, pending_blocks: Callable[[Candidate], int]
+) -> str:
+    if c.total_kv_blocks == 0 or c.block_size == 0:
+        return ""  # the report does not say: no guard
+    free = c.free_kv_blocks - pending_blocks(c)
+    if free * c.block_size < tokens:
+        return f"no KV room for {tokens} tokens"
+    return ""
+
+
+def pair_keys_of(candidates: Sequence[Candidate]) -> set[PairKey]:
+    """The distinct (fingerprint, transport, max_model_len) keys among `candidates`."""
+    return {c.pair_key for c in candidates}
+
+
+def describe_keys(keys: set[PairKey]) -> str:
+    """Readable keys for error messages: "L2.H2.D32.B16.float32/TCP/len=2048"."""
+    return ", ".join(
+        sorted(
+            f"{fp}/{instance_pb2.Transport.Name(t).removeprefix('TRANSPORT_')}/len={n}"
+            for fp, t, n in keys
+        )
+    )

@@ -1,0 +1,119 @@
+"""Prometheus metrics of the scheduler (prometheus-client), on their own CollectorRegistry.
+
+Decisions per policy pair, UNAVAILABLE per missing side, invalid requests, releases per
+outcome, the decision latency histogram (seconds) and, read at scrape time from the in-flight
+tracker and the view, in-flight assignments per instance and instances per role/state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from pdplane.scheduler.candidate import Candidate
+
+__all__ = ["SchedulerMetrics"]
+
+# Decisions take microseconds to a few milliseconds; the default buckets start at 5 ms.
+_LATENCY_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2, 0.1)
+
+
+class _LiveCollector(Collector):
+    def __init__(
+        self,
+        inflight: Callable[[], dict[str, int]],
+        candidates: Callable[[], list[Candidate]],
+    ) -> None:
+        self._inflight = inflight
+        self._candidates = candidates
+
+    def collect(self) -> Iterator[Metric]:
+        inflight = GaugeMetricFamily(
+            "pdplane_scheduler_inflight_requests",
+            "Requests assigned to an instance and not released yet",
+            labels=["instance_id"],
+        )
+        for instance_id, count in sorted(self._inflight().items()):
+            inflight.add_metric([instance_id], count)
+        yield inflight
+        instances = GaugeMetricFamily(
+            "pdplane_scheduler_instances",
+            "Instances in the scheduler's view",
+            labels=["role", "state"],
+        )
+        counts: dict[tuple[str, str], int] = {}
+        for c in self._candidates():
+            role = (
+                "both"
+                if c.can_prefill and c.can_decode
+                else ("prefill" if c.can_prefill else "decode")
+            )
+            key = (role, "serving" if c.serving else "draining")
+            counts[key] = counts.get(key, 0) + 1
+        for (role, state), count in sorted(counts.items()):
+            instances.add_metric([role, state], count)
+        yield instances
+
+
+class SchedulerMetrics:
+    """The scheduler's metrics; `registry` is what the metrics HTTP server exposes."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        self._decisions = Counter(
+            "pdplane_scheduler_decisions",
+            "Pairs chosen, by prefill and decode policy",
+            ["prefill_policy", "decode_policy"],
+            registry=self.registry,
+        )
+        self._unavailable = Counter(
+            "pdplane_scheduler_unavailable",
+            "Schedule calls answered UNAVAILABLE, by missing side (prefill, decode, pair)",
+            ["side"],
+            registry=self.registry,
+        )
+        self._invalid = Counter(
+            "pdplane_scheduler_invalid_requests",
+            "Schedule calls answered INVALID_ARGUMENT",
+            registry=self.registry,
+        )
+        self._releases = Counter(
+            "pdplane_scheduler_releases",
+            "Release calls, by outcome and whether the id was in flight",
+            ["outcome", "known"],
+            registry=self.registry,
+        )
+        self._latency = Histogram(
+            "pdplane_scheduler_decision_seconds",
+            "Time to choose a pair inside the scheduler (seconds)",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+
+    def watch(
+        self,
+        inflight: Callable[[], dict[str, int]],
+        candidates: Callable[[], list[Candidate]],
+    ) -> None:
+        """Exposes in-flight per instance and the view's size, read at scrape time."""
+        self.registry.register(_LiveCollector(inflight, candidates))
+
+    def decided(self, prefill_policy: str, decode_policy: str, seconds: float) -> None:
+        """Counts one decision and observes its latency (seconds)."""
+        self._decisions.labels(prefill_policy, decode_policy).inc()
+        self._latency.observe(seconds)
+
+    def unavailable(self, side: str) -> None:
+        """Counts one UNAVAILABLE answer; `side` is prefill, decode or pair."""
+        self._unavailable.labels(side).inc()
+
+    def invalid(self) -> None:
+        """Counts one INVALID_ARGUMENT answer."""
+        self._invalid.inc()
+
+    def released(self, outcome: str, known: bool) -> None:
+        """Counts one Release call."""
+        self._releases.labels(outcome, "true" if known else "false").inc()

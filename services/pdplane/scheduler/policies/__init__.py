@@ -1,0 +1,35 @@
+"""Scheduling policies: one per module; adding one is a new module plus one line below.
+
+Each module defines `NAME`, a factory `create(*, seed=None, ...)` and the policy class
+(interface in `base`).
+"""
+
+from __future__ import annotations
+
+from pdplane.scheduler.policies import (
+    consistent_hash,
+    least_loaded,
+    power_of_two,
+    random,
+    round_robin,
+)
+from pdplane.scheduler.policies.base import Pick, PickContext, Policy, PolicyFactory
+
+__all__ = ["POLICIES", "Pick", "PickContext", "Policy", "PolicyFactory", "make_policy"]
+
+#: policy name -> factory; the names are the values of --prefill-policy / --decode-policy.
+POLICIES: dict[str, PolicyFactory] = {
+    round_robin.NAME: round_robin.create,
+    random.NAME: random.create,
+    least_loaded.NAME: least_loaded.create,
+    power_of_two.NAME: power_of_two.create,
+    consistent_hash.NAME: consistent_hash.create,
+}
+
+
+def make_policy(name: str, *, seed: int | None = None) -> Policy:
+    """Builds the policy called `name`. Raises ValueError naming the known policies."""
+    factory = POLICIES.get(name)
+    if factory is None:
+        raise ValueError(f"unknown policy {name!r}; known: {', '.join(POLICIES)}")
+    return factory(seed=seed)

@@ -1,0 +1,72 @@
+"""`pdplane.v1.Scheduler` over grpc.aio: translates protobuf <-> `SchedulerService` only."""
+
+from __future__ import annotations
+
+import grpc
+
+from pdplane.scheduler.candidate import Candidate
+from pdplane.scheduler.errors import InvalidRequest, NoInstance
+from pdplane.scheduler.service import ScheduleInput, SchedulerService
+from pdplane.v1 import scheduler_pb2, scheduler_pb2_grpc
+
+__all__ = ["SchedulerServicer"]
+
+_OUTCOME_NAMES = {
+    scheduler_pb2.OUTCOME_UNSPECIFIED: "unspecified",
+    scheduler_pb2.OUTCOME_SUCCESS: "success",
+    scheduler_pb2.OUTCOME_FAILED: "failed",
+    scheduler_pb2.OUTCOME_CANCELLED: "cancelled",
+}
+
+
+def _ref(c: Candidate) -> scheduler_pb2.InstanceRef:
+    return scheduler_pb2.InstanceRef(
+        instance_id=c.instance_id, url=c.url, kv_endpoint=c.kv_endpoint, transport=c.transport
+    )
+
+
+class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
+    """Schedule -> INVALID_ARGUMENT / UNAVAILABLE on the service's errors; Release never fails
+    for an unknown id (released=false)."""
+
+    def __init__(self, service: SchedulerService) -> None:
+        self._service = service
+
+    async def Schedule(
+        self, request: scheduler_pb2.ScheduleRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.ScheduleResponse:
+        try:
+            decision = self._service.schedule(
+                ScheduleInput(
+                    request_id=request.request_id,
+                    model=request.model,
+                    prompt_tokens=request.prompt_tokens,
+                    max_tokens=request.max_tokens,
+                    routing_key=request.routing_key,
+                    prefix_block_hashes=request.prefix_block_hashes,
+                    exclude_instance_ids=frozenset(request.exclude_instance_ids),
+                    prefill_policy=request.prefill_policy,
+                    decode_policy=request.decode_policy,
+                )
+            )
+        except InvalidRequest as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except NoInstance as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        return scheduler_pb2.ScheduleResponse(
+            prefill=_ref(decision.prefill), decode=_ref(decision.decode), reason=decision.reason
+        )
+
+    async def Release(
+        self, request: scheduler_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.ReleaseResponse:
+        outcome = _OUTCOME_NAMES.get(request.outcome)
+        if outcome is None:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"outcome: unknown value {request.outcome}"
+            )
+        try:
+            released = self._service.release(request.request_id, outcome)
+        except InvalidRequest as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return scheduler_pb2.ReleaseResponse(released=released)

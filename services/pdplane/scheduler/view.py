@@ -1,0 +1,88 @@
+"""The scheduler's view of the registry: candidates grouped by served model.
+
+Built from any `InstanceSource` (the registry client's `InstanceWatcher`, or a fake in unit
+tests) and refreshed lazily: a decision re-reads the source only when its revision moved (or
+`mark_dirty` was called), and re-converts only instances whose own revision changed. While the
+source is disconnected it keeps returning its last snapshot, so scheduling continues on the last
+known view.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+from pdplane.scheduler.candidate import Candidate
+from pdplane.v1 import instance_pb2
+
+__all__ = ["CandidateView", "InstanceSource"]
+
+
+class InstanceSource(Protocol):
+    """What the view reads: a revision number and the instances at that revision, by id."""
+
+    @property
+    def revision(self) -> int: ...
+
+    def snapshot(self) -> Mapping[str, instance_pb2.Instance]: ...
+
+
+class CandidateView:
+    """Candidates by model, each list sorted by instance id."""
+
+    def __init__(self, source: InstanceSource) -> None:
+        self._source = source
+        self._lock = threading.Lock()
+        self._revision: int | None = None
+        self._dirty = True
+        self._cache: dict[str, Candidate] = {}
+        self._by_model: dict[str, tuple[Candidate, ...]] = {}
+
+    def mark_dirty(self, *_args: Any) -> None:
+        """Forces a re-read on the next decision; usable directly as a watcher `on_change`."""
+        self._dirty = True
+
+    def candidates(self, model: str) -> Sequence[Candidate]:
+        """Every instance (any role or state) serving `model`, sorted by id."""
+        self._refresh()
+        return self._by_model.get(model, ())
+
+    def models(self) -> list[str]:
+        """Served model names in the view, sorted."""
+        self._refresh()
+        return sorted(self._by_model)
+
+    def all(self) -> list[Candidate]:
+        """Every candidate in the view (as of the last refresh; does not refresh)."""
+        return [c for group in self._by_model.values() for c in group]
+
+    def _refresh(self) -> None:
+        revision = self._source.revision
+        if not self._dirty and revision == self._revision:
+            return
+        with self._lock:
+            self._dirty = False
+            snapshot = self._source.snapshot()
+            cache: dict[str, Candidate] = {}
+            by_model: dict[str, list[Candidate]] = {}
+            for instance_id, instance in snapshot.items():
+                candidate = self._cache.get(instance_id)
+                # Revision 0 means "unknown" (fakes): always re-convert those.
+                if (
+                    candidate is None
+                    or not instance.revision
+                    or (candidate.revision != instance.revision)
+                ):
+                    candidate = Candidate.from_instance(instance)
+                cache[instance_id] = candidate
+                by_model.setdefault(candidate.model, []).append(candidate)
+            self._cache = cache
+            self._by_model = {
+                model: tuple(sorted(group, key=_by_id)) for model, group in by_model.items()
+            }
+            self._revision = revision
+
+
+def _by_id(candidate: Candidate) -> str:
+    return candidate.instance_id
