@@ -1,0 +1,39 @@
+"""`pdplane registry`: runs the registry service until SIGTERM or SIGINT."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+
+from pdplane.registry.server import RegistryServer
+from pdplane.registry.settings import RegistrySettings
+
+__all__ = ["main"]
+
+
+def main(argv: list[str]) -> int:
+    """Serves the registry with settings from `argv` and `PDPLANE_*`; returns the exit code
+    (0 after a clean stop on SIGTERM/SIGINT, 1 when the port cannot be bound)."""
+    settings = RegistrySettings.parse(argv)
+    logging.basicConfig(
+        level=settings.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    server = RegistryServer(settings)
+    try:
+        server.start()
+    except (RuntimeError, OSError, ValueError) as exc:
+        sys.stderr.write(f"pdplane registry: {exc}\n")
+        return 1
+    stopping = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stopping.set())
+    stopping.wait()
+    server.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,295 @@
+"""The single-node `InstanceStore`: a dict under one lock, an event log and bounded queues.
+
+Revisions start at the wall-clock time in microseconds, so that a restarted registry keeps
+handing out revisions above those its watchers saw before (they get a fresh SNAPSHOT, whose
+revision is then still larger than anything they hold).
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pdplane.registry.store import (
+    AlreadyExistsError,
+    LeaseGrant,
+    LeasePolicy,
+    NotFoundError,
+)
+from pdplane.v1 import instance_pb2, registry_pb2
+
+__all__ = ["InMemoryStore"]
+
+_Event = registry_pb2.WatchEvent
+_SERVING = instance_pb2.INSTANCE_STATE_SERVING
+_DRAINING = instance_pb2.INSTANCE_STATE_DRAINING
+
+
+@dataclass
+class _Entry:
+    # `instance` is never mutated once stored (it is shared with events and readers): every
+    # change stores a new message.
+    instance: instance_pb2.Instance
+    ttl_s: float
+    deadline: float  # time.monotonic() after which the lease is expired
+    last_heartbeat_ns: int
+
+
+class _Subscription:
+    """A watcher's bounded event queue; overflow turns into one fresh SNAPSHOT."""
+
+    def __init__(self, store: InMemoryStore, notify: Callable[[], None], max_queue: int) -> None:
+        self._store = store
+        self._notify = notify
+        self._max_queue = max_queue
+        self._queue: deque[registry_pb2.WatchEvent] = deque()
+        self.needs_snapshot = False
+        self._notified = False
+        self.closed = False
+
+    def push(self, event: registry_pb2.WatchEvent) -> None:
+        """Queues `event` (store lock held)."""
+        if self.closed or self.needs_snapshot:
+            return
+        if len(self._queue) >= self._max_queue:
+            self._queue.clear()
+            self.needs_snapshot = True
+        else:
+            self._queue.append(event)
+        self._wake()
+
+    def lagged(self) -> None:
+        """Drops the queue and asks for a SNAPSHOT on the next poll (store lock held)."""
+        self._queue.clear()
+        self.needs_snapshot = True
+        self._wake()
+
+    def _wake(self) -> None:
+        # One notification per poll is enough: the poller drains everything.
+        if not self._notified:
+            self._notified = True
+            self._notify()
+
+    def poll(self) -> list[registry_pb2.WatchEvent]:
+        with self._store.lock:
+            self._notified = False
+            if self.needs_snapshot:
+                self.needs_snapshot = False
+                self._queue.clear()
+                return [self._store.snapshot_event()]
+            events = list(self._queue)
+            self._queue.clear()
+            return events
+
+    def close(self) -> None:
+        with self._store.lock:
+            self.closed = True
+            self._queue.clear()
+            self._store.unsubscribe(self)
+
+
+class InMemoryStore:
+    """Thread-safe in-memory `InstanceStore`.
+
+    `history` events are kept for replay to re-watching clients; each watcher queues at most
+    `max_queue` events before it is switched to a fresh SNAPSHOT. `clock` (monotonic seconds)
+    is injectable for tests.
+    """
+
+    def __init__(
+        self,
+        policy: LeasePolicy | None = None,
+        *,
+        history: int = 10_000,
+        max_queue: int = 4_096,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.policy = policy or LeasePolicy()
+        self.lock = threading.RLock()
+        self._clock = clock
+        self._entries: dict[str, _Entry] = {}
+        self._revision = time.time_ns() // 1_000
+        self._log: deque[registry_pb2.WatchEvent] = deque(maxlen=history)
+        self._subs: set[_Subscription] = set()
+        self._max_queue = max_queue
+
+    @property
+    def revision(self) -> int:
+        """The revision of the last change."""
+        with self.lock:
+            return self._revision
+
+    def _emit(
+        self, kind: _Event.Type.ValueType, instance: instance_pb2.Instance, reason: str = ""
+    ) -> None:
+        event = _Event(type=kind, revision=self._revision, instance=instance, reason=reason)
+        self._log.append(event)
+        for sub in self._subs:
+            sub.push(event)
+
+    def _store(self, entry: _Entry, kind: _Event.Type.ValueType) -> int:
+        """Bumps the revision, stamps it on the entry's new instance and emits `kind`."""
+        self._revision += 1
+        entry.instance.revision = self._revision
+        self._entries[entry.instance.spec.instance_id] = entry
+        self._emit(kind, entry.instance)
+        return self._revision
+
+    def _remove(self, instance_id: str, reason: str) -> None:
+        entry = self._entries.pop(instance_id)
+        self._revision += 1
+        gone = instance_pb2.Instance()
+        gone.CopyFrom(entry.instance)
+        gone.revision = self._revision
+        self._emit(_Event.REMOVED, gone, reason)
+
+    def _live(self, instance_id: str, now: float) -> _Entry | None:
+        """The entry when its lease is live; an expired one is removed on the spot."""
+        entry = self._entries.get(instance_id)
+        if entry is not None and entry.deadline <= now:
+            self._remove(instance_id, "lease_expired")
+            return None
+        return entry
+
+    def register(self, spec: instance_pb2.InstanceSpec, ttl_ms: int) -> LeaseGrant:
+        ttl_ms, interval_ms = self.policy.grant(ttl_ms)
+        now, now_ns = self._clock(), time.time_ns()
+        with self.lock:
+            old = self._live(spec.instance_id, now)
+            if old is not None and old.instance.spec != spec:
+                raise AlreadyExistsError(
+                    f"spec.instance_id: {spec.instance_id!r} is held by a live lease with a "
+                    "different spec"
+                )
+            instance = instance_pb2.Instance(
+                spec=spec, state=_SERVING, lease_id=secrets.token_hex(8)
+            )
+            if old is None:
+                instance.registered_at.FromNanoseconds(now_ns)
+            else:
+                instance.registered_at.CopyFrom(old.instance.registered_at)
+                instance.load.CopyFrom(old.instance.load)
+            instance.last_heartbeat.FromNanoseconds(now_ns)
+            entry = _Entry(instance, ttl_ms / 1000.0, now + ttl_ms / 1000.0, now_ns)
+            revision = self._store(entry, _Event.ADDED if old is None else _Event.UPDATED)
+            return LeaseGrant(instance.lease_id, ttl_ms, interval_ms, revision)
+
+    def _leased(self, instance_id: str, lease_id: str, now: float) -> _Entry:
+        entry = self._live(instance_id, now)
+        if entry is None:
+            raise NotFoundError(f"instance_id: no live lease for {instance_id!r}")
+        if entry.instance.lease_id != lease_id:
+            raise NotFoundError(f"lease_id: {lease_id!r} is not the live lease of {instance_id!r}")
+        return entry
+
+    def heartbeat(
+        self, instance_id: str, lease_id: str, load: instance_pb2.LoadReport
+    ) -> tuple[int, instance_pb2.InstanceState.ValueType]:
+        now, now_ns = self._clock(), time.time_ns()
+        with self.lock:
+            entry = self._leased(instance_id, lease_id, now)
+            entry.deadline = now + entry.ttl_s
+            entry.last_heartbeat_ns = now_ns
+            if entry.instance.load != load:
+                instance = instance_pb2.Instance()
+                instance.CopyFrom(entry.instance)
+                instance.load.CopyFrom(load)
+                instance.last_heartbeat.FromNanoseconds(now_ns)
+                entry.instance = instance
+                self._store(entry, _Event.UPDATED)
+            return int(entry.ttl_s * 1000), entry.instance.state
+
+    def deregister(
+        self, instance_id: str, lease_id: str, drain: bool
+    ) -> instance_pb2.InstanceState.ValueType:
+        with self.lock:
+            entry = self._leased(instance_id, lease_id, self._clock())
+            if not drain:
+                self._remove(instance_id, "deregistered")
+                return instance_pb2.INSTANCE_STATE_UNSPECIFIED
+            if entry.instance.state != _DRAINING:
+                instance = instance_pb2.Instance()
+                instance.CopyFrom(entry.instance)
+                instance.state = _DRAINING
+                entry.instance = instance
+                self._store(entry, _Event.UPDATED)
+            return _DRAINING
+
+    def expire(self) -> int:
+        now = self._clock()
+        with self.lock:
+            expired = [iid for iid, e in self._entries.items() if e.deadline <= now]
+            for instance_id in expired:
+                self._remove(instance_id, "lease_expired")
+            return len(expired)
+
+    def _materialize(self, entry: _Entry) -> instance_pb2.Instance:
+        # Heartbeats that change nothing only move the deadline; readers see the true time.
+        instance = instance_pb2.Instance()
+        instance.CopyFrom(entry.instance)
+        instance.last_heartbeat.FromNanoseconds(entry.last_heartbeat_ns)
+        return instance
+
+    def list(
+        self,
+        role: instance_pb2.Role.ValueType = instance_pb2.ROLE_UNSPECIFIED,
+        model: str = "",
+        state: instance_pb2.InstanceState.ValueType = instance_pb2.INSTANCE_STATE_UNSPECIFIED,
+    ) -> tuple[list[instance_pb2.Instance], int]:
+        """Filter semantics: a BOTH instance matches role PREFILL and DECODE too."""
+        with self.lock:
+            out = []
+            for instance_id in sorted(self._entries):
+                entry = self._entries[instance_id]
+                spec = entry.instance.spec
+                if role and spec.role not in (role, instance_pb2.ROLE_BOTH):
+                    continue
+                if (model and spec.model != model) or (state and entry.instance.state != state):
+                    continue
+                out.append(self._materialize(entry))
+            return out, self._revision
+
+    def get(self, instance_id: str) -> instance_pb2.Instance:
+        with self.lock:
+            entry = self._entries.get(instance_id)
+            if entry is None:
+                raise NotFoundError(f"instance_id: unknown instance {instance_id!r}")
+            return self._materialize(entry)
+
+    def snapshot_event(self) -> registry_pb2.WatchEvent:
+        """A SNAPSHOT of every instance at the current revision."""
+        with self.lock:
+            return _Event(
+                type=_Event.SNAPSHOT,
+                revision=self._revision,
+                instances=[e.instance for e in self._entries.values()],
+            )
+
+    def watch(self, from_revision: int, notify: Callable[[], None]) -> _Subscription:
+        sub = _Subscription(self, notify, self._max_queue)
+        with self.lock:
+            oldest = self._log[0].revision if self._log else self._revision + 1
+            replayable = from_revision > 0 and oldest - 1 <= from_revision <= self._revision
+            if replayable:
+                for event in self._log:
+                    if event.revision > from_revision:
+                        sub.push(event)
+            else:
+                sub.lagged()
+            self._subs.add(sub)
+        return sub
+
+    def unsubscribe(self, sub: _Subscription) -> None:
+        """Forgets a closed subscription."""
+        with self.lock:
+            self._subs.discard(sub)
+
+    @property
+    def watcher_count(self) -> int:
+        """Open subscriptions."""
+        with self.lock:
+            return len(self._subs)

@@ -1,0 +1,224 @@
+"""Keeps one instance registered: register, heartbeat with load, re-register, deregister.
+
+Thread-based so that it runs unchanged inside vLLM's engine process, the scheduler and the
+gateway. Every RPC has a deadline and every wait is interruptible by `stop()`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import grpc
+
+from pdplane.core import grpc_util
+from pdplane.registry._backoff import Backoff
+from pdplane.v1 import instance_pb2, registry_pb2, registry_pb2_grpc
+
+__all__ = ["RegistrationClient"]
+
+log = logging.getLogger(__name__)
+
+_RPC_TIMEOUT_S = 2.0
+#: Errors that no retry soon will fix; retried slowly so that e.g. an ALREADY_EXISTS clears
+#: once the previous holder's lease expires.
+_PERMANENT = {
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.ALREADY_EXISTS,
+    grpc.StatusCode.UNAUTHENTICATED,
+    grpc.StatusCode.PERMISSION_DENIED,
+}
+_PERMANENT_RETRY_S = 5.0
+
+
+def _is_idle(load: instance_pb2.LoadReport) -> bool:
+    return load.num_running == 0 and load.num_waiting == 0 and load.inflight_transfers == 0
+
+
+class RegistrationClient:
+    """Registers `spec` with the registry at `registry` ("host:port") and keeps its lease.
+
+    `load_fn` is called (in the client's thread) before each heartbeat and returns the load
+    report to send; None sends an empty report. `token` is the registry's bearer token, `tls_ca`
+    a PEM file to verify the registry's TLS certificate; `lease_ttl_ms` asks for a lease TTL
+    (0 = the registry's default).
+
+    `start()` returns at once; a daemon thread registers, then heartbeats at the interval the
+    registry grants. On NOT_FOUND (lease unknown, e.g. the registry restarted) it registers
+    again at once; while the registry is unreachable it retries with backoff (0.1 s .. 1 s).
+    """
+
+    def __init__(
+        self,
+        registry: str,
+        spec: instance_pb2.InstanceSpec,
+        load_fn: Callable[[], instance_pb2.LoadReport] | None = None,
+        *,
+        token: str | None = None,
+        tls_ca: str | None = None,
+        lease_ttl_ms: int = 0,
+    ) -> None:
+        self._registry = registry
+        self._spec = instance_pb2.InstanceSpec()
+        self._spec.CopyFrom(spec)
+        self._load_fn = load_fn
+        self._metadata = grpc_util.token_metadata(token)
+        self._lease_ttl_ms = lease_ttl_ms
+        self._channel = grpc_util.channel(
+            registry, tls_ca, extra_options=grpc_util.FAST_RECONNECT_OPTIONS
+        )
+        self._stub = registry_pb2_grpc.RegistryStub(self._channel)
+        self._lock = threading.Lock()
+        self._lease_id = ""
+        self._interval_s = 1.0
+        self._state: instance_pb2.InstanceState.ValueType = instance_pb2.INSTANCE_STATE_UNSPECIFIED
+        self._registered = threading.Event()
+        self._stopping = threading.Event()
+        self._draining = False
+        self._thread: threading.Thread | None = None
+        self.last_error: str = ""
+        self.registrations = 0  # how many times a lease was granted (re-registers included)
+
+    @property
+    def instance_id(self) -> str:
+        """The registered instance id (from the spec)."""
+        return self._spec.instance_id
+
+    @property
+    def state(self) -> instance_pb2.InstanceState.ValueType:
+        """The last InstanceState seen from the registry (UNSPECIFIED when not registered)."""
+        with self._lock:
+            return self._state
+
+    @property
+    def lease_id(self) -> str:
+        """The current lease id; empty while not registered."""
+        with self._lock:
+            return self._lease_id
+
+    def start(self) -> None:
+        """Starts the background register + heartbeat thread; returns immediately."""
+        if self._thread is not None:
+            raise RuntimeError("RegistrationClient already started")
+        self._thread = threading.Thread(
+            target=self._run, name=f"pdplane-registration-{self.instance_id}", daemon=True
+        )
+        self._thread.start()
+
+    def wait_registered(self, timeout: float) -> bool:
+        """Waits up to `timeout` seconds until the instance holds a lease; True if it does."""
+        return self._registered.wait(timeout)
+
+    def stop(self, drain: bool = False, drain_timeout: float = 30.0) -> None:
+        """Deregisters and joins the thread; returns within about `drain_timeout` + 5 s.
+
+        With `drain`, the instance is first marked DRAINING (listed, never scheduled) and keeps
+        heartbeating until `load_fn` reports it idle (no running, waiting or in-flight transfer)
+        or `drain_timeout` seconds pass; then it is removed. Never raises on RPC errors.
+        """
+        if drain and self._registered.is_set():
+            self._drain(drain_timeout)
+        self._stopping.set()
+        if self._thread is not None:
+            self._thread.join(timeout=_RPC_TIMEOUT_S + 1.0)
+        lease = self.lease_id
+        if lease:
+            self._deregister(lease, drain=False)
+        self._channel.close()
+
+    def _drain(self, timeout: float) -> None:
+        with self._lock:
+            self._draining = True
+            lease = self._lease_id
+        self._deregister(lease, drain=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and self._registered.is_set():
+            if self._load_fn is None or _is_idle(self._load_fn()):
+                return
+            self._stopping.wait(min(0.1, max(0.0, deadline - time.monotonic())))
+
+    def _deregister(self, lease_id: str, drain: bool) -> None:
+        request = registry_pb2.DeregisterRequest(
+            instance_id=self.instance_id, lease_id=lease_id, drain=drain
+        )
+        try:
+            response = self._stub.Deregister(
+                request, timeout=_RPC_TIMEOUT_S, metadata=self._metadata, wait_for_ready=True
+            )
+        except grpc.RpcError as exc:
+            log.warning("deregister of %s failed: %s", self.instance_id, exc)
+            return
+        with self._lock:
+            self._state = response.state
+            if not drain:
+                self._lease_id = ""
+                self._registered.clear()
+
+    def _run(self) -> None:
+        backoff = Backoff()
+        while not self._stopping.is_set():
+            try:
+                delay = self._step()
+                backoff.reset()
+            except grpc.RpcError as exc:
+                delay = self._on_error(exc, backoff)
+            except Exception:  # a failing load_fn must not kill the lease
+                log.exception("registration loop of %s", self.instance_id)
+                delay = backoff.next_delay()
+            self._stopping.wait(delay)
+
+    def _step(self) -> float:
+        """One register or heartbeat; returns the delay (s) until the next step."""
+        with self._lock:
+            lease, draining = self._lease_id, self._draining
+        if not lease:
+            if draining:  # a draining instance that lost its lease must not come back
+                return self._interval_s
+            self._register()
+            return self._interval_s
+        load = self._load_fn() if self._load_fn is not None else instance_pb2.LoadReport()
+        request = registry_pb2.HeartbeatRequest(
+            instance_id=self.instance_id, lease_id=lease, load=load
+        )
+        response = self._stub.Heartbeat(
+            request,
+            timeout=min(_RPC_TIMEOUT_S, self._interval_s),
+            metadata=self._metadata,
+            wait_for_ready=True,
+        )
+        with self._lock:
+            if self._lease_id == lease:
+                self._state = response.state
+        return self._interval_s
+
+    def _register(self) -> None:
+        request = registry_pb2.RegisterRequest(spec=self._spec, lease_ttl_ms=self._lease_ttl_ms)
+        response = self._stub.Register(
+            request, timeout=_RPC_TIMEOUT_S, metadata=self._metadata, wait_for_ready=True
+        )
+        with self._lock:
+            self._lease_id = response.lease_id
+            self._interval_s = max(response.heartbeat_interval_ms, 10) / 1000.0
+            self._state = instance_pb2.INSTANCE_STATE_SERVING
+            self.registrations += 1
+            self.last_error = ""
+        self._registered.set()
+        log.info("registered %s (lease %s)", self.instance_id, response.lease_id)
+
+    def _on_error(self, exc: grpc.RpcError, backoff: Backoff) -> float:
+        code = exc.code() if isinstance(exc, grpc.Call) else grpc.StatusCode.UNKNOWN
+        self.last_error = f"{code.name}: {exc.details() if isinstance(exc, grpc.Call) else exc}"
+        if code == grpc.StatusCode.NOT_FOUND:
+            # The registry no longer knows the lease (restart or expiry): register again now.
+            with self._lock:
+                self._lease_id = ""
+                self._state = instance_pb2.INSTANCE_STATE_UNSPECIFIED
+            self._registered.clear()
+            log.info("lease of %s lost; registering again", self.instance_id)
+            return 0.0
+        if code in _PERMANENT:
+            log.error("registry rejected %s: %s", self.instance_id, self.last_error)
+            return _PERMANENT_RETRY_S
+        return backoff.next_delay()

@@ -1,0 +1,193 @@
+"""`pdplane.v1.Registry` servicers: protobuf in, validate, call the store, protobuf out.
+
+`RegistryServicer` serves a sync `grpc.server`; `AioRegistryServicer` serves `grpc.aio` (the
+default, see docs/registry.md for the measurement behind that choice). Errors are reported by
+setting the status on the context (which both flavours support) rather than `abort`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any, TypeVar
+
+import grpc
+
+from pdplane.core.instance_validation import ValidationError, validate_load, validate_spec
+from pdplane.registry.store import AlreadyExistsError, InstanceStore, NotFoundError
+from pdplane.v1 import instance_pb2, registry_pb2, registry_pb2_grpc
+
+__all__ = ["SERVICE_NAME", "AioRegistryServicer", "RegistryServicer"]
+
+SERVICE_NAME = "pdplane.v1.Registry"
+#: Longest lease a client may ask for (ms); anything above is a mistake, not a wish.
+MAX_REQUESTED_TTL_MS = 3_600_000
+
+_R = TypeVar("_R")
+_STATUS = {
+    ValidationError: grpc.StatusCode.INVALID_ARGUMENT,
+    NotFoundError: grpc.StatusCode.NOT_FOUND,
+    AlreadyExistsError: grpc.StatusCode.ALREADY_EXISTS,
+}
+
+
+def _call(context: grpc.ServicerContext, empty: _R, fn: Callable[[], _R]) -> _R:
+    """Runs `fn`, turning the registry's errors into a gRPC status on `context`."""
+    try:
+        return fn()
+    except (ValidationError, NotFoundError, AlreadyExistsError) as exc:
+        context.set_code(_STATUS[type(exc)])
+        context.set_details(str(exc))
+        return empty
+
+
+def _require(field: str, value: str) -> None:
+    if not value:
+        raise ValidationError(field, "must not be empty")
+
+
+class RegistryServicer(registry_pb2_grpc.RegistryServicer):
+    """Sync servicer over an `InstanceStore` (validated input only reaches the store)."""
+
+    def __init__(self, store: InstanceStore) -> None:
+        self._store = store
+
+    def Register(
+        self, request: registry_pb2.RegisterRequest, context: grpc.ServicerContext
+    ) -> registry_pb2.RegisterResponse:
+        """Registers `request.spec`; see registry.proto for the errors."""
+
+        def run() -> registry_pb2.RegisterResponse:
+            if not request.HasField("spec"):
+                raise ValidationError("spec", "is required")
+            validate_spec(request.spec)
+            if request.lease_ttl_ms > MAX_REQUESTED_TTL_MS:
+                raise ValidationError(
+                    "lease_ttl_ms",
+                    f"must be at most {MAX_REQUESTED_TTL_MS}, got {request.lease_ttl_ms}",
+                )
+            grant = self._store.register(request.spec, request.lease_ttl_ms)
+            return registry_pb2.RegisterResponse(
+                lease_id=grant.lease_id,
+                lease_ttl_ms=grant.ttl_ms,
+                heartbeat_interval_ms=grant.heartbeat_interval_ms,
+                revision=grant.revision,
+            )
+
+        return _call(context, registry_pb2.RegisterResponse(), run)
+
+    def Heartbeat(
+        self, request: registry_pb2.HeartbeatRequest, context: grpc.ServicerContext
+    ) -> registry_pb2.HeartbeatResponse:
+        """Renews a lease with the load report; NOT_FOUND for an unknown lease."""
+
+        def run() -> registry_pb2.HeartbeatResponse:
+            _require("instance_id", request.instance_id)
+            _require("lease_id", request.lease_id)
+            validate_load(request.load)
+            ttl_ms, state = self._store.heartbeat(
+                request.instance_id, request.lease_id, request.load
+            )
+            return registry_pb2.HeartbeatResponse(lease_ttl_ms=ttl_ms, state=state)
+
+        return _call(context, registry_pb2.HeartbeatResponse(), run)
+
+    def Deregister(
+        self, request: registry_pb2.DeregisterRequest, context: grpc.ServicerContext
+    ) -> registry_pb2.DeregisterResponse:
+        """Removes (or with drain marks DRAINING) an instance; NOT_FOUND for a stale lease."""
+
+        def run() -> registry_pb2.DeregisterResponse:
+            _require("instance_id", request.instance_id)
+            _require("lease_id", request.lease_id)
+            state = self._store.deregister(request.instance_id, request.lease_id, request.drain)
+            return registry_pb2.DeregisterResponse(state=state)
+
+        return _call(context, registry_pb2.DeregisterResponse(), run)
+
+    def ListInstances(
+        self, request: registry_pb2.ListInstancesRequest, context: grpc.ServicerContext
+    ) -> registry_pb2.ListInstancesResponse:
+        """Instances matching role (BOTH matches either), model and state; zero = any."""
+
+        def run() -> registry_pb2.ListInstancesResponse:
+            if request.role not in instance_pb2.Role.values():
+                raise ValidationError("role", f"unknown role {request.role}")
+            if request.state not in instance_pb2.InstanceState.values():
+                raise ValidationError("state", f"unknown state {request.state}")
+            instances, revision = self._store.list(request.role, request.model, request.state)
+            return registry_pb2.ListInstancesResponse(instances=instances, revision=revision)
+
+        return _call(context, registry_pb2.ListInstancesResponse(), run)
+
+    def GetInstance(
+        self, request: registry_pb2.GetInstanceRequest, context: grpc.ServicerContext
+    ) -> instance_pb2.Instance:
+        """One instance by id; NOT_FOUND for an unknown id."""
+
+        def run() -> instance_pb2.Instance:
+            _require("instance_id", request.instance_id)
+            return self._store.get(request.instance_id)
+
+        return _call(context, instance_pb2.Instance(), run)
+
+    def WatchInstances(
+        self, request: registry_pb2.WatchInstancesRequest, context: grpc.ServicerContext
+    ) -> Iterator[registry_pb2.WatchEvent]:
+        """SNAPSHOT (or replay), then every change; holds one server thread while open."""
+        wake = threading.Event()
+        sub = self._store.watch(request.from_revision, wake.set)
+        context.add_callback(wake.set)
+        try:
+            while context.is_active():
+                wake.clear()
+                yield from sub.poll()
+                wake.wait(1.0)
+        finally:
+            sub.close()
+
+
+class AioRegistryServicer(RegistryServicer):
+    """The asyncio flavour: the store calls never block, so unary RPCs run on the loop."""
+
+    async def Register(self, request: Any, context: Any) -> registry_pb2.RegisterResponse:  # type: ignore[override]
+        return super().Register(request, context)
+
+    async def Heartbeat(self, request: Any, context: Any) -> registry_pb2.HeartbeatResponse:  # type: ignore[override]
+        return super().Heartbeat(request, context)
+
+    async def Deregister(self, request: Any, context: Any) -> registry_pb2.DeregisterResponse:  # type: ignore[override]
+        return super().Deregister(request, context)
+
+    async def ListInstances(  # type: ignore[override]
+        self, request: Any, context: Any
+    ) -> registry_pb2.ListInstancesResponse:
+        return super().ListInstances(request, context)
+
+    async def GetInstance(self, request: Any, context: Any) -> instance_pb2.Instance:  # type: ignore[override]
+        return super().GetInstance(request, context)
+
+    async def WatchInstances(  # type: ignore[override]
+        self, request: registry_pb2.WatchInstancesRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[registry_pb2.WatchEvent]:
+        """As the sync version; a slow stream's writes wait on flow control while its queue in
+        the store fills up and turns into a fresh SNAPSHOT."""
+        loop = asyncio.get_running_loop()
+        wake = asyncio.Event()
+
+        def notify() -> None:
+            # Called from the store's writers (any thread); a closed loop just means shutdown.
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(wake.set)
+
+        sub = self._store.watch(request.from_revision, notify)
+        try:
+            while True:
+                wake.clear()
+                for event in sub.poll():
+                    yield event
+                await wake.wait()
+        finally:
+            sub.close()

@@ -1,0 +1,126 @@
+"""The registry's storage interface: instances, leases, revisions and watch subscriptions.
+
+The servicer speaks only to `InstanceStore`; `memory_store.InMemoryStore` is the single-node
+default. The lease model (TTL, renew by heartbeat, delete on expiry, a global revision that
+every change bumps, watch from a revision) maps one to one onto etcd leases and watches, the
+planned multi-node backend.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from pdplane.v1 import instance_pb2, registry_pb2
+
+__all__ = [
+    "AlreadyExistsError",
+    "InstanceStore",
+    "LeaseGrant",
+    "LeasePolicy",
+    "NotFoundError",
+    "StoreError",
+    "Subscription",
+]
+
+
+class StoreError(Exception):
+    """Base of the store's errors; the message is meant for the caller."""
+
+
+class NotFoundError(StoreError):
+    """Unknown instance id, or a lease that is not (or no longer) the instance's live lease."""
+
+
+class AlreadyExistsError(StoreError):
+    """The id is held by a live lease with a different spec."""
+
+
+@dataclass(frozen=True)
+class LeasePolicy:
+    """How the registry grants leases. All values in ms."""
+
+    default_ttl_ms: int = 5_000
+    max_ttl_ms: int = 60_000
+    heartbeat_interval_ms: int = 1_000
+
+    def grant(self, requested_ttl_ms: int) -> tuple[int, int]:
+        """(granted TTL, heartbeat interval) for a requested TTL (0 = default), in ms.
+
+        The TTL is capped at `max_ttl_ms` and raised to at least two heartbeat intervals, so
+        that one lost heartbeat never expires a lease; the interval is at most a third of the TTL.
+        """
+        ttl = min(requested_ttl_ms or self.default_ttl_ms, self.max_ttl_ms)
+        ttl = max(ttl, 2 * self.heartbeat_interval_ms)
+        return ttl, max(1, min(self.heartbeat_interval_ms, ttl // 3))
+
+
+@dataclass(frozen=True)
+class LeaseGrant:
+    """A granted lease: its id, TTL and heartbeat interval (ms) and the revision it made."""
+
+    lease_id: str
+    ttl_ms: int
+    heartbeat_interval_ms: int
+    revision: int
+
+
+class Subscription(Protocol):
+    """One watcher's queue of events. `notify` (given to `InstanceStore.watch`) is called,
+    from any thread, when `poll` has something new; it must be cheap and never block."""
+
+    def poll(self) -> list[registry_pb2.WatchEvent]:
+        """Returns the pending events (never blocks). A watcher that fell behind gets one fresh
+        SNAPSHOT instead of the events it missed; revisions are strictly increasing."""
+        ...
+
+    def close(self) -> None:
+        """Stops delivery; idempotent."""
+        ...
+
+
+class InstanceStore(Protocol):
+    """Instances with leases; thread-safe. Every change bumps the global revision."""
+
+    def register(self, spec: instance_pb2.InstanceSpec, ttl_ms: int) -> LeaseGrant:
+        """Adds `spec` (already validated) with a new lease, or replaces the lease when the
+        same id is registered with an identical spec or its old lease expired.
+        Raises AlreadyExistsError for a different spec under a live lease."""
+        ...
+
+    def heartbeat(
+        self, instance_id: str, lease_id: str, load: instance_pb2.LoadReport
+    ) -> tuple[int, instance_pb2.InstanceState.ValueType]:
+        """Renews the lease and records `load`; returns (TTL ms, state).
+        Raises NotFoundError for an unknown or expired lease."""
+        ...
+
+    def deregister(
+        self, instance_id: str, lease_id: str, drain: bool
+    ) -> instance_pb2.InstanceState.ValueType:
+        """Removes the instance (returns UNSPECIFIED) or, with `drain`, marks it DRAINING.
+        Raises NotFoundError for an unknown instance or a lease that is not its live one."""
+        ...
+
+    def expire(self) -> int:
+        """Removes every instance whose lease has expired; returns how many."""
+        ...
+
+    def list(
+        self,
+        role: instance_pb2.Role.ValueType = instance_pb2.ROLE_UNSPECIFIED,
+        model: str = "",
+        state: instance_pb2.InstanceState.ValueType = instance_pb2.INSTANCE_STATE_UNSPECIFIED,
+    ) -> tuple[list[instance_pb2.Instance], int]:
+        """(instances matching the filter, sorted by id; revision). Zero values match any."""
+        ...
+
+    def get(self, instance_id: str) -> instance_pb2.Instance:
+        """One instance; raises NotFoundError."""
+        ...
+
+    def watch(self, from_revision: int, notify: Callable[[], None]) -> Subscription:
+        """Subscribes: the first poll returns the events after `from_revision` when they are
+        still held, else a SNAPSHOT (always a SNAPSHOT for 0)."""
+        ...

@@ -1,0 +1,140 @@
+"""A local, consistent view of the registry's instances, kept by `WatchInstances`.
+
+Thread-based (usable from any process). The view survives reconnects: after a broken stream
+the watcher re-watches from its last revision (the registry replays the missed events or sends
+a fresh SNAPSHOT) and keeps serving the last view meanwhile.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+import grpc
+
+from pdplane.core import grpc_util
+from pdplane.registry._backoff import Backoff
+from pdplane.v1 import instance_pb2, registry_pb2, registry_pb2_grpc
+
+__all__ = ["InstanceWatcher"]
+
+log = logging.getLogger(__name__)
+
+_Event = registry_pb2.WatchEvent
+OnChange = Callable[[dict[str, instance_pb2.Instance]], None]
+
+
+class InstanceWatcher:
+    """Watches the registry at `registry` ("host:port") and mirrors its instances locally.
+
+    `on_change` is called from the watcher's thread with a copy of the view (instance id ->
+    Instance) after every applied snapshot or event; it must not block for long. `token` and
+    `tls_ca` as for `RegistrationClient`.
+    """
+
+    def __init__(
+        self,
+        registry: str,
+        *,
+        token: str | None = None,
+        tls_ca: str | None = None,
+        on_change: OnChange | None = None,
+    ) -> None:
+        self._metadata = grpc_util.token_metadata(token)
+        self._channel = grpc_util.channel(
+            registry, tls_ca, extra_options=grpc_util.FAST_RECONNECT_OPTIONS
+        )
+        self._stub = registry_pb2_grpc.RegistryStub(self._channel)
+        self._on_change = on_change
+        self._lock = threading.Lock()
+        self._view: dict[str, instance_pb2.Instance] = {}
+        self._revision = 0
+        self._ready = threading.Event()
+        self._stopping = threading.Event()
+        self._call: grpc.Future | None = None
+        self._thread: threading.Thread | None = None
+        self.snapshots = 0  # SNAPSHOT events applied (first one included)
+        self.reconnects = 0  # streams re-opened after an error
+
+    @property
+    def revision(self) -> int:
+        """Registry revision the local view reflects (0 before the first snapshot)."""
+        with self._lock:
+            return self._revision
+
+    def snapshot(self) -> dict[str, instance_pb2.Instance]:
+        """A copy of the view: instance id -> Instance (messages shared, never mutated)."""
+        with self._lock:
+            return dict(self._view)
+
+    def start(self) -> None:
+        """Starts the watch thread; returns immediately."""
+        if self._thread is not None:
+            raise RuntimeError("InstanceWatcher already started")
+        self._thread = threading.Thread(target=self._run, name="pdplane-watch", daemon=True)
+        self._thread.start()
+
+    def wait_ready(self, timeout: float) -> bool:
+        """Waits up to `timeout` seconds for the first snapshot; True once it arrived."""
+        return self._ready.wait(timeout)
+
+    def stop(self) -> None:
+        """Cancels the stream and joins the thread (bounded: about 2 s at most)."""
+        self._stopping.set()
+        with self._lock:
+            call = self._call
+        if call is not None:
+            call.cancel()
+        if self._thread is not None:
+            self._thread.join(timeout=2.0)
+        self._channel.close()
+
+    def _run(self) -> None:
+        backoff = Backoff()
+        while not self._stopping.is_set():
+            try:
+                self._watch_once(backoff)
+            except grpc.RpcError as exc:
+                if self._stopping.is_set():
+                    return
+                code = exc.code() if isinstance(exc, grpc.Call) else None
+                log.info("registry watch broken (%s); re-watching", code)
+            except Exception:
+                log.exception("registry watch failed")
+            self.reconnects += 1
+            self._stopping.wait(backoff.next_delay())
+
+    def _watch_once(self, backoff: Backoff) -> None:
+        request = registry_pb2.WatchInstancesRequest(from_revision=self.revision)
+        call = self._stub.WatchInstances(request, metadata=self._metadata)
+        with self._lock:
+            self._call = call
+        if self._stopping.is_set():  # stop() ran before the call was published
+            call.cancel()
+        for event in call:
+            self._apply(event)
+            backoff.reset()
+
+    def _apply(self, event: registry_pb2.WatchEvent) -> None:
+        with self._lock:
+            if event.type == _Event.SNAPSHOT:
+                self._view = {i.spec.instance_id: i for i in event.instances}
+                self.snapshots += 1
+            elif event.revision <= self._revision:
+                return  # already reflected (replayed after a reconnect)
+            elif event.type in (_Event.ADDED, _Event.UPDATED):
+                self._view[event.instance.spec.instance_id] = event.instance
+            elif event.type == _Event.REMOVED:
+                self._view.pop(event.instance.spec.instance_id, None)
+            else:
+                log.warning("ignoring watch event of unknown type %s", event.type)
+                return
+            self._revision = event.revision
+            view = dict(self._view) if self._on_change is not None else {}
+        self._ready.set()
+        if self._on_change is not None:
+            try:
+                self._on_change(view)
+            except Exception:
+                log.exception("on_change callback failed")
