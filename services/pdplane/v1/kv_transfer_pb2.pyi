@@ -11,6 +11,7 @@ from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from pdplane.v1 import instance_pb2 as _instance_pb2
 import builtins as _builtins
 import sys
@@ -32,6 +33,7 @@ class PullBlocksRequest(_message.Message):
     EXPECTED_LAYOUT_FIELD_NUMBER: _builtins.int
     TP_RANK_FIELD_NUMBER: _builtins.int
     REQUESTER_ID_FIELD_NUMBER: _builtins.int
+    NCCL_PLAN_FIELD_NUMBER: _builtins.int
     transfer_id: _builtins.str
     tp_rank: _builtins.int
     """rank i of decode pulls from rank i of prefill"""
@@ -47,6 +49,10 @@ class PullBlocksRequest(_message.Message):
     def expected_layout(self) -> _instance_pb2.KvLayout:
         """checked against the holder's layout"""
 
+    @_builtins.property
+    def nccl_plan(self) -> Global___NcclPlan:
+        """NCCL: how the blocks travel (set by the receiver)"""
+
     def __init__(
         self,
         *,
@@ -55,14 +61,78 @@ class PullBlocksRequest(_message.Message):
         expected_layout: _instance_pb2.KvLayout | None = ...,
         tp_rank: _builtins.int = ...,
         requester_id: _builtins.str = ...,
+        nccl_plan: Global___NcclPlan | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["expected_layout", b"expected_layout"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["expected_layout", b"expected_layout", "nccl_plan", b"nccl_plan"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_indices", b"block_indices", "expected_layout", b"expected_layout", "requester_id", b"requester_id", "tp_rank", b"tp_rank", "transfer_id", b"transfer_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_indices", b"block_indices", "expected_layout", b"expected_layout", "nccl_plan", b"nccl_plan", "requester_id", b"requester_id", "tp_rank", b"tp_rank", "transfer_id", b"transfer_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___PullBlocksRequest: _TypeAlias = PullBlocksRequest  # noqa: Y015
+
+@_typing.final
+class NcclPlan(_message.Message):
+    """NCCL transport: how the requested blocks become NCCL messages. Both ranks derive the same
+    message sequence from it (NCCL matches point-to-point operations in order), so the receiver,
+    which posts its receives first, decides and the sender follows.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    class _Strategy:
+        ValueType = _typing.NewType("ValueType", _builtins.int)
+        V: _TypeAlias = ValueType  # noqa: Y015
+
+    class _StrategyEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[NcclPlan._Strategy.ValueType], _builtins.type):
+        DESCRIPTOR: _descriptor.EnumDescriptor
+        STRATEGY_UNSPECIFIED: NcclPlan._Strategy.ValueType  # 0
+        """= GATHER"""
+        STRATEGY_GATHER: NcclPlan._Strategy.ValueType  # 1
+        """The requested blocks of consecutive layers are copied on the GPU into staging chunks of
+        at most chunk_bytes and sent one message per chunk.
+        """
+        STRATEGY_GROUPED: NcclPlan._Strategy.ValueType  # 2
+        """One message per run of blocks consecutive on both sides, per layer and per leading
+        slice (K, V), straight from/into the paged cache.
+        """
+
+    class Strategy(_Strategy, metaclass=_StrategyEnumTypeWrapper): ...
+    STRATEGY_UNSPECIFIED: NcclPlan.Strategy.ValueType  # 0
+    """= GATHER"""
+    STRATEGY_GATHER: NcclPlan.Strategy.ValueType  # 1
+    """The requested blocks of consecutive layers are copied on the GPU into staging chunks of
+    at most chunk_bytes and sent one message per chunk.
+    """
+    STRATEGY_GROUPED: NcclPlan.Strategy.ValueType  # 2
+    """One message per run of blocks consecutive on both sides, per layer and per leading
+    slice (K, V), straight from/into the paged cache.
+    """
+
+    STRATEGY_FIELD_NUMBER: _builtins.int
+    CHUNK_BYTES_FIELD_NUMBER: _builtins.int
+    RUN_LENGTHS_FIELD_NUMBER: _builtins.int
+    strategy: Global___NcclPlan.Strategy.ValueType
+    chunk_bytes: _builtins.int
+    """GATHER: staging chunk size (bytes); 0 = sender default"""
+    @_builtins.property
+    def run_lengths(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """GROUPED: run lengths (blocks), in request order"""
+
+    def __init__(
+        self,
+        *,
+        strategy: Global___NcclPlan.Strategy.ValueType = ...,
+        chunk_bytes: _builtins.int = ...,
+        run_lengths: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_bytes", b"chunk_bytes", "run_lengths", b"run_lengths", "strategy", b"strategy"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___NcclPlan: _TypeAlias = NcclPlan  # noqa: Y015
 
 @_typing.final
 class KvChunk(_message.Message):
@@ -244,3 +314,86 @@ class NcclConnectResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___NcclConnectResponse: _TypeAlias = NcclConnectResponse  # noqa: Y015
+
+@_typing.final
+class NcclPushItem(_message.Message):
+    """One transfer pushed in a forward step: `num_blocks` blocks of every layer."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TRANSFER_ID_FIELD_NUMBER: _builtins.int
+    NUM_BLOCKS_FIELD_NUMBER: _builtins.int
+    transfer_id: _builtins.str
+    num_blocks: _builtins.int
+    def __init__(
+        self,
+        *,
+        transfer_id: _builtins.str = ...,
+        num_blocks: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_blocks", b"num_blocks", "transfer_id", b"transfer_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___NcclPushItem: _TypeAlias = NcclPushItem  # noqa: Y015
+
+@_typing.final
+class NcclPushBeginRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUESTER_ID_FIELD_NUMBER: _builtins.int
+    TP_RANK_FIELD_NUMBER: _builtins.int
+    LAYOUT_FIELD_NUMBER: _builtins.int
+    ITEMS_FIELD_NUMBER: _builtins.int
+    requester_id: _builtins.str
+    """pushing (prefill) instance id: selects the communicator"""
+    tp_rank: _builtins.int
+    @_builtins.property
+    def layout(self) -> _instance_pb2.KvLayout:
+        """checked against the receiver's layout"""
+
+    @_builtins.property
+    def items(self) -> _containers.RepeatedCompositeFieldContainer[Global___NcclPushItem]:
+        """In send order. Messages then go layer by layer: for each layer, one message per item, in
+        this order, each holding the item's blocks of that layer (gathered, K then V).
+        """
+
+    def __init__(
+        self,
+        *,
+        requester_id: _builtins.str = ...,
+        tp_rank: _builtins.int = ...,
+        layout: _instance_pb2.KvLayout | None = ...,
+        items: _abc.Iterable[Global___NcclPushItem] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["layout", b"layout"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["items", b"items", "layout", b"layout", "requester_id", b"requester_id", "tp_rank", b"tp_rank"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___NcclPushBeginRequest: _TypeAlias = NcclPushBeginRequest  # noqa: Y015
+
+@_typing.final
+class NcclPushBeginResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SPILLED_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def spilled(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bool]:
+        """per item: true = lands in pinned host memory"""
+
+    def __init__(
+        self,
+        *,
+        spilled: _abc.Iterable[_builtins.bool] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["spilled", b"spilled"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___NcclPushBeginResponse: _TypeAlias = NcclPushBeginResponse  # noqa: Y015

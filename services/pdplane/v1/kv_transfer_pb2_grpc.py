@@ -59,6 +59,11 @@ class KvTransferStub:
                 request_serializer=pdplane_dot_v1_dot_kv__transfer__pb2.NcclConnectRequest.SerializeToString,
                 response_deserializer=pdplane_dot_v1_dot_kv__transfer__pb2.NcclConnectResponse.FromString,
                 _registered_method=True)
+        self.NcclPushBegin = channel.unary_unary(
+                '/pdplane.v1.KvTransfer/NcclPushBegin',
+                request_serializer=pdplane_dot_v1_dot_kv__transfer__pb2.NcclPushBeginRequest.SerializeToString,
+                response_deserializer=pdplane_dot_v1_dot_kv__transfer__pb2.NcclPushBeginResponse.FromString,
+                _registered_method=True)
 
 
 class KvTransferServicer:
@@ -105,6 +110,17 @@ class KvTransferServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def NcclPushBegin(self, request, context):
+        """NCCL push mode: the caller (prefill, rank 0 of the pair's communicator) announces the
+        transfers it will send layer by layer during this forward step; the receiver reserves room
+        in its bounded GPU receive buffer (or its pinned host spill) and posts the receives.
+        Errors: RESOURCE_EXHAUSTED (buffer and spill both full: nothing reserved, the caller
+        sends nothing), FAILED_PRECONDITION (no communicator), INVALID_ARGUMENT (layout mismatch).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KvTransferServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -132,6 +148,11 @@ def add_KvTransferServicer_to_server(servicer, server):
                     servicer.NcclConnect,
                     request_deserializer=pdplane_dot_v1_dot_kv__transfer__pb2.NcclConnectRequest.FromString,
                     response_serializer=pdplane_dot_v1_dot_kv__transfer__pb2.NcclConnectResponse.SerializeToString,
+            ),
+            'NcclPushBegin': grpc.unary_unary_rpc_method_handler(
+                    servicer.NcclPushBegin,
+                    request_deserializer=pdplane_dot_v1_dot_kv__transfer__pb2.NcclPushBeginRequest.FromString,
+                    response_serializer=pdplane_dot_v1_dot_kv__transfer__pb2.NcclPushBeginResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -269,6 +290,33 @@ class KvTransfer:
             '/pdplane.v1.KvTransfer/NcclConnect',
             pdplane_dot_v1_dot_kv__transfer__pb2.NcclConnectRequest.SerializeToString,
             pdplane_dot_v1_dot_kv__transfer__pb2.NcclConnectResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def NcclPushBegin(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdplane.v1.KvTransfer/NcclPushBegin',
+            pdplane_dot_v1_dot_kv__transfer__pb2.NcclPushBeginRequest.SerializeToString,
+            pdplane_dot_v1_dot_kv__transfer__pb2.NcclPushBeginResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -54,6 +54,13 @@ class KvTransferStub:
     """Creates the 2-rank NCCL communicator for (caller rank, this rank): the caller sends the
     NCCL unique id it generated (it becomes rank 0); both sides then call ncclCommInitRank.
     """
+    NcclPushBegin: _grpc.UnaryUnaryMultiCallable[_kv_transfer_pb2.NcclPushBeginRequest, _kv_transfer_pb2.NcclPushBeginResponse]
+    """NCCL push mode: the caller (prefill, rank 0 of the pair's communicator) announces the
+    transfers it will send layer by layer during this forward step; the receiver reserves room
+    in its bounded GPU receive buffer (or its pinned host spill) and posts the receives.
+    Errors: RESOURCE_EXHAUSTED (buffer and spill both full: nothing reserved, the caller
+    sends nothing), FAILED_PRECONDITION (no communicator), INVALID_ARGUMENT (layout mismatch).
+    """
 
 @_typing.type_check_only
 class KvTransferAsyncStub(KvTransferStub):
@@ -76,6 +83,13 @@ class KvTransferAsyncStub(KvTransferStub):
     NcclConnect: _aio.UnaryUnaryMultiCallable[_kv_transfer_pb2.NcclConnectRequest, _kv_transfer_pb2.NcclConnectResponse]  # type: ignore[assignment]
     """Creates the 2-rank NCCL communicator for (caller rank, this rank): the caller sends the
     NCCL unique id it generated (it becomes rank 0); both sides then call ncclCommInitRank.
+    """
+    NcclPushBegin: _aio.UnaryUnaryMultiCallable[_kv_transfer_pb2.NcclPushBeginRequest, _kv_transfer_pb2.NcclPushBeginResponse]  # type: ignore[assignment]
+    """NCCL push mode: the caller (prefill, rank 0 of the pair's communicator) announces the
+    transfers it will send layer by layer during this forward step; the receiver reserves room
+    in its bounded GPU receive buffer (or its pinned host spill) and posts the receives.
+    Errors: RESOURCE_EXHAUSTED (buffer and spill both full: nothing reserved, the caller
+    sends nothing), FAILED_PRECONDITION (no communicator), INVALID_ARGUMENT (layout mismatch).
     """
 
 class KvTransferServicer(metaclass=_abc_1.ABCMeta):
@@ -126,6 +140,19 @@ class KvTransferServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_kv_transfer_pb2.NcclConnectResponse, _abc.Awaitable[_kv_transfer_pb2.NcclConnectResponse]]:
         """Creates the 2-rank NCCL communicator for (caller rank, this rank): the caller sends the
         NCCL unique id it generated (it becomes rank 0); both sides then call ncclCommInitRank.
+        """
+
+    @_abc_1.abstractmethod
+    def NcclPushBegin(
+        self,
+        request: _kv_transfer_pb2.NcclPushBeginRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_kv_transfer_pb2.NcclPushBeginResponse, _abc.Awaitable[_kv_transfer_pb2.NcclPushBeginResponse]]:
+        """NCCL push mode: the caller (prefill, rank 0 of the pair's communicator) announces the
+        transfers it will send layer by layer during this forward step; the receiver reserves room
+        in its bounded GPU receive buffer (or its pinned host spill) and posts the receives.
+        Errors: RESOURCE_EXHAUSTED (buffer and spill both full: nothing reserved, the caller
+        sends nothing), FAILED_PRECONDITION (no communicator), INVALID_ARGUMENT (layout mismatch).
         """
 
 def add_KvTransferServicer_to_server(servicer: KvTransferServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
