@@ -1,0 +1,50 @@
+"""The candidate view: grouping, lazy refresh, per-instance reuse."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from pdplane.scheduler.view import CandidateView
+from pdplane.v1 import instance_pb2
+
+
+def test_groups_by_model_sorted_by_id(
+    fake_source: type, make_instance: Callable[..., instance_pb2.Instance]
+) -> None:
+    source = fake_source(
+        make_instance("b", model="m1"),
+        make_instance("a", model="m1"),
+        make_instance("c", model="m2"),
+    )
+    view = CandidateView(source)
+    assert [c.instance_id for c in view.candidates("m1")] == ["a", "b"]
+    assert view.models() == ["m1", "m2"]
+    assert view.candidates("nope") == ()
+
+
+def test_rereads_only_when_the_revision_moves(
+    fake_source: type, make_instance: Callable[..., instance_pb2.Instance]
+) -> None:
+    source = fake_source(make_instance("a", revision=1), make_instance("b", revision=1))
+    view = CandidateView(source)
+    first = view.candidates("tiny")
+    view.candidates("tiny")
+    assert source.snapshots == 1
+    source.put(make_instance("b", revision=2, num_running=4))
+    second = view.candidates("tiny")
+    assert source.snapshots == 2
+    assert second[0] is first[0]  # unchanged instance: same Candidate object
+    assert second[1].num_running == 4
+    source.remove("a")
+    assert [c.instance_id for c in view.candidates("tiny")] == ["b"]
+
+
+def test_mark_dirty_forces_a_reread(
+    fake_source: type, make_instance: Callable[..., instance_pb2.Instance]
+) -> None:
+    source = fake_source(make_instance("a"))
+    view = CandidateView(source)
+    view.candidates("tiny")
+    view.mark_dirty({})
+    view.candidates("tiny")
+    assert source.snapshots == 2
