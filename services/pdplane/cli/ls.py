@@ -1,0 +1,134 @@
+"""`pdplane ls`: list the registry's instances (a table, or `--json`), or `--watch` its events.
+
+    pdplane ls [--registry HOST:PORT] [--role prefill|decode|both] [--model M] [--json]
+    pdplane ls --watch [--json]        # one line per event until interrupted
+
+Exit codes: 0 success, 1 registry unreachable or refused the call, 2 bad flags.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterable
+from typing import Any, Literal, TextIO
+
+import grpc
+from pydantic import Field
+
+from pdplane.core import defaults, grpc_util
+from pdplane.core.instance_json import event_to_dict, instance_to_dict, parse_role
+from pdplane.core.settings import CommandSettings
+from pdplane.v1 import instance_pb2, registry_pb2, registry_pb2_grpc
+
+__all__ = ["LsSettings", "format_table", "main"]
+
+
+class LsSettings(CommandSettings):
+    """Flags of `pdplane ls` (each also a `PDPLANE_*` environment variable)."""
+
+    registry: str = Field(
+        f"127.0.0.1:{defaults.REGISTRY_PORT}", description="registry gRPC address, host:port"
+    )
+    role: Literal["prefill", "decode", "both"] | None = Field(
+        None, description="only this role (a 'both' instance matches prefill and decode)"
+    )
+    model: str | None = Field(None, description="only this served model name")
+    json_: bool = Field(False, alias="json", description="print JSON instead of a table")
+    watch: bool = Field(False, description="stream ADDED/UPDATED/REMOVED events")
+    token: str | None = Field(None, description="registry bearer token")
+    tls_ca: str | None = Field(None, description="CA certificate (PEM) to verify registry TLS")
+    timeout_s: float = Field(5.0, gt=0, description="deadline of the list call (s)")
+
+
+_COLUMNS = ("ID", "ROLE", "MODEL", "STATE", "URL", "KV_ENDPOINT", "RUN", "WAIT", "KV%", "FREE")
+
+
+def _row(d: dict[str, Any]) -> tuple[str, ...]:
+    load = d["load"]
+    return (
+        d["id"],
+        d["role"],
+        d["model"],
+        d["state"],
+        d["url"],
+        d["kv_endpoint"],
+        str(load["num_running"]),
+        str(load["num_waiting"]),
+        f"{100 * load['kv_cache_usage']:.0f}",
+        str(load["free_kv_blocks"]),
+    )
+
+
+def format_table(instances: Iterable[dict[str, Any]]) -> str:
+    """Aligned text table of `instance_to_dict` views, one line per instance plus a header."""
+    rows = [_COLUMNS, *(_row(d) for d in instances)]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(_COLUMNS))]
+    return (
+        "\n".join(
+            "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows
+        )
+        + "\n"
+    )
+
+
+def _matches(instance: instance_pb2.Instance, role: int, model: str | None) -> bool:
+    spec = instance.spec
+    if role and spec.role not in (role, instance_pb2.ROLE_BOTH):
+        return False
+    return not model or spec.model == model
+
+
+def _list(stub: registry_pb2_grpc.RegistryStub, s: LsSettings, role: int, out: TextIO) -> None:
+    request = registry_pb2.ListInstancesRequest(role=role, model=s.model or "")
+    response = stub.ListInstances(
+        request, timeout=s.timeout_s, metadata=grpc_util.token_metadata(s.token)
+    )
+    views = [instance_to_dict(i) for i in response.instances]
+    out.write(json.dumps(views, indent=2) + "\n" if s.json_ else format_table(views))
+
+
+def _event_line(event: registry_pb2.WatchEvent) -> str:
+    kind = registry_pb2.WatchEvent.Type.Name(event.type)
+    if event.type == registry_pb2.WatchEvent.SNAPSHOT:
+        return f"{event.revision} SNAPSHOT {len(event.instances)} instance(s)\n" + format_table(
+            instance_to_dict(i) for i in event.instances
+        )
+    d = instance_to_dict(event.instance)
+    reason = f" ({event.reason})" if event.reason else ""
+    return f"{event.revision} {kind} {d['id']} {d['role']} {d['model']} {d['state']}{reason}\n"
+
+
+def _watch(stub: registry_pb2_grpc.RegistryStub, s: LsSettings, role: int, out: TextIO) -> None:
+    request = registry_pb2.WatchInstancesRequest()
+    for event in stub.WatchInstances(request, metadata=grpc_util.token_metadata(s.token)):
+        if event.type == registry_pb2.WatchEvent.SNAPSHOT:
+            kept = [i for i in event.instances if _matches(i, role, s.model)]
+            del event.instances[:]
+            event.instances.extend(kept)
+        elif not _matches(event.instance, role, s.model):
+            continue
+        out.write(json.dumps(event_to_dict(event)) + "\n" if s.json_ else _event_line(event))
+        out.flush()
+
+
+def main(argv: list[str], out: TextIO | None = None) -> int:
+    """Runs `pdplane ls`; writes to `out` (stdout by default) and returns the exit code."""
+    settings = LsSettings.parse(argv)
+    out = out or sys.stdout
+    role = parse_role(settings.role) if settings.role else instance_pb2.ROLE_UNSPECIFIED
+    with grpc_util.channel(settings.registry, settings.tls_ca) as chan:
+        stub = registry_pb2_grpc.RegistryStub(chan)
+        try:
+            if settings.watch:
+                _watch(stub, settings, role, out)
+            else:
+                _list(stub, settings, role, out)
+        except grpc.RpcError as exc:
+            code = exc.code().name if isinstance(exc, grpc.Call) else "UNKNOWN"
+            details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
+            sys.stderr.write(f"pdplane ls: registry {settings.registry}: {code}: {details}\n")
+            return 1
+        except KeyboardInterrupt:
+            return 0
+    return 0
