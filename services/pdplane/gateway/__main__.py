@@ -1,0 +1,36 @@
+"""`pdplane gateway`: settings -> app -> uvicorn."""
+
+from __future__ import annotations
+
+import logging
+
+import uvicorn
+
+from pdplane.gateway.app import create_app
+from pdplane.gateway.settings import GatewaySettings
+
+__all__ = ["main"]
+
+
+def main(argv: list[str]) -> int:
+    """Runs the gateway until interrupted; returns the exit code."""
+    settings = GatewaySettings.parse(argv)
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    uvicorn.run(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        loop="uvloop",
+        http="httptools",
+        log_level=settings.log_level,
+        access_log=False,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,87 @@
+"""The gateway's FastAPI app factory: wires scheduler client, fleet view, relay and routes."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from pdplane.gateway.fleet import FleetTracker, FleetView
+from pdplane.gateway.kv_abort import KvAborter
+from pdplane.gateway.metrics import GatewayMetrics
+from pdplane.gateway.relay import Relay, RelayConfig, SchedulerPort
+from pdplane.gateway.routes import build_router
+from pdplane.gateway.settings import GatewaySettings
+from pdplane.gateway.upstream import UpstreamClient
+
+__all__ = ["create_app"]
+
+log = logging.getLogger(__name__)
+
+
+def create_app(
+    settings: GatewaySettings,
+    *,
+    scheduler: SchedulerPort | None = None,
+    fleet: Callable[[], FleetView] | None = None,
+) -> FastAPI:
+    """The gateway app for `settings`.
+
+    `scheduler` and `fleet` replace the real scheduler client and registry view (tests);
+    otherwise the app connects to `settings.scheduler` and watches `settings.registry` from its
+    lifespan's startup (waiting up to `registry_wait_s` for the first snapshot) and closes
+    everything at shutdown.
+    """
+    metrics = GatewayMetrics()
+    upstream = UpstreamClient(
+        connect_timeout_s=settings.connect_timeout_s, max_connections=settings.max_connections
+    )
+    aborter = KvAborter(
+        token=settings.token, tls_ca=settings.tls_ca, timeout_s=settings.abort_timeout_s
+    )
+    owned_scheduler = None
+    if scheduler is None:
+        from pdplane.scheduler.client import SchedulerClient
+
+        scheduler = owned_scheduler = SchedulerClient(
+            settings.scheduler,
+            token=settings.token,
+            tls_ca=settings.tls_ca,
+            timeout_s=settings.schedule_timeout_s,
+        )
+    tracker = None
+    if fleet is None:
+        tracker = FleetTracker(settings.registry, token=settings.token, tls_ca=settings.tls_ca)
+        fleet = lambda: tracker.view  # noqa: E731
+    config = RelayConfig(
+        dispatch=settings.dispatch,
+        upstream_timeout_s=settings.upstream_timeout_s,
+        max_retries=settings.max_retries,
+    )
+    relay = Relay(scheduler, upstream, aborter, metrics, config)
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        if tracker is not None:
+            ready = await asyncio.to_thread(tracker.start, settings.registry_wait_s)
+            if not ready:
+                log.warning("registry %s not reachable yet; /health answers 503", settings.registry)
+        try:
+            yield
+        finally:
+            await relay.drain()
+            await upstream.close()
+            await aborter.close()
+            if owned_scheduler is not None:
+                await owned_scheduler.close()
+            if tracker is not None:
+                await asyncio.to_thread(tracker.stop)
+
+    app = FastAPI(title="pdplane gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.include_router(build_router(relay, fleet, metrics, settings.api_keys()))
+    app.state.relay = relay
+    app.state.metrics = metrics
+    return app

@@ -1,0 +1,111 @@
+"""Errors the gateway answers with, in the OpenAI / vLLM error shape.
+
+Body: `{"error": {"message": str, "type": str, "param": str | null, "code": int}}` (vLLM's
+`ErrorResponse`), so OpenAI SDKs raise the matching exception class.
+"""
+
+from __future__ import annotations
+
+import json
+
+__all__ = [
+    "GatewayError",
+    "UpstreamReply",
+    "bad_gateway",
+    "bad_request",
+    "error_body",
+    "gateway_timeout",
+    "not_found",
+    "unauthorized",
+    "unavailable",
+]
+
+_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    502: "BadGatewayError",
+    503: "ServiceUnavailableError",
+    504: "GatewayTimeoutError",
+}
+
+
+def error_body(status: int, message: str, param: str | None = None) -> bytes:
+    """The JSON bytes of an OpenAI-style error for HTTP `status`."""
+    err = {
+        "message": message,
+        "type": _TYPES.get(status, "InternalServerError"),
+        "param": param,
+        "code": status,
+    }
+    return json.dumps({"error": err}).encode()
+
+
+class GatewayError(Exception):
+    """An error the gateway itself answers with (never an upstream's own answer).
+
+    Attributes:
+        status: HTTP status code.
+        message: human-readable reason (goes into `error.message`).
+        param: the offending request field, if any.
+    """
+
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+
+    def body(self) -> bytes:
+        """OpenAI-style JSON error body (bytes)."""
+        return error_body(self.status, self.message, self.param)
+
+    def sse_event(self) -> bytes:
+        """The error as one SSE event `data: {"error": {...}}\\n\\n` (after streaming began)."""
+        return b"data: " + self.body() + b"\n\n"
+
+
+class UpstreamReply(Exception):
+    """An upstream answered with an error status; the gateway passes it through unchanged.
+
+    Attributes:
+        status: the upstream's HTTP status (e.g. 400 for `max_tokens` over the model length).
+        body: the upstream's body bytes, relayed as-is.
+        content_type: the upstream's Content-Type.
+    """
+
+    def __init__(self, status: int, body: bytes, content_type: str) -> None:
+        super().__init__(f"upstream answered {status}")
+        self.status = status
+        self.body = body
+        self.content_type = content_type
+
+
+def bad_request(message: str, param: str | None = None) -> GatewayError:
+    """400: malformed JSON, wrong type or missing field (the gateway's own validation)."""
+    return GatewayError(400, message, param)
+
+
+def unauthorized() -> GatewayError:
+    """401: missing or invalid bearer token (`--api-key`)."""
+    return GatewayError(401, "missing or invalid API key (expected 'Authorization: Bearer <key>')")
+
+
+def not_found(model: str) -> GatewayError:
+    """404: no instance of `model` is registered."""
+    return GatewayError(404, f"The model `{model}` does not exist.", "model")
+
+
+def unavailable(message: str) -> GatewayError:
+    """503: no compatible prefill or decode instance (the message names the missing side)."""
+    return GatewayError(503, message)
+
+
+def bad_gateway(message: str) -> GatewayError:
+    """502: an instance was unreachable or answered something unusable."""
+    return GatewayError(502, message)
+
+
+def gateway_timeout(message: str) -> GatewayError:
+    """504: an instance did not answer within `--upstream-timeout-s`."""
+    return GatewayError(504, message)

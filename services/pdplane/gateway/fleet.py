@@ -1,0 +1,154 @@
+"""What the gateway knows about the fleet: models served, usable pairs, for /v1/models and /health.
+
+Built from the registry watcher's view once per change (on the watcher's thread) and swapped in
+atomically, so the request path only reads a ready-made `FleetView`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdplane.scheduler.candidate import Candidate
+from pdplane.v1 import instance_pb2
+
+__all__ = ["FleetTracker", "FleetView", "ModelState", "build_view"]
+
+
+@dataclass(frozen=True, slots=True)
+class ModelState:
+    """One served model across the fleet.
+
+    Attributes:
+        prefill: SERVING instances able to prefill (role PREFILL or BOTH).
+        decode: SERVING instances able to decode (role DECODE or BOTH).
+        paired: whether some prefill and some decode share KV layout, transport and max length.
+        max_model_len: the largest max model length of its instances (tokens).
+        created: earliest registration time of its instances (Unix seconds).
+    """
+
+    prefill: int
+    decode: int
+    paired: bool
+    max_model_len: int
+    created: int
+
+    def problem(self) -> str:
+        """Why no request of this model can be served now; "" when a usable pair exists."""
+        if self.paired:
+            return ""
+        if self.prefill == 0 and self.decode == 0:
+            return "no instance is serving (all draining)"
+        if self.prefill == 0:
+            return "no prefill instance"
+        if self.decode == 0:
+            return "no decode instance"
+        return "no prefill and decode instance with equal KV layout, transport and max length"
+
+
+@dataclass(frozen=True, slots=True)
+class FleetView:
+    """An immutable picture of the fleet: model name -> ModelState.
+
+    `ready` is False until the registry watcher delivered its first snapshot.
+    """
+
+    models: dict[str, ModelState] = field(default_factory=dict)
+    ready: bool = False
+
+    def models_list(self) -> dict[str, Any]:
+        """The OpenAI `GET /v1/models` body: `{"object": "list", "data": [model, ...]}`."""
+        data = [
+            {
+                "id": name,
+                "object": "model",
+                "created": state.created,
+                "owned_by": "pdplane",
+                "root": name,
+                "parent": None,
+                "max_model_len": state.max_model_len,
+            }
+            for name, state in sorted(self.models.items())
+        ]
+        return {"object": "list", "data": data}
+
+    def health(self) -> tuple[bool, dict[str, Any]]:
+        """(healthy, body) for `GET /health`: healthy when every model has a usable pair.
+
+        The body lists per model its prefill/decode counts; when unhealthy, `reason` says why.
+        """
+        models = {
+            name: {"prefill": s.prefill, "decode": s.decode, "paired": s.paired}
+            for name, s in sorted(self.models.items())
+        }
+        if not self.ready:
+            reason = "registry not reachable yet (no snapshot of the instances)"
+        elif not self.models:
+            reason = "no instances registered"
+        else:
+            reason = "; ".join(
+                f"model {name!r}: {s.problem()}" for name, s in self.models.items() if s.problem()
+            )
+        body: dict[str, Any] = {"status": "unavailable" if reason else "ok", "models": models}
+        if reason:
+            body["reason"] = reason
+        return not reason, body
+
+
+def _model_state(candidates: list[Candidate], created: int) -> ModelState:
+    serving = [c for c in candidates if c.serving]
+    prefill_keys = {c.pair_key for c in serving if c.can_prefill}
+    decode_keys = {c.pair_key for c in serving if c.can_decode}
+    return ModelState(
+        prefill=sum(c.can_prefill for c in serving),
+        decode=sum(c.can_decode for c in serving),
+        paired=bool(prefill_keys & decode_keys),
+        max_model_len=max(c.max_model_len for c in candidates),
+        created=created,
+    )
+
+
+def build_view(instances: Iterable[instance_pb2.Instance]) -> FleetView:
+    """A ready FleetView of the registry's `instances` (any state; DRAINING ones are listed but
+    never count towards a usable pair)."""
+    by_model: dict[str, list[Candidate]] = {}
+    created: dict[str, int] = {}
+    for inst in instances:
+        cand = Candidate.from_instance(inst)
+        by_model.setdefault(cand.model, []).append(cand)
+        seconds = inst.registered_at.seconds
+        created[cand.model] = min(created.get(cand.model, seconds), seconds)
+    return FleetView(
+        models={m: _model_state(cs, created[m]) for m, cs in by_model.items()}, ready=True
+    )
+
+
+class FleetTracker:
+    """Keeps `view` current from the registry (`pdplane.registry.client.InstanceWatcher`).
+
+    Args:
+        registry: registry gRPC address host:port.
+        token: bearer token for the registry.
+        tls_ca: PEM CA file when the registry serves TLS.
+    """
+
+    def __init__(self, registry: str, *, token: str | None = None, tls_ca: str | None = None):
+        from pdplane.registry.client import InstanceWatcher
+
+        self.view = FleetView()
+        self._watcher = InstanceWatcher(
+            registry, token=token, tls_ca=tls_ca, on_change=self._on_change
+        )
+
+    def _on_change(self, instances: dict[str, instance_pb2.Instance]) -> None:
+        self.view = build_view(instances.values())
+
+    def start(self, wait_s: float) -> bool:
+        """Starts watching; blocks up to `wait_s` s for the first snapshot (True once it came)."""
+        self._watcher.start()
+        return self._watcher.wait_ready(wait_s)
+
+    def stop(self) -> None:
+        """Stops watching (bounded, ~2 s at most)."""
+        self._watcher.stop()

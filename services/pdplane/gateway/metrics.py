@@ -1,0 +1,81 @@
+"""Prometheus metrics of the gateway (one registry per app, served on `GET /metrics`).
+
+Latencies in seconds. TTFT is measured from the request's arrival to the first relayed SSE
+event; TPOT = (last event - first event) / (events - 1) over a stream (one event per token for
+vLLM with n=1). Neither is observable on non-streaming requests, which only record end-to-end
+and per-leg latency.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+__all__ = ["GatewayMetrics"]
+
+_LATENCY_BUCKETS = (
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
+)  # fmt: skip
+_TPOT_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0,
+)  # fmt: skip
+
+
+class GatewayMetrics:
+    """The gateway's metric families, registered in their own `registry`."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "pdplane_gateway_requests",
+            "Requests answered, by endpoint and HTTP status",
+            ["endpoint", "status"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "pdplane_gateway_ttft_seconds",
+            "Time to first token of streamed requests (arrival to first relayed event)",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "pdplane_gateway_tpot_seconds",
+            "Time per output token after the first, per streamed request",
+            buckets=_TPOT_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "pdplane_gateway_e2e_latency_seconds",
+            "Arrival to last byte relayed, successful requests",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.leg = Histogram(
+            "pdplane_gateway_leg_latency_seconds",
+            "Prefill leg (request to response) and decode leg (request to response headers)",
+            ["leg"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.retries = Counter(
+            "pdplane_gateway_retries",
+            "Requests retried on another pair, by the side that failed",
+            ["side"],
+            registry=r,
+        )
+        self.cancellations = Counter(
+            "pdplane_gateway_cancellations",
+            "Requests cancelled by a client disconnect",
+            registry=r,
+        )
+        self.inflight = Gauge(
+            "pdplane_gateway_inflight_requests",
+            "Requests being handled (scheduled, relaying or streaming)",
+            registry=r,
+        )
+        self.kv_aborts = Counter(
+            "pdplane_gateway_kv_aborts",
+            "AbortTransfer calls sent to prefill instances, by result",
+            ["result"],
+            registry=r,
+        )

@@ -1,0 +1,59 @@
+"""`pdplane gateway` settings: every field is a `--kebab-case` flag and a `PDPLANE_*` env var."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from pdplane.core import defaults
+from pdplane.core.settings import CommandSettings
+
+__all__ = ["GatewaySettings"]
+
+
+class GatewaySettings(CommandSettings):
+    """Flags of `pdplane gateway` (env: PDPLANE_SCHEDULER, PDPLANE_API_KEY, ...)."""
+
+    scheduler: str = Field(
+        f"127.0.0.1:{defaults.SCHEDULER_PORT}", description="scheduler gRPC address host:port"
+    )
+    registry: str = Field(
+        f"127.0.0.1:{defaults.REGISTRY_PORT}",
+        description="registry gRPC address host:port (for /v1/models and /health)",
+    )
+    host: str = Field("127.0.0.1", description="HTTP bind address (0.0.0.0 for all interfaces)")
+    port: int = Field(defaults.GATEWAY_PORT, ge=0, le=65535, description="HTTP port; 0 = any")
+    api_key: str | None = Field(
+        None,
+        description="require 'Authorization: Bearer <key>' on /v1/*; comma-separated for several",
+    )
+    dispatch: Literal["sequential", "concurrent"] = Field(
+        "sequential",
+        description="sequential: decode request after prefill's answer; concurrent: decode "
+        "request opened while prefill runs (see docs/gateway.md)",
+    )
+    upstream_timeout_s: float = Field(
+        300.0, gt=0, description="max silence of an instance before 504 / error event (s)"
+    )
+    connect_timeout_s: float = Field(5.0, gt=0, description="TCP connect bound per leg (s)")
+    max_retries: int = Field(
+        1, ge=0, le=5, description="retries on another pair when an instance is unreachable"
+    )
+    max_connections: int = Field(
+        0, ge=0, description="HTTP connection pool size to the instances; 0 = unlimited"
+    )
+    token: str | None = Field(
+        None, description="bearer token for the scheduler, registry and KvTransfer gRPC calls"
+    )
+    tls_ca: str | None = Field(None, description="PEM CA for TLS to the gRPC services")
+    schedule_timeout_s: float = Field(5.0, gt=0, description="deadline of one Schedule call (s)")
+    abort_timeout_s: float = Field(2.0, gt=0, description="deadline of one AbortTransfer (s)")
+    registry_wait_s: float = Field(
+        5.0, ge=0, description="at startup, wait this long for the registry's first snapshot (s)"
+    )
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info")
+
+    def api_keys(self) -> tuple[str, ...]:
+        """The accepted API keys (empty: no authentication)."""
+        return tuple(k.strip() for k in (self.api_key or "").split(",") if k.strip())

@@ -1,0 +1,123 @@
+"""Validation of client requests: the few fields the gateway reads, checked before any upstream.
+
+The gateway forwards the client's body unchanged to decode, so it validates only what it uses
+itself (model, prompt/messages, streaming and length fields) and leaves everything else to vLLM.
+Types are checked strictly (`"stream": "yes"` or `"max_tokens": "5"` is a 400 here).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
+
+from pdplane.gateway.errors import bad_request
+from pdplane.gateway.tokens import estimate_chat_tokens, estimate_prompt_tokens
+
+__all__ = ["CHAT", "COMPLETIONS", "ClientRequest", "Endpoint", "parse_request"]
+
+Endpoint = Literal["/v1/completions", "/v1/chat/completions"]
+COMPLETIONS: Endpoint = "/v1/completions"
+CHAT: Endpoint = "/v1/chat/completions"
+
+_TokenIds = list[Annotated[StrictInt, Field(ge=0)]]
+
+
+class _StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    include_usage: StrictBool | None = None
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: Annotated[StrictStr, Field(min_length=1)]
+    stream: StrictBool | None = False
+    stream_options: _StreamOptions | None = None
+    max_tokens: StrictInt | None = None
+    min_tokens: StrictInt | None = None
+    n: StrictInt | None = None
+    user: StrictStr | None = None
+
+
+class _Completion(_Common):
+    prompt: StrictStr | list[StrictStr] | _TokenIds | list[_TokenIds]
+
+
+class _Chat(_Common):
+    messages: Annotated[list[dict[str, Any]], Field(min_length=1)]
+    max_completion_tokens: StrictInt | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ClientRequest:
+    """A validated client request.
+
+    Attributes:
+        endpoint: the OpenAI path it arrived on (and is forwarded to).
+        body: the client's JSON object, unchanged (the decode leg sends it plus kv_transfer_params).
+        model: served model name.
+        stream: whether the client asked for SSE.
+        prompt_tokens: prompt length estimate for Schedule (tokens; see `pdplane.gateway.tokens`).
+        max_tokens: tokens to generate if the client said so, else 0 (unknown).
+        routing_key: consistent-hash key (`X-Routing-Key` header, else the `user` field).
+    """
+
+    endpoint: Endpoint
+    body: dict[str, Any]
+    model: str
+    stream: bool
+    prompt_tokens: int
+    max_tokens: int
+    routing_key: str
+
+
+def _first_error(exc: ValidationError) -> tuple[str, str]:
+    err = exc.errors()[0]
+    param = ".".join(str(p) for p in err["loc"] if not isinstance(p, int)) or None
+    loc = ".".join(str(p) for p in err["loc"])
+    if err["type"] == "missing":
+        return f"'{loc}' is a required property", param or loc
+    return f"invalid value for '{loc}': {err['msg']}", param or loc
+
+
+def parse_request(endpoint: Endpoint, raw: bytes, routing_key: str = "") -> ClientRequest:
+    """Parses and validates a client body for `endpoint`.
+
+    Args:
+        endpoint: COMPLETIONS or CHAT.
+        raw: the HTTP body (UTF-8 JSON).
+        routing_key: the `X-Routing-Key` header, "" when absent.
+
+    Raises:
+        GatewayError(400): not JSON, not an object, a missing `model`/`prompt`/`messages`, or a
+            wrong type in a field the gateway reads.
+    """
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise bad_request(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise bad_request("request body must be a JSON object")
+    model_cls = _Chat if endpoint == CHAT else _Completion
+    try:
+        req = model_cls.model_validate(body)
+    except ValidationError as exc:
+        message, param = _first_error(exc)
+        raise bad_request(message, param) from None
+    if isinstance(req, _Chat):
+        prompt_tokens = estimate_chat_tokens(req.messages)
+        max_tokens = req.max_completion_tokens or req.max_tokens or 0
+    else:
+        prompt_tokens = estimate_prompt_tokens(req.prompt)
+        max_tokens = req.max_tokens or 0
+    return ClientRequest(
+        endpoint=endpoint,
+        body=body,
+        model=req.model,
+        stream=bool(req.stream),
+        prompt_tokens=prompt_tokens,
+        max_tokens=max(0, max_tokens),
+        routing_key=routing_key or (req.user or ""),
+    )
