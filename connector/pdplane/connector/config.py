@@ -1,0 +1,118 @@
+"""Typed, validated settings of the connector, read from `kv_connector_extra_config`.
+
+Every key is optional except where noted; unknown keys are rejected (a typo must not silently
+fall back to a default). Example::
+
+    {"registry": "127.0.0.1:50051", "url": "http://127.0.0.1:8100",
+     "kv_port": 50100, "transport": "tcp", "transfer_timeout_s": 60}
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import socket
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from pdplane.core import defaults
+
+__all__ = ["ConnectorConfig", "ConnectorConfigError"]
+
+_INSTANCE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+
+
+class ConnectorConfigError(ValueError):
+    """`kv_connector_extra_config` is invalid; the message names the key."""
+
+
+class ConnectorConfig(BaseModel):
+    """Settings of one vLLM instance's PdPlaneConnector (all ranks share them)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    registry: str | None = Field(
+        None, description="Registry gRPC address host:port; unset = do not register."
+    )
+    registry_token: str | None = Field(None, description="Bearer token for the registry.")
+    registry_tls_ca: str | None = Field(None, description="PEM CA to verify the registry's TLS.")
+    instance_id: str | None = Field(
+        None, description="Registry instance id; default <hostname>-<kv_port>-<random>."
+    )
+    url: str | None = Field(
+        None, description="This instance's OpenAI base URL (http://host:port); needed to register."
+    )
+    labels: dict[str, str] = Field(default_factory=dict, description="Registry labels.")
+    lease_ttl_ms: int = Field(defaults.LEASE_TTL_MS, gt=0, description="Requested lease TTL (ms).")
+
+    kv_host: str = Field("127.0.0.1", description="Bind host of the KvTransfer gRPC server.")
+    kv_port: int = Field(
+        0, ge=0, lt=65536, description="KvTransfer port of TP rank 0 (rank i: +i); 0 = any."
+    )
+    advertise_host: str | None = Field(
+        None, description="Host peers use to reach the KvTransfer server; default kv_host."
+    )
+    token: str | None = Field(
+        None, description="Bearer token required on KvTransfer calls (and sent to peers)."
+    )
+    tls_cert: str | None = Field(None, description="PEM certificate of the KvTransfer server.")
+    tls_key: str | None = Field(None, description="PEM key of the KvTransfer server.")
+    tls_ca: str | None = Field(None, description="PEM CA to verify peers' KvTransfer TLS.")
+
+    transport: Literal["tcp", "nccl"] = Field("tcp", description="How KV block bytes move.")
+    transfer_timeout_s: float = Field(
+        defaults.KV_TRANSFER_TIMEOUT_S,
+        gt=0,
+        description="Prefill frees held blocks if decode has not completed by then (s).",
+    )
+    pull_timeout_s: float = Field(
+        30.0, gt=0, description="Decode gives up a pull after this long: load error (s)."
+    )
+    chunk_bytes: int = Field(4 * 1024 * 1024, gt=0, description="TCP: bytes per KvChunk.")
+    pull_workers: int = Field(4, ge=1, le=64, description="Concurrent pulls per decode worker.")
+
+    @model_validator(mode="after")
+    def _check(self) -> ConnectorConfig:
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("tls_cert and tls_key must be set together")
+        if self.instance_id is not None and not _INSTANCE_ID.match(self.instance_id):
+            raise ValueError("instance_id must match [A-Za-z0-9._:-]{1,128}")
+        if self.registry:
+            if not self.url:
+                raise ValueError("url is required when registry is set")
+            if self.kv_port == 0:
+                raise ValueError("kv_port must be set (non-zero) when registry is set")
+        return self
+
+    @classmethod
+    def from_extra_config(cls, extra: dict[str, Any] | None) -> ConnectorConfig:
+        """Parses `kv_connector_extra_config`; raises ConnectorConfigError naming the bad key."""
+        try:
+            return cls.model_validate(dict(extra or {}))
+        except ValidationError as exc:
+            errs = "; ".join(
+                f"{'.'.join(str(p) for p in e['loc']) or 'config'}: {e['msg']}"
+                for e in exc.errors()
+            )
+            raise ConnectorConfigError(f"invalid kv_connector_extra_config: {errs}") from None
+
+    def kv_endpoint(self, tp_rank: int = 0) -> str:
+        """host:port peers use to reach the KvTransfer server of `tp_rank`."""
+        host = self.advertise_host or self.kv_host
+        if ":" in host and not host.startswith("["):
+            host = f"[{host}]"
+        return f"{host}:{self.kv_port + tp_rank if self.kv_port else 0}"
+
+    def bind_address(self, tp_rank: int = 0) -> str:
+        """host:port the KvTransfer server of `tp_rank` binds (port 0 = any free port)."""
+        host = self.kv_host if ":" not in self.kv_host else f"[{self.kv_host}]"
+        return f"{host}:{self.kv_port + tp_rank if self.kv_port else 0}"
+
+    def resolved_instance_id(self) -> str:
+        """The configured instance id, or a fresh unique one."""
+        if self.instance_id:
+            return self.instance_id
+        host = re.sub(r"[^A-Za-z0-9.-]", "-", socket.gethostname())[:64] or "host"
+        return f"{host}-{self.kv_port or os.getpid()}-{secrets.token_hex(3)}"

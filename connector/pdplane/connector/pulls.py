@@ -1,0 +1,203 @@
+"""Decode side: pulls running in the background and their outcomes for vLLM.
+
+The engine thread submits a pull (`submit`) and, on every step, collects finished ones
+(`pop_finished`, then `pop_load_errors`) without ever blocking. A pull runs on a worker thread:
+the transport fills the decode blocks (bounded by the pull timeout), then prefill is told to
+free the transfer (CompleteTransfer). Whatever happens, the request is reported finished
+receiving exactly once; on failure its blocks are reported as load errors in the same engine
+step, so vLLM recomputes them or fails the request (`kv_load_failure_policy`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from concurrent import futures
+from dataclasses import dataclass
+
+import grpc
+
+from pdplane.connector.metadata import LoadSpec, ReleaseSpec
+from pdplane.connector.peers import PeerPool
+from pdplane.connector.transports.base import KvTransport, PullRequest, TransferError
+from pdplane.v1 import instance_pb2, kv_transfer_pb2
+
+__all__ = ["PullStats", "Puller"]
+
+log = logging.getLogger(__name__)
+
+_CONTROL_TIMEOUT_S = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class PullStats:
+    """One finished pull (for logs and measurements)."""
+
+    transfer_id: str
+    ok: bool
+    num_blocks: int
+    nbytes: int
+    seconds: float
+    error: str = ""
+
+
+class Puller:
+    """Runs pulls for one decode worker (TP rank).
+
+    Args:
+        transport: moves the bytes.
+        peers: channels to prefill instances.
+        layout: this worker's KV layout (sent for prefill to check).
+        requester_id: this instance's registry id.
+        tp_rank: this worker's TP rank (pulls from the same rank of prefill).
+        pull_timeout_s: bound on one pull, from submission (s).
+        max_workers: concurrent pulls.
+    """
+
+    def __init__(
+        self,
+        transport: KvTransport,
+        peers: PeerPool,
+        layout: instance_pb2.KvLayout,
+        requester_id: str,
+        tp_rank: int = 0,
+        pull_timeout_s: float = 30.0,
+        max_workers: int = 4,
+    ) -> None:
+        self._transport = transport
+        self._peers = peers
+        self._layout = layout
+        self._requester_id = requester_id
+        self._tp_rank = tp_rank
+        self._timeout_s = pull_timeout_s
+        self._pool = futures.ThreadPoolExecutor(max_workers, thread_name_prefix="pdplane-pull")
+        self._lock = threading.Lock()
+        self._active: set[str] = set()
+        self._done: list[tuple[str, tuple[int, ...]]] = []  # (req id, failed blocks)
+        self._errors: set[int] = set()
+        self.history: list[PullStats] = []  # last 1000 pulls
+
+    @property
+    def inflight(self) -> int:
+        """Pulls submitted and not yet collected."""
+        return len(self._active)
+
+    def submit(self, spec: LoadSpec) -> None:
+        """Starts a pull in the background; a request already being pulled is ignored."""
+        with self._lock:
+            if spec.req_id in self._active:
+                log.error("request %s is already being pulled; ignoring", spec.req_id)
+                return
+            self._active.add(spec.req_id)
+        deadline = time.monotonic() + self._timeout_s
+        try:
+            self._pool.submit(self._run, spec, deadline)
+        except RuntimeError:  # pool shut down: fail it now rather than never
+            self._finish(spec, PullStats(spec.transfer_id, False, 0, 0, 0.0, "shutting down"))
+
+    def release(self, spec: ReleaseSpec) -> None:
+        """Tells prefill to free a transfer decode will not pull (best effort, background)."""
+        with contextlib.suppress(RuntimeError):  # pool shut down: prefill's timeout frees it
+            self._pool.submit(self._abort, spec)
+
+    def pop_finished(self) -> set[str]:
+        """Request ids whose pull ended since the last call (each once); their failed blocks
+        become available from the next `pop_load_errors`. Never blocks for long."""
+        if not self._done:
+            return set()
+        with self._lock:
+            done, self._done = self._done, []
+            ids = set()
+            for req_id, failed in done:
+                self._active.discard(req_id)
+                self._errors.update(failed)
+                ids.add(req_id)
+        return ids
+
+    def pop_load_errors(self) -> set[int]:
+        """Decode block ids that failed to load, for requests returned by `pop_finished`."""
+        if not self._errors:
+            return set()
+        with self._lock:
+            errors, self._errors = self._errors, set()
+        return errors
+
+    def close(self) -> None:
+        """Stops accepting pulls; running ones end by their deadline."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _run(self, spec: LoadSpec, deadline: float) -> None:
+        start = time.monotonic()
+        nbytes, error = 0, ""
+        try:
+            peer = self._peers.get(spec.endpoint, self._tp_rank)
+            request = PullRequest(
+                transfer_id=spec.transfer_id,
+                remote_block_indices=spec.remote_block_indices,
+                local_block_ids=spec.local_block_ids,
+                expected_layout=self._layout,
+                tp_rank=self._tp_rank,
+                requester_id=self._requester_id,
+                deadline=deadline,
+            )
+            nbytes = self._transport.pull(peer, request)
+        except TransferError as exc:
+            error = str(exc)
+        except Exception as exc:  # any bug must still end the load, never hang the request
+            log.exception("pull of transfer %s", spec.transfer_id)
+            error = f"{type(exc).__name__}: {exc}"
+        stats = PullStats(
+            spec.transfer_id,
+            not error,
+            len(spec.local_block_ids),
+            nbytes,
+            time.monotonic() - start,
+            error,
+        )
+        # Report to vLLM first: a slow or dead prefill must not delay the decode request.
+        self._finish(spec, stats)
+        self._complete(spec, ok=not error)
+
+    def _finish(self, spec: LoadSpec, stats: PullStats) -> None:
+        if stats.ok:
+            log.info(
+                "transfer %s: pulled %d blocks, %d bytes in %.1f ms",
+                spec.transfer_id,
+                stats.num_blocks,
+                stats.nbytes,
+                stats.seconds * 1000,
+            )
+        else:
+            log.warning("transfer %s: pull failed: %s", spec.transfer_id, stats.error)
+        with self._lock:
+            self.history.append(stats)
+            del self.history[:-1000]
+            self._done.append((spec.req_id, () if stats.ok else spec.local_block_ids))
+
+    def _complete(self, spec: LoadSpec, ok: bool) -> None:
+        try:
+            peer = self._peers.get(spec.endpoint, self._tp_rank)
+            peer.stub.CompleteTransfer(
+                kv_transfer_pb2.CompleteTransferRequest(transfer_id=spec.transfer_id, success=ok),
+                timeout=_CONTROL_TIMEOUT_S,
+                metadata=peer.metadata,
+            )
+        except (grpc.RpcError, ValueError) as exc:
+            # Prefill frees the blocks at its own timeout anyway.
+            log.info("CompleteTransfer %s failed: %s", spec.transfer_id, exc)
+
+    def _abort(self, spec: ReleaseSpec) -> None:
+        try:
+            peer = self._peers.get(spec.endpoint, self._tp_rank)
+            peer.stub.AbortTransfer(
+                kv_transfer_pb2.AbortTransferRequest(
+                    transfer_id=spec.transfer_id, reason=spec.reason
+                ),
+                timeout=_CONTROL_TIMEOUT_S,
+                metadata=peer.metadata,
+            )
+            log.info("transfer %s: released (%s)", spec.transfer_id, spec.reason)
+        except (grpc.RpcError, ValueError) as exc:
+            log.info("AbortTransfer %s failed: %s", spec.transfer_id, exc)

@@ -1,0 +1,120 @@
+"""Registers the instance (once, from the scheduler side) once its OpenAI server answers.
+
+vLLM builds the connector before its HTTP server listens; registering at that moment would let
+the gateway route to an instance that refuses connections. So a thread first waits for
+`<url>/health` to answer 200, then hands over to `RegistrationClient` (register, heartbeat with
+the engine's load, re-register after a registry restart, deregister on shutdown).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+
+from pdplane.connector.config import ConnectorConfig
+from pdplane.registry.registration import RegistrationClient
+from pdplane.v1 import instance_pb2
+
+__all__ = ["InstanceRegistration", "build_spec"]
+
+log = logging.getLogger(__name__)
+
+_HEALTH_POLL_S = 0.5
+
+
+def build_spec(
+    config: ConnectorConfig,
+    instance_id: str,
+    role: instance_pb2.Role.ValueType,
+    model: str,
+    layout: instance_pb2.KvLayout,
+    max_model_len: int,
+    tp_size: int,
+    version: str,
+) -> instance_pb2.InstanceSpec:
+    """The InstanceSpec this instance registers with."""
+    return instance_pb2.InstanceSpec(
+        instance_id=instance_id,
+        role=role,
+        model=model,
+        url=(config.url or "").rstrip("/"),
+        kv_endpoint=config.kv_endpoint(),
+        transport=instance_pb2.TRANSPORT_NCCL
+        if config.transport == "nccl"
+        else instance_pb2.TRANSPORT_TCP,
+        tp_size=tp_size,
+        kv_layout=layout,
+        max_model_len=max_model_len,
+        version=version,
+        labels=config.labels,
+    )
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=2.0) as resp:
+            return bool(resp.status == 200)
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+class InstanceRegistration:
+    """Waits for the instance's HTTP server, then keeps it registered until `stop()`.
+
+    Args:
+        config: connector settings (registry address, token, TLS CA, URL, lease TTL).
+        spec: what to register.
+        load_fn: the heartbeat's load report (called from the registration thread).
+    """
+
+    def __init__(
+        self,
+        config: ConnectorConfig,
+        spec: instance_pb2.InstanceSpec,
+        load_fn: Callable[[], instance_pb2.LoadReport],
+    ) -> None:
+        assert config.registry is not None
+        self.client = RegistrationClient(
+            config.registry,
+            spec,
+            load_fn,
+            token=config.registry_token,
+            tls_ca=config.registry_tls_ca,
+            lease_ttl_ms=config.lease_ttl_ms,
+        )
+        self._url = spec.url
+        self._stopping = threading.Event()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(
+            target=self._wait_then_register, name="pdplane-registration-wait", daemon=True
+        )
+
+    def start(self) -> None:
+        """Returns at once; registration starts when `<url>/health` answers 200."""
+        self._thread.start()
+        atexit.register(self.stop)
+
+    def stop(self) -> None:
+        """Deregisters (if registered) and stops the threads; idempotent, never raises."""
+        with self._lock:
+            if self._stopping.is_set():
+                return
+            self._stopping.set()
+        self.client.stop()  # deregisters when registered; closes the channel either way
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=3.0)
+
+    def _wait_then_register(self) -> None:
+        while not self._stopping.is_set():
+            if _healthy(self._url):
+                with self._lock:
+                    if self._stopping.is_set():
+                        return
+                    self.client.start()
+                log.info("registering %s with %s", self.client.instance_id, self._url)
+                return
+            self._stopping.wait(_HEALTH_POLL_S)

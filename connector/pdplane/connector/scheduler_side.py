@@ -1,0 +1,287 @@
+"""Scheduler-side half of the connector: decides, per request, what to hold or pull.
+
+Lives in vLLM's engine-core process next to the scheduler (one per instance). It reads only
+`kv_transfer_params` (never request ids) and hands its decisions to the workers through the
+step's metadata:
+
+* prefill (`do_remote_decode`): when the request finishes normally, keep its prompt blocks
+  (`request_finished` returns True), issue a transfer id derived from the gateway's request id
+  plus a random part, and return the `DecodeRequestParams` for the decode leg;
+* decode (`do_remote_prefill`): report the prompt tokens beyond the local prefix cache as
+  loadable asynchronously, and once vLLM allocated blocks for them, ask the workers to pull
+  exactly those blocks; if nothing needs pulling (or the request ends before its load),
+  ask the workers to tell prefill to free the transfer.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+from typing import TYPE_CHECKING, Any
+
+from pdplane.connector.config import ConnectorConfig
+from pdplane.connector.metadata import HoldSpec, LoadSpec, PdPlaneConnectorMetadata, ReleaseSpec
+from pdplane.core.kv_params import DecodeRequestParams, KvParamsError, PrefillRequestParams
+from pdplane.core.layout import fingerprint
+from pdplane.v1 import instance_pb2
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.request import Request
+
+__all__ = ["SchedulerSide", "make_transfer_id"]
+
+log = logging.getLogger(__name__)
+
+_MAX_KEY_LEN = 96
+
+
+def make_transfer_id(gateway_request_id: str) -> str:
+    """`<gateway request id>.<16 hex>`: traceable to the gateway's id, unguessable."""
+    return f"{gateway_request_id[:_MAX_KEY_LEN]}.{secrets.token_hex(8)}"
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class SchedulerSide:
+    """Per-instance transfer decisions and load accounting.
+
+    Args:
+        config: the connector settings.
+        engine_id: this instance's registry id (goes into the params prefill returns).
+        layout: this instance's KV layout (per TP rank).
+        tp_size: this instance's tensor-parallel size.
+    """
+
+    def __init__(
+        self,
+        config: ConnectorConfig,
+        engine_id: str,
+        layout: instance_pb2.KvLayout,
+        tp_size: int = 1,
+    ) -> None:
+        self.config = config
+        self.tp_size = tp_size
+        self.engine_id = engine_id
+        self.layout = layout
+        self.fingerprint = fingerprint(layout)
+        self.block_size = int(layout.block_size)
+        self._lock = threading.Lock()  # guards the counters read by the heartbeat thread
+        # decode: requests whose params were consumed (pull or release decided)
+        self._consumed: set[str] = set()
+        # decode: req id -> (params, num_external_tokens, num_local_tokens) awaiting allocation
+        self._pending: dict[str, tuple[DecodeRequestParams, int, int]] = {}
+        self._seq = 0
+        self._meta = PdPlaneConnectorMetadata()
+        self._live: set[str] = set()  # requests in the engine (waiting or running)
+        self._num_running = 0
+        self._sending: set[str] = set()  # prefill holds not yet reported finished
+        self._receiving: set[str] = set()  # decode loads not yet reported finished
+
+    # -- vLLM scheduler hooks ------------------------------------------------------------------
+
+    def on_new_request(self, request: Request) -> None:
+        with self._lock:
+            self._live.add(request.request_id)
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        """Tokens decode will load from prefill beyond `num_computed_tokens` (local prefix
+        hits), loaded asynchronously. Side-effect free apart from remembering the answer."""
+        with self._lock:
+            self._live.add(request.request_id)
+        params = self._decode_params(request)
+        if params is None:
+            return 0, False
+        prompt_len = len(request.prompt_token_ids or ())
+        problem = self._check(params, prompt_len)
+        if problem:
+            log.warning("transfer %s: computing locally: %s", params.transfer_id, problem)
+            self._pending[request.request_id] = (params, 0, num_computed_tokens)
+            return 0, False
+        count = params.num_tokens - num_computed_tokens
+        self._pending[request.request_id] = (params, max(count, 0), num_computed_tokens)
+        return (count, True) if count > 0 else (0, False)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        """Turns the pending decision into a pull of the allocated blocks (or a release)."""
+        req_id = request.request_id
+        pending = self._pending.pop(req_id, None)
+        if pending is None or req_id in self._consumed:
+            return
+        params, _, num_local = pending
+        self._consumed.add(req_id)
+        if num_external_tokens <= 0:
+            self._meta.releases.append(
+                ReleaseSpec(params.transfer_id, params.kv_endpoint, "decode needs no blocks")
+            )
+            return
+        first = num_local // self.block_size
+        last = _ceil_div(num_local + num_external_tokens, self.block_size)
+        local_ids = list(blocks.get_block_ids()[0])[first:last]
+        if len(local_ids) != last - first or last > len(params.block_ids):
+            log.error("transfer %s: allocation does not cover the prompt", params.transfer_id)
+            self._meta.releases.append(
+                ReleaseSpec(params.transfer_id, params.kv_endpoint, "decode allocation mismatch")
+            )
+            return
+        self._meta.loads.append(
+            LoadSpec(
+                req_id=req_id,
+                transfer_id=params.transfer_id,
+                endpoint=params.kv_endpoint,
+                remote_block_indices=tuple(range(first, last)),
+                local_block_ids=tuple(local_ids),
+                num_tokens=num_external_tokens,
+            )
+        )
+        with self._lock:
+            self._receiving.add(req_id)
+        log.info(
+            "transfer %s: pulling %d blocks (%d tokens) from %s",
+            params.transfer_id,
+            last - first,
+            num_external_tokens,
+            params.kv_endpoint,
+        )
+
+    def build_connector_meta(self, scheduler_output: Any) -> PdPlaneConnectorMetadata:
+        """This step's holds/loads/releases; the returned object is never touched again."""
+        self._seq += 1
+        meta, self._meta = self._meta, PdPlaneConnectorMetadata()
+        meta.seq = self._seq
+        scheduled = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
+        with self._lock:
+            self._num_running = len(scheduled)
+        return meta
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """Prefill: hold the prompt blocks and return the decode params. Decode: if the load
+        never started, tell prefill to free the transfer."""
+        req_id = request.request_id
+        with self._lock:
+            self._live.discard(req_id)
+        self._pending.pop(req_id, None)
+        consumed = req_id in self._consumed
+        self._consumed.discard(req_id)
+        params = request.kv_transfer_params or {}
+        if params.get("do_remote_prefill") and not consumed:
+            try:
+                dp = DecodeRequestParams.from_dict(params)
+            except KvParamsError:
+                return False, None
+            self._meta.releases.append(
+                ReleaseSpec(dp.transfer_id, dp.kv_endpoint, "decode request ended before load")
+            )
+            return False, None
+        if not params.get("do_remote_decode"):
+            return False, None
+        return self._hold(request, block_ids, params)
+
+    def update_connector_output(self, output: Any) -> None:
+        """Forgets transfers the workers reported finished (for the in-flight count)."""
+        with self._lock:
+            self._sending.difference_update(getattr(output, "finished_sending", None) or ())
+            self._receiving.difference_update(getattr(output, "finished_recving", None) or ())
+
+    # -- load report ---------------------------------------------------------------------------
+
+    def load(self, kv_cache_manager: Any, total_blocks: int) -> instance_pb2.LoadReport:
+        """The heartbeat's load report (called from the registration thread)."""
+        with self._lock:
+            running = self._num_running
+            live = len(self._live)
+            inflight = len(self._sending) + len(self._receiving)
+        report = instance_pb2.LoadReport(
+            num_running=running,
+            num_waiting=max(live - running, 0),
+            inflight_transfers=inflight,
+            total_kv_blocks=total_blocks,
+        )
+        pool = getattr(kv_cache_manager, "block_pool", None)
+        if pool is not None:
+            # The pool keeps one reserved null block that is never free.
+            free = int(pool.get_num_free_blocks())
+            report.free_kv_blocks = free
+            report.kv_cache_usage = float(pool.get_usage())
+        return report
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _decode_params(self, request: Request) -> DecodeRequestParams | None:
+        req_id = request.request_id
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill") or req_id in self._consumed:
+            return None
+        try:
+            return DecodeRequestParams.from_dict(params)
+        except KvParamsError as exc:
+            log.warning("request %s: ignoring kv_transfer_params: %s", req_id, exc)
+            return None
+
+    def _check(self, params: DecodeRequestParams, prompt_len: int) -> str:
+        if params.kv_layout != self.fingerprint:
+            return f"KV layout {params.kv_layout} != ours {self.fingerprint}"
+        if params.transport != self.config.transport:
+            return f"transport {params.transport} != ours {self.config.transport}"
+        if params.tp_size != self.tp_size:
+            return f"prefill TP size {params.tp_size} != ours {self.tp_size}"
+        if params.num_tokens != prompt_len:
+            return f"prefill computed {params.num_tokens} tokens, prompt has {prompt_len}"
+        if len(params.block_ids) < _ceil_div(params.num_tokens, self.block_size):
+            return f"{len(params.block_ids)} blocks cannot hold {params.num_tokens} tokens"
+        return ""
+
+    def _hold(
+        self, request: Request, block_ids: list[int], params: dict[str, Any]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        from vllm.v1.request import RequestStatus
+
+        try:
+            pp = PrefillRequestParams.from_dict(params)
+        except KvParamsError as exc:
+            log.warning("request %s: not holding KV: %s", request.request_id, exc)
+            return False, None
+        if request.status not in (
+            RequestStatus.FINISHED_LENGTH_CAPPED,
+            RequestStatus.FINISHED_STOPPED,
+        ):
+            return False, None  # aborted or errored: nothing to hand over
+        num_tokens = len(request.prompt_token_ids or ())
+        needed = _ceil_div(num_tokens, self.block_size)
+        if num_tokens == 0 or len(block_ids) < needed:
+            return False, None
+        held = tuple(int(b) for b in block_ids[:needed])
+        transfer_id = make_transfer_id(pp.request_id)
+        self._meta.holds.append(
+            HoldSpec(request.request_id, transfer_id, held, self.config.transfer_timeout_s)
+        )
+        with self._lock:
+            self._sending.add(request.request_id)
+        log.info(
+            "transfer %s: holding %d blocks (%d tokens) for request %s",
+            transfer_id,
+            len(held),
+            num_tokens,
+            pp.request_id,
+        )
+        out = DecodeRequestParams(
+            request_id=pp.request_id,
+            transfer_id=transfer_id,
+            engine_id=self.engine_id,
+            kv_endpoint=self.config.kv_endpoint(),
+            block_ids=list(held),
+            num_tokens=num_tokens,
+            kv_layout=self.fingerprint,
+            transport=self.config.transport,
+            tp_size=self.tp_size,
+        )
+        return True, out.to_dict()

@@ -1,0 +1,128 @@
+"""Worker-side half of the connector: one per worker (TP rank), inside vLLM's worker process.
+
+Serves the KV blocks this worker holds for remote decodes (the `KvTransfer` gRPC server),
+runs the pulls the scheduler side asks for, and answers vLLM's per-step questions
+(`get_finished`, `get_block_ids_with_load_errors`) from in-memory state without blocking.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+
+import grpc
+import torch
+
+from pdplane.connector.config import ConnectorConfig
+from pdplane.connector.holds import HoldTable
+from pdplane.connector.kv_cache import KvCacheView
+from pdplane.connector.metadata import METADATA_VERSION, PdPlaneConnectorMetadata
+from pdplane.connector.peers import PeerPool
+from pdplane.connector.pulls import Puller
+from pdplane.connector.server import KvTransferServicer, start_kv_server
+from pdplane.connector.transports import KvTransport, create_transport
+from pdplane.v1 import instance_pb2
+
+__all__ = ["WorkerSide"]
+
+log = logging.getLogger(__name__)
+
+_SERVER_GRACE_S = 2.0
+
+
+class WorkerSide:
+    """Holds, pulls and the KvTransfer server of one worker.
+
+    Args:
+        config: the connector settings.
+        layout: this worker's KV layout.
+        instance_id: this instance's registry id (the requester id in pulls).
+        tp_rank: this worker's tensor-parallel rank.
+        num_blocks: KV cache blocks per layer (to find the block axis); None = first axis.
+        transport: the byte mover; default: the one named in `config.transport`.
+    """
+
+    def __init__(
+        self,
+        config: ConnectorConfig,
+        layout: instance_pb2.KvLayout,
+        instance_id: str,
+        tp_rank: int = 0,
+        num_blocks: int | None = None,
+        transport: KvTransport | None = None,
+    ) -> None:
+        self.config = config
+        self.layout = layout
+        self.tp_rank = tp_rank
+        self.num_blocks = num_blocks
+        if transport is None:
+            options = {"chunk_bytes": config.chunk_bytes} if config.transport == "tcp" else {}
+            transport = create_transport(config.transport, **options)
+        self.transport = transport
+        self.holds = HoldTable()
+        self.peers = PeerPool(config.token, config.tls_ca)
+        self.puller = Puller(
+            transport,
+            self.peers,
+            layout,
+            requester_id=instance_id,
+            tp_rank=tp_rank,
+            pull_timeout_s=config.pull_timeout_s,
+            max_workers=config.pull_workers,
+        )
+        self.server: grpc.Server | None = None
+        self.port = 0
+        self._last_seq = 0
+
+    def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
+        """Binds the KV cache tensors and starts the KvTransfer server on
+        `config.bind_address(tp_rank)`. Raises RuntimeError if the port cannot be bound."""
+        self.transport.bind(KvCacheView(kv_caches, self.num_blocks))
+        servicer = KvTransferServicer(
+            self.holds, self.transport, self.layout, tombstone_s=self.config.transfer_timeout_s
+        )
+        self.server, self.port = start_kv_server(
+            servicer,
+            self.config.bind_address(self.tp_rank),
+            token=self.config.token,
+            tls_cert=self.config.tls_cert,
+            tls_key=self.config.tls_key,
+        )
+        log.info(
+            "KvTransfer server of rank %d on port %d (%s transport, %d layers)",
+            self.tp_rank,
+            self.port,
+            self.transport.name,
+            len(kv_caches),
+        )
+
+    def handle_metadata(self, meta: PdPlaneConnectorMetadata) -> None:
+        """Acts on one step's metadata (each step once, however often vLLM binds it)."""
+        if meta.seq and meta.seq <= self._last_seq:
+            return
+        self._last_seq = meta.seq
+        if meta.version != METADATA_VERSION:
+            raise RuntimeError(f"connector metadata v{meta.version} != v{METADATA_VERSION}")
+        for hold in meta.holds:
+            if not self.holds.add(hold.req_id, hold.transfer_id, hold.block_ids, hold.timeout_s):
+                log.error("transfer %s: request %s held twice", hold.transfer_id, hold.req_id)
+        for load in meta.loads:
+            self.puller.submit(load)
+        for release in meta.releases:
+            self.puller.release(release)
+
+    def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
+        """(finished sending, finished receiving) vLLM request ids since the last call."""
+        return self.holds.pop_finished() or None, self.puller.pop_finished() or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.puller.pop_load_errors()
+
+    def shutdown(self) -> None:
+        """Stops the server and pulls; idempotent."""
+        self.puller.close()
+        if self.server is not None:
+            self.server.stop(_SERVER_GRACE_S).wait(_SERVER_GRACE_S + 1)
+            self.server = None
+        self.peers.close()
+        self.transport.close()

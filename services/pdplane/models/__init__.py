@@ -1,0 +1,1 @@
+"""Models pdplane builds locally (nothing is downloaded from a hub)."""
