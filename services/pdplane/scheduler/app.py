@@ -48,6 +48,11 @@ class SchedulerApp:
         self.address = ""
         self.metrics_port = 0
 
+    @property
+    def watcher(self) -> InstanceWatcher | None:
+        """The registry watcher (None when a `source` was given or before `start`)."""
+        return self._watcher
+
     async def start(self) -> str:
         """Starts watching, serving gRPC and (if configured) metrics; returns "host:port".
 
