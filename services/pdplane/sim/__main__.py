@@ -1,0 +1,62 @@
+"""`pdplane sim`: run K simulated vLLM instances in one process until SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import sys
+
+from pdplane.sim.fleet import SimFleet, expand
+from pdplane.sim.settings import SimSettings
+
+__all__ = ["main"]
+
+
+async def _serve(settings: SimSettings) -> None:
+    fleet = SimFleet(
+        expand(settings.sim_config(), settings.instances),
+        registry=settings.registry,
+        registry_token=settings.registry_token,
+        lease_ttl_ms=settings.lease_ttl_ms,
+    )
+    await fleet.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        for sim in fleet.instances:
+            # One JSON line per instance: scripts wait for these to know the sims are up.
+            line = {
+                "instance_id": sim.instance_id,
+                "role": sim.config.role,
+                "url": sim.url,
+                "kv_endpoint": sim.kv_endpoint,
+            }
+            sys.stdout.write(json.dumps(line) + "\n")
+        sys.stdout.flush()
+        await stop.wait()
+    finally:
+        await fleet.stop()
+
+
+def main(argv: list[str]) -> int:
+    """Entry point of `pdplane sim`; returns the exit code (2 on bad flags)."""
+    settings = SimSettings.parse(argv)
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    if settings.uvloop:
+        try:
+            import uvloop
+
+            uvloop.run(_serve(settings))
+            return 0
+        except ImportError:
+            pass
+    asyncio.run(_serve(settings))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

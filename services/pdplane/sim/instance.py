@@ -1,0 +1,143 @@
+"""One running simulated instance: HTTP server, KvTransfer gRPC server, optional registration."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+from aiohttp import web
+
+from pdplane.core import grpc_util
+from pdplane.sim.app import build_app
+from pdplane.sim.config import SimConfig
+from pdplane.sim.state import SimState
+from pdplane.sim.transfers import TransferServicer
+from pdplane.v1 import instance_pb2, kv_transfer_pb2_grpc
+
+__all__ = ["SimInstance"]
+
+log = logging.getLogger(__name__)
+
+_ROLES = {
+    "prefill": instance_pb2.ROLE_PREFILL,
+    "decode": instance_pb2.ROLE_DECODE,
+    "both": instance_pb2.ROLE_BOTH,
+}
+_KV_SERVICE = "pdplane.v1.KvTransfer"
+
+
+class SimInstance:
+    """A simulated vLLM instance on the running asyncio loop.
+
+    `await start()` binds the HTTP port (aiohttp) and the KvTransfer gRPC port, then registers
+    with `registry` ("host:port") when given; `await stop()` deregisters, closes open requests
+    and frees everything. Raises OSError from start() when a port cannot be bound.
+    """
+
+    def __init__(
+        self,
+        config: SimConfig,
+        *,
+        registry: str | None = None,
+        registry_token: str | None = None,
+        lease_ttl_ms: int = 0,
+    ) -> None:
+        self.config = config
+        self.state = SimState(config)
+        self._registry = registry
+        self._registry_token = registry_token
+        self._lease_ttl_ms = lease_ttl_ms
+        self._runner: web.AppRunner | None = None
+        self._grpc: grpc.aio.Server | None = None
+        self.registration: object | None = None
+
+    @property
+    def url(self) -> str:
+        """OpenAI base URL, `http://host:port` (no `/v1`)."""
+        return self.state.url
+
+    @property
+    def kv_endpoint(self) -> str:
+        """host:port of this sim's KvTransfer gRPC server."""
+        return self.state.kv_endpoint
+
+    @property
+    def instance_id(self) -> str:
+        return self.state.instance_id
+
+    def spec(self) -> instance_pb2.InstanceSpec:
+        """The registry spec of this instance (valid after start())."""
+        c = self.config
+        return instance_pb2.InstanceSpec(
+            instance_id=self.instance_id,
+            role=_ROLES[c.role],
+            model=c.model,
+            url=self.url,
+            kv_endpoint=self.kv_endpoint,
+            transport=instance_pb2.TRANSPORT_TCP,
+            tp_size=1,
+            kv_layout=self.state.kv_layout,
+            max_model_len=c.max_model_len,
+            version="pdplane-sim 0.1.0 (vllm 0.32.0 API)",
+            labels={"sim": "true", **c.labels},
+        )
+
+    async def start(self) -> None:
+        c = self.config
+        self._grpc = grpc.aio.server(options=grpc_util.SERVER_OPTIONS)
+        kv_transfer_pb2_grpc.add_KvTransferServicer_to_server(
+            TransferServicer(self.state.transfers), self._grpc
+        )
+        await grpc_util.aio_add_health_and_reflection(self._grpc, [_KV_SERVICE])
+        kv_port = grpc_util.add_port(self._grpc, f"{c.host}:{c.kv_port}")
+        await self._grpc.start()
+        # handler_cancellation: a client disconnect cancels the handler, so that waiting,
+        # stalled and pulling requests notice it and free their slot and KV blocks.
+        self._runner = web.AppRunner(
+            build_app(self.state), handler_cancellation=True, access_log=None, shutdown_timeout=0.5
+        )
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, c.host, c.port, backlog=1024)
+        await site.start()
+        port = self._bound_port()
+        host = f"[{c.host}]" if ":" in c.host else c.host
+        self.state.url = f"http://{host}:{port}"
+        self.state.kv_endpoint = f"{host}:{kv_port}"
+        self.state.instance_id = c.instance_id or f"sim-{c.role}-{port}"
+        if self._registry:
+            self._register()
+
+    def _bound_port(self) -> int:
+        assert self._runner is not None
+        for address in self._runner.addresses:
+            return int(address[1])
+        raise OSError("HTTP site did not bind")
+
+    def _register(self) -> None:
+        from pdplane.registry.client import RegistrationClient
+
+        client = RegistrationClient(
+            self._registry or "",
+            self.spec(),
+            self.state.load_report,
+            token=self._registry_token,
+            lease_ttl_ms=self._lease_ttl_ms,
+        )
+        client.start()
+        self.registration = client
+
+    async def stop(self) -> None:
+        """Deregisters, stops serving (open requests are cancelled) and frees held KV."""
+        client = self.registration
+        if client is not None:
+            await asyncio.to_thread(client.stop)  # type: ignore[attr-defined]
+            self.registration = None
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        if self._grpc is not None:
+            await self._grpc.stop(grace=None)
+            self._grpc = None
+        self.state.transfers.release_all("shutdown")
+        await self.state.peers.close()

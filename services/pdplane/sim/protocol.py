@@ -1,0 +1,164 @@
+"""Parsing and validation of OpenAI completions / chat requests, with vLLM's 4xx errors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pdplane.sim.tokens import chat_prompt_tokens, count_text_tokens, prompt_key
+
+__all__ = ["SimApiError", "SimRequest", "parse_request"]
+
+
+class SimApiError(Exception):
+    """An OpenAI-style error: HTTP status, error type, message and the offending parameter."""
+
+    def __init__(
+        self, status: int, message: str, err_type: str = "BadRequestError", param: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.err_type = err_type
+        self.param = param
+
+    def body(self) -> dict[str, Any]:
+        """vLLM's `ErrorResponse` JSON."""
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.err_type,
+                "param": self.param,
+                "code": self.status,
+            }
+        }
+
+
+@dataclass(slots=True)
+class SimRequest:
+    """What the simulated engine needs from a request.
+
+    Attributes:
+        chat: chat completions (True) or completions (False).
+        prompt_tokens: prompt length (tokens).
+        max_tokens: tokens to generate, already clamped to the context length.
+        stream, include_usage: SSE streaming and `stream_options.include_usage`.
+        key, seed: determine the output text.
+        echo_prompt: completions `echo` (the prompt text is prefixed to the output).
+        kv_transfer_params: the request's `kv_transfer_params` (None when absent).
+    """
+
+    chat: bool
+    prompt_tokens: int
+    max_tokens: int
+    stream: bool
+    include_usage: bool
+    key: str
+    seed: int
+    echo_prompt: str | None
+    kv_transfer_params: dict[str, Any] | None
+
+
+def _bad(message: str, param: str | None = None) -> SimApiError:
+    return SimApiError(400, message, "BadRequestError", param)
+
+
+def _int_field(body: dict[str, Any], name: str) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise _bad(f"{name} must be an integer", name)
+    if value < 0 or (value == 0 and name != "seed"):
+        raise _bad(f"{name} must be at least 1, got {value}.", name)
+    return value
+
+
+def _completion_prompt(body: dict[str, Any]) -> tuple[int, str, str | None]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        return count_text_tokens(prompt), prompt_key(prompt), prompt
+    if (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    ):
+        return len(prompt), prompt_key(prompt), None
+    raise _bad("prompt must be a string or a list of token ids (one prompt per request)", "prompt")
+
+
+def _chat_prompt(body: dict[str, Any]) -> tuple[int, str]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise _bad("messages must be a non-empty list", "messages")
+    for m in messages:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise _bad("each message needs a string 'role'", "messages")
+    return chat_prompt_tokens(messages), prompt_key(messages)
+
+
+def parse_request(
+    body: Any, *, chat: bool, model: str, max_model_len: int, default_seed: int
+) -> SimRequest:
+    """Validates an OpenAI request body like vLLM does.
+
+    Raises:
+        SimApiError: 400 for malformed fields, a prompt longer than the context or `max_tokens`
+            beyond `max_model_len`; 404 for an unknown model (vLLM's messages and shapes).
+    """
+    if not isinstance(body, dict):
+        raise _bad("request body must be a JSON object")
+    if body.get("model") not in (None, model):
+        raise SimApiError(
+            404, f"The model `{body.get('model')}` does not exist.", "NotFoundError", "model"
+        )
+    n = _int_field(body, "n")
+    if n not in (None, 1):
+        raise _bad("only n=1 is supported by this simulator", "n")
+    if chat:
+        prompt_tokens, key = _chat_prompt(body)
+        echo = None
+    else:
+        prompt_tokens, key, text = _completion_prompt(body)
+        echo = text if body.get("echo") is True else None
+    name = "max_tokens"
+    requested = _int_field(body, "max_tokens")
+    if chat and body.get("max_completion_tokens") is not None:
+        name, requested = "max_completion_tokens", _int_field(body, "max_completion_tokens")
+    if requested is not None and requested > max_model_len:
+        raise _bad(
+            f"{name}={requested} cannot be greater than max_model_len={max_model_len}. "
+            "Please request fewer output tokens.",
+            name,
+        )
+    if prompt_tokens >= max_model_len:
+        raise _bad(
+            f"This model's maximum context length is {max_model_len} tokens. However, your "
+            f"prompt contains {prompt_tokens} input tokens, which exceeds this limit even "
+            "without any output tokens. Please reduce the length of the input prompt.",
+            "input_tokens",
+        )
+    room = max_model_len - prompt_tokens
+    max_tokens = room if requested is None else min(requested, room)
+    stream = body.get("stream") is True
+    options = body.get("stream_options")
+    if options is not None and not stream:
+        raise _bad("Stream options can only be defined when `stream=True`.", "stream_options")
+    include_usage = bool(isinstance(options, dict) and options.get("include_usage"))
+    kv = body.get("kv_transfer_params")
+    if kv is not None and not isinstance(kv, dict):
+        raise _bad("kv_transfer_params must be an object", "kv_transfer_params")
+    seed = _int_field(body, "seed")
+    return SimRequest(
+        chat=chat,
+        prompt_tokens=prompt_tokens,
+        max_tokens=max_tokens,
+        stream=stream,
+        include_usage=include_usage,
+        key=key,
+        seed=default_seed if seed is None else seed,
+        echo_prompt=echo,
+        kv_transfer_params=kv,
+    )

@@ -1,0 +1,67 @@
+"""What each request brought to a sim and how it ended (served at `GET /sim/requests`)."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+__all__ = ["Recorder", "RequestRecord"]
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """One received request.
+
+    Attributes:
+        seq: arrival order within this sim (from 1).
+        path: URL path, e.g. "/v1/chat/completions".
+        request_id: the X-Request-Id header ("" when absent).
+        body: the JSON body exactly as received (parsed).
+        received_at: arrival time (Unix s).
+        status: HTTP status sent (None while running or when the connection was dropped).
+        finished: the handler has ended (response sent, failed or cancelled).
+        cancelled: the client went away before the response was complete.
+        fault: injected fault ("http500", "drop", "stall") or None.
+        kv: what happened to KV: {"role": "producer", "transfer_id", "blocks"} or
+            {"role": "consumer", "transfer_id", "result": "pulled" | "nixl" | "failed: ..."}.
+        tokens_sent: output tokens delivered (streamed or in the body).
+    """
+
+    seq: int
+    path: str
+    request_id: str
+    body: Any
+    received_at: float = field(default_factory=time.time)
+    status: int | None = None
+    finished: bool = False
+    cancelled: bool = False
+    fault: str | None = None
+    kv: dict[str, Any] | None = None
+    tokens_sent: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class Recorder:
+    """Keeps the last `limit` request records (0 keeps none but still counts)."""
+
+    def __init__(self, limit: int) -> None:
+        self._records: deque[RequestRecord] = deque(maxlen=max(limit, 0))
+        self._limit = limit
+        self._seq = itertools.count(1)
+
+    def add(self, path: str, request_id: str, body: Any) -> RequestRecord:
+        record = RequestRecord(next(self._seq), path, request_id, body)
+        if self._limit:
+            self._records.append(record)
+        return record
+
+    def records(self) -> list[RequestRecord]:
+        return list(self._records)
+
+    def clear(self) -> None:
+        self._records.clear()

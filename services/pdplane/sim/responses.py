@@ -1,0 +1,129 @@
+"""vLLM's OpenAI response bodies and SSE chunks (shapes as vLLM 0.32 serialises them)."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any
+
+__all__ = ["ResponseWriter", "sse"]
+
+_DONE = b"data: [DONE]\n\n"
+
+
+def sse(obj: dict[str, Any]) -> bytes:
+    """One server-sent event `data: <json>\\n\\n`, as vLLM frames each chunk."""
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+class ResponseWriter:
+    """Builds the bodies of one request's response: non-streaming JSON or SSE chunks."""
+
+    __slots__ = ("_chat", "_created", "_id", "_model", "_prompt_tokens")
+
+    def __init__(self, *, chat: bool, model: str, prompt_tokens: int) -> None:
+        self._chat = chat
+        self._model = model
+        self._prompt_tokens = prompt_tokens
+        self._created = int(time.time())
+        self._id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+
+    def usage(self, completion_tokens: int) -> dict[str, Any]:
+        """OpenAI usage block (tokens)."""
+        return {
+            "prompt_tokens": self._prompt_tokens,
+            "total_tokens": self._prompt_tokens + completion_tokens,
+            "completion_tokens": completion_tokens,
+            "prompt_tokens_details": None,
+        }
+
+    def full(
+        self, text: str, completion_tokens: int, kv_transfer_params: dict[str, Any] | None
+    ) -> dict[str, Any]:
+        """The non-streaming response (finish_reason "length": the sim never samples EOS)."""
+        if self._chat:
+            choice: dict[str, Any] = {
+                "index": 0,
+                "message": {
+                    "role": "assistant",
+                    "content": text,
+                    "refusal": None,
+                    "annotations": None,
+                    "audio": None,
+                    "function_call": None,
+                    "tool_calls": [],
+                    "reasoning": None,
+                },
+                "logprobs": None,
+                "finish_reason": "length",
+                "stop_reason": None,
+                "token_ids": None,
+            }
+            obj = "chat.completion"
+        else:
+            choice = {
+                "index": 0,
+                "text": text,
+                "logprobs": None,
+                "finish_reason": "length",
+                "stop_reason": None,
+                "token_ids": None,
+                "prompt_logprobs": None,
+                "prompt_token_ids": None,
+            }
+            obj = "text_completion"
+        return {
+            "id": self._id,
+            "object": obj,
+            "created": self._created,
+            "model": self._model,
+            "choices": [choice],
+            "service_tier": None,
+            "system_fingerprint": None,
+            "usage": self.usage(completion_tokens),
+            "prompt_logprobs": None,
+            "prompt_token_ids": None,
+            "kv_transfer_params": kv_transfer_params,
+        }
+
+    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "id": self._id,
+            "object": "chat.completion.chunk" if self._chat else "text_completion",
+            "created": self._created,
+            "model": self._model,
+            "choices": choices,
+        }
+
+    def role_chunk(self) -> bytes | None:
+        """The chat stream's first event (role, empty content); None for completions."""
+        if not self._chat:
+            return None
+        delta = {"role": "assistant", "content": ""}
+        return sse(
+            self._chunk([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}])
+        )
+
+    def token_chunk(self, text: str, last: bool) -> bytes:
+        """One streamed token; the last one carries finish_reason "length"."""
+        choice: dict[str, Any]
+        if self._chat:
+            choice = {"index": 0, "delta": {"content": text}, "logprobs": None}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None}
+        choice["finish_reason"] = "length" if last else None
+        if last:
+            choice["stop_reason"] = None
+        return sse(self._chunk([choice]))
+
+    def usage_chunk(self, completion_tokens: int) -> bytes:
+        """The `stream_options.include_usage` event: no choices, the usage block."""
+        chunk = self._chunk([])
+        chunk["usage"] = self.usage(completion_tokens)
+        return sse(chunk)
+
+    @staticmethod
+    def done() -> bytes:
+        """The stream terminator `data: [DONE]`."""
+        return _DONE

@@ -1,0 +1,61 @@
+"""`pdplane sim` flags (each also a `PDPLANE_*` environment variable)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from pydantic import Field
+
+from pdplane.core.defaults import KV_TRANSFER_TIMEOUT_S
+from pdplane.core.settings import CommandSettings
+from pdplane.sim.config import SimConfig
+
+__all__ = ["SimSettings"]
+
+
+class SimSettings(CommandSettings):
+    """Simulated vLLM instances for tests, benchmarks and fault injection."""
+
+    role: Literal["prefill", "decode", "both"] = Field("both", description="P/D role")
+    host: str = Field("127.0.0.1", description="HTTP and gRPC bind address")
+    port: int = Field(8100, ge=0, le=65535, description="HTTP port of the first instance")
+    kv_port: int = Field(
+        0, ge=0, le=65535, description="KvTransfer gRPC port of the first instance (0 = any)"
+    )
+    instances: int = Field(1, ge=1, le=256, description="instances, on consecutive ports")
+    model: str = Field("sim-model", description="served model name")
+    instance_id: str = Field("", description="registry id (default sim-<role>-<port>)")
+    registry: str | None = Field(None, description="registry host:port; none = no registration")
+    registry_token: str | None = Field(None, description="registry bearer token")
+    lease_ttl_ms: int = Field(0, ge=0, description="requested lease TTL (ms); 0 = default")
+    ttft_per_token_ms: float = Field(0.0, ge=0, description="prefill time per prompt token (ms)")
+    itl_ms: float = Field(0.0, ge=0, description="inter-token latency (ms)")
+    kv_transfer_ms_per_token: float = Field(
+        0.0, ge=0, description="decode's KV pull time per token (ms)"
+    )
+    max_running: int = Field(256, ge=1, description="requests computed at once")
+    kv_blocks: int = Field(8192, ge=1, description="KV cache size (blocks)")
+    block_size: int = Field(16, ge=1, description="tokens per KV cache block")
+    max_model_len: int = Field(4096, ge=2, description="context length (tokens)")
+    kv_hold_timeout_s: float = Field(
+        KV_TRANSFER_TIMEOUT_S, gt=0, description="prefill frees unpulled KV after this (s)"
+    )
+    kv_load_failure_policy: Literal["recompute", "fail"] = Field(
+        "recompute", description="decode's reaction to a failed KV pull"
+    )
+    failure_rate: float = Field(0.0, ge=0, le=1, description="probability a request fails")
+    fail_mode: Literal["http500", "drop", "stall"] = Field(
+        "http500", description="how an injected failure looks"
+    )
+    fail_after_tokens: int = Field(1, ge=0, description="streamed tokens before a drop/stall")
+    seed: int = Field(0, description="sampling and fault-draw seed")
+    record_limit: int = Field(1000, ge=0, description="requests kept for GET /sim/requests")
+    kv_dtype: str = Field("float32", description="advertised KV dtype (layout fingerprint)")
+    uvloop: bool = Field(True, description="run on uvloop when installed")
+    log_level: str = Field("WARNING", description="Python logging level")
+
+    def sim_config(self) -> SimConfig:
+        """The per-instance knobs (the first instance's ports)."""
+        names = {f.name for f in dataclasses.fields(SimConfig)}
+        return SimConfig(**{k: v for k, v in self.model_dump().items() if k in names})

@@ -1,0 +1,151 @@
+"""KV held for remote decodes (prefill side) and the `pdplane.v1.KvTransfer` peer control.
+
+A prefill sim holds a transfer's blocks until the decode side calls CompleteTransfer, the
+gateway calls AbortTransfer, or `kv_hold_timeout_s` passes, exactly the lifecycle of the pdplane
+connector. No bytes move: the decode sim only waits for the simulated pull time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from pdplane.sim.engine import EngineState
+from pdplane.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
+
+__all__ = ["HeldTransfer", "KvPeers", "TransferServicer", "TransferTable"]
+
+
+@dataclass(slots=True)
+class HeldTransfer:
+    """Blocks a prefill sim keeps for one remote decode."""
+
+    transfer_id: str
+    request_id: str
+    block_ids: list[int]
+    num_tokens: int
+    created: float = field(default_factory=time.time)
+    timer: asyncio.TimerHandle | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "transfer_id": self.transfer_id,
+            "request_id": self.request_id,
+            "block_ids": self.block_ids,
+            "num_tokens": self.num_tokens,
+            "created": self.created,
+        }
+
+
+class TransferTable:
+    """Held transfers of one prefill sim, with a bounded history of how each ended."""
+
+    def __init__(self, engine: EngineState, timeout_s: float, history: int = 1000) -> None:
+        self._engine = engine
+        self._timeout_s = timeout_s
+        self.held: dict[str, HeldTransfer] = {}
+        #: finished transfers: dicts with transfer_id, request_id, reason, freed_at.
+        self.freed: deque[dict[str, Any]] = deque(maxlen=max(history, 1))
+
+    def hold(self, transfer: HeldTransfer) -> None:
+        """Starts holding; frees by itself after the timeout."""
+        loop = asyncio.get_running_loop()
+        transfer.timer = loop.call_later(
+            self._timeout_s, self.release, transfer.transfer_id, "timeout"
+        )
+        self.held[transfer.transfer_id] = transfer
+        self._engine.held_transfers = len(self.held)
+
+    def release(self, transfer_id: str, reason: str) -> bool:
+        """Frees a transfer's blocks; False when it is unknown (already freed)."""
+        transfer = self.held.pop(transfer_id, None)
+        if transfer is None:
+            return False
+        if transfer.timer is not None:
+            transfer.timer.cancel()
+        self._engine.free(transfer.block_ids)
+        self._engine.held_transfers = len(self.held)
+        self.freed.append(
+            {
+                "transfer_id": transfer_id,
+                "request_id": transfer.request_id,
+                "reason": reason,
+                "freed_at": time.time(),
+            }
+        )
+        return True
+
+    def release_all(self, reason: str) -> None:
+        for transfer_id in list(self.held):
+            self.release(transfer_id, reason)
+
+
+class TransferServicer(kv_transfer_pb2_grpc.KvTransferServicer):
+    """CompleteTransfer and AbortTransfer over the table; the data RPCs stay UNIMPLEMENTED."""
+
+    def __init__(self, table: TransferTable) -> None:
+        self._table = table
+
+    async def CompleteTransfer(
+        self, request: kv_transfer_pb2.CompleteTransferRequest, context: grpc.aio.ServicerContext
+    ) -> kv_transfer_pb2.CompleteTransferResponse:
+        """Frees the transfer's blocks (decode pulled them or gave up); freed=False if unknown."""
+        reason = "completed" if request.success else "failed"
+        return kv_transfer_pb2.CompleteTransferResponse(
+            freed=self._table.release(request.transfer_id, reason)
+        )
+
+    async def AbortTransfer(
+        self, request: kv_transfer_pb2.AbortTransferRequest, context: grpc.aio.ServicerContext
+    ) -> kv_transfer_pb2.AbortTransferResponse:
+        """Frees the transfer's blocks now; freed=False if unknown."""
+        reason = f"aborted: {request.reason}" if request.reason else "aborted"
+        return kv_transfer_pb2.AbortTransferResponse(
+            freed=self._table.release(request.transfer_id, reason)
+        )
+
+
+class KvPeers:
+    """Decode side: one cached KvTransfer stub per prefill endpoint."""
+
+    def __init__(self, token: str | None = None, timeout_s: float = 5.0) -> None:
+        from pdplane.core.grpc_util import aio_channel, token_metadata
+
+        self._channel = aio_channel
+        self._metadata = token_metadata(token)
+        self._timeout_s = timeout_s
+        self._stubs: dict[str, tuple[grpc.aio.Channel, kv_transfer_pb2_grpc.KvTransferStub]] = {}
+
+    def _stub(self, endpoint: str) -> kv_transfer_pb2_grpc.KvTransferStub:
+        entry = self._stubs.get(endpoint)
+        if entry is None:
+            channel = self._channel(endpoint)
+            entry = (channel, kv_transfer_pb2_grpc.KvTransferStub(channel))
+            self._stubs[endpoint] = entry
+        return entry[1]
+
+    async def complete(self, endpoint: str, transfer_id: str, success: bool = True) -> str | None:
+        """Tells prefill the pull is done (or gave up, success=False): it frees the blocks.
+
+        Returns None when prefill freed a transfer it held, else why not (gRPC status name and
+        details, or "unknown transfer").
+        """
+        try:
+            response = await self._stub(endpoint).CompleteTransfer(
+                kv_transfer_pb2.CompleteTransferRequest(transfer_id=transfer_id, success=success),
+                timeout=self._timeout_s,
+                metadata=self._metadata,
+            )
+        except grpc.aio.AioRpcError as exc:
+            return f"{exc.code().name}: {exc.details()}"
+        return None if response.freed else "transfer unknown to prefill (freed or aborted)"
+
+    async def close(self) -> None:
+        for channel, _ in self._stubs.values():
+            await channel.close()
+        self._stubs.clear()
