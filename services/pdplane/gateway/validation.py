@@ -73,13 +73,19 @@ class ClientRequest:
     routing_key: str
 
 
+_UNION_TAGS = frozenset({"str", "int", "bool", "float"})
+
+
 def _first_error(exc: ValidationError) -> tuple[str, str]:
     err = exc.errors()[0]
-    param = ".".join(str(p) for p in err["loc"] if not isinstance(p, int)) or None
-    loc = ".".join(str(p) for p in err["loc"])
+    # Keep field names; drop list indices and pydantic's union-branch tags ("list[int]").
+    names = [
+        p for p in err["loc"] if isinstance(p, str) and "[" not in p and p not in _UNION_TAGS
+    ]
+    param = ".".join(names)
     if err["type"] == "missing":
-        return f"'{loc}' is a required property", param or loc
-    return f"invalid value for '{loc}': {err['msg']}", param or loc
+        return f"'{param}' is a required property", param
+    return f"invalid value for '{param}': {err['msg']}", param
 
 
 def parse_request(endpoint: Endpoint, raw: bytes, routing_key: str = "") -> ClientRequest:

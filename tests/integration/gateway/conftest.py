@@ -1,0 +1,104 @@
+"""The real stack on loopback: registry, scheduler, gateway, and engine simulators as instances.
+
+`stack` starts a registry (short lease), a scheduler watching it and a gateway using both; each
+test starts the sims it needs with `stack.sims(...)` (they register themselves and heartbeat).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from pdplane.gateway.testing import running_gateway
+from pdplane.scheduler.server import SchedulerServer
+from pdplane.sim.testing import RunningSims, running_sims
+from tests.integration.registry.fixtures import running_registry
+from tests.integration.scheduler.fixtures import running_scheduler_server
+
+MODEL = "sim-model"
+
+
+def wait_for(condition: Callable[[], bool], timeout: float = 5.0, what: str = "") -> None:
+    """Polls `condition` every 10 ms; fails the test after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout} s waiting for {what or condition}")
+        time.sleep(0.01)
+
+
+class Stack:
+    """Addresses of the running services plus helpers to start sims and read state."""
+
+    def __init__(self, registry: str, scheduler: SchedulerServer, gateway: str) -> None:
+        self.registry = registry
+        self.scheduler = scheduler
+        self.url = gateway
+        self._exits = contextlib.ExitStack()
+
+    def sims(self, roles: list[str], **knobs: Any) -> RunningSims:
+        """Starts registered sims (kept until the test ends); `knobs` are SimConfig fields."""
+        sims = self._exits.enter_context(
+            running_sims(roles, registry=self.registry, model=MODEL, **knobs)  # type: ignore[arg-type]
+        )
+        return sims
+
+    def health(self) -> httpx.Response:
+        return httpx.get(f"{self.url}/health", timeout=5)
+
+    def wait_ready(self, sims: RunningSims) -> None:
+        """Waits until the gateway is healthy and the scheduler sees every sim of `sims`."""
+        wait_for(lambda: self.health().status_code == 200, 10, "gateway /health 200")
+        ids = {h.instance_id for h in sims.handles}
+        view = self.scheduler.app.view
+        assert view is not None
+        wait_for(
+            lambda: ids <= {c.instance_id for c in view.candidates(MODEL)},
+            10,
+            "the scheduler to see the sims",
+        )
+
+    def scheduler_inflight(self) -> int:
+        return len(self.scheduler.app.service.inflight)
+
+    def close(self) -> None:
+        self._exits.close()
+
+
+@pytest.fixture
+def stack_factory() -> Iterator[Callable[..., Stack]]:
+    """Starts a Stack; keywords are GatewaySettings fields."""
+    exits = contextlib.ExitStack()
+
+    def start(**gateway_settings: Any) -> Stack:
+        registry = exits.enter_context(
+            running_registry(lease_ttl_ms=2000, heartbeat_interval_ms=200)
+        )
+        scheduler = exits.enter_context(running_scheduler_server(registry))
+        url = exits.enter_context(
+            running_gateway(scheduler.address, registry, registry_wait_s=5.0, **gateway_settings)
+        )
+        stack = Stack(registry, scheduler, url)
+        exits.callback(stack.close)  # sims stop first (LIFO)
+        return stack
+
+    with exits:
+        yield start
+
+
+@pytest.fixture
+def stack(stack_factory: Callable[..., Stack]) -> Stack:
+    return stack_factory()
+
+
+@pytest.fixture
+def pair(stack: Stack) -> tuple[Stack, RunningSims]:
+    """The stack with one prefill and one decode sim, healthy."""
+    sims = stack.sims(["prefill", "decode"], itl_ms=1)
+    stack.wait_ready(sims)
+    return stack, sims

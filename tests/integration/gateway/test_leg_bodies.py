@@ -1,0 +1,86 @@
+"""Must show: the exact prefill and decode bodies the instances received."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import pytest
+
+from pdplane.core.kv_params import DecodeRequestParams, PrefillRequestParams
+from pdplane.sim.testing import RunningSims
+from tests.integration.gateway.conftest import MODEL, Stack
+
+_MESSAGES = [{"role": "user", "content": "Tell me about paged attention."}]
+
+CASES: dict[str, tuple[str, dict[str, Any]]] = {
+    "chat_max_completion_tokens_only": (
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": _MESSAGES, "max_completion_tokens": 256},
+    ),
+    "chat_both_limits": (
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": _MESSAGES, "max_tokens": 64, "max_completion_tokens": 32},
+    ),
+    "chat_neither_limit": ("/v1/chat/completions", {"model": MODEL, "messages": _MESSAGES}),
+    "chat_min_tokens": (
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": _MESSAGES, "min_tokens": 5, "max_tokens": 100},
+    ),
+    "completions_min_tokens": (
+        "/v1/completions",
+        {"model": MODEL, "prompt": "Paged attention is", "min_tokens": 5, "max_tokens": 100},
+    ),
+}
+
+
+def _expected_prefill(path: str, body: dict[str, Any], request_id: str) -> dict[str, Any]:
+    expected = {k: v for k, v in body.items() if k not in ("min_tokens", "stream_options")}
+    expected.update(max_tokens=1, stream=False, n=1)
+    if path == "/v1/chat/completions":
+        expected["max_completion_tokens"] = 1
+    expected["kv_transfer_params"] = PrefillRequestParams(request_id).to_dict()
+    return expected
+
+
+def _vllm_accepts(path: str, body: dict[str, Any]) -> None:
+    """Validates `body` with vLLM 0.32's own request model and sampling-parameter checks."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+    model = ChatCompletionRequest if path == "/v1/chat/completions" else CompletionRequest
+    request = model.model_validate(body)
+    request.to_sampling_params(body["max_tokens"], {})
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_prefill_and_decode_receive_the_contract_bodies(
+    pair: tuple[Stack, RunningSims], case: str
+) -> None:
+    stack, sims = pair
+    path, body = CASES[case]
+    request_id = f"bodies-{case}"
+    r = httpx.post(stack.url + path, json=body, headers={"X-Request-Id": request_id}, timeout=10)
+    assert r.status_code == 200, r.text
+    assert r.headers["x-request-id"] == request_id
+
+    [prefill] = sims[0].records()
+    [decode] = sims[1].records()
+    assert prefill["request_id"] == decode["request_id"] == request_id  # sent upstream too
+    assert prefill["body"] == _expected_prefill(path, body, request_id)
+    returned = decode["body"]["kv_transfer_params"]
+    assert decode["body"] == {**body, "kv_transfer_params": returned}
+    params = DecodeRequestParams.from_dict(returned)
+    assert params.transfer_id == prefill["kv"]["transfer_id"]
+    assert params.engine_id == sims[0].instance_id
+    assert decode["kv"]["result"] == "pulled"
+    _vllm_accepts(path, prefill["body"])
+
+
+def test_the_vllm_check_rejects_min_tokens_above_one() -> None:
+    # Guards the check above: a prefill body that kept min_tokens=5 must fail it.
+    from vllm.exceptions import VLLMValidationError
+
+    path, body = CASES["chat_min_tokens"]
+    with pytest.raises(VLLMValidationError, match="min_tokens"):
+        _vllm_accepts(path, {**body, "max_tokens": 1})

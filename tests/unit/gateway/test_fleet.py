@@ -1,0 +1,70 @@
+"""FleetView: /v1/models and /health from registry instances."""
+
+from __future__ import annotations
+
+from pdplane.gateway.fleet import FleetView, build_view
+from pdplane.v1 import instance_pb2
+
+_LAYOUT = instance_pb2.KvLayout(num_layers=2, num_kv_heads=2, head_size=32, block_size=16,
+                                dtype="float32")  # fmt: skip
+
+
+def _inst(iid: str, role: int, model: str = "m", **spec: object) -> instance_pb2.Instance:
+    fields = {"instance_id": iid, "role": role, "model": model, "kv_layout": _LAYOUT,
+              "transport": instance_pb2.TRANSPORT_TCP, "max_model_len": 2048, **spec}  # fmt: skip
+    inst = instance_pb2.Instance(spec=instance_pb2.InstanceSpec(**fields))
+    inst.state = instance_pb2.INSTANCE_STATE_SERVING
+    inst.registered_at.seconds = 1000 + len(iid)
+    return inst
+
+
+def test_not_ready_and_empty_views_are_unhealthy() -> None:
+    healthy, body = FleetView().health()
+    assert not healthy and "registry not reachable" in body["reason"]
+    healthy, body = build_view([]).health()
+    assert not healthy and body["reason"] == "no instances registered"
+    assert build_view([]).models_list() == {"object": "list", "data": []}
+
+
+def test_one_decode_only_names_the_missing_prefill() -> None:
+    view = build_view([_inst("d0", instance_pb2.ROLE_DECODE)])
+    healthy, body = view.health()
+    assert not healthy
+    assert body["reason"] == "model 'm': no prefill instance"
+    assert [m["id"] for m in view.models_list()["data"]] == ["m"]
+
+
+def test_pair_is_healthy_and_models_are_deduplicated() -> None:
+    view = build_view(
+        [_inst("p0", instance_pb2.ROLE_PREFILL), _inst("d0", instance_pb2.ROLE_DECODE)]
+    )
+    healthy, body = view.health()
+    assert healthy and body == {
+        "status": "ok",
+        "models": {"m": {"prefill": 1, "decode": 1, "paired": True}},
+    }
+    data = view.models_list()["data"]
+    assert data == [{"id": "m", "object": "model", "created": 1002, "owned_by": "pdplane",
+                     "root": "m", "parent": None, "max_model_len": 2048}]  # fmt: skip
+
+
+def test_incompatible_or_draining_instances_do_not_make_a_pair() -> None:
+    other = instance_pb2.KvLayout(num_layers=4, num_kv_heads=2, head_size=32, block_size=16,
+                                  dtype="float32")  # fmt: skip
+    view = build_view([_inst("p0", instance_pb2.ROLE_PREFILL, kv_layout=other),
+                       _inst("d0", instance_pb2.ROLE_DECODE)])  # fmt: skip
+    healthy, body = view.health()
+    assert not healthy and "equal KV layout" in body["reason"]
+    draining = _inst("p1", instance_pb2.ROLE_PREFILL)
+    draining.state = instance_pb2.INSTANCE_STATE_DRAINING
+    healthy, body = build_view([draining, _inst("d0", instance_pb2.ROLE_DECODE)]).health()
+    assert not healthy and "no prefill instance" in body["reason"]
+
+
+def test_one_model_without_a_pair_makes_the_gateway_unhealthy() -> None:
+    view = build_view([_inst("p0", instance_pb2.ROLE_BOTH),
+                       _inst("d1", instance_pb2.ROLE_DECODE, model="other")])  # fmt: skip
+    healthy, body = view.health()
+    assert not healthy
+    assert body["reason"] == "model 'other': no prefill instance"
+    assert body["models"]["m"]["paired"] is True
