@@ -22,6 +22,8 @@ __all__ = ["RegistrationClient"]
 log = logging.getLogger(__name__)
 
 _RPC_TIMEOUT_S = 2.0
+#: Shorter for the goodbye: an unreachable registry expires the lease by itself anyway.
+_DEREGISTER_TIMEOUT_S = 1.0
 #: Errors that no retry soon will fix; retried slowly so that e.g. an ALREADY_EXISTS clears
 #: once the previous holder's lease expires.
 _PERMANENT = {
@@ -145,7 +147,7 @@ class RegistrationClient:
         )
         try:
             response = self._stub.Deregister(
-                request, timeout=_RPC_TIMEOUT_S, metadata=self._metadata, wait_for_ready=True
+                request, timeout=_DEREGISTER_TIMEOUT_S, metadata=self._metadata, wait_for_ready=True
             )
         except grpc.RpcError as exc:
             log.warning("deregister of %s failed: %s", self.instance_id, exc)

@@ -1,0 +1,127 @@
+"""Fixtures of the registry's integration tests: a running registry, a stub, a watch recorder."""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from pdplane.core import grpc_util
+from pdplane.registry.server import RegistryServer
+from pdplane.v1 import registry_pb2, registry_pb2_grpc
+from tests.integration.registry.fixtures import running_registry_server
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float, interval: float = 0.01) -> bool:
+    """Polls `predicate` until true or `timeout` seconds passed; returns its last value."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()
+
+
+class WatchRecorder:
+    """Reads one WatchInstances stream on a thread and records every event with its arrival
+    time (monotonic s)."""
+
+    def __init__(self, address: str, from_revision: int = 0, token: str | None = None) -> None:
+        self._channel = grpc_util.channel(address)
+        stub = registry_pb2_grpc.RegistryStub(self._channel)
+        self._call = stub.WatchInstances(
+            registry_pb2.WatchInstancesRequest(from_revision=from_revision),
+            metadata=grpc_util.token_metadata(token),
+        )
+        self.events: list[tuple[float, registry_pb2.WatchEvent]] = []
+        self.error: grpc.RpcError | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            for event in self._call:
+                self.events.append((time.monotonic(), event))
+        except grpc.RpcError as exc:
+            self.error = exc
+
+    def of_type(self, kind: int) -> list[registry_pb2.WatchEvent]:
+        return [e for _, e in list(self.events) if e.type == kind]
+
+    def close(self) -> None:
+        self._call.cancel()
+        self._thread.join(timeout=5)
+        self._channel.close()
+
+
+@pytest.fixture
+def registry() -> Iterator[RegistryServer]:
+    """A registry with a 1 s lease TTL and 200 ms heartbeats (short, to keep tests fast)."""
+    with running_registry_server(lease_ttl_ms=1000, heartbeat_interval_ms=200) as server:
+        yield server
+
+
+@pytest.fixture
+def stub(registry: RegistryServer) -> Iterator[registry_pb2_grpc.RegistryStub]:
+    with grpc_util.channel(registry.address) as chan:
+        yield registry_pb2_grpc.RegistryStub(chan)
+
+
+@pytest.fixture
+def recorder_factory() -> Iterator[Callable[..., WatchRecorder]]:
+    made: list[WatchRecorder] = []
+
+    def make(address: str, from_revision: int = 0, token: str | None = None) -> WatchRecorder:
+        made.append(WatchRecorder(address, from_revision, token))
+        return made[-1]
+
+    yield make
+    for rec in made:
+        rec.close()
+
+
+@pytest.fixture(scope="session")
+def tls_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(certificate, key) PEM files of a self-signed certificate for 127.0.0.1/localhost."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName(
+                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+            ),
+            critical=False,
+        )
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    folder = tmp_path_factory.mktemp("tls")
+    cert_path, key_path = folder / "cert.pem", folder / "key.pem"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    return cert_path, key_path

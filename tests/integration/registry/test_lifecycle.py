@@ -1,0 +1,92 @@
+"""register -> list -> heartbeat updates load -> heartbeats stop -> removed within TTL + 1 s,
+with a REMOVED event on an open watch. Runs on both server flavours."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import pytest
+
+from pdplane.core import grpc_util
+from pdplane.registry.client import RegistrationClient
+from pdplane.v1 import instance_pb2, registry_pb2, registry_pb2_grpc
+from tests.integration.registry.conftest import WatchRecorder, wait_until
+from tests.integration.registry.fixtures import make_spec, running_registry
+
+Ev = registry_pb2.WatchEvent
+TTL_MS = 1000
+
+
+@pytest.mark.parametrize("flavour", ["aio", "sync"])
+def test_lease_lifecycle(flavour: str, recorder_factory: Callable[..., WatchRecorder]) -> None:
+    with (
+        running_registry(lease_ttl_ms=TTL_MS, heartbeat_interval_ms=200, flavour=flavour) as addr,
+        grpc_util.channel(addr) as chan,
+    ):
+        stub = registry_pb2_grpc.RegistryStub(chan)
+        watch = recorder_factory(addr)
+        assert wait_until(lambda: len(watch.of_type(Ev.SNAPSHOT)) == 1, 5)
+
+        reg = stub.Register(registry_pb2.RegisterRequest(spec=make_spec("p0")))
+        assert (reg.lease_ttl_ms, reg.heartbeat_interval_ms) == (TTL_MS, 200)
+        (listed,) = stub.ListInstances(registry_pb2.ListInstancesRequest()).instances
+        assert listed.spec == make_spec("p0")
+        assert listed.state == instance_pb2.INSTANCE_STATE_SERVING
+
+        load = instance_pb2.LoadReport(num_running=3, kv_cache_usage=0.5, free_kv_blocks=7)
+        beat = stub.Heartbeat(
+            registry_pb2.HeartbeatRequest(instance_id="p0", lease_id=reg.lease_id, load=load)
+        )
+        last_beat = time.monotonic()
+        assert beat.state == instance_pb2.INSTANCE_STATE_SERVING
+        got = stub.GetInstance(registry_pb2.GetInstanceRequest(instance_id="p0"))
+        assert got.load == load
+        assert wait_until(lambda: len(watch.of_type(Ev.UPDATED)) == 1, 5)
+        assert watch.of_type(Ev.UPDATED)[0].instance.load == load
+
+        # No more heartbeats: the reaper must remove it within TTL + 1 s, not before the TTL.
+        assert wait_until(lambda: watch.of_type(Ev.REMOVED), TTL_MS / 1000 + 1.0)
+        removed_at = next(t for t, e in watch.events if e.type == Ev.REMOVED)
+        assert TTL_MS / 1000 * 0.95 <= removed_at - last_beat <= TTL_MS / 1000 + 1.0
+        (removed,) = watch.of_type(Ev.REMOVED)
+        assert (removed.instance.spec.instance_id, removed.reason) == ("p0", "lease_expired")
+        assert stub.ListInstances(registry_pb2.ListInstancesRequest()).instances == []
+        revisions = [e.revision for _, e in watch.events]
+        assert revisions == sorted(set(revisions))
+
+
+def test_client_library_reports_load_and_drains(
+    recorder_factory: Callable[..., WatchRecorder],
+) -> None:
+    load = instance_pb2.LoadReport(num_running=1)
+    with running_registry(lease_ttl_ms=TTL_MS, heartbeat_interval_ms=100) as addr:
+        watch = recorder_factory(addr)
+        client = RegistrationClient(addr, make_spec("d0"), lambda: load)
+        client.start()
+        assert client.wait_registered(5)
+        load = instance_pb2.LoadReport(num_running=4, num_waiting=2)
+
+        def seen(n: int) -> bool:
+            return any(e.instance.load.num_running == n for e in watch.of_type(Ev.UPDATED))
+
+        assert wait_until(lambda: seen(4), 5)
+
+        # Draining: listed as DRAINING while busy, removed once load_fn reports idle.
+        def become_idle() -> None:
+            nonlocal load
+            assert wait_until(lambda: client.state == instance_pb2.INSTANCE_STATE_DRAINING, 5)
+            load = instance_pb2.LoadReport()
+
+        idler = threading.Thread(target=become_idle)
+        idler.start()
+        client.stop(drain=True, drain_timeout=10)
+        idler.join()
+        assert wait_until(lambda: watch.of_type(Ev.REMOVED), 5)
+        kinds = [(e.type, e.instance.state) for _, e in watch.events]
+        draining = (Ev.UPDATED, instance_pb2.INSTANCE_STATE_DRAINING)
+        assert draining in kinds
+        assert kinds[-1][0] == Ev.REMOVED
+        assert kinds.index(draining) < len(kinds) - 1
+        assert watch.of_type(Ev.REMOVED)[0].reason == "deregistered"
