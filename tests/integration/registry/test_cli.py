@@ -1,0 +1,148 @@
+"""`pdplane ls` (table, --json, --role, --watch) and `pdplane registry` as real processes."""
+
+from __future__ import annotations
+
+import json
+import queue
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Iterator
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pdplane.core import grpc_util
+from pdplane.registry.server import RegistryServer
+from pdplane.v1 import instance_pb2, registry_pb2, registry_pb2_grpc
+from tests.integration.registry.conftest import wait_until
+from tests.integration.registry.fixtures import make_spec
+
+PDPLANE = [sys.executable, "-m", "pdplane.cli.main"]
+
+
+def _pdplane(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*PDPLANE, *args], capture_output=True, text=True, timeout=30)
+
+
+@pytest.fixture
+def populated(registry: RegistryServer) -> Iterator[RegistryServer]:
+    """p0 (prefill, loaded), d0 (decode, draining), b0 (both, model "big"), by lease TTL 60 s."""
+    store = registry.store
+    p0 = store.register(make_spec("p0"), 60_000)
+    load = instance_pb2.LoadReport(num_running=2, num_waiting=1, kv_cache_usage=0.25)
+    store.heartbeat("p0", p0.lease_id, load)
+    d0 = store.register(make_spec("d0", instance_pb2.ROLE_DECODE), 60_000)
+    store.deregister("d0", d0.lease_id, drain=True)
+    store.register(make_spec("b0", instance_pb2.ROLE_BOTH, model="big"), 60_000)
+    yield registry
+
+
+def test_ls_json(populated: RegistryServer) -> None:
+    result = _pdplane("ls", "--registry", populated.address, "--json")
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(result.stdout)
+    assert [r["id"] for r in rows] == ["b0", "d0", "p0"]
+    p0 = rows[2]
+    assert {k: p0[k] for k in ("role", "model", "url", "kv_endpoint", "state")} == {
+        "role": "prefill",
+        "model": "tiny",
+        "url": "http://127.0.0.1:8100",
+        "kv_endpoint": "127.0.0.1:50100",
+        "state": "serving",
+    }
+    assert p0["load"]["num_running"] == 2 and p0["load"]["kv_cache_usage"] == 0.25
+    assert p0["kv_layout"] == "L2.H2.D32.B16.float32"
+    assert rows[1]["state"] == "draining"
+
+
+def test_ls_filters_and_table(populated: RegistryServer) -> None:
+    decode = json.loads(
+        _pdplane("ls", "--registry", populated.address, "--json", "--role", "decode").stdout
+    )
+    assert [r["id"] for r in decode] == ["b0", "d0"]  # BOTH serves decode too
+    big = json.loads(
+        _pdplane("ls", "--registry", populated.address, "--json", "--model", "big").stdout
+    )
+    assert [r["id"] for r in big] == ["b0"]
+    table = _pdplane("ls", "--registry", populated.address).stdout.splitlines()
+    assert table[0].split()[:4] == ["ID", "ROLE", "MODEL", "STATE"]
+    assert [line.split()[0] for line in table[1:]] == ["b0", "d0", "p0"]
+    assert table[3].split()[6:9] == ["2", "1", "25"]  # RUN WAIT KV%
+
+
+def test_ls_errors(registry: RegistryServer, free_port: Callable[[], int]) -> None:
+    down = _pdplane("ls", "--registry", f"127.0.0.1:{free_port()}", "--timeout-s", "1")
+    assert down.returncode == 1 and "UNAVAILABLE" in down.stderr
+    bad = _pdplane("ls", "--registry", registry.address, "--role", "middle")
+    assert bad.returncode == 2 and "--role" in bad.stderr
+
+
+def test_ls_watch_streams_events(registry: RegistryServer) -> None:
+    proc = subprocess.Popen(
+        [*PDPLANE, "ls", "--registry", registry.address, "--watch", "--json"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    lines: queue.Queue[str] = queue.Queue()
+    reader = threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout or ()])
+    reader.start()
+    try:
+        assert json.loads(lines.get(timeout=20))["type"] == "SNAPSHOT"
+        lease = registry.store.register(make_spec("p9"), 0)
+        added = json.loads(lines.get(timeout=10))
+        assert (added["type"], added["instance"]["id"]) == ("ADDED", "p9")
+        registry.store.deregister("p9", lease.lease_id, drain=False)
+        removed = json.loads(lines.get(timeout=10))
+        assert (removed["type"], removed["reason"]) == ("REMOVED", "deregistered")
+        assert removed["revision"] > added["revision"]
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=10) == 0
+        reader.join(timeout=5)
+
+
+def test_registry_command_serves_and_stops_on_sigterm(free_port: Callable[[], int]) -> None:
+    port = free_port()
+    proc = subprocess.Popen(
+        [
+            *PDPLANE,
+            "registry",
+            "--port",
+            str(port),
+            "--lease-ttl-ms",
+            "2000",
+            "--heartbeat-interval-ms",
+            "500",
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    address = f"127.0.0.1:{port}"
+    try:
+        with grpc_util.channel(address) as chan:
+            health = health_pb2_grpc.HealthStub(chan)
+
+            def serving() -> bool:
+                try:
+                    reply = health.Check(health_pb2.HealthCheckRequest(), timeout=1)
+                except grpc.RpcError:
+                    return False
+                return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+            assert wait_until(serving, 20, interval=0.1)
+            stub = registry_pb2_grpc.RegistryStub(chan)
+            grant = stub.Register(registry_pb2.RegisterRequest(spec=make_spec()), timeout=5)
+            assert (grant.lease_ttl_ms, grant.heartbeat_interval_ms) == (2000, 500)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == 0
+
+
+def test_registry_command_rejects_bad_flags() -> None:
+    result = _pdplane("registry", "--port", "70000")
+    assert result.returncode == 2 and "--port" in result.stderr
+    result = _pdplane("registry", "--tls-cert", "only-cert.pem")
+    assert result.returncode == 2 and "tls" in result.stderr
