@@ -1,0 +1,90 @@
+"""Must show: upstream 4xx passed through, mid-stream failure, 503 naming the missing role,
+unreachable instances retried on another pair."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from pdplane.sim.testing import RunningSims
+from tests.integration.gateway.conftest import MODEL, Stack, wait_for
+
+_TOO_LONG = {"model": MODEL, "prompt": "hello", "max_tokens": 5000}  # sims: max_model_len 4096
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_decode_400_reaches_the_client_unchanged(
+    pair: tuple[Stack, RunningSims], stream: bool
+) -> None:
+    stack, sims = pair
+    r = httpx.post(f"{stack.url}/v1/completions", json={**_TOO_LONG, "stream": stream}, timeout=10)
+    assert r.status_code == 400
+    assert r.headers["content-type"].startswith("application/json")  # not an event stream
+    error = r.json()["error"]
+    assert error["code"] == 400 and "max_tokens" in error["message"]
+    [decode] = sims[1].records()
+    assert decode["status"] == 400
+    # Decode refused before pulling: the gateway told prefill to free the KV it held.
+    [prefill] = sims[0].records()
+    transfer_id = prefill["kv"]["transfer_id"]
+    wait_for(lambda: any(f["transfer_id"] == transfer_id for f in sims[0].freed_transfers()))
+    assert sims[0].held_transfers() == []
+    wait_for(lambda: stack.scheduler_inflight() == 0, what="in-flight count back to 0")
+
+
+def test_decode_dying_mid_stream_gives_one_error_event_and_closes(
+    pair: tuple[Stack, RunningSims],
+) -> None:
+    stack, sims = pair
+    sims[1].set_faults(fail_mode="drop", fail_after_tokens=2, fail_next=1)
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 10, "stream": True}
+    with httpx.stream("POST", f"{stack.url}/v1/completions", json=body, timeout=10) as r:
+        assert r.status_code == 200
+        raw = r.read()  # returns: the gateway closed the stream
+    events = raw[:-2].split(b"\n\n")
+    assert b"[DONE]" not in raw
+    errors = [e for e in events if b'"error"' in e]
+    assert errors == [events[-1]]
+    error = json.loads(events[-1][len(b"data: ") :])["error"]
+    assert error["code"] == 502 and sims[1].instance_id in error["message"]
+    assert len(events) == 3  # two tokens, then the error event
+    wait_for(lambda: stack.scheduler_inflight() == 0, what="in-flight count back to 0")
+
+
+def test_only_decode_registered_is_503_naming_prefill_then_200(stack: Stack) -> None:
+    decode = stack.sims(["decode"])
+    wait_for(lambda: stack.health().json()["models"].get(MODEL) is not None)
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 3}
+    r = httpx.post(f"{stack.url}/v1/completions", json=body, timeout=10)
+    assert r.status_code == 503
+    error = r.json()["error"]
+    assert error["code"] == 503 and "prefill" in error["message"]
+    assert decode[0].records() == []
+
+    stack.sims(["prefill"])
+    wait_for(
+        lambda: httpx.post(f"{stack.url}/v1/completions", json=body, timeout=10).status_code == 200,
+        what="200 once prefill registered",
+    )
+
+
+def test_unreachable_prefill_is_retried_on_another_pair(stack: Stack) -> None:
+    sims = stack.sims(["prefill", "prefill", "decode"])
+    stack.wait_ready(sims)
+    sims[0].set_faults(fail_mode="drop", fail_next=100)
+    sims[1].set_faults(fail_mode="drop", fail_next=100)
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 3}
+    # Whichever prefill the scheduler picks first drops the connection; the retry excludes it
+    # and lands on the other one, which drops too: 502 after exactly one retry.
+    r = httpx.post(f"{stack.url}/v1/completions", json=body, timeout=10)
+    assert r.status_code == 502
+    assert "unreachable" in r.json()["error"]["message"]
+    assert len(sims[0].records()) == len(sims[1].records()) == 1
+    sims[1].set_faults(fail_next=0)
+    r = httpx.post(f"{stack.url}/v1/completions", json=body, timeout=10)
+    assert r.status_code == 200, r.text
+    metrics = httpx.get(f"{stack.url}/metrics").text
+    assert 'pdplane_gateway_retries_total{side="prefill"}' in metrics
+    wait_for(lambda: stack.scheduler_inflight() == 0, what="in-flight count back to 0")
