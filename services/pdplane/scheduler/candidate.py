@@ -46,23 +46,23 @@ class Candidate:
     free_kv_blocks: int
     total_kv_blocks: int
     revision: int
-
-    @property
-    def pair_key(self) -> PairKey:
-        """What must match between a prefill and its decode instance."""
-        return (self.fingerprint, self.transport, self.max_model_len)
+    #: What must match between a prefill and its decode instance.
+    pair_key: PairKey
+    #: Reported running + waiting requests plus KV cache usage (0..1) as a tie-breaker.
+    reported_load: float
 
     @classmethod
     def from_instance(cls, instance: instance_pb2.Instance) -> Candidate:
         """Copies the scheduling-relevant fields out of a registry `Instance`."""
         spec, load = instance.spec, instance.load
+        layout = fingerprint(spec.kv_layout)
         return cls(
             instance_id=spec.instance_id,
             model=spec.model,
             url=spec.url,
             kv_endpoint=spec.kv_endpoint,
             transport=spec.transport,
-            fingerprint=fingerprint(spec.kv_layout),
+            fingerprint=layout,
             block_size=spec.kv_layout.block_size,
             max_model_len=spec.max_model_len,
             can_prefill=spec.role in _PREFILL_ROLES,
@@ -74,4 +74,6 @@ class Candidate:
             free_kv_blocks=load.free_kv_blocks,
             total_kv_blocks=load.total_kv_blocks,
             revision=instance.revision,
+            pair_key=(layout, spec.transport, spec.max_model_len),
+            reported_load=load.num_running + load.num_waiting + load.kv_cache_usage,
         )

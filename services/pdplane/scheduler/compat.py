@@ -73,19 +73,28 @@ def split_sides(
     already assigned to decode candidate `c` since its last load report.
     """
     prefill, decode = SideCandidates("prefill"), SideCandidates("decode")
+    # The hot loop of every decision: plain attribute checks, reasons worded only on reject.
     for c in candidates:
-        common = _common_rejection(c, tokens, exclude)
         if c.can_prefill:
             prefill.with_role += 1
-            if common:
-                prefill.rejected[common] += 1
-            else:
-                prefill.eligible.append(c)
         if c.can_decode:
             decode.with_role += 1
-            reason = common or _kv_room_rejection(c, tokens, pending_blocks)
-            if reason:
+        if not c.serving or c.max_model_len < tokens or c.instance_id in exclude:
+            reason = _common_rejection(c, tokens, exclude)
+            if c.can_prefill:
+                prefill.rejected[reason] += 1
+            if c.can_decode:
                 decode.rejected[reason] += 1
+            continue
+        if c.can_prefill:
+            prefill.eligible.append(c)
+        if c.can_decode:
+            if (
+                c.total_kv_blocks
+                and c.block_size
+                and (c.free_kv_blocks - pending_blocks(c)) * c.block_size < tokens
+            ):
+                decode.rejected[f"no KV room for {tokens} tokens"] += 1
             else:
                 decode.eligible.append(c)
     return prefill, decode
@@ -96,20 +105,7 @@ def _common_rejection(c: Candidate, tokens: int, exclude: Collection[str]) -> st
         return "draining"
     if c.instance_id in exclude:
         return "excluded"
-    if c.max_model_len < tokens:
-        return f"max_model_len < {tokens} tokens"
-    return ""
-
-
-def _kv_room_rejection(
-    c: Candidate, tokens: int, pending_blocks: Callable[[Candidate], int]
-) -> str:
-    if c.total_kv_blocks == 0 or c.block_size == 0:
-        return ""  # the report does not say: no guard
-    free = c.free_kv_blocks - pending_blocks(c)
-    if free * c.block_size < tokens:
-        return f"no KV room for {tokens} tokens"
-    return ""
+    return f"max_model_len < {tokens} tokens"
 
 
 def pair_keys_of(candidates: Sequence[Candidate]) -> set[PairKey]:

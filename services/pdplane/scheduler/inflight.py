@@ -67,6 +67,13 @@ class InflightTracker:
         pending = self._pending.get(candidate.instance_id)
         return pending.requests if pending and pending.epoch == candidate.revision else 0
 
+    def effective_load(self, candidate: Candidate) -> float:
+        """The candidate's reported load plus its pending requests (see `Candidate`)."""
+        pending = self._pending.get(candidate.instance_id)
+        if pending is None or pending.epoch != candidate.revision:
+            return candidate.reported_load
+        return candidate.reported_load + pending.requests
+
     def pending_blocks(self, candidate: Candidate) -> int:
         """KV cache blocks reserved on decode `candidate` since its current load report."""
         pending = self._pending.get(candidate.instance_id)

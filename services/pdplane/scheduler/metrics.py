@@ -8,6 +8,7 @@ tracker and the view, in-flight assignments per instance and instances per role/
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -86,6 +87,7 @@ class SchedulerMetrics:
             ["outcome", "known"],
             registry=self.registry,
         )
+        self._decision_children: dict[tuple[str, str], Any] = {}
         self._latency = Histogram(
             "pdplane_scheduler_decision_seconds",
             "Time to choose a pair inside the scheduler (seconds)",
@@ -103,7 +105,12 @@ class SchedulerMetrics:
 
     def decided(self, prefill_policy: str, decode_policy: str, seconds: float) -> None:
         """Counts one decision and observes its latency (seconds)."""
-        self._decisions.labels(prefill_policy, decode_policy).inc()
+        # labels() hashes and locks on every call; the hot path reuses the child instead.
+        key = (prefill_policy, decode_policy)
+        child = self._decision_children.get(key)
+        if child is None:
+            child = self._decision_children[key] = self._decisions.labels(*key)
+        child.inc()
         self._latency.observe(seconds)
 
     def unavailable(self, side: str) -> None:

@@ -91,12 +91,7 @@ class SchedulerService:
     def load(self, candidate: Candidate) -> float:
         """Effective load: reported running + waiting, plus own assignments since that report,
         plus KV cache usage (0..1) so that equal request counts prefer the emptier cache."""
-        return (
-            candidate.num_running
-            + candidate.num_waiting
-            + self.inflight.pending_requests(candidate)
-            + candidate.kv_cache_usage
-        )
+        return self.inflight.effective_load(candidate)
 
     def schedule(self, request: ScheduleInput) -> Decision:
         """Chooses and counts a pair for `request`.
@@ -139,7 +134,9 @@ class SchedulerService:
         prefills = prefill_side.require(model, self.view.models)
         decodes = decode_side.require(model, self.view.models)
         decode_keys = pair_keys_of(decodes)
-        pairable = [p for p in prefills if p.pair_key in decode_keys]
+        uniform = len(decode_keys) == 1 and pair_keys_of(prefills) == decode_keys
+        # Usual fleet: one layout everywhere, nothing to pair up.
+        pairable = prefills if uniform else [p for p in prefills if p.pair_key in decode_keys]
         if not pairable:
             raise NoInstance(
                 "pair",
@@ -148,11 +145,14 @@ class SchedulerService:
                 f"[{describe_keys(decode_keys)}] (layout/transport/max_model_len differ)",
             )
         ctx = PickContext(
-            request.request_id, request.routing_key, request.prefix_block_hashes, self.load
+            request.request_id,
+            request.routing_key,
+            request.prefix_block_hashes,
+            self.inflight.effective_load,
         )
         prefill = prefill_policy.pick(pairable, ctx)
         p = prefill.candidate
-        matching = [d for d in decodes if d.pair_key == p.pair_key]
+        matching = decodes if uniform else [d for d in decodes if d.pair_key == p.pair_key]
         # A BOTH instance may serve both halves, but only when no other decode fits.
         others = [d for d in matching if d.instance_id != p.instance_id]
         decode = decode_policy.pick(others or matching, ctx)

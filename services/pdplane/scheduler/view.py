@@ -16,7 +16,7 @@ from typing import Any, Protocol
 from pdplane.scheduler.candidate import Candidate
 from pdplane.v1 import instance_pb2
 
-__all__ = ["CandidateView", "InstanceSource"]
+__all__ = ["CandidateView", "InstanceSource", "StaticSource"]
 
 
 class InstanceSource(Protocol):
@@ -26,6 +26,33 @@ class InstanceSource(Protocol):
     def revision(self) -> int: ...
 
     def snapshot(self) -> Mapping[str, instance_pb2.Instance]: ...
+
+
+class StaticSource:
+    """An `InstanceSource` fed by hand (benchmarks, tests, a fleet known in advance).
+
+    Every `put` / `remove` bumps `revision` by one, like a registry event.
+    """
+
+    def __init__(self, *instances: instance_pb2.Instance) -> None:
+        self.revision = 0
+        self._view: dict[str, instance_pb2.Instance] = {}
+        self.put(*instances)
+
+    def put(self, *instances: instance_pb2.Instance) -> None:
+        """Adds or replaces instances (by spec.instance_id)."""
+        for instance in instances:
+            self.revision += 1
+            self._view[instance.spec.instance_id] = instance
+
+    def remove(self, instance_id: str) -> None:
+        """Removes an instance; KeyError when it is unknown."""
+        del self._view[instance_id]
+        self.revision += 1
+
+    def snapshot(self) -> dict[str, instance_pb2.Instance]:
+        """A copy of the instances by id."""
+        return dict(self._view)
 
 
 class CandidateView:

@@ -13,13 +13,7 @@ from pdplane.scheduler.client import SchedulerClient
 from pdplane.scheduler.server import SchedulerServer
 from pdplane.v1 import instance_pb2
 from tests.integration.registry.fixtures import make_spec, running_registry
-from tests.integration.scheduler.fixtures import running_scheduler_server
-
-ROLES = {
-    "prefill": instance_pb2.ROLE_PREFILL,
-    "decode": instance_pb2.ROLE_DECODE,
-    "both": instance_pb2.ROLE_BOTH,
-}
+from tests.integration.scheduler.fixtures import ROLES, running_scheduler_server
 
 
 def wait_for(condition: Callable[[], bool], timeout: float = 5.0, what: str = "") -> None:

@@ -22,8 +22,16 @@ from typing import Any
 
 from pdplane.scheduler.server import SchedulerServer
 from pdplane.scheduler.settings import SchedulerSettings
+from pdplane.v1 import instance_pb2
 
-__all__ = ["running_scheduler", "running_scheduler_server"]
+__all__ = ["ROLES", "running_scheduler", "running_scheduler_server"]
+
+#: Role names used by the scheduler tests -> protobuf Role.
+ROLES = {
+    "prefill": instance_pb2.ROLE_PREFILL,
+    "decode": instance_pb2.ROLE_DECODE,
+    "both": instance_pb2.ROLE_BOTH,
+}
 
 
 @contextlib.contextmanager

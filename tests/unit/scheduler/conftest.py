@@ -8,13 +8,10 @@ from typing import Any
 import pytest
 
 from pdplane.scheduler.candidate import Candidate
+from pdplane.scheduler.view import StaticSource
 from pdplane.v1 import instance_pb2
-
-ROLES = {
-    "prefill": instance_pb2.ROLE_PREFILL,
-    "decode": instance_pb2.ROLE_DECODE,
-    "both": instance_pb2.ROLE_BOTH,
-}
+from tests.integration.registry.fixtures import make_spec
+from tests.integration.scheduler.fixtures import ROLES
 
 
 def instance(
@@ -31,18 +28,16 @@ def instance(
     **load: Any,
 ) -> instance_pb2.Instance:
     """An Instance; `load` fields are LoadReport fields (num_running=, free_kv_blocks=, ...)."""
+    layout = instance_pb2.KvLayout(
+        num_layers=2, num_kv_heads=2, head_size=32, block_size=block_size, dtype=dtype
+    )
     return instance_pb2.Instance(
-        spec=instance_pb2.InstanceSpec(
-            instance_id=instance_id,
-            role=ROLES[role],
-            model=model,
-            url=f"http://127.0.0.1/{instance_id}",
-            kv_endpoint=f"127.0.0.1:1/{instance_id}",
+        spec=make_spec(
+            instance_id,
+            ROLES[role],
+            model,
             transport=transport,
-            tp_size=1,
-            kv_layout=instance_pb2.KvLayout(
-                num_layers=2, num_kv_heads=2, head_size=32, block_size=block_size, dtype=dtype
-            ),
+            kv_layout=layout,
             max_model_len=max_model_len,
         ),
         state=(
@@ -55,27 +50,16 @@ def instance(
     )
 
 
-class FakeSource:
-    """What `InstanceWatcher` offers the view: `revision` and `snapshot()`."""
+class FakeSource(StaticSource):
+    """A StaticSource that counts how often the view re-read it."""
 
     def __init__(self, *instances: instance_pb2.Instance) -> None:
-        self.revision = 0
+        super().__init__(*instances)
         self.snapshots = 0
-        self._view: dict[str, instance_pb2.Instance] = {}
-        self.put(*instances)
-
-    def put(self, *instances: instance_pb2.Instance) -> None:
-        for inst in instances:
-            self.revision += 1
-            self._view[inst.spec.instance_id] = inst
-
-    def remove(self, instance_id: str) -> None:
-        self.revision += 1
-        del self._view[instance_id]
 
     def snapshot(self) -> dict[str, instance_pb2.Instance]:
         self.snapshots += 1
-        return dict(self._view)
+        return super().snapshot()
 
 
 @pytest.fixture
