@@ -17,6 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from pdplane.connector.config import ConnectorConfig
+from pdplane.connector.logs import setup_connector_logging
 from pdplane.connector.metadata import PdPlaneConnectorMetadata
 from pdplane.connector.registration import InstanceRegistration, build_spec
 from pdplane.connector.scheduler_side import SchedulerSide
@@ -40,9 +41,19 @@ __all__ = ["PdPlaneConnector"]
 
 log = logging.getLogger(__name__)
 
+try:  # vLLM >= 0.32 labels externally loaded prompt tokens by source
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    _P2P_SOURCE: Any = CacheHitSource.P2P
+except ImportError:  # older vLLM: no per-source metrics
+    _P2P_SOURCE = None
+
 
 class PdPlaneConnector(KVConnectorBase_V1):
     """pdplane's pull-mode P/D connector (see docs/connector.md)."""
+
+    if _P2P_SOURCE is not None:
+        _cache_hit_source = _P2P_SOURCE
 
     def __init__(
         self,
@@ -51,6 +62,7 @@ class PdPlaneConnector(KVConnectorBase_V1):
         kv_cache_config: Any | None = None,
         **kwargs: Any,
     ) -> None:
+        setup_connector_logging()
         try:
             super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         except TypeError:  # vLLM versions without kv_cache_config

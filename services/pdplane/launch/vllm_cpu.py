@@ -1,0 +1,224 @@
+"""Launch a vLLM CPU instance (optionally with pdplane's KV connector) as a supervised child.
+
+The lean settings measured on CPU machines (docs/connector.md): float32, eager mode, the `uni`
+executor, no engine multiprocessing, a small fixed KV cache. Every instance of a P/D pair must
+use identical settings (layouts and numerics must match). Used by `pdplane up`, the end-to-end
+tests and the docker image::
+
+    inst = VllmCpuInstance(VllmCpuOptions(model=path, port=8100, role="kv_producer",
+                                          kv_port=50100, registry="127.0.0.1:50051"),
+                           log_path=Path("prefill.log"))
+    inst.start(); inst.wait_healthy(180); ...; inst.stop()
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from pdplane.launch.process import ManagedProcess, http_ok, wait_until
+
+__all__ = ["KvRole", "VllmCpuInstance", "VllmCpuOptions", "connector_config"]
+
+KvRole = Literal["kv_producer", "kv_consumer", "kv_both"]
+
+#: Environment every lean vLLM CPU instance gets (offline, no telemetry, 1 GiB KV space,
+#: engine core in-process).
+LEAN_ENV: dict[str, str] = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+}
+
+
+@dataclass
+class VllmCpuOptions:
+    """Settings of one instance.
+
+    Attributes:
+        model: model directory (e.g. from `pdplane.models.tiny.build_tiny_model`).
+        port: OpenAI HTTP port.
+        host: bind host of the HTTP server.
+        role: kv_role of the pdplane connector; None = plain vLLM (no connector).
+        served_model_name: name in /v1/models (default: vLLM's, the model path).
+        kv_port: KvTransfer gRPC port of the connector (rank 0); required with `registry`.
+        registry: registry address host:port; None = the instance does not register.
+        registry_token: bearer token for the registry.
+        token: bearer token of the KvTransfer service (same on every instance of a fleet).
+        instance_id: registry instance id (default: derived by the connector).
+        transfer_timeout_s: prefill frees held blocks after this long (s); None = default.
+        pull_timeout_s: decode gives up a pull after this long (s); None = default.
+        connector_extra: more `kv_connector_extra_config` keys (override the above).
+        kv_load_failure_policy: vLLM's reaction to a failed pull: "fail" or "recompute".
+        max_model_len: tokens; num_gpu_blocks: KV cache blocks (`--num-gpu-blocks-override`).
+        dtype: model dtype; prefix_caching: vLLM's own prefix cache.
+        omp_threads_bind: `VLLM_CPU_OMP_THREADS_BIND` (e.g. "0" to pin to core 0).
+        extra_args: more vLLM flags; extra_env: more environment variables.
+    """
+
+    model: Path
+    port: int
+    host: str = "127.0.0.1"
+    role: KvRole | None = None
+    served_model_name: str | None = None
+    kv_port: int | None = None
+    registry: str | None = None
+    registry_token: str | None = None
+    token: str | None = None
+    instance_id: str | None = None
+    transfer_timeout_s: float | None = None
+    pull_timeout_s: float | None = None
+    connector_extra: dict[str, Any] = field(default_factory=dict)
+    kv_load_failure_policy: Literal["fail", "recompute"] = "fail"
+    max_model_len: int = 1024
+    num_gpu_blocks: int = 64
+    dtype: str = "float32"
+    prefix_caching: bool = True
+    omp_threads_bind: str | None = None
+    extra_args: list[str] = field(default_factory=list)
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+
+def connector_config(options: VllmCpuOptions) -> dict[str, Any] | None:
+    """The `--kv-transfer-config` object for `options` (None without a role)."""
+    if options.role is None:
+        return None
+    extra: dict[str, Any] = {"url": options.url, "kv_host": options.host}
+    optional = {
+        "kv_port": options.kv_port,
+        "registry": options.registry,
+        "registry_token": options.registry_token,
+        "token": options.token,
+        "instance_id": options.instance_id,
+        "transfer_timeout_s": options.transfer_timeout_s,
+        "pull_timeout_s": options.pull_timeout_s,
+    }
+    extra.update({k: v for k, v in optional.items() if v is not None})
+    extra.update(options.connector_extra)
+    return {
+        "kv_connector": "PdPlaneConnector",
+        "kv_connector_module_path": "pdplane.connector",
+        "kv_role": options.role,
+        "kv_load_failure_policy": options.kv_load_failure_policy,
+        "kv_connector_extra_config": extra,
+    }
+
+
+class VllmCpuInstance:
+    """One vLLM CPU server process: `start()`, `wait_healthy()`, `stop()` (or `with`).
+
+    `stop()` ends the whole process group (API server and engine core), so no orphan is left
+    even when vLLM spawned children.
+    """
+
+    def __init__(
+        self,
+        options: VllmCpuOptions,
+        log_path: Path,
+        python: str = sys.executable,
+        base_env: Mapping[str, str] | None = None,
+    ) -> None:
+        self.options = options
+        self.log_path = log_path
+        self._python = python
+        self._base_env = dict(os.environ if base_env is None else base_env)
+        name = options.role or "vllm"
+        self.process = ManagedProcess(
+            f"{name}:{options.port}", self.command(), log_path, self.env()
+        )
+
+    @property
+    def url(self) -> str:
+        """OpenAI base URL, e.g. http://127.0.0.1:8100 (no /v1)."""
+        return self.options.url
+
+    @property
+    def kv_endpoint(self) -> str | None:
+        """host:port of the connector's KvTransfer server (None without a fixed kv_port)."""
+        o = self.options
+        return f"{o.host}:{o.kv_port}" if o.role and o.kv_port else None
+
+    def command(self) -> list[str]:
+        """The full argv of the server process."""
+        o = self.options
+        argv = [
+            self._python,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(o.model),
+            "--host",
+            o.host,
+            "--port",
+            str(o.port),
+            "--max-model-len",
+            str(o.max_model_len),
+            "--dtype",
+            o.dtype,
+            "--enforce-eager",
+            "--distributed-executor-backend",
+            "uni",
+            "--num-gpu-blocks-override",
+            str(o.num_gpu_blocks),
+        ]
+        if o.served_model_name:
+            argv += ["--served-model-name", o.served_model_name]
+        if not o.prefix_caching:
+            argv.append("--no-enable-prefix-caching")
+        kv = connector_config(o)
+        if kv is not None:
+            argv += ["--kv-transfer-config", json.dumps(kv)]
+        return argv + list(o.extra_args)
+
+    def env(self) -> dict[str, str]:
+        """The server's environment: the caller's, plus the lean settings."""
+        env = {**self._base_env, **LEAN_ENV}
+        if self.options.omp_threads_bind is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = self.options.omp_threads_bind
+        env.update(self.options.extra_env)
+        return env
+
+    def start(self) -> None:
+        """Starts the server (returns at once). Raises RuntimeError if already running."""
+        self.process.start()
+
+    def healthy(self) -> bool:
+        """True when GET /health answers 200."""
+        return http_ok(f"{self.url}/health")
+
+    def wait_healthy(self, timeout: float = 180.0) -> None:
+        """Waits until /health answers 200. Raises ProcessDied (with the log's tail) if the
+        server exits first, TimeoutError after `timeout` seconds."""
+        wait_until(
+            self.healthy,
+            timeout,
+            interval_s=0.5,
+            watch=[self.process],
+            what=f"vLLM at {self.url} to become healthy",
+        )
+
+    def alive(self) -> bool:
+        return self.process.alive()
+
+    def stop(self, grace_s: float = 15.0) -> int | None:
+        """SIGTERM, then SIGKILL after `grace_s` seconds, to the whole process group."""
+        return self.process.stop(grace_s)
+
+    def __enter__(self) -> VllmCpuInstance:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
