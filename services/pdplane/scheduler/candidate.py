@@ -26,7 +26,9 @@ class Candidate:
     """One registered instance with its latest load report.
 
     Token counts in tokens, KV sizes in KV cache blocks, `kv_cache_usage` a fraction 0..1.
-    `revision` is the registry revision of the instance's last change (its load epoch).
+    `revision` is the registry revision of the instance's last change; `epoch` identifies this
+    load report (lease and revision together, so a restarted registry that reuses revision
+    numbers still starts new epochs).
     """
 
     instance_id: str
@@ -46,6 +48,7 @@ class Candidate:
     free_kv_blocks: int
     total_kv_blocks: int
     revision: int
+    epoch: int
     #: What must match between a prefill and its decode instance.
     pair_key: PairKey
     #: Reported running + waiting requests plus KV cache usage (0..1) as a tie-breaker.
@@ -74,6 +77,7 @@ class Candidate:
             free_kv_blocks=load.free_kv_blocks,
             total_kv_blocks=load.total_kv_blocks,
             revision=instance.revision,
+            epoch=hash((instance.lease_id, instance.revision)),
             pair_key=(layout, spec.transport, spec.max_model_len),
             reported_load=load.num_running + load.num_waiting + load.kv_cache_usage,
         )

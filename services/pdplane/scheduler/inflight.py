@@ -1,9 +1,11 @@
 """The scheduler's own in-flight assignments, so that load between two heartbeats is visible.
 
 An instance's effective load is its last load report plus the assignments the scheduler made
-since that report and that are not released yet. A report is identified by the instance's
-registry revision (its "epoch"): when a newer report arrives, earlier assignments are assumed
-to be counted in it, and the pending counters start again from zero.
+since that report and that are not released yet. A report is identified by the candidate's
+`epoch` (its lease and registry revision): when a newer report arrives, earlier assignments
+are assumed to be counted in it, and the pending counters start again from zero. The registry
+publishes a report only when the load changed, so an unchanged report keeps counting the
+assignments made since it (conservative: they are released or expire).
 
 Assignments that are never released (a gateway that died) expire after `timeout_s`, so nothing
 grows without bound. Thread-safe: the gRPC loop and the metrics scrape thread both read it.
@@ -65,19 +67,19 @@ class InflightTracker:
     def pending_requests(self, candidate: Candidate) -> int:
         """Unreleased requests assigned to `candidate` since its current load report."""
         pending = self._pending.get(candidate.instance_id)
-        return pending.requests if pending and pending.epoch == candidate.revision else 0
+        return pending.requests if pending and pending.epoch == candidate.epoch else 0
 
     def effective_load(self, candidate: Candidate) -> float:
         """The candidate's reported load plus its pending requests (see `Candidate`)."""
         pending = self._pending.get(candidate.instance_id)
-        if pending is None or pending.epoch != candidate.revision:
+        if pending is None or pending.epoch != candidate.epoch:
             return candidate.reported_load
         return candidate.reported_load + pending.requests
 
     def pending_blocks(self, candidate: Candidate) -> int:
         """KV cache blocks reserved on decode `candidate` since its current load report."""
         pending = self._pending.get(candidate.instance_id)
-        return pending.blocks if pending and pending.epoch == candidate.revision else 0
+        return pending.blocks if pending and pending.epoch == candidate.epoch else 0
 
     def add(
         self, request_id: str, prefill: Candidate, decode: Candidate, decode_blocks: int
@@ -86,9 +88,9 @@ class InflightTracker:
         record = Assignment(
             request_id=request_id,
             prefill_id=prefill.instance_id,
-            prefill_epoch=prefill.revision,
+            prefill_epoch=prefill.epoch,
             decode_id=decode.instance_id,
-            decode_epoch=decode.revision,
+            decode_epoch=decode.epoch,
             decode_blocks=decode_blocks,
             started_at=self._clock(),
         )
@@ -97,8 +99,8 @@ class InflightTracker:
             if replaced is not None:
                 self._uncount(replaced)
             self._requests[request_id] = record
-            self._count(prefill.instance_id, prefill.revision, 0)
-            self._count(decode.instance_id, decode.revision, decode_blocks)
+            self._count(prefill.instance_id, prefill.epoch, 0)
+            self._count(decode.instance_id, decode.epoch, decode_blocks)
             self._expire_locked()
         return replaced
 

@@ -2,7 +2,7 @@
 
 Built from any `InstanceSource` (the registry client's `InstanceWatcher`, or a fake in unit
 tests) and refreshed lazily: a decision re-reads the source only when its revision moved (or
-`mark_dirty` was called), and re-converts only instances whose own revision changed. While the
+`mark_dirty` was called), and re-converts only instances whose message changed. While the
 source is disconnected it keeps returning its last snapshot, so scheduling continues on the last
 known view.
 """
@@ -63,7 +63,8 @@ class CandidateView:
         self._lock = threading.Lock()
         self._revision: int | None = None
         self._dirty = True
-        self._cache: dict[str, Candidate] = {}
+        # instance id -> (the message it was converted from, the candidate)
+        self._cache: dict[str, tuple[instance_pb2.Instance, Candidate]] = {}
         self._by_model: dict[str, tuple[Candidate, ...]] = {}
 
     def mark_dirty(self, *_args: Any) -> None:
@@ -91,18 +92,18 @@ class CandidateView:
         with self._lock:
             self._dirty = False
             snapshot = self._source.snapshot()
-            cache: dict[str, Candidate] = {}
+            cache: dict[str, tuple[instance_pb2.Instance, Candidate]] = {}
             by_model: dict[str, list[Candidate]] = {}
             for instance_id, instance in snapshot.items():
-                candidate = self._cache.get(instance_id)
-                # Revision 0 means "unknown" (fakes): always re-convert those.
-                if (
-                    candidate is None
-                    or not instance.revision
-                    or (candidate.revision != instance.revision)
-                ):
+                cached = self._cache.get(instance_id)
+                # Sources replace a changed instance's message and never mutate one, so the
+                # same message object means the same candidate (revisions may repeat across
+                # registry restarts; identity cannot).
+                if cached is not None and cached[0] is instance:
+                    candidate = cached[1]
+                else:
                     candidate = Candidate.from_instance(instance)
-                cache[instance_id] = candidate
+                cache[instance_id] = (instance, candidate)
                 by_model.setdefault(candidate.model, []).append(candidate)
             self._cache = cache
             self._by_model = {

@@ -46,7 +46,7 @@ def test_a_new_load_report_resets_pending_but_not_the_total(
     p, d = pair
     tracker = InflightTracker()
     tracker.add("r1", p, d, decode_blocks=4)
-    reported = dataclasses.replace(d, revision=d.revision + 1)  # next heartbeat
+    reported = dataclasses.replace(d, epoch=d.epoch + 1)  # next load report
     assert tracker.pending_requests(reported) == 0
     assert tracker.pending_blocks(reported) == 0
     tracker.add("r2", p, reported, decode_blocks=1)
