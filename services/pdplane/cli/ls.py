@@ -72,14 +72,21 @@ def format_table(instances: Iterable[dict[str, Any]]) -> str:
     )
 
 
-def _matches(instance: instance_pb2.Instance, role: int, model: str | None) -> bool:
+def _matches(
+    instance: instance_pb2.Instance, role: instance_pb2.Role.ValueType, model: str | None
+) -> bool:
     spec = instance.spec
     if role and spec.role not in (role, instance_pb2.ROLE_BOTH):
         return False
     return not model or spec.model == model
 
 
-def _list(stub: registry_pb2_grpc.RegistryStub, s: LsSettings, role: int, out: TextIO) -> None:
+def _list(
+    stub: registry_pb2_grpc.RegistryStub,
+    s: LsSettings,
+    role: instance_pb2.Role.ValueType,
+    out: TextIO,
+) -> None:
     request = registry_pb2.ListInstancesRequest(role=role, model=s.model or "")
     response = stub.ListInstances(
         request, timeout=s.timeout_s, metadata=grpc_util.token_metadata(s.token)
@@ -99,7 +106,12 @@ def _event_line(event: registry_pb2.WatchEvent) -> str:
     return f"{event.revision} {kind} {d['id']} {d['role']} {d['model']} {d['state']}{reason}\n"
 
 
-def _watch(stub: registry_pb2_grpc.RegistryStub, s: LsSettings, role: int, out: TextIO) -> None:
+def _watch(
+    stub: registry_pb2_grpc.RegistryStub,
+    s: LsSettings,
+    role: instance_pb2.Role.ValueType,
+    out: TextIO,
+) -> None:
     request = registry_pb2.WatchInstancesRequest()
     for event in stub.WatchInstances(request, metadata=grpc_util.token_metadata(s.token)):
         if event.type == registry_pb2.WatchEvent.SNAPSHOT:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Mapping
 from urllib.parse import urlsplit
 
 from pdplane.v1 import instance_pb2
@@ -128,8 +129,8 @@ def _check_layout(layout: instance_pb2.KvLayout) -> None:
         )
 
 
-def _check_labels(labels: dict[str, str] | object) -> None:
-    items = dict(labels)  # type: ignore[call-overload]
+def _check_labels(labels: Mapping[str, str]) -> None:
+    items = dict(labels)
     if len(items) > _MAX_LABELS:
         raise ValidationError("spec.labels", f"at most {_MAX_LABELS} labels, got {len(items)}")
     for key, value in items.items():

@@ -83,6 +83,11 @@ class Subscription(Protocol):
 class InstanceStore(Protocol):
     """Instances with leases; thread-safe. Every change bumps the global revision."""
 
+    @property
+    def revision(self) -> int:
+        """The revision of the last change."""
+        ...
+
     def register(self, spec: instance_pb2.InstanceSpec, ttl_ms: int) -> LeaseGrant:
         """Adds `spec` (already validated) with a new lease, or replaces the lease when the
         same id is registered with an identical spec or its old lease expired.

@@ -18,14 +18,14 @@ from pdplane.v1 import registry_pb2, registry_pb2_grpc
 from tests.integration.registry.fixtures import running_registry_server
 
 
-def wait_until(predicate: Callable[[], bool], timeout: float, interval: float = 0.01) -> bool:
-    """Polls `predicate` until true or `timeout` seconds passed; returns its last value."""
+def wait_until(predicate: Callable[[], object], timeout: float, interval: float = 0.01) -> bool:
+    """Polls `predicate` until truthy or `timeout` seconds passed; returns its last truth."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():
             return True
         time.sleep(interval)
-    return predicate()
+    return bool(predicate())
 
 
 class WatchRecorder:

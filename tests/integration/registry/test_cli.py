@@ -87,7 +87,12 @@ def test_ls_watch_streams_events(registry: RegistryServer) -> None:
         text=True,
     )
     lines: queue.Queue[str] = queue.Queue()
-    reader = threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout or ()])
+
+    def read() -> None:
+        for line in proc.stdout or ():
+            lines.put(line)
+
+    reader = threading.Thread(target=read)
     reader.start()
     try:
         assert json.loads(lines.get(timeout=20))["type"] == "SNAPSHOT"

@@ -78,7 +78,7 @@ def test_heartbeat_and_deregister_refusals(stub: registry_pb2_grpc.RegistryStub)
         ),
         (
             stub.ListInstances,
-            registry_pb2.ListInstancesRequest(role=42),
+            registry_pb2.ListInstancesRequest(role=instance_pb2.Role.ValueType(42)),
             Code.INVALID_ARGUMENT,
             "role",
         ),
