@@ -1,0 +1,211 @@
+"""NCCL data path between two processes on one GPU: pull, push, dead peers.
+
+Each process (bench/nccl_node.py) owns a paged KV cache in FlashAttention layout on the GPU,
+the `nccl` transport and a KvTransfer gRPC server; bytes move over NCCL, control over gRPC.
+Checksums are position-weighted sums per block over every layer, computed in each process.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import Any
+
+import pytest
+
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
+
+NUM_BLOCKS = 256
+LAYERS = 4
+BLOCK_BYTES = LAYERS * 2 * 16 * 8 * 128 * 2  # K+V of 16 tokens, 8 heads x 128, bf16: 256 KiB
+SMALL = {"layers": LAYERS, "num_blocks": NUM_BLOCKS}
+
+
+def _ok(answer: dict[str, Any]) -> dict[str, Any]:
+    assert answer.get("ok") is True, answer
+    return answer
+
+
+def _sums(node: Any, ids: list[int]) -> list[int]:
+    return _ok(node.call("checksums", block_ids=ids))["checksums"]
+
+
+def _pull(
+    decode: Any,
+    prefill: Any,
+    transfer_id: str,
+    held: list[int],
+    positions: list[int],
+    local: list[int],
+    timeout_s: float = 60.0,
+    **extra: Any,
+) -> dict[str, Any]:
+    _ok(prefill.call("hold", transfer_id=transfer_id, block_ids=held))
+    return decode.call(
+        "pull",
+        endpoint=prefill.endpoint,
+        transfer_id=transfer_id,
+        block_indices=positions,
+        local_ids=local,
+        timeout_s=timeout_s,
+        **extra,
+    )
+
+
+def _check_pull(
+    decode: Any,
+    prefill: Any,
+    transfer_id: str,
+    rng: random.Random,
+    consecutive: bool = False,
+    grouped: bool = False,
+) -> None:
+    """Pulls 40 of 48 held blocks into random decode blocks; checksums must match."""
+    if consecutive:
+        start = rng.randrange(NUM_BLOCKS - 48)
+        held = list(range(start, start + 48))
+        positions = list(range(40))
+        first = rng.randrange(NUM_BLOCKS - 40)
+        local = list(range(first, first + 40))
+    else:
+        held = rng.sample(range(NUM_BLOCKS), 48)
+        positions = sorted(rng.sample(range(48), 40))
+        local = rng.sample(range(NUM_BLOCKS), 40)
+    src = [held[p] for p in positions]
+    before = _sums(decode, local)
+    extra = {"strategy": "grouped", "remote_ids": src} if grouped else {}
+    answer = _ok(_pull(decode, prefill, transfer_id, held, positions, local, **extra))
+    assert answer["bytes"] == 40 * BLOCK_BYTES
+    expected = _sums(prefill, src)
+    assert before != expected  # the destination did not hold these bytes already
+    assert _sums(decode, local) == expected
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["gather", "grouped"])
+def test_pull_noncontiguous_blocks_arrive_byte_equal(start_node: Any, grouped: bool) -> None:
+    rng = random.Random(7 + grouped)
+    prefill = start_node("p0", seed=1, **SMALL)
+    # 3 MiB chunks: a 10 MiB transfer takes several gather chunks, some splitting a layer.
+    decode = start_node("d0", seed=2, chunk_bytes=3 << 20, **SMALL)
+    for i in range(3):
+        _check_pull(decode, prefill, f"t{i}", rng, grouped=grouped)
+    _check_pull(decode, prefill, "run", rng, consecutive=True, grouped=grouped)
+    comms = _ok(decode.call("comms"))["comms"]
+    assert comms["active"] == {f"{prefill.endpoint}#0": "ready"}  # one cached communicator
+
+
+def test_pull_errors_are_clean(start_node: Any) -> None:
+    prefill = start_node("p0", seed=1, **SMALL)
+    decode = start_node("d0", seed=2, **SMALL)
+    answer = decode.call(
+        "pull",
+        endpoint=prefill.endpoint,
+        transfer_id="never-held",
+        block_indices=[0],
+        local_ids=[1],
+        timeout_s=10,
+    )
+    assert answer["ok"] is False and answer["code"] == "NOT_FOUND", answer
+    # Posted receives cannot be cancelled, so the failure cost the communicator; the next
+    # pull reconnects and succeeds.
+    _check_pull(decode, prefill, "after", random.Random(3))
+
+
+def test_push_spills_to_host_and_refuses_when_full(start_node: Any) -> None:
+    rng = random.Random(11)
+    item_bytes = 16 * BLOCK_BYTES  # 4 MiB
+    prefill = start_node("p0", seed=1, **SMALL)
+    decode = start_node(
+        "d0",
+        seed=2,
+        push_gpu_bytes=item_bytes + item_bytes // 2,
+        push_host_bytes=item_bytes + item_bytes // 2,
+        **SMALL,
+    )
+    items = [
+        {"transfer_id": f"push{i}", "block_ids": rng.sample(range(NUM_BLOCKS), 16)}
+        for i in range(3)
+    ]
+    answer = _ok(prefill.call("push", endpoint=decode.endpoint, items=items[:2], timeout_s=30))
+    assert answer["spilled"] == [False, True]  # GPU buffer first, then pinned host memory
+    assert answer["bytes"] == 2 * item_bytes
+    t0 = time.monotonic()
+    full = prefill.call("push", endpoint=decode.endpoint, items=items[2:], timeout_s=30)
+    assert full["ok"] is False and full["code"] == "RESOURCE_EXHAUSTED", full
+    assert time.monotonic() - t0 < 5  # refused at once, never waits for room
+    for item in items[:2]:
+        local = rng.sample(range(NUM_BLOCKS), 16)
+        _ok(decode.call("take", transfer_id=item["transfer_id"], local_ids=local, timeout_s=30))
+        assert _sums(decode, local) == _sums(prefill, item["block_ids"])
+    # Room is back: the refused transfer now goes through.
+    _ok(prefill.call("push", endpoint=decode.endpoint, items=items[2:], timeout_s=30))
+    local = rng.sample(range(NUM_BLOCKS), 16)
+    _ok(decode.call("take", transfer_id="push2", local_ids=local, timeout_s=30))
+    assert _sums(decode, local) == _sums(prefill, items[2]["block_ids"])
+    missing = decode.call("take", transfer_id="never-pushed", local_ids=[0], timeout_s=1)
+    assert missing["ok"] is False and missing["code"] == "NOT_FOUND"
+
+
+# 2 GiB per transfer (several hundred ms over NCCL's socket transport): long enough to kill
+# a peer while it runs.
+BIG = {"layers": 4, "num_blocks": 8500}
+BIG_BLOCKS = 8192
+TIMEOUT_S = 8.0
+
+
+def _big_pull_async(decode: Any, prefill: Any, transfer_id: str) -> None:
+    held = list(range(BIG_BLOCKS))
+    _ok(prefill.call("hold", transfer_id=transfer_id, block_ids=held))
+    decode.send(
+        "pull",
+        endpoint=prefill.endpoint,
+        transfer_id=transfer_id,
+        block_indices=list(range(BIG_BLOCKS)),
+        local_ids=list(range(BIG_BLOCKS)),
+        timeout_s=TIMEOUT_S,
+    )
+
+
+def test_prefill_killed_mid_transfer_decode_fails_in_time_then_recovers(
+    start_node: Any,
+) -> None:
+    prefill = start_node("p0", seed=1, **BIG)
+    decode = start_node("d0", seed=2, **BIG)
+    _check_pull(decode, prefill, "warm", random.Random(1))
+    _big_pull_async(decode, prefill, "big")
+    prefill.wait_event("send_started", timeout=30)
+    t0 = time.monotonic()
+    prefill.kill()
+    answer = decode.answer(timeout=TIMEOUT_S + 30)
+    waited = time.monotonic() - t0
+    assert answer["ok"] is False, answer
+    assert waited < TIMEOUT_S + 2.0, waited  # the survivor's wait is bounded
+    comms = _ok(decode.call("comms"))["comms"]
+    key = f"{prefill.endpoint}#0"
+    assert key not in comms["active"]
+    assert comms["retired"][key] == "aborted"
+    # A new prefill instance afterwards works.
+    prefill2 = start_node("p1", seed=3, **BIG)
+    _check_pull(decode, prefill2, "after", random.Random(2))
+
+
+def test_decode_killed_mid_transfer_prefill_aborts_then_serves_new_peer(
+    start_node: Any,
+) -> None:
+    prefill = start_node("p0", seed=1, **BIG)
+    decode = start_node("d0", seed=2, **BIG)
+    _check_pull(decode, prefill, "warm", random.Random(1))
+    _big_pull_async(decode, prefill, "big")
+    prefill.wait_event("send_started", timeout=30)
+    t0 = time.monotonic()
+    decode.kill()
+    key = "d0#0"
+    while True:  # poll prefill until its communicator with the dead decode is aborted
+        comms = _ok(prefill.call("comms"))["comms"]
+        if comms["retired"].get(key) == "aborted":
+            break
+        assert time.monotonic() - t0 < TIMEOUT_S + 2.0, comms
+        time.sleep(0.05)
+    assert key not in comms["active"]
+    decode2 = start_node("d1", seed=4, **BIG)
+    _check_pull(decode2, prefill, "after", random.Random(2))
