@@ -185,7 +185,7 @@ async def _rpc_rounds(address: str, calls: int, label: str) -> list[dict[str, An
 
 def bench_rpc(calls: int) -> list[dict[str, Any]]:
     """Schedule round trips through a real registry + scheduler, then a 1,000-instance view."""
-    registry = RegistryServer(RegistrySettings(host="127.0.0.1", port=0))
+    registry = RegistryServer(RegistrySettings.model_validate({"host": "127.0.0.1", "port": 0}))
     registry.start()
     clients: list[RegistrationClient] = []
     rows: list[dict[str, Any]] = []
@@ -196,9 +196,8 @@ def bench_rpc(calls: int) -> list[dict[str, Any]]:
             clients.append(client)
         if not all(c.wait_registered(5.0) for c in clients):
             raise RuntimeError("bench instances did not register")
-        server = SchedulerServer(
-            SchedulerSettings(registry=registry.address, host="127.0.0.1", port=0)
-        )
+        settings = {"registry": registry.address, "host": "127.0.0.1", "port": 0}
+        server = SchedulerServer(SchedulerSettings.model_validate(settings))
         server.start()
         try:
             rows += asyncio.run(_rpc_rounds(server.address, calls, "registry 2P2D"))
@@ -209,9 +208,8 @@ def bench_rpc(calls: int) -> list[dict[str, Any]]:
             client.stop()
         registry.stop()
     source = StaticSource(*_fleet(1000, random.Random(7)))
-    server = SchedulerServer(
-        SchedulerSettings(registry="unused:0", host="127.0.0.1", port=0), source=source
-    )
+    settings = {"registry": "unused:0", "host": "127.0.0.1", "port": 0}
+    server = SchedulerServer(SchedulerSettings.model_validate(settings), source=source)
     server.start()
     try:
         rows += asyncio.run(_rpc_rounds(server.address, calls, "static 500P500D"))

@@ -15,7 +15,7 @@ __all__ = ["Candidate", "PairKey"]
 
 #: Two instances can be paired only when these are equal: KV layout fingerprint, transport
 #: (enum value) and max model length (tokens).
-PairKey = tuple[str, int, int]
+PairKey = tuple[str, instance_pb2.Transport.ValueType, int]
 
 _PREFILL_ROLES = (instance_pb2.ROLE_PREFILL, instance_pb2.ROLE_BOTH)
 _DECODE_ROLES = (instance_pb2.ROLE_DECODE, instance_pb2.ROLE_BOTH)
@@ -35,7 +35,7 @@ class Candidate:
     model: str
     url: str
     kv_endpoint: str
-    transport: int
+    transport: instance_pb2.Transport.ValueType
     fingerprint: str
     block_size: int
     max_model_len: int

@@ -60,12 +60,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     async def Release(
         self, request: scheduler_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.ReleaseResponse:
-        outcome = _OUTCOME_NAMES.get(request.outcome)
-        if outcome is None:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, f"outcome: unknown value {request.outcome}"
-            )
         try:
+            outcome = _OUTCOME_NAMES.get(request.outcome)
+            if outcome is None:
+                raise InvalidRequest(f"outcome: unknown value {request.outcome}")
             released = self._service.release(request.request_id, outcome)
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))

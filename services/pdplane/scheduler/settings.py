@@ -21,33 +21,41 @@ class SchedulerSettings(CommandSettings):
     """Flags of `pdplane scheduler`."""
 
     registry: str = Field(description="registry gRPC address, host:port")
-    host: str = Field("127.0.0.1", description="address to serve gRPC on")
+    host: str = Field(default="127.0.0.1", description="address to serve gRPC on")
     port: int = Field(
-        defaults.SCHEDULER_PORT, ge=0, le=65535, description="gRPC port (0 = any free port)"
+        default=defaults.SCHEDULER_PORT, ge=0, le=65535, description="gRPC port (0 = any free port)"
     )
     prefill_policy: str = Field(
-        "least_loaded", description=f"prefill policy: {', '.join(POLICIES)}"
+        default="least_loaded", description=f"prefill policy: {', '.join(POLICIES)}"
     )
-    decode_policy: str = Field("least_loaded", description=f"decode policy: {', '.join(POLICIES)}")
+    decode_policy: str = Field(
+        default="least_loaded", description=f"decode policy: {', '.join(POLICIES)}"
+    )
     token: str | None = Field(
-        None, description="bearer token required from callers and sent to the registry"
+        default=None, description="bearer token required from callers and sent to the registry"
     )
     registry_token: str | None = Field(
-        None, description="bearer token for the registry when it differs from --token"
+        default=None, description="bearer token for the registry when it differs from --token"
     )
-    tls_ca: str | None = Field(None, description="PEM CA bundle to verify the registry's TLS")
-    tls_cert: str | None = Field(None, description="PEM certificate to serve gRPC over TLS")
-    tls_key: str | None = Field(None, description="PEM private key for --tls-cert")
+    tls_ca: str | None = Field(
+        default=None, description="PEM CA bundle to verify the registry's TLS"
+    )
+    tls_cert: str | None = Field(default=None, description="PEM certificate to serve gRPC over TLS")
+    tls_key: str | None = Field(default=None, description="PEM private key for --tls-cert")
     metrics_port: int = Field(
-        0, ge=0, le=65535, description="Prometheus /metrics HTTP port (0 = off)"
+        default=0, ge=0, le=65535, description="Prometheus /metrics HTTP port (0 = off)"
     )
     inflight_timeout_s: float = Field(
-        600.0, gt=0, description="seconds after which an unreleased assignment stops counting"
+        default=600.0,
+        gt=0,
+        description="seconds after which an unreleased assignment stops counting",
     )
     registry_wait_s: float = Field(
-        5.0, ge=0, description="seconds to wait for the first registry snapshot at start"
+        default=5.0, ge=0, description="seconds to wait for the first registry snapshot at start"
     )
-    seed: int | None = Field(None, description="seed of the random and power_of_two policies")
+    seed: int | None = Field(
+        default=None, description="seed of the random and power_of_two policies"
+    )
 
     _check_prefill = field_validator("prefill_policy")(_known_policy)
     _check_decode = field_validator("decode_policy")(_known_policy)

@@ -21,17 +21,23 @@ async def _burst(client: SchedulerClient, n: int, prefix: str) -> Counter[str]:
     return Counter(r.decode.instance_id for r in responses)
 
 
-async def test_a_burst_of_100_spreads_over_decodes_by_load(
-    fleet: Fleet,
-    scheduler_factory: Callable[..., SchedulerServer],
-    client_factory: Callable[..., SchedulerClient],
-) -> None:
+@pytest.fixture
+def one_by_four(fleet: Fleet) -> Fleet:
+    """p0 plus d0..d3, all reporting idle."""
     fleet.add("p0", "prefill")
     for name in ("d0", "d1", "d2", "d3"):
         fleet.add(name, "decode")
+    return fleet
+
+
+async def test_a_burst_of_100_spreads_over_decodes_by_load(
+    one_by_four: Fleet,
+    scheduler_factory: Callable[..., SchedulerServer],
+    client_factory: Callable[..., SchedulerClient],
+) -> None:
     # d0 reports 50 running requests; the others report idle. Reports stay constant during the
     # burst, so only the scheduler's own in-flight count can spread it.
-    fleet.loads["d0"] = instance_pb2.LoadReport(num_running=50)
+    one_by_four.loads["d0"] = instance_pb2.LoadReport(num_running=50)
     server = scheduler_factory(decode_policy="least_loaded")
     wait_for(
         lambda: any(
@@ -53,13 +59,10 @@ async def test_a_burst_of_100_spreads_over_decodes_by_load(
 @pytest.mark.parametrize("policy", ["power_of_two", "round_robin"])
 async def test_other_policies_spread_a_burst_too(
     policy: str,
-    fleet: Fleet,
+    one_by_four: Fleet,
     scheduler_factory: Callable[..., SchedulerServer],
     client_factory: Callable[..., SchedulerClient],
 ) -> None:
-    fleet.add("p0", "prefill")
-    for name in ("d0", "d1", "d2", "d3"):
-        fleet.add(name, "decode")
     server = scheduler_factory(decode_policy=policy, seed=11)
     wait_for(sees(server, "p0", "d0", "d1", "d2", "d3"))
     spread = await _burst(client_factory(server.address), 100, "r")
