@@ -1,0 +1,331 @@
+"""A whole pdplane deployment on one machine: registry, scheduler, gateway and an XpYd fleet of
+vLLM CPU instances with the pdplane connector. Used by `pdplane up` and the end-to-end tests.
+
+Start order and readiness: registry (gRPC health) -> scheduler (gRPC health) -> gateway (HTTP
+up) -> all vLLM instances in parallel (/health) -> every instance listed in the registry ->
+gateway /health 200 (a usable pair per model). Shutdown runs in reverse; every child is stopped
+through its process group, so nothing outlives `stop()`.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import grpc
+import httpx
+
+from pdplane.launch.process import ManagedProcess, grpc_serving, http_ok, wait_until
+from pdplane.launch.vllm_cpu import KvRole, VllmCpuInstance, VllmCpuOptions
+from pdplane.v1 import instance_pb2, registry_pb2, registry_pb2_grpc
+
+__all__ = ["Fleet", "FleetSpec", "default_model_cache"]
+
+_TINY_MODEL_NAME = "tiny-llama"
+
+
+def default_model_cache() -> Path:
+    """Where the tiny model is built: $PDPLANE_CACHE_DIR or ~/.cache/pdplane."""
+    base = os.environ.get("PDPLANE_CACHE_DIR") or Path.home() / ".cache" / "pdplane"
+    return Path(base) / "models"
+
+
+class _UpLike(Protocol):
+    prefill: int
+    decode: int
+    host: str
+    gateway_port: int
+    registry_port: int
+    scheduler_port: int
+    vllm_base_port: int
+    kv_base_port: int
+    model: Path | None
+    served_model_name: str | None
+    vllm_args: str
+    prefill_policy: str
+    decode_policy: str
+    log_dir: Path
+    ready_timeout_s: float
+
+
+@dataclass
+class FleetSpec:
+    """What to start. Ports are fixed (the defaults of `pdplane up`) or chosen by the caller."""
+
+    prefill: int = 1
+    decode: int = 1
+    host: str = "127.0.0.1"
+    gateway_port: int = 8000
+    registry_port: int = 50051
+    scheduler_port: int = 50052
+    vllm_base_port: int = 8100
+    kv_base_port: int = 50100
+    model: Path | None = None
+    served_model_name: str | None = None
+    vllm_args: list[str] = field(default_factory=list)
+    prefill_policy: str = "least_loaded"
+    decode_policy: str = "least_loaded"
+    log_dir: Path = Path("logs")
+    ready_timeout_s: float = 600.0
+    #: Extra `VllmCpuOptions` fields for every instance (e.g. transfer_timeout_s in tests).
+    vllm_options: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_settings(cls, s: _UpLike) -> FleetSpec:
+        """From `pdplane up`'s settings (`--vllm-args` is split like a shell would)."""
+        return cls(
+            prefill=s.prefill,
+            decode=s.decode,
+            host=s.host,
+            gateway_port=s.gateway_port,
+            registry_port=s.registry_port,
+            scheduler_port=s.scheduler_port,
+            vllm_base_port=s.vllm_base_port,
+            kv_base_port=s.kv_base_port,
+            model=s.model,
+            served_model_name=s.served_model_name,
+            vllm_args=shlex.split(s.vllm_args),
+            prefill_policy=s.prefill_policy,
+            decode_policy=s.decode_policy,
+            log_dir=s.log_dir,
+            ready_timeout_s=s.ready_timeout_s,
+        )
+
+
+def _pdplane(*args: str) -> list[str]:
+    return [sys.executable, "-m", "pdplane.cli.main", *args]
+
+
+class Fleet:
+    """Starts, supervises and stops one deployment described by a FleetSpec."""
+
+    def __init__(self, spec: FleetSpec, say: Callable[[str], None] = lambda _m: None) -> None:
+        self.spec = spec
+        self._say = say
+        self._services: list[ManagedProcess] = []
+        self.instances: list[VllmCpuInstance] = []
+        self._next_index = 0
+        self._cores = max(1, os.cpu_count() or 1)
+        self.model_dir: Path | None = None
+        self.model_name = ""
+        self.ready_after_s = 0.0
+        self._lock = threading.Lock()
+
+    # -- addresses --------------------------------------------------------------------------
+    @property
+    def registry_address(self) -> str:
+        return f"{self.spec.host}:{self.spec.registry_port}"
+
+    @property
+    def scheduler_address(self) -> str:
+        return f"{self.spec.host}:{self.spec.scheduler_port}"
+
+    @property
+    def gateway_url(self) -> str:
+        return f"http://{self.spec.host}:{self.spec.gateway_port}"
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def start(self, cancel: threading.Event | None = None) -> None:
+        """Starts everything and waits until the gateway serves a usable pair.
+
+        Raises TimeoutError (after `ready_timeout_s`), or ProcessDied (a RuntimeError) with the
+        log's tail when a child exits during start-up. Returns early, leaving what started
+        running, when `cancel` is set (the caller then calls stop()).
+        """
+        started = time.monotonic()
+        deadline = started + self.spec.ready_timeout_s
+        self._resolve_model()
+        self._start_services(deadline)
+        for _ in range(self.spec.prefill):
+            self._launch("kv_producer")
+        for _ in range(self.spec.decode):
+            self._launch("kv_consumer")
+        for inst in list(self.instances):
+            if cancel is not None and cancel.is_set():
+                return
+            inst.wait_healthy(max(1.0, deadline - time.monotonic()))
+            self._say(f"{inst.process.name} healthy at {inst.url}")
+        self.wait_registered(len(self.instances), max(1.0, deadline - time.monotonic()))
+        wait_until(
+            lambda: http_ok(f"{self.gateway_url}/health"),
+            max(1.0, deadline - time.monotonic()),
+            watch=self._services,
+            what="the gateway to report a usable prefill/decode pair",
+        )
+        self.ready_after_s = time.monotonic() - started
+
+    def _resolve_model(self) -> None:
+        spec = self.spec
+        if spec.model is not None:
+            self.model_dir = spec.model
+            self.model_name = spec.served_model_name or spec.model.name
+            return
+        from pdplane.models.tiny import build_tiny_model  # heavy (transformers): only when used
+
+        self._say(f"building the tiny model (cached in {default_model_cache()})")
+        self.model_dir = build_tiny_model(default_model_cache())
+        self.model_name = spec.served_model_name or _TINY_MODEL_NAME
+        self._say(f"model ready: {self.model_dir}")
+
+    def _service(self, name: str, argv: list[str]) -> ManagedProcess:
+        proc = ManagedProcess(name, argv, self.spec.log_dir / f"{name}.log")
+        self._services.append(proc)
+        proc.start()
+        self._say(f"{name} starting (log {proc.log_path})")
+        return proc
+
+    def _start_services(self, deadline: float) -> None:
+        s = self.spec
+        reg = self._service(
+            "registry", _pdplane("registry", "--host", s.host, "--port", str(s.registry_port))
+        )
+        wait_until(
+            lambda: grpc_serving(self.registry_address),
+            deadline - time.monotonic(),
+            watch=[reg],
+            what=f"the registry at {self.registry_address}",
+        )
+        sch = self._service(
+            "scheduler",
+            _pdplane(
+                "scheduler",
+                "--registry",
+                self.registry_address,
+                "--host",
+                s.host,
+                "--port",
+                str(s.scheduler_port),
+                "--prefill-policy",
+                s.prefill_policy,
+                "--decode-policy",
+                s.decode_policy,
+            ),
+        )
+        wait_until(
+            lambda: grpc_serving(self.scheduler_address),
+            deadline - time.monotonic(),
+            watch=[sch],
+            what=f"the scheduler at {self.scheduler_address}",
+        )
+        gw = self._service(
+            "gateway",
+            _pdplane(
+                "gateway",
+                "--scheduler",
+                self.scheduler_address,
+                "--registry",
+                self.registry_address,
+                "--host",
+                s.host,
+                "--port",
+                str(s.gateway_port),
+            ),
+        )
+        # /health answers (503 until a pair registers) once the HTTP server is up.
+        wait_until(
+            lambda: self._gateway_answers(),
+            deadline - time.monotonic(),
+            watch=[gw],
+            what=f"the gateway at {self.gateway_url}",
+        )
+        self._say(f"registry, scheduler and gateway up ({self.gateway_url})")
+
+    def _gateway_answers(self) -> bool:
+        try:
+            httpx.get(f"{self.gateway_url}/health", timeout=2.0)
+        except httpx.HTTPError:
+            return False
+        return True
+
+    def _launch(self, role: KvRole, **overrides: Any) -> VllmCpuInstance:
+        """Starts one more vLLM instance of `role` (returns at once; see wait_healthy)."""
+        assert self.model_dir is not None, "start() resolves the model first"
+        with self._lock:
+            index = self._next_index
+            self._next_index += 1
+        kind = "prefill" if role == "kv_producer" else "decode" if role == "kv_consumer" else "both"
+        options = VllmCpuOptions(
+            model=self.model_dir,
+            port=self.spec.vllm_base_port + index,
+            host=self.spec.host,
+            role=role,
+            served_model_name=self.model_name,
+            kv_port=self.spec.kv_base_port + index,
+            registry=self.registry_address,
+            instance_id=f"{kind}-{index}",
+            # Spread instances over the cores so that two engines don't fight for one.
+            omp_threads_bind=str(index % self._cores),
+            extra_args=list(self.spec.vllm_args),
+            **{**self.spec.vllm_options, **overrides},
+        )
+        inst = VllmCpuInstance(options, self.spec.log_dir / f"{kind}-{index}.log")
+        inst.start()
+        self.instances.append(inst)
+        self._say(f"{kind}-{index} starting: vLLM on {inst.url}, KV on {inst.kv_endpoint}")
+        return inst
+
+    def add_instance(
+        self, role: KvRole, timeout_s: float = 300.0, **overrides: Any
+    ) -> VllmCpuInstance:
+        """Scales out while serving: starts one instance and waits until it is registered."""
+        inst = self._launch(role, **overrides)
+        inst.wait_healthy(timeout_s)
+        self.wait_registered(len(self.instances), timeout_s)
+        return inst
+
+    def list_instances(self) -> list[instance_pb2.Instance]:
+        """The registry's current list (raises grpc.RpcError when it is unreachable)."""
+        with grpc.insecure_channel(self.registry_address) as channel:
+            stub = registry_pb2_grpc.RegistryStub(channel)
+            reply = stub.ListInstances(registry_pb2.ListInstancesRequest(), timeout=5.0)
+        return list(reply.instances)
+
+    def wait_registered(self, count: int, timeout_s: float) -> None:
+        """Waits until the registry lists at least `count` instances."""
+
+        def enough() -> bool:
+            try:
+                return len(self.list_instances()) >= count
+            except grpc.RpcError:
+                return False
+
+        wait_until(enough, timeout_s, watch=self._services, what=f"{count} instances to register")
+
+    def first_dead(self) -> ManagedProcess | None:
+        """The first supervised process that has exited, if any."""
+        for proc in [*self._services, *(i.process for i in self.instances)]:
+            if proc.returncode is not None:
+                return proc
+        return None
+
+    def stop(self) -> None:
+        """Stops vLLM instances first (they deregister), then gateway, scheduler, registry."""
+        for inst in reversed(self.instances):
+            inst.stop()
+        for proc in reversed(self._services):
+            proc.stop()
+
+    # -- demo -------------------------------------------------------------------------------
+    def demo_request(
+        self, prompt: str = "Say hello to the prefill and decode instances.", max_tokens: int = 24
+    ) -> str:
+        """One non-streaming chat completion through the gateway; returns the text.
+
+        Raises httpx.HTTPStatusError with the gateway's error body on a non-200 answer.
+        """
+        body = {
+            "model": self.model_name,
+            "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": max_tokens,
+            "temperature": 0,
+        }
+        reply = httpx.post(f"{self.gateway_url}/v1/chat/completions", json=body, timeout=120.0)
+        reply.raise_for_status()
+        return str(reply.json()["choices"][0]["message"]["content"])
