@@ -185,11 +185,11 @@ def _credentials(tls_ca: str | Path | None) -> grpc.ChannelCredentials | None:
 
 
 #: Extra options for clients that must notice a restarted server within about a second (the
-#: registry client): gRPC's default reconnect backoff grows to 120 s.
+#: registry client): gRPC's default reconnect backoff grows to 120 s; this one stops at 0.5 s.
 FAST_RECONNECT_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 1_000),
+    ("grpc.max_reconnect_backoff_ms", 500),
 ]
 
 

@@ -8,7 +8,7 @@ import random
 class Backoff:
     """Delays (s) of `initial`, doubling up to `maximum`, each jittered by +-20 %."""
 
-    def __init__(self, initial: float = 0.1, maximum: float = 1.0) -> None:
+    def __init__(self, initial: float = 0.1, maximum: float = 0.5) -> None:
         self._initial = initial
         self._maximum = maximum
         self._next = initial

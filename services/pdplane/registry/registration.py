@@ -49,7 +49,7 @@ class RegistrationClient:
 
     `start()` returns at once; a daemon thread registers, then heartbeats at the interval the
     registry grants. On NOT_FOUND (lease unknown, e.g. the registry restarted) it registers
-    again at once; while the registry is unreachable it retries with backoff (0.1 s .. 1 s).
+    again at once; while the registry is unreachable it retries with backoff (0.1 s .. 0.5 s).
     """
 
     def __init__(

@@ -6,13 +6,18 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+import pytest
+
 from pdplane.registry.client import InstanceWatcher, RegistrationClient
 from pdplane.v1 import instance_pb2
 from tests.integration.registry.conftest import wait_until
 from tests.integration.registry.fixtures import make_spec, running_registry_server
 
 
-def test_instances_come_back_after_registry_restart(free_port: Callable[[], int]) -> None:
+@pytest.mark.parametrize("downtime_s", [0.3, 3.0])
+def test_instances_come_back_after_registry_restart(
+    free_port: Callable[[], int], downtime_s: float
+) -> None:
     port = free_port()
     clients = [RegistrationClient(f"127.0.0.1:{port}", make_spec(f"p{i}")) for i in range(3)] + [
         RegistrationClient(f"127.0.0.1:{port}", make_spec("d0", instance_pb2.ROLE_DECODE))
@@ -29,7 +34,7 @@ def test_instances_come_back_after_registry_restart(free_port: Callable[[], int]
             assert wait_until(lambda: set(watcher.snapshot()) == ids, 5)
             revision_before = watcher.revision
         assert first.store.list()[0]  # the old registry held them until it stopped
-        time.sleep(0.3)  # the registry is really down for a moment
+        time.sleep(downtime_s)  # the registry is down (the clients' retries back off meanwhile)
 
         with running_registry_server(port) as second:
             started = time.monotonic()
