@@ -1,0 +1,112 @@
+"""Child processes of the relay benchmark: pinned with taskset, logged, CPU-accounted, stopped."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+from typing import IO, Any
+
+__all__ = ["Proc", "free_port", "spawn"]
+
+_TICK_MS = 1000.0 / os.sysconf("SC_CLK_TCK")
+
+
+def free_port() -> int:
+    """A currently free TCP port on 127.0.0.1."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _children() -> dict[int, list[int]]:
+    tree: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        tree.setdefault(ppid, []).append(int(entry.name))
+    return tree
+
+
+def _cpu_ms(pid: int) -> float:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) * _TICK_MS  # utime + stime
+
+
+class Proc:
+    """A started child process (and its descendants, for CPU accounting)."""
+
+    def __init__(self, name: str, popen: subprocess.Popen[str], log: IO[str]) -> None:
+        self.name = name
+        self.popen = popen
+        self._log = log
+
+    def cpu_ms(self) -> float:
+        """User + system CPU time (ms) of the process tree so far."""
+        tree = _children()
+        total, stack = 0.0, [self.popen.pid]
+        while stack:
+            pid = stack.pop()
+            total += _cpu_ms(pid)
+            stack.extend(tree.get(pid, []))
+        return total
+
+    def read_json_lines(self, count: int, timeout_s: float = 30.0) -> list[dict[str, Any]]:
+        """Reads `count` JSON lines from the child's stdout (e.g. `pdplane sim` readiness)."""
+        assert self.popen.stdout is not None
+        deadline = time.monotonic() + timeout_s
+        lines: list[dict[str, Any]] = []
+        while len(lines) < count:
+            if time.monotonic() > deadline or self.popen.poll() is not None:
+                raise RuntimeError(f"{self.name} did not start; see {self._log.name}")
+            line = self.popen.stdout.readline()
+            if line.strip().startswith("{"):
+                lines.append(json.loads(line))
+        return lines
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+        if self.popen.stdout is not None:
+            self.popen.stdout.close()
+        self._log.close()
+
+
+def spawn(
+    name: str,
+    argv: list[str],
+    cpus: str,
+    log_dir: Path,
+    *,
+    stdout_pipe: bool = False,
+    env: dict[str, str] | None = None,
+) -> Proc:
+    """Starts `argv` pinned to `cpus` (taskset list, e.g. "0") with stderr in `log_dir/name.log`."""
+    log = (log_dir / f"{name}.log").open("w")
+    prefix = ["taskset", "-c", cpus] if cpus and shutil.which("taskset") else []
+    popen = subprocess.Popen(
+        [*prefix, *argv],
+        stdout=subprocess.PIPE if stdout_pipe else log,
+        stderr=log,
+        text=True,
+        env={**os.environ, **(env or {})},
+    )
+    return Proc(name, popen, log)

@@ -1,0 +1,215 @@
+"""The proxies under test, each started over the same sims: pdplane, vllm-router, xpyd-proxy.
+
+Peers live in their own virtual environments outside the repository (`.cache/peers/`, git
+ignored); `missing()` says how to install one that is absent.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from bench._procs import Proc, free_port, spawn
+
+__all__ = ["PEERS_DIR", "Fleet", "ProxyRun", "install_hint", "start_proxy"]
+
+ROOT = Path(__file__).resolve().parents[1]
+PEERS_DIR = ROOT / ".cache" / "peers"
+_PEER_BIN = {
+    "vllm-router": PEERS_DIR / "vllm-router" / "bin" / "vllm-router",
+    "xpyd-proxy": PEERS_DIR / "xpyd-proxy" / "bin" / "xpyd",
+}
+
+
+def install_hint(peer: str) -> str | None:
+    """None when `peer` is installed, else the commands that install it."""
+    path = _PEER_BIN.get(peer)
+    if path is None or path.exists():
+        return None
+    venv = path.parents[1]
+    return f"python3 -m venv {venv} && {venv}/bin/pip install {peer}"
+
+
+@dataclass
+class Fleet:
+    """The sims of one topology: URLs by role and the registry they registered with."""
+
+    registry: str
+    prefill: list[str]
+    decode: list[str]
+    model: str = "sim-model"
+
+
+@dataclass
+class ProxyRun:
+    """A started proxy: its base URL and the processes whose CPU time counts as proxy CPU."""
+
+    name: str
+    url: str
+    procs: list[Proc] = field(default_factory=list)
+
+    def cpu_ms(self) -> float:
+        return sum(p.cpu_ms() for p in self.procs)
+
+    def stop(self) -> None:
+        for p in reversed(self.procs):
+            p.stop()
+
+
+def _wait_ready(run: ProxyRun, model: str, timeout_s: float = 90.0) -> None:
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": "warm up"}],
+        "max_tokens": 2,
+        "stream": False,
+    }
+    deadline = time.monotonic() + timeout_s
+    last = ""
+    while time.monotonic() < deadline:
+        for p in run.procs:
+            if p.popen.poll() is not None:
+                raise RuntimeError(f"{p.name} exited; see its log")
+        try:
+            r = httpx.post(run.url + "/v1/chat/completions", json=body, timeout=5)
+            if r.status_code == 200 and r.json()["choices"][0]["message"]["content"]:
+                return
+            last = f"HTTP {r.status_code}: {r.text[:200]}"
+        except (httpx.HTTPError, ValueError, KeyError) as exc:
+            last = repr(exc)
+        time.sleep(0.25)
+    raise RuntimeError(f"{run.name} not ready after {timeout_s} s: {last}")
+
+
+def _pdplane(fleet: Fleet, cpus: str, logs: Path, dispatch: str) -> ProxyRun:
+    sched_port, gw_port = free_port(), free_port()
+    py = sys.executable
+    scheduler = spawn(
+        "pdplane-scheduler",
+        [
+            py,
+            "-m",
+            "pdplane.cli.main",
+            "scheduler",
+            "--registry",
+            fleet.registry,
+            "--port",
+            str(sched_port),
+            "--prefill-policy",
+            "round_robin",
+            "--decode-policy",
+            "round_robin",
+        ],
+        cpus,
+        logs,
+    )
+    gateway = spawn(
+        f"pdplane-gateway-{dispatch}",
+        [
+            py,
+            "-m",
+            "pdplane.cli.main",
+            "gateway",
+            "--scheduler",
+            f"127.0.0.1:{sched_port}",
+            "--registry",
+            fleet.registry,
+            "--port",
+            str(gw_port),
+            "--dispatch",
+            dispatch,
+            "--log-level",
+            "warning",
+        ],
+        cpus,
+        logs,
+    )
+    return ProxyRun(f"pdplane-{dispatch}", f"http://127.0.0.1:{gw_port}", [scheduler, gateway])
+
+
+def _vllm_router(fleet: Fleet, cpus: str, logs: Path) -> ProxyRun:
+    port = free_port()
+    argv = [
+        str(_PEER_BIN["vllm-router"]),
+        "--vllm-pd-disaggregation",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--policy",
+        "round_robin",
+        "--log-level",
+        "warning",
+        "--prometheus-port",
+        str(free_port()),
+    ]
+    for url in fleet.prefill:
+        argv += ["--prefill", url]
+    for url in fleet.decode:
+        argv += ["--decode", url]
+    proc = spawn("vllm-router", argv, cpus, logs)
+    return ProxyRun("vllm-router", f"http://127.0.0.1:{port}", [proc])
+
+
+def _xpyd(fleet: Fleet, cpus: str, logs: Path) -> ProxyRun:
+    port = free_port()
+    lines = [
+        f'model: "{fleet.model}"',
+        f"port: {port}",
+        'log_level: "warning"',
+        'scheduling: "roundrobin"',
+        "disaggregated_mode: nixl",
+        "startup:",
+        "  wait_timeout_seconds: 60",
+        "  probe_interval_seconds: 1",
+        "instances:",
+    ]
+    for role, urls in (("prefill", fleet.prefill), ("decode", fleet.decode)):
+        for url in urls:
+            address = url.removeprefix("http://")
+            lines += [
+                f'  - address: "{address}"',
+                f'    role: "{role}"',
+                f'    model: "{fleet.model}"',
+            ]
+    config = logs / "xpyd.yaml"
+    config.write_text("\n".join(lines) + "\n")
+    # Offline: without a local tokenizer xpyd falls back to round robin instead of downloading.
+    env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    proc = spawn(
+        "xpyd-proxy",
+        [str(_PEER_BIN["xpyd-proxy"]), "--config", str(config), "--disaggregated-mode", "nixl"],
+        cpus,
+        logs,
+        env=env,
+    )
+    return ProxyRun("xpyd-proxy", f"http://127.0.0.1:{port}", [proc])
+
+
+def start_proxy(name: str, fleet: Fleet, cpus: str, logs: Path) -> ProxyRun:
+    """Starts proxy `name` over `fleet` pinned to `cpus` and waits until it relays a request.
+
+    Names: "pdplane" (sequential dispatch), "pdplane-concurrent", "vllm-router", "xpyd-proxy",
+    "direct" (no proxy: the first decode sim). Raises RuntimeError when it does not come up.
+    """
+    if name == "direct":
+        return ProxyRun("direct", fleet.decode[0])
+    if name in ("pdplane", "pdplane-sequential"):
+        run = _pdplane(fleet, cpus, logs, "sequential")
+    elif name == "pdplane-concurrent":
+        run = _pdplane(fleet, cpus, logs, "concurrent")
+    elif name == "vllm-router":
+        run = _vllm_router(fleet, cpus, logs)
+    elif name == "xpyd-proxy":
+        run = _xpyd(fleet, cpus, logs)
+    else:
+        raise ValueError(f"unknown proxy {name!r}")
+    try:
+        _wait_ready(run, fleet.model)
+    except BaseException:
+        run.stop()
+        raise
+    return run

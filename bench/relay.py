@@ -1,0 +1,303 @@
+"""Relay benchmark: pdplane gateway + scheduler vs vllm-router vs xpyd-proxy vs direct-to-decode.
+
+One run starts a registry and, per topology (1P1D, 2P4D) and knob set (zero think time,
+realistic), the same `pdplane sim` backends; then each proxy in turn over those sims, driven by
+the same closed-loop asyncio load generator (streaming chat, 16 tokens) at each concurrency.
+Proxies (and pdplane's scheduler) are pinned to `--proxy-cpus`, the sims, registry and load
+generator to `--load-cpus`. Reports req/s, latency p50/p99, added latency over the direct floor,
+proxy CPU ms per request and the ratios against each peer.
+
+    .venv/bin/python bench/relay.py                      # full run (~10 min)
+    .venv/bin/python bench/relay.py --quick              # 1P1D, zero knobs, short windows
+
+Peers are installed in their own venvs (see `--help` of a missing one's message):
+    python3 -m venv .cache/peers/vllm-router && .cache/peers/vllm-router/bin/pip install vllm-router
+    python3 -m venv .cache/peers/xpyd-proxy && .cache/peers/xpyd-proxy/bin/pip install xpyd-proxy
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench._loadgen import run_load  # noqa: E402
+from bench._procs import Proc, free_port, spawn  # noqa: E402
+from bench._proxies import Fleet, install_hint, start_proxy  # noqa: E402
+
+KNOBS: dict[str, list[str]] = {
+    "zero": [],
+    # A small model on a fast GPU: ~0.1 ms/prompt token prefill, 10 ms ITL, 0.02 ms/token pull.
+    "realistic": [
+        "--ttft-per-token-ms",
+        "0.1",
+        "--itl-ms",
+        "10",
+        "--kv-transfer-ms-per-token",
+        "0.02",
+    ],
+}
+TOPOLOGIES = {"1P1D": (1, 1), "2P4D": (2, 4)}
+
+
+def _start_sims(
+    role: str, count: int, knobs: list[str], registry: str, cpus: str, logs: Path
+) -> tuple[Proc, list[str]]:
+    proc = spawn(
+        f"sim-{role}",
+        [
+            sys.executable,
+            "-m",
+            "pdplane.cli.main",
+            "sim",
+            "--role",
+            role,
+            "--port",
+            "0",
+            "--instances",
+            str(count),
+            "--registry",
+            registry,
+            "--record-limit",
+            "0",
+            *knobs,
+        ],
+        cpus,
+        logs,
+        stdout_pipe=True,
+    )
+    return proc, [line["url"] for line in proc.read_json_lines(count)]
+
+
+def _measure(run: Any, args: argparse.Namespace, concurrency: int) -> dict[str, Any]:
+    url = run.url + "/v1/chat/completions"
+    # Warm-up at this concurrency (connections, caches), not counted.
+    asyncio.run(
+        run_load(
+            url, concurrency=concurrency, duration_s=0.3, warmup_s=0.0, max_tokens=args.max_tokens
+        )
+    )
+    cpu0, t0 = run.cpu_ms(), time.perf_counter()
+    result = asyncio.run(
+        run_load(
+            url,
+            concurrency=concurrency,
+            duration_s=args.duration,
+            warmup_s=0.0,
+            max_tokens=args.max_tokens,
+        )
+    )
+    cpu = run.cpu_ms() - cpu0
+    return {
+        "concurrency": concurrency,
+        "ok": result.ok,
+        "errors": result.errors,
+        "first_error": result.first_error,
+        "rps": round(result.rps, 1),
+        "p50_ms": round(result.p(50), 2),
+        "p99_ms": round(result.p(99), 2),
+        "ttft_p50_ms": round(sorted(result.ttfts_ms)[len(result.ttfts_ms) // 2], 2)
+        if result.ttfts_ms
+        else math.nan,
+        "proxy_cpu_ms_per_req": round(cpu / result.ok, 3) if result.ok and run.procs else 0.0,
+        "wall_s": round(time.perf_counter() - t0, 2),
+    }
+
+
+def _bench_cell(
+    topology: str,
+    knobs: str,
+    proxies: list[str],
+    registry: str,
+    args: argparse.Namespace,
+    logs: Path,
+) -> list[dict[str, Any]]:
+    n_p, n_d = TOPOLOGIES[topology]
+    prefill, p_urls = _start_sims("prefill", n_p, KNOBS[knobs], registry, args.load_cpus, logs)
+    decode, d_urls = _start_sims("decode", n_d, KNOBS[knobs], registry, args.load_cpus, logs)
+    fleet = Fleet(registry, p_urls, d_urls)
+    rows: list[dict[str, Any]] = []
+    try:
+        for name in proxies:
+            print(f"[{topology} {knobs}] {name}", file=sys.stderr, flush=True)
+            try:
+                run = start_proxy(name, fleet, args.proxy_cpus, logs)
+            except RuntimeError as exc:
+                print(f"  skipped: {exc}", file=sys.stderr)
+                rows.append(
+                    {"topology": topology, "knobs": knobs, "proxy": name, "skipped": str(exc)}
+                )
+                continue
+            try:
+                for c in args.concurrency:
+                    row = {
+                        "topology": topology,
+                        "knobs": knobs,
+                        "proxy": name,
+                        **_measure(run, args, c),
+                    }
+                    print(f"  {json.dumps(row)}", file=sys.stderr, flush=True)
+                    rows.append(row)
+            finally:
+                run.stop()
+    finally:
+        decode.stop()
+        prefill.stop()
+    return rows
+
+
+def _fmt(v: float) -> str:
+    return "n/a" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:g}"
+
+
+def report(rows: list[dict[str, Any]]) -> str:
+    """Markdown tables: per cell, per proxy and concurrency; then the ratios against the peers."""
+    out: list[str] = []
+    cells = sorted({(r["topology"], r["knobs"]) for r in rows}, key=str)
+    for topology, knobs in cells:
+        cell = [r for r in rows if (r["topology"], r["knobs"]) == (topology, knobs)]
+        floor = {r["concurrency"]: r for r in cell if r["proxy"] == "direct" and "rps" in r}
+        out += [
+            f"\n### {topology}, {knobs} knobs\n",
+            "| proxy | streams | req/s | p50 ms | p99 ms | added p50 | added p99 "
+            "| proxy CPU ms/req | errors |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in cell:
+            if "skipped" in r:
+                out.append(f"| {r['proxy']} | skipped: {r['skipped'][:80]} |||||||")
+                continue
+            f = floor.get(r["concurrency"])
+            add50 = r["p50_ms"] - f["p50_ms"] if f else math.nan
+            add99 = r["p99_ms"] - f["p99_ms"] if f else math.nan
+            out.append(
+                f"| {r['proxy']} | {r['concurrency']} | {r['rps']} | {r['p50_ms']} | "
+                f"{r['p99_ms']} | {add50:.2f} | {add99:.2f} | {r['proxy_cpu_ms_per_req']} | "
+                f"{r['errors']} |"
+            )
+        out.append("")
+        out += _ratios(cell, floor)
+    return "\n".join(out)
+
+
+def _ratios(cell: list[dict[str, Any]], floor: dict[int, dict[str, Any]]) -> list[str]:
+    def rows_of(name: str) -> list[dict[str, Any]]:
+        return [r for r in cell if r["proxy"] == name and "rps" in r]
+
+    def max_rps(name: str) -> float:
+        return max((r["rps"] for r in rows_of(name) if r["errors"] == 0), default=math.nan)
+
+    def cpu(name: str) -> float:
+        vals = [r["proxy_cpu_ms_per_req"] for r in rows_of(name) if r["ok"]]
+        return sum(vals) / len(vals) if vals else math.nan
+
+    def added99(name: str, c: int) -> float:
+        r = next((r for r in rows_of(name) if r["concurrency"] == c), None)
+        return r["p99_ms"] - floor[c]["p99_ms"] if r and c in floor else math.nan
+
+    lines = []
+    ours = "pdplane"
+    for peer in ("vllm-router", "xpyd-proxy"):
+        if not rows_of(peer) or not rows_of(ours):
+            continue
+        lines.append(
+            f"- vs {peer}: max req/s {max_rps(ours):g} vs {max_rps(peer):g} "
+            f"(x{max_rps(ours) / max_rps(peer):.2f}); proxy CPU ms/req (mean over streams) "
+            f"{cpu(ours):.3f} vs {cpu(peer):.3f} (x{cpu(ours) / cpu(peer):.2f}); added p99 at "
+            f"64 streams {_fmt(round(added99(ours, 64), 2))} vs "
+            f"{_fmt(round(added99(peer, 64), 2))} ms"
+        )
+    if rows_of("pdplane-concurrent"):
+        for c in sorted(floor):
+            seq = next((r for r in rows_of(ours) if r["concurrency"] == c), None)
+            con = next((r for r in rows_of("pdplane-concurrent") if r["concurrency"] == c), None)
+            if seq and con:
+                lines.append(
+                    f"- dispatch at {c} streams: sequential p50 {seq['p50_ms']} ms / "
+                    f"{seq['rps']} req/s, concurrent p50 {con['p50_ms']} ms / "
+                    f"{con['rps']} req/s"
+                )
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--topologies", default="1P1D,2P4D")
+    parser.add_argument("--knobs", default="zero,realistic")
+    parser.add_argument("--proxies", default="direct,pdplane,vllm-router,xpyd-proxy")
+    parser.add_argument("--concurrency", default="1,16,64,256")
+    parser.add_argument("--duration", type=float, default=3.0, help="measured seconds per point")
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--proxy-cpus", default="0", help="taskset CPU list for proxies")
+    parser.add_argument("--load-cpus", default="1", help="CPU list: sims, registry, load gen")
+    parser.add_argument(
+        "--no-dispatch-compare",
+        action="store_true",
+        help="skip pdplane's concurrent dispatch under realistic knobs",
+    )
+    parser.add_argument("--quick", action="store_true", help="1P1D, zero knobs, 1 s windows")
+    parser.add_argument("--out", default="logs/bench/relay.json")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.topologies, args.knobs, args.duration = "1P1D", "zero", 1.0
+    args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    proxies = args.proxies.split(",")
+    for peer in ("vllm-router", "xpyd-proxy"):
+        hint = install_hint(peer)
+        if peer in proxies and hint:
+            print(f"{peer} is not installed; skipping it. Install with:\n  {hint}", file=sys.stderr)
+            proxies.remove(peer)
+    out = ROOT / args.out
+    logs = out.parent
+    logs.mkdir(parents=True, exist_ok=True)
+    os.sched_setaffinity(0, {int(c) for c in args.load_cpus.split(",")})
+    reg_port = free_port()
+    registry = spawn(
+        "registry",
+        [
+            sys.executable,
+            "-m",
+            "pdplane.cli.main",
+            "registry",
+            "--port",
+            str(reg_port),
+            "--log-level",
+            "WARNING",
+        ],
+        args.load_cpus,
+        logs,
+    )
+    rows: list[dict[str, Any]] = []
+    try:
+        time.sleep(0.5)  # the sims retry registration anyway; this only avoids noisy logs
+        for topology in args.topologies.split(","):
+            for knobs in args.knobs.split(","):
+                cell = list(proxies)
+                if knobs == "realistic" and not args.no_dispatch_compare and "pdplane" in cell:
+                    cell.append("pdplane-concurrent")
+                rows += _bench_cell(topology, knobs, cell, f"127.0.0.1:{reg_port}", args, logs)
+    finally:
+        registry.stop()
+    meta = {
+        "argv": sys.argv,
+        "load_avg_before_after": os.getloadavg(),
+        "cpus": os.cpu_count(),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    print(report(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
