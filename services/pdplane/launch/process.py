@@ -106,6 +106,12 @@ class ManagedProcess:
         self._signal_group(signal.SIGKILL)
         return proc.returncode
 
+    def kill(self) -> None:
+        """SIGKILL to the whole process group, at once: a crash, as fault-injection tests need."""
+        if self._proc is not None:
+            self._signal_group(signal.SIGKILL)
+            self._proc.wait(timeout=10)
+
     def _signal_group(self, sig: signal.Signals) -> None:
         assert self._proc is not None
         with contextlib.suppress(ProcessLookupError, PermissionError):
