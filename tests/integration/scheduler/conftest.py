@@ -12,6 +12,7 @@ from pdplane.registry.client import RegistrationClient
 from pdplane.scheduler.client import SchedulerClient
 from pdplane.scheduler.server import SchedulerServer
 from pdplane.v1 import instance_pb2
+from tests.integration.registry.conftest import tls_files  # noqa: F401 - shared fixture
 from tests.integration.registry.fixtures import make_spec, running_registry
 from tests.integration.scheduler.fixtures import ROLES, running_scheduler_server
 
@@ -28,8 +29,9 @@ def wait_for(condition: Callable[[], bool], timeout: float = 5.0, what: str = ""
 class Fleet:
     """Instances registered (and heartbeating) through the real registration client."""
 
-    def __init__(self, registry: str) -> None:
+    def __init__(self, registry: str, tls_ca: str | None = None) -> None:
         self.registry = registry
+        self.tls_ca = tls_ca
         self.clients: dict[str, RegistrationClient] = {}
         self.loads: dict[str, instance_pb2.LoadReport] = {}
         self.specs: dict[str, instance_pb2.InstanceSpec] = {}
@@ -42,7 +44,10 @@ class Fleet:
         fields = {"url": f"http://127.0.0.1:{n}", "kv_endpoint": f"127.0.0.1:{1000 + n}", **spec}
         self.specs[instance_id] = make_spec(instance_id, ROLES[role], **fields)
         client = RegistrationClient(
-            self.registry, self.specs[instance_id], lambda: self.loads[instance_id]
+            self.registry,
+            self.specs[instance_id],
+            lambda: self.loads[instance_id],
+            tls_ca=self.tls_ca,
         )
         client.start()
         assert client.wait_registered(5.0), client.last_error

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import grpc
 import httpx
@@ -17,7 +18,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pdplane.scheduler.client import SchedulerClient, SchedulerError, SchedulerUnavailable
 from pdplane.scheduler.server import SchedulerServer
 from pdplane.v1 import scheduler_pb2, scheduler_pb2_grpc
+from tests.integration.registry.fixtures import running_registry
 from tests.integration.scheduler.conftest import Fleet, sees, wait_for
+from tests.integration.scheduler.fixtures import running_scheduler_server
 
 
 @pytest.fixture
@@ -83,6 +86,27 @@ async def test_token_is_required_and_probes_stay_open(
         health = health_pb2_grpc.HealthStub(channel)
         response = health.Check(health_pb2.HealthCheckRequest(service="pdplane.v1.Scheduler"))
         assert response.status == health_pb2.HealthCheckResponse.SERVING
+
+
+async def test_tls_towards_callers_and_the_registry(
+    tls_files: tuple[Path, Path], client_factory: Callable[..., SchedulerClient]
+) -> None:
+    cert, key = (str(p) for p in tls_files)
+    with running_registry(tls_cert=cert, tls_key=key) as registry:
+        fleet = Fleet(registry, tls_ca=cert)
+        try:
+            fleet.add("p0", "prefill")
+            fleet.add("d0", "decode")
+            with running_scheduler_server(
+                registry, tls_ca=cert, tls_cert=cert, tls_key=key
+            ) as server:
+                wait_for(sees(server, "p0", "d0"), what="the view over TLS")
+                client = client_factory(server.address, tls_ca=cert)
+                assert (await client.schedule("r", "tiny", 10)).decode.instance_id == "d0"
+                with pytest.raises(SchedulerUnavailable):  # plaintext to a TLS port
+                    await client_factory(server.address, timeout_s=2).schedule("r2", "tiny", 10)
+        finally:
+            fleet.close()
 
 
 async def test_unreachable_scheduler_is_unavailable(
