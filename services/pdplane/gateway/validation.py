@@ -79,9 +79,7 @@ _UNION_TAGS = frozenset({"str", "int", "bool", "float"})
 def _first_error(exc: ValidationError) -> tuple[str, str]:
     err = exc.errors()[0]
     # Keep field names; drop list indices and pydantic's union-branch tags ("list[int]").
-    names = [
-        p for p in err["loc"] if isinstance(p, str) and "[" not in p and p not in _UNION_TAGS
-    ]
+    names = [p for p in err["loc"] if isinstance(p, str) and "[" not in p and p not in _UNION_TAGS]
     param = ".".join(names)
     if err["type"] == "missing":
         return f"'{param}' is a required property", param

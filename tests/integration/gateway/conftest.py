@@ -64,7 +64,9 @@ class Stack:
         )
 
     def scheduler_inflight(self) -> int:
-        return len(self.scheduler.app.service.inflight)
+        service = self.scheduler.app.service
+        assert service is not None
+        return len(service.inflight)
 
     def close(self) -> None:
         self._exits.close()

@@ -15,12 +15,13 @@ N = 200
 
 
 async def _one(session: aiohttp.ClientSession, url: str, i: int) -> tuple[str, str, bytes]:
-    body = {"model": MODEL, "prompt": f"request number {i}", "max_tokens": 8 + i % 5,
+    prompt = f"request number {i}"
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 8 + i % 5,
             "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
     headers = {"X-Request-Id": f"conc-{i}"}
     async with session.post(f"{url}/v1/completions", json=body, headers=headers) as r:
         assert r.status == 200, await r.text()
-        return r.headers["x-request-id"], body["prompt"], await r.read()
+        return r.headers["x-request-id"], prompt, await r.read()
 
 
 async def test_200_concurrent_streams_each_get_their_own_answer(

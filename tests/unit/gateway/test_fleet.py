@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from pdplane.gateway.fleet import FleetView, build_view
 from pdplane.v1 import instance_pb2
 
@@ -9,9 +11,16 @@ _LAYOUT = instance_pb2.KvLayout(num_layers=2, num_kv_heads=2, head_size=32, bloc
                                 dtype="float32")  # fmt: skip
 
 
-def _inst(iid: str, role: int, model: str = "m", **spec: object) -> instance_pb2.Instance:
-    fields = {"instance_id": iid, "role": role, "model": model, "kv_layout": _LAYOUT,
-              "transport": instance_pb2.TRANSPORT_TCP, "max_model_len": 2048, **spec}  # fmt: skip
+def _inst(iid: str, role: int, model: str = "m", **spec: Any) -> instance_pb2.Instance:
+    fields: dict[str, Any] = {
+        "instance_id": iid,
+        "role": role,
+        "model": model,
+        "kv_layout": _LAYOUT,
+        "transport": instance_pb2.TRANSPORT_TCP,
+        "max_model_len": 2048,
+        **spec,
+    }
     inst = instance_pb2.Instance(spec=instance_pb2.InstanceSpec(**fields))
     inst.state = instance_pb2.INSTANCE_STATE_SERVING
     inst.registered_at.seconds = 1000 + len(iid)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from pdplane.gateway.tokens import (
     estimate_chat_tokens,
     estimate_prompt_tokens,
@@ -23,7 +25,7 @@ def test_token_ids_are_counted_exactly_and_batches_summed() -> None:
 
 
 def test_chat_counts_text_parts_plus_template_tokens() -> None:
-    messages = [
+    messages: list[dict[str, Any]] = [
         {"role": "system", "content": "abcd"},
         {"role": "user", "content": [{"type": "text", "text": "abcdefgh"}, {"type": "image"}]},
     ]

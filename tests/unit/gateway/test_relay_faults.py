@@ -1,0 +1,165 @@
+"""Relay failure handling against scripted fakes (scheduler and instances)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable
+
+import httpx
+import pytest
+from aiohttp import web
+
+from pdplane.gateway.testing import running_gateway
+from pdplane.scheduler.client import SchedulerUnavailable
+from tests.unit.gateway.conftest import (
+    MODEL,
+    VIEW,
+    FakeScheduler,
+    Handler,
+    good_prefill,
+    sse_decode,
+)
+
+Serve = Callable[[Handler], Awaitable[str]]
+BODY = {"model": MODEL, "prompt": "hi", "max_tokens": 3}
+
+
+async def _post(url: str, body: dict[str, object], **kw: object) -> httpx.Response:
+    async with httpx.AsyncClient(timeout=10) as client:
+        return await client.post(f"{url}/v1/completions", json=body, **kw)  # type: ignore[arg-type]
+
+
+async def _silent(request: web.Request) -> web.StreamResponse:
+    await request.read()
+    await asyncio.sleep(30)
+    raise AssertionError("unreachable")
+
+
+async def test_prefill_without_kv_params_is_502_naming_prefill(serve: Serve) -> None:
+    async def bare(request: web.Request) -> web.StreamResponse:
+        return web.json_response({"choices": []})
+
+    sched = FakeScheduler([(await serve(bare), await serve(sse_decode))])
+    with running_gateway(scheduler_port=sched, fleet=lambda: VIEW) as url:
+        r = await _post(url, BODY)
+    assert r.status_code == 502
+    assert (
+        "prefill instance p returned no usable kv_transfer_params" in r.json()["error"]["message"]
+    )
+    assert sched.log[-1] == ("release", "failed")
+
+
+async def test_prefill_4xx_passes_through_and_5xx_is_502(serve: Serve) -> None:
+    error = b'{"error": {"message": "prompt too long", "type": "BadRequestError", "code": 400}}'
+
+    async def refuse(request: web.Request) -> web.StreamResponse:
+        return web.Response(body=error, status=400, content_type="application/json")
+
+    async def crash(request: web.Request) -> web.StreamResponse:
+        return web.Response(text="boom", status=500)
+
+    decode = await serve(sse_decode)
+    sched = FakeScheduler([(await serve(refuse), decode), (await serve(crash), decode)])
+    with running_gateway(scheduler_port=sched, fleet=lambda: VIEW) as url:
+        r = await _post(url, BODY)
+        assert (r.status_code, r.content) == (400, error)
+        r = await _post(url, BODY)
+        assert r.status_code == 502
+        assert r.json()["error"]["message"] == "prefill instance p answered 500: boom"
+
+
+async def test_silent_prefill_is_504(serve: Serve) -> None:
+    sched = FakeScheduler([(await serve(_silent), await serve(sse_decode))])
+    with running_gateway(scheduler_port=sched, fleet=lambda: VIEW, upstream_timeout_s=0.3) as url:
+        r = await _post(url, BODY)
+    assert r.status_code == 504
+    assert "prefill instance p did not answer within 0.3 s" in r.json()["error"]["message"]
+    assert sched.log[-1] == ("release", "failed")
+
+
+@pytest.mark.parametrize("ending", ["stall", "no_done"])
+async def test_stream_ending_badly_gives_one_error_event(serve: Serve, ending: str) -> None:
+    async def bad_stream(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b'data: {"choices":[{"text":"a"}]}\n\ndata: {"choi')  # partial event
+        if ending == "stall":
+            await asyncio.sleep(30)
+        return resp
+
+    sched = FakeScheduler([(await serve(good_prefill), await serve(bad_stream))])
+    with running_gateway(scheduler_port=sched, fleet=lambda: VIEW, upstream_timeout_s=0.3) as url:
+        r = await _post(url, {**BODY, "stream": True})
+    events = r.content[:-2].split(b"\n\n")
+    assert events[0] == b'data: {"choices":[{"text":"a"}]}'  # the partial event is not relayed
+    assert len(events) == 2
+    error = json.loads(events[1][len(b"data: ") :])["error"]
+    assert error["code"] == (504 if ending == "stall" else 502)
+    assert sched.log[-1] == ("release", "failed")
+
+
+async def test_unreachable_decode_retries_on_another_pair_after_releasing(
+    serve: Serve, free_port: Callable[[], int]
+) -> None:
+    prefill, decode = await serve(good_prefill), await serve(sse_decode)
+    dead = f"http://127.0.0.1:{free_port()}"
+    sched = FakeScheduler([(prefill, dead), (prefill, decode)])
+    with running_gateway(scheduler_port=sched, fleet=lambda: VIEW) as url:
+        r = await _post(url, {**BODY, "stream": True})
+        for _ in range(100):  # the success Release runs in the background
+            if sched.log[-1][0] == "release":
+                break
+            await asyncio.sleep(0.01)
+    assert r.status_code == 200 and r.content.endswith(b"data: [DONE]\n\n")
+    assert sched.log == [
+        ("schedule", []),
+        ("release", "failed"),  # before the retry reuses the request id
+        ("schedule", ["d"]),
+        ("release", "success"),
+    ]
+
+
+async def test_no_retry_left_is_502_and_max_retries_zero_does_not_retry(
+    serve: Serve, free_port: Callable[[], int]
+) -> None:
+    dead = f"http://127.0.0.1:{free_port()}"
+    sched = FakeScheduler([(dead, dead), SchedulerUnavailable("no prefill instance: excluded")])
+    with running_gateway(scheduler_port=sched, fleet=lambda: VIEW) as url:
+        r = await _post(url, BODY)
+    assert r.status_code == 502  # the failure, not the scheduler's "nothing left"
+    assert "prefill instance p unreachable" in r.json()["error"]["message"]
+
+    sched = FakeScheduler([(dead, dead)])
+    with running_gateway(scheduler_port=sched, fleet=lambda: VIEW, max_retries=0) as url:
+        r = await _post(url, BODY)
+    assert r.status_code == 502
+    assert [e for e in sched.log if e[0] == "schedule"] == [("schedule", [])]
+
+
+async def test_scheduler_errors_map_to_503_and_400() -> None:
+    sched = FakeScheduler(
+        [SchedulerUnavailable("no prefill instance for model 'm'"), ValueError("bad length")]
+    )
+    with running_gateway(scheduler_port=sched, fleet=lambda: VIEW) as url:
+        r = await _post(url, BODY)
+        assert r.status_code == 503
+        assert r.json()["error"]["message"] == "no prefill instance for model 'm'"
+        r = await _post(url, BODY)
+        assert r.status_code == 400
+
+
+async def test_api_key_guards_v1_but_not_health(serve: Serve) -> None:
+    sched = FakeScheduler([(await serve(good_prefill), await serve(sse_decode))])
+    with running_gateway(scheduler_port=sched, fleet=lambda: VIEW, api_key="k1,k2") as url:
+        r = await _post(url, BODY)
+        assert r.status_code == 401 and r.json()["error"]["type"] == "AuthenticationError"
+        r = await _post(url, BODY, headers={"Authorization": "Bearer nope"})
+        assert r.status_code == 401
+        async with httpx.AsyncClient() as client:
+            assert (await client.get(f"{url}/v1/models")).status_code == 401
+            assert (await client.get(f"{url}/health")).status_code == 200
+        r = await _post(url, {**BODY, "stream": True}, headers={"Authorization": "Bearer k2"})
+        assert r.status_code == 200
+    assert sched.log[0] == ("schedule", [])  # only the authorized request was scheduled
