@@ -100,18 +100,27 @@ class HoldTable:
             if hold.end_reason is not None and hold.readers == 0:
                 self._report(hold)
 
-    def release(self, transfer_id: str, reason: str, tombstone_s: float = 0.0) -> bool:
-        """Ends the hold now (blocks freed once no pull reads them). Returns False when the
-        transfer is not held; then, if `tombstone_s` > 0, a hold arriving within that many
-        seconds ends at once (an abort that overtook prefill's response)."""
+    def release(
+        self, transfer_id: str, reason: str, wait_s: float = 0.0, tombstone_s: float = 0.0
+    ) -> bool:
+        """Ends the hold now (blocks freed once no pull reads them). A hold not yet arrived is
+        waited for up to `wait_s` seconds. Returns False when the transfer is not held; then, if
+        `tombstone_s` > 0, a hold arriving within that many seconds ends at once (an abort
+        that overtook prefill's own bookkeeping)."""
+        deadline = self._clock() + wait_s
         with self._cond:
-            hold = self._holds.get(transfer_id)
-            if hold is None or hold.end_reason is not None:
-                if hold is None and tombstone_s > 0 and transfer_id not in self.ended:
-                    self._tombstones[transfer_id] = self._clock() + tombstone_s
-                return False
-            self._end(hold, reason)
-            return True
+            while True:
+                hold = self._holds.get(transfer_id)
+                if hold is not None and hold.end_reason is None:
+                    self._end(hold, reason)
+                    return True
+                left = deadline - self._clock()
+                if hold is not None or transfer_id in self.ended or left <= 0:
+                    break
+                self._cond.wait(left)
+            if hold is None and tombstone_s > 0 and transfer_id not in self.ended:
+                self._tombstones[transfer_id] = self._clock() + tombstone_s
+            return False
 
     def pop_finished(self) -> set[str]:
         """vLLM request ids whose hold ended since the last call (each id exactly once).

@@ -68,7 +68,7 @@ class KvTransferServicer(kv_transfer_pb2_grpc.KvTransferServicer):
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"KV layout mismatch: requester {got}, holder {self._fingerprint}",
             )
-        wait = min(self._arrival_wait_s, max(0.0, context.time_remaining() or 0.0))
+        wait = self._arrival_wait(context)
         try:
             hold = self._holds.pin(request.transfer_id, wait_s=wait)
         except HoldUnknown:
@@ -85,6 +85,21 @@ class KvTransferServicer(kv_transfer_pb2_grpc.KvTransferServicer):
                 f"block indices {bad[:8]} out of range: transfer holds {len(hold.block_ids)}",
             )
         return hold, [hold.block_ids[i] for i in indices]
+
+    def _arrival_wait(self, context: grpc.ServicerContext) -> float:
+        # Never wait past the caller's own deadline (it would only see DEADLINE_EXCEEDED).
+        remaining = context.time_remaining()
+        if remaining is None:
+            return self._arrival_wait_s
+        return min(self._arrival_wait_s, max(0.0, remaining - 0.1))
+
+    def _release(self, transfer_id: str, reason: str, context: grpc.ServicerContext) -> bool:
+        if not transfer_id:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "transfer_id is required")
+        wait = self._arrival_wait(context)
+        freed = self._holds.release(transfer_id, reason, wait, self._tombstone_s)
+        log.info("transfer %s %s (freed=%s)", transfer_id, reason, freed)
+        return freed
 
     def PullBlocks(
         self, request: kv_transfer_pb2.PullBlocksRequest, context: grpc.ServicerContext
@@ -108,16 +123,14 @@ class KvTransferServicer(kv_transfer_pb2_grpc.KvTransferServicer):
         self, request: kv_transfer_pb2.CompleteTransferRequest, context: grpc.ServicerContext
     ) -> kv_transfer_pb2.CompleteTransferResponse:
         reason = "completed" if request.success else "completed (decode failed)"
-        freed = self._holds.release(request.transfer_id, reason, self._tombstone_s)
-        log.info("transfer %s %s (freed=%s)", request.transfer_id, reason, freed)
+        freed = self._release(request.transfer_id, reason, context)
         return kv_transfer_pb2.CompleteTransferResponse(freed=freed)
 
     def AbortTransfer(
         self, request: kv_transfer_pb2.AbortTransferRequest, context: grpc.ServicerContext
     ) -> kv_transfer_pb2.AbortTransferResponse:
         reason = f"aborted: {request.reason or 'no reason given'}"
-        freed = self._holds.release(request.transfer_id, reason, self._tombstone_s)
-        log.info("transfer %s %s (freed=%s)", request.transfer_id, reason, freed)
+        freed = self._release(request.transfer_id, reason, context)
         return kv_transfer_pb2.AbortTransferResponse(freed=freed)
 
     def NcclConnect(

@@ -1,0 +1,170 @@
+"""SchedulerSide with vLLM's real Request / KVCacheBlocks / RequestStatus types."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from pdplane.connector.config import ConnectorConfig
+from pdplane.connector.scheduler_side import SchedulerSide
+from pdplane.core.kv_params import DecodeRequestParams, PrefillRequestParams
+from pdplane.core.layout import fingerprint
+from pdplane.v1 import instance_pb2
+from tests.unit.connector.conftest import BLOCK, make_blocks, make_request
+
+CFG = ConnectorConfig(kv_port=50100, transfer_timeout_s=7.0)
+
+
+def _side(layout: instance_pb2.KvLayout) -> SchedulerSide:
+    return SchedulerSide(CFG, "prefill-a", layout)
+
+
+def _finish(request: object, status_name: str) -> None:
+    from vllm.v1.request import RequestStatus
+
+    request.status = getattr(RequestStatus, status_name)  # type: ignore[attr-defined]
+
+
+def _decode_params(layout: instance_pb2.KvLayout, num_tokens: int, **kw: object) -> dict:
+    fields: dict = {
+        "request_id": "gw-1",
+        "transfer_id": "gw-1.abcd",
+        "engine_id": "prefill-a",
+        "kv_endpoint": "127.0.0.1:50100",
+        "block_ids": list(range(100, 100 + -(-num_tokens // BLOCK))),
+        "num_tokens": num_tokens,
+        "kv_layout": fingerprint(layout),
+    }
+    fields.update(kw)
+    return DecodeRequestParams(**fields).to_dict()
+
+
+def test_prefill_holds_prompt_blocks_and_returns_decode_params(layout) -> None:
+    side = _side(layout)
+    req = make_request("cmpl-x-0-1234", 10, PrefillRequestParams("gw-1").to_dict())
+    _finish(req, "FINISHED_LENGTH_CAPPED")
+    delay, params = side.request_finished(req, [7, 3, 9, 11])
+    assert delay is True
+    dp = DecodeRequestParams.from_dict(params)
+    assert dp.block_ids == [7, 3, 9]  # ceil(10 / 4) blocks, in token order
+    assert dp.num_tokens == 10
+    assert dp.transfer_id.startswith("gw-1.") and len(dp.transfer_id) > len("gw-1.") + 8
+    assert dp.kv_endpoint == "127.0.0.1:50100" and dp.engine_id == "prefill-a"
+    assert dp.kv_layout == fingerprint(layout)
+    meta = side.build_connector_meta(SimpleNamespace(num_scheduled_tokens={}))
+    assert [(h.req_id, h.transfer_id, h.block_ids, h.timeout_s) for h in meta.holds] == [
+        ("cmpl-x-0-1234", dp.transfer_id, (7, 3, 9), 7.0)
+    ]
+    # the next step's metadata starts empty (metadata is one-way, never reused)
+    assert side.build_connector_meta(SimpleNamespace(num_scheduled_tokens={})).is_empty()
+
+
+def test_transfer_ids_differ_for_the_same_gateway_request(layout) -> None:
+    side = _side(layout)
+    ids = set()
+    for i in range(2):
+        req = make_request(f"r{i}", 4, PrefillRequestParams("gw-same").to_dict())
+        _finish(req, "FINISHED_STOPPED")
+        ids.add(side.request_finished(req, [1])[1]["pdplane_transfer_id"])
+    assert len(ids) == 2
+
+
+def test_prefill_aborted_request_is_not_held(layout) -> None:
+    side = _side(layout)
+    req = make_request("r", 8, PrefillRequestParams("gw-1").to_dict())
+    _finish(req, "FINISHED_ABORTED")
+    assert side.request_finished(req, [1, 2]) == (False, None)
+    assert side.build_connector_meta(SimpleNamespace(num_scheduled_tokens={})).is_empty()
+
+
+def test_plain_request_is_untouched(layout) -> None:
+    side = _side(layout)
+    req = make_request("r", 8)
+    assert side.get_num_new_matched_tokens(req, 0) == (0, False)
+    _finish(req, "FINISHED_STOPPED")
+    assert side.request_finished(req, [1, 2]) == (False, None)
+
+
+def test_decode_pulls_exactly_the_prompt_blocks_into_allocated_blocks(layout) -> None:
+    side = _side(layout)
+    req = make_request("d1", 10, _decode_params(layout, 10))
+    assert side.get_num_new_matched_tokens(req, 0) == (10, True)
+    # calling again (vLLM may) gives the same answer and has no side effect
+    assert side.get_num_new_matched_tokens(req, 0) == (10, True)
+    side.update_state_after_alloc(req, make_blocks([40, 12, 33]), 10)
+    meta = side.build_connector_meta(SimpleNamespace(num_scheduled_tokens={}))
+    (load,) = meta.loads
+    assert load.transfer_id == "gw-1.abcd" and load.endpoint == "127.0.0.1:50100"
+    assert load.remote_block_indices == (0, 1, 2)
+    assert load.local_block_ids == (40, 12, 33)  # by position, not sorted
+    # second call after the load (num_external_tokens=0) starts nothing new
+    side.update_state_after_alloc(req, make_blocks([40, 12, 33]), 0)
+    assert side.get_num_new_matched_tokens(req, 10) == (0, False)
+    assert side.build_connector_meta(SimpleNamespace(num_scheduled_tokens={})).is_empty()
+
+
+def test_decode_with_local_prefix_hit_pulls_only_the_rest(layout) -> None:
+    side = _side(layout)
+    req = make_request("d2", 10, _decode_params(layout, 10))
+    assert side.get_num_new_matched_tokens(req, 4) == (6, True)
+    side.update_state_after_alloc(req, make_blocks([5, 6, 7]), 6)
+    (load,) = side.build_connector_meta(SimpleNamespace(num_scheduled_tokens={})).loads
+    assert load.remote_block_indices == (1, 2) and load.local_block_ids == (6, 7)
+
+
+def test_decode_with_full_local_hit_releases_the_transfer(layout) -> None:
+    side = _side(layout)
+    req = make_request("d3", 8, _decode_params(layout, 8))
+    assert side.get_num_new_matched_tokens(req, 8) == (0, False)
+    side.update_state_after_alloc(req, make_blocks([1, 2]), 0)
+    meta = side.build_connector_meta(SimpleNamespace(num_scheduled_tokens={}))
+    assert not meta.loads
+    assert [(r.transfer_id, r.endpoint) for r in meta.releases] == [
+        ("gw-1.abcd", "127.0.0.1:50100")
+    ]
+
+
+def test_decode_refuses_a_different_layout_and_computes_locally(layout) -> None:
+    side = _side(layout)
+    req = make_request("d4", 8, _decode_params(layout, 8, kv_layout="L9.H9.D9.B9.bfloat16"))
+    assert side.get_num_new_matched_tokens(req, 0) == (0, False)
+    side.update_state_after_alloc(req, make_blocks([1, 2]), 0)
+    meta = side.build_connector_meta(SimpleNamespace(num_scheduled_tokens={}))
+    assert not meta.loads and len(meta.releases) == 1
+
+
+def test_decode_refuses_a_prompt_length_mismatch(layout) -> None:
+    side = _side(layout)
+    req = make_request("d5", 9, _decode_params(layout, 8))
+    assert side.get_num_new_matched_tokens(req, 0) == (0, False)
+
+
+def test_decode_request_ended_before_its_load_releases_prefill(layout) -> None:
+    side = _side(layout)
+    req = make_request("d6", 8, _decode_params(layout, 8))
+    side.get_num_new_matched_tokens(req, 0)
+    _finish(req, "FINISHED_ABORTED")
+    assert side.request_finished(req, []) == (False, None)
+    (release,) = side.build_connector_meta(SimpleNamespace(num_scheduled_tokens={})).releases
+    assert release.transfer_id == "gw-1.abcd"
+
+
+def test_malformed_decode_params_are_ignored(layout) -> None:
+    side = _side(layout)
+    req = make_request("d7", 8, {"do_remote_prefill": True, "remote_block_ids": "nope"})
+    assert side.get_num_new_matched_tokens(req, 0) == (0, False)
+
+
+def test_load_report_counts_requests_and_transfers(layout) -> None:
+    side = _side(layout)
+    for i in range(3):
+        side.on_new_request(make_request(f"q{i}", 4))
+    side.build_connector_meta(SimpleNamespace(num_scheduled_tokens={"q0": 4}))
+    held = make_request("p", 4, PrefillRequestParams("gw").to_dict())
+    _finish(held, "FINISHED_LENGTH_CAPPED")
+    side.request_finished(held, [1])
+    pool = SimpleNamespace(get_num_free_blocks=lambda: 50, get_usage=lambda: 0.25)
+    report = side.load(SimpleNamespace(block_pool=pool), 64)
+    assert (report.num_running, report.num_waiting, report.inflight_transfers) == (1, 2, 1)
+    assert (report.free_kv_blocks, report.total_kv_blocks, report.kv_cache_usage) == (50, 64, 0.25)
+    side.update_connector_output(SimpleNamespace(finished_sending={"p"}, finished_recving=None))
+    assert side.load(None, 64).inflight_transfers == 0
