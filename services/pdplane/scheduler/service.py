@@ -133,10 +133,12 @@ class SchedulerService:
         )
         prefills = prefill_side.require(model, self.view.models)
         decodes = decode_side.require(model, self.view.models)
-        decode_keys = pair_keys_of(decodes)
-        uniform = len(decode_keys) == 1 and pair_keys_of(prefills) == decode_keys
         # Usual fleet: one layout everywhere, nothing to pair up.
-        pairable = prefills if uniform else [p for p in prefills if p.pair_key in decode_keys]
+        uniform = self.view.is_uniform(model)
+        pairable = prefills
+        if not uniform:
+            decode_keys = pair_keys_of(decodes)
+            pairable = [p for p in prefills if p.pair_key in decode_keys]
         if not pairable:
             raise NoInstance(
                 "pair",
@@ -153,9 +155,10 @@ class SchedulerService:
         prefill = prefill_policy.pick(pairable, ctx)
         p = prefill.candidate
         matching = decodes if uniform else [d for d in decodes if d.pair_key == p.pair_key]
-        # A BOTH instance may serve both halves, but only when no other decode fits.
-        others = [d for d in matching if d.instance_id != p.instance_id]
-        decode = decode_policy.pick(others or matching, ctx)
+        if p.can_decode:
+            # A BOTH instance may serve both halves, but only when no other decode fits.
+            matching = [d for d in matching if d.instance_id != p.instance_id] or matching
+        decode = decode_policy.pick(matching, ctx)
         d = decode.candidate
         self.inflight.add(request.request_id, p, d, blocks_for(tokens, d.block_size))
         return Decision(p, d, f"prefill {prefill.reason}; decode {decode.reason}")

@@ -66,6 +66,7 @@ class CandidateView:
         # instance id -> (the message it was converted from, the candidate)
         self._cache: dict[str, tuple[instance_pb2.Instance, Candidate]] = {}
         self._by_model: dict[str, tuple[Candidate, ...]] = {}
+        self._uniform: set[str] = set()
 
     def mark_dirty(self, *_args: Any) -> None:
         """Forces a re-read on the next decision; usable directly as a watcher `on_change`."""
@@ -75,6 +76,11 @@ class CandidateView:
         """Every instance (any role or state) serving `model`, sorted by id."""
         self._refresh()
         return self._by_model.get(model, ())
+
+    def is_uniform(self, model: str) -> bool:
+        """True when every instance of `model` has the same pair key (layout, transport,
+        max model length): then any prefill pairs with any decode. Call after `candidates`."""
+        return model in self._uniform
 
     def models(self) -> list[str]:
         """Served model names in the view, sorted."""
@@ -108,6 +114,9 @@ class CandidateView:
             self._cache = cache
             self._by_model = {
                 model: tuple(sorted(group, key=_by_id)) for model, group in by_model.items()
+            }
+            self._uniform = {
+                model for model, group in by_model.items() if len({c.pair_key for c in group}) == 1
             }
             self._revision = revision
 

@@ -48,3 +48,13 @@ def test_mark_dirty_forces_a_reread(
     view.mark_dirty({})
     view.candidates("tiny")
     assert source.snapshots == 2
+
+
+def test_knows_when_a_model_has_a_single_pair_key(
+    fake_source: type, make_instance: Callable[..., instance_pb2.Instance]
+) -> None:
+    source = fake_source(make_instance("a", model="m1"), make_instance("b", "decode", model="m1"))
+    source.put(make_instance("c", model="m2"), make_instance("d", model="m2", dtype="bfloat16"))
+    view = CandidateView(source)
+    view.candidates("m1")
+    assert view.is_uniform("m1") and not view.is_uniform("m2")
