@@ -39,7 +39,7 @@ class ConnectorConfig(BaseModel):
     registry_token: str | None = Field(None, description="Bearer token for the registry.")
     registry_tls_ca: str | None = Field(None, description="PEM CA to verify the registry's TLS.")
     instance_id: str | None = Field(
-        None, description="Registry instance id; default <hostname>-<kv_port>-<random>."
+        None, description="Registry instance id; default <hostname>-<kv_port>."
     )
     url: str | None = Field(
         None, description="This instance's OpenAI base URL (http://host:port); needed to register."
@@ -111,8 +111,11 @@ class ConnectorConfig(BaseModel):
         return f"{host}:{self.kv_port + tp_rank if self.kv_port else 0}"
 
     def resolved_instance_id(self) -> str:
-        """The configured instance id, or a fresh unique one."""
+        """The configured instance id, else `<hostname>-<kv_port>` (the same in the scheduler
+        and worker processes), else (no fixed port) a fresh unique one."""
         if self.instance_id:
             return self.instance_id
         host = re.sub(r"[^A-Za-z0-9.-]", "-", socket.gethostname())[:64] or "host"
-        return f"{host}-{self.kv_port or os.getpid()}-{secrets.token_hex(3)}"
+        if self.kv_port:
+            return f"{host}-{self.kv_port}"
+        return f"{host}-{os.getpid()}-{secrets.token_hex(3)}"

@@ -13,6 +13,7 @@ ids. `pop_finished` is called on every engine step and only takes the lock brief
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import OrderedDict
@@ -20,6 +21,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 __all__ = ["HeldTransfer", "HoldTable", "HoldUnknown"]
+
+log = logging.getLogger(__name__)
 
 _RECENT_LIMIT = 10_000
 
@@ -143,6 +146,7 @@ class HoldTable:
         for hold in list(self._holds.values()):
             if hold.end_reason is None:
                 if hold.deadline <= now:
+                    log.warning("transfer %s: not pulled in time; freeing", hold.transfer_id)
                     self._end(hold, "timeout")
                 else:
                     nxt = min(nxt, hold.deadline)

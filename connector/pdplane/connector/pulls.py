@@ -31,6 +31,12 @@ log = logging.getLogger(__name__)
 _CONTROL_TIMEOUT_S = 2.0
 
 
+def _describe(exc: Exception) -> str:
+    if isinstance(exc, grpc.Call):
+        return f"{exc.code().name}: {exc.details()}"
+    return str(exc)
+
+
 @dataclass(frozen=True, slots=True)
 class PullStats:
     """One finished pull (for logs and measurements)."""
@@ -186,7 +192,7 @@ class Puller:
             )
         except (grpc.RpcError, ValueError) as exc:
             # Prefill frees the blocks at its own timeout anyway.
-            log.info("CompleteTransfer %s failed: %s", spec.transfer_id, exc)
+            log.info("CompleteTransfer %s failed: %s", spec.transfer_id, _describe(exc))
 
     def _abort(self, spec: ReleaseSpec) -> None:
         try:
@@ -200,4 +206,4 @@ class Puller:
             )
             log.info("transfer %s: released (%s)", spec.transfer_id, spec.reason)
         except (grpc.RpcError, ValueError) as exc:
-            log.info("AbortTransfer %s failed: %s", spec.transfer_id, exc)
+            log.info("AbortTransfer %s failed: %s", spec.transfer_id, _describe(exc))

@@ -208,10 +208,12 @@ class SchedulerSide:
         )
         pool = getattr(kv_cache_manager, "block_pool", None)
         if pool is not None:
-            # The pool keeps one reserved null block that is never free.
-            free = int(pool.get_num_free_blocks())
-            report.free_kv_blocks = free
+            report.free_kv_blocks = int(pool.get_num_free_blocks())
             report.kv_cache_usage = float(pool.get_usage())
+        else:
+            # vLLM versions that never bind the cache manager: report "all free" rather than a
+            # zero that would make the decode-side guard skip this instance forever.
+            report.free_kv_blocks = total_blocks
         return report
 
     # -- helpers -------------------------------------------------------------------------------

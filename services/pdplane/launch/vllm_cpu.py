@@ -107,13 +107,15 @@ def connector_config(options: VllmCpuOptions) -> dict[str, Any] | None:
     }
     extra.update({k: v for k, v in optional.items() if v is not None})
     extra.update(options.connector_extra)
-    return {
+    config: dict[str, Any] = {
         "kv_connector": "PdPlaneConnector",
         "kv_connector_module_path": "pdplane.connector",
         "kv_role": options.role,
-        "kv_load_failure_policy": options.kv_load_failure_policy,
         "kv_connector_extra_config": extra,
     }
+    if options.kv_load_failure_policy != "fail":  # key unknown to older vLLM; "fail" is default
+        config["kv_load_failure_policy"] = options.kv_load_failure_policy
+    return config
 
 
 class VllmCpuInstance:

@@ -1,0 +1,50 @@
+"""kv_connector_extra_config parsing: typed, validated, clear errors naming the key."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdplane.connector.config import ConnectorConfig, ConnectorConfigError
+from pdplane.core import defaults
+
+
+def test_defaults() -> None:
+    cfg = ConnectorConfig.from_extra_config(None)
+    assert cfg.transport == "tcp"
+    assert cfg.transfer_timeout_s == defaults.KV_TRANSFER_TIMEOUT_S
+    assert cfg.registry is None and cfg.kv_port == 0
+
+
+def test_full_config_and_endpoints() -> None:
+    cfg = ConnectorConfig.from_extra_config(
+        {
+            "registry": "127.0.0.1:50051",
+            "url": "http://127.0.0.1:8100",
+            "kv_port": 50100,
+            "advertise_host": "10.0.0.7",
+            "transport": "nccl",
+            "transfer_timeout_s": 5,
+        }
+    )
+    assert cfg.kv_endpoint() == "10.0.0.7:50100"
+    assert cfg.kv_endpoint(tp_rank=3) == "10.0.0.7:50103"
+    assert cfg.bind_address(1) == "127.0.0.1:50101"
+    assert cfg.resolved_instance_id() == cfg.resolved_instance_id()  # stable across halves
+
+
+@pytest.mark.parametrize(
+    ("extra", "named"),
+    [
+        ({"transport": "rdma"}, "transport"),
+        ({"transfer_timeout_s": 0}, "transfer_timeout_s"),
+        ({"kv_port": 70000}, "kv_port"),
+        ({"registry": "127.0.0.1:1", "kv_port": 5}, "url is required"),
+        ({"registry": "127.0.0.1:1", "url": "http://x:1"}, "kv_port must be set"),
+        ({"tls_cert": "c.pem"}, "tls_cert and tls_key"),
+        ({"instance_id": "bad id!"}, "instance_id"),
+        ({"regsitry": "typo"}, "regsitry"),
+    ],
+)
+def test_invalid_config_names_the_key(extra: dict, named: str) -> None:
+    with pytest.raises(ConnectorConfigError, match=named):
+        ConnectorConfig.from_extra_config(extra)

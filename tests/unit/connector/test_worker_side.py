@@ -1,0 +1,149 @@
+"""WorkerSide: a prefill worker and a decode worker in one process, real gRPC on loopback.
+
+Drives them with the metadata the scheduler side would send and asks what vLLM asks every
+step (`get_finished`, `get_block_ids_with_load_errors`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from pdplane.connector.config import ConnectorConfig
+from pdplane.connector.metadata import HoldSpec, LoadSpec, PdPlaneConnectorMetadata, ReleaseSpec
+from pdplane.connector.worker_side import WorkerSide
+from pdplane.v1 import instance_pb2
+
+SHAPE = (16, 2, 4, 16)
+LAYOUT = instance_pb2.KvLayout(
+    num_layers=2, num_kv_heads=2, head_size=8, block_size=4, dtype="float32"
+)
+
+
+def _worker(name: str, fill: bool, **cfg: object) -> tuple[WorkerSide, dict[str, torch.Tensor]]:
+    config = ConnectorConfig.model_validate({"pull_timeout_s": 5.0, **cfg})
+    side = WorkerSide(config, LAYOUT, instance_id=name, num_blocks=SHAPE[0])
+    caches = {
+        f"model.layers.{i}.self_attn.attn": torch.randn(SHAPE) if fill else torch.zeros(SHAPE)
+        for i in range(2)
+    }
+    side.register_kv_caches(caches)
+    return side, caches
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[WorkerSide, dict, WorkerSide, dict]]:
+    p, pc = _worker("prefill-a", fill=True)
+    d, dc = _worker("decode-a", fill=False)
+    try:
+        yield p, pc, d, dc
+    finally:
+        p.shutdown()
+        d.shutdown()
+
+
+def _until(fn, timeout: float = 10.0):  # type: ignore[no-untyped-def]
+    """Polls fn() (as vLLM's engine steps would) until it returns something truthy."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = fn()
+        if got:
+            return got
+        time.sleep(0.005)
+    raise AssertionError("timed out")
+
+
+def _meta(seq: int, **kw: list) -> PdPlaneConnectorMetadata:
+    return PdPlaneConnectorMetadata(seq=seq, **kw)
+
+
+def test_pull_moves_blocks_and_both_sides_report_once(pair) -> None:
+    prefill, pc, decode, dc = pair
+    endpoint = f"127.0.0.1:{prefill.port}"
+    prefill.handle_metadata(_meta(1, holds=[HoldSpec("p-req", "gw.1", (9, 2), 60.0)]))
+    decode.handle_metadata(
+        _meta(1, loads=[LoadSpec("d-req", "gw.1", endpoint, (0, 1), (3, 11), 8)])
+    )
+    sending, recving = set(), set()
+    deadline = time.monotonic() + 10
+    while (not sending or not recving) and time.monotonic() < deadline:
+        sending |= prefill.get_finished()[0] or set()
+        got = decode.get_finished()[1] or set()
+        assert not (got & recving), "reported twice"
+        recving |= got
+        assert decode.get_block_ids_with_load_errors() == set()
+    assert (sending, recving) == ({"p-req"}, {"d-req"})
+    for name in pc:
+        assert torch.equal(dc[name][3], pc[name][9]) and torch.equal(dc[name][11], pc[name][2])
+    time.sleep(0.05)
+    assert prefill.get_finished() == (None, None)
+    assert decode.get_finished() == (None, None)
+
+
+def test_failed_pull_reports_finished_and_its_blocks_in_the_same_step(pair, free_port) -> None:
+    _, _, decode, _ = pair
+    dead = f"127.0.0.1:{free_port()}"
+    decode.handle_metadata(_meta(1, loads=[LoadSpec("d-req", "gw.2", dead, (0, 1), (4, 6), 8)]))
+    start = time.monotonic()
+    recving = _until(lambda: decode.get_finished()[1])
+    assert recving == {"d-req"}
+    assert decode.get_block_ids_with_load_errors() == {4, 6}
+    assert decode.get_block_ids_with_load_errors() == set()
+    assert time.monotonic() - start < 5.0  # well inside the pull timeout
+    assert decode.puller.history[-1].ok is False
+
+
+def test_pull_of_unknown_transfer_fails_cleanly(pair) -> None:
+    prefill, _, decode, dc = pair
+    endpoint = f"127.0.0.1:{prefill.port}"
+    decode.handle_metadata(_meta(1, loads=[LoadSpec("d", "never-issued", endpoint, (0,), (2,), 4)]))
+    assert _until(lambda: decode.get_finished()[1]) == {"d"}
+    assert decode.get_block_ids_with_load_errors() == {2}
+    assert not any(c.any() for c in dc.values())
+
+
+def test_release_frees_prefill_without_a_pull(pair) -> None:
+    prefill, _, decode, _ = pair
+    endpoint = f"127.0.0.1:{prefill.port}"
+    prefill.handle_metadata(_meta(1, holds=[HoldSpec("p-req", "gw.3", (1,), 60.0)]))
+    decode.handle_metadata(_meta(1, releases=[ReleaseSpec("gw.3", endpoint, "not needed")]))
+    assert _until(lambda: prefill.get_finished()[0]) == {"p-req"}
+    assert prefill.holds.ended["gw.3"] == "aborted: not needed"
+
+
+def test_same_step_metadata_is_acted_on_once(pair) -> None:
+    prefill, _, _, _ = pair
+    meta = _meta(5, holds=[HoldSpec("p-req", "gw.4", (1,), 0.05)])
+    prefill.handle_metadata(meta)
+    prefill.handle_metadata(meta)  # vLLM may bind the same step's metadata twice
+    assert _until(lambda: prefill.get_finished()[0]) == {"p-req"}  # hold timed out
+    time.sleep(0.1)
+    assert prefill.get_finished() == (None, None)
+
+
+def test_worker_without_kv_caches_fails_loads_instead_of_hanging() -> None:
+    config = ConnectorConfig.model_validate({"pull_timeout_s": 2.0})
+    side = WorkerSide(config, LAYOUT, instance_id="d")  # register_kv_caches never called
+    try:
+        side.handle_metadata(_meta(1, loads=[LoadSpec("r", "t", "127.0.0.1:1", (0,), (1,), 4)]))
+        assert _until(lambda: side.get_finished()[1]) == {"r"}
+        assert side.get_block_ids_with_load_errors() == {1}
+    finally:
+        side.shutdown()
+
+
+def test_get_finished_is_cheap_when_idle(pair) -> None:
+    prefill, _, decode, _ = pair
+    for i in range(50):
+        prefill.holds.add(f"r{i}", f"t{i}", [1], 600)
+    n = 20_000
+    start = time.perf_counter()
+    for _ in range(n):
+        prefill.get_finished()
+        decode.get_finished()
+        decode.get_block_ids_with_load_errors()
+    per_step_us = (time.perf_counter() - start) / n * 1e6
+    assert per_step_us < 50, per_step_us
