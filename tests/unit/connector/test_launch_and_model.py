@@ -1,0 +1,69 @@
+"""The vLLM CPU launcher's command line and the tiny model builder (no vLLM server started)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pdplane.launch.vllm_cpu import LEAN_ENV, VllmCpuInstance, VllmCpuOptions
+from pdplane.models.tiny import build_tiny_model
+
+
+def _flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+def test_connector_instance_command_carries_role_and_settings(tmp_path: Path) -> None:
+    inst = VllmCpuInstance(
+        VllmCpuOptions(
+            model=tmp_path,
+            port=8101,
+            role="kv_consumer",
+            kv_port=50101,
+            registry="127.0.0.1:50051",
+            token="tok",
+            transfer_timeout_s=9,
+            kv_load_failure_policy="recompute",
+            omp_threads_bind="1",
+        ),
+        tmp_path / "d.log",
+        base_env={"PATH": "/usr/bin"},
+    )
+    argv = inst.command()
+    assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    assert _flag(argv, "--dtype") == "float32" and "--enforce-eager" in argv
+    assert _flag(argv, "--num-gpu-blocks-override") == "64"
+    kv = json.loads(_flag(argv, "--kv-transfer-config"))
+    assert kv["kv_connector"] == "PdPlaneConnector"
+    assert kv["kv_connector_module_path"] == "pdplane.connector"
+    assert kv["kv_role"] == "kv_consumer" and kv["kv_load_failure_policy"] == "recompute"
+    extra = kv["kv_connector_extra_config"]
+    assert extra["url"] == "http://127.0.0.1:8101" and extra["kv_port"] == 50101
+    assert extra["registry"] == "127.0.0.1:50051" and extra["token"] == "tok"
+    assert extra["transfer_timeout_s"] == 9
+    env = inst.env()
+    assert env["PATH"] == "/usr/bin" and env["VLLM_CPU_OMP_THREADS_BIND"] == "1"
+    assert all(env[k] == v for k, v in LEAN_ENV.items())
+    assert inst.kv_endpoint == "127.0.0.1:50101" and inst.url == "http://127.0.0.1:8101"
+
+
+def test_plain_instance_has_no_connector(tmp_path: Path) -> None:
+    inst = VllmCpuInstance(VllmCpuOptions(model=tmp_path, port=8102), tmp_path / "p.log")
+    assert "--kv-transfer-config" not in inst.command()
+    assert inst.kv_endpoint is None
+
+
+def test_tiny_model_is_built_once_and_has_a_chat_template(tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    first = build_tiny_model(tmp_path)
+    mtime = (first / "model.safetensors").stat().st_mtime_ns
+    assert build_tiny_model(tmp_path) == first
+    assert (first / "model.safetensors").stat().st_mtime_ns == mtime  # cached, not rebuilt
+    tok = AutoTokenizer.from_pretrained(first)
+    chat = tok.apply_chat_template(
+        [{"role": "user", "content": "hold the block"}], tokenize=False, add_generation_prompt=True
+    )
+    assert chat == "<s><|user|>hold the block</s><|assistant|>"
+    assert tok.decode(tok("the quick red river")["input_ids"]) == "the quick red river"
+    assert not list(tmp_path.glob(".tiny-build-*"))  # no temporary directory left behind
