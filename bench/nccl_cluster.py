@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import signal
 import subprocess
 import sys
 import threading
@@ -72,6 +73,9 @@ class NodeProcess:
         try:
             return self._answers.get(timeout=timeout)
         except queue.Empty:
+            if self.proc.poll() is None:  # write every thread's stack to the node's log
+                self.proc.send_signal(signal.SIGUSR1)
+                time.sleep(1.0)
             raise NodeError(f"{self.instance_id}: no answer within {timeout} s") from None
 
     def send(self, op: str, **args: Any) -> None:

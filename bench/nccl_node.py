@@ -21,7 +21,10 @@ Run with distinct NCCL_HOSTID per process when two share one GPU.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
+import logging
+import signal
 import statistics
 import sys
 import threading
@@ -261,6 +264,10 @@ def main() -> int:
     p.add_argument("--push-gpu-bytes", type=int, default=64 << 20)
     p.add_argument("--push-host-bytes", type=int, default=64 << 20)
     args = p.parse_args()
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(threadName)s %(name)s %(levelname)s %(message)s"
+    )
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # stacks on demand (cluster.py)
     node = Node(args)
     emit({"port": node.port})
     for line in sys.stdin:

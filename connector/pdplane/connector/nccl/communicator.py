@@ -52,6 +52,10 @@ class P2pOp:
     nbytes: int
 
 
+#: bound on each of the two waits of an abort (NCCL's own call, then the stream's kernels) (s)
+ABORT_WAIT_S = 2.0
+
+
 def _sleep_backoff(started: float) -> None:
     # Spin briefly (transfers often finish within a millisecond), then yield the CPU.
     elapsed = time.monotonic() - started
@@ -77,6 +81,7 @@ class NcclCommunicator:
         self.state = CommState.INITIALIZING
         self.lock = threading.Lock()  #: held by the owner for one whole transfer
         self.created_at = time.monotonic()
+        self.abort_wait_s = ABORT_WAIT_S
         with torch.cuda.device(device):
             self.stream: torch.cuda.Stream = torch.cuda.Stream(device=device)
         self._state_lock = threading.Lock()
@@ -172,23 +177,51 @@ class NcclCommunicator:
                 raise NcclTimeoutError(f"{self.label}: {what} timed out; communicator aborted")
             _sleep_backoff(started)
 
-    def _drain(self) -> None:
-        # After ncclCommAbort the stuck kernels exit; wait for them so that no buffer the
-        # stream still uses is handed back to the caching allocator.
-        try:
-            self.stream.synchronize()
-        except RuntimeError as exc:  # a sticky CUDA error: nothing more to wait for
-            logger.warning("%s: stream sync after abort: %s", self.label, exc)
+    def _drain(self, timeout_s: float) -> bool:
+        # After ncclCommAbort the stuck kernels exit; wait (bounded) for them so that no buffer
+        # the stream still uses is handed back to the caching allocator.
+        import torch
+
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        deadline = time.monotonic() + timeout_s
+        started = time.monotonic()
+        while not event.query():
+            if time.monotonic() >= deadline:
+                return False
+            _sleep_backoff(started)
+        return True
 
     def abort(self, reason: str) -> None:
-        """ncclCommAbort (idempotent, never raises): stops in-flight kernels, frees the comm."""
+        """ncclCommAbort (idempotent, never raises, bounded): stops in-flight kernels and frees
+        the communicator. Waits at most `abort_wait_s` for NCCL and again for the kernels on
+        the stream to stop; past that it logs an error and returns (the call is left running
+        on a daemon thread), so a misbehaving peer can never hang the caller."""
         with self._state_lock:
             if self.state in (CommState.ABORTED, CommState.CLOSED):
                 return
             self.state = CommState.ABORTED
         logger.warning("aborting NCCL communicator %s: %s", self.label, reason)
-        self._lib.comm_abort(self._handle)
-        self._drain()
+        t0 = time.monotonic()
+        done = threading.Event()
+
+        def run() -> None:
+            self._lib.comm_abort(self._handle)
+            done.set()
+
+        threading.Thread(target=run, name=f"nccl-abort-{self.label}", daemon=True).start()
+        if not done.wait(self.abort_wait_s):
+            logger.error(
+                "ncclCommAbort of %s still running after %.1f s", self.label, self.abort_wait_s
+            )
+        elif not self._drain(self.abort_wait_s):
+            logger.error(
+                "kernels of %s still running %.1f s after ncclCommAbort",
+                self.label,
+                self.abort_wait_s,
+            )
+        else:
+            logger.info("NCCL communicator %s aborted in %.3f s", self.label, time.monotonic() - t0)
 
     def close(self) -> None:
         """Releases the communicator. Work already finished, so ncclCommAbort is safe and,

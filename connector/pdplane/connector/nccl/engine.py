@@ -33,11 +33,14 @@ from pdplane.v1 import kv_transfer_pb2
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["NcclEngine", "NcclTransferError", "PullTiming"]
+__all__ = ["ACCEPTED_METADATA", "NcclEngine", "NcclTransferError", "PullTiming"]
 
 logger = logging.getLogger(__name__)
 
 _WARMUP_BYTES = 4
+
+#: initial metadata of SendBlocksNccl: the sender accepted the request and is about to send
+ACCEPTED_METADATA = ("pdplane-nccl", "sending")
 
 
 class NcclTransferError(RuntimeError):
@@ -121,20 +124,20 @@ class NcclEngine:
             old.abort("replaced by a new communicator")
 
     def _drop(self, key: str, comm: NcclCommunicator, reason: str) -> None:
-        comm.abort(reason)
         with self._lock:
             if self._comms.get(key) is comm:
                 del self._comms[key]
                 self.retired.append((key, comm))
+        comm.abort(reason)
 
     def drop_peer_comm(self, comm: NcclCommunicator, reason: str) -> None:
         """Aborts `comm` and forgets it (after a failed transfer on it)."""
-        comm.abort(reason)
         with self._lock:
             for key, cached in list(self._comms.items()):
                 if cached is comm:
                     del self._comms[key]
                     self.retired.append((key, comm))
+        comm.abort(reason)
 
     def drop_peer(self, peer: str) -> int:
         """Aborts and forgets every communicator with `peer` (it left the registry or
@@ -247,10 +250,16 @@ class NcclEngine:
         return Strategy.GATHER, int(plan.chunk_bytes) or self.chunk_bytes, []
 
     def serve_send(
-        self, block_ids: Sequence[int], request: kv_transfer_pb2.PullBlocksRequest, deadline: float
+        self,
+        block_ids: Sequence[int],
+        request: kv_transfer_pb2.PullBlocksRequest,
+        deadline: float,
+        accepted: Callable[[], None] = lambda: None,
     ) -> int:
         """Serves `SendBlocksNccl`: sends `block_ids` (this worker's ids, in the requested
         order) to the requester and waits until the sends completed. Returns bytes sent.
+        `accepted()` is called once the request is valid, right before the first send (the
+        gRPC layer sends the initial metadata the receiver waits for, see `pull`).
 
         Raises NcclTransferError: FAILED_PRECONDITION (no communicator), INVALID_ARGUMENT
         (plan or ids do not fit), DEADLINE_EXCEEDED / ABORTED (communicator aborted)."""
@@ -262,8 +271,10 @@ class NcclEngine:
             )
         try:
             strategy, chunk_bytes, runs = self._plan_args(request.nccl_plan, block_ids)
+            self.mover.check_ids(block_ids)
         except ValueError as exc:
             raise NcclTransferError(str(exc), grpc.StatusCode.INVALID_ARGUMENT) from None
+        accepted()
         return self._run(
             comm,
             _key(request.requester_id, request.tp_rank),
@@ -362,6 +373,23 @@ class NcclEngine:
         strategy, chunk_bytes, runs = self._plan_args(plan, local_ids)
         with comm.lock:
             future = send(request, max(deadline - time.monotonic(), 0.001))
+            # Post receives only once the sender accepted the request (its initial metadata):
+            # NCCL cannot cancel a posted receive, so a refused request (unknown transfer, bad
+            # indices) must fail before, or it would cost the communicator.
+            if ACCEPTED_METADATA not in (future.initial_metadata() or ()):
+                try:
+                    future.result(timeout=max(deadline - time.monotonic(), 0.001))
+                except grpc.RpcError as exc:
+                    raise NcclTransferError(
+                        f"SendBlocksNccl on {peer}: {exc.code().name}: {exc.details()}",
+                        exc.code(),
+                    ) from None
+                except grpc.FutureTimeoutError:
+                    future.cancel()
+                raise NcclTransferError(
+                    f"SendBlocksNccl on {peer} did not accept the request",
+                    grpc.StatusCode.UNAVAILABLE,
+                )
             try:
                 timing.nbytes = self.mover.enqueue(
                     comm, False, local_ids, strategy, deadline, chunk_bytes, runs

@@ -22,7 +22,12 @@ import grpc
 
 from pdplane.connector.kv_cache import KvCacheView
 from pdplane.connector.nccl.blocks import layer_byte_view
-from pdplane.connector.nccl.engine import NcclEngine, NcclTransferError, PullTiming
+from pdplane.connector.nccl.engine import (
+    ACCEPTED_METADATA,
+    NcclEngine,
+    NcclTransferError,
+    PullTiming,
+)
 from pdplane.connector.nccl.plan import DEFAULT_CHUNK_BYTES, Strategy
 from pdplane.connector.nccl.push import PushReceiver, PushSession
 from pdplane.connector.transports.base import KvTransport, Peer, PullRequest, TransferError
@@ -149,7 +154,12 @@ class NcclTransport(KvTransport):
         context: grpc.ServicerContext,
     ) -> kv_transfer_pb2.SendBlocksNcclResponse:
         try:
-            sent = self.engine.serve_send(block_ids, request, self._deadline(context))
+            sent = self.engine.serve_send(
+                block_ids,
+                request,
+                self._deadline(context),
+                lambda: context.send_initial_metadata((ACCEPTED_METADATA,)),
+            )
         except NcclTransferError as exc:
             context.abort(exc.code, str(exc))
         return kv_transfer_pb2.SendBlocksNcclResponse(bytes_sent=sent)
