@@ -7,8 +7,11 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from starlette.exceptions import HTTPException
 
+from pdplane.gateway.errors import error_body
 from pdplane.gateway.fleet import FleetTracker, FleetView
 from pdplane.gateway.kv_abort import KvAborter
 from pdplane.gateway.metrics import GatewayMetrics
@@ -82,6 +85,18 @@ def create_app(
 
     app = FastAPI(title="pdplane gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.include_router(build_router(relay, fleet, metrics, settings.api_keys()))
+    app.add_exception_handler(HTTPException, _http_error)
     app.state.relay = relay
     app.state.metrics = metrics
     return app
+
+
+async def _http_error(_request: Request, exc: Exception) -> Response:
+    # Unknown paths and wrong methods answer in the OpenAI error shape like everything else.
+    assert isinstance(exc, HTTPException)
+    return Response(
+        error_body(exc.status_code, str(exc.detail)),
+        exc.status_code,
+        headers=exc.headers,
+        media_type="application/json",
+    )

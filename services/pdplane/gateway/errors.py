@@ -24,6 +24,7 @@ _TYPES = {
     400: "BadRequestError",
     401: "AuthenticationError",
     404: "NotFoundError",
+    405: "MethodNotAllowedError",
     502: "BadGatewayError",
     503: "ServiceUnavailableError",
     504: "GatewayTimeoutError",
@@ -34,7 +35,7 @@ def error_body(status: int, message: str, param: str | None = None) -> bytes:
     """The JSON bytes of an OpenAI-style error for HTTP `status`."""
     err = {
         "message": message,
-        "type": _TYPES.get(status, "InternalServerError"),
+        "type": _TYPES.get(status, "BadRequestError" if status < 500 else "InternalServerError"),
         "param": param,
         "code": status,
     }

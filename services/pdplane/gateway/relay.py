@@ -177,6 +177,11 @@ class Relay:
                 routing_key=req.routing_key,
                 exclude_instance_ids=excluded,
             )
+        except asyncio.CancelledError:
+            # The scheduler may have counted the request before the client left; an unknown id
+            # is harmless to Release.
+            self.spawn(self.release(request_id, "cancelled"))
+            raise
         except SchedulerUnavailable as exc:
             if last is not None:
                 raise last.error from None  # no other pair: the failure is the answer

@@ -13,7 +13,14 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pdplane.gateway.asgi import DisconnectWatch, SSEResponse
-from pdplane.gateway.errors import GatewayError, UpstreamReply, not_found, unauthorized, unavailable
+from pdplane.gateway.errors import (
+    GatewayError,
+    UpstreamReply,
+    bad_request,
+    not_found,
+    unauthorized,
+    unavailable,
+)
 from pdplane.gateway.fleet import FleetView
 from pdplane.gateway.metrics import GatewayMetrics
 from pdplane.gateway.relay import JsonReply, Relay
@@ -22,6 +29,8 @@ from pdplane.gateway.validation import CHAT, COMPLETIONS, Endpoint, parse_reques
 __all__ = ["build_router"]
 
 _JSON = "application/json"
+#: Longest accepted client X-Request-Id (characters); it travels in headers and KV params.
+_MAX_REQUEST_ID = 256
 #: Status recorded for requests whose client went away before an answer (nginx's convention).
 _CLIENT_CLOSED = 499
 
@@ -50,6 +59,10 @@ def build_router(
     async def relay_endpoint(request: Request, endpoint: Endpoint) -> Response:
         started = time.perf_counter()
         request_id = request.headers.get("x-request-id") or f"pdp-{uuid.uuid4().hex}"
+        if len(request_id) > _MAX_REQUEST_ID:
+            request_id = f"pdp-{uuid.uuid4().hex}"
+            body = bad_request(f"X-Request-Id longer than {_MAX_REQUEST_ID} characters").body()
+            return Response(body, 400, headers={"x-request-id": request_id}, media_type=_JSON)
         headers = {"x-request-id": request_id}
         status = 500
         streaming = False

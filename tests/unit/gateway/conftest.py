@@ -22,8 +22,9 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 class FakeScheduler:
     """Answers Schedule with scripted pairs (or raises), records every call in `log`."""
 
-    def __init__(self, pairs: Iterable[tuple[str, str] | Exception]) -> None:
+    def __init__(self, pairs: Iterable[tuple[str, str] | Exception], delay_s: float = 0) -> None:
         self.pairs = list(pairs)
+        self.delay_s = delay_s
         self.log: list[tuple[str, Any]] = []
 
     async def schedule(
@@ -37,6 +38,7 @@ class FakeScheduler:
         exclude_instance_ids: Iterable[str] = (),
     ) -> scheduler_pb2.ScheduleResponse:
         self.log.append(("schedule", sorted(exclude_instance_ids)))
+        await asyncio.sleep(self.delay_s)
         nxt = self.pairs.pop(0)
         if isinstance(nxt, Exception):
             raise nxt

@@ -163,3 +163,35 @@ async def test_api_key_guards_v1_but_not_health(serve: Serve) -> None:
         r = await _post(url, {**BODY, "stream": True}, headers={"Authorization": "Bearer k2"})
         assert r.status_code == 200
     assert sched.log[0] == ("schedule", [])  # only the authorized request was scheduled
+
+
+async def test_client_leaving_during_schedule_still_releases(serve: Serve) -> None:
+    sched = FakeScheduler([(await serve(good_prefill), await serve(sse_decode))], delay_s=5)
+    with running_gateway(scheduler_port=sched, fleet=lambda: VIEW) as url:
+        with pytest.raises(httpx.ReadTimeout):
+            async with httpx.AsyncClient(timeout=0.3) as client:
+                await client.post(f"{url}/v1/completions", json=BODY)
+        for _ in range(100):
+            if sched.log[-1] == ("release", "cancelled"):
+                break
+            await asyncio.sleep(0.01)
+    assert sched.log == [("schedule", []), ("release", "cancelled")]
+
+
+async def test_unknown_paths_methods_and_huge_request_ids_get_openai_errors() -> None:
+    sched = FakeScheduler([])
+    with running_gateway(scheduler_port=sched, fleet=lambda: VIEW) as url:
+        async with httpx.AsyncClient() as client:
+            r = await client.get(f"{url}/v1/completions")
+            assert r.status_code == 405
+            assert r.json()["error"] == {
+                "message": "Method Not Allowed",
+                "type": "MethodNotAllowedError",
+                "param": None,
+                "code": 405,
+            }
+            r = await client.post(f"{url}/v1/nothing", json=BODY)
+            assert r.status_code == 404 and r.json()["error"]["code"] == 404
+        r = await _post(url, BODY, headers={"X-Request-Id": "x" * 257})
+        assert r.status_code == 400 and "X-Request-Id" in r.json()["error"]["message"]
+    assert sched.log == []
