@@ -198,7 +198,8 @@ def _ratios(cell: list[dict[str, Any]], floor: dict[int, dict[str, Any]]) -> lis
         return max((r["rps"] for r in rows_of(name) if r["errors"] == 0), default=math.nan)
 
     def cpu(name: str) -> float:
-        vals = [r["proxy_cpu_ms_per_req"] for r in rows_of(name) if r["ok"]]
+        # Windows with few completions (saturated 256-stream points) say little about cost.
+        vals = [r["proxy_cpu_ms_per_req"] for r in rows_of(name) if r["ok"] >= 50]
         return sum(vals) / len(vals) if vals else math.nan
 
     def added99(name: str, c: int) -> float:
