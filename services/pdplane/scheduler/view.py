@@ -67,6 +67,7 @@ class CandidateView:
         self._cache: dict[str, tuple[instance_pb2.Instance, Candidate]] = {}
         self._by_model: dict[str, tuple[Candidate, ...]] = {}
         self._uniform: set[str] = set()
+        self._position: dict[str, int] = {}  # instance id -> index in its model's group
 
     def mark_dirty(self, *_args: Any) -> None:
         """Forces a re-read on the next decision; usable directly as a watcher `on_change`."""
@@ -98,27 +99,74 @@ class CandidateView:
         with self._lock:
             self._dirty = False
             snapshot = self._source.snapshot()
-            cache: dict[str, tuple[instance_pb2.Instance, Candidate]] = {}
-            by_model: dict[str, list[Candidate]] = {}
-            for instance_id, instance in snapshot.items():
-                cached = self._cache.get(instance_id)
-                # Sources replace a changed instance's message and never mutate one, so the
-                # same message object means the same candidate (revisions may repeat across
-                # registry restarts; identity cannot).
-                if cached is not None and cached[0] is instance:
-                    candidate = cached[1]
-                else:
-                    candidate = Candidate.from_instance(instance)
-                cache[instance_id] = (instance, candidate)
-                by_model.setdefault(candidate.model, []).append(candidate)
-            self._cache = cache
-            self._by_model = {
-                model: tuple(sorted(group, key=_by_id)) for model, group in by_model.items()
-            }
-            self._uniform = {
-                model for model, group in by_model.items() if len({c.pair_key for c in group}) == 1
-            }
+            changed = self._changed(snapshot)
+            if changed is None or not self._patch(changed):
+                self._rebuild(snapshot)
             self._revision = revision
+
+    def _changed(
+        self, snapshot: Mapping[str, instance_pb2.Instance]
+    ) -> list[instance_pb2.Instance] | None:
+        """The instances whose message changed, or None when instances came or went."""
+        if len(snapshot) != len(self._cache):
+            return None
+        changed = []
+        for instance_id, instance in snapshot.items():
+            cached = self._cache.get(instance_id)
+            if cached is None:
+                return None
+            # Sources replace a changed instance's message and never mutate one, so the same
+            # message object means the same candidate (revisions may repeat across registry
+            # restarts; identity cannot).
+            if cached[0] is not instance:
+                changed.append(instance)
+        return changed
+
+    def _patch(self, changed: list[instance_pb2.Instance]) -> bool:
+        """Swaps load/state updates in place (the usual heartbeat case): no regrouping, no
+        sorting. False when a change moves an instance to another group or pair key."""
+        updates = []
+        for instance in changed:
+            candidate = Candidate.from_instance(instance)
+            old = self._cache[candidate.instance_id][1]
+            if candidate.model != old.model or candidate.pair_key != old.pair_key:
+                return False
+            updates.append((instance, candidate))
+        groups: dict[str, list[Candidate]] = {}
+        for instance, candidate in updates:
+            group = groups.get(candidate.model)
+            if group is None:
+                group = groups[candidate.model] = list(self._by_model[candidate.model])
+            group[self._position[candidate.instance_id]] = candidate
+            self._cache[candidate.instance_id] = (instance, candidate)
+        for model, group in groups.items():
+            self._by_model[model] = tuple(group)
+        return True
+
+    def _rebuild(self, snapshot: Mapping[str, instance_pb2.Instance]) -> None:
+        cache: dict[str, tuple[instance_pb2.Instance, Candidate]] = {}
+        by_model: dict[str, list[Candidate]] = {}
+        for instance_id, instance in snapshot.items():
+            cached = self._cache.get(instance_id)
+            candidate = (
+                cached[1]
+                if cached is not None and cached[0] is instance
+                else Candidate.from_instance(instance)
+            )
+            cache[instance_id] = (instance, candidate)
+            by_model.setdefault(candidate.model, []).append(candidate)
+        self._cache = cache
+        self._by_model = {
+            model: tuple(sorted(group, key=_by_id)) for model, group in by_model.items()
+        }
+        self._position = {
+            c.instance_id: index
+            for group in self._by_model.values()
+            for index, c in enumerate(group)
+        }
+        self._uniform = {
+            model for model, group in by_model.items() if len({c.pair_key for c in group}) == 1
+        }
 
 
 def _by_id(candidate: Candidate) -> str:

@@ -58,3 +58,26 @@ def test_knows_when_a_model_has_a_single_pair_key(
     view = CandidateView(source)
     view.candidates("m1")
     assert view.is_uniform("m1") and not view.is_uniform("m2")
+
+
+def test_updates_in_place_and_regroups_when_model_or_layout_change(
+    fake_source: type, make_instance: Callable[..., instance_pb2.Instance]
+) -> None:
+    source = fake_source(*(make_instance(i, model="m1") for i in ("a", "b", "c")))
+    view = CandidateView(source)
+    view.candidates("m1")
+    source.put(make_instance("b", model="m1", num_waiting=3))  # a heartbeat: patched in place
+    assert [(c.instance_id, c.num_waiting) for c in view.candidates("m1")] == [
+        ("a", 0),
+        ("b", 3),
+        ("c", 0),
+    ]
+    source.put(make_instance("c", model="m1", dtype="bfloat16"))  # new layout: regrouped
+    view.candidates("m1")
+    assert not view.is_uniform("m1")
+    source.put(make_instance("a", model="m2"))  # moved to another model
+    assert [c.instance_id for c in view.candidates("m1")] == ["b", "c"]
+    assert [c.instance_id for c in view.candidates("m2")] == ["a"]
+    source.put(make_instance("d", model="m2"), make_instance("b", model="m1", num_running=1))
+    assert [c.instance_id for c in view.candidates("m2")] == ["a", "d"]
+    assert view.candidates("m1")[0].num_running == 1
