@@ -110,14 +110,10 @@ class CompletionRoutes:
             loop = asyncio.get_running_loop()
             started = loop.time()
             await self._prefill_or_pull(req, intent, record)
-            failed = isinstance(record.kv, dict) and str(record.kv.get("result", "")).startswith(
-                "failed"
-            )
-            if failed and c.kv_load_failure_policy == "fail":
+            result = str(record.kv.get("result", "")) if record.kv else ""
+            if result.startswith("failed") and c.kv_load_failure_policy == "fail":
                 return error_response(
-                    SimApiError(
-                        500, f"KV load failed: {record.kv['result']}", "InternalServerError"
-                    )
+                    SimApiError(500, f"KV load failed: {result}", "InternalServerError")
                 )
             first_at = loop.time()
             s.metrics.ttft.observe(first_at - started)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,11 +86,33 @@ class TransferTable:
             self.release(transfer_id, reason)
 
 
+_NO_BYTES = "the simulator holds no KV bytes: only CompleteTransfer and AbortTransfer are served"
+
+
 class TransferServicer(kv_transfer_pb2_grpc.KvTransferServicer):
-    """CompleteTransfer and AbortTransfer over the table; the data RPCs stay UNIMPLEMENTED."""
+    """CompleteTransfer and AbortTransfer over the table; the data RPCs answer UNIMPLEMENTED."""
 
     def __init__(self, table: TransferTable) -> None:
         self._table = table
+
+    async def PullBlocks(
+        self, request: Any, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[kv_transfer_pb2.KvChunk]:
+        """UNIMPLEMENTED: there are no bytes to stream."""
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, _NO_BYTES)
+        yield kv_transfer_pb2.KvChunk()  # never reached: abort raises
+
+    async def SendBlocksNccl(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        """UNIMPLEMENTED: there are no bytes to send."""
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, _NO_BYTES)
+
+    async def NcclConnect(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        """UNIMPLEMENTED: the simulator has no NCCL."""
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, _NO_BYTES)
+
+    async def NcclPushBegin(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        """UNIMPLEMENTED: the simulator has no NCCL."""
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, _NO_BYTES)
 
     async def CompleteTransfer(
         self, request: kv_transfer_pb2.CompleteTransferRequest, context: grpc.aio.ServicerContext

@@ -147,3 +147,12 @@ def test_invalid_decode_params_are_400(kv: dict) -> None:
         r = httpx.post(sims.urls[0] + "/v1/completions", json={**PROMPT, "kv_transfer_params": kv})
         assert r.status_code == 400
         assert r.json()["error"]["param"] == "kv_transfer_params"
+
+
+def test_data_rpcs_answer_unimplemented_with_a_reason() -> None:
+    with running_sims("prefill") as sims, grpc.insecure_channel(sims[0].kv_endpoint) as channel:
+        stub = kv_transfer_pb2_grpc.KvTransferStub(channel)
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.PullBlocks(kv_transfer_pb2.PullBlocksRequest(transfer_id="x"), timeout=5))
+        assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        assert "no KV bytes" in (err.value.details() or "")
