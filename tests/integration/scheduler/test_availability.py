@@ -96,3 +96,23 @@ async def test_serves_from_the_last_view_while_the_registry_restarts(
         wait_for(sees(server, "p0", "d0"), timeout=10, what="instances re-registered")
         response = await client.schedule("after", "tiny", 10)
         assert (response.prefill.instance_id, response.decode.instance_id) == ("p0", "d0")
+
+
+async def test_starts_before_the_registry_and_serves_once_it_appears(
+    free_port: Callable[[], int], client_factory: Callable[..., SchedulerClient]
+) -> None:
+    registry = f"127.0.0.1:{free_port()}"
+    with running_scheduler_server(registry, registry_wait_s=0.2) as server:
+        client = client_factory(server.address)
+        with pytest.raises(SchedulerUnavailable, match="none registered"):
+            await client.schedule("r1", "tiny", 10)
+        port = int(registry.rsplit(":", 1)[1])
+        with running_registry(port, lease_ttl_ms=1000, heartbeat_interval_ms=100) as address:
+            fleet = Fleet(address)
+            try:
+                fleet.add("p0", "prefill")
+                fleet.add("d0", "decode")
+                wait_for(sees(server, "p0", "d0"), timeout=10, what="the late registry's view")
+                assert (await client.schedule("r1", "tiny", 10)).prefill.instance_id == "p0"
+            finally:
+                fleet.close()
