@@ -64,9 +64,13 @@ class PdPlaneConnector(KVConnectorBase_V1):
     ) -> None:
         setup_connector_logging()
         try:
-            super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+            super().__init__(
+                vllm_config=vllm_config,
+                role=role,
+                kv_cache_config=kv_cache_config,  # type: ignore[arg-type]
+            )
         except TypeError:  # vLLM versions without kv_cache_config
-            super().__init__(vllm_config=vllm_config, role=role)
+            super().__init__(vllm_config=vllm_config, role=role)  # type: ignore[call-arg]
         transfer_config = vllm_config.kv_transfer_config
         self.config = ConnectorConfig.from_extra_config(
             getattr(transfer_config, "kv_connector_extra_config", None)

@@ -138,6 +138,11 @@ class KvTransferServicer(kv_transfer_pb2_grpc.KvTransferServicer):
     ) -> kv_transfer_pb2.NcclConnectResponse:
         return self._transport.serve_nccl_connect(request, context)
 
+    def NcclPushBegin(
+        self, request: kv_transfer_pb2.NcclPushBeginRequest, context: grpc.ServicerContext
+    ) -> kv_transfer_pb2.NcclPushBeginResponse:
+        return self._transport.serve_nccl_push_begin(request, context)
+
 
 def start_kv_server(
     servicer: KvTransferServicer,

@@ -109,7 +109,6 @@ def _build(out: Path) -> None:
         **MODEL_CONFIG,
         bos_token_id=fast.bos_token_id,
         eos_token_id=fast.eos_token_id,
-        torch_dtype="float32",
     )
     model = LlamaForCausalLM(config)
     model.save_pretrained(out, safe_serialization=True)

@@ -168,6 +168,14 @@ class KvTransport(ABC):
         context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{self.name} transport has no NCCL")
         raise AssertionError("unreachable")
 
+    def serve_nccl_push_begin(
+        self, request: kv_transfer_pb2.NcclPushBeginRequest, context: grpc.ServicerContext
+    ) -> kv_transfer_pb2.NcclPushBeginResponse:
+        """NCCL push mode: reserves room for the announced transfers and posts the receives.
+        Default: UNIMPLEMENTED."""
+        context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{self.name} transport has no NCCL push")
+        raise AssertionError("unreachable")
+
     def peer_gone(self, peer_id: str) -> None:  # noqa: B027 - optional hook
         """A peer instance left the registry: drop what is cached for it (e.g. communicators)."""
 
