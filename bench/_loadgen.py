@@ -65,6 +65,8 @@ class LoadResult:
     latencies_ms: list[float] = field(default_factory=list)
     ttfts_ms: list[float] = field(default_factory=list)
     first_error: str = ""
+    #: slowest request seen, measured or not (sizes the next window) (ms).
+    max_latency_ms: float = 0.0
 
     @property
     def rps(self) -> float:
@@ -153,6 +155,7 @@ async def run_load(
                         result.first_error = result.first_error or repr(exc)[:300]
                     continue
                 ended = loop.time()
+                result.max_latency_ms = max(result.max_latency_ms, latency)
                 if measure_from <= ended <= stop_at:
                     result.ok += 1
                     if started >= measure_from:

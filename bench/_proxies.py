@@ -55,6 +55,10 @@ class ProxyRun:
     def cpu_ms(self) -> float:
         return sum(p.cpu_ms() for p in self.procs)
 
+    def cpu_split(self) -> dict[str, float]:
+        """CPU time (ms) so far per process name (pdplane: gateway and scheduler apart)."""
+        return {p.name: p.cpu_ms() for p in self.procs}
+
     def stop(self) -> None:
         for p in reversed(self.procs):
             p.stop()

@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench._loadgen import run_load  # noqa: E402
+from bench._loadgen import percentile, run_load  # noqa: E402
 from bench._procs import Proc, free_port, spawn  # noqa: E402
 from bench._proxies import Fleet, install_hint, start_proxy  # noqa: E402
 
@@ -81,35 +81,40 @@ def _start_sims(
 
 def _measure(run: Any, args: argparse.Namespace, concurrency: int) -> dict[str, Any]:
     url = run.url + "/v1/chat/completions"
-    # Warm-up at this concurrency (connections, caches), not counted.
-    asyncio.run(
+    # Warm-up at this concurrency (connections, caches), not counted; it also sizes the
+    # window: at least `--duration` and 5 slowest-request times, so that saturated points
+    # still complete enough requests to be measured.
+    warm = asyncio.run(
         run_load(
             url, concurrency=concurrency, duration_s=0.3, warmup_s=0.0, max_tokens=args.max_tokens
         )
     )
-    cpu0, t0 = run.cpu_ms(), time.perf_counter()
+    duration = max(args.duration, min(5 * warm.max_latency_ms / 1000, 4 * args.duration))
+    split0, t0 = run.cpu_split(), time.perf_counter()
     result = asyncio.run(
         run_load(
             url,
             concurrency=concurrency,
-            duration_s=args.duration,
+            duration_s=duration,
             warmup_s=0.0,
             max_tokens=args.max_tokens,
         )
     )
-    cpu = run.cpu_ms() - cpu0
+    split = {k: v - split0[k] for k, v in run.cpu_split().items()}
+    cpu = sum(split.values())
+    per_req = {k: round(v / result.ok, 3) for k, v in split.items()} if result.ok else {}
     return {
         "concurrency": concurrency,
+        "duration_s": round(duration, 2),
         "ok": result.ok,
         "errors": result.errors,
         "first_error": result.first_error,
         "rps": round(result.rps, 1),
         "p50_ms": round(result.p(50), 2),
         "p99_ms": round(result.p(99), 2),
-        "ttft_p50_ms": round(sorted(result.ttfts_ms)[len(result.ttfts_ms) // 2], 2)
-        if result.ttfts_ms
-        else math.nan,
+        "ttft_p50_ms": round(percentile(result.ttfts_ms, 50), 2),
         "proxy_cpu_ms_per_req": round(cpu / result.ok, 3) if result.ok and run.procs else 0.0,
+        "cpu_ms_per_req_by_process": per_req,
         "wall_s": round(time.perf_counter() - t0, 2),
     }
 
@@ -160,6 +165,15 @@ def _fmt(v: float) -> str:
     return "n/a" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:g}"
 
 
+def _cpu_cell(row: dict[str, Any]) -> str:
+    split = row.get("cpu_ms_per_req_by_process") or {}
+    total = f"{row['proxy_cpu_ms_per_req']}"
+    if len(split) < 2:
+        return total
+    parts = " + ".join(f"{k.split('-')[1]} {v}" for k, v in split.items())
+    return f"{total} ({parts})"
+
+
 def report(rows: list[dict[str, Any]]) -> str:
     """Markdown tables: per cell, per proxy and concurrency; then the ratios against the peers."""
     out: list[str] = []
@@ -182,7 +196,7 @@ def report(rows: list[dict[str, Any]]) -> str:
             add99 = r["p99_ms"] - f["p99_ms"] if f else math.nan
             out.append(
                 f"| {r['proxy']} | {r['concurrency']} | {r['rps']} | {r['p50_ms']} | "
-                f"{r['p99_ms']} | {add50:.2f} | {add99:.2f} | {r['proxy_cpu_ms_per_req']} | "
+                f"{r['p99_ms']} | {add50:.2f} | {add99:.2f} | {_cpu_cell(r)} | "
                 f"{r['errors']} |"
             )
         out.append("")

@@ -86,18 +86,22 @@ class RunningSims:
 
 
 def _configs(
-    roles: Sequence[SimRole] | SimRole, configs: Sequence[SimConfig] | None, knobs: dict[str, Any]
+    roles: Sequence[str] | str, configs: Sequence[SimConfig] | None, knobs: dict[str, Any]
 ) -> list[SimConfig]:
     if configs is not None:
         return list(configs)
     role_list = [roles] if isinstance(roles, str) else list(roles)
     base = SimConfig(**knobs)
-    return [dataclasses.replace(base, role=r, labels=dict(base.labels)) for r in role_list]
+    # SimConfig validates each role (ValueError names a bad one).
+    return [
+        dataclasses.replace(base, role=r, labels=dict(base.labels))  # type: ignore[arg-type]
+        for r in role_list
+    ]
 
 
 @asynccontextmanager
 async def async_running_sims(
-    roles: Sequence[SimRole] | SimRole = ("prefill", "decode"),
+    roles: Sequence[str] | str = ("prefill", "decode"),
     *,
     configs: Sequence[SimConfig] | None = None,
     registry: str | None = None,
@@ -121,7 +125,7 @@ async def async_running_sims(
 
 @contextmanager
 def running_sims(
-    roles: Sequence[SimRole] | SimRole = ("prefill", "decode"),
+    roles: Sequence[str] | str = ("prefill", "decode"),
     *,
     configs: Sequence[SimConfig] | None = None,
     registry: str | None = None,
