@@ -184,9 +184,11 @@ def _run_one(flavour: str, n: int, args: argparse.Namespace) -> dict[str, Any]:
          "--flavour", flavour, "--log-level", "WARNING"],
     )  # fmt: skip
     generators: list[subprocess.Popen[str]] = []
+    watches: list[_WatchCounter] = []
     try:
         _wait_serving(address, 30)
-        watch = _WatchCounter(address)
+        watches += [_WatchCounter(address) for _ in range(args.watchers)]
+        watch = watches[0]
         share = -(-n // args.clients)
         for first in range(0, n, share):
             command = [sys.executable, __file__, "--generate", "--address", address]
@@ -197,7 +199,14 @@ def _run_one(flavour: str, n: int, args: argparse.Namespace) -> dict[str, Any]:
                 subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
             )
         for gen in generators:
-            assert gen.stdout is not None and gen.stdout.readline().strip() == "registered"
+            assert gen.stdout is not None
+            if gen.stdout.readline().strip() != "registered":
+                return {
+                    "flavour": flavour,
+                    "n": n,
+                    "watchers": args.watchers,
+                    "failed": "registration did not complete (see the generator's error)",
+                }
         start = time.time() + 0.5
         for gen in generators:
             assert gen.stdin is not None
@@ -209,8 +218,9 @@ def _run_one(flavour: str, n: int, args: argparse.Namespace) -> dict[str, Any]:
         cpu = _cpu_seconds(registry.pid) - cpu0
         events = watch.events - events0
         results = [json.loads(gen.communicate(timeout=120)[0]) for gen in generators]
-        watch.close()
     finally:
+        for w in watches:
+            w.close()
         for gen in generators:
             if gen.poll() is None:
                 gen.kill()
@@ -225,6 +235,7 @@ def _run_one(flavour: str, n: int, args: argparse.Namespace) -> dict[str, Any]:
     return {
         "flavour": flavour,
         "n": n,
+        "watchers": args.watchers,
         "target_hb_s": n,
         "achieved_hb_s": round(len(lat) / args.duration_s, 1),
         "p50_ms": round(_percentile(lat, 0.50), 2),
@@ -239,8 +250,11 @@ def _run_one(flavour: str, n: int, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _row(r: dict[str, Any]) -> str:
+    head = f"{r['flavour']:<5} {r['watchers']:>3} {r['n']:>6} "
+    if "failed" in r:
+        return head + "FAILED: " + r["failed"]
     return (
-        f"{r['flavour']:<5} {r['n']:>6} {r['achieved_hb_s']:>9}/{r['target_hb_s']:<6} "
+        head + f"{r['achieved_hb_s']:>9}/{r['target_hb_s']:<6} "
         f"{r['p50_ms']:>7} {r['p99_ms']:>8} {r['max_ms']:>8} {r['registry_cpu_pct']:>7} "
         f"{r['watch_events_s']:>9} {r['lost_instances']:>5} {r['generator_late_p99_ms']:>8} "
         f"{r['errors'] or ''}"
@@ -254,6 +268,7 @@ def main() -> int:
     parser.add_argument("--duration-s", type=float, default=10.0, help="heartbeat window (s)")
     parser.add_argument("--clients", type=int, default=2, help="load-generator processes")
     parser.add_argument("--static-load", action="store_true", help="unchanged load reports")
+    parser.add_argument("--watchers", type=int, default=1, help="open watch streams (>= 1)")
     parser.add_argument("--json", action="store_true", help="print one JSON object per run")
     parser.add_argument("--generate", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--address", help=argparse.SUPPRESS)
@@ -265,7 +280,7 @@ def main() -> int:
         return 0
     print(f"cores: {os.cpu_count()}, window {args.duration_s:.0f} s, {args.clients} generator(s)")
     print(
-        "flavour      N   hb/s achieved    p50ms    p99ms    maxms  cpu%1c  events/s  lost"
+        "flavour  W      N   hb/s achieved    p50ms    p99ms    maxms  cpu%1c  events/s  lost"
         "  late99ms errors"
     )
     for flavour in args.flavour.split(","):

@@ -177,8 +177,14 @@ class AioRegistryServicer(RegistryServicer):
         loop = asyncio.get_running_loop()
         wake = asyncio.Event()
 
+        loop_thread = threading.get_ident()
+
         def notify() -> None:
-            # Called from the store's writers (any thread); a closed loop just means shutdown.
+            # Called by the store's writers: RPCs on this loop (set directly, no self-pipe
+            # write) or the lease reaper's thread. A closed loop just means shutdown.
+            if threading.get_ident() == loop_thread:
+                wake.set()
+                return
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(wake.set)
 

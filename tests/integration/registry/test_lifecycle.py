@@ -36,10 +36,11 @@ def test_lease_lifecycle(flavour: str, recorder_factory: Callable[..., WatchReco
         assert listed.state == instance_pb2.INSTANCE_STATE_SERVING
 
         load = instance_pb2.LoadReport(num_running=3, kv_cache_usage=0.5, free_kv_blocks=7)
+        sent = time.monotonic()
         beat = stub.Heartbeat(
             registry_pb2.HeartbeatRequest(instance_id="p0", lease_id=reg.lease_id, load=load)
         )
-        last_beat = time.monotonic()
+        answered = time.monotonic()
         assert beat.state == instance_pb2.INSTANCE_STATE_SERVING
         got = stub.GetInstance(registry_pb2.GetInstanceRequest(instance_id="p0"))
         assert got.load == load
@@ -49,7 +50,9 @@ def test_lease_lifecycle(flavour: str, recorder_factory: Callable[..., WatchReco
         # No more heartbeats: the reaper must remove it within TTL + 1 s, not before the TTL.
         assert wait_until(lambda: watch.of_type(Ev.REMOVED), TTL_MS / 1000 + 1.0)
         removed_at = next(t for t, e in watch.events if e.type == Ev.REMOVED)
-        assert TTL_MS / 1000 * 0.95 <= removed_at - last_beat <= TTL_MS / 1000 + 1.0
+        # The lease was renewed between `sent` and `answered`: never removed before the TTL.
+        assert removed_at - sent >= TTL_MS / 1000
+        assert removed_at - answered <= TTL_MS / 1000 + 1.0
         (removed,) = watch.of_type(Ev.REMOVED)
         assert (removed.instance.spec.instance_id, removed.reason) == ("p0", "lease_expired")
         assert stub.ListInstances(registry_pb2.ListInstancesRequest()).instances == []
