@@ -11,6 +11,7 @@ import pytest
 from pdplane.registry.client import RegistrationClient
 from pdplane.scheduler.client import SchedulerClient
 from pdplane.scheduler.server import SchedulerServer
+from pdplane.scheduler.view import CandidateView
 from pdplane.v1 import instance_pb2
 from tests.integration.registry.conftest import tls_files  # noqa: F401 - shared fixture
 from tests.integration.registry.fixtures import make_spec, running_registry
@@ -109,10 +110,17 @@ async def client_factory() -> Any:
         await client.close()
 
 
+def view_of(server: SchedulerServer) -> CandidateView:
+    """The running scheduler's view of the registry."""
+    view = server.app.view
+    assert view is not None, "scheduler not started"
+    return view
+
+
 def sees(server: SchedulerServer, *ids: str, model: str = "tiny") -> Callable[[], bool]:
     """True once the scheduler's view holds exactly `ids` for `model`."""
 
     def check() -> bool:
-        return {c.instance_id for c in server.app.view.candidates(model)} == set(ids)
+        return {c.instance_id for c in view_of(server).candidates(model)} == set(ids)
 
     return check

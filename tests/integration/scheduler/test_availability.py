@@ -69,9 +69,9 @@ async def test_serves_from_the_last_view_while_the_registry_restarts(
     port = free_port()
     settings = {"lease_ttl_ms": 1000, "heartbeat_interval_ms": 100}
     with contextlib.ExitStack() as stack:
-        first = running_registry(port, **settings)
-        registry = first.__enter__()
-        stack.callback(lambda: first.__exit__(None, None, None) if first else None)
+        first = contextlib.ExitStack()  # the first registry's lifetime; close() is idempotent
+        stack.callback(first.close)
+        registry = first.enter_context(running_registry(port, **settings))
         fleet = Fleet(registry)
         stack.callback(fleet.close)
         fleet.add("p0", "prefill")
@@ -84,8 +84,7 @@ async def test_serves_from_the_last_view_while_the_registry_restarts(
         assert watcher is not None
         snapshots = watcher.snapshots
 
-        first.__exit__(None, None, None)
-        first = None
+        first.close()
         wait_for(lambda: watcher.reconnects > 0, what="the watcher to notice the registry is gone")
         for i in range(5):  # the last view keeps serving while the registry is down
             response = await client.schedule(f"down-{i}", "tiny", 10)

@@ -11,7 +11,7 @@ import pytest
 from pdplane.scheduler.client import SchedulerClient
 from pdplane.scheduler.server import SchedulerServer
 from pdplane.v1 import instance_pb2
-from tests.integration.scheduler.conftest import Fleet, sees, wait_for
+from tests.integration.scheduler.conftest import Fleet, sees, view_of, wait_for
 
 
 async def _burst(client: SchedulerClient, n: int, prefix: str) -> Counter[str]:
@@ -42,7 +42,7 @@ async def test_a_burst_of_100_spreads_over_decodes_by_load(
     wait_for(
         lambda: any(
             c.instance_id == "d0" and c.num_running == 50
-            for c in server.app.view.candidates("tiny")
+            for c in view_of(server).candidates("tiny")
         ),
         what="d0's load report",
     )

@@ -12,7 +12,7 @@ from pdplane.scheduler.client import SchedulerClient
 from pdplane.scheduler.server import SchedulerServer
 from pdplane.v1 import instance_pb2, registry_pb2, registry_pb2_grpc
 from tests.integration.registry.fixtures import make_spec
-from tests.integration.scheduler.conftest import Fleet, sees, wait_for
+from tests.integration.scheduler.conftest import Fleet, sees, view_of, wait_for
 
 POLICIES = ["round_robin", "random", "least_loaded", "power_of_two", "consistent_hash"]
 BF16 = instance_pb2.KvLayout(
@@ -92,7 +92,7 @@ async def test_draining_and_expired_instances_are_never_chosen(
     wait_for(
         lambda: (
             not any(
-                c.instance_id == "d-drain" and c.serving for c in server.app.view.candidates("tiny")
+                c.instance_id == "d-drain" and c.serving for c in view_of(server).candidates("tiny")
             )
         ),
         what="d-drain to be DRAINING in the view",

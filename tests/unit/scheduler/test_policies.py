@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import pytest
 
@@ -12,7 +12,7 @@ from pdplane.scheduler.policies import POLICIES, PickContext, make_policy
 
 
 def ctx(
-    loads: dict[str, float] | None = None,
+    loads: Mapping[str, float] | None = None,
     *,
     routing_key: str = "",
     prefix: Sequence[int] = (),
