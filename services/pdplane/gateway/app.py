@@ -11,6 +11,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 
+from pdplane.gateway.auth import ApiKeys
+from pdplane.gateway.endpoints import RelayEndpoints
 from pdplane.gateway.errors import error_body
 from pdplane.gateway.fleet import FleetTracker, FleetView
 from pdplane.gateway.kv_abort import KvAborter
@@ -84,8 +86,11 @@ def create_app(
                 await asyncio.to_thread(tracker.stop)
 
     app = FastAPI(title="pdplane gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
-    app.include_router(build_router(relay, fleet, metrics, settings.api_keys()))
+    keys = ApiKeys(settings.api_keys())
+    app.include_router(build_router(fleet, metrics, keys))
     app.add_exception_handler(HTTPException, _http_error)
+    # The relay endpoints sit in front of FastAPI's routing (see pdplane.gateway.endpoints).
+    app.add_middleware(RelayEndpoints, relay=relay, fleet=fleet, metrics=metrics, api_keys=keys)
     app.state.relay = relay
     app.state.metrics = metrics
     return app

@@ -1,0 +1,174 @@
+"""The relay endpoints, POST /v1/completions and /v1/chat/completions, as a lean ASGI layer.
+
+They are the gateway's hot path, so they are served here in front of FastAPI's routing and
+dependency machinery (which costs a measurable share of a request's CPU); every other path
+goes on to the FastAPI app.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+
+from starlette.responses import Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from pdplane.gateway.asgi import DisconnectWatch, SSEResponse
+from pdplane.gateway.auth import ApiKeys
+from pdplane.gateway.errors import (
+    GatewayError,
+    UpstreamReply,
+    bad_request,
+    error_body,
+    not_found,
+    unauthorized,
+    unavailable,
+)
+from pdplane.gateway.fleet import FleetView
+from pdplane.gateway.metrics import GatewayMetrics
+from pdplane.gateway.relay import JsonReply, Relay
+from pdplane.gateway.validation import CHAT, COMPLETIONS, Endpoint, parse_request
+
+__all__ = ["RelayEndpoints"]
+
+_JSON = "application/json"
+_ENDPOINTS: dict[str, Endpoint] = {COMPLETIONS: COMPLETIONS, CHAT: CHAT}
+#: Longest accepted client X-Request-Id (characters); it travels in headers and KV params.
+_MAX_REQUEST_ID = 256
+#: Largest accepted request body (bytes).
+_MAX_BODY = 64 * 1024 * 1024
+#: Status recorded for requests whose client went away before an answer (nginx's convention).
+_CLIENT_CLOSED = 499
+
+
+class _ClientGone(Exception):
+    """The client disconnected while its body was being read."""
+
+
+async def _read_body(receive: Receive) -> bytes:
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise _ClientGone
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > _MAX_BODY:
+            raise GatewayError(413, f"request body larger than {_MAX_BODY} bytes")
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def _headers(scope: Scope) -> tuple[bytes | None, str, str]:
+    """(authorization, x-request-id, x-routing-key) from the raw ASGI headers."""
+    auth, request_id, routing_key = None, "", ""
+    for key, value in scope["headers"]:
+        if key == b"authorization":
+            auth = value
+        elif key == b"x-request-id":
+            request_id = value.decode("latin-1")
+        elif key == b"x-routing-key":
+            routing_key = value.decode("latin-1")
+    return auth, request_id, routing_key
+
+
+class RelayEndpoints:
+    """ASGI middleware serving the relay endpoints; everything else goes to `app`.
+
+    Args:
+        app: the FastAPI app (other routes, lifespan).
+        relay: the prefill -> decode relay.
+        fleet: returns the current FleetView (model lookup: 404 for an unknown model).
+        metrics: request counters, in-flight gauge.
+        api_keys: accepted bearer tokens.
+    """
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        relay: Relay,
+        fleet: Callable[[], FleetView],
+        metrics: GatewayMetrics,
+        api_keys: ApiKeys,
+    ) -> None:
+        self.app = app
+        self.relay = relay
+        self.fleet = fleet
+        self.metrics = metrics
+        self.api_keys = api_keys
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        endpoint = _ENDPOINTS.get(scope["path"]) if scope["type"] == "http" else None
+        if endpoint is None:
+            await self.app(scope, receive, send)
+            return
+        if scope["method"] != "POST":
+            body = error_body(405, "Method Not Allowed")
+            response = Response(body, 405, headers={"allow": "POST"}, media_type=_JSON)
+        else:
+            response = await self._relay(endpoint, scope, receive)
+        await response(scope, receive, send)
+
+    async def _relay(self, endpoint: Endpoint, scope: Scope, receive: Receive) -> Response:
+        started = time.perf_counter()
+        metrics = self.metrics
+        auth, request_id, routing_key = _headers(scope)
+        if len(request_id) > _MAX_REQUEST_ID:
+            request_id = ""
+            error: GatewayError | None = bad_request(
+                f"X-Request-Id longer than {_MAX_REQUEST_ID} characters"
+            )
+        else:
+            error = None
+        request_id = request_id or f"pdp-{uuid.uuid4().hex}"
+        headers = {"x-request-id": request_id}
+        status = 500
+        streaming = False
+        watch: DisconnectWatch | None = None
+        metrics.inflight.inc()
+
+        def done() -> None:
+            metrics.requests.labels(endpoint, str(status)).inc()
+            metrics.inflight.dec()
+
+        try:
+            if error is not None:
+                raise error
+            if not self.api_keys.allows(auth):
+                raise unauthorized()
+            req = parse_request(endpoint, await _read_body(receive), routing_key)
+            view = self.fleet()
+            model = view.models.get(req.model)
+            if model is None:
+                if not view.ready:
+                    raise unavailable("registry not reachable yet; cannot resolve the model")
+                raise not_found(req.model)
+            watch = DisconnectWatch(receive)
+            answered, reply = await watch.run(
+                self.relay.handle(req, request_id, started, model.max_model_len)
+            )
+            if not answered or reply is None:
+                status = _CLIENT_CLOSED
+                return Response(status_code=_CLIENT_CLOSED, headers=headers)
+            if isinstance(reply, JsonReply):
+                status = reply.status
+                return Response(reply.body, status, headers=headers, media_type=reply.content_type)
+            status, streaming = 200, True
+            return SSEResponse(reply, watch, headers, done)
+        except _ClientGone:
+            status = _CLIENT_CLOSED
+            return Response(status_code=_CLIENT_CLOSED, headers=headers)
+        except GatewayError as exc:
+            status = exc.status
+            return Response(exc.body(), status, headers=headers, media_type=_JSON)
+        except UpstreamReply as exc:
+            status = exc.status
+            return Response(exc.body, status, headers=headers, media_type=exc.content_type or _JSON)
+        finally:
+            if not streaming:
+                if watch is not None:
+                    watch.close()
+                done()
