@@ -9,47 +9,51 @@ flight (each decision releases the one scheduled 64 earlier). Rows marked "+repo
 new load report (a registry revision) before every decision, so the view's refresh is included:
 the worst case of a fleet whose heartbeats all change load.
 
-gRPC: a real registry with 2 prefill + 2 decode instances registered by the registration
-client, a real scheduler, and `SchedulerClient.schedule` called sequentially over loopback
-(Release not timed); then the same against a 1,000-instance view; then 16 concurrent callers.
-Latencies in microseconds.
+gRPC: a `pdplane registry` process holding a 2P2D model ("small") and a 500P500D model
+("large"), a `pdplane scheduler` process watching it (both with default policies), and
+`SchedulerClient.schedule` from this process over loopback: sequential calls (each followed by
+an untimed Release), then 16 concurrent callers. Latencies in microseconds.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
+import socket
 import statistics
+import subprocess
+import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
-from pdplane.registry.client import RegistrationClient
-from pdplane.registry.server import RegistryServer
-from pdplane.registry.settings import RegistrySettings
-from pdplane.scheduler.client import SchedulerClient
+import grpc
+
+from pdplane.scheduler.client import SchedulerClient, SchedulerUnavailable
 from pdplane.scheduler.metrics import SchedulerMetrics
 from pdplane.scheduler.policies import POLICIES
-from pdplane.scheduler.server import SchedulerServer
 from pdplane.scheduler.service import ScheduleInput, SchedulerService
-from pdplane.scheduler.settings import SchedulerSettings
 from pdplane.scheduler.view import CandidateView, StaticSource
-from pdplane.v1 import instance_pb2
+from pdplane.v1 import instance_pb2, registry_pb2, registry_pb2_grpc
 
 _WINDOW = 64  # requests kept in flight during the in-process runs
+_LEASE_MS = 600_000  # bench instances register once and never heartbeat
 _LAYOUT = instance_pb2.KvLayout(
     num_layers=2, num_kv_heads=2, head_size=32, block_size=16, dtype="float32"
 )
 
 
-def _spec(index: int, role: instance_pb2.Role.ValueType) -> instance_pb2.InstanceSpec:
+def _spec(
+    index: int, role: instance_pb2.Role.ValueType, model: str = "tiny"
+) -> instance_pb2.InstanceSpec:
     kind = "p" if role == instance_pb2.ROLE_PREFILL else "d"
     return instance_pb2.InstanceSpec(
-        instance_id=f"{kind}{index:04d}",
+        instance_id=f"{model}-{kind}{index:04d}",
         role=role,
-        model="tiny",
+        model=model,
         url=f"http://127.0.0.1:{20000 + index}",
         kv_endpoint=f"127.0.0.1:{40000 + index}",
         transport=instance_pb2.TRANSPORT_TCP,
@@ -152,69 +156,100 @@ async def _time_calls(
     return {**_percentiles(samples), "concurrency": concurrency, "calls_per_s": calls / wall}
 
 
-async def _rpc_rounds(address: str, calls: int, label: str) -> list[dict[str, Any]]:
+async def _rpc_rounds(address: str, model: str, calls: int, label: str) -> list[dict[str, Any]]:
     client = SchedulerClient(address)
     try:
 
         async def one(i: int) -> None:
-            await client.schedule(f"{label}-{i}", "tiny", 512, 128)
+            await client.schedule(f"{label}-{i}", model, 512, 128)
             await client.release(f"{label}-{i}", "success")
-
-        async def schedule_only(i: int) -> None:
-            started = time.perf_counter_ns()
-            await client.schedule(f"{label}-s{i}", "tiny", 512, 128)
-            timings.append(time.perf_counter_ns() - started)
-            await client.release(f"{label}-s{i}", "success")
 
         await _time_calls(one, 200)  # warm-up: channel, HTTP/2 windows
         timings: list[int] = []
         wall = time.perf_counter()
         for i in range(calls):
-            await schedule_only(i)
+            started = time.perf_counter_ns()
+            await client.schedule(f"{label}-s{i}", model, 512, 128)
+            timings.append(time.perf_counter_ns() - started)
+            await client.release(f"{label}-s{i}", "success")
         wall = time.perf_counter() - wall
         sequential = {**_percentiles(timings), "concurrency": 1, "pairs_per_s": calls / wall}
 
-        async def schedule_only_concurrent(i: int) -> None:
-            await client.schedule(f"{label}-c{i}", "tiny", 512, 128)
+        async def schedule_only(i: int) -> None:
+            await client.schedule(f"{label}-c{i}", model, 512, 128)
 
-        concurrent = await _time_calls(schedule_only_concurrent, calls, concurrency=16)
+        concurrent = await _time_calls(schedule_only, calls, concurrency=16)
         return [{"view": label, **sequential}, {"view": label, **concurrent}]
     finally:
         await client.close()
 
 
-def bench_rpc(calls: int) -> list[dict[str, Any]]:
-    """Schedule round trips through a real registry + scheduler, then a 1,000-instance view."""
-    registry = RegistryServer(RegistrySettings.model_validate({"host": "127.0.0.1", "port": 0}))
-    registry.start()
-    clients: list[RegistrationClient] = []
-    rows: list[dict[str, Any]] = []
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@contextlib.contextmanager
+def _service(*args: str) -> Iterator[str]:
+    """`pdplane <args> --port P` as a child process until the block ends; yields its address."""
+    port = _free_port()
+    command = [sys.executable, "-m", "pdplane.cli.main", *args, "--port", str(port)]
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    address = f"127.0.0.1:{port}"
     try:
-        for i, role in enumerate([instance_pb2.ROLE_PREFILL] * 2 + [instance_pb2.ROLE_DECODE] * 2):
-            client = RegistrationClient(registry.address, _spec(i, role))
-            client.start()
-            clients.append(client)
-        if not all(c.wait_registered(5.0) for c in clients):
-            raise RuntimeError("bench instances did not register")
-        settings = {"registry": registry.address, "host": "127.0.0.1", "port": 0}
-        server = SchedulerServer(SchedulerSettings.model_validate(settings))
-        server.start()
+        with grpc.insecure_channel(address) as channel:
+            grpc.channel_ready_future(channel).result(timeout=30)
+        yield address
+    finally:
+        proc.terminate()
         try:
-            rows += asyncio.run(_rpc_rounds(server.address, calls, "registry 2P2D"))
-        finally:
-            server.stop()
-    finally:
-        for client in clients:
-            client.stop()
-        registry.stop()
-    source = StaticSource(*_fleet(1000, random.Random(7)))
-    settings = {"registry": "unused:0", "host": "127.0.0.1", "port": 0}
-    server = SchedulerServer(SchedulerSettings.model_validate(settings), source=source)
-    server.start()
-    try:
-        rows += asyncio.run(_rpc_rounds(server.address, calls, "static 500P500D"))
-    finally:
-        server.stop()
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _register(registry: str, model: str, prefill: int, decode: int) -> None:
+    """Registers instances with a 10-minute lease (no heartbeats needed during the bench)."""
+    roles = [instance_pb2.ROLE_PREFILL] * prefill + [instance_pb2.ROLE_DECODE] * decode
+    with grpc.insecure_channel(registry) as channel:
+        stub = registry_pb2_grpc.RegistryStub(channel)
+        for index, role in enumerate(roles):
+            request = registry_pb2.RegisterRequest(
+                spec=_spec(index, role, model), lease_ttl_ms=_LEASE_MS
+            )
+            stub.Register(request, timeout=5)
+
+
+def bench_rpc(calls: int) -> list[dict[str, Any]]:
+    """Schedule round trips to a `pdplane scheduler` process watching a `pdplane registry`
+    process, for a 2P2D model and a 500P500D model (client in this process)."""
+    lease = ["--lease-ttl-ms", str(_LEASE_MS), "--max-lease-ttl-ms", str(_LEASE_MS)]
+    rows: list[dict[str, Any]] = []
+    with _service("registry", *lease) as registry:
+        _register(registry, "small", 2, 2)
+        _register(registry, "large", 500, 500)
+        with _service("scheduler", "--registry", registry) as scheduler:
+            probe = SchedulerClient(scheduler)
+
+            async def until_ready() -> None:
+                deadline = time.monotonic() + 30
+                for model in ("small", "large"):
+                    while True:
+                        try:
+                            await probe.schedule("probe", model, 1)
+                            break
+                        except SchedulerUnavailable:
+                            if time.monotonic() > deadline:
+                                raise
+                            await asyncio.sleep(0.05)
+                await probe.release("probe", "success")
+                await probe.close()
+
+            asyncio.run(until_ready())
+            rows += asyncio.run(_rpc_rounds(scheduler, "small", calls, "2P2D"))
+            rows += asyncio.run(_rpc_rounds(scheduler, "large", calls, "500P500D"))
     return rows
 
 
