@@ -28,9 +28,10 @@ OnChange = Callable[[dict[str, instance_pb2.Instance]], None]
 class InstanceWatcher:
     """Watches the registry at `registry` ("host:port") and mirrors its instances locally.
 
-    `on_change` is called from the watcher's thread with a copy of the view (instance id ->
-    Instance) after every applied snapshot or event; it must not block for long. `token` and
-    `tls_ca` as for `RegistrationClient`.
+    `on_change` is called with a copy of the view (instance id -> Instance) after changes, from
+    a notifier thread of its own: a burst of events coalesces into one call with the newest view
+    (one O(N) copy per call, not per event), and a slow callback never stalls the stream.
+    `token` and `tls_ca` as for `RegistrationClient`.
     """
 
     def __init__(
@@ -54,6 +55,8 @@ class InstanceWatcher:
         self._stopping = threading.Event()
         self._call: grpc.Future | None = None
         self._thread: threading.Thread | None = None
+        self._changed = threading.Event()
+        self._notifier: threading.Thread | None = None
         self.snapshots = 0  # SNAPSHOT events applied (first one included)
         self.reconnects = 0  # streams re-opened after an error
 
@@ -74,20 +77,29 @@ class InstanceWatcher:
             raise RuntimeError("InstanceWatcher already started")
         self._thread = threading.Thread(target=self._run, name="pdplane-watch", daemon=True)
         self._thread.start()
+        if self._on_change is not None:
+            self._notifier = threading.Thread(
+                target=self._notify_loop, name="pdplane-watch-notify", daemon=True
+            )
+            self._notifier.start()
 
     def wait_ready(self, timeout: float) -> bool:
         """Waits up to `timeout` seconds for the first snapshot; True once it arrived."""
         return self._ready.wait(timeout)
 
     def stop(self) -> None:
-        """Cancels the stream and joins the thread (bounded: about 2 s at most)."""
+        """Cancels the stream and joins the threads (bounded: about 2 s at most, plus a running
+        `on_change` call)."""
         self._stopping.set()
+        self._changed.set()
         with self._lock:
             call = self._call
         if call is not None:
             call.cancel()
         if self._thread is not None:
             self._thread.join(timeout=2.0)
+        if self._notifier is not None:
+            self._notifier.join(timeout=5.0)
         self._channel.close()
 
     def _run(self) -> None:
@@ -131,10 +143,17 @@ class InstanceWatcher:
                 log.warning("ignoring watch event of unknown type %s", event.type)
                 return
             self._revision = event.revision
-            view = dict(self._view) if self._on_change is not None else {}
         self._ready.set()
-        if self._on_change is not None:
+        self._changed.set()
+
+    def _notify_loop(self) -> None:
+        assert self._on_change is not None
+        while True:
+            self._changed.wait()
+            if self._stopping.is_set():
+                return
+            self._changed.clear()
             try:
-                self._on_change(view)
+                self._on_change(self.snapshot())
             except Exception:
                 log.exception("on_change callback failed")

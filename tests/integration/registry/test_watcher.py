@@ -1,0 +1,38 @@
+"""InstanceWatcher: on_change gets the newest view, survives a failing callback, stops cleanly."""
+
+from __future__ import annotations
+
+import threading
+
+from pdplane.registry.client import InstanceWatcher
+from pdplane.registry.server import RegistryServer
+from pdplane.v1 import instance_pb2
+from tests.integration.registry.conftest import wait_until
+from tests.integration.registry.fixtures import make_spec
+
+
+def test_on_change_sees_the_newest_view_and_survives_errors(registry: RegistryServer) -> None:
+    views: list[dict[str, instance_pb2.Instance]] = []
+    calls = 0
+
+    def on_change(view: dict[str, instance_pb2.Instance]) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise RuntimeError("a broken callback must not stop the watcher")
+        views.append(view)
+
+    watcher = InstanceWatcher(registry.address, on_change=on_change)
+    watcher.start()
+    try:
+        assert watcher.wait_ready(5)
+        leases = {f"p{i}": registry.store.register(make_spec(f"p{i}"), 0) for i in range(20)}
+        registry.store.deregister("p3", leases["p3"].lease_id, drain=True)
+        expected = {i.spec.instance_id: i for i in registry.store.list()[0]}
+        assert wait_until(lambda: bool(views) and views[-1] == expected, 5)
+        assert views[-1]["p3"].state == instance_pb2.INSTANCE_STATE_DRAINING
+        assert watcher.snapshot() == expected
+        assert watcher.revision == registry.store.revision
+    finally:
+        watcher.stop()
+    assert not [t for t in threading.enumerate() if t.name.startswith("pdplane-watch")]
