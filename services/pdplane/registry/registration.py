@@ -79,6 +79,7 @@ class RegistrationClient:
         self._registered = threading.Event()
         self._stopping = threading.Event()
         self._draining = False
+        self._last_load = instance_pb2.LoadReport()
         self._thread: threading.Thread | None = None
         self.last_error: str = ""
         self.registrations = 0  # how many times a lease was granted (re-registers included)
@@ -137,7 +138,7 @@ class RegistrationClient:
         self._deregister(lease, drain=True)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and self._registered.is_set():
-            if self._load_fn is None or _is_idle(self._load_fn()):
+            if self._load_fn is None or _is_idle(self._read_load()):
                 return
             self._stopping.wait(min(0.1, max(0.0, deadline - time.monotonic())))
 
@@ -180,7 +181,7 @@ class RegistrationClient:
                 return self._interval_s
             self._register()
             return self._interval_s
-        load = self._load_fn() if self._load_fn is not None else instance_pb2.LoadReport()
+        load = self._read_load()
         request = registry_pb2.HeartbeatRequest(
             instance_id=self.instance_id, lease_id=lease, load=load
         )
@@ -194,6 +195,17 @@ class RegistrationClient:
             if self._lease_id == lease:
                 self._state = response.state
         return self._interval_s
+
+    def _read_load(self) -> instance_pb2.LoadReport:
+        """The load to report; a failing `load_fn` repeats the last good report, so that a
+        broken load probe never costs the instance its lease."""
+        if self._load_fn is None:
+            return self._last_load
+        try:
+            self._last_load = self._load_fn()
+        except Exception:
+            log.exception("load_fn of %s failed; reporting the last load", self.instance_id)
+        return self._last_load
 
     def _register(self) -> None:
         request = registry_pb2.RegisterRequest(spec=self._spec, lease_ttl_ms=self._lease_ttl_ms)

@@ -151,3 +151,9 @@ def test_registry_command_rejects_bad_flags() -> None:
     assert result.returncode == 2 and "--port" in result.stderr
     result = _pdplane("registry", "--tls-cert", "only-cert.pem")
     assert result.returncode == 2 and "tls" in result.stderr
+
+
+def test_registry_command_reports_a_busy_port(registry: RegistryServer) -> None:
+    result = _pdplane("registry", "--port", str(registry.port))
+    assert result.returncode == 1
+    assert f"127.0.0.1:{registry.port}" in result.stderr

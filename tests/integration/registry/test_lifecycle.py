@@ -13,7 +13,7 @@ from pdplane.core import grpc_util
 from pdplane.registry.client import RegistrationClient
 from pdplane.v1 import instance_pb2, registry_pb2, registry_pb2_grpc
 from tests.integration.registry.conftest import WatchRecorder, wait_until
-from tests.integration.registry.fixtures import make_spec, running_registry
+from tests.integration.registry.fixtures import make_spec, running_registry, running_registry_server
 
 Ev = registry_pb2.WatchEvent
 TTL_MS = 1000
@@ -93,3 +93,26 @@ def test_client_library_reports_load_and_drains(
         assert kinds[-1][0] == Ev.REMOVED
         assert kinds.index(draining) < len(kinds) - 1
         assert watch.of_type(Ev.REMOVED)[0].reason == "deregistered"
+
+
+def test_failing_load_probe_keeps_the_lease() -> None:
+    reads = 0
+
+    def broken_after_first() -> instance_pb2.LoadReport:
+        nonlocal reads
+        reads += 1
+        if reads > 1:
+            raise RuntimeError("engine stats unavailable")
+        return instance_pb2.LoadReport(num_running=5)
+
+    with running_registry_server(lease_ttl_ms=TTL_MS, heartbeat_interval_ms=100) as server:
+        client = RegistrationClient(server.address, make_spec("p0"), broken_after_first)
+        client.start()
+        try:
+            assert client.wait_registered(5)
+            assert wait_until(lambda: reads > 3 * TTL_MS / 100, 10)  # several TTLs of failures
+            (instance,) = server.store.list()[0]
+            assert instance.load.num_running == 5  # the last good report
+            assert client.registrations == 1  # the lease never lapsed
+        finally:
+            client.stop()
