@@ -122,7 +122,11 @@ class HoldTable:
                     break
                 self._cond.wait(left)
             if hold is None and tombstone_s > 0 and transfer_id not in self.ended:
-                self._tombstones[transfer_id] = self._clock() + tombstone_s
+                if len(self._tombstones) >= _RECENT_LIMIT:  # bounded even under a flood
+                    del self._tombstones[next(iter(self._tombstones))]
+                expiry = self._clock() + tombstone_s
+                self._tombstones[transfer_id] = expiry
+                self._next_deadline = min(self._next_deadline, expiry)
             return False
 
     def pop_finished(self) -> set[str]:
@@ -150,10 +154,12 @@ class HoldTable:
                     self._end(hold, "timeout")
                 else:
                     nxt = min(nxt, hold.deadline)
-        self._next_deadline = nxt
         for tid, expiry in list(self._tombstones.items()):
             if expiry <= now:
                 del self._tombstones[tid]
+            else:
+                nxt = min(nxt, expiry)
+        self._next_deadline = nxt
 
     def _end(self, hold: HeldTransfer, reason: str) -> None:
         hold.end_reason = reason

@@ -8,14 +8,17 @@ the registry the other tests read load reports from.
 from __future__ import annotations
 
 import json
+import random
 import re
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
+import httpx
 import pytest
 import torch
 
@@ -307,6 +310,65 @@ def test_abort_frees_held_blocks_at_once(vllm_pair: VllmPair, registry: Registry
     _wait_free_blocks(registry, vllm_pair.prefill_id, baseline, timeout=3.0)
     assert time.monotonic() - aborted_at < TRANSFER_TIMEOUT_S / 2
     assert _pull_status(vllm_pair.prefill_kv_endpoint, tid, layout) == grpc.StatusCode.NOT_FOUND
+
+
+def test_concurrent_transfers_are_all_correct_and_leak_no_blocks(
+    vllm_pair: VllmPair, vllm_reference: VllmCpuInstance, registry: RegistryHandle
+) -> None:
+    prompts = [fresh_prompt(seed=200 + i, num_tokens=300 + 20 * i) for i in range(6)]
+    expected = [text(complete(vllm_reference.url, p)) for p in prompts]
+    base_p = _free_blocks(registry, vllm_pair.prefill_id)
+    base_d = _free_blocks(registry, vllm_pair.decode_id)
+
+    def one(i: int) -> str:
+        params = _prefill(vllm_pair, prompts[i], f"e2e-concurrent-{i}")
+        return text(complete(vllm_pair.decode_url, prompts[i], kv_transfer_params=params))
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        got = list(pool.map(one, range(len(prompts))))
+    assert got == expected
+    for i in range(len(prompts)):
+        assert log_lines(vllm_pair.decode_log, f"transfer e2e-concurrent-{i}.")
+    _wait_free_blocks(registry, vllm_pair.prefill_id, base_p, timeout=5.0)
+    _wait_free_blocks(registry, vllm_pair.decode_id, base_d, timeout=5.0)
+
+
+def test_chat_prefill_then_streamed_decode_matches_reference(
+    vllm_pair: VllmPair, vllm_reference: VllmCpuInstance
+) -> None:
+    words = ["red", "river", "quick", "forest", "gamma", "lease", "block", "token", "pull", "hold"]
+    rng = random.Random(7)
+    content = " ".join(rng.choice(words) for _ in range(300))
+    messages = [{"role": "user", "content": content}]
+    body = {"model": "tiny", "messages": messages, "max_tokens": 10, "temperature": 0.0}
+    expected = httpx.post(f"{vllm_reference.url}/v1/chat/completions", json=body, timeout=60)
+    expected.raise_for_status()
+    prefill = httpx.post(
+        f"{vllm_pair.prefill_url}/v1/chat/completions",
+        json={
+            **body,
+            "max_tokens": 1,
+            "kv_transfer_params": PrefillRequestParams("e2e-chat").to_dict(),
+        },
+        timeout=60,
+    )
+    prefill.raise_for_status()
+    params = prefill.json()["kv_transfer_params"]
+    streamed = []
+    with httpx.stream(
+        "POST",
+        f"{vllm_pair.decode_url}/v1/chat/completions",
+        json={**body, "stream": True, "kv_transfer_params": params},
+        timeout=60,
+    ) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                for choice in json.loads(line[6:])["choices"]:
+                    streamed.append(choice["delta"].get("content") or "")
+    assert "".join(streamed) == expected.json()["choices"][0]["message"]["content"]
+    tid = params["pdplane_transfer_id"]
+    assert log_lines(vllm_pair.decode_log, f"transfer {tid}: pulled")
 
 
 def test_registry_restart_relists_both_within_2s(

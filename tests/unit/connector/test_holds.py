@@ -87,3 +87,14 @@ def test_unknown_transfer_is_refused_after_the_wait() -> None:
     table = HoldTable()
     with pytest.raises(HoldUnknown):
         table.pin("nope", wait_s=0.05)
+
+
+def test_tombstones_expire() -> None:
+    clock = Clock()
+    table = HoldTable(clock)
+    assert not table.release("t1", "aborted", tombstone_s=30)
+    clock.now += 31
+    assert table.pop_finished() == set()  # expiry pass
+    table.add("req-1", "t1", [1], 60)
+    assert table.pop_finished() == set()  # the stale abort no longer applies
+    assert len(table) == 1
