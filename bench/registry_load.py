@@ -13,7 +13,8 @@ heartbeat is also an UPDATED event on the watch.
 Printed per run: heartbeats/s achieved vs. target, p50/p99/max heartbeat latency (ms, client
 side, send to reply), the registry's CPU use (% of one core, from /proc), watch events
 received, instances lost (leases that expired under load), and the generators' own p99
-lateness: when that grows past a few ms the generator, not the registry, is the bottleneck.
+lateness (when that grows past a few ms the generator, not the registry, is the bottleneck)
+and the machine's 1-minute load average at the end of the run (other processes share the cores).
 """
 
 from __future__ import annotations
@@ -246,6 +247,7 @@ def _run_one(flavour: str, n: int, args: argparse.Namespace) -> dict[str, Any]:
         "lost_instances": watch.removed,
         "errors": errors,
         "generator_late_p99_ms": round(_percentile(late, 0.99), 1),
+        "loadavg_1m": round(os.getloadavg()[0], 1),
     }
 
 
@@ -257,7 +259,7 @@ def _row(r: dict[str, Any]) -> str:
         head + f"{r['achieved_hb_s']:>9}/{r['target_hb_s']:<6} "
         f"{r['p50_ms']:>7} {r['p99_ms']:>8} {r['max_ms']:>8} {r['registry_cpu_pct']:>7} "
         f"{r['watch_events_s']:>9} {r['lost_instances']:>5} {r['generator_late_p99_ms']:>8} "
-        f"{r['errors'] or ''}"
+        f"{r['loadavg_1m']:>6} {r['errors'] or ''}"
     )
 
 
@@ -281,7 +283,7 @@ def main() -> int:
     print(f"cores: {os.cpu_count()}, window {args.duration_s:.0f} s, {args.clients} generator(s)")
     print(
         "flavour  W      N   hb/s achieved    p50ms    p99ms    maxms  cpu%1c  events/s  lost"
-        "  late99ms errors"
+        "  late99ms  load1 errors"
     )
     for flavour in args.flavour.split(","):
         for n in (int(x) for x in args.n.split(",")):
