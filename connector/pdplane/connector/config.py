@@ -73,6 +73,18 @@ class ConnectorConfig(BaseModel):
     chunk_bytes: int = Field(4 * 1024 * 1024, gt=0, description="TCP: bytes per KvChunk.")
     pull_workers: int = Field(4, ge=1, le=64, description="Concurrent pulls per decode worker.")
 
+    # NCCL transport options (see transports/nccl.py); unset = the transport's defaults.
+    nccl_strategy: Literal["gather", "grouped"] | None = Field(
+        None, description="NCCL: how blocks are batched per send."
+    )
+    nccl_chunk_bytes: int | None = Field(None, gt=0, description="NCCL: bytes per send.")
+    nccl_connect_timeout_s: float | None = Field(
+        None, gt=0, description="NCCL: communicator set-up bound (s)."
+    )
+    push_buffer_bytes: int | None = Field(None, ge=0, description="NCCL push: GPU buffer.")
+    push_spill_bytes: int | None = Field(None, ge=0, description="NCCL push: host spill.")
+    push_ttl_s: float | None = Field(None, gt=0, description="NCCL push: unclaimed KV TTL (s).")
+
     @model_validator(mode="after")
     def _check(self) -> ConnectorConfig:
         if bool(self.tls_cert) != bool(self.tls_key):
@@ -97,6 +109,20 @@ class ConnectorConfig(BaseModel):
                 for e in exc.errors()
             )
             raise ConnectorConfigError(f"invalid kv_connector_extra_config: {errs}") from None
+
+    def transport_options(self) -> dict[str, Any]:
+        """Keyword arguments for the configured transport's constructor."""
+        if self.transport == "tcp":
+            return {"chunk_bytes": self.chunk_bytes}
+        names = (
+            "nccl_strategy",
+            "nccl_chunk_bytes",
+            "nccl_connect_timeout_s",
+            "push_buffer_bytes",
+            "push_spill_bytes",
+            "push_ttl_s",
+        )
+        return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
 
     def kv_endpoint(self, tp_rank: int = 0) -> str:
         """host:port peers use to reach the KvTransfer server of `tp_rank`."""

@@ -56,8 +56,7 @@ class WorkerSide:
         self.tp_rank = tp_rank
         self.num_blocks = num_blocks
         if transport is None:
-            options = {"chunk_bytes": config.chunk_bytes} if config.transport == "tcp" else {}
-            transport = create_transport(config.transport, **options)
+            transport = create_transport(config.transport, **config.transport_options())
         self.transport = transport
         self.holds = HoldTable()
         self.peers = PeerPool(config.token, config.tls_ca)

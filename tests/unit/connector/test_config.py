@@ -48,3 +48,13 @@ def test_full_config_and_endpoints() -> None:
 def test_invalid_config_names_the_key(extra: dict, named: str) -> None:
     with pytest.raises(ConnectorConfigError, match=named):
         ConnectorConfig.from_extra_config(extra)
+
+
+def test_transport_options_follow_the_transport() -> None:
+    assert ConnectorConfig(chunk_bytes=1024).transport_options() == {"chunk_bytes": 1024}
+    nccl = ConnectorConfig.from_extra_config(
+        {"transport": "nccl", "nccl_strategy": "grouped", "push_ttl_s": 5}
+    )
+    assert nccl.transport_options() == {"nccl_strategy": "grouped", "push_ttl_s": 5}
+    with pytest.raises(ConnectorConfigError, match="nccl_strategy"):
+        ConnectorConfig.from_extra_config({"nccl_strategy": "scatter"})
