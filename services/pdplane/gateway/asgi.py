@@ -101,6 +101,6 @@ class SSEResponse(Response):
                 with contextlib.suppress(BaseException):
                     await pump
         finally:
-            await self._reply.chunks.aclose()  # type: ignore[attr-defined]
+            await self._reply.aclose()
             self._watch.close()
             self._on_done()

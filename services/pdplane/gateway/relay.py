@@ -22,8 +22,9 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Coroutine, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, Iterable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Literal, Protocol
 
 import aiohttp
@@ -91,10 +92,20 @@ class JsonReply:
 
 @dataclass(frozen=True, slots=True)
 class StreamReply:
-    """A streamed answer: iterate `chunks` (whole SSE events, bytes) and always `aclose` it."""
+    """A streamed answer: iterate `chunks` (whole SSE events, bytes), then always `aclose()`.
 
-    chunks: AsyncIterator[bytes]
+    `aclose` also cleans up when `chunks` was never iterated (client gone before the first
+    event): the upstream response is closed and the request released as cancelled.
+    """
+
+    chunks: AsyncGenerator[bytes, None]
     headers: dict[str, str]
+    abandon: Callable[[], None]
+
+    async def aclose(self) -> None:
+        """Ends the stream (idempotent)."""
+        await self.chunks.aclose()
+        self.abandon()
 
 
 class _Retry(Exception):
@@ -239,6 +250,7 @@ class _Attempt:
         self.decode = pair.decode
         self.started = started
         self.params: DecodeRequestParams | None = None
+        self.streaming = False  # set once the stream generator started (it then cleans up)
         self.headers = {"content-type": "application/json", "x-request-id": request_id}
         cfg = relay.config
         self.timeout_s = cfg.upstream_timeout_s
@@ -261,7 +273,7 @@ class _Attempt:
                 self.relay.metrics.e2e.observe(time.perf_counter() - self.started)
                 return JsonReply(200, body, resp.headers.get("content-type", "application/json"))
             handed_off = True
-            return StreamReply(self._stream(resp), _SSE_HEADERS)
+            return StreamReply(self._stream(resp), _SSE_HEADERS, partial(self._abandon, resp))
         except _Retry:
             retrying = True
             raise
@@ -401,8 +413,15 @@ class _Attempt:
 
     # -- streaming -----------------------------------------------------------------------
 
-    async def _stream(self, resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
+    def _abandon(self, resp: aiohttp.ClientResponse) -> None:
+        if not self.streaming:
+            self.streaming = True
+            resp.close()
+            self._finish("cancelled")
+
+    async def _stream(self, resp: aiohttp.ClientResponse) -> AsyncGenerator[bytes, None]:
         """Decode's SSE, relayed whole events at a time as they arrive; owns Release."""
+        self.streaming = True
         metrics = self.relay.metrics
         outcome = "failed"
         carry = b""

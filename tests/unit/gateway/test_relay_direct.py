@@ -1,0 +1,38 @@
+"""The relay driven directly (no HTTP front): cleanup paths the HTTP layer rarely hits."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Awaitable, Callable
+
+from pdplane.gateway.kv_abort import KvAborter
+from pdplane.gateway.metrics import GatewayMetrics
+from pdplane.gateway.relay import Relay, RelayConfig, StreamReply
+from pdplane.gateway.upstream import UpstreamClient
+from pdplane.gateway.validation import COMPLETIONS, parse_request
+from tests.unit.gateway.conftest import MODEL, FakeScheduler, Handler, good_prefill, sse_decode
+
+Serve = Callable[[Handler], Awaitable[str]]
+
+
+async def test_stream_closed_before_its_first_event_releases_and_frees_kv(serve: Serve) -> None:
+    sched = FakeScheduler([(await serve(good_prefill), await serve(sse_decode))])
+    upstream = UpstreamClient()
+    aborter = KvAborter(timeout_s=0.5)
+    metrics = GatewayMetrics()
+    relay = Relay(sched, upstream, aborter, metrics, RelayConfig())
+    raw = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 3, "stream": True}).encode()
+    try:
+        reply = await relay.handle(parse_request(COMPLETIONS, raw), "r1", time.perf_counter(), 0)
+        assert isinstance(reply, StreamReply)
+        await reply.aclose()  # the client left before the first event was pulled
+        await reply.aclose()  # idempotent
+        await relay.drain()
+    finally:
+        await upstream.close()
+        await aborter.close()
+    assert sched.log == [("schedule", []), ("release", "cancelled")]
+    # AbortTransfer went to the (fake, unreachable) prefill KV endpoint: attempted, not freed.
+    assert metrics.kv_aborts.labels("not_freed")._value.get() == 1
+    assert metrics.cancellations._value.get() == 1
