@@ -105,6 +105,17 @@ class NodeProcess:
                 return ev
         raise NodeError(f"{self.instance_id}: no {name} event within {timeout} s")
 
+    def dump_stacks(self, lines: int = 80) -> str:
+        """Makes the node write every thread's Python stack to its log; returns the log's last
+        `lines` lines (empty without a log)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGUSR1)
+            time.sleep(1.0)
+        if self._stderr is subprocess.DEVNULL:
+            return ""
+        self._stderr.flush()
+        return "".join(Path(self._stderr.name).read_text().splitlines(True)[-lines:])
+
     def kill(self) -> None:
         """SIGKILL, as a crashed peer."""
         self.proc.kill()

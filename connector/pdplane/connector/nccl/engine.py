@@ -33,14 +33,11 @@ from pdplane.v1 import kv_transfer_pb2
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["ACCEPTED_METADATA", "NcclEngine", "NcclTransferError", "PullTiming"]
+__all__ = ["NcclEngine", "NcclTransferError", "PullTiming"]
 
 logger = logging.getLogger(__name__)
 
 _WARMUP_BYTES = 4
-
-#: initial metadata of SendBlocksNccl: the sender accepted the request and is about to send
-ACCEPTED_METADATA = ("pdplane-nccl", "sending")
 
 
 class NcclTransferError(RuntimeError):
@@ -352,10 +349,11 @@ class NcclEngine:
     ) -> PullTiming:
         """Pulls the blocks `request` names from `peer` into `local_ids` of this cache.
 
-        `connect` / `send` start the peer's NcclConnect / SendBlocksNccl RPCs as grpc futures
-        (`stub.X.future` with metadata bound). `request.nccl_plan` is filled here (see
-        `make_plan` for `remote_ids`, `strategy`, `chunk_bytes`). Returns the
-        timing; raises NcclTransferError (communicator aborted and dropped on NCCL failures)."""
+        `connect` starts the peer's NcclConnect RPC as a grpc future (`stub.NcclConnect.future`
+        with metadata bound); `send` starts its SendBlocksNccl as an `rpc.SendBlocksCall`.
+        `request.nccl_plan` is filled here (see `make_plan` for `remote_ids`, `strategy`,
+        `chunk_bytes`). Returns the timing; raises NcclTransferError (the communicator is
+        aborted and dropped on NCCL failures)."""
         t0 = time.monotonic()
         timing = PullTiming()
         if len(request.block_indices) != len(local_ids):
@@ -376,16 +374,14 @@ class NcclEngine:
             # Post receives only once the sender accepted the request (its initial metadata):
             # NCCL cannot cancel a posted receive, so a refused request (unknown transfer, bad
             # indices) must fail before, or it would cost the communicator.
-            if ACCEPTED_METADATA not in (future.initial_metadata() or ()):
+            if not future.accepted():
                 try:
-                    future.result(timeout=max(deadline - time.monotonic(), 0.001))
+                    future.result()
                 except grpc.RpcError as exc:
                     raise NcclTransferError(
                         f"SendBlocksNccl on {peer}: {exc.code().name}: {exc.details()}",
                         exc.code(),
                     ) from None
-                except grpc.FutureTimeoutError:
-                    future.cancel()
                 raise NcclTransferError(
                     f"SendBlocksNccl on {peer} did not accept the request",
                     grpc.StatusCode.UNAVAILABLE,

@@ -9,7 +9,7 @@ prefill's `SendBlocksNccl` handler (`serve_send_blocks_nccl`) sends the held blo
 
 Options (from `kv_connector_extra_config`): `nccl_strategy` ("gather" | "grouped"),
 `nccl_chunk_bytes`, `nccl_connect_timeout_s`, `push_buffer_bytes`, `push_spill_bytes`,
-`push_ttl_s`.
+`push_ttl_s`, `tls_ca` (PEM CA of peers' KvTransfer TLS).
 """
 
 from __future__ import annotations
@@ -22,14 +22,10 @@ import grpc
 
 from pdplane.connector.kv_cache import KvCacheView
 from pdplane.connector.nccl.blocks import layer_byte_view
-from pdplane.connector.nccl.engine import (
-    ACCEPTED_METADATA,
-    NcclEngine,
-    NcclTransferError,
-    PullTiming,
-)
+from pdplane.connector.nccl.engine import NcclEngine, NcclTransferError, PullTiming
 from pdplane.connector.nccl.plan import DEFAULT_CHUNK_BYTES, Strategy
 from pdplane.connector.nccl.push import PushReceiver, PushSession
+from pdplane.connector.nccl.rpc import ACCEPTED_METADATA, ChannelCache, SendBlocksCall
 from pdplane.connector.transports.base import KvTransport, Peer, PullRequest, TransferError
 from pdplane.v1 import instance_pb2, kv_transfer_pb2
 
@@ -55,6 +51,7 @@ class NcclTransport(KvTransport):
         push_buffer_bytes: int = _DEFAULT_PUSH_BUFFER_BYTES,
         push_spill_bytes: int = _DEFAULT_PUSH_SPILL_BYTES,
         push_ttl_s: float = 60.0,
+        tls_ca: str | None = None,
     ) -> None:
         super().__init__()
         self.strategy = Strategy.parse(nccl_strategy)
@@ -67,6 +64,8 @@ class NcclTransport(KvTransport):
         self._push_sizes = (push_buffer_bytes, push_spill_bytes, push_ttl_s)
         self._engine: NcclEngine | None = None
         self._receiver: PushReceiver | None = None
+        # SendBlocksNccl needs its own call object (see rpc.py), hence own channels.
+        self._channels = ChannelCache(tls_ca)
         self.last_timing = PullTiming()
 
     # -- setup ---------------------------------------------------------------------------------
@@ -121,8 +120,10 @@ class NcclTransport(KvTransport):
         def connect(req: kv_transfer_pb2.NcclConnectRequest, timeout: float) -> Any:
             return stub.NcclConnect.future(req, timeout=timeout, metadata=md)
 
-        def send(req: kv_transfer_pb2.PullBlocksRequest, timeout: float) -> Any:
-            return stub.SendBlocksNccl.future(req, timeout=timeout, metadata=md)
+        channel = self._channels.get(peer.endpoint)
+
+        def send(req: kv_transfer_pb2.PullBlocksRequest, timeout: float) -> SendBlocksCall:
+            return SendBlocksCall(channel, req, timeout, md)
 
         try:
             self.last_timing = self.engine.pull(
@@ -234,8 +235,10 @@ class NcclTransport(KvTransport):
         """Aborts the communicators with `peer_id` (an instance id or a KvTransfer endpoint)."""
         if self._engine is not None:
             self._engine.drop_peer(peer_id)
+        self._channels.drop(peer_id)
 
     def close(self) -> None:
+        self._channels.close()
         if self._receiver is not None:
             self._receiver.close()
         if self._engine is not None:
