@@ -84,3 +84,21 @@ def test_the_vllm_check_rejects_min_tokens_above_one() -> None:
     path, body = CASES["chat_min_tokens"]
     with pytest.raises(VLLMValidationError, match="min_tokens"):
         _vllm_accepts(path, {**body, "max_tokens": 1})
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_concurrent_dispatch_sends_the_same_decode_body(stack_factory, stream: bool) -> None:  # type: ignore[no-untyped-def]
+    stack = stack_factory(dispatch="concurrent")
+    sims = stack.sims(["prefill", "decode"], ttft_per_token_ms=5)
+    stack.wait_ready(sims)
+    path, body = CASES["chat_both_limits"]
+    body = {**body, "stream": stream}
+    r = httpx.post(stack.url + path, json=body, headers={"X-Request-Id": "conc"}, timeout=10)
+    assert r.status_code == 200, r.text
+    [prefill] = sims[0].records()
+    [decode] = sims[1].records()
+    assert prefill["body"] == _expected_prefill(path, body, "conc")
+    returned = decode["body"]["kv_transfer_params"]
+    assert decode["body"] == {**body, "kv_transfer_params": returned}
+    assert DecodeRequestParams.from_dict(returned).transfer_id == prefill["kv"]["transfer_id"]
+    assert decode["kv"]["result"] == "pulled"
