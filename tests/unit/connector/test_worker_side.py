@@ -6,8 +6,11 @@ step (`get_finished`, `get_block_ids_with_load_errors`).
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -147,3 +150,39 @@ def test_get_finished_is_cheap_when_idle(pair) -> None:
         decode.get_block_ids_with_load_errors()
     per_step_us = (time.perf_counter() - start) / n * 1e6
     assert per_step_us < 50, per_step_us
+
+
+def _self_signed(folder: Path) -> tuple[Path, Path]:
+    cert, key = folder / "cert.pem", folder / "key.pem"
+    subprocess.run(
+        [
+            "openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256",
+            "-nodes", "-keyout", str(key), "-out", str(cert), "-days", "1",
+            "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost",
+        ],
+        check=True,
+        capture_output=True,
+    )  # fmt: skip
+    return cert, key
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
+def test_pull_over_tls_with_token(tmp_path: Path) -> None:
+    cert, key = _self_signed(tmp_path)
+    secure = {"token": "t0k", "tls_cert": str(cert), "tls_key": str(key), "tls_ca": str(cert)}
+    prefill, pc = _worker("prefill-tls", fill=True, **secure)
+    decode, dc = _worker("decode-tls", fill=False, **secure)
+    plain, _ = _worker("decode-plain", fill=False, token="t0k")  # no TLS: refused
+    try:
+        endpoint = f"127.0.0.1:{prefill.port}"
+        prefill.handle_metadata(_meta(1, holds=[HoldSpec("p", "gw.tls", (4,), 60.0)]))
+        plain.handle_metadata(_meta(1, loads=[LoadSpec("x", "gw.tls", endpoint, (0,), (1,), 4)]))
+        assert _until(lambda: plain.get_finished()[1]) == {"x"}
+        assert plain.get_block_ids_with_load_errors() == {1}
+        decode.handle_metadata(_meta(1, loads=[LoadSpec("d", "gw.tls", endpoint, (0,), (2,), 4)]))
+        assert _until(lambda: decode.get_finished()[1]) == {"d"}
+        assert decode.get_block_ids_with_load_errors() == set()
+        assert all(torch.equal(dc[n][2], pc[n][4]) for n in pc)
+    finally:
+        for side in (prefill, decode, plain):
+            side.shutdown()
