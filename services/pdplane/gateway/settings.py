@@ -52,6 +52,9 @@ class GatewaySettings(CommandSettings):
     registry_wait_s: float = Field(
         5.0, ge=0, description="at startup, wait this long for the registry's first snapshot (s)"
     )
+    shutdown_timeout_s: float = Field(
+        30.0, ge=0, description="on SIGTERM/SIGINT, wait this long for open requests to end (s)"
+    )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info")
 
     def api_keys(self) -> tuple[str, ...]:
