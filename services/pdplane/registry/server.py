@@ -82,6 +82,7 @@ class RegistryServer:
         self._shutdown: asyncio.Event | None = None
         self._grace = 0.5
         self._sync_server: grpc.Server | None = None
+        self._pool: futures.ThreadPoolExecutor | None = None
         self._started = threading.Event()
         self._start_error: BaseException | None = None
         self.port = 0
@@ -115,8 +116,9 @@ class RegistryServer:
 
     def _start_sync(self) -> None:
         token = self.settings.token
+        self._pool = futures.ThreadPoolExecutor(self.settings.max_workers, "pdplane-registry")
         server = grpc.server(
-            futures.ThreadPoolExecutor(self.settings.max_workers, "pdplane-registry"),
+            self._pool,
             interceptors=[grpc_util.TokenAuthInterceptor(token)] if token else [],
             options=grpc_util.SERVER_OPTIONS,
         )
@@ -157,6 +159,9 @@ class RegistryServer:
         if self._sync_server is not None:
             self._sync_server.stop(grace).wait()
             self._sync_server = None
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
         if self._shutdown is not None and self._loop is not None:
             self._grace = grace
             self._loop.call_soon_threadsafe(self._shutdown.set)

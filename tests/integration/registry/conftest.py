@@ -60,6 +60,19 @@ class WatchRecorder:
         self._channel.close()
 
 
+def _pdplane_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("pdplane-")]
+
+
+@pytest.fixture(autouse=True)
+def no_leftover_threads() -> Iterator[None]:
+    """Every registry, client and watcher a test starts must have joined its threads by the
+    end of the test (fixtures' teardown included)."""
+    before = set(_pdplane_threads())
+    yield
+    assert wait_until(lambda: set(_pdplane_threads()) <= before, 5), _pdplane_threads()
+
+
 @pytest.fixture
 def registry() -> Iterator[RegistryServer]:
     """A registry with a 1 s lease TTL and 200 ms heartbeats (short, to keep tests fast)."""
