@@ -53,6 +53,22 @@ def emit(obj: dict[str, Any]) -> None:
         sys.stdout.flush()
 
 
+class _ObservedContext:
+    """A servicer context that reports the moment the transport accepts a SendBlocksNccl
+    (its initial metadata: the NCCL sends start right after) as a `send_started` event."""
+
+    def __init__(self, context: grpc.ServicerContext, transfer_id: str) -> None:
+        self._context = context
+        self._transfer_id = transfer_id
+
+    def send_initial_metadata(self, metadata: Any) -> None:
+        self._context.send_initial_metadata(metadata)
+        emit({"event": "send_started", "transfer_id": self._transfer_id})
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._context, name)
+
+
 class NodeServicer(kv_transfer_pb2_grpc.KvTransferServicer):
     """The NCCL RPCs of KvTransfer over an in-memory table of held transfers."""
 
@@ -70,8 +86,8 @@ class NodeServicer(kv_transfer_pb2_grpc.KvTransferServicer):
         indices = list(request.block_indices) or list(range(len(ids)))
         if any(i >= len(ids) for i in indices):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "block index out of range")
-        emit({"event": "send_started", "transfer_id": request.transfer_id})
-        return self.transport.serve_send_blocks_nccl([ids[i] for i in indices], request, context)
+        observed = _ObservedContext(context, request.transfer_id)
+        return self.transport.serve_send_blocks_nccl([ids[i] for i in indices], request, observed)
 
     def NcclConnect(self, request: Any, context: grpc.ServicerContext) -> Any:
         return self.transport.serve_nccl_connect(request, context)
