@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import queue
 import signal
 import subprocess
@@ -23,8 +24,10 @@ from tests.integration.registry.fixtures import make_spec
 PDPLANE = [sys.executable, "-m", "pdplane.cli.main"]
 
 
-def _pdplane(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*PDPLANE, *args], capture_output=True, text=True, timeout=30)
+def _pdplane(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*PDPLANE, *args], capture_output=True, text=True, timeout=30, env={**os.environ, **env}
+    )
 
 
 @pytest.fixture
@@ -63,8 +66,9 @@ def test_ls_filters_and_table(populated: RegistryServer) -> None:
         _pdplane("ls", "--registry", populated.address, "--json", "--role", "decode").stdout
     )
     assert [r["id"] for r in decode] == ["b0", "d0"]  # BOTH serves decode too
+    # The registry address from the environment this time (every flag has a PDPLANE_* twin).
     big = json.loads(
-        _pdplane("ls", "--registry", populated.address, "--json", "--model", "big").stdout
+        _pdplane("ls", "--json", "--model", "big", PDPLANE_REGISTRY=populated.address).stdout
     )
     assert [r["id"] for r in big] == ["b0"]
     table = _pdplane("ls", "--registry", populated.address).stdout.splitlines()
@@ -117,13 +121,12 @@ def test_registry_command_serves_and_stops_on_sigterm(free_port: Callable[[], in
             "registry",
             "--port",
             str(port),
-            "--lease-ttl-ms",
-            "2000",
             "--heartbeat-interval-ms",
             "500",
         ],
         stderr=subprocess.PIPE,
         text=True,
+        env={**os.environ, "PDPLANE_LEASE_TTL_MS": "2000"},
     )
     address = f"127.0.0.1:{port}"
     try:
