@@ -151,7 +151,8 @@ class RegistrationClient:
                 request, timeout=_DEREGISTER_TIMEOUT_S, metadata=self._metadata, wait_for_ready=True
             )
         except grpc.RpcError as exc:
-            log.warning("deregister of %s failed: %s", self.instance_id, exc)
+            code = exc.code().name if isinstance(exc, grpc.Call) else "UNKNOWN"
+            log.warning("deregister of %s failed: %s", self.instance_id, code)
             return
         with self._lock:
             self._state = response.state

@@ -111,7 +111,10 @@ class InstanceWatcher:
                 if self._stopping.is_set():
                     return
                 code = exc.code() if isinstance(exc, grpc.Call) else None
-                log.info("registry watch broken (%s); re-watching", code)
+                # UNAVAILABLE is a registry restart or outage; anything else (e.g.
+                # UNAUTHENTICATED) needs a person, so say it louder.
+                level = logging.INFO if code == grpc.StatusCode.UNAVAILABLE else logging.WARNING
+                log.log(level, "registry watch broken (%s); re-watching", code)
             except Exception:
                 log.exception("registry watch failed")
             self.reconnects += 1
