@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from pdplane.gateway.relay import StreamReply
+from pdplane.gateway.replies import StreamReply
 
 __all__ = ["DisconnectWatch", "SSEResponse"]
 

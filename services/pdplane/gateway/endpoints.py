@@ -27,7 +27,8 @@ from pdplane.gateway.errors import (
 )
 from pdplane.gateway.fleet import FleetView
 from pdplane.gateway.metrics import GatewayMetrics
-from pdplane.gateway.relay import JsonReply, Relay
+from pdplane.gateway.relay import Relay
+from pdplane.gateway.replies import JsonReply
 from pdplane.gateway.validation import CHAT, COMPLETIONS, Endpoint, parse_request
 
 __all__ = ["RelayEndpoints"]

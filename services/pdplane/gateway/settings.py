@@ -52,8 +52,8 @@ class GatewaySettings(CommandSettings):
     registry_wait_s: float = Field(
         5.0, ge=0, description="at startup, wait this long for the registry's first snapshot (s)"
     )
-    shutdown_timeout_s: float = Field(
-        30.0, ge=0, description="on SIGTERM/SIGINT, wait this long for open requests to end (s)"
+    shutdown_timeout_s: int = Field(
+        30, ge=0, description="on SIGTERM/SIGINT, wait this long for open requests to end (s)"
     )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info")
 

@@ -20,7 +20,7 @@ def test_gateway_command_serves_and_shuts_down_cleanly(
     port = free_port()
     cmd = [sys.executable, "-m", "pdplane.cli.main", "gateway", "--scheduler",
            stack.scheduler.address, "--registry", stack.registry, "--port", str(port),
-           "--shutdown-timeout-s", "0.5", "--log-level", "warning"]  # fmt: skip
+           "--shutdown-timeout-s", "1", "--log-level", "warning"]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         url = f"http://127.0.0.1:{port}"

@@ -8,7 +8,8 @@ from collections.abc import Awaitable, Callable
 
 from pdplane.gateway.kv_abort import KvAborter
 from pdplane.gateway.metrics import GatewayMetrics
-from pdplane.gateway.relay import Relay, RelayConfig, StreamReply
+from pdplane.gateway.relay import Relay, RelayConfig
+from pdplane.gateway.replies import StreamReply
 from pdplane.gateway.upstream import UpstreamClient
 from pdplane.gateway.validation import COMPLETIONS, parse_request
 from tests.unit.gateway.conftest import MODEL, FakeScheduler, Handler, good_prefill, sse_decode

@@ -1,0 +1,47 @@
+"""What one relayed request ends in: a complete answer, a stream, or a retry on another pair."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator, Callable
+from dataclasses import dataclass
+
+from pdplane.gateway.errors import GatewayError
+
+__all__ = ["JsonReply", "RetryElsewhere", "StreamReply"]
+
+
+@dataclass(frozen=True, slots=True)
+class JsonReply:
+    """A complete answer: HTTP `status`, `body` bytes and their content type."""
+
+    status: int
+    body: bytes
+    content_type: str = "application/json"
+
+
+@dataclass(frozen=True, slots=True)
+class StreamReply:
+    """A streamed answer: iterate `chunks` (whole SSE events, bytes), then always `aclose()`.
+
+    `aclose` also cleans up when `chunks` was never iterated (client gone before the first
+    event): the upstream response is closed and the request released as cancelled.
+    """
+
+    chunks: AsyncGenerator[bytes, None]
+    headers: dict[str, str]
+    abandon: Callable[[], None]
+
+    async def aclose(self) -> None:
+        """Ends the stream (idempotent)."""
+        await self.chunks.aclose()
+        self.abandon()
+
+
+class RetryElsewhere(Exception):
+    """An attempt failed before anything reached the client; another pair may succeed."""
+
+    def __init__(self, side: str, instance_id: str, error: GatewayError) -> None:
+        super().__init__(error.message)
+        self.side = side
+        self.instance_id = instance_id
+        self.error = error
