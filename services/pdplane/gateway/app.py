@@ -65,6 +65,7 @@ def create_app(
         dispatch=settings.dispatch,
         upstream_timeout_s=settings.upstream_timeout_s,
         max_retries=settings.max_retries,
+        upstream_api_key=settings.upstream_api_key,
     )
     relay = Relay(scheduler, upstream, aborter, metrics, config)
 

@@ -58,6 +58,8 @@ class Attempt:
         self.params: DecodeRequestParams | None = None
         self.streaming = False  # set once the stream generator started (it then cleans up)
         self.headers = {"content-type": "application/json", "x-request-id": request_id}
+        if relay.config.upstream_api_key:
+            self.headers["authorization"] = f"Bearer {relay.config.upstream_api_key}"
         cfg = relay.config
         self.timeout_s = cfg.upstream_timeout_s
 

@@ -66,6 +66,7 @@ class RelayConfig:
     dispatch: Dispatch = "sequential"
     upstream_timeout_s: float = 300.0
     max_retries: int = 1
+    upstream_api_key: str | None = None
 
 
 class Relay:

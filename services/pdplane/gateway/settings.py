@@ -28,6 +28,9 @@ class GatewaySettings(CommandSettings):
         None,
         description="require 'Authorization: Bearer <key>' on /v1/*; comma-separated for several",
     )
+    upstream_api_key: str | None = Field(
+        None, description="bearer token sent to the instances (vLLM started with --api-key)"
+    )
     dispatch: Literal["sequential", "concurrent"] = Field(
         "sequential",
         description="sequential: decode request after prefill's answer; concurrent: decode "

@@ -52,7 +52,8 @@ class UpstreamClient:
             self._session = aiohttp.ClientSession(
                 connector=connector,
                 auto_decompress=False,
-                skip_auto_headers=("User-Agent",),
+                # No Accept-Encoding: answers are relayed as bytes and prefill's is parsed.
+                skip_auto_headers=("User-Agent", "Accept-Encoding"),
             )
         return self._session
 

@@ -195,3 +195,21 @@ async def test_unknown_paths_methods_and_huge_request_ids_get_openai_errors() ->
         r = await _post(url, BODY, headers={"X-Request-Id": "x" * 257})
         assert r.status_code == 400 and "X-Request-Id" in r.json()["error"]["message"]
     assert sched.log == []
+
+
+async def test_upstream_api_key_reaches_both_legs(serve: Serve) -> None:
+    seen: list[str | None] = []
+
+    def recording(handler: Handler) -> Handler:
+        async def wrapped(request: web.Request) -> web.StreamResponse:
+            seen.append(request.headers.get("Authorization"))
+            return await handler(request)
+
+        return wrapped
+
+    prefill, decode = await serve(recording(good_prefill)), await serve(recording(sse_decode))
+    sched = FakeScheduler([(prefill, decode)])
+    with running_gateway(scheduler_port=sched, fleet=lambda: VIEW, upstream_api_key="up") as url:
+        r = await _post(url, {**BODY, "stream": True})
+    assert r.status_code == 200
+    assert seen == ["Bearer up", "Bearer up"]
