@@ -1,0 +1,51 @@
+"""The relay benchmark's load generator against sims: counts good replies, flags bad ones."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from pdplane.sim.testing import async_running_sims
+
+# bench/ is a folder of scripts, not an installed package.
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+from bench._loadgen import percentile, run_load
+
+
+def test_percentile_nearest_rank() -> None:
+    values = [float(v) for v in range(1, 101)]
+    assert (percentile(values, 50), percentile(values, 99), percentile(values, 100)) == (
+        50.0,
+        99.0,
+        100.0,
+    )
+    assert percentile([], 50) != percentile([], 50)  # NaN
+
+
+async def test_load_generator_measures_complete_streams() -> None:
+    async with async_running_sims("decode", itl_ms=1) as sims:
+        result = await run_load(
+            sims.urls[0] + "/v1/chat/completions",
+            concurrency=4,
+            duration_s=0.5,
+            warmup_s=0.1,
+            max_tokens=8,
+        )
+        assert result.ok > 4 and result.errors == 0
+        assert len(result.latencies_ms) <= result.ok
+        assert result.p(50) >= 7  # 8 tokens at 1 ms ITL
+
+
+@pytest.mark.parametrize("mode", ["drop", "http500"])
+async def test_load_generator_counts_broken_replies_as_errors(mode: str) -> None:
+    async with async_running_sims("decode", failure_rate=1.0, fail_mode=mode) as sims:
+        result = await run_load(
+            sims.urls[0] + "/v1/chat/completions",
+            concurrency=2,
+            duration_s=0.3,
+            warmup_s=0.0,
+            max_tokens=8,
+        )
+        assert result.ok == 0 and result.errors > 0 and result.first_error
