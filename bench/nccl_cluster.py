@@ -93,15 +93,16 @@ class NodeProcess:
         self.send(op, **args)
         return self._answer(timeout)
 
-    def wait_event(self, name: str, timeout: float) -> dict[str, Any]:
-        """Waits for an event line named `name`. Raises NodeError on a timeout."""
+    def wait_event(self, name: str, timeout: float, **match: Any) -> dict[str, Any]:
+        """Waits for an event line named `name` whose fields include `match` (earlier events
+        are consumed). Raises NodeError on a timeout."""
         deadline = time.monotonic() + timeout
         while (left := deadline - time.monotonic()) > 0:
             try:
                 ev = self.events.get(timeout=left)
             except queue.Empty:
                 break
-            if ev.get("event") == name:
+            if ev.get("event") == name and all(ev.get(k) == v for k, v in match.items()):
                 return ev
         raise NodeError(f"{self.instance_id}: no {name} event within {timeout} s")
 

@@ -189,6 +189,7 @@ class Node:
                 remote_ids,
                 Strategy.parse(strategy) if strategy else None,
                 chunk_bytes,
+                lambda: emit({"event": "recv_posted", "transfer_id": transfer_id}),
             )
         except TransferError as exc:
             return {

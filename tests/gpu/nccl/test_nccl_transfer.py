@@ -181,17 +181,19 @@ def test_prefill_killed_mid_transfer_decode_fails_in_time_then_recovers(
     decode = start_node("d0", seed=2, **BIG)
     _check_pull(decode, prefill, "warm", random.Random(1))
     _big_pull_async(decode, prefill, "big")
-    prefill.wait_event("send_started", timeout=30)
+    # Mid-transfer: prefill accepted and sends, decode posted its receives.
+    prefill.wait_event("send_started", timeout=30, transfer_id="big")
+    decode.wait_event("recv_posted", timeout=30, transfer_id="big")
     t0 = time.monotonic()
     prefill.kill()
     answer = decode.answer(timeout=TIMEOUT_S + 30)
     waited = time.monotonic() - t0
     assert answer["ok"] is False, answer
-    assert waited < TIMEOUT_S + ABORT_GRACE_S, waited  # the survivor's wait is bounded
+    assert waited < TIMEOUT_S + ABORT_GRACE_S, (waited, answer)  # the wait is bounded
     comms = _ok(decode.call("comms"))["comms"]
     key = f"{prefill.endpoint}#0"
-    assert key not in comms["active"]
-    assert comms["retired"][key] == "aborted"
+    assert key not in comms["active"], (comms, answer)
+    assert comms["retired"][key] == "aborted", (comms, answer)
     # A new prefill instance afterwards works.
     prefill2 = start_node("p1", seed=3, **BIG)
     _check_pull(decode, prefill2, "after", random.Random(2))
@@ -204,7 +206,8 @@ def test_decode_killed_mid_transfer_prefill_aborts_then_serves_new_peer(
     decode = start_node("d0", seed=2, **BIG)
     _check_pull(decode, prefill, "warm", random.Random(1))
     _big_pull_async(decode, prefill, "big")
-    prefill.wait_event("send_started", timeout=30)
+    prefill.wait_event("send_started", timeout=30, transfer_id="big")
+    decode.wait_event("recv_posted", timeout=30, transfer_id="big")
     t0 = time.monotonic()
     decode.kill()
     key = "d0#0"

@@ -346,13 +346,15 @@ class NcclEngine:
         remote_ids: Sequence[int] | None = None,
         strategy: Strategy | None = None,
         chunk_bytes: int | None = None,
+        on_posted: Callable[[], None] | None = None,
     ) -> PullTiming:
         """Pulls the blocks `request` names from `peer` into `local_ids` of this cache.
 
         `connect` starts the peer's NcclConnect RPC as a grpc future (`stub.NcclConnect.future`
         with metadata bound); `send` starts its SendBlocksNccl as an `rpc.SendBlocksCall`.
         `request.nccl_plan` is filled here (see `make_plan` for `remote_ids`, `strategy`,
-        `chunk_bytes`). Returns the timing; raises NcclTransferError (the communicator is
+        `chunk_bytes`); `on_posted()` runs once all receives are posted (observability).
+        Returns the timing; raises NcclTransferError (the communicator is
         aborted and dropped on NCCL failures)."""
         t0 = time.monotonic()
         timing = PullTiming()
@@ -391,6 +393,8 @@ class NcclEngine:
                     comm, False, local_ids, strategy, deadline, chunk_bytes, runs
                 )
                 timing.post_s = time.monotonic() - t0
+                if on_posted is not None:
+                    on_posted()
                 comm.wait(deadline)
                 response = future.result(timeout=max(deadline - time.monotonic(), 0.001))
             except grpc.RpcError as exc:

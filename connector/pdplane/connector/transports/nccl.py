@@ -15,7 +15,7 @@ Options (from `kv_connector_extra_config`): `nccl_strategy` ("gather" | "grouped
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import grpc
@@ -107,12 +107,14 @@ class NcclTransport(KvTransport):
         remote_block_ids: Sequence[int] | None = None,
         strategy: Strategy | None = None,
         chunk_bytes: int | None = None,
+        on_posted: Callable[[], None] | None = None,
     ) -> int:
         """Pulls `request`'s blocks over NCCL into `request.local_block_ids`; returns bytes.
 
         `remote_block_ids` (prefill ids at the requested positions, optional) lets the grouped
         strategy find the runs consecutive on both sides; `strategy` / `chunk_bytes` override
-        the configured ones for this pull. Raises TransferError."""
+        the configured ones for this pull; `on_posted()` runs once the receives are posted.
+        Raises TransferError."""
         request.remaining()
         stub = peer.stub
         md = peer.metadata
@@ -136,6 +138,7 @@ class NcclTransport(KvTransport):
                 remote_block_ids,
                 strategy,
                 chunk_bytes,
+                on_posted,
             )
         except NcclTransferError as exc:
             raise TransferError(f"transfer {request.transfer_id}: {exc}", exc.code) from None
