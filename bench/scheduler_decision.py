@@ -5,7 +5,8 @@
 
 In-process: `SchedulerService.schedule` over a static view of N instances (N/2 prefill,
 N/2 decode, random loads), same policy on both sides, metrics on, a steady 64 requests in
-flight (each decision releases the one scheduled 64 earlier). Rows marked "+report" apply one
+flight (each decision releases the one scheduled 64 earlier); wall-clock and thread-CPU
+percentiles (CPU time excludes preemption on a busy machine). Rows marked "+report" apply one
 new load report (a registry revision) before every decision, so the view's refresh is included:
 the worst case of a fleet whose heartbeats all change load.
 
@@ -117,6 +118,7 @@ def bench_in_process(size: int, policy: str, decisions: int, churn: bool) -> dic
         for i in range(decisions + 200)
     ]
     samples: list[int] = []
+    cpu_samples: list[int] = []  # CPU time of this thread: what the decision costs unpreempted
     revision = len(fleet)
     for i, request in enumerate(requests):
         if churn:
@@ -124,17 +126,19 @@ def bench_in_process(size: int, policy: str, decisions: int, churn: bool) -> dic
             index = rng.randrange(len(fleet))
             role = fleet[index].spec.role
             source.put(_instance(index % (len(fleet) // 2 or 1), role, rng, revision))
-        started = time.perf_counter_ns()
+        started, cpu_started = time.perf_counter_ns(), time.thread_time_ns()
         service.schedule(request)
-        elapsed = time.perf_counter_ns() - started
+        elapsed, cpu = time.perf_counter_ns() - started, time.thread_time_ns() - cpu_started
         if i >= 200:  # the first calls warm caches (views, hash rings)
             samples.append(elapsed)
+            cpu_samples.append(cpu)
         if i >= _WINDOW:
             service.release(requests[i - _WINDOW].request_id, "success")
     return {
         "instances": size,
         "policy": policy + (" +report" if churn else ""),
         **_percentiles(samples),
+        **{f"cpu_{k}": v for k, v in _percentiles(cpu_samples).items() if k != "n"},
     }
 
 
@@ -281,7 +285,7 @@ def main() -> None:
         print(json.dumps({"in_process": local, "grpc": rpc}, indent=2))
         return
     print("In-process decision latency (us)")
-    print(_table(local, ["instances", "policy", "p50_us", "p99_us", "n"]))
+    print(_table(local, ["instances", "policy", "p50_us", "p99_us", "cpu_p50_us", "cpu_p99_us"]))
     print("\ngRPC Schedule round trip over loopback (us)")
     print(_table(rpc, ["view", "concurrency", "p50_us", "p99_us", "n"]))
     for row in rpc:
