@@ -10,7 +10,6 @@ Pairing (equal layout fingerprint, transport and max model length) happens in `p
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
@@ -33,7 +32,7 @@ class SideCandidates:
     side: str
     eligible: list[Candidate] = field(default_factory=list)
     with_role: int = 0
-    rejected: Counter[str] = field(default_factory=Counter)
+    rejected: dict[str, int] = field(default_factory=dict)  # reason -> instances
 
     def explain(self, model: str, served: Collection[str]) -> str:
         """The UNAVAILABLE message for this side, e.g. "no decode instance for model m: ...".
@@ -82,9 +81,9 @@ def split_sides(
         if not c.serving or c.max_model_len < tokens or c.instance_id in exclude:
             reason = _common_rejection(c, tokens, exclude)
             if c.can_prefill:
-                prefill.rejected[reason] += 1
+                prefill.rejected[reason] = prefill.rejected.get(reason, 0) + 1
             if c.can_decode:
-                decode.rejected[reason] += 1
+                decode.rejected[reason] = decode.rejected.get(reason, 0) + 1
             continue
         if c.can_prefill:
             prefill.eligible.append(c)
@@ -94,7 +93,8 @@ def split_sides(
                 and c.block_size
                 and (c.free_kv_blocks - pending_blocks(c)) * c.block_size < tokens
             ):
-                decode.rejected[f"no KV room for {tokens} tokens"] += 1
+                reason = f"no KV room for {tokens} tokens"
+                decode.rejected[reason] = decode.rejected.get(reason, 0) + 1
             else:
                 decode.eligible.append(c)
     return prefill, decode

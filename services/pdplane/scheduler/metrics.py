@@ -87,7 +87,9 @@ class SchedulerMetrics:
             ["outcome", "known"],
             registry=self.registry,
         )
+        # labels() hashes and locks on every call; the hot path reuses the children instead.
         self._decision_children: dict[tuple[str, str], Any] = {}
+        self._release_children: dict[tuple[str, bool], Any] = {}
         self._latency = Histogram(
             "pdplane_scheduler_decision_seconds",
             "Time to choose a pair inside the scheduler (seconds)",
@@ -105,7 +107,6 @@ class SchedulerMetrics:
 
     def decided(self, prefill_policy: str, decode_policy: str, seconds: float) -> None:
         """Counts one decision and observes its latency (seconds)."""
-        # labels() hashes and locks on every call; the hot path reuses the child instead.
         key = (prefill_policy, decode_policy)
         child = self._decision_children.get(key)
         if child is None:
@@ -123,4 +124,10 @@ class SchedulerMetrics:
 
     def released(self, outcome: str, known: bool) -> None:
         """Counts one Release call."""
-        self._releases.labels(outcome, "true" if known else "false").inc()
+        key = (outcome, known)
+        child = self._release_children.get(key)
+        if child is None:
+            child = self._release_children[key] = self._releases.labels(
+                outcome, "true" if known else "false"
+            )
+        child.inc()
