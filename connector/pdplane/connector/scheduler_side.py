@@ -79,7 +79,7 @@ class SchedulerSide:
         self._live: set[str] = set()  # requests in the engine (waiting or running)
         self._num_running = 0
         self._sending: set[str] = set()  # prefill holds not yet reported finished
-        self._receiving: set[str] = set()  # decode loads not yet reported finished
+        self._receiving: dict[str, str] = {}  # decode req id -> transfer id, load unreported
 
     # -- vLLM scheduler hooks ------------------------------------------------------------------
 
@@ -142,7 +142,7 @@ class SchedulerSide:
             )
         )
         with self._lock:
-            self._receiving.add(req_id)
+            self._receiving[req_id] = params.transfer_id
         log.info(
             "transfer %s: pulling %d blocks (%d tokens) from %s",
             params.transfer_id,
@@ -173,10 +173,17 @@ class SchedulerSide:
         consumed = req_id in self._consumed
         self._consumed.discard(req_id)
         params = request.kv_transfer_params or {}
+        log.debug("request_finished %s status=%s consumed=%s", req_id, request.status, consumed)
         if params.get("do_remote_prefill") and not consumed:
             try:
                 dp = DecodeRequestParams.from_dict(params)
             except KvParamsError:
+                return False, None
+            with self._lock:
+                # vLLM may finish a second Request carrying the same params (seen on abort:
+                # one per internal id); never release a transfer another request is pulling.
+                in_use = dp.transfer_id in self._receiving.values()
+            if in_use:
                 return False, None
             self._meta.releases.append(
                 ReleaseSpec(dp.transfer_id, dp.kv_endpoint, "decode request ended before load")
@@ -190,7 +197,8 @@ class SchedulerSide:
         """Forgets transfers the workers reported finished (for the in-flight count)."""
         with self._lock:
             self._sending.difference_update(getattr(output, "finished_sending", None) or ())
-            self._receiving.difference_update(getattr(output, "finished_recving", None) or ())
+            for req_id in getattr(output, "finished_recving", None) or ():
+                self._receiving.pop(req_id, None)
 
     # -- load report ---------------------------------------------------------------------------
 

@@ -168,3 +168,27 @@ def test_load_report_counts_requests_and_transfers(layout) -> None:
     assert (report.free_kv_blocks, report.total_kv_blocks, report.kv_cache_usage) == (50, 64, 0.25)
     side.update_connector_output(SimpleNamespace(finished_sending={"p"}, finished_recving=None))
     assert side.load(None, 64).inflight_transfers == 0
+
+
+def test_a_second_finished_request_never_releases_a_transfer_being_pulled(layout) -> None:
+    # vLLM 0.32 finishes two Request objects with the same params when a client aborts a
+    # decode waiting for its KV (its internal id and the external id).
+    side = _side(layout)
+    params = _decode_params(layout, 8)
+    pulling = make_request("cmpl-abc-0-1234", 8, params)
+    side.get_num_new_matched_tokens(pulling, 0)
+    side.update_state_after_alloc(pulling, make_blocks([1, 2]), 8)
+    side.build_connector_meta(SimpleNamespace(num_scheduled_tokens={}))
+    twin = make_request("abc", 8, params)
+    for req in (pulling, twin):
+        _finish(req, "FINISHED_ABORTED")
+        assert side.request_finished(req, []) == (False, None)
+    assert side.build_connector_meta(SimpleNamespace(num_scheduled_tokens={})).is_empty()
+    # once the pull is reported finished, an unconsumed request releases as before
+    side.update_connector_output(
+        SimpleNamespace(finished_sending=None, finished_recving={"cmpl-abc-0-1234"})
+    )
+    late = make_request("late", 8, params)
+    _finish(late, "FINISHED_ABORTED")
+    side.request_finished(late, [])
+    assert len(side.build_connector_meta(SimpleNamespace(num_scheduled_tokens={})).releases) == 1

@@ -17,6 +17,8 @@ import torch
 
 from pdplane.connector.config import ConnectorConfig
 from pdplane.connector.metadata import HoldSpec, LoadSpec, PdPlaneConnectorMetadata, ReleaseSpec
+from pdplane.connector.server import KvTransferServicer, start_kv_server
+from pdplane.connector.transports.tcp import TcpTransport
 from pdplane.connector.worker_side import WorkerSide
 from pdplane.v1 import instance_pb2
 
@@ -186,3 +188,34 @@ def test_pull_over_tls_with_token(tmp_path: Path) -> None:
     finally:
         for side in (prefill, decode, plain):
             side.shutdown()
+
+
+class _SilentPrefill(KvTransferServicer):
+    """Accepts PullBlocks and never sends a byte (a hung prefill)."""
+
+    def PullBlocks(self, request, context):  # type: ignore[no-untyped-def]
+        while context.is_active():
+            time.sleep(0.02)
+        yield from ()
+
+
+def test_pull_from_a_hung_prefill_ends_at_the_pull_timeout() -> None:
+    from pdplane.connector.holds import HoldTable
+
+    server, port = start_kv_server(
+        _SilentPrefill(HoldTable(), TcpTransport(), LAYOUT), "127.0.0.1:0"
+    )
+    decode, _ = _worker("decode-h", fill=False, pull_timeout_s=1.0)
+    try:
+        start = time.monotonic()
+        decode.handle_metadata(
+            _meta(1, loads=[LoadSpec("d", "gw.h", f"127.0.0.1:{port}", (0,), (3,), 4)])
+        )
+        assert _until(lambda: decode.get_finished()[1], timeout=10) == {"d"}
+        took = time.monotonic() - start
+        assert decode.get_block_ids_with_load_errors() == {3}
+        assert 0.9 <= took < 3.0, took
+        assert "DEADLINE_EXCEEDED" in decode.puller.history[-1].error
+    finally:
+        decode.shutdown()
+        server.stop(0).wait(5)
