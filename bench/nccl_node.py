@@ -277,7 +277,7 @@ def main() -> int:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--strategy", default="gather")
-    p.add_argument("--chunk-bytes", type=int, default=256 << 20)
+    p.add_argument("--chunk-bytes", type=int, default=64 << 20)
     p.add_argument("--push-gpu-bytes", type=int, default=64 << 20)
     p.add_argument("--push-host-bytes", type=int, default=64 << 20)
     args = p.parse_args()

@@ -31,7 +31,7 @@ __all__ = [
     "split_runs",
 ]
 
-DEFAULT_CHUNK_BYTES = 256 * 1024 * 1024  #: gather staging buffer (bytes)
+DEFAULT_CHUNK_BYTES = 64 * 1024 * 1024  #: gather staging buffer (bytes); see docs/nccl.md
 MAX_GROUP_OPS = 512  #: NCCL operations per group in the grouped strategy
 
 
