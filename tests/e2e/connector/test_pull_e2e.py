@@ -84,6 +84,25 @@ def _wait_free_blocks(reg: RegistryHandle, instance_id: str, want: int, timeout:
     )
 
 
+def _idle_free_blocks(reg: RegistryHandle, instance_id: str, timeout: float = 5.0) -> int:
+    """Waits until every KV block of the instance is free again (vLLM keeps one null block;
+    prefix-cached blocks count as free) and returns that count. The load report lags up to a
+    heartbeat (1 s), so a baseline read right after another request could be stale."""
+
+    def idle() -> bool:
+        inst = reg.get(instance_id)
+        return bool(
+            inst is not None
+            and inst.load.total_kv_blocks > 0
+            and inst.load.free_kv_blocks == inst.load.total_kv_blocks - 1
+        )
+
+    wait_until(idle, timeout, interval_s=0.1, what=f"{instance_id} idle with all blocks free")
+    inst = reg.get(instance_id)
+    assert inst is not None
+    return int(inst.load.free_kv_blocks)
+
+
 def _pull_status(endpoint: str, transfer_id: str, layout: instance_pb2.KvLayout) -> grpc.StatusCode:
     with grpc_util.channel(endpoint) as ch:
         stub = kv_transfer_pb2_grpc.KvTransferStub(ch)
@@ -116,8 +135,9 @@ def roundtrip(vllm_pair: VllmPair, vllm_reference: VllmCpuInstance) -> Roundtrip
 
 
 def test_instances_listed_with_roles_by_pdplane_ls(
-    vllm_pair: VllmPair, registry_address: str
+    vllm_pair: VllmPair, registry_address: str, registry: RegistryHandle
 ) -> None:
+    _idle_free_blocks(registry, vllm_pair.prefill_id)  # a heartbeat carried the load report
     out = subprocess.run(
         [sys.executable, "-m", "pdplane.cli.main", "ls", "--json", "--registry", registry_address],
         capture_output=True,
@@ -262,7 +282,7 @@ def test_dead_prefill_recomputes_within_timeout_and_leaks_no_blocks(
     prompt = fresh_prompt(seed=20)
     reference = text(complete(vllm_reference.url, prompt))
     layout = _layout(registry, vllm_pair.decode_id)
-    baseline = _free_blocks(registry, vllm_pair.decode_id)
+    baseline = _idle_free_blocks(registry, vllm_pair.decode_id)
     dead = DecodeRequestParams(
         request_id="e2e-dead",
         transfer_id="e2e-dead.0000",
@@ -286,7 +306,7 @@ def test_unpulled_transfer_is_freed_after_timeout(
     vllm_pair: VllmPair, registry: RegistryHandle
 ) -> None:
     layout = _layout(registry, vllm_pair.prefill_id)
-    baseline = _free_blocks(registry, vllm_pair.prefill_id)
+    baseline = _idle_free_blocks(registry, vllm_pair.prefill_id)
     params = _prefill(vllm_pair, fresh_prompt(seed=30), "e2e-unpulled")
     held_at = time.monotonic()
     _wait_free_blocks(registry, vllm_pair.prefill_id, baseline - 4, timeout=3.0)
@@ -298,7 +318,7 @@ def test_unpulled_transfer_is_freed_after_timeout(
 
 def test_abort_frees_held_blocks_at_once(vllm_pair: VllmPair, registry: RegistryHandle) -> None:
     layout = _layout(registry, vllm_pair.prefill_id)
-    baseline = _free_blocks(registry, vllm_pair.prefill_id)
+    baseline = _idle_free_blocks(registry, vllm_pair.prefill_id)
     params = _prefill(vllm_pair, fresh_prompt(seed=40), "e2e-abort")
     tid = params["pdplane_transfer_id"]
     with grpc_util.channel(vllm_pair.prefill_kv_endpoint) as ch:
@@ -318,8 +338,8 @@ def test_concurrent_transfers_are_all_correct_and_leak_no_blocks(
 ) -> None:
     prompts = [fresh_prompt(seed=200 + i, num_tokens=300 + 20 * i) for i in range(6)]
     expected = [text(complete(vllm_reference.url, p)) for p in prompts]
-    base_p = _free_blocks(registry, vllm_pair.prefill_id)
-    base_d = _free_blocks(registry, vllm_pair.decode_id)
+    base_p = _idle_free_blocks(registry, vllm_pair.prefill_id)
+    base_d = _idle_free_blocks(registry, vllm_pair.decode_id)
 
     def one(i: int) -> str:
         params = _prefill(vllm_pair, prompts[i], f"e2e-concurrent-{i}")
@@ -370,6 +390,44 @@ def test_chat_prefill_then_streamed_decode_matches_reference(
     assert "".join(streamed) == expected.json()["choices"][0]["message"]["content"]
     tid = params["pdplane_transfer_id"]
     assert log_lines(vllm_pair.decode_log, f"transfer {tid}: pulled")
+
+
+class _HungPrefill(KvTransferServicer):
+    """Accepts PullBlocks and never sends a byte."""
+
+    def PullBlocks(self, request: Any, context: Any) -> Any:
+        while context.is_active():
+            time.sleep(0.02)
+        yield from ()
+
+
+def test_client_leaving_during_a_hung_pull_leaks_no_decode_blocks(
+    vllm_pair: VllmPair, vllm_reference: VllmCpuInstance, registry: RegistryHandle
+) -> None:
+    layout = _layout(registry, vllm_pair.decode_id)
+    server, port = start_kv_server(_HungPrefill(HoldTable(), TcpTransport(), layout), "127.0.0.1:0")
+    prompt = fresh_prompt(seed=50)
+    hung = DecodeRequestParams(
+        request_id="e2e-hung",
+        transfer_id="e2e-hung.0000",
+        engine_id="hung",
+        kv_endpoint=f"127.0.0.1:{port}",
+        block_ids=[1, 2, 3, 4],
+        num_tokens=len(prompt),
+        kv_layout=fingerprint(layout),
+    )
+    baseline = _idle_free_blocks(registry, vllm_pair.decode_id)
+    try:
+        with pytest.raises(httpx.TimeoutException):  # the client gives up and disconnects
+            complete(vllm_pair.decode_url, prompt, kv_transfer_params=hung.to_dict(), timeout=2.0)
+        # vLLM aborted the request but keeps its blocks until the connector reports the load
+        # finished; the connector does so at its pull timeout.
+        _wait_free_blocks(registry, vllm_pair.decode_id, baseline, timeout=PULL_TIMEOUT_S + 5)
+    finally:
+        server.stop(0).wait(5)
+    assert log_lines(vllm_pair.decode_log, "transfer e2e-hung.0000: pull failed")
+    other = fresh_prompt(seed=51, num_tokens=64)  # the engine is alive and serving
+    assert text(complete(vllm_pair.decode_url, other)) == text(complete(vllm_reference.url, other))
 
 
 def test_registry_restart_relists_both_within_2s(
