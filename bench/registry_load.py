@@ -4,8 +4,8 @@
     .venv/bin/python bench/registry_load.py --n 1000 --flavour aio,sync --duration-s 15
 
 For each flavour and N it starts `pdplane registry` as its own process, registers N instances,
-attaches one watcher (as the scheduler does), then sends every instance's heartbeat once a
-second, evenly spread, from `--clients` load-generator processes (asyncio gRPC; the
+attaches one watcher (as the scheduler does; `--max-batch`), then sends every instance's
+heartbeat once a second, evenly spread, from `--clients` load-generator processes (asyncio gRPC; the
 thread-per-instance client library would not scale to 10,000 simulated instances in one
 process). Each heartbeat carries a changed load report unless `--static-load`, so every
 heartbeat is also an UPDATED event on the watch.
@@ -96,6 +96,7 @@ async def _instance(
             out["lat"].append((time.perf_counter() - sent) * 1000)
         except grpc.aio.AioRpcError as exc:
             out["errors"][exc.code().name] = out["errors"].get(exc.code().name, 0) + 1
+            out.setdefault("details", {}).setdefault(exc.code().name, exc.details())
         next_at += 1.0
 
 
@@ -154,20 +155,23 @@ def _wait_serving(address: str, timeout: float) -> None:
 class _WatchCounter:
     """One watcher, like the scheduler: counts events, and REMOVED ones (lost instances)."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, max_batch: int) -> None:
         self._channel = grpc_util.channel(address)
         stub = registry_pb2_grpc.RegistryStub(self._channel)
-        self._call = stub.WatchInstances(registry_pb2.WatchInstancesRequest())
+        request = registry_pb2.WatchInstancesRequest(max_batch=max_batch)
+        self._call = stub.WatchInstances(request)
         self.events = self.removed = self.snapshots = 0
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         try:
-            for event in self._call:
-                self.events += 1
-                self.removed += event.type == registry_pb2.WatchEvent.REMOVED
-                self.snapshots += event.type == registry_pb2.WatchEvent.SNAPSHOT
+            for message in self._call:
+                batch = message.type == registry_pb2.WatchEvent.BATCH
+                for event in message.events if batch else [message]:
+                    self.events += 1
+                    self.removed += event.type == registry_pb2.WatchEvent.REMOVED
+                    self.snapshots += event.type == registry_pb2.WatchEvent.SNAPSHOT
         except grpc.RpcError:
             pass
 
@@ -188,7 +192,7 @@ def _run_one(flavour: str, n: int, args: argparse.Namespace) -> dict[str, Any]:
     watches: list[_WatchCounter] = []
     try:
         _wait_serving(address, 30)
-        watches += [_WatchCounter(address) for _ in range(args.watchers)]
+        watches += [_WatchCounter(address, args.max_batch) for _ in range(args.watchers)]
         watch = watches[0]
         share = -(-n // args.clients)
         for first in range(0, n, share):
@@ -246,6 +250,7 @@ def _run_one(flavour: str, n: int, args: argparse.Namespace) -> dict[str, Any]:
         "watch_events_s": round(events / args.duration_s, 1),
         "lost_instances": watch.removed,
         "errors": errors,
+        "error_details": {k: v for r in results for k, v in r.get("details", {}).items()},
         "generator_late_p99_ms": round(_percentile(late, 0.99), 1),
         "loadavg_1m": round(os.getloadavg()[0], 1),
     }
@@ -271,6 +276,9 @@ def main() -> int:
     parser.add_argument("--clients", type=int, default=2, help="load-generator processes")
     parser.add_argument("--static-load", action="store_true", help="unchanged load reports")
     parser.add_argument("--watchers", type=int, default=1, help="open watch streams (>= 1)")
+    parser.add_argument(
+        "--max-batch", type=int, default=256, help="watch events per message (the client's 256)"
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object per run")
     parser.add_argument("--generate", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--address", help=argparse.SUPPRESS)

@@ -26,6 +26,9 @@ SERVICE_NAME = "pdplane.v1.Registry"
 MAX_REQUESTED_TTL_MS = 3_600_000
 
 _R = TypeVar("_R")
+_Event = registry_pb2.WatchEvent
+#: Largest BATCH the registry sends, whatever a watcher asks for (bounds message size).
+MAX_BATCH = 1024
 _STATUS = {
     ValidationError: grpc.StatusCode.INVALID_ARGUMENT,
     NotFoundError: grpc.StatusCode.NOT_FOUND,
@@ -41,6 +44,33 @@ def _call(context: grpc.ServicerContext, empty: _R, fn: Callable[[], _R]) -> _R:
         context.set_code(_STATUS[type(exc)])
         context.set_details(str(exc))
         return empty
+
+
+def _pack(events: list[registry_pb2.WatchEvent], max_batch: int) -> list[registry_pb2.WatchEvent]:
+    """Packs runs of consecutive change events into BATCH messages of at most `max_batch`
+    events (order and revisions kept; SNAPSHOTs stay alone). `max_batch` <= 1: unchanged."""
+    if max_batch <= 1 or len(events) <= 1:
+        return events
+    out: list[registry_pb2.WatchEvent] = []
+    run: list[registry_pb2.WatchEvent] = []
+
+    def flush() -> None:
+        if len(run) == 1:
+            out.append(run[0])
+        elif run:
+            out.append(_Event(type=_Event.BATCH, revision=run[-1].revision, events=run))
+        run.clear()
+
+    for event in events:
+        if event.type == _Event.SNAPSHOT:
+            flush()
+            out.append(event)
+            continue
+        run.append(event)
+        if len(run) >= max_batch:
+            flush()
+    flush()
+    return out
 
 
 def _require(field: str, value: str) -> None:
@@ -138,12 +168,13 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
     ) -> Iterator[registry_pb2.WatchEvent]:
         """SNAPSHOT (or replay), then every change; holds one server thread while open."""
         wake = threading.Event()
+        max_batch = min(request.max_batch, MAX_BATCH)
         sub = self._store.watch(request.from_revision, wake.set)
         context.add_callback(wake.set)
         try:
             while context.is_active():
                 wake.clear()
-                yield from sub.poll()
+                yield from _pack(sub.poll(), max_batch)
                 wake.wait(1.0)
         finally:
             sub.close()
@@ -188,11 +219,12 @@ class AioRegistryServicer(RegistryServicer):
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(wake.set)
 
+        max_batch = min(request.max_batch, MAX_BATCH)
         sub = self._store.watch(request.from_revision, notify)
         try:
             while True:
                 wake.clear()
-                for event in sub.poll():
+                for event in _pack(sub.poll(), max_batch):
                     yield event
                 await wake.wait()
         finally:

@@ -23,6 +23,8 @@ log = logging.getLogger(__name__)
 
 _Event = registry_pb2.WatchEvent
 OnChange = Callable[[dict[str, instance_pb2.Instance]], None]
+#: Events per message the watcher accepts: a busy registry then sends fewer, larger messages.
+_MAX_BATCH = 256
 
 
 class InstanceWatcher:
@@ -121,7 +123,9 @@ class InstanceWatcher:
             self._stopping.wait(backoff.next_delay())
 
     def _watch_once(self, backoff: Backoff) -> None:
-        request = registry_pb2.WatchInstancesRequest(from_revision=self.revision)
+        request = registry_pb2.WatchInstancesRequest(
+            from_revision=self.revision, max_batch=_MAX_BATCH
+        )
         call = self._stub.WatchInstances(request, metadata=self._metadata)
         with self._lock:
             self._call = call
@@ -131,23 +135,28 @@ class InstanceWatcher:
             self._apply(event)
             backoff.reset()
 
-    def _apply(self, event: registry_pb2.WatchEvent) -> None:
+    def _apply(self, message: registry_pb2.WatchEvent) -> None:
+        events = message.events if message.type == _Event.BATCH else [message]
         with self._lock:
-            if event.type == _Event.SNAPSHOT:
-                self._view = {i.spec.instance_id: i for i in event.instances}
-                self.snapshots += 1
-            elif event.revision <= self._revision:
-                return  # already reflected (replayed after a reconnect)
-            elif event.type in (_Event.ADDED, _Event.UPDATED):
-                self._view[event.instance.spec.instance_id] = event.instance
-            elif event.type == _Event.REMOVED:
-                self._view.pop(event.instance.spec.instance_id, None)
-            else:
-                log.warning("ignoring watch event of unknown type %s", event.type)
-                return
-            self._revision = event.revision
+            for event in events:
+                self._apply_locked(event)
         self._ready.set()
         self._changed.set()
+
+    def _apply_locked(self, event: registry_pb2.WatchEvent) -> None:
+        if event.type == _Event.SNAPSHOT:
+            self._view = {i.spec.instance_id: i for i in event.instances}
+            self.snapshots += 1
+        elif event.revision <= self._revision:
+            return  # already reflected (replayed after a reconnect)
+        elif event.type in (_Event.ADDED, _Event.UPDATED):
+            self._view[event.instance.spec.instance_id] = event.instance
+        elif event.type == _Event.REMOVED:
+            self._view.pop(event.instance.spec.instance_id, None)
+        else:
+            log.warning("ignoring watch event of unknown type %s", event.type)
+            return
+        self._revision = event.revision
 
     def _notify_loop(self) -> None:
         assert self._on_change is not None

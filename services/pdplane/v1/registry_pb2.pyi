@@ -247,18 +247,25 @@ class WatchInstancesRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     FROM_REVISION_FIELD_NUMBER: _builtins.int
+    MAX_BATCH_FIELD_NUMBER: _builtins.int
     from_revision: _builtins.int
     """0 = start with a snapshot. Otherwise replay events after this revision when the registry
     still holds them, else a snapshot.
+    """
+    max_batch: _builtins.int
+    """> 1: the watcher accepts BATCH messages of up to this many consecutive ADDED / UPDATED /
+    REMOVED events (the registry packs the events that queued up while the stream was busy,
+    so a busy registry sends fewer, larger messages). 0 or 1: one event per message.
     """
     def __init__(
         self,
         *,
         from_revision: _builtins.int = ...,
+        max_batch: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["from_revision", b"from_revision"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["from_revision", b"from_revision", "max_batch", b"max_batch"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -280,6 +287,10 @@ class WatchEvent(_message.Message):
         ADDED: WatchEvent._Type.ValueType  # 2
         UPDATED: WatchEvent._Type.ValueType  # 3
         REMOVED: WatchEvent._Type.ValueType  # 4
+        BATCH: WatchEvent._Type.ValueType  # 5
+        """Consecutive events in `events` (only to watchers that set max_batch > 1); `revision` is
+        the last one's. Never holds a SNAPSHOT or another BATCH.
+        """
 
     class Type(_Type, metaclass=_TypeEnumTypeWrapper): ...
     TYPE_UNSPECIFIED: WatchEvent.Type.ValueType  # 0
@@ -288,12 +299,17 @@ class WatchEvent(_message.Message):
     ADDED: WatchEvent.Type.ValueType  # 2
     UPDATED: WatchEvent.Type.ValueType  # 3
     REMOVED: WatchEvent.Type.ValueType  # 4
+    BATCH: WatchEvent.Type.ValueType  # 5
+    """Consecutive events in `events` (only to watchers that set max_batch > 1); `revision` is
+    the last one's. Never holds a SNAPSHOT or another BATCH.
+    """
 
     TYPE_FIELD_NUMBER: _builtins.int
     REVISION_FIELD_NUMBER: _builtins.int
     INSTANCE_FIELD_NUMBER: _builtins.int
     INSTANCES_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
+    EVENTS_FIELD_NUMBER: _builtins.int
     type: Global___WatchEvent.Type.ValueType
     revision: _builtins.int
     reason: _builtins.str
@@ -306,6 +322,10 @@ class WatchEvent(_message.Message):
     def instances(self) -> _containers.RepeatedCompositeFieldContainer[_instance_pb2.Instance]:
         """SNAPSHOT"""
 
+    @_builtins.property
+    def events(self) -> _containers.RepeatedCompositeFieldContainer[Global___WatchEvent]:
+        """BATCH"""
+
     def __init__(
         self,
         *,
@@ -314,10 +334,11 @@ class WatchEvent(_message.Message):
         instance: _instance_pb2.Instance | None = ...,
         instances: _abc.Iterable[_instance_pb2.Instance] | None = ...,
         reason: _builtins.str = ...,
+        events: _abc.Iterable[Global___WatchEvent] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["instance", b"instance"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["instance", b"instance", "instances", b"instances", "reason", b"reason", "revision", b"revision", "type", b"type"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["events", b"events", "instance", b"instance", "instances", b"instances", "reason", b"reason", "revision", b"revision", "type", b"type"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

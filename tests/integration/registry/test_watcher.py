@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import threading
 
+from pdplane.core import grpc_util
 from pdplane.registry.client import InstanceWatcher
+from pdplane.registry.memory_store import InMemoryStore
 from pdplane.registry.server import RegistryServer
-from pdplane.v1 import instance_pb2
+from pdplane.v1 import instance_pb2, registry_pb2, registry_pb2_grpc
 from tests.integration.registry.conftest import wait_until
 from tests.integration.registry.fixtures import make_spec
+
+Ev = registry_pb2.WatchEvent
 
 
 def test_on_change_sees_the_newest_view_and_survives_errors(registry: RegistryServer) -> None:
@@ -36,3 +40,31 @@ def test_on_change_sees_the_newest_view_and_survives_errors(registry: RegistrySe
     finally:
         watcher.stop()
     assert not [t for t in threading.enumerate() if t.name.startswith("pdplane-watch")]
+
+
+def test_batched_watch_keeps_every_event_in_order(registry: RegistryServer) -> None:
+    with grpc_util.channel(registry.address) as chan:
+        stub = registry_pb2_grpc.RegistryStub(chan)
+        call = stub.WatchInstances(registry_pb2.WatchInstancesRequest(max_batch=50))
+        messages = iter(call)
+        first = next(messages)
+        assert first.type == Ev.SNAPSHOT
+        store = registry.store
+        assert isinstance(store, InMemoryStore)
+        with store.lock:  # the stream cannot drain meanwhile: 200 events queue up
+            for i in range(200):
+                registry.store.register(make_spec(f"q{i}"), 0)
+        events: list[registry_pb2.WatchEvent] = []
+        sizes: list[int] = []
+        while not events or events[-1].revision < registry.store.revision:
+            message = next(messages)
+            if message.type == Ev.BATCH:
+                assert message.revision == message.events[-1].revision
+                sizes.append(len(message.events))
+                events.extend(message.events)
+            else:
+                events.append(message)
+        call.cancel()
+    assert sizes and max(sizes) == 50  # packed, and never beyond what the watcher asked for
+    assert [e.revision for e in events] == list(range(first.revision + 1, first.revision + 201))
+    assert [e.instance.spec.instance_id for e in events] == [f"q{i}" for i in range(200)]
