@@ -70,13 +70,16 @@ def instance_to_dict(instance: instance_pb2.Instance) -> dict[str, Any]:
 
 
 def event_to_dict(event: registry_pb2.WatchEvent) -> dict[str, Any]:
-    """A WatchEvent as a dict: type, revision, then `instances` (SNAPSHOT) or `instance`."""
+    """A WatchEvent as a dict: type, revision, then `instances` (SNAPSHOT), `events` (BATCH)
+    or `instance`."""
     out: dict[str, Any] = {
         "type": registry_pb2.WatchEvent.Type.Name(event.type),
         "revision": event.revision,
     }
     if event.type == registry_pb2.WatchEvent.SNAPSHOT:
         out["instances"] = [instance_to_dict(i) for i in event.instances]
+    elif event.type == registry_pb2.WatchEvent.BATCH:
+        out["events"] = [event_to_dict(e) for e in event.events]
     else:
         out["instance"] = instance_to_dict(event.instance)
     if event.reason:

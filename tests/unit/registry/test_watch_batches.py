@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pdplane.core.instance_json import event_to_dict
 from pdplane.registry.servicer import _pack
 from pdplane.v1 import registry_pb2
 
@@ -29,3 +30,10 @@ def test_runs_are_chunked_and_snapshots_stay_alone() -> None:
 def test_a_single_event_is_sent_as_itself() -> None:
     (only,) = _pack(_events("U"), 10)
     assert only.type == Ev.UPDATED
+
+
+def test_json_view_of_a_batch() -> None:
+    (batch,) = _pack(_events("AR"), 5)
+    view = event_to_dict(batch)
+    assert (view["type"], view["revision"]) == ("BATCH", 2)
+    assert [e["type"] for e in view["events"]] == ["ADDED", "REMOVED"]
