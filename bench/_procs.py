@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import shutil
 import signal
 import socket
@@ -64,15 +65,23 @@ class Proc:
             stack.extend(tree.get(pid, []))
         return total
 
-    def read_json_lines(self, count: int, timeout_s: float = 30.0) -> list[dict[str, Any]]:
-        """Reads `count` JSON lines from the child's stdout (e.g. `pdplane sim` readiness)."""
-        assert self.popen.stdout is not None
+    def read_json_lines(self, count: int, timeout_s: float = 60.0) -> list[dict[str, Any]]:
+        """Reads `count` JSON lines from the child's stdout (e.g. `pdplane sim` readiness).
+
+        Raises RuntimeError when the child exits first or `timeout_s` passes.
+        """
+        stdout = self.popen.stdout
+        assert stdout is not None
         deadline = time.monotonic() + timeout_s
         lines: list[dict[str, Any]] = []
         while len(lines) < count:
-            if time.monotonic() > deadline or self.popen.poll() is not None:
-                raise RuntimeError(f"{self.name} did not start; see {self._log.name}")
-            line = self.popen.stdout.readline()
+            left = deadline - time.monotonic()
+            ready = select.select([stdout], [], [], max(left, 0))[0] if left > 0 else []
+            line = stdout.readline() if ready else ""
+            if not line:
+                code = self.popen.poll()
+                why = f"exited with {code}" if code is not None else f"silent for {timeout_s} s"
+                raise RuntimeError(f"{self.name} {why}; see {self._log.name}")
             if line.strip().startswith("{"):
                 lines.append(json.loads(line))
         return lines

@@ -129,7 +129,11 @@ def _bench_cell(
 ) -> list[dict[str, Any]]:
     n_p, n_d = TOPOLOGIES[topology]
     prefill, p_urls = _start_sims("prefill", n_p, KNOBS[knobs], registry, args.load_cpus, logs)
-    decode, d_urls = _start_sims("decode", n_d, KNOBS[knobs], registry, args.load_cpus, logs)
+    try:
+        decode, d_urls = _start_sims("decode", n_d, KNOBS[knobs], registry, args.load_cpus, logs)
+    except BaseException:
+        prefill.stop()
+        raise
     fleet = Fleet(registry, p_urls, d_urls)
     rows: list[dict[str, Any]] = []
     try:
@@ -261,7 +265,9 @@ def main(argv: list[str] | None = None) -> int:
         help="skip pdplane's concurrent dispatch under realistic knobs",
     )
     parser.add_argument("--quick", action="store_true", help="1P1D, zero knobs, 1 s windows")
-    parser.add_argument("--out", default="logs/bench/relay.json")
+    parser.add_argument(
+        "--out", default="", help="results JSON (default logs/bench/relay-<UTC time>/relay.json)"
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.topologies, args.knobs, args.duration = "1P1D", "zero", 1.0
@@ -272,7 +278,9 @@ def main(argv: list[str] | None = None) -> int:
         if peer in proxies and hint:
             print(f"{peer} is not installed; skipping it. Install with:\n  {hint}", file=sys.stderr)
             proxies.remove(peer)
-    out = ROOT / args.out
+    # A folder per run: logs of concurrent runs must not overwrite each other.
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    out = ROOT / (args.out or f"logs/bench/relay-{stamp}/relay.json")
     logs = out.parent
     logs.mkdir(parents=True, exist_ok=True)
     os.sched_setaffinity(0, {int(c) for c in args.load_cpus.split(",")})
@@ -310,6 +318,7 @@ def main(argv: list[str] | None = None) -> int:
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    print(f"results: {out}", file=sys.stderr)
     print(report(rows))
     return 0
 
