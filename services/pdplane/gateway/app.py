@@ -12,6 +12,7 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 
 from pdplane.gateway.auth import ApiKeys
+from pdplane.gateway.embedded import EmbeddedScheduler
 from pdplane.gateway.endpoints import RelayEndpoints
 from pdplane.gateway.errors import error_body
 from pdplane.gateway.fleet import FleetTracker, FleetView
@@ -36,9 +37,11 @@ def create_app(
     """The gateway app for `settings`.
 
     `scheduler` and `fleet` replace the real scheduler client and registry view (tests);
-    otherwise the app connects to `settings.scheduler` and watches `settings.registry` from its
-    lifespan's startup (waiting up to `registry_wait_s` for the first snapshot) and closes
-    everything at shutdown.
+    otherwise the app connects to `settings.scheduler` (or, with `--scheduler embedded`, decides
+    in-process over its registry view, see `pdplane.gateway.embedded`) and watches
+    `settings.registry` from its lifespan's startup (waiting up to `registry_wait_s` for the
+    first snapshot) and closes everything at shutdown. Raises ValueError for an embedded
+    scheduler with a `fleet` override.
     """
     metrics = GatewayMetrics()
     upstream = UpstreamClient(
@@ -47,8 +50,18 @@ def create_app(
     aborter = KvAborter(
         token=settings.token, tls_ca=settings.tls_ca, timeout_s=settings.abort_timeout_s
     )
+    tracker = None
+    if fleet is None:
+        tracker = FleetTracker(settings.registry, token=settings.token, tls_ca=settings.tls_ca)
+        fleet = lambda: tracker.view  # noqa: E731
     owned_scheduler = None
-    if scheduler is None:
+    if scheduler is None and settings.embedded_scheduler:
+        if tracker is None:
+            raise ValueError("--scheduler embedded needs the registry view (no `fleet` override)")
+        scheduler, view = EmbeddedScheduler.over(tracker.source, settings, metrics.registry)
+        # A restarted registry may reuse revision numbers: every change forces a re-read.
+        tracker.subscribe(view.mark_dirty)
+    elif scheduler is None:
         from pdplane.scheduler.client import SchedulerClient
 
         scheduler = owned_scheduler = SchedulerClient(
@@ -57,10 +70,6 @@ def create_app(
             tls_ca=settings.tls_ca,
             timeout_s=settings.schedule_timeout_s,
         )
-    tracker = None
-    if fleet is None:
-        tracker = FleetTracker(settings.registry, token=settings.token, tls_ca=settings.tls_ca)
-        fleet = lambda: tracker.view  # noqa: E731
     config = RelayConfig(
         dispatch=settings.dispatch,
         upstream_timeout_s=settings.upstream_timeout_s,
@@ -93,6 +102,7 @@ def create_app(
     # The relay endpoints sit in front of FastAPI's routing (see pdplane.gateway.endpoints).
     app.add_middleware(RelayEndpoints, relay=relay, fleet=fleet, metrics=metrics, api_keys=keys)
     app.state.relay = relay
+    app.state.scheduler = scheduler
     app.state.metrics = metrics
     return app
 

@@ -105,7 +105,7 @@ class Attempt:
             self.relay.spawn(self.relay.abort_transfer(self.params, outcome))
         if outcome == "cancelled":
             self.relay.metrics.cancellations.inc()
-        self.relay.spawn(self.relay.release(self.request_id, outcome))
+        self.relay.release_soon(self.request_id, outcome)
 
     # -- prefill -------------------------------------------------------------------------
 

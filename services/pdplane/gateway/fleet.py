@@ -6,11 +6,12 @@ atomically, so the request path only reads a ready-made `FleetView`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from pdplane.scheduler.candidate import Candidate
+from pdplane.scheduler.view import InstanceSource
 from pdplane.v1 import instance_pb2
 
 __all__ = ["FleetTracker", "FleetView", "ModelState", "build_view"]
@@ -137,12 +138,25 @@ class FleetTracker:
         from pdplane.registry.client import InstanceWatcher
 
         self.view = FleetView()
+        self._listeners: list[Callable[[], None]] = []
         self._watcher = InstanceWatcher(
             registry, token=token, tls_ca=tls_ca, on_change=self._on_change
         )
 
+    @property
+    def source(self) -> InstanceSource:
+        """The registry watcher itself (revision + snapshot), e.g. for a `CandidateView`."""
+        return self._watcher
+
+    def subscribe(self, listener: Callable[[], None]) -> None:
+        """Calls `listener()` after every change (on the watcher's notifier thread); call
+        before `start`."""
+        self._listeners.append(listener)
+
     def _on_change(self, instances: dict[str, instance_pb2.Instance]) -> None:
         self.view = build_view(instances.values())
+        for listener in self._listeners:
+            listener()
 
     def start(self, wait_s: float) -> bool:
         """Starts watching; blocks up to `wait_s` s for the first snapshot (True once it came)."""

@@ -22,7 +22,7 @@ import asyncio
 import logging
 from collections.abc import Coroutine, Iterable
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, runtime_checkable
 
 from pdplane.core.kv_params import DecodeRequestParams
 from pdplane.gateway.attempt import Attempt
@@ -35,7 +35,7 @@ from pdplane.gateway.validation import ClientRequest
 from pdplane.scheduler.client import SchedulerError, SchedulerUnavailable
 from pdplane.v1 import scheduler_pb2
 
-__all__ = ["Dispatch", "Relay", "RelayConfig", "SchedulerPort"]
+__all__ = ["Dispatch", "InlineRelease", "Relay", "RelayConfig", "SchedulerPort"]
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +57,13 @@ class SchedulerPort(Protocol):
     ) -> scheduler_pb2.ScheduleResponse: ...
 
     async def release(self, request_id: str, outcome: str) -> bool: ...
+
+
+@runtime_checkable
+class InlineRelease(Protocol):
+    """A scheduler whose Release is a plain call (embedded): no background task per request."""
+
+    def release_now(self, request_id: str, outcome: str) -> bool: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +101,7 @@ class Relay:
         self.metrics = metrics
         self.config = config
         self._background: set[asyncio.Task[Any]] = set()
+        self._release_now = scheduler.release_now if isinstance(scheduler, InlineRelease) else None
 
     async def handle(
         self, req: ClientRequest, request_id: str, started: float, max_model_len: int
@@ -142,7 +150,7 @@ class Relay:
         except asyncio.CancelledError:
             # The scheduler may have counted the request before the client left; an unknown id
             # is harmless to Release.
-            self.spawn(self.release(request_id, "cancelled"))
+            self.release_soon(request_id, "cancelled")
             raise
         except SchedulerUnavailable as exc:
             if last is not None:
@@ -158,6 +166,17 @@ class Relay:
         task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+    def release_soon(self, request_id: str, outcome: str) -> None:
+        """Release(request_id, outcome) off the request path: inline when the scheduler is
+        embedded, else as a background call; failures are logged."""
+        if self._release_now is None:
+            self.spawn(self.release(request_id, outcome))
+            return
+        try:
+            self._release_now(request_id, outcome)
+        except Exception as exc:
+            log.warning("Release(%s, %s) failed: %s", request_id, outcome, exc)
 
     async def release(self, request_id: str, outcome: str) -> None:
         """Release(request_id, outcome); failures are logged (the scheduler's lease-free

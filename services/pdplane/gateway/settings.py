@@ -7,16 +7,26 @@ from typing import Literal
 from pydantic import Field
 
 from pdplane.core import defaults
-from pdplane.core.settings import CommandSettings
+from pdplane.scheduler.settings import PolicySettings
 
-__all__ = ["GatewaySettings"]
+__all__ = ["EMBEDDED", "GatewaySettings"]
 
 
-class GatewaySettings(CommandSettings):
-    """Flags of `pdplane gateway` (env: PDPLANE_SCHEDULER, PDPLANE_API_KEY, ...)."""
+#: `--scheduler` value that runs the scheduler's decision code inside the gateway process.
+EMBEDDED = "embedded"
+
+
+class GatewaySettings(PolicySettings):
+    """Flags of `pdplane gateway` (env: PDPLANE_SCHEDULER, PDPLANE_API_KEY, ...).
+
+    The policy flags (`--prefill-policy`, `--decode-policy`, `--inflight-timeout-s`, `--seed`)
+    apply with `--scheduler embedded` only; a remote scheduler has its own.
+    """
 
     scheduler: str = Field(
-        f"127.0.0.1:{defaults.SCHEDULER_PORT}", description="scheduler gRPC address host:port"
+        f"127.0.0.1:{defaults.SCHEDULER_PORT}",
+        description="scheduler gRPC address host:port, or 'embedded': decide in this process "
+        "over the registry view (one gateway only; see docs/gateway.md)",
     )
     registry: str = Field(
         f"127.0.0.1:{defaults.REGISTRY_PORT}",
@@ -59,6 +69,11 @@ class GatewaySettings(CommandSettings):
         30, ge=0, description="on SIGTERM/SIGINT, wait this long for open requests to end (s)"
     )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info")
+
+    @property
+    def embedded_scheduler(self) -> bool:
+        """Whether `--scheduler embedded` was given."""
+        return self.scheduler == EMBEDDED
 
     def api_keys(self) -> tuple[str, ...]:
         """The accepted API keys (empty: no authentication)."""

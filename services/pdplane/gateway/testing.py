@@ -18,13 +18,14 @@ from contextlib import contextmanager
 from typing import Any
 
 import uvicorn
+from fastapi import FastAPI
 
 from pdplane.gateway.app import create_app
 from pdplane.gateway.fleet import FleetView
 from pdplane.gateway.relay import SchedulerPort
 from pdplane.gateway.settings import GatewaySettings
 
-__all__ = ["running_gateway"]
+__all__ = ["running_gateway", "running_gateway_app"]
 
 _START_TIMEOUT_S = 30.0
 
@@ -40,10 +41,27 @@ def running_gateway(
 ) -> Iterator[str]:
     """Serves a gateway for the block; yields its base URL "http://127.0.0.1:<port>".
 
-    `scheduler`/`registry` are gRPC addresses; `scheduler_port`/`fleet` replace the real clients
-    (unit tests). Keywords are `GatewaySettings` fields. Raises RuntimeError when the server does
-    not start within 30 s. On exit the server shuts down and its thread is joined.
+    `scheduler`/`registry` are gRPC addresses (`scheduler="embedded"` decides in-process);
+    `scheduler_port`/`fleet` replace the real clients (unit tests). Keywords are
+    `GatewaySettings` fields. Raises RuntimeError when the server does not start within 30 s.
+    On exit the server shuts down and its thread is joined.
     """
+    with running_gateway_app(
+        scheduler, registry, scheduler_port=scheduler_port, fleet=fleet, **settings
+    ) as (url, _app):
+        yield url
+
+
+@contextmanager
+def running_gateway_app(
+    scheduler: str = "",
+    registry: str = "",
+    *,
+    scheduler_port: SchedulerPort | None = None,
+    fleet: Callable[[], FleetView] | None = None,
+    **settings: Any,
+) -> Iterator[tuple[str, FastAPI]]:
+    """`running_gateway`, yielding (base URL, the app) so that tests can read `app.state`."""
     config = GatewaySettings.model_validate(
         {
             **({"scheduler": scheduler} if scheduler else {}),
@@ -77,7 +95,7 @@ def running_gateway(
         time.sleep(0.01)
     try:
         port = server.servers[0].sockets[0].getsockname()[1]
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://127.0.0.1:{port}", app
     finally:
         server.should_exit = True
         thread.join(_START_TIMEOUT_S)

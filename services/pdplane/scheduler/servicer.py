@@ -9,7 +9,7 @@ from pdplane.scheduler.errors import InvalidRequest, NoInstance
 from pdplane.scheduler.service import ScheduleInput, SchedulerService
 from pdplane.v1 import scheduler_pb2, scheduler_pb2_grpc
 
-__all__ = ["SchedulerServicer"]
+__all__ = ["SchedulerServicer", "instance_ref"]
 
 _OUTCOME_NAMES = {
     scheduler_pb2.OUTCOME_UNSPECIFIED: "unspecified",
@@ -19,7 +19,8 @@ _OUTCOME_NAMES = {
 }
 
 
-def _ref(c: Candidate) -> scheduler_pb2.InstanceRef:
+def instance_ref(c: Candidate) -> scheduler_pb2.InstanceRef:
+    """The `InstanceRef` of a chosen candidate (what Schedule answers per side)."""
     return scheduler_pb2.InstanceRef(
         instance_id=c.instance_id, url=c.url, kv_endpoint=c.kv_endpoint, transport=c.transport
     )
@@ -54,7 +55,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         except NoInstance as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         return scheduler_pb2.ScheduleResponse(
-            prefill=_ref(decision.prefill), decode=_ref(decision.decode), reason=decision.reason
+            prefill=instance_ref(decision.prefill),
+            decode=instance_ref(decision.decode),
+            reason=decision.reason,
         )
 
     async def Release(

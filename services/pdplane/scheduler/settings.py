@@ -8,7 +8,7 @@ from pdplane.core import defaults
 from pdplane.core.settings import CommandSettings
 from pdplane.scheduler.policies import POLICIES
 
-__all__ = ["SchedulerSettings"]
+__all__ = ["PolicySettings", "SchedulerSettings"]
 
 
 def _known_policy(name: str) -> str:
@@ -17,19 +17,36 @@ def _known_policy(name: str) -> str:
     return name
 
 
-class SchedulerSettings(CommandSettings):
-    """Flags of `pdplane scheduler`."""
+class PolicySettings(CommandSettings):
+    """The decision flags shared by `pdplane scheduler` and `pdplane gateway --scheduler
+    embedded` (which runs the same decision code in the gateway process)."""
 
-    registry: str = Field(description="registry gRPC address, host:port")
-    host: str = Field(default="127.0.0.1", description="address to serve gRPC on")
-    port: int = Field(
-        default=defaults.SCHEDULER_PORT, ge=0, le=65535, description="gRPC port (0 = any free port)"
-    )
     prefill_policy: str = Field(
         default="least_loaded", description=f"prefill policy: {', '.join(POLICIES)}"
     )
     decode_policy: str = Field(
         default="least_loaded", description=f"decode policy: {', '.join(POLICIES)}"
+    )
+    inflight_timeout_s: float = Field(
+        default=600.0,
+        gt=0,
+        description="seconds after which an unreleased assignment stops counting",
+    )
+    seed: int | None = Field(
+        default=None, description="seed of the random and power_of_two policies"
+    )
+
+    _check_prefill = field_validator("prefill_policy")(_known_policy)
+    _check_decode = field_validator("decode_policy")(_known_policy)
+
+
+class SchedulerSettings(PolicySettings):
+    """Flags of `pdplane scheduler` (plus the decision flags of `PolicySettings`)."""
+
+    registry: str = Field(description="registry gRPC address, host:port")
+    host: str = Field(default="127.0.0.1", description="address to serve gRPC on")
+    port: int = Field(
+        default=defaults.SCHEDULER_PORT, ge=0, le=65535, description="gRPC port (0 = any free port)"
     )
     token: str | None = Field(
         default=None, description="bearer token required from callers and sent to the registry"
@@ -45,17 +62,6 @@ class SchedulerSettings(CommandSettings):
     metrics_port: int = Field(
         default=0, ge=0, le=65535, description="Prometheus /metrics HTTP port (0 = off)"
     )
-    inflight_timeout_s: float = Field(
-        default=600.0,
-        gt=0,
-        description="seconds after which an unreleased assignment stops counting",
-    )
     registry_wait_s: float = Field(
         default=5.0, ge=0, description="seconds to wait for the first registry snapshot at start"
     )
-    seed: int | None = Field(
-        default=None, description="seed of the random and power_of_two policies"
-    )
-
-    _check_prefill = field_validator("prefill_policy")(_known_policy)
-    _check_decode = field_validator("decode_policy")(_known_policy)

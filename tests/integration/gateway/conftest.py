@@ -2,6 +2,8 @@
 
 `stack` starts a registry (short lease), a scheduler watching it and a gateway using both; each
 test starts the sims it needs with `stack.sims(...)` (they register themselves and heartbeat).
+`stack` runs every test twice: with the remote scheduler process and with the scheduler
+embedded in the gateway (`--scheduler embedded`); `stack_factory(embedded=True)` picks one.
 """
 
 from __future__ import annotations
@@ -14,8 +16,10 @@ from typing import Any
 import httpx
 import pytest
 
-from pdplane.gateway.testing import running_gateway
+from pdplane.gateway.embedded import EmbeddedScheduler
+from pdplane.gateway.testing import running_gateway_app
 from pdplane.scheduler.server import SchedulerServer
+from pdplane.scheduler.service import SchedulerService
 from pdplane.sim.testing import RunningSims, running_sims
 from tests.integration.registry.fixtures import running_registry
 from tests.integration.scheduler.fixtures import running_scheduler_server
@@ -33,12 +37,23 @@ def wait_for(condition: Callable[[], bool], timeout: float = 5.0, what: str = ""
 
 
 class Stack:
-    """Addresses of the running services plus helpers to start sims and read state."""
+    """Addresses of the running services plus helpers to start sims and read state.
 
-    def __init__(self, registry: str, scheduler: SchedulerServer, gateway: str) -> None:
+    `scheduler` is the remote scheduler process (None when the gateway embeds it); `service` is
+    the `SchedulerService` deciding for the gateway either way.
+    """
+
+    def __init__(
+        self,
+        registry: str,
+        scheduler: SchedulerServer | None,
+        gateway: str,
+        service: SchedulerService,
+    ) -> None:
         self.registry = registry
         self.scheduler = scheduler
         self.url = gateway
+        self.service = service
         self._exits = contextlib.ExitStack()
 
     def sims(self, roles: list[str], **knobs: Any) -> RunningSims:
@@ -55,8 +70,7 @@ class Stack:
         """Waits until the gateway is healthy and the scheduler sees every sim of `sims`."""
         wait_for(lambda: self.health().status_code == 200, 10, "gateway /health 200")
         ids = {h.instance_id for h in sims.handles}
-        view = self.scheduler.app.view
-        assert view is not None
+        view = self.service.view
         wait_for(
             lambda: ids <= {c.instance_id for c in view.candidates(MODEL)},
             10,
@@ -64,9 +78,7 @@ class Stack:
         )
 
     def scheduler_inflight(self) -> int:
-        service = self.scheduler.app.service
-        assert service is not None
-        return len(service.inflight)
+        return len(self.service.inflight)
 
     def close(self) -> None:
         self._exits.close()
@@ -74,18 +86,31 @@ class Stack:
 
 @pytest.fixture
 def stack_factory() -> Iterator[Callable[..., Stack]]:
-    """Starts a Stack; keywords are GatewaySettings fields."""
+    """Starts a Stack; `embedded=True` embeds the scheduler in the gateway (no scheduler
+    process); other keywords are GatewaySettings fields."""
     exits = contextlib.ExitStack()
 
-    def start(**gateway_settings: Any) -> Stack:
+    def start(*, embedded: bool = False, **gateway_settings: Any) -> Stack:
         registry = exits.enter_context(
             running_registry(lease_ttl_ms=2000, heartbeat_interval_ms=200)
         )
-        scheduler = exits.enter_context(running_scheduler_server(registry))
-        url = exits.enter_context(
-            running_gateway(scheduler.address, registry, registry_wait_s=5.0, **gateway_settings)
+        scheduler = None
+        if embedded:
+            address = "embedded"
+        else:
+            scheduler = exits.enter_context(running_scheduler_server(registry))
+            address = scheduler.address
+        url, app = exits.enter_context(
+            running_gateway_app(address, registry, registry_wait_s=5.0, **gateway_settings)
         )
-        stack = Stack(registry, scheduler, url)
+        if scheduler is None:
+            port = app.state.scheduler
+            assert isinstance(port, EmbeddedScheduler)
+            service = port.service
+        else:
+            assert scheduler.app.service is not None
+            service = scheduler.app.service
+        stack = Stack(registry, scheduler, url, service)
         exits.callback(stack.close)  # sims stop first (LIFO)
         return stack
 
@@ -93,9 +118,10 @@ def stack_factory() -> Iterator[Callable[..., Stack]]:
         yield start
 
 
-@pytest.fixture
-def stack(stack_factory: Callable[..., Stack]) -> Stack:
-    return stack_factory()
+@pytest.fixture(params=["remote", "embedded"])
+def stack(request: pytest.FixtureRequest, stack_factory: Callable[..., Stack]) -> Stack:
+    """A Stack with the remote scheduler, then with the scheduler embedded in the gateway."""
+    return stack_factory(embedded=request.param == "embedded")
 
 
 @pytest.fixture

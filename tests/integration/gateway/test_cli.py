@@ -13,8 +13,10 @@ from tests.integration.gateway.conftest import MODEL, Stack, wait_for
 
 
 def test_gateway_command_serves_and_shuts_down_cleanly(
-    stack: Stack, free_port: Callable[[], int]
+    stack_factory: Callable[..., Stack], free_port: Callable[[], int]
 ) -> None:
+    stack = stack_factory()
+    assert stack.scheduler is not None
     sims = stack.sims(["prefill", "decode"], itl_ms=100)
     stack.wait_ready(sims)
     port = free_port()

@@ -1,0 +1,116 @@
+"""`bench/relay.py` with pdplane's scheduler modes side by side in one run.
+
+Adds the proxy name `pdplane-embedded` (the gateway alone, `--scheduler embedded`, round_robin
+on both sides like the other proxies) next to relay.py's own `pdplane` (gateway + scheduler
+process) and the peers, over the same sims and load generator, then prints relay.py's tables
+plus one ratio line per pdplane variant against each peer.
+
+    .venv/bin/python bench/gateway_modes.py --quick \\
+        --proxies direct,pdplane,pdplane-embedded,vllm-router,xpyd-proxy --concurrency 16,64
+
+Every relay.py flag applies (`--out PATH` as two words; default logs/bench/gateway_modes.json).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench import relay  # noqa: E402
+from bench._procs import free_port, spawn  # noqa: E402
+from bench._proxies import Fleet, ProxyRun, _wait_ready, start_proxy  # noqa: E402
+
+_PEERS = ("vllm-router", "xpyd-proxy")
+
+
+def _embedded(fleet: Fleet, cpus: str, logs: Path) -> ProxyRun:
+    port = free_port()
+    gateway = spawn(
+        "pdplane-gateway-embedded",
+        [
+            sys.executable,
+            "-m",
+            "pdplane.cli.main",
+            "gateway",
+            "--scheduler",
+            "embedded",
+            "--prefill-policy",
+            "round_robin",
+            "--decode-policy",
+            "round_robin",
+            "--registry",
+            fleet.registry,
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+        ],
+        cpus,
+        logs,
+    )
+    return ProxyRun("pdplane-embedded", f"http://127.0.0.1:{port}", [gateway])
+
+
+def _start_proxy(name: str, fleet: Fleet, cpus: str, logs: Path) -> ProxyRun:
+    if name != "pdplane-embedded":
+        return start_proxy(name, fleet, cpus, logs)
+    run = _embedded(fleet, cpus, logs)
+    try:
+        _wait_ready(run, fleet.model)
+    except BaseException:
+        run.stop()
+        raise
+    return run
+
+
+def _cpu(measured: list[dict[str, Any]], name: str) -> float:
+    # Windows with few completions (saturated points) say little about cost, as in relay.py.
+    vals = [r["proxy_cpu_ms_per_req"] for r in measured if r["proxy"] == name and r["ok"] >= 50]
+    return sum(vals) / len(vals) if vals else math.nan
+
+
+def _added99(measured: list[dict[str, Any]], name: str, streams: int = 64) -> float:
+    floor = next(
+        (r for r in measured if r["proxy"] == "direct" and r["concurrency"] == streams), None
+    )
+    r = next((r for r in measured if r["proxy"] == name and r["concurrency"] == streams), None)
+    return r["p99_ms"] - floor["p99_ms"] if r and floor else math.nan
+
+
+def _summary(rows: list[dict[str, Any]]) -> list[str]:
+    """Per cell and pdplane variant: mean CPU ms/req and added p99 at 64 streams vs each peer."""
+    lines = []
+    for cell in sorted({(r["topology"], r["knobs"]) for r in rows}):
+        measured = [r for r in rows if (r["topology"], r["knobs"]) == cell and "rps" in r]
+        names = sorted({r["proxy"] for r in measured if r["proxy"].startswith("pdplane")})
+        for ours in names:
+            for peer in _PEERS:
+                if any(r["proxy"] == peer for r in measured):
+                    mine, theirs = _cpu(measured, ours), _cpu(measured, peer)
+                    lines.append(
+                        f"- {cell[0]} {cell[1]}: {ours} vs {peer}: CPU ms/req {mine:.3f} vs "
+                        f"{theirs:.3f} (x{mine / theirs:.2f}); added p99 at 64 streams "
+                        f"{_added99(measured, ours):.2f} vs {_added99(measured, peer):.2f} ms"
+                    )
+    return lines
+
+
+def main(argv: list[str]) -> int:
+    if "--out" not in argv:
+        argv = [*argv, "--out", "logs/bench/gateway_modes.json"]
+    out = ROOT / argv[argv.index("--out") + 1]
+    relay.start_proxy = _start_proxy  # relay.py resolves its proxies through this name
+    code = relay.main(argv)
+    print("\n" + "\n".join(_summary(json.loads(out.read_text())["rows"])))
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
