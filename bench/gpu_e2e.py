@@ -91,6 +91,10 @@ def _vllm(name: str, opts: VllmCpuOptions, args: argparse.Namespace, work: Path)
             "--gpu-memory-utilization", str(args.gpu_memory_utilization),
         ]
     )  # fmt: skip
+    if args.kv_cache_memory and not args.cpu:
+        # A fixed KV size skips vLLM's memory profiling, which fails when instances sharing a
+        # GPU start at the same time (each sees the others' allocations).
+        device_args += ["--kv-cache-memory", str(args.kv_cache_memory)]
     argv = [
         sys.executable,
         "-m",
@@ -134,6 +138,12 @@ def main() -> int:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.2)
     p.add_argument("--max-tokens", type=int, default=24)
     p.add_argument("--transport", default="nccl", choices=["nccl", "tcp"])
+    p.add_argument(
+        "--kv-cache-memory",
+        type=int,
+        default=0,
+        help="KV cache bytes per GPU instance: instances start together; 0 = one after another",
+    )
     p.add_argument(
         "--cpu", action="store_true", help="vLLM CPU instead (with --transport tcp: a dry run)"
     )
@@ -186,9 +196,14 @@ def main() -> int:
             model=model, port=ports[5], role="kv_consumer", kv_port=ports[6], **common
         )  # type: ignore[arg-type]
         single = VllmCpuOptions(model=model, port=ports[7])
+        together = bool(args.kv_cache_memory) or args.cpu
+        vllms: list[ManagedProcess] = []
         for name, opts in (("prefill", prefill), ("decode", decode), ("single", single)):
-            procs.append(_vllm(name, opts, args, work))
-        vllms = procs[-3:]
+            vllms.append(_vllm(name, opts, args, work))
+            procs.append(vllms[-1])
+            if not together:  # memory profiling needs the GPU to itself
+                wait_until(lambda o=opts: http_ok(f"{o.url}/health"), 600, watch=vllms,
+                           what=f"vLLM {opts.url}")  # fmt: skip
         for opts in (prefill, decode, single):
             wait_until(
                 lambda o=opts: http_ok(f"{o.url}/health"), 600, watch=vllms, what=f"vLLM {opts.url}"
