@@ -10,7 +10,7 @@ import sys
 from typing import Self
 
 from pydantic import ValidationError
-from pydantic_settings import BaseSettings, CliApp, SettingsConfigDict
+from pydantic_settings import BaseSettings, CliApp, CliSettingsSource, SettingsConfigDict
 
 __all__ = ["CommandSettings"]
 
@@ -27,15 +27,21 @@ class CommandSettings(BaseSettings):
     )
 
     @classmethod
-    def parse(cls, argv: list[str]) -> Self:
+    def parse(cls, argv: list[str], prog: str | None = None) -> Self:
         """Parses `argv` (flags) over `PDPLANE_*` environment variables and defaults.
 
-        Exits with status 2 and a usage message on unknown flags or invalid values.
+        `prog` names the command in usage lines (default: "pdplane <command>" guessed from the
+        class name, e.g. RegistrySettings -> "pdplane registry"). Exits with status 2 and a
+        usage message on unknown flags or invalid values.
         """
+        name = prog or f"pdplane {cls.__name__.removesuffix('Settings').lower()}"
+        source: CliSettingsSource[Self] = CliSettingsSource(cls, cli_prog_name=name)
         try:
-            return CliApp.run(cls, cli_args=argv)
+            return CliApp.run(cls, cli_args=argv, cli_settings_source=source)
         except ValidationError as exc:
             for err in exc.errors():
-                name = "-".join(str(p) for p in err["loc"]).replace("_", "-")
-                sys.stderr.write(f"error: --{name}: {err['msg']} (got {err.get('input')!r})\n")
+                flag = "-".join(str(p) for p in err["loc"]).replace("_", "-")
+                where = f"--{flag}: " if flag else ""
+                got = f" (got {err['input']!r})" if flag and "input" in err else ""
+                sys.stderr.write(f"error: {name}: {where}{err['msg']}{got}\n")
             raise SystemExit(2) from None
