@@ -71,6 +71,12 @@ class PdPlaneConnector(KVConnectorBase_V1):
             )
         except TypeError:  # vLLM versions without kv_cache_config
             super().__init__(vllm_config=vllm_config, role=role)  # type: ignore[call-arg]
+        groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+        if len(groups) > 1:
+            # Block ids are per group; a transfer carries one block list.
+            raise ValueError(
+                f"PdPlaneConnector supports models with one KV cache group, got {len(groups)}"
+            )
         transfer_config = vllm_config.kv_transfer_config
         self.config = ConnectorConfig.from_extra_config(
             getattr(transfer_config, "kv_connector_extra_config", None)

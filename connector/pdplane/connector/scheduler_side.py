@@ -16,6 +16,7 @@ step's metadata:
 from __future__ import annotations
 
 import logging
+import re
 import secrets
 import threading
 from typing import TYPE_CHECKING, Any
@@ -35,11 +36,16 @@ __all__ = ["SchedulerSide", "make_transfer_id"]
 log = logging.getLogger(__name__)
 
 _MAX_KEY_LEN = 96
+_UNSAFE = re.compile(r"[^A-Za-z0-9_.:-]")
 
 
 def make_transfer_id(gateway_request_id: str) -> str:
-    """`<gateway request id>.<16 hex>`: traceable to the gateway's id, unguessable."""
-    return f"{gateway_request_id[:_MAX_KEY_LEN]}.{secrets.token_hex(8)}"
+    """`<gateway request id>.<16 hex>`: traceable to the gateway's id, unguessable.
+
+    The id part keeps at most 96 characters of [A-Za-z0-9_.:-] (others become "_"), so a
+    client-chosen request id can neither forge log lines nor grow without bound."""
+    safe = _UNSAFE.sub("_", gateway_request_id[:_MAX_KEY_LEN]) or "req"
+    return f"{safe}.{secrets.token_hex(8)}"
 
 
 def _ceil_div(a: int, b: int) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from pdplane.connector.config import ConnectorConfig
-from pdplane.connector.scheduler_side import SchedulerSide
+from pdplane.connector.scheduler_side import SchedulerSide, make_transfer_id
 from pdplane.core.kv_params import DecodeRequestParams, PrefillRequestParams
 from pdplane.core.layout import fingerprint
 from pdplane.v1 import instance_pb2
@@ -66,6 +66,13 @@ def test_transfer_ids_differ_for_the_same_gateway_request(layout) -> None:
         _finish(req, "FINISHED_STOPPED")
         ids.add(side.request_finished(req, [1])[1]["pdplane_transfer_id"])
     assert len(ids) == 2
+
+
+def test_transfer_id_keeps_a_safe_bounded_form_of_the_gateway_id() -> None:
+    tid = make_transfer_id("evil\nline " + "x" * 500)
+    prefix, _, rand = tid.rpartition(".")
+    assert prefix == ("evil_line_" + "x" * 500)[:96]
+    assert len(rand) == 16 and "\n" not in tid
 
 
 def test_prefill_aborted_request_is_not_held(layout) -> None:
