@@ -27,6 +27,8 @@ PYTHON=${PYTHON:-$root/.venv/bin/python}
 export COMPOSE_FILE="$root/deploy/docker-compose.yml"
 export COMPOSE_PROJECT_NAME=pdplane-ci
 export PDPLANE_IMAGE_TAG=ci
+# No buildx here: compose builds through the engine's own BuildKit.
+export COMPOSE_BAKE=false
 stage_start=$SECONDS
 
 cleanup() {
@@ -102,10 +104,13 @@ log "stack up and healthy: $((SECONDS - t)) s"
 
 export PDPLANE_COMPOSE_GATEWAY="http://127.0.0.1:$gw_port"
 export PDPLANE_COMPOSE_REGISTRY="127.0.0.1:$reg_port"
-"$PYTHON" -m pytest -m docker tests/docker -p no:cacheprovider -q
+"$PYTHON" -m pytest -m docker tests/docker -p no:cacheprovider -v -s
 
 t=$SECONDS
 docker compose --profile cpu down --volumes --timeout 20
 left=$(docker ps -aq --filter "label=com.docker.compose.project=$COMPOSE_PROJECT_NAME")
 [[ -z "$left" ]] || die "containers left after down: $left"
 log "compose down: no container left ($((SECONDS - t)) s)"
+# Earlier builds' images (untagged now) would pile up in the kept data root.
+docker image prune -f >/dev/null
+log "engine data root: $(du -sh "$PDPLANE_DOCKER_DIR/data" | cut -f1)"

@@ -18,22 +18,23 @@ import pytest
 pytestmark = pytest.mark.docker
 
 
+def _stack_env(name: str) -> str:
+    value = os.environ.get(name)
+    if not value:
+        pytest.skip(f"no compose stack ({name} unset; run deploy/ci/compose-check.sh)")
+    return value
+
+
 @pytest.fixture(scope="session")
 def gateway_url() -> str:
     """Base URL of the gateway's published port."""
-    url = os.environ.get("PDPLANE_COMPOSE_GATEWAY")
-    if not url:
-        pytest.skip("no compose stack (run deploy/ci/compose-check.sh)")
-    return url
+    return _stack_env("PDPLANE_COMPOSE_GATEWAY")
 
 
 @pytest.fixture(scope="session")
 def registry_addr() -> str:
     """host:port of the registry's published gRPC port."""
-    addr = os.environ.get("PDPLANE_COMPOSE_REGISTRY")
-    if not addr:
-        pytest.skip("no compose stack (run deploy/ci/compose-check.sh)")
-    return addr
+    return _stack_env("PDPLANE_COMPOSE_REGISTRY")
 
 
 @pytest.fixture(scope="session")
