@@ -12,7 +12,7 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from contextlib import contextmanager
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import aiohttp
 
@@ -72,7 +72,7 @@ class Attempt:
                 resp = await self._concurrent_legs()
             else:
                 kv = await self._prefill_leg()
-                resp = await self._open_decode(decode_body(self.req.body, kv))
+                resp = await self._open_decode(decode_body(self.req.raw, self.req.body, kv))
             if resp.status >= 400:
                 await self._decode_error(resp)
             if not self.req.stream:
@@ -109,8 +109,9 @@ class Attempt:
 
     # -- prefill -------------------------------------------------------------------------
 
-    async def _prefill_leg(self) -> dict[str, Any]:
-        """Sends the prefill leg; returns prefill's kv_transfer_params dict (as returned)."""
+    async def _prefill_leg(self) -> bytes:
+        """Sends the prefill leg; returns prefill's kv_transfer_params (JSON bytes, as
+        returned)."""
         t0 = time.perf_counter()
         p = self.prefill
         body = prefill_body(self.req.endpoint, self.req.body, self.request_id)
@@ -123,7 +124,7 @@ class Attempt:
                 total_timeout_s=self.timeout_s,
             )
             data = await self.relay.upstream.read(resp)
-        self.relay.metrics.leg.labels("prefill").observe(time.perf_counter() - t0)
+        self.relay.metrics.prefill_leg.observe(time.perf_counter() - t0)
         if resp.status >= 400:
             if resp.status < 500:
                 raise UpstreamReply(resp.status, data, resp.headers.get("content-type", ""))
@@ -143,7 +144,7 @@ class Attempt:
                 f"{side} instance {ref.instance_id} did not answer within {self.timeout_s:g} s"
             ) from None
 
-    def _kv_params_of(self, data: bytes) -> dict[str, Any]:
+    def _kv_params_of(self, data: bytes) -> bytes:
         try:
             kv = json.loads(data).get("kv_transfer_params")
             if not isinstance(kv, dict):
@@ -154,7 +155,7 @@ class Attempt:
                 f"prefill instance {self.prefill.instance_id} returned no usable "
                 f"kv_transfer_params: {exc}"
             ) from None
-        return kv
+        return json.dumps(kv, separators=(",", ":")).encode()
 
     # -- decode --------------------------------------------------------------------------
 
@@ -165,7 +166,7 @@ class Attempt:
             resp = await self.relay.upstream.open(
                 d.url + self.req.endpoint, body, self.headers, read_timeout_s=self.timeout_s
             )
-        self.relay.metrics.leg.labels("decode").observe(time.perf_counter() - t0)
+        self.relay.metrics.decode_leg.observe(time.perf_counter() - t0)
         return resp
 
     def _free_kv(self, reason: str) -> None:
@@ -200,7 +201,7 @@ class Attempt:
     async def _concurrent_legs(self) -> aiohttp.ClientResponse:
         """Opens the decode request while prefill runs: headers and the body without
         kv_transfer_params go out at once, the rest when prefill answers (chunked)."""
-        head, tail = decode_body_parts(self.req.body)
+        head, tail = decode_body_parts(self.req.raw, self.req.body)
         params: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
 
         async def body() -> AsyncIterator[bytes]:
@@ -214,7 +215,7 @@ class Attempt:
             decode.cancel()
             await asyncio.gather(decode, return_exceptions=True)
             raise
-        params.set_result(json.dumps(kv, separators=(",", ":")).encode())
+        params.set_result(kv)
         return await decode
 
     # -- streaming -----------------------------------------------------------------------

@@ -5,7 +5,7 @@ with one output token and nothing that would make vLLM reject that: `max_tokens=
 `max_completion_tokens=1` on chat, the only endpoint whose model has it), `stream=false`, no
 `stream_options` (vLLM refuses them without `stream`), `n=1`, no `min_tokens` (vLLM refuses
 `min_tokens > max_tokens`). Decode gets the client's ORIGINAL body plus the
-`kv_transfer_params` prefill returned, as returned.
+`kv_transfer_params` prefill returned, as returned (spliced into the client's own bytes).
 """
 
 from __future__ import annotations
@@ -38,19 +38,27 @@ def prefill_body(endpoint: Endpoint, body: dict[str, Any], request_id: str) -> b
     return json.dumps(out, separators=(",", ":")).encode()
 
 
-def decode_body(body: dict[str, Any], kv_transfer_params: dict[str, Any]) -> bytes:
-    """JSON bytes of the decode leg: the client `body` plus prefill's `kv_transfer_params`."""
-    out = dict(body)
-    out["kv_transfer_params"] = kv_transfer_params
-    return json.dumps(out, separators=(",", ":")).encode()
+def decode_body(raw: bytes, body: dict[str, Any], kv_transfer_params: bytes) -> bytes:
+    """Bytes of the decode leg: the client's body plus prefill's `kv_transfer_params` (JSON).
 
-
-def decode_body_parts(body: dict[str, Any]) -> tuple[bytes, bytes]:
-    """The decode leg split around prefill's answer, for concurrent dispatch.
-
-    Returns (head, tail) such that `head + json(kv_transfer_params) + tail` is the decode body:
-    head = the client's fields and `"kv_transfer_params":`, tail = the closing brace.
+    `raw` is the client's body as received and `body` its parsed form.
     """
+    head, tail = decode_body_parts(raw, body)
+    return head + kv_transfer_params + tail
+
+
+def decode_body_parts(raw: bytes, body: dict[str, Any]) -> tuple[bytes, bytes]:
+    """The decode leg split around prefill's answer (concurrent dispatch sends `head` early).
+
+    Returns (head, tail) such that `head + json(kv_transfer_params) + tail` is the decode body.
+    The client's bytes are reused as they are (no re-encoding of a possibly long prompt): the
+    closing brace of `raw` becomes `,"kv_transfer_params":` + ... + `}`. A body that already
+    holds `kv_transfer_params` (it would then appear twice), or that is not plain UTF-8 JSON
+    text starting with `{`, is re-encoded without that key instead.
+    """
+    text = raw.strip()
+    if text[:1] == b"{" and text[-1:] == b"}" and "kv_transfer_params" not in body and body:
+        return text[:-1] + b',"kv_transfer_params":', b"}"
     rest = {k: v for k, v in body.items() if k != "kv_transfer_params"}
     fields = json.dumps(rest, separators=(",", ":")).encode()[:-1]
     sep = b"," if rest else b""

@@ -7,8 +7,9 @@ goes on to the FastAPI app.
 
 from __future__ import annotations
 
+import itertools
+import os
 import time
-import uuid
 from collections.abc import Callable
 
 from starlette.responses import Response
@@ -41,6 +42,12 @@ _MAX_REQUEST_ID = 256
 _MAX_BODY = 64 * 1024 * 1024
 #: Status recorded for requests whose client went away before an answer (nginx's convention).
 _CLIENT_CLOSED = 499
+
+
+#: Generated request ids: "pdp-<64-bit random per process>-<counter>", unique across gateways
+#: sharing a scheduler (as uuid4 would be) for a fraction of uuid4's cost per request.
+_ID_PREFIX = f"pdp-{os.urandom(8).hex()}-"
+_id_counter = itertools.count(1)
 
 
 class _ClientGone(Exception):
@@ -124,7 +131,7 @@ class RelayEndpoints:
             )
         else:
             error = None
-        request_id = request_id or f"pdp-{uuid.uuid4().hex}"
+        request_id = request_id or f"{_ID_PREFIX}{next(_id_counter):x}"
         headers = {"x-request-id": request_id}
         status = 500
         streaming = False
@@ -132,7 +139,7 @@ class RelayEndpoints:
         metrics.inflight.inc()
 
         def done() -> None:
-            metrics.requests.labels(endpoint, str(status)).inc()
+            metrics.answered(endpoint, status)
             metrics.inflight.dec()
 
         try:

@@ -8,6 +8,8 @@ and per-leg latency.
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 __all__ = ["GatewayMetrics"]
@@ -73,9 +75,21 @@ class GatewayMetrics:
             "Requests being handled (scheduled, relaying or streaming)",
             registry=r,
         )
+        # labels() hashes and locks on every call; the hot path reuses the children instead.
+        self.prefill_leg = self.leg.labels("prefill")
+        self.decode_leg = self.leg.labels("decode")
+        self._request_children: dict[tuple[str, int], Any] = {}
         self.kv_aborts = Counter(
             "pdplane_gateway_kv_aborts",
             "AbortTransfer calls sent to prefill instances, by result",
             ["result"],
             registry=r,
         )
+
+    def answered(self, endpoint: str, status: int) -> None:
+        """Counts one answered request of `endpoint` with HTTP `status`."""
+        key = (endpoint, status)
+        child = self._request_children.get(key)
+        if child is None:
+            child = self._request_children[key] = self.requests.labels(endpoint, str(status))
+        child.inc()

@@ -81,6 +81,7 @@ def running_gateway_app(
             http="httptools",
             log_level="warning",
             access_log=False,
+            proxy_headers=False,
             lifespan="on",
         )
     )

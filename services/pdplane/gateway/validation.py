@@ -57,6 +57,7 @@ class ClientRequest:
     Attributes:
         endpoint: the OpenAI path it arrived on (and is forwarded to).
         body: the client's JSON object, unchanged (the decode leg sends it plus kv_transfer_params).
+        raw: the client's body bytes as received (`body` before parsing).
         model: served model name.
         stream: whether the client asked for SSE.
         prompt_tokens: prompt length estimate for Schedule (tokens; see `pdplane.gateway.tokens`).
@@ -66,6 +67,7 @@ class ClientRequest:
 
     endpoint: Endpoint
     body: dict[str, Any]
+    raw: bytes
     model: str
     stream: bool
     prompt_tokens: int
@@ -119,6 +121,7 @@ def parse_request(endpoint: Endpoint, raw: bytes, routing_key: str = "") -> Clie
     return ClientRequest(
         endpoint=endpoint,
         body=body,
+        raw=raw,
         model=req.model,
         stream=bool(req.stream),
         prompt_tokens=prompt_tokens,

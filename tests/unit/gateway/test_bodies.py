@@ -37,9 +37,27 @@ def test_completions_prefill_body_has_no_max_completion_tokens() -> None:
 def test_decode_body_is_the_original_plus_params_and_the_split_form_is_identical() -> None:
     body = {"model": "m", "prompt": "p", "stream": True, "kv_transfer_params": {"stale": 1}}
     params = {"do_remote_prefill": True, "remote_block_ids": [1, 2]}
-    whole = decode_body(body, params)
+    kv = json.dumps(params).encode()
+    whole = decode_body(json.dumps(body).encode(), body, kv)
     assert json.loads(whole) == {**body, "kv_transfer_params": params}
-    head, tail = decode_body_parts(body)
-    assert json.loads(head + json.dumps(params).encode() + tail) == json.loads(whole)
-    head, tail = decode_body_parts({})
-    assert json.loads(head + b"{}" + tail) == {"kv_transfer_params": {}}
+    assert whole.count(b"kv_transfer_params") == 1  # the client's own value is replaced
+    head, tail = decode_body_parts(json.dumps(body).encode(), body)
+    assert json.loads(head + kv + tail) == json.loads(whole)
+
+
+def test_decode_body_reuses_the_client_bytes() -> None:
+    raw = b' {"model": "m",\n "prompt": "caf\xc3\xa9 \\u00e9", "n": 2}\n'
+    body = json.loads(raw)
+    whole = decode_body(raw, body, b'{"a":1}')
+    assert (
+        whole
+        == b'{"model": "m",\n "prompt": "caf\xc3\xa9 \\u00e9", "n": 2,"kv_transfer_params":{"a":1}}'
+    )
+    assert json.loads(whole) == {**body, "kv_transfer_params": {"a": 1}}
+
+
+def test_decode_body_of_non_utf8_json_is_re_encoded() -> None:
+    body = {"model": "m", "prompt": "p"}
+    raw = json.dumps(body).encode("utf-16")  # json.loads accepts it; splicing would not work
+    whole = decode_body(raw, body, b"{}")
+    assert json.loads(whole) == {**body, "kv_transfer_params": {}}
