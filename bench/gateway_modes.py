@@ -8,14 +8,19 @@ plus one ratio line per pdplane variant against each peer.
     .venv/bin/python bench/gateway_modes.py --quick \\
         --proxies direct,pdplane,pdplane-embedded,vllm-router,xpyd-proxy --concurrency 16,64
 
+`--base-tree DIR` adds `pdplane-base`: relay.py's gateway + scheduler run from another checkout
+(e.g. `git archive <commit> services connector | tar -x -C DIR`), for before/after in one run.
 Every relay.py flag applies (`--out PATH` as two words; default logs/bench/gateway_modes.json).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +30,24 @@ if str(ROOT) not in sys.path:
 
 from bench import relay  # noqa: E402
 from bench._procs import free_port, spawn  # noqa: E402
-from bench._proxies import Fleet, ProxyRun, _wait_ready, start_proxy  # noqa: E402
+from bench._proxies import Fleet, ProxyRun, _pdplane, _wait_ready, start_proxy  # noqa: E402
 
 _PEERS = ("vllm-router", "xpyd-proxy")
+_base_tree: Path | None = None
+
+
+@contextlib.contextmanager
+def _python_path(tree: Path) -> Iterator[None]:
+    """Processes spawned in the block import pdplane from `tree` (ahead of the editable one)."""
+    old = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = f"{tree / 'services'}:{tree / 'connector'}"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = old
 
 
 def _embedded(fleet: Fleet, cpus: str, logs: Path) -> ProxyRun:
@@ -59,9 +79,16 @@ def _embedded(fleet: Fleet, cpus: str, logs: Path) -> ProxyRun:
 
 
 def _start_proxy(name: str, fleet: Fleet, cpus: str, logs: Path) -> ProxyRun:
-    if name != "pdplane-embedded":
+    if name == "pdplane-base":
+        if _base_tree is None:
+            raise RuntimeError("pdplane-base needs --base-tree DIR")
+        with _python_path(_base_tree):
+            run = _pdplane(fleet, cpus, logs, "sequential")
+        run.name = name
+    elif name == "pdplane-embedded":
+        run = _embedded(fleet, cpus, logs)
+    else:
         return start_proxy(name, fleet, cpus, logs)
-    run = _embedded(fleet, cpus, logs)
     try:
         _wait_ready(run, fleet.model)
     except BaseException:
@@ -103,6 +130,11 @@ def _summary(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
+    global _base_tree
+    if "--base-tree" in argv:
+        at = argv.index("--base-tree")
+        _base_tree = Path(argv[at + 1]).resolve()
+        argv = argv[:at] + argv[at + 2 :]
     if "--out" not in argv:
         argv = [*argv, "--out", "logs/bench/gateway_modes.json"]
     out = ROOT / argv[argv.index("--out") + 1]

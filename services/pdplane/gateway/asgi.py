@@ -2,14 +2,15 @@
 
 Starlette does not cancel a handler when its client disconnects (and, under ASGI 2.4 servers,
 a streaming response only notices on its next write). The gateway must cancel the upstream
-requests promptly, so one listener per request waits for `http.disconnect` and cancels the work.
+requests promptly, so one listener task per request waits for `http.disconnect` and cancels the
+request's own task while it is relaying. The work itself runs in the request's task: no extra
+task and no `asyncio.wait` per stage, which measured as a visible share of a request's CPU.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from starlette.responses import Response
@@ -23,38 +24,49 @@ T = TypeVar("T")
 
 
 class DisconnectWatch:
-    """Listens for the client's `http.disconnect` (after the body was read)."""
+    """Listens for the client's `http.disconnect` (after the body was read).
+
+    Create it inside the request's task; `run` then cancels that task's work when the client
+    goes away.
+    """
 
     def __init__(self, receive: Receive) -> None:
         self._receive = receive
+        self._owner = asyncio.current_task()
+        self._running = False
+        #: True once the client disconnected.
+        self.gone = False
         self.task: asyncio.Task[None] = asyncio.get_running_loop().create_task(self._listen())
 
     async def _listen(self) -> None:
         while True:
             message = await self._receive()
             if message["type"] == "http.disconnect":
+                self.gone = True
+                if self._running and self._owner is not None:
+                    self._owner.cancel()
                 return
 
-    async def run(self, work: Awaitable[T]) -> tuple[bool, T | None]:
-        """Awaits `work` unless the client disconnects first.
+    async def run(self, work: Coroutine[Any, Any, T]) -> tuple[bool, T | None]:
+        """Awaits `work` in the current task unless the client disconnects first.
 
-        Returns (True, result), or (False, None) after cancelling `work` (and letting its
-        cleanup run) when the client went away. Exceptions of `work` propagate.
+        Returns (True, result), or (False, None) when the client went away: `work` was
+        cancelled and its cleanup ran (or it never started). Exceptions of `work` propagate, and
+        so does a cancellation from elsewhere (e.g. server shutdown).
         """
-        job = asyncio.ensure_future(work)
+        if self.gone:
+            work.close()
+            return False, None
+        self._running = True
         try:
-            await asyncio.wait((job, self.task), return_when=asyncio.FIRST_COMPLETED)
+            return True, await work
         except asyncio.CancelledError:
-            job.cancel()
-            with contextlib.suppress(BaseException):
-                await job
-            raise
-        if job.done():
-            return True, job.result()
-        job.cancel()
-        with contextlib.suppress(BaseException):
-            await job
-        return False, None
+            # Ours only if the client left and nobody else asked to cancel this task as well.
+            if not self.gone or self._owner is None or self._owner.uncancel() > 0:
+                raise
+            return False, None
+        finally:
+            self._running = False
 
     def close(self) -> None:
         """Stops listening."""
@@ -92,14 +104,7 @@ class SSEResponse(Response):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-            pump = asyncio.ensure_future(self._pump(send))
-            try:
-                await asyncio.wait((pump, self._watch.task), return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                if not pump.done():
-                    pump.cancel()
-                with contextlib.suppress(BaseException):
-                    await pump
+            await self._watch.run(self._pump(send))
         finally:
             await self._reply.aclose()
             self._watch.close()
