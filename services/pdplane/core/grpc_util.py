@@ -41,6 +41,11 @@ CHANNEL_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.max_send_message_length", 64 * 1024 * 1024),
 ]
 SERVER_OPTIONS: list[tuple[str, Any]] = [
+    # Accept the clients' 10 s keepalive pings, also on idle watch streams; gRPC's default
+    # (one ping per 5 min) answers them with GOAWAY "too_many_pings" and breaks the watch.
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+    ("grpc.http2.max_ping_strikes", 0),
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
     ("grpc.max_send_message_length", 64 * 1024 * 1024),
     ("grpc.so_reuseport", 0),
