@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-import select
+import queue
 import shutil
 import signal
 import socket
 import subprocess
+import threading
 import time
 from pathlib import Path
 from typing import IO, Any
@@ -65,25 +67,35 @@ class Proc:
             stack.extend(tree.get(pid, []))
         return total
 
-    def read_json_lines(self, count: int, timeout_s: float = 60.0) -> list[dict[str, Any]]:
+    def read_json_lines(self, count: int, timeout_s: float = 120.0) -> list[dict[str, Any]]:
         """Reads `count` JSON lines from the child's stdout (e.g. `pdplane sim` readiness).
 
-        Raises RuntimeError when the child exits first or `timeout_s` passes.
+        Raises RuntimeError when the child exits first or `timeout_s` passes (start-up on a
+        loaded machine can take tens of seconds).
         """
         stdout = self.popen.stdout
         assert stdout is not None
+        found: queue.Queue[str] = queue.Queue()
+
+        def pump() -> None:  # a blocking readline in a thread keeps the wait bounded
+            for line in stdout:
+                if line.strip().startswith("{"):
+                    found.put(line)
+            found.put("")
+
+        threading.Thread(target=pump, name=f"{self.name}-stdout", daemon=True).start()
         deadline = time.monotonic() + timeout_s
         lines: list[dict[str, Any]] = []
         while len(lines) < count:
-            left = deadline - time.monotonic()
-            ready = select.select([stdout], [], [], max(left, 0))[0] if left > 0 else []
-            line = stdout.readline() if ready else ""
+            try:
+                line = found.get(timeout=max(deadline - time.monotonic(), 0.001))
+            except queue.Empty:
+                line = ""
             if not line:
                 code = self.popen.poll()
                 why = f"exited with {code}" if code is not None else f"silent for {timeout_s} s"
                 raise RuntimeError(f"{self.name} {why}; see {self._log.name}")
-            if line.strip().startswith("{"):
-                lines.append(json.loads(line))
+            lines.append(json.loads(line))
         return lines
 
     def stop(self, timeout_s: float = 10.0) -> None:
@@ -94,8 +106,10 @@ class Proc:
             except subprocess.TimeoutExpired:
                 self.popen.kill()
                 self.popen.wait()
-        if self.popen.stdout is not None:
-            self.popen.stdout.close()
+        if self.popen.stdout is not None and not self.popen.stdout.closed:
+            # The reader thread may hold it; the process is gone either way.
+            with contextlib.suppress(OSError, ValueError):
+                self.popen.stdout.close()
         self._log.close()
 
 

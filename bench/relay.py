@@ -76,7 +76,11 @@ def _start_sims(
         logs,
         stdout_pipe=True,
     )
-    return proc, [line["url"] for line in proc.read_json_lines(count)]
+    try:
+        return proc, [line["url"] for line in proc.read_json_lines(count)]
+    except BaseException:
+        proc.stop()
+        raise
 
 
 def _measure(run: Any, args: argparse.Namespace, concurrency: int) -> dict[str, Any]:
