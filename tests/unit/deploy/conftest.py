@@ -1,4 +1,4 @@
-"""Loads the container helper scripts of deploy/docker/ (plain scripts, not package modules)."""
+"""Loads the container scripts of deploy/docker/ (plain scripts, not package modules)."""
 
 from __future__ import annotations
 
