@@ -60,17 +60,20 @@ class WatchRecorder:
         self._channel.close()
 
 
-def _pdplane_threads() -> list[str]:
-    return [t.name for t in threading.enumerate() if t.name.startswith("pdplane-")]
+def _pdplane_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name.startswith("pdplane-")}
 
 
 @pytest.fixture(autouse=True)
 def no_leftover_threads() -> Iterator[None]:
     """Every registry, client and watcher a test starts must have joined its threads by the
-    end of the test (fixtures' teardown included)."""
-    before = set(_pdplane_threads())
+    end of the test (fixtures' teardown included). Threads that were already running (e.g. a
+    session-wide gateway of the end-to-end tests) are not the test's."""
+    before = _pdplane_threads()
     yield
-    assert wait_until(lambda: set(_pdplane_threads()) <= before, 5), _pdplane_threads()
+    assert wait_until(lambda: _pdplane_threads() <= before, 5), [
+        t.name for t in _pdplane_threads() - before
+    ]
 
 
 @pytest.fixture

@@ -16,6 +16,7 @@ Ev = registry_pb2.WatchEvent
 
 
 def test_on_change_sees_the_newest_view_and_survives_errors(registry: RegistryServer) -> None:
+    threads_before = set(threading.enumerate())
     views: list[dict[str, instance_pb2.Instance]] = []
     calls = 0
 
@@ -39,7 +40,9 @@ def test_on_change_sees_the_newest_view_and_survives_errors(registry: RegistrySe
         assert watcher.revision == registry.store.revision
     finally:
         watcher.stop()
-    assert not [t for t in threading.enumerate() if t.name.startswith("pdplane-watch")]
+    assert not [
+        t for t in set(threading.enumerate()) - threads_before if t.name.startswith("pdplane-watch")
+    ]
 
 
 def test_batched_watch_keeps_every_event_in_order(registry: RegistryServer) -> None:
