@@ -88,6 +88,7 @@ def create_app(
             token=settings.token,
             tls_ca=settings.tls_ca,
             timeout_s=settings.schedule_timeout_s,
+            release_batch_s=settings.release_batch_s,
         )
     config = RelayConfig(
         dispatch=settings.dispatch,

@@ -93,10 +93,8 @@ class Attempt:
                 if resp is not None:
                     resp.close()
                 if retrying:
-                    # The retry reschedules the same request id: this Release must land first,
-                    # or it would end the accounting of the new assignment.
                     self._free_kv("retrying on another pair")
-                    await self.relay.release(self.request_id, outcome)
+                    await self.relay.release_before_retry(self.request_id, outcome)
                 else:
                     self._finish(outcome)
 

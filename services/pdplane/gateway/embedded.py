@@ -100,10 +100,12 @@ class EmbeddedScheduler:
     async def release(self, request_id: str, outcome: str) -> bool:
         """Ends the in-flight accounting of `request_id` ("success"|"failed"|"cancelled");
         False when it was not in flight. Raises ValueError on an unknown outcome or empty id."""
-        return self.release_now(request_id, outcome)
-
-    def release_now(self, request_id: str, outcome: str) -> bool:
-        """`release` without a coroutine: the relay calls it inline, no task per request."""
         if outcome not in OUTCOMES:
             raise ValueError(f"outcome must be one of {sorted(OUTCOMES)}, got {outcome!r}")
         return self.service.release(request_id, outcome)
+
+    def release_nowait(self, request_id: str, outcome: str) -> None:
+        """`release` as a plain call: the relay makes it inline, with no task per request."""
+        if outcome not in OUTCOMES:
+            raise ValueError(f"outcome must be one of {sorted(OUTCOMES)}, got {outcome!r}")
+        self.service.release(request_id, outcome)

@@ -61,9 +61,11 @@ class SchedulerPort(Protocol):
 
 @runtime_checkable
 class InlineRelease(Protocol):
-    """A scheduler whose Release is a plain call (embedded): no background task per request."""
+    """A scheduler that takes a Release without being awaited: embedded (a plain call) or
+    `SchedulerClient` (batched onto the next Schedule). No background task per request, and a
+    Release made before a retry's Schedule is applied before that decision."""
 
-    def release_now(self, request_id: str, outcome: str) -> bool: ...
+    def release_nowait(self, request_id: str, outcome: str) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,7 +103,9 @@ class Relay:
         self.metrics = metrics
         self.config = config
         self._background: set[asyncio.Task[Any]] = set()
-        self._release_now = scheduler.release_now if isinstance(scheduler, InlineRelease) else None
+        self._release_nowait = (
+            scheduler.release_nowait if isinstance(scheduler, InlineRelease) else None
+        )
 
     async def handle(
         self, req: ClientRequest, request_id: str, started: float, max_model_len: int
@@ -168,15 +172,23 @@ class Relay:
         task.add_done_callback(self._background.discard)
 
     def release_soon(self, request_id: str, outcome: str) -> None:
-        """Release(request_id, outcome) off the request path: inline when the scheduler is
-        embedded, else as a background call; failures are logged."""
-        if self._release_now is None:
+        """Release(request_id, outcome) off the request path (`InlineRelease`, else a
+        background call); failures are logged."""
+        if self._release_nowait is None:
             self.spawn(self.release(request_id, outcome))
             return
         try:
-            self._release_now(request_id, outcome)
+            self._release_nowait(request_id, outcome)
         except Exception as exc:
             log.warning("Release(%s, %s) failed: %s", request_id, outcome, exc)
+
+    async def release_before_retry(self, request_id: str, outcome: str) -> None:
+        """Release(request_id, outcome) that lands before the retry's Schedule of the same id
+        (else it would end the new assignment's accounting)."""
+        if self._release_nowait is None:
+            await self.release(request_id, outcome)
+        else:
+            self.release_soon(request_id, outcome)
 
     async def release(self, request_id: str, outcome: str) -> None:
         """Release(request_id, outcome); failures are logged (the scheduler's lease-free

@@ -61,6 +61,12 @@ class GatewaySettings(PolicySettings):
     )
     tls_ca: str | None = Field(None, description="PEM CA for TLS to the gRPC services")
     schedule_timeout_s: float = Field(5.0, gt=0, description="deadline of one Schedule call (s)")
+    release_batch_s: float = Field(
+        0.05,
+        ge=0,
+        description="remote scheduler: a Release waits at most this long to ride on a Schedule "
+        "before it is sent in a ReleaseBatch (s)",
+    )
     abort_timeout_s: float = Field(2.0, gt=0, description="deadline of one AbortTransfer (s)")
     registry_wait_s: float = Field(
         5.0, ge=0, description="at startup, wait this long for the registry's first snapshot (s)"

@@ -3,14 +3,22 @@
 client = SchedulerClient("127.0.0.1:50052")
 pair = await client.schedule("req-1", "tiny", prompt_tokens=42, max_tokens=16)
 ...  # pair.prefill.url, pair.decode.url, pair.reason
-await client.release("req-1", "success")
+await client.release("req-1", "success")   # or, batched: client.release_nowait("req-1", ...)
 await client.close()
+
+`release_nowait` costs no call of its own on a busy gateway: queued Releases ride on the next
+Schedule (`ScheduleRequest.releases`, applied before that decision) and, when no Schedule comes
+within `release_batch_s`, go out together in one `ReleaseBatch`. A unary Release per request
+measured as about a third of the scheduler's CPU and a sixth of the gateway's.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -27,6 +35,8 @@ OUTCOMES: dict[str, scheduler_pb2.Outcome.ValueType] = {
 }
 
 _UINT32_MAX = 2**32 - 1
+
+log = logging.getLogger(__name__)
 
 
 class SchedulerError(Exception):
@@ -58,6 +68,8 @@ class SchedulerClient:
 
     The channel is opened on first use (inside the caller's event loop). `timeout_s` bounds
     every call (seconds); a scheduler that does not answer in time counts as unavailable.
+    `release_batch_s` (seconds) bounds how long a `release_nowait` waits for a Schedule to ride
+    on before it is sent in a `ReleaseBatch`.
     """
 
     def __init__(
@@ -67,13 +79,18 @@ class SchedulerClient:
         token: str | None = None,
         tls_ca: str | Path | None = None,
         timeout_s: float = 5.0,
+        release_batch_s: float = 0.05,
     ) -> None:
         self._address = address
         self._tls_ca = tls_ca
         self._metadata = token_metadata(token)
         self._timeout_s = timeout_s
+        self._release_batch_s = release_batch_s
         self._channel: grpc.aio.Channel | None = None
         self._stub: scheduler_pb2_grpc.SchedulerStub | None = None
+        self._pending: list[scheduler_pb2.ReleaseRequest] = []
+        self._flush_timer: asyncio.TimerHandle | None = None
+        self._flushes: set[asyncio.Task[Any]] = set()
 
     def _get_stub(self) -> scheduler_pb2_grpc.SchedulerStub:
         if self._stub is None:
@@ -107,6 +124,7 @@ class SchedulerClient:
         """
         _check_length("prompt_tokens", prompt_tokens)
         _check_length("max_tokens", max_tokens)
+        releases = self._take_pending()
         request = scheduler_pb2.ScheduleRequest(
             request_id=request_id,
             model=model,
@@ -117,13 +135,21 @@ class SchedulerClient:
             exclude_instance_ids=exclude_instance_ids,
             prefill_policy=prefill_policy,
             decode_policy=decode_policy,
+            releases=releases,
         )
         try:
             return await self._get_stub().Schedule(
                 request, timeout=self._timeout_s, metadata=self._metadata
             )
         except grpc.aio.AioRpcError as exc:
+            if releases and exc.code() != grpc.StatusCode.INVALID_ARGUMENT:
+                # They may not have arrived; an id released twice is harmless (released=false).
+                self._queue(releases)
             raise _translate(exc) from None
+        except asyncio.CancelledError:
+            if releases:
+                self._queue(releases)
+            raise
 
     async def release(self, request_id: str, outcome: str) -> bool:
         """Ends the in-flight accounting of `request_id`; outcome "success"|"failed"|"cancelled".
@@ -142,8 +168,60 @@ class SchedulerClient:
             raise _translate(exc) from None
         return response.released
 
+    def release_nowait(self, request_id: str, outcome: str) -> None:
+        """`release` without waiting: queued, then sent with the next `schedule` or, at the
+        latest `release_batch_s` later, in one ReleaseBatch (failures are logged). Call from
+        the event loop. Raises ValueError on an unknown outcome or empty id."""
+        if outcome not in OUTCOMES:
+            raise ValueError(f"outcome must be one of {sorted(OUTCOMES)}, got {outcome!r}")
+        if not request_id:
+            raise ValueError("request_id must not be empty")
+        self._queue(
+            [scheduler_pb2.ReleaseRequest(request_id=request_id, outcome=OUTCOMES[outcome])]
+        )
+
+    def _queue(self, releases: list[scheduler_pb2.ReleaseRequest]) -> None:
+        self._pending.extend(releases)
+        if self._flush_timer is None:
+            loop = asyncio.get_running_loop()
+            self._flush_timer = loop.call_later(self._release_batch_s, self._flush_in_background)
+
+    def _take_pending(self) -> list[scheduler_pb2.ReleaseRequest]:
+        releases, self._pending = self._pending, []
+        if self._flush_timer is not None:
+            self._flush_timer.cancel()
+            self._flush_timer = None
+        return releases
+
+    def _flush_in_background(self) -> None:
+        self._flush_timer = None
+        task = asyncio.get_running_loop().create_task(self.flush())
+        self._flushes.add(task)
+        task.add_done_callback(self._flushes.discard)
+
+    async def flush(self) -> int:
+        """Sends every queued Release now in one ReleaseBatch; returns how many were in flight.
+
+        Failures are logged, not raised (0): the scheduler expires unreleased assignments."""
+        releases = self._take_pending()
+        if not releases:
+            return 0
+        request = scheduler_pb2.ReleaseBatchRequest(releases=releases)
+        try:
+            response = await self._get_stub().ReleaseBatch(
+                request, timeout=self._timeout_s, metadata=self._metadata
+            )
+        except grpc.aio.AioRpcError as exc:
+            log.warning("ReleaseBatch of %d releases failed: %s", len(releases), _translate(exc))
+            return 0
+        return response.released
+
     async def close(self) -> None:
-        """Closes the channel; the client may be used again afterwards (it reopens)."""
+        """Sends queued Releases, then closes the channel; the client may be used again
+        afterwards (it reopens)."""
+        await self.flush()
+        if self._flushes:
+            await asyncio.wait(set(self._flushes), timeout=self._timeout_s)
         channel, self._channel, self._stub = self._channel, None, None
         if channel is not None:
             await channel.close()

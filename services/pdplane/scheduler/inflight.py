@@ -117,6 +117,11 @@ class InflightTracker:
         with self._lock:
             return self._expire_locked()
 
+    def request_ids(self) -> list[str]:
+        """The ids in flight, oldest first."""
+        with self._lock:
+            return list(self._requests)
+
     def inflight_by_instance(self) -> dict[str, int]:
         """instance id -> unreleased assignments (either side), for metrics."""
         with self._lock:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import grpc
 
 from pdplane.scheduler.candidate import Candidate
@@ -26,17 +28,36 @@ def instance_ref(c: Candidate) -> scheduler_pb2.InstanceRef:
     )
 
 
+def _outcomes(releases: Iterable[scheduler_pb2.ReleaseRequest]) -> list[tuple[str, str]]:
+    """(request id, outcome name) per Release; InvalidRequest on an empty id or bad outcome."""
+    out = []
+    for release in releases:
+        outcome = _OUTCOME_NAMES.get(release.outcome)
+        if outcome is None:
+            raise InvalidRequest(f"outcome: unknown value {release.outcome}")
+        if not release.request_id:
+            raise InvalidRequest("request_id: must not be empty")
+        out.append((release.request_id, outcome))
+    return out
+
+
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     """Schedule -> INVALID_ARGUMENT / UNAVAILABLE on the service's errors; Release never fails
-    for an unknown id (released=false)."""
+    for an unknown id (released=false). Releases piggybacked on a Schedule are applied first."""
 
     def __init__(self, service: SchedulerService) -> None:
         self._service = service
+
+    def _release_all(self, releases: Iterable[scheduler_pb2.ReleaseRequest]) -> int:
+        release = self._service.release
+        return sum(release(request_id, outcome) for request_id, outcome in _outcomes(releases))
 
     async def Schedule(
         self, request: scheduler_pb2.ScheduleRequest, context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.ScheduleResponse:
         try:
+            if request.releases:
+                self._release_all(request.releases)
             decision = self._service.schedule(
                 ScheduleInput(
                     request_id=request.request_id,
@@ -64,10 +85,16 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         self, request: scheduler_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.ReleaseResponse:
         try:
-            outcome = _OUTCOME_NAMES.get(request.outcome)
-            if outcome is None:
-                raise InvalidRequest(f"outcome: unknown value {request.outcome}")
-            released = self._service.release(request.request_id, outcome)
+            released = self._release_all((request,)) > 0
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return scheduler_pb2.ReleaseResponse(released=released)
+
+    async def ReleaseBatch(
+        self, request: scheduler_pb2.ReleaseBatchRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.ReleaseBatchResponse:
+        try:
+            released = self._release_all(request.releases)
+        except InvalidRequest as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return scheduler_pb2.ReleaseBatchResponse(released=released)

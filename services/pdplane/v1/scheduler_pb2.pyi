@@ -52,6 +52,7 @@ class ScheduleRequest(_message.Message):
     EXCLUDE_INSTANCE_IDS_FIELD_NUMBER: _builtins.int
     PREFILL_POLICY_FIELD_NUMBER: _builtins.int
     DECODE_POLICY_FIELD_NUMBER: _builtins.int
+    RELEASES_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     model: _builtins.str
     prompt_tokens: _builtins.int
@@ -73,6 +74,12 @@ class ScheduleRequest(_message.Message):
     def exclude_instance_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """e.g. instances that just failed this request"""
 
+    @_builtins.property
+    def releases(self) -> _containers.RepeatedCompositeFieldContainer[Global___ReleaseRequest]:
+        """Releases of earlier requests, applied (validated as one) before this decision, so that a
+        busy gateway needs no Release call of its own; a retry releases its id here too.
+        """
+
     def __init__(
         self,
         *,
@@ -85,10 +92,11 @@ class ScheduleRequest(_message.Message):
         exclude_instance_ids: _abc.Iterable[_builtins.str] | None = ...,
         prefill_policy: _builtins.str = ...,
         decode_policy: _builtins.str = ...,
+        releases: _abc.Iterable[Global___ReleaseRequest] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_policy", b"decode_policy", "exclude_instance_ids", b"exclude_instance_ids", "max_tokens", b"max_tokens", "model", b"model", "prefill_policy", b"prefill_policy", "prefix_block_hashes", b"prefix_block_hashes", "prompt_tokens", b"prompt_tokens", "request_id", b"request_id", "routing_key", b"routing_key"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_policy", b"decode_policy", "exclude_instance_ids", b"exclude_instance_ids", "max_tokens", b"max_tokens", "model", b"model", "prefill_policy", b"prefill_policy", "prefix_block_hashes", b"prefix_block_hashes", "prompt_tokens", b"prompt_tokens", "releases", b"releases", "request_id", b"request_id", "routing_key", b"routing_key"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -193,3 +201,43 @@ class ReleaseResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ReleaseResponse: _TypeAlias = ReleaseResponse  # noqa: Y015
+
+@_typing.final
+class ReleaseBatchRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RELEASES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def releases(self) -> _containers.RepeatedCompositeFieldContainer[Global___ReleaseRequest]: ...
+    def __init__(
+        self,
+        *,
+        releases: _abc.Iterable[Global___ReleaseRequest] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["releases", b"releases"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReleaseBatchRequest: _TypeAlias = ReleaseBatchRequest  # noqa: Y015
+
+@_typing.final
+class ReleaseBatchResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RELEASED_FIELD_NUMBER: _builtins.int
+    released: _builtins.int
+    """how many of the ids were in flight"""
+    def __init__(
+        self,
+        *,
+        released: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["released", b"released"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReleaseBatchResponse: _TypeAlias = ReleaseBatchResponse  # noqa: Y015

@@ -44,6 +44,11 @@ class SchedulerStub:
                 request_serializer=pdplane_dot_v1_dot_scheduler__pb2.ReleaseRequest.SerializeToString,
                 response_deserializer=pdplane_dot_v1_dot_scheduler__pb2.ReleaseResponse.FromString,
                 _registered_method=True)
+        self.ReleaseBatch = channel.unary_unary(
+                '/pdplane.v1.Scheduler/ReleaseBatch',
+                request_serializer=pdplane_dot_v1_dot_scheduler__pb2.ReleaseBatchRequest.SerializeToString,
+                response_deserializer=pdplane_dot_v1_dot_scheduler__pb2.ReleaseBatchResponse.FromString,
+                _registered_method=True)
 
 
 class SchedulerServicer:
@@ -65,6 +70,15 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReleaseBatch(self, request, context):
+        """Several Releases in one call: a gateway flushing the Releases it batched (those it could
+        not piggyback on a Schedule). All are validated first; one invalid -> INVALID_ARGUMENT and
+        none applied.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -77,6 +91,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.Release,
                     request_deserializer=pdplane_dot_v1_dot_scheduler__pb2.ReleaseRequest.FromString,
                     response_serializer=pdplane_dot_v1_dot_scheduler__pb2.ReleaseResponse.SerializeToString,
+            ),
+            'ReleaseBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseBatch,
+                    request_deserializer=pdplane_dot_v1_dot_scheduler__pb2.ReleaseBatchRequest.FromString,
+                    response_serializer=pdplane_dot_v1_dot_scheduler__pb2.ReleaseBatchResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -133,6 +152,33 @@ class Scheduler:
             '/pdplane.v1.Scheduler/Release',
             pdplane_dot_v1_dot_scheduler__pb2.ReleaseRequest.SerializeToString,
             pdplane_dot_v1_dot_scheduler__pb2.ReleaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdplane.v1.Scheduler/ReleaseBatch',
+            pdplane_dot_v1_dot_scheduler__pb2.ReleaseBatchRequest.SerializeToString,
+            pdplane_dot_v1_dot_scheduler__pb2.ReleaseBatchResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -38,6 +38,11 @@ class SchedulerStub:
     """
     Release: _grpc.UnaryUnaryMultiCallable[_scheduler_pb2.ReleaseRequest, _scheduler_pb2.ReleaseResponse]
     """Ends the in-flight accounting of a request. Unknown ids are harmless (ok=false)."""
+    ReleaseBatch: _grpc.UnaryUnaryMultiCallable[_scheduler_pb2.ReleaseBatchRequest, _scheduler_pb2.ReleaseBatchResponse]
+    """Several Releases in one call: a gateway flushing the Releases it batched (those it could
+    not piggyback on a Schedule). All are validated first; one invalid -> INVALID_ARGUMENT and
+    none applied.
+    """
 
 @_typing.type_check_only
 class SchedulerAsyncStub(SchedulerStub):
@@ -49,6 +54,11 @@ class SchedulerAsyncStub(SchedulerStub):
     """
     Release: _aio.UnaryUnaryMultiCallable[_scheduler_pb2.ReleaseRequest, _scheduler_pb2.ReleaseResponse]  # type: ignore[assignment]
     """Ends the in-flight accounting of a request. Unknown ids are harmless (ok=false)."""
+    ReleaseBatch: _aio.UnaryUnaryMultiCallable[_scheduler_pb2.ReleaseBatchRequest, _scheduler_pb2.ReleaseBatchResponse]  # type: ignore[assignment]
+    """Several Releases in one call: a gateway flushing the Releases it batched (those it could
+    not piggyback on a Schedule). All are validated first; one invalid -> INVALID_ARGUMENT and
+    none applied.
+    """
 
 class SchedulerServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -69,5 +79,16 @@ class SchedulerServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_scheduler_pb2.ReleaseResponse, _abc.Awaitable[_scheduler_pb2.ReleaseResponse]]:
         """Ends the in-flight accounting of a request. Unknown ids are harmless (ok=false)."""
+
+    @_abc_1.abstractmethod
+    def ReleaseBatch(
+        self,
+        request: _scheduler_pb2.ReleaseBatchRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_scheduler_pb2.ReleaseBatchResponse, _abc.Awaitable[_scheduler_pb2.ReleaseBatchResponse]]:
+        """Several Releases in one call: a gateway flushing the Releases it batched (those it could
+        not piggyback on a Schedule). All are validated first; one invalid -> INVALID_ARGUMENT and
+        none applied.
+        """
 
 def add_SchedulerServicer_to_server(servicer: SchedulerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
