@@ -14,13 +14,11 @@ from contextlib import contextmanager
 from functools import partial
 from typing import TYPE_CHECKING
 
-import aiohttp
-
 from pdplane.core.kv_params import DecodeRequestParams, KvParamsError
 from pdplane.gateway.bodies import decode_body, decode_body_parts, prefill_body
 from pdplane.gateway.errors import GatewayError, UpstreamReply, bad_gateway, gateway_timeout
 from pdplane.gateway.replies import JsonReply, RetryElsewhere, StreamReply
-from pdplane.gateway.upstream import UpstreamTimeout, UpstreamUnreachable
+from pdplane.gateway.upstream import UpstreamResponse, UpstreamTimeout, UpstreamUnreachable
 from pdplane.gateway.validation import ClientRequest
 from pdplane.v1 import scheduler_pb2
 
@@ -66,7 +64,7 @@ class Attempt:
     async def run(self) -> JsonReply | StreamReply:
         outcome = "failed"
         handed_off = retrying = False
-        resp: aiohttp.ClientResponse | None = None
+        resp: UpstreamResponse | None = None
         try:
             if self.relay.config.dispatch == "concurrent":
                 resp = await self._concurrent_legs()
@@ -157,7 +155,7 @@ class Attempt:
 
     # -- decode --------------------------------------------------------------------------
 
-    async def _open_decode(self, body: bytes | AsyncIterator[bytes]) -> aiohttp.ClientResponse:
+    async def _open_decode(self, body: bytes | AsyncIterator[bytes]) -> UpstreamResponse:
         t0 = time.perf_counter()
         d = self.decode
         with self._leg_errors("decode", d):
@@ -174,7 +172,7 @@ class Attempt:
             self.relay.spawn(self.relay.abort_transfer(self.params, reason))
             self.params = None
 
-    async def _decode_error(self, resp: aiohttp.ClientResponse) -> None:
+    async def _decode_error(self, resp: UpstreamResponse) -> None:
         try:
             data = await self.relay.upstream.read(resp)
         except (UpstreamUnreachable, UpstreamTimeout):
@@ -184,7 +182,7 @@ class Attempt:
             raise UpstreamReply(resp.status, data, resp.headers.get("content-type", ""))
         raise _status_error("decode", self.decode.instance_id, resp.status, data)
 
-    async def _read_decode(self, resp: aiohttp.ClientResponse) -> bytes:
+    async def _read_decode(self, resp: UpstreamResponse) -> bytes:
         try:
             return await self.relay.upstream.read(resp)
         except UpstreamUnreachable as exc:
@@ -196,7 +194,7 @@ class Attempt:
                 f"decode instance {self.decode.instance_id} went silent for {self.timeout_s:g} s"
             ) from None
 
-    async def _concurrent_legs(self) -> aiohttp.ClientResponse:
+    async def _concurrent_legs(self) -> UpstreamResponse:
         """Opens the decode request while prefill runs: headers and the body without
         kv_transfer_params go out at once, the rest when prefill answers (chunked)."""
         head, tail = decode_body_parts(self.req.raw, self.req.body)
@@ -218,13 +216,13 @@ class Attempt:
 
     # -- streaming -----------------------------------------------------------------------
 
-    def _abandon(self, resp: aiohttp.ClientResponse) -> None:
+    def _abandon(self, resp: UpstreamResponse) -> None:
         if not self.streaming:
             self.streaming = True
             resp.close()
             self._finish("cancelled")
 
-    async def _stream(self, resp: aiohttp.ClientResponse) -> AsyncGenerator[bytes, None]:
+    async def _stream(self, resp: UpstreamResponse) -> AsyncGenerator[bytes, None]:
         """Decode's SSE, relayed whole events at a time as they arrive; owns Release."""
         self.streaming = True
         metrics = self.relay.metrics
@@ -235,7 +233,7 @@ class Attempt:
         done = False
         try:
             try:
-                async for chunk in resp.content.iter_any():
+                async for chunk in resp.chunks():
                     data = carry + chunk if carry else chunk
                     cut = data.rfind(b"\n\n") + 2
                     if cut == 1:  # no complete event yet
@@ -249,16 +247,15 @@ class Attempt:
                     events += out.count(b"\n\n")
                     done = out.endswith(_DONE)
                     yield out
-            except TimeoutError:
+            except UpstreamTimeout:
                 yield gateway_timeout(
                     f"decode instance {self.decode.instance_id} went silent for "
                     f"{self.timeout_s:g} s"
                 ).sse_event()
                 return
-            except aiohttp.ClientError as exc:
+            except UpstreamUnreachable as exc:
                 yield bad_gateway(
-                    f"decode instance {self.decode.instance_id} failed mid-stream: "
-                    f"{exc or type(exc).__name__}"
+                    f"decode instance {self.decode.instance_id} failed mid-stream: {exc}"
                 ).sse_event()
                 return
             if not done:

@@ -1,0 +1,115 @@
+"""The gateway's HTTP/1.1 client against tiny aiohttp servers: reuse, bounds, errors."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+from aiohttp import web
+
+from pdplane.gateway.upstream import UpstreamClient, UpstreamTimeout, UpstreamUnreachable
+from tests.unit.gateway.conftest import Handler
+
+Serve = Callable[[Handler], Awaitable[str]]
+JSON = {"content-type": "application/json"}
+
+
+@pytest.fixture
+async def client() -> AsyncIterator[UpstreamClient]:
+    c = UpstreamClient(connect_timeout_s=2.0)
+    yield c
+    await c.close()
+
+
+async def test_keep_alive_connection_is_reused_and_bodies_arrive(
+    serve: Serve, client: UpstreamClient
+) -> None:
+    peers: list[object] = []
+
+    async def echo(request: web.Request) -> web.StreamResponse:
+        peers.append(request.transport.get_extra_info("peername") if request.transport else None)
+        return web.Response(body=await request.read(), content_type="application/json")
+
+    url = await serve(echo) + "/v1/completions"
+    for body in (b'{"a":1}', b'{"b":2}'):
+        resp = await client.open(url, body, JSON, read_timeout_s=5)
+        assert resp.status == 200 and resp.headers["content-type"].startswith("application/json")
+        assert await client.read(resp) == body
+    assert len(peers) == 2 and peers[0] == peers[1]  # one connection, from the pool
+
+
+async def test_chunked_request_body_and_streamed_answer(
+    serve: Serve, client: UpstreamClient
+) -> None:
+    async def stream_back(request: web.Request) -> web.StreamResponse:
+        data = await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for part in (b"data: 1\n\n", b"data: " + data + b"\n\n", b"data: [DONE]\n\n"):
+            await resp.write(part)
+        return resp
+
+    async def body() -> AsyncIterator[bytes]:
+        yield b'{"x":'
+        await asyncio.sleep(0.01)
+        yield b"1}"
+
+    resp = await client.open(
+        await serve(stream_back) + "/v1/completions", body(), JSON, read_timeout_s=5
+    )
+    got = b"".join([chunk async for chunk in resp.chunks()])
+    resp.release()
+    assert got == b'data: 1\n\ndata: {"x":1}\n\ndata: [DONE]\n\n'
+
+
+async def test_silence_mid_body_times_out(serve: Serve, client: UpstreamClient) -> None:
+    async def stall(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        resp = web.StreamResponse()
+        await resp.prepare(request)
+        await resp.write(b"data: 1\n\n")
+        await asyncio.sleep(30)
+        return resp
+
+    resp = await client.open(
+        await serve(stall) + "/v1/completions", b"{}", JSON, read_timeout_s=0.2
+    )
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    chunks = []
+    with pytest.raises(UpstreamTimeout):
+        async for chunk in resp.chunks():
+            chunks.append(chunk)
+    resp.close()
+    assert chunks == [b"data: 1\n\n"]
+    assert 0.15 < loop.time() - started < 2.0
+
+
+async def test_refused_connection_is_unreachable(client: UpstreamClient) -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # bound, not listening: connections are refused
+        with pytest.raises(UpstreamUnreachable):
+            await client.open(
+                f"http://127.0.0.1:{port}/v1/completions", b"{}", JSON, read_timeout_s=1
+            )
+
+
+async def test_max_connections_makes_further_requests_wait(serve: Serve) -> None:
+    async def ok(request: web.Request) -> web.StreamResponse:
+        return web.json_response({})
+
+    url = await serve(ok) + "/v1/completions"
+    client = UpstreamClient(max_connections=1)
+    try:
+        first = await client.open(url, b"{}", JSON, read_timeout_s=5)
+        second = asyncio.ensure_future(client.open(url, b"{}", JSON, read_timeout_s=5))
+        await asyncio.sleep(0.1)
+        assert not second.done()  # waits for the one connection slot
+        await client.read(first)
+        resp = await asyncio.wait_for(second, 5)
+        assert await client.read(resp) == b"{}"
+    finally:
+        await client.close()
