@@ -1,4 +1,4 @@
-"""The prefill -> decode relay of one request (no FastAPI here: plain asyncio and the upstream client).
+"""The prefill -> decode relay of one request (no FastAPI here: asyncio + the upstream client).
 
 Per request: Schedule -> prefill leg -> decode leg -> relay decode's answer -> Release.
 `Relay.handle` returns a `JsonReply` (non-streaming answers and upstream errors, passed through
