@@ -134,6 +134,35 @@ def _pdplane(fleet: Fleet, cpus: str, logs: Path, dispatch: str) -> ProxyRun:
     return ProxyRun(f"pdplane-{dispatch}", f"http://127.0.0.1:{gw_port}", [scheduler, gateway])
 
 
+def _pdplane_embedded(fleet: Fleet, cpus: str, logs: Path) -> ProxyRun:
+    # The scheduler's decision code inside the gateway: no gRPC on the request path.
+    gw_port = free_port()
+    gateway = spawn(
+        "pdplane-gateway-embedded",
+        [
+            sys.executable,
+            "-m",
+            "pdplane.cli.main",
+            "gateway",
+            "--scheduler",
+            "embedded",
+            "--prefill-policy",
+            "round_robin",
+            "--decode-policy",
+            "round_robin",
+            "--registry",
+            fleet.registry,
+            "--port",
+            str(gw_port),
+            "--log-level",
+            "warning",
+        ],
+        cpus,
+        logs,
+    )
+    return ProxyRun("pdplane-embedded", f"http://127.0.0.1:{gw_port}", [gateway])
+
+
 def _vllm_router(fleet: Fleet, cpus: str, logs: Path) -> ProxyRun:
     port = free_port()
     argv = [
@@ -196,7 +225,8 @@ def _xpyd(fleet: Fleet, cpus: str, logs: Path) -> ProxyRun:
 def start_proxy(name: str, fleet: Fleet, cpus: str, logs: Path) -> ProxyRun:
     """Starts proxy `name` over `fleet` pinned to `cpus` and waits until it relays a request.
 
-    Names: "pdplane" (sequential dispatch), "pdplane-concurrent", "vllm-router", "xpyd-proxy",
+    Names: "pdplane" (sequential dispatch, gRPC scheduler), "pdplane-concurrent",
+    "pdplane-embedded" (`--scheduler embedded`), "vllm-router", "xpyd-proxy",
     "direct" (no proxy: the first decode sim). Raises RuntimeError when it does not come up.
     """
     if name == "direct":
@@ -205,6 +235,8 @@ def start_proxy(name: str, fleet: Fleet, cpus: str, logs: Path) -> ProxyRun:
         run = _pdplane(fleet, cpus, logs, "sequential")
     elif name == "pdplane-concurrent":
         run = _pdplane(fleet, cpus, logs, "concurrent")
+    elif name == "pdplane-embedded":
+        run = _pdplane_embedded(fleet, cpus, logs)
     elif name == "vllm-router":
         run = _vllm_router(fleet, cpus, logs)
     elif name == "xpyd-proxy":

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import math
 import os
@@ -229,12 +230,13 @@ def _ratios(cell: list[dict[str, Any]], floor: dict[int, dict[str, Any]]) -> lis
         return r["p99_ms"] - floor[c]["p99_ms"] if r and c in floor else math.nan
 
     lines = []
-    ours = "pdplane"
-    for peer in ("vllm-router", "xpyd-proxy"):
+    for ours, peer in itertools.product(
+        ("pdplane", "pdplane-embedded"), ("vllm-router", "xpyd-proxy")
+    ):
         if not rows_of(peer) or not rows_of(ours):
             continue
         lines.append(
-            f"- vs {peer}: max req/s {max_rps(ours):g} vs {max_rps(peer):g} "
+            f"- {ours} vs {peer}: max req/s {max_rps(ours):g} vs {max_rps(peer):g} "
             f"(x{max_rps(ours) / max_rps(peer):.2f}); proxy CPU ms/req (mean over streams) "
             f"{cpu(ours):.3f} vs {cpu(peer):.3f} (x{cpu(ours) / cpu(peer):.2f}); added p99 at "
             f"64 streams {_fmt(round(added99(ours, 64), 2))} vs "
@@ -242,7 +244,7 @@ def _ratios(cell: list[dict[str, Any]], floor: dict[int, dict[str, Any]]) -> lis
         )
     if rows_of("pdplane-concurrent"):
         for c in sorted(floor):
-            seq = next((r for r in rows_of(ours) if r["concurrency"] == c), None)
+            seq = next((r for r in rows_of("pdplane") if r["concurrency"] == c), None)
             con = next((r for r in rows_of("pdplane-concurrent") if r["concurrency"] == c), None)
             if seq and con:
                 lines.append(
@@ -257,7 +259,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--topologies", default="1P1D,2P4D")
     parser.add_argument("--knobs", default="zero,realistic")
-    parser.add_argument("--proxies", default="direct,pdplane,vllm-router,xpyd-proxy")
+    parser.add_argument(
+        "--proxies", default="direct,pdplane,pdplane-embedded,vllm-router,xpyd-proxy"
+    )
     parser.add_argument("--concurrency", default="1,16,64,256")
     parser.add_argument("--duration", type=float, default=3.0, help="measured seconds per point")
     parser.add_argument("--max-tokens", type=int, default=16)
