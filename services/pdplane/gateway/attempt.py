@@ -20,10 +20,9 @@ from pdplane.gateway.errors import GatewayError, UpstreamReply, bad_gateway, gat
 from pdplane.gateway.replies import JsonReply, RetryElsewhere, StreamReply
 from pdplane.gateway.upstream import UpstreamResponse, UpstreamTimeout, UpstreamUnreachable
 from pdplane.gateway.validation import ClientRequest
-from pdplane.v1 import scheduler_pb2
 
 if TYPE_CHECKING:
-    from pdplane.gateway.relay import Relay
+    from pdplane.gateway.relay import InstanceAddress, Relay, ScheduledPair
 
 __all__ = ["Attempt"]
 
@@ -44,7 +43,7 @@ class Attempt:
         relay: Relay,
         req: ClientRequest,
         request_id: str,
-        pair: scheduler_pb2.ScheduleResponse,
+        pair: ScheduledPair,
         started: float,
     ) -> None:
         self.relay = relay
@@ -128,7 +127,7 @@ class Attempt:
         return self._kv_params_of(data)
 
     @contextmanager
-    def _leg_errors(self, side: str, ref: scheduler_pb2.InstanceRef) -> Iterator[None]:
+    def _leg_errors(self, side: str, ref: InstanceAddress) -> Iterator[None]:
         """Unreachable -> RetryElsewhere (the retry frees prefill's KV); silent -> 504."""
         try:
             yield

@@ -21,11 +21,9 @@ from pdplane.scheduler.client import OUTCOMES, SchedulerUnavailable
 from pdplane.scheduler.errors import NoInstance
 from pdplane.scheduler.inflight import InflightTracker
 from pdplane.scheduler.metrics import SchedulerMetrics
-from pdplane.scheduler.service import ScheduleInput, SchedulerService
-from pdplane.scheduler.servicer import instance_ref
+from pdplane.scheduler.service import Decision, ScheduleInput, SchedulerService
 from pdplane.scheduler.settings import PolicySettings
 from pdplane.scheduler.view import CandidateView, InstanceSource
-from pdplane.v1 import scheduler_pb2
 
 __all__ = ["EmbeddedScheduler"]
 
@@ -33,9 +31,9 @@ __all__ = ["EmbeddedScheduler"]
 class EmbeddedScheduler:
     """The gateway's `SchedulerPort` over an in-process `SchedulerService`.
 
-    Answers and errors match `pdplane.scheduler.client.SchedulerClient`'s, so the relay cannot
-    tell the two apart: a `ScheduleResponse`, `SchedulerUnavailable` naming the missing side,
-    ValueError on invalid input.
+    Errors match `pdplane.scheduler.client.SchedulerClient`'s (`SchedulerUnavailable` naming the
+    missing side, ValueError on invalid input); the answer is the service's `Decision`, which
+    has the same `prefill`/`decode` attributes the relay reads of a `ScheduleResponse`.
     """
 
     def __init__(self, service: SchedulerService) -> None:
@@ -72,14 +70,15 @@ class EmbeddedScheduler:
         *,
         routing_key: str = "",
         exclude_instance_ids: Iterable[str] = (),
-    ) -> scheduler_pb2.ScheduleResponse:
-        """Chooses and counts a pair (token counts in tokens; max_tokens 0 = unknown).
+    ) -> Decision:
+        """Chooses and counts a pair (token counts in tokens; max_tokens 0 = unknown); its
+        `prefill`/`decode` are the chosen `Candidate`s (instance_id, url, kv_endpoint).
 
         Raises SchedulerUnavailable (no compatible prefill, decode or pair; the message names
         it) or ValueError (invalid request field).
         """
         try:
-            decision = self.service.schedule(
+            return self.service.schedule(
                 ScheduleInput(
                     request_id,
                     model,
@@ -91,11 +90,6 @@ class EmbeddedScheduler:
             )
         except NoInstance as exc:
             raise SchedulerUnavailable(str(exc)) from None
-        return scheduler_pb2.ScheduleResponse(
-            prefill=instance_ref(decision.prefill),
-            decode=instance_ref(decision.decode),
-            reason=decision.reason,
-        )
 
     async def release(self, request_id: str, outcome: str) -> bool:
         """Ends the in-flight accounting of `request_id` ("success"|"failed"|"cancelled");

@@ -33,13 +33,41 @@ from pdplane.gateway.replies import JsonReply, RetryElsewhere, StreamReply
 from pdplane.gateway.upstream import UpstreamClient
 from pdplane.gateway.validation import ClientRequest
 from pdplane.scheduler.client import SchedulerError, SchedulerUnavailable
-from pdplane.v1 import scheduler_pb2
 
-__all__ = ["Dispatch", "InlineRelease", "Relay", "RelayConfig", "SchedulerPort"]
+__all__ = [
+    "Dispatch",
+    "InlineRelease",
+    "InstanceAddress",
+    "Relay",
+    "RelayConfig",
+    "ScheduledPair",
+    "SchedulerPort",
+]
 
 log = logging.getLogger(__name__)
 
 Dispatch = Literal["sequential", "concurrent"]
+
+
+class InstanceAddress(Protocol):
+    """Where one side of a pair is: `scheduler_pb2.InstanceRef` or a scheduler `Candidate`."""
+
+    @property
+    def instance_id(self) -> str: ...
+
+    @property
+    def url(self) -> str: ...
+
+
+class ScheduledPair(Protocol):
+    """A Schedule answer: `scheduler_pb2.ScheduleResponse` (remote) or the embedded scheduler's
+    `Decision` (no protobuf built on the request path)."""
+
+    @property
+    def prefill(self) -> InstanceAddress: ...
+
+    @property
+    def decode(self) -> InstanceAddress: ...
 
 
 class SchedulerPort(Protocol):
@@ -54,7 +82,7 @@ class SchedulerPort(Protocol):
         *,
         routing_key: str = "",
         exclude_instance_ids: Iterable[str] = (),
-    ) -> scheduler_pb2.ScheduleResponse: ...
+    ) -> ScheduledPair: ...
 
     async def release(self, request_id: str, outcome: str) -> bool: ...
 
@@ -137,7 +165,7 @@ class Relay:
         excluded: list[str],
         last: RetryElsewhere | None,
         max_model_len: int,
-    ) -> scheduler_pb2.ScheduleResponse:
+    ) -> ScheduledPair:
         prompt_tokens, max_tokens = req.prompt_tokens, req.max_tokens
         if max_model_len:
             prompt_tokens = min(prompt_tokens, max_model_len)
