@@ -53,9 +53,13 @@ class PrefillRequestParams:
     """
 
     request_id: str
+    #: Optional (push mode): the scheduled decode instance's registry id and the host:port of
+    #: its KvTransfer server, where prefill may push the KV during its forward. Absent = pull.
+    decode_engine_id: str | None = None
+    decode_kv_endpoint: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        d: dict[str, Any] = {
             "do_remote_decode": True,
             "do_remote_prefill": False,
             "remote_engine_id": None,
@@ -65,13 +69,22 @@ class PrefillRequestParams:
             "pdplane_version": PROTOCOL_VERSION,
             "pdplane_request_id": self.request_id,
         }
+        if self.decode_kv_endpoint:
+            d["pdplane_decode_engine_id"] = self.decode_engine_id or ""
+            d["pdplane_decode_kv_endpoint"] = self.decode_kv_endpoint
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> PrefillRequestParams:
-        """Raises KvParamsError unless `d` asks for a remote decode with a request id."""
+        """Raises KvParamsError unless `d` asks for a remote decode with a request id (the
+        optional decode fields, when present, must be strings)."""
         if d.get("do_remote_decode") is not True:
             raise KvParamsError("kv_transfer_params.do_remote_decode is not true")
-        return cls(request_id=_require(d, "pdplane_request_id", str))
+        optional = {}
+        for key in ("decode_engine_id", "decode_kv_endpoint"):
+            if d.get(f"pdplane_{key}") is not None:
+                optional[key] = _require(d, f"pdplane_{key}", str) or None
+        return cls(request_id=_require(d, "pdplane_request_id", str), **optional)
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +102,8 @@ class DecodeRequestParams:
             mismatch.
         transport: "tcp" or "nccl".
         tp_size: prefill's tensor-parallel size.
+        pushed: optional (push mode): prefill started pushing this transfer's KV into
+            decode's receive buffer; decode takes it from there, else pulls as usual.
     """
 
     request_id: str
@@ -100,10 +115,13 @@ class DecodeRequestParams:
     kv_layout: str = ""
     transport: str = "tcp"
     tp_size: int = 1
+    pushed: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         host, _, port = self.kv_endpoint.rpartition(":")
         d = asdict(self)
+        if not d["pushed"]:  # optional field: absent unless set (older decoders ignore it)
+            del d["pushed"]
         return {
             "do_remote_decode": False,
             "do_remote_prefill": True,
@@ -138,4 +156,5 @@ class DecodeRequestParams:
             kv_layout=_require(d, "pdplane_kv_layout", str),
             transport=_require(d, "pdplane_transport", str),
             tp_size=_require(d, "pdplane_tp_size", int),
+            pushed=_require(d, "pdplane_pushed", bool) if "pdplane_pushed" in d else False,
         )

@@ -109,7 +109,14 @@ class Attempt:
         returned)."""
         t0 = time.perf_counter()
         p = self.prefill
-        body = prefill_body(self.req.endpoint, self.req.body, self.request_id)
+        d = self.decode
+        body = prefill_body(
+            self.req.endpoint,
+            self.req.body,
+            self.request_id,
+            d.instance_id,
+            getattr(d, "kv_endpoint", ""),
+        )
         with self._leg_errors("prefill", p):
             resp = await self.relay.upstream.open(
                 p.url + self.req.endpoint,

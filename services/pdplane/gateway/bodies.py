@@ -21,8 +21,15 @@ __all__ = ["decode_body", "decode_body_parts", "prefill_body"]
 _DROPPED_ON_PREFILL = ("stream_options", "min_tokens")
 
 
-def prefill_body(endpoint: Endpoint, body: dict[str, Any], request_id: str) -> bytes:
-    """JSON bytes of the prefill leg for the client `body` (not modified)."""
+def prefill_body(
+    endpoint: Endpoint,
+    body: dict[str, Any],
+    request_id: str,
+    decode_id: str = "",
+    decode_kv_endpoint: str = "",
+) -> bytes:
+    """JSON bytes of the prefill leg for the client `body` (not modified). `decode_id` and
+    `decode_kv_endpoint` name the scheduled decode (a push-mode prefill sends the KV there)."""
     out = dict(body)
     for key in _DROPPED_ON_PREFILL:
         out.pop(key, None)
@@ -34,7 +41,9 @@ def prefill_body(endpoint: Endpoint, body: dict[str, Any], request_id: str) -> b
         out.pop("max_completion_tokens", None)
     out["stream"] = False
     out["n"] = 1
-    out["kv_transfer_params"] = PrefillRequestParams(request_id).to_dict()
+    out["kv_transfer_params"] = PrefillRequestParams(
+        request_id, decode_id or None, decode_kv_endpoint or None
+    ).to_dict()
     return json.dumps(out, separators=(",", ":")).encode()
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -69,3 +70,34 @@ def test_decode_params_errors_name_the_field(mutate, field) -> None:  # type: ig
 def test_prefill_params_require_request_id() -> None:
     with pytest.raises(KvParamsError, match="pdplane_request_id"):
         PrefillRequestParams.from_dict({"do_remote_decode": True})
+
+
+def test_prefill_params_carry_the_decode_target_when_given() -> None:
+    params = PrefillRequestParams("req-1", "decode-0", "127.0.0.1:50200")
+    d = json.loads(json.dumps(params.to_dict()))
+    assert d["pdplane_decode_engine_id"] == "decode-0"
+    assert d["pdplane_decode_kv_endpoint"] == "127.0.0.1:50200"
+    assert PrefillRequestParams.from_dict(d) == params
+
+
+def test_prefill_params_without_decode_target_stay_as_before() -> None:
+    d = PrefillRequestParams("req-1").to_dict()
+    assert not any(k.startswith("pdplane_decode_") for k in d)
+    back = PrefillRequestParams.from_dict(d)
+    assert back.decode_kv_endpoint is None and back.decode_engine_id is None
+
+
+def test_prefill_params_reject_a_non_string_decode_endpoint() -> None:
+    d = PrefillRequestParams("req-1").to_dict() | {"pdplane_decode_kv_endpoint": 50200}
+    with pytest.raises(KvParamsError, match="pdplane_decode_kv_endpoint"):
+        PrefillRequestParams.from_dict(d)
+
+
+def test_decode_params_pushed_flag_is_optional_and_round_trips() -> None:
+    plain = _decode_params().to_dict()
+    assert "pdplane_pushed" not in plain  # unchanged wire form for pull
+    assert DecodeRequestParams.from_dict(plain).pushed is False
+    pushed = dataclasses.replace(_decode_params(), pushed=True)
+    d = json.loads(json.dumps(pushed.to_dict()))
+    assert d["pdplane_pushed"] is True
+    assert DecodeRequestParams.from_dict(d) == pushed
