@@ -397,3 +397,90 @@ class NcclPushBeginResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___NcclPushBeginResponse: _TypeAlias = NcclPushBeginResponse  # noqa: Y015
+
+@_typing.final
+class PushHeader(_message.Message):
+    """First message of a PushBlocks stream: what is pushed and by whom."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TRANSFER_ID_FIELD_NUMBER: _builtins.int
+    SENDER_ID_FIELD_NUMBER: _builtins.int
+    TP_RANK_FIELD_NUMBER: _builtins.int
+    LAYOUT_FIELD_NUMBER: _builtins.int
+    NUM_BLOCKS_FIELD_NUMBER: _builtins.int
+    transfer_id: _builtins.str
+    """issued by prefill; decode's kv_transfer_params name it"""
+    sender_id: _builtins.str
+    """pushing (prefill) instance id; decode checks it on use"""
+    tp_rank: _builtins.int
+    """rank i of prefill pushes to rank i of decode"""
+    num_blocks: _builtins.int
+    """blocks per layer (the prompt's blocks, in token order)"""
+    @_builtins.property
+    def layout(self) -> _instance_pb2.KvLayout:
+        """checked against the receiver's layout"""
+
+    def __init__(
+        self,
+        *,
+        transfer_id: _builtins.str = ...,
+        sender_id: _builtins.str = ...,
+        tp_rank: _builtins.int = ...,
+        layout: _instance_pb2.KvLayout | None = ...,
+        num_blocks: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["layout", b"layout"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["layout", b"layout", "num_blocks", b"num_blocks", "sender_id", b"sender_id", "tp_rank", b"tp_rank", "transfer_id", b"transfer_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PushHeader: _TypeAlias = PushHeader  # noqa: Y015
+
+@_typing.final
+class PushBlocksMessage(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HEADER_FIELD_NUMBER: _builtins.int
+    CHUNK_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def header(self) -> Global___PushHeader:
+        """first message only"""
+
+    @_builtins.property
+    def chunk(self) -> Global___KvChunk:
+        """every later message: `first` = position in the transfer"""
+
+    def __init__(
+        self,
+        *,
+        header: Global___PushHeader | None = ...,
+        chunk: Global___KvChunk | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "header", b"header"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk", b"chunk", "header", b"header"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PushBlocksMessage: _TypeAlias = PushBlocksMessage  # noqa: Y015
+
+@_typing.final
+class PushBlocksResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BYTES_RECEIVED_FIELD_NUMBER: _builtins.int
+    bytes_received: _builtins.int
+    def __init__(
+        self,
+        *,
+        bytes_received: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_received", b"bytes_received"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PushBlocksResponse: _TypeAlias = PushBlocksResponse  # noqa: Y015

@@ -64,6 +64,11 @@ class KvTransferStub:
                 request_serializer=pdplane_dot_v1_dot_kv__transfer__pb2.NcclPushBeginRequest.SerializeToString,
                 response_deserializer=pdplane_dot_v1_dot_kv__transfer__pb2.NcclPushBeginResponse.FromString,
                 _registered_method=True)
+        self.PushBlocks = channel.stream_unary(
+                '/pdplane.v1.KvTransfer/PushBlocks',
+                request_serializer=pdplane_dot_v1_dot_kv__transfer__pb2.PushBlocksMessage.SerializeToString,
+                response_deserializer=pdplane_dot_v1_dot_kv__transfer__pb2.PushBlocksResponse.FromString,
+                _registered_method=True)
 
 
 class KvTransferServicer:
@@ -121,6 +126,18 @@ class KvTransferServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PushBlocks(self, request_iterator, context):
+        """TCP push mode: prefill streams a transfer's blocks layer by layer, during its forward,
+        into decode's bounded receive buffer. The first message carries `header` (room for every
+        layer's blocks is reserved then, all or nothing), the next ones `chunk`s. Errors:
+        RESOURCE_EXHAUSTED (buffer full: nothing kept; decode pulls instead), INVALID_ARGUMENT
+        (no header, layout mismatch, malformed chunk), ALREADY_EXISTS (transfer pushed or pulled
+        already), DEADLINE_EXCEEDED / CANCELLED (stream not finished: the partial data is freed).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KvTransferServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -153,6 +170,11 @@ def add_KvTransferServicer_to_server(servicer, server):
                     servicer.NcclPushBegin,
                     request_deserializer=pdplane_dot_v1_dot_kv__transfer__pb2.NcclPushBeginRequest.FromString,
                     response_serializer=pdplane_dot_v1_dot_kv__transfer__pb2.NcclPushBeginResponse.SerializeToString,
+            ),
+            'PushBlocks': grpc.stream_unary_rpc_method_handler(
+                    servicer.PushBlocks,
+                    request_deserializer=pdplane_dot_v1_dot_kv__transfer__pb2.PushBlocksMessage.FromString,
+                    response_serializer=pdplane_dot_v1_dot_kv__transfer__pb2.PushBlocksResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -317,6 +339,33 @@ class KvTransfer:
             '/pdplane.v1.KvTransfer/NcclPushBegin',
             pdplane_dot_v1_dot_kv__transfer__pb2.NcclPushBeginRequest.SerializeToString,
             pdplane_dot_v1_dot_kv__transfer__pb2.NcclPushBeginResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushBlocks(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/pdplane.v1.KvTransfer/PushBlocks',
+            pdplane_dot_v1_dot_kv__transfer__pb2.PushBlocksMessage.SerializeToString,
+            pdplane_dot_v1_dot_kv__transfer__pb2.PushBlocksResponse.FromString,
             options,
             channel_credentials,
             insecure,

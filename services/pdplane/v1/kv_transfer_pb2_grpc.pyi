@@ -61,6 +61,14 @@ class KvTransferStub:
     Errors: RESOURCE_EXHAUSTED (buffer and spill both full: nothing reserved, the caller
     sends nothing), FAILED_PRECONDITION (no communicator), INVALID_ARGUMENT (layout mismatch).
     """
+    PushBlocks: _grpc.StreamUnaryMultiCallable[_kv_transfer_pb2.PushBlocksMessage, _kv_transfer_pb2.PushBlocksResponse]
+    """TCP push mode: prefill streams a transfer's blocks layer by layer, during its forward,
+    into decode's bounded receive buffer. The first message carries `header` (room for every
+    layer's blocks is reserved then, all or nothing), the next ones `chunk`s. Errors:
+    RESOURCE_EXHAUSTED (buffer full: nothing kept; decode pulls instead), INVALID_ARGUMENT
+    (no header, layout mismatch, malformed chunk), ALREADY_EXISTS (transfer pushed or pulled
+    already), DEADLINE_EXCEEDED / CANCELLED (stream not finished: the partial data is freed).
+    """
 
 @_typing.type_check_only
 class KvTransferAsyncStub(KvTransferStub):
@@ -90,6 +98,14 @@ class KvTransferAsyncStub(KvTransferStub):
     in its bounded GPU receive buffer (or its pinned host spill) and posts the receives.
     Errors: RESOURCE_EXHAUSTED (buffer and spill both full: nothing reserved, the caller
     sends nothing), FAILED_PRECONDITION (no communicator), INVALID_ARGUMENT (layout mismatch).
+    """
+    PushBlocks: _aio.StreamUnaryMultiCallable[_kv_transfer_pb2.PushBlocksMessage, _kv_transfer_pb2.PushBlocksResponse]  # type: ignore[assignment]
+    """TCP push mode: prefill streams a transfer's blocks layer by layer, during its forward,
+    into decode's bounded receive buffer. The first message carries `header` (room for every
+    layer's blocks is reserved then, all or nothing), the next ones `chunk`s. Errors:
+    RESOURCE_EXHAUSTED (buffer full: nothing kept; decode pulls instead), INVALID_ARGUMENT
+    (no header, layout mismatch, malformed chunk), ALREADY_EXISTS (transfer pushed or pulled
+    already), DEADLINE_EXCEEDED / CANCELLED (stream not finished: the partial data is freed).
     """
 
 class KvTransferServicer(metaclass=_abc_1.ABCMeta):
@@ -153,6 +169,20 @@ class KvTransferServicer(metaclass=_abc_1.ABCMeta):
         in its bounded GPU receive buffer (or its pinned host spill) and posts the receives.
         Errors: RESOURCE_EXHAUSTED (buffer and spill both full: nothing reserved, the caller
         sends nothing), FAILED_PRECONDITION (no communicator), INVALID_ARGUMENT (layout mismatch).
+        """
+
+    @_abc_1.abstractmethod
+    def PushBlocks(
+        self,
+        request_iterator: _MaybeAsyncIterator[_kv_transfer_pb2.PushBlocksMessage],
+        context: _ServicerContext,
+    ) -> _typing.Union[_kv_transfer_pb2.PushBlocksResponse, _abc.Awaitable[_kv_transfer_pb2.PushBlocksResponse]]:
+        """TCP push mode: prefill streams a transfer's blocks layer by layer, during its forward,
+        into decode's bounded receive buffer. The first message carries `header` (room for every
+        layer's blocks is reserved then, all or nothing), the next ones `chunk`s. Errors:
+        RESOURCE_EXHAUSTED (buffer full: nothing kept; decode pulls instead), INVALID_ARGUMENT
+        (no header, layout mismatch, malformed chunk), ALREADY_EXISTS (transfer pushed or pulled
+        already), DEADLINE_EXCEEDED / CANCELLED (stream not finished: the partial data is freed).
         """
 
 def add_KvTransferServicer_to_server(servicer: KvTransferServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
