@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from pdplane.gateway.replies import StreamReply
+from pdplane.gateway.replies import SSE_DONE, StreamReply
 
 __all__ = ["DisconnectWatch", "SSEResponse"]
 
@@ -97,9 +97,19 @@ class SSEResponse(Response):
         self._on_done = on_done
 
     async def _pump(self, send: Send) -> None:
+        # The chunk ending in [DONE] goes out with the end of the response, in one write, once
+        # the relay saw decode's stream end (so its accounting is done before the client's
+        # receive() reports the response complete).
+        held = b""
         async for chunk in self._reply.chunks:
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+            if held:
+                await send({"type": "http.response.body", "body": held, "more_body": True})
+                held = b""
+            if chunk.endswith(SSE_DONE):
+                held = chunk
+            else:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": held, "more_body": False})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:

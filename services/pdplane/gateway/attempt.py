@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from pdplane.core.kv_params import DecodeRequestParams, KvParamsError
 from pdplane.gateway.bodies import decode_body, decode_body_parts, prefill_body
 from pdplane.gateway.errors import GatewayError, UpstreamReply, bad_gateway, gateway_timeout
-from pdplane.gateway.replies import JsonReply, RetryElsewhere, StreamReply
+from pdplane.gateway.replies import SSE_DONE, JsonReply, RetryElsewhere, StreamReply
 from pdplane.gateway.upstream import UpstreamResponse, UpstreamTimeout, UpstreamUnreachable
 from pdplane.gateway.validation import ClientRequest
 
@@ -26,7 +26,6 @@ if TYPE_CHECKING:
 
 __all__ = ["Attempt"]
 
-_DONE = b"data: [DONE]\n\n"
 _SSE_HEADERS = {"content-type": "text/event-stream"}
 
 
@@ -115,7 +114,7 @@ class Attempt:
             self.req.body,
             self.request_id,
             d.instance_id,
-            getattr(d, "kv_endpoint", ""),
+            d.kv_endpoint,
         )
         with self._leg_errors("prefill", p):
             resp = await self.relay.upstream.open(
@@ -251,7 +250,7 @@ class Attempt:
                         first = last
                         metrics.ttft.observe(first - self.started)
                     events += out.count(b"\n\n")
-                    done = out.endswith(_DONE)
+                    done = out.endswith(SSE_DONE)
                     yield out
             except UpstreamTimeout:
                 yield gateway_timeout(

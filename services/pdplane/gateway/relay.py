@@ -58,6 +58,9 @@ class InstanceAddress(Protocol):
     @property
     def url(self) -> str: ...
 
+    @property
+    def kv_endpoint(self) -> str: ...
+
 
 class ScheduledPair(Protocol):
     """A Schedule answer: `scheduler_pb2.ScheduleResponse` (remote) or the embedded scheduler's

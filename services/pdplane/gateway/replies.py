@@ -7,7 +7,10 @@ from dataclasses import dataclass
 
 from pdplane.gateway.errors import GatewayError
 
-__all__ = ["JsonReply", "RetryElsewhere", "StreamReply"]
+__all__ = ["SSE_DONE", "JsonReply", "RetryElsewhere", "StreamReply"]
+
+#: The last event of a well-formed OpenAI stream.
+SSE_DONE = b"data: [DONE]\n\n"
 
 
 @dataclass(frozen=True, slots=True)

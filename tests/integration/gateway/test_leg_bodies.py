@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from pdplane.core.kv_params import DecodeRequestParams, PrefillRequestParams
-from pdplane.sim.testing import RunningSims
+from pdplane.sim.testing import RunningSims, SimHandle
 from tests.integration.gateway.conftest import MODEL, Stack
 
 _MESSAGES = [{"role": "user", "content": "Tell me about paged attention."}]
@@ -34,12 +34,16 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-def _expected_prefill(path: str, body: dict[str, Any], request_id: str) -> dict[str, Any]:
+def _expected_prefill(
+    path: str, body: dict[str, Any], request_id: str, decode: SimHandle
+) -> dict[str, Any]:
     expected = {k: v for k, v in body.items() if k not in ("min_tokens", "stream_options")}
     expected.update(max_tokens=1, stream=False, n=1)
     if path == "/v1/chat/completions":
         expected["max_completion_tokens"] = 1
-    expected["kv_transfer_params"] = PrefillRequestParams(request_id).to_dict()
+    # The scheduled decode is named too (a push-mode prefill sends the KV there).
+    params = PrefillRequestParams(request_id, decode.instance_id, decode.kv_endpoint)
+    expected["kv_transfer_params"] = params.to_dict()
     return expected
 
 
@@ -67,7 +71,7 @@ def test_prefill_and_decode_receive_the_contract_bodies(
     [prefill] = sims[0].records()
     [decode] = sims[1].records()
     assert prefill["request_id"] == decode["request_id"] == request_id  # sent upstream too
-    assert prefill["body"] == _expected_prefill(path, body, request_id)
+    assert prefill["body"] == _expected_prefill(path, body, request_id, sims[1])
     returned = decode["body"]["kv_transfer_params"]
     assert decode["body"] == {**body, "kv_transfer_params": returned}
     params = DecodeRequestParams.from_dict(returned)
@@ -97,7 +101,7 @@ def test_concurrent_dispatch_sends_the_same_decode_body(stack_factory, stream: b
     assert r.status_code == 200, r.text
     [prefill] = sims[0].records()
     [decode] = sims[1].records()
-    assert prefill["body"] == _expected_prefill(path, body, "conc")
+    assert prefill["body"] == _expected_prefill(path, body, "conc", sims[1])
     returned = decode["body"]["kv_transfer_params"]
     assert decode["body"] == {**body, "kv_transfer_params": returned}
     assert DecodeRequestParams.from_dict(returned).transfer_id == prefill["kv"]["transfer_id"]
