@@ -1,15 +1,15 @@
-"""`bench/relay.py` with pdplane's scheduler modes side by side in one run.
+"""`bench/relay.py` with a before/after of pdplane in one run.
 
-Adds the proxy name `pdplane-embedded` (the gateway alone, `--scheduler embedded`, round_robin
-on both sides like the other proxies) next to relay.py's own `pdplane` (gateway + scheduler
-process) and the peers, over the same sims and load generator, then prints relay.py's tables
-plus one ratio line per pdplane variant against each peer.
+`--base-tree DIR` adds the proxy `pdplane-base`: relay.py's `pdplane` (gateway + scheduler
+process) run from another checkout, next to the current `pdplane`, `pdplane-embedded`
+(`--scheduler embedded`) and the peers, over the same sims and load generator. Prints relay.py's
+tables plus one ratio line per pdplane variant against each peer.
 
-    .venv/bin/python bench/gateway_modes.py --quick \\
-        --proxies direct,pdplane,pdplane-embedded,vllm-router,xpyd-proxy --concurrency 16,64
+    .venv/bin/python bench/gateway_modes.py --topologies 1P1D,2P4D --knobs zero --duration 2 \\
+        --base-tree /tmp/pdp_base --concurrency 1,16,64 \\
+        --proxies direct,pdplane-base,pdplane,pdplane-embedded,vllm-router,xpyd-proxy
 
-`--base-tree DIR` adds `pdplane-base`: relay.py's gateway + scheduler run from another checkout
-(e.g. `git archive <commit> services connector | tar -x -C DIR`), for before/after in one run.
+Make the other checkout with e.g. `git archive <commit> services connector | tar -x -C DIR`.
 Every relay.py flag applies (`--out PATH` as two words; default logs/bench/gateway_modes.json).
 """
 
@@ -29,7 +29,6 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench import relay  # noqa: E402
-from bench._procs import free_port, spawn  # noqa: E402
 from bench._proxies import Fleet, ProxyRun, _pdplane, _wait_ready, start_proxy  # noqa: E402
 
 _PEERS = ("vllm-router", "xpyd-proxy")
@@ -50,34 +49,6 @@ def _python_path(tree: Path) -> Iterator[None]:
             os.environ["PYTHONPATH"] = old
 
 
-def _embedded(fleet: Fleet, cpus: str, logs: Path) -> ProxyRun:
-    port = free_port()
-    gateway = spawn(
-        "pdplane-gateway-embedded",
-        [
-            sys.executable,
-            "-m",
-            "pdplane.cli.main",
-            "gateway",
-            "--scheduler",
-            "embedded",
-            "--prefill-policy",
-            "round_robin",
-            "--decode-policy",
-            "round_robin",
-            "--registry",
-            fleet.registry,
-            "--port",
-            str(port),
-            "--log-level",
-            "warning",
-        ],
-        cpus,
-        logs,
-    )
-    return ProxyRun("pdplane-embedded", f"http://127.0.0.1:{port}", [gateway])
-
-
 def _start_proxy(name: str, fleet: Fleet, cpus: str, logs: Path) -> ProxyRun:
     if name == "pdplane-base":
         if _base_tree is None:
@@ -85,8 +56,6 @@ def _start_proxy(name: str, fleet: Fleet, cpus: str, logs: Path) -> ProxyRun:
         with _python_path(_base_tree):
             run = _pdplane(fleet, cpus, logs, "sequential")
         run.name = name
-    elif name == "pdplane-embedded":
-        run = _embedded(fleet, cpus, logs)
     else:
         return start_proxy(name, fleet, cpus, logs)
     try:
