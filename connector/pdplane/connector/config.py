@@ -4,7 +4,7 @@ Every key is optional except where noted; unknown keys are rejected (a typo must
 fall back to a default). Example::
 
     {"registry": "127.0.0.1:50051", "url": "http://127.0.0.1:8100",
-     "kv_port": 50100, "transport": "tcp", "transfer_timeout_s": 60}
+     "kv_port": 50100, "transport": "tcp", "transfer_timeout_s": 60, "mode": "pull"}
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from pdplane.core import defaults
 
 __all__ = ["ConnectorConfig", "ConnectorConfigError"]
 
+_TCP_PUSH_BUFFER_BYTES = 256 << 20
 _INSTANCE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
 
@@ -62,6 +63,20 @@ class ConnectorConfig(BaseModel):
     tls_ca: str | None = Field(None, description="PEM CA to verify peers' KvTransfer TLS.")
 
     transport: Literal["tcp", "nccl"] = Field("tcp", description="How KV block bytes move.")
+    mode: Literal["pull", "push"] = Field(
+        "pull",
+        description="pull: decode pulls held blocks; push: prefill also pushes them layer by "
+        "layer during its forward into decode's bounded receive buffer (set it on both sides).",
+    )
+    push_timeout_s: float = Field(
+        10.0, gt=0, description="Push: bound on one step's push streams (s)."
+    )
+    push_wait_s: float = Field(
+        2.0,
+        ge=0,
+        description="Push: how long decode waits for an announced push still arriving before "
+        "it pulls instead (s).",
+    )
     transfer_timeout_s: float = Field(
         defaults.KV_TRANSFER_TIMEOUT_S,
         gt=0,
@@ -81,9 +96,14 @@ class ConnectorConfig(BaseModel):
     nccl_connect_timeout_s: float | None = Field(
         None, gt=0, description="NCCL: communicator set-up bound (s)."
     )
-    push_buffer_bytes: int | None = Field(None, ge=0, description="NCCL push: GPU buffer.")
+    push_buffer_bytes: int | None = Field(
+        None,
+        ge=0,
+        description="Push: decode's receive buffer (bytes; NCCL: on the GPU); default 256 MiB "
+        "(TCP) / 1 GiB (NCCL).",
+    )
     push_spill_bytes: int | None = Field(None, ge=0, description="NCCL push: host spill.")
-    push_ttl_s: float | None = Field(None, gt=0, description="NCCL push: unclaimed KV TTL (s).")
+    push_ttl_s: float | None = Field(None, gt=0, description="Push: unclaimed KV TTL (s).")
 
     @model_validator(mode="after")
     def _check(self) -> ConnectorConfig:
@@ -113,7 +133,16 @@ class ConnectorConfig(BaseModel):
     def transport_options(self) -> dict[str, Any]:
         """Keyword arguments for the configured transport's constructor."""
         if self.transport == "tcp":
-            return {"chunk_bytes": self.chunk_bytes}
+            options: dict[str, Any] = {"chunk_bytes": self.chunk_bytes}
+            if self.mode == "push":
+                options["push_buffer_bytes"] = (
+                    _TCP_PUSH_BUFFER_BYTES
+                    if self.push_buffer_bytes is None
+                    else self.push_buffer_bytes
+                )
+                if self.push_ttl_s is not None:
+                    options["push_ttl_s"] = self.push_ttl_s
+            return options
         names = (
             "nccl_strategy",
             "nccl_chunk_bytes",

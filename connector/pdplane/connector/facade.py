@@ -50,7 +50,7 @@ except ImportError:  # older vLLM: no per-source metrics
 
 
 class PdPlaneConnector(KVConnectorBase_V1):
-    """pdplane's pull-mode P/D connector (see docs/connector.md)."""
+    """pdplane's P/D connector: pull (default) or push mode (see docs/connector.md)."""
 
     if _P2P_SOURCE is not None:
         _cache_hit_source = _P2P_SOURCE
@@ -140,10 +140,16 @@ class PdPlaneConnector(KVConnectorBase_V1):
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
     ) -> None:
-        """Pull mode saves nothing: prefill keeps the blocks in place until decode pulls."""
+        """Push mode: sends the layer's blocks of this step's pushed prompts to decode.
+        Pull mode saves nothing: prefill keeps the blocks in place until decode pulls."""
+        if self._worker is not None:
+            self._worker.save_kv_layer(layer_name)
 
     def wait_for_save(self) -> None:
-        """Nothing is saved asynchronously."""
+        """Push mode: closes this step's push streams (bytes still travel in the
+        background; prefill holds the blocks until decode completes the transfer)."""
+        if self._worker is not None:
+            self._worker.wait_for_save()
 
     def get_finished(
         self, finished_req_ids: set[str], *args: Any, **kwargs: Any

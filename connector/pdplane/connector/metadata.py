@@ -11,9 +11,16 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-__all__ = ["METADATA_VERSION", "HoldSpec", "LoadSpec", "PdPlaneConnectorMetadata", "ReleaseSpec"]
+__all__ = [
+    "METADATA_VERSION",
+    "HoldSpec",
+    "LoadSpec",
+    "PdPlaneConnectorMetadata",
+    "PushSpec",
+    "ReleaseSpec",
+]
 
-METADATA_VERSION = 1
+METADATA_VERSION = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,7 +38,9 @@ class HoldSpec:
 class LoadSpec:
     """Decode: pull prefill's blocks at `remote_block_indices` of `transfer_id` from
     `endpoint` into `local_block_ids` (same length); then report `req_id` as finished
-    receiving, once (with the local blocks as load errors on failure)."""
+    receiving, once (with the local blocks as load errors on failure). `pushed`: prefill
+    (instance `sender_id`) pushed them into this worker's receive buffer: take them from
+    there, and pull only if that push is unusable."""
 
     req_id: str
     transfer_id: str
@@ -39,6 +48,20 @@ class LoadSpec:
     remote_block_indices: tuple[int, ...]
     local_block_ids: tuple[int, ...]
     num_tokens: int
+    pushed: bool = False
+    sender_id: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class PushSpec:
+    """Prefill, push mode: this step computes the whole prompt of `req_id`; push its blocks
+    `block_ids` (token order), layer by layer as the forward writes them, to the decode
+    instance whose KvTransfer rank-0 endpoint is `endpoint`, as transfer `transfer_id`."""
+
+    req_id: str
+    transfer_id: str
+    endpoint: str
+    block_ids: tuple[int, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +83,7 @@ class PdPlaneConnectorMetadata(KVConnectorMetadata):
     holds: list[HoldSpec] = field(default_factory=list)
     loads: list[LoadSpec] = field(default_factory=list)
     releases: list[ReleaseSpec] = field(default_factory=list)
+    pushes: list[PushSpec] = field(default_factory=list)
 
     def is_empty(self) -> bool:
-        return not (self.holds or self.loads or self.releases)
+        return not (self.holds or self.loads or self.releases or self.pushes)

@@ -6,6 +6,11 @@ the transport fills the decode blocks (bounded by the pull timeout), then prefil
 free the transfer (CompleteTransfer). Whatever happens, the request is reported finished
 receiving exactly once; on failure its blocks are reported as load errors in the same engine
 step, so vLLM recomputes them or fails the request (`kv_load_failure_policy`).
+
+Push mode: a load whose params say prefill pushed the blocks first takes them from this
+worker's receive buffer (waiting up to `push_wait_s` for a push still arriving); only when no
+usable push is there does it pull, and then any late push is discarded. Either way the same
+single report to vLLM and the same CompleteTransfer to prefill follow.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ class PullStats:
     nbytes: int
     seconds: float
     error: str = ""
+    source: str = "pull"  # "push": taken from the receive buffer
 
 
 class Puller:
@@ -60,6 +66,7 @@ class Puller:
         tp_rank: this worker's TP rank (pulls from the same rank of prefill).
         pull_timeout_s: bound on one pull, from submission (s).
         max_workers: concurrent pulls.
+        push_wait_s: push mode: wait for an announced push still arriving (s).
     """
 
     def __init__(
@@ -71,8 +78,10 @@ class Puller:
         tp_rank: int = 0,
         pull_timeout_s: float = 30.0,
         max_workers: int = 4,
+        push_wait_s: float = 2.0,
     ) -> None:
         self._transport = transport
+        self._push_wait_s = push_wait_s
         self._peers = peers
         self._layout = layout
         self._requester_id = requester_id
@@ -136,7 +145,48 @@ class Puller:
 
     def _run(self, spec: LoadSpec, deadline: float) -> None:
         start = time.monotonic()
-        nbytes, error = 0, ""
+        nbytes, error, source = 0, "", "pull"
+        try:
+            if spec.pushed:
+                nbytes = self._take_pushed(spec, deadline)
+                source = "push" if nbytes else "pull"
+            if source == "pull":
+                nbytes = self._pull(spec, deadline)
+        except TransferError as exc:
+            error = str(exc)
+        except Exception as exc:  # any bug must still end the load, never hang the request
+            log.exception("load of transfer %s", spec.transfer_id)
+            error = f"{type(exc).__name__}: {exc}"
+        stats = PullStats(
+            spec.transfer_id,
+            not error,
+            len(spec.local_block_ids),
+            nbytes,
+            time.monotonic() - start,
+            error,
+            source,
+        )
+        # Report to vLLM first: a slow or dead prefill must not delay the decode request.
+        self._finish(spec, stats)
+        self._complete(spec, ok=not error)
+
+    def _take_pushed(self, spec: LoadSpec, deadline: float) -> int:
+        """Bytes taken from the receive buffer; 0 = nothing usable there (pull instead)."""
+        try:
+            return self._transport.take_pushed(
+                spec.transfer_id,
+                spec.local_block_ids,
+                deadline,
+                sender_id=spec.sender_id,
+                remote_block_indices=spec.remote_block_indices,
+                wait_s=self._push_wait_s,
+            )
+        except TransferError as exc:
+            log.info("transfer %s: %s; pulling instead", spec.transfer_id, exc)
+            self._transport.discard_pushed(spec.transfer_id, "pulled instead")
+            return 0
+
+    def _pull(self, spec: LoadSpec, deadline: float) -> int:
         try:
             peer = self._peers.get(spec.endpoint, self._tp_rank)
             request = PullRequest(
@@ -148,29 +198,17 @@ class Puller:
                 requester_id=self._requester_id,
                 deadline=deadline,
             )
-            nbytes = self._transport.pull(peer, request)
-        except TransferError as exc:
-            error = str(exc)
-        except Exception as exc:  # any bug must still end the load, never hang the request
-            log.exception("pull of transfer %s", spec.transfer_id)
-            error = f"{type(exc).__name__}: {exc}"
-        stats = PullStats(
-            spec.transfer_id,
-            not error,
-            len(spec.local_block_ids),
-            nbytes,
-            time.monotonic() - start,
-            error,
-        )
-        # Report to vLLM first: a slow or dead prefill must not delay the decode request.
-        self._finish(spec, stats)
-        self._complete(spec, ok=not error)
+            return self._transport.pull(peer, request)
+        finally:
+            if spec.pushed:  # a push arriving after the pull started is of no use
+                self._transport.discard_pushed(spec.transfer_id, "pulled instead")
 
     def _finish(self, spec: LoadSpec, stats: PullStats) -> None:
         if stats.ok:
             log.info(
-                "transfer %s: pulled %d blocks, %d bytes in %.1f ms",
+                "transfer %s: %s %d blocks, %d bytes in %.1f ms",
                 spec.transfer_id,
+                "took pushed" if stats.source == "push" else "pulled",
                 stats.num_blocks,
                 stats.nbytes,
                 stats.seconds * 1000,

@@ -10,7 +10,12 @@ step's metadata:
 * decode (`do_remote_prefill`): report the prompt tokens beyond the local prefix cache as
   loadable asynchronously, and once vLLM allocated blocks for them, ask the workers to pull
   exactly those blocks; if nothing needs pulling (or the request ends before its load),
-  ask the workers to tell prefill to free the transfer.
+  ask the workers to tell prefill to free the transfer;
+* push mode (`mode: "push"`), prefill: when a step computes a prompt whose
+  `kv_transfer_params` name the decode instance, issue the transfer id at once and ask the
+  workers to push the prompt's blocks there during that step's forward (`PushSpec`); the
+  hold and the returned params are as above, plus `pushed: true`. A prompt split over several
+  steps (chunked prefill) is not pushed: decode pulls it.
 """
 
 from __future__ import annotations
@@ -22,7 +27,13 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from pdplane.connector.config import ConnectorConfig
-from pdplane.connector.metadata import HoldSpec, LoadSpec, PdPlaneConnectorMetadata, ReleaseSpec
+from pdplane.connector.metadata import (
+    HoldSpec,
+    LoadSpec,
+    PdPlaneConnectorMetadata,
+    PushSpec,
+    ReleaseSpec,
+)
 from pdplane.core.kv_params import DecodeRequestParams, KvParamsError, PrefillRequestParams
 from pdplane.core.layout import fingerprint
 from pdplane.v1 import instance_pb2
@@ -86,6 +97,10 @@ class SchedulerSide:
         self._num_running = 0
         self._sending: set[str] = set()  # prefill holds not yet reported finished
         self._receiving: dict[str, str] = {}  # decode req id -> transfer id, load unreported
+        # prefill, push mode: req id -> (transfer id, decode endpoint) allocated this step
+        self._push_candidates: dict[str, tuple[str, str]] = {}
+        # prefill: req id -> (transfer id, pushed) issued before the request finished
+        self._issued: dict[str, tuple[str, bool]] = {}
 
     # -- vLLM scheduler hooks ------------------------------------------------------------------
 
@@ -118,6 +133,8 @@ class SchedulerSide:
     ) -> None:
         """Turns the pending decision into a pull of the allocated blocks (or a release)."""
         req_id = request.request_id
+        if self.config.mode == "push" and req_id not in self._issued:
+            self._note_push_candidate(request)
         pending = self._pending.pop(req_id, None)
         if pending is None or req_id in self._consumed:
             return
@@ -145,20 +162,25 @@ class SchedulerSide:
                 remote_block_indices=tuple(range(first, last)),
                 local_block_ids=tuple(local_ids),
                 num_tokens=num_external_tokens,
+                pushed=params.pushed,
+                sender_id=params.engine_id,
             )
         )
         with self._lock:
             self._receiving[req_id] = params.transfer_id
         log.info(
-            "transfer %s: pulling %d blocks (%d tokens) from %s",
+            "transfer %s: loading %d blocks (%d tokens) from %s%s",
             params.transfer_id,
             last - first,
             num_external_tokens,
             params.kv_endpoint,
+            " (pushed)" if params.pushed else "",
         )
 
     def build_connector_meta(self, scheduler_output: Any) -> PdPlaneConnectorMetadata:
         """This step's holds/loads/releases; the returned object is never touched again."""
+        if self._push_candidates:
+            self._plan_pushes(scheduler_output)
         self._seq += 1
         meta, self._meta = self._meta, PdPlaneConnectorMetadata()
         meta.seq = self._seq
@@ -176,6 +198,8 @@ class SchedulerSide:
         with self._lock:
             self._live.discard(req_id)
         self._pending.pop(req_id, None)
+        self._push_candidates.pop(req_id, None)
+        issued = self._issued.pop(req_id, None)
         consumed = req_id in self._consumed
         self._consumed.discard(req_id)
         params = request.kv_transfer_params or {}
@@ -197,7 +221,7 @@ class SchedulerSide:
             return False, None
         if not params.get("do_remote_decode"):
             return False, None
-        return self._hold(request, block_ids, params)
+        return self._hold(request, block_ids, params, issued)
 
     def update_connector_output(self, output: Any) -> None:
         """Forgets transfers the workers reported finished (for the in-flight count)."""
@@ -256,8 +280,45 @@ class SchedulerSide:
             return f"{len(params.block_ids)} blocks cannot hold {params.num_tokens} tokens"
         return ""
 
+    def _note_push_candidate(self, request: Request) -> None:
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_decode"):
+            return
+        try:
+            pp = PrefillRequestParams.from_dict(params)
+        except KvParamsError:
+            return  # _hold logs it when the request finishes
+        if pp.decode_kv_endpoint:
+            tid = make_transfer_id(pp.request_id)
+            self._push_candidates[request.request_id] = (tid, pp.decode_kv_endpoint)
+
+    def _plan_pushes(self, scheduler_output: Any) -> None:
+        """Push the candidates whose whole prompt this step computes; forget the others."""
+        scheduled = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
+        for new in getattr(scheduler_output, "scheduled_new_reqs", None) or ():
+            cand = self._push_candidates.get(new.req_id)
+            if cand is None:
+                continue
+            tid, endpoint = cand
+            prompt_len = len(new.prompt_token_ids or ())
+            done = int(new.num_computed_tokens) + int(scheduled.get(new.req_id, 0))
+            ids = list(new.block_ids[0]) if new.block_ids else []
+            needed = _ceil_div(prompt_len, self.block_size)
+            if prompt_len == 0 or done < prompt_len or len(ids) < needed:
+                log.info("transfer %s: prompt not computed in one step; decode pulls", tid)
+                self._issued[new.req_id] = (tid, False)
+                continue
+            self._issued[new.req_id] = (tid, True)
+            self._meta.pushes.append(PushSpec(new.req_id, tid, endpoint, tuple(ids[:needed])))
+            log.info("transfer %s: pushing %d blocks to %s", tid, needed, endpoint)
+        self._push_candidates.clear()
+
     def _hold(
-        self, request: Request, block_ids: list[int], params: dict[str, Any]
+        self,
+        request: Request,
+        block_ids: list[int],
+        params: dict[str, Any],
+        issued: tuple[str, bool] | None = None,
     ) -> tuple[bool, dict[str, Any] | None]:
         from vllm.v1.request import RequestStatus
 
@@ -276,7 +337,7 @@ class SchedulerSide:
         if num_tokens == 0 or len(block_ids) < needed:
             return False, None
         held = tuple(int(b) for b in block_ids[:needed])
-        transfer_id = make_transfer_id(pp.request_id)
+        transfer_id, pushed = issued or (make_transfer_id(pp.request_id), False)
         self._meta.holds.append(
             HoldSpec(request.request_id, transfer_id, held, self.config.transfer_timeout_s)
         )
@@ -299,5 +360,6 @@ class SchedulerSide:
             kv_layout=self.fingerprint,
             transport=self.config.transport,
             tp_size=self.tp_size,
+            pushed=pushed,
         )
         return True, out.to_dict()

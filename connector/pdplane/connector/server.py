@@ -138,6 +138,25 @@ class KvTransferServicer(kv_transfer_pb2_grpc.KvTransferServicer):
     ) -> kv_transfer_pb2.NcclConnectResponse:
         return self._transport.serve_nccl_connect(request, context)
 
+    def PushBlocks(
+        self,
+        request_iterator: Iterator[kv_transfer_pb2.PushBlocksMessage],
+        context: grpc.ServicerContext,
+    ) -> kv_transfer_pb2.PushBlocksResponse:
+        """Push mode (decode): the first message's header names the transfer and the sender's
+        layout (refused unless equal to ours); the transport buffers the chunks that follow."""
+        first = next(request_iterator, None)
+        if first is None or not first.HasField("header") or not first.header.transfer_id:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "PushBlocks starts with a header")
+        header = first.header
+        got = fingerprint(header.layout)
+        if got != self._fingerprint:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"KV layout mismatch: sender {got}, receiver {self._fingerprint}",
+            )
+        return self._transport.serve_push_blocks(header, request_iterator, context)
+
     def NcclPushBegin(
         self, request: kv_transfer_pb2.NcclPushBeginRequest, context: grpc.ServicerContext
     ) -> kv_transfer_pb2.NcclPushBeginResponse:

@@ -1,8 +1,9 @@
 """Worker-side half of the connector: one per worker (TP rank), inside vLLM's worker process.
 
 Serves the KV blocks this worker holds for remote decodes (the `KvTransfer` gRPC server),
-runs the pulls the scheduler side asks for, and answers vLLM's per-step questions
-(`get_finished`, `get_block_ids_with_load_errors`) from in-memory state without blocking.
+runs the pulls (and, in push mode, the pushes) the scheduler side asks for, and answers
+vLLM's per-step questions (`get_finished`, `get_block_ids_with_load_errors`) from in-memory
+state without blocking.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pdplane.connector.kv_cache import KvCacheView
 from pdplane.connector.metadata import METADATA_VERSION, PdPlaneConnectorMetadata
 from pdplane.connector.peers import PeerPool
 from pdplane.connector.pulls import Puller
+from pdplane.connector.pushes import Pusher
 from pdplane.connector.server import KvTransferServicer, start_kv_server
 from pdplane.connector.transports import KvTransport, create_transport
 from pdplane.v1 import instance_pb2
@@ -68,6 +70,15 @@ class WorkerSide:
             tp_rank=tp_rank,
             pull_timeout_s=config.pull_timeout_s,
             max_workers=config.pull_workers,
+            push_wait_s=config.push_wait_s,
+        )
+        self.pusher = Pusher(
+            transport,
+            self.peers,
+            layout,
+            sender_id=instance_id,
+            tp_rank=tp_rank,
+            timeout_s=config.push_timeout_s,
         )
         self.server: grpc.Server | None = None
         self.port = 0
@@ -77,6 +88,7 @@ class WorkerSide:
         """Binds the KV cache tensors and starts the KvTransfer server on
         `config.bind_address(tp_rank)`. Raises RuntimeError if the port cannot be bound."""
         self.transport.bind(KvCacheView(kv_caches, self.num_blocks))
+        self.pusher.bind_layers(list(kv_caches))
         servicer = KvTransferServicer(
             self.holds, self.transport, self.layout, tombstone_s=self.config.transfer_timeout_s
         )
@@ -109,6 +121,17 @@ class WorkerSide:
             self.puller.submit(load)
         for release in meta.releases:
             self.puller.release(release)
+        if meta.pushes:
+            self.pusher.start(meta.pushes)
+
+    def save_kv_layer(self, layer_name: str) -> None:
+        """Push mode: layer `layer_name` of this step's forward is written; push it."""
+        self.pusher.save_layer(layer_name)
+
+    def wait_for_save(self) -> None:
+        """Push mode: the forward is over; close this step's push sessions."""
+        if self.pusher.active:
+            self.pusher.finish()
 
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
         """(finished sending, finished receiving) vLLM request ids since the last call."""
@@ -118,7 +141,8 @@ class WorkerSide:
         return self.puller.pop_load_errors()
 
     def shutdown(self) -> None:
-        """Stops the server and pulls; idempotent."""
+        """Stops the server, pushes and pulls; idempotent."""
+        self.pusher.close()
         self.puller.close()
         if self.server is not None:
             self.server.stop(_SERVER_GRACE_S).wait(_SERVER_GRACE_S + 1)

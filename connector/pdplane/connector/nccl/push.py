@@ -234,6 +234,17 @@ class PushReceiver:
             self._release(slot)
         return slot.nbytes
 
+    def discard(self, transfer_id: str) -> int:
+        """Frees a received transfer decode will not take (it pulled instead). A transfer
+        still being received is left to its bounded wait and then to the TTL, because its
+        buffer is the target of receives NCCL has already posted. Returns bytes freed."""
+        with self._lock:
+            slot = self._slots.get(transfer_id)
+            if slot is None or not slot.done.is_set():
+                return 0
+            self._release(slot)
+            return slot.nbytes
+
     def close(self) -> None:
         """Stops the waiter threads (their waits are bounded) and frees everything."""
         self._waiters.shutdown(wait=True)

@@ -23,6 +23,16 @@ a transport only moves block bytes. It is used on both sides of a pull:
   reports the blocks to vLLM as load errors and tells prefill to free them); partial writes are
   fine, because failed blocks are recomputed or the request fails.
 
+* **Push mode** (optional; `kv_connector_extra_config.mode: "push"`). Prefill's worker opens a
+  `push_session` per decode peer when a step computes a prompt whose decode is known, calls
+  `send_layer(l)` on it right after attention layer l wrote its KV (vLLM's `save_kv_layer`)
+  and `finish()` at the step's `wait_for_save`. Decode's transport keeps what arrives in a
+  bounded receive buffer (`serve_push_blocks` for TCP, `serve_nccl_push_begin` for NCCL); the
+  decode request then `take_pushed`s it into its blocks, or, when nothing usable was pushed
+  (buffer full, push failed or late), pulls as above and `discard_pushed`s any leftover. Push
+  only ever saves a pull: prefill holds the blocks exactly as in pull mode until decode
+  completes the transfer.
+
 Both sides get the worker's KV cache through `bind(cache)` before the first call. Tensor
 parallel: rank i of decode pulls from rank i of prefill (`request.tp_rank`); each rank has its
 own transport object and `KvTransfer` server.
@@ -34,14 +44,14 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
 import grpc
 
 from pdplane.connector.kv_cache import KvCacheView
 from pdplane.v1 import instance_pb2, kv_transfer_pb2, kv_transfer_pb2_grpc
 
-__all__ = ["KvTransport", "Peer", "PullRequest", "TransferError"]
+__all__ = ["KvTransport", "Peer", "PullRequest", "PushSender", "TransferError"]
 
 
 class TransferError(RuntimeError):
@@ -105,6 +115,20 @@ class PullRequest:
             tp_rank=self.tp_rank,
             requester_id=self.requester_id,
         )
+
+
+class PushSender(Protocol):
+    """Prefill side of one step's push to one decode worker (see the module docstring)."""
+
+    def send_layer(self, layer: int) -> None:
+        """Sends layer `layer`'s blocks of every pushed transfer (its KV is written).
+        Raises TransferError; the session is then aborted."""
+
+    def finish(self) -> int:
+        """Ends the session (bounded); returns bytes sent or queued. Raises TransferError."""
+
+    def abort(self, reason: str) -> None:
+        """Ends the session now; decode frees what arrived and pulls instead."""
 
 
 class KvTransport(ABC):
@@ -175,6 +199,54 @@ class KvTransport(ABC):
         Default: UNIMPLEMENTED."""
         context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{self.name} transport has no NCCL push")
         raise AssertionError("unreachable")
+
+    # -- push mode ----------------------------------------------------------------------------
+
+    def push_session(
+        self,
+        peer: Peer,
+        requester_id: str,
+        items: Sequence[tuple[str, Sequence[int]]],
+        layout: instance_pb2.KvLayout,
+        deadline: float,
+        tp_rank: int = 0,
+    ) -> PushSender:
+        """Prefill: starts pushing `items` ((transfer id, this worker's block ids in token
+        order), send order) to `peer`, the decode worker of rank `tp_rank`; `requester_id` is
+        this instance's id; every wait ends by `deadline` (monotonic s). Raises TransferError
+        (UNIMPLEMENTED by default; RESOURCE_EXHAUSTED when decode has no room)."""
+        raise TransferError(f"{self.name} transport has no push", grpc.StatusCode.UNIMPLEMENTED)
+
+    def serve_push_blocks(
+        self,
+        header: kv_transfer_pb2.PushHeader,
+        messages: Iterator[kv_transfer_pb2.PushBlocksMessage],
+        context: grpc.ServicerContext,
+    ) -> kv_transfer_pb2.PushBlocksResponse:
+        """Decode: receives the pushed transfer `header` announces (layout already checked)
+        from the rest of the stream into the receive buffer. Default: UNIMPLEMENTED."""
+        context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{self.name} transport has no PushBlocks")
+        raise AssertionError("unreachable")
+
+    def take_pushed(
+        self,
+        transfer_id: str,
+        local_block_ids: Sequence[int],
+        deadline: float,
+        *,
+        sender_id: str = "",
+        remote_block_indices: Sequence[int] | None = None,
+        wait_s: float = 0.0,
+    ) -> int:
+        """Decode: copies the pushed blocks at `remote_block_indices` (default: all, in order)
+        of `transfer_id`, pushed by instance `sender_id`, into `local_block_ids`; waits up to
+        `wait_s` (and never past `deadline`) for a push still arriving. Returns bytes copied.
+        Raises TransferError (NOT_FOUND: nothing usable was pushed — pull instead)."""
+        raise TransferError(f"{self.name} transport has no push", grpc.StatusCode.NOT_FOUND)
+
+    def discard_pushed(self, transfer_id: str, reason: str) -> None:  # noqa: B027 - optional
+        """Decode: a push of `transfer_id` will not be used (pulled instead): free it now and
+        refuse it if it arrives later."""
 
     def peer_gone(self, peer_id: str) -> None:  # noqa: B027 - optional hook
         """A peer instance left the registry: drop what is cached for it (e.g. communicators)."""

@@ -224,13 +224,38 @@ class NcclTransport(KvTransport):
         except NcclTransferError as exc:
             raise TransferError(str(exc), exc.code) from None
 
-    def take_pushed(self, transfer_id: str, local_block_ids: Sequence[int], deadline: float) -> int:
-        """Copies a pushed transfer into `local_block_ids` (decode); returns bytes.
-        Raises TransferError (NOT_FOUND when nothing was pushed for it)."""
+    def take_pushed(
+        self,
+        transfer_id: str,
+        local_block_ids: Sequence[int],
+        deadline: float,
+        *,
+        sender_id: str = "",
+        remote_block_indices: Sequence[int] | None = None,
+        wait_s: float = 0.0,
+    ) -> int:
+        """Copies a pushed transfer into `local_block_ids` (decode); returns bytes. Only a
+        whole transfer can be taken (a decode with local prefix hits pulls the rest instead);
+        the sender is implied by the communicator the push came over, and a push still in
+        flight is waited for until `deadline`. Raises TransferError (NOT_FOUND when nothing
+        was pushed for it, INVALID_ARGUMENT for a part of a transfer)."""
+        if self._receiver is None:
+            raise TransferError("nccl transport used before bind()", grpc.StatusCode.NOT_FOUND)
+        if remote_block_indices is not None and list(remote_block_indices) != list(
+            range(len(local_block_ids))
+        ):
+            raise TransferError(
+                f"transfer {transfer_id}: only whole pushed transfers are taken",
+                grpc.StatusCode.INVALID_ARGUMENT,
+            )
         try:
-            return self.receiver.take(transfer_id, local_block_ids, deadline)
+            return self._receiver.take(transfer_id, local_block_ids, deadline)
         except NcclTransferError as exc:
             raise TransferError(str(exc), exc.code) from None
+
+    def discard_pushed(self, transfer_id: str, reason: str) -> None:
+        if self._receiver is not None:
+            self._receiver.discard(transfer_id)
 
     # -- lifecycle -----------------------------------------------------------------------------
 

@@ -1,4 +1,6 @@
-"""TCP transport: block bytes streamed over the `KvTransfer.PullBlocks` gRPC response stream.
+"""TCP transport: block bytes streamed over the `KvTransfer.PullBlocks` gRPC response stream
+(pull), or over the `KvTransfer.PushBlocks` client stream into decode's bounded receive buffer
+(push mode, `tcp_push.py`).
 
 Each `KvChunk` carries a run of consecutive requested blocks of one layer as raw bytes in the
 holder's layout (block index first, C order) — no pickle, no intermediate receive buffer: the
@@ -8,13 +10,22 @@ every (layer, block) arrived exactly once.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Sequence
 
 import grpc
 import torch
 
+from pdplane.connector.push_buffer import PushBuffer, PushRefused
 from pdplane.connector.transports.base import KvTransport, Peer, PullRequest, TransferError
-from pdplane.v1 import kv_transfer_pb2
+from pdplane.connector.transports.tcp_push import (
+    PushResult,
+    TcpPushSession,
+    copy_pushed,
+    receive_push,
+    tensor_bytes,
+)
+from pdplane.v1 import instance_pb2, kv_transfer_pb2
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "TcpTransport"]
 
@@ -22,21 +33,30 @@ __all__ = ["DEFAULT_CHUNK_BYTES", "TcpTransport"]
 DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
 
 
-def _tensor_bytes(t: torch.Tensor) -> bytes:
-    # A uint8 view works for every dtype, bfloat16 included (numpy has no bfloat16).
-    return t.contiguous().view(torch.uint8).numpy().tobytes()
-
-
 class TcpTransport(KvTransport):
-    """KV block bytes over gRPC (CPU instances and tests)."""
+    """KV block bytes over gRPC (CPU instances and tests).
+
+    Args:
+        chunk_bytes: target bytes per KvChunk.
+        push_buffer_bytes: push mode, decode: capacity of the receive buffer (bytes);
+            0 = refuse pushes (pull mode).
+        push_ttl_s: push mode, decode: a push not taken this long is freed (s).
+    """
 
     name = "tcp"
 
-    def __init__(self, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+    def __init__(
+        self,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        push_buffer_bytes: int = 0,
+        push_ttl_s: float = 60.0,
+    ) -> None:
         super().__init__()
         if chunk_bytes <= 0:
             raise ValueError("chunk_bytes must be positive")
         self.chunk_bytes = chunk_bytes
+        self.push_buffer = PushBuffer(push_buffer_bytes, push_ttl_s) if push_buffer_bytes else None
+        self.push_results: list[PushResult] = []  # prefill: how the last 1000 pushes ended
 
     def serve_pull_blocks(
         self,
@@ -55,7 +75,7 @@ class TcpTransport(KvTransport):
                 if data.device.type != "cpu":
                     data = data.cpu()
                 yield kv_transfer_pb2.KvChunk(
-                    layer=layer, first=first, num_blocks=len(ids), data=_tensor_bytes(data)
+                    layer=layer, first=first, num_blocks=len(ids), data=tensor_bytes(data)
                 )
 
     def pull(self, peer: Peer, request: PullRequest) -> int:
@@ -110,3 +130,69 @@ class TcpTransport(KvTransport):
         cache.write_blocks(chunk.layer, request.local_block_ids[first : first + count], data)
         seen[first : first + count] = b"\x01" * count
         return len(chunk.data)
+
+    # -- push mode -----------------------------------------------------------------------------
+
+    def push_session(
+        self,
+        peer: Peer,
+        requester_id: str,
+        items: Sequence[tuple[str, Sequence[int]]],
+        layout: instance_pb2.KvLayout,
+        deadline: float,
+        tp_rank: int = 0,
+    ) -> TcpPushSession:
+        return TcpPushSession(
+            self.cache,
+            peer,
+            requester_id,
+            items,
+            layout,
+            deadline,
+            tp_rank,
+            self.chunk_bytes,
+            self.push_results,
+        )
+
+    def serve_push_blocks(
+        self,
+        header: kv_transfer_pb2.PushHeader,
+        messages: Iterator[kv_transfer_pb2.PushBlocksMessage],
+        context: grpc.ServicerContext,
+    ) -> kv_transfer_pb2.PushBlocksResponse:
+        if self.push_buffer is None:
+            context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED, "push mode is off here: no receive buffer"
+            )
+        try:
+            received = receive_push(self.push_buffer, self.cache, header, messages)
+        except PushRefused as exc:
+            context.abort(exc.code, str(exc))
+        return kv_transfer_pb2.PushBlocksResponse(bytes_received=received)
+
+    def take_pushed(
+        self,
+        transfer_id: str,
+        local_block_ids: Sequence[int],
+        deadline: float,
+        *,
+        sender_id: str = "",
+        remote_block_indices: Sequence[int] | None = None,
+        wait_s: float = 0.0,
+    ) -> int:
+        buffer = self.push_buffer
+        wait = min(wait_s, deadline - time.monotonic())
+        entry = buffer.take(transfer_id, sender_id, wait) if buffer is not None else None
+        if entry is None:
+            raise TransferError(
+                f"transfer {transfer_id}: no usable push", grpc.StatusCode.NOT_FOUND
+            )
+        return copy_pushed(entry, self.cache, remote_block_indices, local_block_ids)
+
+    def discard_pushed(self, transfer_id: str, reason: str) -> None:
+        if self.push_buffer is not None:
+            self.push_buffer.discard(transfer_id, reason)
+
+    def close(self) -> None:
+        if self.push_buffer is not None:
+            self.push_buffer.close()
