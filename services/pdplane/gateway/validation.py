@@ -39,6 +39,7 @@ class _Common(BaseModel):
     min_tokens: StrictInt | None = None
     n: StrictInt | None = None
     user: StrictStr | None = None
+    use_beam_search: StrictBool | None = None
 
 
 class _Completion(_Common):
@@ -88,6 +89,27 @@ def _first_error(exc: ValidationError) -> tuple[str, str]:
     return f"invalid value for '{param}': {err['msg']}", param
 
 
+def _refuse_unsupported(req: _Completion | _Chat) -> None:
+    """Refuses what one prefill -> decode hand-off cannot serve correctly.
+
+    A batched completions prompt becomes several engine requests on prefill, but vLLM returns a
+    single `kv_transfer_params` for the whole response, so decode could load one prompt's KV for
+    another; beam search forks sequences that a one-token prefill leg does not produce.
+    """
+    prompt = getattr(req, "prompt", None)
+    batched = isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list)
+    if batched and len(prompt) > 1:
+        raise bad_request(
+            f"batched prompts ({len(prompt)}) are not supported with prefill/decode "
+            "disaggregation: send one prompt per request",
+            "prompt",
+        )
+    if req.use_beam_search:
+        raise bad_request(
+            "beam search is not supported with prefill/decode disaggregation", "use_beam_search"
+        )
+
+
 def parse_request(endpoint: Endpoint, raw: bytes, routing_key: str = "") -> ClientRequest:
     """Parses and validates a client body for `endpoint`.
 
@@ -97,8 +119,8 @@ def parse_request(endpoint: Endpoint, raw: bytes, routing_key: str = "") -> Clie
         routing_key: the `X-Routing-Key` header, "" when absent.
 
     Raises:
-        GatewayError(400): not JSON, not an object, a missing `model`/`prompt`/`messages`, or a
-            wrong type in a field the gateway reads.
+        GatewayError(400): not JSON, not an object, a missing `model`/`prompt`/`messages`, a
+            wrong type in a field the gateway reads, a batched prompt or beam search.
     """
     try:
         body = json.loads(raw)
@@ -112,6 +134,7 @@ def parse_request(endpoint: Endpoint, raw: bytes, routing_key: str = "") -> Clie
     except ValidationError as exc:
         message, param = _first_error(exc)
         raise bad_request(message, param) from None
+    _refuse_unsupported(req)
     if isinstance(req, _Chat):
         prompt_tokens = estimate_chat_tokens(req.messages)
         max_tokens = req.max_completion_tokens or req.max_tokens or 0

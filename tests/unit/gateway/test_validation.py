@@ -41,6 +41,10 @@ def test_routing_key_header_wins_over_user() -> None:
         (COMPLETIONS, _raw({"model": "m", "prompt": "x", "stream": "yes"}), "stream", "stream"),
         (COMPLETIONS, _raw({"model": "m", "prompt": "x", "max_tokens": "5"}), "max_tokens", ""),
         (COMPLETIONS, _raw({"model": "m", "prompt": [[1, -2]]}), "prompt", "prompt"),
+        (COMPLETIONS, _raw({"model": "m", "prompt": ["a", "b"]}), "prompt", "batched prompts (2)"),
+        (COMPLETIONS, _raw({"model": "m", "prompt": [[1, 2], [3, 4]]}), "prompt", "batched"),
+        (COMPLETIONS, _raw({"model": "m", "prompt": "x", "use_beam_search": True}),
+         "use_beam_search", "beam search"),
         (CHAT, _raw({"model": "m", "messages": [{"role": "user", "content": "x"}],
                      "stream": True, "stream_options": {"include_usage": "y"}}),
          "stream_options.include_usage", ""),
@@ -59,3 +63,10 @@ def test_bad_requests_are_400_with_the_offending_field(
     assert body["error"]["code"] == 400
     assert body["error"]["type"] == "BadRequestError"
     assert body["error"]["message"] == err.message
+
+
+@pytest.mark.parametrize("prompt", ["one", ["one"], [1, 2, 3], [[1, 2, 3]]])
+def test_a_single_prompt_in_any_openai_form_is_accepted(prompt: object) -> None:
+    req = parse_request(COMPLETIONS, _raw({"model": "m", "prompt": prompt}))
+    assert req.body["prompt"] == prompt
+    assert req.prompt_tokens > 0
