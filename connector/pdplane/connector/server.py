@@ -148,6 +148,7 @@ class KvTransferServicer(kv_transfer_pb2_grpc.KvTransferServicer):
         first = next(request_iterator, None)
         if first is None or not first.HasField("header") or not first.header.transfer_id:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "PushBlocks starts with a header")
+            raise AssertionError("unreachable")  # abort raises
         header = first.header
         got = fingerprint(header.layout)
         if got != self._fingerprint:

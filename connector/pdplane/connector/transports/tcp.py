@@ -160,12 +160,14 @@ class TcpTransport(KvTransport):
         messages: Iterator[kv_transfer_pb2.PushBlocksMessage],
         context: grpc.ServicerContext,
     ) -> kv_transfer_pb2.PushBlocksResponse:
-        if self.push_buffer is None:
+        buffer = self.push_buffer
+        if buffer is None:
             context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED, "push mode is off here: no receive buffer"
             )
+            raise AssertionError("unreachable")  # abort raises
         try:
-            received = receive_push(self.push_buffer, self.cache, header, messages)
+            received = receive_push(buffer, self.cache, header, messages)
         except PushRefused as exc:
             context.abort(exc.code, str(exc))
         return kv_transfer_pb2.PushBlocksResponse(bytes_received=received)
