@@ -4,6 +4,12 @@ vLLM builds the connector before its HTTP server listens; registering at that mo
 the gateway route to an instance that refuses connections. So a thread first waits for
 `<url>/health` to answer 200, then hands over to `RegistrationClient` (register, heartbeat with
 the engine's load, re-register after a registry restart, deregister on shutdown).
+
+While registered, the same thread keeps probing `<url>/health`: when the HTTP server is gone
+(connection refused twice in a row) while this engine lives on (an API server killed on its
+own leaves its engine process heartbeating), the instance deregisters, so that the gateway stops
+routing to a server that no longer exists. A slow or timed-out probe is not taken as death: a
+busy engine answers late.
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ __all__ = ["InstanceRegistration", "build_spec"]
 log = logging.getLogger(__name__)
 
 _HEALTH_POLL_S = 0.5
+_LIVENESS_POLL_S = 1.0
+_REFUSALS_BEFORE_DEREGISTER = 2
 
 
 def build_spec(
@@ -54,12 +62,21 @@ def build_spec(
     )
 
 
-def _healthy(url: str) -> bool:
+def _probe(url: str) -> str:
+    """GET <url>/health: "ok" (200), "refused" (nothing listens) or "unknown" (anything else)."""
     try:
         with urllib.request.urlopen(f"{url}/health", timeout=2.0) as resp:
-            return bool(resp.status == 200)
-    except (urllib.error.URLError, OSError, ValueError):
-        return False
+            return "ok" if resp.status == 200 else "unknown"
+    except urllib.error.URLError as exc:
+        return "refused" if isinstance(exc.reason, ConnectionRefusedError) else "unknown"
+    except ConnectionRefusedError:
+        return "refused"
+    except (OSError, ValueError):
+        return "unknown"
+
+
+def _healthy(url: str) -> bool:
+    return _probe(url) == "ok"
 
 
 class InstanceRegistration:
@@ -116,5 +133,19 @@ class InstanceRegistration:
                         return
                     self.client.start()
                 log.info("registering %s with %s", self.client.instance_id, self._url)
+                self._watch_liveness()
                 return
             self._stopping.wait(_HEALTH_POLL_S)
+
+    def _watch_liveness(self) -> None:
+        refusals = 0
+        while not self._stopping.wait(_LIVENESS_POLL_S):
+            refusals = refusals + 1 if _probe(self._url) == "refused" else 0
+            if refusals >= _REFUSALS_BEFORE_DEREGISTER:
+                log.warning(
+                    "%s: nothing answers at %s any more; deregistering",
+                    self.client.instance_id,
+                    self._url,
+                )
+                self.stop()
+                return

@@ -127,3 +127,51 @@ def test_registers_once_healthy_with_its_role_and_deregisters(
         finally:
             conn.shutdown()
         assert _listed(address) == []
+
+
+def test_deregisters_when_its_http_server_is_gone(
+    model_dir: Path, health: _Health, free_port: Any
+) -> None:
+    # An API server killed on its own can leave its engine (and this connector) running: the
+    # instance must leave the registry instead of heartbeating for a server that is gone.
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from pdplane.connector import PdPlaneConnector
+
+    with running_registry() as address:
+        extra = {"registry": address, "url": health.url, "kv_port": free_port()}
+        conn = PdPlaneConnector(
+            _vllm_config(model_dir, "kv_consumer", extra), KVConnectorRole.SCHEDULER, None
+        )
+        try:
+            health.ready.set()
+            _wait(lambda: len(_listed(address)) == 1)
+            health.close()  # nothing listens at the instance's URL any more
+            _wait(lambda: _listed(address) == [], timeout=10.0)
+        finally:
+            conn.shutdown()
+
+
+def test_a_slow_or_failing_health_answer_keeps_the_registration(
+    model_dir: Path, health: _Health, free_port: Any
+) -> None:
+    # 503 (or a late answer) means a busy or starting server, not a dead one.
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from pdplane.connector import PdPlaneConnector
+
+    with running_registry() as address:
+        extra = {"registry": address, "url": health.url, "kv_port": free_port()}
+        conn = PdPlaneConnector(
+            _vllm_config(model_dir, "kv_consumer", extra), KVConnectorRole.SCHEDULER, None
+        )
+        try:
+            health.ready.set()
+            _wait(lambda: len(_listed(address)) == 1)
+            health.ready.clear()  # /health now answers 503
+            deadline = time.monotonic() + 3.5  # > 3 liveness probes
+            while time.monotonic() < deadline:
+                assert len(_listed(address)) == 1
+                time.sleep(0.25)
+        finally:
+            conn.shutdown()
