@@ -135,6 +135,7 @@ class WorkerSide:
 
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
         """(finished sending, finished receiving) vLLM request ids since the last call."""
+        self.transport.expire_pushed()
         return self.holds.pop_finished() or None, self.puller.pop_finished() or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:

@@ -55,9 +55,11 @@ def layout() -> instance_pb2.KvLayout:
 def start_node(layout: instance_pb2.KvLayout) -> Iterator[Callable[..., Node]]:
     servers: list[grpc.Server] = []
 
-    def start(fill: bool, push_buffer_bytes: int = 0) -> Node:
+    def start(fill: bool, push_buffer_bytes: int = 0, push_ttl_s: float = 60.0) -> Node:
         caches = _caches(fill)
-        transport = TcpTransport(chunk_bytes=700, push_buffer_bytes=push_buffer_bytes)
+        transport = TcpTransport(
+            chunk_bytes=700, push_buffer_bytes=push_buffer_bytes, push_ttl_s=push_ttl_s
+        )
         transport.bind(KvCacheView(caches))
         holds = HoldTable()
         servicer = KvTransferServicer(holds, transport, layout, arrival_wait_s=0.1)
@@ -167,6 +169,20 @@ def test_a_push_the_engine_never_finishes_ends_at_its_deadline(start_node, peers
     _wait(lambda: len(prefill.transport.push_results) == 1, "the stream to end", timeout=3.0)
     assert not prefill.transport.push_results[0].ok
     _wait(lambda: buf.used_bytes == 0 and len(buf) == 0, "the partial push to be freed")
+
+
+def test_an_unclaimed_push_is_freed_by_the_per_step_expiry(start_node, peers, layout) -> None:
+    prefill = start_node(True)
+    decode = start_node(False, push_buffer_bytes=1 << 20, push_ttl_s=0.2)
+    buf = decode.transport.push_buffer
+    assert buf is not None
+    _push(prefill, decode, peers, layout, [("t1", [6])])
+    assert buf.used_bytes > 0
+    decode.transport.expire_pushed()
+    assert buf.used_bytes > 0  # not due yet
+    time.sleep(0.25)  # past the TTL (no other push arrives to trigger it)
+    decode.transport.expire_pushed()
+    assert buf.used_bytes == 0 and len(buf) == 0
 
 
 def _puller(decode: Node, peers: PeerPool, layout) -> Puller:

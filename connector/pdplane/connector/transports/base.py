@@ -248,6 +248,10 @@ class KvTransport(ABC):
         """Decode: a push of `transfer_id` will not be used (pulled instead): free it now and
         refuse it if it arrives later."""
 
+    def expire_pushed(self) -> None:  # noqa: B027 - optional hook
+        """Decode: frees pushed transfers past their TTL. Called on every engine step, so it
+        must be cheap when nothing is due."""
+
     def peer_gone(self, peer_id: str) -> None:  # noqa: B027 - optional hook
         """A peer instance left the registry: drop what is cached for it (e.g. communicators)."""
 

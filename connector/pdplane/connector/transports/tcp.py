@@ -195,6 +195,10 @@ class TcpTransport(KvTransport):
         if self.push_buffer is not None:
             self.push_buffer.discard(transfer_id, reason)
 
+    def expire_pushed(self) -> None:
+        if self.push_buffer is not None:
+            self.push_buffer.expire()
+
     def close(self) -> None:
         if self.push_buffer is not None:
             self.push_buffer.close()
