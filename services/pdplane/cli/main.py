@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "gateway": ("pdplane.gateway.__main__", "run the OpenAI-compatible gateway"),
     "sim": ("pdplane.sim.__main__", "run simulated vLLM instances (benchmarks, fault injection)"),
     "up": ("pdplane.cli.up", "start registry, scheduler, gateway and a vLLM CPU XpYd fleet"),
+    "vllm": ("pdplane.cli.vllm", "start one vLLM CPU instance that joins a running system"),
 }
 
 

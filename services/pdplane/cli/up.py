@@ -4,7 +4,10 @@ Builds (once, cached) a tiny Llama model unless `--model` names one, then starts
 the scheduler, the gateway and an XpYd fleet of vLLM CPU instances with the pdplane connector
 (1P1D by default), waits until the gateway reports a usable pair, prints where everything is,
 optionally sends one OpenAI request (`--demo`), and serves until Ctrl-C / SIGTERM, when it stops
-every child (process groups, bounded) so that nothing is left behind.
+every child (process groups, bounded) so that nothing is left behind; the children also get
+SIGTERM if `pdplane up` itself is killed. A vLLM instance that exits while serving is reported
+and the rest keep serving (the registry drops it within its lease TTL); if the registry, the
+scheduler or the gateway exits, everything stops with status 1.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from pydantic import Field
 from pdplane.core import defaults
 from pdplane.core.settings import CommandSettings
 from pdplane.launch.fleet import Fleet, FleetSpec
+from pdplane.launch.process import Cancelled
 
 __all__ = ["UpSettings", "main"]
 
@@ -83,11 +87,10 @@ def main(argv: list[str]) -> int:
 
     spec = FleetSpec.from_settings(settings)
     fleet = Fleet(spec, say=_say)
+    fleet.die_with_parent = True
     status = 0
     try:
         fleet.start(cancel=stop.event)
-        if stop.event.is_set():
-            return 0
         _say(f"ready in {fleet.ready_after_s:.0f} s")
         _say(f"  gateway (OpenAI API): {fleet.gateway_url}/v1   model: {fleet.model_name}")
         _say(f"  registry (gRPC):      {fleet.registry_address}   try: pdplane ls")
@@ -100,11 +103,18 @@ def main(argv: list[str]) -> int:
                 return 0
         _say("serving; Ctrl-C stops everything")
         while not stop.event.wait(1.0):
-            failed = fleet.first_dead()
+            for name, inst in fleet.newly_dead_instances():
+                _say(
+                    f"{name} exited with status {inst.process.returncode} (log {inst.log_path}); "
+                    "the other instances keep serving"
+                )
+            failed = fleet.dead_service()
             if failed is not None:
                 _say(f"{failed.name} exited with status {failed.returncode}:\n{failed.tail()}")
                 status = 1
                 break
+    except Cancelled:
+        _say("interrupted during start-up")
     except (TimeoutError, RuntimeError) as exc:
         _say(f"error: {exc}")
         status = 1

@@ -117,6 +117,12 @@ class Fleet:
         self.model_name = ""
         self.ready_after_s = 0.0
         self._lock = threading.Lock()
+        self._names: dict[VllmCpuInstance, str] = {}
+        self._reported_dead: set[VllmCpuInstance] = set()
+        self._cancel: threading.Event | None = None
+        #: Children get SIGTERM if this process dies (set by long-lived supervisors such as
+        #: `pdplane up`, whose main thread starts them).
+        self.die_with_parent = False
 
     # -- addresses --------------------------------------------------------------------------
     @property
@@ -135,12 +141,13 @@ class Fleet:
     def start(self, cancel: threading.Event | None = None) -> None:
         """Starts everything and waits until the gateway serves a usable pair.
 
-        Raises TimeoutError (after `ready_timeout_s`), or ProcessDied (a RuntimeError) with the
-        log's tail when a child exits during start-up. Returns early, leaving what started
-        running, when `cancel` is set (the caller then calls stop()).
+        Raises TimeoutError (after `ready_timeout_s`), ProcessDied (a RuntimeError) with the
+        log's tail when a child exits during start-up, or Cancelled as soon as `cancel` is set
+        (what started stays running: the caller then calls stop()).
         """
         started = time.monotonic()
         deadline = started + self.spec.ready_timeout_s
+        self._cancel = cancel
         self._resolve_model()
         self._start_services(deadline)
         for _ in range(self.spec.prefill):
@@ -148,18 +155,31 @@ class Fleet:
         for _ in range(self.spec.decode):
             self._launch("kv_consumer")
         for inst in list(self.instances):
-            if cancel is not None and cancel.is_set():
-                return
-            inst.wait_healthy(max(1.0, deadline - time.monotonic()))
-            self._say(f"{inst.process.name} healthy at {inst.url}")
+            self._wait(inst.healthy, deadline, [inst.process], f"{self._names[inst]} to be healthy")
+            self._say(f"{self._names[inst]} healthy at {inst.url}")
         self.wait_registered(len(self.instances), max(1.0, deadline - time.monotonic()))
-        wait_until(
+        self._wait(
             lambda: http_ok(f"{self.gateway_url}/health"),
-            max(1.0, deadline - time.monotonic()),
-            watch=self._services,
-            what="the gateway to report a usable prefill/decode pair",
+            deadline,
+            self._services,
+            "the gateway to report a usable prefill/decode pair",
         )
         self.ready_after_s = time.monotonic() - started
+
+    def _wait(
+        self,
+        predicate: Callable[[], bool],
+        deadline: float,
+        watch: list[ManagedProcess],
+        what: str,
+    ) -> None:
+        wait_until(
+            predicate,
+            max(1.0, deadline - time.monotonic()),
+            watch=watch,
+            what=what,
+            cancel=self._cancel,
+        )
 
     def _resolve_model(self) -> None:
         spec = self.spec
@@ -169,13 +189,15 @@ class Fleet:
             return
         from pdplane.models.tiny import build_tiny_model  # heavy (transformers): only when used
 
-        self._say(f"building the tiny model (cached in {default_model_cache()})")
+        self._say(f"tiny model: building or reusing it under {default_model_cache()}")
         self.model_dir = build_tiny_model(default_model_cache())
         self.model_name = spec.served_model_name or _TINY_MODEL_NAME
-        self._say(f"model ready: {self.model_dir}")
+        self._say(f"model ready: {self.model_dir} (served as {self.model_name!r})")
 
     def _service(self, name: str, argv: list[str]) -> ManagedProcess:
-        proc = ManagedProcess(name, argv, self.spec.log_dir / f"{name}.log")
+        proc = ManagedProcess(
+            name, argv, self.spec.log_dir / f"{name}.log", die_with_parent=self.die_with_parent
+        )
         self._services.append(proc)
         proc.start()
         self._say(f"{name} starting (log {proc.log_path})")
@@ -266,8 +288,10 @@ class Fleet:
             **{**self.spec.vllm_options, **overrides},
         )
         inst = VllmCpuInstance(options, self.spec.log_dir / f"{kind}-{index}.log")
+        inst.process.die_with_parent = self.die_with_parent
         inst.start()
         self.instances.append(inst)
+        self._names[inst] = f"{kind}-{index}"
         self._say(f"{kind}-{index} starting: vLLM on {inst.url}, KV on {inst.kv_endpoint}")
         return inst
 
@@ -276,7 +300,12 @@ class Fleet:
     ) -> VllmCpuInstance:
         """Scales out while serving: starts one instance and waits until it is registered."""
         inst = self._launch(role, **overrides)
-        inst.wait_healthy(timeout_s)
+        self._wait(
+            inst.healthy,
+            time.monotonic() + timeout_s,
+            [inst.process],
+            f"{self._names[inst]} to be healthy",
+        )
         self.wait_registered(len(self.instances), timeout_s)
         return inst
 
@@ -298,12 +327,19 @@ class Fleet:
 
         wait_until(enough, timeout_s, watch=self._services, what=f"{count} instances to register")
 
-    def first_dead(self) -> ManagedProcess | None:
-        """The first supervised process that has exited, if any."""
-        for proc in [*self._services, *(i.process for i in self.instances)]:
-            if proc.returncode is not None:
-                return proc
-        return None
+    def dead_service(self) -> ManagedProcess | None:
+        """The first of registry, scheduler and gateway that has exited, if any."""
+        return next((p for p in self._services if p.returncode is not None), None)
+
+    def newly_dead_instances(self) -> list[tuple[str, VllmCpuInstance]]:
+        """vLLM instances that exited since the last call, with their names (each once)."""
+        dead = [
+            (name, inst)
+            for inst, name in self._names.items()
+            if inst.process.returncode is not None and inst not in self._reported_dead
+        ]
+        self._reported_dead.update(inst for _, inst in dead)
+        return dead
 
     def stop(self) -> None:
         """Stops vLLM instances first (they deregister), then gateway, scheduler, registry."""

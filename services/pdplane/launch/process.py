@@ -9,9 +9,12 @@ the tail of its log.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import signal
 import subprocess
+import sys
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -21,6 +24,7 @@ import httpx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 __all__ = [
+    "Cancelled",
     "ManagedProcess",
     "ProcessDied",
     "grpc_serving",
@@ -33,11 +37,28 @@ class ProcessDied(RuntimeError):
     """A supervised process exited while something waited on it."""
 
 
+class Cancelled(RuntimeError):
+    """A wait was cancelled (e.g. Ctrl-C during start-up)."""
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    # Runs in the child between fork and exec: ask Linux to SIGTERM it when its parent dies,
+    # so that even a SIGKILLed supervisor leaves no service behind.
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 class ManagedProcess:
     """One child process: `start()`, `alive()`, `stop()`; stdout+stderr go to `log_path`.
 
     The child runs in a new session (its own process group) so that `stop()` also reaches the
-    grandchildren it spawns (vLLM's engine core, for instance).
+    grandchildren it spawns (vLLM's engine core, for instance). With `die_with_parent` (Linux)
+    the child is also sent SIGTERM when the thread that started it dies, SIGKILL included: set
+    it only when `start()` runs on a thread that lives as long as the child should (the main
+    thread of a supervisor).
     """
 
     def __init__(
@@ -47,8 +68,10 @@ class ManagedProcess:
         log_path: Path,
         env: Mapping[str, str] | None = None,
         cwd: Path | None = None,
+        die_with_parent: bool = False,
     ) -> None:
         self.name = name
+        self.die_with_parent = die_with_parent
         self.argv = list(argv)
         self.log_path = log_path
         self.env = dict(env) if env is not None else None
@@ -77,6 +100,9 @@ class ManagedProcess:
                 env=self.env,
                 cwd=self.cwd,
                 start_new_session=True,
+                preexec_fn=_die_with_parent
+                if self.die_with_parent and sys.platform == "linux"
+                else None,
             )
 
     def alive(self) -> bool:
@@ -133,18 +159,23 @@ def wait_until(
     interval_s: float = 0.25,
     watch: Sequence[ManagedProcess] = (),
     what: str = "condition",
+    cancel: threading.Event | None = None,
 ) -> None:
-    """Polls `predicate` until true. Raises ProcessDied if a watched process exits meanwhile and
-    TimeoutError (naming `what`) after `timeout_s` seconds."""
+    """Polls `predicate` until true. Raises ProcessDied if a watched process exits meanwhile,
+    Cancelled as soon as `cancel` is set, and TimeoutError (naming `what`) after `timeout_s`
+    seconds."""
     deadline = time.monotonic() + timeout_s
+    pause = cancel if cancel is not None else threading.Event()
     while True:
+        if pause.is_set():
+            raise Cancelled(f"cancelled while waiting for {what}")
         for proc in watch:
             proc.check_alive()
         if predicate():
             return
         if time.monotonic() >= deadline:
             raise TimeoutError(f"timed out after {timeout_s:.0f} s waiting for {what}")
-        time.sleep(interval_s)
+        pause.wait(interval_s)
 
 
 def http_ok(url: str, timeout_s: float = 2.0) -> bool:

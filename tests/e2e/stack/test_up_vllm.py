@@ -1,5 +1,6 @@
-"""`pdplane up` as a user runs it: real processes, real vLLM CPU pair, a demo request, then
-SIGTERM stops everything and leaves no process behind."""
+"""`pdplane up` as a user runs it: real processes, real vLLM CPU pair, a demo request; a decode
+instance that dies is reported while the rest keeps serving; then SIGTERM stops everything and
+leaves no process behind."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import psutil
 import pytest
 
@@ -67,6 +69,17 @@ def test_up_serves_a_demo_request_and_stops_cleanly_on_sigterm(tmp_path: Path) -
         assert answer and answer.group(1).strip(), text
         children = _descendants(up.pid)
         assert len(children) >= 5  # registry, scheduler, gateway, prefill, decode
+        decode = next(c for c in children if "kv_consumer" in " ".join(c.cmdline()))
+        os.killpg(decode.pid, signal.SIGKILL)
+        wait_until(
+            lambda: "decode-1 exited" in log.read_text(),
+            30.0,
+            what="`pdplane up` to report the dead decode instance",
+        )
+        assert up.poll() is None, log.read_text()
+        models = httpx.get(f"http://127.0.0.1:{ports['gateway']}/v1/models", timeout=10)
+        assert models.status_code == 200
+        children = [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
         up.send_signal(signal.SIGTERM)
         assert up.wait(timeout=60) == 0, log.read_text()
         deadline = time.monotonic() + 10

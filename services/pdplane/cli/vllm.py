@@ -1,0 +1,109 @@
+"""`pdplane vllm`: one vLLM CPU instance with the pdplane connector, registered with a registry.
+
+The way to add an instance to a running system: it builds the same lean vLLM command line as
+`pdplane up` (`pdplane.launch.vllm_cpu`: identical flags on every instance, so KV layouts match)
+and replaces itself with the vLLM server (exec), so Ctrl-C / SIGTERM reach vLLM directly.
+
+    pdplane vllm --role decode --port 8102 --kv-port 50110      # joins 127.0.0.1:50051
+
+The docker image's `pdplane-vllm-cpu` entry is this command with container defaults.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+
+from pdplane.core import defaults
+from pdplane.core.settings import CommandSettings
+from pdplane.launch.vllm_cpu import VllmCpuInstance, VllmCpuOptions
+
+__all__ = ["InstanceSettings", "build", "main"]
+
+_KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}
+_ANY_ADDRESS = ("0.0.0.0", "::")
+
+
+class InstanceSettings(CommandSettings):
+    """Start one vLLM CPU instance with the pdplane connector and register it."""
+
+    role: Literal["prefill", "decode", "both"] = Field(description="prefill, decode or both")
+    registry: str = Field(
+        f"127.0.0.1:{defaults.REGISTRY_PORT}", description="registry gRPC address host:port"
+    )
+    model: Path | None = Field(
+        None, description="model directory to serve (default: the tiny model of `pdplane up`)"
+    )
+    served_model_name: str = Field("tiny-llama", description="model name clients use")
+    host: str = Field("127.0.0.1", description="address the HTTP and KvTransfer servers bind")
+    port: int = Field(defaults.VLLM_BASE_PORT, ge=1, le=65535, description="OpenAI HTTP port")
+    kv_port: int = Field(defaults.KV_BASE_PORT, ge=1, le=65535, description="KvTransfer port")
+    advertise_host: str | None = Field(
+        None, description="host peers and the gateway reach this instance by (default: --host)"
+    )
+    token: str | None = Field(
+        None, description="bearer token required on KvTransfer calls and sent to the registry"
+    )
+    registry_token: str | None = Field(
+        None, description="bearer token for the registry when it differs from --token"
+    )
+    tls_ca: str | None = Field(
+        None, description="PEM CA to verify the registry's and the peers' KvTransfer TLS"
+    )
+    tls_cert: str | None = Field(None, description="PEM certificate: serve KvTransfer over TLS")
+    tls_key: str | None = Field(None, description="PEM private key for --tls-cert")
+    omp_threads_bind: str | None = Field(
+        None, description="VLLM_CPU_OMP_THREADS_BIND, e.g. '0' to pin to core 0"
+    )
+    vllm_args: str = Field("", description="extra vLLM flags (one string, split on spaces)")
+
+
+def _model_dir(settings: InstanceSettings) -> Path:
+    if settings.model is not None:
+        return settings.model
+    from pdplane.launch.fleet import default_model_cache
+    from pdplane.models.tiny import build_tiny_model  # transformers: only when needed
+
+    return build_tiny_model(default_model_cache())
+
+
+def build(settings: InstanceSettings) -> tuple[list[str], dict[str, str]]:
+    """The vLLM server's argv and environment for `settings` (nothing is started)."""
+    host = settings.advertise_host or settings.host
+    if host in _ANY_ADDRESS:
+        raise SystemExit("error: --advertise-host is required when --host binds every address")
+    extra: dict[str, object] = {"url": f"http://{host}:{settings.port}", "advertise_host": host}
+    if settings.tls_ca:
+        extra.update(registry_tls_ca=settings.tls_ca, tls_ca=settings.tls_ca)
+    if settings.tls_cert or settings.tls_key:
+        extra.update(tls_cert=settings.tls_cert, tls_key=settings.tls_key)
+    options = VllmCpuOptions(
+        model=_model_dir(settings),
+        port=settings.port,
+        host=settings.host,
+        role=_KV_ROLES[settings.role],  # type: ignore[arg-type]
+        served_model_name=settings.served_model_name,
+        kv_port=settings.kv_port,
+        registry=settings.registry,
+        registry_token=settings.registry_token or settings.token,
+        token=settings.token,
+        connector_extra=extra,
+        omp_threads_bind=settings.omp_threads_bind,
+        extra_args=settings.vllm_args.split(),
+    )
+    instance = VllmCpuInstance(options, log_path=Path(os.devnull))
+    return instance.command(), instance.env()
+
+
+def main(argv: list[str], settings_cls: type[InstanceSettings] = InstanceSettings) -> int:
+    """Parses the settings and execs vLLM; returns only if exec fails (status 1)."""
+    settings = settings_cls.parse(argv, prog="pdplane vllm")
+    command, env = build(settings)
+    sys.stderr.write(f"pdplane vllm: exec {' '.join(command[:3])} ({settings.role})\n")
+    sys.stderr.flush()
+    os.execve(command[0], command, env)
+    return 1  # not reached: execve replaces the process or raises OSError

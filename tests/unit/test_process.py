@@ -1,0 +1,77 @@
+"""pdplane.launch.process: supervised children never outlive their supervisor."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from pdplane.launch.process import Cancelled, ManagedProcess, ProcessDied, wait_until
+
+
+def test_child_dies_with_a_sigkilled_supervisor(tmp_path: Path) -> None:
+    pid_file = tmp_path / "child.pid"
+    supervisor = textwrap.dedent(
+        f"""
+        import sys, time
+        from pathlib import Path
+        from pdplane.launch.process import ManagedProcess
+        p = ManagedProcess("sleeper", [sys.executable, "-c", "import time; time.sleep(60)"],
+                           Path({str(tmp_path / "child.log")!r}), die_with_parent=True)
+        p.start()
+        Path({str(pid_file)!r}).write_text(str(p.pid))
+        time.sleep(60)
+        """
+    )
+    parent = subprocess.Popen([sys.executable, "-c", supervisor])
+    try:
+        wait_until(lambda: pid_file.exists() and pid_file.read_text() != "", 30.0, what="child")
+        child = psutil.Process(int(pid_file.read_text()))
+        assert child.is_running()
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(timeout=10)
+        child.wait(timeout=10)  # raises TimeoutExpired if the child outlived its supervisor
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+
+
+def test_stop_ends_the_whole_process_group(tmp_path: Path) -> None:
+    script = (
+        "import subprocess, sys, time; "
+        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); time.sleep(60)"
+    )
+    proc = ManagedProcess("tree", [sys.executable, "-c", script], tmp_path / "tree.log")
+    proc.start()
+    assert proc.pid is not None
+    wait_until(lambda: len(psutil.Process(proc.pid).children()) == 1, 30.0, what="grandchild")
+    grandchild = psutil.Process(proc.pid).children()[0]
+    proc.stop(grace_s=5)
+    grandchild.wait(timeout=10)
+    assert not proc.alive()
+
+
+def test_wait_fails_fast_when_the_watched_process_dies(tmp_path: Path) -> None:
+    proc = ManagedProcess(
+        "crasher", [sys.executable, "-c", "print('boom'); raise SystemExit(3)"], tmp_path / "c.log"
+    )
+    proc.start()
+    with pytest.raises(ProcessDied, match="status 3") as info:
+        wait_until(lambda: False, 30.0, watch=[proc], what="never")
+    assert "boom" in str(info.value)
+
+
+def test_wait_is_cancelled_at_once() -> None:
+    cancel = threading.Event()
+    threading.Timer(0.2, cancel.set).start()
+    started = time.monotonic()
+    with pytest.raises(Cancelled):
+        wait_until(lambda: False, 60.0, cancel=cancel, what="never")
+    assert time.monotonic() - started < 5.0  # not its 60 s timeout
