@@ -124,13 +124,14 @@ class RelayEndpoints:
         started = time.perf_counter()
         metrics = self.metrics
         auth, request_id, routing_key = _headers(scope)
+        error: GatewayError | None = None
         if len(request_id) > _MAX_REQUEST_ID:
             request_id = ""
-            error: GatewayError | None = bad_request(
-                f"X-Request-Id longer than {_MAX_REQUEST_ID} characters"
-            )
-        else:
-            error = None
+            error = bad_request(f"X-Request-Id longer than {_MAX_REQUEST_ID} characters")
+        elif not request_id.isprintable():
+            # It is sent upstream as a header: no control characters.
+            request_id = ""
+            error = bad_request("X-Request-Id must not contain control characters")
         request_id = request_id or f"{_ID_PREFIX}{next(_id_counter):x}"
         headers = {"x-request-id": request_id}
         status = 500

@@ -76,6 +76,7 @@ class _Connection(asyncio.Protocol):
         self.response: UpstreamResponse | None = None
         self.lost = False
         self.idle_since = 0.0
+        self.pool: _Pool | None = None  # set while idle in a pool
 
     # -- asyncio.Protocol ----------------------------------------------------------------
 
@@ -96,6 +97,9 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
+        if self.pool is not None:
+            self.pool.discard(self)
+            self.pool = None
         resp = self.response
         if resp is None or resp.complete:
             return
@@ -311,12 +315,20 @@ class _Pool:
         self.idle: dict[tuple[str, int, bool], list[_Connection]] = {}
 
     def put(self, conn: _Connection) -> None:
+        conn.pool = self
         self.idle.setdefault(conn.key, []).append(conn)
+
+    def discard(self, conn: _Connection) -> None:
+        """Forgets an idle connection the instance closed (keep-alive expiry)."""
+        idle = self.idle.get(conn.key)
+        if idle and conn in idle:
+            idle.remove(conn)
 
     def get(self, key: tuple[str, int, bool], now: float) -> _Connection | None:
         idle = self.idle.get(key)
         while idle:
             conn = idle.pop()  # most recently used first: least likely to have expired
+            conn.pool = None
             if not conn.lost and now - conn.idle_since < _KEEPALIVE_S:
                 return conn
             conn.close()

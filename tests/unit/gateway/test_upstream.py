@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
+from urllib.parse import urlsplit
 
 import pytest
 from aiohttp import web
@@ -113,3 +114,28 @@ async def test_max_connections_makes_further_requests_wait(serve: Serve) -> None
         assert await client.read(resp) == b"{}"
     finally:
         await client.close()
+
+
+async def test_a_connection_the_instance_closed_while_idle_is_not_reused(
+    serve: Serve, client: UpstreamClient
+) -> None:
+    peers: list[object] = []
+
+    async def close_after(request: web.Request) -> web.StreamResponse:
+        peers.append(request.transport.get_extra_info("peername") if request.transport else None)
+        await request.read()
+        # Keep-alive on the wire, then the server drops the idle connection (its own timeout).
+        loop = asyncio.get_running_loop()
+        transport = request.transport
+        assert transport is not None
+        loop.call_later(0.05, transport.close)
+        return web.json_response({})
+
+    url = await serve(close_after) + "/v1/completions"
+    await client.read(await client.open(url, b"{}", JSON, read_timeout_s=5))
+    await asyncio.sleep(0.2)  # the server closed it meanwhile
+    key = ("127.0.0.1", urlsplit(url).port, False)
+    assert client._pool.idle.get(key) == []  # forgotten when the instance closed it
+    resp = await client.open(url, b"{}", JSON, read_timeout_s=5)
+    assert await client.read(resp) == b"{}"
+    assert len(peers) == 2 and peers[0] != peers[1]  # a new connection
