@@ -1,0 +1,64 @@
+"""`pdplane drain ID`: stop scheduling new requests onto an instance before taking it away.
+
+    pdplane drain decode-2 [--registry HOST:PORT] [--token T] [--tls-ca CA]
+
+Marks the instance DRAINING in the registry (still listed, never scheduled again; requests
+already on it finish), so that stopping it afterwards loses no request. (There is no "remove":
+a live instance whose lease vanished registers itself again within a second; stop the process
+and its lease ends.) Exit codes: 0 done, 1 unknown instance or registry error, 2 bad flags.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import grpc
+from pydantic import Field
+
+from pdplane.core import defaults, grpc_util
+from pdplane.core.settings import CommandSettings
+from pdplane.v1 import instance_pb2, registry_pb2, registry_pb2_grpc
+
+__all__ = ["DrainSettings", "main"]
+
+
+class DrainSettings(CommandSettings):
+    """Flags of `pdplane drain` (each also a `PDPLANE_*` environment variable)."""
+
+    instance_id: str = Field(description="registry id of the instance (see `pdplane ls`)")
+    registry: str = Field(
+        f"127.0.0.1:{defaults.REGISTRY_PORT}", description="registry gRPC address, host:port"
+    )
+    token: str | None = Field(None, description="registry bearer token")
+    tls_ca: str | None = Field(None, description="CA certificate (PEM) to verify registry TLS")
+    timeout_s: float = Field(5.0, gt=0, description="deadline of each call (s)")
+
+
+def main(argv: list[str]) -> int:
+    """Runs `pdplane drain`; see the module docstring for exit codes."""
+    # The id is positional for people; pydantic-settings' CLI takes it as --instance-id.
+    if argv and not argv[0].startswith("-"):
+        argv = ["--instance-id", argv[0], *argv[1:]]
+    s = DrainSettings.parse(argv, prog="pdplane drain")
+    metadata = grpc_util.token_metadata(s.token)
+    try:
+        with grpc_util.channel(s.registry, s.tls_ca) as channel:
+            stub = registry_pb2_grpc.RegistryStub(channel)
+            inst = stub.GetInstance(
+                registry_pb2.GetInstanceRequest(instance_id=s.instance_id),
+                timeout=s.timeout_s,
+                metadata=metadata,
+            )
+            reply = stub.Deregister(
+                registry_pb2.DeregisterRequest(
+                    instance_id=s.instance_id, lease_id=inst.lease_id, drain=True
+                ),
+                timeout=s.timeout_s,
+                metadata=metadata,
+            )
+    except grpc.RpcError as exc:
+        sys.stderr.write(f"pdplane drain: {exc.code().name}: {exc.details()}\n")
+        return 1
+    state = instance_pb2.InstanceState.Name(reply.state).removeprefix("INSTANCE_STATE_").lower()
+    sys.stdout.write(f"{s.instance_id}: {state}\n")
+    return 0
