@@ -96,9 +96,8 @@ def _refuse_unsupported(req: _Completion | _Chat) -> None:
     single `kv_transfer_params` for the whole response, so decode could load one prompt's KV for
     another; beam search forks sequences that a one-token prefill leg does not produce.
     """
-    prompt = getattr(req, "prompt", None)
-    batched = isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list)
-    if batched and len(prompt) > 1:
+    prompt = req.prompt if isinstance(req, _Completion) else None
+    if isinstance(prompt, list) and len(prompt) > 1 and isinstance(prompt[0], str | list):
         raise bad_request(
             f"batched prompts ({len(prompt)}) are not supported with prefill/decode "
             "disaggregation: send one prompt per request",
