@@ -18,7 +18,18 @@ def _kv(argv: list[str]) -> dict[str, Any]:
 
 def test_local_decode_joins_the_default_registry_with_up_s_lean_flags(tmp_path: Path) -> None:
     settings = InstanceSettings.parse(
-        ["--role", "decode", "--model", str(tmp_path), "--port", "8102", "--kv-port", "50110"]
+        [
+            "--role",
+            "decode",
+            "--model",
+            str(tmp_path),
+            "--port",
+            "8102",
+            "--kv-port",
+            "50110",
+            "--instance-id",
+            "decode-extra",
+        ]
     )
     argv, env = build(settings)
     assert argv[argv.index("--host") + 1] == "127.0.0.1"
@@ -30,6 +41,7 @@ def test_local_decode_joins_the_default_registry_with_up_s_lean_flags(tmp_path: 
     assert extra["registry"] == "127.0.0.1:50051"
     assert extra["url"] == "http://127.0.0.1:8102"
     assert extra["kv_port"] == 50110
+    assert extra["instance_id"] == "decode-extra"
     assert all(env[k] == v for k, v in LEAN_ENV.items())
 
 

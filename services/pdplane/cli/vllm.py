@@ -39,6 +39,9 @@ class InstanceSettings(CommandSettings):
         None, description="model directory to serve (default: the tiny model of `pdplane up`)"
     )
     served_model_name: str = Field("tiny-llama", description="model name clients use")
+    instance_id: str | None = Field(
+        None, description="registry id (default: <hostname>-<kv port>-<random>)"
+    )
     host: str = Field("127.0.0.1", description="address the HTTP and KvTransfer servers bind")
     port: int = Field(defaults.VLLM_BASE_PORT, ge=1, le=65535, description="OpenAI HTTP port")
     kv_port: int = Field(defaults.KV_BASE_PORT, ge=1, le=65535, description="KvTransfer port")
@@ -88,6 +91,7 @@ def build(settings: InstanceSettings) -> tuple[list[str], dict[str, str]]:
         role=_KV_ROLES[settings.role],  # type: ignore[arg-type]
         served_model_name=settings.served_model_name,
         kv_port=settings.kv_port,
+        instance_id=settings.instance_id,
         registry=settings.registry,
         registry_token=settings.registry_token or settings.token,
         token=settings.token,

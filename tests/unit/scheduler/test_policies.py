@@ -64,11 +64,21 @@ def test_random_is_reproducible_with_a_seed_and_covers_all(four: list[Candidate]
     assert set(picks_a) == {"p0", "p1", "p2", "p3"}
 
 
-def test_least_loaded_takes_the_minimum_and_breaks_ties_by_id(four: list[Candidate]) -> None:
+def test_least_loaded_takes_the_minimum_and_takes_ties_in_turn(four: list[Candidate]) -> None:
     policy = make_policy("least_loaded")
-    pick = policy.pick(four, ctx({"p0": 3, "p1": 1.5, "p2": 0.5, "p3": 0.5}))
-    assert pick.candidate.instance_id == "p2"
-    assert pick.reason == "least_loaded: load=0.50 of 4"
+    loads = ctx({"p0": 3, "p1": 1.5, "p2": 0.5, "p3": 0.5})
+    picks = [policy.pick(four, loads) for _ in range(8)]
+    assert {p.candidate.instance_id for p in picks} == {"p2", "p3"}  # never a loaded one
+    assert Counter(p.candidate.instance_id for p in picks) == {"p2": 4, "p3": 4}
+    assert picks[0].reason == "least_loaded: load=0.50 of 4"
+
+
+def test_least_loaded_spreads_sequential_requests_over_idle_instances(
+    four: list[Candidate],
+) -> None:
+    policy = make_policy("least_loaded")
+    picked = Counter(policy.pick(four, ctx()).candidate.instance_id for _ in range(8))
+    assert picked == {"p0": 2, "p1": 2, "p2": 2, "p3": 2}
 
 
 def test_power_of_two_never_picks_the_most_loaded(four: list[Candidate]) -> None:
