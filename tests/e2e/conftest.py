@@ -194,6 +194,9 @@ def _vllm_fleet(
     instances = [prefill, decode, reference]
     try:
         for inst in instances:
+            # A killed test run must not leave engines behind (the fixture runs on the main
+            # thread, which lives as long as the session).
+            inst.process.die_with_parent = True
             inst.start()
         for inst in instances:
             inst.wait_healthy(START_TIMEOUT_S)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -18,6 +19,28 @@ import pytest
 
 from pdplane.launch.process import wait_until
 from tests.e2e.conftest import _free_port
+
+_PORT_BLOCK = 2  # `pdplane up` counts vLLM (and KV) ports up from a base: one per instance
+
+
+def _free_port_block(n: int) -> int:
+    """A base port such that base..base+n-1 are all free now (held, then released together)."""
+    for _ in range(50):
+        base = _free_port()
+        socks = []
+        try:
+            for port in range(base, base + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no block of {n} free ports")
+
 
 pytestmark = pytest.mark.vllm
 
@@ -31,7 +54,8 @@ def _descendants(pid: int) -> list[psutil.Process]:
 
 def test_up_serves_a_demo_request_and_stops_cleanly_on_sigterm(tmp_path: Path) -> None:
     ports = {name: str(_free_port()) for name in ("gateway", "registry", "scheduler")}
-    base = _free_port()
+    vllm_base = _free_port_block(_PORT_BLOCK)
+    kv_base = _free_port_block(_PORT_BLOCK)
     log = tmp_path / "up.out"
     argv = [
         sys.executable,
@@ -45,19 +69,23 @@ def test_up_serves_a_demo_request_and_stops_cleanly_on_sigterm(tmp_path: Path) -
         ports["registry"],
         "--scheduler-port",
         ports["scheduler"],
-        # vLLM and KV ports count up from these bases, one per instance.
         "--vllm-base-port",
-        str(base),
+        str(vllm_base),
         "--kv-base-port",
-        str(base + 10),
+        str(kv_base),
         "--log-dir",
         str(tmp_path / "logs"),
     ]
     with log.open("wb") as out:
         up = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=os.environ.copy())
     try:
+
+        def serving() -> bool:
+            assert up.poll() is None, f"`pdplane up` exited:\n{log.read_text()}"
+            return "serving; Ctrl-C" in log.read_text()
+
         wait_until(
-            lambda: "serving; Ctrl-C" in log.read_text(),
+            serving,
             600.0,
             interval_s=1.0,
             what="`pdplane up` to report it is serving",
