@@ -24,6 +24,7 @@ import logging
 import re
 import secrets
 import threading
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from pdplane.connector.config import ConnectorConfig
@@ -34,7 +35,12 @@ from pdplane.connector.metadata import (
     PushSpec,
     ReleaseSpec,
 )
-from pdplane.core.kv_params import DecodeRequestParams, KvParamsError, PrefillRequestParams
+from pdplane.core.kv_params import (
+    DecodeRequestParams,
+    KvParamsError,
+    PrefillRequestParams,
+    prompt_fingerprint,
+)
 from pdplane.core.layout import fingerprint
 from pdplane.v1 import instance_pb2
 
@@ -118,8 +124,7 @@ class SchedulerSide:
         params = self._decode_params(request)
         if params is None:
             return 0, False
-        prompt_len = len(request.prompt_token_ids or ())
-        problem = self._check(params, prompt_len)
+        problem = self._check(params, request.prompt_token_ids or ())
         if problem:
             log.warning("transfer %s: computing locally: %s", params.transfer_id, problem)
             self._pending[request.request_id] = (params, 0, num_computed_tokens)
@@ -267,7 +272,8 @@ class SchedulerSide:
             log.warning("request %s: ignoring kv_transfer_params: %s", req_id, exc)
             return None
 
-    def _check(self, params: DecodeRequestParams, prompt_len: int) -> str:
+    def _check(self, params: DecodeRequestParams, prompt: Sequence[int]) -> str:
+        prompt_len = len(prompt)
         if params.kv_layout != self.fingerprint:
             return f"KV layout {params.kv_layout} != ours {self.fingerprint}"
         if params.transport != self.config.transport:
@@ -278,6 +284,8 @@ class SchedulerSide:
             return f"prefill computed {params.num_tokens} tokens, prompt has {prompt_len}"
         if len(params.block_ids) < _ceil_div(params.num_tokens, self.block_size):
             return f"{len(params.block_ids)} blocks cannot hold {params.num_tokens} tokens"
+        if params.prompt_hash and params.prompt_hash != prompt_fingerprint(prompt):
+            return "the prompt differs from the one prefill computed"
         return ""
 
     def _note_push_candidate(self, request: Request) -> None:
@@ -361,5 +369,6 @@ class SchedulerSide:
             transport=self.config.transport,
             tp_size=self.tp_size,
             pushed=pushed,
+            prompt_hash=prompt_fingerprint(request.prompt_token_ids or ()),
         )
         return True, out.to_dict()

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 from pdplane.connector.config import ConnectorConfig
 from pdplane.connector.scheduler_side import SchedulerSide, make_transfer_id
-from pdplane.core.kv_params import DecodeRequestParams, PrefillRequestParams
+from pdplane.core.kv_params import DecodeRequestParams, PrefillRequestParams, prompt_fingerprint
 from pdplane.core.layout import fingerprint
 from pdplane.v1 import instance_pb2
 from tests.unit.connector.conftest import BLOCK, make_blocks, make_request
@@ -143,6 +143,28 @@ def test_decode_refuses_a_prompt_length_mismatch(layout) -> None:
     side = _side(layout)
     req = make_request("d5", 9, _decode_params(layout, 8))
     assert side.get_num_new_matched_tokens(req, 0) == (0, False)
+
+
+def test_prefill_fingerprints_the_prompt_it_computed(layout) -> None:
+    side = _side(layout)
+    req = make_request("p1", 10, PrefillRequestParams("gw-1").to_dict())
+    _finish(req, "FINISHED_LENGTH_CAPPED")
+    _, params = side.request_finished(req, [7, 3, 9])
+    assert DecodeRequestParams.from_dict(params).prompt_hash == prompt_fingerprint(
+        req.prompt_token_ids
+    )
+
+
+def test_decode_refuses_kv_of_another_prompt_of_the_same_length(layout) -> None:
+    # e.g. a batched prompt whose engine requests all carry one kv_transfer_params
+    side = _side(layout)
+    other = prompt_fingerprint(list(range(500, 508)))
+    req = make_request("d8", 8, _decode_params(layout, 8, prompt_hash=other))
+    assert side.get_num_new_matched_tokens(req, 0) == (0, False)
+    same = make_request(
+        "d9", 8, _decode_params(layout, 8, prompt_hash=prompt_fingerprint(list(range(10, 18))))
+    )
+    assert side.get_num_new_matched_tokens(same, 0) == (8, True)
 
 
 def test_decode_request_ended_before_its_load_releases_prefill(layout) -> None:

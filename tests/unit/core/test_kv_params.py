@@ -12,6 +12,7 @@ from pdplane.core.kv_params import (
     DecodeRequestParams,
     KvParamsError,
     PrefillRequestParams,
+    prompt_fingerprint,
 )
 
 
@@ -65,6 +66,21 @@ def test_decode_params_errors_name_the_field(mutate, field) -> None:  # type: ig
     mutate(d)
     with pytest.raises(KvParamsError, match=field):
         DecodeRequestParams.from_dict(d)
+
+
+def test_prompt_hash_is_optional_and_round_trips() -> None:
+    plain = _decode_params().to_dict()
+    assert "pdplane_prompt_hash" not in plain
+    assert DecodeRequestParams.from_dict(plain).prompt_hash == ""
+    hashed = dataclasses.replace(_decode_params(), prompt_hash=prompt_fingerprint([1, 2, 3]))
+    assert DecodeRequestParams.from_dict(hashed.to_dict()).prompt_hash == hashed.prompt_hash
+
+
+def test_prompt_fingerprint_tells_prompts_apart() -> None:
+    assert prompt_fingerprint([1, 2, 3]) == prompt_fingerprint((1, 2, 3))
+    assert prompt_fingerprint([1, 2, 3]) != prompt_fingerprint([1, 2, 4])
+    assert prompt_fingerprint([1, 2, 3]) != prompt_fingerprint([1, 2, 3, 0])
+    assert len(prompt_fingerprint(range(4096))) == 16
 
 
 def test_prefill_params_require_request_id() -> None:
