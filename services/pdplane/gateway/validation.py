@@ -107,6 +107,15 @@ def _refuse_unsupported(req: _Completion | _Chat) -> None:
         raise bad_request(
             "beam search is not supported with prefill/decode disaggregation", "use_beam_search"
         )
+    # Refused here as vLLM would refuse them on decode, before a prefill is spent on them.
+    for name in ("max_tokens", "max_completion_tokens"):
+        value = getattr(req, name, None)
+        if value is not None and value < 1:
+            raise bad_request(f"{name} must be at least 1, got {value}.", name)
+    if req.stream_options is not None and not req.stream:
+        raise bad_request(
+            "Stream options can only be defined when `stream=True`.", "stream_options"
+        )
 
 
 def parse_request(endpoint: Endpoint, raw: bytes, routing_key: str = "") -> ClientRequest:
