@@ -100,7 +100,9 @@ def test_ls_watch_streams_events(registry: RegistryServer) -> None:
     reader.start()
     try:
         assert json.loads(lines.get(timeout=20))["type"] == "SNAPSHOT"
-        lease = registry.store.register(make_spec("p9"), 0)
+        # A lease far longer than the fixture's 1 s default: nothing heartbeats it here, and on
+        # a loaded machine it must not expire before the test deregisters it.
+        lease = registry.store.register(make_spec("p9"), 30_000)
         added = json.loads(lines.get(timeout=10))
         assert (added["type"], added["instance"]["id"]) == ("ADDED", "p9")
         registry.store.deregister("p9", lease.lease_id, drain=False)
