@@ -114,6 +114,10 @@ class TransferServicer(kv_transfer_pb2_grpc.KvTransferServicer):
         """UNIMPLEMENTED: the simulator has no NCCL."""
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, _NO_BYTES)
 
+    async def PushBlocks(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
+        """UNIMPLEMENTED: there is no receive buffer (a pushing prefill falls back to pull)."""
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, _NO_BYTES)
+
     async def CompleteTransfer(
         self, request: kv_transfer_pb2.CompleteTransferRequest, context: grpc.aio.ServicerContext
     ) -> kv_transfer_pb2.CompleteTransferResponse:
