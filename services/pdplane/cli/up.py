@@ -18,6 +18,7 @@ import threading
 import time
 from pathlib import Path
 from types import FrameType
+from typing import Literal
 
 from pydantic import Field
 
@@ -53,6 +54,9 @@ class UpSettings(CommandSettings):
         None, description="model name clients use (default: 'tiny-llama' or the folder name)"
     )
     vllm_args: str = Field("", description="extra arguments for every vLLM instance (one string)")
+    kv_mode: Literal["pull", "push"] = Field(
+        "pull", description="KV hand-off: decode pulls (default) or prefill pushes layer by layer"
+    )
     prefill_policy: str = Field("least_loaded", description="scheduler prefill policy")
     decode_policy: str = Field("least_loaded", description="scheduler decode policy")
     log_dir: Path = Field(Path("logs"), description="folder for every process's log")

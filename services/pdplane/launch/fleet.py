@@ -54,6 +54,9 @@ class _UpLike(Protocol):
     log_dir: Path
     ready_timeout_s: float
 
+    @property
+    def kv_mode(self) -> str: ...
+
 
 @dataclass
 class FleetSpec:
@@ -96,6 +99,7 @@ class FleetSpec:
             decode_policy=s.decode_policy,
             log_dir=s.log_dir,
             ready_timeout_s=s.ready_timeout_s,
+            vllm_options={"connector_extra": {"mode": s.kv_mode}} if s.kv_mode != "pull" else {},
         )
 
 

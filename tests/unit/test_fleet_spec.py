@@ -1,0 +1,24 @@
+"""`pdplane up` settings -> FleetSpec: what every vLLM instance of the fleet is started with."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pdplane.cli.up import UpSettings
+from pdplane.launch.fleet import FleetSpec
+
+
+def test_defaults_pull_and_split_vllm_args() -> None:
+    spec = FleetSpec.from_settings(UpSettings.parse(["--vllm-args", "--seed 7 --max-num-seqs 8"]))
+    assert (spec.prefill, spec.decode, spec.gateway_port) == (1, 1, 8000)
+    assert spec.vllm_args == ["--seed", "7", "--max-num-seqs", "8"]
+    assert spec.vllm_options == {}  # pull: the connector's default mode
+
+
+def test_push_mode_reaches_every_connector_and_xpyd_counts() -> None:
+    settings = UpSettings.parse(
+        ["--kv-mode", "push", "--prefill", "2", "--decode", "3", "--model", "/m"]
+    )
+    spec = FleetSpec.from_settings(settings)
+    assert spec.vllm_options == {"connector_extra": {"mode": "push"}}
+    assert (spec.prefill, spec.decode, spec.model) == (2, 3, Path("/m"))
