@@ -6,8 +6,10 @@ the scheduler, the gateway and an XpYd fleet of vLLM CPU instances with the pdpl
 optionally sends one OpenAI request (`--demo`), and serves until Ctrl-C / SIGTERM, when it stops
 every child (process groups, bounded) so that nothing is left behind; the children also get
 SIGTERM if `pdplane up` itself is killed. A vLLM instance that exits while serving is reported
-and the rest keep serving (the registry drops it within its lease TTL); if the registry, the
-scheduler or the gateway exits, everything stops with status 1.
+and the rest keep serving (the registry drops it within its lease TTL); a registry, scheduler
+or gateway that exits is restarted on its port (instances re-register and watchers re-watch by
+themselves), and `pdplane up` gives up with status 1 only when one crashes more than three
+times in a minute.
 """
 
 from __future__ import annotations
@@ -77,6 +79,20 @@ class _Stop:
         self.event.set()
 
 
+class _RestartBudget:
+    """At most `per_minute` restarts of one service in any 60 s window (a crash loop stops)."""
+
+    def __init__(self, per_minute: int) -> None:
+        self._per_minute = per_minute
+        self._times: dict[str, list[float]] = {}
+
+    def allow(self, name: str) -> bool:
+        now = time.monotonic()
+        recent = [t for t in self._times.get(name, []) if now - t < 60.0]
+        self._times[name] = [*recent, now]
+        return len(recent) < self._per_minute
+
+
 def _say(message: str) -> None:
     sys.stdout.write(f"[pdplane up] {message}\n")
     sys.stdout.flush()
@@ -106,6 +122,7 @@ def main(argv: list[str]) -> int:
             if settings.exit_after_demo:
                 return 0
         _say("serving; Ctrl-C stops everything")
+        restarts = _RestartBudget(per_minute=3)
         while not stop.event.wait(1.0):
             for name, inst in fleet.newly_dead_instances():
                 _say(
@@ -114,9 +131,13 @@ def main(argv: list[str]) -> int:
                 )
             failed = fleet.dead_service()
             if failed is not None:
-                _say(f"{failed.name} exited with status {failed.returncode}:\n{failed.tail()}")
-                status = 1
-                break
+                _say(f"{failed.name} exited with status {failed.returncode}; restarting it")
+                if not restarts.allow(failed.name):
+                    _say(f"{failed.name} keeps failing; giving up:\n{failed.tail()}")
+                    status = 1
+                    break
+                # The instances re-register and the scheduler/gateway re-watch by themselves.
+                failed.start()
     except Cancelled:
         _say("interrupted during start-up")
     except (TimeoutError, RuntimeError) as exc:

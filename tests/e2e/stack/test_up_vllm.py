@@ -1,6 +1,6 @@
 """`pdplane up` as a user runs it: real processes, real vLLM CPU pair, a demo request; a decode
-instance that dies is reported while the rest keeps serving; then SIGTERM stops everything and
-leaves no process behind."""
+instance that dies is reported while the rest keeps serving; a registry that dies is restarted
+and the instances come back to it; then SIGTERM stops everything and leaves no process behind."""
 
 from __future__ import annotations
 
@@ -50,6 +50,23 @@ def _descendants(pid: int) -> list[psutil.Process]:
         return psutil.Process(pid).children(recursive=True)
     except psutil.NoSuchProcess:
         return []
+
+
+def _ls(registry_port: str) -> str:
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pdplane.cli.main",
+            "ls",
+            "--registry",
+            f"127.0.0.1:{registry_port}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    return out.stdout
 
 
 def test_up_serves_a_demo_request_and_stops_cleanly_on_sigterm(tmp_path: Path) -> None:
@@ -107,7 +124,21 @@ def test_up_serves_a_demo_request_and_stops_cleanly_on_sigterm(tmp_path: Path) -
         assert up.poll() is None, log.read_text()
         models = httpx.get(f"http://127.0.0.1:{ports['gateway']}/v1/models", timeout=10)
         assert models.status_code == 200
-        children = [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+        # A crashed registry is restarted on its port; the prefill re-registers by itself.
+        registry = next(c for c in children if " registry " in f" {' '.join(c.cmdline())} ")
+        registry.kill()
+        wait_until(
+            lambda: "registry exited with status -9; restarting it" in log.read_text(),
+            30.0,
+            what="`pdplane up` to restart the registry",
+        )
+        wait_until(
+            lambda: "prefill-0" in _ls(ports["registry"]),
+            30.0,
+            what="prefill-0 to re-register with the restarted registry",
+        )
+        assert up.poll() is None, log.read_text()
+        children = _descendants(up.pid)  # the restarted registry included
         up.send_signal(signal.SIGTERM)
         assert up.wait(timeout=60) == 0, log.read_text()
         deadline = time.monotonic() + 10
