@@ -29,7 +29,13 @@ def prefill_body(
     decode_kv_endpoint: str = "",
 ) -> bytes:
     """JSON bytes of the prefill leg for the client `body` (not modified). `decode_id` and
-    `decode_kv_endpoint` name the scheduled decode (a push-mode prefill sends the KV there)."""
+    `decode_kv_endpoint` name the scheduled decode (a push-mode prefill sends the KV there).
+
+    With `n` > 1 the decode is not named: vLLM fans such a request out into several engine
+    requests on decode, and a pushed transfer serves only the first of them, while pulls serve
+    them all."""
+    if isinstance(body.get("n"), int) and body["n"] > 1:
+        decode_id = decode_kv_endpoint = ""
     out = dict(body)
     for key in _DROPPED_ON_PREFILL:
         out.pop(key, None)

@@ -27,6 +27,15 @@ def test_chat_prefill_body_forces_one_token_and_drops_streaming_and_min_tokens()
     assert body["max_tokens"] == 100 and "stream_options" in body  # client body untouched
 
 
+def test_prefill_names_the_decode_for_push_only_when_one_sequence_is_asked() -> None:
+    one = {"model": "m", "prompt": "p"}
+    params = json.loads(prefill_body(COMPLETIONS, one, "r", "decode-1", "h:1"))
+    assert params["kv_transfer_params"] == PrefillRequestParams("r", "decode-1", "h:1").to_dict()
+    many = {"model": "m", "prompt": "p", "n": 3}
+    params = json.loads(prefill_body(COMPLETIONS, many, "r", "decode-1", "h:1"))
+    assert params["kv_transfer_params"] == PrefillRequestParams("r").to_dict()  # pull
+
+
 def test_completions_prefill_body_has_no_max_completion_tokens() -> None:
     out = json.loads(prefill_body(COMPLETIONS, {"model": "m", "prompt": "p",
                                                 "max_completion_tokens": 9}, "r"))  # fmt: skip
