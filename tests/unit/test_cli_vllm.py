@@ -42,7 +42,16 @@ def test_local_decode_joins_the_default_registry_with_up_s_lean_flags(tmp_path: 
     assert extra["url"] == "http://127.0.0.1:8102"
     assert extra["kv_port"] == 50110
     assert extra["instance_id"] == "decode-extra"
+    assert "mode" not in extra  # pull: the connector's default
     assert all(env[k] == v for k, v in LEAN_ENV.items())
+
+
+def test_push_mode_reaches_the_connector(tmp_path: Path) -> None:
+    settings = InstanceSettings.parse(
+        ["--role", "prefill", "--model", str(tmp_path), "--kv-mode", "push"]
+    )
+    argv, _ = build(settings)
+    assert _kv(argv)["kv_connector_extra_config"]["mode"] == "push"
 
 
 def test_binding_every_address_needs_an_advertised_host(tmp_path: Path) -> None:

@@ -34,11 +34,29 @@ class DrainSettings(CommandSettings):
     timeout_s: float = Field(5.0, gt=0, description="deadline of each call (s)")
 
 
+_VALUE_FLAGS = {"--registry", "--token", "--tls-ca", "--timeout-s", "--instance-id"}
+
+
+def _positional_id(argv: list[str]) -> list[str]:
+    # The id is positional for people (anywhere among the flags); pydantic-settings' CLI takes
+    # it as --instance-id.
+    rest: list[str] = []
+    found: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg in _VALUE_FLAGS and i + 1 < len(argv):
+            rest += argv[i : i + 2]
+            i += 2
+            continue
+        (rest if arg.startswith("-") else found).append(arg)
+        i += 1
+    return [*(["--instance-id", found[0]] if len(found) == 1 else found), *rest]
+
+
 def main(argv: list[str]) -> int:
     """Runs `pdplane drain`; see the module docstring for exit codes."""
-    # The id is positional for people; pydantic-settings' CLI takes it as --instance-id.
-    if argv and not argv[0].startswith("-"):
-        argv = ["--instance-id", argv[0], *argv[1:]]
+    argv = _positional_id(argv)
     s = DrainSettings.parse(argv, prog="pdplane drain")
     metadata = grpc_util.token_metadata(s.token)
     try:

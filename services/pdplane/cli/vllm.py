@@ -39,6 +39,9 @@ class InstanceSettings(CommandSettings):
         None, description="model directory to serve (default: the tiny model of `pdplane up`)"
     )
     served_model_name: str = Field("tiny-llama", description="model name clients use")
+    kv_mode: Literal["pull", "push"] = Field(
+        "pull", description="KV hand-off; use the same as the rest of the fleet"
+    )
     instance_id: str | None = Field(
         None, description="registry id (default: <hostname>-<kv port>-<random>)"
     )
@@ -80,6 +83,8 @@ def build(settings: InstanceSettings) -> tuple[list[str], dict[str, str]]:
     if host in _ANY_ADDRESS:
         raise SystemExit("error: --advertise-host is required when --host binds every address")
     extra: dict[str, object] = {"url": f"http://{host}:{settings.port}", "advertise_host": host}
+    if settings.kv_mode != "pull":
+        extra["mode"] = settings.kv_mode
     if settings.tls_ca:
         extra.update(registry_tls_ca=settings.tls_ca, tls_ca=settings.tls_ca)
     if settings.tls_cert or settings.tls_key:

@@ -35,7 +35,7 @@ def test_drain_an_instance_by_id() -> None:
         client.start()
         try:
             assert client.wait_registered(10)
-            out = _drain("decode-9", "--registry", address)
+            out = _drain("--registry", address, "decode-9")  # the id may come after flags
             assert out.returncode == 0, out.stderr
             assert out.stdout.strip() == "decode-9: draining"
             assert _state(address, "decode-9") == instance_pb2.INSTANCE_STATE_DRAINING
