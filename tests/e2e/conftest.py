@@ -21,6 +21,7 @@ test when a transfer must happen.
 from __future__ import annotations
 
 import os
+import random
 import socket
 import threading
 from collections.abc import Iterator
@@ -43,10 +44,34 @@ PULL_TIMEOUT_S = 10.0
 START_TIMEOUT_S = 300.0
 
 
+def _ephemeral_floor() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+_rng = random.Random()
+
+
 def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A free port BELOW the kernel's ephemeral range.
+
+    vLLM binds its ports tens of seconds after we choose them; meanwhile other engines take
+    ephemeral ports for their own sockets, and a port chosen inside that range (port 0) can be
+    taken by one of them (seen: "Address already in use" on a KV port). Ports below the range
+    are never handed out implicitly.
+    """
+    floor = _ephemeral_floor()
+    for _ in range(200):
+        port = _rng.randrange(10_000, max(10_001, floor))
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port below the ephemeral range")
 
 
 class RegistryHandle:
