@@ -17,6 +17,8 @@ from pdplane.v1 import instance_pb2, kv_transfer_pb2, kv_transfer_pb2_grpc
 from tests.e2e.conftest import RegistryHandle, VllmPair
 
 MODEL = "tiny"
+#: Labels of vLLM's prompt-token counter for tokens whose KV came from another instance.
+EXTERNAL = {"source": "external_kv_transfer"}
 VOCAB = 2048
 
 

@@ -22,6 +22,7 @@ from pdplane.core.kv_params import PrefillRequestParams
 from pdplane.launch.vllm_cpu import VllmCpuInstance
 from tests.e2e.conftest import PULL_TIMEOUT_S, RegistryHandle, VllmPair
 from tests.e2e.connector.helpers import (
+    EXTERNAL,
     complete,
     fresh_prompt,
     idle_free_blocks,
@@ -33,8 +34,6 @@ from tests.e2e.connector.helpers import (
 )
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
-
-EXTERNAL = {"source": "external_kv_transfer"}
 
 
 @dataclass

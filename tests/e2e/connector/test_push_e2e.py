@@ -31,6 +31,7 @@ from tests.e2e.conftest import (
     VllmPair,
 )
 from tests.e2e.connector.helpers import (
+    EXTERNAL,
     complete,
     fresh_prompt,
     idle_free_blocks,
@@ -43,7 +44,6 @@ from tests.e2e.connector.helpers import (
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
-EXTERNAL = {"source": "external_kv_transfer"}
 PUSH_BUFFER_BYTES = 600 * 1024
 PREFILL_ID, DECODE_ID = "push-prefill-0", "push-decode-0"
 

@@ -13,12 +13,11 @@ import pytest
 
 from pdplane.launch.vllm_cpu import VllmCpuInstance
 from tests.e2e.conftest import MODEL_NAME, VllmPair
-from tests.e2e.connector.helpers import metric
+from tests.e2e.connector.helpers import EXTERNAL, metric
 from tests.e2e.stack.conftest import fresh_text
 
 pytestmark = pytest.mark.vllm
 
-EXTERNAL = {"source": "external_kv_transfer"}
 MAX_TOKENS = 16
 
 

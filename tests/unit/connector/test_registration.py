@@ -3,6 +3,7 @@ vLLM's real VllmConfig and the real registry on loopback; deregisters on shutdow
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -129,49 +130,43 @@ def test_registers_once_healthy_with_its_role_and_deregisters(
         assert _listed(address) == []
 
 
-def test_deregisters_when_its_http_server_is_gone(
-    model_dir: Path, health: _Health, free_port: Any
-) -> None:
-    # An API server killed on its own can leave its engine (and this connector) running: the
-    # instance must leave the registry instead of heartbeating for a server that is gone.
+@contextlib.contextmanager
+def _registered_decode(model_dir: Path, health: _Health, port: int) -> Iterator[str]:
+    """A kv_consumer connector registered (its /health answering 200); yields the registry."""
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
     from pdplane.connector import PdPlaneConnector
 
     with running_registry() as address:
-        extra = {"registry": address, "url": health.url, "kv_port": free_port()}
+        extra = {"registry": address, "url": health.url, "kv_port": port}
         conn = PdPlaneConnector(
             _vllm_config(model_dir, "kv_consumer", extra), KVConnectorRole.SCHEDULER, None
         )
         try:
             health.ready.set()
             _wait(lambda: len(_listed(address)) == 1)
-            health.close()  # nothing listens at the instance's URL any more
-            _wait(lambda: _listed(address) == [], timeout=10.0)
+            yield address
         finally:
             conn.shutdown()
+
+
+def test_deregisters_when_its_http_server_is_gone(
+    model_dir: Path, health: _Health, free_port: Any
+) -> None:
+    # An API server killed on its own can leave its engine (and this connector) running: the
+    # instance must leave the registry instead of heartbeating for a server that is gone.
+    with _registered_decode(model_dir, health, free_port()) as address:
+        health.close()  # nothing listens at the instance's URL any more
+        _wait(lambda: _listed(address) == [], timeout=10.0)
 
 
 def test_a_slow_or_failing_health_answer_keeps_the_registration(
     model_dir: Path, health: _Health, free_port: Any
 ) -> None:
     # 503 (or a late answer) means a busy or starting server, not a dead one.
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-
-    from pdplane.connector import PdPlaneConnector
-
-    with running_registry() as address:
-        extra = {"registry": address, "url": health.url, "kv_port": free_port()}
-        conn = PdPlaneConnector(
-            _vllm_config(model_dir, "kv_consumer", extra), KVConnectorRole.SCHEDULER, None
-        )
-        try:
-            health.ready.set()
-            _wait(lambda: len(_listed(address)) == 1)
-            health.ready.clear()  # /health now answers 503
-            deadline = time.monotonic() + 3.5  # > 3 liveness probes
-            while time.monotonic() < deadline:
-                assert len(_listed(address)) == 1
-                time.sleep(0.25)
-        finally:
-            conn.shutdown()
+    with _registered_decode(model_dir, health, free_port()) as address:
+        health.ready.clear()  # /health now answers 503
+        deadline = time.monotonic() + 3.5  # > 3 liveness probes
+        while time.monotonic() < deadline:
+            assert len(_listed(address)) == 1
+            time.sleep(0.25)
