@@ -1,8 +1,9 @@
 """Starts `nccl_node.py` processes and talks to them (stdlib only; used by bench and tests).
 
-Each node gets its own `NCCL_HOSTID`, so two nodes on one GPU look like two hosts to NCCL (it
-then uses its socket transport instead of refusing a "duplicate GPU"); NVLink multicast stays
-off (`NCCL_NVLS_ENABLE=0`).
+Nodes sharing one GPU get their own `NCCL_HOSTID`, so they look like two hosts to NCCL (it then
+uses its socket transport instead of refusing a "duplicate GPU"); nodes on separate GPUs keep
+the real host id, so NCCL takes NVLink / PCIe P2P. NVLink multicast stays off
+(`NCCL_NVLS_ENABLE=0`).
 """
 
 from __future__ import annotations
@@ -27,12 +28,24 @@ class NodeError(RuntimeError):
 
 
 class NodeProcess:
-    """One KV node process. `call(op, **args)` sends a command and returns its answer."""
+    """One KV node process. `call(op, **args)` sends a command and returns its answer.
 
-    def __init__(self, instance_id: str, log_dir: Path | None = None, **options: Any) -> None:
+    `shared_gpu`: the node shares its GPU with its peer, so it gets its own `NCCL_HOSTID`;
+    False on separate GPUs of one host, where NCCL should use NVLink / PCIe P2P instead.
+    """
+
+    def __init__(
+        self,
+        instance_id: str,
+        log_dir: Path | None = None,
+        *,
+        shared_gpu: bool = True,
+        **options: Any,
+    ) -> None:
         self.instance_id = instance_id
         env = dict(os.environ)
-        env["NCCL_HOSTID"] = f"pdplane-{instance_id}"
+        if shared_gpu:
+            env["NCCL_HOSTID"] = f"pdplane-{instance_id}"
         env["NCCL_NVLS_ENABLE"] = "0"
         env["PYTHONUNBUFFERED"] = "1"
         env["PYTHONPATH"] = os.pathsep.join(

@@ -104,9 +104,11 @@ def main() -> int:
         args.log_dir.mkdir(parents=True, exist_ok=True)
     rng = random.Random(0)
     results: dict[str, Any] = {"geometry": geometry, "token_bytes": TOKEN_BYTES, "sizes": []}
+    shared_gpu = args.prefill_device == args.decode_device
     prefill = NodeProcess(
         "bench-p",
         args.log_dir,
+        shared_gpu=shared_gpu,
         seed=1,
         device=args.prefill_device,
         chunk_bytes=chunk_sizes[-1],
@@ -115,6 +117,7 @@ def main() -> int:
     decode = NodeProcess(
         "bench-d",
         args.log_dir,
+        shared_gpu=shared_gpu,
         seed=2,
         device=args.decode_device,
         chunk_bytes=chunk_sizes[-1],

@@ -22,8 +22,10 @@ def main(argv: list[str]) -> int:
         create_app(settings),
         host=settings.host,
         port=settings.port,
-        loop="uvloop",
-        http="httptools",
+        # "auto" takes uvloop and httptools (uvicorn[standard], the faster pair) and falls back
+        # to asyncio and h11 where an image lacks them rather than refusing to start.
+        loop="auto",
+        http="auto",
         log_level=settings.log_level,
         # No access log, so nothing reads the X-Forwarded-* rewriting; it costs every request.
         access_log=False,
