@@ -137,13 +137,12 @@ class Run:
             else ["--dtype", "bfloat16", "--block-size", str(GPU_BLOCK_SIZE)]
         )  # fmt: skip
         if not args.cpu:
-            # A fixed KV size skips vLLM's memory profiling, which fails when instances sharing
-            # a GPU start at the same time (each sees the others' allocations).
-            device_args += (
-                ["--kv-cache-memory", str(args.kv_cache_memory)]
-                if args.kv_cache_memory
-                else ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
-            )
+            # vLLM checks free memory against --gpu-memory-utilization at startup even when
+            # --kv-cache-memory fixes the KV size; the fixed size skips the memory profiling,
+            # which fails when instances sharing a GPU start together (each sees the others).
+            device_args += ["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+            if args.kv_cache_memory:
+                device_args += ["--kv-cache-memory", str(args.kv_cache_memory)]
         argv = [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(opts.model), "--served-model-name", "tiny",

@@ -3,9 +3,12 @@
 # with both KV nodes on GPU 0 (NCCL socket transport between two "hosts") and, where the machine
 # has two or more GPUs, with decode on GPU 1 (NVLink / PCIe P2P). Run from the checkout root.
 # Writes under $OUT: pytest.txt, nccl_pull_1gpu.json, nccl_pull_2gpu.json and the NCCL channels
-# each run opened (nccl_channels_*.txt: which transport NCCL took).
+# each run opened (nccl_channels_*.txt: which transport NCCL took). The grpcio/protobuf the
+# generated code needs travel in .whl/base (carry it; see bench/gpu_e2e.sh).
 set -uo pipefail
-export PYTHONPATH="$PWD/services:$PWD/connector:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/base/*.whl
+export PYTHONPATH="/tmp/site:$PWD/services:$PWD/connector:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 out="${OUT:-/tmp/pdplane-nccl-out}"
 mkdir -p "$out"

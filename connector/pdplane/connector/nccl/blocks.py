@@ -64,6 +64,17 @@ def layer_byte_view(tensor: torch.Tensor, block_dim: int) -> torch.Tensor:
     return raw.view(outer, num_blocks, raw.numel() // (outer * num_blocks))
 
 
+def _widest(view: torch.Tensor) -> torch.Tensor:
+    """`view` (uint8 `[outer, num_blocks, inner]`) reinterpreted as int64, int32 or int16
+    `[outer, num_blocks, inner / width]`, the widest that divides `inner` and the address."""
+    import torch
+
+    for dtype, width in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
+        if view.shape[2] % width == 0 and view.data_ptr() % width == 0:
+            return view.view(dtype)
+    return view
+
+
 class BlockMover:
     """Enqueues the GPU copies and NCCL operations of transfers for one worker's KV cache.
 
@@ -77,6 +88,8 @@ class BlockMover:
         self.device = device
         self.num_blocks = int(self.views[0].shape[1])
         self.layer_block_bytes = [int(v.shape[0]) * int(v.shape[2]) for v in self.views]
+        self.wide_views = [_widest(v) for v in self.views]
+        self._copies: torch.cuda.Stream | None = None
 
     def transfer_bytes(self, num_blocks: int) -> int:
         """Bytes a transfer of `num_blocks` blocks moves (all layers)."""
@@ -124,6 +137,13 @@ class BlockMover:
                 self._grouped(comm, is_send, ids, runs, deadline)
         return self.transfer_bytes(len(ids))
 
+    def _copy_stream(self) -> torch.cuda.Stream:
+        import torch
+
+        if self._copies is None:
+            self._copies = torch.cuda.Stream(device=self.device)
+        return self._copies
+
     def _gather_chunks(
         self,
         comm: NcclCommunicator,
@@ -132,30 +152,76 @@ class BlockMover:
         chunks: Sequence[Chunk],
         deadline: float,
     ) -> None:
+        # Two staging buffers and a second stream for the gathers/scatters: chunk k+1 is
+        # gathered (sender) or chunk k scattered (receiver) while NCCL moves the other buffer,
+        # so on NVLink the copies hide behind the wire instead of adding to it. Events order a
+        # buffer's reuse after the NCCL operation / scatter that last used it.
         import torch
 
-        # One staging buffer, reused chunk after chunk: stream order makes the reuse safe.
-        staging = torch.empty(max(c.nbytes for c in chunks), dtype=torch.uint8, device=index.device)
-        for chunk in chunks:
-            parts = []
-            offset = 0
-            for piece in chunk.pieces:
-                view = self.views[piece.layer]
-                nbytes = piece.count * self.layer_block_bytes[piece.layer]
-                part = staging[offset : offset + nbytes].view(
-                    view.shape[0], piece.count, view.shape[2]
-                )
-                parts.append((view, part, index[piece.first : piece.first + piece.count]))
-                offset += nbytes
+        copies = self._copy_stream()
+        copies.wait_stream(comm.stream)  # after the compute stream and the index upload
+        nbuf = min(2, len(chunks))
+        size = max(c.nbytes for c in chunks)
+        buffers = [torch.empty(size, dtype=torch.uint8, device=index.device) for _ in range(nbuf)]
+        released: list[torch.cuda.Event | None] = [None] * nbuf
+        for k, chunk in enumerate(chunks):
+            slot = k % nbuf
+            parts = self._parts(buffers[slot], index, chunk)
+            previous = released[slot]
+            done = torch.cuda.Event()
             if is_send:
-                for view, part, idx in parts:
-                    torch.index_select(view, 1, idx, out=part)
-            comm.enqueue([P2pOp(is_send, staging.data_ptr(), chunk.nbytes)], deadline)
-            if not is_send:
-                for view, part, idx in parts:
-                    view.index_copy_(1, idx, part)
-        # Keep the staging memory owned by this stream until the kernels are done.
-        staging.record_stream(comm.stream)
+                with torch.cuda.stream(copies):
+                    if previous is not None:
+                        copies.wait_event(previous)
+                    for view, part, idx in parts:
+                        for o in range(view.shape[0]):
+                            torch.index_select(view[o], 0, idx, out=part[o])
+                    gathered = torch.cuda.Event()
+                    gathered.record(copies)
+                comm.stream.wait_event(gathered)
+                comm.enqueue([P2pOp(True, buffers[slot].data_ptr(), chunk.nbytes)], deadline)
+                done.record(comm.stream)
+            else:
+                if previous is not None:
+                    comm.stream.wait_event(previous)
+                comm.enqueue([P2pOp(False, buffers[slot].data_ptr(), chunk.nbytes)], deadline)
+                received = torch.cuda.Event()
+                received.record(comm.stream)
+                with torch.cuda.stream(copies):
+                    copies.wait_event(received)
+                    for view, part, idx in parts:
+                        for o in range(view.shape[0]):
+                            view[o].index_copy_(0, idx, part[o])
+                    done.record(copies)
+            released[slot] = done
+        # `comm.wait` (the caller's) then also covers the last scatters.
+        comm.stream.wait_stream(copies)
+        # Keep the memory owned by both streams until their kernels are done.
+        for buf in (*buffers, index):
+            buf.record_stream(comm.stream)
+            buf.record_stream(copies)
+
+    def _parts(
+        self, staging: torch.Tensor, index: torch.Tensor, chunk: Chunk
+    ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """(layer view, staging part, index slice) per piece of `chunk`; views and parts are
+        `[outer, blocks, inner]` in the widest integer type that divides a block's bytes, so
+        the copy kernels move 8 bytes per element rather than 1."""
+        parts = []
+        offset = 0
+        for piece in chunk.pieces:
+            view = self.wide_views[piece.layer]
+            if offset % view.element_size():  # layers of mixed widths: stay on bytes
+                view = self.views[piece.layer]
+            nbytes = piece.count * self.layer_block_bytes[piece.layer]
+            part = (
+                staging[offset : offset + nbytes]
+                .view(view.dtype)
+                .view(view.shape[0], piece.count, view.shape[2])
+            )
+            parts.append((view, part, index[piece.first : piece.first + piece.count]))
+            offset += nbytes
+        return parts
 
     def _grouped(
         self,
