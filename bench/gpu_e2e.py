@@ -15,7 +15,9 @@ status 1 if one fails):
 processes on one GPU talk over NCCL's socket transport); `--placement split` puts prefill on GPU 0
 and decode on GPU 1 with the real host id (NVLink / PCIe P2P). `--cpu --transport tcp` runs the
 same script on vLLM CPU (a dry run of everything but NCCL). Every GPU instance gets
-`--enforce-eager`, bf16, block 16 and either `--kv-cache-memory` or `--gpu-memory-utilization`.
+`--enforce-eager`, bf16, block 16, `--gpu-memory-utilization` and `--kv-cache-memory`; `--tp N`
+makes every instance tensor-parallel over GPUs 0..N-1 (decode's rank i pulls from prefill's
+rank i).
 Needs vLLM (>= 0.26) importable; `bench/gpu_e2e.sh` prepares the environment on the GPU machine.
 
     python bench/gpu_e2e.py --work /tmp/pdplane-e2e --out result.json --kv-cache-memory 4294967296
@@ -63,6 +65,26 @@ def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def _free_port_run(count: int) -> int:
+    """A port p with p .. p+count-1 all free (a TP instance's KvTransfer servers bind
+    kv_port + rank)."""
+    for _ in range(100):
+        first = _free_port()
+        try:
+            socks = []
+            for port in range(first, first + count):
+                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                socks.append(sock)
+                sock.bind(("127.0.0.1", port))
+            return first
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+    raise RuntimeError(f"no {count} consecutive free ports")
 
 
 def _pdplane(*args: str) -> list[str]:
@@ -149,6 +171,8 @@ class Run:
             "--host", "127.0.0.1", "--port", str(opts.port),
             "--enforce-eager", "--max-model-len", "1024", *device_args,
         ]  # fmt: skip
+        if args.tp > 1:
+            argv += ["--tensor-parallel-size", str(args.tp)]
         config = connector_config(opts)
         if config is not None:
             argv += ["--kv-transfer-config", json.dumps(config)]
@@ -156,7 +180,7 @@ class Run:
         if args.cpu:  # the lean CPU settings of the project's CPU launcher
             env.update(LEAN_ENV)
         else:
-            env["CUDA_VISIBLE_DEVICES"] = str(gpu)
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(gpu + r) for r in range(args.tp))
         if args.placement == "same":
             # Processes sharing a GPU must look like separate hosts to NCCL.
             env["NCCL_HOSTID"] = f"pdplane-{name}"
@@ -176,6 +200,7 @@ class Run:
         """Starts registry, scheduler, gateway and a prefill/decode pair in `mode`."""
         args = self.args
         ports = [_free_port() for _ in range(7)]
+        ports[4], ports[6] = _free_port_run(args.tp), _free_port_run(args.tp)
         registry, scheduler = f"127.0.0.1:{ports[0]}", f"127.0.0.1:{ports[1]}"
         host = ["--host", "127.0.0.1"]
         reg = self.service(f"{mode}-registry", _pdplane("registry", *host, "--port", str(ports[0])))
@@ -270,6 +295,12 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=24)
     p.add_argument("--transport", default="nccl", choices=["nccl", "tcp"])
     p.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel size of every instance (GPUs 0..tp-1; rank i pulls from rank i)",
+    )
+    p.add_argument(
         "--kv-cache-memory",
         type=int,
         default=0,
@@ -281,11 +312,19 @@ def main() -> int:
     args = p.parse_args()
     if not args.cpu and not args.kv_cache_memory and args.placement == "same":
         p.error("instances sharing a GPU start together: pass --kv-cache-memory BYTES")
+    if args.tp > 1 and args.placement != "same":
+        p.error("--tp > 1 puts every instance on GPUs 0..tp-1: use --placement same")
     args.work.mkdir(parents=True, exist_ok=True)
     modes = [m for m in args.modes.split(",") if m]
     model = build_tiny_model(args.work / "models")
     run = Run(args, model)
-    result: dict[str, Any] = {"ok": False, "placement": args.placement, "modes": {}}
+    result: dict[str, Any] = {
+        "ok": False,
+        "placement": args.placement,
+        "tp": args.tp,
+        "transport": args.transport,
+        "modes": {},
+    }
     started = time.monotonic()
     try:
         single = VllmCpuOptions(model=model, port=_free_port())

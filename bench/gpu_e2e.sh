@@ -10,8 +10,9 @@
 # --platform manylinux2014_x86_64 -d .whl/base NAME==VERSION`. Instances sharing a GPU start
 # together, so pass --kv-cache-memory BYTES (vLLM's memory profiling fails when they start at
 # once with only --gpu-memory-utilization).
-# Writes $OUT/gpu_e2e.json, the processes' logs under $OUT/logs and, with NCCL_DEBUG=INFO, the
-# NCCL channels the instances opened (which transport NCCL took) in $OUT/nccl_channels.txt.
+# Writes $OUT/NAME.json, the processes' logs ($OUT/NAME-logs.tgz) and the NCCL channels the
+# instances opened (which transport NCCL took: $OUT/NAME-nccl-channels.txt), where NAME is
+# $E2E_NAME (default gpu_e2e), so several runs can share one $OUT.
 set -euo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/base/*.whl
@@ -20,12 +21,25 @@ export NCCL_NVLS_ENABLE=0 VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 PYTHONU
 export NCCL_DEBUG="${NCCL_DEBUG:-INFO}"
 python3 -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
 out="${OUT:-/tmp/pdplane-e2e-out}"
+name="${E2E_NAME:-gpu_e2e}"
 work=/tmp/pdplane-e2e
 rm -rf "$work/"*.log
-mkdir -p "$out/logs" "$work"
+mkdir -p "$out" "$work"
 rc=0
-python3 bench/gpu_e2e.py --work "$work" --out "$out/gpu_e2e.json" "$@" || rc=$?
-for log in "$work"/*.log; do tail -c 200000 "$log" > "$out/logs/$(basename "$log")"; done
-grep -h " via " "$work"/*.log | sed 's/^.*NCCL INFO //' | sort | uniq -c > "$out/nccl_channels.txt" || true
-head -20 "$out/nccl_channels.txt"
+python3 bench/gpu_e2e.py --work "$work" --out "$out/$name.json" "$@" > "$work/result.txt" || rc=$?
+python3 - "$out/$name.json" <<'PY' || true
+import json, sys
+r = json.load(open(sys.argv[1]))
+print("ok", r["ok"], "tp", r.get("tp"), "placement", r.get("placement"),
+      "startup_s", r.get("startup_s"), "error", str(r.get("error"))[:2000])
+for mode, v in r["modes"].items():
+    print(mode, "ok", v.get("ok"), "transports", v.get("transports"), str(v.get("error") or "")[:2000])
+    for q in v.get("requests", []):
+        print("  ", {k: q[k] for k in ("prompt_tokens", "external_tokens", "text_equal",
+                                       "kv_loaded", "gateway_ms", "single_ms")})
+PY
+tar czf "$out/$name-logs.tgz" -C "$work" $(cd "$work" && ls *.log) 2>/dev/null || true
+grep -h " via " "$work"/*.log | sed 's/^.*NCCL INFO //' | sort | uniq -c \
+  > "$out/$name-nccl-channels.txt" || true
+head -4 "$out/$name-nccl-channels.txt"
 exit "$rc"
