@@ -9,7 +9,9 @@ status 1 if one fails):
 * decode loaded each prompt's KV from prefill: its external-KV prompt-token counter
   (`vllm:external_prefix_cache_hits` or its successor) grows by the prompt length, give or take
   one block (vLLM recomputes the last prompt token);
-* both instances registered on the requested transport (`pdplane ls --json`).
+* both instances registered on the requested transport (`pdplane ls --json`);
+* decode's log shows how each worker got each prompt's KV: `took pushed` in push mode,
+  `pulled N blocks` in pull mode (one line per request and TP rank).
 
 `--placement same` (default) puts every instance on GPU 0, each with its own `NCCL_HOSTID` (two
 processes on one GPU talk over NCCL's socket transport); `--placement split` puts prefill on GPU 0
@@ -260,6 +262,8 @@ def _check_mode(stack: Stack, single: VllmCpuOptions, args: argparse.Namespace) 
     instances = _registered(stack)
     transports = sorted({str(i.get("transport", "?")) for i in instances})
     block = CPU_BLOCK_SIZE if args.cpu else GPU_BLOCK_SIZE
+    decode_log = stack.vllms[1].log_path
+    log_start = decode_log.stat().st_size if decode_log.exists() else 0
     rows = []
     for prompt in PROMPTS:
         name, before = _metric(stack.decode.url)
@@ -281,8 +285,27 @@ def _check_mode(stack: Stack, single: VllmCpuOptions, args: argparse.Namespace) 
                 "single_text": want["choices"][0]["text"],
             }
         )
-    ok = transports == [args.transport] and all(r["text_equal"] and r["kv_loaded"] for r in rows)
-    return {"ok": ok, "transports": transports, "instances": len(instances), "requests": rows}
+    # How each decode worker got the KV (one line per request and TP rank, pdplane.connector.pulls)
+    with decode_log.open("rb") as log:
+        log.seek(log_start)
+        text = log.read().decode(errors="replace")
+    loads = {
+        "took_pushed": text.count("took pushed"),
+        "pulled": len(re.findall(r"pulled \d+ blocks", text)),
+    }
+    expected = "took_pushed" if stack.mode == "push" else "pulled"
+    ok = (
+        transports == [args.transport]
+        and all(r["text_equal"] and r["kv_loaded"] for r in rows)
+        and loads[expected] == len(PROMPTS) * args.tp
+    )
+    return {
+        "ok": ok,
+        "transports": transports,
+        "instances": len(instances),
+        "decode_loads": loads,
+        "requests": rows,
+    }
 
 
 def main() -> int:

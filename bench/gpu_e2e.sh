@@ -33,7 +33,7 @@ r = json.load(open(sys.argv[1]))
 print("ok", r["ok"], "tp", r.get("tp"), "placement", r.get("placement"),
       "startup_s", r.get("startup_s"), "error", str(r.get("error"))[:2000])
 for mode, v in r["modes"].items():
-    print(mode, "ok", v.get("ok"), "transports", v.get("transports"), str(v.get("error") or "")[:2000])
+    print(mode, "ok", v.get("ok"), "transports", v.get("transports"), v.get("decode_loads"), str(v.get("error") or "")[:2000])
     for q in v.get("requests", []):
         print("  ", {k: q[k] for k in ("prompt_tokens", "external_tokens", "text_equal",
                                        "kv_loaded", "gateway_ms", "single_ms")})

@@ -55,6 +55,13 @@ class PdPlaneConnector(KVConnectorBase_V1):
     if _P2P_SOURCE is not None:
         _cache_hit_source = _P2P_SOURCE
 
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """False: vLLM (>= 0.33) then refuses `--enable-sleep-mode` with this connector at
+        startup. Sleep discards the KV cache under prefill's held blocks and decode's pushed
+        transfers, and pdplane does not yet drop those (and deregister) around sleep/wake."""
+        return False
+
     def __init__(
         self,
         vllm_config: VllmConfig,
