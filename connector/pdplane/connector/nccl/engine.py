@@ -9,8 +9,7 @@ A pull on the decode side (`pull`) runs the `SendBlocksNccl` RPC as a gRPC futur
 posts its receives: with lazily connected NCCL channels neither side's group can complete
 before the other side's group is posted, so the two must overlap. Every step is bounded by the
 pull's deadline; on a timeout or error the communicator is aborted and dropped, and the RPC is
-cancelled. Once every receive completed the pull returns; prefill's answer is read on a helper
-thread (`_settle`), which drops the communicator if prefill reports a failure of its side.
+cancelled.
 """
 
 from __future__ import annotations
@@ -20,7 +19,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -74,7 +72,6 @@ class NcclEngine:
         strategy: how blocks travel (`plan.Strategy`); receivers decide, senders follow.
         chunk_bytes: gather staging size (bytes).
         connect_timeout_s: bound on creating a communicator (s).
-        lib: the NCCL binding (default: the process's `NcclLibrary.get()`).
     """
 
     def __init__(
@@ -84,19 +81,16 @@ class NcclEngine:
         strategy: Strategy = Strategy.GATHER,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         connect_timeout_s: float = 30.0,
-        lib: NcclLibrary | None = None,
     ) -> None:
         self.device = device
         self.mover = BlockMover(views, device)
         self.strategy = strategy
         self.chunk_bytes = chunk_bytes
         self.connect_timeout_s = connect_timeout_s
-        self._lib = lib or NcclLibrary.get()
+        self._lib = NcclLibrary.get()
         self._comms: dict[str, NcclCommunicator] = {}
         self._connecting: dict[str, threading.Lock] = {}
         self._lock = threading.Lock()
-        #: reads prefill's answers to completed pulls (`_settle`), off the pull's critical path
-        self._answers = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pdplane-nccl-answer")
         #: the last communicators taken out of service: (key, communicator), newest last
         self.retired: deque[tuple[str, NcclCommunicator]] = deque(maxlen=64)
 
@@ -155,7 +149,6 @@ class NcclEngine:
 
     def close(self) -> None:
         """Releases every communicator."""
-        self._answers.shutdown(wait=False, cancel_futures=True)
         with self._lock:
             comms = list(self._comms.values())
             self._comms.clear()
@@ -403,6 +396,7 @@ class NcclEngine:
                 if on_posted is not None:
                     on_posted()
                 comm.wait(deadline)
+                response = future.result(timeout=max(deadline - time.monotonic(), 0.001))
             except grpc.RpcError as exc:
                 # The sender failed or refused: our receives can never complete.
                 self._drop(key, comm, f"SendBlocksNccl failed: {exc.code().name}")
@@ -422,28 +416,10 @@ class NcclEngine:
                     else grpc.StatusCode.ABORTED
                 )
                 raise NcclTransferError(f"pull from {peer}: {exc}", code) from exc
-        # Every receive completed, so every byte is in the cache. Prefill's answer takes one
-        # more hop (~0.5 ms with grpc-python), a sixth of 1 GiB's time on NVLink: read it off
-        # the critical path.
-        self._answers.submit(self._settle, peer, key, comm, future, timing.nbytes)
+        if response.bytes_sent != timing.nbytes:
+            raise NcclTransferError(
+                f"peer sent {response.bytes_sent} bytes, expected {timing.nbytes}",
+                grpc.StatusCode.DATA_LOSS,
+            )
         timing.total_s = time.monotonic() - t0
         return timing
-
-    def _settle(
-        self, peer: str, key: str, comm: NcclCommunicator, future: Any, nbytes: int
-    ) -> None:
-        """Reads prefill's `SendBlocksNccl` answer to a pull whose receives completed. An error
-        there means prefill gave up its side of the communicator (e.g. its wait timed out
-        just as the last bytes left), so ours is dropped too; the pulled data is complete."""
-        try:
-            response = future.result()
-        except grpc.RpcError as exc:
-            reason = f"SendBlocksNccl ended {exc.code().name} after the data arrived"
-        except Exception as exc:  # never let the answer thread die
-            reason = f"SendBlocksNccl answer unreadable: {exc}"
-        else:
-            if response.bytes_sent == nbytes:
-                return
-            reason = f"peer says it sent {response.bytes_sent} bytes, {nbytes} arrived"
-        logger.warning("pull from %s: %s; dropping the communicator", peer, reason)
-        self._drop(key, comm, reason)
