@@ -31,7 +31,6 @@ import argparse
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -41,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pdplane.launch.ports import free_port_run
 from pdplane.launch.process import ManagedProcess, grpc_serving, http_ok, wait_until
 from pdplane.launch.vllm_cpu import LEAN_ENV, VllmCpuOptions, connector_config
 from pdplane.models.tiny import build_tiny_model
@@ -61,32 +61,6 @@ EXTERNAL_METRICS = [
     ("vllm:external_prefix_cache_hits", {}),
     ("vllm:prompt_tokens_by_source_total", {"source": "external_kv_transfer"}),
 ]
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _free_port_run(count: int) -> int:
-    """A port p with p .. p+count-1 all free (a TP instance's KvTransfer servers bind
-    kv_port + rank)."""
-    for _ in range(100):
-        first = _free_port()
-        try:
-            socks = []
-            for port in range(first, first + count):
-                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-                socks.append(sock)
-                sock.bind(("127.0.0.1", port))
-            return first
-        except OSError:
-            continue
-        finally:
-            for sock in socks:
-                sock.close()
-    raise RuntimeError(f"no {count} consecutive free ports")
 
 
 def _pdplane(*args: str) -> list[str]:
@@ -201,8 +175,8 @@ class Run:
     def stack(self, mode: str) -> Stack:
         """Starts registry, scheduler, gateway and a prefill/decode pair in `mode`."""
         args = self.args
-        ports = [_free_port() for _ in range(7)]
-        ports[4], ports[6] = _free_port_run(args.tp), _free_port_run(args.tp)
+        ports = [free_port_run() for _ in range(7)]
+        ports[4], ports[6] = free_port_run(args.tp), free_port_run(args.tp)
         registry, scheduler = f"127.0.0.1:{ports[0]}", f"127.0.0.1:{ports[1]}"
         host = ["--host", "127.0.0.1"]
         reg = self.service(f"{mode}-registry", _pdplane("registry", *host, "--port", str(ports[0])))
@@ -327,13 +301,14 @@ def main() -> int:
         "--kv-cache-memory",
         type=int,
         default=0,
-        help="KV cache bytes per GPU instance (lets instances sharing a GPU start together)",
+        help="KV cache bytes per GPU instance (required on GPUs: instances sharing a GPU "
+        "start together)",
     )
     p.add_argument(
         "--cpu", action="store_true", help="vLLM CPU instead (with --transport tcp: a dry run)"
     )
     args = p.parse_args()
-    if not args.cpu and not args.kv_cache_memory and args.placement == "same":
+    if not args.cpu and not args.kv_cache_memory:
         p.error("instances sharing a GPU start together: pass --kv-cache-memory BYTES")
     if args.tp > 1 and args.placement != "same":
         p.error("--tp > 1 puts every instance on GPUs 0..tp-1: use --placement same")
@@ -350,7 +325,7 @@ def main() -> int:
     }
     started = time.monotonic()
     try:
-        single = VllmCpuOptions(model=model, port=_free_port())
+        single = VllmCpuOptions(model=model, port=free_port_run())
         single_proc = run.vllm("single", single, 0)
         stacks = [run.stack(mode) for mode in modes]
         for opts, proc in [(single, single_proc)] + [

@@ -10,9 +10,10 @@
 # --platform manylinux2014_x86_64 -d .whl/base NAME==VERSION`. Instances sharing a GPU start
 # together, so pass --kv-cache-memory BYTES (vLLM's memory profiling fails when they start at
 # once with only --gpu-memory-utilization).
-# Writes $OUT/NAME.json, the processes' logs ($OUT/NAME-logs.tgz) and the NCCL channels the
-# instances opened (which transport NCCL took: $OUT/NAME-nccl-channels.txt), where NAME is
-# $E2E_NAME (default gpu_e2e), so several runs can share one $OUT.
+# Writes $OUT/NAME.json (the driver's output: $OUT/NAME.txt), the processes' logs
+# ($OUT/NAME-logs.tgz) and the NCCL channels the instances opened (which transport NCCL took:
+# $OUT/NAME-nccl-channels.txt), where NAME is $E2E_NAME (default gpu_e2e), so several runs can
+# share one $OUT.
 set -euo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/base/*.whl
@@ -23,10 +24,11 @@ python3 -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch._
 out="${OUT:-/tmp/pdplane-e2e-out}"
 name="${E2E_NAME:-gpu_e2e}"
 work=/tmp/pdplane-e2e
-rm -rf "$work/"*.log
+rm -rf "$work/"*.log "$out/$name.json"
 mkdir -p "$out" "$work"
 rc=0
-python3 bench/gpu_e2e.py --work "$work" --out "$out/$name.json" "$@" > "$work/result.txt" || rc=$?
+python3 bench/gpu_e2e.py --work "$work" --out "$out/$name.json" "$@" > "$out/$name.txt" 2>&1 || rc=$?
+[ -f "$out/$name.json" ] || { tail -30 "$out/$name.txt"; exit "$((rc ? rc : 1))"; }
 python3 - "$out/$name.json" <<'PY' || true
 import json, sys
 r = json.load(open(sys.argv[1]))

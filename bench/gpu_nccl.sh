@@ -7,14 +7,16 @@
 # generated code needs travel in .whl/base (carry it; see bench/gpu_e2e.sh).
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/base/*.whl
+  --target /tmp/site .whl/base/*.whl || { echo "cannot install .whl/base (carry it)"; exit 1; }
 export PYTHONPATH="/tmp/site:$PWD/services:$PWD/connector:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 out="${OUT:-/tmp/pdplane-nccl-out}"
 mkdir -p "$out"
 rc=0
-python3 -m pytest tests/gpu -q -p no:cacheprovider 2>&1 | tail -30 | tee "$out/pytest.txt"
+python3 -m pytest tests/gpu -q -rs -p no:cacheprovider 2>&1 | tail -30 | tee "$out/pytest.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+# tests/gpu skips without CUDA or libnccl: here that is a failure, not a pass
+grep -q " skipped" "$out/pytest.txt" && { echo "tests/gpu skipped tests"; rc=1; }
 gpus=$(nvidia-smi -L | wc -l)
 runs=(1gpu)
 [ "$gpus" -ge 2 ] && runs+=(2gpu)

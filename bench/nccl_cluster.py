@@ -67,9 +67,13 @@ class NodeProcess:
         self.events: queue.Queue[dict[str, Any]] = queue.Queue()
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
-        hello = self._answer(timeout=120.0)
-        if "port" not in hello:
-            raise NodeError(f"{instance_id} did not start: {hello}")
+        try:
+            hello = self._answer(timeout=120.0)
+            if "port" not in hello:
+                raise NodeError(f"{instance_id} did not start: {hello}")
+        except BaseException:
+            self.stop()  # no process or log file left behind
+            raise
         self.endpoint = f"127.0.0.1:{hello['port']}"
 
     def _read(self) -> None:

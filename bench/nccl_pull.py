@@ -6,7 +6,7 @@ layout. For each prompt length, decode pulls a random, non-contiguous set of pre
 random decode blocks (gRPC control + NCCL data), and the same number of bytes is sent raw
 between the same two ranks as one contiguous buffer. Also measured: the control-plane overhead
 per transfer (a 1-block pull, dominated by the gRPC round trip and the waits) and the first
-connect. Bytes are verified by per-block checksums.
+connect. Bytes are verified by per-block checksums (first repeat of each variant and size).
 
     python bench/nccl_pull.py --out results.json            # one GPU: NCCL socket transport
     python bench/nccl_pull.py --decode-device 1 ...         # two GPUs: NVLink / P2P
@@ -114,15 +114,19 @@ def main() -> int:
         chunk_bytes=chunk_sizes[-1],
         **geometry,
     )
-    decode = NodeProcess(
-        "bench-d",
-        args.log_dir,
-        shared_gpu=shared_gpu,
-        seed=2,
-        device=args.decode_device,
-        chunk_bytes=chunk_sizes[-1],
-        **geometry,
-    )
+    try:
+        decode = NodeProcess(
+            "bench-d",
+            args.log_dir,
+            shared_gpu=shared_gpu,
+            seed=2,
+            device=args.decode_device,
+            chunk_bytes=chunk_sizes[-1],
+            **geometry,
+        )
+    except BaseException:
+        prefill.stop()
+        raise
     try:
         first = _pull(decode, prefill, "connect", [3], [5])
         results["first_pull_with_connect_ms"] = first["elapsed_s"] * 1e3

@@ -23,17 +23,10 @@ from pathlib import Path
 import httpx
 
 from pdplane.launch.fleet import Fleet, FleetSpec
+from pdplane.launch.ports import free_port_run
 from pdplane.launch.vllm_cpu import VllmCpuInstance, VllmCpuOptions
 
 VOCAB = 2048
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _timed_stream(url: str, model: str, prompt: list[int], max_tokens: int) -> tuple[float, float]:
@@ -76,11 +69,11 @@ def main() -> None:
 
     logs = Path(tempfile.mkdtemp(prefix="pd-latency-"))
     spec = FleetSpec(
-        gateway_port=_free_port(),
-        registry_port=_free_port(),
-        scheduler_port=_free_port(),
-        vllm_base_port=_free_port(),
-        kv_base_port=_free_port(),
+        gateway_port=free_port_run(),
+        registry_port=free_port_run(),
+        scheduler_port=free_port_run(),
+        vllm_base_port=free_port_run(2),  # prefill, decode: base and base + 1
+        kv_base_port=free_port_run(2),
         log_dir=logs,
     )
     fleet = Fleet(spec, say=lambda m: print(f"  {m}", flush=True))
@@ -92,7 +85,7 @@ def main() -> None:
         reference = VllmCpuInstance(
             VllmCpuOptions(
                 model=fleet.model_dir,
-                port=_free_port(),
+                port=free_port_run(),
                 served_model_name=fleet.model_name,
                 omp_threads_bind="1",
             ),

@@ -21,8 +21,6 @@ test when a transfer must happen.
 from __future__ import annotations
 
 import os
-import random
-import socket
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -31,6 +29,7 @@ from pathlib import Path
 import pytest
 
 from pdplane.core import grpc_util
+from pdplane.launch.ports import free_port_run
 from pdplane.launch.process import wait_until
 from pdplane.launch.vllm_cpu import VllmCpuInstance, VllmCpuOptions
 from pdplane.models.tiny import build_tiny_model
@@ -42,36 +41,6 @@ MODEL_NAME = "tiny"
 TRANSFER_TIMEOUT_S = 8.0
 PULL_TIMEOUT_S = 10.0
 START_TIMEOUT_S = 300.0
-
-
-def _ephemeral_floor() -> int:
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
-_rng = random.Random()
-
-
-def _free_port() -> int:
-    """A free port BELOW the kernel's ephemeral range.
-
-    vLLM binds its ports tens of seconds after we choose them; meanwhile other engines take
-    ephemeral ports for their own sockets, and a port chosen inside that range (port 0) can be
-    taken by one of them (seen: "Address already in use" on a KV port). Ports below the range
-    are never handed out implicitly.
-    """
-    floor = _ephemeral_floor()
-    for _ in range(200):
-        port = _rng.randrange(10_000, max(10_001, floor))
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port below the ephemeral range")
 
 
 class RegistryHandle:
@@ -163,7 +132,7 @@ def tiny_model() -> Path:
 
 @pytest.fixture(scope="session")
 def registry() -> Iterator[RegistryHandle]:
-    handle = RegistryHandle(_free_port())
+    handle = RegistryHandle(free_port_run())
     handle.start()
     yield handle
     handle.stop()
@@ -184,7 +153,7 @@ def _vllm_fleet(
     def options(**kw: object) -> VllmCpuOptions:
         return VllmCpuOptions(
             model=tiny_model,
-            port=_free_port(),
+            port=free_port_run(),
             served_model_name=MODEL_NAME,
             **kw,  # type: ignore[arg-type]
         )
@@ -198,7 +167,7 @@ def _vllm_fleet(
     prefill = VllmCpuInstance(
         options(
             role="kv_producer",
-            kv_port=_free_port(),
+            kv_port=free_port_run(),
             instance_id="prefill-0",
             omp_threads_bind="0",
             **connector,
@@ -208,7 +177,7 @@ def _vllm_fleet(
     decode = VllmCpuInstance(
         options(
             role="kv_consumer",
-            kv_port=_free_port(),
+            kv_port=free_port_run(),
             instance_id="decode-0",
             omp_threads_bind="1",
             **connector,

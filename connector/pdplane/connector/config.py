@@ -150,6 +150,7 @@ class ConnectorConfig(BaseModel):
             "push_buffer_bytes",
             "push_spill_bytes",
             "push_ttl_s",
+            "tls_ca",  # its own channels (SendBlocksNccl) must speak TLS like the peers' stubs
         )
         return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
 

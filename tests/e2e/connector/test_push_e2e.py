@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from pdplane.core.kv_params import PrefillRequestParams
+from pdplane.launch.ports import free_port_run
 from pdplane.launch.process import wait_until
 from pdplane.launch.vllm_cpu import VllmCpuInstance, VllmCpuOptions
 from tests.e2e.conftest import (
@@ -48,14 +49,6 @@ PUSH_BUFFER_BYTES = 600 * 1024
 PREFILL_ID, DECODE_ID = "push-prefill-0", "push-decode-0"
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def push_pair(
     tiny_model: Path, registry: RegistryHandle, tmp_path_factory: pytest.TempPathFactory
@@ -72,10 +65,10 @@ def push_pair(
     def instance(role: str, instance_id: str, core: str) -> VllmCpuInstance:
         options = VllmCpuOptions(
             model=tiny_model,
-            port=_free_port(),
+            port=free_port_run(),
             served_model_name=MODEL_NAME,
             role=role,  # type: ignore[arg-type]
-            kv_port=_free_port(),
+            kv_port=free_port_run(),
             instance_id=instance_id,
             omp_threads_bind=core,
             **connector,

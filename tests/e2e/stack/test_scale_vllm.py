@@ -23,11 +23,12 @@ import pytest
 from pdplane.core import defaults
 from pdplane.core.grpc_util import channel
 from pdplane.gateway.testing import running_gateway
+from pdplane.launch.ports import free_port_run
 from pdplane.launch.process import http_ok, wait_until
 from pdplane.launch.vllm_cpu import VllmCpuInstance, VllmCpuOptions
 from pdplane.scheduler.server import SchedulerServer
 from pdplane.v1 import instance_pb2, registry_pb2, registry_pb2_grpc
-from tests.e2e.conftest import MODEL_NAME, RegistryHandle, VllmPair, _free_port
+from tests.e2e.conftest import MODEL_NAME, RegistryHandle, VllmPair
 from tests.e2e.connector.helpers import metric
 from tests.e2e.stack.conftest import fresh_text
 from tests.integration.scheduler.fixtures import running_scheduler_server
@@ -64,10 +65,10 @@ def scaled(
         for name, core in (("decode-2", "0"), ("decode-3", "1")):
             options = VllmCpuOptions(
                 model=tiny_model,
-                port=_free_port(),
+                port=free_port_run(),
                 served_model_name=MODEL_NAME,
                 role="kv_consumer",
-                kv_port=_free_port(),
+                kv_port=free_port_run(),
                 instance_id=name,
                 registry=registry.address,
                 omp_threads_bind=core,

@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,29 +16,10 @@ import httpx
 import psutil
 import pytest
 
+from pdplane.launch.ports import free_port_run
 from pdplane.launch.process import wait_until
-from tests.e2e.conftest import _free_port
 
 _PORT_BLOCK = 2  # `pdplane up` counts vLLM (and KV) ports up from a base: one per instance
-
-
-def _free_port_block(n: int) -> int:
-    """A base port such that base..base+n-1 are all free now (held, then released together)."""
-    for _ in range(50):
-        base = _free_port()
-        socks = []
-        try:
-            for port in range(base, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError(f"no block of {n} free ports")
 
 
 pytestmark = pytest.mark.vllm
@@ -70,9 +50,9 @@ def _ls(registry_port: str) -> str:
 
 
 def test_up_serves_a_demo_request_and_stops_cleanly_on_sigterm(tmp_path: Path) -> None:
-    ports = {name: str(_free_port()) for name in ("gateway", "registry", "scheduler")}
-    vllm_base = _free_port_block(_PORT_BLOCK)
-    kv_base = _free_port_block(_PORT_BLOCK)
+    ports = {name: str(free_port_run()) for name in ("gateway", "registry", "scheduler")}
+    vllm_base = free_port_run(_PORT_BLOCK)
+    kv_base = free_port_run(_PORT_BLOCK)
     log = tmp_path / "up.out"
     argv = [
         sys.executable,

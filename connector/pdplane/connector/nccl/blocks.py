@@ -89,7 +89,6 @@ class BlockMover:
         self.num_blocks = int(self.views[0].shape[1])
         self.layer_block_bytes = [int(v.shape[0]) * int(v.shape[2]) for v in self.views]
         self.wide_views = [_widest(v) for v in self.views]
-        self._copies: torch.cuda.Stream | None = None
 
     def transfer_bytes(self, num_blocks: int) -> int:
         """Bytes a transfer of `num_blocks` blocks moves (all layers)."""
@@ -128,21 +127,18 @@ class BlockMover:
         if not ids:
             return 0
         with torch.cuda.device(self.device), torch.cuda.stream(comm.stream):
+            if strategy is Strategy.GATHER:
+                chunks = plan_chunks(self.layer_block_bytes, len(ids), chunk_bytes)
+                # Uploaded first: the copy from host memory synchronises its stream, which
+                # must not yet wait for a forward pass still running on the compute stream.
+                index = self._index(ids)
             # The blocks were written by the compute stream; order our reads/writes after it.
             comm.stream.wait_stream(torch.cuda.default_stream(self.device))
             if strategy is Strategy.GATHER:
-                chunks = plan_chunks(self.layer_block_bytes, len(ids), chunk_bytes)
-                self._gather_chunks(comm, is_send, self._index(ids), chunks, deadline)
+                self._gather_chunks(comm, is_send, index, chunks, deadline)
             else:
                 self._grouped(comm, is_send, ids, runs, deadline)
         return self.transfer_bytes(len(ids))
-
-    def _copy_stream(self) -> torch.cuda.Stream:
-        import torch
-
-        if self._copies is None:
-            self._copies = torch.cuda.Stream(device=self.device)
-        return self._copies
 
     def _gather_chunks(
         self,
@@ -158,48 +154,51 @@ class BlockMover:
         # buffer's reuse after the NCCL operation / scatter that last used it.
         import torch
 
-        copies = self._copy_stream()
+        copies = comm.copy_stream  # the communicator's own: a slow peer stalls only its pair
         copies.wait_stream(comm.stream)  # after the compute stream and the index upload
         nbuf = min(2, len(chunks))
         size = max(c.nbytes for c in chunks)
         buffers = [torch.empty(size, dtype=torch.uint8, device=index.device) for _ in range(nbuf)]
         released: list[torch.cuda.Event | None] = [None] * nbuf
-        for k, chunk in enumerate(chunks):
-            slot = k % nbuf
-            parts = self._parts(buffers[slot], index, chunk)
-            previous = released[slot]
-            done = torch.cuda.Event()
-            if is_send:
-                with torch.cuda.stream(copies):
+        try:
+            for k, chunk in enumerate(chunks):
+                slot = k % nbuf
+                parts = self._parts(buffers[slot], index, chunk)
+                previous = released[slot]
+                done = torch.cuda.Event()
+                if is_send:
+                    with torch.cuda.stream(copies):
+                        if previous is not None:
+                            copies.wait_event(previous)
+                        for view, part, idx in parts:
+                            for o in range(view.shape[0]):
+                                torch.index_select(view[o], 0, idx, out=part[o])
+                        gathered = torch.cuda.Event()
+                        gathered.record(copies)
+                    comm.stream.wait_event(gathered)
+                    comm.enqueue([P2pOp(True, buffers[slot].data_ptr(), chunk.nbytes)], deadline)
+                    done.record(comm.stream)
+                else:
                     if previous is not None:
-                        copies.wait_event(previous)
-                    for view, part, idx in parts:
-                        for o in range(view.shape[0]):
-                            torch.index_select(view[o], 0, idx, out=part[o])
-                    gathered = torch.cuda.Event()
-                    gathered.record(copies)
-                comm.stream.wait_event(gathered)
-                comm.enqueue([P2pOp(True, buffers[slot].data_ptr(), chunk.nbytes)], deadline)
-                done.record(comm.stream)
-            else:
-                if previous is not None:
-                    comm.stream.wait_event(previous)
-                comm.enqueue([P2pOp(False, buffers[slot].data_ptr(), chunk.nbytes)], deadline)
-                received = torch.cuda.Event()
-                received.record(comm.stream)
-                with torch.cuda.stream(copies):
-                    copies.wait_event(received)
-                    for view, part, idx in parts:
-                        for o in range(view.shape[0]):
-                            view[o].index_copy_(0, idx, part[o])
-                    done.record(copies)
-            released[slot] = done
-        # `comm.wait` (the caller's) then also covers the last scatters.
-        comm.stream.wait_stream(copies)
-        # Keep the memory owned by both streams until their kernels are done.
-        for buf in (*buffers, index):
-            buf.record_stream(comm.stream)
-            buf.record_stream(copies)
+                        comm.stream.wait_event(previous)
+                    comm.enqueue([P2pOp(False, buffers[slot].data_ptr(), chunk.nbytes)], deadline)
+                    received = torch.cuda.Event()
+                    received.record(comm.stream)
+                    with torch.cuda.stream(copies):
+                        copies.wait_event(received)
+                        for view, part, idx in parts:
+                            for o in range(view.shape[0]):
+                                view[o].index_copy_(0, idx, part[o])
+                        done.record(copies)
+                released[slot] = done
+        finally:
+            # Also when an enqueue failed half way: `comm.wait` (the caller's) and the drain of
+            # an abort then cover the copies already queued, and the memory stays owned by both
+            # streams until their kernels are done (no scatter lands after a failed pull).
+            comm.stream.wait_stream(copies)
+            for buf in (*buffers, index):
+                buf.record_stream(comm.stream)
+                buf.record_stream(copies)
 
     def _parts(
         self, staging: torch.Tensor, index: torch.Tensor, chunk: Chunk

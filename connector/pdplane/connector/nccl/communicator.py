@@ -84,6 +84,8 @@ class NcclCommunicator:
         self.abort_wait_s = ABORT_WAIT_S
         with torch.cuda.device(device):
             self.stream: torch.cuda.Stream = torch.cuda.Stream(device=device)
+            #: the gather path's copies (blocks.py), overlapping this stream's NCCL operations
+            self.copy_stream: torch.cuda.Stream = torch.cuda.Stream(device=device)
         self._state_lock = threading.Lock()
 
     @classmethod

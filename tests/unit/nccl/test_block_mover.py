@@ -1,0 +1,132 @@
+"""The gather path of `BlockMover` on CPU: the CUDA streams and events are replaced by
+stand-ins that run everything at once, in issue order, and the "wire" copies each sent
+staging buffer into the next posted receive by address. What stays real: the message plan,
+the byte views, the widened copy kernels (int64/int16 views), the double buffering and the
+scatter into the destination blocks. Stream ordering itself is covered by tests/gpu."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from pdplane.connector.nccl.blocks import BlockMover, layer_byte_view
+from pdplane.connector.nccl.communicator import P2pOp
+from pdplane.connector.nccl.plan import Strategy
+
+NUM_BLOCKS = 12
+
+
+class FakeStream:
+    def __init__(self) -> None:
+        self.waited_on: list[Any] = []
+
+    def wait_stream(self, other: Any) -> None:
+        self.waited_on.append(other)
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+
+class FakeEvent:
+    def record(self, stream: Any = None) -> None:
+        pass
+
+
+class Wire:
+    """Messages in flight between two fake communicators, in send order."""
+
+    def __init__(self) -> None:
+        self.messages: list[bytes] = []
+
+
+class FakeComm:
+    def __init__(self, wire: Wire, fail_at: int | None = None) -> None:
+        self.wire = wire
+        self.stream = FakeStream()
+        self.copy_stream = FakeStream()
+        self.ops: list[P2pOp] = []
+        self.fail_at = fail_at
+
+    def enqueue(self, ops: list[P2pOp], deadline: float) -> None:
+        if self.fail_at is not None and len(self.ops) == self.fail_at:
+            raise RuntimeError("communicator aborted")
+        for op in ops:
+            self.ops.append(op)
+            if op.is_send:
+                self.wire.messages.append(ctypes.string_at(op.ptr, op.nbytes))
+            else:
+                data = self.wire.messages.pop(0)
+                assert len(data) == op.nbytes, "send and receive sizes differ"
+                ctypes.memmove(op.ptr, data, op.nbytes)
+
+
+@pytest.fixture
+def recorded(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
+    """CUDA stand-ins; yields the sizes of the tensors whose memory was handed to a stream."""
+    handed: list[int] = []
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "default_stream", lambda d=None: FakeStream())
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda t, s: handed.append(t.numel()))
+    monkeypatch.setattr(
+        BlockMover, "_index", lambda self, ids: torch.tensor(list(ids), dtype=torch.long)
+    )
+    yield handed
+
+
+def _caches(seed: int) -> list[torch.Tensor]:
+    """Two layers in FlashAttention layout `[2, blocks, block_size, kv_heads, head_size]`:
+    one whose block halves are 8-byte multiples (int64 copies), one of 6 bytes (int16)."""
+    gen = torch.Generator().manual_seed(seed)
+    wide = torch.randint(-1000, 1000, (2, NUM_BLOCKS, 4, 2, 8), generator=gen, dtype=torch.int16)
+    narrow = torch.randint(-1000, 1000, (2, NUM_BLOCKS, 1, 1, 3), generator=gen, dtype=torch.int16)
+    return [wide, narrow]
+
+
+def _mover(caches: list[torch.Tensor]) -> BlockMover:
+    return BlockMover([layer_byte_view(t, 1) for t in caches], device=0)
+
+
+@pytest.mark.parametrize("chunk_blocks", [1, 3, 100])
+def test_gathered_blocks_land_in_the_requested_blocks(
+    recorded: list[int], chunk_blocks: int
+) -> None:
+    src_caches, dst_caches = _caches(1), [torch.zeros_like(t) for t in _caches(1)]
+    sender, receiver = _mover(src_caches), _mover(dst_caches)
+    assert [v.dtype for v in sender.wide_views] == [torch.int64, torch.int16]
+    chunk_bytes = chunk_blocks * max(sender.layer_block_bytes)
+    src, dst = [7, 2, 9, 0, 11], [1, 10, 4, 5, 3]
+    wire = Wire()
+    sent = sender.enqueue(FakeComm(wire), True, src, Strategy.GATHER, 0.0, chunk_bytes)
+    got = receiver.enqueue(FakeComm(wire), False, dst, Strategy.GATHER, 0.0, chunk_bytes)
+    assert sent == got == len(src) * sum(sender.layer_block_bytes)
+    assert wire.messages == []
+    for s_cache, d_cache in zip(src_caches, dst_caches, strict=True):
+        assert torch.equal(d_cache[:, dst], s_cache[:, src])
+        untouched = [b for b in range(NUM_BLOCKS) if b not in dst]
+        assert not d_cache[:, untouched].any()
+
+
+def test_many_chunks_use_two_staging_buffers(recorded: list[int]) -> None:
+    sender = _mover(_caches(2))
+    comm = FakeComm(Wire())
+    sender.enqueue(comm, True, list(range(8)), Strategy.GATHER, 0.0, max(sender.layer_block_bytes))
+    assert len(comm.ops) > 2
+    assert len({op.ptr for op in comm.ops}) == 2  # alternating between two buffers
+    assert comm.stream.waited_on[-1] is comm.copy_stream  # comm.wait covers the last copies
+
+
+def test_a_failed_enqueue_still_hands_the_memory_to_both_streams(recorded: list[int]) -> None:
+    sender = _mover(_caches(3))
+    comm = FakeComm(Wire(), fail_at=1)  # the second message fails (an abort meanwhile)
+    with pytest.raises(RuntimeError, match="aborted"):
+        sender.enqueue(comm, True, [0, 1, 2, 3], Strategy.GATHER, 0.0, 256)
+    assert comm.stream.waited_on[-1] is comm.copy_stream
+    # two staging buffers and the index, each recorded on both streams
+    assert len(recorded) == 6
