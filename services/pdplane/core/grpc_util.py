@@ -111,21 +111,6 @@ def _aio_deny_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     return _shaped_like(handler, deny, deny_stream)
 
 
-def _aio_deny_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    # An asyncio server runs a plain function on its loop thread, where a sync abort() waits
-    # for the loop itself (a deadlock on streaming methods): deny with a coroutine instead.
-    async def deny(_request: Any, context: grpc.aio.ServicerContext) -> Any:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token")
-
-    if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(deny)
-    if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(deny)
-    if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(deny)
-    return grpc.unary_unary_rpc_method_handler(deny)
-
-
 class TokenAuthInterceptor(grpc.ServerInterceptor):
     """Sync server interceptor: UNAUTHENTICATED unless the call carries the bearer token."""
 
