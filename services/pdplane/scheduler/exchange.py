@@ -40,7 +40,7 @@ from pdplane.scheduler.inflight import Assignment, InflightTracker
 from pdplane.scheduler.view import CandidateView
 from pdplane.v1 import inflight_pb2, inflight_pb2_grpc
 
-__all__ = ["SERVICE_NAME", "InflightExchange", "default_replica_id"]
+__all__ = ["SERVICE_NAME", "InflightExchange", "default_replica_id", "serve_exchange"]
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +127,8 @@ class InflightExchange:
     # --- publishing ----------------------------------------------------------------------
 
     def _on_change(self, assigned: list[Assignment], released: list[Assignment]) -> None:
+        if not self._subscribers:
+            return  # a later subscriber starts from a snapshot
         # Releases first: a retry replaces an id by releasing, then assigning it again.
         events = [
             inflight_pb2.InflightEvent(kind=_RELEASED, request_id=r.request_id) for r in released
@@ -263,6 +265,29 @@ class _Servicer(inflight_pb2_grpc.InflightExchangeServicer):
                 yield update
         except ValueError as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+
+
+async def serve_exchange(
+    exchange: InflightExchange,
+    host: str,
+    port: int,
+    *,
+    token: str | None = None,
+    tls_cert: str | None = None,
+    tls_key: str | None = None,
+) -> tuple[grpc.aio.Server, int]:
+    """A gRPC server of its own for `exchange` (a gateway deciding itself has no other):
+    the exchange plus health and reflection, `token` required on the exchange. Returns the
+    started server and its bound port; stop it with `await server.stop(grace)`. Raises
+    RuntimeError / OSError when the port cannot be bound."""
+    interceptors = [grpc_util.AioTokenAuthInterceptor(token)] if token else []
+    server = grpc.aio.server(interceptors=interceptors, options=grpc_util.SERVER_OPTIONS)
+    inflight_pb2_grpc.add_InflightExchangeServicer_to_server(exchange.servicer, server)
+    await grpc_util.aio_add_health_and_reflection(server, [SERVICE_NAME])
+    bind = f"[{host}]" if ":" in host else host
+    bound = grpc_util.add_port(server, f"{bind}:{port}", tls_cert, tls_key)
+    await server.start()
+    return server, bound
 
 
 def _assigned(a: Assignment) -> inflight_pb2.InflightEvent:

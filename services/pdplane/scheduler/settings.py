@@ -35,6 +35,19 @@ class PolicySettings(CommandSettings):
     seed: int | None = Field(
         default=None, description="seed of the random and power_of_two policies"
     )
+    peers: str = Field(
+        default="",
+        description="other replicas deciding over the same fleet (InflightExchange gRPC "
+        "addresses host:port, comma-separated; a name with several addresses counts each): "
+        "their in-flight assignments count here as load (docs/scheduler.md)",
+    )
+    replica_id: str | None = Field(
+        default=None, description="this replica's id among its peers (default: host-pid-random)"
+    )
+
+    def peer_list(self) -> list[str]:
+        """`peers` as a list of addresses."""
+        return [p.strip() for p in self.peers.split(",") if p.strip()]
 
     _check_prefill = field_validator("prefill_policy")(_known_policy)
     _check_decode = field_validator("decode_policy")(_known_policy)
