@@ -15,13 +15,14 @@ from prometheus_client import start_http_server
 
 from pdplane.core import grpc_util
 from pdplane.registry.client import InstanceWatcher
+from pdplane.scheduler import exchange
 from pdplane.scheduler.inflight import InflightTracker
 from pdplane.scheduler.metrics import SchedulerMetrics
 from pdplane.scheduler.service import SchedulerService
 from pdplane.scheduler.servicer import SchedulerServicer
 from pdplane.scheduler.settings import SchedulerSettings
 from pdplane.scheduler.view import CandidateView, InstanceSource
-from pdplane.v1 import scheduler_pb2, scheduler_pb2_grpc
+from pdplane.v1 import inflight_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
 __all__ = ["SchedulerApp"]
 
@@ -43,6 +44,7 @@ class SchedulerApp:
         self.view = CandidateView(source) if source is not None else None
         self.metrics = SchedulerMetrics()
         self.service: SchedulerService | None = None
+        self.exchange: exchange.InflightExchange | None = None
         self._server: grpc.aio.Server | None = None
         self._http: tuple[HTTPServer, threading.Thread] | None = None
         self.address = ""
@@ -71,7 +73,18 @@ class SchedulerApp:
                 seed=s.seed,
             )
             self.metrics.watch(self.service.inflight.inflight_by_instance, view.all)
+            # Always served (other replicas may list this one); followed only with --peers.
+            self.exchange = exchange.InflightExchange(
+                self.service.inflight,
+                view,
+                replica_id=s.replica_id,
+                peers=s.peer_list(),
+                token=s.token,
+                tls_ca=s.tls_ca,
+            )
+            self.exchange.register_metrics(self.metrics.registry)
             await self._start_grpc()
+            await self.exchange.start()
             if s.metrics_port:
                 server, thread = start_http_server(
                     s.metrics_port, addr=s.host, registry=self.metrics.registry
@@ -113,7 +126,9 @@ class SchedulerApp:
         interceptors = [grpc_util.AioTokenAuthInterceptor(s.token)] if s.token else []
         server = grpc.aio.server(interceptors=interceptors, options=grpc_util.SERVER_OPTIONS)
         scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(self.service), server)
-        await grpc_util.aio_add_health_and_reflection(server, [SERVICE_NAME])
+        assert self.exchange is not None
+        inflight_pb2_grpc.add_InflightExchangeServicer_to_server(self.exchange.servicer, server)
+        await grpc_util.aio_add_health_and_reflection(server, [SERVICE_NAME, exchange.SERVICE_NAME])
         host = f"[{s.host}]" if ":" in s.host else s.host
         port = grpc_util.add_port(server, f"{host}:{s.port}", s.tls_cert, s.tls_key)
         self._server = server
@@ -122,6 +137,9 @@ class SchedulerApp:
 
     async def stop(self, grace: float = 1.0) -> None:
         """Stops gRPC (letting calls finish for `grace` seconds), metrics and the watcher."""
+        shared, self.exchange = self.exchange, None
+        if shared is not None:
+            await shared.stop()
         server, self._server = self._server, None
         if server is not None:
             await server.stop(grace)

@@ -34,6 +34,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import grpc
+from prometheus_client import CollectorRegistry, Gauge
 
 from pdplane.core import grpc_util
 from pdplane.scheduler.inflight import Assignment, InflightTracker
@@ -100,6 +101,20 @@ class InflightExchange:
         self._resolver: asyncio.Task[None] | None = None
         self.connected: dict[str, str] = {}  # peer address -> its replica id, while streaming
         self.servicer = _Servicer(self)
+
+    def register_metrics(self, registry: CollectorRegistry) -> None:
+        """Adds `pdplane_scheduler_peers` (peer replicas followed now, read at scrape time) and
+        `pdplane_scheduler_subscribers` (replicas following this one) to `registry`."""
+        Gauge(
+            "pdplane_scheduler_peers",
+            "Peer replicas whose in-flight assignments this one follows now",
+            registry=registry,
+        ).set_function(lambda: len(self.connected))
+        Gauge(
+            "pdplane_scheduler_subscribers",
+            "Replicas following this one's in-flight assignments now",
+            registry=registry,
+        ).set_function(lambda: len(self._subscribers))
 
     async def start(self) -> None:
         """Starts publishing own changes and following the peers (on the running loop)."""
