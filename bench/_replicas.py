@@ -57,6 +57,7 @@ class Result:
     failed: list[str] = field(default_factory=list)  # why the failed ones failed
     seconds: float = 0.0  # burst start -> every request streaming
     cut: int = 0  # streams broken by the death of the gateway relaying them
+    killed_at: int = -1  # burst requests streaming when a replica was killed (-1: none)
 
     @property
     def max_over_mean(self) -> float:
@@ -194,6 +195,7 @@ async def _drive(
         if killer.kill is not None:
             while len(started) < burst // 3:
                 await asyncio.sleep(0.005)
+            killer.at = len(started)
             await asyncio.to_thread(killer.kill)
             if killer.gateway:
                 dead.add(urls[0])
@@ -213,6 +215,7 @@ class _Killer:
     wait_pre_visible: Any = None
     kill: Any = None  # what stops one replica, or None
     gateway: bool = False  # the killed replica is gateway 0 (its URL is dead)
+    at: int = -1  # burst requests streaming at the kill
 
 
 def _pdplane(stack: contextlib.ExitStack, logs: Path, name: str, args: list[str]) -> ManagedProcess:
@@ -335,7 +338,9 @@ def run(
         ]
     totals = [c + (pre if i else 0) for i, c in enumerate(counts)]
     failed = [o for o in outcomes if o not in ("started", "cut")]
-    return Result(counts, totals, outcomes.count("started"), failed, seconds, outcomes.count("cut"))
+    return Result(
+        counts, totals, outcomes.count("started"), failed, seconds, outcomes.count("cut"), killer.at
+    )
 
 
 def _flag_fields(args: list[str]) -> dict[str, Any]:

@@ -74,10 +74,12 @@ def create_app(
         tracker = FleetTracker(settings.registry, token=settings.token, tls_ca=settings.tls_ca)
         fleet = lambda: tracker.view  # noqa: E731
     owned_scheduler = None
+    embedded: EmbeddedScheduler | None = None
     if scheduler is None and settings.embedded_scheduler:
         if tracker is None:
             raise ValueError("--scheduler embedded needs the registry view (no `fleet` override)")
-        scheduler, view = EmbeddedScheduler.over(tracker.source, settings, metrics.registry)
+        embedded, view = EmbeddedScheduler.over(tracker.source, settings, metrics.registry)
+        scheduler = embedded
         # A restarted registry may reuse revision numbers: every change forces a re-read.
         tracker.subscribe(view.mark_dirty)
     elif scheduler is None:
@@ -104,6 +106,8 @@ def create_app(
             ready = await asyncio.to_thread(tracker.start, settings.registry_wait_s)
             if not ready:
                 log.warning("registry %s not reachable yet; /health answers 503", settings.registry)
+        if embedded is not None:
+            await embedded.start()  # shares in-flight assignments with --peers
         try:
             yield
         finally:
@@ -112,6 +116,8 @@ def create_app(
             await aborter.close()
             if owned_scheduler is not None:
                 await owned_scheduler.close()
+            if embedded is not None:
+                await embedded.close()
             if tracker is not None:
                 await asyncio.to_thread(tracker.stop)
 

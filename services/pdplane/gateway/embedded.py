@@ -6,9 +6,9 @@ gateway runs the same `SchedulerService` (same policies, compatibility filter, d
 in-flight accounting and metric names) over a `CandidateView` of the registry watcher it already
 keeps for /v1/models and /health, so scheduling is a function call.
 
-The in-flight accounting is then local to this gateway: two embedded gateways do not see each
-other's assignments between two load reports. Deployments with several gateways keep one remote
-scheduler (the default) so that every assignment is counted in one place.
+Several embedded gateways over one fleet share their in-flight assignments when each names
+the others in `--peers` and serves its own on `--inflight-port` (`pdplane.scheduler.exchange`);
+without that, each counts only its own between two load reports.
 """
 
 from __future__ import annotations
@@ -17,12 +17,13 @@ from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry
 
+from pdplane.gateway.settings import GatewaySettings
 from pdplane.scheduler.client import OUTCOMES, SchedulerUnavailable
 from pdplane.scheduler.errors import NoInstance
+from pdplane.scheduler.exchange import EmbeddedExchange, InflightExchange
 from pdplane.scheduler.inflight import InflightTracker
 from pdplane.scheduler.metrics import SchedulerMetrics
 from pdplane.scheduler.service import Decision, ScheduleInput, SchedulerService
-from pdplane.scheduler.settings import PolicySettings
 from pdplane.scheduler.view import CandidateView, InstanceSource
 
 __all__ = ["EmbeddedScheduler"]
@@ -36,12 +37,23 @@ class EmbeddedScheduler:
     has the same `prefill`/`decode` attributes the relay reads of a `ScheduleResponse`.
     """
 
-    def __init__(self, service: SchedulerService) -> None:
+    def __init__(self, service: SchedulerService, exchange: EmbeddedExchange | None = None) -> None:
         self.service = service
+        self.exchange = exchange
+
+    async def start(self) -> None:
+        """Starts sharing in-flight assignments with the peers (when configured)."""
+        if self.exchange is not None:
+            await self.exchange.start()
+
+    async def close(self) -> None:
+        """Stops sharing them."""
+        if self.exchange is not None:
+            await self.exchange.stop()
 
     @classmethod
     def over(
-        cls, source: InstanceSource, policy: PolicySettings, registry: CollectorRegistry
+        cls, source: InstanceSource, policy: GatewaySettings, registry: CollectorRegistry
     ) -> tuple[EmbeddedScheduler, CandidateView]:
         """A scheduler deciding over `source` (the registry watcher) with `policy`'s flags.
 
@@ -59,7 +71,22 @@ class EmbeddedScheduler:
             seed=policy.seed,
         )
         metrics.watch(service.inflight.inflight_by_instance, view.all)
-        return cls(service), view
+        exchange = None
+        if policy.peer_list() or policy.inflight_port:
+            shared = InflightExchange(
+                service.inflight,
+                view,
+                replica_id=policy.replica_id,
+                peers=policy.peer_list(),
+                lag_s=policy.peer_lag_ms / 1000,
+                token=policy.token,
+                tls_ca=policy.tls_ca,
+            )
+            shared.register_metrics(registry)
+            exchange = EmbeddedExchange(
+                shared, policy.host, policy.inflight_port, token=policy.token
+            )
+        return cls(service, exchange), view
 
     async def schedule(
         self,

@@ -79,6 +79,7 @@ class SchedulerApp:
                 view,
                 replica_id=s.replica_id,
                 peers=s.peer_list(),
+                lag_s=s.peer_lag_ms / 1000,
                 token=s.token,
                 tls_ca=s.tls_ca,
             )

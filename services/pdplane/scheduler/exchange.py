@@ -8,13 +8,18 @@ subscriber counts a peer's ASSIGNED exactly as its own decision made at the mome
 (`InflightTracker.add_peer`): pending on the load reports its own view holds then, so it stops
 counting as load when those instances next report, by the same rule as its own assignments.
 
-Consistency: every replica sees every other's assignments one stream hop after they were made
-(sub-millisecond on one host, a network round trip between hosts); there is no global order, so
-two decisions made within that window on different replicas can still pick the same instance.
-A snapshot's assignments count in flight but not as load (how many reports they predate is
-unknown). When a peer's stream ends (the peer died or restarts) its assignments are dropped: the
-ones that reached an instance show in its next load report, the others died with the peer. A
-replica listed among its own peers is recognised by its id and skipped.
+Consistency: every replica sees every other's assignments one stream hop after they were made;
+there is no global order. The hop is short (a network round trip plus an event-loop turn), but a
+burst decides faster than that: a gateway deciding itself makes dozens of decisions in one loop
+turn, before its first update leaves, so replicas that counted only what they had received would
+still herd. For that window each replica assumes that its peers decide as it does: an own
+assignment also counts once per followed peer as "unseen" load on its instances for `lag_s`
+(`--peer-lag-ms`), by which time the peer's real decisions have arrived and count instead. So
+within `lag_s` of a decision the estimate is conservative (a peer's real choice and the guess
+can both count), and a replica whose peers are idle spreads its last `lag_s` of assignments a
+little wider than it needs to. Measured on the burst scenario (docs/scheduler.md): without the
+estimate, embedded gateways sharing assignments still herded (burst [90, 10, 10, 10], the
+first update arrived ~30 ms after 27 decisions); with it, [60, 20, 20, 20].
 
 Peers are `host:port` gRPC addresses; a name that resolves to several addresses (a headless
 Kubernetes Service of the replicas) counts as one peer per address, re-resolved every
@@ -24,12 +29,14 @@ Kubernetes Service of the replicas) counts as one peer per address, re-resolved 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import os
 import secrets
 import socket
 import threading
+import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -41,7 +48,13 @@ from pdplane.scheduler.inflight import Assignment, InflightTracker
 from pdplane.scheduler.view import CandidateView
 from pdplane.v1 import inflight_pb2, inflight_pb2_grpc
 
-__all__ = ["SERVICE_NAME", "InflightExchange", "default_replica_id", "serve_exchange"]
+__all__ = [
+    "SERVICE_NAME",
+    "EmbeddedExchange",
+    "InflightExchange",
+    "default_replica_id",
+    "serve_exchange",
+]
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +96,7 @@ class InflightExchange:
         token: str | None = None,
         tls_ca: str | None = None,
         resolve_every_s: float = 5.0,
+        lag_s: float = 0.1,
     ) -> None:
         self.tracker = tracker
         self.view = view
@@ -101,6 +115,9 @@ class InflightExchange:
         self._resolver: asyncio.Task[None] | None = None
         self.connected: dict[str, str] = {}  # peer address -> its replica id, while streaming
         self.servicer = _Servicer(self)
+        self._lag_s = lag_s
+        # instance id -> clock times of own assignments of the last lag_s (oldest first)
+        self._recent: dict[str, collections.deque[float]] = {}
 
     def register_metrics(self, registry: CollectorRegistry) -> None:
         """Adds `pdplane_scheduler_peers` (peer replicas followed now, read at scrape time) and
@@ -120,12 +137,14 @@ class InflightExchange:
         """Starts publishing own changes and following the peers (on the running loop)."""
         self._loop = asyncio.get_running_loop()
         self.tracker.listener = self._on_change
+        self.tracker.unseen = self.unseen
         if self.peers:
             self._resolver = asyncio.create_task(self._resolve_forever())
 
     async def stop(self) -> None:
         """Stops following peers (their assignments are dropped) and ends subscriptions."""
         self.tracker.listener = None
+        self.tracker.unseen = None
         tasks = [t for t in (self._resolver, *self._followers.values()) if t is not None]
         self._resolver = None
         self._followers.clear()
@@ -141,7 +160,24 @@ class InflightExchange:
 
     # --- publishing ----------------------------------------------------------------------
 
+    def unseen(self, instance_id: str) -> float:
+        """Peers' assignments to `instance_id` estimated but not received yet: the own ones of
+        the last `lag_s` seconds, once per followed peer (module docstring). Zero without
+        peers."""
+        recent = self._recent.get(instance_id)
+        if not recent or not self.connected:
+            return 0.0
+        horizon = time.monotonic() - self._lag_s
+        while recent and recent[0] <= horizon:
+            recent.popleft()
+        return float(len(recent) * len(self.connected))
+
     def _on_change(self, assigned: list[Assignment], released: list[Assignment]) -> None:
+        if self.connected and assigned:
+            now = time.monotonic()
+            for a in assigned:
+                for instance_id in (a.prefill_id, a.decode_id):
+                    self._recent.setdefault(instance_id, collections.deque()).append(now)
         if not self._subscribers:
             return  # a later subscriber starts from a snapshot
         # Releases first: a retry replaces an id by releasing, then assigning it again.
@@ -303,6 +339,42 @@ async def serve_exchange(
     bound = grpc_util.add_port(server, f"{bind}:{port}", tls_cert, tls_key)
     await server.start()
     return server, bound
+
+
+class EmbeddedExchange:
+    """The exchange of a gateway deciding itself (`--scheduler embedded`): follows `peers` and,
+    with `port` > 0, serves its own assignments on a gRPC server of its own at host:port.
+    `await start()` inside the gateway's event loop, `await stop()` at shutdown."""
+
+    def __init__(
+        self,
+        exchange: InflightExchange,
+        host: str,
+        port: int,
+        *,
+        token: str | None = None,
+    ) -> None:
+        self.exchange = exchange
+        self._host = host
+        self._port = port
+        self._token = token
+        self._server: grpc.aio.Server | None = None
+        self.port = 0  # the bound port once started
+
+    async def start(self) -> None:
+        """Serves (with a port) and starts following; OSError/RuntimeError if it cannot bind."""
+        if self._port:
+            self._server, self.port = await serve_exchange(
+                self.exchange, self._host, self._port, token=self._token
+            )
+        await self.exchange.start()
+
+    async def stop(self) -> None:
+        """Stops following and serving."""
+        await self.exchange.stop()
+        server, self._server = self._server, None
+        if server is not None:
+            await server.stop(0.5)
 
 
 def _assigned(a: Assignment) -> inflight_pb2.InflightEvent:

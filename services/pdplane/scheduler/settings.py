@@ -41,6 +41,12 @@ class PolicySettings(CommandSettings):
         "addresses host:port, comma-separated; a name with several addresses counts each): "
         "their in-flight assignments count here as load (docs/scheduler.md)",
     )
+    peer_lag_ms: float = Field(
+        default=100.0,
+        ge=0,
+        description="with --peers: how long an own assignment also counts once per peer, "
+        "standing for the peers' decisions not received yet (ms)",
+    )
     replica_id: str | None = Field(
         default=None, description="this replica's id among its peers (default: host-pid-random)"
     )

@@ -170,3 +170,16 @@ async def test_a_burst_on_one_replica_reaches_the_other_in_order(n: int) -> None
             a.service.release(f"r{i}", "success")
         await until(lambda: len(b.service.inflight) == n // 2)
         assert sum(b.pending(d) for d in ("d0", "d1")) == n // 2
+
+
+async def test_own_recent_assignments_stand_for_the_peers_unseen_ones() -> None:
+    async with pair() as (a, b):
+        a.exchange._lag_s = 0.2
+        a.decide("r1")
+        d0 = a.service.view.candidate("d0")
+        assert d0 is not None
+        # Within the lag, a assumes its one peer decided the same: d0 counts r1 twice.
+        assert a.service.load(d0) == d0.reported_load + 2
+        await until(lambda: a.service.load(d0) == d0.reported_load + 1, timeout=2.0)
+        # b saw the real r1 (pending 1) and estimates nothing for a's decisions.
+        assert b.exchange.unseen("d0") == 0.0

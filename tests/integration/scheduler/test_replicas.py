@@ -36,12 +36,14 @@ def test_replicas_sharing_in_flight_state_balance_the_burst(mode: str) -> None:
 
 def test_a_scheduler_killed_mid_burst_loses_no_request() -> None:
     result = _replicas.run(mode="remote", share=True, kill="scheduler")
+    assert 0 < result.killed_at < 120  # SIGKILL with part of the burst still to schedule
     assert result.failed == []
     assert result.started == 120
 
 
 def test_a_gateway_killed_mid_burst_loses_no_request_that_was_not_streaming() -> None:
     result = _replicas.run(mode="embedded", share=True, kill="gateway")
+    assert 0 < result.killed_at < 120
     # Streams the dead gateway was relaying end with it; every other request is served.
     assert result.failed == []
     assert result.started + result.cut == 120
