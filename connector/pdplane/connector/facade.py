@@ -17,6 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from pdplane.connector.config import ConnectorConfig
+from pdplane.connector.lifeline import watch_parent
 from pdplane.connector.logs import setup_connector_logging
 from pdplane.connector.metadata import PdPlaneConnectorMetadata
 from pdplane.connector.registration import InstanceRegistration, build_spec
@@ -106,6 +107,9 @@ class PdPlaneConnector(KVConnectorBase_V1):
             self._worker = WorkerSide(
                 self.config, self.layout, self.instance_id, tp_rank(), self._num_blocks
             )
+        # No engine process outlives its API server (an orphan would keep the KV port and
+        # heartbeat for a dead HTTP server); deregistering first tells the gateway at once.
+        watch_parent(self._registration.stop if self._registration is not None else None)
 
     def _start_registration(self, vllm_config: VllmConfig) -> None:
         if not self.config.registry:
