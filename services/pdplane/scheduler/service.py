@@ -71,7 +71,8 @@ class SchedulerService:
             if name not in POLICIES:
                 raise ValueError(f"unknown policy {name!r}; known: {', '.join(POLICIES)}")
         self.view = view
-        self.inflight = inflight or InflightTracker()
+        # Not `inflight or ...`: an empty tracker is falsy (it has __len__).
+        self.inflight = inflight if inflight is not None else InflightTracker()
         self.metrics = metrics
         self._defaults = {"prefill": prefill_policy, "decode": decode_policy}
         self._seed = seed
