@@ -159,8 +159,9 @@ def test_up_serves_a_demo_request_and_stops_cleanly_on_sigterm(tmp_path: Path) -
         up.send_signal(signal.SIGTERM)
         assert up.wait(timeout=60) == 0, log.read_text()
         for instance_log in (tmp_path / "logs").glob("*-[0-9].log"):
+            # Stopped by its API server, not by a signal of its own (see the lifecycle tests).
             text = instance_log.read_text()
-            assert "EngineDeadError" not in text, f"{instance_log.name}:\n{text[-3000:]}"
+            assert "EngineCore: trigger received signal=SIGINT" not in text, instance_log.name
         deadline = time.monotonic() + 10
         alive = [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
         while alive and time.monotonic() < deadline:
