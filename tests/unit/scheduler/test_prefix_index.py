@@ -60,8 +60,8 @@ def test_longest_prefix_per_instance_across_hash_seeds() -> None:
     prompt = _tokens(0, 8)
     a.store(prompt)  # all 8 blocks
     b.store(prompt, 0, 3)  # first 3
-    ra, ca = _live(index, "a", a)
-    rb, cb = _live(index, "b", b)
+    _ra, _ca = _live(index, "a", a)
+    _rb, _cb = _live(index, "b", b)
     hashes = block_hashes(prompt, BS)
     assert index.match(hashes) == {"a": 8, "b": 3}
     assert index.match(hashes, instances={"b"}) == {"b": 3}
@@ -98,7 +98,7 @@ def test_evicted_prefix_is_no_longer_predicted_on_that_instance_only() -> None:
     a.store(prompt)
     b.store(prompt)
     ra, ca = _live(index, "a", a)
-    rb, cb = _live(index, "b", b)
+    _rb, _cb = _live(index, "b", b)
     a.evict(prompt, 0, 1, 2, 3)
     _pump(ra, ca)
     assert index.match(block_hashes(prompt, BS)) == {"b": 4}

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Collection, Iterable, Sequence
-from enum import Enum
+from enum import StrEnum
 
 from pdplane.core.kv_events import DEFAULT_MEDIUM
 from pdplane.core.prefix_hash import block_hashes
@@ -38,7 +38,7 @@ __all__ = ["InstanceBlocks", "KvState", "PrefixIndex"]
 log = logging.getLogger(__name__)
 
 
-class KvState(str, Enum):
+class KvState(StrEnum):
     """Whether an instance's entries can be trusted for routing."""
 
     SYNCING = "syncing"  # subscribed, no snapshot yet: not trusted

@@ -233,8 +233,9 @@ class KvIndexManager:
         self.index.set_state(inst, state, reason)
         if state is KvState.STALE:
             self.stale_transitions += 1
-            log.warning("KV index: %s is stale (%s): routing ignores its cache", inst.instance_id,
-                        reason)
+            log.warning(
+                "KV index: %s is stale (%s): routing ignores its cache", inst.instance_id, reason
+            )
         elif state is KvState.LIVE:
             log.info("KV index: %s is live (%d blocks)", inst.instance_id, inst.num_blocks)
         if self.on_state is not None:
@@ -261,9 +262,12 @@ class KvIndexManager:
                             f.events += len(msg.events.events)
                         if f.reader.snapshots != was:
                             self.snapshots += 1
-                        if f.reader.synced and f.inst.state is not KvState.LIVE:
-                            if f.reader.lag <= self.max_lag_events:
-                                self._set(f, KvState.LIVE, "")
+                        if (
+                            f.reader.synced
+                            and f.inst.state is not KvState.LIVE
+                            and f.reader.lag <= self.max_lag_events
+                        ):
+                            self._set(f, KvState.LIVE, "")
                     reason = "stream ended"
             except asyncio.CancelledError:
                 raise
