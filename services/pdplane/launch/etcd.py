@@ -126,6 +126,13 @@ class EtcdCluster:
         tails = "\n".join(m.process.tail(10) for m in chosen if m.process is not None)
         raise RuntimeError(f"etcd cluster not healthy after {timeout_s:.0f} s:\n{tails}")
 
+    def ensure_running(self, timeout_s: float) -> None:
+        """Starts every member that is not running and waits for a healthy cluster."""
+        for i, member in enumerate(self.members):
+            if member.process is None or not member.process.alive():
+                self.start_member(i)
+        self.wait_healthy(timeout_s)
+
     def kill(self, index: int) -> None:
         """SIGKILL of member `index` (a crash)."""
         process = self.members[index].process
