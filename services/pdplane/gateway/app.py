@@ -21,10 +21,12 @@ from pdplane.gateway.errors import error_body
 from pdplane.gateway.fleet import FleetTracker, FleetView
 from pdplane.gateway.kv_abort import KvAborter
 from pdplane.gateway.metrics import GatewayMetrics
+from pdplane.gateway.passthrough import Passthrough
 from pdplane.gateway.relay import Relay, RelayConfig, SchedulerPort
 from pdplane.gateway.routes import build_router
 from pdplane.gateway.settings import GatewaySettings
 from pdplane.gateway.upstream import UpstreamClient
+from pdplane.scheduler.kv_index.wiring import start_kv_index
 
 __all__ = ["create_app"]
 
@@ -75,11 +77,21 @@ def create_app(
         fleet = lambda: tracker.view  # noqa: E731
     owned_scheduler = None
     embedded: EmbeddedScheduler | None = None
+    kv_index = None
     if scheduler is None and settings.embedded_scheduler:
         if tracker is None:
             raise ValueError("--scheduler embedded needs the registry view (no `fleet` override)")
         embedded, view = EmbeddedScheduler.over(tracker.source, settings, metrics.registry)
         scheduler = embedded
+        kv_index = start_kv_index(
+            tracker.source,
+            settings,
+            token=settings.token,
+            tls_ca=settings.tls_ca,
+            registry=metrics.registry,
+            service=embedded.service,
+            subscriber="gateway",
+        )
         # A restarted registry may reuse revision numbers: every change forces a re-read.
         tracker.subscribe(view.mark_dirty)
     elif scheduler is None:
@@ -118,6 +130,8 @@ def create_app(
                 await owned_scheduler.close()
             if embedded is not None:
                 await embedded.close()
+            if kv_index is not None:
+                await asyncio.to_thread(kv_index.stop)
             if tracker is not None:
                 await asyncio.to_thread(tracker.stop)
 
@@ -129,7 +143,8 @@ def create_app(
         docs_url=None,
         redoc_url=None,
     )
-    app.include_router(build_router(fleet, metrics, keys))
+    passthrough = Passthrough(fleet, upstream, settings.upstream_api_key)
+    app.include_router(build_router(fleet, metrics, keys, passthrough))
     app.add_exception_handler(HTTPException, _http_error)
     app.state.relay = relay
     app.state.scheduler = scheduler

@@ -58,6 +58,8 @@ class SimConfig:
             prompts).
         kv_blocks, block_size: paged KV cache size (blocks) and tokens per block.
         prefix_caching: vLLM's automatic prefix caching.
+        kv_events: publish the prefix cache's changes (`KvEvents.Subscribe` at `kv_endpoint`);
+            off saves ~25 us of CPU per event when nothing subscribes.
         max_model_len: context length (tokens): longer requests get vLLM's 400 errors.
         stream_interval: streamed tokens go out this many at a time (vLLM's
             `--stream-interval`; one SSE event per token, several events per write).
@@ -96,6 +98,7 @@ class SimConfig:
     kv_blocks: int = 8192
     block_size: int = 16
     prefix_caching: bool = True
+    kv_events: bool = True
     max_model_len: int = 4096
     stream_interval: int = 1
     time_scale: float = 1.0

@@ -9,6 +9,7 @@ import grpc
 from aiohttp import web
 
 from pdplane.core import grpc_util
+from pdplane.core.kv_events_server import add_kv_events_servicer
 from pdplane.sim.app import build_app
 from pdplane.sim.config import SimConfig
 from pdplane.sim.state import SimState
@@ -95,7 +96,10 @@ class SimInstance:
             ),
             self._grpc,
         )
-        await grpc_util.aio_add_health_and_reflection(self._grpc, [_KV_SERVICE])
+        services = [_KV_SERVICE]
+        if state.events is not None:
+            services.append(add_kv_events_servicer(self._grpc, state.events))
+        await grpc_util.aio_add_health_and_reflection(self._grpc, services)
         kv_port = grpc_util.add_port(self._grpc, f"{c.host}:{c.kv_port}")
         await self._grpc.start()
         # handler_cancellation: a client disconnect cancels the handler, so that waiting,
@@ -143,6 +147,8 @@ class SimInstance:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+        if self.state.events is not None:
+            self.state.events.close()
         if self._grpc is not None:
             await self._grpc.stop(grace=None)
             self._grpc = None

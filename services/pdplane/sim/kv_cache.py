@@ -12,8 +12,11 @@ Modelled on vLLM v1's `BlockPool` / `KVCacheManager` (`vllm/v1/core/block_pool.p
   blocks count as free: `usage` is 1 - free / total, vLLM's `kv_cache_usage_perc`.
 
 Every change of the cached set goes to a `KvEventSink` (`stored` / `removed` / `cleared`, the
-vLLM KV cache events `BlockStored` / `BlockRemoved` / `AllBlocksCleared`), the seam where the
-typed KV event stream is attached.
+vLLM KV cache events `BlockStored` / `BlockRemoved` / `AllBlocksCleared`): in a served sim that
+is a `pdplane.core.kv_events.KvEventLog`, the same typed, sequenced stream the connector
+publishes (`KvEvents.Subscribe` on the sim's KvTransfer server). The keys here are the
+engine's own hashes (like vLLM's seeded ones); subscribers key their index by
+`pdplane.core.prefix_hash` over the token ids the events carry.
 """
 
 from __future__ import annotations
@@ -55,14 +58,14 @@ class KvEventSink(Protocol):
         parent_hash: int | None,
         token_ids: list[int],
         block_size: int,
-    ) -> None:
+    ) -> object:
         """Full blocks became cached: keys in sequence order, the key before the first (None
         for a sequence's first block) and their token ids (len = len(block_hashes) x size)."""
 
-    def removed(self, block_hashes: list[int]) -> None:
+    def removed(self, block_hashes: list[int]) -> object:
         """Cached blocks were evicted (their keys are no longer findable)."""
 
-    def cleared(self) -> None:
+    def cleared(self) -> object:
         """Every cached block was dropped (a prefix cache reset)."""
 
 

@@ -54,6 +54,7 @@ class SimSettings(CommandSettings):
     block_size: int | None = Field(None, ge=1, description="tokens per KV cache block")
     max_model_len: int | None = Field(None, ge=2, description="context length (tokens)")
     prefix_caching: bool = Field(True, description="vLLM's automatic prefix caching")
+    kv_events: bool = Field(True, description="serve KvEvents.Subscribe (prefix cache events)")
     stream_interval: int = Field(1, ge=1, description="tokens per streamed write")
     time_scale: float = Field(1.0, gt=0, description="modelled seconds per wall second")
     kv_mode: Literal["pull", "push"] = Field("pull", description="KV transfer mode")

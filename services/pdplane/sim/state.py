@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pdplane.core.kv_events import KvEventLog
 from pdplane.core.layout import fingerprint
 from pdplane.sim.config import SimConfig
 from pdplane.sim.engine import EngineCore, EngineLimits
@@ -32,6 +33,7 @@ class SimState:
     config: SimConfig
     tokenizer: Tokenizer | None = None
     core: EngineCore = field(init=False)
+    events: KvEventLog | None = field(init=False)
     runner: EngineRunner = field(init=False)
     transfers: TransferTable = field(init=False)
     peers: KvPeers = field(init=False)
@@ -56,7 +58,8 @@ class SimState:
             prefix_caching=c.prefix_caching,
             stream_interval=c.stream_interval,
         )
-        pool = BlockPool(c.kv_blocks, c.block_size, caching=c.prefix_caching)
+        self.events = KvEventLog() if c.kv_events else None
+        pool = BlockPool(c.kv_blocks, c.block_size, caching=c.prefix_caching, sink=self.events)
         self.core = EngineCore(limits, c.cost_model(), pool)
         self.runner = EngineRunner(self.core, time_scale=c.time_scale)
         self.transfers = TransferTable(self.runner.release, c.kv_hold_timeout_s)
