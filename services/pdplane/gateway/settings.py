@@ -30,7 +30,8 @@ class GatewaySettings(PolicySettings):
     )
     registry: str = Field(
         f"127.0.0.1:{defaults.REGISTRY_PORT}",
-        description="registry gRPC address host:port (for /v1/models and /health)",
+        description="registry gRPC address host:port, or several replicas' comma-separated "
+        "(for /v1/models and /health)",
     )
     host: str = Field("127.0.0.1", description="HTTP bind address (0.0.0.0 for all interfaces)")
     port: int = Field(defaults.GATEWAY_PORT, ge=0, le=65535, description="HTTP port; 0 = any")
