@@ -1,6 +1,7 @@
 """Wiring of a scheduler process: settings -> registry watcher -> service -> gRPC (+ metrics).
 
-Used by `pdplane scheduler` and by the in-process test fixture, so both run the same objects.
+Used by `pdplane scheduler` and by the in-process test fixture, so both run the same objects;
+the service itself is built by `pdplane.scheduler.local.build_service`, as a local scheduler's.
 """
 
 from __future__ import annotations
@@ -15,12 +16,13 @@ from prometheus_client import start_http_server
 
 from pdplane.core import grpc_util
 from pdplane.registry.client import InstanceWatcher
-from pdplane.scheduler.inflight import InflightTracker
+from pdplane.scheduler.local import build_service
 from pdplane.scheduler.metrics import SchedulerMetrics
+from pdplane.scheduler.port import InstanceSource
 from pdplane.scheduler.service import SchedulerService
 from pdplane.scheduler.servicer import SchedulerServicer
 from pdplane.scheduler.settings import SchedulerSettings
-from pdplane.scheduler.view import CandidateView, InstanceSource
+from pdplane.scheduler.view import CandidateView
 from pdplane.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 __all__ = ["SchedulerApp"]
@@ -40,7 +42,8 @@ class SchedulerApp:
     def __init__(self, settings: SchedulerSettings, *, source: InstanceSource | None = None):
         self.settings = settings
         self._watcher: InstanceWatcher | None = None
-        self.view = CandidateView(source) if source is not None else None
+        self._source = source
+        self.view: CandidateView | None = None
         self.metrics = SchedulerMetrics()
         self.service: SchedulerService | None = None
         self._server: grpc.aio.Server | None = None
@@ -61,16 +64,8 @@ class SchedulerApp:
         """
         s = self.settings
         try:
-            view = self.view or self._start_watcher()
-            self.service = SchedulerService(
-                view,
-                prefill_policy=s.prefill_policy,
-                decode_policy=s.decode_policy,
-                inflight=InflightTracker(s.inflight_timeout_s),
-                metrics=self.metrics,
-                seed=s.seed,
-            )
-            self.metrics.watch(self.service.inflight.inflight_by_instance, view.all)
+            self.service = build_service(self._source or self._start_watcher(), s, self.metrics)
+            self.view = self.service.view
             await self._start_grpc()
             if s.metrics_port:
                 server, thread = start_http_server(
@@ -92,20 +87,21 @@ class SchedulerApp:
             raise
         return self.address
 
-    def _start_watcher(self) -> CandidateView:
+    def _start_watcher(self) -> InstanceWatcher:
         s = self.settings
-        holder: list[CandidateView] = []
         # on_change forces a re-read even if a restarted registry reuses a revision number.
         self._watcher = InstanceWatcher(
             s.registry,
             token=s.registry_token or s.token,
             tls_ca=s.tls_ca,
-            on_change=lambda _view: holder[0].mark_dirty() if holder else None,
+            on_change=self._source_changed,
         )
-        self.view = CandidateView(self._watcher)
-        holder.append(self.view)
         self._watcher.start()
-        return self.view
+        return self._watcher
+
+    def _source_changed(self, _instances: object) -> None:
+        if self.view is not None:
+            self.view.mark_dirty()
 
     async def _start_grpc(self) -> None:
         s = self.settings
