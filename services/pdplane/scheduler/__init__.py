@@ -14,34 +14,9 @@ decision), `local` / `remote` (the port's two implementations), `wire` (port <->
 `servicer` (gRPC translation), `server` / `app` (wiring of a scheduler process).
 """
 
+from pdplane.scheduler import port
 from pdplane.scheduler.factory import open_scheduler
-from pdplane.scheduler.port import (
-    EMBEDDED,
-    Decision,
-    InstanceRef,
-    InstanceSource,
-    Outcome,
-    PolicyFlags,
-    PortSettings,
-    RequestFeatures,
-    SchedulerError,
-    SchedulerPort,
-    SchedulerUnavailable,
-)
+from pdplane.scheduler.port import *  # noqa: F403 (the port's own __all__ is the public surface)
 from pdplane.scheduler.settings import PolicySettings
 
-__all__ = [
-    "EMBEDDED",
-    "Decision",
-    "InstanceRef",
-    "InstanceSource",
-    "Outcome",
-    "PolicyFlags",
-    "PolicySettings",
-    "PortSettings",
-    "RequestFeatures",
-    "SchedulerError",
-    "SchedulerPort",
-    "SchedulerUnavailable",
-    "open_scheduler",
-]
+__all__ = [*port.__all__, "PolicySettings", "open_scheduler"]
