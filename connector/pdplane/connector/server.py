@@ -10,7 +10,7 @@ engine loop, which must never wait on it.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
 
 import grpc
@@ -172,18 +172,25 @@ def start_kv_server(
     tls_cert: str | None = None,
     tls_key: str | None = None,
     max_workers: int = 8,
+    extra_services: Sequence[Callable[[grpc.Server], str]] = (),
+    extra_workers: int = 0,
 ) -> tuple[grpc.Server, int]:
     """Starts a sync gRPC server with the KvTransfer service, health and reflection on
     `address` ("host:port", port 0 = any); bearer-token auth when `token` is set, TLS when
-    cert and key are set. Returns (server, bound port). Raises RuntimeError if it cannot bind."""
+    cert and key are set. `extra_services` add more services to the same server (each returns
+    its full name, e.g. `pdplane.v1.KvEvents`), `extra_workers` threads for their long-lived
+    streams. Returns (server, bound port). Raises RuntimeError if it cannot bind."""
     interceptors = [grpc_util.TokenAuthInterceptor(token)] if token else []
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="pdplane-kv"),
+        futures.ThreadPoolExecutor(
+            max_workers=max_workers + extra_workers, thread_name_prefix="pdplane-kv"
+        ),
         interceptors=interceptors,
         options=grpc_util.SERVER_OPTIONS,
     )
     kv_transfer_pb2_grpc.add_KvTransferServicer_to_server(servicer, server)
-    grpc_util.add_health_and_reflection(server, [SERVICE_NAME])
+    names = [SERVICE_NAME, *(add(server) for add in extra_services)]
+    grpc_util.add_health_and_reflection(server, names)
     port = grpc_util.add_port(server, address, tls_cert, tls_key)
     server.start()
     return server, port

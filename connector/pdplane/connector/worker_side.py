@@ -17,12 +17,15 @@ import torch
 from pdplane.connector.config import ConnectorConfig
 from pdplane.connector.holds import HoldTable
 from pdplane.connector.kv_cache import KvCacheView
+from pdplane.connector.kv_events import KvEventsReader
 from pdplane.connector.metadata import METADATA_VERSION, PdPlaneConnectorMetadata
 from pdplane.connector.peers import PeerPool
 from pdplane.connector.pulls import Puller
 from pdplane.connector.pushes import Pusher
 from pdplane.connector.server import KvTransferServicer, start_kv_server
 from pdplane.connector.transports import KvTransport, create_transport
+from pdplane.core.kv_events import KvEventLog
+from pdplane.core.kv_events_server import add_kv_events_servicer
 from pdplane.v1 import instance_pb2
 
 __all__ = ["WorkerSide"]
@@ -30,6 +33,7 @@ __all__ = ["WorkerSide"]
 log = logging.getLogger(__name__)
 
 _SERVER_GRACE_S = 2.0
+_KV_EVENTS_STREAMS = 8  # threads for KvEvents subscribers (StreamOptions.max_subscribers)
 
 
 class WorkerSide:
@@ -42,6 +46,9 @@ class WorkerSide:
         tp_rank: this worker's tensor-parallel rank.
         num_blocks: KV cache blocks per layer (to find the block axis); None = first axis.
         transport: the byte mover; default: the one named in `config.transport`.
+        kv_events_endpoint: where vLLM publishes its KV cache events (`kv_events.
+            reader_endpoint`); rank 0 reads them and serves `pdplane.v1.KvEvents` next to
+            KvTransfer. None = no events.
     """
 
     def __init__(
@@ -52,6 +59,8 @@ class WorkerSide:
         tp_rank: int = 0,
         num_blocks: int | None = None,
         transport: KvTransport | None = None,
+        kv_events_endpoint: str | None = None,
+        kv_events_topic: str = "",
     ) -> None:
         self.config = config
         self.layout = layout
@@ -83,6 +92,9 @@ class WorkerSide:
         self.server: grpc.Server | None = None
         self.port = 0
         self._last_seq = 0
+        self.kv_events: KvEventsReader | None = None
+        if kv_events_endpoint and tp_rank == 0:  # one stream per engine, on rank 0's server
+            self.kv_events = KvEventsReader(kv_events_endpoint, KvEventLog(), kv_events_topic)
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         """Binds the KV cache tensors and starts the KvTransfer server on
@@ -92,13 +104,18 @@ class WorkerSide:
         servicer = KvTransferServicer(
             self.holds, self.transport, self.layout, tombstone_s=self.config.transfer_timeout_s
         )
+        events = self.kv_events
         self.server, self.port = start_kv_server(
             servicer,
             self.config.bind_address(self.tp_rank),
             token=self.config.token,
             tls_cert=self.config.tls_cert,
             tls_key=self.config.tls_key,
+            extra_services=[lambda s: add_kv_events_servicer(s, events.log)] if events else [],
+            extra_workers=_KV_EVENTS_STREAMS if events else 0,
         )
+        if events is not None:
+            events.start()
         log.info(
             "KvTransfer server of rank %d on port %d (%s transport, %d layers)",
             self.tp_rank,
@@ -145,6 +162,8 @@ class WorkerSide:
         """Stops the server, pushes and pulls; idempotent."""
         self.pusher.close()
         self.puller.close()
+        if self.kv_events is not None:
+            self.kv_events.stop()  # closes the log: open KvEvents streams end UNAVAILABLE
         if self.server is not None:
             self.server.stop(_SERVER_GRACE_S).wait(_SERVER_GRACE_S + 1)
             self.server = None

@@ -1,7 +1,8 @@
 """Wiring of a scheduler process: settings -> registry watcher -> service -> gRPC (+ metrics).
 
 Used by `pdplane scheduler` and by the in-process test fixture, so both run the same objects;
-the service itself is built by `pdplane.scheduler.local.build_service`, as a local scheduler's.
+the service (and its prefix index) is built by `pdplane.scheduler.local.open_local`, as a local
+scheduler's.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from prometheus_client import start_http_server
 
 from pdplane.core import grpc_util
 from pdplane.registry.client import InstanceWatcher
-from pdplane.scheduler.local import build_service
+from pdplane.scheduler.kv_index import KvIndexManager
+from pdplane.scheduler.local import LocalScheduler, open_local
 from pdplane.scheduler.metrics import SchedulerMetrics
 from pdplane.scheduler.port import InstanceSource
 from pdplane.scheduler.service import SchedulerService
@@ -44,10 +46,12 @@ class SchedulerApp:
         self._watcher: InstanceWatcher | None = None
         self._source = source
         self.view: CandidateView | None = None
+        self._local: LocalScheduler | None = None
         self.metrics = SchedulerMetrics()
         self.service: SchedulerService | None = None
         self._server: grpc.aio.Server | None = None
         self._http: tuple[HTTPServer, threading.Thread] | None = None
+        self.kv_index: KvIndexManager | None = None
         self.address = ""
         self.metrics_port = 0
 
@@ -64,7 +68,15 @@ class SchedulerApp:
         """
         s = self.settings
         try:
-            self.service = build_service(self._source or self._start_watcher(), s, self.metrics)
+            self._local = open_local(
+                self._source or self._start_watcher(),
+                s,
+                self.metrics,
+                token=s.registry_token or s.token,
+                tls_ca=s.tls_ca,
+                subscriber="scheduler",
+            )
+            self.service, self.kv_index = self._local.service, self._local.kv_index
             self.view = self.service.view
             await self._start_grpc()
             if s.metrics_port:
@@ -126,6 +138,9 @@ class SchedulerApp:
             http[0].shutdown()
             http[0].server_close()
             http[1].join(timeout=2.0)
+        local, self._local, self.kv_index = self._local, None, None
+        if local is not None:
+            await local.close()  # the prefix index's streams
         watcher, self._watcher = self._watcher, None
         if watcher is not None:
             await asyncio.to_thread(watcher.stop)

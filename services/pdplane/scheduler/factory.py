@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry
 
-from pdplane.scheduler.local import LocalScheduler, build_service
+from pdplane.scheduler.local import open_local
 from pdplane.scheduler.metrics import SchedulerMetrics
 from pdplane.scheduler.port import EMBEDDED, InstanceSource, PortSettings, SchedulerPort
 from pdplane.scheduler.remote import RemoteScheduler
@@ -22,8 +22,9 @@ def open_scheduler(
     `EMBEDDED`, a `LocalScheduler` deciding over `source` with the settings' policy flags.
 
     The local scheduler's metrics (the `pdplane_scheduler_*` families, as a scheduler process
-    exports them) are registered in `metrics_registry` (a new registry when None). The remote
-    one connects on first use. Close the port with `await port.close()`.
+    exports them, and its prefix index's) are registered in `metrics_registry` (a new registry
+    when None); its prefix index reaches the instances with `token`/`tls_ca`. The remote one
+    connects on first use. Close the port with `await port.close()`.
     Raises ValueError for `EMBEDDED` without a `source`, or for an unknown policy name.
     """
     if settings.scheduler != EMBEDDED:
@@ -36,4 +37,11 @@ def open_scheduler(
         )
     if source is None:
         raise ValueError(f"--scheduler {EMBEDDED} needs the registry's instances (a source)")
-    return LocalScheduler(build_service(source, settings, SchedulerMetrics(metrics_registry)))
+    return open_local(
+        source,
+        settings,
+        SchedulerMetrics(metrics_registry),
+        token=settings.token,
+        tls_ca=settings.tls_ca,
+        subscriber="gateway",
+    )

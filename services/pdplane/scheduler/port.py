@@ -202,12 +202,17 @@ class InstanceSource(Protocol):
 
 class PolicyFlags(Protocol):
     """The decision flags of a local scheduler (`pdplane.scheduler.settings.PolicySettings`):
-    default policy names per side, in-flight expiry (seconds), seed of randomised policies."""
+    default policy names per side, in-flight expiry (seconds), seed of randomised policies,
+    and the prefix index's (on/off, staleness after seconds or events behind, size bound)."""
 
     prefill_policy: str
     decode_policy: str
     inflight_timeout_s: float
     seed: int | None
+    kv_index: bool
+    kv_stale_after_s: float
+    kv_max_lag_events: int
+    kv_index_max_blocks: int
 
 
 class PortSettings(PolicyFlags, Protocol):

@@ -2,7 +2,8 @@
 
 A prefill sim holds a transfer's blocks until the decode side calls CompleteTransfer, the
 gateway calls AbortTransfer, or `kv_hold_timeout_s` passes, exactly the lifecycle of the pdplane
-connector. No bytes move: the decode sim only waits for the simulated pull time.
+connector. No bytes move: the decode sim only waits for the simulated pull time. In push mode
+`PushBlocks` reserves room in the decode sim's receive buffer (`pdplane.sim.push`).
 """
 
 from __future__ import annotations
@@ -10,14 +11,14 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 
-from pdplane.sim.engine import EngineState
-from pdplane.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
+from pdplane.sim.push import ReceiveBuffer
+from pdplane.v1 import instance_pb2, kv_transfer_pb2, kv_transfer_pb2_grpc
 
 __all__ = ["HeldTransfer", "KvPeers", "TransferServicer", "TransferTable"]
 
@@ -46,8 +47,10 @@ class HeldTransfer:
 class TransferTable:
     """Held transfers of one prefill sim, with a bounded history of how each ended."""
 
-    def __init__(self, engine: EngineState, timeout_s: float, history: int = 1000) -> None:
-        self._engine = engine
+    def __init__(
+        self, free: Callable[[list[int]], None], timeout_s: float, history: int = 1000
+    ) -> None:
+        self._free = free
         self._timeout_s = timeout_s
         self.held: dict[str, HeldTransfer] = {}
         #: finished transfers: dicts with transfer_id, request_id, reason, freed_at.
@@ -60,7 +63,6 @@ class TransferTable:
             self._timeout_s, self.release, transfer.transfer_id, "timeout"
         )
         self.held[transfer.transfer_id] = transfer
-        self._engine.held_transfers = len(self.held)
 
     def release(self, transfer_id: str, reason: str) -> bool:
         """Frees a transfer's blocks; False when it is unknown (already freed)."""
@@ -69,8 +71,7 @@ class TransferTable:
             return False
         if transfer.timer is not None:
             transfer.timer.cancel()
-        self._engine.free(transfer.block_ids)
-        self._engine.held_transfers = len(self.held)
+        self._free(transfer.block_ids)
         self.freed.append(
             {
                 "transfer_id": transfer_id,
@@ -90,10 +91,20 @@ _NO_BYTES = "the simulator holds no KV bytes: only CompleteTransfer and AbortTra
 
 
 class TransferServicer(kv_transfer_pb2_grpc.KvTransferServicer):
-    """CompleteTransfer and AbortTransfer over the table; the data RPCs answer UNIMPLEMENTED."""
+    """CompleteTransfer and AbortTransfer over the table, PushBlocks into the receive buffer
+    (push mode); the data RPCs answer UNIMPLEMENTED."""
 
-    def __init__(self, table: TransferTable) -> None:
+    def __init__(
+        self,
+        table: TransferTable,
+        buffer: ReceiveBuffer | None = None,
+        layout: instance_pb2.KvLayout | None = None,
+        block_bytes: int = 0,
+    ) -> None:
         self._table = table
+        self._buffer = buffer
+        self._layout = layout or instance_pb2.KvLayout()
+        self._block_bytes = block_bytes
 
     async def PullBlocks(
         self, request: Any, context: grpc.aio.ServicerContext
@@ -115,8 +126,12 @@ class TransferServicer(kv_transfer_pb2_grpc.KvTransferServicer):
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, _NO_BYTES)
 
     async def PushBlocks(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
-        """UNIMPLEMENTED: there is no receive buffer (a pushing prefill falls back to pull)."""
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, _NO_BYTES)
+        """Reserves the push in the receive buffer (push mode); UNIMPLEMENTED in pull mode
+        (a pushing prefill then falls back to pull)."""
+        if self._buffer is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "not in push mode: pull instead")
+            return None
+        return await self._buffer.serve(request_iterator, context, self._layout, self._block_bytes)
 
     async def CompleteTransfer(
         self, request: kv_transfer_pb2.CompleteTransferRequest, context: grpc.aio.ServicerContext
@@ -147,6 +162,15 @@ class KvPeers:
         self._metadata = token_metadata(token)
         self._timeout_s = timeout_s
         self._stubs: dict[str, tuple[grpc.aio.Channel, kv_transfer_pb2_grpc.KvTransferStub]] = {}
+
+    def stub(self, endpoint: str) -> kv_transfer_pb2_grpc.KvTransferStub:
+        """The cached stub of a peer's KvTransfer server."""
+        return self._stub(endpoint)
+
+    @property
+    def metadata(self) -> Any:
+        """Call metadata (the bearer token, if any)."""
+        return self._metadata
 
     def _stub(self, endpoint: str) -> kv_transfer_pb2_grpc.KvTransferStub:
         entry = self._stubs.get(endpoint)
