@@ -21,6 +21,7 @@ from pdplane.gateway.errors import error_body
 from pdplane.gateway.fleet import FleetTracker, FleetView
 from pdplane.gateway.kv_abort import KvAborter
 from pdplane.gateway.metrics import GatewayMetrics
+from pdplane.gateway.passthrough import Passthrough
 from pdplane.gateway.relay import Relay
 from pdplane.gateway.routes import build_router
 from pdplane.gateway.settings import GatewaySettings
@@ -115,7 +116,8 @@ def create_app(
         docs_url=None,
         redoc_url=None,
     )
-    app.include_router(build_router(fleet, metrics, keys))
+    passthrough = Passthrough(fleet, upstream, settings.upstream_api_key)
+    app.include_router(build_router(fleet, metrics, keys, passthrough))
     app.add_exception_handler(HTTPException, _http_error)
     app.state.relay = relay
     app.state.scheduler = scheduler

@@ -27,6 +27,7 @@ class ModelState:
         paired: whether some prefill and some decode share KV layout, transport and max length.
         max_model_len: the largest max model length of its instances (tokens).
         created: earliest registration time of its instances (Unix seconds).
+        urls: OpenAI base URLs of its SERVING instances (any role), for the read-only routes.
     """
 
     prefill: int
@@ -34,6 +35,7 @@ class ModelState:
     paired: bool
     max_model_len: int
     created: int
+    urls: tuple[str, ...] = ()
 
     def problem(self) -> str:
         """Why no request of this model can be served now; "" when a usable pair exists."""
@@ -107,6 +109,7 @@ def _model_state(instances: list[instance_pb2.Instance], created: int) -> ModelS
         paired=bool({pair_key(p) for p in prefills} & {pair_key(d) for d in decodes}),
         max_model_len=max(i.spec.max_model_len for i in instances),
         created=created,
+        urls=tuple(sorted({spec.url for spec in serving})),
     )
 
 
