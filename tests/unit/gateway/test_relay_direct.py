@@ -9,9 +9,10 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
+from pdplane.gateway.config import RelayConfig
 from pdplane.gateway.kv_abort import KvAborter
 from pdplane.gateway.metrics import GatewayMetrics
-from pdplane.gateway.relay import Relay, RelayConfig
+from pdplane.gateway.relay import Relay
 from pdplane.gateway.replies import StreamReply
 from pdplane.gateway.upstream import UpstreamClient
 from pdplane.gateway.validation import COMPLETIONS, parse_request
