@@ -12,14 +12,16 @@ Consistency: every replica sees every other's assignments one stream hop after t
 there is no global order. The hop is short (a network round trip plus an event-loop turn), but a
 burst decides faster than that: a gateway deciding itself makes dozens of decisions in one loop
 turn, before its first update leaves, so replicas that counted only what they had received would
-still herd. For that window each replica assumes that its peers decide as it does: an own
-assignment also counts once per followed peer as "unseen" load on its instances for `lag_s`
-(`--peer-lag-ms`), by which time the peer's real decisions have arrived and count instead. So
-within `lag_s` of a decision the estimate is conservative (a peer's real choice and the guess
-can both count), and a replica whose peers are idle spreads its last `lag_s` of assignments a
-little wider than it needs to. Measured on the burst scenario (docs/scheduler.md): without the
-estimate, embedded gateways sharing assignments still herded (burst [90, 10, 10, 10], the
-first update arrived ~30 ms after 27 decisions); with it, [60, 20, 20, 20].
+still herd. For that window each replica assumes that its peers decide as it does:
+an own assignment also counts once per followed peer as "unseen" load on its instances until
+the second update from that peer since the assignment has arrived (the first may have left
+before it), by which time the peer's real decisions count instead; at most `lag_s`
+(`--peer-lag-ms`). A replica with nothing to send sends an empty update every 10 ms, so the
+estimate of an idle peer ends within about two ticks, and that of a peer too busy to send
+lasts as long as it is silent. Within that window the estimate is conservative (a peer's real
+choice and the guess can both count). Measured on the burst scenario (docs/scheduler.md):
+without the estimate, embedded gateways sharing assignments still herded (burst [90, 10, 10,
+10]: the first update arrived ~30 ms after 27 decisions); with it, [60, 20, 20, 20].
 
 Peers are `host:port` gRPC addresses; a name that resolves to several addresses (a headless
 Kubernetes Service of the replicas) counts as one peer per address, re-resolved every
@@ -64,6 +66,7 @@ _ASSIGNED = inflight_pb2.InflightEvent.KIND_ASSIGNED
 _RELEASED = inflight_pb2.InflightEvent.KIND_RELEASED
 _QUEUE_UPDATES = 10_000  # updates a subscriber may lag before it is cut off (it resubscribes)
 _BACKOFF_S = (0.05, 2.0)  # reconnect delay to a peer: first, longest (doubling)
+_TICK_S = 0.01  # an idle replica's empty update to its subscribers, every this many seconds
 
 
 def default_replica_id() -> str:
@@ -96,7 +99,8 @@ class InflightExchange:
         token: str | None = None,
         tls_ca: str | None = None,
         resolve_every_s: float = 5.0,
-        lag_s: float = 0.1,
+        lag_s: float = 1.0,
+        tick_s: float = _TICK_S,
     ) -> None:
         self.tracker = tracker
         self.view = view
@@ -116,8 +120,12 @@ class InflightExchange:
         self.connected: dict[str, str] = {}  # peer address -> its replica id, while streaming
         self.servicer = _Servicer(self)
         self._lag_s = lag_s
-        # instance id -> clock times of own assignments of the last lag_s (oldest first)
-        self._recent: dict[str, collections.deque[float]] = {}
+        self._tick_s = tick_s
+        self._ticker: asyncio.Task[None] | None = None
+        # instance id -> own assignments still standing for unseen peer decisions, oldest
+        # first: (clock time, {peer replica id: updates received from it by then})
+        self._recent: dict[str, collections.deque[tuple[float, dict[str, int]]]] = {}
+        self._received: dict[str, int] = {}  # peer replica id -> updates received from it
 
     def register_metrics(self, registry: CollectorRegistry) -> None:
         """Adds `pdplane_scheduler_peers` (peer replicas followed now, read at scrape time) and
@@ -140,13 +148,16 @@ class InflightExchange:
         self.tracker.unseen = self.unseen
         if self.peers:
             self._resolver = asyncio.create_task(self._resolve_forever())
+        self._ticker = asyncio.create_task(self._tick_forever())
 
     async def stop(self) -> None:
         """Stops following peers (their assignments are dropped) and ends subscriptions."""
         self.tracker.listener = None
         self.tracker.unseen = None
-        tasks = [t for t in (self._resolver, *self._followers.values()) if t is not None]
-        self._resolver = None
+        tasks = [
+            t for t in (self._resolver, self._ticker, *self._followers.values()) if t is not None
+        ]
+        self._resolver = self._ticker = None
         self._followers.clear()
         for task in tasks:
             task.cancel()
@@ -161,23 +172,28 @@ class InflightExchange:
     # --- publishing ----------------------------------------------------------------------
 
     def unseen(self, instance_id: str) -> float:
-        """Peers' assignments to `instance_id` estimated but not received yet: the own ones of
-        the last `lag_s` seconds, once per followed peer (module docstring). Zero without
-        peers."""
+        """Peers' assignments to `instance_id` estimated but not received yet: each own one
+        counts once per followed peer until the second update from that peer since it was made
+        has arrived (the first may have left before it), at most `lag_s` seconds (module
+        docstring). Zero without peers."""
         recent = self._recent.get(instance_id)
         if not recent or not self.connected:
             return 0.0
         horizon = time.monotonic() - self._lag_s
-        while recent and recent[0] <= horizon:
+        while recent and recent[0][0] <= horizon:
             recent.popleft()
-        return float(len(recent) * len(self.connected))
+        total = 0
+        for origin in self.connected.values():
+            received = self._received.get(origin, 0)
+            total += sum(1 for _t, marks in recent if received - marks.get(origin, received) < 2)
+        return float(total)
 
     def _on_change(self, assigned: list[Assignment], released: list[Assignment]) -> None:
         if self.connected and assigned:
-            now = time.monotonic()
+            mark = (time.monotonic(), dict(self._received))
             for a in assigned:
                 for instance_id in (a.prefill_id, a.decode_id):
-                    self._recent.setdefault(instance_id, collections.deque()).append(now)
+                    self._recent.setdefault(instance_id, collections.deque()).append(mark)
         if not self._subscribers:
             return  # a later subscriber starts from a snapshot
         # Releases first: a retry replaces an id by releasing, then assigning it again.
@@ -203,6 +219,15 @@ class InflightExchange:
                 sub.queue.put_nowait(events)
             except asyncio.QueueFull:
                 sub.overflowed = True
+
+    async def _tick_forever(self) -> None:
+        # An empty update every tick_s tells the subscribers that nothing was decided since
+        # the last one, so their estimate of this replica's unseen decisions can end.
+        while True:
+            await asyncio.sleep(self._tick_s)
+            for sub in self._subscribers:
+                if sub.queue.empty():
+                    sub.queue.put_nowait([])
 
     async def subscribe(self, subscriber_id: str) -> AsyncIterator[inflight_pb2.InflightUpdate]:
         """The updates of one subscription (see the module docstring). Raises ValueError when
@@ -285,6 +310,7 @@ class InflightExchange:
             delay = min(delay * 2, _BACKOFF_S[1])
 
     def _apply(self, origin: str, update: inflight_pb2.InflightUpdate) -> None:
+        self._received[origin] = self._received.get(origin, 0) + 1
         for event in update.events:
             if event.kind == _RELEASED:
                 self.tracker.release_peer(origin, event.request_id)

@@ -42,10 +42,11 @@ class PolicySettings(CommandSettings):
         "their in-flight assignments count here as load (docs/scheduler.md)",
     )
     peer_lag_ms: float = Field(
-        default=100.0,
+        default=1000.0,
         ge=0,
-        description="with --peers: how long an own assignment also counts once per peer, "
-        "standing for the peers' decisions not received yet (ms)",
+        description="with --peers: an own assignment also counts once per peer, standing for "
+        "that peer's decisions not received yet, until two updates from it arrived, at most "
+        "this long (ms; 0 = never)",
     )
     replica_id: str | None = Field(
         default=None, description="this replica's id among its peers (default: host-pid-random)"
@@ -76,7 +77,9 @@ class PolicySettings(CommandSettings):
 class SchedulerSettings(PolicySettings):
     """Flags of `pdplane scheduler` (plus the decision flags of `PolicySettings`)."""
 
-    registry: str = Field(description="registry gRPC address, host:port")
+    registry: str = Field(
+        description="registry gRPC address host:port, or several replicas' comma-separated"
+    )
     host: str = Field(default="127.0.0.1", description="address to serve gRPC on")
     port: int = Field(
         default=defaults.SCHEDULER_PORT, ge=0, le=65535, description="gRPC port (0 = any free port)"
