@@ -79,6 +79,10 @@ class UpSettings(CommandSettings):
     ready_timeout_s: float = Field(600.0, gt=0, description="give up starting after (s)")
     demo: bool = Field(False, description="send one chat request once ready and print it")
     exit_after_demo: bool = Field(False, description="with --demo: stop everything afterwards")
+    store: Literal["memory", "etcd"] = Field(
+        "memory", description="registry store; etcd also starts a local etcd (etcd-server)"
+    )
+    etcd_port: int = Field(2379, ge=1, le=65534, description="with --store etcd: client port")
 
 
 class _Stop:

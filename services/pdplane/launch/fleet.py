@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import socket
 import sys
 import threading
@@ -26,6 +27,7 @@ from typing import Any, Protocol
 import grpc
 import httpx
 
+from pdplane.launch.etcd import etcd_binary, member_argv
 from pdplane.launch.process import (
     ManagedProcess,
     grpc_serving,
@@ -80,9 +82,13 @@ class _UpLike(Protocol):
     decode_policy: str
     log_dir: Path
     ready_timeout_s: float
+    etcd_port: int
 
     @property
     def kv_mode(self) -> str: ...
+
+    @property
+    def store(self) -> str: ...
 
 
 @dataclass
@@ -108,6 +114,10 @@ class FleetSpec:
     ready_timeout_s: float = 600.0
     #: Extra `VllmCpuOptions` fields for every instance (e.g. transfer_timeout_s in tests).
     vllm_options: dict[str, Any] = field(default_factory=dict)
+    #: The registry's store; "etcd" also starts a local one-member etcd (client port
+    #: `etcd_port`, peer port `etcd_port` + 1, data in a fresh folder under `log_dir`).
+    store: str = "memory"
+    etcd_port: int = 2379
 
     @classmethod
     def from_settings(cls, s: _UpLike) -> FleetSpec:
@@ -129,6 +139,8 @@ class FleetSpec:
             decode_policy=s.decode_policy,
             log_dir=s.log_dir,
             ready_timeout_s=s.ready_timeout_s,
+            store=s.store,
+            etcd_port=s.etcd_port,
             vllm_options={"connector_extra": {"mode": s.kv_mode}} if s.kv_mode != "pull" else {},
         )
 
@@ -222,6 +234,8 @@ class Fleet:
             (s.scheduler_port, "scheduler"),
             (s.gateway_port, "gateway"),
         ]
+        if s.store == "etcd":
+            wanted += [(s.etcd_port, "etcd client"), (s.etcd_port + 1, "etcd peer")]
         names = [f"prefill-{i}" for i in range(s.prefill)]
         names += [f"decode-{i}" for i in range(s.prefill, s.prefill + s.decode)]
         for index, name in enumerate(names):
@@ -276,10 +290,30 @@ class Fleet:
         self._say(f"{name} starting (log {proc.log_path})")
         return proc
 
+    def _start_etcd(self, deadline: float) -> list[str]:
+        """Starts the local etcd of `--store etcd`; returns the registry's extra flags."""
+        binary = etcd_binary()
+        if binary is None:
+            raise RuntimeError("--store etcd needs etcd (Debian: apt-get install etcd-server)")
+        port = self.spec.etcd_port
+        data = self.spec.log_dir.resolve() / "etcd-data"
+        shutil.rmtree(data, ignore_errors=True)  # a fresh cluster every run
+        etcd = self._service("etcd", member_argv(binary, "pdplane", data, port, port + 1))
+        wait_until(
+            lambda: http_ok(f"http://127.0.0.1:{port}/health"),
+            deadline - time.monotonic(),
+            watch=[etcd],
+            what=f"etcd at 127.0.0.1:{port}",
+        )
+        self._say(f"etcd healthy at 127.0.0.1:{port}")
+        return ["--store", "etcd", "--etcd-endpoints", f"127.0.0.1:{port}"]
+
     def _start_services(self, deadline: float) -> None:
         s = self.spec
+        store = self._start_etcd(deadline) if s.store == "etcd" else []
         reg = self._service(
-            "registry", _pdplane("registry", "--host", s.host, "--port", str(s.registry_port))
+            "registry",
+            _pdplane("registry", "--host", s.host, "--port", str(s.registry_port), *store),
         )
         wait_until(
             lambda: grpc_serving(self.registry_address, server_id=reg.server_id),

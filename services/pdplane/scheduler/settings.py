@@ -57,7 +57,9 @@ class PolicySettings(CommandSettings):
 class SchedulerSettings(PolicySettings):
     """Flags of `pdplane scheduler` (plus the decision flags of `PolicySettings`)."""
 
-    registry: str = Field(description="registry gRPC address, host:port")
+    registry: str = Field(
+        description="registry gRPC address host:port, or several replicas' comma-separated"
+    )
     host: str = Field(default="127.0.0.1", description="address to serve gRPC on")
     port: int = Field(
         default=defaults.SCHEDULER_PORT, ge=0, le=65535, description="gRPC port (0 = any free port)"
