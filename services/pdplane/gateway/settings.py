@@ -7,17 +7,15 @@ from typing import Literal
 from pydantic import Field
 
 from pdplane.core import defaults
-from pdplane.scheduler.settings import PolicySettings
+from pdplane.scheduler import EMBEDDED, PolicySettings
 
-__all__ = ["EMBEDDED", "GatewaySettings"]
-
-
-#: `--scheduler` value that runs the scheduler's decision code inside the gateway process.
-EMBEDDED = "embedded"
+__all__ = ["GatewaySettings"]
 
 
 class GatewaySettings(PolicySettings):
     """Flags of `pdplane gateway` (env: PDPLANE_SCHEDULER, PDPLANE_API_KEY, ...).
+
+    It is the `pdplane.scheduler.PortSettings` that `open_scheduler` reads.
 
     The policy flags (`--prefill-policy`, `--decode-policy`, `--inflight-timeout-s`, `--seed`)
     apply with `--scheduler embedded` only; a remote scheduler has its own.
@@ -25,12 +23,13 @@ class GatewaySettings(PolicySettings):
 
     scheduler: str = Field(
         f"127.0.0.1:{defaults.SCHEDULER_PORT}",
-        description="scheduler gRPC address host:port, or 'embedded': decide in this process "
+        description=f"scheduler gRPC address host:port, or '{EMBEDDED}': decide in this process "
         "over the registry view (one gateway only; see docs/gateway.md)",
     )
     registry: str = Field(
         f"127.0.0.1:{defaults.REGISTRY_PORT}",
-        description="registry gRPC address host:port (for /v1/models and /health)",
+        description="registry gRPC address host:port, or several replicas' comma-separated "
+        "(for /v1/models and /health)",
     )
     host: str = Field("127.0.0.1", description="HTTP bind address (0.0.0.0 for all interfaces)")
     port: int = Field(defaults.GATEWAY_PORT, ge=0, le=65535, description="HTTP port; 0 = any")
@@ -75,6 +74,13 @@ class GatewaySettings(PolicySettings):
         30, ge=0, description="on SIGTERM/SIGINT, wait this long for open requests to end (s)"
     )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info")
+    inflight_port: int = Field(
+        0,
+        ge=0,
+        le=65535,
+        description="--scheduler embedded: gRPC port serving this gateway's in-flight "
+        "assignments to its --peers (0 = not served)",
+    )
 
     @property
     def embedded_scheduler(self) -> bool:

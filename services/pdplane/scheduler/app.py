@@ -1,6 +1,8 @@
 """Wiring of a scheduler process: settings -> registry watcher -> service -> gRPC (+ metrics).
 
-Used by `pdplane scheduler` and by the in-process test fixture, so both run the same objects.
+Used by `pdplane scheduler` and by the in-process test fixture, so both run the same objects;
+the service (and its prefix index) is built by `pdplane.scheduler.local.open_local`, as a local
+scheduler's.
 """
 
 from __future__ import annotations
@@ -15,13 +17,16 @@ from prometheus_client import start_http_server
 
 from pdplane.core import grpc_util
 from pdplane.registry.client import InstanceWatcher
-from pdplane.scheduler.inflight import InflightTracker
+from pdplane.scheduler import exchange
+from pdplane.scheduler.kv_index import KvIndexManager
+from pdplane.scheduler.local import LocalScheduler, open_local
 from pdplane.scheduler.metrics import SchedulerMetrics
+from pdplane.scheduler.port import InstanceSource
 from pdplane.scheduler.service import SchedulerService
 from pdplane.scheduler.servicer import SchedulerServicer
 from pdplane.scheduler.settings import SchedulerSettings
-from pdplane.scheduler.view import CandidateView, InstanceSource
-from pdplane.v1 import scheduler_pb2, scheduler_pb2_grpc
+from pdplane.scheduler.view import CandidateView
+from pdplane.v1 import inflight_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
 __all__ = ["SchedulerApp"]
 
@@ -40,11 +45,15 @@ class SchedulerApp:
     def __init__(self, settings: SchedulerSettings, *, source: InstanceSource | None = None):
         self.settings = settings
         self._watcher: InstanceWatcher | None = None
-        self.view = CandidateView(source) if source is not None else None
+        self._source = source
+        self.view: CandidateView | None = None
+        self._local: LocalScheduler | None = None
         self.metrics = SchedulerMetrics()
         self.service: SchedulerService | None = None
+        self.exchange: exchange.InflightExchange | None = None
         self._server: grpc.aio.Server | None = None
         self._http: tuple[HTTPServer, threading.Thread] | None = None
+        self.kv_index: KvIndexManager | None = None
         self.address = ""
         self.metrics_port = 0
 
@@ -61,17 +70,18 @@ class SchedulerApp:
         """
         s = self.settings
         try:
-            view = self.view or self._start_watcher()
-            self.service = SchedulerService(
-                view,
-                prefill_policy=s.prefill_policy,
-                decode_policy=s.decode_policy,
-                inflight=InflightTracker(s.inflight_timeout_s),
-                metrics=self.metrics,
-                seed=s.seed,
+            self._local = open_local(
+                self._source or self._start_watcher(),
+                s,
+                self.metrics,
+                token=s.registry_token or s.token,
+                tls_ca=s.tls_ca,
+                subscriber="scheduler",
             )
-            self.metrics.watch(self.service.inflight.inflight_by_instance, view.all)
+            self.service, self.kv_index = self._local.service, self._local.kv_index
+            self.view = self.service.view
             await self._start_grpc()
+            await self._local.start()  # follows --peers
             if s.metrics_port:
                 server, thread = start_http_server(
                     s.metrics_port, addr=s.host, registry=self.metrics.registry
@@ -92,20 +102,21 @@ class SchedulerApp:
             raise
         return self.address
 
-    def _start_watcher(self) -> CandidateView:
+    def _start_watcher(self) -> InstanceWatcher:
         s = self.settings
-        holder: list[CandidateView] = []
         # on_change forces a re-read even if a restarted registry reuses a revision number.
         self._watcher = InstanceWatcher(
             s.registry,
             token=s.registry_token or s.token,
             tls_ca=s.tls_ca,
-            on_change=lambda _view: holder[0].mark_dirty() if holder else None,
+            on_change=self._source_changed,
         )
-        self.view = CandidateView(self._watcher)
-        holder.append(self.view)
         self._watcher.start()
-        return self.view
+        return self._watcher
+
+    def _source_changed(self, _instances: object) -> None:
+        if self.view is not None:
+            self.view.mark_dirty()
 
     async def _start_grpc(self) -> None:
         s = self.settings
@@ -113,7 +124,11 @@ class SchedulerApp:
         interceptors = [grpc_util.AioTokenAuthInterceptor(s.token)] if s.token else []
         server = grpc.aio.server(interceptors=interceptors, options=grpc_util.SERVER_OPTIONS)
         scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(self.service), server)
-        await grpc_util.aio_add_health_and_reflection(server, [SERVICE_NAME])
+        # Always served (other replicas may list this one); peers are followed with --peers.
+        assert self._local is not None and self._local.exchange is not None
+        self.exchange = self._local.exchange.exchange
+        inflight_pb2_grpc.add_InflightExchangeServicer_to_server(self.exchange.servicer, server)
+        await grpc_util.aio_add_health_and_reflection(server, [SERVICE_NAME, exchange.SERVICE_NAME])
         host = f"[{s.host}]" if ":" in s.host else s.host
         port = grpc_util.add_port(server, f"{host}:{s.port}", s.tls_cert, s.tls_key)
         self._server = server
@@ -130,6 +145,9 @@ class SchedulerApp:
             http[0].shutdown()
             http[0].server_close()
             http[1].join(timeout=2.0)
+        local, self._local, self.kv_index = self._local, None, None
+        if local is not None:
+            await local.close()  # the prefix index's streams
         watcher, self._watcher = self._watcher, None
         if watcher is not None:
             await asyncio.to_thread(watcher.stop)

@@ -1,14 +1,16 @@
 """The scheduling decision: filter, pair, apply the prefill and decode policies, count in flight.
 
-Plain Python (no gRPC): the servicer translates protobuf to `ScheduleInput` and errors to status
-codes; unit tests and the benchmark call this class directly.
+Plain Python (no gRPC): it takes the port's `RequestFeatures` and answers its `Decision`; the
+servicer translates protobuf (`pdplane.scheduler.wire`) and errors to status codes, the local
+scheduler (`pdplane.scheduler.local`) awaits nothing; unit tests and the benchmark call this
+class directly.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from pdplane.scheduler.candidate import Candidate
 from pdplane.scheduler.compat import blocks_for, describe_keys, pair_keys_of, split_sides
@@ -16,38 +18,15 @@ from pdplane.scheduler.errors import InvalidRequest, NoInstance
 from pdplane.scheduler.inflight import InflightTracker
 from pdplane.scheduler.metrics import SchedulerMetrics
 from pdplane.scheduler.policies import POLICIES, PickContext, Policy, make_policy
+from pdplane.scheduler.port import Decision, Outcome, RequestFeatures
 from pdplane.scheduler.view import CandidateView
 
-__all__ = ["Decision", "ScheduleInput", "SchedulerService"]
+if TYPE_CHECKING:
+    from pdplane.scheduler.kv_index import PrefixIndex
+
+__all__ = ["SchedulerService"]
 
 _MAX_ID_LEN = 1024  # characters; bounds what one in-flight entry may hold
-
-
-@dataclass(frozen=True, slots=True)
-class ScheduleInput:
-    """One request's features. Lengths in tokens (max_tokens 0 = unknown).
-
-    Empty `prefill_policy` / `decode_policy` = the service's defaults.
-    """
-
-    request_id: str
-    model: str
-    prompt_tokens: int
-    max_tokens: int = 0
-    routing_key: str = ""
-    prefix_block_hashes: Sequence[int] = ()
-    exclude_instance_ids: Collection[str] = ()
-    prefill_policy: str = ""
-    decode_policy: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class Decision:
-    """The chosen pair and the policies' reasons ("prefill least_loaded: ...; decode ...")."""
-
-    prefill: Candidate
-    decode: Candidate
-    reason: str
 
 
 class SchedulerService:
@@ -77,6 +56,8 @@ class SchedulerService:
         self._defaults = {"prefill": prefill_policy, "decode": decode_policy}
         self._seed = seed
         self._policies: dict[tuple[str, str], Policy] = {}
+        #: The prefix index of the instances' KV caches (set by the wiring when enabled).
+        self.kv_index: PrefixIndex | None = None
 
     def _policy(self, side: str, requested: str) -> Policy:
         name = requested or self._defaults[side]
@@ -94,8 +75,8 @@ class SchedulerService:
         plus KV cache usage (0..1) so that equal request counts prefer the emptier cache."""
         return self.inflight.effective_load(candidate)
 
-    def schedule(self, request: ScheduleInput) -> Decision:
-        """Chooses and counts a pair for `request`.
+    def schedule(self, request: RequestFeatures) -> Decision:
+        """Chooses and counts a pair for `request`; the decision's sides are `Candidate`s.
 
         Re-scheduling an id that is still in flight replaces its earlier assignment (a retry).
         Raises InvalidRequest (bad field, unknown policy) or NoInstance (side "prefill",
@@ -120,7 +101,7 @@ class SchedulerService:
             )
         return decision
 
-    def _decide(self, request: ScheduleInput) -> Decision:
+    def _decide(self, request: RequestFeatures) -> Decision:
         _validate(request)
         prefill_policy = self._policy("prefill", request.prefill_policy)
         decode_policy = self._policy("decode", request.decode_policy)
@@ -150,8 +131,10 @@ class SchedulerService:
         ctx = PickContext(
             request.request_id,
             request.routing_key,
-            request.prefix_block_hashes,
+            request.prefix_block_hashes or _smallest_block_hashes(request.prefix_hashes),
             self.inflight.effective_load,
+            prefix_hashes=request.prefix_hashes,
+            prompt_tokens=request.prompt_tokens,
         )
         prefill = prefill_policy.pick(pairable, ctx)
         p = prefill.candidate
@@ -164,10 +147,10 @@ class SchedulerService:
         self.inflight.add(request.request_id, p, d, blocks_for(tokens, d.block_size))
         return Decision(p, d, f"prefill {prefill.reason}; decode {decode.reason}")
 
-    def release(self, request_id: str, outcome: str) -> bool:
+    def release(self, request_id: str, outcome: Outcome) -> bool:
         """Ends the in-flight accounting of `request_id`; False when it was not in flight.
 
-        `outcome` ("success", "failed", "cancelled", "unspecified") only feeds metrics.
+        `outcome` only feeds metrics.
         Raises InvalidRequest on an empty id.
         """
         if not request_id:
@@ -178,7 +161,7 @@ class SchedulerService:
         return released
 
 
-def _validate(request: ScheduleInput) -> None:
+def _validate(request: RequestFeatures) -> None:
     if not request.request_id:
         raise InvalidRequest("request_id: must not be empty")
     if len(request.request_id) > _MAX_ID_LEN:
@@ -189,3 +172,16 @@ def _validate(request: ScheduleInput) -> None:
         raise InvalidRequest(f"prompt_tokens: must be > 0, got {request.prompt_tokens}")
     if request.max_tokens < 0:
         raise InvalidRequest(f"max_tokens: must be >= 0, got {request.max_tokens}")
+    for block_size, hashes in request.prefix_hashes.items():
+        if block_size <= 0:
+            raise InvalidRequest(f"prefix_hashes: block_size must be > 0, got {block_size}")
+        if len(hashes) * block_size > request.prompt_tokens:
+            raise InvalidRequest(
+                f"prefix_hashes: {len(hashes)} blocks of {block_size} tokens exceed "
+                f"prompt_tokens={request.prompt_tokens}"
+            )
+
+
+def _smallest_block_hashes(prefix_hashes: Mapping[int, Sequence[int]]) -> Sequence[int]:
+    # One deterministic choice, so consistent_hash keys a prompt the same on every replica.
+    return prefix_hashes[min(prefix_hashes)] if prefix_hashes else ()

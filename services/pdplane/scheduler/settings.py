@@ -35,6 +35,40 @@ class PolicySettings(CommandSettings):
     seed: int | None = Field(
         default=None, description="seed of the random and power_of_two policies"
     )
+    peers: str = Field(
+        default="",
+        description="other replicas deciding over the same fleet (InflightExchange gRPC "
+        "addresses host:port, comma-separated; a name with several addresses counts each): "
+        "their in-flight assignments count here as load (docs/scheduler.md)",
+    )
+    peer_lag_ms: float = Field(
+        default=1000.0,
+        ge=0,
+        description="with --peers: an own assignment also counts once per peer, standing for "
+        "that peer's decisions not received yet, until two updates from it arrived, at most "
+        "this long (ms; 0 = never)",
+    )
+    replica_id: str | None = Field(
+        default=None, description="this replica's id among its peers (default: host-pid-random)"
+    )
+
+    def peer_list(self) -> list[str]:
+        """`peers` as a list of addresses."""
+        return [p.strip() for p in self.peers.split(",") if p.strip()]
+
+    kv_index: bool = Field(
+        default=True,
+        description="keep a prefix index from every instance's KV events stream (kv_aware)",
+    )
+    kv_stale_after_s: float = Field(
+        default=3.0, gt=0, description="an instance's KV events silent this long is stale (s)"
+    )
+    kv_max_lag_events: int = Field(
+        default=10_000, gt=0, description="an instance's KV events this far behind is stale"
+    )
+    kv_index_max_blocks: int = Field(
+        default=100_000_000, gt=0, description="bound on (instance, block) entries of the index"
+    )
 
     _check_prefill = field_validator("prefill_policy")(_known_policy)
     _check_decode = field_validator("decode_policy")(_known_policy)
@@ -43,7 +77,9 @@ class PolicySettings(CommandSettings):
 class SchedulerSettings(PolicySettings):
     """Flags of `pdplane scheduler` (plus the decision flags of `PolicySettings`)."""
 
-    registry: str = Field(description="registry gRPC address, host:port")
+    registry: str = Field(
+        description="registry gRPC address host:port, or several replicas' comma-separated"
+    )
     host: str = Field(default="127.0.0.1", description="address to serve gRPC on")
     port: int = Field(
         default=defaults.SCHEDULER_PORT, ge=0, le=65535, description="gRPC port (0 = any free port)"

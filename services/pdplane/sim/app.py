@@ -39,7 +39,7 @@ def build_app(state: SimState) -> web.Application:
             "object": "model",
             "created": created,
             "owned_by": "vllm",
-            "root": model,
+            "root": state.config.model_root or model,
             "parent": None,
             "max_model_len": state.config.max_model_len,
             "permission": [],
