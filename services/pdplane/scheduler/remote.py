@@ -170,6 +170,9 @@ class RemoteScheduler:
             return 0
         return response.released
 
+    async def start(self) -> None:
+        """Nothing to start: the channel opens on first use."""
+
     async def close(self) -> None:
         """Sends queued Releases, then closes the channel; the client may be used again
         afterwards (it reopens)."""
