@@ -16,6 +16,7 @@ from collections.abc import Callable
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from pdplane.core import tracing
 from pdplane.gateway.asgi import DisconnectWatch, SSEResponse
 from pdplane.gateway.auth import CONFLICT, ApiKeys
 from pdplane.gateway.errors import (
@@ -86,6 +87,13 @@ def _headers(scope: Scope) -> tuple[bytes | None, str, str]:
     return auth, request_id, routing_key
 
 
+def _client_traceparent(scope: Scope) -> str | None:
+    for key, value in scope["headers"]:
+        if key == b"traceparent":
+            return str(value.decode("latin-1"))
+    return None
+
+
 def _with_default_model(req: ClientRequest, view: FleetView) -> ClientRequest:
     """`req` for the fleet's only model, as `vllm serve` serves its model to a request that
     names none. Raises GatewayError: 503 without any model yet, 400 when there are several."""
@@ -135,9 +143,13 @@ class RelayEndpoints:
         if scope["method"] != "POST":
             body = error_body(405, "Method Not Allowed")
             response = Response(body, 405, headers={"allow": "POST"}, media_type=_JSON)
-        else:
+            await response(scope, receive, send)
+            return
+        # The request's root span: until the last byte of the answer (streams included).
+        parent = _client_traceparent(scope) if tracing.enabled() else None
+        with tracing.span("pdplane.request", parent=parent, server=True):
             response = await self._relay(endpoint, scope, receive)
-        await response(scope, receive, send)
+            await response(scope, receive, send)
 
     async def _relay(self, endpoint: Endpoint, scope: Scope, receive: Receive) -> Response:
         started = time.perf_counter()
