@@ -8,8 +8,9 @@ Row names:
 - `vllm-router:P[/D]`: vllm-router in `--vllm-pd-disaggregation` mode with `--prefill-policy
   P --decode-policy D` (`cache_aware`, `power_of_two`, `round_robin`, `random`, ...);
 - `xpyd:S`: xpyd-proxy with `scheduling: S` (`cache_aware`, `roundrobin`, `loadbalanced`, ...);
-- `oracle`: the fleet's own oracle router (bench/_oracle.py).
-`random` on both sides is the seed proxy's choice.
+- `oracle`: the fleet's own oracle router (bench/_oracle.py);
+- `seed-proxy:random`: the seed proxy's random P and D choice, in the fleet (bench/_oracle.py);
+  unlike `pdplane:random` it has no KV-room guard, as the seed's proxy had none.
 """
 
 from __future__ import annotations
@@ -51,10 +52,12 @@ class Endpoints:
 def parse_row(name: str) -> Row:
     """A row from its name (see the module docstring). Raises ValueError."""
     kind, _, spec = name.partition(":")
-    if kind == "oracle" and not spec:
+    if (kind, spec) in (("oracle", ""), ("seed-proxy", "random")):
         return Row(name, "oracle", "", "")
     if kind not in ("pdplane", "vllm-router", "xpyd") or not spec:
-        raise ValueError(f"bad row {name!r}: pdplane:P[/D], vllm-router:P[/D], xpyd:S or oracle")
+        raise ValueError(
+            f"bad row {name!r}: pdplane:P[/D], vllm-router:P[/D], xpyd:S, oracle, seed-proxy:random"
+        )
     prefill, _, decode = spec.partition("/")
     return Row(name, kind, prefill, decode or prefill)
 
@@ -124,7 +127,7 @@ def start_row(
     """
     if row.kind == "oracle":
         if not ep.oracle:
-            raise RuntimeError("the fleet runs no oracle (start it with --oracle)")
+            raise RuntimeError("the fleet runs no in-fleet router (start it with --router)")
         run = ProxyRun(row.name, ep.oracle)
     elif row.kind == "pdplane":
         run = _pdplane(row, ep, cpus, logs, dispatch)
