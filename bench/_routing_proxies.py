@@ -26,7 +26,10 @@ __all__ = ["POLICY_FLAGS", "Endpoints", "Row", "parse_row", "start_row"]
 
 #: Extra gateway flags a pdplane policy needs (e.g. a tokenizer for prefix hashes); the
 #: `{tokenizer}` placeholder is the fleet's tokenizer directory.
-POLICY_FLAGS: dict[str, list[str]] = {}
+POLICY_FLAGS: dict[str, list[str]] = {
+    # exact prompt token ids and prefix block hashes (the sims must use the same tokenizer)
+    "kv_aware": ["--tokenizer", "{tokenizer}"],
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,7 +71,9 @@ def _pdplane(row: Row, ep: Endpoints, cpus: str, logs: Path, dispatch: str) -> P
     argv += ["--prefill-policy", row.prefill, "--decode-policy", row.decode, "--seed", "0"]
     argv += ["--registry", ep.registry, "--port", str(port), "--dispatch", dispatch]
     argv += ["--log-level", "warning", "--upstream-timeout-s", "3600"]
-    for policy in {row.prefill, row.decode}:
+    for policy in sorted({row.prefill, row.decode}):
+        if policy in POLICY_FLAGS and not ep.tokenizer:
+            raise RuntimeError(f"{policy} needs the fleet's tokenizer (run with --tokenizer tiny)")
         argv += [f.format(tokenizer=ep.tokenizer) for f in POLICY_FLAGS.get(policy, [])]
     proc = spawn(f"pdplane-{row.prefill}-{row.decode}-{dispatch}", argv, cpus, logs)
     return ProxyRun(row.name, f"http://127.0.0.1:{port}", [proc])

@@ -84,6 +84,9 @@ class Point:
     slo_tpot_ms: float = 50.0
     seed: int = 0
     dispatch: str = "sequential"
+    #: the sims' (and a tokenizing gateway's) tokenizer: "" = the sims' word tokenizer,
+    #: "tiny" = pdplane.models.tiny's, else a directory
+    tokenizer: str = ""
     workload_args: dict[str, Any] = field(default_factory=dict)
 
 
@@ -120,6 +123,15 @@ def make_workload(p: Point) -> wl.Workload:
     raise ValueError(f"unknown workload {p.workload!r}")
 
 
+def _tokenizer_dir(name: str) -> str:
+    if name == "tiny":
+        from pdplane.launch.fleet import default_model_cache
+        from pdplane.models.tiny import build_tiny_model
+
+        return str(build_tiny_model(default_model_cache()))
+    return name
+
+
 def _registry(p: Point, cpus: str, logs: Path) -> tuple[Proc, str]:
     port = free_port()
     heartbeat_ms = max(50, int(1000 / p.time_scale))  # 1 s of modelled time
@@ -146,6 +158,9 @@ def _fleet(p: Point, registry: str, cpus: str, logs: Path) -> tuple[Proc, dict[s
         argv += ["--router", "oracle" if p.row == "oracle" else "random"]
     if "kv_aware" not in p.row:
         argv.append("--no-kv-events")  # nobody subscribes; saves the sims' CPU
+    tokenizer = _tokenizer_dir(p.tokenizer)
+    if tokenizer:
+        argv += ["--tokenizer", tokenizer]
     proc = spawn("simfleet", argv, cpus, logs, stdout_pipe=True)
     try:
         return proc, proc.read_json_lines(1, timeout_s=120)[0]
@@ -213,7 +228,13 @@ def run_point(p: Point, logs: Path, proxy_cpus: str = "", sim_cpus: str = "") ->
         fleet, line = _fleet(p, address, sim_cpus, logs)
         n_p, n_d = TOPOLOGIES[p.topology]
         _wait_registered(address, n_p + n_d)
-        ep = Endpoints(address, line["prefill"], line["decode"], line.get("oracle"))
+        ep = Endpoints(
+            address,
+            line["prefill"],
+            line["decode"],
+            line.get("oracle"),
+            tokenizer=_tokenizer_dir(p.tokenizer),
+        )
         proxy = start_row(row, ep, proxy_cpus, logs, dispatch=p.dispatch)
         cpu0, t0 = proxy.cpu_ms(), time.perf_counter()
         numbers = asyncio.run(_measure(p, proxy.url, line["control"]))
@@ -379,6 +400,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-mode", default="pull", choices=("pull", "push"))
     ap.add_argument("--push-overflow", default="pull", choices=("pull", "recompute"))
     ap.add_argument("--kv-blocks", type=int, default=0, help="override the profile's cache")
+    ap.add_argument("--tokenizer", default="", help='"" (sim words), "tiny" or a directory')
     ap.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     ap.add_argument("--slo-tpot-ms", type=float, default=50.0)
     ap.add_argument("--dispatch-study", action="store_true")
@@ -410,6 +432,7 @@ def main(argv: list[str] | None = None) -> int:
         "kv_mode": args.kv_mode,
         "push_overflow": args.push_overflow,
         "kv_blocks": args.kv_blocks,
+        "tokenizer": args.tokenizer,
         "slo_ttft_ms": args.slo_ttft_ms,
         "slo_tpot_ms": args.slo_tpot_ms,
         "rows": ALL_ROWS,

@@ -4,9 +4,8 @@ A workload is a list of `Turn`s: when to send (seconds of modelled time from the
 chat messages of the request before any earlier answer is known, and how many tokens to
 generate. Turns of one `session` after the first are follow-ups: they are sent `after_s`
 seconds after the previous turn of the session finished, with the previous answers spliced in
-(multi-turn chat). Prompt text is made of plain words (`pdplane sim`'s default tokenizer makes
-one token of each; a BPE tokenizer makes about one to two), so a prompt of N "tokens" is N
-words.
+(multi-turn chat). Prompt text is made of words that are one token each for `pdplane sim`'s
+default tokenizer and for the tiny model's tokenizer, so a prompt of N "tokens" is N words.
 
 Generators (every one takes a `seed`; the same arguments give the same workload):
 - `poisson` / `bursty`: independent requests at a rate (bursty: gamma inter-arrival times with
@@ -30,6 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pdplane.models import tiny
+
 __all__ = [
     "Lengths",
     "Turn",
@@ -42,8 +43,9 @@ __all__ = [
     "shared_prefix",
 ]
 
-_SYLLABLES = ("ka", "lo", "mi", "ne", "ru", "sa", "to", "vi", "ze", "po", "da", "fe", "gu", "hi")
-_ENDINGS = "bcdfgklmnprstvz"
+# The tiny model's corpus words: each is one token for its tokenizer (with the leading space)
+# and for the simulator's word tokenizer, so both count a prompt of N words as N tokens.
+_WORDS: tuple[str, ...] = tuple(tiny._WORDS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,10 +121,9 @@ class Workload:
 
 
 def _words(rng: random.Random, count: int) -> str:
-    """`count` random three-letter pseudo-words: one token each for the sim's tokenizer, and
-    4 bytes a token with the space, the rate gateways assume when they estimate prompt
-    lengths from bytes (so their KV-room checks see the sims' real sizes)."""
-    return " ".join(rng.choice(_SYLLABLES) + rng.choice(_ENDINGS) for _ in range(count))
+    """`count` random words, one token each (see `_WORDS`; ~5.6 bytes a token with the space,
+    so a gateway estimating 4 bytes a token overestimates prompts by ~1.4x)."""
+    return " ".join(rng.choices(_WORDS, k=count))
 
 
 def _arrivals(rng: random.Random, rate: float, count: int, cv: float = 1.0) -> list[float]:
