@@ -112,6 +112,7 @@ class Relay:
             max_tokens,
             routing_key=req.routing_key,
             exclude_instance_ids=tuple(excluded),
+            prefix_hashes=req.prefix_hashes,
         )
         try:
             return await self.scheduler.schedule(features)

@@ -11,7 +11,8 @@ refuses the same request, the message is vLLM's own (an empty prompt or conversa
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
@@ -82,6 +83,8 @@ class ClientRequest:
         prompt_tokens: prompt length estimate for Schedule (tokens; see `pdplane.gateway.tokens`).
         max_tokens: tokens to generate if the client said so, else 0 (unknown).
         routing_key: consistent-hash key (`X-Routing-Key` header, else the `user` field).
+        prefix_hashes: block size -> the prompt's exact block hashes, set with the exact
+            `prompt_tokens` by `pdplane.gateway.prompt_ids` when the model's tokenizer is known.
     """
 
     endpoint: Endpoint
@@ -92,6 +95,7 @@ class ClientRequest:
     prompt_tokens: int
     max_tokens: int
     routing_key: str
+    prefix_hashes: Mapping[int, Sequence[int]] = field(default_factory=dict)
 
 
 _UNION_TAGS = frozenset({"str", "int", "bool", "float"})
