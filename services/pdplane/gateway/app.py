@@ -104,6 +104,8 @@ def create_app(
             ready = await asyncio.to_thread(tracker.start, settings.registry_wait_s)
             if not ready:
                 log.warning("registry %s not reachable yet; /health answers 503", settings.registry)
+        if owned_scheduler is not None:
+            await owned_scheduler.start()  # embedded: the in-flight exchange with --peers
         try:
             yield
         finally:

@@ -80,6 +80,13 @@ class GatewaySettings(PolicySettings):
         "models; none = estimated prompt lengths, routing by load",
     )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info")
+    inflight_port: int = Field(
+        0,
+        ge=0,
+        le=65535,
+        description="--scheduler embedded: gRPC port serving this gateway's in-flight "
+        "assignments to its --peers (0 = not served)",
+    )
 
     @property
     def embedded_scheduler(self) -> bool:

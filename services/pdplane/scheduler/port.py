@@ -189,6 +189,11 @@ class SchedulerPort(Protocol):
         `schedule` of this port, failures logged. Raises ValueError as `release`."""
         ...
 
+    async def start(self) -> None:
+        """Starts what the port runs in the background, in the event loop that will use it
+        (a local port's in-flight exchange with its peers); call once, before `schedule`."""
+        ...
+
     async def close(self) -> None:
         """Delivers what `release_nowait` still holds and frees the port's resources."""
         ...
@@ -220,6 +225,11 @@ class PolicyFlags(Protocol):
     kv_stale_after_s: float
     kv_max_lag_events: int
     kv_index_max_blocks: int
+    peers: str
+    peer_lag_ms: float
+    replica_id: str | None
+
+    def peer_list(self) -> list[str]: ...
 
 
 class PortSettings(PolicyFlags, Protocol):
@@ -232,6 +242,8 @@ class PortSettings(PolicyFlags, Protocol):
     """
 
     scheduler: str
+    host: str
+    inflight_port: int
     token: str | None
     tls_ca: str | None
     schedule_timeout_s: float

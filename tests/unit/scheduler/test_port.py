@@ -52,6 +52,8 @@ class _Settings(PolicySettings):
     tls_ca: str | None = None
     schedule_timeout_s: float = 5.0
     release_batch_s: float = 0.05
+    host: str = "127.0.0.1"
+    inflight_port: int = 0
 
 
 def test_every_feature_is_a_schedule_request_field_and_nothing_else() -> None:
