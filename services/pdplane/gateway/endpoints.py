@@ -18,7 +18,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pdplane.core import tracing
 from pdplane.gateway.asgi import DisconnectWatch, SSEResponse
-from pdplane.gateway.auth import ApiKeys
+from pdplane.gateway.auth import CONFLICT, ApiKeys
 from pdplane.gateway.errors import (
     GatewayError,
     UpstreamReply,
@@ -77,7 +77,9 @@ def _headers(scope: Scope) -> tuple[bytes | None, str, str]:
     auth, request_id, routing_key = None, "", ""
     for key, value in scope["headers"]:
         if key == b"authorization":
-            auth = value
+            # Two Authorization headers are refused (`ApiKeys.allows(CONFLICT)`), whatever
+            # their values: proxies and servers disagree on which one counts.
+            auth = value if auth is None else CONFLICT
         elif key == b"x-request-id":
             request_id = value.decode("latin-1")
         elif key == b"x-routing-key":
@@ -177,8 +179,13 @@ class RelayEndpoints:
                 raise error
             if not self.api_keys.allows(auth):
                 raise unauthorized()
-            req = parse_request(endpoint, await _read_body(receive), routing_key)
             view = self.fleet()
+            req = parse_request(
+                endpoint,
+                await _read_body(receive),
+                routing_key,
+                max_model_len=view.longest_model_len(),
+            )
             if not req.model:
                 req = _with_default_model(req, view)
             model = view.models.get(req.model)
