@@ -93,6 +93,7 @@ def create_app(
     config = RelayConfig(
         dispatch=settings.dispatch,
         upstream_timeout_s=settings.upstream_timeout_s,
+        stream_idle_timeout_s=settings.stream_idle_timeout_s,
         max_retries=settings.max_retries,
         upstream_api_key=settings.upstream_api_key,
     )

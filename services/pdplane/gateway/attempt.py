@@ -76,6 +76,7 @@ class Attempt:
         self.metrics = legs.metrics
         self.dispatch = legs.config.dispatch
         self.timeout_s = legs.config.upstream_timeout_s
+        self.idle_timeout_s = min(legs.config.stream_idle_timeout_s, self.timeout_s)
         self.care = care
         self.req = req
         self.request_id = care.request_id
@@ -253,7 +254,7 @@ class Attempt:
         done = False
         try:
             try:
-                async for chunk in resp.chunks():
+                async for chunk in resp.chunks(self.idle_timeout_s):
                     data = carry + chunk if carry else chunk
                     cut = data.rfind(b"\n\n") + 2
                     if cut == 1:  # no complete event yet
@@ -270,8 +271,8 @@ class Attempt:
                     yield out
             except UpstreamTimeout:
                 yield gateway_timeout(
-                    f"decode instance {self.decode.instance_id} went silent for "
-                    f"{self.timeout_s:g} s"
+                    f"decode instance {self.decode.instance_id} sent nothing for "
+                    f"{self.idle_timeout_s:g} s"
                 ).sse_event()
                 return
             except UpstreamUnreachable as exc:
