@@ -9,6 +9,7 @@ class directly.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from pdplane.scheduler.candidate import Candidate
@@ -130,8 +131,10 @@ class SchedulerService:
         ctx = PickContext(
             request.request_id,
             request.routing_key,
-            request.prefix_block_hashes,
+            request.prefix_block_hashes or _smallest_block_hashes(request.prefix_hashes),
             self.inflight.effective_load,
+            prefix_hashes=request.prefix_hashes,
+            prompt_tokens=request.prompt_tokens,
         )
         prefill = prefill_policy.pick(pairable, ctx)
         p = prefill.candidate
@@ -169,3 +172,16 @@ def _validate(request: RequestFeatures) -> None:
         raise InvalidRequest(f"prompt_tokens: must be > 0, got {request.prompt_tokens}")
     if request.max_tokens < 0:
         raise InvalidRequest(f"max_tokens: must be >= 0, got {request.max_tokens}")
+    for block_size, hashes in request.prefix_hashes.items():
+        if block_size <= 0:
+            raise InvalidRequest(f"prefix_hashes: block_size must be > 0, got {block_size}")
+        if len(hashes) * block_size > request.prompt_tokens:
+            raise InvalidRequest(
+                f"prefix_hashes: {len(hashes)} blocks of {block_size} tokens exceed "
+                f"prompt_tokens={request.prompt_tokens}"
+            )
+
+
+def _smallest_block_hashes(prefix_hashes: Mapping[int, Sequence[int]]) -> Sequence[int]:
+    # One deterministic choice, so consistent_hash keys a prompt the same on every replica.
+    return prefix_hashes[min(prefix_hashes)] if prefix_hashes else ()
