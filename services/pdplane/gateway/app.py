@@ -113,7 +113,14 @@ def create_app(
 
     keys = ApiKeys(settings.api_keys())
     app = _GatewayApi(
-        partial(RelayEndpoints, relay=relay, fleet=fleet, metrics=metrics, api_keys=keys),
+        partial(
+            RelayEndpoints,
+            relay=relay,
+            fleet=fleet,
+            metrics=metrics,
+            api_keys=keys,
+            body_timeout_s=settings.body_timeout_s,
+        ),
         title="pdplane gateway",
         lifespan=lifespan,
         docs_url=None,
