@@ -31,6 +31,7 @@ from pdplane.gateway.errors import (
 )
 from pdplane.gateway.fleet import FleetView
 from pdplane.gateway.metrics import GatewayMetrics
+from pdplane.gateway.prompt_ids import TokenizerSet, exact_prompt_async
 from pdplane.gateway.relay import Relay
 from pdplane.gateway.replies import JsonReply
 from pdplane.gateway.validation import CHAT, COMPLETIONS, ClientRequest, Endpoint, parse_request
@@ -130,6 +131,8 @@ class RelayEndpoints:
         metrics: request counters, in-flight gauge.
         api_keys: accepted bearer tokens.
         body_timeout_s: longest read of one request body (s); then 408.
+        tokenizers: the models' tokenizers (exact prompt ids and prefix hashes); none = the
+            estimated prompt lengths of `pdplane.gateway.tokens`.
     """
 
     def __init__(
@@ -140,6 +143,7 @@ class RelayEndpoints:
         metrics: GatewayMetrics,
         api_keys: ApiKeys,
         body_timeout_s: float = 60.0,
+        tokenizers: TokenizerSet | None = None,
     ) -> None:
         self.app = app
         self.relay = relay
@@ -147,6 +151,7 @@ class RelayEndpoints:
         self.metrics = metrics
         self.api_keys = api_keys
         self.body_timeout_s = body_timeout_s
+        self.tokenizers = tokenizers or TokenizerSet({})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         endpoint = _ENDPOINTS.get(scope["path"]) if scope["type"] == "http" else None
@@ -206,6 +211,15 @@ class RelayEndpoints:
                 if not view.ready:
                     raise unavailable("registry not reachable yet; cannot resolve the model")
                 raise not_found(req.model)
+            tokenizer = self.tokenizers.get(req.model)
+            if tokenizer is not None:
+                req = await exact_prompt_async(
+                    tokenizer, req, model.max_model_len, model.block_sizes
+                )
+            if req.prefix_hashes:
+                metrics.exact_prompts.inc()
+            else:
+                metrics.estimated_prompts.inc()
             watch = DisconnectWatch(receive)
             answered, reply = await watch.run(
                 self.relay.handle(req, request_id, started, model.max_model_len)
