@@ -448,7 +448,7 @@ def test_embedded_mode_has_no_scheduler_and_gateways_decide_themselves() -> None
     gateway = r.one("Deployment", f"{RELEASE}-pdplane-gateway")
     args = gateway["spec"]["template"]["spec"]["containers"][0]["args"]
     assert _flag(args, "--scheduler") == "embedded"
-    assert _flag(args, "--decode-policy") == "least_loaded"
+    assert _flag(args, "--decode-policy") == "kv_aware"
 
 
 def test_tls_switches_grpc_probes_to_exec_with_the_ca() -> None:

@@ -16,6 +16,14 @@ from pdplane.scheduler.candidate import Candidate
 __all__ = ["Pick", "PickContext", "Policy", "PolicyFactory"]
 
 
+def _no_tokens(candidate: Candidate) -> int:
+    return 0
+
+
+def _not_live(candidate: Candidate) -> bool:
+    return False
+
+
 @dataclass(frozen=True, slots=True)
 class PickContext:
     """Request features a policy may use.
@@ -23,12 +31,24 @@ class PickContext:
     `load(candidate)` is the effective load: reported running + waiting requests, plus the
     scheduler's own unreleased assignments since that report, plus KV cache usage (0..1) as a
     tie-breaker. Lower is better.
+
+    From the prefix index (`pdplane.scheduler.kv_index`), filled by the service:
+    `cached_tokens(candidate)` is the predicted prefix cache hit of the prompt on that
+    instance (tokens, whole blocks; 0 when the instance is not LIVE in the index),
+    `kv_live(candidate)` whether its index entries are trusted (False: stale, syncing or no
+    index), and `queued_prefill_tokens(candidate)` the uncached prompt tokens this scheduler
+    sent it since its last load report. `side` is "prefill" or "decode" (the half picked now).
     """
 
     request_id: str
     routing_key: str
     prefix_block_hashes: Sequence[int]
     load: Callable[[Candidate], float]
+    prompt_tokens: int = 0
+    cached_tokens: Callable[[Candidate], int] = _no_tokens
+    kv_live: Callable[[Candidate], bool] = _not_live
+    queued_prefill_tokens: Callable[[Candidate], int] = _no_tokens
+    side: str = "prefill"
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,5 +69,6 @@ class Policy(Protocol):
         ...
 
 
-#: Builds a policy; `seed` makes randomised policies reproducible (ignored by the others).
+#: Builds a policy; `seed` makes randomised policies reproducible (ignored by the others);
+#: policies with settings take them as further keyword arguments.
 PolicyFactory = Callable[..., Policy]
