@@ -86,6 +86,7 @@ def create_app(
     config = RelayConfig(
         dispatch=settings.dispatch,
         upstream_timeout_s=settings.upstream_timeout_s,
+        stream_idle_timeout_s=settings.stream_idle_timeout_s,
         max_retries=settings.max_retries,
         upstream_api_key=settings.upstream_api_key,
     )
@@ -97,6 +98,8 @@ def create_app(
             ready = await asyncio.to_thread(tracker.start, settings.registry_wait_s)
             if not ready:
                 log.warning("registry %s not reachable yet; /health answers 503", settings.registry)
+        if owned_scheduler is not None:
+            await owned_scheduler.start()  # embedded: the in-flight exchange with --peers
         try:
             yield
         finally:

@@ -16,8 +16,9 @@ from collections.abc import Callable
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from pdplane.core import tracing
 from pdplane.gateway.asgi import DisconnectWatch, SSEResponse
-from pdplane.gateway.auth import ApiKeys
+from pdplane.gateway.auth import CONFLICT, ApiKeys
 from pdplane.gateway.errors import (
     GatewayError,
     UpstreamReply,
@@ -76,12 +77,21 @@ def _headers(scope: Scope) -> tuple[bytes | None, str, str]:
     auth, request_id, routing_key = None, "", ""
     for key, value in scope["headers"]:
         if key == b"authorization":
-            auth = value
+            # Two Authorization headers are refused (`ApiKeys.allows(CONFLICT)`), whatever
+            # their values: proxies and servers disagree on which one counts.
+            auth = value if auth is None else CONFLICT
         elif key == b"x-request-id":
             request_id = value.decode("latin-1")
         elif key == b"x-routing-key":
             routing_key = value.decode("latin-1")
     return auth, request_id, routing_key
+
+
+def _client_traceparent(scope: Scope) -> str | None:
+    for key, value in scope["headers"]:
+        if key == b"traceparent":
+            return str(value.decode("latin-1"))
+    return None
 
 
 def _with_default_model(req: ClientRequest, view: FleetView) -> ClientRequest:
@@ -133,9 +143,13 @@ class RelayEndpoints:
         if scope["method"] != "POST":
             body = error_body(405, "Method Not Allowed")
             response = Response(body, 405, headers={"allow": "POST"}, media_type=_JSON)
-        else:
+            await response(scope, receive, send)
+            return
+        # The request's root span: until the last byte of the answer (streams included).
+        parent = _client_traceparent(scope) if tracing.enabled() else None
+        with tracing.span("pdplane.request", parent=parent, server=True):
             response = await self._relay(endpoint, scope, receive)
-        await response(scope, receive, send)
+            await response(scope, receive, send)
 
     async def _relay(self, endpoint: Endpoint, scope: Scope, receive: Receive) -> Response:
         started = time.perf_counter()
@@ -165,8 +179,13 @@ class RelayEndpoints:
                 raise error
             if not self.api_keys.allows(auth):
                 raise unauthorized()
-            req = parse_request(endpoint, await _read_body(receive), routing_key)
             view = self.fleet()
+            req = parse_request(
+                endpoint,
+                await _read_body(receive),
+                routing_key,
+                max_model_len=view.longest_model_len(),
+            )
             if not req.model:
                 req = _with_default_model(req, view)
             model = view.models.get(req.model)

@@ -60,6 +60,10 @@ class FleetView:
     models: dict[str, ModelState] = field(default_factory=dict)
     ready: bool = False
 
+    def longest_model_len(self) -> int:
+        """The largest `max_model_len` of the served models (tokens); 0 when none is known."""
+        return max((m.max_model_len for m in self.models.values()), default=0)
+
     def models_list(self) -> dict[str, Any]:
         """The OpenAI `GET /v1/models` body: `{"object": "list", "data": [model, ...]}`."""
         data = [

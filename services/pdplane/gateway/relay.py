@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from pdplane.core import tracing
 from pdplane.gateway.aftercare import Aftercare, Caretaker
 from pdplane.gateway.attempt import Attempt, Legs
 from pdplane.gateway.config import RelayConfig
@@ -114,7 +115,8 @@ class Relay:
             exclude_instance_ids=tuple(excluded),
         )
         try:
-            return await self.scheduler.schedule(features)
+            with tracing.span("pdplane.schedule"):
+                return await self.scheduler.schedule(features)
         except asyncio.CancelledError as exc:
             # The scheduler may have counted the request before the client left; an unknown id
             # is harmless to Release.

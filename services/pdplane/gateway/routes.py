@@ -11,7 +11,7 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pdplane.core.server_id import server_id
-from pdplane.gateway.auth import ApiKeys
+from pdplane.gateway.auth import CONFLICT, ApiKeys
 from pdplane.gateway.errors import GatewayError, unauthorized
 from pdplane.gateway.fleet import FleetView
 from pdplane.gateway.metrics import GatewayMetrics
@@ -36,7 +36,12 @@ def build_router(
     router = APIRouter()
 
     def refused(request: Request) -> Response | None:
-        if api_keys.allows(request.headers.get("authorization", "").encode("latin-1")):
+        values = request.headers.getlist("authorization")
+        if len(values) > 1:
+            got: bytes | None = CONFLICT
+        else:
+            got = values[0].encode("latin-1") if values else None
+        if api_keys.allows(got):
             return None
         exc = unauthorized()
         return Response(exc.body(), exc.status, media_type=_JSON)

@@ -79,6 +79,8 @@ class InflightTracker:
         self._clock = clock
         self._lock = threading.Lock()
         self.listener: InflightListener | None = None
+        #: instance id -> peers' assignments estimated but not visible yet (see exchange.py).
+        self.unseen: Callable[[str], float] | None = None
         # Insertion order == start order, so expired assignments sit at the front.
         self._requests: OrderedDict[_Key, Assignment] = OrderedDict()
         self._pending: dict[str, _Pending] = {}
@@ -93,11 +95,14 @@ class InflightTracker:
         return pending.requests if pending and pending.epoch == candidate.epoch else 0
 
     def effective_load(self, candidate: Candidate) -> float:
-        """The candidate's reported load plus its pending requests (see `Candidate`)."""
+        """The candidate's reported load plus its pending requests (see `Candidate`), plus the
+        peers' assignments estimated but not received yet (`unseen`, with peers only)."""
+        load = candidate.reported_load
         pending = self._pending.get(candidate.instance_id)
-        if pending is None or pending.epoch != candidate.epoch:
-            return candidate.reported_load
-        return candidate.reported_load + pending.requests
+        if pending is not None and pending.epoch == candidate.epoch:
+            load += pending.requests
+        unseen = self.unseen
+        return load + unseen(candidate.instance_id) if unseen is not None else load
 
     def pending_blocks(self, candidate: Candidate) -> int:
         """KV cache blocks reserved on decode `candidate` since its current load report."""

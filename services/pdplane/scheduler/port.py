@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from pdplane.v1 import instance_pb2
@@ -65,9 +65,15 @@ class RequestFeatures:
         max_tokens: tokens to generate; 0 = unknown.
         routing_key: optional key for `consistent_hash` ("" = none).
         prefix_block_hashes: uint64 hashes of the prompt's full KV cache blocks, in order;
-            empty when unknown.
+            empty when unknown. The key of `consistent_hash` when given (any hash a client
+            chooses); a scheduler falls back to `prefix_hashes` when it is empty.
         exclude_instance_ids: instances not to choose (e.g. ones that just failed this request).
         prefill_policy / decode_policy: per-request policy names; "" = the scheduler's default.
+        prefix_hashes: block size (tokens per KV cache block) -> the prompt's exact chained
+            block hashes at that size (`pdplane.core.prefix_hash.block_hashes` of the token ids
+            the engine will compute, one uint64 per full block, in order); one entry per block
+            size among the model's instances, empty when the token ids are unknown. What
+            `kv_aware` matches against the prefix index.
     """
 
     request_id: str
@@ -79,6 +85,7 @@ class RequestFeatures:
     exclude_instance_ids: Collection[str] = ()
     prefill_policy: str = ""
     decode_policy: str = ""
+    prefix_hashes: Mapping[int, Sequence[int]] = field(default_factory=dict)
 
 
 class InstanceRef(Protocol):
@@ -191,6 +198,11 @@ class SchedulerPort(Protocol):
         `schedule` of this port, failures logged. Raises ValueError as `release`."""
         ...
 
+    async def start(self) -> None:
+        """Starts what the port runs in the background, in the event loop that will use it
+        (a local port's in-flight exchange with its peers); call once, before `schedule`."""
+        ...
+
     async def close(self) -> None:
         """Delivers what `release_nowait` still holds and frees the port's resources."""
         ...
@@ -229,6 +241,11 @@ class PolicyFlags(Protocol):
     kv_decode_hit_weight: float
     kv_load_factor: float
     local_prefill_max_tokens: int
+    peers: str
+    peer_lag_ms: float
+    replica_id: str | None
+
+    def peer_list(self) -> list[str]: ...
 
 
 class PortSettings(PolicyFlags, Protocol):
@@ -241,6 +258,8 @@ class PortSettings(PolicyFlags, Protocol):
     """
 
     scheduler: str
+    host: str
+    inflight_port: int
     token: str | None
     tls_ca: str | None
     schedule_timeout_s: float

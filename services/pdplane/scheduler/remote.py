@@ -21,6 +21,7 @@ from typing import Any
 
 import grpc
 
+from pdplane.core import tracing
 from pdplane.core.grpc_util import aio_channel, token_metadata
 from pdplane.scheduler.port import (
     Decision,
@@ -94,7 +95,7 @@ class RemoteScheduler:
             request.releases.extend(releases)
         try:
             response = await self._get_stub().Schedule(
-                request, timeout=self._timeout_s, metadata=self._metadata
+                request, timeout=self._timeout_s, metadata=tracing.grpc_metadata(self._metadata)
             )
         except grpc.aio.AioRpcError as exc:
             if releases and exc.code() != grpc.StatusCode.INVALID_ARGUMENT:
@@ -168,6 +169,9 @@ class RemoteScheduler:
             log.warning("ReleaseBatch of %d releases failed: %s", len(releases), _translate(exc))
             return 0
         return response.released
+
+    async def start(self) -> None:
+        """Nothing to start: the channel opens on first use."""
 
     async def close(self) -> None:
         """Sends queued Releases, then closes the channel; the client may be used again

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from pdplane.scheduler.candidate import Candidate
@@ -182,14 +183,23 @@ class SchedulerService:
 
     def _context(self, request: RequestFeatures) -> PickContext:
         """The policies' context: load, and the prompt's predicted prefix hits per instance
-        from the prefix index (one lookup over every LIVE instance)."""
+        from the prefix index (one lookup over every LIVE instance per block size the
+        request has hashes for; a hash chain of one block size never matches another's)."""
         index = self.kv_index
-        hits: dict[str, int] = {}
-        if index is not None and request.prefix_block_hashes:
-            hits = index.match(request.prefix_block_hashes)
+        tokens: dict[str, int] = {}  # instance id -> cached tokens
+        blocks: dict[str, int] = {}  # instance id -> cached blocks of its own block size
+        if index is not None:
+            if request.prefix_hashes:
+                for block_size, hashes in request.prefix_hashes.items():
+                    for iid, n in index.match(hashes).items():
+                        tokens[iid] = max(tokens.get(iid, 0), n * block_size)
+            elif request.prefix_block_hashes:  # block size unsaid: the instance's own
+                blocks = index.match(request.prefix_block_hashes)
 
         def cached_tokens(c: Candidate) -> int:
-            return hits.get(c.instance_id, 0) * c.block_size
+            if blocks:
+                return blocks.get(c.instance_id, 0) * c.block_size
+            return tokens.get(c.instance_id, 0)
 
         def kv_live(c: Candidate) -> bool:
             inst = index.instance(c.instance_id) if index is not None else None
@@ -198,8 +208,9 @@ class SchedulerService:
         return PickContext(
             request.request_id,
             request.routing_key,
-            request.prefix_block_hashes,
+            request.prefix_block_hashes or _smallest_block_hashes(request.prefix_hashes),
             self.inflight.effective_load,
+            prefix_hashes=request.prefix_hashes,
             prompt_tokens=request.prompt_tokens,
             cached_tokens=cached_tokens,
             kv_live=kv_live,
@@ -235,3 +246,16 @@ def _validate(request: RequestFeatures) -> None:
         raise InvalidRequest(f"prompt_tokens: must be > 0, got {request.prompt_tokens}")
     if request.max_tokens < 0:
         raise InvalidRequest(f"max_tokens: must be >= 0, got {request.max_tokens}")
+    for block_size, hashes in request.prefix_hashes.items():
+        if block_size <= 0:
+            raise InvalidRequest(f"prefix_hashes: block_size must be > 0, got {block_size}")
+        if len(hashes) * block_size > request.prompt_tokens:
+            raise InvalidRequest(
+                f"prefix_hashes: {len(hashes)} blocks of {block_size} tokens exceed "
+                f"prompt_tokens={request.prompt_tokens}"
+            )
+
+
+def _smallest_block_hashes(prefix_hashes: Mapping[int, Sequence[int]]) -> Sequence[int]:
+    # One deterministic choice, so consistent_hash keys a prompt the same on every replica.
+    return prefix_hashes[min(prefix_hashes)] if prefix_hashes else ()

@@ -38,6 +38,26 @@ class PolicySettings(CommandSettings):
     seed: int | None = Field(
         default=None, description="seed of the random and power_of_two policies"
     )
+    peers: str = Field(
+        default="",
+        description="other replicas deciding over the same fleet (InflightExchange gRPC "
+        "addresses host:port, comma-separated; a name with several addresses counts each): "
+        "their in-flight assignments count here as load (docs/scheduler.md)",
+    )
+    peer_lag_ms: float = Field(
+        default=1000.0,
+        ge=0,
+        description="with --peers: an own assignment also counts once per peer, standing for "
+        "that peer's decisions not received yet, until two updates from it arrived, at most "
+        "this long (ms; 0 = never)",
+    )
+    replica_id: str | None = Field(
+        default=None, description="this replica's id among its peers (default: host-pid-random)"
+    )
+
+    def peer_list(self) -> list[str]:
+        """`peers` as a list of addresses."""
+        return [p.strip() for p in self.peers.split(",") if p.strip()]
 
     kv_index: bool = Field(
         default=True,

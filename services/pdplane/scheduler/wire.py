@@ -7,8 +7,9 @@ servicer (`pdplane.scheduler.servicer`). A new request feature is one line in ea
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 
+from pdplane.core.prefix_hash import HASH_VERSION
 from pdplane.scheduler.errors import InvalidRequest
 from pdplane.scheduler.port import Decision, InstanceRef, Outcome, RequestFeatures
 from pdplane.v1 import scheduler_pb2
@@ -45,7 +46,32 @@ def features_to_pb(features: RequestFeatures) -> scheduler_pb2.ScheduleRequest:
         exclude_instance_ids=features.exclude_instance_ids,
         prefill_policy=features.prefill_policy,
         decode_policy=features.decode_policy,
+        prefix_hashes=_prefix_hashes_to_pb(features.prefix_hashes),
     )
+
+
+def _prefix_hashes_to_pb(
+    prefix_hashes: Mapping[int, Sequence[int]],
+) -> list[scheduler_pb2.PrefixHashes]:
+    return [
+        scheduler_pb2.PrefixHashes(
+            block_size=block_size, block_hashes=hashes, hash_version=HASH_VERSION
+        )
+        for block_size, hashes in prefix_hashes.items()
+    ]
+
+
+def _prefix_hashes_from_pb(
+    entries: Iterable[scheduler_pb2.PrefixHashes],
+) -> dict[int, Sequence[int]]:
+    out: dict[int, Sequence[int]] = {}
+    for e in entries:
+        if e.block_size in out:
+            raise InvalidRequest(f"prefix_hashes: block_size {e.block_size} given twice")
+        # Another version's hashes would never match this scheduler's index: as if unknown.
+        if e.hash_version == HASH_VERSION:
+            out[e.block_size] = tuple(e.block_hashes)
+    return out
 
 
 def features_from_pb(request: scheduler_pb2.ScheduleRequest) -> RequestFeatures:
@@ -60,6 +86,7 @@ def features_from_pb(request: scheduler_pb2.ScheduleRequest) -> RequestFeatures:
         exclude_instance_ids=frozenset(request.exclude_instance_ids),
         prefill_policy=request.prefill_policy,
         decode_policy=request.decode_policy,
+        prefix_hashes=_prefix_hashes_from_pb(request.prefix_hashes),
     )
 
 

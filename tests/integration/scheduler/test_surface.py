@@ -47,6 +47,14 @@ def pair_server(
         ({"prompt_tokens": 0}, "prompt_tokens: must be > 0"),
         ({"prefill_policy": "fastest"}, "prefill_policy: unknown policy 'fastest'"),
         ({"decode_policy": "x"}, "decode_policy: unknown policy 'x'"),
+        (
+            {
+                "prefix_hashes": [
+                    scheduler_pb2.PrefixHashes(block_size=4, block_hashes=[1, 2, 3], hash_version=1)
+                ]
+            },
+            "prefix_hashes: 3 blocks of 4 tokens exceed prompt_tokens=10",
+        ),
     ],
 )
 def test_bad_requests_are_invalid_argument(

@@ -49,7 +49,7 @@ def req(n: int, prompt: list[int], **kwargs: Any) -> RequestFeatures:
         request_id=f"r{n}",
         model="tiny",
         prompt_tokens=len(prompt),
-        prefix_block_hashes=block_hashes(prompt, BS),
+        prefix_hashes={BS: block_hashes(prompt, BS)},
         **kwargs,
     )
 
@@ -272,3 +272,18 @@ def test_a_decision_without_prefill_crosses_the_wire() -> None:
     )
     both = decision_from_pb(decision_to_pb(Decision(decode, decode, "", 128, 0)))
     assert both.prefill is not None and both.prefill_cached_tokens == 128
+
+
+def test_hashes_of_another_block_size_never_match(fleet: Callable[..., SchedulerService]) -> None:
+    service = fleet()
+    prompt = tokens(14, 16 * BS)
+    hold(service.kv_index, "p1", prompt)  # type: ignore[arg-type]
+    other = RequestFeatures(
+        "r0", "tiny", len(prompt), prefix_hashes={2 * BS: block_hashes(prompt, 2 * BS)}
+    )
+    assert service.schedule(other).prefill_cached_tokens == 0
+    # The legacy field (block size unsaid) is matched at each instance's own block size.
+    legacy = RequestFeatures(
+        "r1", "tiny", len(prompt), prefix_block_hashes=block_hashes(prompt, BS)
+    )
+    assert service.schedule(legacy).prefill_cached_tokens == 16 * BS
