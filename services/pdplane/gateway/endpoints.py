@@ -30,6 +30,7 @@ from pdplane.gateway.errors import (
 )
 from pdplane.gateway.fleet import FleetView
 from pdplane.gateway.metrics import GatewayMetrics
+from pdplane.gateway.prompt_ids import TokenizerSet, exact_prompt_async
 from pdplane.gateway.relay import Relay
 from pdplane.gateway.replies import JsonReply
 from pdplane.gateway.validation import CHAT, COMPLETIONS, ClientRequest, Endpoint, parse_request
@@ -119,6 +120,8 @@ class RelayEndpoints:
         fleet: returns the current FleetView (model lookup: 404 for an unknown model).
         metrics: request counters, in-flight gauge.
         api_keys: accepted bearer tokens.
+        tokenizers: the models' tokenizers (exact prompt ids and prefix hashes); none = the
+            estimated prompt lengths of `pdplane.gateway.tokens`.
     """
 
     def __init__(
@@ -128,12 +131,14 @@ class RelayEndpoints:
         fleet: Callable[[], FleetView],
         metrics: GatewayMetrics,
         api_keys: ApiKeys,
+        tokenizers: TokenizerSet | None = None,
     ) -> None:
         self.app = app
         self.relay = relay
         self.fleet = fleet
         self.metrics = metrics
         self.api_keys = api_keys
+        self.tokenizers = tokenizers or TokenizerSet({})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         endpoint = _ENDPOINTS.get(scope["path"]) if scope["type"] == "http" else None
@@ -193,6 +198,15 @@ class RelayEndpoints:
                 if not view.ready:
                     raise unavailable("registry not reachable yet; cannot resolve the model")
                 raise not_found(req.model)
+            tokenizer = self.tokenizers.get(req.model)
+            if tokenizer is not None:
+                req = await exact_prompt_async(
+                    tokenizer, req, model.max_model_len, model.block_sizes
+                )
+            if req.prefix_hashes:
+                metrics.exact_prompts.inc()
+            else:
+                metrics.estimated_prompts.inc()
             watch = DisconnectWatch(receive)
             answered, reply = await watch.run(
                 self.relay.handle(req, request_id, started, model.max_model_len)

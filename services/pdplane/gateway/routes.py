@@ -4,7 +4,7 @@ read-only routes answered by an instance (/tokenize, /detokenize, /version)."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
@@ -31,8 +31,11 @@ def build_router(
     metrics: GatewayMetrics,
     api_keys: ApiKeys,
     passthrough: Passthrough,
+    health_details: Mapping[str, object] | None = None,
 ) -> APIRouter:
-    """The gateway's read-only routes; `fleet()` returns the current FleetView."""
+    """The gateway's read-only routes; `fleet()` returns the current FleetView and
+    `health_details` is added to every /health body (e.g. the tokenizer state)."""
+    details = dict(health_details or {})
     router = APIRouter()
 
     def refused(request: Request) -> Response | None:
@@ -85,7 +88,7 @@ def build_router(
         """200 when every served model has a usable prefill/decode pair, else 503 + reason;
         `server_id` says which gateway process answered (`pdplane.core.server_id`)."""
         healthy, body = fleet().health()
-        return _json({**body, "server_id": server_id()}, 200 if healthy else 503)
+        return _json({**body, **details, "server_id": server_id()}, 200 if healthy else 503)
 
     @router.get("/metrics")
     async def prometheus() -> Response:

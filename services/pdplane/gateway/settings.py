@@ -79,6 +79,12 @@ class GatewaySettings(PolicySettings):
     shutdown_timeout_s: int = Field(
         30, ge=0, description="on SIGTERM/SIGINT, wait this long for open requests to end (s)"
     )
+    tokenizer: str | None = Field(
+        None,
+        description="the model's tokenizer directory (the model folder) for exact prompt "
+        "token ids and prefix block hashes (kv-aware routing); 'MODEL=DIR,...' for several "
+        "models; none = estimated prompt lengths, routing by load",
+    )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info")
     inflight_port: int = Field(
         0,

@@ -10,7 +10,8 @@ refuses the same request, the message is vLLM's own (an empty prompt or conversa
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -92,6 +93,8 @@ class ClientRequest:
         prompt_tokens: prompt length estimate for Schedule (tokens; see `pdplane.gateway.tokens`).
         max_tokens: tokens to generate if the client said so, else 0 (unknown).
         routing_key: consistent-hash key (`X-Routing-Key` header, else the `user` field).
+        prefix_hashes: block size -> the prompt's exact block hashes, set with the exact
+            `prompt_tokens` by `pdplane.gateway.prompt_ids` when the model's tokenizer is known.
     """
 
     endpoint: Endpoint
@@ -102,6 +105,7 @@ class ClientRequest:
     prompt_tokens: int
     max_tokens: int
     routing_key: str
+    prefix_hashes: Mapping[int, Sequence[int]] = field(default_factory=dict)
 
 
 _UNION_TAGS = frozenset({"str", "int", "bool", "float"})
