@@ -9,6 +9,7 @@ engine loop, which must never wait on it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
@@ -17,7 +18,7 @@ import grpc
 
 from pdplane.connector.holds import HeldTransfer, HoldTable, HoldUnknown
 from pdplane.connector.transports.base import KvTransport
-from pdplane.core import grpc_util
+from pdplane.core import grpc_util, tracing
 from pdplane.core.layout import fingerprint
 from pdplane.v1 import instance_pb2, kv_transfer_pb2, kv_transfer_pb2_grpc
 
@@ -26,6 +27,23 @@ __all__ = ["KvTransferServicer", "start_kv_server"]
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "pdplane.v1.KvTransfer"
+
+
+def _serve_span(
+    request: kv_transfer_pb2.PullBlocksRequest, context: grpc.ServicerContext, blocks: int
+) -> contextlib.AbstractContextManager[object]:
+    """Prefill's span for serving one pull, a child of decode's `pdplane.kv_pull`. Not made
+    current: PullBlocks is a generator the gRPC server resumes once per chunk."""
+    if not tracing.enabled():
+        return contextlib.nullcontext()
+    attrs = {"pdplane.transfer_id": request.transfer_id, "pdplane.blocks": blocks}
+    return tracing.span(
+        "pdplane.kv_serve",
+        parent=tracing.grpc_parent(context),
+        attributes=attrs,
+        server=True,
+        current=False,
+    )
 
 
 class KvTransferServicer(kv_transfer_pb2_grpc.KvTransferServicer):
@@ -105,19 +123,21 @@ class KvTransferServicer(kv_transfer_pb2_grpc.KvTransferServicer):
         self, request: kv_transfer_pb2.PullBlocksRequest, context: grpc.ServicerContext
     ) -> Iterator[kv_transfer_pb2.KvChunk]:
         hold, block_ids = self._pin(request, context)
-        try:
-            yield from self._transport.serve_pull_blocks(block_ids, request, context)
-        finally:
-            self._holds.unpin(hold)
+        with _serve_span(request, context, len(block_ids)):
+            try:
+                yield from self._transport.serve_pull_blocks(block_ids, request, context)
+            finally:
+                self._holds.unpin(hold)
 
     def SendBlocksNccl(
         self, request: kv_transfer_pb2.PullBlocksRequest, context: grpc.ServicerContext
     ) -> kv_transfer_pb2.SendBlocksNcclResponse:
         hold, block_ids = self._pin(request, context)
-        try:
-            return self._transport.serve_send_blocks_nccl(block_ids, request, context)
-        finally:
-            self._holds.unpin(hold)
+        with _serve_span(request, context, len(block_ids)):
+            try:
+                return self._transport.serve_send_blocks_nccl(block_ids, request, context)
+            finally:
+                self._holds.unpin(hold)
 
     def CompleteTransfer(
         self, request: kv_transfer_pb2.CompleteTransferRequest, context: grpc.ServicerContext

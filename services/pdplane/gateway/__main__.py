@@ -6,6 +6,7 @@ import logging
 
 import uvicorn
 
+from pdplane.core import tracing
 from pdplane.gateway.app import create_app
 from pdplane.gateway.settings import GatewaySettings
 
@@ -18,6 +19,7 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    tracing.configure("pdplane-gateway")
     uvicorn.run(
         create_app(settings),
         host=settings.host,

@@ -48,6 +48,12 @@ class GatewaySettings(PolicySettings):
     upstream_timeout_s: float = Field(
         300.0, gt=0, description="max silence of an instance before 504 / error event (s)"
     )
+    stream_idle_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="streams: max silence of decode between two chunks (its first included) "
+        "before one error event ends the stream (s)",
+    )
     connect_timeout_s: float = Field(5.0, gt=0, description="TCP connect bound per leg (s)")
     max_retries: int = Field(
         1, ge=0, le=5, description="retries on another pair when an instance is unreachable"
@@ -72,6 +78,12 @@ class GatewaySettings(PolicySettings):
     )
     shutdown_timeout_s: int = Field(
         30, ge=0, description="on SIGTERM/SIGINT, wait this long for open requests to end (s)"
+    )
+    tokenizer: str | None = Field(
+        None,
+        description="the model's tokenizer directory (the model folder) for exact prompt "
+        "token ids and prefix block hashes (kv-aware routing); 'MODEL=DIR,...' for several "
+        "models; none = estimated prompt lengths, routing by load",
     )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info")
     inflight_port: int = Field(

@@ -355,6 +355,8 @@ class Fleet:
                 s.host,
                 "--port",
                 str(s.gateway_port),
+                # The served model's own tokenizer: exact prompt ids and prefix hashes.
+                *(["--tokenizer", str(self.model_dir)] if self.model_dir else []),
             ),
         )
         # /health answers (503 until a pair registers) once the HTTP server is up.

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 
+from pdplane.core import tracing
 from pdplane.scheduler.exchange import EmbeddedExchange, InflightExchange
 from pdplane.scheduler.inflight import InflightTracker
 from pdplane.scheduler.kv_index import KvIndexManager
@@ -57,7 +58,8 @@ class LocalScheduler:
 
     async def schedule(self, features: RequestFeatures) -> Decision:
         """`SchedulerPort.schedule`, decided in this process."""
-        return self.service.schedule(features)
+        with tracing.span("pdplane.scheduler.decision"):
+            return self.service.schedule(features)
 
     async def release(self, request_id: str, outcome: Outcome) -> bool:
         """`SchedulerPort.release`; ValueError on an empty id or an unknown outcome."""

@@ -22,6 +22,7 @@ from typing import Any
 
 import grpc
 
+from pdplane.core import tracing
 from pdplane.core.grpc_util import aio_channel, token_metadata
 from pdplane.scheduler.port import (
     Decision,
@@ -119,7 +120,7 @@ class RemoteScheduler:
             request.releases.extend(releases)
         try:
             response = await self._get_stub().Schedule(
-                request, timeout=self._timeout_s, metadata=self._metadata
+                request, timeout=self._timeout_s, metadata=tracing.grpc_metadata(self._metadata)
             )
         except grpc.aio.AioRpcError as exc:
             if releases and exc.code() != grpc.StatusCode.INVALID_ARGUMENT:
