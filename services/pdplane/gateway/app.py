@@ -126,6 +126,7 @@ def create_app(
             fleet=fleet,
             metrics=metrics,
             api_keys=keys,
+            body_timeout_s=settings.body_timeout_s,
             tokenizers=tokenizers,
         ),
         title="pdplane gateway",

@@ -1,5 +1,9 @@
 """One try of a request on one scheduled (prefill, decode) pair: both legs and the stream.
 
+A decision without prefill (conditional disaggregation: decode holds all but a few prompt
+tokens) has one leg: the client's original request goes to decode as it came, without
+`kv_transfer_params`, and decode computes the rest of the prompt itself.
+
 See `pdplane.gateway.relay` for the failure semantics. What the attempt leaves behind (its
 Release, the KV its prefill holds, background calls) is its `Aftercare`, which decides the
 outcome; the attempt only reports what happened and settles it wherever it ends.
@@ -94,7 +98,9 @@ class Attempt:
         handed_off = False
         resp: UpstreamResponse | None = None
         try:
-            if self.dispatch == "concurrent":
+            if self.prefill is None:
+                resp = await self._open_decode(self.req.raw)
+            elif self.dispatch == "concurrent":
                 resp = await self._concurrent_legs()
             else:
                 kv = await self._prefill_leg()
@@ -124,6 +130,7 @@ class Attempt:
         returned)."""
         t0 = time.perf_counter()
         p = self.prefill
+        assert p is not None, "a prefill leg without a prefill instance"
         d = self.decode
         body = prefill_body(
             self.req.endpoint,
@@ -169,9 +176,9 @@ class Attempt:
             self.care.hold_kv(DecodeRequestParams.from_dict(kv))
             tracing.stamp_kv_params(kv)
         except (ValueError, AttributeError) as exc:
+            p = self.prefill.instance_id if self.prefill is not None else "?"
             raise bad_gateway(
-                f"prefill instance {self.prefill.instance_id} returned no usable "
-                f"kv_transfer_params: {exc}"
+                f"prefill instance {p} returned no usable kv_transfer_params: {exc}"
             ) from None
         return json.dumps(kv, separators=(",", ":")).encode()
 

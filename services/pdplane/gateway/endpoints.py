@@ -7,6 +7,7 @@ goes on to the FastAPI app.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import itertools
 import os
@@ -57,7 +58,16 @@ class _ClientGone(Exception):
     """The client disconnected while its body was being read."""
 
 
-async def _read_body(receive: Receive) -> bytes:
+async def _read_body(receive: Receive, timeout_s: float) -> bytes:
+    """The request body; GatewayError 408 when it takes longer than `timeout_s` (s)."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await _receive_body(receive)
+    except TimeoutError:
+        raise GatewayError(408, f"request body not received within {timeout_s:g} s") from None
+
+
+async def _receive_body(receive: Receive) -> bytes:
     chunks: list[bytes] = []
     size = 0
     while True:
@@ -120,6 +130,7 @@ class RelayEndpoints:
         fleet: returns the current FleetView (model lookup: 404 for an unknown model).
         metrics: request counters, in-flight gauge.
         api_keys: accepted bearer tokens.
+        body_timeout_s: longest read of one request body (s); then 408.
         tokenizers: the models' tokenizers (exact prompt ids and prefix hashes); none = the
             estimated prompt lengths of `pdplane.gateway.tokens`.
     """
@@ -131,6 +142,7 @@ class RelayEndpoints:
         fleet: Callable[[], FleetView],
         metrics: GatewayMetrics,
         api_keys: ApiKeys,
+        body_timeout_s: float = 60.0,
         tokenizers: TokenizerSet | None = None,
     ) -> None:
         self.app = app
@@ -138,6 +150,7 @@ class RelayEndpoints:
         self.fleet = fleet
         self.metrics = metrics
         self.api_keys = api_keys
+        self.body_timeout_s = body_timeout_s
         self.tokenizers = tokenizers or TokenizerSet({})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -187,7 +200,7 @@ class RelayEndpoints:
             view = self.fleet()
             req = parse_request(
                 endpoint,
-                await _read_body(receive),
+                await _read_body(receive, self.body_timeout_s),
                 routing_key,
                 max_model_len=view.longest_model_len(),
             )

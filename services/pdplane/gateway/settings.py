@@ -54,6 +54,24 @@ class GatewaySettings(PolicySettings):
         description="streams: max silence of decode between two chunks (its first included) "
         "before one error event ends the stream (s)",
     )
+    header_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="a client connection whose request headers are not complete this long "
+        "after it opened (or after the request's first byte) is closed (s)",
+    )
+    body_timeout_s: float = Field(
+        60.0, gt=0, description="longest read of one request body on /v1/*; then 408 (s)"
+    )
+    keep_alive_s: float = Field(
+        5.0, gt=0, description="an idle keep-alive client connection is closed after this (s)"
+    )
+    max_client_connections: int = Field(
+        2048,
+        ge=0,
+        description="client connections plus running requests at once; past it new requests "
+        "get 503 (0 = unlimited)",
+    )
     connect_timeout_s: float = Field(5.0, gt=0, description="TCP connect bound per leg (s)")
     max_retries: int = Field(
         1, ge=0, le=5, description="retries on another pair when an instance is unreachable"

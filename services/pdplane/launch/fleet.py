@@ -108,8 +108,8 @@ class FleetSpec:
     vllm_args: list[str] = field(default_factory=list)
     #: Tokens per request (prompt + output) of every vLLM instance.
     max_model_len: int = 1024
-    prefill_policy: str = "least_loaded"
-    decode_policy: str = "least_loaded"
+    prefill_policy: str = "kv_aware"
+    decode_policy: str = "kv_aware"
     log_dir: Path = Path("logs")
     ready_timeout_s: float = 600.0
     #: Extra `VllmCpuOptions` fields for every instance (e.g. transfer_timeout_s in tests).

@@ -318,12 +318,13 @@ class InflightExchange:
                 self.tracker.add_peer(
                     origin,
                     event.request_id,
-                    self.view.candidate(event.prefill_id),
+                    self.view.candidate(event.prefill_id) if event.prefill_id else None,
                     self.view.candidate(event.decode_id),
                     event.decode_blocks,
                     prefill_id=event.prefill_id,
                     decode_id=event.decode_id,
                     pending=not update.snapshot,
+                    prefill_tokens=event.prefill_tokens,
                 )
 
 
@@ -410,6 +411,7 @@ def _assigned(a: Assignment) -> inflight_pb2.InflightEvent:
         prefill_id=a.prefill_id,
         decode_id=a.decode_id,
         decode_blocks=a.decode_blocks,
+        prefill_tokens=a.prefill_tokens,
     )
 
 

@@ -24,6 +24,7 @@ from pdplane.scheduler.inflight import InflightTracker
 from pdplane.scheduler.kv_index import KvIndexManager
 from pdplane.scheduler.kv_index.wiring import start_kv_index
 from pdplane.scheduler.metrics import SchedulerMetrics
+from pdplane.scheduler.policies.kv_aware import KvAwareWeights
 from pdplane.scheduler.port import Decision, InstanceSource, Outcome, PolicyFlags, RequestFeatures
 from pdplane.scheduler.service import SchedulerService
 from pdplane.scheduler.view import CandidateView
@@ -112,6 +113,13 @@ def open_local(
         inflight=InflightTracker(flags.inflight_timeout_s),
         metrics=metrics,
         seed=flags.seed,
+        kv_weights=KvAwareWeights(
+            request_tokens=flags.kv_request_tokens,
+            kv_usage_tokens=flags.kv_usage_tokens,
+            decode_hit_weight=flags.kv_decode_hit_weight,
+            load_factor=flags.kv_load_factor,
+        ),
+        local_prefill_max_tokens=flags.local_prefill_max_tokens,
     )
     metrics.watch(service.inflight.inflight_by_instance, view.all)
     kv_index = start_kv_index(

@@ -16,8 +16,9 @@ types to and from `pdplane.v1.scheduler_pb2`.
 
 Adding a request feature: a field of `RequestFeatures`, the field of `ScheduleRequest` in
 `scheduler.proto`, and its line in each direction of `wire`; nothing else changes on the way.
-A decision without a prefill instance (decode computes the prompt itself) or with prefix-cache
-hits per side would likewise be new fields of `Decision` (and `ScheduleResponse`).
+A decision may have no prefill instance (decode computes the prompt itself: conditional
+disaggregation; on the wire an empty prefill `InstanceRef`), and carries the predicted prefix
+cache hits per side.
 
 This module imports no scheduler internals, so callers may depend on it alone.
 """
@@ -114,11 +115,19 @@ class InstanceRef(Protocol):
 @dataclass(frozen=True, slots=True)
 class Decision:
     """A scheduling decision: the prefill and the decode instance, and the policies' reason,
-    e.g. "prefill least_loaded: load=0.42 of 2; decode round_robin: 3/4"."""
+    e.g. "prefill least_loaded: load=0.42 of 2; decode round_robin: 3/4".
 
-    prefill: InstanceRef
+    `prefill` None: decode already holds all but a few prompt tokens and computes them itself;
+    the caller sends the original request to decode (no prefill leg, no kv_transfer_params).
+    `prefill_cached_tokens` / `decode_cached_tokens`: the prefix index's predicted prefix cache
+    hit of the prompt on each side (tokens, whole KV cache blocks; 0 = none or unknown).
+    """
+
+    prefill: InstanceRef | None
     decode: InstanceRef
     reason: str = ""
+    prefill_cached_tokens: int = 0
+    decode_cached_tokens: int = 0
 
 
 class Outcome(enum.StrEnum):
@@ -215,7 +224,9 @@ class InstanceSource(Protocol):
 class PolicyFlags(Protocol):
     """The decision flags of a local scheduler (`pdplane.scheduler.settings.PolicySettings`):
     default policy names per side, in-flight expiry (seconds), seed of randomised policies,
-    and the prefix index's (on/off, staleness after seconds or events behind, size bound)."""
+    the prefix index's (on/off, staleness after seconds or events behind, size bound), the
+    kv_aware cost weights and conditional disaggregation's threshold
+    (tokens)."""
 
     prefill_policy: str
     decode_policy: str
@@ -225,6 +236,11 @@ class PolicyFlags(Protocol):
     kv_stale_after_s: float
     kv_max_lag_events: int
     kv_index_max_blocks: int
+    kv_request_tokens: float
+    kv_usage_tokens: float
+    kv_decode_hit_weight: float
+    kv_load_factor: float
+    local_prefill_max_tokens: int
     peers: str
     peer_lag_ms: float
     replica_id: str | None

@@ -101,17 +101,26 @@ def _ref_to_pb(ref: InstanceRef) -> scheduler_pb2.InstanceRef:
 
 def decision_to_pb(decision: Decision) -> scheduler_pb2.ScheduleResponse:
     """The `ScheduleResponse` of a decision."""
+    p = decision.prefill
     return scheduler_pb2.ScheduleResponse(
-        prefill=_ref_to_pb(decision.prefill),
+        prefill=_ref_to_pb(p) if p is not None else None,
         decode=_ref_to_pb(decision.decode),
         reason=decision.reason,
+        prefill_cached_tokens=decision.prefill_cached_tokens,
+        decode_cached_tokens=decision.decode_cached_tokens,
     )
 
 
 def decision_from_pb(response: scheduler_pb2.ScheduleResponse) -> Decision:
     """The decision a `ScheduleResponse` carries; its sides are the response's `InstanceRef`
-    messages themselves (no copy)."""
-    return Decision(response.prefill, response.decode, response.reason)
+    messages themselves (no copy); an empty prefill ref is no prefill."""
+    return Decision(
+        response.prefill if response.prefill.instance_id else None,
+        response.decode,
+        response.reason,
+        response.prefill_cached_tokens,
+        response.decode_cached_tokens,
+    )
 
 
 def outcome_to_pb(outcome: Outcome) -> scheduler_pb2.Outcome.ValueType:

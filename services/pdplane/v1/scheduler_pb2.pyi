@@ -182,10 +182,21 @@ class ScheduleResponse(_message.Message):
     PREFILL_FIELD_NUMBER: _builtins.int
     DECODE_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
+    PREFILL_CACHED_TOKENS_FIELD_NUMBER: _builtins.int
+    DECODE_CACHED_TOKENS_FIELD_NUMBER: _builtins.int
     reason: _builtins.str
     """the policies' explanation, e.g. "least_loaded: load=0.12" """
+    prefill_cached_tokens: _builtins.int
+    """Predicted prefix cache hits (tokens, whole KV cache blocks) of the prompt on the chosen
+    prefill (0 when none) and decode, from the scheduler's prefix index.
+    """
+    decode_cached_tokens: _builtins.int
     @_builtins.property
-    def prefill(self) -> Global___InstanceRef: ...
+    def prefill(self) -> Global___InstanceRef:
+        """Empty (no instance_id) when decode computes the prompt itself (conditional
+        disaggregation): send the original request to decode, with no kv_transfer_params.
+        """
+
     @_builtins.property
     def decode(self) -> Global___InstanceRef: ...
     def __init__(
@@ -194,10 +205,12 @@ class ScheduleResponse(_message.Message):
         prefill: Global___InstanceRef | None = ...,
         decode: Global___InstanceRef | None = ...,
         reason: _builtins.str = ...,
+        prefill_cached_tokens: _builtins.int = ...,
+        decode_cached_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["decode", b"decode", "prefill", b"prefill"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode", b"decode", "prefill", b"prefill", "reason", b"reason"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode", b"decode", "decode_cached_tokens", b"decode_cached_tokens", "prefill", b"prefill", "prefill_cached_tokens", b"prefill_cached_tokens", "reason", b"reason"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

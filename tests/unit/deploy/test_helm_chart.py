@@ -450,7 +450,7 @@ def test_embedded_mode_has_no_scheduler_and_gateways_share_in_flight_state() -> 
     gateway = r.one("Deployment", f"{RELEASE}-pdplane-gateway")
     args = gateway["spec"]["template"]["spec"]["containers"][0]["args"]
     assert _flag(args, "--scheduler") == "embedded"
-    assert _flag(args, "--decode-policy") == "least_loaded"
+    assert _flag(args, "--decode-policy") == "kv_aware"
     # Each gateway follows the others through a headless Service of every gateway pod.
     assert _flag(args, "--peers") == f"{RELEASE}-pdplane-gateway-peers:50053"
     assert _flag(args, "--replica-id") == "$(POD_NAME)"
