@@ -15,6 +15,7 @@ measured as about a third of the scheduler's CPU and a sixth of the gateway's.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,28 @@ from pdplane.v1 import scheduler_pb2, scheduler_pb2_grpc
 __all__ = ["RemoteScheduler"]
 
 _UINT32_MAX = 2**32 - 1
+
+#: With several scheduler addresses (`ipv4:10.0.0.1:50052,10.0.0.2:50052`, or a DNS name with
+#: several records, such as a headless Service) gRPC's pick_first moves to the next one when
+#: its scheduler goes away; a call that found it gone (UNAVAILABLE) is retried there by gRPC
+#: itself, within the call's deadline. Scheduler replicas sharing in-flight state (`--peers`)
+#: make the switch invisible to the decisions.
+_SERVICE_CONFIG = json.dumps(
+    {
+        "methodConfig": [
+            {
+                "name": [{"service": "pdplane.v1.Scheduler"}],
+                "retryPolicy": {
+                    "maxAttempts": 3,
+                    "initialBackoff": "0.01s",
+                    "maxBackoff": "0.2s",
+                    "backoffMultiplier": 2,
+                    "retryableStatusCodes": ["UNAVAILABLE"],
+                },
+            }
+        ]
+    }
+)
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +99,9 @@ class RemoteScheduler:
 
     def _get_stub(self) -> scheduler_pb2_grpc.SchedulerStub:
         if self._stub is None:
-            self._channel = aio_channel(self._address, self._tls_ca)
+            self._channel = aio_channel(
+                self._address, self._tls_ca, [("grpc.service_config", _SERVICE_CONFIG)]
+            )
             self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
         return self._stub
 

@@ -41,6 +41,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except NoInstance as exc:
+            # A decision, not a lost scheduler: tells gRPC's client retry (remote.py) not to
+            # try again elsewhere (gRPC retry design A6: a negative pushback means no retry).
+            context.set_trailing_metadata((("grpc-retry-pushback-ms", "-1"),))
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         return decision_to_pb(decision)
 
