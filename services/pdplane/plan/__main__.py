@@ -16,7 +16,7 @@ import sys
 from pydantic import Field
 
 from pdplane.core.settings import CommandSettings
-from pdplane.plan.report import plan_json, plan_text
+from pdplane.plan.report import plan_json, plan_text, verify_text
 from pdplane.plan.search import Slo, parse_slo, plan_fleet
 from pdplane.plan.workload import RequestSpec, Shape, load_workload
 from pdplane.sim.profiles import load_profile
@@ -42,6 +42,10 @@ class PlanSettings(CommandSettings):
     )
     decode_max_num_seqs: int | None = Field(None, ge=1, description="decode --max-num-seqs")
     seed: int = Field(0, description="workload seed")
+    verify: bool = Field(
+        False,
+        description="re-run the recommendation and its neighbours on a fresh seed, 2x longer",
+    )
     json_out: bool = Field(False, alias="json", description="print JSON instead of Markdown")
 
 
@@ -92,6 +96,9 @@ def main(argv: list[str]) -> int:
         sys.stdout.write(json.dumps(plan_json(plan, profile), indent=1) + "\n")
     else:
         sys.stdout.write(plan_text(plan, profile, s.workload, rate))
+    if s.verify and plan.best is not None and isinstance(wl, Shape):
+        again = wl.requests(2 * duration, rate=rate, seed=s.seed + 1)
+        sys.stdout.write(verify_text(plan, profile, again, warmup))
     return 0 if plan.best is not None else 1
 
 

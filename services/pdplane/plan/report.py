@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
-from pdplane.plan.fleetsim import FleetResult
+from pdplane.plan.fleetsim import FleetResult, simulate_fleet
 from pdplane.plan.search import Plan
+from pdplane.plan.workload import RequestSpec
 from pdplane.sim.profiles import Profile
 
-__all__ = ["plan_json", "plan_text", "recommended_flags"]
+__all__ = ["plan_json", "plan_text", "recommended_flags", "verify_text"]
 
 
 def recommended_flags(profile: Profile, r: FleetResult) -> dict[str, dict[str, int]]:
@@ -140,3 +142,27 @@ def plan_json(plan: Plan, profile: Profile) -> dict[str, Any]:
         "fleets_simulated": len(plan.runs),
         "cpu_s": plan.seconds,
     }
+
+
+def verify_text(
+    plan: Plan, profile: Profile, requests: Sequence[RequestSpec], warmup_s: float
+) -> str:
+    """Re-simulates the recommendation and its neighbours on other `requests` (a fresh seed,
+    a longer window) and renders the same table: the check that the answer is not an artefact
+    of one sample."""
+    lines = [
+        "",
+        f"verification: {len(requests)} requests (fresh seed), warm-up {warmup_s:.0f} s",
+        "",
+        "| fleet | XpYd | GPUs | SLO | TTFT p50/p90/p99 s | ITL p50/p90/p99 ms | goodput req/s "
+        "| per role |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    assert plan.best is not None
+    ttft_b, itl_b = plan.slo.bound("ttft"), plan.slo.bound("itl")
+    for what, r in [("recommended", plan.best), *(("neighbour", n) for n in plan.neighbours)]:
+        again = simulate_fleet(
+            profile, requests, r.config, ttft_slo_s=ttft_b, itl_slo_s=itl_b, warmup_s=warmup_s
+        )
+        lines.append(_row(plan, again, what))
+    return "\n".join(lines) + "\n"
