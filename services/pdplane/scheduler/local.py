@@ -51,6 +51,10 @@ class LocalScheduler:
         self.kv_index = kv_index
         self.exchange = exchange
 
+    def problem(self) -> str | None:
+        """None: an embedded scheduler is always reachable (its view's gaps are the fleet's)."""
+        return None
+
     async def start(self) -> None:
         """Starts sharing in-flight assignments with the peers (serving them, with a port).
         Raises OSError/RuntimeError when that port cannot be bound."""
