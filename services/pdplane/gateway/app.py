@@ -141,7 +141,7 @@ def create_app(
         "tokenizer": tokenizers.describe(),
     }
     app.include_router(schema_router())
-    app.include_router(build_router(fleet, metrics, keys, passthrough, details))
+    app.include_router(build_router(fleet, metrics, keys, passthrough, details, scheduler.problem))
     app.add_exception_handler(HTTPException, _http_error)
     app.state.relay = relay
     app.state.scheduler = scheduler

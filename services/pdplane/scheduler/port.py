@@ -198,6 +198,11 @@ class SchedulerPort(Protocol):
         `schedule` of this port, failures logged. Raises ValueError as `release`."""
         ...
 
+    def problem(self) -> str | None:
+        """Why the port cannot decide now (e.g. "scheduler unreachable at <address>"), for the
+        gateway's /health; None when it can. Cheap, never blocks; call from the event loop."""
+        ...
+
     async def start(self) -> None:
         """Starts what the port runs in the background, in the event loop that will use it
         (a local port's in-flight exchange with its peers); call once, before `schedule`."""
