@@ -142,7 +142,9 @@ def open_local(
         peers=flags.peer_list(),
         lag_s=flags.peer_lag_ms / 1000,
         token=token,
-        tls_ca=tls_ca,
+        # A gateway's own exchange server has no certificate (plaintext, token required), so
+        # its peers, gateways too, are reached the same way; a scheduler's follows its TLS.
+        tls_ca=None if exchange_at else tls_ca,
     )
     shared.register_metrics(metrics.registry)
     host, port = exchange_at or ("", 0)
