@@ -200,7 +200,7 @@ def start_kv_server(
     cert and key are set. `extra_services` add more services to the same server (each returns
     its full name, e.g. `pdplane.v1.KvEvents`), `extra_workers` threads for their long-lived
     streams. Returns (server, bound port). Raises RuntimeError if it cannot bind."""
-    interceptors = [grpc_util.TokenAuthInterceptor(token)] if token else []
+    interceptors = grpc_util.server_interceptors(token)
     server = grpc.server(
         futures.ThreadPoolExecutor(
             max_workers=max_workers + extra_workers, thread_name_prefix="pdplane-kv"

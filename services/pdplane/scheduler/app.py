@@ -121,7 +121,7 @@ class SchedulerApp:
     async def _start_grpc(self) -> None:
         s = self.settings
         assert self.service is not None
-        interceptors = [grpc_util.AioTokenAuthInterceptor(s.token)] if s.token else []
+        interceptors = grpc_util.aio_server_interceptors(s.token)
         server = grpc.aio.server(interceptors=interceptors, options=grpc_util.SERVER_OPTIONS)
         scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(self.service), server)
         # Always served (other replicas may list this one); peers are followed with --peers.

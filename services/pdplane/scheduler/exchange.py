@@ -363,7 +363,7 @@ async def serve_exchange(
     the exchange plus health and reflection, `token` required on the exchange. Returns the
     started server and its bound port; stop it with `await server.stop(grace)`. Raises
     RuntimeError / OSError when the port cannot be bound."""
-    interceptors = [grpc_util.AioTokenAuthInterceptor(token)] if token else []
+    interceptors = grpc_util.aio_server_interceptors(token)
     server = grpc.aio.server(interceptors=interceptors, options=grpc_util.SERVER_OPTIONS)
     inflight_pb2_grpc.add_InflightExchangeServicer_to_server(exchange.servicer, server)
     await grpc_util.aio_add_health_and_reflection(server, [SERVICE_NAME])

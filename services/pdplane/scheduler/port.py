@@ -30,6 +30,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
+from pdplane.core.echo import echo
 from pdplane.v1 import instance_pb2
 
 if TYPE_CHECKING:
@@ -151,7 +152,7 @@ class Outcome(enum.StrEnum):
             return cls(value)
         except ValueError:
             known = sorted(o.value for o in cls)
-            raise ValueError(f"outcome must be one of {known}, got {value!r}") from None
+            raise ValueError(f"outcome must be one of {known}, got {echo(value)}") from None
 
 
 class SchedulerError(Exception):
