@@ -6,6 +6,12 @@
 Simulates candidate XpYd fleets on the profile's engine model in modelled time (no real time
 passes) and prints the recommendation, its neighbours and the plain alternative
 (docs/plan.md). Exit codes: 0 a recommendation, 1 the SLO cannot be met, 2 bad flags.
+
+    pdplane plan --registry HOST:PORT --window 10m [--gateway URL] [--serve-metrics PORT]
+
+Live advice: reads the registry's load reports (and the gateway's TTFT/TPOT) over the window
+and says which side is the bottleneck; with --serve-metrics it keeps going and exports the
+verdict as Prometheus gauges. Exit code 1 when the registry cannot be reached.
 """
 
 from __future__ import annotations
@@ -13,9 +19,11 @@ from __future__ import annotations
 import json
 import sys
 
+import grpc
 from pydantic import Field
 
 from pdplane.core.settings import CommandSettings
+from pdplane.plan.live_cli import parse_duration, run_live
 from pdplane.plan.report import plan_json, plan_text, verify_text
 from pdplane.plan.search import Slo, parse_slo, plan_fleet
 from pdplane.plan.workload import RequestSpec, Shape, load_workload
@@ -47,6 +55,20 @@ class PlanSettings(CommandSettings):
         description="re-run the recommendation and its neighbours on a fresh seed, 2x longer",
     )
     json_out: bool = Field(False, alias="json", description="print JSON instead of Markdown")
+    # live advice
+    registry: str | None = Field(
+        None, description="live advice: registry host:port (several comma-separated)"
+    )
+    token: str | None = Field(None, description="registry bearer token")
+    tls_ca: str | None = Field(None, description="CA certificate (PEM) to verify registry TLS")
+    window: str = Field("10m", description="live advice: sliding window (10m, 30s, ...)")
+    interval_s: float = Field(1.0, gt=0, description="live advice: sampling period (s)")
+    gateway: str | None = Field(
+        None, description="live advice: gateway base URL (its /metrics give TTFT/TPOT)"
+    )
+    serve_metrics: int | None = Field(
+        None, ge=0, le=65535, description="live advice: keep going, export gauges on this port"
+    )
 
 
 def window(shape: Shape, slo: Slo, duration_s: float = 0.0) -> tuple[float, float]:
@@ -60,9 +82,41 @@ def window(shape: Shape, slo: Slo, duration_s: float = 0.0) -> tuple[float, floa
     return life + max(life, 60.0), life
 
 
+def _live(s: PlanSettings) -> int:
+    try:
+        window_s = parse_duration(s.window)
+        slo = parse_slo(s.slo)
+    except ValueError as exc:
+        sys.stderr.write(f"error: pdplane plan: {exc}\n")
+        return 2
+    try:
+        run_live(
+            s.registry or "",
+            window_s=window_s,
+            interval_s=s.interval_s,
+            gateway=s.gateway,
+            token=s.token,
+            tls_ca=s.tls_ca,
+            ttft_slo_s=slo.bound("ttft"),
+            itl_slo_s=slo.bound("itl"),
+            serve_metrics=s.serve_metrics,
+            json_out=s.json_out,
+        )
+    except grpc.RpcError as exc:
+        code = exc.code().name if isinstance(exc, grpc.Call) else "ERROR"
+        details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
+        sys.stderr.write(f"pdplane plan: registry: {code}: {details}\n")
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    return 0
+
+
 def main(argv: list[str]) -> int:
     """Runs `pdplane plan`; see the module docstring for exit codes."""
     s = PlanSettings.parse(argv, prog="pdplane plan")
+    if s.registry:
+        return _live(s)
     try:
         profile = load_profile(s.profile)
         slo = parse_slo(s.slo)
