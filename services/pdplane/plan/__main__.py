@@ -46,7 +46,7 @@ class PlanSettings(CommandSettings):
     max_decode: int = Field(32, ge=1, description="most decode instances to consider")
     rate: float = Field(0.0, ge=0, description="request rate (req/s); 0 = the workload's")
     duration_s: float = Field(
-        0.0, ge=0, description="simulated traffic (s); 0 = two request lifetimes, >= 60 s"
+        0.0, ge=0, description="simulated traffic (s); 0 = 1.5 request lifetimes, >= lifetime + 60 s"
     )
     decode_max_num_seqs: int | None = Field(None, ge=1, description="decode --max-num-seqs")
     seed: int = Field(0, description="workload seed")
@@ -72,14 +72,15 @@ class PlanSettings(CommandSettings):
 
 
 def window(shape: Shape, slo: Slo, duration_s: float = 0.0) -> tuple[float, float]:
-    """(traffic duration, warm-up) in s: a request lives about osl x ITL target / 2 + TTFT
-    target; warm up one lifetime, measure at least one lifetime and 60 s."""
+    """(traffic duration, warm-up) in s. A request of a fleet that meets the SLO lives at most
+    about osl x ITL target + TTFT target; the decode population (and its KV use) is steady only
+    after one such lifetime, so that is the warm-up; then measure half a lifetime, >= 60 s."""
     itl = slo.bound("itl")
     ttft = slo.bound("ttft")
-    life = shape.osl.expected * (itl if itl < 1e9 else 0.05) / 2 + (ttft if ttft < 1e9 else 2)
+    life = shape.osl.expected * (itl if itl < 1e9 else 0.05) + (ttft if ttft < 1e9 else 2)
     if duration_s:
         return duration_s, min(life, duration_s / 3)
-    return life + max(life, 60.0), life
+    return life + max(life / 2, 60.0), life
 
 
 def _live(s: PlanSettings) -> int:
