@@ -1,0 +1,106 @@
+"""`pdplane plan`: how many prefill and decode instances meet an SLO on a workload.
+
+    pdplane plan --profile llama3-8b-h100 --workload seed-long-output \
+        --slo 'ttft_p90<=2s,itl_p90<=50ms' [--gpus 8] [--rate 10] [--json]
+
+Simulates candidate XpYd fleets on the profile's engine model in modelled time (no real time
+passes) and prints the recommendation, its neighbours and the plain alternative
+(docs/plan.md). Exit codes: 0 a recommendation, 1 the SLO cannot be met, 2 bad flags.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from pydantic import Field
+
+from pdplane.core.settings import CommandSettings
+from pdplane.plan.report import plan_json, plan_text, verify_text
+from pdplane.plan.search import Slo, parse_slo, plan_fleet
+from pdplane.plan.workload import RequestSpec, Shape, load_workload
+from pdplane.sim.profiles import load_profile
+
+__all__ = ["PlanSettings", "main", "window"]
+
+
+class PlanSettings(CommandSettings):
+    """Flags of `pdplane plan` (each also a `PDPLANE_*` environment variable)."""
+
+    profile: str = Field("llama3-8b-h100", description="engine profile: a name or a JSON file")
+    workload: str = Field(
+        "seed-long-output",
+        description="seed-long-output, prefill-heavy, poisson:isl=N,osl=N,rate=R or a JSONL trace",
+    )
+    slo: str = Field("ttft_p90<=2s,itl_p90<=50ms", description="latency targets")
+    gpus: int = Field(0, ge=0, description="GPU budget (one instance = one GPU); 0 = no limit")
+    max_prefill: int = Field(32, ge=1, description="most prefill instances to consider")
+    max_decode: int = Field(32, ge=1, description="most decode instances to consider")
+    rate: float = Field(0.0, ge=0, description="request rate (req/s); 0 = the workload's")
+    duration_s: float = Field(
+        0.0, ge=0, description="simulated traffic (s); 0 = two request lifetimes, >= 60 s"
+    )
+    decode_max_num_seqs: int | None = Field(None, ge=1, description="decode --max-num-seqs")
+    seed: int = Field(0, description="workload seed")
+    verify: bool = Field(
+        False,
+        description="re-run the recommendation and its neighbours on a fresh seed, 2x longer",
+    )
+    json_out: bool = Field(False, alias="json", description="print JSON instead of Markdown")
+
+
+def window(shape: Shape, slo: Slo, duration_s: float = 0.0) -> tuple[float, float]:
+    """(traffic duration, warm-up) in s: a request lives about osl x ITL target / 2 + TTFT
+    target; warm up one lifetime, measure at least one lifetime and 60 s."""
+    itl = slo.bound("itl")
+    ttft = slo.bound("ttft")
+    life = shape.osl.expected * (itl if itl < 1e9 else 0.05) / 2 + (ttft if ttft < 1e9 else 2)
+    if duration_s:
+        return duration_s, min(life, duration_s / 3)
+    return life + max(life, 60.0), life
+
+
+def main(argv: list[str]) -> int:
+    """Runs `pdplane plan`; see the module docstring for exit codes."""
+    s = PlanSettings.parse(argv, prog="pdplane plan")
+    try:
+        profile = load_profile(s.profile)
+        slo = parse_slo(s.slo)
+        wl = load_workload(s.workload)
+    except ValueError as exc:
+        sys.stderr.write(f"error: pdplane plan: {exc}\n")
+        return 2
+    if isinstance(wl, Shape):
+        duration, warmup = window(wl, slo, s.duration_s)
+        rate = s.rate or wl.rate
+        requests: list[RequestSpec] = wl.requests(duration, rate=rate, seed=s.seed)
+    else:
+        requests = wl
+        span = max(requests[-1].at, 1e-9)
+        rate, warmup = len(requests) / span, span / 4
+    try:
+        plan = plan_fleet(
+            profile,
+            requests,
+            slo,
+            gpus=s.gpus,
+            max_prefill=s.max_prefill,
+            max_decode=s.max_decode,
+            warmup_s=warmup,
+            decode_max_num_seqs=s.decode_max_num_seqs,
+        )
+    except ValueError as exc:
+        sys.stderr.write(f"error: pdplane plan: {exc}\n")
+        return 2
+    if s.json_out:
+        sys.stdout.write(json.dumps(plan_json(plan, profile), indent=1) + "\n")
+    else:
+        sys.stdout.write(plan_text(plan, profile, s.workload, rate))
+    if s.verify and plan.best is not None and isinstance(wl, Shape):
+        again = wl.requests(2 * duration, rate=rate, seed=s.seed + 1)
+        sys.stdout.write(verify_text(plan, profile, again, warmup))
+    return 0 if plan.best is not None else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
