@@ -46,7 +46,7 @@ class PlanSettings(CommandSettings):
     max_decode: int = Field(32, ge=1, description="most decode instances to consider")
     rate: float = Field(0.0, ge=0, description="request rate (req/s); 0 = the workload's")
     duration_s: float = Field(
-        0.0, ge=0, description="simulated traffic (s); 0 = 1.5 request lifetimes, >= lifetime + 60 s"
+        0.0, ge=0, description="simulated traffic (s); 0 = one request lifetime + max(half, 60 s)"
     )
     decode_max_num_seqs: int | None = Field(None, ge=1, description="decode --max-num-seqs")
     seed: int = Field(0, description="workload seed")
