@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from pdplane.scheduler.kv_index.kernels import HEADER, apply_holders, stage_remove, stage_store
 from pdplane.scheduler.kv_index.u64map import U64Map, U64s
 
 __all__ = ["HolderSets", "HolderTable"]
@@ -79,6 +80,88 @@ class HolderTable:
 
     def __len__(self) -> int:
         return len(self.ids)
+
+    def store(self, mapping: U64Map, eng: U64s, own: U64s, bit: int) -> int | None:
+        """One instance (`bit`) stores engine blocks eng[i] under own hashes own[i]: updates
+        its engine -> own `mapping` and the holders, in two fused kernel calls.
+
+        Returns the number of engine blocks new to `mapping`, or None (nothing done) when a
+        key is 0 or 1: the caller then takes the per-call path (`add` / `remove`).
+        """
+        n = len(eng)
+        mapping.reserve(n)
+        self.ids.reserve(n)
+        work = np.empty(HEADER + 4 * n, np.int64)
+        keys = np.empty(2 * n, np.uint64)
+        ekeys, evals, ebits = mapping.arrays
+        hkeys, hvals, hbits = self.ids.arrays
+        groups = stage_store(ekeys, evals, ebits, hkeys, hvals, hbits, eng, own, work, keys)
+        if groups < 0:
+            return None
+        new, moved = int(work[0]), int(work[1])
+        mapping.added(new)
+        self._apply(work, keys, groups, n, lambda m: m | bit)
+        if moved:  # rare: an engine block re-stored under another own hash
+            self.remove(np.unique(keys[n : n + moved]), bit)
+        return new
+
+    def unstore(self, mapping: U64Map, eng: U64s, bit: int) -> int | None:
+        """One instance (`bit`) drops engine blocks eng (absent ones ignored): from `mapping`
+        and from the holders of their own hashes, in two fused kernel calls.
+
+        Returns the number of engine blocks removed from `mapping`, or None (nothing done)
+        when an engine key is 0 or 1 (the caller then uses `U64Map.pop` / `remove`).
+        """
+        n = len(eng)
+        work = np.empty(HEADER + 4 * n, np.int64)
+        keys = np.empty(2 * n, np.uint64)
+        ekeys, evals, ebits = mapping.arrays
+        hkeys, hvals, hbits = self.ids.arrays
+        groups = stage_remove(ekeys, evals, ebits, hkeys, hvals, hbits, eng, work, keys)
+        if groups < 0:
+            return None
+        gone, small = int(work[0]), int(work[1])
+        mapping.removed(gone)
+        self._apply(work, keys, groups, n, lambda m: m & ~bit)
+        if small:  # own hashes 0 / 1 live in the side dict
+            self.remove(np.unique(keys[n : n + small]), bit)
+        return gone
+
+    def _apply(
+        self, work: np.ndarray, keys: U64s, groups: int, n: int, change: Callable[[int], int]
+    ) -> None:
+        """The new holder set of each group a stage found, written by `apply_holders`."""
+        if not groups:
+            return
+        sets = self.sets
+        masks = sets.masks
+        base = HEADER + 2 * n
+        sids = work[base : base + groups].tolist()
+        counts = work[base + n : base + n + groups].tolist()
+        new_sid: list[int] = []
+        released: list[tuple[int, int]] = []
+        inserted = deleted = 0
+        for sid, count in zip(sids, counts, strict=True):
+            mask = masks[sid] if sid >= 0 else 0
+            new = change(mask)
+            if new == mask:
+                new_sid.append(-2)  # unchanged (or absent and still no holder)
+                continue
+            if sid >= 0:
+                released.append((sid, count))
+            else:
+                inserted += count
+            if new:
+                new_sid.append(sets.acquire(new, count))
+            else:
+                new_sid.append(-1)
+                deleted += count
+        hkeys, hvals, hbits = self.ids.arrays
+        apply_holders(hkeys, hvals, hbits, work, keys, np.array(new_sid, np.int64))
+        self.ids.added(inserted)
+        self.ids.removed(deleted)
+        for sid, count in released:  # after the table points elsewhere (readers)
+            sets.release(sid, count)
 
     def add(self, own: U64s, bit: int) -> None:
         """Adds the instance `bit` to the holders of each own hash (unique within `own`)."""

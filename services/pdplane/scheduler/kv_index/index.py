@@ -36,7 +36,8 @@ import numpy as np
 from pdplane.core.kv_events import DEFAULT_MEDIUM
 from pdplane.core.prefix_hash import HASH_VERSION, block_hashes
 from pdplane.scheduler.kv_index.holders import HolderSets, HolderTable
-from pdplane.scheduler.kv_index.u64map import U64Map
+from pdplane.scheduler.kv_index.kernels import match_runs
+from pdplane.scheduler.kv_index.u64map import U64Map, U64s
 from pdplane.v1 import kv_events_pb2
 
 __all__ = ["InstanceBlocks", "KvState", "PrefixIndex"]
@@ -144,12 +145,15 @@ class InstanceBlocks:
         mapping = self.blocks.get(medium)
         if not mapping:
             return
-        keys = np.unique(np.fromiter(engine_hashes, np.uint64))
-        own, found = mapping.pop(keys)
-        released = int(found.sum())
-        if released:
-            self.index.entries -= released
-            self.index.tables[medium].remove(np.unique(own[found]), self.bit)
+        keys = np.fromiter(engine_hashes, np.uint64)
+        table = self.index.tables[medium]
+        released = table.unstore(mapping, keys, self.bit)
+        if released is None:  # keys 0 or 1: per-call numpy operations
+            own, found = mapping.pop(np.unique(keys))
+            released = int(found.sum())
+            if released:
+                table.remove(np.unique(own[found]), self.bit)
+        self.index.entries -= released
 
     def clear(self) -> None:
         """Forgets every block of this instance (AllBlocksCleared, snapshot, leaving)."""
@@ -186,6 +190,14 @@ class InstanceBlocks:
         table = index.tables.get(medium)
         if table is None:
             table = index.tables[medium] = HolderTable(index.holder_sets)
+        added = table.store(mapping, eng, new, self.bit)
+        if added is None:
+            self._add_slow(mapping, table, eng, new)
+        else:
+            index.entries += added
+
+    def _add_slow(self, mapping: U64Map, table: HolderTable, eng: U64s, new: U64s) -> None:
+        # Batches with the keys 0 or 1 (U64Map's side dict): per-call numpy operations.
         prev, found = mapping.get(eng)
         same = found & (prev == new)  # stored again (vLLM re-announces reused blocks)
         if same.all():
@@ -195,7 +207,7 @@ class InstanceBlocks:
             table.remove(np.unique(prev[moved]), self.bit)
         if same.any():
             eng, new = eng[~same], new[~same]
-        index.entries += mapping.put(eng, new)
+        self.index.entries += mapping.put(eng, new)
         table.add(np.unique(new), self.bit)
 
     def _apply_snapshot_medium(
@@ -348,30 +360,28 @@ class PrefixIndex:
         by_slot = self._by_slot
         masks = self.holder_sets.masks
         ids = table.ids
+        special = ids.special
+        sid0, sid1 = special.get(0, -1), special.get(1, -1)
         depth = 0
         start = 0
         chunk = _FIRST_CHUNK
         while start < len(hashes):
             # Probe a chunk of blocks at a time (64, then doubling): most walks end early.
             keys = np.fromiter(hashes[start : start + chunk], np.uint64)
-            codes, held_any = ids.get(keys)
-            end = len(keys) if held_any.all() else int(np.argmin(held_any))
-            if end:
-                codes = codes[:end]
-                # Walk runs of blocks with the same holder set: one step per run, not per block.
-                cuts = np.flatnonzero(codes[1:] != codes[:-1]) + 1
-                runs = np.diff(np.concatenate(([0], cuts, [end]))).tolist()
-                firsts = codes[np.concatenate(([0], cuts))].tolist()
-                for sid, length in zip(firsts, runs, strict=True):
-                    held = masks[sid] & alive
-                    if held != alive:
-                        if depth:
-                            _report(alive & ~held, depth, by_slot, found)
-                        alive = held
-                        if not alive:
-                            return found
-                    depth += length
-            if end < len(keys):
+            hkeys, hvals, hbits = ids.arrays  # one read: a table growing meanwhile is new
+            out = match_runs(hkeys, hvals, hbits, keys, sid0, sid1).tolist()
+            held, runs = out[0], out[1]
+            # Walk runs of blocks with the same holder set: one step per run, not per block.
+            for r in range(2, 2 + 2 * runs, 2):
+                held_by = masks[out[r]] & alive
+                if held_by != alive:
+                    if depth:
+                        _report(alive & ~held_by, depth, by_slot, found)
+                    alive = held_by
+                    if not alive:
+                        return found
+                depth += out[r + 1]
+            if held < len(keys):
                 break
             start += len(keys)
             chunk *= 2

@@ -87,6 +87,31 @@ class U64Map:
         self._tombs = 0
         self._arrays = arrays
 
+    # -- for the fused kernels (pdplane.scheduler.kv_index.kernels) ---------------------------
+
+    @property
+    def arrays(self) -> tuple[U64s, np.ndarray, int]:
+        """(keys, values, log2 capacity): the table a kernel probes and writes in place."""
+        return self._arrays
+
+    @property
+    def special(self) -> dict[int, int]:
+        """The entries of the keys 0 and 1 (the table's empty and deleted markers)."""
+        return self._special
+
+    def reserve(self, extra: int) -> None:
+        """Grows the table, if needed, so that `extra` more keys fit under the load bound."""
+        self._grow(extra)
+
+    def added(self, n: int) -> None:
+        """A kernel wrote `n` new keys into empty slots."""
+        self._used += n
+
+    def removed(self, n: int) -> None:
+        """A kernel tombstoned `n` keys."""
+        self._used -= n
+        self._tombs += n
+
     # -- batch operations ----------------------------------------------------------------------
 
     def get(self, keys: U64s) -> tuple[np.ndarray, npt.NDArray[np.bool_]]:
