@@ -12,8 +12,8 @@ from pdplane.core import grpc_util
 from pdplane.sim.app import build_app
 from pdplane.sim.config import SimConfig
 from pdplane.sim.state import SimState
-from pdplane.sim.transfers import TransferServicer
-from pdplane.v1 import instance_pb2, kv_transfer_pb2_grpc
+from pdplane.sim.transfers import NoBytesServicer, TransferServicer
+from pdplane.v1 import instance_pb2, kv_transfer_pb2_grpc, kv_transfer_tcp_pb2_grpc
 
 __all__ = ["SimInstance"]
 
@@ -25,6 +25,7 @@ _ROLES = {
     "both": instance_pb2.ROLE_BOTH,
 }
 _KV_SERVICE = "pdplane.v1.KvTransfer"
+_TCP_SERVICE = "pdplane.v1.TcpKvTransfer"
 
 
 class SimInstance:
@@ -89,7 +90,8 @@ class SimInstance:
         kv_transfer_pb2_grpc.add_KvTransferServicer_to_server(
             TransferServicer(self.state.transfers), self._grpc
         )
-        await grpc_util.aio_add_health_and_reflection(self._grpc, [_KV_SERVICE])
+        kv_transfer_tcp_pb2_grpc.add_TcpKvTransferServicer_to_server(NoBytesServicer(), self._grpc)
+        await grpc_util.aio_add_health_and_reflection(self._grpc, [_KV_SERVICE, _TCP_SERVICE])
         kv_port = grpc_util.add_port(self._grpc, f"{c.host}:{c.kv_port}")
         await self._grpc.start()
         # handler_cancellation: a client disconnect cancels the handler, so that waiting,

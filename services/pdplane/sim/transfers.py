@@ -17,9 +17,14 @@ from typing import Any
 import grpc
 
 from pdplane.sim.engine import EngineState
-from pdplane.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
+from pdplane.v1 import (
+    kv_transfer_pb2,
+    kv_transfer_pb2_grpc,
+    kv_transfer_tcp_pb2,
+    kv_transfer_tcp_pb2_grpc,
+)
 
-__all__ = ["HeldTransfer", "KvPeers", "TransferServicer", "TransferTable"]
+__all__ = ["HeldTransfer", "KvPeers", "NoBytesServicer", "TransferServicer", "TransferTable"]
 
 
 @dataclass(slots=True)
@@ -89,34 +94,26 @@ class TransferTable:
 _NO_BYTES = "the simulator holds no KV bytes: only CompleteTransfer and AbortTransfer are served"
 
 
-class TransferServicer(kv_transfer_pb2_grpc.KvTransferServicer):
-    """CompleteTransfer and AbortTransfer over the table; the data RPCs answer UNIMPLEMENTED."""
-
-    def __init__(self, table: TransferTable) -> None:
-        self._table = table
+class NoBytesServicer(kv_transfer_tcp_pb2_grpc.TcpKvTransferServicer):
+    """The TCP transport's data RPCs, answered UNIMPLEMENTED with the reason."""
 
     async def PullBlocks(
         self, request: Any, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[kv_transfer_pb2.KvChunk]:
+    ) -> AsyncIterator[kv_transfer_tcp_pb2.KvChunk]:
         """UNIMPLEMENTED: there are no bytes to stream."""
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, _NO_BYTES)
-        yield kv_transfer_pb2.KvChunk()  # never reached: abort raises
-
-    async def SendBlocksNccl(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        """UNIMPLEMENTED: there are no bytes to send."""
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, _NO_BYTES)
-
-    async def NcclConnect(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        """UNIMPLEMENTED: the simulator has no NCCL."""
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, _NO_BYTES)
-
-    async def NcclPushBegin(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        """UNIMPLEMENTED: the simulator has no NCCL."""
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, _NO_BYTES)
+        yield kv_transfer_tcp_pb2.KvChunk()  # never reached: abort raises
 
     async def PushBlocks(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
         """UNIMPLEMENTED: there is no receive buffer (a pushing prefill falls back to pull)."""
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, _NO_BYTES)
+
+
+class TransferServicer(kv_transfer_pb2_grpc.KvTransferServicer):
+    """CompleteTransfer and AbortTransfer over the table."""
+
+    def __init__(self, table: TransferTable) -> None:
+        self._table = table
 
     async def CompleteTransfer(
         self, request: kv_transfer_pb2.CompleteTransferRequest, context: grpc.aio.ServicerContext

@@ -1,0 +1,84 @@
+"""The worker's gRPC server hosts any set of services next to each other, and the connector
+imports only what vLLM's environment is promised to have."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pdplane.connector.holds import HoldTable
+from pdplane.connector.kv_cache import KvCacheView
+from pdplane.connector.server import HoldAccess, start_kv_server, worker_services
+from pdplane.connector.transports.base import ServiceBinding
+from pdplane.connector.transports.tcp import TcpTransport
+from pdplane.core import grpc_util
+from pdplane.v1 import instance_pb2, scheduler_pb2, scheduler_pb2_grpc
+
+CONNECTOR = Path(__file__).resolve().parents[3] / "connector" / "pdplane" / "connector"
+ALLOWED = ("pdplane.connector", "pdplane.core", "pdplane.v1", "pdplane.registry.client")
+
+
+def _status(channel: grpc.Channel, name: str) -> int:
+    stub = health_pb2_grpc.HealthStub(channel)
+    return stub.Check(health_pb2.HealthCheckRequest(service=name), timeout=5).status
+
+
+def test_another_service_is_hosted_beside_the_transports() -> None:
+    layout = instance_pb2.KvLayout(num_layers=1, block_size=4, dtype="float32")
+    transport = TcpTransport()
+    transport.bind(KvCacheView({"l0": torch.zeros(4, 8)}))
+    extra = ServiceBinding(
+        "pdplane.v1.Scheduler",
+        lambda s: scheduler_pb2_grpc.add_SchedulerServicer_to_server(
+            scheduler_pb2_grpc.SchedulerServicer(), s
+        ),
+    )
+    services = [*worker_services(transport, HoldAccess(HoldTable(), layout)), extra]
+    assert [s.name for s in services] == [
+        "pdplane.v1.KvTransfer",
+        "pdplane.v1.TcpKvTransfer",
+        "pdplane.v1.Scheduler",
+    ]
+    server = start_kv_server(services, "127.0.0.1:0", ready=False)
+    try:
+        with grpc_util.channel(f"127.0.0.1:{server.port}") as channel:
+            serving = health_pb2.HealthCheckResponse.SERVING
+            assert _status(channel, "pdplane.v1.TcpKvTransfer") == serving
+            assert _status(channel, "pdplane.v1.Scheduler") == serving
+            # readiness (what registration waits for) starts as asked, then flips
+            assert _status(channel, "pdplane.v1.KvTransfer") != serving
+            server.set_ready(True)
+            assert _status(channel, "pdplane.v1.KvTransfer") == serving
+            with pytest.raises(grpc.RpcError) as err:  # hosted: its own handler answers
+                scheduler_pb2_grpc.SchedulerStub(channel).Schedule(
+                    scheduler_pb2.ScheduleRequest(), timeout=5
+                )
+            assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+            assert "not implemented" in (err.value.details() or "").lower()
+    finally:
+        server.stop(0)
+
+
+def _pdplane_imports(path: Path) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+        elif isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+    return {n for n in names if n == "pdplane" or n.startswith("pdplane.")}
+
+
+def test_the_connector_imports_only_core_v1_and_the_registry_client() -> None:
+    bad = {
+        f"{path.relative_to(CONNECTOR)}: {name}"
+        for path in CONNECTOR.rglob("*.py")
+        for name in _pdplane_imports(path)
+        if not any(name == a or name.startswith(f"{a}.") for a in ALLOWED)
+    }
+    assert not bad, sorted(bad)
