@@ -12,7 +12,22 @@ cd "$(dirname "$0")/.."
 venv=.venv
 py=${PYTHON:-python3}
 
+ensure_etcd() {
+    # The registry's etcd store (`--store etcd`, `pdplane up --store etcd`) and its tests run a
+    # local etcd: Debian's etcd-server. Installed when missing and we may (root with apt-get);
+    # otherwise those tests skip outside CI.
+    command -v etcd >/dev/null 2>&1 && return 0
+    if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null 2>&1; then
+        echo "==> installing etcd-server (the registry's etcd store)"
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -q etcd-server >/dev/null 2>&1 ||
+            { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q etcd-server >/dev/null; }
+    else
+        echo "note: etcd not found (apt-get install etcd-server); etcd store tests will skip" >&2
+    fi
+}
+
 install() {
+    ensure_etcd
     # The stamp skips a reinstall when nothing that defines the environment changed.
     local stamp="$venv/.pdplane-install-stamp"
     local want

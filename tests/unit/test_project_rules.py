@@ -21,6 +21,20 @@ def test_no_pickle_msgpack_or_marshal_imports() -> None:
     assert offenders == []
 
 
+# vLLM's KV cache events arrive as msgpack over a ZMQ socket private to the instance: exactly one
+# module reads them (with vLLM's own typed decoder) and turns them into the typed gRPC stream.
+_ENGINE_EVENT_IMPORTS = re.compile(r"^\s*(import|from)\s+(msgspec|zmq)\b", re.M)
+_ENGINE_EVENT_READER = ROOT / "connector" / "pdplane" / "connector" / "kv_events.py"
+
+
+def test_only_the_kv_event_reader_touches_zmq_or_msgspec() -> None:
+    users = [p for p in _project_python_files() if _ENGINE_EVENT_IMPORTS.search(p.read_text())]
+    assert users == [_ENGINE_EVENT_READER]
+    reader = _ENGINE_EVENT_READER.read_text()
+    assert "Decoder(type=KVEventBatch)" in reader  # typed decoding only, never a generic one
+    assert not re.search(r"\.(bind|send|send_multipart)\(", reader)  # it only reads
+
+
 def test_forbidden_import_pattern_catches_offenders() -> None:
     # Guards the guard: the pattern must match the forms it is meant to forbid.
     for line in ("import pickle", "from msgpack import packb", "  import marshal"):

@@ -17,6 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from pdplane.connector.config import ConnectorConfig
+from pdplane.connector.kv_events import reader_endpoint
 from pdplane.connector.logs import setup_connector_logging
 from pdplane.connector.metadata import PdPlaneConnectorMetadata
 from pdplane.connector.registration import InstanceRegistration, build_spec
@@ -24,6 +25,7 @@ from pdplane.connector.scheduler_side import SchedulerSide
 from pdplane.connector.stats import PdPlaneKvStats, PdPlanePromMetrics
 from pdplane.connector.vllm_info import (
     ROLES,
+    data_parallel_rank,
     kv_layout,
     served_model_name,
     software_version,
@@ -104,8 +106,15 @@ class PdPlaneConnector(KVConnectorBase_V1):
             )
             self._start_registration(vllm_config)
         else:
+            events_config = getattr(vllm_config, "kv_events_config", None)
             self._worker = WorkerSide(
-                self.config, self.layout, self.instance_id, tp_rank(), self._num_blocks
+                self.config,
+                self.layout,
+                self.instance_id,
+                tp_rank(),
+                self._num_blocks,
+                kv_events_endpoint=reader_endpoint(events_config, data_parallel_rank(vllm_config)),
+                kv_events_topic=str(getattr(events_config, "topic", "") or ""),
             )
 
     def _start_registration(self, vllm_config: VllmConfig) -> None:

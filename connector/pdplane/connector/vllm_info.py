@@ -13,7 +13,14 @@ from pdplane.v1 import instance_pb2
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
-__all__ = ["ROLES", "kv_layout", "served_model_name", "software_version", "tp_rank"]
+__all__ = [
+    "ROLES",
+    "data_parallel_rank",
+    "kv_layout",
+    "served_model_name",
+    "software_version",
+    "tp_rank",
+]
 
 #: vLLM kv_role -> registry role
 ROLES: dict[str, instance_pb2.Role.ValueType] = {
@@ -85,3 +92,14 @@ def tp_rank() -> int:
         return int(get_tensor_model_parallel_rank())
     except Exception:  # parallel state not initialised (tests, single process)
         return 0
+
+
+def data_parallel_rank(vllm_config: Any) -> int:
+    """This engine's data-parallel rank, as vLLM numbers its KV event publishers (0.32's
+    `data_parallel_index`, older releases' `data_parallel_rank`); 0 without DP."""
+    parallel = getattr(vllm_config, "parallel_config", None)
+    for name in ("data_parallel_index", "data_parallel_rank"):
+        value = getattr(parallel, name, None)
+        if isinstance(value, int):
+            return value
+    return 0

@@ -16,6 +16,7 @@ import torch
 from pdplane.connector.config import ConnectorConfig
 from pdplane.connector.holds import HoldTable
 from pdplane.connector.kv_cache import KvCacheView
+from pdplane.connector.kv_events import KvEventsReader
 from pdplane.connector.metadata import METADATA_VERSION, PdPlaneConnectorMetadata
 from pdplane.connector.peers import PeerPool
 from pdplane.connector.pulls import Puller
@@ -23,6 +24,10 @@ from pdplane.connector.pushes import Pusher
 from pdplane.connector.server import HoldAccess, KvServer, start_kv_server, worker_services
 from pdplane.connector.stats import COUNTERS, GAUGES, PdPlaneKvStats, rank_stats
 from pdplane.connector.transports import KvTransport, create_transport
+from pdplane.connector.transports.base import ServiceBinding
+from pdplane.core.kv_events import KvEventLog
+from pdplane.core.kv_events_server import SERVICE_NAME as KV_EVENTS_SERVICE
+from pdplane.core.kv_events_server import add_kv_events_servicer
 from pdplane.v1 import instance_pb2
 
 __all__ = ["WorkerSide"]
@@ -30,6 +35,7 @@ __all__ = ["WorkerSide"]
 log = logging.getLogger(__name__)
 
 _SERVER_GRACE_S = 2.0
+_KV_EVENTS_STREAMS = 8  # threads for KvEvents subscribers (StreamOptions.max_subscribers)
 
 
 class WorkerSide:
@@ -42,6 +48,9 @@ class WorkerSide:
         tp_rank: this worker's tensor-parallel rank.
         num_blocks: KV cache blocks per layer (to find the block axis); None = first axis.
         transport: the byte mover; default: the one named in `config.transport`.
+        kv_events_endpoint: where vLLM publishes its KV cache events (`kv_events.
+            reader_endpoint`); rank 0 reads them and serves `pdplane.v1.KvEvents` next to
+            KvTransfer. None = no events.
     """
 
     def __init__(
@@ -52,6 +61,8 @@ class WorkerSide:
         tp_rank: int = 0,
         num_blocks: int | None = None,
         transport: KvTransport | None = None,
+        kv_events_endpoint: str | None = None,
+        kv_events_topic: str = "",
     ) -> None:
         self.config = config
         self.layout = layout
@@ -86,6 +97,9 @@ class WorkerSide:
         self._reported: dict[str, int] = {}  # gauges of the last stats report
         self._counted: dict[str, int] = {}  # counters as of the last stats report
         self.peers_gone = 0  # peers that left the registry while this worker knew them
+        self.kv_events: KvEventsReader | None = None
+        if kv_events_endpoint and tp_rank == 0:  # one stream per engine, on rank 0's server
+            self.kv_events = KvEventsReader(kv_events_endpoint, KvEventLog(), kv_events_topic)
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         """Binds the KV cache tensors and starts the KvTransfer server on
@@ -94,14 +108,26 @@ class WorkerSide:
         self.transport.bind(self.cache, self.peers)
         self.pusher.bind_layers(list(kv_caches))
         access = HoldAccess(self.holds, self.layout, tombstone_s=self.config.transfer_timeout_s)
+        services = worker_services(self.transport, access)
+        events = self.kv_events
+        if events is not None:
+            services.append(
+                ServiceBinding(
+                    KV_EVENTS_SERVICE,
+                    lambda server: add_kv_events_servicer(server, events.log),
+                    threads=_KV_EVENTS_STREAMS,
+                )
+            )
         self.server = start_kv_server(
-            worker_services(self.transport, access),
+            services,
             self.config.bind_address(self.tp_rank),
             token=self.config.token,
             tls_cert=self.config.tls_cert,
             tls_key=self.config.tls_key,
         )
         self.port = self.server.port
+        if events is not None:
+            events.start()
         log.info(
             "KvTransfer server of rank %d on port %d (%s transport, %d layers)",
             self.tp_rank,
@@ -180,6 +206,8 @@ class WorkerSide:
         """Stops the server, pushes and pulls; idempotent."""
         self.pusher.close()
         self.puller.close()
+        if self.kv_events is not None:
+            self.kv_events.stop()  # closes the log: open KvEvents streams end UNAVAILABLE
         if self.server is not None:
             self.server.stop(_SERVER_GRACE_S)
             self.server = None

@@ -9,7 +9,7 @@ used inside vLLM's engine process) and the asyncio (`grpc.aio.server`) flavours 
 from __future__ import annotations
 
 import hmac
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -71,17 +71,44 @@ def _is_open(method: str) -> bool:
     return method.startswith(("/grpc.health.v1.", "/grpc.reflection."))
 
 
+_DENIED = "missing or invalid bearer token"
+
+
+def _shaped_like(
+    handler: grpc.RpcMethodHandler, unary_response: Any, streaming_response: Any
+) -> grpc.RpcMethodHandler:
+    # The refusal must have the handler's shape: gRPC drives a response-streaming handler as an
+    # iterator and a unary one as a function.
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(streaming_response)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(unary_response)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(streaming_response)
+    return grpc.unary_unary_rpc_method_handler(unary_response)
+
+
 def _deny_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     def deny(_request: Any, context: grpc.ServicerContext) -> Any:
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token")
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, _DENIED)
 
-    if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(deny)
-    if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(deny)
-    if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(deny)
-    return grpc.unary_unary_rpc_method_handler(deny)
+    return _shaped_like(handler, deny, deny)
+
+
+def _aio_deny_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    # On an asyncio server the refusal must be a coroutine / async generator: a plain function
+    # there runs on the event loop's thread and, for streaming shapes, blocked that loop for
+    # good (every later RPC timed out and the server could no longer be stopped).
+    async def deny(_request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, _DENIED)
+
+    async def deny_stream(
+        _request: Any, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[Any]:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, _DENIED)
+        yield  # pragma: no cover - abort raises; this only makes it an async generator
+
+    return _shaped_like(handler, deny, deny_stream)
 
 
 class TokenAuthInterceptor(grpc.ServerInterceptor):
@@ -119,7 +146,7 @@ class AioTokenAuthInterceptor(grpc.aio.ServerInterceptor):
             return handler
         if _authorized(handler_call_details.invocation_metadata, self._token):
             return handler
-        return _deny_handler(handler)
+        return _aio_deny_handler(handler)
 
 
 def _reflect(server: grpc.Server | grpc.aio.Server, names: list[str]) -> None:

@@ -25,6 +25,7 @@ from pdplane.gateway.relay import Relay, RelayConfig, SchedulerPort
 from pdplane.gateway.routes import build_router
 from pdplane.gateway.settings import GatewaySettings
 from pdplane.gateway.upstream import UpstreamClient
+from pdplane.scheduler.kv_index.wiring import start_kv_index
 
 __all__ = ["create_app"]
 
@@ -74,10 +75,20 @@ def create_app(
         tracker = FleetTracker(settings.registry, token=settings.token, tls_ca=settings.tls_ca)
         fleet = lambda: tracker.view  # noqa: E731
     owned_scheduler = None
+    kv_index = None
     if scheduler is None and settings.embedded_scheduler:
         if tracker is None:
             raise ValueError("--scheduler embedded needs the registry view (no `fleet` override)")
         scheduler, view = EmbeddedScheduler.over(tracker.source, settings, metrics.registry)
+        kv_index = start_kv_index(
+            tracker.source,
+            settings,
+            token=settings.token,
+            tls_ca=settings.tls_ca,
+            registry=metrics.registry,
+            service=scheduler.service,
+            subscriber="gateway",
+        )
         # A restarted registry may reuse revision numbers: every change forces a re-read.
         tracker.subscribe(view.mark_dirty)
     elif scheduler is None:
@@ -112,6 +123,8 @@ def create_app(
             await aborter.close()
             if owned_scheduler is not None:
                 await owned_scheduler.close()
+            if kv_index is not None:
+                await asyncio.to_thread(kv_index.stop)
             if tracker is not None:
                 await asyncio.to_thread(tracker.stop)
 

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
+import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +25,13 @@ from typing import Any, Literal
 
 from pdplane.launch.process import ManagedProcess, http_ok, wait_until
 
-__all__ = ["KvRole", "VllmCpuInstance", "VllmCpuOptions", "connector_config"]
+__all__ = [
+    "KvRole",
+    "VllmCpuInstance",
+    "VllmCpuOptions",
+    "connector_config",
+    "kv_events_config",
+]
 
 KvRole = Literal["kv_producer", "kv_consumer", "kv_both"]
 
@@ -59,6 +67,9 @@ class VllmCpuOptions:
         kv_load_failure_policy: vLLM's reaction to a failed pull: "fail" or "recompute".
         max_model_len: tokens; num_gpu_blocks: KV cache blocks (`--num-gpu-blocks-override`).
         dtype: model dtype; prefix_caching: vLLM's own prefix cache.
+        kv_events: with a connector and prefix caching, have vLLM publish its KV cache events
+            to a private `ipc://` socket the connector re-publishes as `pdplane.v1.KvEvents`
+            (ignored when `extra_args` already carry `--kv-events-config`).
         omp_threads_bind: `VLLM_CPU_OMP_THREADS_BIND` (e.g. "0" to pin to core 0).
         extra_args: more vLLM flags; extra_env: more environment variables.
     """
@@ -81,6 +92,7 @@ class VllmCpuOptions:
     num_gpu_blocks: int = 64
     dtype: str = "float32"
     prefix_caching: bool = True
+    kv_events: bool = True
     omp_threads_bind: str | None = None
     extra_args: list[str] = field(default_factory=list)
     extra_env: dict[str, str] = field(default_factory=dict)
@@ -118,6 +130,12 @@ def connector_config(options: VllmCpuOptions) -> dict[str, Any] | None:
     return config
 
 
+def kv_events_config(endpoint: str) -> dict[str, Any]:
+    """The `--kv-events-config` object that makes vLLM publish its KV cache events to
+    `endpoint` (e.g. `ipc:///run/pdplane/kv-events.ipc`), where the connector reads them."""
+    return {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint}
+
+
 class VllmCpuInstance:
     """One vLLM CPU server process: `start()`, `wait_healthy()`, `stop()` (or `with`).
 
@@ -136,6 +154,11 @@ class VllmCpuInstance:
         self.log_path = log_path
         self._python = python
         self._base_env = dict(os.environ if base_env is None else base_env)
+        # The events socket lives in a directory only this user can open (mkdtemp: 0700).
+        self._events_dir: Path | None = None
+        wants_events = options.role and options.prefix_caching and options.kv_events
+        if wants_events and "--kv-events-config" not in options.extra_args:
+            self._events_dir = Path(tempfile.mkdtemp(prefix="pdplane-kvev-"))
         name = options.role or "vllm"
         self.process = ManagedProcess(
             f"{name}:{options.port}", self.command(), log_path, self.env()
@@ -182,6 +205,9 @@ class VllmCpuInstance:
         kv = connector_config(o)
         if kv is not None:
             argv += ["--kv-transfer-config", json.dumps(kv)]
+        if self._events_dir is not None:
+            endpoint = f"ipc://{self._events_dir / 'kv-events.ipc'}"
+            argv += ["--kv-events-config", json.dumps(kv_events_config(endpoint))]
         return argv + list(o.extra_args)
 
     def env(self) -> dict[str, str]:
@@ -194,6 +220,8 @@ class VllmCpuInstance:
 
     def start(self) -> None:
         """Starts the server (returns at once). Raises RuntimeError if already running."""
+        if self._events_dir is not None:  # again after a stop()
+            self._events_dir.mkdir(mode=0o700, exist_ok=True)
         self.process.start()
 
     def healthy(self) -> bool:
@@ -216,7 +244,10 @@ class VllmCpuInstance:
 
     def stop(self, grace_s: float = 15.0) -> int | None:
         """SIGTERM, then SIGKILL after `grace_s` seconds, to the whole process group."""
-        return self.process.stop(grace_s)
+        code = self.process.stop(grace_s)
+        if self._events_dir is not None:
+            shutil.rmtree(self._events_dir, ignore_errors=True)
+        return code
 
     def __enter__(self) -> VllmCpuInstance:
         self.start()

@@ -9,6 +9,7 @@ import threading
 
 from pdplane.registry.server import RegistryServer
 from pdplane.registry.settings import RegistrySettings
+from pdplane.registry.store import StoreError
 
 __all__ = ["main"]
 
@@ -24,7 +25,7 @@ def main(argv: list[str]) -> int:
     server = RegistryServer(settings)
     try:
         server.start()
-    except (RuntimeError, OSError, ValueError) as exc:
+    except (RuntimeError, OSError, ValueError, StoreError) as exc:
         sys.stderr.write(f"pdplane registry: {exc}\n")
         return 1
     stopping = threading.Event()

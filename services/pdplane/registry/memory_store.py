@@ -8,9 +8,7 @@ revision is then still larger than anything they hold).
 from __future__ import annotations
 
 import secrets
-import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -19,7 +17,9 @@ from pdplane.registry.store import (
     LeaseGrant,
     LeasePolicy,
     NotFoundError,
+    Subscription,
 )
+from pdplane.registry.watch_hub import WatchHub, filter_instances
 from pdplane.v1 import instance_pb2, registry_pb2
 
 __all__ = ["InMemoryStore"]
@@ -39,59 +39,6 @@ class _Entry:
     last_heartbeat_ns: int
 
 
-class _Subscription:
-    """A watcher's bounded event queue; overflow turns into one fresh SNAPSHOT."""
-
-    def __init__(self, store: InMemoryStore, notify: Callable[[], None], max_queue: int) -> None:
-        self._store = store
-        self._notify = notify
-        self._max_queue = max_queue
-        self._queue: deque[registry_pb2.WatchEvent] = deque()
-        self.needs_snapshot = False
-        self._notified = False
-        self.closed = False
-
-    def push(self, event: registry_pb2.WatchEvent) -> None:
-        """Queues `event` (store lock held)."""
-        if self.closed or self.needs_snapshot:
-            return
-        if len(self._queue) >= self._max_queue:
-            self._queue.clear()
-            self.needs_snapshot = True
-        else:
-            self._queue.append(event)
-        self._wake()
-
-    def lagged(self) -> None:
-        """Drops the queue and asks for a SNAPSHOT on the next poll (store lock held)."""
-        self._queue.clear()
-        self.needs_snapshot = True
-        self._wake()
-
-    def _wake(self) -> None:
-        # One notification per poll is enough: the poller drains everything.
-        if not self._notified:
-            self._notified = True
-            self._notify()
-
-    def poll(self) -> list[registry_pb2.WatchEvent]:
-        with self._store.lock:
-            self._notified = False
-            if self.needs_snapshot:
-                self.needs_snapshot = False
-                self._queue.clear()
-                return [self._store.snapshot_event()]
-            events = list(self._queue)
-            self._queue.clear()
-            return events
-
-    def close(self) -> None:
-        with self._store.lock:
-            self.closed = True
-            self._queue.clear()
-            self._store.unsubscribe(self)
-
-
 class InMemoryStore:
     """Thread-safe in-memory `InstanceStore`.
 
@@ -109,13 +56,13 @@ class InMemoryStore:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.policy = policy or LeasePolicy()
-        self.lock = threading.RLock()
+        self._revision = time.time_ns() // 1_000
+        self._hub = WatchHub(
+            self.snapshot_event, history=history, max_queue=max_queue, floor=self._revision
+        )
+        self.lock = self._hub.lock
         self._clock = clock
         self._entries: dict[str, _Entry] = {}
-        self._revision = time.time_ns() // 1_000
-        self._log: deque[registry_pb2.WatchEvent] = deque(maxlen=history)
-        self._subs: set[_Subscription] = set()
-        self._max_queue = max_queue
 
     @property
     def revision(self) -> int:
@@ -126,10 +73,7 @@ class InMemoryStore:
     def _emit(
         self, kind: _Event.Type.ValueType, instance: instance_pb2.Instance, reason: str = ""
     ) -> None:
-        event = _Event(type=kind, revision=self._revision, instance=instance, reason=reason)
-        self._log.append(event)
-        for sub in self._subs:
-            sub.push(event)
+        self._hub.emit(_Event(type=kind, revision=self._revision, instance=instance, reason=reason))
 
     def _store(self, entry: _Entry, kind: _Event.Type.ValueType) -> int:
         """Bumps the revision, stamps it on the entry's new instance and emits `kind`."""
@@ -242,16 +186,10 @@ class InMemoryStore:
     ) -> tuple[list[instance_pb2.Instance], int]:
         """Filter semantics: a BOTH instance matches role PREFILL and DECODE too."""
         with self.lock:
-            out = []
-            for instance_id in sorted(self._entries):
-                entry = self._entries[instance_id]
-                spec = entry.instance.spec
-                if role and spec.role not in (role, instance_pb2.ROLE_BOTH):
-                    continue
-                if (model and spec.model != model) or (state and entry.instance.state != state):
-                    continue
-                out.append(self._materialize(entry))
-            return out, self._revision
+            entries = [self._entries[i] for i in sorted(self._entries)]
+            matched = filter_instances((e.instance for e in entries), role, model, state)
+            by_id = {e.instance.spec.instance_id: e for e in entries}
+            return [self._materialize(by_id[i.spec.instance_id]) for i in matched], self._revision
 
     def get(self, instance_id: str) -> instance_pb2.Instance:
         with self.lock:
@@ -269,27 +207,30 @@ class InMemoryStore:
                 instances=[e.instance for e in self._entries.values()],
             )
 
-    def watch(self, from_revision: int, notify: Callable[[], None]) -> _Subscription:
-        sub = _Subscription(self, notify, self._max_queue)
+    def watch(self, from_revision: int, notify: Callable[[], None]) -> Subscription:
         with self.lock:
-            oldest = self._log[0].revision if self._log else self._revision + 1
-            replayable = from_revision > 0 and oldest - 1 <= from_revision <= self._revision
-            if replayable:
-                for event in self._log:
-                    if event.revision > from_revision:
-                        sub.push(event)
-            else:
-                sub.lagged()
-            self._subs.add(sub)
-        return sub
+            return self._hub.watch(from_revision, self._revision, notify, ahead_ok=False)
 
-    def unsubscribe(self, sub: _Subscription) -> None:
-        """Forgets a closed subscription."""
-        with self.lock:
-            self._subs.discard(sub)
+    async def aregister(self, spec: instance_pb2.InstanceSpec, ttl_ms: int) -> LeaseGrant:
+        return self.register(spec, ttl_ms)  # never blocks: one lock, no I/O
+
+    async def aheartbeat(
+        self, instance_id: str, lease_id: str, load: instance_pb2.LoadReport
+    ) -> tuple[int, instance_pb2.InstanceState.ValueType]:
+        return self.heartbeat(instance_id, lease_id, load)
+
+    async def aderegister(
+        self, instance_id: str, lease_id: str, drain: bool
+    ) -> instance_pb2.InstanceState.ValueType:
+        return self.deregister(instance_id, lease_id, drain)
+
+    def start(self) -> None:
+        """Nothing to prepare."""
+
+    def close(self) -> None:
+        """Nothing to release."""
 
     @property
     def watcher_count(self) -> int:
         """Open subscriptions."""
-        with self.lock:
-            return len(self._subs)
+        return self._hub.watcher_count

@@ -26,13 +26,34 @@ __all__ = ["LeaseReaper", "RegistryServer", "build_store"]
 log = logging.getLogger(__name__)
 
 
-def build_store(settings: RegistrySettings) -> InMemoryStore:
-    """The in-memory store configured from `settings`."""
+def build_store(settings: RegistrySettings) -> InstanceStore:
+    """The store `settings.store` names, configured from `settings` (not started)."""
     policy = LeasePolicy(
         default_ttl_ms=settings.lease_ttl_ms,
         max_ttl_ms=settings.max_lease_ttl_ms,
         heartbeat_interval_ms=settings.heartbeat_interval_ms,
     )
+    if settings.store == "etcd":
+        from pdplane.registry.etcd_client import parse_endpoints
+        from pdplane.registry.etcd_store import EtcdStore, EtcdStoreConfig
+
+        config = EtcdStoreConfig(
+            endpoints=parse_endpoints(settings.etcd_endpoints),
+            prefix=settings.etcd_prefix,
+            ca=settings.etcd_ca,
+            cert=settings.etcd_cert,
+            key=settings.etcd_key,
+            timeout_s=settings.etcd_timeout_ms / 1000,
+            replica_id=settings.replica_id or "",
+            replica_ttl_s=max(1, -(-settings.etcd_replica_ttl_ms // 1000)),
+            load_flush_s=settings.etcd_load_flush_ms / 1000,
+            load_refresh_s=settings.etcd_load_refresh_ms / 1000,
+            compact_interval_s=settings.etcd_compact_interval_s,
+            address=f"{settings.host}:{settings.port}",
+        )
+        return EtcdStore(
+            config, policy, history=settings.event_history, max_queue=settings.watch_queue_size
+        )
     return InMemoryStore(
         policy, history=settings.event_history, max_queue=settings.watch_queue_size
     )
@@ -98,7 +119,16 @@ class RegistryServer:
         return grpc_util.add_port(server, f"{s.host}:{s.port}", s.tls_cert, s.tls_key)
 
     def start(self) -> int:
-        """Starts serving; returns the bound port."""
+        """Starts the store, then serving; returns the bound port (raises StoreError when the
+        store cannot start, e.g. etcd unreachable)."""
+        self.store.start()
+        try:
+            return self._start_serving()
+        except BaseException:
+            self.store.close()
+            raise
+
+    def _start_serving(self) -> int:
         if self.settings.flavour == "sync":
             self._start_sync()
         else:
@@ -169,4 +199,5 @@ class RegistryServer:
         if self._thread is not None:
             self._thread.join(timeout=grace + 5.0)
             self._thread = None
+        self.store.close()
         log.info("registry on %s stopped", self.address)

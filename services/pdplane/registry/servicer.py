@@ -10,13 +10,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
 import grpc
 
 from pdplane.core.instance_validation import ValidationError, validate_load, validate_spec
-from pdplane.registry.store import AlreadyExistsError, InstanceStore, NotFoundError
+from pdplane.registry.store import (
+    AlreadyExistsError,
+    InstanceStore,
+    LeaseGrant,
+    NotFoundError,
+    StoreUnavailableError,
+)
 from pdplane.v1 import instance_pb2, registry_pb2, registry_pb2_grpc
 
 __all__ = ["SERVICE_NAME", "AioRegistryServicer", "RegistryServicer"]
@@ -33,17 +39,62 @@ _STATUS = {
     ValidationError: grpc.StatusCode.INVALID_ARGUMENT,
     NotFoundError: grpc.StatusCode.NOT_FOUND,
     AlreadyExistsError: grpc.StatusCode.ALREADY_EXISTS,
+    StoreUnavailableError: grpc.StatusCode.UNAVAILABLE,
 }
+_ERRORS = (ValidationError, NotFoundError, AlreadyExistsError, StoreUnavailableError)
+
+
+def _fail(context: Any, exc: Exception) -> None:
+    context.set_code(_STATUS[type(exc)])
+    context.set_details(str(exc))
 
 
 def _call(context: grpc.ServicerContext, empty: _R, fn: Callable[[], _R]) -> _R:
     """Runs `fn`, turning the registry's errors into a gRPC status on `context`."""
     try:
         return fn()
-    except (ValidationError, NotFoundError, AlreadyExistsError) as exc:
-        context.set_code(_STATUS[type(exc)])
-        context.set_details(str(exc))
+    except _ERRORS as exc:
+        _fail(context, exc)
         return empty
+
+
+async def _acall(context: Any, empty: _R, fn: Callable[[], Awaitable[_R]]) -> _R:
+    """`_call` for coroutines."""
+    try:
+        return await fn()
+    except _ERRORS as exc:
+        _fail(context, exc)
+        return empty
+
+
+def _check_register(request: registry_pb2.RegisterRequest) -> None:
+    if not request.HasField("spec"):
+        raise ValidationError("spec", "is required")
+    validate_spec(request.spec)
+    if request.lease_ttl_ms > MAX_REQUESTED_TTL_MS:
+        raise ValidationError(
+            "lease_ttl_ms", f"must be at most {MAX_REQUESTED_TTL_MS}, got {request.lease_ttl_ms}"
+        )
+
+
+def _registered(grant: LeaseGrant) -> registry_pb2.RegisterResponse:
+    return registry_pb2.RegisterResponse(
+        lease_id=grant.lease_id,
+        lease_ttl_ms=grant.ttl_ms,
+        heartbeat_interval_ms=grant.heartbeat_interval_ms,
+        revision=grant.revision,
+    )
+
+
+def _check_heartbeat(request: registry_pb2.HeartbeatRequest) -> None:
+    _require("instance_id", request.instance_id)
+    _require("lease_id", request.lease_id)
+    validate_load(request.load)
+
+
+def _check_deregister(request: registry_pb2.DeregisterRequest) -> None:
+    _require("instance_id", request.instance_id)
+    _require("lease_id", request.lease_id)
 
 
 def _pack(events: list[registry_pb2.WatchEvent], max_batch: int) -> list[registry_pb2.WatchEvent]:
@@ -90,39 +141,31 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
         """Registers `request.spec`; see registry.proto for the errors."""
 
         def run() -> registry_pb2.RegisterResponse:
-            if not request.HasField("spec"):
-                raise ValidationError("spec", "is required")
-            validate_spec(request.spec)
-            if request.lease_ttl_ms > MAX_REQUESTED_TTL_MS:
-                raise ValidationError(
-                    "lease_ttl_ms",
-                    f"must be at most {MAX_REQUESTED_TTL_MS}, got {request.lease_ttl_ms}",
-                )
-            grant = self._store.register(request.spec, request.lease_ttl_ms)
-            return registry_pb2.RegisterResponse(
-                lease_id=grant.lease_id,
-                lease_ttl_ms=grant.ttl_ms,
-                heartbeat_interval_ms=grant.heartbeat_interval_ms,
-                revision=grant.revision,
-            )
+            _check_register(request)
+            return _registered(self._store.register(request.spec, request.lease_ttl_ms))
 
         return _call(context, registry_pb2.RegisterResponse(), run)
+
+    def _beat(self, request: registry_pb2.HeartbeatRequest) -> registry_pb2.HeartbeatResponse:
+        _check_heartbeat(request)
+        ttl_ms, state = self._store.heartbeat(request.instance_id, request.lease_id, request.load)
+        return registry_pb2.HeartbeatResponse(lease_ttl_ms=ttl_ms, state=state)
 
     def Heartbeat(
         self, request: registry_pb2.HeartbeatRequest, context: grpc.ServicerContext
     ) -> registry_pb2.HeartbeatResponse:
         """Renews a lease with the load report; NOT_FOUND for an unknown lease."""
+        return _call(context, registry_pb2.HeartbeatResponse(), lambda: self._beat(request))
 
-        def run() -> registry_pb2.HeartbeatResponse:
-            _require("instance_id", request.instance_id)
-            _require("lease_id", request.lease_id)
-            validate_load(request.load)
-            ttl_ms, state = self._store.heartbeat(
-                request.instance_id, request.lease_id, request.load
-            )
-            return registry_pb2.HeartbeatResponse(lease_ttl_ms=ttl_ms, state=state)
-
-        return _call(context, registry_pb2.HeartbeatResponse(), run)
+    def HeartbeatStream(
+        self, request_iterator: Iterator[registry_pb2.HeartbeatRequest], context: Any
+    ) -> Iterator[registry_pb2.HeartbeatResponse]:
+        """One response per heartbeat; the first refusal ends the stream with its status."""
+        try:
+            for request in request_iterator:
+                yield self._beat(request)
+        except _ERRORS as exc:
+            _fail(context, exc)
 
     def Deregister(
         self, request: registry_pb2.DeregisterRequest, context: grpc.ServicerContext
@@ -130,8 +173,7 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
         """Removes (or with drain marks DRAINING) an instance; NOT_FOUND for a stale lease."""
 
         def run() -> registry_pb2.DeregisterResponse:
-            _require("instance_id", request.instance_id)
-            _require("lease_id", request.lease_id)
+            _check_deregister(request)
             state = self._store.deregister(request.instance_id, request.lease_id, request.drain)
             return registry_pb2.DeregisterResponse(state=state)
 
@@ -181,16 +223,47 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
 
 
 class AioRegistryServicer(RegistryServicer):
-    """The asyncio flavour: the store calls never block, so unary RPCs run on the loop."""
+    """The asyncio flavour: reads run on the loop (they never block); mutations await the
+    store's coroutines."""
 
     async def Register(self, request: Any, context: Any) -> registry_pb2.RegisterResponse:  # type: ignore[override]
-        return super().Register(request, context)
+        async def run() -> registry_pb2.RegisterResponse:
+            _check_register(request)
+            return _registered(await self._store.aregister(request.spec, request.lease_ttl_ms))
+
+        return await _acall(context, registry_pb2.RegisterResponse(), run)
+
+    async def _abeat(
+        self, request: registry_pb2.HeartbeatRequest
+    ) -> registry_pb2.HeartbeatResponse:
+        _check_heartbeat(request)
+        ttl_ms, state = await self._store.aheartbeat(
+            request.instance_id, request.lease_id, request.load
+        )
+        return registry_pb2.HeartbeatResponse(lease_ttl_ms=ttl_ms, state=state)
 
     async def Heartbeat(self, request: Any, context: Any) -> registry_pb2.HeartbeatResponse:  # type: ignore[override]
-        return super().Heartbeat(request, context)
+        return await _acall(context, registry_pb2.HeartbeatResponse(), lambda: self._abeat(request))
+
+    async def HeartbeatStream(  # type: ignore[override]
+        self, request_iterator: AsyncIterator[registry_pb2.HeartbeatRequest], context: Any
+    ) -> AsyncIterator[registry_pb2.HeartbeatResponse]:
+        """As the sync version; one suspended coroutine per open stream."""
+        try:
+            async for request in request_iterator:
+                yield await self._abeat(request)
+        except _ERRORS as exc:
+            _fail(context, exc)
 
     async def Deregister(self, request: Any, context: Any) -> registry_pb2.DeregisterResponse:  # type: ignore[override]
-        return super().Deregister(request, context)
+        async def run() -> registry_pb2.DeregisterResponse:
+            _check_deregister(request)
+            state = await self._store.aderegister(
+                request.instance_id, request.lease_id, request.drain
+            )
+            return registry_pb2.DeregisterResponse(state=state)
+
+        return await _acall(context, registry_pb2.DeregisterResponse(), run)
 
     async def ListInstances(  # type: ignore[override]
         self, request: Any, context: Any
@@ -212,7 +285,8 @@ class AioRegistryServicer(RegistryServicer):
 
         def notify() -> None:
             # Called by the store's writers: RPCs on this loop (set directly, no self-pipe
-            # write) or the lease reaper's thread. A closed loop just means shutdown.
+            # write) or another thread (the lease reaper, the etcd store's watch). A closed
+            # loop just means shutdown.
             if threading.get_ident() == loop_thread:
                 wake.set()
                 return

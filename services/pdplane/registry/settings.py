@@ -43,6 +43,38 @@ class RegistrySettings(CommandSettings):
     )
     max_workers: int = Field(32, ge=1, description="thread pool size of the sync flavour")
     log_level: str = Field("INFO", description="logging level")
+    store: Literal["memory", "etcd"] = Field(
+        "memory", description="where instances live: memory (one node) or etcd (replicated)"
+    )
+    etcd_endpoints: str = Field(
+        "127.0.0.1:2379", description="etcd client endpoints, comma-separated host:port"
+    )
+    etcd_prefix: str = Field("/pdplane/", description="etcd key prefix of this registry")
+    etcd_ca: str | None = Field(None, description="CA certificate (PEM) to verify etcd's TLS")
+    etcd_cert: str | None = Field(None, description="client certificate (PEM) for etcd")
+    etcd_key: str | None = Field(None, description="client private key (PEM) for etcd")
+    etcd_timeout_ms: int = Field(
+        1_500, ge=100, le=60_000, description="deadline of one etcd request, failovers included"
+    )
+    etcd_replica_ttl_ms: int = Field(
+        10_000,
+        ge=2_000,
+        le=600_000,
+        description="this replica's etcd lease (ms, whole seconds): instances it held survive "
+        "its crash this long, waiting for their next heartbeat elsewhere",
+    )
+    etcd_load_flush_ms: int = Field(
+        200, ge=10, le=10_000, description="how often changed load reports are written (ms)"
+    )
+    etcd_load_refresh_ms: int = Field(
+        10_000, ge=100, description="unchanged load reports are re-sent this often (ms)"
+    )
+    etcd_compact_interval_s: int = Field(
+        300, ge=0, description="compact etcd history older than this (s; 0 = leave it to etcd)"
+    )
+    replica_id: str | None = Field(
+        None, description="name of this replica in etcd (default: host-pid-random)"
+    )
 
     @model_validator(mode="after")
     def _check(self) -> RegistrySettings:
@@ -50,4 +82,12 @@ class RegistrySettings(CommandSettings):
             raise ValueError("--tls-cert and --tls-key must be given together")
         if self.lease_ttl_ms > self.max_lease_ttl_ms:
             raise ValueError("--lease-ttl-ms must not exceed --max-lease-ttl-ms")
+        if bool(self.etcd_cert) != bool(self.etcd_key):
+            raise ValueError("--etcd-cert and --etcd-key must be given together")
+        if self.store == "etcd":
+            from pdplane.registry.etcd_client import parse_endpoints
+
+            parse_endpoints(self.etcd_endpoints)
+            if not self.etcd_prefix.endswith("/"):
+                raise ValueError("--etcd-prefix must end with '/'")
         return self

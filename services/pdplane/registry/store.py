@@ -1,9 +1,13 @@
 """The registry's storage interface: instances, leases, revisions and watch subscriptions.
 
 The servicer speaks only to `InstanceStore`; `memory_store.InMemoryStore` is the single-node
-default. The lease model (TTL, renew by heartbeat, delete on expiry, a global revision that
-every change bumps, watch from a revision) maps one to one onto etcd leases and watches, the
-planned multi-node backend.
+default and `etcd_store.EtcdStore` the replicated one (any number of registry replicas over one
+etcd cluster). The lease model (TTL, renew by heartbeat, delete on expiry, a global revision
+that every change bumps, watch from a revision) maps onto etcd leases and watches.
+
+Every mutating call comes in two forms: the plain one (thread-safe, may block on I/O in the
+etcd store: call it from any thread but an event loop) and the `a`-prefixed coroutine the
+asyncio servicer awaits (never blocks its loop).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ __all__ = [
     "LeasePolicy",
     "NotFoundError",
     "StoreError",
+    "StoreUnavailableError",
     "Subscription",
 ]
 
@@ -35,6 +40,11 @@ class NotFoundError(StoreError):
 
 class AlreadyExistsError(StoreError):
     """The id is held by a live lease with a different spec."""
+
+
+class StoreUnavailableError(StoreError):
+    """The backing store cannot be reached or has no quorum; nothing was changed (or the
+    change's outcome is unknown and the caller should retry). Served as UNAVAILABLE."""
 
 
 @dataclass(frozen=True)
@@ -128,4 +138,29 @@ class InstanceStore(Protocol):
     def watch(self, from_revision: int, notify: Callable[[], None]) -> Subscription:
         """Subscribes: the first poll returns the events after `from_revision` when they are
         still held, else a SNAPSHOT (always a SNAPSHOT for 0)."""
+        ...
+
+    async def aregister(self, spec: instance_pb2.InstanceSpec, ttl_ms: int) -> LeaseGrant:
+        """`register` as a coroutine."""
+        ...
+
+    async def aheartbeat(
+        self, instance_id: str, lease_id: str, load: instance_pb2.LoadReport
+    ) -> tuple[int, instance_pb2.InstanceState.ValueType]:
+        """`heartbeat` as a coroutine (the hot path: no I/O in either store in the steady
+        state)."""
+        ...
+
+    async def aderegister(
+        self, instance_id: str, lease_id: str, drain: bool
+    ) -> instance_pb2.InstanceState.ValueType:
+        """`deregister` as a coroutine."""
+        ...
+
+    def start(self) -> None:
+        """Makes the store ready (connects, loads); raises StoreError when it cannot."""
+        ...
+
+    def close(self) -> None:
+        """Releases what the store holds (connections, threads); idempotent."""
         ...

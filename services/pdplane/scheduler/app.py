@@ -16,6 +16,8 @@ from prometheus_client import start_http_server
 from pdplane.core import grpc_util
 from pdplane.registry.client import InstanceWatcher
 from pdplane.scheduler.inflight import InflightTracker
+from pdplane.scheduler.kv_index import KvIndexManager
+from pdplane.scheduler.kv_index.wiring import start_kv_index
 from pdplane.scheduler.metrics import SchedulerMetrics
 from pdplane.scheduler.service import SchedulerService
 from pdplane.scheduler.servicer import SchedulerServicer
@@ -40,11 +42,13 @@ class SchedulerApp:
     def __init__(self, settings: SchedulerSettings, *, source: InstanceSource | None = None):
         self.settings = settings
         self._watcher: InstanceWatcher | None = None
+        self._source = source
         self.view = CandidateView(source) if source is not None else None
         self.metrics = SchedulerMetrics()
         self.service: SchedulerService | None = None
         self._server: grpc.aio.Server | None = None
         self._http: tuple[HTTPServer, threading.Thread] | None = None
+        self.kv_index: KvIndexManager | None = None
         self.address = ""
         self.metrics_port = 0
 
@@ -71,6 +75,14 @@ class SchedulerApp:
                 seed=s.seed,
             )
             self.metrics.watch(self.service.inflight.inflight_by_instance, view.all)
+            self.kv_index = start_kv_index(
+                self._watcher or self._source,  # type: ignore[arg-type]
+                s,
+                token=s.registry_token or s.token,
+                tls_ca=s.tls_ca,
+                registry=self.metrics.registry,
+                service=self.service,
+            )
             await self._start_grpc()
             if s.metrics_port:
                 server, thread = start_http_server(
@@ -130,6 +142,9 @@ class SchedulerApp:
             http[0].shutdown()
             http[0].server_close()
             http[1].join(timeout=2.0)
+        kv_index, self.kv_index = self.kv_index, None
+        if kv_index is not None:
+            await asyncio.to_thread(kv_index.stop)
         watcher, self._watcher = self._watcher, None
         if watcher is not None:
             await asyncio.to_thread(watcher.stop)

@@ -9,6 +9,11 @@ assignments made since it (conservative: they are released or expire).
 
 Assignments that are never released (a gateway that died) expire after `timeout_s`, so nothing
 grows without bound. Thread-safe: the gRPC loop and the metrics scrape thread both read it.
+
+Several replicas deciding over one fleet share their assignments (`pdplane.scheduler.exchange`):
+a peer's assignment is counted here exactly like an own one made at the moment it arrives (in
+the epoch of the report this replica's view holds then), keyed by (peer, request id). Own
+changes are told to `listener` so that they can be sent to the peers.
 """
 
 from __future__ import annotations
@@ -16,17 +21,22 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from pdplane.scheduler.candidate import Candidate
 
-__all__ = ["Assignment", "InflightTracker"]
+__all__ = ["Assignment", "InflightListener", "InflightTracker"]
 
 
 @dataclass(frozen=True, slots=True)
 class Assignment:
-    """One scheduled request: its pair, the epochs it was counted in, its decode KV blocks."""
+    """One scheduled request: its pair, the epochs it was counted in, its decode KV blocks.
+
+    `origin` is "" for this replica's own assignments, else the peer replica's id. `pending`
+    False: counted in flight but not as load since the current reports (a peer's assignments
+    received in a snapshot, made before an unknown number of reports).
+    """
 
     request_id: str
     prefill_id: str
@@ -35,6 +45,13 @@ class Assignment:
     decode_epoch: int
     decode_blocks: int
     started_at: float  # clock seconds
+    origin: str = ""
+    pending: bool = True
+
+
+#: Told of own changes, outside the tracker's lock: (assigned, released) assignments.
+InflightListener = Callable[[list[Assignment], list[Assignment]], None]
+_Key = str | tuple[str, str]  # own request id, or (peer replica id, its request id)
 
 
 @dataclass(slots=True)
@@ -56,8 +73,9 @@ class InflightTracker:
         self._timeout_s = timeout_s
         self._clock = clock
         self._lock = threading.Lock()
+        self.listener: InflightListener | None = None
         # Insertion order == start order, so expired assignments sit at the front.
-        self._requests: OrderedDict[str, Assignment] = OrderedDict()
+        self._requests: OrderedDict[_Key, Assignment] = OrderedDict()
         self._pending: dict[str, _Pending] = {}
         self._total: dict[str, int] = {}
 
@@ -95,32 +113,101 @@ class InflightTracker:
             started_at=self._clock(),
         )
         with self._lock:
-            replaced = self._requests.pop(request_id, None)
-            if replaced is not None:
-                self._uncount(replaced)
-            self._requests[request_id] = record
-            self._count(prefill.instance_id, prefill.epoch, 0)
-            self._count(decode.instance_id, decode.epoch, decode_blocks)
-            self._expire_locked()
+            replaced = self._put_locked(request_id, record)
+            expired = self._expire_locked()
+        self._tell([record], [r for r in (replaced, *expired) if r is not None])
         return replaced
 
     def release(self, request_id: str) -> Assignment | None:
         """Ends an assignment; None when the id is unknown (already released or expired)."""
         with self._lock:
-            record = self._requests.pop(request_id, None)
-            if record is not None:
-                self._uncount(record)
-            return record
+            record = self._pop_locked(request_id)
+        if record is not None:
+            self._tell([], [record])
+        return record
 
     def expire(self) -> list[Assignment]:
         """Drops assignments older than the timeout; returns them."""
         with self._lock:
-            return self._expire_locked()
+            expired = self._expire_locked()
+        self._tell([], expired)
+        return expired
 
     def request_ids(self) -> list[str]:
-        """The ids in flight, oldest first."""
+        """This replica's own ids in flight, oldest first."""
         with self._lock:
-            return list(self._requests)
+            return [k for k in self._requests if isinstance(k, str)]
+
+    def own(self) -> list[Assignment]:
+        """This replica's own assignments in flight, oldest first (what peers get first)."""
+        with self._lock:
+            return [a for a in self._requests.values() if not a.origin]
+
+    # --- assignments of peer replicas ------------------------------------------------------
+
+    def add_peer(
+        self,
+        origin: str,
+        request_id: str,
+        prefill: Candidate | None,
+        decode: Candidate | None,
+        decode_blocks: int,
+        *,
+        prefill_id: str = "",
+        decode_id: str = "",
+        pending: bool = True,
+    ) -> None:
+        """Counts peer `origin`'s assignment of `request_id` as if made here now: pending on
+        the reports this replica's view holds (`prefill`/`decode`, None when the view does not
+        know the instance yet: counted in flight only). Replaces the peer's earlier one of
+        that id. `prefill_id`/`decode_id` name the instances when the candidate is None."""
+        record = Assignment(
+            request_id=request_id,
+            prefill_id=prefill.instance_id if prefill else prefill_id,
+            prefill_epoch=prefill.epoch if prefill else 0,
+            decode_id=decode.instance_id if decode else decode_id,
+            decode_epoch=decode.epoch if decode else 0,
+            decode_blocks=decode_blocks,
+            started_at=self._clock(),
+            origin=origin,
+            pending=pending and prefill is not None and decode is not None,
+        )
+        with self._lock:
+            self._put_locked((origin, request_id), record)
+
+    def release_peer(self, origin: str, request_id: str) -> bool:
+        """Ends peer `origin`'s assignment of `request_id`; False when it was not counted."""
+        with self._lock:
+            return self._pop_locked((origin, request_id)) is not None
+
+    def drop_peer(self, origin: str) -> int:
+        """Forgets every assignment of peer `origin` (its stream ended); returns how many."""
+        with self._lock:
+            keys = [k for k, a in self._requests.items() if a.origin == origin]
+            for key in keys:
+                self._pop_locked(key)
+        return len(keys)
+
+    def _put_locked(self, key: _Key, record: Assignment) -> Assignment | None:
+        replaced = self._pop_locked(key)
+        self._requests[key] = record
+        self._count(record.prefill_id, record.prefill_epoch, 0, record.pending)
+        self._count(record.decode_id, record.decode_epoch, record.decode_blocks, record.pending)
+        return replaced
+
+    def _pop_locked(self, key: _Key) -> Assignment | None:
+        record = self._requests.pop(key, None)
+        if record is not None:
+            self._uncount(record)
+        return record
+
+    def _tell(self, assigned: list[Assignment], released: Iterable[Assignment]) -> None:
+        listener = self.listener
+        if listener is None:
+            return
+        own_released = [r for r in released if not r.origin]
+        if assigned or own_released:
+            listener(assigned, own_released)
 
     def inflight_by_instance(self) -> dict[str, int]:
         """instance id -> unreleased assignments (either side), for metrics."""
@@ -131,16 +218,18 @@ class InflightTracker:
         deadline = self._clock() - self._timeout_s
         expired = []
         while self._requests:
-            record = next(iter(self._requests.values()))
+            key, record = next(iter(self._requests.items()))
             if record.started_at > deadline:
                 break
-            del self._requests[record.request_id]
+            del self._requests[key]
             self._uncount(record)
             expired.append(record)
         return expired
 
-    def _count(self, instance_id: str, epoch: int, blocks: int) -> None:
+    def _count(self, instance_id: str, epoch: int, blocks: int, pending_too: bool) -> None:
         self._total[instance_id] = self._total.get(instance_id, 0) + 1
+        if not pending_too:
+            return
         pending = self._pending.get(instance_id)
         if pending is None or pending.epoch != epoch:
             pending = self._pending[instance_id] = _Pending(epoch)
@@ -157,6 +246,8 @@ class InflightTracker:
                 self._total[instance_id] = left
             else:
                 self._total.pop(instance_id, None)
+            if not record.pending:
+                continue
             pending = self._pending.get(instance_id)
             if pending is not None and pending.epoch == epoch:
                 pending.requests -= 1

@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pdplane.scheduler.candidate import Candidate
 from pdplane.scheduler.compat import blocks_for, describe_keys, pair_keys_of, split_sides
@@ -17,6 +18,9 @@ from pdplane.scheduler.inflight import InflightTracker
 from pdplane.scheduler.metrics import SchedulerMetrics
 from pdplane.scheduler.policies import POLICIES, PickContext, Policy, make_policy
 from pdplane.scheduler.view import CandidateView
+
+if TYPE_CHECKING:
+    from pdplane.scheduler.kv_index import PrefixIndex
 
 __all__ = ["Decision", "ScheduleInput", "SchedulerService"]
 
@@ -71,11 +75,14 @@ class SchedulerService:
             if name not in POLICIES:
                 raise ValueError(f"unknown policy {name!r}; known: {', '.join(POLICIES)}")
         self.view = view
-        self.inflight = inflight or InflightTracker()
+        # Not `inflight or ...`: an empty tracker is falsy (it has __len__).
+        self.inflight = inflight if inflight is not None else InflightTracker()
         self.metrics = metrics
         self._defaults = {"prefill": prefill_policy, "decode": decode_policy}
         self._seed = seed
         self._policies: dict[tuple[str, str], Policy] = {}
+        #: The prefix index of the instances' KV caches (set by the wiring when enabled).
+        self.kv_index: PrefixIndex | None = None
 
     def _policy(self, side: str, requested: str) -> Policy:
         name = requested or self._defaults[side]

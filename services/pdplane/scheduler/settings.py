@@ -36,6 +36,20 @@ class PolicySettings(CommandSettings):
         default=None, description="seed of the random and power_of_two policies"
     )
 
+    kv_index: bool = Field(
+        default=True,
+        description="keep a prefix index from every instance's KV events stream (kv_aware)",
+    )
+    kv_stale_after_s: float = Field(
+        default=3.0, gt=0, description="an instance's KV events silent this long is stale (s)"
+    )
+    kv_max_lag_events: int = Field(
+        default=10_000, gt=0, description="an instance's KV events this far behind is stale"
+    )
+    kv_index_max_blocks: int = Field(
+        default=100_000_000, gt=0, description="bound on (instance, block) entries of the index"
+    )
+
     _check_prefill = field_validator("prefill_policy")(_known_policy)
     _check_decode = field_validator("decode_policy")(_known_policy)
 

@@ -88,6 +88,12 @@ class CandidateView:
         self._refresh()
         return sorted(self._by_model)
 
+    def candidate(self, instance_id: str) -> Candidate | None:
+        """The current candidate of `instance_id` (refreshed first), None when unknown."""
+        self._refresh()
+        cached = self._cache.get(instance_id)
+        return cached[1] if cached is not None else None
+
     def all(self) -> list[Candidate]:
         """Every candidate in the view (as of the last refresh; does not refresh)."""
         return [c for group in self._by_model.values() for c in group]

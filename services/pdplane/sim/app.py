@@ -5,6 +5,8 @@ Debug routes (tests and benchmarks read them; documented in docs/sim.md):
 - `GET /sim/transfers`: `{"held": [...], "freed": [...]}` (prefill side KV lifecycle).
 - `GET /sim/faults` / `POST /sim/faults`: read / change fault injection at run time.
 - `GET /sim/state`: instance id, role, URLs and the current load report.
+- `GET /sim/stats`: the engine's counters (`pdplane.sim.stats.EngineStats`, modelled seconds),
+  push-buffer counters and the wall clock, for benchmarks that diff two reads.
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ from google.protobuf.json_format import MessageToDict
 from pdplane.sim.generation import CompletionRoutes, error_response
 from pdplane.sim.protocol import SimApiError
 from pdplane.sim.state import SimState
-from pdplane.sim.tokens import count_text_tokens
 
 __all__ = ["build_app"]
 
@@ -63,17 +64,48 @@ def build_app(state: SimState) -> web.Application:
         except json.JSONDecodeError:
             return error_response(SimApiError(400, "request body is not valid JSON"))
         text = body.get("prompt") if isinstance(body, dict) else None
-        if not isinstance(text, str):
+        messages = body.get("messages") if isinstance(body, dict) else None
+        assert state.tokenizer is not None
+        if isinstance(messages, list) and all(isinstance(m, dict) for m in messages):
+            ids = state.tokenizer.encode_chat(messages)
+        elif isinstance(text, str):
+            ids = state.tokenizer.encode(text)
+        else:
             return error_response(SimApiError(400, "prompt must be a string", param="prompt"))
-        count = count_text_tokens(text)
         return web.json_response(
             {
-                "count": count,
+                "count": len(ids),
                 "max_model_len": state.config.max_model_len,
-                "tokens": list(range(count)),
+                "tokens": ids,
                 "token_strs": None,
             }
         )
+
+    async def reset_prefix_cache(_request: web.Request) -> web.Response:
+        state.core.pool.reset()
+        return web.Response(status=200)
+
+    async def stats(_request: web.Request) -> web.Response:
+        core = state.core
+        core.sample(state.runner.now())
+        buffer = state.push_buffer
+        out = core.stats.to_dict()
+        out.update(
+            wall_time=time.time(),
+            num_running=core.num_running,
+            num_waiting=core.num_waiting,
+            kv_cache_usage=core.pool.usage,
+            cached_blocks=len(core.pool.cached),
+            evictions=core.pool.evictions,
+            held_transfers=len(state.transfers.held),
+            push_accepted=buffer.accepted if buffer else 0,
+            push_buffer_refused=buffer.refused if buffer else 0,
+            push_buffer_used_bytes=buffer.used_bytes if buffer else 0,
+            pushes_sent=state.pusher.pushed,
+            pushes_refused=state.pusher.refused,
+            time_scale=state.config.time_scale,
+        )
+        return web.json_response(out)
 
     async def get_requests(_request: web.Request) -> web.Response:
         return web.json_response({"requests": [r.to_dict() for r in state.recorder.records()]})
@@ -131,4 +163,6 @@ def build_app(state: SimState) -> web.Application:
     app.router.add_get("/sim/faults", get_faults)
     app.router.add_post("/sim/faults", set_faults)
     app.router.add_get("/sim/state", sim_state)
+    app.router.add_get("/sim/stats", stats)
+    app.router.add_post("/reset_prefix_cache", reset_prefix_cache)
     return app

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 from pdplane.sim.config import SimConfig
 from pdplane.sim.instance import SimInstance
+from pdplane.sim.tokens import Tokenizer, load_tokenizer
 
 __all__ = ["SimFleet", "expand"]
 
@@ -33,7 +34,10 @@ def expand(config: SimConfig, count: int) -> list[SimConfig]:
 
 
 class SimFleet:
-    """Starts and stops a list of sims together; a failed start stops those already up."""
+    """Starts and stops a list of sims together; a failed start stops those already up.
+
+    Sims naming the same tokenizer share one loaded copy.
+    """
 
     def __init__(
         self,
@@ -43,9 +47,17 @@ class SimFleet:
         registry_token: str | None = None,
         lease_ttl_ms: int = 0,
     ) -> None:
+        tokenizers: dict[str, Tokenizer] = {}
+        for c in configs:
+            if c.tokenizer not in tokenizers:
+                tokenizers[c.tokenizer] = load_tokenizer(c.tokenizer or None)
         self.instances = [
             SimInstance(
-                c, registry=registry, registry_token=registry_token, lease_ttl_ms=lease_ttl_ms
+                c,
+                registry=registry,
+                registry_token=registry_token,
+                lease_ttl_ms=lease_ttl_ms,
+                tokenizer=tokenizers[c.tokenizer],
             )
             for c in configs
         ]

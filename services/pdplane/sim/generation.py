@@ -1,8 +1,11 @@
-"""The OpenAI completion routes of a sim: admission, prefill or KV pull, token-by-token output.
+"""The OpenAI completion routes of a sim: parse, hand the request to the engine, write tokens.
 
-Timing: the first token comes `ttft_per_token_ms * prompt_tokens` after admission (or, on a
-decode that loads remote KV, `kv_transfer_ms_per_token * tokens` after it), then one token every
-`itl_ms`. Times are absolute deadlines from the first token, so slow writes do not add drift.
+Timing comes from the engine model (`pdplane.sim.engine`, stepped by `pdplane.sim.runner`):
+the handler waits for the engine's progress notifications (first token, every
+`stream_interval` tokens, the end) and writes what was generated since the last one, one SSE
+event per token. A prefill for a remote decode (`do_remote_decode`) keeps its blocks under a
+new transfer id (and in push mode pushes them to the named decode); a decode with
+`do_remote_prefill` loads them (`pdplane.sim.kvload`).
 """
 
 from __future__ import annotations
@@ -15,12 +18,13 @@ from typing import Any
 from aiohttp import web
 
 from pdplane.core.kv_params import KvParamsError
+from pdplane.sim.engine import EngineRequest, Phase
 from pdplane.sim.kvflow import KvIntent, classify, producer_params
+from pdplane.sim.kvload import KvLoader, LoadContext
 from pdplane.sim.protocol import SimApiError, SimRequest, parse_request
 from pdplane.sim.records import RequestRecord
 from pdplane.sim.responses import ResponseWriter
 from pdplane.sim.state import SimState
-from pdplane.sim.tokens import generate
 from pdplane.sim.transfers import HeldTransfer
 
 __all__ = ["CompletionRoutes", "error_response"]
@@ -31,12 +35,6 @@ _SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Contr
 def error_response(error: SimApiError) -> web.Response:
     """vLLM's JSON error body with the error's HTTP status."""
     return web.json_response(error.body(), status=error.status)
-
-
-async def _sleep_until(loop: asyncio.AbstractEventLoop, deadline: float) -> None:
-    delay = deadline - loop.time()
-    if delay > 0:
-        await asyncio.sleep(delay)
 
 
 async def _forever() -> None:
@@ -55,6 +53,8 @@ class CompletionRoutes:
 
     def __init__(self, state: SimState) -> None:
         self._s = state
+        self._loader = KvLoader(state)
+        state.runner.loader = self._loader
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         """POST /v1/completions (stream or not)."""
@@ -91,6 +91,7 @@ class CompletionRoutes:
                 model=c.model,
                 max_model_len=c.max_model_len,
                 default_seed=c.seed,
+                tokenizer=s.tokenizer,
             )
             intent = classify(req.kv_transfer_params, record.request_id)
         except SimApiError as exc:
@@ -103,168 +104,164 @@ class CompletionRoutes:
                 SimApiError(500, "simulated engine failure", "InternalServerError")
             )
         producer = intent is not None and intent.role == "producer"
-        need = req.prompt_tokens + (1 if producer else req.max_tokens)
-        admission = await s.engine.admit(s.engine.blocks_for(need))
+        consumer = intent is not None and intent.role == "consumer"
+        assert s.tokenizer is not None
+        ids, pieces = s.tokenizer.sample(req.key, req.seed, 1 if producer else req.max_tokens)
+        ereq = EngineRequest(
+            record.request_id or uuid.uuid4().hex,
+            req.prompt_ids,
+            ids,
+            remote_tokens=(intent.num_tokens or req.prompt_tokens) if intent and consumer else 0,
+            hold=producer,
+        )
+        if consumer:
+            assert intent is not None
+            self._loader.contexts[ereq] = LoadContext(intent, record)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
         held: HeldTransfer | None = None
         try:
-            loop = asyncio.get_running_loop()
-            started = loop.time()
-            await self._prefill_or_pull(req, intent, record)
-            result = str(record.kv.get("result", "")) if record.kv else ""
-            if result.startswith("failed") and c.kv_load_failure_policy == "fail":
+            s.runner.submit(ereq)
+            while ereq.num_output == 0 and ereq.phase != Phase.DONE:
+                await s.runner.progress(ereq)
+            if ereq.num_output == 0:  # the engine gave up on it: a failed KV load
+                result = str(record.kv.get("result", "")) if record.kv else "failed"
                 return error_response(
                     SimApiError(500, f"KV load failed: {result}", "InternalServerError")
                 )
-            first_at = loop.time()
-            s.metrics.ttft.observe(first_at - started)
-            s.metrics.prompt_tokens.inc(req.prompt_tokens)
-            tokens = generate(req.key, req.seed, req.max_tokens)
             writer = ResponseWriter(chat=chat, model=c.model, prompt_tokens=req.prompt_tokens)
             kv_out = None
             if producer:
                 assert intent is not None
-                held = HeldTransfer(
-                    uuid.uuid4().hex,
-                    intent.request_id,
-                    admission.block_ids[: s.engine.blocks_for(req.prompt_tokens)],
-                    req.prompt_tokens,
-                )
-                kv_out = producer_params(
-                    request_id=held.request_id,
-                    transfer_id=held.transfer_id,
-                    engine_id=s.instance_id,
-                    kv_endpoint=s.kv_endpoint,
-                    block_ids=held.block_ids,
-                    num_tokens=held.num_tokens,
-                    kv_layout=s.layout_fingerprint,
-                )
-                record.kv = {
-                    "role": "producer",
-                    "transfer_id": held.transfer_id,
-                    "blocks": len(held.block_ids),
-                }
+                held, kv_out = await self._hold(ereq, req, intent, record)
             if req.stream:
-                response = await self._stream(request, req, writer, tokens, record, first_at)
+                response = await self._stream(request, req, writer, ereq, pieces, record)
             else:
-                response = await self._whole(request, req, writer, tokens, record, first_at, kv_out)
-            s.metrics.e2e.observe(loop.time() - started)
+                response = await self._whole(request, req, writer, ereq, pieces, record, kv_out)
+            s.metrics.e2e.add((loop.time() - started) * c.time_scale)
             return response
         except BaseException:
-            held = None  # nothing was delivered: the blocks go back with the request
+            if held is not None:  # nothing was delivered: the blocks go back
+                s.transfers.release(held.transfer_id, "failed")
             raise
         finally:
-            kept = s.engine.finish(admission, keep=len(held.block_ids) if held else 0)
-            if held is not None:
-                held.block_ids = kept
-                s.transfers.hold(held)
+            self._loader.contexts.pop(ereq, None)
+            if ereq.phase != Phase.DONE:
+                s.runner.abort(ereq)
+            elif ereq.hold and held is None and ereq.blocks:
+                s.runner.release(ereq.blocks)
+                ereq.blocks = []
 
-    async def _prefill_or_pull(
-        self, req: SimRequest, intent: KvIntent | None, record: RequestRecord
-    ) -> None:
-        s, c = self._s, self._s.config
-        if intent is None or intent.role == "producer":
-            if c.ttft_per_token_ms:
-                await asyncio.sleep(c.ttft_per_token_ms * req.prompt_tokens / 1000)
-            return
-        tokens = min(intent.num_tokens or req.prompt_tokens, req.prompt_tokens)
-        decode = intent.decode
+    async def _hold(
+        self, ereq: EngineRequest, req: SimRequest, intent: KvIntent, record: RequestRecord
+    ) -> tuple[HeldTransfer, dict[str, Any]]:
+        """Keeps a finished prefill's blocks for its decode (pushing them in push mode)."""
+        s = self._s
+        while ereq.phase != Phase.DONE:  # max_tokens=1: done with the first token
+            await s.runner.progress(ereq)
+        held = HeldTransfer(uuid.uuid4().hex, intent.request_id, ereq.blocks, req.prompt_tokens)
+        ereq.blocks = []
+        s.transfers.hold(held)
+        pushed = False
+        if s.config.kv_mode == "push" and intent.push_to:
+            pushed = await s.pusher.push(
+                intent.push_to,
+                held.transfer_id,
+                s.instance_id,
+                s.kv_layout,
+                len(held.block_ids),
+                s.peers.metadata,
+            )
+            if pushed:
+                s.core.stats.kv_bytes_out += len(held.block_ids) * s.block_bytes
         record.kv = {
-            "role": "consumer",
-            "transfer_id": decode.transfer_id if decode else None,
-            "result": "nixl",
+            "role": "producer",
+            "transfer_id": held.transfer_id,
+            "blocks": len(held.block_ids),
         }
-        s.metrics.external_queries.inc(req.prompt_tokens)
-        s.engine.pulling += 1
-        try:
-            failure = None
-            if decode is not None and decode.kv_layout != s.layout_fingerprint:
-                failure = f"layout {decode.kv_layout} != {s.layout_fingerprint}"
-            elif c.kv_transfer_ms_per_token:
-                await asyncio.sleep(c.kv_transfer_ms_per_token * tokens / 1000)
-            if decode is not None:
-                answer = await s.peers.complete(
-                    decode.kv_endpoint, decode.transfer_id, success=failure is None
-                )
-                failure = failure or answer
-                record.kv["result"] = f"failed: {failure}" if failure else "pulled"
-        finally:
-            s.engine.pulling -= 1
-        if failure is None:
-            s.metrics.external_hits.inc(tokens)
-        elif c.kv_load_failure_policy == "recompute" and c.ttft_per_token_ms:
-            await asyncio.sleep(c.ttft_per_token_ms * req.prompt_tokens / 1000)
+        if pushed:
+            record.kv["pushed"] = True
+        kv_out = producer_params(
+            request_id=held.request_id,
+            transfer_id=held.transfer_id,
+            engine_id=s.instance_id,
+            kv_endpoint=s.kv_endpoint,
+            block_ids=held.block_ids,
+            num_tokens=held.num_tokens,
+            kv_layout=s.layout_fingerprint,
+            pushed=s.config.kv_mode == "push" and bool(intent.push_to),
+        )
+        return held, kv_out
 
     async def _whole(
         self,
         request: web.Request,
         req: SimRequest,
         writer: ResponseWriter,
-        tokens: list[str],
+        ereq: EngineRequest,
+        pieces: list[str],
         record: RequestRecord,
-        first_at: float,
         kv_out: dict[str, Any] | None,
     ) -> web.StreamResponse:
-        s, c = self._s, self._s.config
+        s = self._s
         if record.fault == "stall":
             await _forever()
         if record.fault == "drop":
             _drop(request)
             return web.Response(status=500)
-        if c.itl_ms and len(tokens) > 1:
-            loop = asyncio.get_running_loop()
-            await _sleep_until(loop, first_at + c.itl_ms * (len(tokens) - 1) / 1000)
-        text = "".join(tokens)
+        while ereq.phase != Phase.DONE:
+            await s.runner.progress(ereq)
+        n = ereq.num_output
+        text = "".join(pieces[:n])
         if req.echo_prompt is not None:
             text = req.echo_prompt + text
-        record.tokens_sent = len(tokens)
-        s.metrics.generation_tokens.inc(len(tokens))
-        s.metrics.success("length")
-        return web.json_response(writer.full(text, len(tokens), kv_out))
+        record.tokens_sent = n
+        return web.json_response(writer.full(text, n, kv_out))
 
     async def _stream(
         self,
         request: web.Request,
         req: SimRequest,
         writer: ResponseWriter,
-        tokens: list[str],
+        ereq: EngineRequest,
+        pieces: list[str],
         record: RequestRecord,
-        first_at: float,
     ) -> web.StreamResponse:
-        s, c = self._s, self._s.config
-        loop = asyncio.get_running_loop()
+        s = self._s
         response = web.StreamResponse(headers=_SSE_HEADERS)
         await response.prepare(request)
-        strike = min(s.faults.fail_after_tokens, len(tokens)) if record.fault else -1
-        itl_s = c.itl_ms / 1000
+        total = len(pieces)
+        strike = min(s.faults.fail_after_tokens, total) if record.fault else -1
         try:
             head = writer.role_chunk()
+            if req.echo_prompt is not None:
+                echo = writer.token_chunk(req.echo_prompt, False)
+                head = echo if head is None else head + echo
             if head is not None:
                 await response.write(head)
-            if req.echo_prompt is not None:
-                await response.write(writer.token_chunk(req.echo_prompt, False))
-            last = len(tokens) - 1
-            previous = first_at
-            for i, token in enumerate(tokens):
-                if i == strike:
+            sent = 0
+            while True:
+                ready = ereq.num_output
+                if strike >= 0 and ready >= strike > sent:
+                    ready = strike
+                if ready > sent:
+                    out = b"".join(
+                        writer.token_chunk(pieces[i], i == total - 1) for i in range(sent, ready)
+                    )
+                    await response.write(out)
+                    record.tokens_sent = sent = ready
+                if sent == strike:
                     return await self._strike(request, response, record)
-                if itl_s and i:
-                    await _sleep_until(loop, first_at + i * itl_s)
-                    now = loop.time()
-                    s.metrics.itl.observe(now - previous)
-                    previous = now
-                await response.write(writer.token_chunk(token, i == last))
-                record.tokens_sent += 1
-            if strike == len(tokens):
-                return await self._strike(request, response, record)
+                if sent >= total or ereq.phase == Phase.DONE:
+                    break
+                await s.runner.progress(ereq)
             if req.include_usage:
-                await response.write(writer.usage_chunk(len(tokens)))
+                await response.write(writer.usage_chunk(sent))
             await response.write(writer.done())
             await response.write_eof()
         except ConnectionResetError:
             record.cancelled = True
             return response
-        s.metrics.generation_tokens.inc(len(tokens))
-        s.metrics.success("length")
         return response
 
     @staticmethod

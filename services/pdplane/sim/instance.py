@@ -9,10 +9,12 @@ import grpc
 from aiohttp import web
 
 from pdplane.core import grpc_util
+from pdplane.core.kv_events_server import add_kv_events_servicer
 from pdplane.sim.app import build_app
 from pdplane.sim.config import SimConfig
 from pdplane.sim.state import SimState
-from pdplane.sim.transfers import NoBytesServicer, TransferServicer
+from pdplane.sim.tokens import Tokenizer
+from pdplane.sim.transfers import TcpDataServicer, TransferServicer
 from pdplane.v1 import instance_pb2, kv_transfer_pb2_grpc, kv_transfer_tcp_pb2_grpc
 
 __all__ = ["SimInstance"]
@@ -43,9 +45,10 @@ class SimInstance:
         registry: str | None = None,
         registry_token: str | None = None,
         lease_ttl_ms: int = 0,
+        tokenizer: Tokenizer | None = None,
     ) -> None:
         self.config = config
-        self.state = SimState(config)
+        self.state = SimState(config, tokenizer)
         self._registry = registry
         self._registry_token = registry_token
         self._lease_ttl_ms = lease_ttl_ms
@@ -87,11 +90,17 @@ class SimInstance:
     async def start(self) -> None:
         c = self.config
         self._grpc = grpc.aio.server(options=grpc_util.SERVER_OPTIONS)
+        state = self.state
         kv_transfer_pb2_grpc.add_KvTransferServicer_to_server(
-            TransferServicer(self.state.transfers), self._grpc
+            TransferServicer(state.transfers), self._grpc
         )
-        kv_transfer_tcp_pb2_grpc.add_TcpKvTransferServicer_to_server(NoBytesServicer(), self._grpc)
-        await grpc_util.aio_add_health_and_reflection(self._grpc, [_KV_SERVICE, _TCP_SERVICE])
+        kv_transfer_tcp_pb2_grpc.add_TcpKvTransferServicer_to_server(
+            TcpDataServicer(state.push_buffer, state.kv_layout, state.block_bytes), self._grpc
+        )
+        services = [_KV_SERVICE, _TCP_SERVICE]
+        if state.events is not None:
+            services.append(add_kv_events_servicer(self._grpc, state.events))
+        await grpc_util.aio_add_health_and_reflection(self._grpc, services)
         kv_port = grpc_util.add_port(self._grpc, f"{c.host}:{c.kv_port}")
         await self._grpc.start()
         # handler_cancellation: a client disconnect cancels the handler, so that waiting,
@@ -100,6 +109,7 @@ class SimInstance:
             build_app(self.state), handler_cancellation=True, access_log=None, shutdown_timeout=0.5
         )
         await self._runner.setup()
+        self.state.runner.start()
         site = web.TCPSite(self._runner, c.host, c.port, backlog=1024)
         await site.start()
         port = self._bound_port()
@@ -138,8 +148,13 @@ class SimInstance:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+        if self.state.events is not None:
+            self.state.events.close()
         if self._grpc is not None:
             await self._grpc.stop(grace=None)
             self._grpc = None
+        await self.state.runner.stop()
         self.state.transfers.release_all("shutdown")
+        if self.state.push_buffer is not None:
+            self.state.push_buffer.clear()
         await self.state.peers.close()

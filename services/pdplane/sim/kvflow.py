@@ -30,6 +30,9 @@ class KvIntent:
     request_id: str
     decode: DecodeRequestParams | None = None
     num_tokens: int = 0
+    #: producer side: the scheduled decode's KvTransfer endpoint and id (push mode)
+    push_to: str = ""
+    push_engine_id: str = ""
 
 
 def classify(params: dict[str, Any] | None, header_request_id: str) -> KvIntent | None:
@@ -42,10 +45,15 @@ def classify(params: dict[str, Any] | None, header_request_id: str) -> KvIntent 
         return None
     if params.get("do_remote_decode") is True:
         try:
-            request_id = PrefillRequestParams.from_dict(params).request_id
+            prefill = PrefillRequestParams.from_dict(params)
         except KvParamsError:
-            request_id = header_request_id or uuid.uuid4().hex
-        return KvIntent("producer", request_id)
+            return KvIntent("producer", header_request_id or uuid.uuid4().hex)
+        return KvIntent(
+            "producer",
+            prefill.request_id,
+            push_to=prefill.decode_kv_endpoint or "",
+            push_engine_id=prefill.decode_engine_id or "",
+        )
     if params.get("do_remote_prefill") is True:
         if "pdplane_version" in params:
             decode = DecodeRequestParams.from_dict(params)
@@ -68,6 +76,7 @@ def producer_params(
     block_ids: list[int],
     num_tokens: int,
     kv_layout: str,
+    pushed: bool = False,
 ) -> dict[str, Any]:
     """The `kv_transfer_params` a prefill returns: `DecodeRequestParams(...).to_dict()`."""
     return DecodeRequestParams(
@@ -80,4 +89,5 @@ def producer_params(
         kv_layout=kv_layout,
         transport="tcp",
         tp_size=1,
+        pushed=pushed,
     ).to_dict()

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pdplane.sim.tokens import chat_prompt_tokens, count_text_tokens, prompt_key
+from pdplane.sim.tokens import Tokenizer, WordTokenizer, prompt_key
 
 __all__ = ["SimApiError", "SimRequest", "parse_request"]
 
@@ -40,6 +40,7 @@ class SimRequest:
 
     Attributes:
         chat: chat completions (True) or completions (False).
+        prompt_ids: prompt token ids (the sim's tokenizer, chat template included).
         prompt_tokens: prompt length (tokens).
         max_tokens: tokens to generate, already clamped to the context length.
         stream, include_usage: SSE streaming and `stream_options.include_usage`.
@@ -49,6 +50,7 @@ class SimRequest:
     """
 
     chat: bool
+    prompt_ids: list[int]
     prompt_tokens: int
     max_tokens: int
     stream: bool
@@ -74,33 +76,42 @@ def _int_field(body: dict[str, Any], name: str) -> int | None:
     return value
 
 
-def _completion_prompt(body: dict[str, Any]) -> tuple[int, str, str | None]:
+def _completion_prompt(body: dict[str, Any], tok: Tokenizer) -> tuple[list[int], str, str | None]:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
-        return count_text_tokens(prompt), prompt_key(prompt), prompt
+        return tok.encode(prompt), prompt_key(prompt), prompt
     if (
         isinstance(prompt, list)
         and prompt
         and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
     ):
-        return len(prompt), prompt_key(prompt), None
+        return prompt, prompt_key(prompt), None
     raise _bad("prompt must be a string or a list of token ids (one prompt per request)", "prompt")
 
 
-def _chat_prompt(body: dict[str, Any]) -> tuple[int, str]:
+def _chat_prompt(body: dict[str, Any], tok: Tokenizer) -> tuple[list[int], str]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _bad("messages must be a non-empty list", "messages")
     for m in messages:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise _bad("each message needs a string 'role'", "messages")
-    return chat_prompt_tokens(messages), prompt_key(messages)
+    return tok.encode_chat(messages), prompt_key(messages)
+
+
+_DEFAULT_TOKENIZER = WordTokenizer()
 
 
 def parse_request(
-    body: Any, *, chat: bool, model: str, max_model_len: int, default_seed: int
+    body: Any,
+    *,
+    chat: bool,
+    model: str,
+    max_model_len: int,
+    default_seed: int,
+    tokenizer: Tokenizer | None = None,
 ) -> SimRequest:
     """Validates an OpenAI request body like vLLM does.
 
@@ -117,12 +128,14 @@ def parse_request(
     n = _int_field(body, "n")
     if n not in (None, 1):
         raise _bad("only n=1 is supported by this simulator", "n")
+    tok = tokenizer or _DEFAULT_TOKENIZER
     if chat:
-        prompt_tokens, key = _chat_prompt(body)
+        prompt_ids, key = _chat_prompt(body, tok)
         echo = None
     else:
-        prompt_tokens, key, text = _completion_prompt(body)
+        prompt_ids, key, text = _completion_prompt(body, tok)
         echo = text if body.get("echo") is True else None
+    prompt_tokens = len(prompt_ids)
     name = "max_tokens"
     requested = _int_field(body, "max_tokens")
     if chat and body.get("max_completion_tokens") is not None:
@@ -153,6 +166,7 @@ def parse_request(
     seed = _int_field(body, "seed")
     return SimRequest(
         chat=chat,
+        prompt_ids=prompt_ids,
         prompt_tokens=prompt_tokens,
         max_tokens=max_tokens,
         stream=stream,

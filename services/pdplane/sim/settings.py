@@ -1,4 +1,8 @@
-"""`pdplane sim` flags (each also a `PDPLANE_*` environment variable)."""
+"""`pdplane sim` flags (each also a `PDPLANE_*` environment variable).
+
+Capacity and layout flags left unset take the `--profile`'s values (or SimConfig's defaults
+without a profile); set ones override the profile.
+"""
 
 from __future__ import annotations
 
@@ -29,15 +33,38 @@ class SimSettings(CommandSettings):
     registry: str | None = Field(None, description="registry host:port; none = no registration")
     registry_token: str | None = Field(None, description="registry bearer token")
     lease_ttl_ms: int = Field(0, ge=0, description="requested lease TTL (ms); 0 = default")
-    ttft_per_token_ms: float = Field(0.0, ge=0, description="prefill time per prompt token (ms)")
-    itl_ms: float = Field(0.0, ge=0, description="inter-token latency (ms)")
-    kv_transfer_ms_per_token: float = Field(
-        0.0, ge=0, description="decode's KV pull time per token (ms)"
+    profile: str = Field(
+        "",
+        description="engine profile: a name (zero, tiny-cpu, llama3-8b-h100, ...) or a JSON file",
     )
-    max_running: int = Field(256, ge=1, description="requests computed at once")
-    kv_blocks: int = Field(8192, ge=1, description="KV cache size (blocks)")
-    block_size: int = Field(16, ge=1, description="tokens per KV cache block")
-    max_model_len: int = Field(4096, ge=2, description="context length (tokens)")
+    ttft_per_token_ms: float = Field(
+        0.0, ge=0, description="without a profile: prefill time per prompt token (ms)"
+    )
+    itl_ms: float = Field(0.0, ge=0, description="without a profile: duration of every step (ms)")
+    kv_transfer_ms_per_token: float = Field(
+        0.0, ge=0, description="extra KV pull time per token (ms)"
+    )
+    transfer_gbps: float | None = Field(None, ge=0, description="KV pull speed (GB/s)")
+    transfer_latency_ms: float | None = Field(None, ge=0, description="fixed cost of a pull (ms)")
+    max_num_seqs: int | None = Field(None, ge=1, description="vLLM --max-num-seqs")
+    max_num_batched_tokens: int | None = Field(
+        None, ge=1, description="vLLM --max-num-batched-tokens (token budget per step)"
+    )
+    kv_blocks: int | None = Field(None, ge=1, description="KV cache size (blocks)")
+    block_size: int | None = Field(None, ge=1, description="tokens per KV cache block")
+    max_model_len: int | None = Field(None, ge=2, description="context length (tokens)")
+    prefix_caching: bool = Field(True, description="vLLM's automatic prefix caching")
+    kv_events: bool = Field(True, description="serve KvEvents.Subscribe (prefix cache events)")
+    stream_interval: int = Field(1, ge=1, description="tokens per streamed write")
+    time_scale: float = Field(1.0, gt=0, description="modelled seconds per wall second")
+    kv_mode: Literal["pull", "push"] = Field("pull", description="KV transfer mode")
+    push_buffer_bytes: int | None = Field(
+        None, ge=0, description="push mode: decode's receive buffer (bytes)"
+    )
+    push_overflow: Literal["pull", "recompute"] = Field(
+        "pull", description="push mode: a refused push is pulled or recomputed (the seed)"
+    )
+    tokenizer: str = Field("", description="Hugging Face tokenizer dir (default: word tokenizer)")
     kv_hold_timeout_s: float = Field(
         KV_TRANSFER_TIMEOUT_S, gt=0, description="prefill frees unpulled KV after this (s)"
     )
@@ -51,11 +78,17 @@ class SimSettings(CommandSettings):
     fail_after_tokens: int = Field(1, ge=0, description="streamed tokens before a drop/stall")
     seed: int = Field(0, description="sampling and fault-draw seed")
     record_limit: int = Field(1000, ge=0, description="requests kept for GET /sim/requests")
-    kv_dtype: str = Field("float32", description="advertised KV dtype (layout fingerprint)")
+    num_layers: int | None = Field(None, ge=1, description="advertised KV layout: layers")
+    num_kv_heads: int | None = Field(None, ge=1, description="advertised KV layout: KV heads")
+    head_size: int | None = Field(None, ge=1, description="advertised KV layout: head size")
+    kv_dtype: str | None = Field(None, description="advertised KV dtype (layout fingerprint)")
     uvloop: bool = Field(True, description="run on uvloop when installed")
     log_level: str = Field("WARNING", description="Python logging level")
 
     def sim_config(self) -> SimConfig:
-        """The per-instance knobs (the first instance's ports)."""
-        names = {f.name for f in dataclasses.fields(SimConfig)}
-        return SimConfig(**{k: v for k, v in self.model_dump().items() if k in names})
+        """The per-instance knobs (the first instance's ports). Raises ValueError."""
+        names = {f.name for f in dataclasses.fields(SimConfig)} - {"cost", "profile"}
+        values = {k: v for k, v in self.model_dump().items() if k in names and v is not None}
+        if self.profile:
+            return SimConfig.from_profile(self.profile, **values)
+        return SimConfig(**values)

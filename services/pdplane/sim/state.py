@@ -4,12 +4,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pdplane.core.kv_events import KvEventLog
 from pdplane.core.layout import fingerprint
 from pdplane.sim.config import SimConfig
-from pdplane.sim.engine import EngineState
+from pdplane.sim.engine import EngineCore, EngineLimits
 from pdplane.sim.faults import FaultPlan
+from pdplane.sim.kv_cache import BlockPool
 from pdplane.sim.metrics import SimMetrics
+from pdplane.sim.push import Pusher, ReceiveBuffer
 from pdplane.sim.records import Recorder
+from pdplane.sim.runner import EngineRunner
+from pdplane.sim.tokens import Tokenizer, load_tokenizer
 from pdplane.sim.transfers import KvPeers, TransferTable
 from pdplane.v1 import instance_pb2
 
@@ -20,13 +25,20 @@ __all__ = ["SimState"]
 class SimState:
     """Engine, KV transfers, records, faults and metrics of one sim.
 
-    `instance_id`, `url` and `kv_endpoint` are filled in once the ports are bound.
+    `instance_id`, `url` and `kv_endpoint` are filled in once the ports are bound; the runner
+    steps only after `runner.start()` (on the serving loop). `tokenizer` may be shared by all
+    sims of a process (pass it in; loading one costs time and memory).
     """
 
     config: SimConfig
-    engine: EngineState = field(init=False)
+    tokenizer: Tokenizer | None = None
+    core: EngineCore = field(init=False)
+    events: KvEventLog | None = field(init=False)
+    runner: EngineRunner = field(init=False)
     transfers: TransferTable = field(init=False)
     peers: KvPeers = field(init=False)
+    push_buffer: ReceiveBuffer | None = field(init=False)
+    pusher: Pusher = field(init=False)
     recorder: Recorder = field(init=False)
     faults: FaultPlan = field(init=False)
     metrics: SimMetrics = field(init=False)
@@ -36,11 +48,24 @@ class SimState:
 
     def __post_init__(self) -> None:
         c = self.config
-        self.engine = EngineState(
-            max_running=c.max_running, kv_blocks=c.kv_blocks, block_size=c.block_size
+        if self.tokenizer is None:
+            self.tokenizer = load_tokenizer(c.tokenizer or None)
+        limits = EngineLimits(
+            num_blocks=c.kv_blocks,
+            block_size=c.block_size,
+            max_num_seqs=c.max_num_seqs,
+            max_num_batched_tokens=c.max_num_batched_tokens,
+            prefix_caching=c.prefix_caching,
+            stream_interval=c.stream_interval,
         )
-        self.transfers = TransferTable(self.engine, c.kv_hold_timeout_s)
+        self.events = KvEventLog() if c.kv_events else None
+        pool = BlockPool(c.kv_blocks, c.block_size, caching=c.prefix_caching, sink=self.events)
+        self.core = EngineCore(limits, c.cost_model(), pool)
+        self.runner = EngineRunner(self.core, time_scale=c.time_scale)
+        self.transfers = TransferTable(self.runner.release, c.kv_hold_timeout_s)
         self.peers = KvPeers()
+        self.push_buffer = ReceiveBuffer(c.push_buffer_bytes) if c.kv_mode == "push" else None
+        self.pusher = Pusher(self.peers.tcp_stub)
         self.recorder = Recorder(c.record_limit)
         self.faults = FaultPlan(
             failure_rate=c.failure_rate,
@@ -48,7 +73,7 @@ class SimState:
             fail_after_tokens=c.fail_after_tokens,
             seed=c.seed,
         )
-        self.metrics = SimMetrics(self.engine, c.model)
+        self.metrics = SimMetrics(lambda: self.core, c.model)
 
     @property
     def kv_layout(self) -> instance_pb2.KvLayout:
@@ -65,15 +90,21 @@ class SimState:
     def layout_fingerprint(self) -> str:
         return fingerprint(self.kv_layout)
 
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one KV cache block (all layers)."""
+        return self.config.kv_bytes_per_token * self.config.block_size
+
     def load_report(self) -> instance_pb2.LoadReport:
-        """The heartbeat's load: derived from the sim's queues and KV blocks."""
-        e = self.engine
+        """The heartbeat's load: derived from the engine's queues and KV blocks."""
+        core = self.core
+        buffer = self.push_buffer
         return instance_pb2.LoadReport(
-            num_running=e.num_running,
-            num_waiting=e.num_waiting,
-            kv_cache_usage=e.kv_usage,
-            free_kv_blocks=e.free_blocks,
-            total_kv_blocks=e.total_blocks,
-            inflight_transfers=e.held_transfers + e.pulling,
-            recv_buffer_headroom_bytes=0,
+            num_running=core.num_running,
+            num_waiting=core.num_waiting,
+            kv_cache_usage=core.pool.usage,
+            free_kv_blocks=core.pool.num_free,
+            total_kv_blocks=core.pool.num_blocks,
+            inflight_transfers=len(self.transfers.held) + len(core.loading),
+            recv_buffer_headroom_bytes=buffer.headroom_bytes if buffer is not None else 0,
         )

@@ -91,7 +91,8 @@ def _configs(
     if configs is not None:
         return list(configs)
     role_list = [roles] if isinstance(roles, str) else list(roles)
-    base = SimConfig(**knobs)
+    profile = knobs.pop("profile", "")
+    base = SimConfig.from_profile(profile, **knobs) if profile else SimConfig(**knobs)
     # SimConfig validates each role (ValueError names a bad one).
     return [
         dataclasses.replace(base, role=r, labels=dict(base.labels))  # type: ignore[arg-type]

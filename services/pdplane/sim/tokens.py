@@ -1,8 +1,21 @@
-"""Deterministic stand-ins for a tokenizer and a sampler.
+"""Token ids for the simulator: a deterministic word tokenizer, or the model's own tokenizer.
 
-Token counts only need to be plausible and stable (the scheduler and the KV accounting read
-them); output text only needs to be a pure function of (prompt, seed) so that tests can compare
-a disaggregated answer with a direct one.
+The default `WordTokenizer` needs no files: a token is a word or a punctuation mark
+(`\\w+|[^\\w\\s]`), its id a CRC-32 of the word folded into a 32 000-id vocabulary (ids below 16
+are the chat template's markers), so equal text always gives equal ids in every process. A chat
+request becomes, per message, `<start> <role> <sep> content... <end>` (4 template tokens), plus
+`<start> <assistant> <sep>` for the reply (3). Generated tokens are words of `VOCAB` with a
+leading space, so an answer sent back in the next turn of a conversation tokenizes to exactly
+the ids the engine generated: the prefix cache then sees the whole conversation as one prefix,
+as with a real tokenizer.
+
+`HfTokenizer` (`--tokenizer DIR`, a Hugging Face tokenizer directory, e.g. the one
+`pdplane.models.tiny` builds) gives the ids the gateway's tokenizer gives (chat template
+included), so prefix hashes computed by the gateway and by the scheduler match the sims'
+cache. Its generated tokens are ids drawn from the vocabulary, sent as their decoded text.
+
+Output is a pure function of (prompt, seed): a decode that loaded remote KV answers exactly
+like a single instance, and a prefill's one token is the first token of that answer.
 """
 
 from __future__ import annotations
@@ -11,9 +24,20 @@ import hashlib
 import json
 import random
 import re
-from typing import Any
+import zlib
+from typing import Any, Protocol
 
-__all__ = ["VOCAB", "chat_prompt_tokens", "count_text_tokens", "generate", "prompt_key"]
+__all__ = [
+    "VOCAB",
+    "HfTokenizer",
+    "Tokenizer",
+    "WordTokenizer",
+    "chat_prompt_tokens",
+    "count_text_tokens",
+    "generate",
+    "load_tokenizer",
+    "prompt_key",
+]
 
 _TOKEN_RE = re.compile(r"\w+|[^\w\s]")
 #: Chat template overhead, like a Llama-style template: tokens per message and for the reply.
@@ -29,6 +53,12 @@ _WORDS = (
     "united then made"
 )
 VOCAB: tuple[str, ...] = tuple(" " + w for w in _WORDS.split())
+
+_VOCAB_SIZE = 32_000
+_SPECIAL = 16
+_START, _SEP, _END, _EMPTY = 1, 2, 3, 4
+_ROLE_IDS = {"system": 5, "user": 6, "assistant": 7, "tool": 8, "developer": 9}
+_OTHER_ROLE = 10
 
 
 def count_text_tokens(text: str) -> int:
@@ -57,8 +87,108 @@ def prompt_key(prompt: Any) -> str:
     return json.dumps(prompt, sort_keys=True, separators=(",", ":"))
 
 
+def _rng(key: str, seed: int) -> random.Random:
+    digest = hashlib.blake2b(f"{seed}\0{key}".encode(), digest_size=8).digest()
+    return random.Random(int.from_bytes(digest, "little"))
+
+
 def generate(key: str, seed: int, num_tokens: int) -> list[str]:
     """The `num_tokens` output tokens (strings) for a prompt key and seed; pure function."""
-    digest = hashlib.blake2b(f"{seed}\0{key}".encode(), digest_size=8).digest()
-    rng = random.Random(int.from_bytes(digest, "little"))
-    return rng.choices(VOCAB, k=num_tokens)
+    return _rng(key, seed).choices(VOCAB, k=num_tokens)
+
+
+class Tokenizer(Protocol):
+    """What the simulator needs of a tokenizer."""
+
+    name: str
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of a completions prompt (at least one)."""
+
+    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        """Token ids of a chat prompt, template and reply primer included."""
+
+    def sample(self, key: str, seed: int, num_tokens: int) -> tuple[list[int], list[str]]:
+        """Output token ids and their text pieces for a prompt key and seed (pure)."""
+
+
+class WordTokenizer:
+    """The default deterministic tokenizer (see the module docstring)."""
+
+    name = "pdplane-sim-words"
+
+    def __init__(self) -> None:
+        self._ids: dict[str, int] = {}
+        self._vocab_ids = [self._word_id(w[1:]) for w in VOCAB]
+
+    def _word_id(self, word: str) -> int:
+        wid = self._ids.get(word)
+        if wid is None:
+            wid = _SPECIAL + zlib.crc32(word.encode()) % (_VOCAB_SIZE - _SPECIAL)
+            if len(self._ids) < 1_000_000:  # bounded memo
+                self._ids[word] = wid
+        return wid
+
+    def encode(self, text: str) -> list[int]:
+        ids = self._ids
+        out = [ids.get(w) or self._word_id(w) for w in _TOKEN_RE.findall(text)]
+        return out or [_EMPTY]
+
+    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        out: list[int] = []
+        for m in messages:
+            role = _ROLE_IDS.get(str(m.get("role")), _OTHER_ROLE)
+            out += (_START, role, _SEP)
+            out += self.encode(_content_text(m.get("content")))
+            out.append(_END)
+        out += (_START, _ROLE_IDS["assistant"], _SEP)
+        return out
+
+    def sample(self, key: str, seed: int, num_tokens: int) -> tuple[list[int], list[str]]:
+        picks = _rng(key, seed).choices(range(len(VOCAB)), k=num_tokens)
+        vids = self._vocab_ids
+        return [vids[i] for i in picks], [VOCAB[i] for i in picks]
+
+
+class HfTokenizer:
+    """A Hugging Face tokenizer directory (`tokenizer.json` + config with a chat template).
+
+    Raises ValueError when transformers cannot load it.
+    """
+
+    def __init__(self, path: str) -> None:
+        try:
+            from transformers import AutoTokenizer
+
+            self._tok: Any = AutoTokenizer.from_pretrained(path)
+        except Exception as exc:  # transformers raises many kinds
+            raise ValueError(f"cannot load tokenizer {path!r}: {exc}") from exc
+        self.name = path
+        special = set(self._tok.all_special_ids)
+        self._choices = [i for i in range(len(self._tok)) if i not in special]
+        self._pieces: dict[int, str] = {}
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text)) or [self._tok.bos_token_id or 0]
+
+    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        ids = self._tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict):  # newer transformers return a BatchEncoding
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def sample(self, key: str, seed: int, num_tokens: int) -> tuple[list[int], list[str]]:
+        ids = _rng(key, seed).choices(self._choices, k=num_tokens)
+        pieces = self._pieces
+        out = []
+        for i in ids:
+            piece = pieces.get(i)
+            if piece is None:
+                piece = pieces[i] = self._tok.decode([i])
+            out.append(piece)
+        return ids, out
+
+
+def load_tokenizer(path: str | None) -> Tokenizer:
+    """`HfTokenizer(path)` when a path is given, else the `WordTokenizer`."""
+    return HfTokenizer(path) if path else WordTokenizer()

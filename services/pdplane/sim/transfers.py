@@ -2,7 +2,8 @@
 
 A prefill sim holds a transfer's blocks until the decode side calls CompleteTransfer, the
 gateway calls AbortTransfer, or `kv_hold_timeout_s` passes, exactly the lifecycle of the pdplane
-connector. No bytes move: the decode sim only waits for the simulated pull time.
+connector. No bytes move: the decode sim only waits for the simulated pull time. In push mode
+`PushBlocks` reserves room in the decode sim's receive buffer (`pdplane.sim.push`).
 """
 
 from __future__ import annotations
@@ -10,21 +11,22 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 
-from pdplane.sim.engine import EngineState
+from pdplane.sim.push import ReceiveBuffer
 from pdplane.v1 import (
+    instance_pb2,
     kv_transfer_pb2,
     kv_transfer_pb2_grpc,
     kv_transfer_tcp_pb2,
     kv_transfer_tcp_pb2_grpc,
 )
 
-__all__ = ["HeldTransfer", "KvPeers", "NoBytesServicer", "TransferServicer", "TransferTable"]
+__all__ = ["HeldTransfer", "KvPeers", "TcpDataServicer", "TransferServicer", "TransferTable"]
 
 
 @dataclass(slots=True)
@@ -51,8 +53,10 @@ class HeldTransfer:
 class TransferTable:
     """Held transfers of one prefill sim, with a bounded history of how each ended."""
 
-    def __init__(self, engine: EngineState, timeout_s: float, history: int = 1000) -> None:
-        self._engine = engine
+    def __init__(
+        self, free: Callable[[list[int]], None], timeout_s: float, history: int = 1000
+    ) -> None:
+        self._free = free
         self._timeout_s = timeout_s
         self.held: dict[str, HeldTransfer] = {}
         #: finished transfers: dicts with transfer_id, request_id, reason, freed_at.
@@ -65,7 +69,6 @@ class TransferTable:
             self._timeout_s, self.release, transfer.transfer_id, "timeout"
         )
         self.held[transfer.transfer_id] = transfer
-        self._engine.held_transfers = len(self.held)
 
     def release(self, transfer_id: str, reason: str) -> bool:
         """Frees a transfer's blocks; False when it is unknown (already freed)."""
@@ -74,8 +77,7 @@ class TransferTable:
             return False
         if transfer.timer is not None:
             transfer.timer.cancel()
-        self._engine.free(transfer.block_ids)
-        self._engine.held_transfers = len(self.held)
+        self._free(transfer.block_ids)
         self.freed.append(
             {
                 "transfer_id": transfer_id,
@@ -94,8 +96,19 @@ class TransferTable:
 _NO_BYTES = "the simulator holds no KV bytes: only CompleteTransfer and AbortTransfer are served"
 
 
-class NoBytesServicer(kv_transfer_tcp_pb2_grpc.TcpKvTransferServicer):
-    """The TCP transport's data RPCs, answered UNIMPLEMENTED with the reason."""
+class TcpDataServicer(kv_transfer_tcp_pb2_grpc.TcpKvTransferServicer):
+    """The TCP transport's data RPCs: PushBlocks into the receive buffer (push mode); pulls
+    answer UNIMPLEMENTED (there are no bytes)."""
+
+    def __init__(
+        self,
+        buffer: ReceiveBuffer | None = None,
+        layout: instance_pb2.KvLayout | None = None,
+        block_bytes: int = 0,
+    ) -> None:
+        self._buffer = buffer
+        self._layout = layout or instance_pb2.KvLayout()
+        self._block_bytes = block_bytes
 
     async def PullBlocks(
         self, request: Any, context: grpc.aio.ServicerContext
@@ -105,8 +118,12 @@ class NoBytesServicer(kv_transfer_tcp_pb2_grpc.TcpKvTransferServicer):
         yield kv_transfer_tcp_pb2.KvChunk()  # never reached: abort raises
 
     async def PushBlocks(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
-        """UNIMPLEMENTED: there is no receive buffer (a pushing prefill falls back to pull)."""
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, _NO_BYTES)
+        """Reserves the push in the receive buffer (push mode); UNIMPLEMENTED in pull mode
+        (a pushing prefill then falls back to pull)."""
+        if self._buffer is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "not in push mode: pull instead")
+            return None
+        return await self._buffer.serve(request_iterator, context, self._layout, self._block_bytes)
 
 
 class TransferServicer(kv_transfer_pb2_grpc.KvTransferServicer):
@@ -144,6 +161,25 @@ class KvPeers:
         self._metadata = token_metadata(token)
         self._timeout_s = timeout_s
         self._stubs: dict[str, tuple[grpc.aio.Channel, kv_transfer_pb2_grpc.KvTransferStub]] = {}
+        self._tcp_stubs: dict[str, kv_transfer_tcp_pb2_grpc.TcpKvTransferStub] = {}
+
+    def stub(self, endpoint: str) -> kv_transfer_pb2_grpc.KvTransferStub:
+        """The cached stub of a peer's KvTransfer server."""
+        return self._stub(endpoint)
+
+    def tcp_stub(self, endpoint: str) -> kv_transfer_tcp_pb2_grpc.TcpKvTransferStub:
+        """The cached stub of the TCP transport's service on the same server (pushes)."""
+        stub = self._tcp_stubs.get(endpoint)
+        if stub is None:
+            self._stub(endpoint)  # the channel
+            stub = kv_transfer_tcp_pb2_grpc.TcpKvTransferStub(self._stubs[endpoint][0])
+            self._tcp_stubs[endpoint] = stub
+        return stub
+
+    @property
+    def metadata(self) -> Any:
+        """Call metadata (the bearer token, if any)."""
+        return self._metadata
 
     def _stub(self, endpoint: str) -> kv_transfer_pb2_grpc.KvTransferStub:
         entry = self._stubs.get(endpoint)
@@ -173,3 +209,4 @@ class KvPeers:
         for channel, _ in self._stubs.values():
             await channel.close()
         self._stubs.clear()
+        self._tcp_stubs.clear()

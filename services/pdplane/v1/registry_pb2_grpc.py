@@ -45,6 +45,11 @@ class RegistryStub:
                 request_serializer=pdplane_dot_v1_dot_registry__pb2.HeartbeatRequest.SerializeToString,
                 response_deserializer=pdplane_dot_v1_dot_registry__pb2.HeartbeatResponse.FromString,
                 _registered_method=True)
+        self.HeartbeatStream = channel.stream_stream(
+                '/pdplane.v1.Registry/HeartbeatStream',
+                request_serializer=pdplane_dot_v1_dot_registry__pb2.HeartbeatRequest.SerializeToString,
+                response_deserializer=pdplane_dot_v1_dot_registry__pb2.HeartbeatResponse.FromString,
+                _registered_method=True)
         self.Deregister = channel.unary_unary(
                 '/pdplane.v1.Registry/Deregister',
                 request_serializer=pdplane_dot_v1_dot_registry__pb2.DeregisterRequest.SerializeToString,
@@ -83,6 +88,17 @@ class RegistryServicer:
     def Heartbeat(self, request, context):
         """Renews a lease and records the load report. NOT_FOUND for an unknown or expired lease:
         the client then registers again.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def HeartbeatStream(self, request_iterator, context):
+        """The streaming form of Heartbeat: one long-lived stream per instance. Each request renews
+        the lease and records its load exactly as a unary Heartbeat does, and is answered by one
+        response, in order. The stream ends with the status a unary Heartbeat would have answered:
+        NOT_FOUND (register again), INVALID_ARGUMENT, UNAVAILABLE (this replica cannot vouch for
+        the lease right now: try another one).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -127,6 +143,11 @@ def add_RegistryServicer_to_server(servicer, server):
             ),
             'Heartbeat': grpc.unary_unary_rpc_method_handler(
                     servicer.Heartbeat,
+                    request_deserializer=pdplane_dot_v1_dot_registry__pb2.HeartbeatRequest.FromString,
+                    response_serializer=pdplane_dot_v1_dot_registry__pb2.HeartbeatResponse.SerializeToString,
+            ),
+            'HeartbeatStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.HeartbeatStream,
                     request_deserializer=pdplane_dot_v1_dot_registry__pb2.HeartbeatRequest.FromString,
                     response_serializer=pdplane_dot_v1_dot_registry__pb2.HeartbeatResponse.SerializeToString,
             ),
@@ -203,6 +224,33 @@ class Registry:
             request,
             target,
             '/pdplane.v1.Registry/Heartbeat',
+            pdplane_dot_v1_dot_registry__pb2.HeartbeatRequest.SerializeToString,
+            pdplane_dot_v1_dot_registry__pb2.HeartbeatResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def HeartbeatStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pdplane.v1.Registry/HeartbeatStream',
             pdplane_dot_v1_dot_registry__pb2.HeartbeatRequest.SerializeToString,
             pdplane_dot_v1_dot_registry__pb2.HeartbeatResponse.FromString,
             options,

@@ -44,6 +44,13 @@ class RegistryStub:
     """Renews a lease and records the load report. NOT_FOUND for an unknown or expired lease:
     the client then registers again.
     """
+    HeartbeatStream: _grpc.StreamStreamMultiCallable[_registry_pb2.HeartbeatRequest, _registry_pb2.HeartbeatResponse]
+    """The streaming form of Heartbeat: one long-lived stream per instance. Each request renews
+    the lease and records its load exactly as a unary Heartbeat does, and is answered by one
+    response, in order. The stream ends with the status a unary Heartbeat would have answered:
+    NOT_FOUND (register again), INVALID_ARGUMENT, UNAVAILABLE (this replica cannot vouch for
+    the lease right now: try another one).
+    """
     Deregister: _grpc.UnaryUnaryMultiCallable[_registry_pb2.DeregisterRequest, _registry_pb2.DeregisterResponse]
     """Removes an instance now, or with drain=true marks it DRAINING (listed, never scheduled)."""
     ListInstances: _grpc.UnaryUnaryMultiCallable[_registry_pb2.ListInstancesRequest, _registry_pb2.ListInstancesResponse]
@@ -67,6 +74,13 @@ class RegistryAsyncStub(RegistryStub):
     Heartbeat: _aio.UnaryUnaryMultiCallable[_registry_pb2.HeartbeatRequest, _registry_pb2.HeartbeatResponse]  # type: ignore[assignment]
     """Renews a lease and records the load report. NOT_FOUND for an unknown or expired lease:
     the client then registers again.
+    """
+    HeartbeatStream: _aio.StreamStreamMultiCallable[_registry_pb2.HeartbeatRequest, _registry_pb2.HeartbeatResponse]  # type: ignore[assignment]
+    """The streaming form of Heartbeat: one long-lived stream per instance. Each request renews
+    the lease and records its load exactly as a unary Heartbeat does, and is answered by one
+    response, in order. The stream ends with the status a unary Heartbeat would have answered:
+    NOT_FOUND (register again), INVALID_ARGUMENT, UNAVAILABLE (this replica cannot vouch for
+    the lease right now: try another one).
     """
     Deregister: _aio.UnaryUnaryMultiCallable[_registry_pb2.DeregisterRequest, _registry_pb2.DeregisterResponse]  # type: ignore[assignment]
     """Removes an instance now, or with drain=true marks it DRAINING (listed, never scheduled)."""
@@ -100,6 +114,19 @@ class RegistryServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_registry_pb2.HeartbeatResponse, _abc.Awaitable[_registry_pb2.HeartbeatResponse]]:
         """Renews a lease and records the load report. NOT_FOUND for an unknown or expired lease:
         the client then registers again.
+        """
+
+    @_abc_1.abstractmethod
+    def HeartbeatStream(
+        self,
+        request_iterator: _MaybeAsyncIterator[_registry_pb2.HeartbeatRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_registry_pb2.HeartbeatResponse], _abc.AsyncIterator[_registry_pb2.HeartbeatResponse]]:
+        """The streaming form of Heartbeat: one long-lived stream per instance. Each request renews
+        the lease and records its load exactly as a unary Heartbeat does, and is answered by one
+        response, in order. The stream ends with the status a unary Heartbeat would have answered:
+        NOT_FOUND (register again), INVALID_ARGUMENT, UNAVAILABLE (this replica cannot vouch for
+        the lease right now: try another one).
         """
 
     @_abc_1.abstractmethod

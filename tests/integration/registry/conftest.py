@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import os
+import tempfile
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -13,8 +16,10 @@ import grpc
 import pytest
 
 from pdplane.core import grpc_util
+from pdplane.launch.etcd import EtcdCluster, etcd_binary
 from pdplane.registry.server import RegistryServer
 from pdplane.v1 import registry_pb2, registry_pb2_grpc
+from tests.integration.registry import fixtures
 from tests.integration.registry.fixtures import running_registry_server
 
 
@@ -74,6 +79,42 @@ def no_leftover_threads() -> Iterator[None]:
     assert wait_until(lambda: _pdplane_threads() <= before, 5), [
         t.name for t in _pdplane_threads() - before
     ]
+
+
+@pytest.fixture(scope="session")
+def etcd_cluster() -> Iterator[EtcdCluster]:
+    """A 3-member etcd cluster on loopback for the whole session (data on tmpfs when there is
+    one: etcd fsyncs every write). Skipped where etcd is not installed, except in CI."""
+    if etcd_binary() is None:
+        if os.environ.get("CI"):
+            pytest.fail("etcd is not installed (apt-get install etcd-server)")
+        pytest.skip("etcd is not installed (apt-get install etcd-server)")
+    shm = Path("/dev/shm")
+    data = Path(tempfile.mkdtemp(prefix="pdplane-etcd-", dir=shm if shm.is_dir() else None))
+    cluster = EtcdCluster(data)
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
+        import shutil
+
+        shutil.rmtree(data, ignore_errors=True)
+
+
+@pytest.fixture(params=["memory", "etcd"], autouse=True)
+def registry_store(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Runs every registry test on both stores: on etcd, each test's registries share a key
+    prefix of their own in the session's cluster (so a restarted registry finds its data)."""
+    if request.param == "etcd":
+        cluster: EtcdCluster = request.getfixturevalue("etcd_cluster")
+        fixtures.store_defaults.update(
+            store="etcd", etcd_endpoints=cluster.endpoints, etcd_prefix=f"/t-{uuid.uuid4().hex}/"
+        )
+    try:
+        yield request.param
+    finally:
+        fixtures.store_defaults.clear()
 
 
 @pytest.fixture

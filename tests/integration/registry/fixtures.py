@@ -9,7 +9,9 @@
 
 `running_registry` starts the real gRPC service in-process on 127.0.0.1 (port 0 = any free
 port), with any `RegistrySettings` field as a keyword, and stops it (joining its threads) on
-exit. `make_spec` builds a valid InstanceSpec for tests.
+exit. `make_spec` builds a valid InstanceSpec for tests. `store_defaults` holds settings every
+registry started here gets unless the call overrides them (the registry suite sets the etcd
+store's there, to run the same tests on both stores).
 """
 
 from __future__ import annotations
@@ -22,13 +24,18 @@ from pdplane.registry.server import RegistryServer
 from pdplane.registry.settings import RegistrySettings
 from pdplane.v1 import instance_pb2
 
-__all__ = ["make_spec", "running_registry", "running_registry_server"]
+__all__ = ["make_spec", "running_registry", "running_registry_server", "store_defaults"]
+
+#: Settings merged under every `running_registry_server` call's own keywords.
+store_defaults: dict[str, Any] = {}
 
 
 @contextlib.contextmanager
 def running_registry_server(port: int = 0, **settings: Any) -> Iterator[RegistryServer]:
     """Like `running_registry` but yields the `RegistryServer` (its `.address`, `.store`)."""
-    config = RegistrySettings.model_validate({"host": "127.0.0.1", "port": port, **settings})
+    config = RegistrySettings.model_validate(
+        {"host": "127.0.0.1", "port": port, **store_defaults, **settings}
+    )
     server = RegistryServer(config)
     server.start()
     try:

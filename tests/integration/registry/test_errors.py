@@ -139,3 +139,26 @@ def test_tls(tls_files: tuple[Path, Path]) -> None:
             stub = registry_pb2_grpc.RegistryStub(plain)
             err = _refused(stub.ListInstances, registry_pb2.ListInstancesRequest())
             assert err.code() == Code.UNAVAILABLE
+
+
+@pytest.mark.parametrize("flavour", ["aio", "sync"])
+def test_unauthenticated_watch_leaves_registry_responsive(flavour: str) -> None:
+    # A refused WatchInstances once blocked the asyncio registry's event loop for good: every
+    # later call timed out, leases expired and SIGTERM no longer stopped it.
+    good = grpc_util.token_metadata("s3cret")
+    with running_registry(token="s3cret", flavour=flavour) as addr, grpc_util.channel(addr) as chan:
+        stub = registry_pb2_grpc.RegistryStub(chan)
+        lease = stub.Register(
+            registry_pb2.RegisterRequest(spec=make_spec("p0")), timeout=5, metadata=good
+        ).lease_id
+        for metadata in ((), grpc_util.token_metadata("nope")):
+            watch = stub.WatchInstances(
+                registry_pb2.WatchInstancesRequest(), timeout=5, metadata=metadata
+            )
+            with pytest.raises(grpc.RpcError) as err:
+                next(iter(watch))
+            assert err.value.code() == Code.UNAUTHENTICATED
+        listed = stub.ListInstances(registry_pb2.ListInstancesRequest(), timeout=2, metadata=good)
+        assert [i.spec.instance_id for i in listed.instances] == ["p0"]
+        beat = registry_pb2.HeartbeatRequest(instance_id="p0", lease_id=lease)
+        assert stub.Heartbeat(beat, timeout=2, metadata=good).lease_ttl_ms > 0

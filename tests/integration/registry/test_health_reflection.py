@@ -22,6 +22,7 @@ def test_reflection_lists_registry_and_health(registry: RegistryServer) -> None:
         assert [m.name for m in proto_file.service[0].method] == [
             "Register",
             "Heartbeat",
+            "HeartbeatStream",
             "Deregister",
             "ListInstances",
             "GetInstance",

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 from pdplane.core import grpc_util
 from pdplane.registry.client import InstanceWatcher
-from pdplane.registry.memory_store import InMemoryStore
 from pdplane.registry.server import RegistryServer
 from pdplane.v1 import instance_pb2, registry_pb2, registry_pb2_grpc
 from tests.integration.registry.conftest import wait_until
-from tests.integration.registry.fixtures import make_spec
+from tests.integration.registry.fixtures import make_spec, running_registry_server
 
 Ev = registry_pb2.WatchEvent
 
@@ -45,21 +45,34 @@ def test_on_change_sees_the_newest_view_and_survives_errors(registry: RegistrySe
     ]
 
 
-def test_batched_watch_keeps_every_event_in_order(registry: RegistryServer) -> None:
-    with grpc_util.channel(registry.address) as chan:
+def test_batched_watch_keeps_every_event_in_order(
+    registry: RegistryServer, registry_store: str
+) -> None:
+    """200 changes that queue up while the stream is busy go out as BATCH messages of at most
+    the watcher's max_batch. Memory: 200 registrations while the store is locked. etcd: one
+    load batch written by another replica updates 200 instances at one etcd revision."""
+    with grpc_util.channel(registry.address) as chan, contextlib.ExitStack() as stack:
         stub = registry_pb2_grpc.RegistryStub(chan)
+        specs = [make_spec(f"q{i}") for i in range(200)]
+        if registry_store == "etcd":
+            writer = stack.enter_context(running_registry_server()).store
+            leases = [writer.register(spec, 0).lease_id for spec in specs]
+            assert wait_until(lambda: len(registry.store.list()[0]) == 200, 5)
         call = stub.WatchInstances(registry_pb2.WatchInstancesRequest(max_batch=50))
         messages = iter(call)
         first = next(messages)
         assert first.type == Ev.SNAPSHOT
-        store = registry.store
-        assert isinstance(store, InMemoryStore)
-        with store.lock:  # the stream cannot drain meanwhile: 200 events queue up
-            for i in range(200):
-                registry.store.register(make_spec(f"q{i}"), 0)
+        if registry_store == "memory":
+            with registry.store.lock:  # the stream cannot drain meanwhile: 200 events queue up
+                for spec in specs:
+                    registry.store.register(spec, 0)
+        else:
+            for i, (spec, lease) in enumerate(zip(specs, leases, strict=True)):
+                load = instance_pb2.LoadReport(num_running=i + 1)
+                writer.heartbeat(spec.instance_id, lease, load)
         events: list[registry_pb2.WatchEvent] = []
         sizes: list[int] = []
-        while not events or events[-1].revision < registry.store.revision:
+        while len(events) < 200:
             message = next(messages)
             if message.type == Ev.BATCH:
                 assert message.revision == message.events[-1].revision
@@ -69,5 +82,9 @@ def test_batched_watch_keeps_every_event_in_order(registry: RegistryServer) -> N
                 events.append(message)
         call.cancel()
     assert sizes and max(sizes) == 50  # packed, and never beyond what the watcher asked for
-    assert [e.revision for e in events] == list(range(first.revision + 1, first.revision + 201))
+    revisions = [e.revision for e in events]
+    assert len(revisions) == 200 and revisions[0] > first.revision
+    assert revisions == sorted(set(revisions))
+    if registry_store == "memory":
+        assert revisions == list(range(first.revision + 1, first.revision + 201))
     assert [e.instance.spec.instance_id for e in events] == [f"q{i}" for i in range(200)]

@@ -146,7 +146,7 @@ def test_client_disconnect_mid_stream_is_recorded() -> None:
 
 
 async def test_queued_request_counts_as_waiting_until_a_slot_frees() -> None:
-    with running_sims("decode", max_running=1, itl_ms=20) as sims:
+    with running_sims("decode", max_num_seqs=1, itl_ms=20) as sims:
         url = sims.urls[0]
         body = {**CHAT, "max_tokens": 50, "stream": True}
         async with httpx.AsyncClient(timeout=10.0) as client:

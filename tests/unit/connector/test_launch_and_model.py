@@ -67,3 +67,32 @@ def test_tiny_model_is_built_once_and_has_a_chat_template(tmp_path: Path) -> Non
     assert chat == "<s><|user|>hold the block</s><|assistant|>"
     assert tok.decode(tok("the quick red river")["input_ids"]) == "the quick red river"
     assert not list(tmp_path.glob(".tiny-build-*"))  # no temporary directory left behind
+
+
+def test_connector_instance_publishes_kv_events_to_a_private_socket(tmp_path: Path) -> None:
+    inst = VllmCpuInstance(
+        VllmCpuOptions(model=tmp_path, port=8103, role="kv_producer"), tmp_path / "e.log"
+    )
+    events = json.loads(_flag(inst.command(), "--kv-events-config"))
+    assert events["enable_kv_cache_events"] is True and events["publisher"] == "zmq"
+    path = Path(events["endpoint"].removeprefix("ipc://"))
+    assert events["endpoint"].startswith("ipc://")
+    assert path.parent.stat().st_mode & 0o777 == 0o700  # only this user can connect
+    inst.stop()
+    assert not path.parent.exists()  # removed with the instance
+
+
+def test_kv_events_off_without_connector_prefix_cache_or_when_given(tmp_path: Path) -> None:
+    plain = VllmCpuInstance(VllmCpuOptions(model=tmp_path, port=8104), tmp_path / "a.log")
+    assert "--kv-events-config" not in plain.command()
+    no_cache = VllmCpuInstance(
+        VllmCpuOptions(model=tmp_path, port=8105, role="kv_both", prefix_caching=False),
+        tmp_path / "b.log",
+    )
+    assert "--kv-events-config" not in no_cache.command()
+    own = ["--kv-events-config", '{"enable_kv_cache_events": true, "endpoint": "ipc:///x"}']
+    given = VllmCpuInstance(
+        VllmCpuOptions(model=tmp_path, port=8106, role="kv_both", extra_args=own),
+        tmp_path / "c.log",
+    )
+    assert given.command().count("--kv-events-config") == 1

@@ -241,7 +241,7 @@ class ServiceBinding:
     hold at once for long-lived streams, on top of the server's base pool."""
 
     name: str
-    register: Callable[[grpc.Server], None]
+    register: Callable[[grpc.Server], object]
     threads: int = 0
 
 

@@ -1,0 +1,68 @@
+"""Several schedulers (or embedded-mode gateways) over one fleet: how evenly a burst lands.
+
+The scenario of `bench/_replicas.py` (2 prefill + 4 decode sims, decodes 1-3 already running
+40 streams each, a burst of 120 split across the gateways), run side by side for each variant;
+prints where the burst landed, the total decode load and its max/mean, and the ratio of each
+variant's max/mean to the single shared scheduler's (the reference: every assignment counted
+in one place).
+
+    .venv/bin/python bench/replicas.py                # every variant, 3 runs each
+    .venv/bin/python bench/replicas.py --runs 5 --variants remote-shared,remote-alone
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench import _replicas  # noqa: E402
+
+#: name -> run() keywords
+VARIANTS: dict[str, dict[str, Any]] = {
+    "one-scheduler": {"mode": "shared"},
+    "remote-alone": {"mode": "remote", "share": False},
+    "remote-shared": {"mode": "remote", "share": True},
+    "remote-p2-alone": {"mode": "remote", "share": False, "decode_policy": "power_of_two"},
+    "embedded-alone": {"mode": "embedded", "share": False},
+    "embedded-shared": {"mode": "embedded", "share": True},
+}
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--heartbeat-ms", type=int, default=1000)
+    args = parser.parse_args(argv)
+    names = [v for v in args.variants.split(",") if v]
+    medians: dict[str, float] = {}
+    print(f"{'variant':<18} {'run':>3}  {'burst per decode':<20} {'totals':<20} max/mean  s")
+    for name in names:
+        ratios = []
+        for run in range(args.runs):
+            r = _replicas.run(heartbeat_ms=args.heartbeat_ms, **VARIANTS[name])
+            ratios.append(r.max_over_mean)
+            print(
+                f"{name:<18} {run:>3}  {r.burst!s:<20} {r.totals!s:<20} "
+                f"{r.max_over_mean:8.3f}  {r.seconds:.2f}"
+                + (f"  failed {len(r.failed)}" if r.failed else ""),
+                flush=True,
+            )
+        medians[name] = statistics.median(ratios)
+    base = medians.get("one-scheduler")
+    print()
+    for name, m in medians.items():
+        vs = f"  x{m / base:.3f} of one-scheduler" if base else ""
+        print(f"{name:<18} median max/mean {m:.3f}{vs}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

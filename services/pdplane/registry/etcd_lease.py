@@ -1,0 +1,116 @@
+"""A registry replica's own etcd lease: granted at start, kept alive once a second.
+
+The keys of the instances a replica holds are attached to this lease, so one keep-alive stream
+per replica keeps them all, whatever the fleet size. The replica vouches for its instances'
+leases only while its own lease is confirmed: `healthy` turns false when no keep-alive was
+answered for half the lease's TTL (etcd down, no quorum, this replica cut off).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+import grpc
+from aetcd import rpc
+
+from pdplane.registry.etcd_client import REQUIRE_LEADER, EtcdClient
+from pdplane.registry.store import StoreError, StoreUnavailableError
+from pdplane.v1 import registry_store_pb2
+
+__all__ = ["ReplicaLease", "describe"]
+
+log = logging.getLogger(__name__)
+
+
+def describe(exc: BaseException) -> str:
+    """A short description of an etcd failure for logs and error messages."""
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return f"{exc.code().name}: {(exc.details() or '')[:200]}"
+    return str(exc) or type(exc).__name__
+
+
+class ReplicaLease:
+    """The lease (TTL `ttl_s`, whole seconds) and the `replicas/<id>` record under `key`.
+
+    `on_renewed(was_healthy)` runs (on the store's loop) after each confirmed keep-alive;
+    `on_lost()` after etcd reported the lease gone, before a new one is granted.
+    """
+
+    def __init__(
+        self,
+        client: EtcdClient,
+        key: bytes,
+        record: registry_store_pb2.ReplicaRecord,
+        ttl_s: int,
+        on_renewed: Callable[[bool], None],
+        on_lost: Callable[[], None],
+    ) -> None:
+        self._client = client
+        self._key = key
+        self._record = record
+        self.ttl_s = ttl_s
+        self._on_renewed = on_renewed
+        self._on_lost = on_lost
+        self.id = 0
+        self.confirmed = 0.0  # time.monotonic() of the last confirmation
+        self.last_error = ""
+
+    def healthy(self, now: float) -> bool:
+        """Whether the lease was confirmed within the last half TTL."""
+        return now - self.confirmed < self.ttl_s / 2
+
+    def unavailable(self) -> StoreUnavailableError:
+        """The error heartbeats get while not `healthy`."""
+        age = time.monotonic() - self.confirmed
+        return StoreUnavailableError(
+            f"registry replica {self._record.replica_id} could not renew its etcd lease for "
+            f"{age:.1f} s ({self.last_error or 'etcd unreachable or without quorum'}); "
+            "the instance's lease is kept: try another replica"
+        )
+
+    async def grant(self) -> None:
+        """Takes a new lease and writes the replica record on it."""
+        grant = await self._client.call(
+            "lease", "LeaseGrant", rpc.LeaseGrantRequest(TTL=self.ttl_s)
+        )
+        await self._client.call(
+            "kv",
+            "Put",
+            rpc.PutRequest(key=self._key, value=self._record.SerializeToString(), lease=grant.ID),
+        )
+        self.id = grant.ID
+        self.confirmed = time.monotonic()
+
+    async def keep_alive(self) -> None:
+        """Renews the lease forever (a task): one keep-alive a second (or a third of the TTL),
+        on one stream, moving to the next endpoint when it breaks."""
+        interval = min(1.0, self.ttl_s / 3)
+        while True:
+            call = self._client.lease().LeaseKeepAlive(metadata=REQUIRE_LEADER)
+            try:
+                while True:
+                    await call.write(rpc.LeaseKeepAliveRequest(ID=self.id))
+                    reply = await asyncio.wait_for(call.read(), self._client.timeout_s)
+                    if reply is grpc.aio.EOF:
+                        raise StoreError("keep-alive stream ended")
+                    if reply.TTL <= 0:
+                        log.error(
+                            "etcd lease %x of this replica expired; taking a new one", self.id
+                        )
+                        self._on_lost()
+                        await self.grant()
+                        continue
+                    was_healthy = self.healthy(time.monotonic())
+                    self.confirmed = time.monotonic()
+                    self._on_renewed(was_healthy)
+                    await asyncio.sleep(interval)
+            except (grpc.aio.AioRpcError, StoreError, TimeoutError) as exc:
+                self.last_error = f"keep-alive via {self._client.endpoint}: {describe(exc)}"
+                log.info("etcd keep-alive failed (%s)", self.last_error)
+                self._client.rotate()
+                await asyncio.sleep(0.2)
+            finally:
+                call.cancel()

@@ -1,0 +1,296 @@
+"""Several replicas deciding over one fleet share their in-flight assignments.
+
+Each replica (a `pdplane scheduler` process, or a gateway with `--scheduler embedded`) serves
+`pdplane.v1.InflightExchange` and subscribes to every peer named in `--peers`. A subscription
+streams the publisher's assignments: a snapshot of those in flight, then every change (ASSIGNED
+on Schedule, RELEASED on Release, retry or expiry) batched per event-loop turn, in order. The
+subscriber counts a peer's ASSIGNED exactly as its own decision made at the moment it arrives
+(`InflightTracker.add_peer`): pending on the load reports its own view holds then, so it stops
+counting as load when those instances next report, by the same rule as its own assignments.
+
+Consistency: every replica sees every other's assignments one stream hop after they were made
+(sub-millisecond on one host, a network round trip between hosts); there is no global order, so
+two decisions made within that window on different replicas can still pick the same instance.
+A snapshot's assignments count in flight but not as load (how many reports they predate is
+unknown). When a peer's stream ends (the peer died or restarts) its assignments are dropped: the
+ones that reached an instance show in its next load report, the others died with the peer. A
+replica listed among its own peers is recognised by its id and skipped.
+
+Peers are `host:port` gRPC addresses; a name that resolves to several addresses (a headless
+Kubernetes Service of the replicas) counts as one peer per address, re-resolved every
+`resolve_every_s` so that scaled replicas join.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import socket
+import threading
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import grpc
+
+from pdplane.core import grpc_util
+from pdplane.scheduler.inflight import Assignment, InflightTracker
+from pdplane.scheduler.view import CandidateView
+from pdplane.v1 import inflight_pb2, inflight_pb2_grpc
+
+__all__ = ["SERVICE_NAME", "InflightExchange", "default_replica_id"]
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = inflight_pb2.DESCRIPTOR.services_by_name["InflightExchange"].full_name
+
+_ASSIGNED = inflight_pb2.InflightEvent.KIND_ASSIGNED
+_RELEASED = inflight_pb2.InflightEvent.KIND_RELEASED
+_QUEUE_UPDATES = 10_000  # updates a subscriber may lag before it is cut off (it resubscribes)
+_BACKOFF_S = (0.05, 2.0)  # reconnect delay to a peer: first, longest (doubling)
+
+
+def default_replica_id() -> str:
+    """`<hostname>-<pid>-<6 hex>`: unique per process, readable in logs."""
+    return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+
+
+class _Subscriber:
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[list[inflight_pb2.InflightEvent]] = asyncio.Queue(_QUEUE_UPDATES)
+        self.overflowed = False
+
+
+class InflightExchange:
+    """Publishes `tracker`'s own assignments to subscribers and feeds peers' into it.
+
+    `view` resolves a peer's instance ids to this replica's current candidates (their report
+    epochs). `peers` are gRPC addresses of the other replicas' exchanges; `token` / `tls_ca`
+    are sent to / verify them. Add `servicer` to the replica's gRPC server, then `await
+    start()` on the event loop that serves it; `await stop()` ends the subscriptions.
+    """
+
+    def __init__(
+        self,
+        tracker: InflightTracker,
+        view: CandidateView,
+        *,
+        replica_id: str | None = None,
+        peers: Sequence[str] = (),
+        token: str | None = None,
+        tls_ca: str | None = None,
+        resolve_every_s: float = 5.0,
+    ) -> None:
+        self.tracker = tracker
+        self.view = view
+        self.replica_id = replica_id or default_replica_id()
+        self.peers = tuple(p for p in peers if p)
+        self._token = token
+        self._tls_ca = tls_ca
+        self._resolve_every_s = resolve_every_s
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._lock = threading.Lock()
+        self._outbox: list[inflight_pb2.InflightEvent] = []
+        self._flush_scheduled = False
+        self._subscribers: set[_Subscriber] = set()
+        self._followers: dict[str, asyncio.Task[None]] = {}
+        self._skip: set[str] = set()  # addresses of this replica, or of a peer already followed
+        self._resolver: asyncio.Task[None] | None = None
+        self.connected: dict[str, str] = {}  # peer address -> its replica id, while streaming
+        self.servicer = _Servicer(self)
+
+    async def start(self) -> None:
+        """Starts publishing own changes and following the peers (on the running loop)."""
+        self._loop = asyncio.get_running_loop()
+        self.tracker.listener = self._on_change
+        if self.peers:
+            self._resolver = asyncio.create_task(self._resolve_forever())
+
+    async def stop(self) -> None:
+        """Stops following peers (their assignments are dropped) and ends subscriptions."""
+        self.tracker.listener = None
+        tasks = [t for t in (self._resolver, *self._followers.values()) if t is not None]
+        self._resolver = None
+        self._followers.clear()
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        for sub in self._subscribers:
+            sub.overflowed = True
+            with contextlib.suppress(asyncio.QueueFull):
+                sub.queue.put_nowait([])
+
+    # --- publishing ----------------------------------------------------------------------
+
+    def _on_change(self, assigned: list[Assignment], released: list[Assignment]) -> None:
+        # Releases first: a retry replaces an id by releasing, then assigning it again.
+        events = [
+            inflight_pb2.InflightEvent(kind=_RELEASED, request_id=r.request_id) for r in released
+        ]
+        events += [_assigned(a) for a in assigned]
+        with self._lock:
+            self._outbox.extend(events)
+            if self._flush_scheduled or self._loop is None:
+                return
+            self._flush_scheduled = True
+        self._loop.call_soon_threadsafe(self._flush)
+
+    def _flush(self) -> None:
+        with self._lock:
+            events, self._outbox = self._outbox, []
+            self._flush_scheduled = False
+        if not events:
+            return
+        for sub in self._subscribers:
+            try:
+                sub.queue.put_nowait(events)
+            except asyncio.QueueFull:
+                sub.overflowed = True
+
+    async def subscribe(self, subscriber_id: str) -> AsyncIterator[inflight_pb2.InflightUpdate]:
+        """The updates of one subscription (see the module docstring). Raises ValueError when
+        `subscriber_id` is this replica's own id; ends when the subscriber lags too far."""
+        if subscriber_id == self.replica_id:
+            raise ValueError(f"replica {subscriber_id!r} subscribed to itself")
+        # Changes not yet flushed are inside the snapshot: deliver them to the others first.
+        self._flush()
+        sub = _Subscriber()
+        self._subscribers.add(sub)
+        try:
+            snapshot = [_assigned(a) for a in self.tracker.own()]
+            yield inflight_pb2.InflightUpdate(
+                replica_id=self.replica_id, sequence=1, snapshot=True, events=snapshot
+            )
+            sequence = 1
+            while True:
+                events = await sub.queue.get()
+                if sub.overflowed:
+                    return
+                sequence += 1
+                yield inflight_pb2.InflightUpdate(
+                    replica_id=self.replica_id, sequence=sequence, events=events
+                )
+        finally:
+            self._subscribers.discard(sub)
+
+    # --- following peers -------------------------------------------------------------------
+
+    async def _resolve_forever(self) -> None:
+        while True:
+            wanted: set[str] = set()
+            for peer in self.peers:
+                wanted |= await _resolve(peer)
+            for address in sorted(wanted - self._followers.keys() - self._skip):
+                self._followers[address] = asyncio.create_task(self._follow(address))
+            for address in list(self._followers.keys() - wanted):
+                self._followers.pop(address).cancel()
+            await asyncio.sleep(self._resolve_every_s)
+
+    async def _follow(self, address: str) -> None:
+        delay = _BACKOFF_S[0]
+        request = inflight_pb2.SubscribeInflightRequest(replica_id=self.replica_id)
+        metadata = grpc_util.token_metadata(self._token)
+        while True:
+            origin = ""
+            try:
+                async with grpc_util.aio_channel(address, self._tls_ca) as channel:
+                    stub = inflight_pb2_grpc.InflightExchangeStub(channel)
+                    async for update in stub.Subscribe(request, metadata=metadata):
+                        if update.snapshot:
+                            if any(
+                                r == update.replica_id and a != address
+                                for a, r in self.connected.items()
+                            ):
+                                # The same replica under another address (IPv4 and IPv6).
+                                self._skip.add(address)
+                                self._followers.pop(address, None)
+                                return
+                            if origin:
+                                self.tracker.drop_peer(origin)
+                            origin = update.replica_id
+                            self.tracker.drop_peer(origin)
+                            self.connected[address] = origin
+                            log.info("following replica %s at %s", origin, address)
+                        self._apply(origin, update)
+                        delay = _BACKOFF_S[0]
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                    self._skip.add(address)  # that is this replica
+                    self._followers.pop(address, None)
+                    return
+                log.debug("peer %s: %s: %s", address, exc.code().name, exc.details())
+            finally:
+                self.connected.pop(address, None)
+                if origin:
+                    dropped = self.tracker.drop_peer(origin)
+                    log.info("replica %s at %s gone; dropped %d", origin, address, dropped)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, _BACKOFF_S[1])
+
+    def _apply(self, origin: str, update: inflight_pb2.InflightUpdate) -> None:
+        for event in update.events:
+            if event.kind == _RELEASED:
+                self.tracker.release_peer(origin, event.request_id)
+            elif event.kind == _ASSIGNED:
+                self.tracker.add_peer(
+                    origin,
+                    event.request_id,
+                    self.view.candidate(event.prefill_id),
+                    self.view.candidate(event.decode_id),
+                    event.decode_blocks,
+                    prefill_id=event.prefill_id,
+                    decode_id=event.decode_id,
+                    pending=not update.snapshot,
+                )
+
+
+class _Servicer(inflight_pb2_grpc.InflightExchangeServicer):
+    def __init__(self, exchange: InflightExchange) -> None:
+        self._exchange = exchange
+
+    async def Subscribe(
+        self,
+        request: inflight_pb2.SubscribeInflightRequest,
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> AsyncIterator[inflight_pb2.InflightUpdate]:
+        try:
+            updates = self._exchange.subscribe(request.replica_id)
+            async for update in updates:
+                yield update
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+
+
+def _assigned(a: Assignment) -> inflight_pb2.InflightEvent:
+    return inflight_pb2.InflightEvent(
+        kind=_ASSIGNED,
+        request_id=a.request_id,
+        prefill_id=a.prefill_id,
+        decode_id=a.decode_id,
+        decode_blocks=a.decode_blocks,
+    )
+
+
+async def _resolve(peer: str) -> set[str]:
+    """`host:port` -> every "address:port" the host resolves to (empty when it does not)."""
+    host, sep, port = peer.rpartition(":")
+    if not sep or not port.isdigit():
+        log.warning("peer %r is not host:port; ignored", peer)
+        return set()
+    host = host.strip("[]")
+    try:
+        infos = await asyncio.get_running_loop().getaddrinfo(
+            host, int(port), type=socket.SOCK_STREAM
+        )
+    except OSError as exc:
+        log.debug("peer %s does not resolve: %s", peer, exc)
+        return set()
+    out = set()
+    for _family, _type, _proto, _name, sockaddr in infos:
+        ip = str(sockaddr[0])
+        out.add(f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}")
+    return out

@@ -1,0 +1,256 @@
+"""KvEvents.Subscribe over real gRPC servers on loopback (sync and asyncio)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+from concurrent import futures
+
+import grpc
+import pytest
+
+from pdplane.core import grpc_util
+from pdplane.core.kv_events import KvEventLog
+from pdplane.core.kv_events_server import StreamOptions, add_kv_events_servicer
+from pdplane.core.kv_stream import KvStreamReader
+from pdplane.v1 import kv_events_pb2, kv_events_pb2_grpc
+from tests.unit.core.kv_replica import Replica, log_state
+
+TOKEN = "s3cret"
+
+
+def _serve(log: KvEventLog, token: str | None = None, **opts: float) -> tuple[grpc.Server, str]:
+    interceptors = [grpc_util.TokenAuthInterceptor(token)] if token else []
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=8),
+        interceptors=interceptors,
+        options=grpc_util.SERVER_OPTIONS,
+    )
+    add_kv_events_servicer(server, log, StreamOptions(**opts))  # type: ignore[arg-type]
+    port = grpc_util.add_port(server, "127.0.0.1:0")
+    server.start()
+    return server, f"127.0.0.1:{port}"
+
+
+@pytest.fixture
+def log() -> KvEventLog:
+    return KvEventLog(replay_blocks=64)
+
+
+def _subscribe(
+    address: str, reader: KvStreamReader, token: str | None = None
+) -> Iterator[kv_events_pb2.KvEventsMessage]:
+    stub = kv_events_pb2_grpc.KvEventsStub(grpc_util.channel(address))
+    return stub.Subscribe(reader.request("test"), metadata=grpc_util.token_metadata(token))
+
+
+def _store_many(log: KvEventLog, start: int, count: int, block_size: int = 16) -> None:
+    for i in range(start, start + count):
+        log.stored([i], None, [70_000 + (i + j) % 1000 for j in range(block_size)], block_size)
+
+
+def _follow(
+    stream: Iterator[kv_events_pb2.KvEventsMessage],
+    reader: KvStreamReader,
+    log: KvEventLog,
+    timeout_s: float = 20.0,
+) -> None:
+    """Reads until the reader is exact as of the log's head."""
+    deadline = time.monotonic() + timeout_s
+    while not (reader.synced and reader.next_sequence == log.head + 1):
+        assert time.monotonic() < deadline, "stream did not catch up"
+        reader.feed(next(stream))
+
+
+def test_snapshot_then_live_then_resume_without_snapshot(log: KvEventLog) -> None:
+    _store_many(log, 0, 10)
+    server, address = _serve(log)
+    try:
+        replica = Replica()
+        reader = KvStreamReader(replica)
+        stream = _subscribe(address, reader)
+        _follow(stream, reader, log)
+        assert replica.snapshots == 1 and replica.blocks == log_state(log)
+        _store_many(log, 10, 5)
+        log.removed([3, 4])
+        _follow(stream, reader, log)
+        assert replica.blocks == log_state(log)
+        stream.cancel()  # type: ignore[attr-defined]
+        _store_many(log, 15, 3)  # while disconnected, still in the ring
+        stream = _subscribe(address, reader)
+        _follow(stream, reader, log)
+        assert replica.snapshots == 1  # resumed by replay
+        assert replica.blocks == log_state(log)
+        stream.cancel()  # type: ignore[attr-defined]
+    finally:
+        server.stop(None)
+
+
+def test_gap_while_disconnected_gets_a_snapshot(log: KvEventLog) -> None:
+    server, address = _serve(log)
+    try:
+        replica = Replica()
+        reader = KvStreamReader(replica)
+        stream = _subscribe(address, reader)
+        _follow(stream, reader, log)
+        stream.cancel()  # type: ignore[attr-defined]
+        _store_many(log, 0, 200)  # 200 blocks > the 64 kept: cannot be replayed
+        stream = _subscribe(address, reader)
+        _follow(stream, reader, log)
+        assert replica.snapshots == 2
+        assert replica.blocks == log_state(log)
+        stream.cancel()  # type: ignore[attr-defined]
+    finally:
+        server.stop(None)
+
+
+def test_engine_restart_new_epoch_gets_a_snapshot() -> None:
+    old = KvEventLog()
+    _store_many(old, 0, 5)
+    server, address = _serve(old)
+    replica = Replica()
+    reader = KvStreamReader(replica)
+    stream = _subscribe(address, reader)
+    _follow(stream, reader, old)
+    stream.cancel()  # type: ignore[attr-defined]
+    server.stop(None)
+    new = KvEventLog()
+    _store_many(new, 100, 2)
+    server, address = _serve(new)
+    try:
+        stream = _subscribe(address, reader)
+        _follow(stream, reader, new)
+        assert reader.epoch == new.epoch and replica.snapshots == 2
+        assert replica.blocks == log_state(new)
+        stream.cancel()  # type: ignore[attr-defined]
+    finally:
+        server.stop(None)
+
+
+def test_slow_subscriber_gets_a_fresh_snapshot_never_a_gap(log: KvEventLog) -> None:
+    server, address = _serve(log)
+    try:
+        replica = Replica()
+        reader = KvStreamReader(replica)
+        stream = _subscribe(address, reader)
+        _follow(stream, reader, log)
+        # ~12 MB of events while the subscriber reads nothing: gRPC's flow control stops the
+        # server's stream long before that, so its cursor falls out of the 64-block ring.
+        _store_many(log, 0, 4000, block_size=1024)
+        _follow(stream, reader, log, timeout_s=60)  # feed() raises StreamGap on any gap
+        assert replica.snapshots >= 2
+        assert replica.blocks == log_state(log)
+        stream.cancel()  # type: ignore[attr-defined]
+    finally:
+        server.stop(None)
+
+
+def test_token_is_required(log: KvEventLog) -> None:
+    server, address = _serve(log, token=TOKEN)
+    try:
+        reader = KvStreamReader(Replica())
+        with pytest.raises(grpc.RpcError) as err:
+            next(_subscribe(address, reader))
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(grpc.RpcError) as err:
+            next(_subscribe(address, reader, token="wrong"))
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        stream = _subscribe(address, reader, token=TOKEN)
+        _follow(stream, reader, log)
+        assert reader.synced
+        stream.cancel()  # type: ignore[attr-defined]
+    finally:
+        server.stop(None)
+
+
+def test_heartbeats_on_an_idle_stream(log: KvEventLog) -> None:
+    server, address = _serve(log, heartbeat_s=0.05)
+    try:
+        reader = KvStreamReader(Replica())
+        stream = _subscribe(address, reader)
+        _follow(stream, reader, log)
+        kinds = [next(stream).WhichOneof("body") for _ in range(3)]
+        assert kinds == ["heartbeat"] * 3
+        stream.cancel()  # type: ignore[attr-defined]
+    finally:
+        server.stop(None)
+
+
+def test_subscribers_are_bounded_and_slots_come_back(log: KvEventLog) -> None:
+    server, address = _serve(log, max_subscribers=1)
+    try:
+        first = _subscribe(address, KvStreamReader(Replica()))
+        next(first)
+        with pytest.raises(grpc.RpcError) as err:
+            next(_subscribe(address, KvStreamReader(Replica())))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        first.cancel()  # type: ignore[attr-defined]
+        deadline = time.monotonic() + 5
+        while True:  # the cancelled stream's slot is given back once its handler ends
+            try:
+                again = _subscribe(address, KvStreamReader(Replica()))
+                next(again)
+                again.cancel()  # type: ignore[attr-defined]
+                break
+            except grpc.RpcError as exc:
+                assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+    finally:
+        server.stop(None)
+
+
+def test_closing_the_log_ends_streams_unavailable(log: KvEventLog) -> None:
+    server, address = _serve(log)
+    try:
+        reader = KvStreamReader(Replica())
+        stream = _subscribe(address, reader)
+        _follow(stream, reader, log)
+        threading.Timer(0.1, log.close).start()
+        with pytest.raises(grpc.RpcError) as err:
+            while True:
+                next(stream)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        server.stop(None)
+
+
+async def test_asyncio_server_serves_the_same_stream() -> None:
+    log = KvEventLog(replay_blocks=64)
+    server = grpc.aio.server(
+        interceptors=[grpc_util.AioTokenAuthInterceptor(TOKEN)], options=grpc_util.SERVER_OPTIONS
+    )
+    add_kv_events_servicer(server, log, StreamOptions(heartbeat_s=0.05))
+    port = grpc_util.add_port(server, "127.0.0.1:0")
+    await server.start()
+    try:
+        _store_many(log, 0, 10)
+        replica = Replica()
+        reader = KvStreamReader(replica)
+        async with grpc_util.aio_channel(f"127.0.0.1:{port}") as channel:
+            stub = kv_events_pb2_grpc.KvEventsStub(channel)
+            denied = stub.Subscribe(reader.request())
+            with pytest.raises(grpc.RpcError) as err:
+                await denied.read()
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            call = stub.Subscribe(reader.request(), metadata=grpc_util.token_metadata(TOKEN))
+
+            async def follow() -> None:
+                while not (reader.synced and reader.next_sequence == log.head + 1):
+                    reader.feed(await asyncio.wait_for(call.read(), 5))
+
+            await follow()
+            # written from another thread, as the connector's reader thread does
+            writer = threading.Thread(target=_store_many, args=(log, 10, 300))
+            writer.start()
+            await asyncio.to_thread(writer.join)
+            await follow()
+            assert replica.blocks == log_state(log)
+            assert replica.snapshots >= 2  # 300 blocks > the 64 kept, or it kept up: both exact
+            msg = await asyncio.wait_for(call.read(), 5)
+            assert msg.WhichOneof("body") == "heartbeat"
+            call.cancel()
+    finally:
+        await server.stop(None)
