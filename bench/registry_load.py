@@ -1,46 +1,55 @@
-"""Registry load benchmark: N simulated instances heartbeating at 1 Hz against one registry.
+"""Registry load benchmark: N simulated instances heartbeating at 1 Hz, memory and etcd stores.
 
-    .venv/bin/python bench/registry_load.py                       # N = 100, 1000, 10000; aio
-    .venv/bin/python bench/registry_load.py --n 1000 --flavour aio,sync --duration-s 15
+    .venv/bin/python bench/registry_load.py                           # N = 1000, 10000; both stores
+    .venv/bin/python bench/registry_load.py --n 1000 --store etcd --mode stream,unary
+    .venv/bin/python bench/registry_load.py --n 10000 --store etcd --replicas 2 --etcd-members 3
 
-For each flavour and N it starts `pdplane registry` as its own process, registers N instances,
-attaches one watcher (as the scheduler does; `--max-batch`), then sends every instance's
-heartbeat once a second, evenly spread, from `--clients` load-generator processes (asyncio gRPC; the
-thread-per-instance client library would not scale to 10,000 simulated instances in one
-process). Each heartbeat carries a changed load report unless `--static-load`, so every
-heartbeat is also an UPDATED event on the watch.
+For each store, heartbeat mode and N it starts `pdplane registry` as its own process (or
+`--replicas` of them over one etcd cluster of `--etcd-members` members on loopback, data on
+tmpfs), registers N instances from `--clients` load-generator processes (asyncio gRPC; each
+instance one `HeartbeatStream`, or unary `Heartbeat` calls with `--mode unary`), then sends
+every instance's heartbeat once a second, evenly spread. Every heartbeat carries a changed load
+report whose `recv_buffer_headroom_bytes` is its send time (us), so every heartbeat is an
+UPDATED event and a watcher process (one WatchInstances stream, batches of 256, on the first
+replica) measures the fan-out latency: heartbeat sent -> event received.
 
-Printed per run: heartbeats/s achieved vs. target, p50/p99/max heartbeat latency (ms, client
-side, send to reply), the registry's CPU use (% of one core, from /proc), watch events
-received, instances lost (leases that expired under load), and the generators' own p99
-lateness (when that grows past a few ms the generator, not the registry, is the bottleneck)
-and the machine's 1-minute load average at the end of the run (other processes share the cores).
+Printed per run: heartbeats/s achieved vs. target; p50/p99 heartbeat latency (ms, client side,
+send to answer); the registry's CPU (% of one core, all replicas, from /proc) and per heartbeat
+(us); etcd's CPU (% of one core, all members) and its raft proposals committed per second (its
+writes: every Put/Txn is one; lease keep-alives are not); watch fan-out p50/p99 (ms); instances
+lost (REMOVED events); the generators' p99 lateness (when it grows past a few ms the load side,
+not the registry, is behind) and the machine's 1-minute load average (the cores are shared).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
-import signal
-import socket
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdplane.core import grpc_util
+from pdplane.launch.etcd import EtcdCluster
+from pdplane.launch.ports import free_port_run
+from pdplane.launch.process import ManagedProcess, grpc_serving, wait_until
 from pdplane.v1 import instance_pb2, registry_pb2, registry_pb2_grpc
 
 _TICKS_PER_S = os.sysconf("SC_CLK_TCK")
-_REGISTER_CONCURRENCY = 200
+_REGISTER_CONCURRENCY = 100
+_Ev = registry_pb2.WatchEvent
 
 
 def _spec(i: int) -> instance_pb2.InstanceSpec:
@@ -67,71 +76,125 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-# ---------------------------------------------------------------- load generator (child process)
+def _load() -> instance_pb2.LoadReport:
+    running = random.randrange(64)
+    return instance_pb2.LoadReport(
+        num_running=running,
+        kv_cache_usage=running / 64,
+        recv_buffer_headroom_bytes=time.time_ns() // 1000,  # the send time, for the watcher
+    )
 
 
-async def _instance(
-    stub: registry_pb2_grpc.RegistryStub,
-    i: int,
-    lease: str,
-    start: float,
-    end: float,
-    static: bool,
-    out: dict[str, Any],
+# ------------------------------------------------------------ load generator (child process)
+
+
+async def _beat_stream(
+    stub: registry_pb2_grpc.RegistryStub, i: int, lease: str, start: float, end: float, out: Any
 ) -> None:
+    call = stub.HeartbeatStream()
     next_at = start + random.random()  # spread the N heartbeats evenly over each second
+    try:
+        while next_at < end:
+            await asyncio.sleep(max(0.0, next_at - time.time()))
+            out["late"].append((time.time() - next_at) * 1000)
+            sent = time.perf_counter()
+            request = registry_pb2.HeartbeatRequest(
+                instance_id=f"sim-{i:05d}", lease_id=lease, load=_load()
+            )
+            await call.write(request)
+            reply = await call.read()
+            if reply is grpc.aio.EOF:
+                raise grpc.aio.AioRpcError(
+                    grpc.StatusCode.UNKNOWN, grpc.aio.Metadata(), grpc.aio.Metadata(), "EOF"
+                )
+            out["lat"].append((time.perf_counter() - sent) * 1000)
+            next_at += 1.0
+        await call.done_writing()
+    except grpc.aio.AioRpcError as exc:
+        out["errors"][exc.code().name] = out["errors"].get(exc.code().name, 0) + 1
+        out["details"].setdefault(exc.code().name, exc.details())
+
+
+async def _beat_unary(
+    stub: registry_pb2_grpc.RegistryStub, i: int, lease: str, start: float, end: float, out: Any
+) -> None:
+    next_at = start + random.random()
     while next_at < end:
         await asyncio.sleep(max(0.0, next_at - time.time()))
         out["late"].append((time.time() - next_at) * 1000)
-        running = 0 if static else random.randrange(64)
-        load = instance_pb2.LoadReport(num_running=running, kv_cache_usage=running / 64)
         sent = time.perf_counter()
+        request = registry_pb2.HeartbeatRequest(
+            instance_id=f"sim-{i:05d}", lease_id=lease, load=_load()
+        )
         try:
-            await stub.Heartbeat(
-                registry_pb2.HeartbeatRequest(
-                    instance_id=f"sim-{i:05d}", lease_id=lease, load=load
-                ),
-                timeout=5,
-            )
+            await stub.Heartbeat(request, timeout=5)
             out["lat"].append((time.perf_counter() - sent) * 1000)
         except grpc.aio.AioRpcError as exc:
             out["errors"][exc.code().name] = out["errors"].get(exc.code().name, 0) + 1
-            out.setdefault("details", {}).setdefault(exc.code().name, exc.details())
+            out["details"].setdefault(exc.code().name, exc.details())
         next_at += 1.0
 
 
 async def _generate(args: argparse.Namespace) -> dict[str, Any]:
     ids = range(args.first, args.first + args.count)
-    async with grpc_util.aio_channel(args.address) as chan:
-        stub = registry_pb2_grpc.RegistryStub(chan)
-        gate = asyncio.Semaphore(_REGISTER_CONCURRENCY)
+    addresses = args.address.split(",")
+    channels = [grpc_util.aio_channel(a) for a in addresses]
+    # Instance i talks to replica i % replicas (as clients listing the replicas in turn).
+    stubs = [registry_pb2_grpc.RegistryStub(c) for c in channels]
+    gate = asyncio.Semaphore(_REGISTER_CONCURRENCY)
 
-        async def register(i: int) -> str:
-            async with gate:
-                reply = await stub.Register(registry_pb2.RegisterRequest(spec=_spec(i)), timeout=30)
-                return reply.lease_id
-
-        leases = await asyncio.gather(*(register(i) for i in ids))
-        print("registered", flush=True)  # the parent starts the clock for everyone at once
-        start = float(sys.stdin.readline())
-        out: dict[str, Any] = {"lat": [], "late": [], "errors": {}}
-        end = start + args.duration_s
-        await asyncio.gather(
-            *(
-                _instance(stub, i, lease, start, end, args.static_load, out)
-                for i, lease in zip(ids, leases, strict=True)
+    async def register(i: int) -> str:
+        async with gate:
+            reply = await stubs[i % len(stubs)].Register(
+                registry_pb2.RegisterRequest(spec=_spec(i)), timeout=60
             )
+            return str(reply.lease_id)
+
+    leases = await asyncio.gather(*(register(i) for i in ids))
+    print("registered", flush=True)  # the parent starts the clock for everyone at once
+    start = float(await asyncio.to_thread(sys.stdin.readline))
+    out: dict[str, Any] = {"lat": [], "late": [], "errors": {}, "details": {}}
+    beat = _beat_stream if args.mode == "stream" else _beat_unary
+    end = start + args.duration_s
+    await asyncio.gather(
+        *(
+            beat(stubs[i % len(stubs)], i, lease, start, end, out)
+            for i, lease in zip(ids, leases, strict=True)
         )
+    )
+    for chan in channels:
+        await chan.close()
     return out
 
 
-# ------------------------------------------------------------------------ orchestration (parent)
+# ------------------------------------------------------------------- watcher (child process)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _watch(args: argparse.Namespace) -> dict[str, Any]:
+    """Reads one watch stream for the window; fan-out latency of every heartbeat's event."""
+    lat: list[float] = []
+    removed = 0
+    with grpc_util.channel(args.address.split(",")[0]) as chan:
+        call = registry_pb2_grpc.RegistryStub(chan).WatchInstances(
+            registry_pb2.WatchInstancesRequest(max_batch=256)
+        )
+        print("watching", flush=True)
+        start = float(sys.stdin.readline())
+        end = start + args.duration_s
+        threading.Timer(max(0.0, end - time.time()) + 2.0, call.cancel).start()
+        with contextlib.suppress(grpc.RpcError):
+            for message in call:
+                now_us = time.time_ns() // 1000
+                events = message.events if message.type == _Ev.BATCH else [message]
+                for event in events:
+                    removed += event.type == _Ev.REMOVED
+                    sent_us = event.instance.load.recv_buffer_headroom_bytes
+                    if event.type == _Ev.UPDATED and sent_us and start <= sent_us / 1e6 <= end:
+                        lat.append((now_us - sent_us) / 1000)
+    return {"lat": lat, "removed": removed}
+
+
+# ----------------------------------------------------------------------- orchestration (parent)
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -139,116 +202,113 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / _TICKS_PER_S  # utime + stime
 
 
-def _wait_serving(address: str, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    with grpc_util.channel(address) as chan:
-        stub = health_pb2_grpc.HealthStub(chan)
-        while time.monotonic() < deadline:
-            try:
-                stub.Check(health_pb2.HealthCheckRequest(), timeout=1)
-                return
-            except grpc.RpcError:
-                time.sleep(0.1)
-    raise RuntimeError(f"registry at {address} did not come up")
+def _proposals(cluster: EtcdCluster | None) -> float:
+    """Raft proposals committed, summed over the members (etcd's /metrics)."""
+    if cluster is None:
+        return 0.0
+    total = 0.0
+    for member in cluster.members:
+        with urllib.request.urlopen(f"{member.client_url}/metrics", timeout=5) as reply:
+            for line in reply.read().decode().splitlines():
+                if line.startswith("etcd_server_proposals_committed_total "):
+                    total = max(total, float(line.split()[1]))  # the same on every member
+    return total
 
 
-class _WatchCounter:
-    """One watcher, like the scheduler: counts events, and REMOVED ones (lost instances)."""
-
-    def __init__(self, address: str, max_batch: int) -> None:
-        self._channel = grpc_util.channel(address)
-        stub = registry_pb2_grpc.RegistryStub(self._channel)
-        request = registry_pb2.WatchInstancesRequest(max_batch=max_batch)
-        self._call = stub.WatchInstances(request)
-        self.events = self.removed = self.snapshots = 0
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            for message in self._call:
-                batch = message.type == registry_pb2.WatchEvent.BATCH
-                for event in message.events if batch else [message]:
-                    self.events += 1
-                    self.removed += event.type == registry_pb2.WatchEvent.REMOVED
-                    self.snapshots += event.type == registry_pb2.WatchEvent.SNAPSHOT
-        except grpc.RpcError:
-            pass
-
-    def close(self) -> None:
-        self._call.cancel()
-        self._thread.join(timeout=5)
-        self._channel.close()
+def _child(command: list[str]) -> subprocess.Popen[str]:
+    return subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
 
-def _run_one(flavour: str, n: int, args: argparse.Namespace) -> dict[str, Any]:
-    port = _free_port()
-    address = f"127.0.0.1:{port}"
-    registry = subprocess.Popen(
-        [sys.executable, "-m", "pdplane.cli.main", "registry", "--port", str(port),
-         "--flavour", flavour, "--log-level", "WARNING"],
-    )  # fmt: skip
-    generators: list[subprocess.Popen[str]] = []
-    watches: list[_WatchCounter] = []
+def _run_one(store: str, mode: str, n: int, args: argparse.Namespace, root: Path) -> dict[str, Any]:
+    head = {"store": store, "mode": mode, "n": n, "replicas": args.replicas}
+    cluster: EtcdCluster | None = None
+    registries: list[ManagedProcess] = []
+    children: list[subprocess.Popen[str]] = []
     try:
-        _wait_serving(address, 30)
-        watches += [_WatchCounter(address, args.max_batch) for _ in range(args.watchers)]
-        watch = watches[0]
+        flags = ["--log-level", "WARNING", "--lease-ttl-ms", str(args.lease_ttl_ms)]
+        if store == "etcd":
+            cluster = EtcdCluster(Path(tempfile.mkdtemp(dir=root)), size=args.etcd_members)
+            cluster.start()
+            flags += ["--store", "etcd", "--etcd-endpoints", cluster.endpoints]
+        addresses = []
+        for r in range(args.replicas if store == "etcd" else 1):
+            port = free_port_run()
+            argv = [sys.executable, "-m", "pdplane.cli.main", "registry", "--port", str(port)]
+            registries.append(ManagedProcess(f"registry-{r}", argv + flags, root / f"reg{r}.log"))
+            registries[-1].start()
+            addresses.append(f"127.0.0.1:{port}")
+        for address, proc in zip(addresses, registries, strict=True):
+            wait_until(lambda a=address: grpc_serving(a), 30, watch=[proc])
+        target = ",".join(addresses)
+        common = [
+            sys.executable,
+            __file__,
+            "--address",
+            target,
+            "--duration-s",
+            str(args.duration_s),
+        ]
+        watcher = _child([*common, "--watch-child"])
+        assert watcher.stdout is not None
+        if watcher.stdout.readline().strip() != "watching":
+            return {**head, "failed": "watcher did not start"}
         share = -(-n // args.clients)
         for first in range(0, n, share):
-            command = [sys.executable, __file__, "--generate", "--address", address]
-            command += ["--first", str(first), "--count", str(min(share, n - first))]
-            command += ["--duration-s", str(args.duration_s)]
-            command += ["--static-load"] if args.static_load else []
-            generators.append(
-                subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-            )
-        for gen in generators:
+            count = min(share, n - first)
+            command = [*common, "--generate", "--first", str(first), "--count", str(count)]
+            children.append(_child([*command, "--mode", mode]))
+        for gen in children:
             assert gen.stdout is not None
             if gen.stdout.readline().strip() != "registered":
-                return {
-                    "flavour": flavour,
-                    "n": n,
-                    "watchers": args.watchers,
-                    "failed": "registration did not complete (see the generator's error)",
-                }
-        start = time.time() + 0.5
-        for gen in generators:
-            assert gen.stdin is not None
-            gen.stdin.write(f"{start}\n")
-            gen.stdin.flush()
+                return {**head, "failed": "registration did not complete (see the generator)"}
+        start = time.time() + 1.0
+        for child in [watcher, *children]:
+            assert child.stdin is not None
+            child.stdin.write(f"{start}\n")
+            child.stdin.flush()
         time.sleep(max(0.0, start - time.time()))
-        cpu0, events0 = _cpu_seconds(registry.pid), watch.events
+        pids = [p.pid for p in registries if p.pid]
+        etcd_pids = (
+            [m.process.pid for m in cluster.members if m.process and m.process.pid]
+            if cluster
+            else []
+        )
+        cpu0 = sum(_cpu_seconds(p) for p in pids)
+        etcd0, props0 = sum(_cpu_seconds(p) for p in etcd_pids), _proposals(cluster)
         time.sleep(args.duration_s)
-        cpu = _cpu_seconds(registry.pid) - cpu0
-        events = watch.events - events0
-        results = [json.loads(gen.communicate(timeout=120)[0]) for gen in generators]
+        cpu = sum(_cpu_seconds(p) for p in pids) - cpu0
+        etcd_cpu = sum(_cpu_seconds(p) for p in etcd_pids) - etcd0
+        props = _proposals(cluster) - props0
+        results = [json.loads(gen.communicate(timeout=180)[0]) for gen in children]
+        watched = json.loads(watcher.communicate(timeout=60)[0])
     finally:
-        for w in watches:
-            w.close()
-        for gen in generators:
-            if gen.poll() is None:
-                gen.kill()
-        registry.send_signal(signal.SIGTERM)
-        registry.wait(timeout=30)
+        for child in [*children]:
+            if child.poll() is None:
+                child.kill()
+        for proc in registries:
+            proc.stop(grace_s=10)
+        if cluster is not None:
+            cluster.stop()
+            shutil.rmtree(cluster.data_dir, ignore_errors=True)
     lat = [x for r in results for x in r["lat"]]
     late = [x for r in results for x in r["late"]]
     errors: dict[str, int] = {}
     for r in results:
         for code, count in r["errors"].items():
             errors[code] = errors.get(code, 0) + count
+    beats = len(lat)
     return {
-        "flavour": flavour,
-        "n": n,
-        "watchers": args.watchers,
-        "target_hb_s": n,
-        "achieved_hb_s": round(len(lat) / args.duration_s, 1),
+        **head,
+        "achieved_hb_s": round(beats / args.duration_s, 1),
         "p50_ms": round(_percentile(lat, 0.50), 2),
         "p99_ms": round(_percentile(lat, 0.99), 2),
-        "max_ms": round(max(lat, default=float("nan")), 2),
         "registry_cpu_pct": round(100 * cpu / args.duration_s, 1),
-        "watch_events_s": round(events / args.duration_s, 1),
-        "lost_instances": watch.removed,
+        "registry_us_per_hb": round(1e6 * cpu / beats, 1) if beats else None,
+        "etcd_cpu_pct": round(100 * etcd_cpu / args.duration_s, 1),
+        "etcd_writes_s": round(props / args.duration_s, 1),
+        "fanout_p50_ms": round(_percentile(watched["lat"], 0.50), 1),
+        "fanout_p99_ms": round(_percentile(watched["lat"], 0.99), 1),
+        "lost_instances": watched["removed"],
         "errors": errors,
         "error_details": {k: v for r in results for k, v in r.get("details", {}).items()},
         "generator_late_p99_ms": round(_percentile(late, 0.99), 1),
@@ -256,31 +316,38 @@ def _run_one(flavour: str, n: int, args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+_HEADER = (
+    "store  mode    rep      N   hb/s achieved   p50ms   p99ms  reg%1c us/hb etcd%1c etcdW/s "
+    "fanout50 fanout99 lost late99 load1 errors"
+)
+
+
 def _row(r: dict[str, Any]) -> str:
-    head = f"{r['flavour']:<5} {r['watchers']:>3} {r['n']:>6} "
+    head = f"{r['store']:<6} {r['mode']:<6} {r['replicas']:>3} {r['n']:>6} "
     if "failed" in r:
         return head + "FAILED: " + r["failed"]
-    return (
-        head + f"{r['achieved_hb_s']:>9}/{r['target_hb_s']:<6} "
-        f"{r['p50_ms']:>7} {r['p99_ms']:>8} {r['max_ms']:>8} {r['registry_cpu_pct']:>7} "
-        f"{r['watch_events_s']:>9} {r['lost_instances']:>5} {r['generator_late_p99_ms']:>8} "
-        f"{r['loadavg_1m']:>6} {r['errors'] or ''}"
+    return head + (
+        f"{r['achieved_hb_s']:>9}/{r['n']:<6} {r['p50_ms']:>7} {r['p99_ms']:>7} "
+        f"{r['registry_cpu_pct']:>7} {r['registry_us_per_hb']:>5} {r['etcd_cpu_pct']:>7} "
+        f"{r['etcd_writes_s']:>7} {r['fanout_p50_ms']:>8} {r['fanout_p99_ms']:>8} "
+        f"{r['lost_instances']:>4} {r['generator_late_p99_ms']:>6} {r['loadavg_1m']:>5} "
+        f"{r['errors'] or ''}"
     )
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--n", default="100,1000,10000", help="instance counts, comma-separated")
-    parser.add_argument("--flavour", default="aio", help="aio, sync or aio,sync")
-    parser.add_argument("--duration-s", type=float, default=10.0, help="heartbeat window (s)")
-    parser.add_argument("--clients", type=int, default=2, help="load-generator processes")
-    parser.add_argument("--static-load", action="store_true", help="unchanged load reports")
-    parser.add_argument("--watchers", type=int, default=1, help="open watch streams (>= 1)")
-    parser.add_argument(
-        "--max-batch", type=int, default=256, help="watch events per message (the client's 256)"
-    )
+    parser.add_argument("--n", default="1000,10000", help="instance counts, comma-separated")
+    parser.add_argument("--store", default="memory,etcd", help="memory, etcd or both")
+    parser.add_argument("--mode", default="stream", help="stream, unary or stream,unary")
+    parser.add_argument("--duration-s", type=float, default=15.0, help="heartbeat window (s)")
+    parser.add_argument("--clients", type=int, default=4, help="load-generator processes")
+    parser.add_argument("--replicas", type=int, default=1, help="registry replicas (etcd store)")
+    parser.add_argument("--etcd-members", type=int, default=1, help="etcd cluster size")
+    parser.add_argument("--lease-ttl-ms", type=int, default=5000, help="instances' lease TTL")
     parser.add_argument("--json", action="store_true", help="print one JSON object per run")
     parser.add_argument("--generate", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--watch-child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--address", help=argparse.SUPPRESS)
     parser.add_argument("--first", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--count", type=int, default=0, help=argparse.SUPPRESS)
@@ -288,15 +355,24 @@ def main() -> int:
     if args.generate:
         print(json.dumps(asyncio.run(_generate(args))), flush=True)
         return 0
-    print(f"cores: {os.cpu_count()}, window {args.duration_s:.0f} s, {args.clients} generator(s)")
+    if args.watch_child:
+        print(json.dumps(_watch(args)), flush=True)
+        return 0
+    shm = Path("/dev/shm")
+    root = Path(tempfile.mkdtemp(prefix="pdplane-bench-", dir=shm if shm.is_dir() else None))
     print(
-        "flavour  W      N   hb/s achieved    p50ms    p99ms    maxms  cpu%1c  events/s  lost"
-        "  late99ms  load1 errors"
+        f"cores: {os.cpu_count()}, window {args.duration_s:.0f} s, {args.clients} generator(s), "
+        f"etcd members: {args.etcd_members}"
     )
-    for flavour in args.flavour.split(","):
-        for n in (int(x) for x in args.n.split(",")):
-            result = _run_one(flavour, n, args)
-            print(json.dumps(result) if args.json else _row(result), flush=True)
+    print(_HEADER)
+    try:
+        for store in args.store.split(","):
+            for mode in args.mode.split(","):
+                for n in (int(x) for x in args.n.split(",")):
+                    result = _run_one(store, mode, n, args, root)
+                    print(json.dumps(result) if args.json else _row(result), flush=True)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
     return 0
 
 

@@ -12,7 +12,7 @@ the worst case of a fleet whose heartbeats all change load.
 
 gRPC: a `pdplane registry` process holding a 2P2D model ("small") and a 500P500D model
 ("large"), a `pdplane scheduler` process watching it (both with default policies), and
-`SchedulerClient.schedule` from this process over loopback: sequential calls (each followed by
+`RemoteScheduler.schedule` from this process over loopback: sequential calls (each followed by
 an untimed Release), then 16 concurrent callers. Latencies in microseconds.
 """
 
@@ -33,10 +33,11 @@ from typing import Any
 
 import grpc
 
-from pdplane.scheduler.client import SchedulerClient, SchedulerUnavailable
 from pdplane.scheduler.metrics import SchedulerMetrics
 from pdplane.scheduler.policies import POLICIES
-from pdplane.scheduler.service import ScheduleInput, SchedulerService
+from pdplane.scheduler.port import Outcome, RequestFeatures, SchedulerUnavailable
+from pdplane.scheduler.remote import RemoteScheduler
+from pdplane.scheduler.service import SchedulerService
 from pdplane.scheduler.view import CandidateView, StaticSource
 from pdplane.v1 import instance_pb2, registry_pb2, registry_pb2_grpc
 
@@ -108,7 +109,7 @@ def bench_in_process(size: int, policy: str, decisions: int, churn: bool) -> dic
         seed=0,
     )
     requests = [
-        ScheduleInput(
+        RequestFeatures(
             request_id=f"r{i}",
             model="tiny",
             prompt_tokens=rng.randrange(16, 2048),
@@ -133,7 +134,7 @@ def bench_in_process(size: int, policy: str, decisions: int, churn: bool) -> dic
             samples.append(elapsed)
             cpu_samples.append(cpu)
         if i >= _WINDOW:
-            service.release(requests[i - _WINDOW].request_id, "success")
+            service.release(requests[i - _WINDOW].request_id, Outcome.SUCCESS)
     return {
         "instances": size,
         "policy": policy + (" +report" if churn else ""),
@@ -161,26 +162,26 @@ async def _time_calls(
 
 
 async def _rpc_rounds(address: str, model: str, calls: int, label: str) -> list[dict[str, Any]]:
-    client = SchedulerClient(address)
+    client = RemoteScheduler(address)
     try:
 
         async def one(i: int) -> None:
-            await client.schedule(f"{label}-{i}", model, 512, 128)
-            await client.release(f"{label}-{i}", "success")
+            await client.schedule(RequestFeatures(f"{label}-{i}", model, 512, 128))
+            await client.release(f"{label}-{i}", Outcome.SUCCESS)
 
         await _time_calls(one, 200)  # warm-up: channel, HTTP/2 windows
         timings: list[int] = []
         wall = time.perf_counter()
         for i in range(calls):
             started = time.perf_counter_ns()
-            await client.schedule(f"{label}-s{i}", model, 512, 128)
+            await client.schedule(RequestFeatures(f"{label}-s{i}", model, 512, 128))
             timings.append(time.perf_counter_ns() - started)
-            await client.release(f"{label}-s{i}", "success")
+            await client.release(f"{label}-s{i}", Outcome.SUCCESS)
         wall = time.perf_counter() - wall
         sequential = {**_percentiles(timings), "concurrency": 1, "pairs_per_s": calls / wall}
 
         async def schedule_only(i: int) -> None:
-            await client.schedule(f"{label}-c{i}", model, 512, 128)
+            await client.schedule(RequestFeatures(f"{label}-c{i}", model, 512, 128))
 
         concurrent = await _time_calls(schedule_only, calls, concurrency=16)
         return [{"view": label, **sequential}, {"view": label, **concurrent}]
@@ -235,20 +236,20 @@ def bench_rpc(calls: int) -> list[dict[str, Any]]:
         _register(registry, "small", 2, 2)
         _register(registry, "large", 500, 500)
         with _service("scheduler", "--registry", registry) as scheduler:
-            probe = SchedulerClient(scheduler)
+            probe = RemoteScheduler(scheduler)
 
             async def until_ready() -> None:
                 deadline = time.monotonic() + 30
                 for model in ("small", "large"):
                     while True:
                         try:
-                            await probe.schedule("probe", model, 1)
+                            await probe.schedule(RequestFeatures("probe", model, 1))
                             break
                         except SchedulerUnavailable:
                             if time.monotonic() > deadline:
                                 raise
                             await asyncio.sleep(0.05)
-                await probe.release("probe", "success")
+                await probe.release("probe", Outcome.SUCCESS)
                 await probe.close()
 
             asyncio.run(until_ready())

@@ -42,8 +42,10 @@ install() {
     # (find-links) or from PyTorch's CPU index when PIP_EXTRA_INDEX_URL points there.
     "$venv/bin/python" -m pip install -q -e '.[cpu,dev]'
     # PyPI's torchvision/torchaudio builds are CUDA builds that break transformers' Llama import
-    # next to a +cpu torch; vLLM does not need them for text models.
-    "$venv/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+    # next to a +cpu torch; vLLM does not need them for text models. Triton (pulled in by
+    # xgrammar) has no CPU backend, so vLLM disables it anyway; loaded, it prints nanobind leak
+    # reports at every vLLM exit.
+    "$venv/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
     echo "$want" >"$stamp"
 }
 

@@ -22,3 +22,9 @@ def test_push_mode_reaches_every_connector_and_xpyd_counts() -> None:
     spec = FleetSpec.from_settings(settings)
     assert spec.vllm_options == {"connector_extra": {"mode": "push"}}
     assert (spec.prefill, spec.decode, spec.model) == (2, 3, Path("/m"))
+
+
+def test_store_etcd_reaches_the_spec() -> None:
+    spec = FleetSpec.from_settings(UpSettings.parse(["--store", "etcd", "--etcd-port", "23790"]))
+    assert (spec.store, spec.etcd_port) == ("etcd", 23790)
+    assert FleetSpec.from_settings(UpSettings.parse([])).store == "memory"

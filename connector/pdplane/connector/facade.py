@@ -18,6 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from pdplane.connector.config import ConnectorConfig
 from pdplane.connector.kv_events import reader_endpoint
+from pdplane.connector.lifeline import watch_parent
 from pdplane.connector.logs import setup_connector_logging
 from pdplane.connector.metadata import PdPlaneConnectorMetadata
 from pdplane.connector.registration import InstanceRegistration, build_spec
@@ -116,6 +117,9 @@ class PdPlaneConnector(KVConnectorBase_V1):
                 kv_events_endpoint=reader_endpoint(events_config, data_parallel_rank(vllm_config)),
                 kv_events_topic=str(getattr(events_config, "topic", "") or ""),
             )
+        # No engine process outlives its API server (an orphan would keep the KV port and
+        # heartbeat for a dead HTTP server); deregistering first tells the gateway at once.
+        watch_parent(self._registration.stop if self._registration is not None else None)
 
     def _start_registration(self, vllm_config: VllmConfig) -> None:
         if not self.config.registry:

@@ -5,19 +5,22 @@ the gateway route to an instance that refuses connections. So a thread first wai
 `<url>/health` to answer 200, then hands over to `RegistrationClient` (register, heartbeat with
 the engine's load, re-register after a registry restart, deregister on shutdown).
 
-While registered, the same thread keeps probing `<url>/health`: when the HTTP server is gone
-(connection refused twice in a row) while this engine lives on (an API server killed on its
-own leaves its engine process heartbeating), the instance deregisters, so that the gateway stops
-routing to a server that no longer exists. A slow or timed-out probe is not taken as death: a
-busy engine answers late.
+While registered, the same thread keeps checking that the HTTP server still listens (a TCP
+connect every 0.25 s: no request, no access-log line): when the connection is refused twice in a
+row while this engine lives on, the instance deregisters, so that the gateway stops routing to a
+server that no longer exists within about half a second instead of the lease TTL. (An API server
+that dies is caught sooner still by `pdplane.connector.lifeline`.) A slow or timed-out connect
+is not taken as death: a busy server accepts late.
 """
 
 from __future__ import annotations
 
 import atexit
 import logging
+import socket
 import threading
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable
 
@@ -30,7 +33,8 @@ __all__ = ["InstanceRegistration", "build_spec"]
 log = logging.getLogger(__name__)
 
 _HEALTH_POLL_S = 0.5
-_LIVENESS_POLL_S = 1.0
+_LIVENESS_POLL_S = 0.25
+_CONNECT_TIMEOUT_S = 1.0
 _REFUSALS_BEFORE_DEREGISTER = 2
 
 
@@ -77,6 +81,19 @@ def _probe(url: str) -> str:
 
 def _healthy(url: str) -> bool:
     return _probe(url) == "ok"
+
+
+def _refused(url: str) -> bool:
+    """True when nothing listens at `url`'s host and port (connection refused)."""
+    parts = urllib.parse.urlsplit(url)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        with socket.create_connection((parts.hostname or "127.0.0.1", port), _CONNECT_TIMEOUT_S):
+            return False
+    except ConnectionRefusedError:
+        return True
+    except OSError:  # timed out, unreachable: not proof that the server is gone
+        return False
 
 
 class InstanceRegistration:
@@ -140,7 +157,7 @@ class InstanceRegistration:
     def _watch_liveness(self) -> None:
         refusals = 0
         while not self._stopping.wait(_LIVENESS_POLL_S):
-            refusals = refusals + 1 if _probe(self._url) == "refused" else 0
+            refusals = refusals + 1 if _refused(self._url) else 0
             if refusals >= _REFUSALS_BEFORE_DEREGISTER:
                 log.warning(
                     "%s: nothing answers at %s any more; deregistering",

@@ -1,6 +1,6 @@
 """`pdplane drain ID`: stop scheduling new requests onto an instance before taking it away.
 
-    pdplane drain decode-2 [--registry HOST:PORT] [--token T] [--tls-ca CA]
+    pdplane drain decode-2 [--registry HOST:PORT[,HOST:PORT...]] [--token T] [--tls-ca CA]
 
 Marks the instance DRAINING in the registry (still listed, never scheduled again; requests
 already on it finish), so that stopping it afterwards loses no request. (There is no "remove":
@@ -17,7 +17,8 @@ from pydantic import Field
 
 from pdplane.core import defaults, grpc_util
 from pdplane.core.settings import CommandSettings
-from pdplane.v1 import instance_pb2, registry_pb2, registry_pb2_grpc
+from pdplane.registry.endpoints import RegistryEndpoints, call_any
+from pdplane.v1 import instance_pb2, registry_pb2
 
 __all__ = ["DrainSettings", "main"]
 
@@ -27,7 +28,8 @@ class DrainSettings(CommandSettings):
 
     instance_id: str = Field(description="registry id of the instance (see `pdplane ls`)")
     registry: str = Field(
-        f"127.0.0.1:{defaults.REGISTRY_PORT}", description="registry gRPC address, host:port"
+        f"127.0.0.1:{defaults.REGISTRY_PORT}",
+        description="registry gRPC address host:port, or several replicas' comma-separated",
     )
     token: str | None = Field(None, description="registry bearer token")
     tls_ca: str | None = Field(None, description="CA certificate (PEM) to verify registry TLS")
@@ -59,24 +61,28 @@ def main(argv: list[str]) -> int:
     argv = _positional_id(argv)
     s = DrainSettings.parse(argv, prog="pdplane drain")
     metadata = grpc_util.token_metadata(s.token)
+    endpoints = RegistryEndpoints(s.registry, s.tls_ca)
     try:
-        with grpc_util.channel(s.registry, s.tls_ca) as channel:
-            stub = registry_pb2_grpc.RegistryStub(channel)
-            inst = stub.GetInstance(
+        inst = call_any(
+            endpoints,
+            lambda stub: stub.GetInstance(
                 registry_pb2.GetInstanceRequest(instance_id=s.instance_id),
                 timeout=s.timeout_s,
                 metadata=metadata,
-            )
-            reply = stub.Deregister(
-                registry_pb2.DeregisterRequest(
-                    instance_id=s.instance_id, lease_id=inst.lease_id, drain=True
-                ),
-                timeout=s.timeout_s,
-                metadata=metadata,
-            )
+            ),
+        )
+        request = registry_pb2.DeregisterRequest(
+            instance_id=s.instance_id, lease_id=inst.lease_id, drain=True
+        )
+        reply = call_any(
+            endpoints,
+            lambda stub: stub.Deregister(request, timeout=s.timeout_s, metadata=metadata),
+        )
     except grpc.RpcError as exc:
         sys.stderr.write(f"pdplane drain: {exc.code().name}: {exc.details()}\n")
         return 1
+    finally:
+        endpoints.close()
     state = instance_pb2.InstanceState.Name(reply.state).removeprefix("INSTANCE_STATE_").lower()
     sys.stdout.write(f"{s.instance_id}: {state}\n")
     return 0

@@ -1,7 +1,11 @@
 """`pdplane ls`: list the registry's instances (a table, or `--json`), or `--watch` its events.
 
-    pdplane ls [--registry HOST:PORT] [--role prefill|decode|both] [--model M] [--json]
+    pdplane ls [--registry HOST:PORT[,HOST:PORT...]] [--role prefill|decode|both] [--model M]
+               [--json]
     pdplane ls --watch [--json]        # one line per event until interrupted
+
+With several registry replicas, the first that answers is used; a broken watch moves to the
+next one and continues from its last revision.
 
 Exit codes: 0 success, 1 registry unreachable or refused the call, 2 bad flags.
 """
@@ -19,7 +23,8 @@ from pydantic import Field
 from pdplane.core import defaults, grpc_util
 from pdplane.core.instance_json import event_to_dict, instance_to_dict, parse_role
 from pdplane.core.settings import CommandSettings
-from pdplane.v1 import instance_pb2, registry_pb2, registry_pb2_grpc
+from pdplane.registry.endpoints import FAILOVER_CODES, RegistryEndpoints, call_any
+from pdplane.v1 import instance_pb2, registry_pb2
 
 __all__ = ["LsSettings", "format_table", "main"]
 
@@ -28,7 +33,8 @@ class LsSettings(CommandSettings):
     """Flags of `pdplane ls` (each also a `PDPLANE_*` environment variable)."""
 
     registry: str = Field(
-        f"127.0.0.1:{defaults.REGISTRY_PORT}", description="registry gRPC address, host:port"
+        f"127.0.0.1:{defaults.REGISTRY_PORT}",
+        description="registry gRPC address host:port, or several replicas' comma-separated",
     )
     role: Literal["prefill", "decode", "both"] | None = Field(
         None, description="only this role (a 'both' instance matches prefill and decode)"
@@ -82,14 +88,16 @@ def _matches(
 
 
 def _list(
-    stub: registry_pb2_grpc.RegistryStub,
+    endpoints: RegistryEndpoints,
     s: LsSettings,
     role: instance_pb2.Role.ValueType,
     out: TextIO,
 ) -> None:
     request = registry_pb2.ListInstancesRequest(role=role, model=s.model or "")
-    response = stub.ListInstances(
-        request, timeout=s.timeout_s, metadata=grpc_util.token_metadata(s.token)
+    metadata = grpc_util.token_metadata(s.token)
+    response = call_any(
+        endpoints,
+        lambda stub: stub.ListInstances(request, timeout=s.timeout_s, metadata=metadata),
     )
     views = [instance_to_dict(i) for i in response.instances]
     out.write(json.dumps(views, indent=2) + "\n" if s.json_ else format_table(views))
@@ -107,21 +115,40 @@ def _event_line(event: registry_pb2.WatchEvent) -> str:
 
 
 def _watch(
-    stub: registry_pb2_grpc.RegistryStub,
+    endpoints: RegistryEndpoints,
     s: LsSettings,
     role: instance_pb2.Role.ValueType,
     out: TextIO,
 ) -> None:
-    request = registry_pb2.WatchInstancesRequest()
-    for event in stub.WatchInstances(request, metadata=grpc_util.token_metadata(s.token)):
-        if event.type == registry_pb2.WatchEvent.SNAPSHOT:
-            kept = [i for i in event.instances if _matches(i, role, s.model)]
-            del event.instances[:]
-            event.instances.extend(kept)
-        elif not _matches(event.instance, role, s.model):
-            continue
-        out.write(json.dumps(event_to_dict(event)) + "\n" if s.json_ else _event_line(event))
-        out.flush()
+    revision = 0
+    failures = 0  # replicas in a row that broke without sending anything
+    while True:
+        request = registry_pb2.WatchInstancesRequest(from_revision=revision)
+        try:
+            for event in endpoints.stub.WatchInstances(
+                request, metadata=grpc_util.token_metadata(s.token)
+            ):
+                failures = 0
+                if event.revision <= revision and event.type != registry_pb2.WatchEvent.SNAPSHOT:
+                    continue  # replayed by the next replica
+                revision = event.revision
+                if event.type == registry_pb2.WatchEvent.SNAPSHOT:
+                    kept = [i for i in event.instances if _matches(i, role, s.model)]
+                    del event.instances[:]
+                    event.instances.extend(kept)
+                elif not _matches(event.instance, role, s.model):
+                    continue
+                out.write(
+                    json.dumps(event_to_dict(event)) + "\n" if s.json_ else _event_line(event)
+                )
+                out.flush()
+            return
+        except grpc.RpcError as exc:
+            code = exc.code() if isinstance(exc, grpc.Call) else None
+            failures += 1
+            if code not in FAILOVER_CODES or failures >= len(endpoints.addresses):
+                raise
+            endpoints.failover()
 
 
 def main(argv: list[str], out: TextIO | None = None) -> int:
@@ -129,18 +156,20 @@ def main(argv: list[str], out: TextIO | None = None) -> int:
     settings = LsSettings.parse(argv)
     out = out or sys.stdout
     role = parse_role(settings.role) if settings.role else instance_pb2.ROLE_UNSPECIFIED
-    with grpc_util.channel(settings.registry, settings.tls_ca) as chan:
-        stub = registry_pb2_grpc.RegistryStub(chan)
+    endpoints = RegistryEndpoints(settings.registry, settings.tls_ca)
+    try:
         try:
             if settings.watch:
-                _watch(stub, settings, role, out)
+                _watch(endpoints, settings, role, out)
             else:
-                _list(stub, settings, role, out)
+                _list(endpoints, settings, role, out)
         except grpc.RpcError as exc:
             code = exc.code().name if isinstance(exc, grpc.Call) else "UNKNOWN"
             details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
-            sys.stderr.write(f"pdplane ls: registry {settings.registry}: {code}: {details}\n")
+            sys.stderr.write(f"pdplane ls: registry {endpoints.address}: {code}: {details}\n")
             return 1
         except KeyboardInterrupt:
             return 0
+    finally:
+        endpoints.close()
     return 0

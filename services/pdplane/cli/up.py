@@ -5,10 +5,17 @@ the scheduler, the gateway and an XpYd fleet of vLLM CPU instances with the pdpl
 (1P1D by default), waits until the gateway reports a usable pair, prints where everything is,
 optionally sends one OpenAI request (`--demo`), and serves until Ctrl-C / SIGTERM, when it stops
 every child (process groups, bounded) so that nothing is left behind; the children also get
-SIGTERM if `pdplane up` itself is killed. A vLLM instance that exits while serving is reported
-and the rest keep serving (the registry drops it within its lease TTL); a registry, scheduler
-or gateway that exits is restarted on its port (instances re-register and watchers re-watch by
-themselves), and `pdplane up` gives up with status 1 only when one crashes more than three
+SIGTERM if `pdplane up` itself is killed.
+
+It refuses to start (status 1, naming them) when any port it needs is taken, e.g. by another
+`pdplane up`, and it reports a process "up" or "healthy" only once the answer comes from the
+process it started (each child's health carries its own server id).
+
+Any child that exits while serving is restarted on its ports: a registry, scheduler or gateway
+(instances re-register and watchers re-watch by themselves) and a vLLM instance alike (same
+id and flags; what its process group left behind is ended first, so its ports are free; while
+it is down the gateway's /health already says so, since its connector deregisters as its API
+server goes). `pdplane up` gives up with status 1 only when one child crashes more than three
 times in a minute.
 """
 
@@ -56,6 +63,13 @@ class UpSettings(CommandSettings):
         None, description="model name clients use (default: 'tiny-llama' or the folder name)"
     )
     vllm_args: str = Field("", description="extra arguments for every vLLM instance (one string)")
+    max_model_len: int = Field(
+        1024,
+        ge=16,
+        le=8192,
+        description="tokens per request, prompt + output, of every vLLM instance (vLLM's "
+        "--max-model-len; the KV cache of 64 blocks x 128 tokens holds 8192)",
+    )
     kv_mode: Literal["pull", "push"] = Field(
         "pull", description="KV hand-off: decode pulls (default) or prefill pushes layer by layer"
     )
@@ -65,6 +79,10 @@ class UpSettings(CommandSettings):
     ready_timeout_s: float = Field(600.0, gt=0, description="give up starting after (s)")
     demo: bool = Field(False, description="send one chat request once ready and print it")
     exit_after_demo: bool = Field(False, description="with --demo: stop everything afterwards")
+    store: Literal["memory", "etcd"] = Field(
+        "memory", description="registry store; etcd also starts a local etcd (etcd-server)"
+    )
+    etcd_port: int = Field(2379, ge=1, le=65534, description="with --store etcd: client port")
 
 
 class _Stop:
@@ -98,6 +116,36 @@ def _say(message: str) -> None:
     sys.stdout.flush()
 
 
+def _restart_instances(fleet: Fleet, restarts: _RestartBudget) -> bool:
+    """Restarts the vLLM instances that died; False when one keeps failing (give up)."""
+    for name, inst in fleet.newly_dead_instances():
+        _say(f"{name} exited with status {inst.process.returncode}; restarting it")
+        if not restarts.allow(name):
+            _say(f"{name} keeps failing; giving up:\n{inst.process.tail()}")
+            return False
+        fleet.restart_instance(inst)
+    for name, inst in fleet.newly_healthy_instances():
+        _say(f"{name} healthy again at {inst.url}")
+    return True
+
+
+def _supervise(fleet: Fleet, stop: threading.Event) -> int:
+    """Serves until `stop` is set (returns 0) or a child crash-loops (returns 1)."""
+    restarts = _RestartBudget(per_minute=3)
+    while not stop.wait(1.0):
+        if not _restart_instances(fleet, restarts):
+            return 1
+        failed = fleet.dead_service()
+        if failed is not None:
+            _say(f"{failed.name} exited with status {failed.returncode}; restarting it")
+            if not restarts.allow(failed.name):
+                _say(f"{failed.name} keeps failing; giving up:\n{failed.tail()}")
+                return 1
+            # The instances re-register and the scheduler/gateway re-watch by themselves.
+            failed.start()
+    return 0
+
+
 def main(argv: list[str]) -> int:
     """Runs `pdplane up`; returns 0 after a clean Ctrl-C/SIGTERM, 1 if a child failed."""
     settings = UpSettings.parse(argv)
@@ -122,22 +170,7 @@ def main(argv: list[str]) -> int:
             if settings.exit_after_demo:
                 return 0
         _say("serving; Ctrl-C stops everything")
-        restarts = _RestartBudget(per_minute=3)
-        while not stop.event.wait(1.0):
-            for name, inst in fleet.newly_dead_instances():
-                _say(
-                    f"{name} exited with status {inst.process.returncode} (log {inst.log_path}); "
-                    "the other instances keep serving"
-                )
-            failed = fleet.dead_service()
-            if failed is not None:
-                _say(f"{failed.name} exited with status {failed.returncode}; restarting it")
-                if not restarts.allow(failed.name):
-                    _say(f"{failed.name} keeps failing; giving up:\n{failed.tail()}")
-                    status = 1
-                    break
-                # The instances re-register and the scheduler/gateway re-watch by themselves.
-                failed.start()
+        status = _supervise(fleet, stop.event)
     except Cancelled:
         _say("interrupted during start-up")
     except (TimeoutError, RuntimeError) as exc:

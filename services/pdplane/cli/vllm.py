@@ -2,7 +2,10 @@
 
 The way to add an instance to a running system: it builds the same lean vLLM command line as
 `pdplane up` (`pdplane.launch.vllm_cpu`: identical flags on every instance, so KV layouts match)
-and replaces itself with the vLLM server (exec), so Ctrl-C / SIGTERM reach vLLM directly.
+and runs the vLLM server as its supervised child (`pdplane.launch.foreground`): Ctrl-C / SIGTERM
+go to the API server alone, which stops its engine cleanly; no process of the instance outlives
+the one above it (a SIGKILLed `pdplane vllm` or API server takes the rest along); the exit
+status is the server's.
 
     pdplane vllm --role decode --port 8102 --kv-port 50110      # joins 127.0.0.1:50051
 
@@ -20,6 +23,7 @@ from pydantic import Field
 
 from pdplane.core import defaults
 from pdplane.core.settings import CommandSettings
+from pdplane.launch.foreground import run_in_foreground
 from pdplane.launch.vllm_cpu import VllmCpuInstance, VllmCpuOptions
 
 __all__ = ["InstanceSettings", "build", "main"]
@@ -65,6 +69,12 @@ class InstanceSettings(CommandSettings):
     omp_threads_bind: str | None = Field(
         None, description="VLLM_CPU_OMP_THREADS_BIND, e.g. '0' to pin to core 0"
     )
+    max_model_len: int = Field(
+        1024,
+        ge=16,
+        description="tokens per request, prompt + output (vLLM's --max-model-len; use the "
+        "fleet's value: the registry pairs only instances with equal lengths)",
+    )
     vllm_args: str = Field("", description="extra vLLM flags (one string, split on spaces)")
 
 
@@ -102,6 +112,7 @@ def build(settings: InstanceSettings) -> tuple[list[str], dict[str, str]]:
         token=settings.token,
         connector_extra=extra,
         omp_threads_bind=settings.omp_threads_bind,
+        max_model_len=settings.max_model_len,
         extra_args=settings.vllm_args.split(),
     )
     instance = VllmCpuInstance(options, log_path=Path(os.devnull))
@@ -109,10 +120,9 @@ def build(settings: InstanceSettings) -> tuple[list[str], dict[str, str]]:
 
 
 def main(argv: list[str], settings_cls: type[InstanceSettings] = InstanceSettings) -> int:
-    """Parses the settings and execs vLLM; returns only if exec fails (status 1)."""
+    """Parses the settings, runs vLLM until it exits and returns its exit status."""
     settings = settings_cls.parse(argv, prog="pdplane vllm")
     command, env = build(settings)
-    sys.stderr.write(f"pdplane vllm: exec {' '.join(command[:3])} ({settings.role})\n")
+    sys.stderr.write(f"pdplane vllm: starting {' '.join(command[:3])} ({settings.role})\n")
     sys.stderr.flush()
-    os.execve(command[0], command, env)
-    return 1  # not reached: execve replaces the process or raises OSError
+    return run_in_foreground(command, env)

@@ -1,9 +1,11 @@
 """gRPC plumbing shared by every pdplane server and client: health, reflection, token auth, TLS.
 
-Every pdplane gRPC server exposes `grpc.health.v1.Health` and server reflection (so `grpcurl`
-and `grpc_health_probe` work) and, when a token is configured, rejects calls without the gRPC
-metadata `authorization: Bearer <token>` with UNAUTHENTICATED. Both the sync (`grpc.server`,
-used inside vLLM's engine process) and the asyncio (`grpc.aio.server`) flavours are covered.
+Every pdplane gRPC server exposes `grpc.health.v1.Health` (its answers carry the process's
+`pdplane.core.server_id` as initial metadata) and server reflection, v1 and v1alpha (so
+`grpcurl`, `pdplane grpc` and `grpc_health_probe` work) and, when a token is configured, rejects
+calls without the gRPC metadata `authorization: Bearer <token>` with UNAUTHENTICATED. Both the
+sync (`grpc.server`, used inside vLLM's engine process) and the asyncio (`grpc.aio.server`)
+flavours are covered.
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+
+from pdplane.core.grpc_reflection import enable_reflection
+from pdplane.core.server_id import METADATA_KEY, server_id
 
 __all__ = [
     "CHANNEL_OPTIONS",
@@ -150,9 +154,27 @@ class AioTokenAuthInterceptor(grpc.aio.ServerInterceptor):
 
 
 def _reflect(server: grpc.Server | grpc.aio.Server, names: list[str]) -> None:
-    reflection.enable_server_reflection(
-        [*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server
-    )
+    enable_reflection(server, [*names, health.SERVICE_NAME])
+
+
+class _IdentifiedHealth(health.HealthServicer):
+    """grpc.health.v1.Health whose Check answers carry this process's server id."""
+
+    def Check(
+        self, request: health_pb2.HealthCheckRequest, context: grpc.ServicerContext
+    ) -> health_pb2.HealthCheckResponse:
+        context.send_initial_metadata(((METADATA_KEY, server_id()),))
+        return super().Check(request, context)
+
+
+class _AioIdentifiedHealth(health.aio.HealthServicer):
+    """The asyncio twin of `_IdentifiedHealth`."""
+
+    async def Check(  # type: ignore[override]
+        self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
+    ) -> health_pb2.HealthCheckResponse:
+        await context.send_initial_metadata(((METADATA_KEY, server_id()),))
+        return await super().Check(request, context)
 
 
 def add_health_and_reflection(
@@ -164,7 +186,7 @@ def add_health_and_reflection(
     so the caller can flip statuses (e.g. NOT_SERVING while draining).
     """
     names = list(service_names)
-    servicer = health.HealthServicer(experimental_non_blocking=True)
+    servicer = _IdentifiedHealth(experimental_non_blocking=True)
     for name in [*names, ""]:
         servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
@@ -177,7 +199,7 @@ async def aio_add_health_and_reflection(
 ) -> health.aio.HealthServicer:
     """The asyncio-server twin of `add_health_and_reflection` (same contract)."""
     names = list(service_names)
-    servicer = health.aio.HealthServicer()
+    servicer = _AioIdentifiedHealth()
     for name in [*names, ""]:
         await servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)

@@ -1,4 +1,4 @@
-"""The gateway's FastAPI app factory: wires scheduler client, fleet view, relay and routes."""
+"""The gateway's FastAPI app factory: wires scheduler port, fleet view, relay and routes."""
 
 from __future__ import annotations
 
@@ -15,17 +15,18 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp
 
 from pdplane.gateway.auth import ApiKeys
-from pdplane.gateway.embedded import EmbeddedScheduler
+from pdplane.gateway.config import RelayConfig
 from pdplane.gateway.endpoints import RelayEndpoints
 from pdplane.gateway.errors import error_body
 from pdplane.gateway.fleet import FleetTracker, FleetView
 from pdplane.gateway.kv_abort import KvAborter
 from pdplane.gateway.metrics import GatewayMetrics
-from pdplane.gateway.relay import Relay, RelayConfig, SchedulerPort
+from pdplane.gateway.passthrough import Passthrough
+from pdplane.gateway.relay import Relay
 from pdplane.gateway.routes import build_router
 from pdplane.gateway.settings import GatewaySettings
 from pdplane.gateway.upstream import UpstreamClient
-from pdplane.scheduler.kv_index.wiring import start_kv_index
+from pdplane.scheduler import SchedulerPort, open_scheduler
 
 __all__ = ["create_app"]
 
@@ -56,9 +57,10 @@ def create_app(
 ) -> FastAPI:
     """The gateway app for `settings`.
 
-    `scheduler` and `fleet` replace the real scheduler client and registry view (tests);
-    otherwise the app connects to `settings.scheduler` (or, with `--scheduler embedded`, decides
-    in-process over its registry view, see `pdplane.gateway.embedded`) and watches
+    `scheduler` and `fleet` replace the real scheduler port and registry view (tests; the app
+    then does not close that port); otherwise the app opens `settings.scheduler` with
+    `pdplane.scheduler.open_scheduler` (with `--scheduler embedded`, a local scheduler deciding
+    over the registry view, its metrics on the gateway's /metrics) and watches
     `settings.registry` from its lifespan's startup (waiting up to `registry_wait_s` for the
     first snapshot) and closes everything at shutdown. Raises ValueError for an embedded
     scheduler with a `fleet` override.
@@ -75,31 +77,11 @@ def create_app(
         tracker = FleetTracker(settings.registry, token=settings.token, tls_ca=settings.tls_ca)
         fleet = lambda: tracker.view  # noqa: E731
     owned_scheduler = None
-    kv_index = None
-    if scheduler is None and settings.embedded_scheduler:
-        if tracker is None:
+    if scheduler is None:
+        if settings.embedded_scheduler and tracker is None:
             raise ValueError("--scheduler embedded needs the registry view (no `fleet` override)")
-        scheduler, view = EmbeddedScheduler.over(tracker.source, settings, metrics.registry)
-        kv_index = start_kv_index(
-            tracker.source,
-            settings,
-            token=settings.token,
-            tls_ca=settings.tls_ca,
-            registry=metrics.registry,
-            service=scheduler.service,
-            subscriber="gateway",
-        )
-        # A restarted registry may reuse revision numbers: every change forces a re-read.
-        tracker.subscribe(view.mark_dirty)
-    elif scheduler is None:
-        from pdplane.scheduler.client import SchedulerClient
-
-        scheduler = owned_scheduler = SchedulerClient(
-            settings.scheduler,
-            token=settings.token,
-            tls_ca=settings.tls_ca,
-            timeout_s=settings.schedule_timeout_s,
-            release_batch_s=settings.release_batch_s,
+        scheduler = owned_scheduler = open_scheduler(
+            settings, source=tracker, metrics_registry=metrics.registry
         )
     config = RelayConfig(
         dispatch=settings.dispatch,
@@ -123,8 +105,6 @@ def create_app(
             await aborter.close()
             if owned_scheduler is not None:
                 await owned_scheduler.close()
-            if kv_index is not None:
-                await asyncio.to_thread(kv_index.stop)
             if tracker is not None:
                 await asyncio.to_thread(tracker.stop)
 
@@ -136,7 +116,8 @@ def create_app(
         docs_url=None,
         redoc_url=None,
     )
-    app.include_router(build_router(fleet, metrics, keys))
+    passthrough = Passthrough(fleet, upstream, settings.upstream_api_key)
+    app.include_router(build_router(fleet, metrics, keys, passthrough))
     app.add_exception_handler(HTTPException, _http_error)
     app.state.relay = relay
     app.state.scheduler = scheduler

@@ -1,7 +1,8 @@
 """One try of a request on one scheduled (prefill, decode) pair: both legs and the stream.
 
-See `pdplane.gateway.relay` for the failure semantics; an `Attempt` owns its pair's Release and
-the KV its prefill holds (freed through AbortTransfer unless decode finished).
+See `pdplane.gateway.relay` for the failure semantics. What the attempt leaves behind (its
+Release, the KV its prefill holds, background calls) is its `Aftercare`, which decides the
+outcome; the attempt only reports what happened and settles it wherever it ends.
 """
 
 from __future__ import annotations
@@ -11,20 +12,26 @@ import json
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING
 
 from pdplane.core.kv_params import DecodeRequestParams, KvParamsError
+from pdplane.gateway.aftercare import Aftercare
 from pdplane.gateway.bodies import decode_body, decode_body_parts, prefill_body
+from pdplane.gateway.config import RelayConfig
 from pdplane.gateway.errors import GatewayError, UpstreamReply, bad_gateway, gateway_timeout
+from pdplane.gateway.metrics import GatewayMetrics
 from pdplane.gateway.replies import SSE_DONE, JsonReply, RetryElsewhere, StreamReply
-from pdplane.gateway.upstream import UpstreamResponse, UpstreamTimeout, UpstreamUnreachable
+from pdplane.gateway.upstream import (
+    UpstreamClient,
+    UpstreamResponse,
+    UpstreamTimeout,
+    UpstreamUnreachable,
+)
 from pdplane.gateway.validation import ClientRequest
+from pdplane.scheduler import Decision, InstanceRef, Outcome
 
-if TYPE_CHECKING:
-    from pdplane.gateway.relay import InstanceAddress, Relay, ScheduledPair
-
-__all__ = ["Attempt"]
+__all__ = ["Attempt", "Legs"]
 
 _SSE_HEADERS = {"content-type": "text/event-stream"}
 
@@ -34,37 +41,57 @@ def _status_error(side: str, instance_id: str, status: int, body: bytes) -> Gate
     return bad_gateway(f"{side} instance {instance_id} answered {status}: {excerpt}")
 
 
+@dataclass(frozen=True, slots=True)
+class Legs:
+    """What the legs of every attempt share: the pooled upstream client, metrics, the relay's
+    knobs, and the headers of every leg but `x-request-id`."""
+
+    upstream: UpstreamClient
+    metrics: GatewayMetrics
+    config: RelayConfig
+    headers: dict[str, str]
+
+    @classmethod
+    def of(cls, upstream: UpstreamClient, metrics: GatewayMetrics, config: RelayConfig) -> Legs:
+        """Legs for `config` (an `upstream_api_key` is sent as a bearer token on every leg)."""
+        headers = {"content-type": "application/json"}
+        if config.upstream_api_key:
+            headers["authorization"] = f"Bearer {config.upstream_api_key}"
+        return cls(upstream, metrics, config, headers)
+
+
 class Attempt:
-    """One try of a request on one scheduled pair; owns the pair's Release."""
+    """One try of a request on one scheduled pair; `care` is its after-care."""
 
     def __init__(
         self,
-        relay: Relay,
+        legs: Legs,
+        care: Aftercare,
         req: ClientRequest,
-        request_id: str,
-        pair: ScheduledPair,
+        decision: Decision,
         started: float,
     ) -> None:
-        self.relay = relay
+        self.upstream = legs.upstream
+        self.metrics = legs.metrics
+        self.dispatch = legs.config.dispatch
+        self.timeout_s = legs.config.upstream_timeout_s
+        self.care = care
         self.req = req
-        self.request_id = request_id
-        self.prefill = pair.prefill
-        self.decode = pair.decode
+        self.request_id = care.request_id
+        self.prefill = decision.prefill
+        self.decode = decision.decode
         self.started = started
-        self.params: DecodeRequestParams | None = None
-        self.streaming = False  # set once the stream generator started (it then cleans up)
-        self.headers = {"content-type": "application/json", "x-request-id": request_id}
-        if relay.config.upstream_api_key:
-            self.headers["authorization"] = f"Bearer {relay.config.upstream_api_key}"
-        cfg = relay.config
-        self.timeout_s = cfg.upstream_timeout_s
+        self.streaming = False  # set once the stream generator started (it then settles)
+        self.headers = {**legs.headers, "x-request-id": self.request_id}
 
     async def run(self) -> JsonReply | StreamReply:
-        outcome = "failed"
-        handed_off = retrying = False
+        """Both legs; the answer, or a stream that settles the attempt when it ends. Raises
+        RetryElsewhere, GatewayError, UpstreamReply, or CancelledError (all settled)."""
+        error: BaseException | None = None
+        handed_off = False
         resp: UpstreamResponse | None = None
         try:
-            if self.relay.config.dispatch == "concurrent":
+            if self.dispatch == "concurrent":
                 resp = await self._concurrent_legs()
             else:
                 kv = await self._prefill_leg()
@@ -73,33 +100,19 @@ class Attempt:
                 await self._decode_error(resp)
             if not self.req.stream:
                 body = await self._read_decode(resp)
-                outcome = "success"
-                self.relay.metrics.e2e.observe(time.perf_counter() - self.started)
+                self.care.succeeded()
+                self.metrics.e2e.observe(time.perf_counter() - self.started)
                 return JsonReply(200, body, resp.headers.get("content-type", "application/json"))
             handed_off = True
             return StreamReply(self._stream(resp), _SSE_HEADERS, partial(self._abandon, resp))
-        except RetryElsewhere:
-            retrying = True
-            raise
-        except asyncio.CancelledError:
-            outcome = "cancelled"
+        except BaseException as exc:
+            error = exc
             raise
         finally:
             if not handed_off:
                 if resp is not None:
                     resp.close()
-                if retrying:
-                    self._free_kv("retrying on another pair")
-                    await self.relay.release_before_retry(self.request_id, outcome)
-                else:
-                    self._finish(outcome)
-
-    def _finish(self, outcome: str) -> None:
-        if outcome != "success" and self.params is not None:
-            self.relay.spawn(self.relay.abort_transfer(self.params, outcome))
-        if outcome == "cancelled":
-            self.relay.metrics.cancellations.inc()
-        self.relay.release_soon(self.request_id, outcome)
+                self.care.settle(error)
 
     # -- prefill -------------------------------------------------------------------------
 
@@ -117,15 +130,15 @@ class Attempt:
             d.kv_endpoint,
         )
         with self._leg_errors("prefill", p):
-            resp = await self.relay.upstream.open(
+            resp = await self.upstream.open(
                 p.url + self.req.endpoint,
                 body,
                 self.headers,
                 read_timeout_s=self.timeout_s,
                 total_timeout_s=self.timeout_s,
             )
-            data = await self.relay.upstream.read(resp)
-        self.relay.metrics.prefill_leg.observe(time.perf_counter() - t0)
+            data = await self.upstream.read(resp)
+        self.metrics.prefill_leg.observe(time.perf_counter() - t0)
         if resp.status >= 400:
             if resp.status < 500:
                 raise UpstreamReply(resp.status, data, resp.headers.get("content-type", ""))
@@ -133,7 +146,7 @@ class Attempt:
         return self._kv_params_of(data)
 
     @contextmanager
-    def _leg_errors(self, side: str, ref: InstanceAddress) -> Iterator[None]:
+    def _leg_errors(self, side: str, ref: InstanceRef) -> Iterator[None]:
         """Unreachable -> RetryElsewhere (the retry frees prefill's KV); silent -> 504."""
         try:
             yield
@@ -150,7 +163,7 @@ class Attempt:
             kv = json.loads(data).get("kv_transfer_params")
             if not isinstance(kv, dict):
                 raise KvParamsError("kv_transfer_params missing or not an object")
-            self.params = DecodeRequestParams.from_dict(kv)
+            self.care.hold_kv(DecodeRequestParams.from_dict(kv))
         except (ValueError, AttributeError) as exc:
             raise bad_gateway(
                 f"prefill instance {self.prefill.instance_id} returned no usable "
@@ -164,32 +177,25 @@ class Attempt:
         t0 = time.perf_counter()
         d = self.decode
         with self._leg_errors("decode", d):
-            resp = await self.relay.upstream.open(
+            resp = await self.upstream.open(
                 d.url + self.req.endpoint, body, self.headers, read_timeout_s=self.timeout_s
             )
-        self.relay.metrics.decode_leg.observe(time.perf_counter() - t0)
+        self.metrics.decode_leg.observe(time.perf_counter() - t0)
         return resp
-
-    def _free_kv(self, reason: str) -> None:
-        # Prefill holds the KV until decode pulls; decode will not, so free it now. Cleared so
-        # that `_finish` does not abort a second time.
-        if self.params is not None:
-            self.relay.spawn(self.relay.abort_transfer(self.params, reason))
-            self.params = None
 
     async def _decode_error(self, resp: UpstreamResponse) -> None:
         try:
-            data = await self.relay.upstream.read(resp)
+            data = await self.upstream.read(resp)
         except (UpstreamUnreachable, UpstreamTimeout):
             data = b""
-        self._free_kv(f"decode answered {resp.status}")
+        self.care.free_kv(f"decode answered {resp.status}")
         if resp.status < 500:
             raise UpstreamReply(resp.status, data, resp.headers.get("content-type", ""))
         raise _status_error("decode", self.decode.instance_id, resp.status, data)
 
     async def _read_decode(self, resp: UpstreamResponse) -> bytes:
         try:
-            return await self.relay.upstream.read(resp)
+            return await self.upstream.read(resp)
         except UpstreamUnreachable as exc:
             raise bad_gateway(
                 f"decode instance {self.decode.instance_id} failed before answering: {exc}"
@@ -222,16 +228,18 @@ class Attempt:
     # -- streaming -----------------------------------------------------------------------
 
     def _abandon(self, resp: UpstreamResponse) -> None:
+        # The reply was closed before its stream started (the client left first), so the
+        # stream's own `finally` never runs: settle here, as a closed stream would.
         if not self.streaming:
             self.streaming = True
             resp.close()
-            self._finish("cancelled")
+            self.care.settle(GeneratorExit())
 
     async def _stream(self, resp: UpstreamResponse) -> AsyncGenerator[bytes, None]:
-        """Decode's SSE, relayed whole events at a time as they arrive; owns Release."""
+        """Decode's SSE, relayed whole events at a time as they arrive; settles the attempt."""
         self.streaming = True
-        metrics = self.relay.metrics
-        outcome = "failed"
+        metrics = self.metrics
+        error: BaseException | None = None
         carry = b""
         first = last = 0.0
         events = 0
@@ -268,16 +276,15 @@ class Attempt:
                     f"decode instance {self.decode.instance_id} ended the stream before [DONE]"
                 ).sse_event()
                 return
-            outcome = "success"
+            self.care.succeeded()
             metrics.e2e.observe(time.perf_counter() - self.started)
             if events > 2:  # ignore [DONE]; one event per token otherwise
                 metrics.tpot.observe((last - first) / (events - 2))
-        except (asyncio.CancelledError, GeneratorExit):
-            outcome = "cancelled"
+        except BaseException as exc:
+            error = exc
             raise
         finally:
-            if outcome == "success":
+            if self.care.settle(error) is Outcome.SUCCESS:
                 resp.release()
             else:
                 resp.close()
-            self._finish(outcome)

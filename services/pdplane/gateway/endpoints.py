@@ -7,6 +7,7 @@ goes on to the FastAPI app.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import time
@@ -30,7 +31,7 @@ from pdplane.gateway.fleet import FleetView
 from pdplane.gateway.metrics import GatewayMetrics
 from pdplane.gateway.relay import Relay
 from pdplane.gateway.replies import JsonReply
-from pdplane.gateway.validation import CHAT, COMPLETIONS, Endpoint, parse_request
+from pdplane.gateway.validation import CHAT, COMPLETIONS, ClientRequest, Endpoint, parse_request
 
 __all__ = ["RelayEndpoints"]
 
@@ -81,6 +82,22 @@ def _headers(scope: Scope) -> tuple[bytes | None, str, str]:
         elif key == b"x-routing-key":
             routing_key = value.decode("latin-1")
     return auth, request_id, routing_key
+
+
+def _with_default_model(req: ClientRequest, view: FleetView) -> ClientRequest:
+    """`req` for the fleet's only model, as `vllm serve` serves its model to a request that
+    names none. Raises GatewayError: 503 without any model yet, 400 when there are several."""
+    if not view.ready:
+        raise unavailable("registry not reachable yet; cannot resolve the model")
+    names = sorted(view.models)
+    if not names:
+        raise unavailable("no instances registered")
+    if len(names) > 1:
+        raise bad_request(
+            f"'model' is required: this gateway serves {len(names)} models ({', '.join(names)})",
+            "model",
+        )
+    return dataclasses.replace(req, model=names[0])
 
 
 class RelayEndpoints:
@@ -150,6 +167,8 @@ class RelayEndpoints:
                 raise unauthorized()
             req = parse_request(endpoint, await _read_body(receive), routing_key)
             view = self.fleet()
+            if not req.model:
+                req = _with_default_model(req, view)
             model = view.models.get(req.model)
             if model is None:
                 if not view.ready:

@@ -1,17 +1,17 @@
 """What the gateway knows about the fleet: models served, usable pairs, for /v1/models and /health.
 
 Built from the registry watcher's view once per change (on the watcher's thread) and swapped in
-atomically, so the request path only reads a ready-made `FleetView`.
+atomically, so the request path only reads a ready-made `FleetView`. Which instances make a
+usable pair is the scheduler's rule, read from `pdplane.core.pairing` like the scheduler does.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdplane.scheduler.candidate import Candidate
-from pdplane.scheduler.view import InstanceSource
+from pdplane.core.pairing import can_decode, can_prefill, pair_key
 from pdplane.v1 import instance_pb2
 
 __all__ = ["FleetTracker", "FleetView", "ModelState", "build_view"]
@@ -27,6 +27,7 @@ class ModelState:
         paired: whether some prefill and some decode share KV layout, transport and max length.
         max_model_len: the largest max model length of its instances (tokens).
         created: earliest registration time of its instances (Unix seconds).
+        urls: OpenAI base URLs of its SERVING instances (any role), for the read-only routes.
     """
 
     prefill: int
@@ -34,6 +35,7 @@ class ModelState:
     paired: bool
     max_model_len: int
     created: int
+    urls: tuple[str, ...] = ()
 
     def problem(self) -> str:
         """Why no request of this model can be served now; "" when a usable pair exists."""
@@ -97,36 +99,41 @@ class FleetView:
         return not reason, body
 
 
-def _model_state(candidates: list[Candidate], created: int) -> ModelState:
-    serving = [c for c in candidates if c.serving]
-    prefill_keys = {c.pair_key for c in serving if c.can_prefill}
-    decode_keys = {c.pair_key for c in serving if c.can_decode}
+def _model_state(instances: list[instance_pb2.Instance], created: int) -> ModelState:
+    serving = [i.spec for i in instances if i.state == instance_pb2.INSTANCE_STATE_SERVING]
+    prefills = [spec for spec in serving if can_prefill(spec.role)]
+    decodes = [spec for spec in serving if can_decode(spec.role)]
     return ModelState(
-        prefill=sum(c.can_prefill for c in serving),
-        decode=sum(c.can_decode for c in serving),
-        paired=bool(prefill_keys & decode_keys),
-        max_model_len=max(c.max_model_len for c in candidates),
+        prefill=len(prefills),
+        decode=len(decodes),
+        paired=bool({pair_key(p) for p in prefills} & {pair_key(d) for d in decodes}),
+        max_model_len=max(i.spec.max_model_len for i in instances),
         created=created,
+        urls=tuple(sorted({spec.url for spec in serving})),
     )
 
 
 def build_view(instances: Iterable[instance_pb2.Instance]) -> FleetView:
     """A ready FleetView of the registry's `instances` (any state; DRAINING ones are listed but
     never count towards a usable pair)."""
-    by_model: dict[str, list[Candidate]] = {}
+    by_model: dict[str, list[instance_pb2.Instance]] = {}
     created: dict[str, int] = {}
     for inst in instances:
-        cand = Candidate.from_instance(inst)
-        by_model.setdefault(cand.model, []).append(cand)
+        model = inst.spec.model
+        by_model.setdefault(model, []).append(inst)
         seconds = inst.registered_at.seconds
-        created[cand.model] = min(created.get(cand.model, seconds), seconds)
+        created[model] = min(created.get(model, seconds), seconds)
     return FleetView(
-        models={m: _model_state(cs, created[m]) for m, cs in by_model.items()}, ready=True
+        models={m: _model_state(insts, created[m]) for m, insts in by_model.items()}, ready=True
     )
 
 
 class FleetTracker:
     """Keeps `view` current from the registry (`pdplane.registry.client.InstanceWatcher`).
+
+    It is also the `pdplane.scheduler.InstanceSource` of a local scheduler: `snapshot()` is the
+    instances of the latest change and `revision` counts the changes seen, so it moves on every
+    change, even when a restarted registry reuses its revision numbers.
 
     Args:
         registry: registry gRPC address host:port.
@@ -138,25 +145,26 @@ class FleetTracker:
         from pdplane.registry.client import InstanceWatcher
 
         self.view = FleetView()
-        self._listeners: list[Callable[[], None]] = []
+        self._instances: Mapping[str, instance_pb2.Instance] = {}
+        self._changes = 0
         self._watcher = InstanceWatcher(
             registry, token=token, tls_ca=tls_ca, on_change=self._on_change
         )
 
     @property
-    def source(self) -> InstanceSource:
-        """The registry watcher itself (revision + snapshot), e.g. for a `CandidateView`."""
-        return self._watcher
+    def revision(self) -> int:
+        """How many changes of the registry's instances this tracker has seen."""
+        return self._changes
 
-    def subscribe(self, listener: Callable[[], None]) -> None:
-        """Calls `listener()` after every change (on the watcher's notifier thread); call
-        before `start`."""
-        self._listeners.append(listener)
+    def snapshot(self) -> Mapping[str, instance_pb2.Instance]:
+        """The instances by id, as of the latest change (never mutated afterwards)."""
+        return self._instances
 
     def _on_change(self, instances: dict[str, instance_pb2.Instance]) -> None:
+        # The instances first, then the count: a reader that sees the new count sees them.
+        self._instances = instances
+        self._changes += 1
         self.view = build_view(instances.values())
-        for listener in self._listeners:
-            listener()
 
     def start(self, wait_s: float) -> bool:
         """Starts watching; blocks up to `wait_s` s for the first snapshot (True once it came)."""

@@ -1,4 +1,5 @@
-"""FastAPI routes besides the relay endpoints: /v1/models, /health, /metrics."""
+"""FastAPI routes besides the relay endpoints: /v1/models, /health, /ping, /metrics, and vLLM's
+read-only routes answered by an instance (/tokenize, /detokenize, /version)."""
 
 from __future__ import annotations
 
@@ -9,10 +10,12 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from pdplane.core.server_id import server_id
 from pdplane.gateway.auth import ApiKeys
-from pdplane.gateway.errors import unauthorized
+from pdplane.gateway.errors import GatewayError, unauthorized
 from pdplane.gateway.fleet import FleetView
 from pdplane.gateway.metrics import GatewayMetrics
+from pdplane.gateway.passthrough import Passthrough
 
 __all__ = ["build_router"]
 
@@ -24,24 +27,60 @@ def _json(data: object, status: int = 200) -> Response:
 
 
 def build_router(
-    fleet: Callable[[], FleetView], metrics: GatewayMetrics, api_keys: ApiKeys
+    fleet: Callable[[], FleetView],
+    metrics: GatewayMetrics,
+    api_keys: ApiKeys,
+    passthrough: Passthrough,
 ) -> APIRouter:
     """The gateway's read-only routes; `fleet()` returns the current FleetView."""
     router = APIRouter()
 
+    def refused(request: Request) -> Response | None:
+        if api_keys.allows(request.headers.get("authorization", "").encode("latin-1")):
+            return None
+        exc = unauthorized()
+        return Response(exc.body(), exc.status, media_type=_JSON)
+
+    async def forward(method: str, path: str, body: bytes = b"") -> Response:
+        try:
+            answer = await passthrough.forward(method, path, body)
+        except GatewayError as exc:
+            return Response(exc.body(), exc.status, media_type=_JSON)
+        return Response(answer.body, answer.status, media_type=answer.content_type)
+
     @router.get("/v1/models")
     async def models(request: Request) -> Response:
-        """Models served by the registered instances, deduplicated (OpenAI list shape)."""
-        if not api_keys.allows(request.headers.get("authorization", "").encode("latin-1")):
-            exc = unauthorized()
-            return Response(exc.body(), exc.status, media_type=_JSON)
-        return _json(fleet().models_list())
+        """Models served by the registered instances, deduplicated (OpenAI list shape), each
+        with vLLM's details (`root`, `permission`, ...) from one of its instances."""
+        return refused(request) or _json(await passthrough.models())
+
+    @router.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        """vLLM's /tokenize, answered by an instance of the body's model."""
+        return refused(request) or await forward("POST", "/tokenize", await request.body())
+
+    @router.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        """vLLM's /detokenize, answered by an instance of the body's model."""
+        return refused(request) or await forward("POST", "/detokenize", await request.body())
+
+    @router.get("/version")
+    async def version() -> Response:
+        """vLLM's /version, of one instance."""
+        return await forward("GET", "/version")
+
+    @router.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> Response:
+        """vLLM's /ping: an empty 200 exactly when /health is 200, else 503."""
+        healthy, _ = fleet().health()
+        return Response(status_code=200 if healthy else 503)
 
     @router.get("/health")
     async def health() -> Response:
-        """200 when every served model has a usable prefill/decode pair, else 503 + reason."""
+        """200 when every served model has a usable prefill/decode pair, else 503 + reason;
+        `server_id` says which gateway process answered (`pdplane.core.server_id`)."""
         healthy, body = fleet().health()
-        return _json(body, 200 if healthy else 503)
+        return _json({**body, "server_id": server_id()}, 200 if healthy else 503)
 
     @router.get("/metrics")
     async def prometheus() -> Response:

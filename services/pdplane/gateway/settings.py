@@ -7,17 +7,15 @@ from typing import Literal
 from pydantic import Field
 
 from pdplane.core import defaults
-from pdplane.scheduler.settings import PolicySettings
+from pdplane.scheduler import EMBEDDED, PolicySettings
 
-__all__ = ["EMBEDDED", "GatewaySettings"]
-
-
-#: `--scheduler` value that runs the scheduler's decision code inside the gateway process.
-EMBEDDED = "embedded"
+__all__ = ["GatewaySettings"]
 
 
 class GatewaySettings(PolicySettings):
     """Flags of `pdplane gateway` (env: PDPLANE_SCHEDULER, PDPLANE_API_KEY, ...).
+
+    It is the `pdplane.scheduler.PortSettings` that `open_scheduler` reads.
 
     The policy flags (`--prefill-policy`, `--decode-policy`, `--inflight-timeout-s`, `--seed`)
     apply with `--scheduler embedded` only; a remote scheduler has its own.
@@ -25,7 +23,7 @@ class GatewaySettings(PolicySettings):
 
     scheduler: str = Field(
         f"127.0.0.1:{defaults.SCHEDULER_PORT}",
-        description="scheduler gRPC address host:port, or 'embedded': decide in this process "
+        description=f"scheduler gRPC address host:port, or '{EMBEDDED}': decide in this process "
         "over the registry view (one gateway only; see docs/gateway.md)",
     )
     registry: str = Field(

@@ -22,8 +22,8 @@ from fastapi import FastAPI
 
 from pdplane.gateway.app import create_app
 from pdplane.gateway.fleet import FleetView
-from pdplane.gateway.relay import SchedulerPort
 from pdplane.gateway.settings import GatewaySettings
+from pdplane.scheduler import SchedulerPort
 
 __all__ = ["running_gateway", "running_gateway_app"]
 

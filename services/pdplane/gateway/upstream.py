@@ -117,8 +117,10 @@ class UpstreamClient:
         *,
         read_timeout_s: float,
         total_timeout_s: float | None = None,
+        method: str = "POST",
     ) -> UpstreamResponse:
-        """POSTs `body` (JSON bytes, or an async iterator sent chunked) and waits for the headers.
+        """POSTs `body` (JSON bytes, or an async iterator sent chunked) and waits for the headers
+        (`method="GET"` sends no body: the read-only routes).
 
         The caller owns the returned response: read or stream it, then `release()` or `close()`.
         `read_timeout_s` bounds every wait for bytes (s); `total_timeout_s` the whole exchange.
@@ -131,7 +133,13 @@ class UpstreamClient:
             total=total_timeout_s, connect=self._connect_timeout_s, sock_read=read_timeout_s
         )
         try:
-            resp = await self._get_session().post(url, data=body, headers=headers, timeout=timeout)
+            resp = await self._get_session().request(
+                method,
+                url,
+                data=body if method != "GET" else None,
+                headers=headers,
+                timeout=timeout,
+            )
         except TimeoutError as exc:
             raise UpstreamTimeout(f"no answer from {url} within {read_timeout_s:g} s") from exc
         except aiohttp.ClientError as exc:

@@ -2,7 +2,10 @@
 
 The gateway forwards the client's body unchanged to decode, so it validates only what it uses
 itself (model, prompt/messages, streaming and length fields) and leaves everything else to vLLM.
-Types are checked strictly (`"stream": "yes"` or `"max_tokens": "5"` is a 400 here).
+Types are checked strictly (`"stream": "yes"` or `"max_tokens": "5"` is a 400 here). Where vLLM
+refuses the same request, the message is vLLM's own (an empty prompt or conversation), and like
+`vllm serve` a request without `model` is for the default model (`ClientRequest.model` is then
+"", resolved against the fleet by the endpoint).
 """
 
 from __future__ import annotations
@@ -16,7 +19,15 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 from pdplane.gateway.errors import bad_request
 from pdplane.gateway.tokens import estimate_chat_tokens, estimate_prompt_tokens
 
-__all__ = ["CHAT", "COMPLETIONS", "ClientRequest", "Endpoint", "parse_request"]
+__all__ = [
+    "CHAT",
+    "COMPLETIONS",
+    "EMPTY_CONVERSATION",
+    "EMPTY_PROMPT",
+    "ClientRequest",
+    "Endpoint",
+    "parse_request",
+]
 
 Endpoint = Literal["/v1/completions", "/v1/chat/completions"]
 COMPLETIONS: Endpoint = "/v1/completions"
@@ -30,9 +41,16 @@ class _StreamOptions(BaseModel):
     include_usage: StrictBool | None = None
 
 
+#: vLLM 0.32's answers to an empty or missing prompt and to an empty conversation.
+EMPTY_PROMPT = "Either prompt or prompt_embeds must be provided and non-empty. (parameter=prompt)"
+EMPTY_CONVERSATION = (
+    "Cannot apply chat template to an empty conversation. Provide at least one message."
+)
+
+
 class _Common(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    model: Annotated[StrictStr, Field(min_length=1)]
+    model: Annotated[StrictStr, Field(min_length=1)] | None = None
     stream: StrictBool | None = False
     stream_options: _StreamOptions | None = None
     max_tokens: StrictInt | None = None
@@ -43,11 +61,11 @@ class _Common(BaseModel):
 
 
 class _Completion(_Common):
-    prompt: StrictStr | list[StrictStr] | _TokenIds | list[_TokenIds]
+    prompt: StrictStr | list[StrictStr] | _TokenIds | list[_TokenIds] | None = None
 
 
 class _Chat(_Common):
-    messages: Annotated[list[dict[str, Any]], Field(min_length=1)]
+    messages: list[dict[str, Any]]
     max_completion_tokens: StrictInt | None = None
 
 
@@ -59,7 +77,7 @@ class ClientRequest:
         endpoint: the OpenAI path it arrived on (and is forwarded to).
         body: the client's JSON object, unchanged (the decode leg sends it plus kv_transfer_params).
         raw: the client's body bytes as received (`body` before parsing).
-        model: served model name.
+        model: served model name; "" when the client named none (the default model).
         stream: whether the client asked for SSE.
         prompt_tokens: prompt length estimate for Schedule (tokens; see `pdplane.gateway.tokens`).
         max_tokens: tokens to generate if the client said so, else 0 (unknown).
@@ -87,6 +105,20 @@ def _first_error(exc: ValidationError) -> tuple[str, str]:
     if err["type"] == "missing":
         return f"'{param}' is a required property", param
     return f"invalid value for '{param}': {err['msg']}", param
+
+
+def _empty(prompt: object) -> bool:
+    # "", [], [""] and [[]] are one empty prompt to vLLM.
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    return prompt is None or len(prompt) == 0  # type: ignore[arg-type]
+
+
+def _refuse_empty(req: _Completion | _Chat) -> None:
+    if isinstance(req, _Completion) and _empty(req.prompt):
+        raise bad_request(EMPTY_PROMPT, "prompt")
+    if isinstance(req, _Chat) and not req.messages:
+        raise bad_request(EMPTY_CONVERSATION)
 
 
 def _refuse_unsupported(req: _Completion | _Chat) -> None:
@@ -127,8 +159,8 @@ def parse_request(endpoint: Endpoint, raw: bytes, routing_key: str = "") -> Clie
         routing_key: the `X-Routing-Key` header, "" when absent.
 
     Raises:
-        GatewayError(400): not JSON, not an object, a missing `model`/`prompt`/`messages`, a
-            wrong type in a field the gateway reads, a batched prompt or beam search.
+        GatewayError(400): not JSON, not an object, a missing or empty `prompt` / `messages`,
+            a wrong type in a field the gateway reads, a batched prompt or beam search.
     """
     try:
         body = json.loads(raw)
@@ -142,18 +174,20 @@ def parse_request(endpoint: Endpoint, raw: bytes, routing_key: str = "") -> Clie
     except ValidationError as exc:
         message, param = _first_error(exc)
         raise bad_request(message, param) from None
+    _refuse_empty(req)
     _refuse_unsupported(req)
     if isinstance(req, _Chat):
         prompt_tokens = estimate_chat_tokens(req.messages)
         max_tokens = req.max_completion_tokens or req.max_tokens or 0
     else:
+        assert req.prompt is not None  # _refuse_empty
         prompt_tokens = estimate_prompt_tokens(req.prompt)
         max_tokens = req.max_tokens or 0
     return ClientRequest(
         endpoint=endpoint,
         body=body,
         raw=raw,
-        model=req.model,
+        model=req.model or "",
         stream=bool(req.stream),
         prompt_tokens=prompt_tokens,
         max_tokens=max(0, max_tokens),

@@ -15,7 +15,7 @@ from pathlib import Path
 from pdplane.launch.ports import free_port_run
 from pdplane.launch.process import ManagedProcess, http_ok
 
-__all__ = ["EtcdCluster", "etcd_binary"]
+__all__ = ["EtcdCluster", "etcd_binary", "member_argv"]
 
 
 def etcd_binary() -> str | None:
@@ -23,6 +23,42 @@ def etcd_binary() -> str | None:
     return shutil.which("etcd") or next(
         (p for p in ("/usr/bin/etcd", "/usr/local/bin/etcd") if Path(p).is_file()), None
     )
+
+
+def member_argv(
+    binary: str,
+    name: str,
+    data_dir: Path,
+    client_port: int,
+    peer_port: int,
+    cluster: str = "",
+    *,
+    existing: bool = False,
+    token: str = "pdplane",
+    fast_elections: bool = True,
+) -> list[str]:
+    """The command line of one etcd member on 127.0.0.1 (`cluster`: "name=peer-url,...";
+    empty: a cluster of this member alone). `fast_elections`: heartbeat 50 ms, election 500 ms
+    (a killed leader is replaced within about a second; leases of 1 s are allowed)."""
+    peer_url = f"http://127.0.0.1:{peer_port}"
+    client_url = f"http://127.0.0.1:{client_port}"
+    argv = [
+        binary,
+        f"--name={name}",
+        f"--data-dir={data_dir}",
+        f"--listen-client-urls={client_url}",
+        f"--advertise-client-urls={client_url}",
+        f"--listen-peer-urls={peer_url}",
+        f"--initial-advertise-peer-urls={peer_url}",
+        f"--initial-cluster={cluster or f'{name}={peer_url}'}",
+        f"--initial-cluster-state={'existing' if existing else 'new'}",
+        f"--initial-cluster-token={token}",
+        "--logger=zap",
+        "--log-level=warn",
+    ]
+    if fast_elections:
+        argv += ["--heartbeat-interval=50", "--election-timeout=500"]
+    return argv
 
 
 @dataclass
@@ -68,24 +104,17 @@ class EtcdCluster:
         return ",".join(f"127.0.0.1:{m.client_port}" for m in self.members)
 
     def _argv(self, member: _Member, binary: str, existing: bool) -> list[str]:
-        cluster = ",".join(f"{m.name}={m.peer_url}" for m in self.members)
-        argv = [
+        return member_argv(
             binary,
-            f"--name={member.name}",
-            f"--data-dir={self.data_dir / member.name}",
-            f"--listen-client-urls={member.client_url}",
-            f"--advertise-client-urls={member.client_url}",
-            f"--listen-peer-urls={member.peer_url}",
-            f"--initial-advertise-peer-urls={member.peer_url}",
-            f"--initial-cluster={cluster}",
-            f"--initial-cluster-state={'existing' if existing else 'new'}",
-            f"--initial-cluster-token={self.token}",
-            "--logger=zap",
-            "--log-level=warn",
-        ]
-        if self.fast_elections:
-            argv += ["--heartbeat-interval=50", "--election-timeout=500"]
-        return argv
+            member.name,
+            self.data_dir / member.name,
+            member.client_port,
+            member.peer_port,
+            ",".join(f"{m.name}={m.peer_url}" for m in self.members),
+            existing=existing,
+            token=self.token,
+            fast_elections=self.fast_elections,
+        )
 
     def start_member(self, index: int) -> None:
         """Starts member `index` (again: over its data directory, rejoining the cluster)."""
@@ -125,6 +154,13 @@ class EtcdCluster:
             time.sleep(0.1)
         tails = "\n".join(m.process.tail(10) for m in chosen if m.process is not None)
         raise RuntimeError(f"etcd cluster not healthy after {timeout_s:.0f} s:\n{tails}")
+
+    def ensure_running(self, timeout_s: float) -> None:
+        """Starts every member that is not running and waits for a healthy cluster."""
+        for i, member in enumerate(self.members):
+            if member.process is None or not member.process.alive():
+                self.start_member(i)
+        self.wait_healthy(timeout_s)
 
     def kill(self, index: int) -> None:
         """SIGKILL of member `index` (a crash)."""

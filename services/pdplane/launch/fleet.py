@@ -1,16 +1,21 @@
 """A whole pdplane deployment on one machine: registry, scheduler, gateway and an XpYd fleet of
 vLLM CPU instances with the pdplane connector. Used by `pdplane up` and the end-to-end tests.
 
-Start order and readiness: registry (gRPC health) -> scheduler (gRPC health) -> gateway (HTTP
-up) -> all vLLM instances in parallel (/health) -> every instance listed in the registry ->
-gateway /health 200 (a usable pair per model). Shutdown runs in reverse; every child is stopped
-through its process group, so nothing outlives `stop()`.
+Start order and readiness: every port free (else `PortsInUse` before anything starts) ->
+registry (gRPC health) -> scheduler (gRPC health) -> gateway (HTTP up) -> all vLLM instances in
+parallel (/health) -> every instance listed in the registry -> gateway /health 200 (a usable
+pair per model). A child counts as up only when the process answering is that child: each one
+gets its own server id (`pdplane.core.server_id`), which the services' health answers and the
+connector's KvTransfer health (inside the vLLM engine) carry. Shutdown runs in reverse; every
+child is stopped through its process group, so nothing outlives `stop()`.
 """
 
 from __future__ import annotations
 
 import os
 import shlex
+import shutil
+import socket
 import sys
 import threading
 import time
@@ -22,11 +27,18 @@ from typing import Any, Protocol
 import grpc
 import httpx
 
-from pdplane.launch.process import ManagedProcess, grpc_serving, http_ok, wait_until
+from pdplane.launch.etcd import etcd_binary, member_argv
+from pdplane.launch.process import (
+    ManagedProcess,
+    grpc_serving,
+    http_ok,
+    http_server_id,
+    wait_until,
+)
 from pdplane.launch.vllm_cpu import KvRole, VllmCpuInstance, VllmCpuOptions
 from pdplane.v1 import instance_pb2, registry_pb2, registry_pb2_grpc
 
-__all__ = ["Fleet", "FleetSpec", "default_model_cache"]
+__all__ = ["Fleet", "FleetSpec", "PortsInUse", "default_model_cache"]
 
 _TINY_MODEL_NAME = "tiny-llama"
 
@@ -35,6 +47,22 @@ def default_model_cache() -> Path:
     """Where the tiny model is built: $PDPLANE_CACHE_DIR or ~/.cache/pdplane."""
     base = os.environ.get("PDPLANE_CACHE_DIR") or Path.home() / ".cache" / "pdplane"
     return Path(base) / "models"
+
+
+class PortsInUse(RuntimeError):
+    """Ports the fleet needs are taken (e.g. by another `pdplane up`); nothing was started."""
+
+
+def _port_taken(host: str, port: int) -> bool:
+    # Bind as the servers do (SO_REUSEADDR: a port in TIME_WAIT is free, a listening one not).
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return True
+    return False
 
 
 class _UpLike(Protocol):
@@ -49,13 +77,18 @@ class _UpLike(Protocol):
     model: Path | None
     served_model_name: str | None
     vllm_args: str
+    max_model_len: int
     prefill_policy: str
     decode_policy: str
     log_dir: Path
     ready_timeout_s: float
+    etcd_port: int
 
     @property
     def kv_mode(self) -> str: ...
+
+    @property
+    def store(self) -> str: ...
 
 
 @dataclass
@@ -73,12 +106,18 @@ class FleetSpec:
     model: Path | None = None
     served_model_name: str | None = None
     vllm_args: list[str] = field(default_factory=list)
+    #: Tokens per request (prompt + output) of every vLLM instance.
+    max_model_len: int = 1024
     prefill_policy: str = "least_loaded"
     decode_policy: str = "least_loaded"
     log_dir: Path = Path("logs")
     ready_timeout_s: float = 600.0
     #: Extra `VllmCpuOptions` fields for every instance (e.g. transfer_timeout_s in tests).
     vllm_options: dict[str, Any] = field(default_factory=dict)
+    #: The registry's store; "etcd" also starts a local one-member etcd (client port
+    #: `etcd_port`, peer port `etcd_port` + 1, data in a fresh folder under `log_dir`).
+    store: str = "memory"
+    etcd_port: int = 2379
 
     @classmethod
     def from_settings(cls, s: _UpLike) -> FleetSpec:
@@ -95,10 +134,13 @@ class FleetSpec:
             model=s.model,
             served_model_name=s.served_model_name,
             vllm_args=shlex.split(s.vllm_args),
+            max_model_len=s.max_model_len,
             prefill_policy=s.prefill_policy,
             decode_policy=s.decode_policy,
             log_dir=s.log_dir,
             ready_timeout_s=s.ready_timeout_s,
+            store=s.store,
+            etcd_port=s.etcd_port,
             vllm_options={"connector_extra": {"mode": s.kv_mode}} if s.kv_mode != "pull" else {},
         )
 
@@ -123,6 +165,7 @@ class Fleet:
         self._lock = threading.Lock()
         self._names: dict[VllmCpuInstance, str] = {}
         self._reported_dead: set[VllmCpuInstance] = set()
+        self._restarting: set[VllmCpuInstance] = set()
         self._cancel: threading.Event | None = None
         #: Children get SIGTERM if this process dies (set by long-lived supervisors such as
         #: `pdplane up`, whose main thread starts them).
@@ -152,6 +195,14 @@ class Fleet:
         started = time.monotonic()
         deadline = started + self.spec.ready_timeout_s
         self._cancel = cancel
+        busy = self.busy_ports()
+        if busy:
+            listed = ", ".join(f"{port} ({what})" for port, what in busy)
+            raise PortsInUse(
+                f"ports in use on {self.spec.host}: {listed}; is another `pdplane up` running? "
+                "Stop it or choose other ports (--gateway-port, --registry-port, "
+                "--scheduler-port, --vllm-base-port, --kv-base-port)"
+            )
         self._resolve_model()
         self._start_services(deadline)
         for _ in range(self.spec.prefill):
@@ -159,7 +210,12 @@ class Fleet:
         for _ in range(self.spec.decode):
             self._launch("kv_consumer")
         for inst in list(self.instances):
-            self._wait(inst.healthy, deadline, [inst.process], f"{self._names[inst]} to be healthy")
+            self._wait(
+                lambda i=inst: self.instance_ready(i),  # type: ignore[misc]
+                deadline,
+                [inst.process],
+                f"{self._names[inst]} to be healthy",
+            )
             self._say(f"{self._names[inst]} healthy at {inst.url}")
         self.wait_registered(len(self.instances), max(1.0, deadline - time.monotonic()))
         self._wait(
@@ -169,6 +225,33 @@ class Fleet:
             "the gateway to report a usable prefill/decode pair",
         )
         self.ready_after_s = time.monotonic() - started
+
+    def busy_ports(self) -> list[tuple[int, str]]:
+        """(port, what) for every port the fleet would bind that is taken now on its host."""
+        s = self.spec
+        wanted = [
+            (s.registry_port, "registry"),
+            (s.scheduler_port, "scheduler"),
+            (s.gateway_port, "gateway"),
+        ]
+        if s.store == "etcd":
+            wanted += [(s.etcd_port, "etcd client"), (s.etcd_port + 1, "etcd peer")]
+        names = [f"prefill-{i}" for i in range(s.prefill)]
+        names += [f"decode-{i}" for i in range(s.prefill, s.prefill + s.decode)]
+        for index, name in enumerate(names):
+            wanted += [
+                (s.vllm_base_port + index, f"{name} vLLM"),
+                (s.kv_base_port + index, f"{name} KV"),
+            ]
+        return [(port, what) for port, what in wanted if _port_taken(s.host, port)]
+
+    def instance_ready(self, inst: VllmCpuInstance) -> bool:
+        """True when `inst` answers /health and the engine answering is the one it started
+        (its KvTransfer health carries the server id that `inst`'s process was given)."""
+        endpoint = inst.kv_endpoint
+        return inst.healthy() and (
+            endpoint is None or grpc_serving(endpoint, server_id=inst.process.server_id)
+        )
 
     def _wait(
         self,
@@ -207,13 +290,33 @@ class Fleet:
         self._say(f"{name} starting (log {proc.log_path})")
         return proc
 
+    def _start_etcd(self, deadline: float) -> list[str]:
+        """Starts the local etcd of `--store etcd`; returns the registry's extra flags."""
+        binary = etcd_binary()
+        if binary is None:
+            raise RuntimeError("--store etcd needs etcd (Debian: apt-get install etcd-server)")
+        port = self.spec.etcd_port
+        data = self.spec.log_dir.resolve() / "etcd-data"
+        shutil.rmtree(data, ignore_errors=True)  # a fresh cluster every run
+        etcd = self._service("etcd", member_argv(binary, "pdplane", data, port, port + 1))
+        wait_until(
+            lambda: http_ok(f"http://127.0.0.1:{port}/health"),
+            deadline - time.monotonic(),
+            watch=[etcd],
+            what=f"etcd at 127.0.0.1:{port}",
+        )
+        self._say(f"etcd healthy at 127.0.0.1:{port}")
+        return ["--store", "etcd", "--etcd-endpoints", f"127.0.0.1:{port}"]
+
     def _start_services(self, deadline: float) -> None:
         s = self.spec
+        store = self._start_etcd(deadline) if s.store == "etcd" else []
         reg = self._service(
-            "registry", _pdplane("registry", "--host", s.host, "--port", str(s.registry_port))
+            "registry",
+            _pdplane("registry", "--host", s.host, "--port", str(s.registry_port), *store),
         )
         wait_until(
-            lambda: grpc_serving(self.registry_address),
+            lambda: grpc_serving(self.registry_address, server_id=reg.server_id),
             deadline - time.monotonic(),
             watch=[reg],
             what=f"the registry at {self.registry_address}",
@@ -235,7 +338,7 @@ class Fleet:
             ),
         )
         wait_until(
-            lambda: grpc_serving(self.scheduler_address),
+            lambda: grpc_serving(self.scheduler_address, server_id=sch.server_id),
             deadline - time.monotonic(),
             watch=[sch],
             what=f"the scheduler at {self.scheduler_address}",
@@ -256,19 +359,12 @@ class Fleet:
         )
         # /health answers (503 until a pair registers) once the HTTP server is up.
         wait_until(
-            lambda: self._gateway_answers(),
+            lambda: http_server_id(f"{self.gateway_url}/health") == gw.server_id,
             deadline - time.monotonic(),
             watch=[gw],
             what=f"the gateway at {self.gateway_url}",
         )
         self._say(f"registry, scheduler and gateway up ({self.gateway_url})")
-
-    def _gateway_answers(self) -> bool:
-        try:
-            httpx.get(f"{self.gateway_url}/health", timeout=2.0)
-        except httpx.HTTPError:
-            return False
-        return True
 
     def _launch(self, role: KvRole, **overrides: Any) -> VllmCpuInstance:
         """Starts one more vLLM instance of `role` (returns at once; see wait_healthy)."""
@@ -288,6 +384,7 @@ class Fleet:
             instance_id=f"{kind}-{index}",
             # Spread instances over the cores so that two engines don't fight for one.
             omp_threads_bind=str(index % self._cores),
+            max_model_len=self.spec.max_model_len,
             extra_args=list(self.spec.vllm_args),
             **{**self.spec.vllm_options, **overrides},
         )
@@ -312,6 +409,21 @@ class Fleet:
         )
         self.wait_registered(len(self.instances), timeout_s)
         return inst
+
+    def restart_instance(self, inst: VllmCpuInstance) -> None:
+        """Starts a dead instance again with its ports, id and flags (returns at once): what
+        is left of its process group is ended first, so its ports are free. The instance
+        registers again by itself; `newly_healthy_instances` reports when it serves."""
+        inst.stop()
+        inst.start()
+        self._reported_dead.discard(inst)
+        self._restarting.add(inst)
+
+    def newly_healthy_instances(self) -> list[tuple[str, VllmCpuInstance]]:
+        """Restarted instances that serve again since the last call, with their names."""
+        back = [(self._names[i], i) for i in list(self._restarting) if self.instance_ready(i)]
+        self._restarting.difference_update(inst for _, inst in back)
+        return back
 
     def list_instances(self) -> list[instance_pb2.Instance]:
         """The registry's current list (raises grpc.RpcError when it is unreachable)."""

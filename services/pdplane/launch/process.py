@@ -1,9 +1,9 @@
 """A supervised child process with its own log file, process group and bounded shutdown.
 
 Used by `pdplane up`, the end-to-end tests and the vLLM launcher: a child never outlives its
-parent's orderly shutdown (SIGTERM to the whole process group, then SIGKILL after a grace
-period), and a child that dies while we wait for it to become ready fails the wait at once with
-the tail of its log.
+parent's orderly shutdown (SIGTERM to the child, then to what is left of its process group, then
+SIGKILL after a grace period), and a child that dies while we wait for it to become ready fails
+the wait at once with the tail of its log.
 """
 
 from __future__ import annotations
@@ -23,12 +23,17 @@ import grpc
 import httpx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pdplane.core import server_id as server_ids
+
 __all__ = [
     "Cancelled",
     "ManagedProcess",
     "ProcessDied",
+    "die_with_parent",
+    "end_group",
     "grpc_serving",
     "http_ok",
+    "http_server_id",
     "wait_until",
 ]
 
@@ -44,11 +49,35 @@ class Cancelled(RuntimeError):
 _PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:
-    # Runs in the child between fork and exec: ask Linux to SIGTERM it when its parent dies,
-    # so that even a SIGKILLed supervisor leaves no service behind.
+def die_with_parent() -> None:
+    """A `preexec_fn`: asks Linux to SIGTERM the child when the thread that started it dies, so
+    that even a SIGKILLed supervisor leaves nothing behind. Runs between fork and exec."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def end_group(pgid: int, grace_s: float = 5.0) -> None:
+    """Ends what is left of process group `pgid` once its leader has exited: SIGTERM, up to
+    `grace_s` seconds for the members to exit (a vLLM engine core shuts down cleanly), then
+    SIGKILL. Returns at once when the group is empty."""
+    deadline = time.monotonic() + grace_s
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        if not _group_alive(pgid):
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, sig)
+        while _group_alive(pgid) and time.monotonic() < deadline:
+            time.sleep(0.05)
 
 
 class ManagedProcess:
@@ -59,6 +88,10 @@ class ManagedProcess:
     the child is also sent SIGTERM when the thread that started it dies, SIGKILL included: set
     it only when `start()` runs on a thread that lives as long as the child should (the main
     thread of a supervisor).
+
+    Each `start()` hands the child a fresh server id (`$PDPLANE_SERVER_ID`, see
+    `pdplane.core.server_id`), `server_id`, which a pdplane server reports in its health
+    answers: pass it to `grpc_serving` / `http_ok` to know the answer comes from this child.
     """
 
     def __init__(
@@ -76,6 +109,7 @@ class ManagedProcess:
         self.log_path = log_path
         self.env = dict(env) if env is not None else None
         self.cwd = cwd
+        self.server_id = ""
         self._proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -91,16 +125,18 @@ class ManagedProcess:
         if self._proc is not None and self._proc.poll() is None:
             raise RuntimeError(f"{self.name} is already running (pid {self._proc.pid})")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.server_id = server_ids.new_server_id()
+        env = {**(os.environ if self.env is None else self.env), server_ids.ENV: self.server_id}
         with self.log_path.open("ab") as log:
             self._proc = subprocess.Popen(
                 self.argv,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                env=self.env,
+                env=env,
                 cwd=self.cwd,
                 start_new_session=True,
-                preexec_fn=_die_with_parent
+                preexec_fn=die_with_parent
                 if self.die_with_parent and sys.platform == "linux"
                 else None,
             )
@@ -117,19 +153,26 @@ class ManagedProcess:
             )
 
     def stop(self, grace_s: float = 10.0) -> int | None:
-        """SIGTERM to the process group, SIGKILL after `grace_s` seconds; returns the status."""
+        """SIGTERM to the child, SIGKILL to its process group after `grace_s` seconds; then
+        `end_group` for what the child left behind. Returns the child's status.
+
+        The first SIGTERM goes to the child alone: vLLM's API server shuts its engine down
+        itself, and an engine signalled at the same time dies under it (an EngineDeadError
+        traceback for a normal stop).
+        """
         proc = self._proc
         if proc is None:
             return None
         if proc.poll() is None:
-            self._signal_group(signal.SIGTERM)
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGTERM)
             try:
                 proc.wait(timeout=grace_s)
             except subprocess.TimeoutExpired:
                 self._signal_group(signal.SIGKILL)
                 proc.wait(timeout=5)
         # Grandchildren may linger after the leader exits; the group id outlives the leader.
-        self._signal_group(signal.SIGKILL)
+        end_group(proc.pid)
         return proc.returncode
 
     def kill(self) -> None:
@@ -186,12 +229,31 @@ def http_ok(url: str, timeout_s: float = 2.0) -> bool:
         return False
 
 
-def grpc_serving(address: str, service: str = "", timeout_s: float = 2.0) -> bool:
-    """True when the gRPC health service at `address` reports `service` SERVING."""
+def http_server_id(url: str, timeout_s: float = 2.0) -> str | None:
+    """The `server_id` in the JSON body GET `url` answers (any status; a pdplane gateway's
+    `/health`), or None when nothing answers or the body has none."""
+    try:
+        body = httpx.get(url, timeout=timeout_s).json()
+    except (httpx.HTTPError, ValueError):
+        return None
+    value = body.get("server_id") if isinstance(body, dict) else None
+    return value if isinstance(value, str) else None
+
+
+def grpc_serving(
+    address: str, service: str = "", timeout_s: float = 2.0, server_id: str | None = None
+) -> bool:
+    """True when the gRPC health service at `address` reports `service` SERVING and, with
+    `server_id`, the answering process reports that id (`pdplane.core.server_id`)."""
     with grpc.insecure_channel(address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
-            reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
+            reply, call = stub.Check.with_call(
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout_s
+            )
         except grpc.RpcError:
             return False
+        metadata = dict(call.initial_metadata() or ())
+    if server_id is not None and metadata.get(server_ids.METADATA_KEY) != server_id:
+        return False
     return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)

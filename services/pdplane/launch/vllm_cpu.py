@@ -67,6 +67,9 @@ class VllmCpuOptions:
         kv_load_failure_policy: vLLM's reaction to a failed pull: "fail" or "recompute".
         max_model_len: tokens; num_gpu_blocks: KV cache blocks (`--num-gpu-blocks-override`).
         dtype: model dtype; prefix_caching: vLLM's own prefix cache.
+        shutdown_timeout_s: vLLM's `--shutdown-timeout` (s): on SIGTERM the engine drains
+            running requests this long, and its connector gets to deregister (0, vLLM's
+            default, kills the engine at once: the registry then learns only at lease expiry).
         kv_events: with a connector and prefix caching, have vLLM publish its KV cache events
             to a private `ipc://` socket the connector re-publishes as `pdplane.v1.KvEvents`
             (ignored when `extra_args` already carry `--kv-events-config`).
@@ -92,6 +95,7 @@ class VllmCpuOptions:
     num_gpu_blocks: int = 64
     dtype: str = "float32"
     prefix_caching: bool = True
+    shutdown_timeout_s: int = 5
     kv_events: bool = True
     omp_threads_bind: str | None = None
     extra_args: list[str] = field(default_factory=list)
@@ -197,6 +201,8 @@ class VllmCpuInstance:
             "uni",
             "--num-gpu-blocks-override",
             str(o.num_gpu_blocks),
+            "--shutdown-timeout",
+            str(o.shutdown_timeout_s),
         ]
         if o.served_model_name:
             argv += ["--served-model-name", o.served_model_name]

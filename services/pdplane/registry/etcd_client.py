@@ -30,8 +30,13 @@ __all__ = [
     "unchanged_since",
 ]
 
-#: Statuses after which another endpoint may succeed.
-_RETRY_ELSEWHERE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+#: Statuses after which another endpoint may succeed. A member without a leader answers
+#: UNKNOWN "context deadline exceeded" once its own request timeout passes.
+_RETRY_ELSEWHERE = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.UNKNOWN,
+}
 #: etcd ends a stream at once when its member has no leader, instead of serving a stale view.
 REQUIRE_LEADER = (("hasleader", "true"),)
 _MAX_DETAIL = 200

@@ -10,7 +10,6 @@ import contextlib
 import logging
 import time
 
-import grpc
 from aetcd import rpc
 
 from pdplane.registry.etcd_client import REQUIRE_LEADER, EtcdClient, prefix_end
@@ -86,7 +85,7 @@ class ViewFollower:
                     elif not reply.created:
                         self._view.advance(reply.header.revision)  # progress notification
                     self._on_progress()
-            except (grpc.aio.AioRpcError, StoreError) as exc:
+            except Exception as exc:  # any failure: next endpoint, the task must live on
                 self.last_error = f"watch via {self._client.endpoint}: {describe(exc)}"
                 log.info("etcd watch broken (%s); re-watching", self.last_error)
                 self._client.rotate()

@@ -29,7 +29,7 @@ def describe(exc: BaseException) -> str:
     """A short description of an etcd failure for logs and error messages."""
     if isinstance(exc, grpc.aio.AioRpcError):
         return f"{exc.code().name}: {(exc.details() or '')[:200]}"
-    return str(exc) or type(exc).__name__
+    return f"{type(exc).__name__}: {str(exc)[:200]}"
 
 
 class ReplicaLease:
@@ -107,7 +107,7 @@ class ReplicaLease:
                     self.confirmed = time.monotonic()
                     self._on_renewed(was_healthy)
                     await asyncio.sleep(interval)
-            except (grpc.aio.AioRpcError, StoreError, TimeoutError) as exc:
+            except Exception as exc:  # any failure: next endpoint, the task must live on
                 self.last_error = f"keep-alive via {self._client.endpoint}: {describe(exc)}"
                 log.info("etcd keep-alive failed (%s)", self.last_error)
                 self._client.rotate()

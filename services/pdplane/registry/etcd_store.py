@@ -517,7 +517,7 @@ class EtcdStore:
                 continue
             try:
                 await self.loads.flush(self._etcd, entries, lease)
-            except StoreError as exc:
+            except Exception as exc:  # retried with the next flush; the task must live on
                 self.last_error = f"load write: {describe(exc)}"
                 with self.lock:
                     self.loads.restore(pending)

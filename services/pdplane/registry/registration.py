@@ -1,7 +1,10 @@
 """Keeps one instance registered: register, heartbeat with load, re-register, deregister.
 
 Thread-based so that it runs unchanged inside vLLM's engine process, the scheduler and the
-gateway. Every RPC has a deadline and every wait is interruptible by `stop()`.
+gateway. Every RPC has a deadline (the heartbeat stream a watchdog) and every wait is
+interruptible by `stop()`. Heartbeats go as messages on one long-lived `HeartbeatStream` per
+instance (one request and one answer a second, no per-call setup); a registry without it
+(UNIMPLEMENTED) gets unary `Heartbeat` calls instead.
 """
 
 from __future__ import annotations
@@ -9,13 +12,15 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterator
 
 import grpc
 
 from pdplane.core import grpc_util
 from pdplane.registry._backoff import Backoff
-from pdplane.v1 import instance_pb2, registry_pb2, registry_pb2_grpc
+from pdplane.registry.endpoints import FAILOVER_CODES, RegistryEndpoints
+from pdplane.v1 import instance_pb2, registry_pb2
 
 __all__ = ["RegistrationClient"]
 
@@ -40,12 +45,15 @@ def _is_idle(load: instance_pb2.LoadReport) -> bool:
 
 
 class RegistrationClient:
-    """Registers `spec` with the registry at `registry` ("host:port") and keeps its lease.
+    """Registers `spec` with the registry at `registry` and keeps its lease.
 
-    `load_fn` is called (in the client's thread) before each heartbeat and returns the load
-    report to send; None sends an empty report. `token` is the registry's bearer token, `tls_ca`
-    a PEM file to verify the registry's TLS certificate; `lease_ttl_ms` asks for a lease TTL
-    (0 = the registry's default).
+    `registry` is "host:port", or several replicas' "h1:port,h2:port": the client uses one at
+    a time and moves to the next when it is unreachable (UNAVAILABLE, a deadline, a heartbeat
+    unanswered for longer than the RPC deadline). `load_fn` is called (in the client's threads)
+    before each heartbeat and returns the load report to send; None sends an empty report.
+    `token` is the registry's bearer token, `tls_ca` a PEM file to verify the registry's TLS
+    certificate; `lease_ttl_ms` asks for a lease TTL (0 = the registry's default); `stream`
+    False sends unary heartbeats.
 
     `start()` returns at once; a daemon thread registers, then heartbeats at the interval the
     registry grants. On NOT_FOUND (lease unknown, e.g. the registry restarted) it registers
@@ -61,17 +69,16 @@ class RegistrationClient:
         token: str | None = None,
         tls_ca: str | None = None,
         lease_ttl_ms: int = 0,
+        stream: bool = True,
     ) -> None:
-        self._registry = registry
         self._spec = instance_pb2.InstanceSpec()
         self._spec.CopyFrom(spec)
         self._load_fn = load_fn
         self._metadata = grpc_util.token_metadata(token)
         self._lease_ttl_ms = lease_ttl_ms
-        self._channel = grpc_util.channel(
-            registry, tls_ca, extra_options=grpc_util.FAST_RECONNECT_OPTIONS
-        )
-        self._stub = registry_pb2_grpc.RegistryStub(self._channel)
+        self._endpoints = RegistryEndpoints(registry, tls_ca, grpc_util.FAST_RECONNECT_OPTIONS)
+        self._stream = stream
+        self._call: grpc.Call | None = None
         self._lock = threading.Lock()
         self._lease_id = ""
         self._interval_s = 1.0
@@ -83,6 +90,15 @@ class RegistrationClient:
         self._thread: threading.Thread | None = None
         self.last_error: str = ""
         self.registrations = 0  # how many times a lease was granted (re-registers included)
+        self.heartbeats = 0  # heartbeats answered
+        self.last_answer_at = 0.0  # time.monotonic() of the last answered heartbeat
+        self.failovers = 0  # moves to another registry replica
+        self._misses = 0  # replicas that failed since the last answered heartbeat
+
+    @property
+    def registry(self) -> str:
+        """The registry replica the client talks to now."""
+        return self._endpoints.address
 
     @property
     def instance_id(self) -> str:
@@ -124,12 +140,16 @@ class RegistrationClient:
         if drain and self._registered.is_set():
             self._drain(drain_timeout)
         self._stopping.set()
+        with self._lock:
+            call = self._call
+        if call is not None:
+            call.cancel()
         if self._thread is not None:
             self._thread.join(timeout=_RPC_TIMEOUT_S + 1.0)
         lease = self.lease_id
         if lease:
             self._deregister(lease, drain=False)
-        self._channel.close()
+        self._endpoints.close()
 
     def _drain(self, timeout: float) -> None:
         with self._lock:
@@ -146,13 +166,23 @@ class RegistrationClient:
         request = registry_pb2.DeregisterRequest(
             instance_id=self.instance_id, lease_id=lease_id, drain=drain
         )
-        try:
-            response = self._stub.Deregister(
-                request, timeout=_DEREGISTER_TIMEOUT_S, metadata=self._metadata, wait_for_ready=True
-            )
-        except grpc.RpcError as exc:
-            code = exc.code().name if isinstance(exc, grpc.Call) else "UNKNOWN"
-            log.warning("deregister of %s failed: %s", self.instance_id, code)
+        response = None
+        for _ in self._endpoints.addresses:
+            try:
+                response = self._endpoints.stub.Deregister(
+                    request,
+                    timeout=_DEREGISTER_TIMEOUT_S,
+                    metadata=self._metadata,
+                    wait_for_ready=not self._endpoints.several,
+                )
+                break
+            except grpc.RpcError as exc:
+                code = exc.code() if isinstance(exc, grpc.Call) else None
+                log.warning("deregister of %s failed: %s", self.instance_id, code)
+                if code not in FAILOVER_CODES:
+                    return
+                self._endpoints.failover()
+        if response is None:
             return
         with self._lock:
             self._state = response.state
@@ -182,20 +212,66 @@ class RegistrationClient:
                 return self._interval_s
             self._register()
             return self._interval_s
+        if self._stream:
+            self._heartbeat_stream(lease)
+            return 0.0
         load = self._read_load()
         request = registry_pb2.HeartbeatRequest(
             instance_id=self.instance_id, lease_id=lease, load=load
         )
-        response = self._stub.Heartbeat(
+        response = self._endpoints.stub.Heartbeat(
             request,
             timeout=min(_RPC_TIMEOUT_S, self._interval_s),
             metadata=self._metadata,
-            wait_for_ready=True,
+            wait_for_ready=not self._endpoints.several,
         )
+        self._answered(lease, response)
+        return self._interval_s
+
+    def _answered(self, lease: str, response: registry_pb2.HeartbeatResponse) -> None:
         with self._lock:
             if self._lease_id == lease:
                 self._state = response.state
-        return self._interval_s
+        self.heartbeats += 1
+        self.last_answer_at = time.monotonic()
+        self._misses = 0
+
+    def _heartbeat_stream(self, lease: str) -> None:
+        """Heartbeats on one stream until it breaks (raises grpc.RpcError), the lease changes
+        or the client stops. gRPC's request thread runs `requests` (paced at the interval); this
+        thread reads the answers. A heartbeat unanswered for the RPC deadline cancels the
+        stream (a hung replica), which the caller treats as a reason to fail over."""
+        interval = self._interval_s
+        deadline_s = min(_RPC_TIMEOUT_S, max(interval, 0.5))
+        unanswered: deque[float] = deque()
+        holder: list[grpc.Call] = []
+
+        def requests() -> Iterator[registry_pb2.HeartbeatRequest]:
+            while not self._stopping.is_set() and self.lease_id == lease:
+                if unanswered and time.monotonic() - unanswered[0] > deadline_s:
+                    self.last_error = f"heartbeat unanswered for {deadline_s:.1f} s"
+                    if holder:
+                        holder[0].cancel()
+                    return
+                unanswered.append(time.monotonic())
+                yield registry_pb2.HeartbeatRequest(
+                    instance_id=self.instance_id, lease_id=lease, load=self._read_load()
+                )
+                self._stopping.wait(interval)
+
+        call = self._endpoints.stub.HeartbeatStream(requests(), metadata=self._metadata)
+        holder.append(call)
+        with self._lock:
+            self._call = call
+        try:
+            for response in call:
+                if unanswered:
+                    unanswered.popleft()
+                self._answered(lease, response)
+        finally:
+            with self._lock:
+                self._call = None
+            call.cancel()
 
     def _read_load(self) -> instance_pb2.LoadReport:
         """The load to report; a failing `load_fn` repeats the last good report, so that a
@@ -210,8 +286,11 @@ class RegistrationClient:
 
     def _register(self) -> None:
         request = registry_pb2.RegisterRequest(spec=self._spec, lease_ttl_ms=self._lease_ttl_ms)
-        response = self._stub.Register(
-            request, timeout=_RPC_TIMEOUT_S, metadata=self._metadata, wait_for_ready=True
+        response = self._endpoints.stub.Register(
+            request,
+            timeout=_RPC_TIMEOUT_S,
+            metadata=self._metadata,
+            wait_for_ready=not self._endpoints.several,
         )
         with self._lock:
             self._lease_id = response.lease_id
@@ -220,7 +299,9 @@ class RegistrationClient:
             self.registrations += 1
             self.last_error = ""
         self._registered.set()
-        log.info("registered %s (lease %s)", self.instance_id, response.lease_id)
+        log.info(
+            "registered %s with %s (lease %s)", self.instance_id, self.registry, response.lease_id
+        )
 
     def _on_error(self, exc: grpc.RpcError, backoff: Backoff) -> float:
         code = exc.code() if isinstance(exc, grpc.Call) else grpc.StatusCode.UNKNOWN
@@ -233,7 +314,18 @@ class RegistrationClient:
             self._registered.clear()
             log.info("lease of %s lost; registering again", self.instance_id)
             return 0.0
+        if code == grpc.StatusCode.UNIMPLEMENTED and self._stream:
+            log.info("registry %s has no HeartbeatStream; unary heartbeats", self.registry)
+            self._stream = False
+            return 0.0
         if code in _PERMANENT:
             log.error("registry rejected %s: %s", self.instance_id, self.last_error)
             return _PERMANENT_RETRY_S
+        if code in FAILOVER_CODES and self._endpoints.several and not self._stopping.is_set():
+            self._endpoints.failover()
+            self.failovers += 1
+            self._misses += 1
+            log.info("registry unreachable for %s; trying %s", self.instance_id, self.registry)
+            if self._misses % len(self._endpoints.addresses):
+                return 0.05  # the next replica is probably up: do not wait the full backoff
         return backoff.next_delay()

@@ -21,6 +21,7 @@ from pdplane.registry.store import (
     InstanceStore,
     LeaseGrant,
     NotFoundError,
+    StoreError,
     StoreUnavailableError,
 )
 from pdplane.v1 import instance_pb2, registry_pb2, registry_pb2_grpc
@@ -35,18 +36,23 @@ _R = TypeVar("_R")
 _Event = registry_pb2.WatchEvent
 #: Largest BATCH the registry sends, whatever a watcher asks for (bounds message size).
 MAX_BATCH = 1024
-_STATUS = {
-    ValidationError: grpc.StatusCode.INVALID_ARGUMENT,
-    NotFoundError: grpc.StatusCode.NOT_FOUND,
-    AlreadyExistsError: grpc.StatusCode.ALREADY_EXISTS,
-    StoreUnavailableError: grpc.StatusCode.UNAVAILABLE,
-}
-_ERRORS = (ValidationError, NotFoundError, AlreadyExistsError, StoreUnavailableError)
+#: The registry's errors and their status, most specific first (any other StoreError: the
+#: backing store refused for a reason of its own, INTERNAL with its message).
+_STATUS: list[tuple[type[Exception], grpc.StatusCode]] = [
+    (ValidationError, grpc.StatusCode.INVALID_ARGUMENT),
+    (NotFoundError, grpc.StatusCode.NOT_FOUND),
+    (AlreadyExistsError, grpc.StatusCode.ALREADY_EXISTS),
+    (StoreUnavailableError, grpc.StatusCode.UNAVAILABLE),
+    (StoreError, grpc.StatusCode.INTERNAL),
+]
+_ERRORS = (ValidationError, StoreError)
+_MAX_DETAILS = 1000
 
 
 def _fail(context: Any, exc: Exception) -> None:
-    context.set_code(_STATUS[type(exc)])
-    context.set_details(str(exc))
+    code = next(code for kind, code in _STATUS if isinstance(exc, kind))
+    context.set_code(code)
+    context.set_details(str(exc)[:_MAX_DETAILS])
 
 
 def _call(context: grpc.ServicerContext, empty: _R, fn: Callable[[], _R]) -> _R:

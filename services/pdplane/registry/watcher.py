@@ -15,7 +15,8 @@ import grpc
 
 from pdplane.core import grpc_util
 from pdplane.registry._backoff import Backoff
-from pdplane.v1 import instance_pb2, registry_pb2, registry_pb2_grpc
+from pdplane.registry.endpoints import FAILOVER_CODES, RegistryEndpoints
+from pdplane.v1 import instance_pb2, registry_pb2
 
 __all__ = ["InstanceWatcher"]
 
@@ -28,7 +29,11 @@ _MAX_BATCH = 256
 
 
 class InstanceWatcher:
-    """Watches the registry at `registry` ("host:port") and mirrors its instances locally.
+    """Watches the registry at `registry` and mirrors its instances locally.
+
+    `registry` is "host:port" or several replicas' "h1:port,h2:port": a broken stream moves to
+    the next one and resumes from the last revision (every replica of one etcd-backed registry
+    numbers events alike, so the watcher continues without a gap or a snapshot).
 
     `on_change` is called with a copy of the view (instance id -> Instance) after changes, from
     a notifier thread of its own: a burst of events coalesces into one call with the newest view
@@ -45,10 +50,7 @@ class InstanceWatcher:
         on_change: OnChange | None = None,
     ) -> None:
         self._metadata = grpc_util.token_metadata(token)
-        self._channel = grpc_util.channel(
-            registry, tls_ca, extra_options=grpc_util.FAST_RECONNECT_OPTIONS
-        )
-        self._stub = registry_pb2_grpc.RegistryStub(self._channel)
+        self._endpoints = RegistryEndpoints(registry, tls_ca, grpc_util.FAST_RECONNECT_OPTIONS)
         self._on_change = on_change
         self._lock = threading.Lock()
         self._view: dict[str, instance_pb2.Instance] = {}
@@ -61,6 +63,7 @@ class InstanceWatcher:
         self._notifier: threading.Thread | None = None
         self.snapshots = 0  # SNAPSHOT events applied (first one included)
         self.reconnects = 0  # streams re-opened after an error
+        self._misses = 0  # replicas that failed since the last event
 
     @property
     def revision(self) -> int:
@@ -102,7 +105,7 @@ class InstanceWatcher:
             self._thread.join(timeout=2.0)
         if self._notifier is not None:
             self._notifier.join(timeout=5.0)
-        self._channel.close()
+        self._endpoints.close()
 
     def _run(self) -> None:
         backoff = Backoff()
@@ -116,7 +119,14 @@ class InstanceWatcher:
                 # UNAVAILABLE is a registry restart or outage; anything else (e.g.
                 # UNAUTHENTICATED) needs a person, so say it louder.
                 level = logging.INFO if code == grpc.StatusCode.UNAVAILABLE else logging.WARNING
-                log.log(level, "registry watch broken (%s); re-watching", code)
+                log.log(level, "registry watch on %s broken (%s)", self._endpoints.address, code)
+                if code in FAILOVER_CODES and self._endpoints.several:
+                    self._endpoints.failover()
+                    self._misses += 1
+                    if self._misses < len(self._endpoints.addresses):
+                        self.reconnects += 1  # the next replica is probably up: go at once
+                        self._stopping.wait(0.05)
+                        continue
             except Exception:
                 log.exception("registry watch failed")
             self.reconnects += 1
@@ -126,7 +136,7 @@ class InstanceWatcher:
         request = registry_pb2.WatchInstancesRequest(
             from_revision=self.revision, max_batch=_MAX_BATCH
         )
-        call = self._stub.WatchInstances(request, metadata=self._metadata)
+        call = self._endpoints.stub.WatchInstances(request, metadata=self._metadata)
         with self._lock:
             self._call = call
         if self._stopping.is_set():  # stop() ran before the call was published
@@ -134,6 +144,7 @@ class InstanceWatcher:
         for event in call:
             self._apply(event)
             backoff.reset()
+            self._misses = 0
 
     def _apply(self, message: registry_pb2.WatchEvent) -> None:
         events = message.events if message.type == _Event.BATCH else [message]

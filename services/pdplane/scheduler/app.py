@@ -1,6 +1,8 @@
 """Wiring of a scheduler process: settings -> registry watcher -> service -> gRPC (+ metrics).
 
-Used by `pdplane scheduler` and by the in-process test fixture, so both run the same objects.
+Used by `pdplane scheduler` and by the in-process test fixture, so both run the same objects;
+the service (and its prefix index) is built by `pdplane.scheduler.local.open_local`, as a local
+scheduler's.
 """
 
 from __future__ import annotations
@@ -15,14 +17,14 @@ from prometheus_client import start_http_server
 
 from pdplane.core import grpc_util
 from pdplane.registry.client import InstanceWatcher
-from pdplane.scheduler.inflight import InflightTracker
 from pdplane.scheduler.kv_index import KvIndexManager
-from pdplane.scheduler.kv_index.wiring import start_kv_index
+from pdplane.scheduler.local import LocalScheduler, open_local
 from pdplane.scheduler.metrics import SchedulerMetrics
+from pdplane.scheduler.port import InstanceSource
 from pdplane.scheduler.service import SchedulerService
 from pdplane.scheduler.servicer import SchedulerServicer
 from pdplane.scheduler.settings import SchedulerSettings
-from pdplane.scheduler.view import CandidateView, InstanceSource
+from pdplane.scheduler.view import CandidateView
 from pdplane.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 __all__ = ["SchedulerApp"]
@@ -43,7 +45,8 @@ class SchedulerApp:
         self.settings = settings
         self._watcher: InstanceWatcher | None = None
         self._source = source
-        self.view = CandidateView(source) if source is not None else None
+        self.view: CandidateView | None = None
+        self._local: LocalScheduler | None = None
         self.metrics = SchedulerMetrics()
         self.service: SchedulerService | None = None
         self._server: grpc.aio.Server | None = None
@@ -65,24 +68,16 @@ class SchedulerApp:
         """
         s = self.settings
         try:
-            view = self.view or self._start_watcher()
-            self.service = SchedulerService(
-                view,
-                prefill_policy=s.prefill_policy,
-                decode_policy=s.decode_policy,
-                inflight=InflightTracker(s.inflight_timeout_s),
-                metrics=self.metrics,
-                seed=s.seed,
-            )
-            self.metrics.watch(self.service.inflight.inflight_by_instance, view.all)
-            self.kv_index = start_kv_index(
-                self._watcher or self._source,  # type: ignore[arg-type]
+            self._local = open_local(
+                self._source or self._start_watcher(),
                 s,
+                self.metrics,
                 token=s.registry_token or s.token,
                 tls_ca=s.tls_ca,
-                registry=self.metrics.registry,
-                service=self.service,
+                subscriber="scheduler",
             )
+            self.service, self.kv_index = self._local.service, self._local.kv_index
+            self.view = self.service.view
             await self._start_grpc()
             if s.metrics_port:
                 server, thread = start_http_server(
@@ -104,20 +99,21 @@ class SchedulerApp:
             raise
         return self.address
 
-    def _start_watcher(self) -> CandidateView:
+    def _start_watcher(self) -> InstanceWatcher:
         s = self.settings
-        holder: list[CandidateView] = []
         # on_change forces a re-read even if a restarted registry reuses a revision number.
         self._watcher = InstanceWatcher(
             s.registry,
             token=s.registry_token or s.token,
             tls_ca=s.tls_ca,
-            on_change=lambda _view: holder[0].mark_dirty() if holder else None,
+            on_change=self._source_changed,
         )
-        self.view = CandidateView(self._watcher)
-        holder.append(self.view)
         self._watcher.start()
-        return self.view
+        return self._watcher
+
+    def _source_changed(self, _instances: object) -> None:
+        if self.view is not None:
+            self.view.mark_dirty()
 
     async def _start_grpc(self) -> None:
         s = self.settings
@@ -142,9 +138,9 @@ class SchedulerApp:
             http[0].shutdown()
             http[0].server_close()
             http[1].join(timeout=2.0)
-        kv_index, self.kv_index = self.kv_index, None
-        if kv_index is not None:
-            await asyncio.to_thread(kv_index.stop)
+        local, self._local, self.kv_index = self._local, None, None
+        if local is not None:
+            await local.close()  # the prefix index's streams
         watcher, self._watcher = self._watcher, None
         if watcher is not None:
             await asyncio.to_thread(watcher.stop)

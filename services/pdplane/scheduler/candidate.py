@@ -8,17 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdplane.core.layout import fingerprint
+from pdplane.core.pairing import PairKey, can_decode, can_prefill, pair_key
 from pdplane.v1 import instance_pb2
 
 __all__ = ["Candidate", "PairKey"]
-
-#: Two instances can be paired only when these are equal: KV layout fingerprint, transport
-#: (enum value) and max model length (tokens).
-PairKey = tuple[str, instance_pb2.Transport.ValueType, int]
-
-_PREFILL_ROLES = (instance_pb2.ROLE_PREFILL, instance_pb2.ROLE_BOTH)
-_DECODE_ROLES = (instance_pb2.ROLE_DECODE, instance_pb2.ROLE_BOTH)
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,18 +56,18 @@ class Candidate:
     def from_instance(cls, instance: instance_pb2.Instance) -> Candidate:
         """Copies the scheduling-relevant fields out of a registry `Instance`."""
         spec, load = instance.spec, instance.load
-        layout = fingerprint(spec.kv_layout)
+        key = pair_key(spec)
         return cls(
             instance_id=spec.instance_id,
             model=spec.model,
             url=spec.url,
             kv_endpoint=spec.kv_endpoint,
             transport=spec.transport,
-            fingerprint=layout,
+            fingerprint=key[0],
             block_size=spec.kv_layout.block_size,
             max_model_len=spec.max_model_len,
-            can_prefill=spec.role in _PREFILL_ROLES,
-            can_decode=spec.role in _DECODE_ROLES,
+            can_prefill=can_prefill(spec.role),
+            can_decode=can_decode(spec.role),
             serving=instance.state == instance_pb2.INSTANCE_STATE_SERVING,
             num_running=load.num_running,
             num_waiting=load.num_waiting,
@@ -83,7 +76,7 @@ class Candidate:
             total_kv_blocks=load.total_kv_blocks,
             revision=instance.revision,
             epoch=hash((instance.lease_id, instance.revision)),
-            pair_key=(layout, spec.transport, spec.max_model_len),
+            pair_key=key,
             reported_load=load.num_running + load.num_waiting + load.kv_cache_usage,
             recv_capacity_bytes=load.recv_buffer_capacity_bytes,
             recv_headroom_bytes=load.recv_buffer_headroom_bytes,

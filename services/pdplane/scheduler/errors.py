@@ -1,6 +1,12 @@
-"""Errors of a scheduling decision; the servicer maps them onto gRPC status codes."""
+"""Errors of a scheduling decision; the servicer maps them onto gRPC status codes.
+
+Both are the port's errors (`pdplane.scheduler.port`), so the local scheduler raises them as
+they are: `InvalidRequest` is a ValueError, `NoInstance` a SchedulerUnavailable.
+"""
 
 from __future__ import annotations
+
+from pdplane.scheduler.port import SchedulerUnavailable
 
 __all__ = ["InvalidRequest", "NoInstance"]
 
@@ -9,7 +15,7 @@ class InvalidRequest(ValueError):
     """The request is malformed (gRPC INVALID_ARGUMENT); the message names the field."""
 
 
-class NoInstance(Exception):
+class NoInstance(SchedulerUnavailable):
     """No compatible instance for one side (gRPC UNAVAILABLE).
 
     `side` is "prefill", "decode" or "pair" (both sides exist but no layout/transport/length

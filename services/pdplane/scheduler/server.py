@@ -16,8 +16,8 @@ from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 from pdplane.scheduler.app import SchedulerApp
+from pdplane.scheduler.port import InstanceSource
 from pdplane.scheduler.settings import SchedulerSettings
-from pdplane.scheduler.view import InstanceSource
 
 __all__ = ["SchedulerServer"]
 

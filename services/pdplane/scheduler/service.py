@@ -1,14 +1,14 @@
 """The scheduling decision: filter, pair, apply the prefill and decode policies, count in flight.
 
-Plain Python (no gRPC): the servicer translates protobuf to `ScheduleInput` and errors to status
-codes; unit tests and the benchmark call this class directly.
+Plain Python (no gRPC): it takes the port's `RequestFeatures` and answers its `Decision`; the
+servicer translates protobuf (`pdplane.scheduler.wire`) and errors to status codes, the local
+scheduler (`pdplane.scheduler.local`) awaits nothing; unit tests and the benchmark call this
+class directly.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Collection, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pdplane.scheduler.candidate import Candidate
@@ -17,41 +17,15 @@ from pdplane.scheduler.errors import InvalidRequest, NoInstance
 from pdplane.scheduler.inflight import InflightTracker
 from pdplane.scheduler.metrics import SchedulerMetrics
 from pdplane.scheduler.policies import POLICIES, PickContext, Policy, make_policy
+from pdplane.scheduler.port import Decision, Outcome, RequestFeatures
 from pdplane.scheduler.view import CandidateView
 
 if TYPE_CHECKING:
     from pdplane.scheduler.kv_index import PrefixIndex
 
-__all__ = ["Decision", "ScheduleInput", "SchedulerService"]
+__all__ = ["SchedulerService"]
 
 _MAX_ID_LEN = 1024  # characters; bounds what one in-flight entry may hold
-
-
-@dataclass(frozen=True, slots=True)
-class ScheduleInput:
-    """One request's features. Lengths in tokens (max_tokens 0 = unknown).
-
-    Empty `prefill_policy` / `decode_policy` = the service's defaults.
-    """
-
-    request_id: str
-    model: str
-    prompt_tokens: int
-    max_tokens: int = 0
-    routing_key: str = ""
-    prefix_block_hashes: Sequence[int] = ()
-    exclude_instance_ids: Collection[str] = ()
-    prefill_policy: str = ""
-    decode_policy: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class Decision:
-    """The chosen pair and the policies' reasons ("prefill least_loaded: ...; decode ...")."""
-
-    prefill: Candidate
-    decode: Candidate
-    reason: str
 
 
 class SchedulerService:
@@ -100,8 +74,8 @@ class SchedulerService:
         plus KV cache usage (0..1) so that equal request counts prefer the emptier cache."""
         return self.inflight.effective_load(candidate)
 
-    def schedule(self, request: ScheduleInput) -> Decision:
-        """Chooses and counts a pair for `request`.
+    def schedule(self, request: RequestFeatures) -> Decision:
+        """Chooses and counts a pair for `request`; the decision's sides are `Candidate`s.
 
         Re-scheduling an id that is still in flight replaces its earlier assignment (a retry).
         Raises InvalidRequest (bad field, unknown policy) or NoInstance (side "prefill",
@@ -126,7 +100,7 @@ class SchedulerService:
             )
         return decision
 
-    def _decide(self, request: ScheduleInput) -> Decision:
+    def _decide(self, request: RequestFeatures) -> Decision:
         _validate(request)
         prefill_policy = self._policy("prefill", request.prefill_policy)
         decode_policy = self._policy("decode", request.decode_policy)
@@ -171,10 +145,10 @@ class SchedulerService:
         self.inflight.add(request.request_id, p, d, blocks_for(tokens, d.block_size))
         return Decision(p, d, f"prefill {prefill.reason}; decode {decode.reason}")
 
-    def release(self, request_id: str, outcome: str) -> bool:
+    def release(self, request_id: str, outcome: Outcome) -> bool:
         """Ends the in-flight accounting of `request_id`; False when it was not in flight.
 
-        `outcome` ("success", "failed", "cancelled", "unspecified") only feeds metrics.
+        `outcome` only feeds metrics.
         Raises InvalidRequest on an empty id.
         """
         if not request_id:
@@ -185,7 +159,7 @@ class SchedulerService:
         return released
 
 
-def _validate(request: ScheduleInput) -> None:
+def _validate(request: RequestFeatures) -> None:
     if not request.request_id:
         raise InvalidRequest("request_id: must not be empty")
     if len(request.request_id) > _MAX_ID_LEN:

@@ -11,21 +11,13 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 from pdplane.scheduler.candidate import Candidate
+from pdplane.scheduler.port import InstanceSource
 from pdplane.v1 import instance_pb2
 
-__all__ = ["CandidateView", "InstanceSource", "StaticSource"]
-
-
-class InstanceSource(Protocol):
-    """What the view reads: a revision number and the instances at that revision, by id."""
-
-    @property
-    def revision(self) -> int: ...
-
-    def snapshot(self) -> Mapping[str, instance_pb2.Instance]: ...
+__all__ = ["CandidateView", "StaticSource"]
 
 
 class StaticSource:

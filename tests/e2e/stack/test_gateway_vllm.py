@@ -139,3 +139,49 @@ def test_openai_client_works_unchanged(gateway_url: str, vllm_reference: VllmCpu
     expected = reference.chat.completions.create(messages=messages, **args)
     assert streamed == expected.choices[0].message.content
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == MAX_TOKENS
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/completions", {"model": MODEL_NAME, "prompt": ""}),
+        ("/v1/completions", {"model": MODEL_NAME}),
+        ("/v1/chat/completions", {"model": MODEL_NAME, "messages": []}),
+    ],
+)
+def test_empty_prompts_are_refused_with_vllm_s_own_answer(
+    gateway_url: str, vllm_reference: VllmCpuInstance, path: str, body: dict[str, Any]
+) -> None:
+    ours = httpx.post(f"{gateway_url}{path}", json=body, timeout=60)
+    theirs = httpx.post(f"{vllm_reference.url}{path}", json=body, timeout=60)
+    assert (ours.status_code, ours.json()) == (theirs.status_code, theirs.json())
+
+
+def test_a_request_without_model_is_served_like_vllm_serve(
+    gateway_url: str, vllm_reference: VllmCpuInstance
+) -> None:
+    body = _completion_body(fresh_text("nomodel"))
+    del body["model"]
+    ours = _post(gateway_url, "/v1/completions", body)
+    theirs = _post(vllm_reference.url, "/v1/completions", body)
+    assert ours["choices"][0]["text"] == theirs["choices"][0]["text"]
+
+
+def test_read_only_routes_answer_as_an_instance_does(
+    gateway_url: str, vllm_reference: VllmCpuInstance
+) -> None:
+    text = {"model": MODEL_NAME, "prompt": "The prefill instance", "add_special_tokens": False}
+    tokens = _post(gateway_url, "/tokenize", text)
+    assert tokens == _post(vllm_reference.url, "/tokenize", text)
+    detok = {"model": MODEL_NAME, "tokens": tokens["tokens"]}
+    assert _post(gateway_url, "/detokenize", detok) == _post(
+        vllm_reference.url, "/detokenize", detok
+    )
+    version = httpx.get(f"{gateway_url}/version", timeout=10).json()
+    assert version == httpx.get(f"{vllm_reference.url}/version", timeout=10).json()
+    (ours,) = httpx.get(f"{gateway_url}/v1/models", timeout=10).json()["data"]
+    (theirs,) = httpx.get(f"{vllm_reference.url}/v1/models", timeout=10).json()["data"]
+    assert ours["id"] == theirs["id"] == MODEL_NAME
+    assert (
+        ours["root"] == theirs["root"]
+    )  # the model's path: `vllm bench serve` loads its tokenizer

@@ -16,8 +16,8 @@ from typing import Any
 import httpx
 import pytest
 
-from pdplane.gateway.embedded import EmbeddedScheduler
 from pdplane.gateway.testing import running_gateway_app
+from pdplane.scheduler.local import LocalScheduler
 from pdplane.scheduler.server import SchedulerServer
 from pdplane.scheduler.service import SchedulerService
 from pdplane.sim.testing import RunningSims, running_sims
@@ -105,7 +105,7 @@ def stack_factory() -> Iterator[Callable[..., Stack]]:
         )
         if scheduler is None:
             port = app.state.scheduler
-            assert isinstance(port, EmbeddedScheduler)
+            assert isinstance(port, LocalScheduler)
             service = port.service
         else:
             assert scheduler.app.service is not None

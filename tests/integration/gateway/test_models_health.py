@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import httpx
 
+from pdplane.core.server_id import server_id
 from tests.integration.gateway.conftest import MODEL, Stack, wait_for
 
 
@@ -29,7 +30,9 @@ def test_models_and_health_with_zero_one_and_two_instances(stack: Stack) -> None
     stack.sims(["prefill"])
     wait_for(lambda: stack.health().status_code == 200, what="/health 200 with a pair")
     assert _models(stack) == [MODEL]  # deduplicated across prefill and decode
-    assert stack.health().json() == {
+    body = stack.health().json()
+    assert body.pop("server_id") == server_id()  # which gateway process answered
+    assert body == {
         "status": "ok",
         "models": {MODEL: {"prefill": 1, "decode": 1, "paired": True}},
     }

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from pdplane.registry.client import RegistrationClient
-from pdplane.scheduler.client import SchedulerClient
+from pdplane.scheduler.remote import RemoteScheduler
 from pdplane.scheduler.server import SchedulerServer
 from pdplane.scheduler.view import CandidateView
 from pdplane.v1 import instance_pb2
@@ -99,10 +99,10 @@ def scheduler_factory(registry: str) -> Iterator[Callable[..., SchedulerServer]]
 
 @pytest.fixture
 async def client_factory() -> Any:
-    clients: list[SchedulerClient] = []
+    clients: list[RemoteScheduler] = []
 
-    def make(address: str, **kwargs: Any) -> SchedulerClient:
-        clients.append(SchedulerClient(address, **kwargs))
+    def make(address: str, **kwargs: Any) -> RemoteScheduler:
+        clients.append(RemoteScheduler(address, **kwargs))
         return clients[-1]
 
     yield make

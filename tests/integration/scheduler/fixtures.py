@@ -3,7 +3,7 @@
     from tests.integration.scheduler.fixtures import running_scheduler
 
     with running_registry() as registry, running_scheduler(registry) as address:
-        client = SchedulerClient(address)   # "127.0.0.1:<port>"
+        client = RemoteScheduler(address)   # "127.0.0.1:<port>"
     with running_scheduler(registry, prefill_policy="round_robin", token="t") as address:
         ...
 

@@ -17,7 +17,8 @@ import pytest
 from pdplane.core import grpc_util
 from pdplane.scheduler.exchange import InflightExchange
 from pdplane.scheduler.inflight import InflightTracker
-from pdplane.scheduler.service import ScheduleInput, SchedulerService
+from pdplane.scheduler.port import RequestFeatures
+from pdplane.scheduler.service import SchedulerService
 from pdplane.scheduler.view import CandidateView, StaticSource
 from pdplane.v1 import inflight_pb2_grpc
 from tests.unit.scheduler.conftest import instance
@@ -34,7 +35,7 @@ class Replica:
     server: grpc.aio.Server
 
     def decide(self, request_id: str) -> str:
-        decision = self.service.schedule(ScheduleInput(request_id, "tiny", prompt_tokens=16))
+        decision = self.service.schedule(RequestFeatures(request_id, "tiny", prompt_tokens=16))
         return decision.decode.instance_id
 
     def pending(self, instance_id: str) -> int:

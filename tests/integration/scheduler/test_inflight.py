@@ -8,15 +8,16 @@ from collections.abc import Callable
 
 import pytest
 
-from pdplane.scheduler.client import SchedulerClient
+from pdplane.scheduler import RequestFeatures
+from pdplane.scheduler.remote import RemoteScheduler
 from pdplane.scheduler.server import SchedulerServer
 from pdplane.v1 import instance_pb2
 from tests.integration.scheduler.conftest import Fleet, sees, view_of, wait_for
 
 
-async def _burst(client: SchedulerClient, n: int, prefix: str) -> Counter[str]:
+async def _burst(client: RemoteScheduler, n: int, prefix: str) -> Counter[str]:
     responses = await asyncio.gather(
-        *(client.schedule(f"{prefix}{i}", "tiny", 64, 64) for i in range(n))
+        *(client.schedule(RequestFeatures(f"{prefix}{i}", "tiny", 64, 64)) for i in range(n))
     )
     return Counter(r.decode.instance_id for r in responses)
 
@@ -33,7 +34,7 @@ def one_by_four(fleet: Fleet) -> Fleet:
 async def test_a_burst_of_100_spreads_over_decodes_by_load(
     one_by_four: Fleet,
     scheduler_factory: Callable[..., SchedulerServer],
-    client_factory: Callable[..., SchedulerClient],
+    client_factory: Callable[..., RemoteScheduler],
 ) -> None:
     # d0 reports 50 running requests; the others report idle. Reports stay constant during the
     # burst, so only the scheduler's own in-flight count can spread it.
@@ -61,7 +62,7 @@ async def test_other_policies_spread_a_burst_too(
     policy: str,
     one_by_four: Fleet,
     scheduler_factory: Callable[..., SchedulerServer],
-    client_factory: Callable[..., SchedulerClient],
+    client_factory: Callable[..., RemoteScheduler],
 ) -> None:
     server = scheduler_factory(decode_policy=policy, seed=11)
     wait_for(sees(server, "p0", "d0", "d1", "d2", "d3"))
@@ -72,7 +73,7 @@ async def test_other_policies_spread_a_burst_too(
 async def test_release_reports_whether_the_id_was_in_flight(
     fleet: Fleet,
     scheduler_factory: Callable[..., SchedulerServer],
-    client_factory: Callable[..., SchedulerClient],
+    client_factory: Callable[..., RemoteScheduler],
 ) -> None:
     fleet.add("p0", "prefill")
     fleet.add("d0", "decode")
@@ -80,7 +81,7 @@ async def test_release_reports_whether_the_id_was_in_flight(
     wait_for(sees(server, "p0", "d0"))
     client = client_factory(server.address)
     assert await client.release("never-scheduled", "cancelled") is False
-    await client.schedule("r1", "tiny", 10)
+    await client.schedule(RequestFeatures("r1", "tiny", 10))
     assert server.app.service is not None
     assert server.app.service.inflight.inflight_by_instance() == {"p0": 1, "d0": 1}
     assert await client.release("r1", "failed") is True
@@ -91,4 +92,4 @@ async def test_release_reports_whether_the_id_was_in_flight(
     with pytest.raises(ValueError, match="outcome must be one of"):
         await client.release("r1", "done")
     # The scheduler still answers after all of the above.
-    assert (await client.schedule("r2", "tiny", 10)).decode.instance_id == "d0"
+    assert (await client.schedule(RequestFeatures("r2", "tiny", 10))).decode.instance_id == "d0"

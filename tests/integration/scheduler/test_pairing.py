@@ -8,7 +8,8 @@ from collections.abc import Callable
 import grpc
 import pytest
 
-from pdplane.scheduler.client import SchedulerClient
+from pdplane.scheduler import RequestFeatures
+from pdplane.scheduler.remote import RemoteScheduler
 from pdplane.scheduler.server import SchedulerServer
 from pdplane.v1 import instance_pb2, registry_pb2, registry_pb2_grpc
 from tests.integration.registry.fixtures import make_spec
@@ -37,7 +38,7 @@ async def test_each_policy_pairs_compatible_instances(
     policy: str,
     fleet: Fleet,
     scheduler_factory: Callable[..., SchedulerServer],
-    client_factory: Callable[..., SchedulerClient],
+    client_factory: Callable[..., RemoteScheduler],
 ) -> None:
     _two_by_two_plus_misfits(fleet)
     server = scheduler_factory(prefill_policy=policy, decode_policy=policy, seed=5)
@@ -47,7 +48,9 @@ async def test_each_policy_pairs_compatible_instances(
     pairs = []
     for i in range(40):
         # Distinct routing keys, so consistent_hash spreads too.
-        response = await client.schedule(f"r{i}", "tiny", 100, 16, routing_key=f"user-{i}")
+        response = await client.schedule(
+            RequestFeatures(f"r{i}", "tiny", 100, 16, routing_key=f"user-{i}")
+        )
         pairs.append((response.prefill.instance_id, response.decode.instance_id))
         assert response.prefill.url == fleet.specs[response.prefill.instance_id].url
         decode_spec = fleet.specs[response.decode.instance_id]
@@ -61,7 +64,9 @@ async def test_each_policy_pairs_compatible_instances(
     if policy == "round_robin":
         assert [p for p, _ in pairs[:4]] == ["p0", "p1", "p0", "p1"]
     if policy == "consistent_hash":
-        again = await client.schedule("again", "tiny", 100, 16, routing_key="user-7")
+        again = await client.schedule(
+            RequestFeatures("again", "tiny", 100, 16, routing_key="user-7")
+        )
         assert (again.prefill.instance_id, again.decode.instance_id) == pairs[7]
 
 
@@ -69,7 +74,7 @@ async def test_draining_and_expired_instances_are_never_chosen(
     registry: str,
     fleet: Fleet,
     scheduler_factory: Callable[..., SchedulerServer],
-    client_factory: Callable[..., SchedulerClient],
+    client_factory: Callable[..., RemoteScheduler],
 ) -> None:
     fleet.add("p0", "prefill")
     fleet.add("d-ok", "decode")
@@ -99,5 +104,8 @@ async def test_draining_and_expired_instances_are_never_chosen(
     )
     wait_for(sees(server, "p0", "d-ok", "d-drain"), what="d-silent's lease to expire")
     client = client_factory(server.address)
-    decodes = {(await client.schedule(f"r{i}", "tiny", 10)).decode.instance_id for i in range(20)}
+    decodes = {
+        (await client.schedule(RequestFeatures(f"r{i}", "tiny", 10))).decode.instance_id
+        for i in range(20)
+    }
     assert decodes == {"d-ok"}

@@ -8,7 +8,8 @@ from collections.abc import Callable
 import grpc
 import pytest
 
-from pdplane.scheduler.client import SchedulerClient
+from pdplane.scheduler import RequestFeatures
+from pdplane.scheduler.remote import RemoteScheduler
 from pdplane.scheduler.server import SchedulerServer
 from pdplane.v1 import scheduler_pb2, scheduler_pb2_grpc
 from tests.integration.scheduler.conftest import Fleet
@@ -40,19 +41,19 @@ def one_pair(fleet: Fleet) -> Fleet:
 async def test_a_queued_release_rides_on_the_next_schedule(
     one_pair: Fleet,
     scheduler_factory: Callable[..., SchedulerServer],
-    client_factory: Callable[..., SchedulerClient],
+    client_factory: Callable[..., RemoteScheduler],
 ) -> None:
     server = scheduler_factory()
     client = client_factory(server.address, release_batch_s=30.0)  # no timer flush here
-    await client.schedule("a", "tiny", 16, 16)
+    await client.schedule(RequestFeatures("a", "tiny", 16, 16))
     client.release_nowait("a", "success")
     assert _inflight(server) == {"a"}  # queued, nothing sent yet
-    await client.schedule("b", "tiny", 16, 16)
+    await client.schedule(RequestFeatures("b", "tiny", 16, 16))
     assert _inflight(server) == {"b"}  # "a" was released by b's Schedule call
     assert _release_counts(server) == {"success/true": 1.0}
     # A retry of the same id: its Release travels with its new Schedule, applied first.
     client.release_nowait("b", "failed")
-    await client.schedule("b", "tiny", 16, 16, exclude_instance_ids=["x"])
+    await client.schedule(RequestFeatures("b", "tiny", 16, 16, exclude_instance_ids=["x"]))
     assert _inflight(server) == {"b"}
     assert _release_counts(server) == {"success/true": 1.0, "failed/true": 1.0}
 
@@ -60,12 +61,12 @@ async def test_a_queued_release_rides_on_the_next_schedule(
 async def test_queued_releases_are_flushed_in_one_batch_without_a_schedule(
     one_pair: Fleet,
     scheduler_factory: Callable[..., SchedulerServer],
-    client_factory: Callable[..., SchedulerClient],
+    client_factory: Callable[..., RemoteScheduler],
 ) -> None:
     server = scheduler_factory()
     client = client_factory(server.address, release_batch_s=0.05)
     for rid in ("a", "b", "c"):
-        await client.schedule(rid, "tiny", 16, 16)
+        await client.schedule(RequestFeatures(rid, "tiny", 16, 16))
     for rid in ("a", "b", "c"):
         client.release_nowait(rid, "cancelled")
     loop = asyncio.get_running_loop()
@@ -81,11 +82,11 @@ async def test_queued_releases_are_flushed_in_one_batch_without_a_schedule(
 async def test_release_batch_with_an_invalid_entry_applies_none(
     one_pair: Fleet,
     scheduler_factory: Callable[..., SchedulerServer],
-    client_factory: Callable[..., SchedulerClient],
+    client_factory: Callable[..., RemoteScheduler],
 ) -> None:
     server = scheduler_factory()
     client = client_factory(server.address)
-    await client.schedule("a", "tiny", 16, 16)
+    await client.schedule(RequestFeatures("a", "tiny", 16, 16))
     async with grpc.aio.insecure_channel(server.address) as channel:
         stub = scheduler_pb2_grpc.SchedulerStub(channel)
         ok = scheduler_pb2.ReleaseRequest(request_id="a", outcome=scheduler_pb2.OUTCOME_SUCCESS)

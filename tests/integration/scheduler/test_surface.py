@@ -15,7 +15,8 @@ import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pdplane.scheduler.client import SchedulerClient, SchedulerError, SchedulerUnavailable
+from pdplane.scheduler import RequestFeatures, SchedulerError, SchedulerUnavailable
+from pdplane.scheduler.remote import RemoteScheduler
 from pdplane.scheduler.server import SchedulerServer
 from pdplane.v1 import scheduler_pb2, scheduler_pb2_grpc
 from tests.integration.registry.fixtures import running_registry
@@ -62,25 +63,27 @@ def test_bad_requests_are_invalid_argument(
 
 
 async def test_client_rejects_negative_lengths_and_maps_invalid_argument(
-    pair_server: Callable[..., SchedulerServer], client_factory: Callable[..., SchedulerClient]
+    pair_server: Callable[..., SchedulerServer], client_factory: Callable[..., RemoteScheduler]
 ) -> None:
     client = client_factory(pair_server().address)
     with pytest.raises(ValueError, match="prompt_tokens must be between 0 and"):
-        await client.schedule("r", "tiny", -1)
+        await client.schedule(RequestFeatures("r", "tiny", -1))
     with pytest.raises(ValueError, match="max_tokens must be between 0 and"):
-        await client.schedule("r", "tiny", 10, -3)
+        await client.schedule(RequestFeatures("r", "tiny", 10, -3))
     with pytest.raises(ValueError, match="prompt_tokens: must be > 0"):
-        await client.schedule("r", "tiny", 0)
+        await client.schedule(RequestFeatures("r", "tiny", 0))
 
 
 async def test_token_is_required_and_probes_stay_open(
-    pair_server: Callable[..., SchedulerServer], client_factory: Callable[..., SchedulerClient]
+    pair_server: Callable[..., SchedulerServer], client_factory: Callable[..., RemoteScheduler]
 ) -> None:
     server = pair_server(token="s3cret")
     with pytest.raises(SchedulerError) as err:
-        await client_factory(server.address).schedule("r", "tiny", 10)
+        await client_factory(server.address).schedule(RequestFeatures("r", "tiny", 10))
     assert err.value.code == grpc.StatusCode.UNAUTHENTICATED
-    ok = await client_factory(server.address, token="s3cret").schedule("r", "tiny", 10)
+    ok = await client_factory(server.address, token="s3cret").schedule(
+        RequestFeatures("r", "tiny", 10)
+    )
     assert ok.prefill.instance_id == "p0"
     with grpc.insecure_channel(server.address) as channel:
         health = health_pb2_grpc.HealthStub(channel)
@@ -89,7 +92,7 @@ async def test_token_is_required_and_probes_stay_open(
 
 
 async def test_tls_towards_callers_and_the_registry(
-    tls_files: tuple[Path, Path], client_factory: Callable[..., SchedulerClient]
+    tls_files: tuple[Path, Path], client_factory: Callable[..., RemoteScheduler]
 ) -> None:
     cert, key = (str(p) for p in tls_files)
     with running_registry(tls_cert=cert, tls_key=key) as registry:
@@ -102,33 +105,37 @@ async def test_tls_towards_callers_and_the_registry(
             ) as server:
                 wait_for(sees(server, "p0", "d0"), what="the view over TLS")
                 client = client_factory(server.address, tls_ca=cert)
-                assert (await client.schedule("r", "tiny", 10)).decode.instance_id == "d0"
+                assert (
+                    await client.schedule(RequestFeatures("r", "tiny", 10))
+                ).decode.instance_id == "d0"
                 with pytest.raises(SchedulerUnavailable):  # plaintext to a TLS port
-                    await client_factory(server.address, timeout_s=2).schedule("r2", "tiny", 10)
+                    await client_factory(server.address, timeout_s=2).schedule(
+                        RequestFeatures("r2", "tiny", 10)
+                    )
         finally:
             fleet.close()
 
 
 async def test_unreachable_scheduler_is_unavailable(
-    free_port: Callable[[], int], client_factory: Callable[..., SchedulerClient]
+    free_port: Callable[[], int], client_factory: Callable[..., RemoteScheduler]
 ) -> None:
     client = client_factory(f"127.0.0.1:{free_port()}", timeout_s=2.0)
     started = time.monotonic()
     with pytest.raises(SchedulerUnavailable):
-        await client.schedule("r", "tiny", 10)
+        await client.schedule(RequestFeatures("r", "tiny", 10))
     assert time.monotonic() - started < 2.5
 
 
 async def test_metrics_are_served(
     pair_server: Callable[..., SchedulerServer],
-    client_factory: Callable[..., SchedulerClient],
+    client_factory: Callable[..., RemoteScheduler],
     free_port: Callable[[], int],
 ) -> None:
     server = pair_server(metrics_port=free_port())
     client = client_factory(server.address)
-    await client.schedule("r1", "tiny", 10)
+    await client.schedule(RequestFeatures("r1", "tiny", 10))
     with pytest.raises(SchedulerUnavailable):
-        await client.schedule("r2", "other-model", 10)
+        await client.schedule(RequestFeatures("r2", "other-model", 10))
     url = f"http://127.0.0.1:{server.app.metrics_port}/metrics"
     async with httpx.AsyncClient() as http:
         text = (await http.get(url, timeout=5)).text

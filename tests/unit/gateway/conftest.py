@@ -11,6 +11,7 @@ from aiohttp import web
 
 from pdplane.core.kv_params import DecodeRequestParams, PrefillRequestParams
 from pdplane.gateway.fleet import FleetView, ModelState
+from pdplane.scheduler import Decision, Outcome, RequestFeatures
 from pdplane.v1 import scheduler_pb2
 
 MODEL = "m"
@@ -27,30 +28,27 @@ class FakeScheduler:
         self.delay_s = delay_s
         self.log: list[tuple[str, Any]] = []
 
-    async def schedule(
-        self,
-        request_id: str,
-        model: str,
-        prompt_tokens: int,
-        max_tokens: int = 0,
-        *,
-        routing_key: str = "",
-        exclude_instance_ids: Iterable[str] = (),
-    ) -> scheduler_pb2.ScheduleResponse:
-        self.log.append(("schedule", sorted(exclude_instance_ids)))
+    async def schedule(self, features: RequestFeatures) -> Decision:
+        self.log.append(("schedule", sorted(features.exclude_instance_ids)))
         await asyncio.sleep(self.delay_s)
         nxt = self.pairs.pop(0)
         if isinstance(nxt, Exception):
             raise nxt
         p, d = nxt
-        return scheduler_pb2.ScheduleResponse(
+        return Decision(
             prefill=scheduler_pb2.InstanceRef(instance_id="p", url=p, kv_endpoint="127.0.0.1:1"),
             decode=scheduler_pb2.InstanceRef(instance_id="d", url=d),
         )
 
-    async def release(self, request_id: str, outcome: str) -> bool:
-        self.log.append(("release", outcome))
+    async def release(self, request_id: str, outcome: Outcome) -> bool:
+        self.release_nowait(request_id, outcome)
         return True
+
+    def release_nowait(self, request_id: str, outcome: Outcome) -> None:
+        self.log.append(("release", str(outcome)))
+
+    async def close(self) -> None:
+        pass
 
 
 def kv_answer(request_id: str) -> dict[str, Any]:

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import Awaitable, Callable
 
+import pytest
+
+from pdplane.gateway.config import RelayConfig
 from pdplane.gateway.kv_abort import KvAborter
 from pdplane.gateway.metrics import GatewayMetrics
-from pdplane.gateway.relay import Relay, RelayConfig
+from pdplane.gateway.relay import Relay
 from pdplane.gateway.replies import StreamReply
 from pdplane.gateway.upstream import UpstreamClient
 from pdplane.gateway.validation import COMPLETIONS, parse_request
@@ -36,4 +40,27 @@ async def test_stream_closed_before_its_first_event_releases_and_frees_kv(serve:
     assert sched.log == [("schedule", []), ("release", "cancelled")]
     # AbortTransfer went to the (fake, unreachable) prefill KV endpoint: attempted, not freed.
     assert metrics.kv_aborts.labels("not_freed")._value.get() == 1
+    assert metrics.cancellations._value.get() == 1
+
+
+async def test_client_leaving_during_schedule_releases_and_counts_a_cancellation() -> None:
+    sched = FakeScheduler([("http://127.0.0.1:1", "http://127.0.0.1:1")], delay_s=30)
+    upstream, aborter, metrics = UpstreamClient(), KvAborter(timeout_s=0.5), GatewayMetrics()
+    relay = Relay(sched, upstream, aborter, metrics, RelayConfig())
+    raw = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 3}).encode()
+    task = asyncio.create_task(
+        relay.handle(parse_request(COMPLETIONS, raw), "r1", time.perf_counter(), 0)
+    )
+    try:
+        for _ in range(1000):  # until the Schedule call is under way
+            if sched.log:
+                break
+            await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    finally:
+        await upstream.close()
+        await aborter.close()
+    assert sched.log == [("schedule", []), ("release", "cancelled")]
     assert metrics.cancellations._value.get() == 1

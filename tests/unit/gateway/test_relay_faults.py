@@ -11,7 +11,7 @@ import pytest
 from aiohttp import web
 
 from pdplane.gateway.testing import running_gateway
-from pdplane.scheduler.client import SchedulerUnavailable
+from pdplane.scheduler import SchedulerUnavailable
 from tests.unit.gateway.conftest import (
     MODEL,
     VIEW,

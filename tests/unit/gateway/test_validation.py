@@ -7,7 +7,13 @@ import json
 import pytest
 
 from pdplane.gateway.errors import GatewayError
-from pdplane.gateway.validation import CHAT, COMPLETIONS, parse_request
+from pdplane.gateway.validation import (
+    CHAT,
+    COMPLETIONS,
+    EMPTY_CONVERSATION,
+    EMPTY_PROMPT,
+    parse_request,
+)
 
 
 def _raw(body: object) -> bytes:
@@ -28,15 +34,23 @@ def test_routing_key_header_wins_over_user() -> None:
     assert req.routing_key == "key"
 
 
+def test_a_request_without_model_is_for_the_default_model() -> None:
+    # As with `vllm serve`: the endpoint resolves "" to the fleet's model.
+    assert parse_request(COMPLETIONS, _raw({"prompt": "x"})).model == ""
+
+
 @pytest.mark.parametrize(
     ("endpoint", "raw", "param", "fragment"),
     [
         (COMPLETIONS, b"{not json", None, "not valid JSON"),
         (COMPLETIONS, b"[1, 2]", None, "JSON object"),
-        (COMPLETIONS, _raw({"prompt": "x"}), "model", "'model' is a required property"),
-        (COMPLETIONS, _raw({"model": "m"}), "prompt", "'prompt' is a required property"),
+        (COMPLETIONS, _raw({"model": "m"}), "prompt", EMPTY_PROMPT),
+        (COMPLETIONS, _raw({"model": "m", "prompt": ""}), "prompt", EMPTY_PROMPT),
+        (COMPLETIONS, _raw({"model": "m", "prompt": []}), "prompt", EMPTY_PROMPT),
+        (COMPLETIONS, _raw({"model": "m", "prompt": [[]]}), "prompt", EMPTY_PROMPT),
         (CHAT, _raw({"model": "m"}), "messages", "'messages' is a required property"),
-        (CHAT, _raw({"model": "m", "messages": []}), "messages", "messages"),
+        (CHAT, _raw({"model": "m", "messages": []}), None, EMPTY_CONVERSATION),
+        (COMPLETIONS, _raw({"model": "", "prompt": "x"}), "model", "model"),
         (COMPLETIONS, _raw({"model": 3, "prompt": "x"}), "model", "model"),
         (COMPLETIONS, _raw({"model": "m", "prompt": "x", "stream": "yes"}), "stream", "stream"),
         (COMPLETIONS, _raw({"model": "m", "prompt": "x", "max_tokens": "5"}), "max_tokens", ""),

@@ -10,7 +10,8 @@ import pytest
 
 from pdplane.scheduler.errors import InvalidRequest, NoInstance
 from pdplane.scheduler.metrics import SchedulerMetrics
-from pdplane.scheduler.service import ScheduleInput, SchedulerService
+from pdplane.scheduler.port import RequestFeatures
+from pdplane.scheduler.service import SchedulerService
 from pdplane.scheduler.view import CandidateView
 from pdplane.v1 import instance_pb2
 
@@ -26,9 +27,9 @@ def build(fake_source: type) -> Callable[..., tuple[SchedulerService, Any]]:
     return make
 
 
-def req(n: int = 0, **kwargs: Any) -> ScheduleInput:
+def req(n: int = 0, **kwargs: Any) -> RequestFeatures:
     fields: dict[str, Any] = {"request_id": f"r{n}", "model": "tiny", "prompt_tokens": 100}
-    return ScheduleInput(**{**fields, **kwargs})
+    return RequestFeatures(**{**fields, **kwargs})
 
 
 def test_pairs_a_prefill_with_a_decode(build: Callable, make_instance: MakeInstance) -> None:

@@ -31,7 +31,7 @@ from prometheus_client.registry import Collector
 from pdplane.core import grpc_util
 from pdplane.core.kv_stream import KvStreamReader, StreamGap
 from pdplane.scheduler.kv_index.index import InstanceBlocks, KvState, PrefixIndex
-from pdplane.scheduler.view import InstanceSource
+from pdplane.scheduler.port import InstanceSource
 from pdplane.v1 import kv_events_pb2_grpc
 
 __all__ = ["KvIndexManager", "KvInstanceStatus"]

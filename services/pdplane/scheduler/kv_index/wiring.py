@@ -8,18 +8,17 @@ from prometheus_client import CollectorRegistry
 
 from pdplane.scheduler.kv_index.index import PrefixIndex
 from pdplane.scheduler.kv_index.manager import KvIndexManager
-from pdplane.scheduler.view import InstanceSource
+from pdplane.scheduler.port import InstanceSource, PolicyFlags
 
 if TYPE_CHECKING:
     from pdplane.scheduler.service import SchedulerService
-    from pdplane.scheduler.settings import PolicySettings
 
 __all__ = ["start_kv_index"]
 
 
 def start_kv_index(
     source: InstanceSource,
-    settings: PolicySettings,
+    settings: PolicyFlags,
     *,
     token: str | None,
     tls_ca: str | None,

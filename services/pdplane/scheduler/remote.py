@@ -1,10 +1,10 @@
-"""Asyncio client of the scheduler, used by the gateway once per request.
+"""The remote `SchedulerPort`: asyncio gRPC client of a `pdplane scheduler` process.
 
-client = SchedulerClient("127.0.0.1:50052")
-pair = await client.schedule("req-1", "tiny", prompt_tokens=42, max_tokens=16)
-...  # pair.prefill.url, pair.decode.url, pair.reason
-await client.release("req-1", "success")   # or, batched: client.release_nowait("req-1", ...)
-await client.close()
+scheduler = RemoteScheduler("127.0.0.1:50052")
+decision = await scheduler.schedule(RequestFeatures("req-1", "tiny", 42, 16))
+...  # decision.prefill.url, decision.decode.url, decision.reason
+await scheduler.release("req-1", Outcome.SUCCESS)   # or, batched: release_nowait(...)
+await scheduler.close()
 
 `release_nowait` costs no call of its own on a busy gateway: queued Releases ride on the next
 Schedule (`ScheduleRequest.releases`, applied before that decision) and, when no Schedule comes
@@ -16,46 +16,27 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import grpc
 
 from pdplane.core.grpc_util import aio_channel, token_metadata
+from pdplane.scheduler.port import (
+    Decision,
+    Outcome,
+    RequestFeatures,
+    SchedulerError,
+    SchedulerUnavailable,
+)
+from pdplane.scheduler.wire import decision_from_pb, features_to_pb, outcome_to_pb
 from pdplane.v1 import scheduler_pb2, scheduler_pb2_grpc
 
-__all__ = ["OUTCOMES", "SchedulerClient", "SchedulerError", "SchedulerUnavailable"]
-
-#: Release outcomes accepted by `SchedulerClient.release`.
-OUTCOMES: dict[str, scheduler_pb2.Outcome.ValueType] = {
-    "success": scheduler_pb2.OUTCOME_SUCCESS,
-    "failed": scheduler_pb2.OUTCOME_FAILED,
-    "cancelled": scheduler_pb2.OUTCOME_CANCELLED,
-}
+__all__ = ["RemoteScheduler"]
 
 _UINT32_MAX = 2**32 - 1
 
 log = logging.getLogger(__name__)
-
-
-class SchedulerError(Exception):
-    """The scheduler answered with an error other than UNAVAILABLE / INVALID_ARGUMENT."""
-
-    def __init__(self, code: grpc.StatusCode, reason: str) -> None:
-        super().__init__(f"{code.name}: {reason}")
-        self.code = code
-        self.reason = reason
-
-
-class SchedulerUnavailable(SchedulerError):
-    """No compatible pair right now, or the scheduler itself cannot be reached (gateway: 503).
-
-    `reason` is the scheduler's message, e.g. "no prefill instance for model tiny: ...".
-    """
-
-    def __init__(self, reason: str, code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE) -> None:
-        super().__init__(code, reason)
 
 
 def _check_length(name: str, value: int) -> None:
@@ -63,7 +44,7 @@ def _check_length(name: str, value: int) -> None:
         raise ValueError(f"{name} must be between 0 and {_UINT32_MAX} tokens, got {value}")
 
 
-class SchedulerClient:
+class RemoteScheduler:
     """Calls `pdplane.v1.Scheduler` over one shared grpc.aio channel.
 
     The channel is opened on first use (inside the caller's event loop). `timeout_s` bounds
@@ -98,47 +79,21 @@ class SchedulerClient:
             self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
         return self._stub
 
-    async def schedule(
-        self,
-        request_id: str,
-        model: str,
-        prompt_tokens: int,
-        max_tokens: int = 0,
-        *,
-        routing_key: str = "",
-        prefix_block_hashes: Iterable[int] = (),
-        exclude_instance_ids: Iterable[str] = (),
-        prefill_policy: str = "",
-        decode_policy: str = "",
-    ) -> scheduler_pb2.ScheduleResponse:
-        """Asks for a (prefill, decode) pair and counts it in flight until `release`.
+    async def schedule(self, features: RequestFeatures) -> Decision:
+        """`SchedulerPort.schedule` over gRPC; Releases queued by `release_nowait` ride along.
 
-        `prompt_tokens` and `max_tokens` are token counts (max_tokens 0 = unknown);
-        `prefix_block_hashes` are uint64 hashes of the prompt's full KV cache blocks;
-        `exclude_instance_ids` skips instances (e.g. ones that just failed this request).
-        Scheduling an id already in flight replaces its earlier assignment (retries).
-
-        Raises ValueError on bad input (checked here, or INVALID_ARGUMENT from the scheduler),
-        SchedulerUnavailable when no compatible pair exists or the scheduler is unreachable or
-        slow, and SchedulerError on any other gRPC error (e.g. UNAUTHENTICATED).
+        Lengths are checked here (they travel as uint32): ValueError when negative or larger.
+        INVALID_ARGUMENT comes back as ValueError; UNAVAILABLE or a missed deadline
+        (`timeout_s`) as SchedulerUnavailable; any other status as SchedulerError (`.code`).
         """
-        _check_length("prompt_tokens", prompt_tokens)
-        _check_length("max_tokens", max_tokens)
+        _check_length("prompt_tokens", features.prompt_tokens)
+        _check_length("max_tokens", features.max_tokens)
         releases = self._take_pending()
-        request = scheduler_pb2.ScheduleRequest(
-            request_id=request_id,
-            model=model,
-            prompt_tokens=prompt_tokens,
-            max_tokens=max_tokens,
-            routing_key=routing_key,
-            prefix_block_hashes=prefix_block_hashes,
-            exclude_instance_ids=exclude_instance_ids,
-            prefill_policy=prefill_policy,
-            decode_policy=decode_policy,
-            releases=releases,
-        )
+        request = features_to_pb(features)
+        if releases:
+            request.releases.extend(releases)
         try:
-            return await self._get_stub().Schedule(
+            response = await self._get_stub().Schedule(
                 request, timeout=self._timeout_s, metadata=self._metadata
             )
         except grpc.aio.AioRpcError as exc:
@@ -150,16 +105,17 @@ class SchedulerClient:
             if releases:
                 self._queue(releases)
             raise
+        return decision_from_pb(response)
 
-    async def release(self, request_id: str, outcome: str) -> bool:
-        """Ends the in-flight accounting of `request_id`; outcome "success"|"failed"|"cancelled".
+    async def release(self, request_id: str, outcome: Outcome) -> bool:
+        """Ends the in-flight accounting of `request_id` (one unary Release).
 
         Returns False when the id was not in flight (harmless). Raises ValueError on an
         unknown outcome or empty id, SchedulerUnavailable / SchedulerError as `schedule`.
         """
-        if outcome not in OUTCOMES:
-            raise ValueError(f"outcome must be one of {sorted(OUTCOMES)}, got {outcome!r}")
-        request = scheduler_pb2.ReleaseRequest(request_id=request_id, outcome=OUTCOMES[outcome])
+        request = scheduler_pb2.ReleaseRequest(
+            request_id=request_id, outcome=outcome_to_pb(outcome)
+        )
         try:
             response = await self._get_stub().Release(
                 request, timeout=self._timeout_s, metadata=self._metadata
@@ -168,17 +124,14 @@ class SchedulerClient:
             raise _translate(exc) from None
         return response.released
 
-    def release_nowait(self, request_id: str, outcome: str) -> None:
+    def release_nowait(self, request_id: str, outcome: Outcome) -> None:
         """`release` without waiting: queued, then sent with the next `schedule` or, at the
         latest `release_batch_s` later, in one ReleaseBatch (failures are logged). Call from
         the event loop. Raises ValueError on an unknown outcome or empty id."""
-        if outcome not in OUTCOMES:
-            raise ValueError(f"outcome must be one of {sorted(OUTCOMES)}, got {outcome!r}")
+        number = outcome_to_pb(outcome)
         if not request_id:
             raise ValueError("request_id must not be empty")
-        self._queue(
-            [scheduler_pb2.ReleaseRequest(request_id=request_id, outcome=OUTCOMES[outcome])]
-        )
+        self._queue([scheduler_pb2.ReleaseRequest(request_id=request_id, outcome=number)])
 
     def _queue(self, releases: list[scheduler_pb2.ReleaseRequest]) -> None:
         self._pending.extend(releases)
@@ -233,4 +186,4 @@ def _translate(exc: grpc.aio.AioRpcError) -> Exception:
         return ValueError(details)
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
         return SchedulerUnavailable(details or code.name, code)
-    return SchedulerError(code, details)
+    return SchedulerError(details, code)

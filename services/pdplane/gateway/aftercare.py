@@ -1,0 +1,143 @@
+"""What one attempt of a request leaves behind, and the one place that decides how it ended.
+
+An attempt (one try of a request on one scheduled pair) leaves:
+- its assignment in the scheduler, ended by `Release(request_id, outcome)`;
+- once prefill answered, the KV blocks prefill holds for decode, freed through
+  `KvTransfer.AbortTransfer` unless decode finished (it pulled them, and prefill freed them);
+- background calls (AbortTransfer) that outlive the request.
+
+`Aftercare` is that for one attempt: the attempt reports facts (`hold_kv`, `free_kv`,
+`succeeded`) and calls `settle` wherever it ends (its last leg, its stream, or its reply being
+dropped unread); `settle` decides the outcome and does the rest, once. `Caretaker` holds what
+all attempts share: the scheduler port, the AbortTransfer client, metrics, background tasks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Coroutine
+from typing import Any
+
+from pdplane.core.kv_params import DecodeRequestParams
+from pdplane.gateway.kv_abort import KvAborter
+from pdplane.gateway.metrics import GatewayMetrics
+from pdplane.gateway.replies import RetryElsewhere
+from pdplane.scheduler import Outcome, SchedulerPort
+
+__all__ = ["Aftercare", "Caretaker"]
+
+log = logging.getLogger(__name__)
+
+
+class Caretaker:
+    """The after-care every attempt of one gateway shares.
+
+    Args:
+        scheduler: where Releases go (`release_nowait`: no task per request, and a Release made
+            before a retry's Schedule is applied before that decision).
+        aborter: AbortTransfer client for KV held by prefill instances.
+        metrics: where cancellations and KV aborts are counted.
+    """
+
+    def __init__(
+        self, scheduler: SchedulerPort, aborter: KvAborter, metrics: GatewayMetrics
+    ) -> None:
+        self._scheduler = scheduler
+        self._aborter = aborter
+        self._metrics = metrics
+        self._background: set[asyncio.Task[Any]] = set()
+
+    def begin(self, request_id: str) -> Aftercare:
+        """The after-care of an attempt of `request_id` about to be scheduled."""
+        return Aftercare(self, request_id)
+
+    def release(self, request_id: str, outcome: Outcome) -> None:
+        """Release(request_id, outcome) off the request path; failures are logged (the
+        scheduler expires what is never released, the client's answer must not fail)."""
+        try:
+            self._scheduler.release_nowait(request_id, outcome)
+        except Exception as exc:
+            log.warning("Release(%s, %s) failed: %s", request_id, outcome, exc)
+
+    def abort_kv(self, params: DecodeRequestParams, reason: str) -> None:
+        """AbortTransfer, in the background, on the prefill instance holding `params`' KV."""
+        self._spawn(self._abort(params, reason))
+
+    async def _abort(self, params: DecodeRequestParams, reason: str) -> None:
+        freed = await self._aborter.abort(params.kv_endpoint, params.transfer_id, reason)
+        self._metrics.kv_aborts.labels("freed" if freed else "not_freed").inc()
+
+    def cancelled(self) -> None:
+        """Counts one request cancelled by its client."""
+        self._metrics.cancellations.inc()
+
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def drain(self, timeout_s: float = 5.0) -> None:
+        """Waits (bounded, seconds) for background AbortTransfer calls; used at shutdown."""
+        if self._background:
+            await asyncio.wait(set(self._background), timeout=timeout_s)
+
+
+class Aftercare:
+    """One attempt's after-care: its Release, the KV its prefill holds, its background calls.
+
+    The attempt reports facts, then calls `settle` where it ends; only `settle` decides the
+    outcome. `outcome` is None until then.
+    """
+
+    __slots__ = ("_caretaker", "_kv", "_succeeded", "outcome", "request_id")
+
+    def __init__(self, caretaker: Caretaker, request_id: str) -> None:
+        self._caretaker = caretaker
+        self.request_id = request_id
+        self._kv: DecodeRequestParams | None = None
+        self._succeeded = False
+        self.outcome: Outcome | None = None
+
+    def hold_kv(self, params: DecodeRequestParams) -> None:
+        """Prefill answered: it holds the KV `params` name until decode pulls it."""
+        self._kv = params
+
+    def free_kv(self, reason: str) -> None:
+        """Decode will not pull the held KV (it refused, failed, or another pair takes over):
+        AbortTransfer now, in the background. At most once per attempt."""
+        if self._kv is not None:
+            self._caretaker.abort_kv(self._kv, reason)
+            self._kv = None
+
+    def succeeded(self) -> None:
+        """The whole answer reached the client (decode pulled the KV, and prefill freed it)."""
+        self._succeeded = True
+
+    def settle(self, error: BaseException | None = None) -> Outcome:
+        """Ends the attempt: decides its outcome, frees held KV unless it succeeded, counts a
+        cancellation, and releases the request with that outcome. Idempotent.
+
+        The outcome, from `error` (what ended the attempt, None when it returned):
+        - SUCCESS: `succeeded()` was called and nothing was raised;
+        - CANCELLED: the client left: `asyncio.CancelledError` (the request's task was
+          cancelled) or `GeneratorExit` (its stream was closed, or dropped unread);
+        - FAILED: anything else, a `RetryElsewhere` included (the retry reuses the request id;
+          this Release reaches the scheduler before the retry's Schedule).
+        """
+        if self.outcome is not None:
+            return self.outcome
+        if error is None:
+            outcome = Outcome.SUCCESS if self._succeeded else Outcome.FAILED
+        elif isinstance(error, (asyncio.CancelledError, GeneratorExit)):
+            outcome = Outcome.CANCELLED
+        else:
+            outcome = Outcome.FAILED
+        self.outcome = outcome
+        if outcome is not Outcome.SUCCESS:
+            retrying = isinstance(error, RetryElsewhere)
+            self.free_kv("retrying on another pair" if retrying else outcome.value)
+        if outcome is Outcome.CANCELLED:
+            self._caretaker.cancelled()
+        self._caretaker.release(self.request_id, outcome)
+        return outcome

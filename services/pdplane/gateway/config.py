@@ -1,0 +1,20 @@
+"""The relay's knobs, shared by the relay (retries) and each attempt (dispatch, timeouts)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+__all__ = ["Dispatch", "RelayConfig"]
+
+Dispatch = Literal["sequential", "concurrent"]
+
+
+@dataclass(frozen=True, slots=True)
+class RelayConfig:
+    """Relay knobs (see `pdplane.gateway.settings.GatewaySettings` for their meaning)."""
+
+    dispatch: Dispatch = "sequential"
+    upstream_timeout_s: float = 300.0
+    max_retries: int = 1
+    upstream_api_key: str | None = None

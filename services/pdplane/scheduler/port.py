@@ -1,0 +1,231 @@
+"""The scheduler's public port: what a caller (the gateway) sends, gets back and may expect.
+
+One definition of each thing that crosses the seam between the gateway and the scheduler:
+
+- `RequestFeatures`: what a decision is made from (one request's features);
+- `Decision`: the chosen instances and the policies' reason;
+- `Outcome`: how a scheduled request ended (`release`);
+- `SchedulerPort`: schedule / release / release_nowait / close;
+- `SchedulerUnavailable` / `SchedulerError` (and `ValueError` for invalid input): its errors.
+
+Two implementations, built by `pdplane.scheduler.factory.open_scheduler`: remote
+(`pdplane.scheduler.remote.RemoteScheduler`, gRPC to a `pdplane scheduler` process) and local
+(`pdplane.scheduler.local.LocalScheduler`, the same decision code in the caller's process).
+Protobuf stays behind the seam: `pdplane.scheduler.wire` is the one place that converts these
+types to and from `pdplane.v1.scheduler_pb2`.
+
+Adding a request feature: a field of `RequestFeatures`, the field of `ScheduleRequest` in
+`scheduler.proto`, and its line in each direction of `wire`; nothing else changes on the way.
+A decision without a prefill instance (decode computes the prompt itself) or with prefix-cache
+hits per side would likewise be new fields of `Decision` (and `ScheduleResponse`).
+
+This module imports no scheduler internals, so callers may depend on it alone.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from pdplane.v1 import instance_pb2
+
+if TYPE_CHECKING:
+    import grpc
+
+__all__ = [
+    "EMBEDDED",
+    "Decision",
+    "InstanceRef",
+    "InstanceSource",
+    "Outcome",
+    "PolicyFlags",
+    "PortSettings",
+    "RequestFeatures",
+    "SchedulerError",
+    "SchedulerPort",
+    "SchedulerUnavailable",
+]
+
+#: `PortSettings.scheduler` value that selects the local (in-process) implementation.
+EMBEDDED = "embedded"
+
+
+@dataclass(frozen=True, slots=True)
+class RequestFeatures:
+    """One request's features, the whole input of a scheduling decision.
+
+    Attributes:
+        request_id: the id the request is counted under until `release` (at most 1024
+            characters; scheduling an id still in flight replaces its assignment: a retry).
+        model: the served model name.
+        prompt_tokens: prompt length in tokens (exact, or an estimate); > 0.
+        max_tokens: tokens to generate; 0 = unknown.
+        routing_key: optional key for `consistent_hash` ("" = none).
+        prefix_block_hashes: uint64 hashes of the prompt's full KV cache blocks, in order;
+            empty when unknown.
+        exclude_instance_ids: instances not to choose (e.g. ones that just failed this request).
+        prefill_policy / decode_policy: per-request policy names; "" = the scheduler's default.
+    """
+
+    request_id: str
+    model: str
+    prompt_tokens: int
+    max_tokens: int = 0
+    routing_key: str = ""
+    prefix_block_hashes: Sequence[int] = ()
+    exclude_instance_ids: Collection[str] = ()
+    prefill_policy: str = ""
+    decode_policy: str = ""
+
+
+class InstanceRef(Protocol):
+    """Where one side of a decision is: enough to send it work.
+
+    Satisfied by the remote answer's `scheduler_pb2.InstanceRef` and by the local scheduler's
+    candidates, so neither implementation copies per request.
+    """
+
+    @property
+    def instance_id(self) -> str: ...
+
+    @property
+    def url(self) -> str:
+        """The instance's OpenAI base URL, e.g. "http://10.0.0.5:8000"."""
+        ...
+
+    @property
+    def kv_endpoint(self) -> str:
+        """host:port of the instance's `KvTransfer` gRPC server."""
+        ...
+
+    @property
+    def transport(self) -> instance_pb2.Transport.ValueType: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """A scheduling decision: the prefill and the decode instance, and the policies' reason,
+    e.g. "prefill least_loaded: load=0.42 of 2; decode round_robin: 3/4"."""
+
+    prefill: InstanceRef
+    decode: InstanceRef
+    reason: str = ""
+
+
+class Outcome(enum.StrEnum):
+    """How a scheduled request ended, as told to `release` (scheduler metrics label it).
+
+    `UNSPECIFIED` is the wire's zero value: a caller that did not say. The scheduler accepts
+    and counts it; pdplane's gateway always sends one of the other three.
+    """
+
+    SUCCESS = "success"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    UNSPECIFIED = "unspecified"
+
+    @classmethod
+    def parse(cls, value: str) -> Outcome:
+        """`value` ("success", ... or an `Outcome`) as an Outcome; ValueError otherwise."""
+        if isinstance(value, cls):
+            return value
+        try:
+            return cls(value)
+        except ValueError:
+            known = sorted(o.value for o in cls)
+            raise ValueError(f"outcome must be one of {known}, got {value!r}") from None
+
+
+class SchedulerError(Exception):
+    """The scheduler failed in a way other than "no pair" or "invalid input".
+
+    `reason` is its message; `code` the gRPC status of a remote scheduler (None locally), e.g.
+    `grpc.StatusCode.UNAUTHENTICATED`.
+    """
+
+    def __init__(self, reason: str, code: grpc.StatusCode | None = None) -> None:
+        super().__init__(f"{code.name}: {reason}" if code is not None else reason)
+        self.code = code
+        self.reason = reason
+
+
+class SchedulerUnavailable(SchedulerError):
+    """No compatible pair right now, or the scheduler cannot be reached in time (gateway: 503).
+
+    `reason` names what is missing, e.g. "no prefill instance for model 'tiny': ...".
+    """
+
+
+class SchedulerPort(Protocol):
+    """What a caller needs of the scheduler; every implementation raises the same errors."""
+
+    async def schedule(self, features: RequestFeatures) -> Decision:
+        """Chooses a (prefill, decode) pair and counts it in flight until `release`.
+
+        Raises ValueError (invalid field, unknown policy name), SchedulerUnavailable (no
+        compatible prefill, decode or pair; or the scheduler unreachable or late) and
+        SchedulerError (anything else, e.g. a refused token).
+        """
+        ...
+
+    async def release(self, request_id: str, outcome: Outcome) -> bool:
+        """Ends the in-flight accounting of `request_id`; False when it was not in flight.
+
+        Raises ValueError on an empty id or an unknown outcome; remote errors as `schedule`.
+        """
+        ...
+
+    def release_nowait(self, request_id: str, outcome: Outcome) -> None:
+        """`release` without waiting (call from the event loop): applied before any later
+        `schedule` of this port, failures logged. Raises ValueError as `release`."""
+        ...
+
+    async def close(self) -> None:
+        """Delivers what `release_nowait` still holds and frees the port's resources."""
+        ...
+
+
+class InstanceSource(Protocol):
+    """The registry as a local scheduler reads it: a revision and the instances at it.
+
+    `revision` must change whenever `snapshot()` may have (a decision re-reads only then), and
+    sources replace a changed instance's message instead of mutating it.
+    """
+
+    @property
+    def revision(self) -> int: ...
+
+    def snapshot(self) -> Mapping[str, instance_pb2.Instance]: ...
+
+
+class PolicyFlags(Protocol):
+    """The decision flags of a local scheduler (`pdplane.scheduler.settings.PolicySettings`):
+    default policy names per side, in-flight expiry (seconds), seed of randomised policies,
+    and the prefix index's (on/off, staleness after seconds or events behind, size bound)."""
+
+    prefill_policy: str
+    decode_policy: str
+    inflight_timeout_s: float
+    seed: int | None
+    kv_index: bool
+    kv_stale_after_s: float
+    kv_max_lag_events: int
+    kv_index_max_blocks: int
+
+
+class PortSettings(PolicyFlags, Protocol):
+    """The settings `open_scheduler` reads (`pdplane.gateway.settings.GatewaySettings` is one).
+
+    `scheduler` is "host:port" of a `pdplane scheduler`, or `EMBEDDED`; `token`/`tls_ca`
+    authenticate and verify it; `schedule_timeout_s` bounds one call and `release_batch_s` how
+    long a queued Release waits for a Schedule to ride on (seconds). The policy flags configure
+    the local implementation only (a remote scheduler has its own).
+    """
+
+    scheduler: str
+    token: str | None
+    tls_ca: str | None
+    schedule_timeout_s: float
+    release_batch_s: float

@@ -1,0 +1,116 @@
+"""The one place where the port's types meet protobuf (`pdplane.v1.scheduler_pb2`).
+
+Used by both ends of the gRPC seam: the remote client (`pdplane.scheduler.remote`) and the
+servicer (`pdplane.scheduler.servicer`). A new request feature is one line in each of
+`features_to_pb` and `features_from_pb` (and its field in `RequestFeatures` and the proto).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from pdplane.scheduler.errors import InvalidRequest
+from pdplane.scheduler.port import Decision, InstanceRef, Outcome, RequestFeatures
+from pdplane.v1 import scheduler_pb2
+
+__all__ = [
+    "decision_from_pb",
+    "decision_to_pb",
+    "features_from_pb",
+    "features_to_pb",
+    "outcome_from_pb",
+    "outcome_to_pb",
+    "releases_from_pb",
+]
+
+# Keyed by str: an Outcome is one, so a caller's plain "success" finds its entry as well.
+_OUTCOME_TO_PB: dict[str, scheduler_pb2.Outcome.ValueType] = {
+    Outcome.SUCCESS: scheduler_pb2.OUTCOME_SUCCESS,
+    Outcome.FAILED: scheduler_pb2.OUTCOME_FAILED,
+    Outcome.CANCELLED: scheduler_pb2.OUTCOME_CANCELLED,
+    Outcome.UNSPECIFIED: scheduler_pb2.OUTCOME_UNSPECIFIED,
+}
+_OUTCOME_FROM_PB: dict[int, Outcome] = {n: Outcome(o) for o, n in _OUTCOME_TO_PB.items()}
+
+
+def features_to_pb(features: RequestFeatures) -> scheduler_pb2.ScheduleRequest:
+    """The `ScheduleRequest` carrying `features` (no piggybacked releases)."""
+    return scheduler_pb2.ScheduleRequest(
+        request_id=features.request_id,
+        model=features.model,
+        prompt_tokens=features.prompt_tokens,
+        max_tokens=features.max_tokens,
+        routing_key=features.routing_key,
+        prefix_block_hashes=features.prefix_block_hashes,
+        exclude_instance_ids=features.exclude_instance_ids,
+        prefill_policy=features.prefill_policy,
+        decode_policy=features.decode_policy,
+    )
+
+
+def features_from_pb(request: scheduler_pb2.ScheduleRequest) -> RequestFeatures:
+    """The features of a received `ScheduleRequest` (its `releases` are not features)."""
+    return RequestFeatures(
+        request_id=request.request_id,
+        model=request.model,
+        prompt_tokens=request.prompt_tokens,
+        max_tokens=request.max_tokens,
+        routing_key=request.routing_key,
+        prefix_block_hashes=request.prefix_block_hashes,
+        exclude_instance_ids=frozenset(request.exclude_instance_ids),
+        prefill_policy=request.prefill_policy,
+        decode_policy=request.decode_policy,
+    )
+
+
+def _ref_to_pb(ref: InstanceRef) -> scheduler_pb2.InstanceRef:
+    return scheduler_pb2.InstanceRef(
+        instance_id=ref.instance_id,
+        url=ref.url,
+        kv_endpoint=ref.kv_endpoint,
+        transport=ref.transport,
+    )
+
+
+def decision_to_pb(decision: Decision) -> scheduler_pb2.ScheduleResponse:
+    """The `ScheduleResponse` of a decision."""
+    return scheduler_pb2.ScheduleResponse(
+        prefill=_ref_to_pb(decision.prefill),
+        decode=_ref_to_pb(decision.decode),
+        reason=decision.reason,
+    )
+
+
+def decision_from_pb(response: scheduler_pb2.ScheduleResponse) -> Decision:
+    """The decision a `ScheduleResponse` carries; its sides are the response's `InstanceRef`
+    messages themselves (no copy)."""
+    return Decision(response.prefill, response.decode, response.reason)
+
+
+def outcome_to_pb(outcome: Outcome) -> scheduler_pb2.Outcome.ValueType:
+    """The proto enum value of `outcome`; ValueError for anything but an `Outcome` (or its
+    string value, e.g. "success")."""
+    number = _OUTCOME_TO_PB.get(outcome)
+    return _OUTCOME_TO_PB[Outcome.parse(outcome)] if number is None else number
+
+
+def outcome_from_pb(number: int) -> Outcome:
+    """The `Outcome` of a proto enum value; InvalidRequest for a value this side does not know."""
+    outcome = _OUTCOME_FROM_PB.get(number)
+    if outcome is None:
+        raise InvalidRequest(f"outcome: unknown value {number}")
+    return outcome
+
+
+def releases_from_pb(
+    releases: Iterable[scheduler_pb2.ReleaseRequest],
+) -> list[tuple[str, Outcome]]:
+    """(request id, outcome) per Release, all validated before any is applied; InvalidRequest
+    on an empty id or an unknown outcome."""
+    out = []
+    for release in releases:
+        outcome = outcome_from_pb(release.outcome)
+        if not release.request_id:
+            raise InvalidRequest("request_id: must not be empty")
+        out.append((release.request_id, outcome))
+    return out
