@@ -15,7 +15,7 @@ import httpx
 
 from bench._procs import Proc, free_port, spawn
 
-__all__ = ["PEERS_DIR", "Fleet", "ProxyRun", "install_hint", "start_proxy"]
+__all__ = ["PEERS_DIR", "Fleet", "ProxyRun", "install_hint", "start_proxy", "wait_ready"]
 
 ROOT = Path(__file__).resolve().parents[1]
 PEERS_DIR = ROOT / ".cache" / "peers"
@@ -64,7 +64,8 @@ class ProxyRun:
             p.stop()
 
 
-def _wait_ready(run: ProxyRun, model: str, timeout_s: float = 90.0) -> None:
+def wait_ready(run: ProxyRun, model: str, timeout_s: float = 90.0) -> None:
+    """Waits until `run` relays a small chat request; RuntimeError after `timeout_s`."""
     body = {
         "model": model,
         "messages": [{"role": "user", "content": "warm up"}],
@@ -244,7 +245,7 @@ def start_proxy(name: str, fleet: Fleet, cpus: str, logs: Path) -> ProxyRun:
     else:
         raise ValueError(f"unknown proxy {name!r}")
     try:
-        _wait_ready(run, fleet.model)
+        wait_ready(run, fleet.model)
     except BaseException:
         run.stop()
         raise

@@ -16,15 +16,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import socket
+import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 import grpc
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from pdplane.gateway.testing import running_gateway_app
+from pdplane.launch.process import ManagedProcess, grpc_serving, http_ok, wait_until
 from pdplane.registry.server import RegistryServer
 from pdplane.registry.settings import RegistrySettings
 from pdplane.scheduler.server import SchedulerServer
@@ -47,8 +54,10 @@ class Result:
     burst: list[int]
     totals: list[int]
     started: int  # burst requests that got their first token
-    failed: list[str] = field(default_factory=list)  # what the failed ones answered
+    failed: list[str] = field(default_factory=list)  # why the failed ones failed
     seconds: float = 0.0  # burst start -> every request streaming
+    cut: int = 0  # streams broken by the death of the gateway relaying them
+    killed_at: int = -1  # burst requests streaming when a replica was killed (-1: none)
 
     @property
     def max_over_mean(self) -> float:
@@ -60,6 +69,12 @@ def _instances(registry: str) -> dict[str, Any]:
         stub = registry_pb2_grpc.RegistryStub(channel)
         reply = stub.ListInstances(registry_pb2.ListInstancesRequest(), timeout=5)
     return {i.spec.instance_id: i for i in reply.instances}
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def _wait(probe: Any, timeout: float, what: str) -> None:
@@ -123,37 +138,42 @@ async def _burst_one(
     first: int,
     release: asyncio.Event,
     started: list[float],
-    failed: list[str],
     dead: set[str],
-) -> None:
-    """One client request: through gateway `first`, or (refused before streaming) the next."""
+) -> str:
+    """One client request through gateway `first`; refused before streaming, the next one
+    (what a load balancer does). Returns "started", "cut" (its stream broke: the gateway
+    relaying it died) or why it failed."""
+    why = "every gateway refused"
     for k in range(len(urls)):
         url = urls[(first + k) % len(urls)]
         if url in dead:
             continue
         ev = asyncio.Event()
-        try:
-            task = asyncio.create_task(_hold_stream(client, url, ev, release))
-            waiter = asyncio.create_task(ev.wait())
-            done, _ = await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
-            if waiter in done:
-                started.append(time.monotonic())
+        task = asyncio.create_task(_hold_stream(client, url, ev, release))
+        waiter = asyncio.create_task(ev.wait())
+        await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        waiter.cancel()
+        if ev.is_set():
+            started.append(time.monotonic())
+            try:
                 await task
-                return
-            waiter.cancel()
-            await task  # raises: it ended before streaming
-            failed.append(f"{url}: ended before streaming")
-            return
-        except (httpx.TransportError, httpx.HTTPStatusError) as exc:
-            if isinstance(exc, httpx.HTTPStatusError) and exc.response.status_code < 500:
-                failed.append(f"{url}: HTTP {exc.response.status_code}")
-                return
-            continue  # refused before streaming: a load balancer tries the next gateway
-    failed.append("every gateway refused")
+            except (httpx.TransportError, httpx.HTTPStatusError):
+                return "cut"
+            return "started"
+        try:
+            await task
+            return f"{url}: ended before streaming"
+        except httpx.HTTPStatusError as exc:
+            why = f"{url}: HTTP {exc.response.status_code} {exc.response.text[:200]}"
+            if exc.response.status_code < 500:
+                return why
+        except httpx.TransportError as exc:
+            why = f"{url}: {type(exc).__name__}"
+    return why
 
 
 async def _drive(
-    sims: RunningSims, urls: list[str], pre: int, burst: int, kill: Any
+    sims: RunningSims, urls: list[str], pre: int, burst: int, killer: _Killer
 ) -> tuple[list[float], list[str], float]:
     decodes = sims.by_role("decode")
     release = asyncio.Event()
@@ -164,40 +184,47 @@ async def _drive(
             for d in decodes[1:]
             for _ in range(pre)
         ]
-        await asyncio.to_thread(kill.wait_pre_visible)
+        await asyncio.to_thread(killer.wait_pre_visible)
         started: list[float] = []
-        failed: list[str] = []
         dead: set[str] = set()
         t0 = time.monotonic()
         tasks = [
-            asyncio.create_task(
-                _burst_one(client, urls, i % len(urls), release, started, failed, dead)
-            )
+            asyncio.create_task(_burst_one(client, urls, i % len(urls), release, started, dead))
             for i in range(burst)
         ]
-        if kill.target is not None:
+        if killer.kill is not None:
             while len(started) < burst // 3:
                 await asyncio.sleep(0.005)
-            await asyncio.to_thread(kill.now)
-            dead.add(urls[0]) if kill.target == "gateway" else None
-        while len(started) + len(failed) < burst:
+            killer.at = len(started)
+            await asyncio.to_thread(killer.kill)
+            if killer.gateway:
+                dead.add(urls[0])
+        while len(started) < burst and not all(t.done() for t in tasks):
             await asyncio.sleep(0.01)
         seconds = time.monotonic() - t0
         release.set()
-        for t in [*holders, *tasks]:
+        outcomes = await asyncio.gather(*tasks)
+        for t in holders:
             t.cancel()
-        await asyncio.gather(*holders, *tasks, return_exceptions=True)
-    return started, failed, seconds
+        await asyncio.gather(*holders, return_exceptions=True)
+    return started, list(outcomes), seconds
 
 
+@dataclass
 class _Killer:
-    def __init__(self, target: Literal["scheduler", "gateway"] | None) -> None:
-        self.target = target
-        self.kill: Any = None
-        self.wait_pre_visible: Any = None
+    wait_pre_visible: Any = None
+    kill: Any = None  # what stops one replica, or None
+    gateway: bool = False  # the killed replica is gateway 0 (its URL is dead)
+    at: int = -1  # burst requests streaming at the kill
 
-    def now(self) -> None:
-        self.kill()
+
+def _pdplane(stack: contextlib.ExitStack, logs: Path, name: str, args: list[str]) -> ManagedProcess:
+    """`pdplane ARGS` as a child process, stopped when `stack` closes."""
+    binary = Path(sys.executable).with_name("pdplane")
+    proc = ManagedProcess(name, [str(binary), *args], logs / f"{name}.log")
+    proc.start()
+    stack.callback(proc.stop, 5.0)
+    return proc
 
 
 def run(
@@ -211,50 +238,136 @@ def run(
     heartbeat_ms: int = 1000,
     kill: Literal["scheduler", "gateway"] | None = None,
 ) -> Result:
-    """One run of the scenario (module docstring). `mode`: "remote" = one scheduler process per
-    gateway, "embedded" = gateways deciding themselves, "shared" = one scheduler behind every
-    gateway (the single-scheduler reference). `share` turns the in-flight exchange between the
-    replicas on or off."""
-    killer = _Killer(kill)
-    with _fleet(heartbeat_ms) as (registry, sims), contextlib.ExitStack() as stack:
+    """One run of the scenario (module docstring). `mode`: "remote" = one scheduler per gateway
+    (each gateway also knows the other schedulers' addresses, in order: its own first),
+    "embedded" = gateways deciding themselves, "shared" = one scheduler behind every gateway
+    (the single-scheduler reference). `share` turns the in-flight exchange between the replicas
+    on or off. With `kill`, the replicas run as `pdplane` processes and the first is killed
+    (SIGKILL) mid-burst: its scheduler (remote) or its gateway (embedded)."""
+    killer = _Killer()
+    policy = ["--prefill-policy", "least_loaded", "--decode-policy", decode_policy]
+    with (
+        _fleet(heartbeat_ms) as (registry, sims),
+        contextlib.ExitStack() as stack,
+        tempfile.TemporaryDirectory(prefix="pdplane-replicas-") as tmp,
+    ):
+        logs = Path(tmp)
         decode_ids = [h.instance_id for h in sims.by_role("decode")]
-        policy: dict[str, Any] = {"prefill_policy": "least_loaded", "decode_policy": decode_policy}
-        schedulers: list[SchedulerServer] = []
-        if mode in ("remote", "shared"):
-            for _ in range(1 if mode == "shared" else replicas):
-                server = SchedulerServer(
-                    SchedulerSettings.model_validate(
-                        {"registry": registry, "host": "127.0.0.1", "port": 0, **policy}
-                        | {"seed": len(schedulers)}
+        n = 1 if mode == "shared" else replicas
+        ports = [_free_port() for _ in range(n)]
+        grpc_ports = [_free_port() for _ in range(n)]
+        metrics_ports = [_free_port() for _ in range(n)]
+        procs: list[ManagedProcess] = []
+        urls: list[str] = []
+        metrics_urls: list[str] = []
+
+        def peers_of(i: int, of: list[int]) -> list[str]:
+            return [f"127.0.0.1:{p}" for j, p in enumerate(of) if j != i] if share else []
+
+        if mode == "embedded":
+            for i in range(n):
+                args = [
+                    "gateway", "--scheduler", "embedded", "--registry", registry,
+                    "--host", "127.0.0.1", "--port", str(ports[i]), "--seed", str(i),
+                    "--replica-id", f"gateway-{i}", "--inflight-port", str(grpc_ports[i]),
+                    "--peers", ",".join(peers_of(i, grpc_ports)), *policy,
+                ]  # fmt: skip
+                if kill:
+                    procs.append(_pdplane(stack, logs, f"gateway-{i}", args))
+                else:
+                    url, _app = stack.enter_context(
+                        running_gateway_app("embedded", registry, **_gateway_fields(args[5:]))
                     )
-                )
-                server.start()
-                stack.callback(server.stop, 0.2)
-                schedulers.append(server)
-        apps = []
-        urls = []
-        for i in range(replicas):
-            extra: dict[str, Any]
-            if mode == "embedded":
-                target, extra = "embedded", {**policy, "seed": i}
-            else:
-                target, extra = schedulers[0 if mode == "shared" else i].address, {}
-            url, app = stack.enter_context(
-                running_gateway_app(target, registry, max_retries=1, **extra)
+                    urls.append(url)
+            if kill:
+                urls = [f"http://127.0.0.1:{p}" for p in ports]
+            metrics_urls = [f"{u}/metrics" for u in urls]
+            if kill:
+                for url in urls:
+                    wait_until(
+                        functools.partial(http_ok, f"{url}/health"), 30, watch=procs, what=url
+                    )
+                killer.kill, killer.gateway = procs[0].kill, True
+        else:
+            addresses = [f"127.0.0.1:{p}" for p in grpc_ports]
+            for i in range(n):
+                args = [
+                    "scheduler", "--registry", registry, "--host", "127.0.0.1",
+                    "--port", str(grpc_ports[i]), "--seed", str(i), "--replica-id",
+                    f"scheduler-{i}", "--peers", ",".join(peers_of(i, grpc_ports)),
+                    "--metrics-port", str(metrics_ports[i]), *policy,
+                ]  # fmt: skip
+                metrics_urls.append(f"http://127.0.0.1:{metrics_ports[i]}/metrics")
+                if kill:
+                    procs.append(_pdplane(stack, logs, f"scheduler-{i}", args))
+                else:
+                    server = SchedulerServer(
+                        SchedulerSettings.model_validate(
+                            {"registry": registry, **_scheduler_fields(args[1:])}
+                        )
+                    )
+                    server.start()
+                    stack.callback(server.stop, 0.2)
+            for address in addresses:
+                wait_until(functools.partial(grpc_serving, address), 30, watch=procs, what=address)
+            for i in range(replicas):
+                # Its own scheduler first, then the others (gRPC fails over in this order).
+                mine = addresses[0 if mode == "shared" else i]
+                order = [mine, *(a for a in addresses if a != mine)]
+                target = order[0] if len(order) == 1 else "ipv4:" + ",".join(order)
+                url, _app = stack.enter_context(running_gateway_app(target, registry))
+                urls.append(url)
+            if kill:
+                killer.kill = procs[0].kill
+        if share and n > 1:
+            _wait(
+                lambda: all(_peers_metric(u) == n - 1 for u in metrics_urls),
+                15,
+                "replicas following each other",
             )
-            urls.append(url)
-            apps.append(app)
 
         def visible() -> bool:
             got = _instances(registry)
             return all(got[d].load.num_running == pre for d in decode_ids[1:])
 
         killer.wait_pre_visible = lambda: _wait(visible, 30, "pre-existing streams visible")
-        killer.kill = schedulers[0].stop if kill == "scheduler" else None
-        started, failed, seconds = asyncio.run(_drive(sims, urls, pre, burst, killer))
+        _started, outcomes, seconds = asyncio.run(_drive(sims, urls, pre, burst, killer))
         counts = [
             sum(1 for r in h.records() if r["body"].get("kv_transfer_params"))
             for h in sims.by_role("decode")
         ]
     totals = [c + (pre if i else 0) for i, c in enumerate(counts)]
-    return Result(counts, totals, len(started), failed, seconds)
+    failed = [o for o in outcomes if o not in ("started", "cut")]
+    return Result(
+        counts, totals, outcomes.count("started"), failed, seconds, outcomes.count("cut"), killer.at
+    )
+
+
+def _flag_fields(args: list[str]) -> dict[str, Any]:
+    """["--kebab-flag", "v", ...] -> {"kebab_flag": "v"} (settings fields by name)."""
+    return {
+        args[i].removeprefix("--").replace("-", "_"): args[i + 1] for i in range(0, len(args), 2)
+    }
+
+
+def _scheduler_fields(args: list[str]) -> dict[str, Any]:
+    return _flag_fields(args)
+
+
+def _gateway_fields(args: list[str]) -> dict[str, Any]:
+    fields = _flag_fields(args)
+    fields.pop("host", None)
+    fields.pop("port", None)
+    return fields
+
+
+def _peers_metric(url: str) -> int:
+    """`pdplane_scheduler_peers` from a Prometheus endpoint (-1 when unreachable)."""
+    try:
+        text = httpx.get(url, timeout=2.0).text
+    except httpx.HTTPError:
+        return -1
+    for family in text_string_to_metric_families(text):
+        if family.name == "pdplane_scheduler_peers":
+            return int(sum(sample.value for sample in family.samples))
+    return -1

@@ -29,7 +29,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench import relay  # noqa: E402
-from bench._proxies import Fleet, ProxyRun, _pdplane, _wait_ready, start_proxy  # noqa: E402
+from bench._proxies import Fleet, ProxyRun, _pdplane, start_proxy, wait_ready  # noqa: E402
 
 _PEERS = ("vllm-router", "xpyd-proxy")
 _base_tree: Path | None = None
@@ -59,7 +59,7 @@ def _start_proxy(name: str, fleet: Fleet, cpus: str, logs: Path) -> ProxyRun:
     else:
         return start_proxy(name, fleet, cpus, logs)
     try:
-        _wait_ready(run, fleet.model)
+        wait_ready(run, fleet.model)
     except BaseException:
         run.stop()
         raise

@@ -57,7 +57,7 @@ def emit(obj: dict[str, Any]) -> None:
 
 
 class _ObservedContext:
-    """A servicer context that reports the moment the transport accepts a SendBlocksNccl
+    """A servicer context that reports the moment the transport accepts a SendBlocks
     (its initial metadata: the NCCL sends start right after) as a `send_started` event."""
 
     def __init__(self, context: grpc.ServicerContext, transfer_id: str) -> None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import random
@@ -88,15 +89,32 @@ def _load() -> instance_pb2.LoadReport:
 # ------------------------------------------------------------ load generator (child process)
 
 
+class _Window:
+    """The measured window (unix s); heartbeats run from registration until its end."""
+
+    def __init__(self) -> None:
+        self.start = float("inf")
+        self.end = float("inf")
+
+    def measured(self, t: float) -> bool:
+        return self.start <= t <= self.end
+
+
+def _failed(out: Any, code: str, details: str) -> None:
+    out["errors"][code] = out["errors"].get(code, 0) + 1
+    out["details"].setdefault(code, details)
+
+
 async def _beat_stream(
-    stub: registry_pb2_grpc.RegistryStub, i: int, lease: str, start: float, end: float, out: Any
+    stub: registry_pb2_grpc.RegistryStub, i: int, lease: str, window: _Window, out: Any
 ) -> None:
     call = stub.HeartbeatStream()
-    next_at = start + random.random()  # spread the N heartbeats evenly over each second
+    next_at = time.time() + random.random()  # spread the N heartbeats evenly over each second
     try:
-        while next_at < end:
+        while next_at < window.end:
             await asyncio.sleep(max(0.0, next_at - time.time()))
-            out["late"].append((time.time() - next_at) * 1000)
+            if window.measured(next_at):
+                out["late"].append((time.time() - next_at) * 1000)
             sent = time.perf_counter()
             request = registry_pb2.HeartbeatRequest(
                 instance_id=f"sim-{i:05d}", lease_id=lease, load=_load()
@@ -104,34 +122,37 @@ async def _beat_stream(
             await call.write(request)
             reply = await call.read()
             if reply is grpc.aio.EOF:
-                raise grpc.aio.AioRpcError(
-                    grpc.StatusCode.UNKNOWN, grpc.aio.Metadata(), grpc.aio.Metadata(), "EOF"
-                )
-            out["lat"].append((time.perf_counter() - sent) * 1000)
+                code = await call.code()
+                _failed(out, code.name, await call.details())
+                return
+            if window.measured(next_at):
+                out["lat"].append((time.perf_counter() - sent) * 1000)
             next_at += 1.0
         await call.done_writing()
     except grpc.aio.AioRpcError as exc:
-        out["errors"][exc.code().name] = out["errors"].get(exc.code().name, 0) + 1
-        out["details"].setdefault(exc.code().name, exc.details())
+        _failed(out, exc.code().name, exc.details() or "")
+    except asyncio.InvalidStateError:
+        _failed(out, (await call.code()).name, await call.details())
 
 
 async def _beat_unary(
-    stub: registry_pb2_grpc.RegistryStub, i: int, lease: str, start: float, end: float, out: Any
+    stub: registry_pb2_grpc.RegistryStub, i: int, lease: str, window: _Window, out: Any
 ) -> None:
-    next_at = start + random.random()
-    while next_at < end:
+    next_at = time.time() + random.random()
+    while next_at < window.end:
         await asyncio.sleep(max(0.0, next_at - time.time()))
-        out["late"].append((time.time() - next_at) * 1000)
+        if window.measured(next_at):
+            out["late"].append((time.time() - next_at) * 1000)
         sent = time.perf_counter()
         request = registry_pb2.HeartbeatRequest(
             instance_id=f"sim-{i:05d}", lease_id=lease, load=_load()
         )
         try:
             await stub.Heartbeat(request, timeout=5)
-            out["lat"].append((time.perf_counter() - sent) * 1000)
+            if window.measured(next_at):
+                out["lat"].append((time.perf_counter() - sent) * 1000)
         except grpc.aio.AioRpcError as exc:
-            out["errors"][exc.code().name] = out["errors"].get(exc.code().name, 0) + 1
-            out["details"].setdefault(exc.code().name, exc.details())
+            _failed(out, exc.code().name, exc.details() or "")
         next_at += 1.0
 
 
@@ -142,26 +163,28 @@ async def _generate(args: argparse.Namespace) -> dict[str, Any]:
     # Instance i talks to replica i % replicas (as clients listing the replicas in turn).
     stubs = [registry_pb2_grpc.RegistryStub(c) for c in channels]
     gate = asyncio.Semaphore(_REGISTER_CONCURRENCY)
-
-    async def register(i: int) -> str:
-        async with gate:
-            reply = await stubs[i % len(stubs)].Register(
-                registry_pb2.RegisterRequest(spec=_spec(i)), timeout=60
-            )
-            return str(reply.lease_id)
-
-    leases = await asyncio.gather(*(register(i) for i in ids))
-    print("registered", flush=True)  # the parent starts the clock for everyone at once
-    start = float(await asyncio.to_thread(sys.stdin.readline))
     out: dict[str, Any] = {"lat": [], "late": [], "errors": {}, "details": {}}
     beat = _beat_stream if args.mode == "stream" else _beat_unary
-    end = start + args.duration_s
-    await asyncio.gather(
-        *(
-            beat(stubs[i % len(stubs)], i, lease, start, end, out)
-            for i, lease in zip(ids, leases, strict=True)
-        )
-    )
+    window = _Window()
+    beating: list[asyncio.Task[None]] = []
+
+    async def register(i: int) -> None:
+        # Each instance heartbeats from its registration on (its lease must not lapse while
+        # the others register); only the window's heartbeats are measured.
+        stub = stubs[i % len(stubs)]
+        async with gate:
+            try:
+                reply = await stub.Register(registry_pb2.RegisterRequest(spec=_spec(i)), timeout=60)
+            except grpc.aio.AioRpcError as exc:  # counted; the others go on
+                _failed(out, f"Register {exc.code().name}", exc.details() or "")
+                return
+        beating.append(asyncio.create_task(beat(stub, i, str(reply.lease_id), window, out)))
+
+    await asyncio.gather(*(register(i) for i in ids))
+    print("registered", flush=True)  # the parent starts the clock for everyone at once
+    window.start = float(await asyncio.to_thread(sys.stdin.readline))
+    window.end = window.start + args.duration_s
+    await asyncio.gather(*beating)
     for chan in channels:
         await chan.close()
     return out
@@ -238,7 +261,7 @@ def _run_one(store: str, mode: str, n: int, args: argparse.Namespace, root: Path
             registries[-1].start()
             addresses.append(f"127.0.0.1:{port}")
         for address, proc in zip(addresses, registries, strict=True):
-            wait_until(lambda a=address: grpc_serving(a), 30, watch=[proc])
+            wait_until(functools.partial(grpc_serving, address), 30, watch=[proc])
         target = ",".join(addresses)
         common = [
             sys.executable,
@@ -260,7 +283,8 @@ def _run_one(store: str, mode: str, n: int, args: argparse.Namespace, root: Path
         for gen in children:
             assert gen.stdout is not None
             if gen.stdout.readline().strip() != "registered":
-                return {**head, "failed": "registration did not complete (see the generator)"}
+                tails = " | ".join(p.tail(5).replace("\n", " / ") for p in registries)
+                return {**head, "failed": f"registration did not complete; registry: {tails}"}
         start = time.time() + 1.0
         for child in [watcher, *children]:
             assert child.stdin is not None

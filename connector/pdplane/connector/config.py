@@ -35,7 +35,9 @@ class ConnectorConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     registry: str | None = Field(
-        None, description="Registry gRPC address host:port; unset = do not register."
+        None,
+        description="Registry gRPC address host:port, or several replicas' comma-separated "
+        "(failover); unset = do not register.",
     )
     registry_token: str | None = Field(None, description="Bearer token for the registry.")
     registry_tls_ca: str | None = Field(None, description="PEM CA to verify the registry's TLS.")

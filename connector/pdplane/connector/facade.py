@@ -33,6 +33,7 @@ from pdplane.connector.vllm_info import (
     tp_rank,
 )
 from pdplane.connector.worker_side import WorkerSide
+from pdplane.core import tracing
 from pdplane.v1 import instance_pb2
 
 if TYPE_CHECKING:
@@ -74,6 +75,7 @@ class PdPlaneConnector(KVConnectorBase_V1):
         **kwargs: Any,
     ) -> None:
         setup_connector_logging()
+        tracing.configure("pdplane-connector")
         try:
             super().__init__(
                 vllm_config=vllm_config,

@@ -50,6 +50,7 @@ class LoadSpec:
     num_tokens: int
     pushed: bool = False
     sender_id: str = ""
+    traceparent: str = ""  # the request's trace context (empty: not traced)
 
 
 @dataclass(frozen=True, slots=True)

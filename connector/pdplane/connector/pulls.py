@@ -16,6 +16,7 @@ single report to vLLM and the same CompleteTransfer to prefill follow.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
@@ -27,6 +28,7 @@ import grpc
 from pdplane.connector.metadata import LoadSpec, ReleaseSpec
 from pdplane.connector.peers import PeerPool
 from pdplane.connector.transports.base import KvTransport, PullRequest, TransferError
+from pdplane.core import tracing
 from pdplane.v1 import instance_pb2, kv_transfer_pb2, kv_transfer_pb2_grpc
 
 __all__ = ["PullStats", "Puller"]
@@ -144,6 +146,18 @@ class Puller:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def _run(self, spec: LoadSpec, deadline: float) -> None:
+        # One span per transfer, in the request's trace (the gateway's context, carried in
+        # kv_transfer_params); prefill's serving span is its child (gRPC metadata).
+        attrs = {
+            "pdplane.transfer_id": spec.transfer_id,
+            "pdplane.blocks": len(spec.local_block_ids),
+        }
+        with tracing.span("pdplane.kv_pull", parent=spec.traceparent or None, attributes=attrs):
+            ok = self._load(spec, deadline)
+        self._complete(spec, ok)
+
+    def _load(self, spec: LoadSpec, deadline: float) -> bool:
+        """Moves the blocks and reports the load to vLLM; whether it succeeded."""
         start = time.monotonic()
         nbytes, error, source = 0, "", "pull"
         try:
@@ -168,7 +182,7 @@ class Puller:
         )
         # Report to vLLM first: a slow or dead prefill must not delay the decode request.
         self._finish(spec, stats)
-        self._complete(spec, ok=not error)
+        return not error
 
     def _take_pushed(self, spec: LoadSpec, deadline: float) -> int:
         """Bytes taken from the receive buffer; 0 = nothing usable there (pull instead)."""
@@ -192,6 +206,8 @@ class Puller:
     def _pull(self, spec: LoadSpec, deadline: float) -> int:
         try:
             peer = self._peers.get(spec.endpoint, self._tp_rank)
+            if tracing.enabled():
+                peer = dataclasses.replace(peer, metadata=tracing.grpc_metadata(peer.metadata))
             request = PullRequest(
                 transfer_id=spec.transfer_id,
                 remote_block_indices=spec.remote_block_indices,

@@ -173,6 +173,7 @@ class SchedulerSide:
                 num_tokens=num_external_tokens,
                 pushed=params.pushed,
                 sender_id=params.engine_id,
+                traceparent=params.traceparent,
             )
         )
         with self._lock:

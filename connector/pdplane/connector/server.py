@@ -12,17 +12,19 @@ it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Sequence
 from concurrent import futures
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2
 
 from pdplane.connector.holds import HeldTransfer, HoldTable, HoldUnknown
 from pdplane.connector.transports.base import AccessDenied, KvTransport, ServiceBinding
-from pdplane.core import grpc_util
+from pdplane.core import grpc_util, tracing
 from pdplane.core.layout import fingerprint
 from pdplane.v1 import instance_pb2, kv_transfer_pb2, kv_transfer_pb2_grpc
 
@@ -42,13 +44,38 @@ SERVICE_NAME = "pdplane.v1.KvTransfer"
 _BASE_WORKERS = 8
 
 
-class _Pinned:
-    """One read of held blocks (`HoldAccess.pin`); released once."""
+def _serve_span(
+    request: kv_transfer_pb2.PullBlocksRequest, context: Any, blocks: int
+) -> contextlib.AbstractContextManager[object]:
+    """Prefill's span for serving one pull, a child of decode's `pdplane.kv_pull`. Not made
+    current: a streaming handler is a generator the gRPC server resumes once per message."""
+    if context is None or not tracing.enabled():
+        return contextlib.nullcontext()
+    attrs = {"pdplane.transfer_id": request.transfer_id, "pdplane.blocks": blocks}
+    return tracing.span(
+        "pdplane.kv_serve",
+        parent=tracing.grpc_parent(context),
+        attributes=attrs,
+        server=True,
+        current=False,
+    )
 
-    def __init__(self, holds: HoldTable, hold: HeldTransfer, block_ids: list[int]) -> None:
+
+class _Pinned:
+    """One read of held blocks (`HoldAccess.pin`); released once. As a context manager it is
+    also the read's tracing span."""
+
+    def __init__(
+        self,
+        holds: HoldTable,
+        hold: HeldTransfer,
+        block_ids: list[int],
+        span: contextlib.AbstractContextManager[object],
+    ) -> None:
         self._holds = holds
         self._hold: HeldTransfer | None = hold
         self.block_ids = block_ids
+        self._span = span
 
     def release(self) -> None:
         if self._hold is not None:
@@ -56,10 +83,14 @@ class _Pinned:
             self._holds.unpin(hold)
 
     def __enter__(self) -> _Pinned:
+        self._span.__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.release()
+        try:
+            self.release()
+        finally:
+            self._span.__exit__(None, None, None)
 
 
 class HoldAccess:
@@ -104,7 +135,10 @@ class HoldAccess:
         return min(self.arrival_wait_s, max(0.0, time_remaining - 0.1))
 
     def pin(
-        self, request: kv_transfer_pb2.PullBlocksRequest, time_remaining: float | None = None
+        self,
+        request: kv_transfer_pb2.PullBlocksRequest,
+        time_remaining: float | None = None,
+        context: Any = None,
     ) -> _Pinned:
         if not request.transfer_id:
             raise AccessDenied("transfer_id is required", grpc.StatusCode.INVALID_ARGUMENT)
@@ -124,7 +158,8 @@ class HoldAccess:
                 f"block indices {bad[:8]} out of range: transfer holds {len(hold.block_ids)}",
                 grpc.StatusCode.INVALID_ARGUMENT,
             )
-        return _Pinned(self.holds, hold, [hold.block_ids[i] for i in indices])
+        ids = [hold.block_ids[i] for i in indices]
+        return _Pinned(self.holds, hold, ids, _serve_span(request, context, len(ids)))
 
     def release(self, transfer_id: str, reason: str, time_remaining: float | None) -> bool:
         """Ends the hold of `transfer_id` (see `HoldTable.release`); False when not held."""

@@ -73,8 +73,8 @@ class UpSettings(CommandSettings):
     kv_mode: Literal["pull", "push"] = Field(
         "pull", description="KV hand-off: decode pulls (default) or prefill pushes layer by layer"
     )
-    prefill_policy: str = Field("least_loaded", description="scheduler prefill policy")
-    decode_policy: str = Field("least_loaded", description="scheduler decode policy")
+    prefill_policy: str = Field("kv_aware", description="scheduler prefill policy")
+    decode_policy: str = Field("kv_aware", description="scheduler decode policy")
     log_dir: Path = Field(Path("logs"), description="folder for every process's log")
     ready_timeout_s: float = Field(600.0, gt=0, description="give up starting after (s)")
     demo: bool = Field(False, description="send one chat request once ready and print it")

@@ -112,6 +112,8 @@ class DecodeRequestParams:
         prompt_hash: optional `prompt_fingerprint` of the prompt prefill computed; decode
             refuses the KV (computes locally) when its own prompt's fingerprint differs, so a
             mix-up can never decode one prompt with another's KV cache.
+        traceparent: optional W3C trace context the gateway adds for the decode leg, so the
+            connector's transfer spans join the request's trace (`pdplane.core.tracing`).
     """
 
     request_id: str
@@ -125,11 +127,13 @@ class DecodeRequestParams:
     tp_size: int = 1
     pushed: bool = False
     prompt_hash: str = ""
+    traceparent: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         host, _, port = self.kv_endpoint.rpartition(":")
         d = asdict(self)
-        for optional in ("pushed", "prompt_hash"):  # absent unless set (older decoders ignore)
+        # Absent unless set (older decoders ignore them).
+        for optional in ("pushed", "prompt_hash", "traceparent"):
             if not d[optional]:
                 del d[optional]
         return {
@@ -169,6 +173,9 @@ class DecodeRequestParams:
             pushed=_require(d, "pdplane_pushed", bool) if "pdplane_pushed" in d else False,
             prompt_hash=_require(d, "pdplane_prompt_hash", str)
             if "pdplane_prompt_hash" in d
+            else "",
+            traceparent=_require(d, "pdplane_traceparent", str)
+            if "pdplane_traceparent" in d
             else "",
         )
 

@@ -1,5 +1,9 @@
 """One try of a request on one scheduled (prefill, decode) pair: both legs and the stream.
 
+A decision without prefill (conditional disaggregation: decode holds all but a few prompt
+tokens) has one leg: the client's original request goes to decode as it came, without
+`kv_transfer_params`, and decode computes the rest of the prompt itself.
+
 See `pdplane.gateway.relay` for the failure semantics. What the attempt leaves behind (its
 Release, the KV its prefill holds, background calls) is its `Aftercare`, which decides the
 outcome; the attempt only reports what happened and settles it wherever it ends.
@@ -15,6 +19,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 
+from pdplane.core import tracing
 from pdplane.core.kv_params import DecodeRequestParams, KvParamsError
 from pdplane.gateway.aftercare import Aftercare
 from pdplane.gateway.bodies import decode_body, decode_body_parts, prefill_body
@@ -75,6 +80,7 @@ class Attempt:
         self.metrics = legs.metrics
         self.dispatch = legs.config.dispatch
         self.timeout_s = legs.config.upstream_timeout_s
+        self.idle_timeout_s = min(legs.config.stream_idle_timeout_s, self.timeout_s)
         self.care = care
         self.req = req
         self.request_id = care.request_id
@@ -82,6 +88,7 @@ class Attempt:
         self.decode = decision.decode
         self.started = started
         self.streaming = False  # set once the stream generator started (it then settles)
+        self.decode_answered_ns = 0  # time.time_ns() at decode's response headers
         self.headers = {**legs.headers, "x-request-id": self.request_id}
 
     async def run(self) -> JsonReply | StreamReply:
@@ -91,7 +98,9 @@ class Attempt:
         handed_off = False
         resp: UpstreamResponse | None = None
         try:
-            if self.dispatch == "concurrent":
+            if self.prefill is None:
+                resp = await self._open_decode(self.req.raw)
+            elif self.dispatch == "concurrent":
                 resp = await self._concurrent_legs()
             else:
                 kv = await self._prefill_leg()
@@ -121,6 +130,7 @@ class Attempt:
         returned)."""
         t0 = time.perf_counter()
         p = self.prefill
+        assert p is not None, "a prefill leg without a prefill instance"
         d = self.decode
         body = prefill_body(
             self.req.endpoint,
@@ -129,11 +139,11 @@ class Attempt:
             d.instance_id,
             d.kv_endpoint,
         )
-        with self._leg_errors("prefill", p):
+        with tracing.span("pdplane.prefill_leg"), self._leg_errors("prefill", p):
             resp = await self.upstream.open(
                 p.url + self.req.endpoint,
                 body,
-                self.headers,
+                tracing.inject_headers(self.headers),
                 read_timeout_s=self.timeout_s,
                 total_timeout_s=self.timeout_s,
             )
@@ -164,10 +174,11 @@ class Attempt:
             if not isinstance(kv, dict):
                 raise KvParamsError("kv_transfer_params missing or not an object")
             self.care.hold_kv(DecodeRequestParams.from_dict(kv))
+            tracing.stamp_kv_params(kv)
         except (ValueError, AttributeError) as exc:
+            p = self.prefill.instance_id if self.prefill is not None else "?"
             raise bad_gateway(
-                f"prefill instance {self.prefill.instance_id} returned no usable "
-                f"kv_transfer_params: {exc}"
+                f"prefill instance {p} returned no usable kv_transfer_params: {exc}"
             ) from None
         return json.dumps(kv, separators=(",", ":")).encode()
 
@@ -176,11 +187,15 @@ class Attempt:
     async def _open_decode(self, body: bytes | AsyncIterator[bytes]) -> UpstreamResponse:
         t0 = time.perf_counter()
         d = self.decode
-        with self._leg_errors("decode", d):
+        with tracing.span("pdplane.decode_leg"), self._leg_errors("decode", d):
             resp = await self.upstream.open(
-                d.url + self.req.endpoint, body, self.headers, read_timeout_s=self.timeout_s
+                d.url + self.req.endpoint,
+                body,
+                tracing.inject_headers(self.headers),
+                read_timeout_s=self.timeout_s,
             )
         self.metrics.decode_leg.observe(time.perf_counter() - t0)
+        self.decode_answered_ns = time.time_ns()
         return resp
 
     async def _decode_error(self, resp: UpstreamResponse) -> None:
@@ -246,7 +261,7 @@ class Attempt:
         done = False
         try:
             try:
-                async for chunk in resp.chunks():
+                async for chunk in resp.chunks(self.idle_timeout_s):
                     data = carry + chunk if carry else chunk
                     cut = data.rfind(b"\n\n") + 2
                     if cut == 1:  # no complete event yet
@@ -257,13 +272,14 @@ class Attempt:
                     if not events:
                         first = last
                         metrics.ttft.observe(first - self.started)
+                        tracing.record_span("pdplane.first_byte", self.decode_answered_ns)
                     events += out.count(b"\n\n")
                     done = out.endswith(SSE_DONE)
                     yield out
             except UpstreamTimeout:
                 yield gateway_timeout(
-                    f"decode instance {self.decode.instance_id} went silent for "
-                    f"{self.timeout_s:g} s"
+                    f"decode instance {self.decode.instance_id} sent nothing for "
+                    f"{self.idle_timeout_s:g} s"
                 ).sse_event()
                 return
             except UpstreamUnreachable as exc:

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import hmac
 
-__all__ = ["ApiKeys"]
+__all__ = ["CONFLICT", "ApiKeys"]
+
+#: Stands for "more than one Authorization header": never allowed when keys are required.
+CONFLICT = b"\x00conflicting authorization headers"
 
 
 class ApiKeys:
@@ -17,6 +20,8 @@ class ApiKeys:
         """Whether the raw `Authorization` header value carries one of the keys."""
         if not self._expected:
             return True
+        if authorization is CONFLICT:
+            return False
         got = authorization or b""
         # Compare against every key (constant time per key) so timing says nothing of which.
         return any([hmac.compare_digest(got, e) for e in self._expected])

@@ -7,6 +7,7 @@ goes on to the FastAPI app.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import itertools
 import os
@@ -16,8 +17,9 @@ from collections.abc import Callable
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from pdplane.core import tracing
 from pdplane.gateway.asgi import DisconnectWatch, SSEResponse
-from pdplane.gateway.auth import ApiKeys
+from pdplane.gateway.auth import CONFLICT, ApiKeys
 from pdplane.gateway.errors import (
     GatewayError,
     UpstreamReply,
@@ -29,6 +31,7 @@ from pdplane.gateway.errors import (
 )
 from pdplane.gateway.fleet import FleetView
 from pdplane.gateway.metrics import GatewayMetrics
+from pdplane.gateway.prompt_ids import TokenizerSet, exact_prompt_async
 from pdplane.gateway.relay import Relay
 from pdplane.gateway.replies import JsonReply
 from pdplane.gateway.validation import CHAT, COMPLETIONS, ClientRequest, Endpoint, parse_request
@@ -55,7 +58,16 @@ class _ClientGone(Exception):
     """The client disconnected while its body was being read."""
 
 
-async def _read_body(receive: Receive) -> bytes:
+async def _read_body(receive: Receive, timeout_s: float) -> bytes:
+    """The request body; GatewayError 408 when it takes longer than `timeout_s` (s)."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await _receive_body(receive)
+    except TimeoutError:
+        raise GatewayError(408, f"request body not received within {timeout_s:g} s") from None
+
+
+async def _receive_body(receive: Receive) -> bytes:
     chunks: list[bytes] = []
     size = 0
     while True:
@@ -76,12 +88,21 @@ def _headers(scope: Scope) -> tuple[bytes | None, str, str]:
     auth, request_id, routing_key = None, "", ""
     for key, value in scope["headers"]:
         if key == b"authorization":
-            auth = value
+            # Two Authorization headers are refused (`ApiKeys.allows(CONFLICT)`), whatever
+            # their values: proxies and servers disagree on which one counts.
+            auth = value if auth is None else CONFLICT
         elif key == b"x-request-id":
             request_id = value.decode("latin-1")
         elif key == b"x-routing-key":
             routing_key = value.decode("latin-1")
     return auth, request_id, routing_key
+
+
+def _client_traceparent(scope: Scope) -> str | None:
+    for key, value in scope["headers"]:
+        if key == b"traceparent":
+            return str(value.decode("latin-1"))
+    return None
 
 
 def _with_default_model(req: ClientRequest, view: FleetView) -> ClientRequest:
@@ -109,6 +130,9 @@ class RelayEndpoints:
         fleet: returns the current FleetView (model lookup: 404 for an unknown model).
         metrics: request counters, in-flight gauge.
         api_keys: accepted bearer tokens.
+        body_timeout_s: longest read of one request body (s); then 408.
+        tokenizers: the models' tokenizers (exact prompt ids and prefix hashes); none = the
+            estimated prompt lengths of `pdplane.gateway.tokens`.
     """
 
     def __init__(
@@ -118,12 +142,16 @@ class RelayEndpoints:
         fleet: Callable[[], FleetView],
         metrics: GatewayMetrics,
         api_keys: ApiKeys,
+        body_timeout_s: float = 60.0,
+        tokenizers: TokenizerSet | None = None,
     ) -> None:
         self.app = app
         self.relay = relay
         self.fleet = fleet
         self.metrics = metrics
         self.api_keys = api_keys
+        self.body_timeout_s = body_timeout_s
+        self.tokenizers = tokenizers or TokenizerSet({})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         endpoint = _ENDPOINTS.get(scope["path"]) if scope["type"] == "http" else None
@@ -133,9 +161,13 @@ class RelayEndpoints:
         if scope["method"] != "POST":
             body = error_body(405, "Method Not Allowed")
             response = Response(body, 405, headers={"allow": "POST"}, media_type=_JSON)
-        else:
+            await response(scope, receive, send)
+            return
+        # The request's root span: until the last byte of the answer (streams included).
+        parent = _client_traceparent(scope) if tracing.enabled() else None
+        with tracing.span("pdplane.request", parent=parent, server=True):
             response = await self._relay(endpoint, scope, receive)
-        await response(scope, receive, send)
+            await response(scope, receive, send)
 
     async def _relay(self, endpoint: Endpoint, scope: Scope, receive: Receive) -> Response:
         started = time.perf_counter()
@@ -165,8 +197,13 @@ class RelayEndpoints:
                 raise error
             if not self.api_keys.allows(auth):
                 raise unauthorized()
-            req = parse_request(endpoint, await _read_body(receive), routing_key)
             view = self.fleet()
+            req = parse_request(
+                endpoint,
+                await _read_body(receive, self.body_timeout_s),
+                routing_key,
+                max_model_len=view.longest_model_len(),
+            )
             if not req.model:
                 req = _with_default_model(req, view)
             model = view.models.get(req.model)
@@ -174,6 +211,15 @@ class RelayEndpoints:
                 if not view.ready:
                     raise unavailable("registry not reachable yet; cannot resolve the model")
                 raise not_found(req.model)
+            tokenizer = self.tokenizers.get(req.model)
+            if tokenizer is not None:
+                req = await exact_prompt_async(
+                    tokenizer, req, model.max_model_len, model.block_sizes
+                )
+            if req.prefix_hashes:
+                metrics.exact_prompts.inc()
+            else:
+                metrics.estimated_prompts.inc()
             watch = DisconnectWatch(receive)
             answered, reply = await watch.run(
                 self.relay.handle(req, request_id, started, model.max_model_len)

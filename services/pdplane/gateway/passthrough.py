@@ -66,6 +66,7 @@ class Passthrough:
             self._headers["authorization"] = f"Bearer {upstream_api_key}"
         self._timeout_s = timeout_s
         self._turn = itertools.count()
+        self._roots: dict[str, str] = {}  # root path -> served model name, from `models()`
 
     def _urls(self, model: str | None) -> tuple[str, ...]:
         view = self._fleet()
@@ -86,7 +87,11 @@ class Passthrough:
             GatewayError: 404 for an unknown model, 503 when no instance serves it, 502 when
                 none could be reached, 504 when the instance is silent past the timeout.
         """
-        model = model or (_model_of(body) if body else None)
+        if model is None and body:
+            model = _model_of(body)
+            served = self._roots.get(model) if model else None
+            if served is not None and model not in self._fleet().models:
+                body, model = _with_model(body, served), served
         urls = self._urls(model)
         if not urls:
             raise GatewayError(503, f"no instance is serving {model or 'any model'}")
@@ -125,6 +130,8 @@ class Passthrough:
             if answer.status == 200:
                 for model in json.loads(answer.body).get("data", []):
                     if model.get("id") == entry["id"]:
+                        if isinstance(model.get("root"), str) and model["root"] != entry["id"]:
+                            self._roots[model["root"]] = entry["id"]
                         return {**model, "max_model_len": entry["max_model_len"]}
         except (GatewayError, ValueError, AttributeError) as exc:
             log.info("no vLLM details for model %s: %s", entry["id"], exc)
@@ -138,3 +145,9 @@ def _model_of(body: bytes) -> str | None:
         return None  # the instance answers vLLM's own 400
     model = data.get("model") if isinstance(data, dict) else None
     return model if isinstance(model, str) and model else None
+
+
+def _with_model(body: bytes, model: str) -> bytes:
+    data = json.loads(body)  # parsed once already by `_model_of`: valid JSON object
+    data["model"] = model
+    return json.dumps(data, separators=(",", ":")).encode()

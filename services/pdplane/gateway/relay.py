@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from pdplane.core import tracing
 from pdplane.gateway.aftercare import Aftercare, Caretaker
 from pdplane.gateway.attempt import Attempt, Legs
 from pdplane.gateway.config import RelayConfig
@@ -112,9 +113,11 @@ class Relay:
             max_tokens,
             routing_key=req.routing_key,
             exclude_instance_ids=tuple(excluded),
+            prefix_hashes=req.prefix_hashes,
         )
         try:
-            return await self.scheduler.schedule(features)
+            with tracing.span("pdplane.schedule"):
+                return await self.scheduler.schedule(features)
         except asyncio.CancelledError as exc:
             # The scheduler may have counted the request before the client left; an unknown id
             # is harmless to Release.

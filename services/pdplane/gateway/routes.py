@@ -4,14 +4,14 @@ read-only routes answered by an instance (/tokenize, /detokenize, /version)."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from pdplane.core.server_id import server_id
-from pdplane.gateway.auth import ApiKeys
+from pdplane.gateway.auth import CONFLICT, ApiKeys
 from pdplane.gateway.errors import GatewayError, unauthorized
 from pdplane.gateway.fleet import FleetView
 from pdplane.gateway.metrics import GatewayMetrics
@@ -31,12 +31,20 @@ def build_router(
     metrics: GatewayMetrics,
     api_keys: ApiKeys,
     passthrough: Passthrough,
+    health_details: Mapping[str, object] | None = None,
 ) -> APIRouter:
-    """The gateway's read-only routes; `fleet()` returns the current FleetView."""
+    """The gateway's read-only routes; `fleet()` returns the current FleetView and
+    `health_details` is added to every /health body (e.g. the tokenizer state)."""
+    details = dict(health_details or {})
     router = APIRouter()
 
     def refused(request: Request) -> Response | None:
-        if api_keys.allows(request.headers.get("authorization", "").encode("latin-1")):
+        values = request.headers.getlist("authorization")
+        if len(values) > 1:
+            got: bytes | None = CONFLICT
+        else:
+            got = values[0].encode("latin-1") if values else None
+        if api_keys.allows(got):
             return None
         exc = unauthorized()
         return Response(exc.body(), exc.status, media_type=_JSON)
@@ -80,7 +88,7 @@ def build_router(
         """200 when every served model has a usable prefill/decode pair, else 503 + reason;
         `server_id` says which gateway process answered (`pdplane.core.server_id`)."""
         healthy, body = fleet().health()
-        return _json({**body, "server_id": server_id()}, 200 if healthy else 503)
+        return _json({**body, **details, "server_id": server_id()}, 200 if healthy else 503)
 
     @router.get("/metrics")
     async def prometheus() -> Response:

@@ -10,13 +10,23 @@ refuses the same request, the message is vLLM's own (an empty prompt or conversa
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SkipValidation,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+)
 
 from pdplane.gateway.errors import bad_request
+from pdplane.gateway.json_guard import check_prompt, load_json
 from pdplane.gateway.tokens import estimate_chat_tokens, estimate_prompt_tokens
 
 __all__ = [
@@ -61,7 +71,8 @@ class _Common(BaseModel):
 
 
 class _Completion(_Common):
-    prompt: StrictStr | list[StrictStr] | _TokenIds | list[_TokenIds] | None = None
+    # Checked by `check_prompt` (cheap for long id lists); the type is for the schema.
+    prompt: SkipValidation[StrictStr | list[StrictStr] | _TokenIds | list[_TokenIds] | None] = None
 
 
 class _Chat(_Common):
@@ -82,6 +93,8 @@ class ClientRequest:
         prompt_tokens: prompt length estimate for Schedule (tokens; see `pdplane.gateway.tokens`).
         max_tokens: tokens to generate if the client said so, else 0 (unknown).
         routing_key: consistent-hash key (`X-Routing-Key` header, else the `user` field).
+        prefix_hashes: block size -> the prompt's exact block hashes, set with the exact
+            `prompt_tokens` by `pdplane.gateway.prompt_ids` when the model's tokenizer is known.
     """
 
     endpoint: Endpoint
@@ -92,6 +105,7 @@ class ClientRequest:
     prompt_tokens: int
     max_tokens: int
     routing_key: str
+    prefix_hashes: Mapping[int, Sequence[int]] = field(default_factory=dict)
 
 
 _UNION_TAGS = frozenset({"str", "int", "bool", "float"})
@@ -150,24 +164,28 @@ def _refuse_unsupported(req: _Completion | _Chat) -> None:
         )
 
 
-def parse_request(endpoint: Endpoint, raw: bytes, routing_key: str = "") -> ClientRequest:
+def parse_request(
+    endpoint: Endpoint, raw: bytes, routing_key: str = "", *, max_model_len: int | None = None
+) -> ClientRequest:
     """Parses and validates a client body for `endpoint`.
 
     Args:
         endpoint: COMPLETIONS or CHAT.
         raw: the HTTP body (UTF-8 JSON).
         routing_key: the `X-Routing-Key` header, "" when absent.
+        max_model_len: the longest context of the served models (tokens), which bounds the
+            number of JSON values a body may hold (`pdplane.gateway.json_guard`); None = no bound.
 
     Raises:
-        GatewayError(400): not JSON, not an object, a missing or empty `prompt` / `messages`,
-            a wrong type in a field the gateway reads, a batched prompt or beam search.
+        GatewayError(400): not UTF-8 JSON, nested too deeply, a lone surrogate, far more values
+            than the model length allows, not an object, a missing or empty `prompt` /
+            `messages`, a wrong type in a field the gateway reads, a batched prompt or beam search.
     """
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise bad_request(f"request body is not valid JSON: {exc}") from None
+    body = load_json(raw, max_model_len)
     if not isinstance(body, dict):
         raise bad_request("request body must be a JSON object")
+    if endpoint != CHAT and (error := check_prompt(body.get("prompt"))) is not None:
+        raise error
     model_cls = _Chat if endpoint == CHAT else _Completion
     try:
         req = model_cls.model_validate(body)

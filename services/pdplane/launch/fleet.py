@@ -108,8 +108,8 @@ class FleetSpec:
     vllm_args: list[str] = field(default_factory=list)
     #: Tokens per request (prompt + output) of every vLLM instance.
     max_model_len: int = 1024
-    prefill_policy: str = "least_loaded"
-    decode_policy: str = "least_loaded"
+    prefill_policy: str = "kv_aware"
+    decode_policy: str = "kv_aware"
     log_dir: Path = Path("logs")
     ready_timeout_s: float = 600.0
     #: Extra `VllmCpuOptions` fields for every instance (e.g. transfer_timeout_s in tests).
@@ -355,6 +355,8 @@ class Fleet:
                 s.host,
                 "--port",
                 str(s.gateway_port),
+                # The served model's own tokenizer: exact prompt ids and prefix hashes.
+                *(["--tokenizer", str(self.model_dir)] if self.model_dir else []),
             ),
         )
         # /health answers (503 until a pair registers) once the HTTP server is up.

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from pdplane.core import tracing
 from pdplane.launch.process import ManagedProcess, http_ok, wait_until
 
 __all__ = [
@@ -214,14 +215,22 @@ class VllmCpuInstance:
         if self._events_dir is not None:
             endpoint = f"ipc://{self._events_dir / 'kv-events.ipc'}"
             argv += ["--kv-events-config", json.dumps(kv_events_config(endpoint))]
+        otlp = tracing.traces_endpoint(self.env())
+        if otlp and "--otlp-traces-endpoint" not in o.extra_args:
+            # vLLM's own request spans, in the trace the gateway's `traceparent` names.
+            argv += ["--otlp-traces-endpoint", otlp]
         return argv + list(o.extra_args)
 
     def env(self) -> dict[str, str]:
-        """The server's environment: the caller's, plus the lean settings."""
+        """The server's environment: the caller's, plus the lean settings (and, when traces
+        are on, the instance's name as `OTEL_SERVICE_NAME` unless the caller set one)."""
         env = {**self._base_env, **LEAN_ENV}
         if self.options.omp_threads_bind is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = self.options.omp_threads_bind
         env.update(self.options.extra_env)
+        if tracing.env_enabled(env) and "OTEL_SERVICE_NAME" not in env:
+            o = self.options
+            env["OTEL_SERVICE_NAME"] = o.instance_id or f"vllm-{o.role or 'instance'}-{o.port}"
         return env
 
     def start(self) -> None:

@@ -104,7 +104,9 @@ class EtcdView:
     # ---------------------------------------------------------------------------- applying
 
     def apply(self, events: Iterable[rpc.Event]) -> None:
-        """Applies etcd watch events (in order) and emits the derived watch events."""
+        """Applies etcd watch events (in order) and emits the derived watch events. `events`
+        holds whole revisions, as etcd's watch guarantees (it never splits a revision's events
+        over two responses); revisions already applied are skipped."""
         with self.lock:
             for etcd_rev, group in groupby(events, key=lambda e: e.kv.mod_revision):
                 if etcd_rev <= self.applied:

@@ -7,6 +7,7 @@ import logging
 import signal
 import sys
 
+from pdplane.core import tracing
 from pdplane.scheduler.app import SchedulerApp
 from pdplane.scheduler.settings import SchedulerSettings
 
@@ -44,6 +45,7 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    tracing.configure("pdplane-scheduler")
     return asyncio.run(_serve(settings))
 
 

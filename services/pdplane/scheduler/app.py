@@ -17,6 +17,7 @@ from prometheus_client import start_http_server
 
 from pdplane.core import grpc_util
 from pdplane.registry.client import InstanceWatcher
+from pdplane.scheduler import exchange
 from pdplane.scheduler.kv_index import KvIndexManager
 from pdplane.scheduler.local import LocalScheduler, open_local
 from pdplane.scheduler.metrics import SchedulerMetrics
@@ -25,7 +26,7 @@ from pdplane.scheduler.service import SchedulerService
 from pdplane.scheduler.servicer import SchedulerServicer
 from pdplane.scheduler.settings import SchedulerSettings
 from pdplane.scheduler.view import CandidateView
-from pdplane.v1 import scheduler_pb2, scheduler_pb2_grpc
+from pdplane.v1 import inflight_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
 __all__ = ["SchedulerApp"]
 
@@ -49,6 +50,7 @@ class SchedulerApp:
         self._local: LocalScheduler | None = None
         self.metrics = SchedulerMetrics()
         self.service: SchedulerService | None = None
+        self.exchange: exchange.InflightExchange | None = None
         self._server: grpc.aio.Server | None = None
         self._http: tuple[HTTPServer, threading.Thread] | None = None
         self.kv_index: KvIndexManager | None = None
@@ -79,6 +81,7 @@ class SchedulerApp:
             self.service, self.kv_index = self._local.service, self._local.kv_index
             self.view = self.service.view
             await self._start_grpc()
+            await self._local.start()  # follows --peers
             if s.metrics_port:
                 server, thread = start_http_server(
                     s.metrics_port, addr=s.host, registry=self.metrics.registry
@@ -121,7 +124,11 @@ class SchedulerApp:
         interceptors = [grpc_util.AioTokenAuthInterceptor(s.token)] if s.token else []
         server = grpc.aio.server(interceptors=interceptors, options=grpc_util.SERVER_OPTIONS)
         scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(self.service), server)
-        await grpc_util.aio_add_health_and_reflection(server, [SERVICE_NAME])
+        # Always served (other replicas may list this one); peers are followed with --peers.
+        assert self._local is not None and self._local.exchange is not None
+        self.exchange = self._local.exchange.exchange
+        inflight_pb2_grpc.add_InflightExchangeServicer_to_server(self.exchange.servicer, server)
+        await grpc_util.aio_add_health_and_reflection(server, [SERVICE_NAME, exchange.SERVICE_NAME])
         host = f"[{s.host}]" if ":" in s.host else s.host
         port = grpc_util.add_port(server, f"{host}:{s.port}", s.tls_cert, s.tls_key)
         self._server = server

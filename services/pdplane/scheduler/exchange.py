@@ -8,13 +8,20 @@ subscriber counts a peer's ASSIGNED exactly as its own decision made at the mome
 (`InflightTracker.add_peer`): pending on the load reports its own view holds then, so it stops
 counting as load when those instances next report, by the same rule as its own assignments.
 
-Consistency: every replica sees every other's assignments one stream hop after they were made
-(sub-millisecond on one host, a network round trip between hosts); there is no global order, so
-two decisions made within that window on different replicas can still pick the same instance.
-A snapshot's assignments count in flight but not as load (how many reports they predate is
-unknown). When a peer's stream ends (the peer died or restarts) its assignments are dropped: the
-ones that reached an instance show in its next load report, the others died with the peer. A
-replica listed among its own peers is recognised by its id and skipped.
+Consistency: every replica sees every other's assignments one stream hop after they were made;
+there is no global order. The hop is short (a network round trip plus an event-loop turn), but a
+burst decides faster than that: a gateway deciding itself makes dozens of decisions in one loop
+turn, before its first update leaves, so replicas that counted only what they had received would
+still herd. For that window each replica assumes that its peers decide as it does:
+an own assignment also counts once per followed peer as "unseen" load on its instances until
+the second update from that peer since the assignment has arrived (the first may have left
+before it), by which time the peer's real decisions count instead; at most `lag_s`
+(`--peer-lag-ms`). A replica with nothing to send sends an empty update every 10 ms, so the
+estimate of an idle peer ends within about two ticks, and that of a peer too busy to send
+lasts as long as it is silent. Within that window the estimate is conservative (a peer's real
+choice and the guess can both count). Measured on the burst scenario (docs/scheduler.md):
+without the estimate, embedded gateways sharing assignments still herded (burst [90, 10, 10,
+10]: the first update arrived ~30 ms after 27 decisions); with it, [60, 20, 20, 20].
 
 Peers are `host:port` gRPC addresses; a name that resolves to several addresses (a headless
 Kubernetes Service of the replicas) counts as one peer per address, re-resolved every
@@ -24,23 +31,32 @@ Kubernetes Service of the replicas) counts as one peer per address, re-resolved 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import os
 import secrets
 import socket
 import threading
+import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import grpc
+from prometheus_client import CollectorRegistry, Gauge
 
 from pdplane.core import grpc_util
 from pdplane.scheduler.inflight import Assignment, InflightTracker
 from pdplane.scheduler.view import CandidateView
 from pdplane.v1 import inflight_pb2, inflight_pb2_grpc
 
-__all__ = ["SERVICE_NAME", "InflightExchange", "default_replica_id"]
+__all__ = [
+    "SERVICE_NAME",
+    "EmbeddedExchange",
+    "InflightExchange",
+    "default_replica_id",
+    "serve_exchange",
+]
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +66,7 @@ _ASSIGNED = inflight_pb2.InflightEvent.KIND_ASSIGNED
 _RELEASED = inflight_pb2.InflightEvent.KIND_RELEASED
 _QUEUE_UPDATES = 10_000  # updates a subscriber may lag before it is cut off (it resubscribes)
 _BACKOFF_S = (0.05, 2.0)  # reconnect delay to a peer: first, longest (doubling)
+_TICK_S = 0.01  # an idle replica's empty update to its subscribers, every this many seconds
 
 
 def default_replica_id() -> str:
@@ -82,6 +99,8 @@ class InflightExchange:
         token: str | None = None,
         tls_ca: str | None = None,
         resolve_every_s: float = 5.0,
+        lag_s: float = 1.0,
+        tick_s: float = _TICK_S,
     ) -> None:
         self.tracker = tracker
         self.view = view
@@ -100,19 +119,45 @@ class InflightExchange:
         self._resolver: asyncio.Task[None] | None = None
         self.connected: dict[str, str] = {}  # peer address -> its replica id, while streaming
         self.servicer = _Servicer(self)
+        self._lag_s = lag_s
+        self._tick_s = tick_s
+        self._ticker: asyncio.Task[None] | None = None
+        # instance id -> own assignments still standing for unseen peer decisions, oldest
+        # first: (clock time, {peer replica id: updates received from it by then})
+        self._recent: dict[str, collections.deque[tuple[float, dict[str, int]]]] = {}
+        self._received: dict[str, int] = {}  # peer replica id -> updates received from it
+
+    def register_metrics(self, registry: CollectorRegistry) -> None:
+        """Adds `pdplane_scheduler_peers` (peer replicas followed now, read at scrape time) and
+        `pdplane_scheduler_subscribers` (replicas following this one) to `registry`."""
+        Gauge(
+            "pdplane_scheduler_peers",
+            "Peer replicas whose in-flight assignments this one follows now",
+            registry=registry,
+        ).set_function(lambda: len(self.connected))
+        Gauge(
+            "pdplane_scheduler_subscribers",
+            "Replicas following this one's in-flight assignments now",
+            registry=registry,
+        ).set_function(lambda: len(self._subscribers))
 
     async def start(self) -> None:
         """Starts publishing own changes and following the peers (on the running loop)."""
         self._loop = asyncio.get_running_loop()
         self.tracker.listener = self._on_change
+        self.tracker.unseen = self.unseen
         if self.peers:
             self._resolver = asyncio.create_task(self._resolve_forever())
+        self._ticker = asyncio.create_task(self._tick_forever())
 
     async def stop(self) -> None:
         """Stops following peers (their assignments are dropped) and ends subscriptions."""
         self.tracker.listener = None
-        tasks = [t for t in (self._resolver, *self._followers.values()) if t is not None]
-        self._resolver = None
+        self.tracker.unseen = None
+        tasks = [
+            t for t in (self._resolver, self._ticker, *self._followers.values()) if t is not None
+        ]
+        self._resolver = self._ticker = None
         self._followers.clear()
         for task in tasks:
             task.cancel()
@@ -126,7 +171,31 @@ class InflightExchange:
 
     # --- publishing ----------------------------------------------------------------------
 
+    def unseen(self, instance_id: str) -> float:
+        """Peers' assignments to `instance_id` estimated but not received yet: each own one
+        counts once per followed peer until the second update from that peer since it was made
+        has arrived (the first may have left before it), at most `lag_s` seconds (module
+        docstring). Zero without peers."""
+        recent = self._recent.get(instance_id)
+        if not recent or not self.connected:
+            return 0.0
+        horizon = time.monotonic() - self._lag_s
+        while recent and recent[0][0] <= horizon:
+            recent.popleft()
+        total = 0
+        for origin in self.connected.values():
+            received = self._received.get(origin, 0)
+            total += sum(1 for _t, marks in recent if received - marks.get(origin, received) < 2)
+        return float(total)
+
     def _on_change(self, assigned: list[Assignment], released: list[Assignment]) -> None:
+        if self.connected and assigned:
+            mark = (time.monotonic(), dict(self._received))
+            for a in assigned:
+                for instance_id in (a.prefill_id, a.decode_id):
+                    self._recent.setdefault(instance_id, collections.deque()).append(mark)
+        if not self._subscribers:
+            return  # a later subscriber starts from a snapshot
         # Releases first: a retry replaces an id by releasing, then assigning it again.
         events = [
             inflight_pb2.InflightEvent(kind=_RELEASED, request_id=r.request_id) for r in released
@@ -150,6 +219,15 @@ class InflightExchange:
                 sub.queue.put_nowait(events)
             except asyncio.QueueFull:
                 sub.overflowed = True
+
+    async def _tick_forever(self) -> None:
+        # An empty update every tick_s tells the subscribers that nothing was decided since
+        # the last one, so their estimate of this replica's unseen decisions can end.
+        while True:
+            await asyncio.sleep(self._tick_s)
+            for sub in self._subscribers:
+                if sub.queue.empty():
+                    sub.queue.put_nowait([])
 
     async def subscribe(self, subscriber_id: str) -> AsyncIterator[inflight_pb2.InflightUpdate]:
         """The updates of one subscription (see the module docstring). Raises ValueError when
@@ -232,6 +310,7 @@ class InflightExchange:
             delay = min(delay * 2, _BACKOFF_S[1])
 
     def _apply(self, origin: str, update: inflight_pb2.InflightUpdate) -> None:
+        self._received[origin] = self._received.get(origin, 0) + 1
         for event in update.events:
             if event.kind == _RELEASED:
                 self.tracker.release_peer(origin, event.request_id)
@@ -239,12 +318,13 @@ class InflightExchange:
                 self.tracker.add_peer(
                     origin,
                     event.request_id,
-                    self.view.candidate(event.prefill_id),
+                    self.view.candidate(event.prefill_id) if event.prefill_id else None,
                     self.view.candidate(event.decode_id),
                     event.decode_blocks,
                     prefill_id=event.prefill_id,
                     decode_id=event.decode_id,
                     pending=not update.snapshot,
+                    prefill_tokens=event.prefill_tokens,
                 )
 
 
@@ -265,6 +345,65 @@ class _Servicer(inflight_pb2_grpc.InflightExchangeServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
 
 
+async def serve_exchange(
+    exchange: InflightExchange,
+    host: str,
+    port: int,
+    *,
+    token: str | None = None,
+    tls_cert: str | None = None,
+    tls_key: str | None = None,
+) -> tuple[grpc.aio.Server, int]:
+    """A gRPC server of its own for `exchange` (a gateway deciding itself has no other):
+    the exchange plus health and reflection, `token` required on the exchange. Returns the
+    started server and its bound port; stop it with `await server.stop(grace)`. Raises
+    RuntimeError / OSError when the port cannot be bound."""
+    interceptors = [grpc_util.AioTokenAuthInterceptor(token)] if token else []
+    server = grpc.aio.server(interceptors=interceptors, options=grpc_util.SERVER_OPTIONS)
+    inflight_pb2_grpc.add_InflightExchangeServicer_to_server(exchange.servicer, server)
+    await grpc_util.aio_add_health_and_reflection(server, [SERVICE_NAME])
+    bind = f"[{host}]" if ":" in host else host
+    bound = grpc_util.add_port(server, f"{bind}:{port}", tls_cert, tls_key)
+    await server.start()
+    return server, bound
+
+
+class EmbeddedExchange:
+    """The exchange of a gateway deciding itself (`--scheduler embedded`): follows `peers` and,
+    with `port` > 0, serves its own assignments on a gRPC server of its own at host:port.
+    `await start()` inside the gateway's event loop, `await stop()` at shutdown."""
+
+    def __init__(
+        self,
+        exchange: InflightExchange,
+        host: str,
+        port: int,
+        *,
+        token: str | None = None,
+    ) -> None:
+        self.exchange = exchange
+        self._host = host
+        self._port = port
+        self._token = token
+        self._server: grpc.aio.Server | None = None
+        self.port = 0  # the bound port once started
+
+    async def start(self) -> None:
+        """Serves (with a port) and starts following; OSError/RuntimeError if it cannot bind."""
+        if self._port:
+            self._server, self.port = await serve_exchange(
+                self.exchange, self._host, self._port, token=self._token
+            )
+        await self.exchange.start()
+
+    async def stop(self) -> None:
+        """Stops following and serving."""
+        await self.exchange.stop()
+        server, self._server = self._server, None
+        if server is not None:
+            await server.stop(0.5)
+
+
 def _assigned(a: Assignment) -> inflight_pb2.InflightEvent:
     return inflight_pb2.InflightEvent(
         kind=_ASSIGNED,
@@ -272,6 +411,7 @@ def _assigned(a: Assignment) -> inflight_pb2.InflightEvent:
         prefill_id=a.prefill_id,
         decode_id=a.decode_id,
         decode_blocks=a.decode_blocks,
+        prefill_tokens=a.prefill_tokens,
     )
 
 

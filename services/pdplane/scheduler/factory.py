@@ -44,4 +44,5 @@ def open_scheduler(
         token=settings.token,
         tls_ca=settings.tls_ca,
         subscriber="gateway",
+        exchange_at=(settings.host, settings.inflight_port) if settings.inflight_port else None,
     )

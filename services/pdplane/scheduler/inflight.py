@@ -31,7 +31,10 @@ __all__ = ["Assignment", "InflightListener", "InflightTracker"]
 
 @dataclass(frozen=True, slots=True)
 class Assignment:
-    """One scheduled request: its pair, the epochs it was counted in, its decode KV blocks.
+    """One scheduled request: its pair, the epochs it was counted in, its decode KV blocks and
+    the uncached prompt tokens sent to its prefill (`prefill_tokens`).
+
+    `prefill_id` is "" when decode computes the prompt itself (no prefill leg).
 
     `origin` is "" for this replica's own assignments, else the peer replica's id. `pending`
     False: counted in flight but not as load since the current reports (a peer's assignments
@@ -47,6 +50,7 @@ class Assignment:
     started_at: float  # clock seconds
     origin: str = ""
     pending: bool = True
+    prefill_tokens: int = 0
 
 
 #: Told of own changes, outside the tracker's lock: (assigned, released) assignments.
@@ -59,6 +63,7 @@ class _Pending:
     epoch: int
     requests: int = 0
     blocks: int = 0
+    tokens: int = 0  # uncached prompt tokens sent to this prefill
 
 
 class InflightTracker:
@@ -74,6 +79,8 @@ class InflightTracker:
         self._clock = clock
         self._lock = threading.Lock()
         self.listener: InflightListener | None = None
+        #: instance id -> peers' assignments estimated but not visible yet (see exchange.py).
+        self.unseen: Callable[[str], float] | None = None
         # Insertion order == start order, so expired assignments sit at the front.
         self._requests: OrderedDict[_Key, Assignment] = OrderedDict()
         self._pending: dict[str, _Pending] = {}
@@ -88,29 +95,47 @@ class InflightTracker:
         return pending.requests if pending and pending.epoch == candidate.epoch else 0
 
     def effective_load(self, candidate: Candidate) -> float:
-        """The candidate's reported load plus its pending requests (see `Candidate`)."""
+        """The candidate's reported load plus its pending requests (see `Candidate`), plus the
+        peers' assignments estimated but not received yet (`unseen`, with peers only)."""
+        load = candidate.reported_load
         pending = self._pending.get(candidate.instance_id)
-        if pending is None or pending.epoch != candidate.epoch:
-            return candidate.reported_load
-        return candidate.reported_load + pending.requests
+        if pending is not None and pending.epoch == candidate.epoch:
+            load += pending.requests
+        unseen = self.unseen
+        return load + unseen(candidate.instance_id) if unseen is not None else load
 
     def pending_blocks(self, candidate: Candidate) -> int:
         """KV cache blocks reserved on decode `candidate` since its current load report."""
         pending = self._pending.get(candidate.instance_id)
         return pending.blocks if pending and pending.epoch == candidate.epoch else 0
 
+    def queued_prefill_tokens(self, candidate: Candidate) -> int:
+        """Uncached prompt tokens sent to prefill `candidate` since its current load report,
+        by unreleased assignments (the prefill work it has queued that its report may not
+        show yet)."""
+        pending = self._pending.get(candidate.instance_id)
+        return pending.tokens if pending and pending.epoch == candidate.epoch else 0
+
     def add(
-        self, request_id: str, prefill: Candidate, decode: Candidate, decode_blocks: int
+        self,
+        request_id: str,
+        prefill: Candidate | None,
+        decode: Candidate,
+        decode_blocks: int,
+        prefill_tokens: int = 0,
     ) -> Assignment | None:
-        """Counts a new assignment; returns the one it replaced when the id was in flight."""
+        """Counts a new assignment (`prefill` None: decode computes the prompt itself, and
+        `prefill_tokens` uncached prompt tokens go to the prefill); returns the one it
+        replaced when the id was in flight."""
         record = Assignment(
             request_id=request_id,
-            prefill_id=prefill.instance_id,
-            prefill_epoch=prefill.epoch,
+            prefill_id=prefill.instance_id if prefill is not None else "",
+            prefill_epoch=prefill.epoch if prefill is not None else 0,
             decode_id=decode.instance_id,
             decode_epoch=decode.epoch,
             decode_blocks=decode_blocks,
             started_at=self._clock(),
+            prefill_tokens=prefill_tokens if prefill is not None else 0,
         )
         with self._lock:
             replaced = self._put_locked(request_id, record)
@@ -156,11 +181,13 @@ class InflightTracker:
         prefill_id: str = "",
         decode_id: str = "",
         pending: bool = True,
+        prefill_tokens: int = 0,
     ) -> None:
         """Counts peer `origin`'s assignment of `request_id` as if made here now: pending on
         the reports this replica's view holds (`prefill`/`decode`, None when the view does not
         know the instance yet: counted in flight only). Replaces the peer's earlier one of
-        that id. `prefill_id`/`decode_id` name the instances when the candidate is None."""
+        that id. `prefill_id`/`decode_id` name the instances when the candidate is None
+        (`prefill_id` "": no prefill leg); `prefill_tokens` as in `add`."""
         record = Assignment(
             request_id=request_id,
             prefill_id=prefill.instance_id if prefill else prefill_id,
@@ -170,7 +197,8 @@ class InflightTracker:
             decode_blocks=decode_blocks,
             started_at=self._clock(),
             origin=origin,
-            pending=pending and prefill is not None and decode is not None,
+            pending=pending and (prefill is not None or not prefill_id) and decode is not None,
+            prefill_tokens=prefill_tokens,
         )
         with self._lock:
             self._put_locked((origin, request_id), record)
@@ -191,7 +219,10 @@ class InflightTracker:
     def _put_locked(self, key: _Key, record: Assignment) -> Assignment | None:
         replaced = self._pop_locked(key)
         self._requests[key] = record
-        self._count(record.prefill_id, record.prefill_epoch, 0, record.pending)
+        if record.prefill_id:
+            self._count(
+                record.prefill_id, record.prefill_epoch, 0, record.pending, record.prefill_tokens
+            )
         self._count(record.decode_id, record.decode_epoch, record.decode_blocks, record.pending)
         return replaced
 
@@ -226,7 +257,9 @@ class InflightTracker:
             expired.append(record)
         return expired
 
-    def _count(self, instance_id: str, epoch: int, blocks: int, pending_too: bool) -> None:
+    def _count(
+        self, instance_id: str, epoch: int, blocks: int, pending_too: bool, tokens: int = 0
+    ) -> None:
         self._total[instance_id] = self._total.get(instance_id, 0) + 1
         if not pending_too:
             return
@@ -235,12 +268,15 @@ class InflightTracker:
             pending = self._pending[instance_id] = _Pending(epoch)
         pending.requests += 1
         pending.blocks += blocks
+        pending.tokens += tokens
 
     def _uncount(self, record: Assignment) -> None:
-        for instance_id, epoch, blocks in (
-            (record.prefill_id, record.prefill_epoch, 0),
-            (record.decode_id, record.decode_epoch, record.decode_blocks),
+        for instance_id, epoch, blocks, tokens in (
+            (record.prefill_id, record.prefill_epoch, 0, record.prefill_tokens),
+            (record.decode_id, record.decode_epoch, record.decode_blocks, 0),
         ):
+            if not instance_id:
+                continue  # no prefill leg
             left = self._total.get(instance_id, 0) - 1
             if left > 0:
                 self._total[instance_id] = left
@@ -252,5 +288,6 @@ class InflightTracker:
             if pending is not None and pending.epoch == epoch:
                 pending.requests -= 1
                 pending.blocks -= blocks
+                pending.tokens -= tokens
                 if pending.requests <= 0:
                     del self._pending[instance_id]

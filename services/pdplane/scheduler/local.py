@@ -6,9 +6,9 @@ same `SchedulerService` (policies, compatibility filter, decode KV guard, in-fli
 prefix index, metric names) decides over an `InstanceSource` the caller already keeps, so
 scheduling is a function call.
 
-The in-flight accounting is then local to that process: two gateways each deciding locally do
-not see each other's assignments between two load reports. Deployments with several gateways
-keep one remote scheduler so that every assignment is counted in one place.
+Several processes deciding over one fleet (scheduler replicas, or gateways deciding locally)
+share their in-flight assignments with the peers named in `--peers`
+(`pdplane.scheduler.exchange`); without peers each counts only its own between two load reports.
 
 `open_local` is also how a `pdplane scheduler` process wires its service
 (`pdplane.scheduler.app`), so both run the same objects.
@@ -18,10 +18,13 @@ from __future__ import annotations
 
 import asyncio
 
+from pdplane.core import tracing
+from pdplane.scheduler.exchange import EmbeddedExchange, InflightExchange
 from pdplane.scheduler.inflight import InflightTracker
 from pdplane.scheduler.kv_index import KvIndexManager
 from pdplane.scheduler.kv_index.wiring import start_kv_index
 from pdplane.scheduler.metrics import SchedulerMetrics
+from pdplane.scheduler.policies.kv_aware import KvAwareWeights
 from pdplane.scheduler.port import Decision, InstanceSource, Outcome, PolicyFlags, RequestFeatures
 from pdplane.scheduler.service import SchedulerService
 from pdplane.scheduler.view import CandidateView
@@ -38,13 +41,26 @@ class LocalScheduler:
     invalid field. Nothing is awaited: `release_nowait` is `release` as a plain call.
     """
 
-    def __init__(self, service: SchedulerService, kv_index: KvIndexManager | None = None) -> None:
+    def __init__(
+        self,
+        service: SchedulerService,
+        kv_index: KvIndexManager | None = None,
+        exchange: EmbeddedExchange | None = None,
+    ) -> None:
         self.service = service
         self.kv_index = kv_index
+        self.exchange = exchange
+
+    async def start(self) -> None:
+        """Starts sharing in-flight assignments with the peers (serving them, with a port).
+        Raises OSError/RuntimeError when that port cannot be bound."""
+        if self.exchange is not None:
+            await self.exchange.start()
 
     async def schedule(self, features: RequestFeatures) -> Decision:
         """`SchedulerPort.schedule`, decided in this process."""
-        return self.service.schedule(features)
+        with tracing.span("pdplane.scheduler.decision"):
+            return self.service.schedule(features)
 
     async def release(self, request_id: str, outcome: Outcome) -> bool:
         """`SchedulerPort.release`; ValueError on an empty id or an unknown outcome."""
@@ -55,7 +71,11 @@ class LocalScheduler:
         self.service.release(request_id, Outcome.parse(outcome))
 
     async def close(self) -> None:
-        """Stops the prefix index's streams (bounded); the source belongs to the caller."""
+        """Stops the exchange and the prefix index's streams (bounded); the source belongs to
+        the caller."""
+        exchange, self.exchange = self.exchange, None
+        if exchange is not None:
+            await exchange.stop()
         kv_index, self.kv_index = self.kv_index, None
         if kv_index is not None:
             await asyncio.to_thread(kv_index.stop)
@@ -69,6 +89,7 @@ def open_local(
     token: str | None,
     tls_ca: str | None,
     subscriber: str,
+    exchange_at: tuple[str, int] | None = None,
 ) -> LocalScheduler:
     """A `LocalScheduler` deciding over `source` with `flags` (policies, in-flight expiry,
     seed, the kv_* flags of the prefix index).
@@ -78,7 +99,11 @@ def open_local(
     instance and the instances of the view. Unless `flags.kv_index` is off, a started prefix
     index follows every instance's KV events stream (`token`/`tls_ca`: the instances' gRPC
     credentials; `subscriber`: the name they log) and registers its metrics beside them.
-    Close it with `await close()`. Raises ValueError for an unknown policy name.
+    Its in-flight exchange (`.exchange.exchange`) follows `flags.peers` from `start()`, and
+    with `exchange_at` (host, port > 0) serves this process's assignments on a gRPC server of
+    its own (a caller with its own gRPC server adds `exchange.exchange.servicer` to it
+    instead). Start it with `await start()` in the event loop that will use it, close it with
+    `await close()`. Raises ValueError for an unknown policy name.
     """
     view = CandidateView(source)
     service = SchedulerService(
@@ -88,6 +113,13 @@ def open_local(
         inflight=InflightTracker(flags.inflight_timeout_s),
         metrics=metrics,
         seed=flags.seed,
+        kv_weights=KvAwareWeights(
+            request_tokens=flags.kv_request_tokens,
+            kv_usage_tokens=flags.kv_usage_tokens,
+            decode_hit_weight=flags.kv_decode_hit_weight,
+            load_factor=flags.kv_load_factor,
+        ),
+        local_prefill_max_tokens=flags.local_prefill_max_tokens,
     )
     metrics.watch(service.inflight.inflight_by_instance, view.all)
     kv_index = start_kv_index(
@@ -99,4 +131,16 @@ def open_local(
         service=service,
         subscriber=subscriber,
     )
-    return LocalScheduler(service, kv_index)
+    shared = InflightExchange(
+        service.inflight,
+        view,
+        replica_id=flags.replica_id,
+        peers=flags.peer_list(),
+        lag_s=flags.peer_lag_ms / 1000,
+        token=token,
+        tls_ca=tls_ca,
+    )
+    shared.register_metrics(metrics.registry)
+    host, port = exchange_at or ("", 0)
+    exchange = EmbeddedExchange(shared, host, port, token=token)
+    return LocalScheduler(service, kv_index, exchange)

@@ -16,8 +16,9 @@ types to and from `pdplane.v1.scheduler_pb2`.
 
 Adding a request feature: a field of `RequestFeatures`, the field of `ScheduleRequest` in
 `scheduler.proto`, and its line in each direction of `wire`; nothing else changes on the way.
-A decision without a prefill instance (decode computes the prompt itself) or with prefix-cache
-hits per side would likewise be new fields of `Decision` (and `ScheduleResponse`).
+A decision may have no prefill instance (decode computes the prompt itself: conditional
+disaggregation; on the wire an empty prefill `InstanceRef`), and carries the predicted prefix
+cache hits per side.
 
 This module imports no scheduler internals, so callers may depend on it alone.
 """
@@ -26,7 +27,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from pdplane.v1 import instance_pb2
@@ -64,9 +65,15 @@ class RequestFeatures:
         max_tokens: tokens to generate; 0 = unknown.
         routing_key: optional key for `consistent_hash` ("" = none).
         prefix_block_hashes: uint64 hashes of the prompt's full KV cache blocks, in order;
-            empty when unknown.
+            empty when unknown. The key of `consistent_hash` when given (any hash a client
+            chooses); a scheduler falls back to `prefix_hashes` when it is empty.
         exclude_instance_ids: instances not to choose (e.g. ones that just failed this request).
         prefill_policy / decode_policy: per-request policy names; "" = the scheduler's default.
+        prefix_hashes: block size (tokens per KV cache block) -> the prompt's exact chained
+            block hashes at that size (`pdplane.core.prefix_hash.block_hashes` of the token ids
+            the engine will compute, one uint64 per full block, in order); one entry per block
+            size among the model's instances, empty when the token ids are unknown. What
+            `kv_aware` matches against the prefix index.
     """
 
     request_id: str
@@ -78,6 +85,7 @@ class RequestFeatures:
     exclude_instance_ids: Collection[str] = ()
     prefill_policy: str = ""
     decode_policy: str = ""
+    prefix_hashes: Mapping[int, Sequence[int]] = field(default_factory=dict)
 
 
 class InstanceRef(Protocol):
@@ -107,11 +115,19 @@ class InstanceRef(Protocol):
 @dataclass(frozen=True, slots=True)
 class Decision:
     """A scheduling decision: the prefill and the decode instance, and the policies' reason,
-    e.g. "prefill least_loaded: load=0.42 of 2; decode round_robin: 3/4"."""
+    e.g. "prefill least_loaded: load=0.42 of 2; decode round_robin: 3/4".
 
-    prefill: InstanceRef
+    `prefill` None: decode already holds all but a few prompt tokens and computes them itself;
+    the caller sends the original request to decode (no prefill leg, no kv_transfer_params).
+    `prefill_cached_tokens` / `decode_cached_tokens`: the prefix index's predicted prefix cache
+    hit of the prompt on each side (tokens, whole KV cache blocks; 0 = none or unknown).
+    """
+
+    prefill: InstanceRef | None
     decode: InstanceRef
     reason: str = ""
+    prefill_cached_tokens: int = 0
+    decode_cached_tokens: int = 0
 
 
 class Outcome(enum.StrEnum):
@@ -182,6 +198,11 @@ class SchedulerPort(Protocol):
         `schedule` of this port, failures logged. Raises ValueError as `release`."""
         ...
 
+    async def start(self) -> None:
+        """Starts what the port runs in the background, in the event loop that will use it
+        (a local port's in-flight exchange with its peers); call once, before `schedule`."""
+        ...
+
     async def close(self) -> None:
         """Delivers what `release_nowait` still holds and frees the port's resources."""
         ...
@@ -203,7 +224,9 @@ class InstanceSource(Protocol):
 class PolicyFlags(Protocol):
     """The decision flags of a local scheduler (`pdplane.scheduler.settings.PolicySettings`):
     default policy names per side, in-flight expiry (seconds), seed of randomised policies,
-    and the prefix index's (on/off, staleness after seconds or events behind, size bound)."""
+    the prefix index's (on/off, staleness after seconds or events behind, size bound), the
+    kv_aware cost weights and conditional disaggregation's threshold
+    (tokens)."""
 
     prefill_policy: str
     decode_policy: str
@@ -213,6 +236,16 @@ class PolicyFlags(Protocol):
     kv_stale_after_s: float
     kv_max_lag_events: int
     kv_index_max_blocks: int
+    kv_request_tokens: float
+    kv_usage_tokens: float
+    kv_decode_hit_weight: float
+    kv_load_factor: float
+    local_prefill_max_tokens: int
+    peers: str
+    peer_lag_ms: float
+    replica_id: str | None
+
+    def peer_list(self) -> list[str]: ...
 
 
 class PortSettings(PolicyFlags, Protocol):
@@ -225,6 +258,8 @@ class PortSettings(PolicyFlags, Protocol):
     """
 
     scheduler: str
+    host: str
+    inflight_port: int
     token: str | None
     tls_ca: str | None
     schedule_timeout_s: float

@@ -15,12 +15,14 @@ measured as about a third of the scheduler's CPU and a sixth of the gateway's.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from pathlib import Path
 from typing import Any
 
 import grpc
 
+from pdplane.core import tracing
 from pdplane.core.grpc_util import aio_channel, token_metadata
 from pdplane.scheduler.port import (
     Decision,
@@ -35,6 +37,28 @@ from pdplane.v1 import scheduler_pb2, scheduler_pb2_grpc
 __all__ = ["RemoteScheduler"]
 
 _UINT32_MAX = 2**32 - 1
+
+#: With several scheduler addresses (`ipv4:10.0.0.1:50052,10.0.0.2:50052`, or a DNS name with
+#: several records, such as a headless Service) gRPC's pick_first moves to the next one when
+#: its scheduler goes away; a call that found it gone (UNAVAILABLE) is retried there by gRPC
+#: itself, within the call's deadline. Scheduler replicas sharing in-flight state (`--peers`)
+#: make the switch invisible to the decisions.
+_SERVICE_CONFIG = json.dumps(
+    {
+        "methodConfig": [
+            {
+                "name": [{"service": "pdplane.v1.Scheduler"}],
+                "retryPolicy": {
+                    "maxAttempts": 3,
+                    "initialBackoff": "0.01s",
+                    "maxBackoff": "0.2s",
+                    "backoffMultiplier": 2,
+                    "retryableStatusCodes": ["UNAVAILABLE"],
+                },
+            }
+        ]
+    }
+)
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +99,9 @@ class RemoteScheduler:
 
     def _get_stub(self) -> scheduler_pb2_grpc.SchedulerStub:
         if self._stub is None:
-            self._channel = aio_channel(self._address, self._tls_ca)
+            self._channel = aio_channel(
+                self._address, self._tls_ca, [("grpc.service_config", _SERVICE_CONFIG)]
+            )
             self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
         return self._stub
 
@@ -94,7 +120,7 @@ class RemoteScheduler:
             request.releases.extend(releases)
         try:
             response = await self._get_stub().Schedule(
-                request, timeout=self._timeout_s, metadata=self._metadata
+                request, timeout=self._timeout_s, metadata=tracing.grpc_metadata(self._metadata)
             )
         except grpc.aio.AioRpcError as exc:
             if releases and exc.code() != grpc.StatusCode.INVALID_ARGUMENT:
@@ -168,6 +194,9 @@ class RemoteScheduler:
             log.warning("ReleaseBatch of %d releases failed: %s", len(releases), _translate(exc))
             return 0
         return response.released
+
+    async def start(self) -> None:
+        """Nothing to start: the channel opens on first use."""
 
     async def close(self) -> None:
         """Sends queued Releases, then closes the channel; the client may be used again

@@ -6,12 +6,15 @@ from collections.abc import Iterable
 
 import grpc
 
+from pdplane.core import tracing
 from pdplane.scheduler.errors import InvalidRequest, NoInstance
 from pdplane.scheduler.service import SchedulerService
 from pdplane.scheduler.wire import decision_to_pb, features_from_pb, releases_from_pb
 from pdplane.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 __all__ = ["SchedulerServicer"]
+
+_DECISION = "pdplane.scheduler.decision"
 
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
@@ -33,10 +36,14 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         try:
             if request.releases:
                 self._release_all(request.releases)
-            decision = self._service.schedule(features_from_pb(request))
+            with tracing.span(_DECISION, parent=tracing.grpc_parent(context), server=True):
+                decision = self._service.schedule(features_from_pb(request))
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except NoInstance as exc:
+            # A decision, not a lost scheduler: tells gRPC's client retry (remote.py) not to
+            # try again elsewhere (gRPC retry design A6: a negative pushback means no retry).
+            context.set_trailing_metadata((("grpc-retry-pushback-ms", "-1"),))
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         return decision_to_pb(decision)
 

@@ -7,6 +7,7 @@ from pydantic import Field, field_validator
 from pdplane.core import defaults
 from pdplane.core.settings import CommandSettings
 from pdplane.scheduler.policies import POLICIES
+from pdplane.scheduler.policies.kv_aware import LOCAL_PREFILL_MAX_TOKENS
 
 __all__ = ["PolicySettings", "SchedulerSettings"]
 
@@ -21,11 +22,13 @@ class PolicySettings(CommandSettings):
     """The decision flags shared by `pdplane scheduler` and `pdplane gateway --scheduler
     embedded` (which runs the same decision code in the gateway process)."""
 
+    # kv_aware is least_loaded while no instance is LIVE in the prefix index, so it is the
+    # default whether or not KV events flow.
     prefill_policy: str = Field(
-        default="least_loaded", description=f"prefill policy: {', '.join(POLICIES)}"
+        default="kv_aware", description=f"prefill policy: {', '.join(POLICIES)}"
     )
     decode_policy: str = Field(
-        default="least_loaded", description=f"decode policy: {', '.join(POLICIES)}"
+        default="kv_aware", description=f"decode policy: {', '.join(POLICIES)}"
     )
     inflight_timeout_s: float = Field(
         default=600.0,
@@ -35,6 +38,26 @@ class PolicySettings(CommandSettings):
     seed: int | None = Field(
         default=None, description="seed of the random and power_of_two policies"
     )
+    peers: str = Field(
+        default="",
+        description="other replicas deciding over the same fleet (InflightExchange gRPC "
+        "addresses host:port, comma-separated; a name with several addresses counts each): "
+        "their in-flight assignments count here as load (docs/scheduler.md)",
+    )
+    peer_lag_ms: float = Field(
+        default=1000.0,
+        ge=0,
+        description="with --peers: an own assignment also counts once per peer, standing for "
+        "that peer's decisions not received yet, until two updates from it arrived, at most "
+        "this long (ms; 0 = never)",
+    )
+    replica_id: str | None = Field(
+        default=None, description="this replica's id among its peers (default: host-pid-random)"
+    )
+
+    def peer_list(self) -> list[str]:
+        """`peers` as a list of addresses."""
+        return [p.strip() for p in self.peers.split(",") if p.strip()]
 
     kv_index: bool = Field(
         default=True,
@@ -50,6 +73,29 @@ class PolicySettings(CommandSettings):
         default=100_000_000, gt=0, description="bound on (instance, block) entries of the index"
     )
 
+    kv_request_tokens: float = Field(
+        default=512.0, ge=0, description="kv_aware: tokens one running/waiting request weighs"
+    )
+    kv_usage_tokens: float = Field(
+        default=1024.0, ge=0, description="kv_aware: tokens a full KV cache (usage 1.0) weighs"
+    )
+    kv_decode_hit_weight: float = Field(
+        default=0.25,
+        ge=0,
+        description="kv_aware decode: weight of an uncached (pulled) token vs a prefilled one",
+    )
+    kv_load_factor: float = Field(
+        default=1.25,
+        ge=1,
+        description="kv_aware: bounded loads, no instance above this times the mean requests",
+    )
+    local_prefill_max_tokens: int = Field(
+        default=LOCAL_PREFILL_MAX_TOKENS,
+        ge=0,
+        description="skip prefill when the chosen decode holds all but this many prompt "
+        "tokens (and at least one block of it); 0 = always disaggregate",
+    )
+
     _check_prefill = field_validator("prefill_policy")(_known_policy)
     _check_decode = field_validator("decode_policy")(_known_policy)
 
@@ -57,7 +103,9 @@ class PolicySettings(CommandSettings):
 class SchedulerSettings(PolicySettings):
     """Flags of `pdplane scheduler` (plus the decision flags of `PolicySettings`)."""
 
-    registry: str = Field(description="registry gRPC address, host:port")
+    registry: str = Field(
+        description="registry gRPC address host:port, or several replicas' comma-separated"
+    )
     host: str = Field(default="127.0.0.1", description="address to serve gRPC on")
     port: int = Field(
         default=defaults.SCHEDULER_PORT, ge=0, le=65535, description="gRPC port (0 = any free port)"

@@ -7,8 +7,9 @@ servicer (`pdplane.scheduler.servicer`). A new request feature is one line in ea
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 
+from pdplane.core.prefix_hash import HASH_VERSION
 from pdplane.scheduler.errors import InvalidRequest
 from pdplane.scheduler.port import Decision, InstanceRef, Outcome, RequestFeatures
 from pdplane.v1 import scheduler_pb2
@@ -45,7 +46,32 @@ def features_to_pb(features: RequestFeatures) -> scheduler_pb2.ScheduleRequest:
         exclude_instance_ids=features.exclude_instance_ids,
         prefill_policy=features.prefill_policy,
         decode_policy=features.decode_policy,
+        prefix_hashes=_prefix_hashes_to_pb(features.prefix_hashes),
     )
+
+
+def _prefix_hashes_to_pb(
+    prefix_hashes: Mapping[int, Sequence[int]],
+) -> list[scheduler_pb2.PrefixHashes]:
+    return [
+        scheduler_pb2.PrefixHashes(
+            block_size=block_size, block_hashes=hashes, hash_version=HASH_VERSION
+        )
+        for block_size, hashes in prefix_hashes.items()
+    ]
+
+
+def _prefix_hashes_from_pb(
+    entries: Iterable[scheduler_pb2.PrefixHashes],
+) -> dict[int, Sequence[int]]:
+    out: dict[int, Sequence[int]] = {}
+    for e in entries:
+        if e.block_size in out:
+            raise InvalidRequest(f"prefix_hashes: block_size {e.block_size} given twice")
+        # Another version's hashes would never match this scheduler's index: as if unknown.
+        if e.hash_version == HASH_VERSION:
+            out[e.block_size] = tuple(e.block_hashes)
+    return out
 
 
 def features_from_pb(request: scheduler_pb2.ScheduleRequest) -> RequestFeatures:
@@ -60,6 +86,7 @@ def features_from_pb(request: scheduler_pb2.ScheduleRequest) -> RequestFeatures:
         exclude_instance_ids=frozenset(request.exclude_instance_ids),
         prefill_policy=request.prefill_policy,
         decode_policy=request.decode_policy,
+        prefix_hashes=_prefix_hashes_from_pb(request.prefix_hashes),
     )
 
 
@@ -74,17 +101,26 @@ def _ref_to_pb(ref: InstanceRef) -> scheduler_pb2.InstanceRef:
 
 def decision_to_pb(decision: Decision) -> scheduler_pb2.ScheduleResponse:
     """The `ScheduleResponse` of a decision."""
+    p = decision.prefill
     return scheduler_pb2.ScheduleResponse(
-        prefill=_ref_to_pb(decision.prefill),
+        prefill=_ref_to_pb(p) if p is not None else None,
         decode=_ref_to_pb(decision.decode),
         reason=decision.reason,
+        prefill_cached_tokens=decision.prefill_cached_tokens,
+        decode_cached_tokens=decision.decode_cached_tokens,
     )
 
 
 def decision_from_pb(response: scheduler_pb2.ScheduleResponse) -> Decision:
     """The decision a `ScheduleResponse` carries; its sides are the response's `InstanceRef`
-    messages themselves (no copy)."""
-    return Decision(response.prefill, response.decode, response.reason)
+    messages themselves (no copy); an empty prefill ref is no prefill."""
+    return Decision(
+        response.prefill if response.prefill.instance_id else None,
+        response.decode,
+        response.reason,
+        response.prefill_cached_tokens,
+        response.decode_cached_tokens,
+    )
 
 
 def outcome_to_pb(outcome: Outcome) -> scheduler_pb2.Outcome.ValueType:

@@ -8,6 +8,7 @@ import logging
 import signal
 import sys
 
+from pdplane.core import tracing
 from pdplane.sim.fleet import SimFleet, expand
 from pdplane.sim.settings import SimSettings
 
@@ -46,6 +47,7 @@ def main(argv: list[str]) -> int:
     """Entry point of `pdplane sim`; returns the exit code (2 on bad flags)."""
     settings = SimSettings.parse(argv)
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    tracing.configure("pdplane-sim")
     if settings.uvloop:
         try:
             import uvloop

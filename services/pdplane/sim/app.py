@@ -39,7 +39,7 @@ def build_app(state: SimState) -> web.Application:
             "object": "model",
             "created": created,
             "owned_by": "vllm",
-            "root": model,
+            "root": state.config.model_root or model,
             "parent": None,
             "max_model_len": state.config.max_model_len,
             "permission": [],
@@ -86,26 +86,7 @@ def build_app(state: SimState) -> web.Application:
         return web.Response(status=200)
 
     async def stats(_request: web.Request) -> web.Response:
-        core = state.core
-        core.sample(state.runner.now())
-        buffer = state.push_buffer
-        out = core.stats.to_dict()
-        out.update(
-            wall_time=time.time(),
-            num_running=core.num_running,
-            num_waiting=core.num_waiting,
-            kv_cache_usage=core.pool.usage,
-            cached_blocks=len(core.pool.cached),
-            evictions=core.pool.evictions,
-            held_transfers=len(state.transfers.held),
-            push_accepted=buffer.accepted if buffer else 0,
-            push_buffer_refused=buffer.refused if buffer else 0,
-            push_buffer_used_bytes=buffer.used_bytes if buffer else 0,
-            pushes_sent=state.pusher.pushed,
-            pushes_refused=state.pusher.refused,
-            time_scale=state.config.time_scale,
-        )
-        return web.json_response(out)
+        return web.json_response(state.stats_snapshot())
 
     async def get_requests(_request: web.Request) -> web.Response:
         return web.json_response({"requests": [r.to_dict() for r in state.recorder.records()]})

@@ -46,6 +46,8 @@ class SimConfig:
         host, port: HTTP bind address; port 0 picks a free port.
         kv_port: KvTransfer gRPC port; 0 picks a free port.
         model: served model name (`/v1/models`, the `model` field of requests).
+        model_root: the `root` `/v1/models` reports (vLLM: the path the model was loaded
+            from); "" = `model`.
         instance_id: registry id; default `sim-<role>-<port>`.
         profile: cost model source (see above); "" = the simple knobs.
         ttft_per_token_ms: simple knobs: prefill compute time per prompt token (ms/token).
@@ -86,6 +88,7 @@ class SimConfig:
     port: int = 0
     kv_port: int = 0
     model: str = "sim-model"
+    model_root: str = ""
     instance_id: str = ""
     profile: str = ""
     ttft_per_token_ms: float = 0.0

@@ -201,6 +201,9 @@ class EngineCore:
         if phase == Phase.DONE:
             return
         if phase == Phase.WAITING:
+            if req not in self.waiting:  # never added (cancelled before it arrived)
+                req.phase = Phase.DONE
+                return
             self.waiting.remove(req)
         elif phase == Phase.LOADING:
             self.loading.discard(req)

@@ -121,6 +121,8 @@ class CompletionRoutes:
         started = loop.time()
         held: HeldTransfer | None = None
         try:
+            if s.core.cost.request_ms:
+                await s.runner.sleep(s.core.cost.request_ms * 1e-3)
             s.runner.submit(ereq)
             while ereq.num_output == 0 and ereq.phase != Phase.DONE:
                 await s.runner.progress(ereq)

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from pdplane.core import tracing
 from pdplane.sim.engine import EngineRequest
 from pdplane.sim.kvflow import KvIntent
 from pdplane.sim.push import Taken
@@ -46,10 +47,19 @@ class KvLoader:
         self.contexts: dict[EngineRequest, LoadContext] = {}
 
     async def __call__(self, req: EngineRequest) -> bool | None:
-        s, c = self._s, self._s.config
         ctx = self.contexts.pop(req, None)
         if ctx is None:
             return True
+        # Traced like the connector's decode side: one span per transfer in the request's
+        # trace (covering the modelled transfer and CompleteTransfer, whose serving span on
+        # the prefill sim is its child).
+        decode = ctx.intent.decode
+        parent = decode.traceparent if decode is not None else ""
+        with tracing.span("pdplane.kv_pull", parent=parent or None):
+            return await self._load(req, ctx)
+
+    async def _load(self, req: EngineRequest, ctx: LoadContext) -> bool | None:
+        s, c = self._s, self._s.config
         stats = s.core.stats
         tokens = max(0, min(req.remote_tokens, len(req.prompt)) - req.local_hit)
         decode = ctx.intent.decode

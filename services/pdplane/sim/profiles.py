@@ -49,6 +49,9 @@ class CostModel:
     seq_ms: float = 0.0
     kv_read_ms_per_ktok: float = 0.0
     prefill_attn_ms_per_mpair: float = 0.0
+    #: not a step cost: from a request's arrival at the HTTP server to its entry into the
+    #: scheduler (API server parsing and tokenization, the hop to the engine core)
+    request_ms: float = 0.0
 
     def step_time_ms(
         self, tokens: int, prefill_tokens: int, seqs: int, context: int, pairs: float
@@ -235,14 +238,15 @@ PROFILES: dict[str, Profile] = {
         name="tiny-cpu",
         description="pdplane.models.tiny (2 layers, hidden 128, fp32) on vLLM CPU 0.32, "
         "2-core AVX2 host, lean flags (eager, uni executor), one core",
-        # Fitted by bench/sim_calibrate.py on this machine (docs/sim.md has the run).
+        # Fitted by bench/sim_calibrate.py --fit on this machine (docs/sim.md, calibration).
         cost=CostModel(
-            step_ms=2.2,
-            token_ms=0.0,
+            step_ms=4.92,
+            token_ms=0.0102,
             prefill_token_ms=0.0065,
-            seq_ms=0.09,
+            seq_ms=0.216,
             kv_read_ms_per_ktok=0.0,
-            prefill_attn_ms_per_mpair=0.8,
+            prefill_attn_ms_per_mpair=0.0,
+            request_ms=5.64,
         ),
         max_num_seqs=128,
         max_num_batched_tokens=2048,

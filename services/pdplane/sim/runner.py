@@ -5,7 +5,9 @@ second lasts 0.1 s of wall time, as Dynamo's mocker `speedup_ratio`): every time
 engine records (TTFT, ITL, load integrals) is in modelled seconds. An idle engine does not
 step; a request's arrival, a finished KV load or freed blocks wake it. When the event loop is
 too busy to wake on time, the step simply lasts longer (the request latencies include it) and
-`stats.lag_s` counts the excess, so an overloaded simulator shows instead of lying.
+`stats.lag_s` counts the excess, so an overloaded simulator shows instead of lying. Steps of
+a busy stretch are paced by absolute deadlines, so the loop's own work between two steps
+(writing tokens) is absorbed by the next step's sleep instead of adding up.
 """
 
 from __future__ import annotations
@@ -20,6 +22,11 @@ from pdplane.sim.engine import EngineCore, EngineRequest, Phase
 __all__ = ["EngineRunner", "Loader"]
 
 log = logging.getLogger(__name__)
+
+#: Event loop timers fire on whole milliseconds (epoll, libuv): asking half a millisecond
+#: less centres a wake-up on its deadline instead of always after it (measured: 500 paced
+#: 3.65 ms steps on uvloop took 3.707 ms each, 3.657 ms with the slack).
+_TIMER_SLACK_S = 0.0005
 
 #: Loads a remote prefill's KV for a request (modelled time included): True when it arrived,
 #: False to recompute the prompt locally, None to fail the request (it is aborted).
@@ -48,7 +55,7 @@ class EngineRunner:
     async def sleep(self, modelled_s: float) -> None:
         """Lets `modelled_s` modelled seconds pass."""
         if modelled_s > 0:
-            await asyncio.sleep(modelled_s / self.time_scale)
+            await asyncio.sleep(max(0.0, modelled_s / self.time_scale - _TIMER_SLACK_S))
 
     # --- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
@@ -120,10 +127,12 @@ class EngineRunner:
 
     async def _run(self) -> None:
         core, loop, scale = self.core, asyncio.get_running_loop(), self.time_scale
+        due: float | None = None  # wall time the previous step of a busy stretch was due
         while True:
             if not core.has_work:
                 self._wake.clear()
                 await self._wake.wait()
+                due = None
                 continue
             step = core.schedule(self.now())
             for req in step.loads:
@@ -132,14 +141,19 @@ class EngineRunner:
                 # Everything waits for KV blocks or loads: sleep until something changes.
                 self._wake.clear()
                 await self._wake.wait()
+                due = None
                 continue
             seconds = step.duration_ms * 1e-3 / scale
-            if seconds > 0:
-                due = loop.time() + seconds
-                await asyncio.sleep(seconds)
-                late = loop.time() - due
-                if late > 0:
-                    core.stats.lag_s += late * scale
+            now = loop.time()
+            # Back to back steps start when the previous one was due to end, so the event
+            # loop's own work between steps (writing tokens) does not add up step after step.
+            # Being more than a whole step behind is lag: counted, and the clock moves on.
+            if due is None or now - due >= seconds:
+                if due is not None and seconds > 0:
+                    core.stats.lag_s += (now - due) * scale
+                start = now
             else:
-                await asyncio.sleep(0)
+                start = due
+            due = start + seconds
+            await asyncio.sleep(max(0.0, due - now - _TIMER_SLACK_S))
             self._notify(core.complete(step, self.now()))

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from pdplane.core.kv_events import KvEventLog
 from pdplane.core.layout import fingerprint
@@ -94,6 +96,36 @@ class SimState:
     def block_bytes(self) -> int:
         """Bytes of one KV cache block (all layers)."""
         return self.config.kv_bytes_per_token * self.config.block_size
+
+    def stats_snapshot(self) -> dict[str, Any]:
+        """The body of `GET /sim/stats`: engine counters up to now (modelled s), the push
+        buffer's and pusher's counters, the wall clock (Unix s)."""
+        core = self.core
+        core.sample(self.runner.now())
+        buffer = self.push_buffer
+        out = core.stats.to_dict()
+        out.update(
+            wall_time=time.time(),
+            num_running=core.num_running,
+            num_waiting=core.num_waiting,
+            kv_cache_usage=core.pool.usage,
+            cached_blocks=len(core.pool.cached),
+            evictions=core.pool.evictions,
+            held_transfers=len(self.transfers.held),
+            push_accepted=buffer.accepted if buffer else 0,
+            push_buffer_refused=buffer.refused if buffer else 0,
+            push_buffer_used_bytes=buffer.used_bytes if buffer else 0,
+            pushes_sent=self.pusher.pushed,
+            pushes_refused=self.pusher.refused,
+            time_scale=self.config.time_scale,
+        )
+        return out
+
+    def reset_peaks(self) -> None:
+        """Max running / waiting / KV usage restart from their current values."""
+        core, st = self.core, self.core.stats
+        st.max_running, st.max_waiting = core.num_running, core.num_waiting
+        st.max_kv_usage = core.pool.usage
 
     def load_report(self) -> instance_pb2.LoadReport:
         """The heartbeat's load: derived from the engine's queues and KV blocks."""

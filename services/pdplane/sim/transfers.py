@@ -17,6 +17,7 @@ from typing import Any
 
 import grpc
 
+from pdplane.core import tracing
 from pdplane.sim.push import ReceiveBuffer
 from pdplane.v1 import (
     instance_pb2,
@@ -135,11 +136,16 @@ class TransferServicer(kv_transfer_pb2_grpc.KvTransferServicer):
     async def CompleteTransfer(
         self, request: kv_transfer_pb2.CompleteTransferRequest, context: grpc.aio.ServicerContext
     ) -> kv_transfer_pb2.CompleteTransferResponse:
-        """Frees the transfer's blocks (decode pulled them or gave up); freed=False if unknown."""
+        """Frees the transfer's blocks (decode pulled them or gave up); freed=False if unknown.
+
+        Traced as `pdplane.kv_serve`, the span the connector's prefill records for serving the
+        pull: the sim moves no bytes, so its one prefill-side call of a pull stands for it."""
         reason = "completed" if request.success else "failed"
-        return kv_transfer_pb2.CompleteTransferResponse(
-            freed=self._table.release(request.transfer_id, reason)
-        )
+        attrs = {"pdplane.transfer_id": request.transfer_id} if tracing.enabled() else None
+        parent = tracing.grpc_parent(context)
+        with tracing.span("pdplane.kv_serve", parent=parent, attributes=attrs, server=True):
+            freed = self._table.release(request.transfer_id, reason)
+        return kv_transfer_pb2.CompleteTransferResponse(freed=freed)
 
     async def AbortTransfer(
         self, request: kv_transfer_pb2.AbortTransferRequest, context: grpc.aio.ServicerContext
@@ -199,7 +205,7 @@ class KvPeers:
             response = await self._stub(endpoint).CompleteTransfer(
                 kv_transfer_pb2.CompleteTransferRequest(transfer_id=transfer_id, success=success),
                 timeout=self._timeout_s,
-                metadata=self._metadata,
+                metadata=tracing.grpc_metadata(self._metadata),
             )
         except grpc.aio.AioRpcError as exc:
             return f"{exc.code().name}: {exc.details()}"

@@ -53,6 +53,7 @@ class ScheduleRequest(_message.Message):
     PREFILL_POLICY_FIELD_NUMBER: _builtins.int
     DECODE_POLICY_FIELD_NUMBER: _builtins.int
     RELEASES_FIELD_NUMBER: _builtins.int
+    PREFIX_HASHES_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     model: _builtins.str
     prompt_tokens: _builtins.int
@@ -80,6 +81,13 @@ class ScheduleRequest(_message.Message):
         busy gateway needs no Release call of its own; a retry releases its id here too.
         """
 
+    @_builtins.property
+    def prefix_hashes(self) -> _containers.RepeatedCompositeFieldContainer[Global___PrefixHashes]:
+        """The prompt's exact KV cache block hashes (pdplane.core.prefix_hash), one entry per block
+        size of the model's instances (usually one). Empty when the prompt's token ids are not
+        known (no tokenizer). `prefix_block_hashes` above stays the key of consistent_hash.
+        """
+
     def __init__(
         self,
         *,
@@ -93,14 +101,49 @@ class ScheduleRequest(_message.Message):
         prefill_policy: _builtins.str = ...,
         decode_policy: _builtins.str = ...,
         releases: _abc.Iterable[Global___ReleaseRequest] | None = ...,
+        prefix_hashes: _abc.Iterable[Global___PrefixHashes] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_policy", b"decode_policy", "exclude_instance_ids", b"exclude_instance_ids", "max_tokens", b"max_tokens", "model", b"model", "prefill_policy", b"prefill_policy", "prefix_block_hashes", b"prefix_block_hashes", "prompt_tokens", b"prompt_tokens", "releases", b"releases", "request_id", b"request_id", "routing_key", b"routing_key"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_policy", b"decode_policy", "exclude_instance_ids", b"exclude_instance_ids", "max_tokens", b"max_tokens", "model", b"model", "prefill_policy", b"prefill_policy", "prefix_block_hashes", b"prefix_block_hashes", "prefix_hashes", b"prefix_hashes", "prompt_tokens", b"prompt_tokens", "releases", b"releases", "request_id", b"request_id", "routing_key", b"routing_key"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ScheduleRequest: _TypeAlias = ScheduleRequest  # noqa: Y015
+
+@_typing.final
+class PrefixHashes(_message.Message):
+    """Chained hashes of a prompt's full KV cache blocks at one block size."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BLOCK_SIZE_FIELD_NUMBER: _builtins.int
+    BLOCK_HASHES_FIELD_NUMBER: _builtins.int
+    HASH_VERSION_FIELD_NUMBER: _builtins.int
+    block_size: _builtins.int
+    """tokens per KV cache block (> 0)"""
+    hash_version: _builtins.int
+    """pdplane.core.prefix_hash.HASH_VERSION the hashes were made with; a scheduler ignores
+    entries of another version (they would never match its index).
+    """
+    @_builtins.property
+    def block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """one per full block, in prompt order"""
+
+    def __init__(
+        self,
+        *,
+        block_size: _builtins.int = ...,
+        block_hashes: _abc.Iterable[_builtins.int] | None = ...,
+        hash_version: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "block_size", b"block_size", "hash_version", b"hash_version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PrefixHashes: _TypeAlias = PrefixHashes  # noqa: Y015
 
 @_typing.final
 class InstanceRef(_message.Message):
@@ -139,10 +182,21 @@ class ScheduleResponse(_message.Message):
     PREFILL_FIELD_NUMBER: _builtins.int
     DECODE_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
+    PREFILL_CACHED_TOKENS_FIELD_NUMBER: _builtins.int
+    DECODE_CACHED_TOKENS_FIELD_NUMBER: _builtins.int
     reason: _builtins.str
     """the policies' explanation, e.g. "least_loaded: load=0.12" """
+    prefill_cached_tokens: _builtins.int
+    """Predicted prefix cache hits (tokens, whole KV cache blocks) of the prompt on the chosen
+    prefill (0 when none) and decode, from the scheduler's prefix index.
+    """
+    decode_cached_tokens: _builtins.int
     @_builtins.property
-    def prefill(self) -> Global___InstanceRef: ...
+    def prefill(self) -> Global___InstanceRef:
+        """Empty (no instance_id) when decode computes the prompt itself (conditional
+        disaggregation): send the original request to decode, with no kv_transfer_params.
+        """
+
     @_builtins.property
     def decode(self) -> Global___InstanceRef: ...
     def __init__(
@@ -151,10 +205,12 @@ class ScheduleResponse(_message.Message):
         prefill: Global___InstanceRef | None = ...,
         decode: Global___InstanceRef | None = ...,
         reason: _builtins.str = ...,
+        prefill_cached_tokens: _builtins.int = ...,
+        decode_cached_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["decode", b"decode", "prefill", b"prefill"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode", b"decode", "prefill", b"prefill", "reason", b"reason"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode", b"decode", "decode_cached_tokens", b"decode_cached_tokens", "prefill", b"prefill", "prefill_cached_tokens", b"prefill_cached_tokens", "reason", b"reason"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

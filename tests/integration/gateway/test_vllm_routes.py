@@ -75,6 +75,19 @@ def test_read_only_vllm_routes_are_answered_by_an_instance(stack: Stack) -> None
     assert entry["owned_by"] == "vllm" and "permission" in entry  # the instance's details
 
 
+def test_tokenize_takes_the_model_root_as_its_name(stack: Stack) -> None:
+    # `vllm bench serve` without --model sends /v1/models' `root` as the model of /tokenize.
+    sims = stack.sims(["prefill", "decode"], model_root="/models/tiny-weights")
+    stack.wait_ready(sims)
+    (entry,) = httpx.get(f"{stack.url}/v1/models").json()["data"]
+    assert (entry["id"], entry["root"]) == (MODEL, "/models/tiny-weights")
+    direct = httpx.post(f"{sims.handles[0].url}/tokenize", json={"prompt": "a b"}).json()
+    r = _post(stack, "/tokenize", {"model": "/models/tiny-weights", "prompt": "a b"})
+    assert r.status_code == 200, r.text
+    assert r.json() == direct
+    assert _post(stack, "/tokenize", {"model": "/models/other", "prompt": "a"}).status_code == 404
+
+
 def test_ping_is_503_without_a_usable_pair(stack: Stack) -> None:
     stack.sims(["decode"])
     wait_for(lambda: httpx.get(f"{stack.url}/v1/models").json()["data"] != [])

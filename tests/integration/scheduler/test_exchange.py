@@ -17,7 +17,7 @@ import pytest
 from pdplane.core import grpc_util
 from pdplane.scheduler.exchange import InflightExchange
 from pdplane.scheduler.inflight import InflightTracker
-from pdplane.scheduler.port import RequestFeatures
+from pdplane.scheduler.port import Outcome, RequestFeatures
 from pdplane.scheduler.service import SchedulerService
 from pdplane.scheduler.view import CandidateView, StaticSource
 from pdplane.v1 import inflight_pb2_grpc
@@ -98,7 +98,7 @@ async def test_a_peers_assignment_counts_as_load_until_released() -> None:
         assert b.decide("r2") == "d1"
         await until(lambda: a.pending("d1") == 1)
         assert a.service.inflight.inflight_by_instance() == {"p0": 2, "d0": 1, "d1": 1}
-        assert a.service.release("r1", "success")
+        assert a.service.release("r1", Outcome.SUCCESS)
         await until(lambda: b.pending("d0") == 0)
         assert b.service.inflight.inflight_by_instance() == {"p0": 1, "d1": 1}
 
@@ -168,6 +168,25 @@ async def test_a_burst_on_one_replica_reaches_the_other_in_order(n: int) -> None
         for i in range(n):
             a.decide(f"r{i}")
         for i in range(0, n, 2):
-            a.service.release(f"r{i}", "success")
+            a.service.release(f"r{i}", Outcome.SUCCESS)
         await until(lambda: len(b.service.inflight) == n // 2)
         assert sum(b.pending(d) for d in ("d0", "d1")) == n // 2
+
+
+async def test_own_recent_assignments_stand_for_the_peers_unseen_ones() -> None:
+    async with pair() as (a, b):
+        # b stops sending anything (no ticks, no updates): a keeps estimating its decisions.
+        ticker = b.exchange._ticker
+        assert ticker is not None
+        ticker.cancel()
+        a.decide("r1")
+        d0 = a.service.view.candidate("d0")
+        assert d0 is not None
+        # a assumes its one peer decided the same: d0 counts r1 twice, while b is silent...
+        await asyncio.sleep(0.1)
+        assert a.service.load(d0) == d0.reported_load + 2
+        # ...and once as soon as b talks again (two updates: b decides, then its ticks).
+        b.exchange._ticker = asyncio.create_task(b.exchange._tick_forever())
+        await until(lambda: a.service.load(d0) == d0.reported_load + 1, timeout=2.0)
+        # b saw the real r1 (pending 1) and estimates nothing for a's decisions.
+        assert b.exchange.unseen("d0") == 0.0

@@ -47,6 +47,14 @@ def pair_server(
         ({"prompt_tokens": 0}, "prompt_tokens: must be > 0"),
         ({"prefill_policy": "fastest"}, "prefill_policy: unknown policy 'fastest'"),
         ({"decode_policy": "x"}, "decode_policy: unknown policy 'x'"),
+        (
+            {
+                "prefix_hashes": [
+                    scheduler_pb2.PrefixHashes(block_size=4, block_hashes=[1, 2, 3], hash_version=1)
+                ]
+            },
+            "prefix_hashes: 3 blocks of 4 tokens exceed prompt_tokens=10",
+        ),
     ],
 )
 def test_bad_requests_are_invalid_argument(
@@ -140,8 +148,8 @@ async def test_metrics_are_served(
     async with httpx.AsyncClient() as http:
         text = (await http.get(url, timeout=5)).text
     assert (
-        'pdplane_scheduler_decisions_total{decode_policy="least_loaded",'
-        'prefill_policy="least_loaded"} 1.0' in text
+        'pdplane_scheduler_decisions_total{decode_policy="kv_aware",'
+        'prefill_policy="kv_aware"} 1.0' in text
     )
     assert 'pdplane_scheduler_unavailable_total{side="prefill"} 1.0' in text
     assert 'pdplane_scheduler_inflight_requests{instance_id="d0"} 1.0' in text

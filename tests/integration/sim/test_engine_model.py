@@ -39,8 +39,10 @@ async def test_prompts_queue_behind_each_other_in_the_token_budget() -> None:
 
         async with httpx.AsyncClient(timeout=30) as client:
             first, second = await asyncio.gather(*(ttft(client, p) for p in prompts))
-        assert min(first, second) >= 4 * 0.02  # 4 chunked steps of >= 20 ms
-        assert max(first, second) >= 1.7 * min(first, second)  # the second waited
+        # Steps only ever last longer than modelled (a busy machine), so lower bounds hold:
+        # the first needs 4 steps of >= 20 ms, the second 4 more after it.
+        assert min(first, second) >= 4 * 0.02
+        assert max(first, second) - min(first, second) >= 3 * 0.02
         stats = httpx.get(sims.urls[0] + "/sim/stats").json()
         assert stats["steps"] >= 8 and stats["computed_tokens"] == 4000
 

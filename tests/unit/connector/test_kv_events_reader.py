@@ -20,6 +20,7 @@ from pdplane.core.kv_events import KvEventLog
 from tests.unit.core.kv_replica import log_state
 
 BS = 4
+_SENTINEL = 987_654_321
 
 
 def _stored(hashes: list[int], parent: int | None = None, **kw: object) -> BlockStored:
@@ -54,6 +55,16 @@ def pair(tmp_path: Path):  # type: ignore[no-untyped-def]
         assert time.monotonic() < deadline
         publisher.publish(KVEventBatch(ts=time.time(), events=[AllBlocksCleared()]))
         time.sleep(0.05)
+    # A probe may still be on its way (a late AllBlocksCleared would wipe a test's blocks):
+    # ZMQ keeps order, so once a sentinel stored after the probes has landed and been removed
+    # again, nothing of the warm-up is left in flight and the log holds no block.
+    publisher.publish(KVEventBatch(ts=time.time(), events=[_stored([_SENTINEL])]))
+    _wait(lambda: ("GPU", _SENTINEL) in log_state(reader.log))
+    publisher.publish(
+        KVEventBatch(ts=time.time(), events=[BlockRemoved(block_hashes=[_SENTINEL], medium="GPU")])
+    )
+    _wait(lambda: reader.log.num_blocks == 0)
+    reader.gaps = 0  # the probes dropped before the subscription existed are gaps by design
     yield publisher, reader
     reader.stop()
     publisher.shutdown()

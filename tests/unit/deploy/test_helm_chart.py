@@ -214,7 +214,9 @@ def _addresses(c: Container) -> list[str]:
     """Every registry/scheduler/etcd address the container is given."""
     args = c.args()
     out = [
-        v for f in ("--registry", "--scheduler") if (v := _flag(args, f)) not in (None, "embedded")
+        v
+        for f in ("--registry", "--scheduler", "--peers")
+        if (v := _flag(args, f)) not in (None, "embedded")
     ]
     out += (_flag(args, "--etcd-endpoints") or "").split(",")
     if "PDPLANE_REGISTRY" in c.env():
@@ -442,13 +444,29 @@ def test_etcd_backed_registry_runs_replicas_over_the_in_chart_members() -> None:
     }
 
 
-def test_embedded_mode_has_no_scheduler_and_gateways_decide_themselves() -> None:
+def test_embedded_mode_has_no_scheduler_and_gateways_share_in_flight_state() -> None:
     r = Rendered(render(*VARIANTS["cpu-demo+embedded"]))
     assert f"{RELEASE}-pdplane-scheduler" not in r.names("Deployment")
     gateway = r.one("Deployment", f"{RELEASE}-pdplane-gateway")
     args = gateway["spec"]["template"]["spec"]["containers"][0]["args"]
     assert _flag(args, "--scheduler") == "embedded"
-    assert _flag(args, "--decode-policy") == "least_loaded"
+    assert _flag(args, "--decode-policy") == "kv_aware"
+    # Each gateway follows the others through a headless Service of every gateway pod.
+    assert _flag(args, "--peers") == f"{RELEASE}-pdplane-gateway-peers:50053"
+    assert _flag(args, "--replica-id") == "$(POD_NAME)"
+    peers = r.one("Service", f"{RELEASE}-pdplane-gateway-peers")
+    assert peers["spec"]["clusterIP"] == "None"
+
+
+def test_scheduler_replicas_follow_each_other() -> None:
+    r = Rendered(render(preset("gpu-xpyd")))
+    scheduler = r.one("Deployment", f"{RELEASE}-pdplane-scheduler")
+    args = scheduler["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert _flag(args, "--peers") == f"{RELEASE}-pdplane-scheduler-peers:50052"
+    assert r.one("Service", f"{RELEASE}-pdplane-scheduler-peers")["spec"]["clusterIP"] == "None"
+    single = Rendered(render(preset("cpu-demo")))
+    one = single.one("Deployment", f"{RELEASE}-pdplane-scheduler")
+    assert "--peers" not in one["spec"]["template"]["spec"]["containers"][0]["args"]
 
 
 def test_tls_switches_grpc_probes_to_exec_with_the_ca() -> None:

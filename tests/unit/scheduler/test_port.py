@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 from prometheus_client import CollectorRegistry
 
+from pdplane.core.prefix_hash import HASH_VERSION
 from pdplane.scheduler import (
     EMBEDDED,
     Outcome,
@@ -41,6 +42,7 @@ FEATURES = RequestFeatures(
     exclude_instance_ids=frozenset({"p9"}),
     prefill_policy="round_robin",
     decode_policy="random",
+    prefix_hashes={16: (5, 2**64 - 1, 7), 64: (9,)},
 )
 
 
@@ -50,6 +52,8 @@ class _Settings(PolicySettings):
     tls_ca: str | None = None
     schedule_timeout_s: float = 5.0
     release_batch_s: float = 0.05
+    host: str = "127.0.0.1"
+    inflight_port: int = 0
 
 
 def test_every_feature_is_a_schedule_request_field_and_nothing_else() -> None:
@@ -66,11 +70,21 @@ def test_features_and_decisions_survive_the_wire() -> None:
     assert dataclasses.replace(back, prefix_block_hashes=tuple(back.prefix_block_hashes)) == (
         FEATURES
     )
+    assert features_to_pb(FEATURES).prefix_hashes[0].hash_version == HASH_VERSION
     ref = scheduler_pb2.InstanceRef(
         instance_id="d0", url="http://d0", kv_endpoint="d0:1", transport=instance_pb2.TRANSPORT_NCCL
     )
     response = scheduler_pb2.ScheduleResponse(prefill=ref, decode=ref, reason="why")
     assert decision_to_pb(decision_from_pb(response)) == response
+
+
+def test_prefix_hashes_of_another_hash_version_are_dropped_and_a_repeated_size_refused() -> None:
+    request = features_to_pb(FEATURES)
+    request.prefix_hashes[1].hash_version = HASH_VERSION + 1
+    assert features_from_pb(request).prefix_hashes == {16: (5, 2**64 - 1, 7)}
+    request.prefix_hashes.add(block_size=16, block_hashes=[1], hash_version=HASH_VERSION)
+    with pytest.raises(InvalidRequest, match="block_size 16 given twice"):
+        features_from_pb(request)
 
 
 def test_outcomes_map_one_to_one_onto_the_proto_enum() -> None:
@@ -90,7 +104,7 @@ async def test_local_port_decides_counts_and_raises_the_ports_errors() -> None:
     assert isinstance(port, LocalScheduler)
     decision = await port.schedule(RequestFeatures("r1", "tiny", 10))
     assert (decision.prefill.instance_id, decision.decode.instance_id) == ("p0", "d0")
-    assert decision.reason.startswith("prefill least_loaded: ")
+    assert decision.reason.startswith("prefill kv_aware: no live KV index")  # the default
     assert await port.release("r1", Outcome.SUCCESS) is True
     assert await port.release("r1", Outcome.SUCCESS) is False
     with pytest.raises(SchedulerUnavailable, match="no prefill instance for model 'llama'"):

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
 
+from pdplane.scheduler.candidate import Candidate
 from pdplane.scheduler.errors import InvalidRequest, NoInstance
 from pdplane.scheduler.metrics import SchedulerMetrics
+from pdplane.scheduler.policies import POLICIES, Pick, PickContext
 from pdplane.scheduler.port import RequestFeatures
 from pdplane.scheduler.service import SchedulerService
 from pdplane.scheduler.view import CandidateView
@@ -242,6 +244,63 @@ def test_per_request_policy_override(build: Callable, make_instance: MakeInstanc
     picked = [service.schedule(req(i, prefill_policy="round_robin")) for i in range(2)]
     assert [d.prefill.instance_id for d in picked] == ["p0", "p1"]
     assert service.schedule(req(9)).prefill.instance_id == "p0"
+
+
+def test_policies_see_the_prompts_exact_block_hashes_and_length(
+    build: Callable, make_instance: MakeInstance, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: list[PickContext] = []
+
+    class Spy:
+        name = "spy"
+
+        def pick(self, candidates: Sequence[Candidate], ctx: PickContext) -> Pick:
+            seen.append(ctx)
+            return Pick(candidates[0], "spy")
+
+    monkeypatch.setitem(POLICIES, "spy", lambda seed=None: Spy())
+    service, _ = build(
+        make_instance("p", "prefill"), make_instance("d", "decode"), prefill_policy="spy"
+    )
+    service.schedule(req(prompt_tokens=40, prefix_hashes={16: (1, 2), 32: (3,)}))
+    ctx = seen[0]
+    assert (ctx.prompt_tokens, ctx.block_hashes(16), ctx.block_hashes(32)) == (40, (1, 2), (3,))
+    assert ctx.block_hashes(128) == ()
+    # consistent_hash's key when the request names no prefix_block_hashes of its own.
+    assert ctx.prefix_block_hashes == (1, 2)
+    service.schedule(req(1, prefix_block_hashes=(7,), prefix_hashes={16: (1,)}))
+    assert seen[1].prefix_block_hashes == (7,)
+
+
+def test_consistent_hash_keys_on_the_exact_prefix_hashes(
+    build: Callable, make_instance: MakeInstance
+) -> None:
+    service, _ = build(
+        *(make_instance(f"p{i}", "prefill") for i in range(4)),
+        make_instance("d", "decode"),
+        prefill_policy="consistent_hash",
+    )
+    picks = {
+        service.schedule(req(i, prefix_hashes={16: (11, 12, i % 1)})).prefill.instance_id
+        for i in range(4)
+    }
+    assert len(picks) == 1
+    assert "consistent_hash: by prefix" in service.schedule(req(9, prefix_hashes={16: (5,)})).reason
+
+
+@pytest.mark.parametrize(
+    ("prefix_hashes", "message"),
+    [
+        ({0: (1,)}, "block_size must be > 0"),
+        ({16: tuple(range(7))}, "7 blocks of 16 tokens exceed prompt_tokens=100"),
+    ],
+)
+def test_prefix_hashes_must_fit_the_prompt(
+    build: Callable, make_instance: MakeInstance, prefix_hashes: dict, message: str
+) -> None:
+    service, _ = build(make_instance("p", "prefill"), make_instance("d", "decode"))
+    with pytest.raises(InvalidRequest, match=message):
+        service.schedule(req(prefix_hashes=prefix_hashes))
 
 
 def test_unknown_default_policy_is_rejected_at_construction(fake_source: type) -> None:

@@ -224,11 +224,15 @@ class BlockAccess(Protocol):
         ...
 
     def pin(
-        self, request: kv_transfer_pb2.PullBlocksRequest, time_remaining: float | None = None
+        self,
+        request: kv_transfer_pb2.PullBlocksRequest,
+        time_remaining: float | None = None,
+        context: Any = None,
     ) -> PinnedBlocks:
         """Pins the blocks `request` names (transfer held, indices in range, layout equal),
         waiting a little (never past `time_remaining` seconds) for a hold the engine has not
-        registered yet. Raises AccessDenied (NOT_FOUND, INVALID_ARGUMENT)."""
+        registered yet. `context`: the gRPC call serving it, if any (the read's tracing span
+        is then a child of the caller's). Raises AccessDenied (NOT_FOUND, INVALID_ARGUMENT)."""
         ...
 
 

@@ -59,7 +59,7 @@ class NcclKvTransferServicer(kv_transfer_nccl_pb2_grpc.NcclKvTransferServicer):
         self, request: kv_transfer_nccl_pb2.NcclPullRequest, context: grpc.ServicerContext
     ) -> kv_transfer_nccl_pb2.NcclSendBlocksResponse:
         try:
-            pinned = self._access.pin(request.blocks, context.time_remaining())
+            pinned = self._access.pin(request.blocks, context.time_remaining(), context)
         except AccessDenied as exc:
             context.abort(exc.code, str(exc))
             raise AssertionError("unreachable") from None  # abort raises

@@ -106,7 +106,7 @@ class TcpKvTransferServicer(kv_transfer_tcp_pb2_grpc.TcpKvTransferServicer):
         self, request: kv_transfer_pb2.PullBlocksRequest, context: grpc.ServicerContext
     ) -> Iterator[kv_transfer_tcp_pb2.KvChunk]:
         try:
-            pinned = self._access.pin(request, context.time_remaining())
+            pinned = self._access.pin(request, context.time_remaining(), context)
         except AccessDenied as exc:
             context.abort(exc.code, str(exc))
             raise AssertionError("unreachable") from None  # abort raises

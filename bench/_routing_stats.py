@@ -1,0 +1,118 @@
+"""A routing run's numbers: the client's latencies and the sims' own counters over a window.
+
+Client side (modelled seconds): TTFT percentiles of the requests sent in the window (a request
+that failed or did not finish counts as an infinite TTFT), mean TPOT per request, goodput
+(requests per second meeting both SLOs). Sim side (two `GET /fleet/stats` reads, at the start
+and at the end of the window): output tokens per second, prefix cache hit rate (prefill and
+decode instances), KV transferred per finished decode request, per-decode time-averaged
+running requests and KV usage (their max/mean across decodes), peaks, preemptions, push
+receive-buffer refusals and the recomputes they caused, engine-side ITL percentiles, and the
+simulator's own lag (its event loop fell behind).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+from typing import Any
+
+from bench._openloop import Outcome
+from pdplane.sim.stats import LogHistogram
+
+__all__ = ["client_numbers", "fleet_numbers", "percentile"]
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile `q` (0..100); NaN when empty; inf values count."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    rank = max(0, min(len(ordered) - 1, math.ceil(q / 100 * len(ordered)) - 1))
+    return ordered[rank]
+
+
+def client_numbers(
+    outcomes: Sequence[Outcome], start: float, end: float, slo_ttft_s: float, slo_tpot_s: float
+) -> dict[str, Any]:
+    """Latencies of the requests sent in [start, end) (modelled s) and goodput."""
+    window = [o for o in outcomes if start <= o.sent < end]
+    ttfts = [o.ttft if o.ok else math.inf for o in window]
+    tpots = [o.tpot for o in window if o.ok and o.tokens > 1]
+    good = [o for o in window if o.ok and o.ttft <= slo_ttft_s and o.tpot <= slo_tpot_s]
+    span = max(end - start, 1e-9)
+    return {
+        "requests": len(window),
+        "ok": sum(1 for o in window if o.ok),
+        "unfinished": sum(1 for o in window if o.error == "unfinished"),
+        "errors": sum(1 for o in window if not o.ok and o.error != "unfinished"),
+        "first_error": next((o.error for o in window if o.error and o.error != "unfinished"), ""),
+        "ttft_p50_ms": percentile(ttfts, 50) * 1e3,
+        "ttft_p90_ms": percentile(ttfts, 90) * 1e3,
+        "ttft_p99_ms": percentile(ttfts, 99) * 1e3,
+        "tpot_mean_ms": statistics.fmean(tpots) * 1e3 if tpots else float("nan"),
+        "tpot_p99_ms": percentile(tpots, 99) * 1e3,
+        "goodput_rps": len(good) / span,
+        "offered_rps": len(window) / span,
+    }
+
+
+def _delta(a: dict[str, Any], b: dict[str, Any], key: str) -> float:
+    return float(b[key]) - float(a[key])
+
+
+def fleet_numbers(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """The sims' counters between two `/fleet/stats` reads (see the module docstring)."""
+    pairs = [
+        (x["role"], x["stats"], y["stats"])
+        for x, y in zip(before["instances"], after["instances"], strict=True)
+    ]
+    decodes = [(a, b) for role, a, b in pairs if role == "decode"]
+    prefills = [(a, b) for role, a, b in pairs if role == "prefill"]
+    dt = max(statistics.fmean(_delta(a, b, "clock_s") for _, a, b in pairs), 1e-9)
+
+    def hit_rate(group: list[tuple[dict[str, Any], dict[str, Any]]]) -> float:
+        queries = sum(_delta(a, b, "prefix_queries") for a, b in group)
+        return sum(_delta(a, b, "prefix_hits") for a, b in group) / queries if queries else 0.0
+
+    def spread(key: str) -> tuple[float, float, float]:
+        means = [_delta(a, b, key) / max(_delta(a, b, "clock_s"), 1e-9) for a, b in decodes]
+        mean = statistics.fmean(means) if means else 0.0
+        return mean, max(means, default=0.0), (max(means) / mean if mean > 0 else 1.0)
+
+    run_mean, run_max, run_ratio = spread("running_integral")
+    del run_max  # the ratio says it
+    kv_mean, kv_max, kv_ratio = spread("kv_usage_integral")
+    wait_mean, wait_max, _ = spread("waiting_integral")
+    itl = LogHistogram()
+    for a, b in decodes:
+        itl = itl.merge(LogHistogram.from_dict(b["itl"]).minus(LogHistogram.from_dict(a["itl"])))
+    finished = sum(_delta(a, b, "finished") for a, b in decodes)
+    total = [(a, b) for _, a, b in pairs]
+    return {
+        "window_s": dt,
+        "output_tok_s": sum(_delta(a, b, "generation_tokens") for a, b in decodes) / dt,
+        "prefill_hit_rate": hit_rate(prefills),
+        "decode_hit_rate": hit_rate(decodes),
+        "kv_mb_per_request": (
+            sum(_delta(a, b, "kv_bytes_in") for a, b in decodes) / finished / 1e6
+            if finished
+            else 0.0
+        ),
+        "decode_running_mean": run_mean,
+        "decode_running_max_over_mean": run_ratio,
+        "decode_running_peak": max((b["max_running"] for _, b in decodes), default=0),
+        "decode_waiting_mean": wait_mean,
+        "decode_waiting_max": wait_max,
+        "decode_waiting_peak": max((b["max_waiting"] for _, b in decodes), default=0),
+        "decode_kv_mean": kv_mean,
+        "decode_kv_max": kv_max,
+        "decode_kv_max_over_mean": kv_ratio,
+        "decode_kv_peak": max((b["max_kv_usage"] for _, b in decodes), default=0.0),
+        "preemptions": sum(_delta(a, b, "preemptions") for a, b in total),
+        "push_refused": sum(_delta(a, b, "push_refused") for a, b in decodes),
+        "overflow_recomputes": sum(_delta(a, b, "push_overflow_recomputes") for a, b in decodes),
+        "itl_p50_ms": itl.quantile(0.5) * 1e3,
+        "itl_p99_ms": itl.quantile(0.99) * 1e3,
+        "sim_lag_s": sum(_delta(a, b, "lag_s") for a, b in total),
+    }

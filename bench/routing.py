@@ -1,0 +1,406 @@
+"""Routing benchmark: the same sims and workload through every router, side by side.
+
+For each topology (XpYd), workload, offered load and router row, one point: a fresh registry
+and a fresh sim fleet (one process, bench/_simfleet.py, empty caches), the router
+(bench/_routing_proxies.py), the workload replayed open loop (bench/_openloop.py) for
+`--duration` modelled seconds, the first `--warmup` fraction left out of the numbers; then the
+client's latencies and the sims' own counters (bench/_routing_stats.py). Rows:
+
+    pdplane:round_robin  pdplane:random  pdplane:least_loaded  pdplane:power_of_two
+    pdplane:consistent_hash  pdplane:kv_aware  (any pdplane:P/D)  vllm-router:cache_aware
+    vllm-router:power_of_two  vllm-router:round_robin  xpyd:cache_aware  oracle
+
+    python bench/routing.py --topology 8P16D --workload shared-prefix --rates 30,45,60 \
+        --policies pdplane:round_robin,pdplane:least_loaded,oracle
+    python bench/routing.py --preset seed-1p7d            # the seed's case, random vs pdplane
+    python bench/routing.py --dispatch-study              # sequential vs concurrent dispatch
+
+The router, registry and load generator run on `--proxy-cpus`, the sims on `--sim-cpus`.
+Results: a Markdown table per (topology, workload, rate) on stdout and everything in
+`--out` (routing.json, logs). Run it under the shared heavy lock.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench import workloads as wl  # noqa: E402
+from bench._openloop import replay  # noqa: E402
+from bench._procs import Proc, free_port, spawn  # noqa: E402
+from bench._routing_proxies import Endpoints, parse_row, start_row  # noqa: E402
+from bench._routing_stats import client_numbers, fleet_numbers  # noqa: E402
+
+TOPOLOGIES = {"1P7D": (1, 7), "2P2D": (2, 2), "4P4D": (4, 4), "8P16D": (8, 16)}
+ALL_ROWS = [
+    "pdplane:round_robin",
+    "pdplane:random",
+    "pdplane:least_loaded",
+    "pdplane:power_of_two",
+    "pdplane:consistent_hash",
+    "vllm-router:cache_aware",
+    "vllm-router:power_of_two",
+    "vllm-router:round_robin",
+    "xpyd:cache_aware",
+    "oracle",
+]
+
+
+@dataclass
+class Point:
+    """One measured point's settings (everything needed to repeat it)."""
+
+    topology: str
+    workload: str
+    rate: float
+    row: str
+    duration_s: float = 60.0
+    warmup: float = 0.25
+    drain_s: float = 60.0
+    profile: str = "llama3-8b-h100"
+    time_scale: float = 1.0
+    stream_interval: int = 16
+    kv_mode: str = "pull"
+    push_overflow: str = "pull"
+    push_buffer_bytes: int = 0
+    kv_blocks: int = 0
+    max_num_seqs: int = 0
+    slo_ttft_ms: float = 2000.0
+    slo_tpot_ms: float = 50.0
+    seed: int = 0
+    dispatch: str = "sequential"
+    workload_args: dict[str, Any] = field(default_factory=dict)
+
+
+def make_workload(p: Point) -> wl.Workload:
+    """The point's workload: `rate` requests (or sessions) per second for `duration_s`."""
+    n = max(1, int(p.rate * p.duration_s))
+    a = p.workload_args
+    if p.workload == "shared-prefix":
+        return wl.shared_prefix(
+            p.rate,
+            n,
+            tenants=int(a.get("tenants", 64)),
+            system_tokens=int(a.get("system_tokens", 4000)),
+            seed=p.seed,
+        )
+    if p.workload == "multi-turn":
+        return wl.multi_turn(
+            p.rate,
+            n,
+            turns=int(a.get("turns", 5)),
+            system_tokens=int(a.get("system_tokens", 1000)),
+            think_s=float(a.get("think_s", 5.0)),
+            seed=p.seed,
+        )
+    if p.workload == "seed":
+        return wl.seed_long_output(p.rate, n, seed=p.seed)
+    if p.workload == "fixed":
+        isl, osl = int(a.get("isl", 1024)), int(a.get("osl", 128))
+        return wl.poisson(p.rate, n, wl.Lengths(isl), wl.Lengths(osl), seed=p.seed)
+    if p.workload == "trace":
+        return wl.load_trace(str(a["path"]))
+    raise ValueError(f"unknown workload {p.workload!r}")
+
+
+def _registry(p: Point, cpus: str, logs: Path) -> tuple[Proc, str]:
+    port = free_port()
+    heartbeat_ms = max(50, int(1000 / p.time_scale))  # 1 s of modelled time
+    argv = [sys.executable, "-m", "pdplane.cli.main", "registry", "--port", str(port)]
+    argv += ["--heartbeat-interval-ms", str(heartbeat_ms), "--log-level", "WARNING"]
+    return spawn("registry", argv, cpus, logs), f"127.0.0.1:{port}"
+
+
+def _fleet(p: Point, registry: str, cpus: str, logs: Path) -> tuple[Proc, dict[str, Any]]:
+    n_p, n_d = TOPOLOGIES[p.topology]
+    argv = [sys.executable, str(ROOT / "bench" / "_simfleet.py"), "--prefill", str(n_p)]
+    argv += ["--decode", str(n_d), "--registry", registry, "--profile", p.profile]
+    argv += ["--time-scale", str(p.time_scale), "--stream-interval", str(p.stream_interval)]
+    argv += ["--kv-mode", p.kv_mode, "--push-overflow", p.push_overflow]
+    for flag, value in (
+        ("--push-buffer-bytes", p.push_buffer_bytes),
+        ("--kv-blocks", p.kv_blocks),
+        ("--max-num-seqs", p.max_num_seqs),
+    ):
+        if value:
+            argv += [flag, str(value)]
+    if p.row == "oracle":
+        argv.append("--oracle")
+    if "kv_aware" not in p.row:
+        argv.append("--no-kv-events")  # nobody subscribes; saves the sims' CPU
+    proc = spawn("simfleet", argv, cpus, logs, stdout_pipe=True)
+    try:
+        return proc, proc.read_json_lines(1, timeout_s=120)[0]
+    except BaseException:
+        proc.stop()
+        raise
+
+
+def _wait_registered(registry: str, count: int, timeout_s: float = 30.0) -> None:
+    import grpc
+
+    from pdplane.v1 import registry_pb2, registry_pb2_grpc
+
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(registry) as channel:
+        stub = registry_pb2_grpc.RegistryStub(channel)
+        while time.monotonic() < deadline:
+            try:
+                listed = stub.ListInstances(registry_pb2.ListInstancesRequest(), timeout=2)
+                if len(listed.instances) >= count:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.1)
+    raise RuntimeError(f"fewer than {count} instances registered after {timeout_s} s")
+
+
+async def _measure(p: Point, url: str, control: str) -> dict[str, Any]:
+    work = make_workload(p)
+    warm = p.duration_s * p.warmup
+    end = work.duration_s
+    async with aiohttp.ClientSession() as http:
+
+        async def stats() -> dict[str, Any]:
+            async with http.get(control + "/fleet/stats") as r:
+                return dict(await r.json())
+
+        task = asyncio.create_task(
+            replay(
+                url + "/v1/chat/completions",
+                work,
+                time_scale=p.time_scale,
+                stop_at_s=end + p.drain_s,
+            )
+        )
+        await asyncio.sleep(warm / p.time_scale)
+        async with http.post(control + "/fleet/reset-peaks"):
+            pass
+        before = await stats()
+        await asyncio.sleep(max(0.0, (end - warm) / p.time_scale))
+        after = await stats()
+        outcomes = await task
+    client = client_numbers(outcomes, warm, end, p.slo_ttft_ms / 1e3, p.slo_tpot_ms / 1e3)
+    return {**client, **fleet_numbers(before, after)}
+
+
+def run_point(p: Point, logs: Path, proxy_cpus: str = "", sim_cpus: str = "") -> dict[str, Any]:
+    """Measures one point; returns its settings and numbers (see bench/_routing_stats.py)."""
+    row = parse_row(p.row)
+    logs.mkdir(parents=True, exist_ok=True)
+    registry, address = _registry(p, proxy_cpus, logs)
+    fleet: Proc | None = None
+    proxy = None
+    try:
+        fleet, line = _fleet(p, address, sim_cpus, logs)
+        n_p, n_d = TOPOLOGIES[p.topology]
+        _wait_registered(address, n_p + n_d)
+        ep = Endpoints(address, line["prefill"], line["decode"], line.get("oracle"))
+        proxy = start_row(row, ep, proxy_cpus, logs, dispatch=p.dispatch)
+        cpu0, t0 = proxy.cpu_ms(), time.perf_counter()
+        numbers = asyncio.run(_measure(p, proxy.url, line["control"]))
+        numbers["proxy_cpu_ms_per_request"] = (
+            (proxy.cpu_ms() - cpu0) / numbers["requests"] if numbers["requests"] else 0.0
+        )
+        numbers["wall_s"] = time.perf_counter() - t0
+        return {"point": asdict(p), **numbers}
+    finally:
+        if proxy is not None:
+            proxy.stop()
+        if fleet is not None:
+            fleet.stop()
+        registry.stop()
+
+
+_COLUMNS = [
+    ("row", "router", "{}"),
+    ("ttft_p50_ms", "TTFT p50", "{:.0f}"),
+    ("ttft_p90_ms", "p90", "{:.0f}"),
+    ("ttft_p99_ms", "p99", "{:.0f}"),
+    ("itl_p50_ms", "ITL p50", "{:.1f}"),
+    ("itl_p99_ms", "p99", "{:.1f}"),
+    ("output_tok_s", "out tok/s", "{:.0f}"),
+    ("goodput_rps", "goodput/s", "{:.1f}"),
+    ("prefill_hit_rate", "P hit", "{:.0%}"),
+    ("kv_mb_per_request", "KV MB/req", "{:.1f}"),
+    ("decode_running_mean", "D run mean", "{:.0f}"),
+    ("decode_running_max_over_mean", "max/mean", "{:.2f}"),
+    ("decode_kv_mean", "D KV mean", "{:.0%}"),
+    ("decode_kv_max_over_mean", "max/mean", "{:.2f}"),
+    ("decode_waiting_peak", "D wait peak", "{}"),
+    ("preemptions", "preempt", "{:.0f}"),
+    ("push_refused", "overflows", "{:.0f}"),
+    ("unfinished", "unfinished", "{}"),
+    ("proxy_cpu_ms_per_request", "proxy CPU ms/req", "{:.2f}"),
+]
+
+
+def _cell(value: Any, fmt: str) -> str:
+    if isinstance(value, float) and value != value:
+        return "n/a"
+    if value == float("inf"):
+        return "inf"
+    return fmt.format(value)
+
+
+def report(results: list[dict[str, Any]]) -> str:
+    """Markdown: one table per (topology, workload, rate), one line per router."""
+    out: list[str] = []
+    keys = sorted(
+        {
+            (r["point"]["topology"], r["point"]["workload"], r["point"]["rate"])
+            for r in results
+            if "point" in r
+        },
+        key=str,
+    )
+    for topo, work, rate in keys:
+        rows = [
+            r
+            for r in results
+            if "point" in r
+            and (r["point"]["topology"], r["point"]["workload"], r["point"]["rate"])
+            == (topo, work, rate)
+        ]
+        p = rows[0]["point"]
+        out += [
+            f"\n### {topo}, {work}, {rate:g}/s ({p['profile']}, SLO TTFT <= "
+            f"{p['slo_ttft_ms']:g} ms, TPOT <= {p['slo_tpot_ms']:g} ms)\n",
+            "| " + " | ".join(h for _, h, _ in _COLUMNS) + " |",
+            "|" + "---|" * len(_COLUMNS),
+        ]
+        for r in rows:
+            values = {**r, "row": r["point"]["row"]}
+            out.append("| " + " | ".join(_cell(values.get(k), f) for k, _, f in _COLUMNS) + " |")
+    return "\n".join(out)
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # The seed's failure: 1P7D, ~1k-token prompts, 2-3k-token answers, 10 req/s, push mode
+    # with the seed's receive buffer and overflow -> recompute, random decode choice.
+    "seed-1p7d": {
+        "topology": "1P7D",
+        "workload": "seed",
+        "rates": [10.0],
+        "profile": "qwen2-7b-a100",
+        "kv_mode": "push",
+        "push_overflow": "recompute",
+        "duration_s": 300.0,
+        "time_scale": 10.0,
+        "stream_interval": 256,
+        "drain_s": 30.0,
+        "kv_blocks": 9000,
+        "push_buffer_bytes": 1_000_000_000,
+        "rows": [
+            "pdplane:random",
+            "pdplane:round_robin",
+            "pdplane:least_loaded",
+            "pdplane:power_of_two",
+        ],
+    },
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    ap.add_argument("--preset", choices=sorted(PRESETS))
+    ap.add_argument("--topology", default="4P4D", choices=sorted(TOPOLOGIES))
+    ap.add_argument(
+        "--workload",
+        default="shared-prefix",
+        choices=("shared-prefix", "multi-turn", "seed", "fixed", "trace"),
+    )
+    ap.add_argument(
+        "--wl",
+        default="",
+        help="workload knobs: key=value,... (tenants, "
+        "system_tokens, turns, think_s, isl, osl, path)",
+    )
+    ap.add_argument("--rates", default="20", help="requests (sessions) per second, comma list")
+    ap.add_argument("--policies", default=",".join(ALL_ROWS), help="router rows, comma list")
+    ap.add_argument("--duration", type=float, default=60.0, help="modelled s per point")
+    ap.add_argument("--warmup", type=float, default=0.25, help="fraction left out")
+    ap.add_argument("--profile", default="llama3-8b-h100")
+    ap.add_argument("--time-scale", type=float, default=1.0)
+    ap.add_argument("--stream-interval", type=int, default=16)
+    ap.add_argument("--kv-mode", default="pull", choices=("pull", "push"))
+    ap.add_argument("--push-overflow", default="pull", choices=("pull", "recompute"))
+    ap.add_argument("--kv-blocks", type=int, default=0, help="override the profile's cache")
+    ap.add_argument("--slo-ttft-ms", type=float, default=2000.0)
+    ap.add_argument("--slo-tpot-ms", type=float, default=50.0)
+    ap.add_argument("--dispatch-study", action="store_true")
+    ap.add_argument("--proxy-cpus", default="0")
+    ap.add_argument("--sim-cpus", default="1")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    out = args.out or ROOT / "logs" / "bench" / f"routing-{stamp}"
+    out.mkdir(parents=True, exist_ok=True)
+    if args.proxy_cpus:
+        os.sched_setaffinity(0, {int(c) for c in args.proxy_cpus.split(",")})
+    if args.dispatch_study:
+        from bench._dispatch_study import run_study
+
+        study = run_study(args, out)
+        (out / "dispatch.json").write_text(json.dumps(study, indent=1))
+        return 0
+    knobs = dict(x.split("=", 1) for x in args.wl.split(",") if x)
+    base: dict[str, Any] = {
+        "topology": args.topology,
+        "workload": args.workload,
+        "rates": [float(r) for r in args.rates.split(",")],
+        "profile": args.profile,
+        "duration_s": args.duration,
+        "warmup": args.warmup,
+        "time_scale": args.time_scale,
+        "stream_interval": args.stream_interval,
+        "kv_mode": args.kv_mode,
+        "push_overflow": args.push_overflow,
+        "kv_blocks": args.kv_blocks,
+        "slo_ttft_ms": args.slo_ttft_ms,
+        "slo_tpot_ms": args.slo_tpot_ms,
+        "rows": args.policies.split(","),
+    }
+    if args.preset:
+        base.update(PRESETS[args.preset])
+    rates, rows = base.pop("rates"), base.pop("rows")
+    results: list[dict[str, Any]] = []
+    for rate in rates:
+        for row in rows:
+            point = Point(rate=rate, row=row, workload_args=knobs, **base)
+            print(
+                f"[{point.topology} {point.workload} {rate:g}/s] {row}", file=sys.stderr, flush=True
+            )
+            try:
+                r = run_point(point, out / "logs", args.proxy_cpus, args.sim_cpus)
+            except RuntimeError as exc:
+                print(f"  skipped: {exc}", file=sys.stderr, flush=True)
+                r = {"point": asdict(point), "skipped": str(exc)}
+            results.append(r)
+            (out / "routing.json").write_text(json.dumps(results, indent=1))
+            print(
+                "  " + json.dumps({k: v for k, v in r.items() if k != "point"}),
+                file=sys.stderr,
+                flush=True,
+            )
+    table = report([r for r in results if "skipped" not in r])
+    (out / "routing.md").write_text(table + "\n")
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

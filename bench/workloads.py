@@ -1,0 +1,270 @@
+"""Seeded workloads for the routing and capacity benchmarks (and their tests).
+
+A workload is a list of `Turn`s: when to send (seconds of modelled time from the start), the
+chat messages of the request before any earlier answer is known, and how many tokens to
+generate. Turns of one `session` after the first are follow-ups: they are sent `after_s`
+seconds after the previous turn of the session finished, with the previous answers spliced in
+(multi-turn chat). Prompt text is made of plain words (`pdplane sim`'s default tokenizer makes
+one token of each; a BPE tokenizer makes about one to two), so a prompt of N "tokens" is N
+words.
+
+Generators (every one takes a `seed`; the same arguments give the same workload):
+- `poisson` / `bursty`: independent requests at a rate (bursty: gamma inter-arrival times with
+  a coefficient of variation > 1), prompt and output lengths from `Lengths` distributions;
+- `seed_long_output`: the seed's failing case (about 1k-token prompts, 2-3k-token answers,
+  10 req/s);
+- `shared_prefix`: T tenants, each with a long system prompt and many users asking short
+  questions (multi-tenant shared prefixes);
+- `multi_turn`: sessions of several turns, each turn appending the previous answer;
+- `load_trace`: replay of a JSONL trace (`{"at": s, "prompt": text | "messages": [...] |
+  "prompt_tokens": N, "output_tokens" | "max_tokens": N, "session": id}` per line).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "Lengths",
+    "Turn",
+    "Workload",
+    "bursty",
+    "load_trace",
+    "multi_turn",
+    "poisson",
+    "seed_long_output",
+    "shared_prefix",
+]
+
+_SYLLABLES = ("ka", "lo", "mi", "ne", "ru", "sa", "to", "vi", "ze", "po", "da", "fe", "gu", "hi")
+
+
+@dataclass(frozen=True, slots=True)
+class Lengths:
+    """A length distribution (tokens): "fixed" (mean), "uniform" (lo..hi), "lognormal" (mean,
+    sigma of the log), clipped to [lo, hi]."""
+
+    mean: int
+    kind: str = "fixed"
+    lo: int = 1
+    hi: int = 1 << 20
+    sigma: float = 0.5
+
+    def draw(self, rng: random.Random) -> int:
+        if self.kind == "uniform":
+            return rng.randint(self.lo, self.hi)
+        if self.kind == "lognormal":
+            mu = math.log(self.mean) - self.sigma**2 / 2
+            return min(self.hi, max(self.lo, round(rng.lognormvariate(mu, self.sigma))))
+        return self.mean
+
+
+@dataclass(slots=True)
+class Turn:
+    """One request of a workload.
+
+    Attributes:
+        at: send time (modelled s from the start) of a session's first turn; for a follow-up,
+            the think time after the previous turn of its session finished.
+        messages: the chat messages before earlier answers are spliced in (a follow-up holds
+            only its new user message; the runner prepends the history).
+        max_tokens: tokens to generate.
+        session: conversation id ("" = a one-off request); follow-ups share it.
+        user: the OpenAI `user` field (end-user id; consistent_hash routes by it).
+        tenant: which tenant's system prompt it carries ("" = none).
+        turn: 0 for a session's first request, k for its k-th follow-up.
+    """
+
+    at: float
+    messages: list[dict[str, str]]
+    max_tokens: int
+    session: str = ""
+    user: str = ""
+    tenant: str = ""
+    turn: int = 0
+
+    @property
+    def prompt_words(self) -> int:
+        return sum(len(m["content"].split()) for m in self.messages)
+
+
+@dataclass(slots=True)
+class Workload:
+    """A named, seeded list of turns (follow-ups keep their session's order)."""
+
+    name: str
+    turns: list[Turn]
+    description: str = ""
+    params: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def first_turns(self) -> list[Turn]:
+        return sorted((t for t in self.turns if t.turn == 0), key=lambda t: t.at)
+
+    def follow_ups(self, session: str) -> list[Turn]:
+        return sorted(
+            (t for t in self.turns if t.session == session and t.turn), key=lambda t: t.turn
+        )
+
+    @property
+    def duration_s(self) -> float:
+        return max((t.at for t in self.turns if t.turn == 0), default=0.0)
+
+
+def _words(rng: random.Random, count: int) -> str:
+    """`count` random pseudo-words (each one token for the sim's tokenizer)."""
+    return " ".join(
+        rng.choice(_SYLLABLES) + rng.choice(_SYLLABLES) + rng.choice(_SYLLABLES)
+        for _ in range(count)
+    )
+
+
+def _arrivals(rng: random.Random, rate: float, count: int, cv: float = 1.0) -> list[float]:
+    """Inter-arrival times with mean 1/rate: exponential (cv 1) or gamma (cv > 1: bursty)."""
+    t, out = 0.0, []
+    shape = 1.0 / (cv * cv)
+    for _ in range(count):
+        t += rng.gammavariate(shape, 1.0 / (rate * shape))
+        out.append(t)
+    return out
+
+
+def poisson(
+    rate: float, count: int, isl: Lengths, osl: Lengths, *, seed: int = 0, cv: float = 1.0
+) -> Workload:
+    """Independent requests at `rate` per second (Poisson; `cv` > 1 makes them bursty)."""
+    rng = random.Random(seed)
+    turns = [
+        Turn(at, [{"role": "user", "content": _words(rng, isl.draw(rng))}], osl.draw(rng))
+        for at in _arrivals(rng, rate, count, cv)
+    ]
+    name = "poisson" if cv == 1.0 else "bursty"
+    return Workload(
+        name,
+        turns,
+        f"{count} requests at {rate}/s, cv {cv}",
+        {"rate": rate, "count": count, "isl": isl.mean, "osl": osl.mean, "cv": cv},
+    )
+
+
+def bursty(
+    rate: float, count: int, isl: Lengths, osl: Lengths, *, seed: int = 0, cv: float = 3.0
+) -> Workload:
+    """`poisson` with gamma inter-arrivals of coefficient of variation `cv` (bursts)."""
+    return poisson(rate, count, isl, osl, seed=seed, cv=cv)
+
+
+def seed_long_output(rate: float = 10.0, count: int = 2000, *, seed: int = 0) -> Workload:
+    """The seed's case: ~1k-token prompts, 2-3k-token answers (uniform), `rate` req/s."""
+    w = poisson(
+        rate,
+        count,
+        Lengths(1000, "uniform", 900, 1100),
+        Lengths(2500, "uniform", 2000, 3000),
+        seed=seed,
+    )
+    w.name = "seed-long-output"
+    w.description = f"seed 1P7D case: ~1k prompt, 2-3k answer, {rate}/s, {count} requests"
+    return w
+
+
+def shared_prefix(
+    rate: float,
+    count: int,
+    *,
+    tenants: int = 8,
+    system_tokens: int = 2000,
+    users_per_tenant: int = 50,
+    question: Lengths = Lengths(100, "uniform", 50, 150),
+    osl: Lengths = Lengths(100, "uniform", 50, 150),
+    seed: int = 0,
+) -> Workload:
+    """T tenants, each with a long system prompt; requests from their users at `rate`/s."""
+    rng = random.Random(seed)
+    systems = [_words(random.Random(f"tenant-{seed}-{t}"), system_tokens) for t in range(tenants)]
+    turns = []
+    for at in _arrivals(rng, rate, count):
+        t = rng.randrange(tenants)
+        messages = [
+            {"role": "system", "content": systems[t]},
+            {"role": "user", "content": _words(rng, question.draw(rng))},
+        ]
+        user = f"t{t}-u{rng.randrange(users_per_tenant)}"
+        turns.append(Turn(at, messages, osl.draw(rng), user=user, tenant=f"t{t}"))
+    return Workload(
+        "shared-prefix",
+        turns,
+        f"{tenants} tenants x {system_tokens}-token system prompts, {rate}/s",
+        {"rate": rate, "count": count, "tenants": tenants, "system_tokens": system_tokens},
+    )
+
+
+def multi_turn(
+    rate: float,
+    sessions: int,
+    *,
+    turns: int = 5,
+    system_tokens: int = 200,
+    first: Lengths = Lengths(400, "uniform", 300, 500),
+    follow: Lengths = Lengths(80, "uniform", 40, 120),
+    osl: Lengths = Lengths(150, "uniform", 100, 200),
+    think_s: float = 2.0,
+    seed: int = 0,
+) -> Workload:
+    """`sessions` conversations starting at `rate`/s, each `turns` turns long; every turn is
+    sent `think_s` (exponential) after the previous answer and carries the whole history."""
+    rng = random.Random(seed)
+    out = []
+    for s, at in enumerate(_arrivals(rng, rate, sessions)):
+        sid = f"s{s}"
+        system = {"role": "system", "content": _words(rng, system_tokens)}
+        msg = {"role": "user", "content": _words(rng, first.draw(rng))}
+        out.append(Turn(at, [system, msg], osl.draw(rng), session=sid, user=sid))
+        for k in range(1, turns):
+            msg = {"role": "user", "content": _words(rng, follow.draw(rng))}
+            think = rng.expovariate(1 / think_s)
+            out.append(Turn(think, [msg], osl.draw(rng), session=sid, user=sid, turn=k))
+    return Workload(
+        "multi-turn",
+        out,
+        f"{sessions} sessions x {turns} turns, {rate} sessions/s",
+        {"rate": rate, "sessions": sessions, "turns": turns},
+    )
+
+
+def load_trace(path: str | Path, *, limit: int = 0, seed: int = 0) -> Workload:
+    """A JSONL trace (see the module docstring), replayed open loop at its own times (a
+    `session` becomes the `user` field). Raises ValueError naming a bad line."""
+    rng = random.Random(seed)
+    out: list[Turn] = []
+    lines: Iterable[str] = Path(path).read_text().splitlines()
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+            at = float(rec.get("at", rec.get("timestamp", 0.0)))
+            if "messages" in rec:
+                messages = list(rec["messages"])
+            elif "prompt" in rec:
+                messages = [{"role": "user", "content": str(rec["prompt"])}]
+            else:
+                messages = [{"role": "user", "content": _words(rng, int(rec["prompt_tokens"]))}]
+            max_tokens = int(rec.get("output_tokens", rec.get("max_tokens", 128)))
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"{path}:{n}: {exc}") from exc
+        out.append(Turn(at, messages, max_tokens, user=str(rec.get("session", ""))))
+        if limit and len(out) >= limit:
+            break
+    if not out:
+        raise ValueError(f"{path}: no requests")
+    t0 = min(t.at for t in out)
+    for t in out:
+        t.at -= t0
+    return Workload(Path(path).stem, out, f"trace {path}", {"path": str(path)})

@@ -1,0 +1,49 @@
+"""Several schedulers over one fleet decide as well as one (bench/_replicas.py's scenario): 2
+prefill + 4 decode sims, decodes 1-3 already running 40 long streams each (known to the
+schedulers only from heartbeats), then a burst of 120 long streams split across two gateways.
+The total decode load (pre + burst) must stay within max/mean 1.2 with the default policy."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[3]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench import _replicas  # noqa: E402
+
+BOUND = 1.2  # max/mean of the total decode load
+
+
+def test_two_schedulers_alone_herd_onto_the_least_loaded_decode() -> None:
+    # The problem being solved: each counts only its own assignments between heartbeats.
+    result = _replicas.run(mode="remote", share=False)
+    assert result.started == 120 and result.failed == []
+    assert result.burst[0] >= 80  # both send their first 40 to the idle decode 0
+    assert result.max_over_mean > 1.4
+
+
+@pytest.mark.parametrize("mode", ["remote", "embedded"])
+def test_replicas_sharing_in_flight_state_balance_the_burst(mode: str) -> None:
+    result = _replicas.run(mode=mode, share=True)
+    assert result.started == 120 and result.failed == []
+    assert result.max_over_mean <= BOUND, (result.burst, result.totals)
+
+
+def test_a_scheduler_killed_mid_burst_loses_no_request() -> None:
+    result = _replicas.run(mode="remote", share=True, kill="scheduler")
+    assert 0 < result.killed_at < 120  # SIGKILL with part of the burst still to schedule
+    assert result.failed == []
+    assert result.started == 120
+
+
+def test_a_gateway_killed_mid_burst_loses_no_request_that_was_not_streaming() -> None:
+    result = _replicas.run(mode="embedded", share=True, kill="gateway")
+    assert 0 < result.killed_at < 120
+    # Streams the dead gateway was relaying end with it; every other request is served.
+    assert result.failed == []
+    assert result.started + result.cut == 120
