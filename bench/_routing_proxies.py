@@ -25,7 +25,7 @@ __all__ = ["POLICY_FLAGS", "Endpoints", "Row", "parse_row", "start_row"]
 
 #: Extra gateway flags a pdplane policy needs (e.g. a tokenizer for prefix hashes); the
 #: `{tokenizer}` placeholder is the fleet's tokenizer directory.
-POLICY_FLAGS: dict[str, list[str]] = {}
+POLICY_FLAGS: dict[str, list[str]] = {"kv_aware": ["--tokenizer", "{tokenizer}"]}
 
 
 @dataclass(frozen=True, slots=True)

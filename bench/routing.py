@@ -83,6 +83,7 @@ class Point:
     seed: int = 0
     dispatch: str = "sequential"
     workload_args: dict[str, Any] = field(default_factory=dict)
+    tokenizer: str = ""  # Hugging Face tokenizer directory of sims and gateway ("" = words)
 
 
 def make_workload(p: Point) -> wl.Workload:
@@ -139,6 +140,8 @@ def _fleet(p: Point, registry: str, cpus: str, logs: Path) -> tuple[Proc, dict[s
             argv += [flag, str(value)]
     if p.row == "oracle":
         argv.append("--oracle")
+    if p.tokenizer:
+        argv += ["--tokenizer", p.tokenizer]
     if "kv_aware" not in p.row:
         argv.append("--no-kv-events")  # nobody subscribes; saves the sims' CPU
     proc = spawn("simfleet", argv, cpus, logs, stdout_pipe=True)
@@ -208,7 +211,9 @@ def run_point(p: Point, logs: Path, proxy_cpus: str = "", sim_cpus: str = "") ->
         fleet, line = _fleet(p, address, sim_cpus, logs)
         n_p, n_d = TOPOLOGIES[p.topology]
         _wait_registered(address, n_p + n_d)
-        ep = Endpoints(address, line["prefill"], line["decode"], line.get("oracle"))
+        ep = Endpoints(
+            address, line["prefill"], line["decode"], line.get("oracle"), tokenizer=p.tokenizer
+        )
         proxy = start_row(row, ep, proxy_cpus, logs, dispatch=p.dispatch)
         cpu0, t0 = proxy.cpu_ms(), time.perf_counter()
         numbers = asyncio.run(_measure(p, proxy.url, line["control"]))
@@ -345,6 +350,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--proxy-cpus", default="0")
     ap.add_argument("--sim-cpus", default="1")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument(
+        "--tokenizer",
+        default="auto",
+        help='tokenizer directory of sims and gateways; "auto" = the tiny model\'s when a row is '
+        "kv_aware (exact prompt ids and prefix hashes), else the sims' word tokenizer",
+    )
     args = ap.parse_args(argv)
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     out = args.out or ROOT / "logs" / "bench" / f"routing-{stamp}"
@@ -376,6 +387,18 @@ def main(argv: list[str] | None = None) -> int:
     }
     if args.preset:
         base.update(PRESETS[args.preset])
+    tokenizer = args.tokenizer
+    if tokenizer == "auto":
+        # kv_aware needs exact prompt ids at the gateway: every row then runs the same tokenizer
+        # (the tiny model's), so that prompt lengths are equal across rows.
+        tokenizer = ""
+        if any("kv_aware" in row for row in base["rows"]):
+            from pdplane.models.tiny import build_tiny_model
+
+            home = Path.home() / ".cache/pdplane/models"
+            cache = Path(os.environ.get("PDPLANE_MODEL_CACHE", home))
+            tokenizer = str(build_tiny_model(cache))
+    base["tokenizer"] = tokenizer
     rates, rows = base.pop("rates"), base.pop("rows")
     results: list[dict[str, Any]] = []
     for rate in rates:

@@ -23,12 +23,13 @@ Generators (every one takes a `seed`; the same arguments give the same workload)
 from __future__ import annotations
 
 import json
-import math
 import random
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from pdplane.plan.workload import Lengths, arrival_times
 
 __all__ = [
     "Lengths",
@@ -42,27 +43,12 @@ __all__ = [
     "shared_prefix",
 ]
 
+_QUESTION = Lengths(100, "uniform", 50, 150)
+_FIRST = Lengths(400, "uniform", 300, 500)
+_FOLLOW = Lengths(80, "uniform", 40, 120)
+_OSL_SHORT = Lengths(150, "uniform", 100, 200)
+
 _SYLLABLES = ("ka", "lo", "mi", "ne", "ru", "sa", "to", "vi", "ze", "po", "da", "fe", "gu", "hi")
-
-
-@dataclass(frozen=True, slots=True)
-class Lengths:
-    """A length distribution (tokens): "fixed" (mean), "uniform" (lo..hi), "lognormal" (mean,
-    sigma of the log), clipped to [lo, hi]."""
-
-    mean: int
-    kind: str = "fixed"
-    lo: int = 1
-    hi: int = 1 << 20
-    sigma: float = 0.5
-
-    def draw(self, rng: random.Random) -> int:
-        if self.kind == "uniform":
-            return rng.randint(self.lo, self.hi)
-        if self.kind == "lognormal":
-            mu = math.log(self.mean) - self.sigma**2 / 2
-            return min(self.hi, max(self.lo, round(rng.lognormvariate(mu, self.sigma))))
-        return self.mean
 
 
 @dataclass(slots=True)
@@ -126,13 +112,7 @@ def _words(rng: random.Random, count: int) -> str:
 
 
 def _arrivals(rng: random.Random, rate: float, count: int, cv: float = 1.0) -> list[float]:
-    """Inter-arrival times with mean 1/rate: exponential (cv 1) or gamma (cv > 1: bursty)."""
-    t, out = 0.0, []
-    shape = 1.0 / (cv * cv)
-    for _ in range(count):
-        t += rng.gammavariate(shape, 1.0 / (rate * shape))
-        out.append(t)
-    return out
+    return arrival_times(rng, rate, count, cv)
 
 
 def poisson(
@@ -181,8 +161,8 @@ def shared_prefix(
     tenants: int = 8,
     system_tokens: int = 2000,
     users_per_tenant: int = 50,
-    question: Lengths = Lengths(100, "uniform", 50, 150),
-    osl: Lengths = Lengths(100, "uniform", 50, 150),
+    question: Lengths = _QUESTION,
+    osl: Lengths = _QUESTION,
     seed: int = 0,
 ) -> Workload:
     """T tenants, each with a long system prompt; requests from their users at `rate`/s."""
@@ -211,9 +191,9 @@ def multi_turn(
     *,
     turns: int = 5,
     system_tokens: int = 200,
-    first: Lengths = Lengths(400, "uniform", 300, 500),
-    follow: Lengths = Lengths(80, "uniform", 40, 120),
-    osl: Lengths = Lengths(150, "uniform", 100, 200),
+    first: Lengths = _FIRST,
+    follow: Lengths = _FOLLOW,
+    osl: Lengths = _OSL_SHORT,
     think_s: float = 2.0,
     seed: int = 0,
 ) -> Workload:

@@ -99,9 +99,9 @@ class HoldAccess:
     Args:
         holds: this worker's held transfers.
         layout: this worker's KV layout; a requester with another layout is refused.
-        arrival_wait_s: how long a request for a not-yet-known transfer id waits for the hold
-            to arrive (prefill's response can reach decode before the engine's next step
-            registers the hold) (s).
+        arrival_wait_s: how long a pull (not an abort or complete: those answer at once) for a
+            not-yet-known transfer id waits for the hold to arrive (prefill's response can
+            reach decode before the engine's next step registers the hold) (s).
         tombstone_s: how long an abort/complete for an unknown id is remembered, so that the
             hold is freed at once if it arrives later (s).
     """
@@ -161,10 +161,13 @@ class HoldAccess:
         ids = [hold.block_ids[i] for i in indices]
         return _Pinned(self.holds, hold, ids, _serve_span(request, context, len(ids)))
 
-    def release(self, transfer_id: str, reason: str, time_remaining: float | None) -> bool:
-        """Ends the hold of `transfer_id` (see `HoldTable.release`); False when not held."""
-        wait = self.arrival_wait(time_remaining)
-        freed = self.holds.release(transfer_id, reason, wait, self.tombstone_s)
+    def release(self, transfer_id: str, reason: str) -> bool:
+        """Ends the hold of `transfer_id` (see `HoldTable.release`); False when not held.
+
+        No arrival wait: an unknown id is answered at once and remembered (tombstone), so a
+        hold arriving later still ends at once. Waiting held a pool worker per call: 16
+        AbortTransfer calls for unknown ids tied up all 8 workers for 2 s each."""
+        freed = self.holds.release(transfer_id, reason, 0.0, self.tombstone_s)
         log.info("transfer %s %s (freed=%s)", transfer_id, reason, freed)
         return freed
 
@@ -185,7 +188,7 @@ class KvTransferServicer(kv_transfer_pb2_grpc.KvTransferServicer):
     def _release(self, transfer_id: str, reason: str, context: grpc.ServicerContext) -> bool:
         if not transfer_id:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "transfer_id is required")
-        return self._access.release(transfer_id, reason, context.time_remaining())
+        return self._access.release(transfer_id, reason)
 
     def CompleteTransfer(
         self, request: kv_transfer_pb2.CompleteTransferRequest, context: grpc.ServicerContext

@@ -18,6 +18,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from pdplane.core.grpc_decode import AioDecodeErrorInterceptor, DecodeErrorInterceptor
 from pdplane.core.grpc_reflection import enable_reflection
 from pdplane.core.server_id import METADATA_KEY, server_id
 
@@ -30,7 +31,9 @@ __all__ = [
     "add_port",
     "aio_add_health_and_reflection",
     "aio_channel",
+    "aio_server_interceptors",
     "channel",
+    "server_interceptors",
     "token_metadata",
 ]
 
@@ -151,6 +154,19 @@ class AioTokenAuthInterceptor(grpc.aio.ServerInterceptor):
         if _authorized(handler_call_details.invocation_metadata, self._token):
             return handler
         return _aio_deny_handler(handler)
+
+
+def server_interceptors(token: str | None) -> list[grpc.ServerInterceptor]:
+    """The interceptors of every sync pdplane server: token auth when `token` is set, then
+    INVALID_ARGUMENT for requests that do not decode (`pdplane.core.grpc_decode`)."""
+    auth: list[grpc.ServerInterceptor] = [TokenAuthInterceptor(token)] if token else []
+    return [*auth, DecodeErrorInterceptor()]
+
+
+def aio_server_interceptors(token: str | None) -> list[grpc.aio.ServerInterceptor]:
+    """The asyncio twin of `server_interceptors`."""
+    auth: list[grpc.aio.ServerInterceptor] = [AioTokenAuthInterceptor(token)] if token else []
+    return [*auth, AioDecodeErrorInterceptor()]
 
 
 def _reflect(server: grpc.Server | grpc.aio.Server, names: list[str]) -> None:

@@ -25,6 +25,7 @@ from pdplane.gateway.passthrough import Passthrough
 from pdplane.gateway.prompt_ids import TokenizerSet, load_tokenizers
 from pdplane.gateway.relay import Relay
 from pdplane.gateway.routes import build_router
+from pdplane.gateway.schema_routes import schema_router
 from pdplane.gateway.settings import GatewaySettings
 from pdplane.gateway.upstream import UpstreamClient
 from pdplane.scheduler import SchedulerPort, open_scheduler
@@ -139,7 +140,8 @@ def create_app(
         "prompt_tokens": "exact" if tokenizers.exact else "estimated",
         "tokenizer": tokenizers.describe(),
     }
-    app.include_router(build_router(fleet, metrics, keys, passthrough, details))
+    app.include_router(schema_router())
+    app.include_router(build_router(fleet, metrics, keys, passthrough, details, scheduler.problem))
     app.add_exception_handler(HTTPException, _http_error)
     app.state.relay = relay
     app.state.scheduler = scheduler

@@ -181,8 +181,12 @@ class RelayEndpoints:
             # It is sent upstream as a header: no control characters.
             request_id = ""
             error = bad_request("X-Request-Id must not contain control characters")
-        request_id = request_id or f"{_ID_PREFIX}{next(_id_counter):x}"
-        headers = {"x-request-id": request_id}
+        # The client's id is echoed to it; Schedule/Release, the KV transfer and the legs use
+        # one the gateway makes unique: ten concurrent requests reusing one client id counted
+        # as one in flight (and nine Releases came back unknown).
+        generated = f"{_ID_PREFIX}{next(_id_counter):x}"
+        headers = {"x-request-id": request_id or generated}
+        request_id = f"{request_id}-{generated}" if request_id else generated
         status = 500
         streaming = False
         watch: DisconnectWatch | None = None

@@ -34,6 +34,7 @@ __all__ = [
     "COMPLETIONS",
     "EMPTY_CONVERSATION",
     "EMPTY_PROMPT",
+    "REQUEST_SCHEMAS",
     "ClientRequest",
     "Endpoint",
     "parse_request",
@@ -80,6 +81,11 @@ class _Chat(_Common):
     max_completion_tokens: StrictInt | None = None
 
 
+#: The request body models of the two relay endpoints, for /openapi.json (the fields the gateway
+#: reads; every other field goes to vLLM unchanged).
+REQUEST_SCHEMAS: dict[Endpoint, type[BaseModel]] = {COMPLETIONS: _Completion, CHAT: _Chat}
+
+
 @dataclass(frozen=True, slots=True)
 class ClientRequest:
     """A validated client request.
@@ -123,7 +129,7 @@ def _first_error(exc: ValidationError) -> tuple[str, str]:
 
 def _empty(prompt: object) -> bool:
     # "", [], [""] and [[]] are one empty prompt to vLLM.
-    if isinstance(prompt, list) and len(prompt) == 1:
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]
     return prompt is None or len(prompt) == 0  # type: ignore[arg-type]
 

@@ -149,7 +149,7 @@ class RegistryServer:
         self._pool = futures.ThreadPoolExecutor(self.settings.max_workers, "pdplane-registry")
         server = grpc.server(
             self._pool,
-            interceptors=[grpc_util.TokenAuthInterceptor(token)] if token else [],
+            interceptors=grpc_util.server_interceptors(token),
             options=grpc_util.SERVER_OPTIONS,
         )
         registry_pb2_grpc.add_RegistryServicer_to_server(RegistryServicer(self.store), server)
@@ -171,7 +171,7 @@ class RegistryServer:
         self._loop = asyncio.get_running_loop()
         token = self.settings.token
         server = grpc.aio.server(
-            interceptors=[grpc_util.AioTokenAuthInterceptor(token)] if token else [],
+            interceptors=grpc_util.aio_server_interceptors(token),
             options=grpc_util.SERVER_OPTIONS,
         )
         registry_pb2_grpc.add_RegistryServicer_to_server(AioRegistryServicer(self.store), server)

@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
+from pdplane.core.echo import echo
 from pdplane.scheduler.candidate import Candidate, PairKey
 from pdplane.scheduler.errors import NoInstance
 from pdplane.v1 import instance_pb2
@@ -45,7 +46,7 @@ class SideCandidates:
 
         `served` = the model names the view holds (for "no instance serves this model").
         """
-        head = f"no {self.side} instance for model {model!r}"
+        head = f"no {self.side} instance for model {echo(model)}"
         if self.with_role == 0 and not served:
             return f"{head}: no instance serves this model (none registered)"
         if self.with_role == 0 and model not in served:

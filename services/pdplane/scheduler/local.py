@@ -51,6 +51,10 @@ class LocalScheduler:
         self.kv_index = kv_index
         self.exchange = exchange
 
+    def problem(self) -> str | None:
+        """None: an embedded scheduler is always reachable (its view's gaps are the fleet's)."""
+        return None
+
     async def start(self) -> None:
         """Starts sharing in-flight assignments with the peers (serving them, with a port).
         Raises OSError/RuntimeError when that port cannot be bound."""
@@ -110,7 +114,9 @@ def open_local(
         view,
         prefill_policy=flags.prefill_policy,
         decode_policy=flags.decode_policy,
-        inflight=InflightTracker(flags.inflight_timeout_s),
+        inflight=InflightTracker(
+            flags.inflight_timeout_s, reservation_s=flags.inflight_reservation_s
+        ),
         metrics=metrics,
         seed=flags.seed,
         kv_weights=KvAwareWeights(
@@ -138,7 +144,9 @@ def open_local(
         peers=flags.peer_list(),
         lag_s=flags.peer_lag_ms / 1000,
         token=token,
-        tls_ca=tls_ca,
+        # A gateway's own exchange server has no certificate (plaintext, token required), so
+        # its peers, gateways too, are reached the same way; a scheduler's follows its TLS.
+        tls_ca=None if exchange_at else tls_ca,
     )
     shared.register_metrics(metrics.registry)
     host, port = exchange_at or ("", 0)

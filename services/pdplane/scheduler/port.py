@@ -30,6 +30,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
+from pdplane.core.echo import echo
 from pdplane.v1 import instance_pb2
 
 if TYPE_CHECKING:
@@ -151,7 +152,7 @@ class Outcome(enum.StrEnum):
             return cls(value)
         except ValueError:
             known = sorted(o.value for o in cls)
-            raise ValueError(f"outcome must be one of {known}, got {value!r}") from None
+            raise ValueError(f"outcome must be one of {known}, got {echo(value)}") from None
 
 
 class SchedulerError(Exception):
@@ -198,6 +199,11 @@ class SchedulerPort(Protocol):
         `schedule` of this port, failures logged. Raises ValueError as `release`."""
         ...
 
+    def problem(self) -> str | None:
+        """Why the port cannot decide now (e.g. "scheduler unreachable at <address>"), for the
+        gateway's /health; None when it can. Cheap, never blocks; call from the event loop."""
+        ...
+
     async def start(self) -> None:
         """Starts what the port runs in the background, in the event loop that will use it
         (a local port's in-flight exchange with its peers); call once, before `schedule`."""
@@ -231,6 +237,7 @@ class PolicyFlags(Protocol):
     prefill_policy: str
     decode_policy: str
     inflight_timeout_s: float
+    inflight_reservation_s: float
     seed: int | None
     kv_index: bool
     kv_stale_after_s: float

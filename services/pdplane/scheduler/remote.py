@@ -23,7 +23,7 @@ from typing import Any
 import grpc
 
 from pdplane.core import tracing
-from pdplane.core.grpc_util import aio_channel, token_metadata
+from pdplane.core.grpc_util import FAST_RECONNECT_OPTIONS, aio_channel, token_metadata
 from pdplane.scheduler.port import (
     Decision,
     Outcome,
@@ -99,9 +99,10 @@ class RemoteScheduler:
 
     def _get_stub(self) -> scheduler_pb2_grpc.SchedulerStub:
         if self._stub is None:
-            self._channel = aio_channel(
-                self._address, self._tls_ca, [("grpc.service_config", _SERVICE_CONFIG)]
-            )
+            # A restarted scheduler must be found within about a second: with gRPC's default
+            # backoff the gateway answered 503 for 6.6 s after the scheduler was back.
+            options = [*FAST_RECONNECT_OPTIONS, ("grpc.service_config", _SERVICE_CONFIG)]
+            self._channel = aio_channel(self._address, self._tls_ca, options)
             self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
         return self._stub
 
@@ -194,6 +195,17 @@ class RemoteScheduler:
             log.warning("ReleaseBatch of %d releases failed: %s", len(releases), _translate(exc))
             return 0
         return response.released
+
+    def problem(self) -> str | None:
+        """ "scheduler unreachable at <address>" while the channel cannot connect (its state
+        is TRANSIENT_FAILURE), else None. Opens the channel (and starts connecting) when it is
+        not open yet; call from the event loop."""
+        self._get_stub()
+        assert self._channel is not None
+        state = self._channel.get_state(try_to_connect=True)
+        if state in (grpc.ChannelConnectivity.TRANSIENT_FAILURE, grpc.ChannelConnectivity.SHUTDOWN):
+            return f"scheduler unreachable at {self._address}"
+        return None
 
     async def start(self) -> None:
         """Nothing to start: the channel opens on first use."""

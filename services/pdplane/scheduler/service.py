@@ -13,6 +13,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
+from pdplane.core.echo import echo
 from pdplane.scheduler.candidate import Candidate
 from pdplane.scheduler.compat import blocks_for, describe_keys, pair_keys_of, split_sides
 from pdplane.scheduler.errors import InvalidRequest, NoInstance
@@ -59,7 +60,7 @@ class SchedulerService:
             raise ValueError("local_prefill_max_tokens must be >= 0")
         for name in (prefill_policy, decode_policy):
             if name not in POLICIES:
-                raise ValueError(f"unknown policy {name!r}; known: {', '.join(POLICIES)}")
+                raise ValueError(f"unknown policy {echo(name)}; known: {', '.join(POLICIES)}")
         self.view = view
         # Not `inflight or ...`: an empty tracker is falsy (it has __len__).
         self.inflight = inflight if inflight is not None else InflightTracker()
@@ -80,7 +81,7 @@ class SchedulerService:
         if policy is None:
             if name not in POLICIES:
                 raise InvalidRequest(
-                    f"{side}_policy: unknown policy {name!r}; known: {', '.join(POLICIES)}"
+                    f"{side}_policy: unknown policy {echo(name)}; known: {', '.join(POLICIES)}"
                 )
             policy = self._policies[(side, name)] = make_policy(
                 name, seed=self._seed, **self._options.get(name, {})
@@ -124,6 +125,7 @@ class SchedulerService:
         decode_policy = self._policy("decode", request.decode_policy)
         tokens = request.prompt_tokens + request.max_tokens
         model = request.model
+        self.inflight.age()  # unreleased assignments reserve KV room for a bounded time only
         prefill_side, decode_side = split_sides(
             self.view.candidates(model),
             tokens=tokens,
@@ -142,7 +144,7 @@ class SchedulerService:
         if not pairable:
             raise NoInstance(
                 "pair",
-                f"no compatible prefill/decode pair for model {model!r}: prefill "
+                f"no compatible prefill/decode pair for model {echo(model)}: prefill "
                 f"[{describe_keys(pair_keys_of(prefills))}] vs decode "
                 f"[{describe_keys(decode_keys)}] (layout/transport/max_model_len differ)",
             )

@@ -173,7 +173,7 @@ class HfTokenizer:
 
     def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
         ids = self._tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, dict):  # newer transformers return a BatchEncoding
+        if not isinstance(ids, list):  # newer transformers: a BatchEncoding (not a dict)
             ids = ids["input_ids"]
         return list(ids)
 

@@ -223,7 +223,7 @@ def _addresses(c: Container) -> list[str]:
         out.append(c.env()["PDPLANE_REGISTRY"]["value"])
     if (config := _kv_transfer_config(c)) is not None:
         out.append(config["kv_connector_extra_config"]["registry"])
-    return [a for a in out if a]
+    return [a.removeprefix("dns:///") for a in out if a]
 
 
 def _kv_transfer_config(c: Container) -> dict[str, Any] | None:
@@ -464,6 +464,10 @@ def test_scheduler_replicas_follow_each_other() -> None:
     args = scheduler["spec"]["template"]["spec"]["containers"][0]["args"]
     assert _flag(args, "--peers") == f"{RELEASE}-pdplane-scheduler-peers:50052"
     assert r.one("Service", f"{RELEASE}-pdplane-scheduler-peers")["spec"]["clusterIP"] == "None"
+    # ...and the gateways reach all of them by it (failover without waiting for kube-proxy).
+    gateway = r.one("Deployment", f"{RELEASE}-pdplane-gateway")
+    target = _flag(gateway["spec"]["template"]["spec"]["containers"][0]["args"], "--scheduler")
+    assert target == f"dns:///{RELEASE}-pdplane-scheduler-peers:50052"
     single = Rendered(render(preset("cpu-demo")))
     one = single.one("Deployment", f"{RELEASE}-pdplane-scheduler")
     assert "--peers" not in one["spec"]["template"]["spec"]["containers"][0]["args"]

@@ -53,6 +53,9 @@ class FakeScheduler:
     def release_nowait(self, request_id: str, outcome: Outcome) -> None:
         self.log.append(("release", str(outcome)))
 
+    def problem(self) -> str | None:
+        return None
+
     async def start(self) -> None:
         pass
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Awaitable, Callable
 
 import httpx
@@ -243,3 +244,16 @@ async def test_a_stream_silent_past_the_idle_timeout_ends_in_one_error_event(
     assert (len(events), error["code"]) == (2, 504)
     assert "sent nothing for 0.3 s" in error["message"]
     assert sched.log[-1] == ("release", "failed")
+
+
+async def test_health_says_scheduler_unreachable(free_port: Callable[[], int]) -> None:
+    address = f"127.0.0.1:{free_port()}"  # nothing listens there
+    with running_gateway(scheduler=address, fleet=lambda: VIEW) as url:
+        async with httpx.AsyncClient() as client:
+            deadline = time.monotonic() + 5.0
+            while (r := await client.get(f"{url}/health")).status_code == 200:
+                assert time.monotonic() < deadline, "/health never noticed the scheduler gone"
+                await asyncio.sleep(0.05)
+            assert r.status_code == 503
+            assert r.json()["reason"] == f"scheduler unreachable at {address}"
+            assert (await client.get(f"{url}/ping")).status_code == 503

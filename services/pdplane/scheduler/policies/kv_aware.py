@@ -46,8 +46,9 @@ __all__ = ["LOCAL_PREFILL_MAX_TOKENS", "NAME", "KvAware", "KvAwareWeights", "cre
 
 NAME = "kv_aware"
 
-#: Default of --local-prefill-max-tokens (conditional disaggregation; docs/scheduler.md says
-#: how it was measured).
+#: Default of --local-prefill-max-tokens (conditional disaggregation): under both the break-even
+#: of a prefill leg's fixed cost and the ITL bound of the CPU cost model fitted to real vLLM
+#: (docs/scheduler.md, "Why 256").
 LOCAL_PREFILL_MAX_TOKENS = 256
 
 
