@@ -53,9 +53,9 @@ class KvTransferServicer(kv_transfer_pb2_grpc.KvTransferServicer):
         holds: this worker's held transfers.
         transport: moves the bytes (PullBlocks for TCP, SendBlocksNccl for NCCL).
         layout: this worker's KV layout; a requester with another layout is refused.
-        arrival_wait_s: how long a pull for a not-yet-known transfer id waits for the hold to
-            arrive (prefill's response can reach decode before the engine's next step
-            registers the hold) (s).
+        arrival_wait_s: how long a pull (not an abort or complete: those answer at once) for a
+            not-yet-known transfer id waits for the hold to arrive (prefill's response can
+            reach decode before the engine's next step registers the hold) (s).
         tombstone_s: how long an abort/complete for an unknown id is remembered, so that the
             hold is freed at once if it arrives later (s).
     """
@@ -114,8 +114,10 @@ class KvTransferServicer(kv_transfer_pb2_grpc.KvTransferServicer):
     def _release(self, transfer_id: str, reason: str, context: grpc.ServicerContext) -> bool:
         if not transfer_id:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "transfer_id is required")
-        wait = self._arrival_wait(context)
-        freed = self._holds.release(transfer_id, reason, wait, self._tombstone_s)
+        # No arrival wait: an unknown id is answered at once and remembered (tombstone), so a
+        # hold arriving later still ends at once. Waiting held a pool worker per call: 16
+        # AbortTransfer calls for unknown ids tied up all 8 workers for 2 s each.
+        freed = self._holds.release(transfer_id, reason, 0.0, self._tombstone_s)
         log.info("transfer %s %s (freed=%s)", transfer_id, reason, freed)
         return freed
 

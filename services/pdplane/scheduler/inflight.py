@@ -8,7 +8,12 @@ publishes a report only when the load changed, so an unchanged report keeps coun
 assignments made since it (conservative: they are released or expire).
 
 Assignments that are never released (a gateway that died) expire after `timeout_s`, so nothing
-grows without bound. Thread-safe: the gRPC loop and the metrics scrape thread both read it.
+grows without bound. An assignment reserves its instance's load and decode KV blocks only for
+`reservation_s` after it was made: a real request shows in the instance's own load report
+within a few heartbeats, so one that still does not (its report unchanged) is not taken on
+trust any longer (counted in flight until released or expired, but no longer as pending load
+or KV room). 512 Schedule calls never released had kept every decode "no KV room" for the
+whole 600 s timeout. Thread-safe: the gRPC loop and the metrics scrape thread both read it.
 
 Several replicas deciding over one fleet share their assignments (`pdplane.scheduler.exchange`):
 a peer's assignment is counted here exactly like an own one made at the moment it arrives (in
@@ -18,9 +23,10 @@ changes are told to `listener` so that they can be sent to the peers.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -69,13 +75,22 @@ class _Pending:
 class InflightTracker:
     """Counts unreleased assignments per instance, in total and since the latest load report.
 
-    `timeout_s` (seconds) bounds how long an unreleased assignment is counted.
+    `timeout_s` (seconds) bounds how long an unreleased assignment is counted; `reservation_s`
+    (seconds) how long it counts as pending load and KV blocks of its instances (see above).
     """
 
-    def __init__(self, timeout_s: float = 600.0, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        timeout_s: float = 600.0,
+        clock: Callable[[], float] = time.monotonic,
+        reservation_s: float = 10.0,
+    ):
         if timeout_s <= 0:
             raise ValueError(f"in-flight timeout must be > 0 s, got {timeout_s}")
+        if reservation_s <= 0:
+            raise ValueError(f"reservation window must be > 0 s, got {reservation_s}")
         self._timeout_s = timeout_s
+        self._reservation_s = reservation_s
         self._clock = clock
         self._lock = threading.Lock()
         self.listener: InflightListener | None = None
@@ -83,6 +98,8 @@ class InflightTracker:
         self.unseen: Callable[[str], float] | None = None
         # Insertion order == start order, so expired assignments sit at the front.
         self._requests: OrderedDict[_Key, Assignment] = OrderedDict()
+        # Pending assignments in start order, to end their reservation (stale entries skipped).
+        self._reserving: deque[tuple[_Key, float]] = deque()
         self._pending: dict[str, _Pending] = {}
         self._total: dict[str, int] = {}
 
@@ -150,6 +167,15 @@ class InflightTracker:
         if record is not None:
             self._tell([], [record])
         return record
+
+    def age(self) -> int:
+        """Ends the reservation of pending assignments older than `reservation_s` (they stay
+        in flight); returns how many. Call before a decision: cheap when none is due."""
+        reserving = self._reserving
+        if not reserving or reserving[0][1] > self._clock() - self._reservation_s:
+            return 0
+        with self._lock:
+            return self._age_locked()
 
     def expire(self) -> list[Assignment]:
         """Drops assignments older than the timeout; returns them."""
@@ -219,6 +245,8 @@ class InflightTracker:
     def _put_locked(self, key: _Key, record: Assignment) -> Assignment | None:
         replaced = self._pop_locked(key)
         self._requests[key] = record
+        if record.pending:
+            self._reserving.append((key, record.started_at))
         if record.prefill_id:
             self._count(
                 record.prefill_id, record.prefill_epoch, 0, record.pending, record.prefill_tokens
@@ -244,6 +272,19 @@ class InflightTracker:
         """instance id -> unreleased assignments (either side), for metrics."""
         with self._lock:
             return dict(self._total)
+
+    def _age_locked(self) -> int:
+        cutoff = self._clock() - self._reservation_s
+        reserving, aged = self._reserving, 0
+        while reserving and reserving[0][1] <= cutoff:
+            key, started_at = reserving.popleft()
+            record = self._requests.get(key)
+            if record is None or not record.pending or record.started_at != started_at:
+                continue  # released, replaced or expired since
+            self._unpend(record)
+            self._requests[key] = dataclasses.replace(record, pending=False)
+            aged += 1
+        return aged
 
     def _expire_locked(self) -> list[Assignment]:
         deadline = self._clock() - self._timeout_s
@@ -271,10 +312,7 @@ class InflightTracker:
         pending.tokens += tokens
 
     def _uncount(self, record: Assignment) -> None:
-        for instance_id, epoch, blocks, tokens in (
-            (record.prefill_id, record.prefill_epoch, 0, record.prefill_tokens),
-            (record.decode_id, record.decode_epoch, record.decode_blocks, 0),
-        ):
+        for instance_id in (record.prefill_id, record.decode_id):
             if not instance_id:
                 continue  # no prefill leg
             left = self._total.get(instance_id, 0) - 1
@@ -282,8 +320,16 @@ class InflightTracker:
                 self._total[instance_id] = left
             else:
                 self._total.pop(instance_id, None)
-            if not record.pending:
-                continue
+        if record.pending:
+            self._unpend(record)
+
+    def _unpend(self, record: Assignment) -> None:
+        for instance_id, epoch, blocks, tokens in (
+            (record.prefill_id, record.prefill_epoch, 0, record.prefill_tokens),
+            (record.decode_id, record.decode_epoch, record.decode_blocks, 0),
+        ):
+            if not instance_id:
+                continue  # no prefill leg
             pending = self._pending.get(instance_id)
             if pending is not None and pending.epoch == epoch:
                 pending.requests -= 1

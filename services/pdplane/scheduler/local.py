@@ -114,7 +114,9 @@ def open_local(
         view,
         prefill_policy=flags.prefill_policy,
         decode_policy=flags.decode_policy,
-        inflight=InflightTracker(flags.inflight_timeout_s),
+        inflight=InflightTracker(
+            flags.inflight_timeout_s, reservation_s=flags.inflight_reservation_s
+        ),
         metrics=metrics,
         seed=flags.seed,
         kv_weights=KvAwareWeights(

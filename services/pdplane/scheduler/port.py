@@ -237,6 +237,7 @@ class PolicyFlags(Protocol):
     prefill_policy: str
     decode_policy: str
     inflight_timeout_s: float
+    inflight_reservation_s: float
     seed: int | None
     kv_index: bool
     kv_stale_after_s: float

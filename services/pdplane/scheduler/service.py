@@ -125,6 +125,7 @@ class SchedulerService:
         decode_policy = self._policy("decode", request.decode_policy)
         tokens = request.prompt_tokens + request.max_tokens
         model = request.model
+        self.inflight.age()  # unreleased assignments reserve KV room for a bounded time only
         prefill_side, decode_side = split_sides(
             self.view.candidates(model),
             tokens=tokens,

@@ -35,6 +35,12 @@ class PolicySettings(CommandSettings):
         gt=0,
         description="seconds after which an unreleased assignment stops counting",
     )
+    inflight_reservation_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="seconds an unreleased assignment counts as pending load and reserved "
+        "decode KV blocks while its instances' load reports do not change",
+    )
     seed: int | None = Field(
         default=None, description="seed of the random and power_of_two policies"
     )

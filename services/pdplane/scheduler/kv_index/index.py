@@ -3,7 +3,9 @@
 Built from the instances' `KvEvents` streams (one `InstanceBlocks` sink per instance, driven by
 `pdplane.core.kv_stream.KvStreamReader`). Keys are `pdplane.core.prefix_hash.block_hashes` of
 the token ids the events carry, so instances with different vLLM hash seeds share keys; each
-instance maps its engine hashes to our hashes, so removals find their entries.
+instance maps its engine hashes to our hashes, so removals find their entries. A source that
+sends our hashes itself (`BlockStored.own_hashes`, same `hash_version`) saves the hashing: the
+index then only updates its tables; otherwise the index hashes the token ids.
 
 Layout (chosen for the lookup, which runs on every Schedule):
 
@@ -30,7 +32,7 @@ from collections.abc import Collection, Iterable, Sequence
 from enum import StrEnum
 
 from pdplane.core.kv_events import DEFAULT_MEDIUM
-from pdplane.core.prefix_hash import block_hashes
+from pdplane.core.prefix_hash import HASH_VERSION, block_hashes
 from pdplane.v1 import kv_events_pb2
 
 __all__ = ["InstanceBlocks", "KvState", "PrefixIndex"]
@@ -105,8 +107,13 @@ class InstanceBlocks:
     # -- updates -------------------------------------------------------------------------------
 
     def stored(self, msg: kv_events_pb2.BlockStored) -> None:
-        """Indexes a BlockStored (its parent must be known, or absent = sequence start)."""
+        """Indexes a BlockStored: with the source's own hashes as they are, otherwise hashed
+        here (then its parent must be known, or absent = sequence start)."""
         medium = msg.medium or DEFAULT_MEDIUM
+        given = _given_own(msg)
+        if given is not None:
+            self._add(medium, msg.block_hashes, given)
+            return
         parent_own: int | None = None
         if msg.HasField("parent_block_hash"):
             parent_own = self._own_of(msg.parent_block_hash, medium)
@@ -194,7 +201,13 @@ class InstanceBlocks:
         # Order within a snapshot is arbitrary: resolve each block's chain to a known own hash
         # (or the root), then hash back down it. Blocks whose chain leaves the snapshot are
         # unreachable for a prefix hit in the engine as well: skipped (counted as orphans).
+        # A block that carries its own hash needs no chain: it is indexed even when its parent
+        # was evicted (the engine hits it again once the parent is stored again).
         resolved: dict[int, int | None] = {}
+        for engine_key, (_, stored) in blocks.items():
+            given = _given_own(stored)
+            if given is not None and len(given) == 1:
+                resolved[engine_key] = given[0]
         for start in blocks:
             if start in resolved:
                 continue
@@ -343,6 +356,14 @@ class PrefixIndex:
         if depth:
             _report(alive, depth, by_slot, found)
         return found
+
+
+def _given_own(msg: kv_events_pb2.BlockStored) -> Sequence[int] | None:
+    """The source's own hashes of `msg`, if it sent them in our hash version (one per block)."""
+    own = msg.own_hashes
+    if own and msg.hash_version == HASH_VERSION and len(own) == len(msg.block_hashes):
+        return own
+    return None
 
 
 def _report(bits: int, depth: int, by_slot: dict[int, InstanceBlocks], out: dict[str, int]) -> None:

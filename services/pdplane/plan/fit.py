@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from bench._calib_load import Cell, CellResult
+from pdplane.plan.sweep import Cell, CellResult
 from pdplane.sim.engine import EngineCore, EngineLimits, EngineRequest
 from pdplane.sim.offline import run_offline
 from pdplane.sim.profiles import CostModel, Profile
