@@ -46,13 +46,7 @@ def main(argv: list[str]) -> int:
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     tracing.configure("pdplane-scheduler")
-    # uvloop (as the gateway's uvicorn runs) when installed: less CPU per RPC than asyncio's
-    # own loop (docs/benchmarks.md).
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(_serve(settings))
-    return uvloop.run(_serve(settings))
+    return asyncio.run(_serve(settings))
 
 
 if __name__ == "__main__":
