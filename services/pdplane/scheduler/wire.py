@@ -8,17 +8,22 @@ servicer (`pdplane.scheduler.servicer`). A new request feature is one line in ea
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from pdplane.core.prefix_hash import HASH_VERSION
 from pdplane.scheduler.errors import InvalidRequest
 from pdplane.scheduler.port import Decision, InstanceRef, Outcome, RequestFeatures
 from pdplane.v1 import scheduler_pb2
 
+if TYPE_CHECKING:
+    from pdplane.scheduler.kv_index import KvInstanceStatus
+
 __all__ = [
     "decision_from_pb",
     "decision_to_pb",
     "features_from_pb",
     "features_to_pb",
+    "kv_states_to_pb",
     "outcome_from_pb",
     "outcome_to_pb",
     "releases_from_pb",
@@ -150,3 +155,21 @@ def releases_from_pb(
             raise InvalidRequest("request_id: must not be empty")
         out.append((release.request_id, outcome))
     return out
+
+
+def kv_states_to_pb(states: Iterable[KvInstanceStatus]) -> scheduler_pb2.ListKvStatesResponse:
+    """The prefix index's instance states as a `ListKvStates` answer (ages in whole ms)."""
+    return scheduler_pb2.ListKvStatesResponse(
+        instances=[
+            scheduler_pb2.KvIndexState(
+                instance_id=s.instance_id,
+                state=s.state.value,
+                reason=s.reason,
+                blocks=s.blocks,
+                lag_events=max(s.lag_events, 0),
+                last_message_age_ms=min(int(s.last_message_age_s * 1000), 2**32 - 1),
+                snapshots=s.snapshots,
+            )
+            for s in states
+        ]
+    )
