@@ -127,11 +127,14 @@ def _list(
 ) -> None:
     request = registry_pb2.ListInstancesRequest(role=role, model=s.model or "")
     metadata = grpc_util.token_metadata(s.token)
-    response = call_any(
+    # The streamed form: a fleet too large for one 64 MiB message still lists.
+    parts = call_any(
         endpoints,
-        lambda stub: stub.ListInstances(request, timeout=s.timeout_s, metadata=metadata),
+        lambda stub: list(
+            stub.ListInstancesStream(request, timeout=s.timeout_s, metadata=metadata)
+        ),
     )
-    views = [instance_to_dict(i) for i in response.instances]
+    views = [instance_to_dict(i) for part in parts for i in part.instances]
     if s.scheduler:
         states = _kv_states(s)
         for v in views:

@@ -49,6 +49,9 @@ class PlanSettings(CommandSettings):
         0.0, ge=0, description="simulated traffic (s); 0 = one request lifetime + max(half, 60 s)"
     )
     decode_max_num_seqs: int | None = Field(None, ge=1, description="decode --max-num-seqs")
+    kv_limit: float = Field(
+        0.9, gt=0, le=1, description="most mean KV cache usage a fleet may run at (headroom)"
+    )
     seed: int = Field(0, description="workload seed")
     verify: bool = Field(
         False,
@@ -120,7 +123,7 @@ def main(argv: list[str]) -> int:
         return _live(s)
     try:
         profile = load_profile(s.profile)
-        slo = parse_slo(s.slo)
+        slo = parse_slo(s.slo, s.kv_limit)
         wl = load_workload(s.workload)
     except ValueError as exc:
         sys.stderr.write(f"error: pdplane plan: {exc}\n")

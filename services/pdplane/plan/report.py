@@ -38,6 +38,8 @@ def recommended_flags(profile: Profile, r: FleetResult) -> dict[str, dict[str, i
 
 def _row(plan: Plan, r: FleetResult, what: str) -> str:
     ok = "meets" if plan.slo.met(r) else "FAILS"
+    if plan.slo.latency_met(r) and not plan.slo.kv_ok(r):
+        ok = f"FAILS (KV > {plan.slo.kv_limit:.0%})"
     roles = "; ".join(
         f"{k} util {v.utilisation:.0%} run {v.mean_running:.0f} kv {v.mean_kv_usage:.0%}"
         + (f" preempt {v.preemptions}" if v.preemptions else "")
@@ -84,11 +86,16 @@ def plan_text(plan: Plan, profile: Profile, workload: str, rate: float) -> str:
             shown = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in f.items())
             lines.append(f"  {role}: {shown}")
         pm = plan.plain_min
-        if pm is not None and pm.config.instances <= b.config.instances:
+        if pm is not None and pm.config.instances < b.config.instances:
             lines.append(
                 f"verdict: disaggregation does not pay here: {pm.config.plain} plain instances "
                 f"meet the SLO with {b.config.instances - pm.config.instances} GPU(s) fewer "
                 f"than {b.config.label}"
+            )
+        elif pm is not None and pm.config.instances == b.config.instances:
+            lines.append(
+                f"verdict: disaggregation does not pay here: {pm.config.plain} plain instances "
+                f"meet the SLO on the same GPUs as {b.config.label}"
             )
         elif pm is None:
             lines.append(

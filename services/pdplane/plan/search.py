@@ -33,25 +33,39 @@ _SLO_RE = re.compile(r"^\s*(ttft|itl)_p(\d{1,2}(?:\.\d+)?)\s*<=\s*([\d.]+)\s*(ms
 
 @dataclass(frozen=True, slots=True)
 class Slo:
-    """Latency targets: (metric "ttft" | "itl", quantile 0..1, bound s) each."""
+    """Latency targets: (metric "ttft" | "itl", quantile 0..1, bound s) each, and the KV
+    headroom a fleet must keep: mean KV cache usage of its serving instances (decode or plain)
+    at most `kv_limit` over the window. A fleet at the KV cliff meets latency targets in a
+    short window and then tips into preemptions (recomputes lengthen requests, which fills the
+    cache more): the planner treats it as failing."""
 
     targets: tuple[tuple[str, float, float], ...]
+    kv_limit: float = 0.9
 
     def bound(self, metric: str) -> float:
         """The tightest bound (s) on `metric`; inf when none."""
         return min((b for m, _, b in self.targets if m == metric), default=math.inf)
 
-    def met(self, r: FleetResult) -> bool:
-        return (
-            all((r.ttft_q(q) if m == "ttft" else r.itl_q(q)) <= b for m, q, b in self.targets)
-            and r.requests > 0
+    def latency_met(self, r: FleetResult) -> bool:
+        """Every latency target holds (and the window had requests)."""
+        return r.requests > 0 and all(
+            (r.ttft_q(q) if m == "ttft" else r.itl_q(q)) <= b for m, q, b in self.targets
         )
+
+    def kv_ok(self, r: FleetResult) -> bool:
+        """The serving role's mean KV cache usage is within `kv_limit`."""
+        serving = r.roles.get("decode") or r.roles.get("plain")
+        return serving is None or serving.mean_kv_usage <= self.kv_limit
+
+    def met(self, r: FleetResult) -> bool:
+        """The latency targets hold with the KV headroom kept."""
+        return self.latency_met(r) and self.kv_ok(r)
 
     def __str__(self) -> str:
         return ",".join(f"{m}_p{q * 100:g}<={b * 1e3:g}ms" for m, q, b in self.targets)
 
 
-def parse_slo(text: str) -> Slo:
+def parse_slo(text: str, kv_limit: float = 0.9) -> Slo:
     """'ttft_p90<=2s,itl_p90<=50ms' -> Slo. Raises ValueError on anything else."""
     out = []
     for part in text.split(","):
@@ -65,7 +79,7 @@ def parse_slo(text: str) -> Slo:
         out.append((metric, q, float(value) * (1e-3 if unit == "ms" else 1.0)))
     if not out:
         raise ValueError("empty SLO")
-    return Slo(tuple(out))
+    return Slo(tuple(out), kv_limit)
 
 
 def estimate(profile: Profile, requests: Sequence[RequestSpec], slo: Slo) -> tuple[int, int]:

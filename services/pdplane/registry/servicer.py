@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 import grpc
@@ -37,6 +37,10 @@ _R = TypeVar("_R")
 _Event = registry_pb2.WatchEvent
 #: Largest BATCH the registry sends, whatever a watcher asks for (bounds message size).
 MAX_BATCH = 1024
+#: About the most bytes of one SNAPSHOT part (to watchers that accept parts) and of one
+#: ListInstancesStream message: far below gRPC's 64 MiB limit, which 5,000 large specs (88 MB)
+#: had outgrown. A part holds at least one instance (a spec is at most 8 KiB).
+SNAPSHOT_PART_BYTES = 4 << 20
 #: The registry's errors and their status, most specific first (any other StoreError: the
 #: backing store refused for a reason of its own, INTERNAL with its message).
 _STATUS: list[tuple[type[Exception], grpc.StatusCode]] = [
@@ -143,6 +147,50 @@ def _pack(events: list[registry_pb2.WatchEvent], max_batch: int) -> list[registr
     return out
 
 
+def _parts(instances: Iterable[instance_pb2.Instance]) -> Iterator[list[instance_pb2.Instance]]:
+    """`instances` in order, cut into lists of about `SNAPSHOT_PART_BYTES` serialized bytes
+    (at least one list, maybe empty)."""
+    limit = SNAPSHOT_PART_BYTES
+    part: list[instance_pb2.Instance] = []
+    size = 0
+    for instance in instances:
+        n = instance.ByteSize() + 6  # field tag and length prefix
+        if part and size + n > limit:
+            yield part
+            part, size = [], 0
+        part.append(instance)
+        size += n
+    yield part
+
+
+def _in_parts(events: list[registry_pb2.WatchEvent]) -> list[registry_pb2.WatchEvent]:
+    """`events` with every SNAPSHOT over `SNAPSHOT_PART_BYTES` cut into parts of one revision,
+    `more` set on all but the last."""
+    if not any(e.type == _Event.SNAPSHOT for e in events):
+        return events
+    out: list[registry_pb2.WatchEvent] = []
+    for event in events:
+        if event.type != _Event.SNAPSHOT or event.ByteSize() <= SNAPSHOT_PART_BYTES:
+            out.append(event)
+            continue
+        parts = list(_parts(event.instances))
+        for i, part in enumerate(parts):
+            more = i < len(parts) - 1
+            out.append(
+                _Event(type=_Event.SNAPSHOT, revision=event.revision, instances=part, more=more)
+            )
+    return out
+
+
+def _outgoing(
+    events: list[registry_pb2.WatchEvent], request: registry_pb2.WatchInstancesRequest
+) -> list[registry_pb2.WatchEvent]:
+    """What a watcher gets for `events`: packed as it asked (`max_batch`), snapshots in parts
+    when it accepts them (`chunked_snapshots`)."""
+    packed = _pack(events, min(request.max_batch, MAX_BATCH))
+    return _in_parts(packed) if request.chunked_snapshots else packed
+
+
 def _require(field: str, value: str) -> None:
     if not value:
         raise ValidationError(field, "must not be empty")
@@ -220,16 +268,32 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
         """Instances matching role (BOTH matches either), model and state; zero = any."""
 
         def run() -> registry_pb2.ListInstancesResponse:
-            if request.role not in instance_pb2.Role.values():
-                raise ValidationError("role", f"unknown role {request.role}")
-            if request.state not in instance_pb2.InstanceState.values():
-                raise ValidationError("state", f"unknown state {request.state}")
-            instances, revision = self._store.list(request.role, request.model, request.state)
-            return registry_pb2.ListInstancesResponse(
-                instances=[public(i) for i in instances], revision=revision
-            )
+            instances, revision = self._listed(request)
+            return registry_pb2.ListInstancesResponse(instances=instances, revision=revision)
 
         return _call(context, registry_pb2.ListInstancesResponse(), run)
+
+    def _listed(
+        self, request: registry_pb2.ListInstancesRequest
+    ) -> tuple[list[instance_pb2.Instance], int]:
+        if request.role not in instance_pb2.Role.values():
+            raise ValidationError("role", f"unknown role {request.role}")
+        if request.state not in instance_pb2.InstanceState.values():
+            raise ValidationError("state", f"unknown state {request.state}")
+        instances, revision = self._store.list(request.role, request.model, request.state)
+        return [public(i) for i in instances], revision
+
+    def ListInstancesStream(
+        self, request: registry_pb2.ListInstancesRequest, context: grpc.ServicerContext
+    ) -> Iterator[registry_pb2.ListInstancesResponse]:
+        """ListInstances' list in messages of about `SNAPSHOT_PART_BYTES`, one revision."""
+        try:
+            instances, revision = self._listed(request)
+        except _ERRORS as exc:
+            _fail(context, exc)
+            return
+        for part in _parts(instances):
+            yield registry_pb2.ListInstancesResponse(instances=part, revision=revision)
 
     def GetInstance(
         self, request: registry_pb2.GetInstanceRequest, context: grpc.ServicerContext
@@ -247,13 +311,12 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
     ) -> Iterator[registry_pb2.WatchEvent]:
         """SNAPSHOT (or replay), then every change; holds one server thread while open."""
         wake = threading.Event()
-        max_batch = min(request.max_batch, MAX_BATCH)
         sub = self._store.watch(request.from_revision, wake.set)
         context.add_callback(wake.set)
         try:
             while context.is_active():
                 wake.clear()
-                yield from _pack(sub.poll(), max_batch)
+                yield from _outgoing(sub.poll(), request)
                 wake.wait(1.0)
         finally:
             sub.close()
@@ -310,6 +373,12 @@ class AioRegistryServicer(RegistryServicer):
     ) -> registry_pb2.ListInstancesResponse:
         return super().ListInstances(request, context)
 
+    async def ListInstancesStream(  # type: ignore[override]
+        self, request: Any, context: Any
+    ) -> AsyncIterator[registry_pb2.ListInstancesResponse]:
+        for response in super().ListInstancesStream(request, context):
+            yield response
+
     async def GetInstance(self, request: Any, context: Any) -> instance_pb2.Instance:  # type: ignore[override]
         return super().GetInstance(request, context)
 
@@ -333,12 +402,11 @@ class AioRegistryServicer(RegistryServicer):
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(wake.set)
 
-        max_batch = min(request.max_batch, MAX_BATCH)
         sub = self._store.watch(request.from_revision, notify)
         try:
             while True:
                 wake.clear()
-                for event in _pack(sub.poll(), max_batch):
+                for event in _outgoing(sub.poll(), request):
                     yield event
                 await wake.wait()
         finally:
