@@ -46,6 +46,11 @@ class Candidate:
     pair_key: PairKey
     #: Reported running + waiting requests plus KV cache usage (0..1) as a tie-breaker.
     reported_load: float
+    #: Push mode (decode): receive buffer size and the largest push it takes now (bytes);
+    #: capacity 0 = the instance takes no pushes. Bytes of one KV cache block (all layers).
+    recv_capacity_bytes: int = 0
+    recv_headroom_bytes: int = 0
+    kv_block_bytes: int = 0
 
     @classmethod
     def from_instance(cls, instance: instance_pb2.Instance) -> Candidate:
@@ -73,4 +78,7 @@ class Candidate:
             epoch=hash((instance.registered_at.ToNanoseconds(), instance.revision)),
             pair_key=key,
             reported_load=load.num_running + load.num_waiting + load.kv_cache_usage,
+            recv_capacity_bytes=load.recv_buffer_capacity_bytes,
+            recv_headroom_bytes=load.recv_buffer_headroom_bytes,
+            kv_block_bytes=load.kv_block_bytes,
         )
