@@ -83,6 +83,16 @@ class PromptTokenizer:
         #: n / this many tokens (vLLM's `max_chars_per_token`).
         self.max_chars_per_token = max(1, max(len(t) for t in self._tok.get_vocab()))
         self.has_chat_template = bool(getattr(self._tok, "chat_template", None))
+        # A fast tokenizer's Rust `tokenizers.Tokenizer`: called directly, the same ids as
+        # `encode` for ~20 % less CPU per prompt (transformers' argument handling skipped).
+        self._backend: Any = getattr(self._tok, "backend_tokenizer", None)
+
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        if self._backend is not None:
+            ids: list[int] = self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+            return ids
+        encoded: list[int] = self._tok.encode(text, add_special_tokens=add_special_tokens)
+        return encoded
 
     def _check_chars(self, text_chars: int, max_model_len: int) -> None:
         limit = max_model_len * self.max_chars_per_token
@@ -110,8 +120,7 @@ class PromptTokenizer:
             return None
         self._check_chars(len(prompt), max_model_len)
         add_special = body.get("add_special_tokens", True)
-        ids: list[int] = self._tok.encode(prompt, add_special_tokens=add_special is not False)
-        return ids
+        return self._encode(prompt, add_special is not False)
 
     def chat_ids(self, body: Mapping[str, Any], max_model_len: int) -> list[int] | None:
         """The ids vLLM computes for a validated chat `body` through the chat template; None
@@ -132,14 +141,15 @@ class PromptTokenizer:
                 return None
             chars += len(m["content"])
         self._check_chars(chars, max_model_len)
-        ids: list[int] = self._tok.apply_chat_template(
+        # As vLLM does: the template renders text, which is tokenized without special tokens
+        # (the template wrote them).
+        text: str = self._tok.apply_chat_template(
             messages,
             add_generation_prompt=body.get("add_generation_prompt", True) is not False,
             continue_final_message=body.get("continue_final_message") is True,
-            tokenize=True,
-            return_dict=False,
+            tokenize=False,
         )
-        return ids
+        return self._encode(text, False)
 
 
 @dataclass(frozen=True, slots=True)
