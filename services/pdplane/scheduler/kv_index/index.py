@@ -145,8 +145,13 @@ class InstanceBlocks:
         mapping = self.blocks.get(medium)
         if not mapping:
             return
-        keys = np.fromiter(engine_hashes, np.uint64)
         table = self.index.tables[medium]
+        if isinstance(engine_hashes, Sequence) and len(engine_hashes) == 1:
+            one = table.unstore_one(mapping, int(engine_hashes[0]), self.bit)
+            if one is not None:
+                self.index.entries -= one
+                return
+        keys = np.fromiter(engine_hashes, np.uint64)
         released = table.unstore(mapping, keys, self.bit)
         if released is None:  # keys 0 or 1: per-call numpy operations
             own, found = mapping.pop(np.unique(keys))
@@ -182,14 +187,19 @@ class InstanceBlocks:
             n = max(room, 0)
         if n <= 0:
             return
-        eng = np.fromiter(engine_hashes, np.uint64, len(engine_hashes))[:n]
-        new = np.fromiter(own, np.uint64, len(own))[:n]
         mapping = self.blocks.get(medium)
         if mapping is None:
             mapping = self.blocks[medium] = U64Map(np.uint64)
         table = index.tables.get(medium)
         if table is None:
             table = index.tables[medium] = HolderTable(index.holder_sets)
+        if n == 1:  # single-block events: no numpy, no kernel call
+            added = table.store_one(mapping, int(engine_hashes[0]), int(own[0]), self.bit)
+            if added is not None:
+                index.entries += added
+                return
+        eng = np.fromiter(engine_hashes, np.uint64, len(engine_hashes))[:n]
+        new = np.fromiter(own, np.uint64, len(own))[:n]
         added = table.store(mapping, eng, new, self.bit)
         if added is None:
             self._add_slow(mapping, table, eng, new)
