@@ -36,7 +36,7 @@ import numpy as np
 from pdplane.core.kv_events import DEFAULT_MEDIUM
 from pdplane.core.prefix_hash import HASH_VERSION, block_hashes
 from pdplane.scheduler.kv_index.holders import HolderSets, HolderTable
-from pdplane.scheduler.kv_index.kernels import match_runs
+from pdplane.scheduler.kv_index.kernels import match_runs, warm_up
 from pdplane.scheduler.kv_index.u64map import U64Map, U64s
 from pdplane.v1 import kv_events_pb2
 
@@ -282,6 +282,7 @@ class PrefixIndex:
     """
 
     def __init__(self, max_blocks: int = 100_000_000) -> None:
+        warm_up()  # compile the table kernels now, not on the first event
         self.max_blocks = max_blocks
         self.entries = 0
         self.holder_sets = HolderSets()  # shared by every medium's table
