@@ -246,7 +246,7 @@ def start_kv_server(
     ("host:port", port 0 = any); bearer-token auth when `token` is set, TLS when cert and key
     are set; readiness (`KvServer.set_ready`) starts as `ready`. Raises RuntimeError if it
     cannot bind."""
-    interceptors = [grpc_util.TokenAuthInterceptor(token)] if token else []
+    interceptors = grpc_util.server_interceptors(token)
     workers = _BASE_WORKERS + sum(s.threads for s in services)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="pdplane-kv"),
