@@ -90,7 +90,7 @@ class ConnectorConfig(BaseModel):
     chunk_bytes: int = Field(4 * 1024 * 1024, gt=0, description="TCP: bytes per KvChunk.")
     pull_workers: int = Field(4, ge=1, le=64, description="Concurrent pulls per decode worker.")
 
-    # NCCL transport options (see transports/nccl.py); unset = the transport's defaults.
+    # NCCL transport options (see transports/nccl/transport.py); unset = the transport's defaults.
     nccl_strategy: Literal["gather", "grouped"] | None = Field(
         None, description="NCCL: how blocks are batched per send."
     )
@@ -152,7 +152,6 @@ class ConnectorConfig(BaseModel):
             "push_buffer_bytes",
             "push_spill_bytes",
             "push_ttl_s",
-            "tls_ca",  # its own channels (SendBlocksNccl) must speak TLS like the peers' stubs
         )
         return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
 
