@@ -122,9 +122,18 @@ class ConnectorConfig(BaseModel):
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> ConnectorConfig:
-        """Parses `kv_connector_extra_config`; raises ConnectorConfigError naming the bad key."""
+        """Parses `kv_connector_extra_config`; raises ConnectorConfigError naming the bad key.
+
+        `token` and `registry_token` not in it come from `PDPLANE_TOKEN` and
+        `PDPLANE_REGISTRY_TOKEN` (how `pdplane vllm` and `pdplane up` hand them over: an
+        environment is private to the process, argv is not).
+        """
+        data = dict(extra or {})
+        for key, var in (("token", "PDPLANE_TOKEN"), ("registry_token", "PDPLANE_REGISTRY_TOKEN")):
+            if key not in data and os.environ.get(var):
+                data[key] = os.environ[var]
         try:
-            return cls.model_validate(dict(extra or {}))
+            return cls.model_validate(data)
         except ValidationError as exc:
             errs = "; ".join(
                 f"{'.'.join(str(p) for p in e['loc']) or 'config'}: {e['msg']}"
