@@ -42,6 +42,9 @@ class Fleet:
     prefill: list[str]
     decode: list[str]
     model: str = "sim-model"
+    #: Hugging Face tokenizer directory the sims use ("" = their word tokenizer); pdplane
+    #: variants with `+tok` give it to the gateway too (exact prompt ids, prefix hashes).
+    tokenizer: str = ""
 
 
 @dataclass
@@ -89,9 +92,41 @@ def wait_ready(run: ProxyRun, model: str, timeout_s: float = 90.0) -> None:
     raise RuntimeError(f"{run.name} not ready after {timeout_s} s: {last}")
 
 
-def _pdplane(fleet: Fleet, cpus: str, logs: Path, dispatch: str) -> ProxyRun:
+#: Variants of a pdplane proxy, appended to its name with "+" (e.g. "pdplane-embedded+tok"):
+#: tok = the gateway tokenizes prompts (`--tokenizer`, the fleet's tokenizer); kv_aware = the
+#: kv_aware policy on both sides instead of round_robin (implies tok); no-kv-index = no prefix
+#: index fed by the instances' KV events (`--no-kv-index`).
+VARIANTS = ("tok", "kv_aware", "no-kv-index")
+
+
+def _variant_flags(variants: frozenset[str], fleet: Fleet) -> tuple[list[str], list[str]]:
+    """(policy + index flags, gateway tokenizer flags) of a pdplane proxy's `variants`."""
+    unknown = variants - set(VARIANTS)
+    if unknown:
+        raise ValueError(f"unknown pdplane variant(s) {sorted(unknown)}; known: {VARIANTS}")
+    policy = "kv_aware" if "kv_aware" in variants else "round_robin"
+    flags = ["--prefill-policy", policy, "--decode-policy", policy]
+    if "no-kv-index" in variants:
+        flags.append("--no-kv-index")
+    tok: list[str] = []
+    if variants & {"tok", "kv_aware"}:
+        if not fleet.tokenizer:
+            raise RuntimeError("+tok / +kv_aware need the sims' tokenizer (--tokenizer)")
+        tok = ["--tokenizer", fleet.tokenizer]
+    return flags, tok
+
+
+def _pdplane(
+    fleet: Fleet,
+    cpus: str,
+    logs: Path,
+    dispatch: str,
+    variants: frozenset[str] = frozenset(),
+    name: str = "",
+) -> ProxyRun:
     sched_port, gw_port = free_port(), free_port()
     py = sys.executable
+    policy, tok = _variant_flags(variants, fleet)
     scheduler = spawn(
         "pdplane-scheduler",
         [
@@ -103,10 +138,7 @@ def _pdplane(fleet: Fleet, cpus: str, logs: Path, dispatch: str) -> ProxyRun:
             fleet.registry,
             "--port",
             str(sched_port),
-            "--prefill-policy",
-            "round_robin",
-            "--decode-policy",
-            "round_robin",
+            *policy,
         ],
         cpus,
         logs,
@@ -126,18 +158,24 @@ def _pdplane(fleet: Fleet, cpus: str, logs: Path, dispatch: str) -> ProxyRun:
             str(gw_port),
             "--dispatch",
             dispatch,
+            *(["--no-kv-index"] if "no-kv-index" in variants else []),
+            *tok,
             "--log-level",
             "warning",
         ],
         cpus,
         logs,
     )
-    return ProxyRun(f"pdplane-{dispatch}", f"http://127.0.0.1:{gw_port}", [scheduler, gateway])
+    url = f"http://127.0.0.1:{gw_port}"
+    return ProxyRun(name or f"pdplane-{dispatch}", url, [scheduler, gateway])
 
 
-def _pdplane_embedded(fleet: Fleet, cpus: str, logs: Path) -> ProxyRun:
+def _pdplane_embedded(
+    fleet: Fleet, cpus: str, logs: Path, variants: frozenset[str], name: str
+) -> ProxyRun:
     # The scheduler's decision code inside the gateway: no gRPC on the request path.
     gw_port = free_port()
+    policy, tok = _variant_flags(variants, fleet)
     gateway = spawn(
         "pdplane-gateway-embedded",
         [
@@ -147,10 +185,8 @@ def _pdplane_embedded(fleet: Fleet, cpus: str, logs: Path) -> ProxyRun:
             "gateway",
             "--scheduler",
             "embedded",
-            "--prefill-policy",
-            "round_robin",
-            "--decode-policy",
-            "round_robin",
+            *policy,
+            *tok,
             "--registry",
             fleet.registry,
             "--port",
@@ -161,7 +197,7 @@ def _pdplane_embedded(fleet: Fleet, cpus: str, logs: Path) -> ProxyRun:
         cpus,
         logs,
     )
-    return ProxyRun("pdplane-embedded", f"http://127.0.0.1:{gw_port}", [gateway])
+    return ProxyRun(name, f"http://127.0.0.1:{gw_port}", [gateway])
 
 
 def _vllm_router(fleet: Fleet, cpus: str, logs: Path) -> ProxyRun:
@@ -228,16 +264,21 @@ def start_proxy(name: str, fleet: Fleet, cpus: str, logs: Path) -> ProxyRun:
 
     Names: "pdplane" (sequential dispatch, gRPC scheduler), "pdplane-concurrent",
     "pdplane-embedded" (`--scheduler embedded`), "vllm-router", "xpyd-proxy",
-    "direct" (no proxy: the first decode sim). Raises RuntimeError when it does not come up.
+    "direct" (no proxy: the first decode sim); a pdplane name may end in "+variant"s
+    (`VARIANTS`). Raises RuntimeError when it does not come up.
     """
     if name == "direct":
         return ProxyRun("direct", fleet.decode[0])
-    if name in ("pdplane", "pdplane-sequential"):
-        run = _pdplane(fleet, cpus, logs, "sequential")
-    elif name == "pdplane-concurrent":
-        run = _pdplane(fleet, cpus, logs, "concurrent")
-    elif name == "pdplane-embedded":
-        run = _pdplane_embedded(fleet, cpus, logs)
+    base, *rest = name.split("+")
+    variants = frozenset(rest)
+    if variants and not base.startswith("pdplane"):
+        raise ValueError(f"variants are for pdplane proxies only: {name!r}")
+    if base in ("pdplane", "pdplane-sequential"):
+        run = _pdplane(fleet, cpus, logs, "sequential", variants, name)
+    elif base == "pdplane-concurrent":
+        run = _pdplane(fleet, cpus, logs, "concurrent", variants, name)
+    elif base == "pdplane-embedded":
+        run = _pdplane_embedded(fleet, cpus, logs, variants, name)
     elif name == "vllm-router":
         run = _vllm_router(fleet, cpus, logs)
     elif name == "xpyd-proxy":

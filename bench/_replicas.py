@@ -231,7 +231,7 @@ def run(
     *,
     mode: Literal["remote", "embedded", "shared"] = "remote",
     replicas: int = 2,
-    decode_policy: str = "least_loaded",
+    policy: str | None = None,
     share: bool = True,
     pre: int = 40,
     burst: int = 120,
@@ -242,10 +242,12 @@ def run(
     (each gateway also knows the other schedulers' addresses, in order: its own first),
     "embedded" = gateways deciding themselves, "shared" = one scheduler behind every gateway
     (the single-scheduler reference). `share` turns the in-flight exchange between the replicas
-    on or off. With `kill`, the replicas run as `pdplane` processes and the first is killed
-    (SIGKILL) mid-burst: its scheduler (remote) or its gateway (embedded)."""
+    on or off; `policy` names both sides' policy (None: the default). With `kill`, the replicas
+    run as `pdplane` processes and the first is killed (SIGKILL) mid-burst: its scheduler
+    (remote) or its gateway (embedded)."""
     killer = _Killer()
-    policy = ["--prefill-policy", "least_loaded", "--decode-policy", decode_policy]
+    # None: the schedulers' defaults (what a deployment gets without policy flags).
+    flags = ["--prefill-policy", policy, "--decode-policy", policy] if policy else []
     with (
         _fleet(heartbeat_ms) as (registry, sims),
         contextlib.ExitStack() as stack,
@@ -270,7 +272,7 @@ def run(
                     "gateway", "--scheduler", "embedded", "--registry", registry,
                     "--host", "127.0.0.1", "--port", str(ports[i]), "--seed", str(i),
                     "--replica-id", f"gateway-{i}", "--inflight-port", str(grpc_ports[i]),
-                    "--peers", ",".join(peers_of(i, grpc_ports)), *policy,
+                    "--peers", ",".join(peers_of(i, grpc_ports)), *flags,
                 ]  # fmt: skip
                 if kill:
                     procs.append(_pdplane(stack, logs, f"gateway-{i}", args))
@@ -295,7 +297,7 @@ def run(
                     "scheduler", "--registry", registry, "--host", "127.0.0.1",
                     "--port", str(grpc_ports[i]), "--seed", str(i), "--replica-id",
                     f"scheduler-{i}", "--peers", ",".join(peers_of(i, grpc_ports)),
-                    "--metrics-port", str(metrics_ports[i]), *policy,
+                    "--metrics-port", str(metrics_ports[i]), *flags,
                 ]  # fmt: skip
                 metrics_urls.append(f"http://127.0.0.1:{metrics_ports[i]}/metrics")
                 if kill:

@@ -2,7 +2,8 @@
 
 `--base-tree DIR` adds the proxy `pdplane-base`: relay.py's `pdplane` (gateway + scheduler
 process) run from another checkout, next to the current `pdplane`, `pdplane-embedded`
-(`--scheduler embedded`) and the peers, over the same sims and load generator. Prints relay.py's
+(`--scheduler embedded`) and the peers, over the same sims and load generator; `base-<name>`
+runs relay.py's proxy <name> (e.g. `base-pdplane-embedded+tok`) from it. Prints relay.py's
 tables plus one ratio line per pdplane variant against each peer.
 
     .venv/bin/python bench/gateway_modes.py --topologies 1P1D,2P4D --knobs zero --duration 2 \\
@@ -29,7 +30,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench import relay  # noqa: E402
-from bench._proxies import Fleet, ProxyRun, _pdplane, start_proxy, wait_ready  # noqa: E402
+from bench._proxies import Fleet, ProxyRun, start_proxy  # noqa: E402
 
 _PEERS = ("vllm-router", "xpyd-proxy")
 _base_tree: Path | None = None
@@ -50,19 +51,14 @@ def _python_path(tree: Path) -> Iterator[None]:
 
 
 def _start_proxy(name: str, fleet: Fleet, cpus: str, logs: Path) -> ProxyRun:
-    if name == "pdplane-base":
-        if _base_tree is None:
-            raise RuntimeError("pdplane-base needs --base-tree DIR")
-        with _python_path(_base_tree):
-            run = _pdplane(fleet, cpus, logs, "sequential")
-        run.name = name
-    else:
+    # "pdplane-base" = relay.py's "pdplane" from the base tree; "base-<name>" = <name> from it.
+    if name != "pdplane-base" and not name.startswith("base-"):
         return start_proxy(name, fleet, cpus, logs)
-    try:
-        wait_ready(run, fleet.model)
-    except BaseException:
-        run.stop()
-        raise
+    if _base_tree is None:
+        raise RuntimeError(f"{name} needs --base-tree DIR")
+    with _python_path(_base_tree):
+        run = start_proxy("pdplane" if name == "pdplane-base" else name[5:], fleet, cpus, logs)
+    run.name = name
     return run
 
 

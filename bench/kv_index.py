@@ -4,26 +4,34 @@
 
 1. Ingest (one core, one instance): `InstanceBlocks.apply` of BlockStored events as they come
    off the stream (protobuf), block sizes 16 and 128, events of 1 and 32 blocks, followed by
-   their BlockRemoved. Baseline side by side: the own-hash computation alone (what the ingest
-   cannot avoid) and the table updates alone (hashes precomputed).
+   their BlockRemoved, with the token ids only (the index hashes them) and with the source's
+   own hashes (`BlockStored.own_hashes`: the index only updates its tables). Side by side: the
+   own-hash computation alone, the table updates alone (hashes precomputed), and what the
+   source pays: `KvEventLog.stored` per block with and without computing our hashes.
 2. Lookup: `PrefixIndex.match` of 1k / 8k / 32k-token prompts (block size 16) at 10 / 100 /
    1,000 LIVE instances; every instance holds a shared 512-token system prefix plus its own
    prompts, and 3 instances hold the whole queried prompt (the walk's worst case: it runs to
    the end). p50 / p99 over repeated calls; the prompt's own hashing (gateway side) beside it.
 3. Memory: bytes per (instance, block) entry measured with tracemalloc on 1,000 instances x
    N blocks, distinct blocks (worst case) and 90% shared, extrapolated to 1,000 x 100k.
+   `--full-memory`: instead, builds the full 1,000 x 100k index once per layout and reports the
+   process's resident memory (RSS) before and after (needs ~6 GiB free).
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import os
 import random
 import statistics
 import time
 import tracemalloc
 
-from pdplane.core.prefix_hash import block_hashes
+import numpy as np
+
+from pdplane.core.kv_events import KvEventLog
+from pdplane.core.prefix_hash import HASH_VERSION, block_hashes
 from pdplane.scheduler.kv_index import KvState, PrefixIndex
 from pdplane.v1 import kv_events_pb2
 
@@ -50,10 +58,49 @@ def _events(n_blocks: int, per_event: int, bs: int, seed: int) -> list[kv_events
     return out
 
 
+def _with_own(events: list[kv_events_pb2.KvEvent], bs: int) -> list[kv_events_pb2.KvEvent]:
+    out = []
+    parent = None
+    for ev in events:
+        own = block_hashes(ev.stored.token_ids, bs, parent=parent)
+        parent = own[-1]
+        msg = kv_events_pb2.KvEvent()
+        msg.CopyFrom(ev)
+        msg.stored.own_hashes.extend(own)
+        msg.stored.hash_version = HASH_VERSION
+        out.append(msg)
+    return out
+
+
+def _apply_rate(events: list[kv_events_pb2.KvEvent], n: int) -> float:
+    index = PrefixIndex()
+    inst = index.add_instance("i0")
+    t0 = time.perf_counter()
+    for ev in events:
+        inst.apply(ev)
+    rate = n / (time.perf_counter() - t0)
+    assert index.entries == n and inst.orphans == 0
+    return rate
+
+
+def _source_rate(events: list[kv_events_pb2.KvEvent], n: int, own: bool) -> float:
+    log = KvEventLog(own_hashes=own, replay_blocks=n + 1, replay_events=len(events) + 1)
+    t0 = time.perf_counter()
+    for ev in events:
+        st = ev.stored
+        parent = st.parent_block_hash if st.HasField("parent_block_hash") else None
+        log.stored(st.block_hashes, parent, st.token_ids, st.block_size)
+    return n / (time.perf_counter() - t0)
+
+
 def ingest(quick: bool) -> None:
     print("## ingest (block events/s, one core, one instance)")
-    print("| block size | blocks/event | apply stored | apply removed | hash only | tables only |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "| block size | blocks/event | apply stored | apply stored, own hashes sent "
+        "| apply removed "
+        "| hash only | tables only | source: log.stored | source: log.stored + own hashes |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
     n = 20_000 if quick else 100_000
     for bs in (16, 128):
         for per_event in (1, 32):
@@ -93,7 +140,11 @@ def ingest(quick: bool) -> None:
                     mapping[e] = h
                     table[h] = table.get(h, 0) | 1
             t_tables = time.perf_counter() - t0
-            rate = [n / t for t in (t_store, t_remove, t_hash, t_tables)]
+            t_own = n / _apply_rate(_with_own(events, bs), n)
+            t_src = n / _source_rate(events, n, own=False)
+            t_src_own = n / _source_rate(events, n, own=True)
+            times = (t_store, t_own, t_remove, t_hash, t_tables, t_src, t_src_own)
+            rate = [n / t for t in times]
             print(f"| {bs} | {per_event} | " + " | ".join(f"{r / 1e3:,.0f}k" for r in rate) + " |")
 
 
@@ -169,10 +220,53 @@ def memory(quick: bool) -> None:
         gc.collect()
 
 
+def _rss() -> int:
+    """Resident bytes of this process (Linux /proc)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def memory_full() -> None:
+    print("\n## memory at full size (RSS before / after building the index once)")
+    print(
+        "| layout | instances x blocks | entries | RSS before | RSS after | bytes/entry | build s |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    n_inst, per = 1000, 100_000
+    for label, shared_frac in (("distinct (worst case)", 0.0), ("90% shared", 0.9)):
+        rng = np.random.default_rng(2)
+        common = rng.integers(2, 2**63, int(per * shared_frac), np.uint64, endpoint=False)
+        gc.collect()
+        before = _rss()
+        t0 = time.perf_counter()
+        index = PrefixIndex()
+        for i in range(n_inst):
+            inst = index.add_instance(f"i{i}")
+            own = rng.integers(2, 2**63, per, np.uint64)
+            own[: len(common)] = common
+            inst._add("GPU", rng.integers(2, 2**63, per, np.uint64), own)  # type: ignore[arg-type]
+        build = time.perf_counter() - t0
+        gc.collect()
+        after = _rss()
+        assert index.entries == n_inst * per
+        print(
+            f"| {label} | {n_inst:,} x {per:,} | {index.entries:,} | {before / 2**30:.2f} GiB "
+            f"| {after / 2**30:.2f} GiB | {(after - before) / index.entries:.0f} | {build:.0f} |"
+        )
+        del index, inst
+        gc.collect()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer events and repetitions")
+    parser.add_argument(
+        "--full-memory", action="store_true", help="only the full-size memory build (RSS)"
+    )
     args = parser.parse_args()
+    if args.full_memory:
+        memory_full()
+        return
     ingest(args.quick)
     lookup(args.quick)
     memory(args.quick)

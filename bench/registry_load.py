@@ -173,7 +173,11 @@ async def _generate(args: argparse.Namespace) -> dict[str, Any]:
         # the others register); only the window's heartbeats are measured.
         stub = stubs[i % len(stubs)]
         async with gate:
-            reply = await stub.Register(registry_pb2.RegisterRequest(spec=_spec(i)), timeout=60)
+            try:
+                reply = await stub.Register(registry_pb2.RegisterRequest(spec=_spec(i)), timeout=60)
+            except grpc.aio.AioRpcError as exc:  # counted; the others go on
+                _failed(out, f"Register {exc.code().name}", exc.details() or "")
+                return
         beating.append(asyncio.create_task(beat(stub, i, str(reply.lease_id), window, out)))
 
     await asyncio.gather(*(register(i) for i in ids))
@@ -279,7 +283,8 @@ def _run_one(store: str, mode: str, n: int, args: argparse.Namespace, root: Path
         for gen in children:
             assert gen.stdout is not None
             if gen.stdout.readline().strip() != "registered":
-                return {**head, "failed": "registration did not complete (see the generator)"}
+                tails = " | ".join(p.tail(5).replace("\n", " / ") for p in registries)
+                return {**head, "failed": f"registration did not complete; registry: {tails}"}
         start = time.time() + 1.0
         for child in [watcher, *children]:
             assert child.stdin is not None

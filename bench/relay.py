@@ -52,7 +52,13 @@ TOPOLOGIES = {"1P1D": (1, 1), "2P4D": (2, 4)}
 
 
 def _start_sims(
-    role: str, count: int, knobs: list[str], registry: str, cpus: str, logs: Path
+    role: str,
+    count: int,
+    knobs: list[str],
+    registry: str,
+    cpus: str,
+    logs: Path,
+    tokenizer: str = "",
 ) -> tuple[Proc, list[str]]:
     proc = spawn(
         f"sim-{role}",
@@ -71,6 +77,7 @@ def _start_sims(
             registry,
             "--record-limit",
             "0",
+            *(["--tokenizer", tokenizer] if tokenizer else []),
             *knobs,
         ],
         cpus,
@@ -133,13 +140,14 @@ def _bench_cell(
     logs: Path,
 ) -> list[dict[str, Any]]:
     n_p, n_d = TOPOLOGIES[topology]
-    prefill, p_urls = _start_sims("prefill", n_p, KNOBS[knobs], registry, args.load_cpus, logs)
+    sims = (KNOBS[knobs], registry, args.load_cpus, logs, args.tokenizer)
+    prefill, p_urls = _start_sims("prefill", n_p, *sims)
     try:
-        decode, d_urls = _start_sims("decode", n_d, KNOBS[knobs], registry, args.load_cpus, logs)
+        decode, d_urls = _start_sims("decode", n_d, *sims)
     except BaseException:
         prefill.stop()
         raise
-    fleet = Fleet(registry, p_urls, d_urls)
+    fleet = Fleet(registry, p_urls, d_urls, tokenizer=args.tokenizer)
     rows: list[dict[str, Any]] = []
     try:
         for name in proxies:
@@ -230,9 +238,10 @@ def _ratios(cell: list[dict[str, Any]], floor: dict[int, dict[str, Any]]) -> lis
         return r["p99_ms"] - floor[c]["p99_ms"] if r and c in floor else math.nan
 
     lines = []
-    for ours, peer in itertools.product(
-        ("pdplane", "pdplane-embedded"), ("vllm-router", "xpyd-proxy")
-    ):
+    ours_names = sorted(
+        {r["proxy"] for r in cell if r["proxy"].startswith("pdplane")} - {"pdplane-concurrent"}
+    )
+    for ours, peer in itertools.product(ours_names, ("vllm-router", "xpyd-proxy")):
         if not rows_of(peer) or not rows_of(ours):
             continue
         lines.append(
@@ -272,6 +281,13 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="skip pdplane's concurrent dispatch under realistic knobs",
     )
+    parser.add_argument(
+        "--tokenizer",
+        default="",
+        help='tokenizer directory of the sims, and of pdplane gateways named "+tok" or '
+        '"+kv_aware" (e.g. pdplane-embedded+tok); "auto" = the tiny model\'s, built locally; '
+        '"" = the sims\' word tokenizer',
+    )
     parser.add_argument("--quick", action="store_true", help="1P1D, zero knobs, 1 s windows")
     parser.add_argument(
         "--out", default="", help="results JSON (default logs/bench/relay-<UTC time>/relay.json)"
@@ -281,6 +297,11 @@ def main(argv: list[str] | None = None) -> int:
         args.topologies, args.knobs, args.duration = "1P1D", "zero", 1.0
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     proxies = args.proxies.split(",")
+    if args.tokenizer == "auto":
+        from pdplane.models.tiny import build_tiny_model
+
+        cache = Path(os.environ.get("PDPLANE_MODEL_CACHE", Path.home() / ".cache/pdplane/models"))
+        args.tokenizer = str(build_tiny_model(cache))
     for peer in ("vllm-router", "xpyd-proxy"):
         hint = install_hint(peer)
         if peer in proxies and hint:

@@ -7,6 +7,8 @@ variant's max/mean to the single shared scheduler's (the reference: every assign
 in one place).
 
     .venv/bin/python bench/replicas.py                # every variant, 3 runs each
+    (variants without a policy use the schedulers' default; "-ll" least_loaded, "-p2"
+    power_of_two on both sides)
     .venv/bin/python bench/replicas.py --runs 5 --variants remote-shared,remote-alone
 """
 
@@ -29,9 +31,12 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "one-scheduler": {"mode": "shared"},
     "remote-alone": {"mode": "remote", "share": False},
     "remote-shared": {"mode": "remote", "share": True},
-    "remote-p2-alone": {"mode": "remote", "share": False, "decode_policy": "power_of_two"},
     "embedded-alone": {"mode": "embedded", "share": False},
     "embedded-shared": {"mode": "embedded", "share": True},
+    "remote-ll-alone": {"mode": "remote", "share": False, "policy": "least_loaded"},
+    "remote-ll-shared": {"mode": "remote", "share": True, "policy": "least_loaded"},
+    "remote-p2-alone": {"mode": "remote", "share": False, "policy": "power_of_two"},
+    "embedded-ll-shared": {"mode": "embedded", "share": True, "policy": "least_loaded"},
 }
 
 

@@ -400,7 +400,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-mode", default="pull", choices=("pull", "push"))
     ap.add_argument("--push-overflow", default="pull", choices=("pull", "recompute"))
     ap.add_argument("--kv-blocks", type=int, default=0, help="override the profile's cache")
-    ap.add_argument("--tokenizer", default="", help='"" (sim words), "tiny" or a directory')
+    ap.add_argument(
+        "--tokenizer",
+        default="auto",
+        help='tokenizer of the sims and of tokenizing gateways: "auto" = the tiny model\'s when '
+        "a row is kv_aware (exact prompt ids and prefix hashes; every row alike), else the "
+        'sims\' word tokenizer; "tiny"; "" (words); or a directory',
+    )
     ap.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     ap.add_argument("--slo-tpot-ms", type=float, default=50.0)
     ap.add_argument("--dispatch-study", action="store_true")
@@ -441,6 +447,8 @@ def main(argv: list[str] | None = None) -> int:
         base.update(PRESETS[args.preset])
     if args.policies:
         base["rows"] = args.policies.split(",")
+    if base["tokenizer"] == "auto":
+        base["tokenizer"] = "tiny" if any("kv_aware" in r for r in base["rows"]) else ""
     rates, rows = base.pop("rates"), base.pop("rows")
     knobs = {**base.pop("workload_args", {}), **knobs}
     results: list[dict[str, Any]] = []

@@ -7,7 +7,7 @@
 `--target cpu` (default): vLLM CPU with `pdplane.models.tiny` against the sim's `tiny-cpu`
 profile (or `--profile FILE.json`), both pinned to `--engine-cores`, the client on
 `--client-cores`. `--fit` first fits the cost model to the vLLM measurements
-(bench/_calib_fit.py) and uses the fit. `--target gpu` (bench/gpu_sim_profile.sh runs it)
+(pdplane.plan.fit) and uses the fit. `--target gpu` (bench/gpu_sim_profile.sh runs it)
 serves a Llama-3-8B-shaped model with dummy weights (bench/_calib_servers.py), always fits, and
 writes the measured profile `profile-llama3-8b-<gpu>.json` (`pdplane sim --profile FILE`) next
 to the error table. Starts vLLM: on the CPU machine run it under the shared heavy lock.
@@ -38,9 +38,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench._calib_fit import fit_cost, predict  # noqa: E402
-from bench._calib_load import Cell, CellResult, measure_cells, mixed_arrivals  # noqa: E402
 from bench._calib_servers import MODEL, cache_config, start_sim, start_vllm, stop  # noqa: E402
+from pdplane.plan.fit import fit_cost, predict  # noqa: E402
+from pdplane.plan.sweep import Cell, CellResult, measure_cells, mixed_arrivals  # noqa: E402
 from pdplane.sim.profiles import PROFILES, CostModel, Profile, load_profile  # noqa: E402
 
 CPU_GRID = [Cell(b, n, 32) for b in (1, 4, 16) for n in (64, 256, 768)]

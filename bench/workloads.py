@@ -22,7 +22,6 @@ Generators (every one takes a `seed`; the same arguments give the same workload)
 from __future__ import annotations
 
 import json
-import math
 import random
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -30,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from pdplane.models import tiny
+from pdplane.plan.workload import Lengths, arrival_times
 
 __all__ = [
     "Lengths",
@@ -43,29 +43,15 @@ __all__ = [
     "shared_prefix",
 ]
 
+_QUESTION = Lengths(100, "uniform", 50, 150)
+_FIRST = Lengths(400, "uniform", 300, 500)
+_FOLLOW = Lengths(80, "uniform", 40, 120)
+_OSL_SHORT = Lengths(150, "uniform", 100, 200)
+_OSL_SEED = Lengths(2500, "uniform", 2000, 3000)
+
 # The tiny model's corpus words: each is one token for its tokenizer (with the leading space)
 # and for the simulator's word tokenizer, so both count a prompt of N words as N tokens.
 _WORDS: tuple[str, ...] = tuple(tiny._WORDS)
-
-
-@dataclass(frozen=True, slots=True)
-class Lengths:
-    """A length distribution (tokens): "fixed" (mean), "uniform" (lo..hi), "lognormal" (mean,
-    sigma of the log), clipped to [lo, hi]."""
-
-    mean: int
-    kind: str = "fixed"
-    lo: int = 1
-    hi: int = 1 << 20
-    sigma: float = 0.5
-
-    def draw(self, rng: random.Random) -> int:
-        if self.kind == "uniform":
-            return rng.randint(self.lo, self.hi)
-        if self.kind == "lognormal":
-            mu = math.log(self.mean) - self.sigma**2 / 2
-            return min(self.hi, max(self.lo, round(rng.lognormvariate(mu, self.sigma))))
-        return self.mean
 
 
 @dataclass(slots=True)
@@ -127,13 +113,7 @@ def _words(rng: random.Random, count: int) -> str:
 
 
 def _arrivals(rng: random.Random, rate: float, count: int, cv: float = 1.0) -> list[float]:
-    """Inter-arrival times with mean 1/rate: exponential (cv 1) or gamma (cv > 1: bursty)."""
-    t, out = 0.0, []
-    shape = 1.0 / (cv * cv)
-    for _ in range(count):
-        t += rng.gammavariate(shape, 1.0 / (rate * shape))
-        out.append(t)
-    return out
+    return arrival_times(rng, rate, count, cv)
 
 
 def poisson(
@@ -165,7 +145,7 @@ def seed_long_output(
     rate: float = 10.0,
     count: int = 2000,
     *,
-    osl: Lengths = Lengths(2500, "uniform", 2000, 3000),
+    osl: Lengths = _OSL_SEED,
     seed: int = 0,
 ) -> Workload:
     """The seed's case: ~1k-token prompts (900-1100), 2-3k-token answers, `rate` req/s."""
@@ -182,8 +162,8 @@ def shared_prefix(
     tenants: int = 8,
     system_tokens: int = 2000,
     users_per_tenant: int = 50,
-    question: Lengths = Lengths(100, "uniform", 50, 150),
-    osl: Lengths = Lengths(100, "uniform", 50, 150),
+    question: Lengths = _QUESTION,
+    osl: Lengths = _QUESTION,
     seed: int = 0,
 ) -> Workload:
     """T tenants, each with a long system prompt; requests from their users at `rate`/s."""
@@ -212,9 +192,9 @@ def multi_turn(
     *,
     turns: int = 5,
     system_tokens: int = 200,
-    first: Lengths = Lengths(400, "uniform", 300, 500),
-    follow: Lengths = Lengths(80, "uniform", 40, 120),
-    osl: Lengths = Lengths(150, "uniform", 100, 200),
+    first: Lengths = _FIRST,
+    follow: Lengths = _FOLLOW,
+    osl: Lengths = _OSL_SHORT,
     think_s: float = 2.0,
     seed: int = 0,
 ) -> Workload:

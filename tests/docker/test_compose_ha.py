@@ -9,6 +9,7 @@ each brings what it killed back.
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import os
@@ -124,3 +125,94 @@ def test_etcd_member_killed_heartbeats_go_on(
         assert len(_ls(registry_addr)) == len(_ls(second[1])) == 2
     finally:
         docker("compose", "start", "etcd-1")
+
+
+async def _load(
+    urls: list[str], stop: asyncio.Event, outcomes: list[tuple[float, str, str]], worker: int
+) -> None:
+    """One client: streaming completions through the gateways in turn until `stop`; a request
+    refused before its first byte goes to the other gateway (what a load balancer does).
+    Appends (time, gateway, outcome): "ok", "cut" (the stream broke after it started) or why
+    it failed."""
+    body = {"model": "sim-model", "prompt": "the prefill cache", "max_tokens": 16, "stream": True}
+    n = worker
+    async with httpx.AsyncClient(timeout=httpx.Timeout(30.0, connect=2.0)) as client:
+        while not stop.is_set():
+            n += 1
+            outcome = "every gateway refused"
+            for url in (urls[n % 2], urls[(n + 1) % 2]):
+                streaming = False
+                try:
+                    async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
+                        if resp.status_code != 200:
+                            outcome = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+                            break
+                        async for line in resp.aiter_lines():
+                            streaming = streaming or line.startswith("data: {")
+                            if '"error"' in line:
+                                raise httpx.RemoteProtocolError(line[:200])
+                    outcome = "ok"
+                    break
+                except httpx.TransportError as exc:
+                    if streaming:
+                        outcome = "cut"
+                        break
+                    outcome = f"{url}: {type(exc).__name__} before streaming"
+            outcomes.append((time.monotonic(), url, outcome))
+
+
+def _healthy(docker: Any, service: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        cid = docker("compose", "ps", "-q", service).strip()
+        if cid and docker("inspect", "-f", "{{.State.Health.Status}}", cid).strip() == "healthy":
+            return
+        time.sleep(0.3)
+    raise AssertionError(f"{service} not healthy within {timeout_s} s")
+
+
+def test_scheduler_and_gateway_killed_under_load_lose_no_request_not_yet_streaming(
+    docker: Any, gateway_url: str, second: tuple[str, str]
+) -> None:
+    """SIGKILL of `scheduler` and `gateway` while 16 clients stream through both gateways, then
+    (`scheduler` back) of `scheduler-2`: whichever scheduler gateway-2 was on dies once, and
+    everything that had not started streaming is served (the gateways reach the schedulers by
+    one name with both addresses and move to the one alive; the schedulers share their
+    in-flight assignments, docs/scheduler.md "Several replicas")."""
+    urls = [gateway_url, second[0]]
+    outcomes: list[tuple[float, str, str]] = []
+    kills: list[float] = []
+
+    def kill(*services: str) -> None:
+        kills.append(time.monotonic())
+        docker("compose", "kill", "-s", "SIGKILL", *services)
+
+    async def run() -> None:
+        stop = asyncio.Event()
+        workers = [asyncio.create_task(_load(urls, stop, outcomes, i)) for i in range(16)]
+        await asyncio.sleep(2.0)
+        await asyncio.to_thread(kill, "scheduler", "gateway")
+        await asyncio.sleep(2.0)
+        await asyncio.to_thread(docker, "compose", "start", "scheduler")
+        await asyncio.to_thread(_healthy, docker, "scheduler")
+        await asyncio.to_thread(kill, "scheduler-2")
+        await asyncio.sleep(3.0)
+        stop.set()
+        await asyncio.gather(*workers)
+
+    try:
+        asyncio.run(run())
+    finally:
+        docker("compose", "start", "scheduler", "scheduler-2", "gateway")
+    failed = [o for o in outcomes if o[2] not in ("ok", "cut")]
+    assert failed == []
+    assert len(kills) == 2
+    for killed in kills:
+        assert any(o[0] < killed and o[2] == "ok" for o in outcomes)
+        after = [o for o in outcomes if killed + 0.5 < o[0] < killed + 1.5]
+        assert len(after) > 10 and all(o[2] == "ok" for o in after), after[:5]
+    # All come back and serve again.
+    for service in ("scheduler", "scheduler-2", "gateway"):
+        _healthy(docker, service)
+    assert _complete(gateway_url).status_code == 200
+    assert _complete(second[0]).status_code == 200

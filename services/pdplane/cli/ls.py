@@ -1,11 +1,19 @@
 """`pdplane ls`: list the registry's instances (a table, or `--json`), or `--watch` its events.
 
     pdplane ls [--registry HOST:PORT[,HOST:PORT...]] [--role prefill|decode|both] [--model M]
-               [--json]
+               [--scheduler HOST:PORT | --scheduler ""] [--json]
     pdplane ls --watch [--json]        # one line per event until interrupted
 
 With several registry replicas, the first that answers is used; a broken watch moves to the
 next one and continues from its last revision.
+
+The KV_INDEX column (JSON: `kv_index`) is the scheduler's prefix index's state of each instance
+(`Scheduler.ListKvStates`, docs/kv_events.md): `live` (its cache is used for routing), `syncing`
+(no snapshot yet), `stale` (stream down or lagging: routed by load), `-` (not followed: no
+KV endpoint), `off` (the scheduler has no index), `?` (the scheduler did not answer; the
+reason goes to stderr and the listing still succeeds). The registry does not hold it: each
+scheduler replica has its own index, and `--scheduler` picks the one to ask (default: the
+port `pdplane up` gives it; `--scheduler ""` leaves the column out).
 
 Exit codes: 0 success, 1 registry unreachable or refused the call, 2 bad flags.
 """
@@ -20,11 +28,11 @@ from typing import Any, Literal, TextIO
 import grpc
 from pydantic import Field
 
-from pdplane.core import defaults, grpc_util
+from pdplane.core import defaults, fleet_credentials, grpc_util
 from pdplane.core.instance_json import event_to_dict, instance_to_dict, parse_role
 from pdplane.core.settings import CommandSettings
 from pdplane.registry.endpoints import FAILOVER_CODES, RegistryEndpoints, call_any
-from pdplane.v1 import instance_pb2, registry_pb2
+from pdplane.v1 import instance_pb2, registry_pb2, scheduler_pb2, scheduler_pb2_grpc
 
 __all__ = ["LsSettings", "format_table", "main"]
 
@@ -42,21 +50,40 @@ class LsSettings(CommandSettings):
     model: str | None = Field(None, description="only this served model name")
     json_: bool = Field(False, alias="json", description="print JSON instead of a table")
     watch: bool = Field(False, description="stream ADDED/UPDATED/REMOVED events")
-    token: str | None = Field(None, description="registry bearer token")
-    tls_ca: str | None = Field(None, description="CA certificate (PEM) to verify registry TLS")
+    token: str | None = Field(
+        None,
+        description="registry bearer token (default: the local `pdplane up` fleet's, if this is "
+        "its registry)",
+    )
+    tls_ca: str | None = Field(
+        None, description="CA certificate (PEM) to verify the registry's and scheduler's TLS"
+    )
+    scheduler: str = Field(
+        f"127.0.0.1:{defaults.SCHEDULER_PORT}",
+        description="scheduler gRPC address whose prefix index fills KV_INDEX; '' = no column",
+    )
+    scheduler_token: str | None = Field(
+        None, description="scheduler bearer token (default: --token)"
+    )
     timeout_s: float = Field(5.0, gt=0, description="deadline of the list call (s)")
 
 
 _COLUMNS = ("ID", "ROLE", "MODEL", "STATE", "URL", "KV_ENDPOINT", "RUN", "WAIT", "KV%", "FREE")
+_KV_COLUMN = 4  # KV_INDEX goes after STATE
 
 
-def _row(d: dict[str, Any]) -> tuple[str, ...]:
+def _row(d: dict[str, Any], kv_column: bool) -> tuple[str, ...]:
     load = d["load"]
+    kv: tuple[str, ...] = ()
+    if kv_column:
+        index = d.get("kv_index")
+        kv = (index if isinstance(index, str) else index["state"] if index else "-",)
     return (
         d["id"],
         d["role"],
         d["model"],
         d["state"],
+        *kv,
         d["url"],
         d["kv_endpoint"],
         str(load["num_running"]),
@@ -66,10 +93,15 @@ def _row(d: dict[str, Any]) -> tuple[str, ...]:
     )
 
 
-def format_table(instances: Iterable[dict[str, Any]]) -> str:
-    """Aligned text table of `instance_to_dict` views, one line per instance plus a header."""
-    rows = [_COLUMNS, *(_row(d) for d in instances)]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(_COLUMNS))]
+def format_table(instances: Iterable[dict[str, Any]], *, kv_column: bool = False) -> str:
+    """Aligned text table of `instance_to_dict` views, one line per instance plus a header;
+    `kv_column` adds KV_INDEX from each view's `kv_index` (a `ListKvStates` entry as a dict,
+    a marker string such as "?", or None = not followed)."""
+    header: tuple[str, ...] = _COLUMNS
+    if kv_column:
+        header = (*_COLUMNS[:_KV_COLUMN], "KV_INDEX", *_COLUMNS[_KV_COLUMN:])
+    rows = [header, *(_row(d, kv_column) for d in instances)]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     return (
         "\n".join(
             "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows
@@ -95,12 +127,51 @@ def _list(
 ) -> None:
     request = registry_pb2.ListInstancesRequest(role=role, model=s.model or "")
     metadata = grpc_util.token_metadata(s.token)
-    response = call_any(
+    # The streamed form: a fleet too large for one 64 MiB message still lists.
+    parts = call_any(
         endpoints,
-        lambda stub: stub.ListInstances(request, timeout=s.timeout_s, metadata=metadata),
+        lambda stub: list(
+            stub.ListInstancesStream(request, timeout=s.timeout_s, metadata=metadata)
+        ),
     )
-    views = [instance_to_dict(i) for i in response.instances]
-    out.write(json.dumps(views, indent=2) + "\n" if s.json_ else format_table(views))
+    views = [instance_to_dict(i) for part in parts for i in part.instances]
+    if s.scheduler:
+        states = _kv_states(s)
+        for v in views:
+            v["kv_index"] = states.get(v["id"]) if isinstance(states, dict) else states
+    text = format_table(views, kv_column=bool(s.scheduler))
+    out.write(json.dumps(views, indent=2) + "\n" if s.json_ else text)
+
+
+def _kv_states(s: LsSettings) -> dict[str, dict[str, Any]] | str:
+    """instance id -> its prefix index state (a dict of `KvIndexState`'s fields), or a marker
+    for every row: "off" (no index there), "?" (no answer; the reason goes to stderr)."""
+    metadata = grpc_util.token_metadata(s.scheduler_token or s.token)
+    try:
+        with grpc_util.channel(s.scheduler, s.tls_ca) as channel:
+            stub = scheduler_pb2_grpc.SchedulerStub(channel)
+            response = stub.ListKvStates(
+                scheduler_pb2.ListKvStatesRequest(), timeout=s.timeout_s, metadata=metadata
+            )
+    except grpc.RpcError as exc:
+        code = exc.code() if isinstance(exc, grpc.Call) else None
+        if code is grpc.StatusCode.FAILED_PRECONDITION:
+            return "off"
+        details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
+        name = code.name if code is not None else "UNKNOWN"
+        sys.stderr.write(f"pdplane ls: scheduler {s.scheduler}: {name}: {details} (KV_INDEX ?)\n")
+        return "?"
+    return {
+        st.instance_id: {
+            "state": st.state,
+            "reason": st.reason,
+            "blocks": st.blocks,
+            "lag_events": st.lag_events,
+            "last_message_age_ms": st.last_message_age_ms,
+            "snapshots": st.snapshots,
+        }
+        for st in response.instances
+    }
 
 
 def _event_line(event: registry_pb2.WatchEvent) -> str:
@@ -154,6 +225,9 @@ def _watch(
 def main(argv: list[str], out: TextIO | None = None) -> int:
     """Runs `pdplane ls`; writes to `out` (stdout by default) and returns the exit code."""
     settings = LsSettings.parse(argv)
+    local = fleet_credentials.for_registry(settings.registry)
+    if settings.token is None and local is not None:
+        settings.token = local.token  # the local `pdplane up` fleet's, nothing to type
     out = out or sys.stdout
     role = parse_role(settings.role) if settings.role else instance_pb2.ROLE_UNSPECIFIED
     endpoints = RegistryEndpoints(settings.registry, settings.tls_ca)

@@ -23,6 +23,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "sim": ("pdplane.sim.__main__", "run simulated vLLM instances (benchmarks, fault injection)"),
     "up": ("pdplane.cli.up", "start registry, scheduler, gateway and a vLLM CPU XpYd fleet"),
     "vllm": ("pdplane.cli.vllm", "start one vLLM CPU instance that joins a running system"),
+    "plan": ("pdplane.plan.__main__", "how many prefill and decode instances meet an SLO"),
+    "profile": ("pdplane.plan.profile_cli", "measure an engine profile from a running instance"),
 }
 
 

@@ -12,10 +12,12 @@ import re
 from collections.abc import Mapping
 from urllib.parse import urlsplit
 
+from pdplane.core.echo import echo
 from pdplane.v1 import instance_pb2
 
 __all__ = [
     "KNOWN_DTYPES",
+    "MAX_SPEC_BYTES",
     "ValidationError",
     "parse_host_port",
     "validate_load",
@@ -41,6 +43,9 @@ _ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 _LABEL_KEY = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._/-]{0,61}[A-Za-z0-9])?")
 _HOST = re.compile(r"[A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?")
 _MAX_LABELS = 64
+#: Largest serialized InstanceSpec (bytes): a real one is well under 1 KiB; the per-field
+#: limits alone allowed ~20 KiB, and 5,000 of those outgrew a 64 MiB snapshot message.
+MAX_SPEC_BYTES = 8192
 _MAX_TEXT = 256
 # Upper bounds that no real deployment reaches; anything above is a bug on the caller's side.
 _LIMITS = {
@@ -74,7 +79,7 @@ def _check_text(field: str, value: str, required: bool = True, spaces: bool = Fa
         raise ValidationError(field, f"must be at most {_MAX_TEXT} characters")
     if not value.isprintable() or (not spaces and any(c.isspace() for c in value)):
         raise ValidationError(
-            field, f"must not contain whitespace or control characters: {value!r}"
+            field, f"must not contain whitespace or control characters: {echo(value)}"
         )
 
 
@@ -82,10 +87,10 @@ def _check_host(field: str, host: str) -> None:
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
         if ":" not in host:
-            raise ValidationError(field, f"bad IPv6 address {host!r}")
+            raise ValidationError(field, f"bad IPv6 address {echo(host)}")
         return
     if not _HOST.fullmatch(host):
-        raise ValidationError(field, f"bad host {host!r}")
+        raise ValidationError(field, f"bad host {echo(host)}")
 
 
 def parse_host_port(field: str, endpoint: str) -> tuple[str, int]:
@@ -95,10 +100,10 @@ def parse_host_port(field: str, endpoint: str) -> tuple[str, int]:
     """
     host, sep, port_text = endpoint.rpartition(":")
     if not sep or not host:
-        raise ValidationError(field, f"must be host:port, got {endpoint!r}")
+        raise ValidationError(field, f"must be host:port, got {echo(endpoint)}")
     _check_host(field, host)
     if not port_text.isdigit() or not 1 <= int(port_text) <= 65535:
-        raise ValidationError(field, f"port must be in 1..65535, got {port_text!r}")
+        raise ValidationError(field, f"port must be in 1..65535, got {echo(port_text)}")
     return host.strip("[]"), int(port_text)
 
 
@@ -109,15 +114,15 @@ def _check_url(field: str, url: str) -> None:
         parts = urlsplit(url)
         port = parts.port
     except ValueError as exc:
-        raise ValidationError(field, f"malformed URL {url!r}: {exc}") from None
+        raise ValidationError(field, f"malformed URL {echo(url)}: {exc}") from None
     if parts.scheme not in ("http", "https"):
-        raise ValidationError(field, f"must be an http(s):// URL, got {url!r}")
+        raise ValidationError(field, f"must be an http(s):// URL, got {echo(url)}")
     if not parts.hostname or port is None:
-        raise ValidationError(field, f"must name a host and a port, got {url!r}")
+        raise ValidationError(field, f"must name a host and a port, got {echo(url)}")
     if parts.path not in ("", "/") or parts.query or parts.fragment or parts.username:
-        raise ValidationError(field, f"must be a base URL without path or query, got {url!r}")
+        raise ValidationError(field, f"must be a base URL without path or query, got {echo(url)}")
     if port == 0:
-        raise ValidationError(field, f"port must be in 1..65535, got {url!r}")
+        raise ValidationError(field, f"port must be in 1..65535, got {echo(url)}")
 
 
 def _check_layout(layout: instance_pb2.KvLayout) -> None:
@@ -125,7 +130,8 @@ def _check_layout(layout: instance_pb2.KvLayout) -> None:
         _check_range(f"spec.kv_layout.{name}", getattr(layout, name), name)
     if layout.dtype not in KNOWN_DTYPES:
         raise ValidationError(
-            "spec.kv_layout.dtype", f"unknown dtype {layout.dtype!r}; one of {sorted(KNOWN_DTYPES)}"
+            "spec.kv_layout.dtype",
+            f"unknown dtype {echo(layout.dtype)}; one of {sorted(KNOWN_DTYPES)}",
         )
 
 
@@ -135,7 +141,7 @@ def _check_labels(labels: Mapping[str, str]) -> None:
         raise ValidationError("spec.labels", f"at most {_MAX_LABELS} labels, got {len(items)}")
     for key, value in items.items():
         if not _LABEL_KEY.fullmatch(key):
-            raise ValidationError("spec.labels", f"bad label key {key!r}")
+            raise ValidationError("spec.labels", f"bad label key {echo(key)}")
         if len(value) > _MAX_TEXT:
             raise ValidationError(f"spec.labels[{key}]", f"at most {_MAX_TEXT} characters")
 
@@ -146,11 +152,12 @@ def validate_spec(spec: instance_pb2.InstanceSpec) -> None:
     Rules: instance_id matches [A-Za-z0-9._:-]{1,128}; role and transport are known, non-zero
     enum values; model is 1..256 printable characters; url is an http(s) base URL with host and
     port; kv_endpoint is host:port; tp_size 1..1024; max_model_len 1..2^24 tokens; kv_layout is
-    set with every number in range and a known torch dtype; at most 64 labels.
+    set with every number in range and a known torch dtype; at most 64 labels; the whole spec
+    at most `MAX_SPEC_BYTES` (8 KiB) serialized.
     """
     if not _ID.fullmatch(spec.instance_id):
         raise ValidationError(
-            "spec.instance_id", f"must match [A-Za-z0-9._:-]{{1,128}}, got {spec.instance_id!r}"
+            "spec.instance_id", f"must match [A-Za-z0-9._:-]{{1,128}}, got {echo(spec.instance_id)}"
         )
     if spec.role not in instance_pb2.Role.values() or spec.role == instance_pb2.ROLE_UNSPECIFIED:
         raise ValidationError("spec.role", f"must be PREFILL, DECODE or BOTH, got {spec.role}")
@@ -169,6 +176,9 @@ def validate_spec(spec: instance_pb2.InstanceSpec) -> None:
     _check_range("spec.max_model_len", spec.max_model_len, "max_model_len")
     _check_text("spec.version", spec.version, required=False, spaces=True)
     _check_labels(spec.labels)
+    size = spec.ByteSize()
+    if size > MAX_SPEC_BYTES:
+        raise ValidationError("spec", f"at most {MAX_SPEC_BYTES} bytes serialized, got {size}")
 
 
 def validate_load(load: instance_pb2.LoadReport) -> None:

@@ -8,6 +8,7 @@ import uvicorn
 
 from pdplane.core import tracing
 from pdplane.gateway.app import create_app
+from pdplane.gateway.http_server import server_options
 from pdplane.gateway.settings import GatewaySettings
 
 __all__ = ["main"]
@@ -24,10 +25,10 @@ def main(argv: list[str]) -> int:
         create_app(settings),
         host=settings.host,
         port=settings.port,
-        # "auto" takes uvloop and httptools (uvicorn[standard], the faster pair) and falls back
-        # to asyncio and h11 where an image lacks them rather than refusing to start.
+        # "auto" takes uvloop (uvicorn[standard]) and falls back to asyncio where an image lacks
+        # it; HTTP is httptools (also uvicorn[standard]) with a header deadline (http_server).
         loop="auto",
-        http="auto",
+        **server_options(settings),
         log_level=settings.log_level,
         # No access log, so nothing reads the X-Forwarded-* rewriting; it costs every request.
         access_log=False,

@@ -22,8 +22,10 @@ from pdplane.gateway.fleet import FleetTracker, FleetView
 from pdplane.gateway.kv_abort import KvAborter
 from pdplane.gateway.metrics import GatewayMetrics
 from pdplane.gateway.passthrough import Passthrough
+from pdplane.gateway.prompt_ids import TokenizerSet, load_tokenizers
 from pdplane.gateway.relay import Relay
 from pdplane.gateway.routes import build_router
+from pdplane.gateway.schema_routes import schema_router
 from pdplane.gateway.settings import GatewaySettings
 from pdplane.gateway.upstream import UpstreamClient
 from pdplane.scheduler import SchedulerPort, open_scheduler
@@ -54,6 +56,7 @@ def create_app(
     *,
     scheduler: SchedulerPort | None = None,
     fleet: Callable[[], FleetView] | None = None,
+    tokenizers: TokenizerSet | None = None,
 ) -> FastAPI:
     """The gateway app for `settings`.
 
@@ -62,10 +65,15 @@ def create_app(
     `pdplane.scheduler.open_scheduler` (with `--scheduler embedded`, a local scheduler deciding
     over the registry view, its metrics on the gateway's /metrics) and watches
     `settings.registry` from its lifespan's startup (waiting up to `registry_wait_s` for the
-    first snapshot) and closes everything at shutdown. Raises ValueError for an embedded
-    scheduler with a `fleet` override.
+    first snapshot) and closes everything at shutdown. `tokenizers` replaces those loaded from
+    `settings.tokenizer` (`pdplane.gateway.prompt_ids.load_tokenizers`, which logs once whether
+    prompt ids are exact). Raises ValueError for an embedded scheduler with a `fleet` override.
     """
     metrics = GatewayMetrics()
+    if tokenizers is None:
+        tokenizers = load_tokenizers(settings.tokenizer)
+    for name in tokenizers.describe() or {"": ""}:
+        metrics.tokenizers.labels(name).set(1 if name else 0)
     upstream = UpstreamClient(
         connect_timeout_s=settings.connect_timeout_s, max_connections=settings.max_connections
     )
@@ -86,6 +94,7 @@ def create_app(
     config = RelayConfig(
         dispatch=settings.dispatch,
         upstream_timeout_s=settings.upstream_timeout_s,
+        stream_idle_timeout_s=settings.stream_idle_timeout_s,
         max_retries=settings.max_retries,
         upstream_api_key=settings.upstream_api_key,
     )
@@ -112,14 +121,27 @@ def create_app(
 
     keys = ApiKeys(settings.api_keys())
     app = _GatewayApi(
-        partial(RelayEndpoints, relay=relay, fleet=fleet, metrics=metrics, api_keys=keys),
+        partial(
+            RelayEndpoints,
+            relay=relay,
+            fleet=fleet,
+            metrics=metrics,
+            api_keys=keys,
+            body_timeout_s=settings.body_timeout_s,
+            tokenizers=tokenizers,
+        ),
         title="pdplane gateway",
         lifespan=lifespan,
         docs_url=None,
         redoc_url=None,
     )
     passthrough = Passthrough(fleet, upstream, settings.upstream_api_key)
-    app.include_router(build_router(fleet, metrics, keys, passthrough))
+    details = {
+        "prompt_tokens": "exact" if tokenizers.exact else "estimated",
+        "tokenizer": tokenizers.describe(),
+    }
+    app.include_router(schema_router())
+    app.include_router(build_router(fleet, metrics, keys, passthrough, details, scheduler.problem))
     app.add_exception_handler(HTTPException, _http_error)
     app.state.relay = relay
     app.state.scheduler = scheduler

@@ -1,5 +1,9 @@
 """One try of a request on one scheduled (prefill, decode) pair: both legs and the stream.
 
+A decision without prefill (conditional disaggregation: decode holds all but a few prompt
+tokens) has one leg: the client's original request goes to decode as it came, without
+`kv_transfer_params`, and decode computes the rest of the prompt itself.
+
 See `pdplane.gateway.relay` for the failure semantics. What the attempt leaves behind (its
 Release, the KV its prefill holds, background calls) is its `Aftercare`, which decides the
 outcome; the attempt only reports what happened and settles it wherever it ends.
@@ -76,6 +80,7 @@ class Attempt:
         self.metrics = legs.metrics
         self.dispatch = legs.config.dispatch
         self.timeout_s = legs.config.upstream_timeout_s
+        self.idle_timeout_s = min(legs.config.stream_idle_timeout_s, self.timeout_s)
         self.care = care
         self.req = req
         self.request_id = care.request_id
@@ -93,7 +98,9 @@ class Attempt:
         handed_off = False
         resp: UpstreamResponse | None = None
         try:
-            if self.dispatch == "concurrent":
+            if self.prefill is None:
+                resp = await self._open_decode(self.req.raw)
+            elif self.dispatch == "concurrent":
                 resp = await self._concurrent_legs()
             else:
                 kv = await self._prefill_leg()
@@ -123,6 +130,7 @@ class Attempt:
         returned)."""
         t0 = time.perf_counter()
         p = self.prefill
+        assert p is not None, "a prefill leg without a prefill instance"
         d = self.decode
         body = prefill_body(
             self.req.endpoint,
@@ -168,9 +176,9 @@ class Attempt:
             self.care.hold_kv(DecodeRequestParams.from_dict(kv))
             tracing.stamp_kv_params(kv)
         except (ValueError, AttributeError) as exc:
+            p = self.prefill.instance_id if self.prefill is not None else "?"
             raise bad_gateway(
-                f"prefill instance {self.prefill.instance_id} returned no usable "
-                f"kv_transfer_params: {exc}"
+                f"prefill instance {p} returned no usable kv_transfer_params: {exc}"
             ) from None
         return json.dumps(kv, separators=(",", ":")).encode()
 
@@ -253,7 +261,7 @@ class Attempt:
         done = False
         try:
             try:
-                async for chunk in resp.chunks():
+                async for chunk in resp.chunks(self.idle_timeout_s):
                     data = carry + chunk if carry else chunk
                     cut = data.rfind(b"\n\n") + 2
                     if cut == 1:  # no complete event yet
@@ -270,8 +278,8 @@ class Attempt:
                     yield out
             except UpstreamTimeout:
                 yield gateway_timeout(
-                    f"decode instance {self.decode.instance_id} went silent for "
-                    f"{self.timeout_s:g} s"
+                    f"decode instance {self.decode.instance_id} sent nothing for "
+                    f"{self.idle_timeout_s:g} s"
                 ).sse_event()
                 return
             except UpstreamUnreachable as exc:

@@ -16,5 +16,6 @@ class RelayConfig:
 
     dispatch: Dispatch = "sequential"
     upstream_timeout_s: float = 300.0
+    stream_idle_timeout_s: float = 30.0
     max_retries: int = 1
     upstream_api_key: str | None = None

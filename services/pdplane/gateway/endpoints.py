@@ -7,6 +7,7 @@ goes on to the FastAPI app.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import itertools
 import os
@@ -30,6 +31,7 @@ from pdplane.gateway.errors import (
 )
 from pdplane.gateway.fleet import FleetView
 from pdplane.gateway.metrics import GatewayMetrics
+from pdplane.gateway.prompt_ids import TokenizerSet, exact_prompt_async
 from pdplane.gateway.relay import Relay
 from pdplane.gateway.replies import JsonReply
 from pdplane.gateway.validation import CHAT, COMPLETIONS, ClientRequest, Endpoint, parse_request
@@ -56,7 +58,16 @@ class _ClientGone(Exception):
     """The client disconnected while its body was being read."""
 
 
-async def _read_body(receive: Receive) -> bytes:
+async def _read_body(receive: Receive, timeout_s: float) -> bytes:
+    """The request body; GatewayError 408 when it takes longer than `timeout_s` (s)."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await _receive_body(receive)
+    except TimeoutError:
+        raise GatewayError(408, f"request body not received within {timeout_s:g} s") from None
+
+
+async def _receive_body(receive: Receive) -> bytes:
     chunks: list[bytes] = []
     size = 0
     while True:
@@ -119,6 +130,9 @@ class RelayEndpoints:
         fleet: returns the current FleetView (model lookup: 404 for an unknown model).
         metrics: request counters, in-flight gauge.
         api_keys: accepted bearer tokens.
+        body_timeout_s: longest read of one request body (s); then 408.
+        tokenizers: the models' tokenizers (exact prompt ids and prefix hashes); none = the
+            estimated prompt lengths of `pdplane.gateway.tokens`.
     """
 
     def __init__(
@@ -128,12 +142,16 @@ class RelayEndpoints:
         fleet: Callable[[], FleetView],
         metrics: GatewayMetrics,
         api_keys: ApiKeys,
+        body_timeout_s: float = 60.0,
+        tokenizers: TokenizerSet | None = None,
     ) -> None:
         self.app = app
         self.relay = relay
         self.fleet = fleet
         self.metrics = metrics
         self.api_keys = api_keys
+        self.body_timeout_s = body_timeout_s
+        self.tokenizers = tokenizers or TokenizerSet({})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         endpoint = _ENDPOINTS.get(scope["path"]) if scope["type"] == "http" else None
@@ -163,8 +181,12 @@ class RelayEndpoints:
             # It is sent upstream as a header: no control characters.
             request_id = ""
             error = bad_request("X-Request-Id must not contain control characters")
-        request_id = request_id or f"{_ID_PREFIX}{next(_id_counter):x}"
-        headers = {"x-request-id": request_id}
+        # The client's id is echoed to it; Schedule/Release, the KV transfer and the legs use
+        # one the gateway makes unique: ten concurrent requests reusing one client id counted
+        # as one in flight (and nine Releases came back unknown).
+        generated = f"{_ID_PREFIX}{next(_id_counter):x}"
+        headers = {"x-request-id": request_id or generated}
+        request_id = f"{request_id}-{generated}" if request_id else generated
         status = 500
         streaming = False
         watch: DisconnectWatch | None = None
@@ -182,7 +204,7 @@ class RelayEndpoints:
             view = self.fleet()
             req = parse_request(
                 endpoint,
-                await _read_body(receive),
+                await _read_body(receive, self.body_timeout_s),
                 routing_key,
                 max_model_len=view.longest_model_len(),
             )
@@ -193,6 +215,15 @@ class RelayEndpoints:
                 if not view.ready:
                     raise unavailable("registry not reachable yet; cannot resolve the model")
                 raise not_found(req.model)
+            tokenizer = self.tokenizers.get(req.model)
+            if tokenizer is not None:
+                req = await exact_prompt_async(
+                    tokenizer, req, model.max_model_len, model.block_sizes
+                )
+            if req.prefix_hashes:
+                metrics.exact_prompts.inc()
+            else:
+                metrics.estimated_prompts.inc()
             watch = DisconnectWatch(receive)
             answered, reply = await watch.run(
                 self.relay.handle(req, request_id, started, model.max_model_len)

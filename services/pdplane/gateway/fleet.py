@@ -28,6 +28,8 @@ class ModelState:
         max_model_len: the largest max model length of its instances (tokens).
         created: earliest registration time of its instances (Unix seconds).
         urls: OpenAI base URLs of its SERVING instances (any role), for the read-only routes.
+        block_sizes: the KV cache block sizes (tokens) of its SERVING instances, ascending:
+            the sizes its prompts' prefix block hashes are computed at.
     """
 
     prefill: int
@@ -36,6 +38,7 @@ class ModelState:
     max_model_len: int
     created: int
     urls: tuple[str, ...] = ()
+    block_sizes: tuple[int, ...] = ()
 
     def problem(self) -> str:
         """Why no request of this model can be served now; "" when a usable pair exists."""
@@ -114,6 +117,7 @@ def _model_state(instances: list[instance_pb2.Instance], created: int) -> ModelS
         max_model_len=max(i.spec.max_model_len for i in instances),
         created=created,
         urls=tuple(sorted({spec.url for spec in serving})),
+        block_sizes=tuple(sorted({s.kv_layout.block_size for s in serving} - {0})),
     )
 
 

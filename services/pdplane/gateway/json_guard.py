@@ -111,13 +111,19 @@ def load_json(raw: bytes, max_model_len: int | None = None) -> Any:
 
 _PROMPT_TYPES = (
     "invalid value for 'prompt': expected a string, a list of strings, a list of token ids "
-    "(integers >= 0) or a list of lists of token ids"
+    "(integers in [0, 2**32)) or a list of lists of token ids"
 )
+
+
+#: Token ids are uint32 everywhere downstream (vLLM, the prefix block hashes).
+_MAX_TOKEN_ID = 2**32 - 1
 
 
 def _token_ids(items: list[Any]) -> bool:
     # `type(...) is int`: JSON true/false are bools, which are ints to isinstance.
-    return all(type(i) is int for i in items) and (not items or min(items) >= 0)
+    return all(type(i) is int for i in items) and (
+        not items or (min(items) >= 0 and max(items) <= _MAX_TOKEN_ID)
+    )
 
 
 def check_prompt(prompt: Any) -> GatewayError | None:

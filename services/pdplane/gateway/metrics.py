@@ -86,6 +86,23 @@ class GatewayMetrics:
             registry=r,
         )
 
+        self.tokenizers = Gauge(
+            "pdplane_gateway_tokenizer_loaded",
+            "1 per model with a loaded tokenizer (model '*' = every model); one series "
+            "model='' = 0 when there is none (prompt lengths estimated, no prefix hashes)",
+            ["model"],
+            registry=r,
+        )
+        self.prompts = Counter(
+            "pdplane_gateway_prompts",
+            "Scheduled prompts by how their tokens are known: exact (tokenizer, with prefix "
+            "block hashes) or estimated",
+            ["ids"],
+            registry=r,
+        )
+        self.exact_prompts = self.prompts.labels("exact")
+        self.estimated_prompts = self.prompts.labels("estimated")
+
     def answered(self, endpoint: str, status: int) -> None:
         """Counts one answered request of `endpoint` with HTTP `status`."""
         key = (endpoint, status)

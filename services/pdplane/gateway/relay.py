@@ -113,6 +113,7 @@ class Relay:
             max_tokens,
             routing_key=req.routing_key,
             exclude_instance_ids=tuple(excluded),
+            prefix_hashes=req.prefix_hashes,
         )
         try:
             with tracing.span("pdplane.schedule"):

@@ -4,7 +4,7 @@ read-only routes answered by an instance (/tokenize, /detokenize, /version)."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
@@ -31,8 +31,13 @@ def build_router(
     metrics: GatewayMetrics,
     api_keys: ApiKeys,
     passthrough: Passthrough,
+    health_details: Mapping[str, object] | None = None,
+    scheduler_problem: Callable[[], str | None] = lambda: None,
 ) -> APIRouter:
-    """The gateway's read-only routes; `fleet()` returns the current FleetView."""
+    """The gateway's read-only routes; `fleet()` returns the current FleetView,
+    `health_details` is added to every /health body (e.g. the tokenizer state) and
+    `scheduler_problem()` (e.g. "scheduler unreachable at ...", else None) makes /health 503."""
+    details = dict(health_details or {})
     router = APIRouter()
 
     def refused(request: Request) -> Response | None:
@@ -52,6 +57,14 @@ def build_router(
         except GatewayError as exc:
             return Response(exc.body(), exc.status, media_type=_JSON)
         return Response(answer.body, answer.status, media_type=answer.content_type)
+
+    def checked_health() -> tuple[bool, dict[str, object]]:
+        healthy, body = fleet().health()
+        problem = scheduler_problem()
+        if problem is None:
+            return healthy, body
+        reason = "; ".join(r for r in (problem, body.get("reason")) if r)
+        return False, {**body, "status": "unavailable", "reason": reason}
 
     @router.get("/v1/models")
     async def models(request: Request) -> Response:
@@ -77,15 +90,15 @@ def build_router(
     @router.api_route("/ping", methods=["GET", "POST"])
     async def ping() -> Response:
         """vLLM's /ping: an empty 200 exactly when /health is 200, else 503."""
-        healthy, _ = fleet().health()
+        healthy, _ = checked_health()
         return Response(status_code=200 if healthy else 503)
 
     @router.get("/health")
     async def health() -> Response:
         """200 when every served model has a usable prefill/decode pair, else 503 + reason;
         `server_id` says which gateway process answered (`pdplane.core.server_id`)."""
-        healthy, body = fleet().health()
-        return _json({**body, "server_id": server_id()}, 200 if healthy else 503)
+        healthy, body = checked_health()
+        return _json({**body, **details, "server_id": server_id()}, 200 if healthy else 503)
 
     @router.get("/metrics")
     async def prometheus() -> Response:

@@ -48,6 +48,30 @@ class GatewaySettings(PolicySettings):
     upstream_timeout_s: float = Field(
         300.0, gt=0, description="max silence of an instance before 504 / error event (s)"
     )
+    stream_idle_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="streams: max silence of decode between two chunks (its first included) "
+        "before one error event ends the stream (s)",
+    )
+    header_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="a client connection whose request headers are not complete this long "
+        "after it opened (or after the request's first byte) is closed (s)",
+    )
+    body_timeout_s: float = Field(
+        60.0, gt=0, description="longest read of one request body on /v1/*; then 408 (s)"
+    )
+    keep_alive_s: float = Field(
+        5.0, gt=0, description="an idle keep-alive client connection is closed after this (s)"
+    )
+    max_client_connections: int = Field(
+        2048,
+        ge=0,
+        description="client connections plus running requests at once; past it new requests "
+        "get 503 (0 = unlimited)",
+    )
     connect_timeout_s: float = Field(5.0, gt=0, description="TCP connect bound per leg (s)")
     max_retries: int = Field(
         1, ge=0, le=5, description="retries on another pair when an instance is unreachable"
@@ -72,6 +96,12 @@ class GatewaySettings(PolicySettings):
     )
     shutdown_timeout_s: int = Field(
         30, ge=0, description="on SIGTERM/SIGINT, wait this long for open requests to end (s)"
+    )
+    tokenizer: str | None = Field(
+        None,
+        description="the model's tokenizer directory (the model folder) for exact prompt "
+        "token ids and prefix block hashes (kv-aware routing); 'MODEL=DIR,...' for several "
+        "models; none = estimated prompt lengths, routing by load",
     )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info")
     inflight_port: int = Field(

@@ -22,6 +22,7 @@ from fastapi import FastAPI
 
 from pdplane.gateway.app import create_app
 from pdplane.gateway.fleet import FleetView
+from pdplane.gateway.http_server import server_options
 from pdplane.gateway.settings import GatewaySettings
 from pdplane.scheduler import SchedulerPort
 
@@ -78,7 +79,7 @@ def running_gateway_app(
             host="127.0.0.1",
             port=0,
             loop="uvloop",
-            http="httptools",
+            **server_options(config),
             log_level="warning",
             access_log=False,
             proxy_headers=False,

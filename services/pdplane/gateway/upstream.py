@@ -13,6 +13,7 @@ Errors: `UpstreamUnreachable` (connection refused/reset/closed before or while a
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Mapping
 
 import aiohttp
@@ -49,12 +50,20 @@ class UpstreamResponse:
         self.status = resp.status
         self.headers: Mapping[str, str] = resp.headers
 
-    async def chunks(self) -> AsyncIterator[bytes]:
+    async def chunks(self, idle_timeout_s: float | None = None) -> AsyncIterator[bytes]:
         """The body as it arrives: each item is everything received since the last one.
 
+        `idle_timeout_s` bounds each wait for the next bytes (s), below the request's own read
+        timeout (a stream's silence between chunks; None = only the request's).
+
         Raises UpstreamUnreachable (broken off) or UpstreamTimeout (silent) mid-body."""
+        content = self._resp.content
         try:
-            async for chunk in self._resp.content.iter_any():
+            while True:
+                async with asyncio.timeout(idle_timeout_s):
+                    chunk = await content.readany()
+                if not chunk:
+                    return
                 yield chunk
         except TimeoutError as exc:
             raise UpstreamTimeout(f"{self._resp.url} went silent") from exc

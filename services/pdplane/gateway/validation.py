@@ -10,7 +10,8 @@ refuses the same request, the message is vLLM's own (an empty prompt or conversa
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -33,6 +34,7 @@ __all__ = [
     "COMPLETIONS",
     "EMPTY_CONVERSATION",
     "EMPTY_PROMPT",
+    "REQUEST_SCHEMAS",
     "ClientRequest",
     "Endpoint",
     "parse_request",
@@ -79,6 +81,11 @@ class _Chat(_Common):
     max_completion_tokens: StrictInt | None = None
 
 
+#: The request body models of the two relay endpoints, for /openapi.json (the fields the gateway
+#: reads; every other field goes to vLLM unchanged).
+REQUEST_SCHEMAS: dict[Endpoint, type[BaseModel]] = {COMPLETIONS: _Completion, CHAT: _Chat}
+
+
 @dataclass(frozen=True, slots=True)
 class ClientRequest:
     """A validated client request.
@@ -92,6 +99,8 @@ class ClientRequest:
         prompt_tokens: prompt length estimate for Schedule (tokens; see `pdplane.gateway.tokens`).
         max_tokens: tokens to generate if the client said so, else 0 (unknown).
         routing_key: consistent-hash key (`X-Routing-Key` header, else the `user` field).
+        prefix_hashes: block size -> the prompt's exact block hashes, set with the exact
+            `prompt_tokens` by `pdplane.gateway.prompt_ids` when the model's tokenizer is known.
     """
 
     endpoint: Endpoint
@@ -102,6 +111,7 @@ class ClientRequest:
     prompt_tokens: int
     max_tokens: int
     routing_key: str
+    prefix_hashes: Mapping[int, Sequence[int]] = field(default_factory=dict)
 
 
 _UNION_TAGS = frozenset({"str", "int", "bool", "float"})
@@ -119,7 +129,7 @@ def _first_error(exc: ValidationError) -> tuple[str, str]:
 
 def _empty(prompt: object) -> bool:
     # "", [], [""] and [[]] are one empty prompt to vLLM.
-    if isinstance(prompt, list) and len(prompt) == 1:
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]
     return prompt is None or len(prompt) == 0  # type: ignore[arg-type]
 

@@ -36,6 +36,7 @@ from typing import Any, TypeVar
 
 from aetcd import rpc
 
+from pdplane.core.echo import echo
 from pdplane.registry.etcd_client import EtcdClient, absent, delete_op, put_op, unchanged_since
 from pdplane.registry.etcd_follow import ViewFollower
 from pdplane.registry.etcd_lease import ReplicaLease, describe
@@ -285,7 +286,7 @@ class EtcdStore:
                 old = registry_store_pb2.StoredInstance.FromString(kv.value).instance
                 if old.spec != spec:
                     raise AlreadyExistsError(
-                        f"spec.instance_id: {spec.instance_id!r} is held by a live lease with "
+                        f"spec.instance_id: {echo(spec.instance_id)} is held by a live lease with "
                         "a different spec"
                     )
                 instance.registered_at.CopyFrom(old.registered_at)
@@ -298,7 +299,7 @@ class EtcdStore:
             if ok:
                 break
         else:
-            raise StoreUnavailableError(f"spec.instance_id: {spec.instance_id!r}: contended")
+            raise StoreUnavailableError(f"spec.instance_id: {echo(spec.instance_id)}: contended")
         with self.lock:
             self._forget(spec.instance_id)
             self._owned[spec.instance_id] = _Owned(time.monotonic() + ttl_ms / 1000, rev)
@@ -308,10 +309,12 @@ class EtcdStore:
     async def _leased(self, instance_id: str, lease_id: str) -> rpc.KeyValue:
         kv = await self._get(self._key("instances/", instance_id))
         if kv is None:
-            raise NotFoundError(f"instance_id: no live lease for {instance_id!r}")
+            raise NotFoundError(f"instance_id: no live lease for {echo(instance_id)}")
         stored = registry_store_pb2.StoredInstance.FromString(kv.value)
         if stored.instance.lease_id != lease_id:
-            raise NotFoundError(f"lease_id: {lease_id!r} is not the live lease of {instance_id!r}")
+            raise NotFoundError(
+                f"lease_id: {echo(lease_id)} is not the live lease of {echo(instance_id)}"
+            )
         return kv
 
     def deregister(
@@ -344,7 +347,7 @@ class EtcdStore:
             if ok:
                 break
         else:
-            raise StoreUnavailableError(f"instance_id: {instance_id!r}: contended")
+            raise StoreUnavailableError(f"instance_id: {echo(instance_id)}: contended")
         await self._follower.reached(rev, self.config.timeout_s)
         if drain:
             return _DRAINING
@@ -412,7 +415,7 @@ class EtcdStore:
             if ok:
                 break
         else:
-            raise StoreUnavailableError(f"instance_id: {instance_id!r}: contended")
+            raise StoreUnavailableError(f"instance_id: {echo(instance_id)}: contended")
         stored = registry_store_pb2.StoredInstance.FromString(kv.value)
         ttl_ms = stored.lease_ttl_ms
         with self.lock:

@@ -22,6 +22,7 @@ from itertools import groupby
 
 from aetcd import rpc
 
+from pdplane.core.echo import echo
 from pdplane.registry.store import NotFoundError
 from pdplane.registry.watch_hub import WatchHub, filter_instances
 from pdplane.v1 import instance_pb2, registry_pb2, registry_store_pb2
@@ -253,7 +254,7 @@ class EtcdView:
         with self.lock:
             record = self.records.get(instance_id)
             if record is None:
-                raise NotFoundError(f"instance_id: unknown instance {instance_id!r}")
+                raise NotFoundError(f"instance_id: unknown instance {echo(instance_id)}")
             return self.materialize(record)
 
     def snapshot_event(self) -> registry_pb2.WatchEvent:

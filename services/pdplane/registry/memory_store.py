@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from pdplane.core.echo import echo
 from pdplane.registry.store import (
     AlreadyExistsError,
     LeaseGrant,
@@ -106,7 +107,7 @@ class InMemoryStore:
             old = self._live(spec.instance_id, now)
             if old is not None and old.instance.spec != spec:
                 raise AlreadyExistsError(
-                    f"spec.instance_id: {spec.instance_id!r} is held by a live lease with a "
+                    f"spec.instance_id: {echo(spec.instance_id)} is held by a live lease with a "
                     "different spec"
                 )
             instance = instance_pb2.Instance(
@@ -125,9 +126,11 @@ class InMemoryStore:
     def _leased(self, instance_id: str, lease_id: str, now: float) -> _Entry:
         entry = self._live(instance_id, now)
         if entry is None:
-            raise NotFoundError(f"instance_id: no live lease for {instance_id!r}")
+            raise NotFoundError(f"instance_id: no live lease for {echo(instance_id)}")
         if entry.instance.lease_id != lease_id:
-            raise NotFoundError(f"lease_id: {lease_id!r} is not the live lease of {instance_id!r}")
+            raise NotFoundError(
+                f"lease_id: {echo(lease_id)} is not the live lease of {echo(instance_id)}"
+            )
         return entry
 
     def heartbeat(
@@ -195,7 +198,7 @@ class InMemoryStore:
         with self.lock:
             entry = self._entries.get(instance_id)
             if entry is None:
-                raise NotFoundError(f"instance_id: unknown instance {instance_id!r}")
+                raise NotFoundError(f"instance_id: unknown instance {echo(instance_id)}")
             return self._materialize(entry)
 
     def snapshot_event(self) -> registry_pb2.WatchEvent:

@@ -121,9 +121,12 @@ class SchedulerApp:
     async def _start_grpc(self) -> None:
         s = self.settings
         assert self.service is not None
-        interceptors = [grpc_util.AioTokenAuthInterceptor(s.token)] if s.token else []
+        interceptors = grpc_util.aio_server_interceptors(s.token)
         server = grpc.aio.server(interceptors=interceptors, options=grpc_util.SERVER_OPTIONS)
-        scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(self.service), server)
+        scheduler_pb2_grpc.add_SchedulerServicer_to_server(
+            SchedulerServicer(self.service, self.kv_index.states if self.kv_index else None),
+            server,
+        )
         # Always served (other replicas may list this one); peers are followed with --peers.
         assert self._local is not None and self._local.exchange is not None
         self.exchange = self._local.exchange.exchange

@@ -259,23 +259,28 @@ class InflightExchange:
 
     async def _resolve_forever(self) -> None:
         while True:
-            wanted: set[str] = set()
+            wanted: dict[str, str] = {}  # address -> the name it was resolved from
             for peer in self.peers:
-                wanted |= await _resolve(peer)
-            for address in sorted(wanted - self._followers.keys() - self._skip):
-                self._followers[address] = asyncio.create_task(self._follow(address))
+                wanted |= dict.fromkeys(await _resolve(peer), peer.rpartition(":")[0].strip("[]"))
+            for address in sorted(wanted.keys() - self._followers.keys() - self._skip):
+                self._followers[address] = asyncio.create_task(
+                    self._follow(address, wanted[address])
+                )
             for address in list(self._followers.keys() - wanted):
                 self._followers.pop(address).cancel()
             await asyncio.sleep(self._resolve_every_s)
 
-    async def _follow(self, address: str) -> None:
+    async def _follow(self, address: str, name: str) -> None:
         delay = _BACKOFF_S[0]
+        # Over TLS the certificate names the peers' name (e.g. the headless Service), not the
+        # address it resolved to.
+        options = [("grpc.ssl_target_name_override", name)] if self._tls_ca else []
         request = inflight_pb2.SubscribeInflightRequest(replica_id=self.replica_id)
         metadata = grpc_util.token_metadata(self._token)
         while True:
             origin = ""
             try:
-                async with grpc_util.aio_channel(address, self._tls_ca) as channel:
+                async with grpc_util.aio_channel(address, self._tls_ca, options) as channel:
                     stub = inflight_pb2_grpc.InflightExchangeStub(channel)
                     async for update in stub.Subscribe(request, metadata=metadata):
                         if update.snapshot:
@@ -318,12 +323,13 @@ class InflightExchange:
                 self.tracker.add_peer(
                     origin,
                     event.request_id,
-                    self.view.candidate(event.prefill_id),
+                    self.view.candidate(event.prefill_id) if event.prefill_id else None,
                     self.view.candidate(event.decode_id),
                     event.decode_blocks,
                     prefill_id=event.prefill_id,
                     decode_id=event.decode_id,
                     pending=not update.snapshot,
+                    prefill_tokens=event.prefill_tokens,
                 )
 
 
@@ -357,7 +363,7 @@ async def serve_exchange(
     the exchange plus health and reflection, `token` required on the exchange. Returns the
     started server and its bound port; stop it with `await server.stop(grace)`. Raises
     RuntimeError / OSError when the port cannot be bound."""
-    interceptors = [grpc_util.AioTokenAuthInterceptor(token)] if token else []
+    interceptors = grpc_util.aio_server_interceptors(token)
     server = grpc.aio.server(interceptors=interceptors, options=grpc_util.SERVER_OPTIONS)
     inflight_pb2_grpc.add_InflightExchangeServicer_to_server(exchange.servicer, server)
     await grpc_util.aio_add_health_and_reflection(server, [SERVICE_NAME])
@@ -410,6 +416,7 @@ def _assigned(a: Assignment) -> inflight_pb2.InflightEvent:
         prefill_id=a.prefill_id,
         decode_id=a.decode_id,
         decode_blocks=a.decode_blocks,
+        prefill_tokens=a.prefill_tokens,
     )
 
 

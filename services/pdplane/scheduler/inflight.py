@@ -8,7 +8,12 @@ publishes a report only when the load changed, so an unchanged report keeps coun
 assignments made since it (conservative: they are released or expire).
 
 Assignments that are never released (a gateway that died) expire after `timeout_s`, so nothing
-grows without bound. Thread-safe: the gRPC loop and the metrics scrape thread both read it.
+grows without bound. An assignment reserves its instance's load and decode KV blocks only for
+`reservation_s` after it was made: a real request shows in the instance's own load report
+within a few heartbeats, so one that still does not (its report unchanged) is not taken on
+trust any longer (counted in flight until released or expired, but no longer as pending load
+or KV room). 512 Schedule calls never released had kept every decode "no KV room" for the
+whole 600 s timeout. Thread-safe: the gRPC loop and the metrics scrape thread both read it.
 
 Several replicas deciding over one fleet share their assignments (`pdplane.scheduler.exchange`):
 a peer's assignment is counted here exactly like an own one made at the moment it arrives (in
@@ -18,9 +23,10 @@ changes are told to `listener` so that they can be sent to the peers.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -31,7 +37,10 @@ __all__ = ["Assignment", "InflightListener", "InflightTracker"]
 
 @dataclass(frozen=True, slots=True)
 class Assignment:
-    """One scheduled request: its pair, the epochs it was counted in, its decode KV blocks.
+    """One scheduled request: its pair, the epochs it was counted in, its decode KV blocks and
+    the uncached prompt tokens sent to its prefill (`prefill_tokens`).
+
+    `prefill_id` is "" when decode computes the prompt itself (no prefill leg).
 
     `origin` is "" for this replica's own assignments, else the peer replica's id. `pending`
     False: counted in flight but not as load since the current reports (a peer's assignments
@@ -47,6 +56,7 @@ class Assignment:
     started_at: float  # clock seconds
     origin: str = ""
     pending: bool = True
+    prefill_tokens: int = 0
 
 
 #: Told of own changes, outside the tracker's lock: (assigned, released) assignments.
@@ -59,18 +69,28 @@ class _Pending:
     epoch: int
     requests: int = 0
     blocks: int = 0
+    tokens: int = 0  # uncached prompt tokens sent to this prefill
 
 
 class InflightTracker:
     """Counts unreleased assignments per instance, in total and since the latest load report.
 
-    `timeout_s` (seconds) bounds how long an unreleased assignment is counted.
+    `timeout_s` (seconds) bounds how long an unreleased assignment is counted; `reservation_s`
+    (seconds) how long it counts as pending load and KV blocks of its instances (see above).
     """
 
-    def __init__(self, timeout_s: float = 600.0, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        timeout_s: float = 600.0,
+        clock: Callable[[], float] = time.monotonic,
+        reservation_s: float = 10.0,
+    ):
         if timeout_s <= 0:
             raise ValueError(f"in-flight timeout must be > 0 s, got {timeout_s}")
+        if reservation_s <= 0:
+            raise ValueError(f"reservation window must be > 0 s, got {reservation_s}")
         self._timeout_s = timeout_s
+        self._reservation_s = reservation_s
         self._clock = clock
         self._lock = threading.Lock()
         self.listener: InflightListener | None = None
@@ -78,6 +98,8 @@ class InflightTracker:
         self.unseen: Callable[[str], float] | None = None
         # Insertion order == start order, so expired assignments sit at the front.
         self._requests: OrderedDict[_Key, Assignment] = OrderedDict()
+        # Pending assignments in start order, to end their reservation (stale entries skipped).
+        self._reserving: deque[tuple[_Key, float]] = deque()
         self._pending: dict[str, _Pending] = {}
         self._total: dict[str, int] = {}
 
@@ -104,18 +126,33 @@ class InflightTracker:
         pending = self._pending.get(candidate.instance_id)
         return pending.blocks if pending and pending.epoch == candidate.epoch else 0
 
+    def queued_prefill_tokens(self, candidate: Candidate) -> int:
+        """Uncached prompt tokens sent to prefill `candidate` since its current load report,
+        by unreleased assignments (the prefill work it has queued that its report may not
+        show yet)."""
+        pending = self._pending.get(candidate.instance_id)
+        return pending.tokens if pending and pending.epoch == candidate.epoch else 0
+
     def add(
-        self, request_id: str, prefill: Candidate, decode: Candidate, decode_blocks: int
+        self,
+        request_id: str,
+        prefill: Candidate | None,
+        decode: Candidate,
+        decode_blocks: int,
+        prefill_tokens: int = 0,
     ) -> Assignment | None:
-        """Counts a new assignment; returns the one it replaced when the id was in flight."""
+        """Counts a new assignment (`prefill` None: decode computes the prompt itself, and
+        `prefill_tokens` uncached prompt tokens go to the prefill); returns the one it
+        replaced when the id was in flight."""
         record = Assignment(
             request_id=request_id,
-            prefill_id=prefill.instance_id,
-            prefill_epoch=prefill.epoch,
+            prefill_id=prefill.instance_id if prefill is not None else "",
+            prefill_epoch=prefill.epoch if prefill is not None else 0,
             decode_id=decode.instance_id,
             decode_epoch=decode.epoch,
             decode_blocks=decode_blocks,
             started_at=self._clock(),
+            prefill_tokens=prefill_tokens if prefill is not None else 0,
         )
         with self._lock:
             replaced = self._put_locked(request_id, record)
@@ -130,6 +167,15 @@ class InflightTracker:
         if record is not None:
             self._tell([], [record])
         return record
+
+    def age(self) -> int:
+        """Ends the reservation of pending assignments older than `reservation_s` (they stay
+        in flight); returns how many. Call before a decision: cheap when none is due."""
+        reserving = self._reserving
+        if not reserving or reserving[0][1] > self._clock() - self._reservation_s:
+            return 0
+        with self._lock:
+            return self._age_locked()
 
     def expire(self) -> list[Assignment]:
         """Drops assignments older than the timeout; returns them."""
@@ -161,11 +207,13 @@ class InflightTracker:
         prefill_id: str = "",
         decode_id: str = "",
         pending: bool = True,
+        prefill_tokens: int = 0,
     ) -> None:
         """Counts peer `origin`'s assignment of `request_id` as if made here now: pending on
         the reports this replica's view holds (`prefill`/`decode`, None when the view does not
         know the instance yet: counted in flight only). Replaces the peer's earlier one of
-        that id. `prefill_id`/`decode_id` name the instances when the candidate is None."""
+        that id. `prefill_id`/`decode_id` name the instances when the candidate is None
+        (`prefill_id` "": no prefill leg); `prefill_tokens` as in `add`."""
         record = Assignment(
             request_id=request_id,
             prefill_id=prefill.instance_id if prefill else prefill_id,
@@ -175,7 +223,8 @@ class InflightTracker:
             decode_blocks=decode_blocks,
             started_at=self._clock(),
             origin=origin,
-            pending=pending and prefill is not None and decode is not None,
+            pending=pending and (prefill is not None or not prefill_id) and decode is not None,
+            prefill_tokens=prefill_tokens,
         )
         with self._lock:
             self._put_locked((origin, request_id), record)
@@ -196,7 +245,12 @@ class InflightTracker:
     def _put_locked(self, key: _Key, record: Assignment) -> Assignment | None:
         replaced = self._pop_locked(key)
         self._requests[key] = record
-        self._count(record.prefill_id, record.prefill_epoch, 0, record.pending)
+        if record.pending:
+            self._reserving.append((key, record.started_at))
+        if record.prefill_id:
+            self._count(
+                record.prefill_id, record.prefill_epoch, 0, record.pending, record.prefill_tokens
+            )
         self._count(record.decode_id, record.decode_epoch, record.decode_blocks, record.pending)
         return replaced
 
@@ -219,6 +273,19 @@ class InflightTracker:
         with self._lock:
             return dict(self._total)
 
+    def _age_locked(self) -> int:
+        cutoff = self._clock() - self._reservation_s
+        reserving, aged = self._reserving, 0
+        while reserving and reserving[0][1] <= cutoff:
+            key, started_at = reserving.popleft()
+            record = self._requests.get(key)
+            if record is None or not record.pending or record.started_at != started_at:
+                continue  # released, replaced or expired since
+            self._unpend(record)
+            self._requests[key] = dataclasses.replace(record, pending=False)
+            aged += 1
+        return aged
+
     def _expire_locked(self) -> list[Assignment]:
         deadline = self._clock() - self._timeout_s
         expired = []
@@ -231,7 +298,9 @@ class InflightTracker:
             expired.append(record)
         return expired
 
-    def _count(self, instance_id: str, epoch: int, blocks: int, pending_too: bool) -> None:
+    def _count(
+        self, instance_id: str, epoch: int, blocks: int, pending_too: bool, tokens: int = 0
+    ) -> None:
         self._total[instance_id] = self._total.get(instance_id, 0) + 1
         if not pending_too:
             return
@@ -240,22 +309,31 @@ class InflightTracker:
             pending = self._pending[instance_id] = _Pending(epoch)
         pending.requests += 1
         pending.blocks += blocks
+        pending.tokens += tokens
 
     def _uncount(self, record: Assignment) -> None:
-        for instance_id, epoch, blocks in (
-            (record.prefill_id, record.prefill_epoch, 0),
-            (record.decode_id, record.decode_epoch, record.decode_blocks),
-        ):
+        for instance_id in (record.prefill_id, record.decode_id):
+            if not instance_id:
+                continue  # no prefill leg
             left = self._total.get(instance_id, 0) - 1
             if left > 0:
                 self._total[instance_id] = left
             else:
                 self._total.pop(instance_id, None)
-            if not record.pending:
-                continue
+        if record.pending:
+            self._unpend(record)
+
+    def _unpend(self, record: Assignment) -> None:
+        for instance_id, epoch, blocks, tokens in (
+            (record.prefill_id, record.prefill_epoch, 0, record.prefill_tokens),
+            (record.decode_id, record.decode_epoch, record.decode_blocks, 0),
+        ):
+            if not instance_id:
+                continue  # no prefill leg
             pending = self._pending.get(instance_id)
             if pending is not None and pending.epoch == epoch:
                 pending.requests -= 1
                 pending.blocks -= blocks
+                pending.tokens -= tokens
                 if pending.requests <= 0:
                     del self._pending[instance_id]

@@ -24,6 +24,7 @@ from pdplane.scheduler.inflight import InflightTracker
 from pdplane.scheduler.kv_index import KvIndexManager
 from pdplane.scheduler.kv_index.wiring import start_kv_index
 from pdplane.scheduler.metrics import SchedulerMetrics
+from pdplane.scheduler.policies.kv_aware import KvAwareWeights
 from pdplane.scheduler.port import Decision, InstanceSource, Outcome, PolicyFlags, RequestFeatures
 from pdplane.scheduler.service import SchedulerService
 from pdplane.scheduler.view import CandidateView
@@ -49,6 +50,10 @@ class LocalScheduler:
         self.service = service
         self.kv_index = kv_index
         self.exchange = exchange
+
+    def problem(self) -> str | None:
+        """None: an embedded scheduler is always reachable (its view's gaps are the fleet's)."""
+        return None
 
     async def start(self) -> None:
         """Starts sharing in-flight assignments with the peers (serving them, with a port).
@@ -109,9 +114,18 @@ def open_local(
         view,
         prefill_policy=flags.prefill_policy,
         decode_policy=flags.decode_policy,
-        inflight=InflightTracker(flags.inflight_timeout_s),
+        inflight=InflightTracker(
+            flags.inflight_timeout_s, reservation_s=flags.inflight_reservation_s
+        ),
         metrics=metrics,
         seed=flags.seed,
+        kv_weights=KvAwareWeights(
+            request_tokens=flags.kv_request_tokens,
+            kv_usage_tokens=flags.kv_usage_tokens,
+            decode_hit_weight=flags.kv_decode_hit_weight,
+            load_factor=flags.kv_load_factor,
+        ),
+        local_prefill_max_tokens=flags.local_prefill_max_tokens,
     )
     metrics.watch(service.inflight.inflight_by_instance, view.all)
     kv_index = start_kv_index(
@@ -130,7 +144,9 @@ def open_local(
         peers=flags.peer_list(),
         lag_s=flags.peer_lag_ms / 1000,
         token=token,
-        tls_ca=tls_ca,
+        # A gateway's own exchange server has no certificate (plaintext, token required), so
+        # its peers, gateways too, are reached the same way; a scheduler's follows its TLS.
+        tls_ca=None if exchange_at else tls_ca,
     )
     shared.register_metrics(metrics.registry)
     host, port = exchange_at or ("", 0)

@@ -19,6 +19,7 @@ from pdplane.scheduler.candidate import Candidate
 __all__ = ["SchedulerMetrics"]
 
 # Decisions take microseconds to a few milliseconds; the default buckets start at 5 ms.
+_MAX_INSTANCE_LABELS = 4096  # cached label children; the counter itself keeps its series
 _LATENCY_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2, 0.1)
 
 
@@ -87,9 +88,24 @@ class SchedulerMetrics:
             ["outcome", "known"],
             registry=self.registry,
         )
+        self._predicted_hits = Counter(
+            "pdplane_scheduler_predicted_prefix_hit_tokens",
+            "Prompt tokens the prefix index predicted as prefix cache hits on the instance that "
+            "computes the prompt (prefill, or decode without prefill); compare per instance "
+            "with vLLM's vllm:prefix_cache_hits (docs/scheduler.md)",
+            ["instance_id"],
+            registry=self.registry,
+        )
+        self._skipped = Counter(
+            "pdplane_scheduler_prefills_skipped",
+            "Decisions without a prefill: decode held all but --local-prefill-max-tokens of the "
+            "prompt and computes the rest itself",
+            registry=self.registry,
+        )
         # labels() hashes and locks on every call; the hot path reuses the children instead.
         self._decision_children: dict[tuple[str, str], Any] = {}
         self._release_children: dict[tuple[str, bool], Any] = {}
+        self._hit_children: dict[str, Any] = {}
         self._latency = Histogram(
             "pdplane_scheduler_decision_seconds",
             "Time to choose a pair inside the scheduler (seconds)",
@@ -113,6 +129,21 @@ class SchedulerMetrics:
             child = self._decision_children[key] = self._decisions.labels(*key)
         child.inc()
         self._latency.observe(seconds)
+
+    def predicted_hit(self, instance_id: str, tokens: int) -> None:
+        """Counts `tokens` predicted prefix cache hit tokens on `instance_id`."""
+        child = self._hit_children.get(instance_id)
+        if child is None:
+            if len(self._hit_children) >= _MAX_INSTANCE_LABELS:
+                self._hit_children.clear()  # bounded: instances come and go
+            child = self._hit_children[instance_id] = self._predicted_hits.labels(instance_id)
+        child.inc(tokens)
+
+    def prefill_skipped(self, decode_id: str, cached_tokens: int) -> None:
+        """Counts a decision without prefill; decode `decode_id` predicted to hit
+        `cached_tokens` of the prompt."""
+        self._skipped.inc()
+        self.predicted_hit(decode_id, cached_tokens)
 
     def unavailable(self, side: str) -> None:
         """Counts one UNAVAILABLE answer; `side` is prefill, decode or pair."""

@@ -16,8 +16,9 @@ types to and from `pdplane.v1.scheduler_pb2`.
 
 Adding a request feature: a field of `RequestFeatures`, the field of `ScheduleRequest` in
 `scheduler.proto`, and its line in each direction of `wire`; nothing else changes on the way.
-A decision without a prefill instance (decode computes the prompt itself) or with prefix-cache
-hits per side would likewise be new fields of `Decision` (and `ScheduleResponse`).
+A decision may have no prefill instance (decode computes the prompt itself: conditional
+disaggregation; on the wire an empty prefill `InstanceRef`), and carries the predicted prefix
+cache hits per side.
 
 This module imports no scheduler internals, so callers may depend on it alone.
 """
@@ -29,6 +30,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
+from pdplane.core.echo import echo
 from pdplane.v1 import instance_pb2
 
 if TYPE_CHECKING:
@@ -114,11 +116,19 @@ class InstanceRef(Protocol):
 @dataclass(frozen=True, slots=True)
 class Decision:
     """A scheduling decision: the prefill and the decode instance, and the policies' reason,
-    e.g. "prefill least_loaded: load=0.42 of 2; decode round_robin: 3/4"."""
+    e.g. "prefill least_loaded: load=0.42 of 2; decode round_robin: 3/4".
 
-    prefill: InstanceRef
+    `prefill` None: decode already holds all but a few prompt tokens and computes them itself;
+    the caller sends the original request to decode (no prefill leg, no kv_transfer_params).
+    `prefill_cached_tokens` / `decode_cached_tokens`: the prefix index's predicted prefix cache
+    hit of the prompt on each side (tokens, whole KV cache blocks; 0 = none or unknown).
+    """
+
+    prefill: InstanceRef | None
     decode: InstanceRef
     reason: str = ""
+    prefill_cached_tokens: int = 0
+    decode_cached_tokens: int = 0
 
 
 class Outcome(enum.StrEnum):
@@ -142,7 +152,7 @@ class Outcome(enum.StrEnum):
             return cls(value)
         except ValueError:
             known = sorted(o.value for o in cls)
-            raise ValueError(f"outcome must be one of {known}, got {value!r}") from None
+            raise ValueError(f"outcome must be one of {known}, got {echo(value)}") from None
 
 
 class SchedulerError(Exception):
@@ -189,6 +199,11 @@ class SchedulerPort(Protocol):
         `schedule` of this port, failures logged. Raises ValueError as `release`."""
         ...
 
+    def problem(self) -> str | None:
+        """Why the port cannot decide now (e.g. "scheduler unreachable at <address>"), for the
+        gateway's /health; None when it can. Cheap, never blocks; call from the event loop."""
+        ...
+
     async def start(self) -> None:
         """Starts what the port runs in the background, in the event loop that will use it
         (a local port's in-flight exchange with its peers); call once, before `schedule`."""
@@ -215,16 +230,24 @@ class InstanceSource(Protocol):
 class PolicyFlags(Protocol):
     """The decision flags of a local scheduler (`pdplane.scheduler.settings.PolicySettings`):
     default policy names per side, in-flight expiry (seconds), seed of randomised policies,
-    and the prefix index's (on/off, staleness after seconds or events behind, size bound)."""
+    the prefix index's (on/off, staleness after seconds or events behind, size bound), the
+    kv_aware cost weights and conditional disaggregation's threshold
+    (tokens)."""
 
     prefill_policy: str
     decode_policy: str
     inflight_timeout_s: float
+    inflight_reservation_s: float
     seed: int | None
     kv_index: bool
     kv_stale_after_s: float
     kv_max_lag_events: int
     kv_index_max_blocks: int
+    kv_request_tokens: float
+    kv_usage_tokens: float
+    kv_decode_hit_weight: float
+    kv_load_factor: float
+    local_prefill_max_tokens: int
     peers: str
     peer_lag_ms: float
     replica_id: str | None

@@ -15,6 +15,7 @@ measured as about a third of the scheduler's CPU and a sixth of the gateway's.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ from typing import Any
 import grpc
 
 from pdplane.core import tracing
-from pdplane.core.grpc_util import aio_channel, token_metadata
+from pdplane.core.grpc_util import FAST_RECONNECT_OPTIONS, aio_channel, token_metadata
 from pdplane.scheduler.port import (
     Decision,
     Outcome,
@@ -36,6 +37,28 @@ from pdplane.v1 import scheduler_pb2, scheduler_pb2_grpc
 __all__ = ["RemoteScheduler"]
 
 _UINT32_MAX = 2**32 - 1
+
+#: With several scheduler addresses (`ipv4:10.0.0.1:50052,10.0.0.2:50052`, or a DNS name with
+#: several records, such as a headless Service) gRPC's pick_first moves to the next one when
+#: its scheduler goes away; a call that found it gone (UNAVAILABLE) is retried there by gRPC
+#: itself, within the call's deadline. Scheduler replicas sharing in-flight state (`--peers`)
+#: make the switch invisible to the decisions.
+_SERVICE_CONFIG = json.dumps(
+    {
+        "methodConfig": [
+            {
+                "name": [{"service": "pdplane.v1.Scheduler"}],
+                "retryPolicy": {
+                    "maxAttempts": 3,
+                    "initialBackoff": "0.01s",
+                    "maxBackoff": "0.2s",
+                    "backoffMultiplier": 2,
+                    "retryableStatusCodes": ["UNAVAILABLE"],
+                },
+            }
+        ]
+    }
+)
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +99,10 @@ class RemoteScheduler:
 
     def _get_stub(self) -> scheduler_pb2_grpc.SchedulerStub:
         if self._stub is None:
-            self._channel = aio_channel(self._address, self._tls_ca)
+            # A restarted scheduler must be found within about a second: with gRPC's default
+            # backoff the gateway answered 503 for 6.6 s after the scheduler was back.
+            options = [*FAST_RECONNECT_OPTIONS, ("grpc.service_config", _SERVICE_CONFIG)]
+            self._channel = aio_channel(self._address, self._tls_ca, options)
             self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
         return self._stub
 
@@ -169,6 +195,17 @@ class RemoteScheduler:
             log.warning("ReleaseBatch of %d releases failed: %s", len(releases), _translate(exc))
             return 0
         return response.released
+
+    def problem(self) -> str | None:
+        """ "scheduler unreachable at <address>" while the channel cannot connect (its state
+        is TRANSIENT_FAILURE), else None. Opens the channel (and starts connecting) when it is
+        not open yet; call from the event loop."""
+        self._get_stub()
+        assert self._channel is not None
+        state = self._channel.get_state(try_to_connect=True)
+        if state in (grpc.ChannelConnectivity.TRANSIENT_FAILURE, grpc.ChannelConnectivity.SHUTDOWN):
+            return f"scheduler unreachable at {self._address}"
+        return None
 
     async def start(self) -> None:
         """Nothing to start: the channel opens on first use."""

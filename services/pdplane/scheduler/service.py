@@ -8,16 +8,19 @@ class directly.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
+from pdplane.core.echo import echo
 from pdplane.scheduler.candidate import Candidate
 from pdplane.scheduler.compat import blocks_for, describe_keys, pair_keys_of, split_sides
 from pdplane.scheduler.errors import InvalidRequest, NoInstance
 from pdplane.scheduler.inflight import InflightTracker
+from pdplane.scheduler.kv_index.index import KvState
 from pdplane.scheduler.metrics import SchedulerMetrics
-from pdplane.scheduler.policies import POLICIES, PickContext, Policy, make_policy
+from pdplane.scheduler.policies import POLICIES, PickContext, Policy, kv_aware, make_policy
 from pdplane.scheduler.port import Decision, Outcome, RequestFeatures
 from pdplane.scheduler.view import CandidateView
 
@@ -33,7 +36,12 @@ class SchedulerService:
     """Picks (prefill, decode) pairs over a live `CandidateView` and tracks them in flight.
 
     Policies are kept per side and per name, so round-robin counters and random generators of
-    the prefill side never interfere with the decode side. `seed` seeds randomised policies.
+    the prefill side never interfere with the decode side. `seed` seeds randomised policies,
+    `kv_weights` the `kv_aware` cost.
+
+    Conditional disaggregation: when the chosen decode is LIVE in the prefix index, holds at
+    least one block of the prompt and all but at most `local_prefill_max_tokens` of it (0 =
+    never), the decision has no prefill: decode computes the rest itself.
     """
 
     def __init__(
@@ -45,16 +53,24 @@ class SchedulerService:
         inflight: InflightTracker | None = None,
         metrics: SchedulerMetrics | None = None,
         seed: int | None = None,
+        kv_weights: kv_aware.KvAwareWeights | None = None,
+        local_prefill_max_tokens: int = 0,
     ) -> None:
+        if local_prefill_max_tokens < 0:
+            raise ValueError("local_prefill_max_tokens must be >= 0")
         for name in (prefill_policy, decode_policy):
             if name not in POLICIES:
-                raise ValueError(f"unknown policy {name!r}; known: {', '.join(POLICIES)}")
+                raise ValueError(f"unknown policy {echo(name)}; known: {', '.join(POLICIES)}")
         self.view = view
         # Not `inflight or ...`: an empty tracker is falsy (it has __len__).
         self.inflight = inflight if inflight is not None else InflightTracker()
         self.metrics = metrics
         self._defaults = {"prefill": prefill_policy, "decode": decode_policy}
         self._seed = seed
+        self._options: dict[str, dict[str, object]] = {
+            kv_aware.NAME: {"weights": kv_weights or kv_aware.KvAwareWeights()}
+        }
+        self.local_prefill_max_tokens = local_prefill_max_tokens
         self._policies: dict[tuple[str, str], Policy] = {}
         #: The prefix index of the instances' KV caches (set by the wiring when enabled).
         self.kv_index: PrefixIndex | None = None
@@ -65,9 +81,11 @@ class SchedulerService:
         if policy is None:
             if name not in POLICIES:
                 raise InvalidRequest(
-                    f"{side}_policy: unknown policy {name!r}; known: {', '.join(POLICIES)}"
+                    f"{side}_policy: unknown policy {echo(name)}; known: {', '.join(POLICIES)}"
                 )
-            policy = self._policies[(side, name)] = make_policy(name, seed=self._seed)
+            policy = self._policies[(side, name)] = make_policy(
+                name, seed=self._seed, **self._options.get(name, {})
+            )
         return policy
 
     def load(self, candidate: Candidate) -> float:
@@ -107,11 +125,13 @@ class SchedulerService:
         decode_policy = self._policy("decode", request.decode_policy)
         tokens = request.prompt_tokens + request.max_tokens
         model = request.model
+        self.inflight.age()  # unreleased assignments reserve KV room for a bounded time only
         prefill_side, decode_side = split_sides(
             self.view.candidates(model),
             tokens=tokens,
             exclude=request.exclude_instance_ids,
             pending_blocks=self.inflight.pending_blocks,
+            push_tokens=request.prompt_tokens,
         )
         prefills = prefill_side.require(model, self.view.models)
         decodes = decode_side.require(model, self.view.models)
@@ -124,28 +144,81 @@ class SchedulerService:
         if not pairable:
             raise NoInstance(
                 "pair",
-                f"no compatible prefill/decode pair for model {model!r}: prefill "
+                f"no compatible prefill/decode pair for model {echo(model)}: prefill "
                 f"[{describe_keys(pair_keys_of(prefills))}] vs decode "
                 f"[{describe_keys(decode_keys)}] (layout/transport/max_model_len differ)",
             )
-        ctx = PickContext(
-            request.request_id,
-            request.routing_key,
-            request.prefix_block_hashes or _smallest_block_hashes(request.prefix_hashes),
-            self.inflight.effective_load,
-            prefix_hashes=request.prefix_hashes,
-            prompt_tokens=request.prompt_tokens,
-        )
+        ctx = self._context(request)
         prefill = prefill_policy.pick(pairable, ctx)
         p = prefill.candidate
         matching = decodes if uniform else [d for d in decodes if d.pair_key == p.pair_key]
         if p.can_decode:
             # A BOTH instance may serve both halves, but only when no other decode fits.
             matching = [d for d in matching if d.instance_id != p.instance_id] or matching
-        decode = decode_policy.pick(matching, ctx)
+        decode = decode_policy.pick(
+            matching, dataclasses.replace(ctx, side="decode", queued_prefill_tokens=_none)
+        )
         d = decode.candidate
-        self.inflight.add(request.request_id, p, d, blocks_for(tokens, d.block_size))
-        return Decision(p, d, f"prefill {prefill.reason}; decode {decode.reason}")
+        blocks = blocks_for(tokens, d.block_size)
+        d_cached = ctx.cached_tokens(d) if ctx.kv_live(d) else 0
+        rest = request.prompt_tokens - d_cached
+        if d_cached > 0 and rest <= self.local_prefill_max_tokens:
+            self.inflight.add(request.request_id, None, d, blocks)
+            if self.metrics:
+                self.metrics.prefill_skipped(d.instance_id, d_cached)
+            return Decision(
+                None,
+                d,
+                f"no prefill: decode holds {d_cached}/{request.prompt_tokens} tokens, computes "
+                f"{rest} itself (<= {self.local_prefill_max_tokens}); decode {decode.reason}",
+                0,
+                d_cached,
+            )
+        p_cached = ctx.cached_tokens(p) if ctx.kv_live(p) else 0
+        self.inflight.add(
+            request.request_id, p, d, blocks, max(request.prompt_tokens - p_cached, 0)
+        )
+        if self.metrics and p_cached:
+            self.metrics.predicted_hit(p.instance_id, p_cached)
+        return Decision(
+            p, d, f"prefill {prefill.reason}; decode {decode.reason}", p_cached, d_cached
+        )
+
+    def _context(self, request: RequestFeatures) -> PickContext:
+        """The policies' context: load, and the prompt's predicted prefix hits per instance
+        from the prefix index (one lookup over every LIVE instance per block size the
+        request has hashes for; a hash chain of one block size never matches another's)."""
+        index = self.kv_index
+        tokens: dict[str, int] = {}  # instance id -> cached tokens
+        blocks: dict[str, int] = {}  # instance id -> cached blocks of its own block size
+        if index is not None:
+            if request.prefix_hashes:
+                for block_size, hashes in request.prefix_hashes.items():
+                    for iid, n in index.match(hashes).items():
+                        tokens[iid] = max(tokens.get(iid, 0), n * block_size)
+            elif request.prefix_block_hashes:  # block size unsaid: the instance's own
+                blocks = index.match(request.prefix_block_hashes)
+
+        def cached_tokens(c: Candidate) -> int:
+            if blocks:
+                return blocks.get(c.instance_id, 0) * c.block_size
+            return tokens.get(c.instance_id, 0)
+
+        def kv_live(c: Candidate) -> bool:
+            inst = index.instance(c.instance_id) if index is not None else None
+            return inst is not None and inst.state is KvState.LIVE
+
+        return PickContext(
+            request.request_id,
+            request.routing_key,
+            request.prefix_block_hashes or _smallest_block_hashes(request.prefix_hashes),
+            self.inflight.effective_load,
+            prefix_hashes=request.prefix_hashes,
+            prompt_tokens=request.prompt_tokens,
+            cached_tokens=cached_tokens,
+            kv_live=kv_live,
+            queued_prefill_tokens=self.inflight.queued_prefill_tokens,
+        )
 
     def release(self, request_id: str, outcome: Outcome) -> bool:
         """Ends the in-flight accounting of `request_id`; False when it was not in flight.
@@ -159,6 +232,10 @@ class SchedulerService:
         if self.metrics:
             self.metrics.released(outcome, released)
         return released
+
+
+def _none(candidate: Candidate) -> int:
+    return 0
 
 
 def _validate(request: RequestFeatures) -> None:

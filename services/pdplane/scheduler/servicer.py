@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import grpc
 
 from pdplane.core import tracing
 from pdplane.scheduler.errors import InvalidRequest, NoInstance
+from pdplane.scheduler.kv_index import KvInstanceStatus
 from pdplane.scheduler.service import SchedulerService
-from pdplane.scheduler.wire import decision_to_pb, features_from_pb, releases_from_pb
+from pdplane.scheduler.wire import (
+    decision_to_pb,
+    features_from_pb,
+    kv_states_to_pb,
+    releases_from_pb,
+)
 from pdplane.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 __all__ = ["SchedulerServicer"]
@@ -19,10 +25,16 @@ _DECISION = "pdplane.scheduler.decision"
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     """Schedule -> INVALID_ARGUMENT / UNAVAILABLE on the service's errors; Release never fails
-    for an unknown id (released=false). Releases piggybacked on a Schedule are applied first."""
+    for an unknown id (released=false). Releases piggybacked on a Schedule are applied first.
+    `kv_states` lists the prefix index's instances (`KvIndexManager.states`; None: no index)."""
 
-    def __init__(self, service: SchedulerService) -> None:
+    def __init__(
+        self,
+        service: SchedulerService,
+        kv_states: Callable[[], Sequence[KvInstanceStatus]] | None = None,
+    ) -> None:
         self._service = service
+        self._kv_states = kv_states
 
     def _release_all(self, releases: Iterable[scheduler_pb2.ReleaseRequest]) -> int:
         release = self._service.release
@@ -41,6 +53,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except NoInstance as exc:
+            # A decision, not a lost scheduler: tells gRPC's client retry (remote.py) not to
+            # try again elsewhere (gRPC retry design A6: a negative pushback means no retry).
+            context.set_trailing_metadata((("grpc-retry-pushback-ms", "-1"),))
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         return decision_to_pb(decision)
 
@@ -61,3 +76,13 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return scheduler_pb2.ReleaseBatchResponse(released=released)
+
+    async def ListKvStates(
+        self, request: scheduler_pb2.ListKvStatesRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.ListKvStatesResponse:
+        if self._kv_states is None:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION, "this scheduler has no prefix index"
+            )
+        assert self._kv_states is not None
+        return kv_states_to_pb(self._kv_states())

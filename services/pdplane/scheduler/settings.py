@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from pdplane.core import defaults
+from pdplane.core.grpc_auth import check_bind
 from pdplane.core.settings import CommandSettings
 from pdplane.scheduler.policies import POLICIES
+from pdplane.scheduler.policies.kv_aware import LOCAL_PREFILL_MAX_TOKENS
 
 __all__ = ["PolicySettings", "SchedulerSettings"]
 
@@ -21,16 +23,24 @@ class PolicySettings(CommandSettings):
     """The decision flags shared by `pdplane scheduler` and `pdplane gateway --scheduler
     embedded` (which runs the same decision code in the gateway process)."""
 
+    # kv_aware is least_loaded while no instance is LIVE in the prefix index, so it is the
+    # default whether or not KV events flow.
     prefill_policy: str = Field(
-        default="least_loaded", description=f"prefill policy: {', '.join(POLICIES)}"
+        default="kv_aware", description=f"prefill policy: {', '.join(POLICIES)}"
     )
     decode_policy: str = Field(
-        default="least_loaded", description=f"decode policy: {', '.join(POLICIES)}"
+        default="kv_aware", description=f"decode policy: {', '.join(POLICIES)}"
     )
     inflight_timeout_s: float = Field(
         default=600.0,
         gt=0,
         description="seconds after which an unreleased assignment stops counting",
+    )
+    inflight_reservation_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="seconds an unreleased assignment counts as pending load and reserved "
+        "decode KV blocks while its instances' load reports do not change",
     )
     seed: int | None = Field(
         default=None, description="seed of the random and power_of_two policies"
@@ -70,6 +80,29 @@ class PolicySettings(CommandSettings):
         default=100_000_000, gt=0, description="bound on (instance, block) entries of the index"
     )
 
+    kv_request_tokens: float = Field(
+        default=512.0, ge=0, description="kv_aware: tokens one running/waiting request weighs"
+    )
+    kv_usage_tokens: float = Field(
+        default=1024.0, ge=0, description="kv_aware: tokens a full KV cache (usage 1.0) weighs"
+    )
+    kv_decode_hit_weight: float = Field(
+        default=0.25,
+        ge=0,
+        description="kv_aware decode: weight of an uncached (pulled) token vs a prefilled one",
+    )
+    kv_load_factor: float = Field(
+        default=1.25,
+        ge=1,
+        description="kv_aware: bounded loads, no instance above this times the mean requests",
+    )
+    local_prefill_max_tokens: int = Field(
+        default=LOCAL_PREFILL_MAX_TOKENS,
+        ge=0,
+        description="skip prefill when the chosen decode holds all but this many prompt "
+        "tokens (and at least one block of it); 0 = always disaggregate",
+    )
+
     _check_prefill = field_validator("prefill_policy")(_known_policy)
     _check_decode = field_validator("decode_policy")(_known_policy)
 
@@ -90,6 +123,10 @@ class SchedulerSettings(PolicySettings):
     registry_token: str | None = Field(
         default=None, description="bearer token for the registry when it differs from --token"
     )
+    insecure: bool = Field(
+        default=False,
+        description="allow a non-loopback --host without --token (anyone may Schedule/Release)",
+    )
     tls_ca: str | None = Field(
         default=None, description="PEM CA bundle to verify the registry's TLS"
     )
@@ -101,3 +138,8 @@ class SchedulerSettings(PolicySettings):
     registry_wait_s: float = Field(
         default=5.0, ge=0, description="seconds to wait for the first registry snapshot at start"
     )
+
+    @model_validator(mode="after")
+    def _protected(self) -> SchedulerSettings:
+        check_bind("pdplane scheduler", self.host, self.token, self.insecure)
+        return self

@@ -8,17 +8,22 @@ servicer (`pdplane.scheduler.servicer`). A new request feature is one line in ea
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from pdplane.core.prefix_hash import HASH_VERSION
 from pdplane.scheduler.errors import InvalidRequest
 from pdplane.scheduler.port import Decision, InstanceRef, Outcome, RequestFeatures
 from pdplane.v1 import scheduler_pb2
 
+if TYPE_CHECKING:
+    from pdplane.scheduler.kv_index import KvInstanceStatus
+
 __all__ = [
     "decision_from_pb",
     "decision_to_pb",
     "features_from_pb",
     "features_to_pb",
+    "kv_states_to_pb",
     "outcome_from_pb",
     "outcome_to_pb",
     "releases_from_pb",
@@ -101,17 +106,26 @@ def _ref_to_pb(ref: InstanceRef) -> scheduler_pb2.InstanceRef:
 
 def decision_to_pb(decision: Decision) -> scheduler_pb2.ScheduleResponse:
     """The `ScheduleResponse` of a decision."""
+    p = decision.prefill
     return scheduler_pb2.ScheduleResponse(
-        prefill=_ref_to_pb(decision.prefill),
+        prefill=_ref_to_pb(p) if p is not None else None,
         decode=_ref_to_pb(decision.decode),
         reason=decision.reason,
+        prefill_cached_tokens=decision.prefill_cached_tokens,
+        decode_cached_tokens=decision.decode_cached_tokens,
     )
 
 
 def decision_from_pb(response: scheduler_pb2.ScheduleResponse) -> Decision:
     """The decision a `ScheduleResponse` carries; its sides are the response's `InstanceRef`
-    messages themselves (no copy)."""
-    return Decision(response.prefill, response.decode, response.reason)
+    messages themselves (no copy); an empty prefill ref is no prefill."""
+    return Decision(
+        response.prefill if response.prefill.instance_id else None,
+        response.decode,
+        response.reason,
+        response.prefill_cached_tokens,
+        response.decode_cached_tokens,
+    )
 
 
 def outcome_to_pb(outcome: Outcome) -> scheduler_pb2.Outcome.ValueType:
@@ -141,3 +155,21 @@ def releases_from_pb(
             raise InvalidRequest("request_id: must not be empty")
         out.append((release.request_id, outcome))
     return out
+
+
+def kv_states_to_pb(states: Iterable[KvInstanceStatus]) -> scheduler_pb2.ListKvStatesResponse:
+    """The prefix index's instance states as a `ListKvStates` answer (ages in whole ms)."""
+    return scheduler_pb2.ListKvStatesResponse(
+        instances=[
+            scheduler_pb2.KvIndexState(
+                instance_id=s.instance_id,
+                state=s.state.value,
+                reason=s.reason,
+                blocks=s.blocks,
+                lag_events=max(s.lag_events, 0),
+                last_message_age_ms=min(int(s.last_message_age_s * 1000), 2**32 - 1),
+                snapshots=s.snapshots,
+            )
+            for s in states
+        ]
+    )

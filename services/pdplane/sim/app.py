@@ -11,8 +11,10 @@ Debug routes (tests and benchmarks read them; documented in docs/sim.md):
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import time
+from typing import Any
 
 from aiohttp import web
 from google.protobuf.json_format import MessageToDict
@@ -26,9 +28,31 @@ __all__ = ["build_app"]
 _VERSION = "0.32.0"
 
 
+def control_guard(open_control: bool) -> Any:
+    """aiohttp middleware: `/sim/*` (fault injection, transfers, records: no auth) answers 403
+    unless the client is on loopback or `open_control` is set; other routes pass."""
+
+    @web.middleware
+    async def guard(request: web.Request, handler: Any) -> web.StreamResponse:
+        if open_control or not request.path.startswith("/sim/"):
+            return await handler(request)
+        try:
+            loopback = ipaddress.ip_address(request.remote or "").is_loopback
+        except ValueError:
+            loopback = False
+        if not loopback:
+            return web.json_response(
+                {"error": "/sim/* answers loopback clients only (--open-control to change)"},
+                status=403,
+            )
+        return await handler(request)
+
+    return guard
+
+
 def build_app(state: SimState) -> web.Application:
     """The routes of one sim over `state` (no server is started here)."""
-    app = web.Application()
+    app = web.Application(middlewares=[control_guard(state.config.open_control)])
     completion = CompletionRoutes(state)
     model = state.config.model
     created = int(time.time())

@@ -80,6 +80,10 @@ class SimConfig:
         seed: default sampling seed (a request's own `seed` wins) and fault-draw seed.
         record_limit: how many received requests `/sim/requests` keeps (0 = none).
         num_layers, num_kv_heads, head_size, kv_dtype: the advertised KV layout.
+        kv_token: bearer token its KvTransfer/KvEvents server requires and it sends to
+            peers ("" = none), like the connector's `PDPLANE_TOKEN`.
+        open_control: serve `/sim/*` (fault injection, transfers, records) to any client;
+            default False: loopback clients only (403 otherwise).
         cost: an explicit cost model (wins over `profile` and the simple knobs).
     """
 
@@ -121,6 +125,8 @@ class SimConfig:
     head_size: int = 32
     kv_dtype: str = "float32"
     labels: dict[str, str] = field(default_factory=dict)
+    kv_token: str = ""
+    open_control: bool = False
     cost: CostModel | None = None
 
     def __post_init__(self) -> None:

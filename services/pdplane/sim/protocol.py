@@ -95,10 +95,25 @@ def _chat_prompt(body: dict[str, Any], tok: Tokenizer) -> tuple[list[int], str]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _bad("messages must be a non-empty list", "messages")
-    for m in messages:
+    for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise _bad("each message needs a string 'role'", "messages")
+        _check_content(i, m.get("content"))
     return tok.encode_chat(messages), prompt_key(messages)
+
+
+def _check_content(i: int, content: Any) -> None:
+    # vLLM's request model: content is a string, null, or a list of parts (objects); a text
+    # part's `text` is a string. Anything else is its 400, not a TypeError deeper down.
+    if content is None or isinstance(content, str):
+        return
+    if not isinstance(content, list):
+        raise _bad(f"messages[{i}].content must be a string or a list of parts", "messages")
+    for j, part in enumerate(content):
+        if not isinstance(part, dict):
+            raise _bad(f"messages[{i}].content[{j}] must be an object", "messages")
+        if part.get("type", "text") == "text" and not isinstance(part.get("text"), str):
+            raise _bad(f"messages[{i}].content[{j}].text must be a string", "messages")
 
 
 _DEFAULT_TOKENIZER = WordTokenizer()

@@ -82,6 +82,12 @@ class SimSettings(CommandSettings):
     num_kv_heads: int | None = Field(None, ge=1, description="advertised KV layout: KV heads")
     head_size: int | None = Field(None, ge=1, description="advertised KV layout: head size")
     kv_dtype: str | None = Field(None, description="advertised KV dtype (layout fingerprint)")
+    kv_token: str = Field(
+        "", description="bearer token the KvTransfer/KvEvents server requires and sends to peers"
+    )
+    open_control: bool = Field(
+        False, description="serve /sim/* to any client (default: loopback clients only)"
+    )
     uvloop: bool = Field(True, description="run on uvloop when installed")
     log_level: str = Field("WARNING", description="Python logging level")
 

@@ -65,9 +65,9 @@ class SimState:
         self.core = EngineCore(limits, c.cost_model(), pool)
         self.runner = EngineRunner(self.core, time_scale=c.time_scale)
         self.transfers = TransferTable(self.runner.release, c.kv_hold_timeout_s)
-        self.peers = KvPeers()
+        self.peers = KvPeers(token=c.kv_token or None)
         self.push_buffer = ReceiveBuffer(c.push_buffer_bytes) if c.kv_mode == "push" else None
-        self.pusher = Pusher(self.peers.stub)
+        self.pusher = Pusher(self.peers.tcp_stub)
         self.recorder = Recorder(c.record_limit)
         self.faults = FaultPlan(
             failure_rate=c.failure_rate,

@@ -198,7 +198,7 @@ class HfTokenizer:
             self._recent.move_to_end(key)
             return cached
         ids = self._tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if hasattr(ids, "keys"):  # newer transformers return a BatchEncoding
+        if not isinstance(ids, list):  # newer transformers: a BatchEncoding (not a dict)
             ids = ids["input_ids"]
         out = list(ids)
         self._recent[key] = out

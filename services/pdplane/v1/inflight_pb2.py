@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19pdplane/v1/inflight.proto\x12\npdplane.v1\".\n\x18SubscribeInflightRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\"\xd3\x01\n\rInflightEvent\x12,\n\x04kind\x18\x01 \x01(\x0e\x32\x1e.pdplane.v1.InflightEvent.Kind\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x12\n\nprefill_id\x18\x03 \x01(\t\x12\x11\n\tdecode_id\x18\x04 \x01(\t\x12\x15\n\rdecode_blocks\x18\x05 \x01(\r\"B\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x11\n\rKIND_ASSIGNED\x10\x01\x12\x11\n\rKIND_RELEASED\x10\x02\"s\n\x0eInflightUpdate\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x10\n\x08sequence\x18\x02 \x01(\x04\x12\x10\n\x08snapshot\x18\x03 \x01(\x08\x12)\n\x06\x65vents\x18\x04 \x03(\x0b\x32\x19.pdplane.v1.InflightEvent2c\n\x10InflightExchange\x12O\n\tSubscribe\x12$.pdplane.v1.SubscribeInflightRequest\x1a\x1a.pdplane.v1.InflightUpdate0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19pdplane/v1/inflight.proto\x12\npdplane.v1\".\n\x18SubscribeInflightRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\"\xeb\x01\n\rInflightEvent\x12,\n\x04kind\x18\x01 \x01(\x0e\x32\x1e.pdplane.v1.InflightEvent.Kind\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x12\n\nprefill_id\x18\x03 \x01(\t\x12\x11\n\tdecode_id\x18\x04 \x01(\t\x12\x15\n\rdecode_blocks\x18\x05 \x01(\r\x12\x16\n\x0eprefill_tokens\x18\x06 \x01(\r\"B\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x11\n\rKIND_ASSIGNED\x10\x01\x12\x11\n\rKIND_RELEASED\x10\x02\"s\n\x0eInflightUpdate\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x10\n\x08sequence\x18\x02 \x01(\x04\x12\x10\n\x08snapshot\x18\x03 \x01(\x08\x12)\n\x06\x65vents\x18\x04 \x03(\x0b\x32\x19.pdplane.v1.InflightEvent2c\n\x10InflightExchange\x12O\n\tSubscribe\x12$.pdplane.v1.SubscribeInflightRequest\x1a\x1a.pdplane.v1.InflightUpdate0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,11 +34,11 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SUBSCRIBEINFLIGHTREQUEST']._serialized_start=41
   _globals['_SUBSCRIBEINFLIGHTREQUEST']._serialized_end=87
   _globals['_INFLIGHTEVENT']._serialized_start=90
-  _globals['_INFLIGHTEVENT']._serialized_end=301
-  _globals['_INFLIGHTEVENT_KIND']._serialized_start=235
-  _globals['_INFLIGHTEVENT_KIND']._serialized_end=301
-  _globals['_INFLIGHTUPDATE']._serialized_start=303
-  _globals['_INFLIGHTUPDATE']._serialized_end=418
-  _globals['_INFLIGHTEXCHANGE']._serialized_start=420
-  _globals['_INFLIGHTEXCHANGE']._serialized_end=519
+  _globals['_INFLIGHTEVENT']._serialized_end=325
+  _globals['_INFLIGHTEVENT_KIND']._serialized_start=259
+  _globals['_INFLIGHTEVENT_KIND']._serialized_end=325
+  _globals['_INFLIGHTUPDATE']._serialized_start=327
+  _globals['_INFLIGHTUPDATE']._serialized_end=442
+  _globals['_INFLIGHTEXCHANGE']._serialized_start=444
+  _globals['_INFLIGHTEXCHANGE']._serialized_end=543
 # @@protoc_insertion_point(module_scope)

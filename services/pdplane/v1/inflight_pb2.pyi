@@ -72,14 +72,17 @@ class InflightEvent(_message.Message):
     PREFILL_ID_FIELD_NUMBER: _builtins.int
     DECODE_ID_FIELD_NUMBER: _builtins.int
     DECODE_BLOCKS_FIELD_NUMBER: _builtins.int
+    PREFILL_TOKENS_FIELD_NUMBER: _builtins.int
     kind: Global___InflightEvent.Kind.ValueType
     request_id: _builtins.str
     prefill_id: _builtins.str
-    """ASSIGNED only"""
+    """ASSIGNED only; "" = no prefill leg (decode computes the prompt)"""
     decode_id: _builtins.str
     """ASSIGNED only"""
     decode_blocks: _builtins.int
     """KV cache blocks reserved on decode (ASSIGNED only)"""
+    prefill_tokens: _builtins.int
+    """uncached prompt tokens sent to prefill (ASSIGNED only)"""
     def __init__(
         self,
         *,
@@ -88,10 +91,11 @@ class InflightEvent(_message.Message):
         prefill_id: _builtins.str = ...,
         decode_id: _builtins.str = ...,
         decode_blocks: _builtins.int = ...,
+        prefill_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_blocks", b"decode_blocks", "decode_id", b"decode_id", "kind", b"kind", "prefill_id", b"prefill_id", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_blocks", b"decode_blocks", "decode_id", b"decode_id", "kind", b"kind", "prefill_id", b"prefill_id", "prefill_tokens", b"prefill_tokens", "request_id", b"request_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -181,6 +181,8 @@ class BlockStored(_message.Message):
     LORA_NAME_FIELD_NUMBER: _builtins.int
     EXTRA_KEYS_FIELD_NUMBER: _builtins.int
     MEDIUM_FIELD_NUMBER: _builtins.int
+    OWN_HASHES_FIELD_NUMBER: _builtins.int
+    HASH_VERSION_FIELD_NUMBER: _builtins.int
     parent_block_hash: _builtins.int
     """Engine hash of the block before block_hashes[0]; absent = the first block of a sequence."""
     block_size: _builtins.int
@@ -190,6 +192,8 @@ class BlockStored(_message.Message):
     """"" = base model"""
     medium: _builtins.str
     """where the blocks live: "GPU" (vLLM's default medium), "CPU", ..."""
+    hash_version: _builtins.int
+    """version of own_hashes' definition; 0 = none sent"""
     @_builtins.property
     def block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Engine block hashes, in token order (vLLM's 64-bit form; engine-specific: a subscriber
@@ -207,6 +211,15 @@ class BlockStored(_message.Message):
         the key tuple ("" = none for that block).
         """
 
+    @_builtins.property
+    def own_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """pdplane's own chained hashes of the blocks (`pdplane.core.prefix_hash.block_hashes` of
+        these token ids, chained on the parent's own hash), one per block, when the source knew
+        the parent's; empty = not computed (the subscriber hashes the token ids itself).
+        Cross-instance keys, unlike block_hashes. A subscriber uses them only when
+        hash_version equals its own `HASH_VERSION`, and hashes the token ids otherwise.
+        """
+
     def __init__(
         self,
         *,
@@ -218,10 +231,12 @@ class BlockStored(_message.Message):
         lora_name: _builtins.str = ...,
         extra_keys: _abc.Iterable[_builtins.str] | None = ...,
         medium: _builtins.str = ...,
+        own_hashes: _abc.Iterable[_builtins.int] | None = ...,
+        hash_version: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_lora_id", b"_lora_id", "_parent_block_hash", b"_parent_block_hash", "lora_id", b"lora_id", "parent_block_hash", b"parent_block_hash"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_lora_id", b"_lora_id", "_parent_block_hash", b"_parent_block_hash", "block_hashes", b"block_hashes", "block_size", b"block_size", "extra_keys", b"extra_keys", "lora_id", b"lora_id", "lora_name", b"lora_name", "medium", b"medium", "parent_block_hash", b"parent_block_hash", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_lora_id", b"_lora_id", "_parent_block_hash", b"_parent_block_hash", "block_hashes", b"block_hashes", "block_size", b"block_size", "extra_keys", b"extra_keys", "hash_version", b"hash_version", "lora_id", b"lora_id", "lora_name", b"lora_name", "medium", b"medium", "own_hashes", b"own_hashes", "parent_block_hash", b"parent_block_hash", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__lora_id: _TypeAlias = _typing.Literal["lora_id"]  # noqa: Y015
     _WhichOneofArgType__lora_id: _TypeAlias = _typing.Literal["_lora_id", b"_lora_id"]  # noqa: Y015

@@ -182,10 +182,21 @@ class ScheduleResponse(_message.Message):
     PREFILL_FIELD_NUMBER: _builtins.int
     DECODE_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
+    PREFILL_CACHED_TOKENS_FIELD_NUMBER: _builtins.int
+    DECODE_CACHED_TOKENS_FIELD_NUMBER: _builtins.int
     reason: _builtins.str
     """the policies' explanation, e.g. "least_loaded: load=0.12" """
+    prefill_cached_tokens: _builtins.int
+    """Predicted prefix cache hits (tokens, whole KV cache blocks) of the prompt on the chosen
+    prefill (0 when none) and decode, from the scheduler's prefix index.
+    """
+    decode_cached_tokens: _builtins.int
     @_builtins.property
-    def prefill(self) -> Global___InstanceRef: ...
+    def prefill(self) -> Global___InstanceRef:
+        """Empty (no instance_id) when decode computes the prompt itself (conditional
+        disaggregation): send the original request to decode, with no kv_transfer_params.
+        """
+
     @_builtins.property
     def decode(self) -> Global___InstanceRef: ...
     def __init__(
@@ -194,10 +205,12 @@ class ScheduleResponse(_message.Message):
         prefill: Global___InstanceRef | None = ...,
         decode: Global___InstanceRef | None = ...,
         reason: _builtins.str = ...,
+        prefill_cached_tokens: _builtins.int = ...,
+        decode_cached_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["decode", b"decode", "prefill", b"prefill"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode", b"decode", "prefill", b"prefill", "reason", b"reason"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode", b"decode", "decode_cached_tokens", b"decode_cached_tokens", "prefill", b"prefill", "prefill_cached_tokens", b"prefill_cached_tokens", "reason", b"reason"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -284,3 +297,83 @@ class ReleaseBatchResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ReleaseBatchResponse: _TypeAlias = ReleaseBatchResponse  # noqa: Y015
+
+@_typing.final
+class ListKvStatesRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListKvStatesRequest: _TypeAlias = ListKvStatesRequest  # noqa: Y015
+
+@_typing.final
+class KvIndexState(_message.Message):
+    """One instance as the scheduler's prefix index sees it."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INSTANCE_ID_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    BLOCKS_FIELD_NUMBER: _builtins.int
+    LAG_EVENTS_FIELD_NUMBER: _builtins.int
+    LAST_MESSAGE_AGE_MS_FIELD_NUMBER: _builtins.int
+    SNAPSHOTS_FIELD_NUMBER: _builtins.int
+    instance_id: _builtins.str
+    state: _builtins.str
+    """"syncing" (no snapshot yet), "live" (matched), "stale" (not matched)"""
+    reason: _builtins.str
+    """why it is not live, e.g. "stream down: UNAVAILABLE"; "" when live"""
+    blocks: _builtins.int
+    """its (block, medium) entries in the index"""
+    lag_events: _builtins.int
+    """events the engine has logged that the index has not applied"""
+    last_message_age_ms: _builtins.int
+    """since the last message of its stream (events or heartbeat)"""
+    snapshots: _builtins.int
+    """snapshots applied since it was first followed"""
+    def __init__(
+        self,
+        *,
+        instance_id: _builtins.str = ...,
+        state: _builtins.str = ...,
+        reason: _builtins.str = ...,
+        blocks: _builtins.int = ...,
+        lag_events: _builtins.int = ...,
+        last_message_age_ms: _builtins.int = ...,
+        snapshots: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "instance_id", b"instance_id", "lag_events", b"lag_events", "last_message_age_ms", b"last_message_age_ms", "reason", b"reason", "snapshots", b"snapshots", "state", b"state"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KvIndexState: _TypeAlias = KvIndexState  # noqa: Y015
+
+@_typing.final
+class ListKvStatesResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INSTANCES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def instances(self) -> _containers.RepeatedCompositeFieldContainer[Global___KvIndexState]: ...
+    def __init__(
+        self,
+        *,
+        instances: _abc.Iterable[Global___KvIndexState] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["instances", b"instances"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListKvStatesResponse: _TypeAlias = ListKvStatesResponse  # noqa: Y015

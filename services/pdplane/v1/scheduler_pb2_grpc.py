@@ -49,6 +49,11 @@ class SchedulerStub:
                 request_serializer=pdplane_dot_v1_dot_scheduler__pb2.ReleaseBatchRequest.SerializeToString,
                 response_deserializer=pdplane_dot_v1_dot_scheduler__pb2.ReleaseBatchResponse.FromString,
                 _registered_method=True)
+        self.ListKvStates = channel.unary_unary(
+                '/pdplane.v1.Scheduler/ListKvStates',
+                request_serializer=pdplane_dot_v1_dot_scheduler__pb2.ListKvStatesRequest.SerializeToString,
+                response_deserializer=pdplane_dot_v1_dot_scheduler__pb2.ListKvStatesResponse.FromString,
+                _registered_method=True)
 
 
 class SchedulerServicer:
@@ -79,6 +84,15 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListKvStates(self, request, context):
+        """The prefix index's view of every instance it follows (docs/kv_events.md), sorted by id:
+        what `pdplane ls` shows in its KV_INDEX column.
+        Errors: FAILED_PRECONDITION when the scheduler runs without a prefix index (--no-kv-index).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -96,6 +110,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.ReleaseBatch,
                     request_deserializer=pdplane_dot_v1_dot_scheduler__pb2.ReleaseBatchRequest.FromString,
                     response_serializer=pdplane_dot_v1_dot_scheduler__pb2.ReleaseBatchResponse.SerializeToString,
+            ),
+            'ListKvStates': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListKvStates,
+                    request_deserializer=pdplane_dot_v1_dot_scheduler__pb2.ListKvStatesRequest.FromString,
+                    response_serializer=pdplane_dot_v1_dot_scheduler__pb2.ListKvStatesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -179,6 +198,33 @@ class Scheduler:
             '/pdplane.v1.Scheduler/ReleaseBatch',
             pdplane_dot_v1_dot_scheduler__pb2.ReleaseBatchRequest.SerializeToString,
             pdplane_dot_v1_dot_scheduler__pb2.ReleaseBatchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListKvStates(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdplane.v1.Scheduler/ListKvStates',
+            pdplane_dot_v1_dot_scheduler__pb2.ListKvStatesRequest.SerializeToString,
+            pdplane_dot_v1_dot_scheduler__pb2.ListKvStatesResponse.FromString,
             options,
             channel_credentials,
             insecure,

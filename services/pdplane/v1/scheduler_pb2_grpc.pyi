@@ -43,6 +43,11 @@ class SchedulerStub:
     not piggyback on a Schedule). All are validated first; one invalid -> INVALID_ARGUMENT and
     none applied.
     """
+    ListKvStates: _grpc.UnaryUnaryMultiCallable[_scheduler_pb2.ListKvStatesRequest, _scheduler_pb2.ListKvStatesResponse]
+    """The prefix index's view of every instance it follows (docs/kv_events.md), sorted by id:
+    what `pdplane ls` shows in its KV_INDEX column.
+    Errors: FAILED_PRECONDITION when the scheduler runs without a prefix index (--no-kv-index).
+    """
 
 @_typing.type_check_only
 class SchedulerAsyncStub(SchedulerStub):
@@ -58,6 +63,11 @@ class SchedulerAsyncStub(SchedulerStub):
     """Several Releases in one call: a gateway flushing the Releases it batched (those it could
     not piggyback on a Schedule). All are validated first; one invalid -> INVALID_ARGUMENT and
     none applied.
+    """
+    ListKvStates: _aio.UnaryUnaryMultiCallable[_scheduler_pb2.ListKvStatesRequest, _scheduler_pb2.ListKvStatesResponse]  # type: ignore[assignment]
+    """The prefix index's view of every instance it follows (docs/kv_events.md), sorted by id:
+    what `pdplane ls` shows in its KV_INDEX column.
+    Errors: FAILED_PRECONDITION when the scheduler runs without a prefix index (--no-kv-index).
     """
 
 class SchedulerServicer(metaclass=_abc_1.ABCMeta):
@@ -89,6 +99,17 @@ class SchedulerServicer(metaclass=_abc_1.ABCMeta):
         """Several Releases in one call: a gateway flushing the Releases it batched (those it could
         not piggyback on a Schedule). All are validated first; one invalid -> INVALID_ARGUMENT and
         none applied.
+        """
+
+    @_abc_1.abstractmethod
+    def ListKvStates(
+        self,
+        request: _scheduler_pb2.ListKvStatesRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_scheduler_pb2.ListKvStatesResponse, _abc.Awaitable[_scheduler_pb2.ListKvStatesResponse]]:
+        """The prefix index's view of every instance it follows (docs/kv_events.md), sorted by id:
+        what `pdplane ls` shows in its KV_INDEX column.
+        Errors: FAILED_PRECONDITION when the scheduler runs without a prefix index (--no-kv-index).
         """
 
 def add_SchedulerServicer_to_server(servicer: SchedulerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

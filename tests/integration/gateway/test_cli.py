@@ -82,7 +82,7 @@ def test_gateway_command_with_embedded_scheduler(
         metrics = httpx.get(f"{url}/metrics", timeout=5).text
         assert (
             'pdplane_scheduler_decisions_total{decode_policy="round_robin",'
-            'prefill_policy="least_loaded"} 1.0' in metrics
+            'prefill_policy="kv_aware"} 1.0' in metrics
         )
         assert 'pdplane_scheduler_releases_total{known="true",outcome="success"} 1.0' in metrics
         proc.send_signal(signal.SIGINT)

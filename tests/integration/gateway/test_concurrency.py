@@ -44,7 +44,8 @@ async def test_200_concurrent_streams_each_get_their_own_answer(
         assert text == "".join(generate(prompt, 0, n)), i
         assert len({c["id"] for c in chunks}) == 1
 
-    by_id = {r["request_id"]: r for r in sims[1].records()}
+    # Upstream ids are the gateway's "<client id>-pdp-...".
+    by_id = {r["request_id"].split("-pdp-")[0]: r for r in sims[1].records()}
     assert len(by_id) == N
     for i in range(N):
         assert by_id[f"conc-{i}"]["body"]["prompt"] == f"request number {i}"

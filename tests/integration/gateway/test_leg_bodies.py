@@ -70,8 +70,10 @@ def test_prefill_and_decode_receive_the_contract_bodies(
 
     [prefill] = sims[0].records()
     [decode] = sims[1].records()
-    assert prefill["request_id"] == decode["request_id"] == request_id  # sent upstream too
-    assert prefill["body"] == _expected_prefill(path, body, request_id, sims[1])
+    # Upstream gets the gateway's unique id, the client's id first (for the instances' logs).
+    sent = prefill["request_id"]
+    assert decode["request_id"] == sent and sent.startswith(f"{request_id}-pdp-")
+    assert prefill["body"] == _expected_prefill(path, body, sent, sims[1])
     returned = decode["body"]["kv_transfer_params"]
     assert decode["body"] == {**body, "kv_transfer_params": returned}
     params = DecodeRequestParams.from_dict(returned)
@@ -101,7 +103,7 @@ def test_concurrent_dispatch_sends_the_same_decode_body(stack_factory, stream: b
     assert r.status_code == 200, r.text
     [prefill] = sims[0].records()
     [decode] = sims[1].records()
-    assert prefill["body"] == _expected_prefill(path, body, "conc", sims[1])
+    assert prefill["body"] == _expected_prefill(path, body, prefill["request_id"], sims[1])
     returned = decode["body"]["kv_transfer_params"]
     assert decode["body"] == {**body, "kv_transfer_params": returned}
     assert DecodeRequestParams.from_dict(returned).transfer_id == prefill["kv"]["transfer_id"]

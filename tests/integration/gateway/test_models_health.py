@@ -35,6 +35,9 @@ def test_models_and_health_with_zero_one_and_two_instances(stack: Stack) -> None
     assert body == {
         "status": "ok",
         "models": {MODEL: {"prefill": 1, "decode": 1, "paired": True}},
+        # No --tokenizer: the gateway says it routes on estimated prompt lengths.
+        "prompt_tokens": "estimated",
+        "tokenizer": {},
     }
 
 

@@ -71,7 +71,7 @@ def test_ls_filters_and_table(populated: RegistryServer) -> None:
         _pdplane("ls", "--json", "--model", "big", PDPLANE_REGISTRY=populated.address).stdout
     )
     assert [r["id"] for r in big] == ["b0"]
-    table = _pdplane("ls", "--registry", populated.address).stdout.splitlines()
+    table = _pdplane("ls", "--registry", populated.address, "--scheduler", "").stdout.splitlines()
     assert table[0].split()[:4] == ["ID", "ROLE", "MODEL", "STATE"]
     assert [line.split()[0] for line in table[1:]] == ["b0", "d0", "p0"]
     assert table[3].split()[6:9] == ["2", "1", "25"]  # RUN WAIT KV%

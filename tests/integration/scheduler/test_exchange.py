@@ -6,16 +6,18 @@ and a replica among its own peers is skipped."""
 from __future__ import annotations
 
 import asyncio
+import datetime
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 import pytest
 
 from pdplane.core import grpc_util
-from pdplane.scheduler.exchange import InflightExchange
+from pdplane.scheduler.exchange import InflightExchange, serve_exchange
 from pdplane.scheduler.inflight import InflightTracker
 from pdplane.scheduler.port import Outcome, RequestFeatures
 from pdplane.scheduler.service import SchedulerService
@@ -190,3 +192,68 @@ async def test_own_recent_assignments_stand_for_the_peers_unseen_ones() -> None:
         await until(lambda: a.service.load(d0) == d0.reported_load + 1, timeout=2.0)
         # b saw the real r1 (pending 1) and estimates nothing for a's decisions.
         assert b.exchange.unseen("d0") == 0.0
+
+
+def _dns_only_certificate(folder: Path) -> tuple[str, str]:
+    """A self-signed certificate naming only "localhost" (no IP address): (cert, key) paths."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost")]), critical=False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    cert_path, key_path = folder / "cert.pem", folder / "key.pem"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    return str(cert_path), str(key_path)
+
+
+async def test_over_tls_a_peer_is_verified_by_the_name_it_was_listed_under(
+    tmp_path: Path,
+) -> None:
+    # The certificate names "localhost" only; the follower dials the address it resolved to
+    # (127.0.0.1), so it must check the certificate against the name, as for a headless Service.
+    cert, key = _dns_only_certificate(tmp_path)
+    tracker = InflightTracker()
+    view = CandidateView(StaticSource(*FLEET))
+    service = SchedulerService(view, inflight=tracker)
+    publisher = InflightExchange(tracker, view, replica_id="tls-a")
+    server, port = await serve_exchange(publisher, "127.0.0.1", 0, tls_cert=cert, tls_key=key)
+    await publisher.start()
+    follower_tracker = InflightTracker()
+    follower = InflightExchange(
+        follower_tracker,
+        CandidateView(StaticSource(*FLEET)),
+        replica_id="tls-b",
+        peers=[f"localhost:{port}"],
+        tls_ca=cert,
+    )
+    await follower.start()
+    try:
+        await until(lambda: "tls-a" in follower.connected.values())
+        service.schedule(RequestFeatures("r1", "tiny", prompt_tokens=16))
+        await until(lambda: follower_tracker.inflight_by_instance().get("d0") == 1)
+    finally:
+        await follower.stop()
+        await publisher.stop()
+        await server.stop(0)

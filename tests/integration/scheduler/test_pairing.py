@@ -15,7 +15,7 @@ from pdplane.v1 import instance_pb2, registry_pb2, registry_pb2_grpc
 from tests.integration.registry.fixtures import make_spec
 from tests.integration.scheduler.conftest import Fleet, sees, view_of, wait_for
 
-POLICIES = ["round_robin", "random", "least_loaded", "power_of_two", "consistent_hash"]
+POLICIES = ["round_robin", "random", "least_loaded", "power_of_two", "consistent_hash", "kv_aware"]
 BF16 = instance_pb2.KvLayout(
     num_layers=2, num_kv_heads=2, head_size=32, block_size=16, dtype="bfloat16"
 )

@@ -148,8 +148,8 @@ async def test_metrics_are_served(
     async with httpx.AsyncClient() as http:
         text = (await http.get(url, timeout=5)).text
     assert (
-        'pdplane_scheduler_decisions_total{decode_policy="least_loaded",'
-        'prefill_policy="least_loaded"} 1.0' in text
+        'pdplane_scheduler_decisions_total{decode_policy="kv_aware",'
+        'prefill_policy="kv_aware"} 1.0' in text
     )
     assert 'pdplane_scheduler_unavailable_total{side="prefill"} 1.0' in text
     assert 'pdplane_scheduler_inflight_requests{instance_id="d0"} 1.0' in text

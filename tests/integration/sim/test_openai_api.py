@@ -167,3 +167,21 @@ async def test_queued_request_counts_as_waiting_until_a_slot_frees() -> None:
                 assert not second.done()
             # Leaving the first stream cancels it, which frees the slot for the second.
             assert (await asyncio.wait_for(second, 5)).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        [{"type": "text", "text": 5}],
+        [{"type": "text", "text": ["a"]}],
+        [{"type": "text"}],
+        ["not a part"],
+        7,
+    ],
+)
+def test_malformed_chat_content_is_400_like_vllm(content: object) -> None:
+    with running_sims("decode") as sims:
+        body = {**CHAT, "messages": [{"role": "user", "content": content}]}
+        r = httpx.post(sims.urls[0] + "/v1/chat/completions", json=body)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["type"] == "BadRequestError"

@@ -223,7 +223,7 @@ def _addresses(c: Container) -> list[str]:
         out.append(c.env()["PDPLANE_REGISTRY"]["value"])
     if (config := _kv_transfer_config(c)) is not None:
         out.append(config["kv_connector_extra_config"]["registry"])
-    return [a for a in out if a]
+    return [a.removeprefix("dns:///") for a in out if a]
 
 
 def _kv_transfer_config(c: Container) -> dict[str, Any] | None:
@@ -450,7 +450,7 @@ def test_embedded_mode_has_no_scheduler_and_gateways_share_in_flight_state() -> 
     gateway = r.one("Deployment", f"{RELEASE}-pdplane-gateway")
     args = gateway["spec"]["template"]["spec"]["containers"][0]["args"]
     assert _flag(args, "--scheduler") == "embedded"
-    assert _flag(args, "--decode-policy") == "least_loaded"
+    assert _flag(args, "--decode-policy") == "kv_aware"
     # Each gateway follows the others through a headless Service of every gateway pod.
     assert _flag(args, "--peers") == f"{RELEASE}-pdplane-gateway-peers:50053"
     assert _flag(args, "--replica-id") == "$(POD_NAME)"
@@ -464,6 +464,10 @@ def test_scheduler_replicas_follow_each_other() -> None:
     args = scheduler["spec"]["template"]["spec"]["containers"][0]["args"]
     assert _flag(args, "--peers") == f"{RELEASE}-pdplane-scheduler-peers:50052"
     assert r.one("Service", f"{RELEASE}-pdplane-scheduler-peers")["spec"]["clusterIP"] == "None"
+    # ...and the gateways reach all of them by it (failover without waiting for kube-proxy).
+    gateway = r.one("Deployment", f"{RELEASE}-pdplane-gateway")
+    target = _flag(gateway["spec"]["template"]["spec"]["containers"][0]["args"], "--scheduler")
+    assert target == f"dns:///{RELEASE}-pdplane-scheduler-peers:50052"
     single = Rendered(render(preset("cpu-demo")))
     one = single.one("Deployment", f"{RELEASE}-pdplane-scheduler")
     assert "--peers" not in one["spec"]["template"]["spec"]["containers"][0]["args"]
@@ -496,3 +500,19 @@ def test_bad_values_fail_the_render_with_a_clear_message(
 ) -> None:
     with pytest.raises(helm.HelmError, match=re.escape(message)):
         render(preset("gpu-1p1d"), values)
+
+
+def test_the_admin_token_reaches_only_the_registry_and_the_engines_drain(
+    rendered: Rendered,
+) -> None:
+    # The registry checks it; an engine pod's preStop `pdplane drain` sends it; the scheduler
+    # and the gateway never change another instance's lease, so they do not get it.
+    seen: set[str] = set()
+    for c in rendered.containers():
+        admin = c.env().get("PDPLANE_ADMIN_TOKEN")
+        if _is_engine(c) or (_is_pdplane_service(c) and c.args()[0] == "registry"):
+            assert admin and admin["valueFrom"]["secretKeyRef"]["key"], c.where
+            seen.add("engine" if _is_engine(c) else "registry")
+        else:
+            assert admin is None, c.where
+    assert seen == {"engine", "registry"}

@@ -21,7 +21,9 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 class FakeScheduler:
-    """Answers Schedule with scripted pairs (or raises), records every call in `log`."""
+    """Answers Schedule with scripted pairs (or raises), records every call in `log`.
+
+    A pair's prefill URL "" is a decision without prefill (decode computes the prompt)."""
 
     def __init__(self, pairs: Iterable[tuple[str, str] | Exception], delay_s: float = 0) -> None:
         self.pairs = list(pairs)
@@ -36,7 +38,11 @@ class FakeScheduler:
             raise nxt
         p, d = nxt
         return Decision(
-            prefill=scheduler_pb2.InstanceRef(instance_id="p", url=p, kv_endpoint="127.0.0.1:1"),
+            prefill=(
+                scheduler_pb2.InstanceRef(instance_id="p", url=p, kv_endpoint="127.0.0.1:1")
+                if p
+                else None
+            ),
             decode=scheduler_pb2.InstanceRef(instance_id="d", url=d),
         )
 
@@ -46,6 +52,9 @@ class FakeScheduler:
 
     def release_nowait(self, request_id: str, outcome: Outcome) -> None:
         self.log.append(("release", str(outcome)))
+
+    def problem(self) -> str | None:
+        return None
 
     async def start(self) -> None:
         pass

@@ -57,6 +57,10 @@ def test_token_id_lists_far_over_the_model_length_are_refused_before_parsing() -
     ("prompt", "ok"),
     [
         ([1, 2, 3], True),
+        ([0], True),  # one token id (found by the fuzzer: a 500)
+        ([2**32 - 1], True),
+        ([2**32], False),  # past uint32 (found by the fuzzer: a 500 in prefix hashing)
+        ([[1, 2**40]], False),
         ([[1, 2, 3]], True),
         (["abc"], True),
         ([1, True], False),

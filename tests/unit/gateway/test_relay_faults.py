@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Awaitable, Callable
 
 import httpx
@@ -213,3 +214,46 @@ async def test_upstream_api_key_reaches_both_legs(serve: Serve) -> None:
         r = await _post(url, {**BODY, "stream": True})
     assert r.status_code == 200
     assert seen == ["Bearer up", "Bearer up"]
+
+
+async def test_a_stream_silent_past_the_idle_timeout_ends_in_one_error_event(
+    serve: Serve,
+) -> None:
+    # --upstream-timeout-s stays long (300 s by default); decode's silence between chunks is
+    # bounded on its own by --stream-idle-timeout-s.
+    async def stalled(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b'data: {"choices":[{"text":"a"}]}\n\n')
+        await asyncio.sleep(60)
+        return resp
+
+    sched = FakeScheduler([(await serve(good_prefill), await serve(stalled))])
+    with running_gateway(
+        scheduler_port=sched, fleet=lambda: VIEW, upstream_timeout_s=60, stream_idle_timeout_s=0.3
+    ) as url:
+        r = await _post(url, {**BODY, "stream": True})
+        for _ in range(100):  # the Release runs in the background
+            if sched.log[-1][0] == "release":
+                break
+            await asyncio.sleep(0.01)
+    events = r.content[:-2].split(b"\n\n")
+    assert events[0] == b'data: {"choices":[{"text":"a"}]}'
+    error = json.loads(events[1][len(b"data: ") :])["error"]
+    assert (len(events), error["code"]) == (2, 504)
+    assert "sent nothing for 0.3 s" in error["message"]
+    assert sched.log[-1] == ("release", "failed")
+
+
+async def test_health_says_scheduler_unreachable(free_port: Callable[[], int]) -> None:
+    address = f"127.0.0.1:{free_port()}"  # nothing listens there
+    with running_gateway(scheduler=address, fleet=lambda: VIEW) as url:
+        async with httpx.AsyncClient() as client:
+            deadline = time.monotonic() + 5.0
+            while (r := await client.get(f"{url}/health")).status_code == 200:
+                assert time.monotonic() < deadline, "/health never noticed the scheduler gone"
+                await asyncio.sleep(0.05)
+            assert r.status_code == 503
+            assert r.json()["reason"] == f"scheduler unreachable at {address}"
+            assert (await client.get(f"{url}/ping")).status_code == 503

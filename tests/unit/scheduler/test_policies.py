@@ -26,13 +26,14 @@ def four(make_candidate: Callable[..., Candidate]) -> list[Candidate]:
     return [make_candidate(f"p{i}") for i in range(4)]
 
 
-def test_table_names_the_five_policies() -> None:
+def test_table_names_the_six_policies() -> None:
     assert set(POLICIES) == {
         "round_robin",
         "random",
         "least_loaded",
         "power_of_two",
         "consistent_hash",
+        "kv_aware",
     }
     for name in POLICIES:
         assert make_policy(name, seed=1).name == name

@@ -3,14 +3,26 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
+
+import pytest
 
 from pdplane.core.kv_events import KvEventLog, SubscriptionCursor
 from pdplane.core.kv_stream import KvStreamReader
-from pdplane.core.prefix_hash import block_hashes
+from pdplane.core.prefix_hash import HASH_VERSION, block_hashes
 from pdplane.scheduler.kv_index import KvState, PrefixIndex
 from pdplane.v1 import kv_events_pb2
 
 BS = 16
+_OWN_FROM_SOURCE = [True]
+
+
+@pytest.fixture(autouse=True, params=[True, False], ids=["own-from-source", "hashed-here"])
+def _hash_path(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Every test runs twice: the engines' logs send our own hashes, or leave them to the index."""
+    _OWN_FROM_SOURCE[0] = request.param
+    yield
+    _OWN_FROM_SOURCE[0] = True
 
 
 def _tokens(seed: int, blocks: int) -> list[int]:
@@ -22,7 +34,7 @@ class Engine:
     """A fake engine with its own (seeded) block hashes, logging like vLLM does."""
 
     def __init__(self, seed: int) -> None:
-        self.log = KvEventLog()
+        self.log = KvEventLog(own_hashes=_OWN_FROM_SOURCE[0])
         self.salt = seed
 
     def ehash(self, tokens: list[int], i: int) -> int:
@@ -88,7 +100,7 @@ def test_live_events_extend_and_removal_maps_engine_hashes() -> None:
     e.log.cleared()
     _pump(reader, cursor)
     assert index.match(hashes) == {}
-    assert index.entries == 0 and index.tables["GPU"] == {}
+    assert index.entries == 0 and len(index.tables["GPU"]) == 0 and len(index.holder_sets) == 0
 
 
 def test_evicted_prefix_is_no_longer_predicted_on_that_instance_only() -> None:
@@ -163,7 +175,7 @@ def test_removed_instance_frees_its_entries_and_slot() -> None:
     _live(index, "e", e)
     slot = index.instance("e").slot  # type: ignore[union-attr]
     index.remove_instance("e")
-    assert index.entries == 0 and index.tables["GPU"] == {}
+    assert index.entries == 0 and len(index.tables["GPU"]) == 0 and len(index.holder_sets) == 0
     assert index.add_instance("f").slot == slot
 
 
@@ -205,3 +217,52 @@ def test_lora_blocks_do_not_match_base_prompts() -> None:
     )
     assert index.match(block_hashes(prompt, BS)) == {}
     assert index.match(block_hashes(prompt, BS, lora="adapter")) == {"e": 2}
+
+
+def test_source_hashes_equal_the_gateways_and_a_wrong_version_is_rehashed() -> None:
+    prompt = _tokens(20, 4)
+    e = Engine(20)
+    e.store(prompt, 0, 2)
+    e.store(prompt, 2, 4)
+    events = e.log.read(1, 10)
+    assert events is not None
+    sent = [list(ev.stored.own_hashes) for ev in events]
+    if _OWN_FROM_SOURCE[0]:
+        assert sent[0] + sent[1] == block_hashes(prompt, BS)  # the gateway's keys
+        assert all(ev.stored.hash_version == HASH_VERSION for ev in events)
+    else:
+        assert sent == [[], []]
+    # A source of another hash version (or a corrupt list) is not trusted: hashed here.
+    index = PrefixIndex()
+    inst = index.add_instance("e")
+    index.set_state(inst, KvState.LIVE)
+    for ev in events:
+        msg = kv_events_pb2.KvEvent()
+        msg.CopyFrom(ev)
+        del msg.stored.own_hashes[:]
+        msg.stored.own_hashes.extend([1, 2])
+        msg.stored.hash_version = HASH_VERSION + 1
+        inst.apply(msg)
+    assert index.match(block_hashes(prompt, BS)) == {"e": 4}
+
+
+def test_snapshot_indexes_a_block_whose_parent_was_evicted_when_hashes_are_sent() -> None:
+    # vLLM keeps a child cached after evicting its parent; once the parent is stored again the
+    # child hits again. An index restarted in between must agree with one that followed along.
+    e = Engine(21)
+    prompt = _tokens(21, 3)
+    following = PrefixIndex()
+    rf, cf = _live(following, "e", e)
+    e.store(prompt)
+    e.evict(prompt, 0)
+    restarted = PrefixIndex()
+    rr, cr = _live(restarted, "e", e)  # its snapshot: blocks 1 and 2, their parent gone
+    e.store(prompt, 0, 1)  # the parent is back
+    _pump(rf, cf)
+    _pump(rr, cr)
+    hashes = block_hashes(prompt, BS)
+    assert following.match(hashes) == {"e": 3}
+    if _OWN_FROM_SOURCE[0]:
+        assert restarted.match(hashes) == {"e": 3}
+    else:  # without the source's hashes the children's chain cannot be resolved (under-predicts)
+        assert restarted.match(hashes) == {"e": 1}

@@ -334,3 +334,32 @@ def test_metrics_count_decisions_unavailable_and_releases(
     assert value("pdplane_scheduler_releases_total", {"outcome": "failed", "known": "false"}) == 1
     assert value("pdplane_scheduler_inflight_requests", {"instance_id": "d"}) == 1
     assert value("pdplane_scheduler_instances", {"role": "prefill", "state": "serving"}) == 1
+
+
+def test_unreleased_assignments_stop_reserving_kv_room_after_the_reservation_window(
+    build: Callable, make_instance: MakeInstance
+) -> None:
+    """512 Schedules never released (no token needed) must not starve the decode for the
+    600 s in-flight timeout: once `reservation_s` passed without the decode's report showing
+    them, they stop reserving its KV room (they stay in flight until released or expired)."""
+    from pdplane.scheduler.inflight import InflightTracker
+
+    now = [100.0]
+    tracker = InflightTracker(timeout_s=600.0, reservation_s=5.0, clock=lambda: now[0])
+    service, _ = build(
+        make_instance("p", "prefill"),
+        make_instance("d", "decode", free_kv_blocks=1000, total_kv_blocks=1000),
+        inflight=tracker,
+    )
+    flood = 0
+    with pytest.raises(NoInstance, match="no KV room"):
+        for flood in range(512):
+            service.schedule(req(flood, max_tokens=28))  # 8 blocks each
+    assert flood == 125  # 125 * 8 = 1,000 blocks reserved, the 126th has no room
+    now[0] += 4.0
+    with pytest.raises(NoInstance, match="no KV room"):
+        service.schedule(req(1000, max_tokens=28))  # still inside the window
+    now[0] += 1.5
+    assert service.schedule(req(1001, max_tokens=28)).decode.instance_id == "d"
+    assert len(tracker) == 126  # counted in flight still, releasable
+    assert tracker.release("r0") is not None

@@ -56,8 +56,18 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- printf "%s:%d" (include "pdplane.component" (list . "registry")) (int .Values.registry.port) -}}
 {{- end -}}
 
+{{/*
+The gateways' scheduler target. Several replicas: every scheduler pod by the headless -peers
+Service (gRPC takes one and moves to the next when it dies; the replicas share their in-flight
+assignments, so which one a gateway uses does not change the decisions).
+*/}}
 {{- define "pdplane.schedulerAddress" -}}
-{{- printf "%s:%d" (include "pdplane.component" (list . "scheduler")) (int .Values.scheduler.port) -}}
+{{- $svc := include "pdplane.component" (list . "scheduler") -}}
+{{- if gt (int .Values.scheduler.replicas) 1 -}}
+{{- printf "dns:///%s-peers:%d" $svc (int .Values.scheduler.port) -}}
+{{- else -}}
+{{- printf "%s:%d" $svc (int .Values.scheduler.port) -}}
+{{- end -}}
 {{- end -}}
 
 {{/* Client endpoints of etcd: the in-chart members by their stable names, or `etcd.endpoints`. */}}
@@ -86,6 +96,16 @@ app.kubernetes.io/component: {{ index . 1 }}
     secretKeyRef:
       name: {{ include "pdplane.authSecretName" . }}
       key: {{ .Values.auth.tokenKey }}
+{{- end -}}
+
+{{/* The admin token: only where drains come from (registry checks, engines' preStop sends). */}}
+{{- define "pdplane.adminTokenEnv" -}}
+- name: PDPLANE_ADMIN_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "pdplane.authSecretName" . }}
+      key: {{ .Values.auth.adminTokenKey }}
+      optional: true
 {{- end -}}
 
 {{/* TLS: the env of a gRPC server and client (server = true adds cert and key). */}}

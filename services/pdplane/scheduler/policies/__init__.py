@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pdplane.scheduler.policies import (
     consistent_hash,
+    kv_aware,
     least_loaded,
     power_of_two,
     random,
@@ -24,12 +25,14 @@ POLICIES: dict[str, PolicyFactory] = {
     least_loaded.NAME: least_loaded.create,
     power_of_two.NAME: power_of_two.create,
     consistent_hash.NAME: consistent_hash.create,
+    kv_aware.NAME: kv_aware.create,
 }
 
 
-def make_policy(name: str, *, seed: int | None = None) -> Policy:
-    """Builds the policy called `name`. Raises ValueError naming the known policies."""
+def make_policy(name: str, *, seed: int | None = None, **options: object) -> Policy:
+    """Builds the policy called `name` with its `options` (e.g. kv_aware's `weights`).
+    Raises ValueError naming the known policies."""
     factory = POLICIES.get(name)
     if factory is None:
         raise ValueError(f"unknown policy {name!r}; known: {', '.join(POLICIES)}")
-    return factory(seed=seed)
+    return factory(seed=seed, **options)

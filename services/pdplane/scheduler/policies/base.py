@@ -16,6 +16,14 @@ from pdplane.scheduler.candidate import Candidate
 __all__ = ["Pick", "PickContext", "Policy", "PolicyFactory"]
 
 
+def _no_tokens(candidate: Candidate) -> int:
+    return 0
+
+
+def _not_live(candidate: Candidate) -> bool:
+    return False
+
+
 @dataclass(frozen=True, slots=True)
 class PickContext:
     """Request features a policy may use.
@@ -30,6 +38,13 @@ class PickContext:
     (`pdplane.core.prefix_hash`), empty when the gateway did not know the token ids; use
     `block_hashes(candidate.block_size)`. `prompt_tokens` is the prompt's length in tokens
     (exact when `prefix_hashes` is given, else an estimate).
+
+    From the prefix index (`pdplane.scheduler.kv_index`), filled by the service:
+    `cached_tokens(candidate)` is the predicted prefix cache hit of the prompt on that
+    instance (tokens, whole blocks; 0 when the instance is not LIVE in the index),
+    `kv_live(candidate)` whether its index entries are trusted (False: stale, syncing or no
+    index), and `queued_prefill_tokens(candidate)` the uncached prompt tokens this scheduler
+    sent it since its last load report. `side` is "prefill" or "decode" (the half picked now).
     """
 
     request_id: str
@@ -38,6 +53,10 @@ class PickContext:
     load: Callable[[Candidate], float]
     prefix_hashes: Mapping[int, Sequence[int]] = field(default_factory=dict)
     prompt_tokens: int = 0
+    cached_tokens: Callable[[Candidate], int] = _no_tokens
+    kv_live: Callable[[Candidate], bool] = _not_live
+    queued_prefill_tokens: Callable[[Candidate], int] = _no_tokens
+    side: str = "prefill"
 
     def block_hashes(self, block_size: int) -> Sequence[int]:
         """The prompt's block hashes at `block_size` tokens per block; () when unknown."""
@@ -62,5 +81,6 @@ class Policy(Protocol):
         ...
 
 
-#: Builds a policy; `seed` makes randomised policies reproducible (ignored by the others).
+#: Builds a policy; `seed` makes randomised policies reproducible (ignored by the others);
+#: policies with settings take them as further keyword arguments.
 PolicyFactory = Callable[..., Policy]

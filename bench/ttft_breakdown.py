@@ -1,0 +1,249 @@
+"""Where a disaggregated request's TTFT goes, from its OpenTelemetry spans (real vLLM CPU, 1P1D).
+
+    .venv/bin/python bench/ttft_breakdown.py [--runs 10] [--prompt-tokens 128 512 2048]
+
+Starts `pdplane up`'s stack (registry, scheduler, gateway, prefill, decode) with traces on
+(`OTEL_EXPORTER_OTLP_ENDPOINT` pointed at an OTLP receiver in this process) plus one plain vLLM
+instance with the same flags, then sends fresh prompts (token ids: the count is exact; fresh:
+no prefix cache answers), streamed, one request at a time, to both. Per prompt length it prints
+the median of each phase (ms) from the spans of each disaggregated request, and goal G3.5:
+
+    floor = prefill alone (TTFT of the plain instance) + KV transfer (`pdplane.kv_pull`)
+            + one decode step (median inter-token gap of the plain instance)
+    ratio = disaggregated TTFT (client-measured) / floor         G3.5: ratio <= 1.2
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench._otlp import OtlpReceiver, ReceivedSpan, otlp_receiver  # noqa: E402
+from pdplane.launch.fleet import Fleet, FleetSpec  # noqa: E402
+from pdplane.launch.ports import free_port_run  # noqa: E402
+from pdplane.launch.vllm_cpu import VllmCpuInstance, VllmCpuOptions  # noqa: E402
+
+__all__ = ["PHASES", "Stack", "breakdown", "running_stack", "timed_stream"]
+
+VOCAB = 2048
+#: The phases of one request, in order, as printed (ms).
+PHASES = (
+    "client TTFT",
+    "gateway in (arrival -> Schedule)",
+    "schedule",
+    "  scheduler decision",
+    "prefill leg",
+    "  prefill vLLM TTFT",
+    "between legs (gateway)",
+    "decode leg (send -> headers)",
+    "decode admission (arrival -> pull start)",
+    "KV transfer (kv_pull)",
+    "  prefill kv_serve",
+    "pull end -> first byte at gateway",
+    "  decode vLLM queue (incl. KV wait)",
+    "relay (gateway first byte -> client)",
+)
+
+
+@dataclass
+class Stack:
+    """The running stack: gateway URL, plain instance URL, served model, span receiver."""
+
+    gateway: str
+    single: str
+    model: str
+    receiver: OtlpReceiver
+
+
+@contextmanager
+def running_stack(log_dir: Path, max_model_len: int, single: bool = True) -> Iterator[Stack]:
+    """`pdplane up`'s stack with traces on, plus (`single`) one plain vLLM instance without
+    connector or traces (`Stack.single` is "" without it)."""
+    with otlp_receiver() as receiver:
+        os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"] = receiver.endpoint
+        os.environ["OTEL_BSP_SCHEDULE_DELAY"] = "200"  # ms: spans arrive soon after a request
+        spec = FleetSpec(
+            gateway_port=free_port_run(),
+            registry_port=free_port_run(),
+            scheduler_port=free_port_run(),
+            vllm_base_port=free_port_run(2),
+            kv_base_port=free_port_run(2),
+            log_dir=log_dir,
+            max_model_len=max_model_len,
+        )
+        fleet = Fleet(spec, say=lambda m: print(f"  {m}", flush=True))
+        plain: VllmCpuInstance | None = None
+        try:
+            fleet.start()
+            assert fleet.model_dir is not None
+            if not single:
+                yield Stack(fleet.gateway_url, "", fleet.model_name, receiver)
+                return
+            plain = VllmCpuInstance(
+                VllmCpuOptions(
+                    model=fleet.model_dir,
+                    port=free_port_run(),
+                    served_model_name=fleet.model_name,
+                    max_model_len=max_model_len,
+                    omp_threads_bind="1",
+                ),
+                log_dir / "single.log",
+                base_env={k: v for k, v in os.environ.items() if not k.startswith("OTEL_")},
+            )
+            plain.start()
+            plain.wait_healthy(300)
+            yield Stack(fleet.gateway_url, plain.url, fleet.model_name, receiver)
+        finally:
+            if plain is not None:
+                plain.stop()
+            fleet.stop()
+            os.environ.pop("OTEL_EXPORTER_OTLP_ENDPOINT", None)
+
+
+def timed_stream(
+    url: str, model: str, prompt: list[int], max_tokens: int, headers: dict[str, str] | None = None
+) -> tuple[float, list[float]]:
+    """(TTFT ms, inter-token gaps ms) of one streamed completion, as the client sees them."""
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+    }
+    start = time.perf_counter()
+    stamps: list[float] = []
+    with httpx.stream(
+        "POST", f"{url}/v1/completions", json=body, headers=headers, timeout=300.0
+    ) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if line.startswith("data: {") and json.loads(line[6:])["choices"]:
+                stamps.append(time.perf_counter())
+    ttft = (stamps[0] - start) * 1000
+    return ttft, [(b - a) * 1000 for a, b in itertools.pairwise(stamps)]
+
+
+def _trace_complete(trace_id: str) -> object:
+    needed = {"pdplane.request", "pdplane.kv_pull", "pdplane.kv_serve", "llm_request"}
+
+    def done(spans: list[ReceivedSpan]) -> bool:
+        got = [s for s in spans if s.trace_id == trace_id]
+        names = {s.name for s in got}
+        return needed <= names and sum(s.name == "llm_request" for s in got) >= 2
+
+    return done
+
+
+def breakdown(spans: list[ReceivedSpan], client_ttft_ms: float) -> dict[str, float]:
+    """The phases (ms) of one request's trace (`spans` all of one trace id)."""
+    by = {s.name: s for s in spans if s.name != "llm_request"}
+    legs = {by["pdplane.prefill_leg"].span_id: "prefill", by["pdplane.decode_leg"].span_id: "d"}
+    vllm = {legs[s.parent_id]: s for s in spans if s.name == "llm_request" and s.parent_id in legs}
+    root, sched = by["pdplane.request"], by["pdplane.schedule"]
+    pleg, dleg, pull = by["pdplane.prefill_leg"], by["pdplane.decode_leg"], by["pdplane.kv_pull"]
+    first = by["pdplane.first_byte"]
+    gateway_ttft = (first.end_ns - root.start_ns) / 1e6
+
+    def ms(a: int, b: int) -> float:
+        return (b - a) / 1e6
+
+    return {
+        "client TTFT": client_ttft_ms,
+        "gateway in (arrival -> Schedule)": ms(root.start_ns, sched.start_ns),
+        "schedule": sched.ms,
+        "  scheduler decision": by["pdplane.scheduler.decision"].ms,
+        "prefill leg": pleg.ms,
+        "  prefill vLLM TTFT": 1000
+        * float(vllm["prefill"].attributes.get("gen_ai.latency.time_to_first_token", 0.0)),
+        "between legs (gateway)": ms(pleg.end_ns, dleg.start_ns),
+        "decode leg (send -> headers)": dleg.ms,
+        "decode admission (arrival -> pull start)": ms(vllm["d"].start_ns, pull.start_ns),
+        "KV transfer (kv_pull)": pull.ms,
+        "  prefill kv_serve": by["pdplane.kv_serve"].ms,
+        "pull end -> first byte at gateway": ms(pull.end_ns, first.end_ns),
+        "  decode vLLM queue (incl. KV wait)": 1000
+        * float(vllm["d"].attributes.get("gen_ai.latency.time_in_queue", 0.0)),
+        "relay (gateway first byte -> client)": client_ttft_ms - gateway_ttft,
+    }
+
+
+def measure(
+    stack: Stack, prompt_tokens: int, runs: int, rng: random.Random
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Medians of the phases (ms) and of the floor's parts over `runs` fresh prompts."""
+    phases: dict[str, list[float]] = defaultdict(list)
+    single_ttft: list[float] = []
+    single_step: list[float] = []
+    for i in range(runs + 1):  # the first of each length warms both paths, not counted
+        prompt = [rng.randrange(8, VOCAB) for _ in range(prompt_tokens)]
+        trace_id = os.urandom(16).hex()
+        tp = {"traceparent": f"00-{trace_id}-{os.urandom(8).hex()}-01"}
+        ttft, _ = timed_stream(stack.gateway, stack.model, prompt, 4, tp)
+        s_ttft, gaps = timed_stream(stack.single, stack.model, prompt, 8)
+        spans = stack.receiver.wait_for(_trace_complete(trace_id), timeout_s=30)
+        if i == 0:
+            continue
+        for k, v in breakdown([s for s in spans if s.trace_id == trace_id], ttft).items():
+            phases[k].append(v)
+        single_ttft.append(s_ttft)
+        single_step.extend(gaps)
+    med = {k: statistics.median(v) for k, v in phases.items()}
+    floor = {
+        "prefill alone (single TTFT)": statistics.median(single_ttft),
+        "KV transfer": med["KV transfer (kv_pull)"],
+        "one decode step (single ITL)": statistics.median(single_step),
+    }
+    return med, floor
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=10)
+    parser.add_argument("--prompt-tokens", type=int, nargs="+", default=[128, 512, 2048])
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    max_model_len = max(1024, max(args.prompt_tokens) + 64)
+    logs = Path(tempfile.mkdtemp(prefix="ttft-breakdown-"))
+    rng = random.Random(args.seed)
+    results = {}
+    with running_stack(logs, max_model_len) as stack:
+        print(f"stack ready (logs {logs})", flush=True)
+        for n in args.prompt_tokens:
+            results[n] = measure(stack, n, args.runs, rng)
+    sizes = args.prompt_tokens
+    print(f"\nTTFT breakdown, median of {args.runs} requests each, one at a time (ms)")
+    print(f"{'phase':<44}" + "".join(f"{n:>10}" for n in sizes))
+    for phase in PHASES:
+        print(f"{phase:<44}" + "".join(f"{results[n][0][phase]:>10.1f}" for n in sizes))
+    print()
+    for part in next(iter(results.values()))[1]:
+        print(f"{'floor: ' + part:<44}" + "".join(f"{results[n][1][part]:>10.1f}" for n in sizes))
+    floors = {n: sum(results[n][1].values()) for n in sizes}
+    print(f"{'floor':<44}" + "".join(f"{floors[n]:>10.1f}" for n in sizes))
+    ratios = {n: results[n][0]["client TTFT"] / floors[n] for n in sizes}
+    label = "G3.5 ratio TTFT / floor (goal <= 1.2)"
+    print(f"{label:<44}" + "".join(f"{ratios[n]:>10.2f}" for n in sizes))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,244 @@
+"""Moving requested KV blocks between a paged KV cache and NCCL messages, on the GPU.
+
+A layer's KV cache tensor comes from vLLM in its attention backend's layout (FlashAttention:
+`[2, num_blocks, block_size, num_kv_heads, head_size]`; others put the block axis first or
+permute the physical order with strides). `layer_byte_view` turns any of them into the same
+*physical* byte view `[outer, num_blocks, inner_bytes]`, so one block of one layer is `outer`
+slices of `inner_bytes` contiguous bytes (FlashAttention: outer = 2, K and V). Two instances
+with the same backend and fingerprint have identical views, which is all a byte copy needs.
+
+`BlockMover` enqueues, on a communicator's stream, the gather/scatter kernels and NCCL
+operations of one transfer following a `plan` (see plan.py); the caller waits with
+`NcclCommunicator.wait`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from pdplane.connector.transports.nccl.communicator import NcclCommunicator, P2pOp
+from pdplane.connector.transports.nccl.plan import (
+    MAX_GROUP_OPS,
+    Chunk,
+    Run,
+    Strategy,
+    plan_chunks,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["BlockMover", "layer_byte_view", "physical_order"]
+
+
+def physical_order(shape: Sequence[int], strides: Sequence[int]) -> list[int]:
+    """Dimensions from outermost to innermost in memory (strides descending; size-1 dimensions
+    keep their logical place). Pure function, e.g. FlashAttention NHD -> [0, 1, 2, 3, 4]."""
+    dims = [d for d in range(len(shape)) if shape[d] != 1]
+    ordered = sorted(dims, key=lambda d: -strides[d])
+    out: list[int] = []
+    it = iter(ordered)
+    for d in range(len(shape)):
+        out.append(d if shape[d] == 1 else next(it))
+    return out
+
+
+def layer_byte_view(tensor: torch.Tensor, block_dim: int) -> torch.Tensor:
+    """The physical byte view `[outer, num_blocks, inner_bytes]` (uint8) of a KV cache tensor
+    whose block axis is `block_dim`. Shares memory with `tensor`.
+
+    Raises ValueError when the tensor's memory is not dense (gaps between elements)."""
+    import torch
+
+    perm = physical_order(tensor.shape, tensor.stride())
+    dense = tensor.permute(perm)
+    if not dense.is_contiguous():
+        raise ValueError(f"KV cache tensor {tuple(tensor.shape)} is not dense in memory")
+    pos = perm.index(block_dim)
+    num_blocks = int(tensor.shape[block_dim])
+    outer = 1
+    for d in dense.shape[:pos]:
+        outer *= int(d)
+    raw = dense.reshape(-1).view(torch.uint8)
+    return raw.view(outer, num_blocks, raw.numel() // (outer * num_blocks))
+
+
+def _widest(view: torch.Tensor) -> torch.Tensor:
+    """`view` (uint8 `[outer, num_blocks, inner]`) reinterpreted as int64, int32 or int16
+    `[outer, num_blocks, inner / width]`, the widest that divides `inner` and the address."""
+    import torch
+
+    for dtype, width in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
+        if view.shape[2] % width == 0 and view.data_ptr() % width == 0:
+            return view.view(dtype)
+    return view
+
+
+class BlockMover:
+    """Enqueues the GPU copies and NCCL operations of transfers for one worker's KV cache.
+
+    `views` are the layers' byte views (`layer_byte_view`), in model order.
+    """
+
+    def __init__(self, views: Sequence[torch.Tensor], device: int) -> None:
+        if not views:
+            raise ValueError("no KV cache layers")
+        self.views = list(views)
+        self.device = device
+        self.num_blocks = int(self.views[0].shape[1])
+        self.layer_block_bytes = [int(v.shape[0]) * int(v.shape[2]) for v in self.views]
+        self.wide_views = [_widest(v) for v in self.views]
+
+    def transfer_bytes(self, num_blocks: int) -> int:
+        """Bytes a transfer of `num_blocks` blocks moves (all layers)."""
+        return num_blocks * sum(self.layer_block_bytes)
+
+    def check_ids(self, ids: Sequence[int]) -> None:
+        """Raises ValueError unless every id is a block of this cache."""
+        bad = [b for b in ids if not 0 <= b < self.num_blocks]
+        if bad:
+            raise ValueError(f"block ids out of range [0, {self.num_blocks}): {bad[:8]}")
+
+    def _index(self, ids: Sequence[int]) -> torch.Tensor:
+        import torch
+
+        return torch.tensor(list(ids), dtype=torch.long, device=f"cuda:{self.device}")
+
+    def enqueue(
+        self,
+        comm: NcclCommunicator,
+        is_send: bool,
+        ids: Sequence[int],
+        strategy: Strategy,
+        deadline: float,
+        chunk_bytes: int = 0,
+        runs: Sequence[Run] = (),
+    ) -> int:
+        """Enqueues one transfer of blocks `ids` (in request order) on `comm`'s stream: sends
+        when `is_send`, else receives into `ids`. Returns the bytes it moves.
+
+        GATHER needs `chunk_bytes`; GROUPED needs `runs` (see plan.py). The caller holds
+        `comm.lock` and then calls `comm.wait(deadline)`. Raises ValueError, NcclError,
+        NcclTimeoutError, NcclAbortedError."""
+        import torch
+
+        self.check_ids(ids)
+        if not ids:
+            return 0
+        with torch.cuda.device(self.device), torch.cuda.stream(comm.stream):
+            if strategy is Strategy.GATHER:
+                chunks = plan_chunks(self.layer_block_bytes, len(ids), chunk_bytes)
+                # Uploaded first: the copy from host memory synchronises its stream, which
+                # must not yet wait for a forward pass still running on the compute stream.
+                index = self._index(ids)
+            # The blocks were written by the compute stream; order our reads/writes after it.
+            comm.stream.wait_stream(torch.cuda.default_stream(self.device))
+            if strategy is Strategy.GATHER:
+                self._gather_chunks(comm, is_send, index, chunks, deadline)
+            else:
+                self._grouped(comm, is_send, ids, runs, deadline)
+        return self.transfer_bytes(len(ids))
+
+    def _gather_chunks(
+        self,
+        comm: NcclCommunicator,
+        is_send: bool,
+        index: torch.Tensor,
+        chunks: Sequence[Chunk],
+        deadline: float,
+    ) -> None:
+        # Two staging buffers and a second stream for the gathers/scatters: chunk k+1 is
+        # gathered (sender) or chunk k scattered (receiver) while NCCL moves the other buffer,
+        # so on NVLink the copies hide behind the wire instead of adding to it. Events order a
+        # buffer's reuse after the NCCL operation / scatter that last used it.
+        import torch
+
+        copies = comm.copy_stream  # the communicator's own: a slow peer stalls only its pair
+        copies.wait_stream(comm.stream)  # after the compute stream and the index upload
+        nbuf = min(2, len(chunks))
+        size = max(c.nbytes for c in chunks)
+        buffers = [torch.empty(size, dtype=torch.uint8, device=index.device) for _ in range(nbuf)]
+        released: list[torch.cuda.Event | None] = [None] * nbuf
+        try:
+            for k, chunk in enumerate(chunks):
+                slot = k % nbuf
+                parts = self._parts(buffers[slot], index, chunk)
+                previous = released[slot]
+                done = torch.cuda.Event()
+                if is_send:
+                    with torch.cuda.stream(copies):
+                        if previous is not None:
+                            copies.wait_event(previous)
+                        for view, part, idx in parts:
+                            for o in range(view.shape[0]):
+                                torch.index_select(view[o], 0, idx, out=part[o])
+                        gathered = torch.cuda.Event()
+                        gathered.record(copies)
+                    comm.stream.wait_event(gathered)
+                    comm.enqueue([P2pOp(True, buffers[slot].data_ptr(), chunk.nbytes)], deadline)
+                    done.record(comm.stream)
+                else:
+                    if previous is not None:
+                        comm.stream.wait_event(previous)
+                    comm.enqueue([P2pOp(False, buffers[slot].data_ptr(), chunk.nbytes)], deadline)
+                    received = torch.cuda.Event()
+                    received.record(comm.stream)
+                    with torch.cuda.stream(copies):
+                        copies.wait_event(received)
+                        for view, part, idx in parts:
+                            for o in range(view.shape[0]):
+                                view[o].index_copy_(0, idx, part[o])
+                        done.record(copies)
+                released[slot] = done
+        finally:
+            # Also when an enqueue failed half way: `comm.wait` (the caller's) and the drain of
+            # an abort then cover the copies already queued, and the memory stays owned by both
+            # streams until their kernels are done (no scatter lands after a failed pull).
+            comm.stream.wait_stream(copies)
+            for buf in (*buffers, index):
+                buf.record_stream(comm.stream)
+                buf.record_stream(copies)
+
+    def _parts(
+        self, staging: torch.Tensor, index: torch.Tensor, chunk: Chunk
+    ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """(layer view, staging part, index slice) per piece of `chunk`; views and parts are
+        `[outer, blocks, inner]` in the widest integer type that divides a block's bytes, so
+        the copy kernels move 8 bytes per element rather than 1."""
+        parts = []
+        offset = 0
+        for piece in chunk.pieces:
+            view = self.wide_views[piece.layer]
+            if offset % view.element_size():  # layers of mixed widths: stay on bytes
+                view = self.views[piece.layer]
+            nbytes = piece.count * self.layer_block_bytes[piece.layer]
+            part = (
+                staging[offset : offset + nbytes]
+                .view(view.dtype)
+                .view(view.shape[0], piece.count, view.shape[2])
+            )
+            parts.append((view, part, index[piece.first : piece.first + piece.count]))
+            offset += nbytes
+        return parts
+
+    def _grouped(
+        self,
+        comm: NcclCommunicator,
+        is_send: bool,
+        ids: Sequence[int],
+        runs: Sequence[Run],
+        deadline: float,
+    ) -> None:
+        ops: list[P2pOp] = []
+        for view in self.views:
+            outer, num_blocks, inner = (int(s) for s in view.shape)
+            base = view.data_ptr()
+            for run in runs:
+                for o in range(outer):
+                    ptr = base + (o * num_blocks + ids[run.first]) * inner
+                    ops.append(P2pOp(is_send, ptr, run.length * inner))
+                    if len(ops) == MAX_GROUP_OPS:
+                        comm.enqueue(ops, deadline)
+                        ops = []
+        comm.enqueue(ops, deadline)

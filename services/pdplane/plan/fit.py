@@ -1,0 +1,152 @@
+"""Fits a profile's cost model to measured cells by simulating them on the engine model.
+
+Each candidate cost model is run through `pdplane.sim.offline.run_offline` on the same cells
+(same batch sizes, prompt lengths, outputs and arrival offsets) and scored by the squared log
+error of the cells' median TTFT and median ITL; Nelder-Mead (a few hundred evaluations of a
+millisecond each) searches the coefficients in log space, so all stay positive. What the fit
+predicts is exactly what the served simulator executes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from pdplane.plan.sweep import Cell, CellResult
+from pdplane.sim.engine import EngineCore, EngineLimits, EngineRequest
+from pdplane.sim.offline import run_offline
+from pdplane.sim.profiles import CostModel, Profile
+
+__all__ = ["FIT_FIELDS", "fit_cost", "predict"]
+
+#: CostModel fields the fit searches (others keep the base profile's value).
+FIT_FIELDS = (
+    "step_ms",
+    "token_ms",
+    "seq_ms",
+    "kv_read_ms_per_ktok",
+    "prefill_attn_ms_per_mpair",
+    "request_ms",
+)
+
+
+def predict(profile: Profile, cost: CostModel, cell: Cell, seed: int = 0) -> tuple[float, float]:
+    """(median TTFT s, mean ITL s) of one cell on the engine model."""
+    limits = EngineLimits(
+        num_blocks=profile.num_blocks,
+        block_size=profile.block_size,
+        max_num_seqs=profile.max_num_seqs,
+        max_num_batched_tokens=profile.max_num_batched_tokens,
+    )
+    core = EngineCore(limits, cost)
+    arrivals: list[tuple[float, EngineRequest]] = []
+    base = 1_000_000 * (seed + 1)
+    shared = list(range(base, base + cell.shared_prefix))
+    offset = 0.0
+    if cell.shared_prefix:
+        arrivals.append((0.0, EngineRequest("warm", [*shared, 1], [1])))
+        offset = 10.0  # long after the warm-up finished
+    for i in range(cell.batch):
+        own = base + (i + 1) * 100_000
+        prompt = shared + list(range(own, own + cell.prompt - cell.shared_prefix))
+        at = offset + (cell.arrivals[i] if cell.arrivals else 0.0)
+        arrivals.append((at, EngineRequest(f"r{i}", prompt, [1] * cell.output)))
+    run = run_offline(core, arrivals)
+    # Requests reach the engine request_ms after they were sent.
+    ttfts = [t.ttft + cost.request_ms * 1e-3 for k, t in run.timings.items() if k != "warm"]
+    itls = [x for k, t in run.timings.items() if k != "warm" for x in t.itls]
+    return statistics.median(ttfts), statistics.fmean(itls) if itls else float("nan")
+
+
+def _first_guess(targets: list[tuple[Cell, float, float]]) -> dict[str, float]:
+    """Coefficients read off the single-request and pure-decode cells (ms), as a start."""
+    ones = sorted((c.prompt, ttft, itl) for c, ttft, itl in targets if c.batch == 1)
+    guess: dict[str, float] = {}
+    if not ones:
+        return guess
+    itl1 = ones[0][2] * 1e3
+    guess["step_ms"] = 0.9 * itl1
+    if len(ones) > 1 and ones[-1][0] > ones[0][0]:
+        per_token = (ones[-1][1] - ones[0][1]) * 1e3 / (ones[-1][0] - ones[0][0])
+        guess["token_ms"] = max(per_token, 1e-5)
+        guess["request_ms"] = max(ones[0][1] * 1e3 - itl1 - per_token * ones[0][0], 0.01)
+    big = max((c for c, _, _ in targets), key=lambda c: c.batch)
+    itl_big = next(i for c, _, i in targets if c == big) * 1e3
+    if big.batch > 1:
+        guess["seq_ms"] = max((itl_big - itl1) / (big.batch - 1), 1e-4)
+    return guess
+
+
+def _nelder_mead(
+    f: Callable[[np.ndarray], float], x0: np.ndarray, step: float = 0.7, iters: int = 400
+) -> np.ndarray:
+    n = len(x0)
+    simplex = [x0] + [x0 + step * np.eye(n)[i] for i in range(n)]
+    values = [f(x) for x in simplex]
+    for _ in range(iters):
+        order = np.argsort(values)
+        simplex = [simplex[i] for i in order]
+        values = [values[i] for i in order]
+        centroid = np.mean(simplex[:-1], axis=0)
+        worst = simplex[-1]
+        reflected = centroid + (centroid - worst)
+        fr = f(reflected)
+        if fr < values[0]:
+            expanded = centroid + 2 * (centroid - worst)
+            fe = f(expanded)
+            simplex[-1], values[-1] = (expanded, fe) if fe < fr else (reflected, fr)
+        elif fr < values[-2]:
+            simplex[-1], values[-1] = reflected, fr
+        else:
+            contracted = centroid + 0.5 * (worst - centroid)
+            fc = f(contracted)
+            if fc < values[-1]:
+                simplex[-1], values[-1] = contracted, fc
+            else:
+                best = simplex[0]
+                simplex = [best + 0.5 * (x - best) for x in simplex]
+                values = [f(x) for x in simplex]
+    return simplex[int(np.argmin(values))]
+
+
+def fit_cost(
+    profile: Profile,
+    measured: Sequence[CellResult],
+    *,
+    fields: Sequence[str] = FIT_FIELDS,
+    iters: int = 400,
+    overhead_s: dict[str, float] | None = None,
+) -> tuple[CostModel, float]:
+    """The cost model minimising the cells' squared log errors; returns it and its score.
+
+    `overhead_s` (per cell name) is the served simulator's own latency on top of the model
+    (HTTP, measured with the zero profile): a cell's predicted TTFT is the model's plus it, so
+    the fitted `request_ms` is vLLM's request overhead minus the simulator's.
+    """
+    extra = overhead_s or {}
+    base = profile.cost
+    targets = [(r.cell, r.ttft, r.itl) for r in measured if r.ttft_s]
+    start = {f: max(getattr(base, f), 1e-6) for f in fields}
+    start.update({k: v for k, v in _first_guess(targets).items() if k in start})
+
+    def cost_of(x: np.ndarray) -> CostModel:
+        values = {f: float(math.exp(v)) for f, v in zip(fields, x, strict=True)}
+        return dataclasses.replace(base, **values)
+
+    def score(x: np.ndarray) -> float:
+        cost = cost_of(x)
+        total = 0.0
+        for cell, ttft, itl in targets:
+            p_ttft, p_itl = predict(profile, cost, cell)
+            total += math.log((p_ttft + extra.get(cell.name, 0.0)) / ttft) ** 2
+            if not math.isnan(itl) and not math.isnan(p_itl) and itl > 0 and p_itl > 0:
+                total += math.log(p_itl / itl) ** 2
+        return total
+
+    x0 = np.array([math.log(start[f]) for f in fields])
+    best = _nelder_mead(score, x0, iters=iters)
+    return cost_of(best), score(best)

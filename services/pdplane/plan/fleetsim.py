@@ -1,0 +1,389 @@
+"""A whole XpYd (or plain) fleet of simulated engines on one virtual clock.
+
+Every instance is a `pdplane.sim.engine.EngineCore` (the engine model `pdplane sim` serves,
+unchanged); this module only replaces the served simulator's real-time runner with a
+discrete-event loop (a heap of timed events, nothing sleeps), so a fleet serving minutes of
+traffic runs in seconds of CPU. What it models around the engines, after the gateway's
+sequential dispatch (docs/gateway.md) and the connector's pull mode (docs/connector.md):
+
+- a request enters an engine `cost.request_ms` after it is sent (API server, tokenization);
+- disaggregated: the prefill computes the prompt and one token and keeps its KV blocks; the
+  request then goes to a decode, which allocates blocks for the prompt, waits for the pull
+  (`transfer_latency_ms + prompt KV bytes / transfer_gbps`), recomputes the last prompt token
+  and decodes; the prefill's blocks are freed when the pull ends. The client's first token is
+  the decode's first token (TTFT counts prefill queue + prefill + pull + decode admission);
+- plain: every instance serves whole requests (role `both`);
+- routing: least outstanding work — prefill by unfinished prompt tokens, decode and plain by
+  unfinished requests (the scheduler's `least_loaded` in spirit, without heartbeat lag).
+
+Measured window: requests arriving in [warmup_s, last arrival]; ITL counts token gaps inside
+that window (all requests); the run stops `tail_s` after the last arrival, so a request of the
+window without a first token by then gets TTFT = stop - arrival (a lower bound: it failed).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdplane.plan.workload import RequestSpec
+from pdplane.sim.engine import EngineCore, EngineLimits, EngineRequest, Phase, Step
+from pdplane.sim.profiles import Profile
+from pdplane.sim.stats import LogHistogram
+
+__all__ = ["FleetConfig", "FleetResult", "RoleStats", "simulate_fleet"]
+
+_ADD, _STEP_END, _LOAD_DONE, _SNAPSHOT = 0, 1, 2, 3
+_NO_STREAM = 1 << 30  # the waiters are ours: wake only on the first and the last token
+
+
+@dataclass(frozen=True, slots=True)
+class FleetConfig:
+    """Instance counts and the engine flags per role (None = the profile's value)."""
+
+    prefill: int = 0
+    decode: int = 0
+    plain: int = 0
+    prefill_max_num_seqs: int | None = None
+    prefill_max_num_batched_tokens: int | None = None
+    decode_max_num_seqs: int | None = None
+    decode_max_num_batched_tokens: int | None = None
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.plain == 0
+
+    @property
+    def instances(self) -> int:
+        return self.prefill + self.decode + self.plain
+
+    @property
+    def label(self) -> str:
+        return f"{self.prefill}P{self.decode}D" if self.disaggregated else f"{self.plain} plain"
+
+
+@dataclass(slots=True)
+class RoleStats:
+    """One role's instances over the window: busy fraction (0..1), mean running requests,
+    mean KV cache usage (0..1), preemptions, peak KV bytes waiting for a pull per instance."""
+
+    instances: int
+    utilisation: float
+    mean_running: float
+    mean_kv_usage: float
+    preemptions: int
+    peak_loading_bytes: int = 0
+
+
+@dataclass(slots=True)
+class FleetResult:
+    """Predicted latencies (s) and goodput (req/s) of one fleet over the measured window."""
+
+    config: FleetConfig
+    requests: int
+    ttft: LogHistogram
+    itl: LogHistogram
+    good: int
+    window_s: float
+    roles: dict[str, RoleStats] = field(default_factory=dict)
+    unfinished: int = 0
+
+    def ttft_q(self, q: float) -> float:
+        return self.ttft.quantile(q)
+
+    def itl_q(self, q: float) -> float:
+        return self.itl.quantile(q)
+
+    @property
+    def goodput(self) -> float:
+        """Requests of the window meeting both targets per second."""
+        return self.good / self.window_s if self.window_s > 0 else 0.0
+
+
+class _Node:
+    __slots__ = ("busy", "busy_s", "core", "loading_bytes", "outstanding", "peak_loading", "role")
+
+    def __init__(self, role: str, core: EngineCore) -> None:
+        self.role = role
+        self.core = core
+        self.busy = False
+        self.busy_s = 0.0
+        self.outstanding = 0  # routing load: prompt tokens (prefill) or requests
+        self.loading_bytes = 0
+        self.peak_loading = 0
+
+
+class _Req:
+    """The caller's side of a request (the engines' `EngineRequest.waiter`)."""
+
+    __slots__ = ("arrival", "measured", "node", "prefill", "prefill_node", "served", "spec")
+
+    def __init__(self, spec: RequestSpec, measured: bool) -> None:
+        self.spec = spec
+        self.arrival = spec.at
+        self.measured = measured
+        self.node: _Node | None = None
+        self.prefill: EngineRequest | None = None
+        self.prefill_node: _Node | None = None
+        #: the engine request whose tokens the client sees (decode's or plain's)
+        self.served: EngineRequest | None = None
+
+
+def _limits(profile: Profile, seqs: int | None, tokens: int | None) -> EngineLimits:
+    return EngineLimits(
+        num_blocks=profile.num_blocks,
+        block_size=profile.block_size,
+        max_num_seqs=seqs or profile.max_num_seqs,
+        max_num_batched_tokens=tokens or profile.max_num_batched_tokens,
+        stream_interval=_NO_STREAM,
+    )
+
+
+def _tokens(base: int, n: int) -> range:
+    # Unique ids per request (no prefix hits between requests); a range costs no memory.
+    return range(base, base + n)
+
+
+@dataclass(frozen=True, slots=True)
+class _Snapshot:
+    itl: list[LogHistogram]
+    busy: list[float]
+    running: list[float]
+    kv: list[float]
+    preemptions: list[int]
+
+
+class _FleetRun:
+    """The event loop of one `simulate_fleet` call (state shared by the event handlers)."""
+
+    def __init__(self, profile: Profile, config: FleetConfig) -> None:
+        self.profile = profile
+        self.config = config
+        cost = profile.cost
+        self.hop = cost.request_ms * 1e-3
+        self.kv_per_token = profile.kv_bytes_per_token
+        self.gbps = profile.transfer_gbps
+        self.latency = profile.transfer_latency_ms * 1e-3
+
+        def nodes(role: str, n: int, seqs: int | None, toks: int | None) -> list[_Node]:
+            limits = _limits(profile, seqs, toks)
+            return [_Node(role, EngineCore(limits, cost)) for _ in range(n)]
+
+        c = config
+        self.pre = nodes(
+            "prefill", c.prefill, c.prefill_max_num_seqs, c.prefill_max_num_batched_tokens
+        )
+        self.dec = nodes("decode", c.decode, c.decode_max_num_seqs, c.decode_max_num_batched_tokens)
+        self.plain = nodes("plain", c.plain, c.decode_max_num_seqs, None)
+        self.serving = self.dec if c.disaggregated else self.plain
+        self.every = self.pre + self.dec + self.plain
+        self.events: list[tuple[float, int, int, Any]] = []
+        self.seq = 0
+        self.snaps: dict[int, _Snapshot] = {}
+
+    def push(self, t: float, kind: int, obj: Any) -> None:
+        self.seq += 1
+        heapq.heappush(self.events, (t, self.seq, kind, obj))
+
+    def send(self, i: int, r: _Req) -> None:
+        """Routes a new request to its first engine (prefill, or a plain instance)."""
+        spec = r.spec
+        base = i << 20
+        prompt = _tokens(base, spec.prompt_tokens)
+        if self.config.disaggregated:
+            node = min(self.pre, key=lambda n: n.outstanding)
+            node.outstanding += spec.prompt_tokens
+            er = EngineRequest(str(i), prompt, range(1), hold=True)
+            r.prefill_node = node
+        else:
+            node = min(self.plain, key=lambda n: n.outstanding)
+            node.outstanding += 1
+            er = EngineRequest(
+                str(i), prompt, _tokens(base + spec.prompt_tokens, spec.output_tokens)
+            )
+        er.waiter = r
+        self.push(spec.at + self.hop, _ADD, (node, er))
+
+    def kick(self, node: _Node, now: float) -> None:
+        """Starts the node's next step if it is idle and has work."""
+        if node.busy or not node.core.has_work:
+            return
+        step = node.core.schedule(now)
+        for er in step.loads:
+            nbytes = (len(er.prompt) - er.local_hit) * self.kv_per_token
+            node.loading_bytes += nbytes
+            node.peak_loading = max(node.peak_loading, node.loading_bytes)
+            t = self.latency + (nbytes / (self.gbps * 1e9) if self.gbps else 0.0)
+            self.push(now + t, _LOAD_DONE, (node, er, nbytes))
+        if step.batch:
+            node.busy = True
+            dt = step.duration_ms * 1e-3
+            node.busy_s += dt
+            self.push(now + dt, _STEP_END, (node, step))
+
+    def step_end(self, node: _Node, step: Step, now: float) -> None:
+        node.busy = False
+        for er in node.core.complete(step, now):
+            if er.phase != Phase.DONE:
+                continue
+            if node.role != "prefill":
+                node.outstanding -= 1
+                continue
+            # The prefill is done: the request goes to the least loaded decode.
+            r = er.waiter
+            assert isinstance(r, _Req)
+            node.outstanding -= len(er.prompt)
+            r.prefill = er
+            d = min(self.dec, key=lambda n: n.outstanding)
+            d.outstanding += 1
+            spec = r.spec
+            out = _tokens((int(er.request_id) << 20) + spec.prompt_tokens, spec.output_tokens)
+            der = EngineRequest(er.request_id, er.prompt, out, remote_tokens=spec.prompt_tokens)
+            der.waiter = r
+            self.push(now + self.hop, _ADD, (d, der))
+        self.kick(node, now)
+
+    def add(self, node: _Node, er: EngineRequest, now: float) -> None:
+        node.core.add(er, now)
+        if node.role != "prefill":
+            r = er.waiter
+            assert isinstance(r, _Req)
+            r.served = er
+        self.kick(node, now)
+
+    def load_done(self, node: _Node, er: EngineRequest, nbytes: int, now: float) -> None:
+        node.loading_bytes -= nbytes
+        node.core.load_done(er, True, now)
+        r = er.waiter
+        assert isinstance(r, _Req)
+        if r.prefill is not None and r.prefill_node is not None:
+            r.prefill_node.core.release(r.prefill.blocks)  # the pull ended: prefill frees
+            r.prefill.blocks = []
+        self.kick(node, now)
+
+    def snapshot(self, which: int, now: float) -> None:
+        for n in self.every:
+            n.core.sample(now)
+        st = [n.core.stats for n in self.every]
+        self.snaps[which] = _Snapshot(
+            [n.core.stats.itl.merge(LogHistogram()) for n in self.serving],
+            [n.busy_s for n in self.every],
+            [s.running_integral for s in st],
+            [s.kv_usage_integral for s in st],
+            [s.preemptions for s in st],
+        )
+
+    def run(self, stop: float) -> float:
+        """Processes events until none is left or the next is after `stop`; returns the time
+        the run ended."""
+        now = 0.0
+        events = self.events
+        while events:
+            if events[0][0] > stop:
+                return stop
+            now, _, kind, obj = heapq.heappop(events)
+            if kind == _STEP_END:
+                self.step_end(obj[0], obj[1], now)
+            elif kind == _ADD:
+                self.add(obj[0], obj[1], now)
+            elif kind == _LOAD_DONE:
+                self.load_done(obj[0], obj[1], obj[2], now)
+            else:
+                self.snapshot(obj, now)
+        return now
+
+    def roles(self, span: float) -> dict[str, RoleStats]:
+        s0, s1 = self.snaps.get(0), self.snaps.get(1)
+        out: dict[str, RoleStats] = {}
+        for role, group in (("prefill", self.pre), ("decode", self.dec), ("plain", self.plain)):
+            if not group:
+                continue
+            idx = [i for i, n in enumerate(self.every) if n.role == role]
+            k = span * len(idx)
+            if k <= 0 or s0 is None or s1 is None:
+                stats = (0.0, 0.0, 0.0, 0)
+            else:
+                stats = (
+                    sum(s1.busy[i] - s0.busy[i] for i in idx) / k,
+                    sum(s1.running[i] - s0.running[i] for i in idx) / k,
+                    sum(s1.kv[i] - s0.kv[i] for i in idx) / k,
+                    sum(s1.preemptions[i] - s0.preemptions[i] for i in idx),
+                )
+            peak = max(n.peak_loading for n in group)
+            out[role] = RoleStats(
+                len(group), min(stats[0], 1.0), stats[1], stats[2], stats[3], peak
+            )
+        return out
+
+    def itl(self) -> LogHistogram:
+        out = LogHistogram()
+        s0, s1 = self.snaps.get(0), self.snaps.get(1)
+        if s0 is not None and s1 is not None:
+            for a, b in zip(s1.itl, s0.itl, strict=True):
+                out = out.merge(a.minus(b))
+        return out
+
+
+def simulate_fleet(
+    profile: Profile,
+    requests: Sequence[RequestSpec],
+    config: FleetConfig,
+    *,
+    ttft_slo_s: float,
+    itl_slo_s: float,
+    warmup_s: float = 0.0,
+    tail_s: float | None = None,
+) -> FleetResult:
+    """Runs `requests` on the fleet `config` in modelled time and measures the window.
+
+    Goodput counts window requests whose TTFT <= `ttft_slo_s` and mean ITL (TPOT, over the
+    tokens they got before the stop) <= `itl_slo_s`. `tail_s` (default 2 x `ttft_slo_s`):
+    how long after the last arrival the run goes on. Raises ValueError for an empty fleet or a
+    request longer than the profile's context.
+    """
+    if config.disaggregated and (config.prefill < 1 or config.decode < 1):
+        raise ValueError("a disaggregated fleet needs at least one prefill and one decode")
+    if config.instances < 1:
+        raise ValueError("an empty fleet")
+    for spec in requests:
+        if spec.prompt_tokens + spec.output_tokens > profile.max_model_len:
+            raise ValueError(
+                f"request of {spec.prompt_tokens}+{spec.output_tokens} tokens exceeds "
+                f"max_model_len {profile.max_model_len} of profile {profile.name}"
+            )
+    fleet = _FleetRun(profile, config)
+    end = max((r.at for r in requests), default=0.0)
+    warmup_s = min(warmup_s, end)
+    stop = end + (2 * ttft_slo_s if tail_s is None else tail_s)
+    window: list[_Req] = []
+    for i, spec in enumerate(requests):
+        r = _Req(spec, warmup_s <= spec.at <= end)
+        if r.measured:
+            window.append(r)
+        fleet.send(i, r)
+    fleet.push(warmup_s, _SNAPSHOT, 0)
+    fleet.push(end, _SNAPSHOT, 1)
+    stopped_at = fleet.run(stop)
+
+    ttft = LogHistogram()
+    good = unfinished = 0
+    for r in window:
+        er = r.served
+        if er is None or er.first_token_at < 0:
+            ttft.add(max(stopped_at - r.arrival, 1e-6))  # no first token: a lower bound
+            unfinished += 1
+            continue
+        t = er.first_token_at - r.arrival
+        ttft.add(max(t, 1e-6))
+        n = er.num_output
+        tpot = (er.last_token_at - er.first_token_at) / (n - 1) if n > 1 else 0.0
+        if not er.finished:
+            unfinished += 1
+        if t <= ttft_slo_s and tpot <= itl_slo_s:
+            good += 1
+    span = end - warmup_s
+    return FleetResult(
+        config, len(window), ttft, fleet.itl(), good, max(span, 1e-9), fleet.roles(span), unfinished
+    )

@@ -1,0 +1,229 @@
+"""Real vLLM CPU, 2 prefill + 2 decode: kv_aware routes by what the engines' caches hold.
+
+Its own registry, scheduler (kv_aware both sides, the prefix index on) and gateway (the tiny
+model's tokenizer: exact prompt ids and prefix hashes), plus one plain vLLM instance for the
+expected greedy text. The gateway's scheduler port records every decision, so the tests read
+the `reason` and the predicted cached tokens the gateway acted on; vLLM's own
+`vllm:prefix_cache_hits` says what each engine really reused.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from pdplane.gateway.testing import running_gateway
+from pdplane.launch.ports import free_port_run
+from pdplane.launch.process import http_ok, wait_until
+from pdplane.launch.vllm_cpu import VllmCpuInstance, VllmCpuOptions
+from pdplane.scheduler import Decision, RequestFeatures
+from pdplane.scheduler.kv_index import KvState
+from pdplane.scheduler.remote import RemoteScheduler
+from pdplane.scheduler.server import SchedulerServer
+from tests.e2e.conftest import MODEL_NAME, RegistryHandle
+from tests.e2e.connector.helpers import metric
+from tests.integration.scheduler.fixtures import running_scheduler_server
+
+pytestmark = pytest.mark.vllm
+
+BS = 128  # vLLM CPU's block size
+LOCAL_PREFILL_MAX = 256
+PREFILLS = ("kva-prefill-0", "kva-prefill-1")
+DECODES = ("kva-decode-0", "kva-decode-1")
+
+
+class Recording:
+    """A scheduler port that remembers each (features, decision) the gateway got."""
+
+    def __init__(self, port: RemoteScheduler) -> None:
+        self.port = port
+        self.decisions: list[tuple[RequestFeatures, Decision]] = []
+
+    async def schedule(self, features: RequestFeatures) -> Decision:
+        decision = await self.port.schedule(features)
+        self.decisions.append((features, decision))
+        return decision
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.port, name)
+
+
+@dataclass
+class Stack:
+    url: str
+    instances: dict[str, VllmCpuInstance]
+    reference: VllmCpuInstance
+    scheduler: SchedulerServer
+    port: Recording
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    logs = tmp_path_factory.mktemp("kv-aware")
+    registry = RegistryHandle(free_port_run())
+    registry.start()
+    instances: dict[str, VllmCpuInstance] = {}
+
+    def make(name: str, role: str | None, core: str) -> VllmCpuInstance:
+        connector: dict[str, Any] = (
+            {"kv_port": free_port_run(), "registry": registry.address, "instance_id": name}
+            if role
+            else {}
+        )
+        inst = VllmCpuInstance(
+            VllmCpuOptions(
+                model=tiny_model,
+                port=free_port_run(),
+                served_model_name=MODEL_NAME,
+                role=role,  # type: ignore[arg-type]
+                max_model_len=2048,
+                num_gpu_blocks=96,
+                omp_threads_bind=core,
+                kv_load_failure_policy="recompute",
+                **connector,
+            ),
+            logs / f"{name}.log",
+        )
+        inst.process.die_with_parent = True
+        return inst
+
+    for i, name in enumerate(PREFILLS):
+        instances[name] = make(name, "kv_producer", str(i % 2))
+    for i, name in enumerate(DECODES):
+        instances[name] = make(name, "kv_consumer", str((i + 1) % 2))
+    reference = make("reference", None, "1")
+    everything = [*instances.values(), reference]
+    try:
+        for inst in everything:
+            inst.start()
+        for inst in everything:
+            inst.wait_healthy(600)
+        with running_scheduler_server(
+            registry.address,
+            local_prefill_max_tokens=LOCAL_PREFILL_MAX,
+            kv_stale_after_s=30.0,  # a busy 2-core machine must not mark streams stale
+        ) as scheduler:
+            manager = scheduler.app.kv_index
+            assert manager is not None
+            index = manager.index
+
+            def all_live() -> bool:
+                states = {i.instance_id: i.state for i in index.instances()}
+                return all(states.get(n) is KvState.LIVE for n in instances)
+
+            wait_until(all_live, 60.0, what="every instance LIVE in the prefix index")
+            port = Recording(RemoteScheduler(scheduler.address, timeout_s=10.0))
+            with running_gateway(
+                scheduler_port=port,  # type: ignore[arg-type]
+                registry=registry.address,
+                tokenizer=str(tiny_model),
+            ) as url:
+                wait_until(lambda: http_ok(f"{url}/health"), 60.0, what="gateway /health 200")
+                yield Stack(url, instances, reference, scheduler, port)
+    finally:
+        for inst in everything:
+            inst.stop()
+        registry.stop()
+
+
+def _hits(inst: VllmCpuInstance) -> float:
+    return metric(inst.url, "vllm:prefix_cache_hits_total")
+
+
+def _requests(inst: VllmCpuInstance) -> float:
+    return metric(inst.url, "vllm:request_success_total")
+
+
+def _post(url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    r = httpx.post(f"{url}{path}", json=body, timeout=300.0)
+    assert r.status_code == 200, r.text
+    out: dict[str, Any] = r.json()
+    return out
+
+
+def _settle(stack: Stack) -> None:
+    """Waits until the index applied what the engines published (no lag, a quiet moment)."""
+    manager = stack.scheduler.app.kv_index
+    assert manager is not None
+    deadline = time.monotonic() + 20
+
+    def quiet() -> bool:
+        return all(s.state is KvState.LIVE and s.lag_events == 0 for s in manager.states())
+
+    while not quiet():
+        assert time.monotonic() < deadline, manager.states()
+        time.sleep(0.05)
+    time.sleep(0.5)  # vLLM publishes from its own thread: let a last batch land
+
+
+def _ids(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(10, 2000) for _ in range(n)]
+
+
+def test_shared_prefix_lands_where_it_is_cached_and_vllm_agrees(stack: Stack) -> None:
+    shared = _ids(1, 6 * BS)  # 768 tokens, 6 full blocks
+    # Suffixes longer than --local-prefill-max-tokens: disaggregated even where decode holds
+    # the prefix, so the prefill choice is what is tested here.
+    first = shared + _ids(100, 300)
+    body: dict[str, Any] = {"model": MODEL_NAME, "max_tokens": 8, "temperature": 0}
+    out = _post(stack.url, "/v1/completions", {**body, "prompt": first})
+    ref = _post(stack.reference.url, "/v1/completions", {**body, "prompt": first})
+    assert out["choices"][0]["text"] == ref["choices"][0]["text"]
+    _, d0 = stack.port.decisions[-1]
+    assert d0.prefill is not None
+    holder = d0.prefill.instance_id
+    _settle(stack)
+
+    for i in range(3):
+        prompt = shared + _ids(200 + i, 300)
+        before = {n: _hits(inst) for n, inst in stack.instances.items()}
+        out = _post(stack.url, "/v1/completions", {**body, "prompt": prompt})
+        ref = _post(stack.reference.url, "/v1/completions", {**body, "prompt": prompt})
+        assert out["choices"][0]["text"] == ref["choices"][0]["text"]  # greedy, same text
+        features, decision = stack.port.decisions[-1]
+        assert features.prefix_hashes, "the gateway sent no prefix hashes"
+        assert decision.prefill is not None
+        assert decision.prefill.instance_id == holder, decision.reason
+        assert decision.prefill_cached_tokens == len(shared), decision.reason
+        assert f"prefill kv_aware: cached={len(shared)}/{len(prompt)} tokens" in decision.reason
+        grew = _hits(stack.instances[holder]) - before[holder]
+        assert abs(grew - decision.prefill_cached_tokens) <= BS, (grew, decision.reason)
+        # The decode that took the first request holds the prefix too and is preferred.
+        assert decision.decode_cached_tokens >= len(shared), decision.reason
+        _settle(stack)
+
+
+def test_second_chat_turn_goes_to_turn_ones_decode_without_prefill(stack: Stack) -> None:
+    words = " ".join(f"topic{i} detail{i * 7}" for i in range(150))
+    turn1 = [{"role": "user", "content": f"Summarise this: {words}"}]
+    body: dict[str, Any] = {"model": MODEL_NAME, "max_tokens": 12, "temperature": 0}
+    one = _post(stack.url, "/v1/chat/completions", {**body, "messages": turn1})
+    ref_one = _post(stack.reference.url, "/v1/chat/completions", {**body, "messages": turn1})
+    answer = one["choices"][0]["message"]["content"]
+    assert answer == ref_one["choices"][0]["message"]["content"]
+    _, first = stack.port.decisions[-1]
+    assert first.prefill is not None  # decode held nothing of it: disaggregated
+    decode_id = first.decode.instance_id
+    _settle(stack)
+
+    turn2 = [*turn1, {"role": "assistant", "content": answer}]
+    turn2.append({"role": "user", "content": "And in one word?"})
+    prefill_requests = {n: _requests(stack.instances[n]) for n in PREFILLS}
+    two = _post(stack.url, "/v1/chat/completions", {**body, "messages": turn2})
+    ref_two = _post(stack.reference.url, "/v1/chat/completions", {**body, "messages": turn2})
+    assert two["choices"][0]["message"]["content"] == ref_two["choices"][0]["message"]["content"]
+    features, second = stack.port.decisions[-1]
+    assert second.decode.instance_id == decode_id, second.reason
+    assert second.prefill is None, second.reason  # conditional disaggregation
+    assert second.reason.startswith("no prefill: decode holds"), second.reason
+    assert features.prompt_tokens - second.decode_cached_tokens <= LOCAL_PREFILL_MAX
+    # No prefill leg reached either prefill instance.
+    assert {n: _requests(stack.instances[n]) for n in PREFILLS} == prefill_requests

@@ -1,0 +1,56 @@
+"""The remote scheduler client finds a restarted scheduler fast and says when it is gone."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+
+from pdplane.scheduler import RequestFeatures, SchedulerUnavailable
+from pdplane.scheduler.remote import RemoteScheduler
+from tests.integration.scheduler.conftest import Fleet, sees, wait_for
+from tests.integration.scheduler.fixtures import running_scheduler_server
+
+
+async def _first_success_s(client: RemoteScheduler, start: float, limit_s: float) -> float:
+    """Seconds from `start` (clock time) to the first Schedule that succeeds."""
+    n = 0
+    while time.monotonic() - start < limit_s:
+        n += 1
+        try:
+            await client.schedule(RequestFeatures(f"after-{n}", "tiny", 10))
+            return time.monotonic() - start
+        except SchedulerUnavailable:
+            await asyncio.sleep(0.02)
+    return float("inf")
+
+
+async def test_reconnects_within_a_second_and_reports_unreachable_meanwhile(
+    fleet: Fleet, free_port: Callable[[], int]
+) -> None:
+    fleet.add("p0", "prefill")
+    fleet.add("d0", "decode")
+    port = free_port()
+    client = RemoteScheduler(f"127.0.0.1:{port}", timeout_s=1.0)
+    try:
+        with running_scheduler_server(fleet.registry, port=port) as server:
+            wait_for(sees(server, "p0", "d0"))
+            await client.schedule(RequestFeatures("before", "tiny", 10))
+            assert client.problem() is None
+        # Down for 6 s: gRPC's default backoff (1 s, x1.6 per failed attempt) has grown to
+        # several seconds by then; every call fails fast meanwhile.
+        down_until = time.monotonic() + 6.0
+        while time.monotonic() < down_until:
+            with contextlib.suppress(SchedulerUnavailable):
+                await client.schedule(RequestFeatures("down", "tiny", 10))
+            await asyncio.sleep(0.1)
+        assert client.problem() == f"scheduler unreachable at 127.0.0.1:{port}"
+        with running_scheduler_server(fleet.registry, port=port) as server:
+            up_at = time.monotonic()
+            wait_for(sees(server, "p0", "d0"))
+            took = await _first_success_s(client, up_at, limit_s=10.0)
+            assert took < 1.0, f"first Schedule after the restart succeeded {took:.2f} s late"
+            assert client.problem() is None
+    finally:
+        await client.close()
