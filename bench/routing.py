@@ -261,6 +261,8 @@ _COLUMNS = [
     ("output_tok_s", "out tok/s", "{:.0f}"),
     ("goodput_rps", "goodput/s", "{:.1f}"),
     ("prefill_hit_rate", "P hit", "{:.0%}"),
+    ("decode_hit_rate", "D hit", "{:.0%}"),
+    ("prefill_legs_per_request", "P legs/req", "{:.2f}"),
     ("kv_mb_per_request", "KV MB/req", "{:.1f}"),
     ("decode_running_mean", "D run mean", "{:.0f}"),
     ("decode_running_max_over_mean", "max/mean", "{:.2f}"),
@@ -315,6 +317,7 @@ def report(results: list[dict[str, Any]]) -> str:
 
 
 _SEED_ROWS = [
+    "seed-proxy:random",
     "pdplane:random",
     "pdplane:round_robin",
     "pdplane:least_loaded",
@@ -360,6 +363,63 @@ PRESETS: dict[str, dict[str, Any]] = {
         "stream_interval": 64,
         "rows": _SEED_ROWS,
         "workload_args": {"osl_lo": 200, "osl_hi": 300},
+    },
+    # Multi-tenant shared prefixes: T tenants with 4000-token system prompts, short questions
+    # and answers. T x 4000 tokens is more than one instance's cache (25000 blocks = 400k
+    # tokens), so routing decides the hit rate; near and past round_robin's saturation.
+    "shared-prefix-8p16d": {
+        "topology": "8P16D",
+        "workload": "shared-prefix",
+        "rates": [15.0, 25.0],
+        "profile": "qwen2-7b-a100",
+        "kv_blocks": 25000,
+        "duration_s": 90.0,
+        "time_scale": 2.0,
+        "stream_interval": 16,
+        "drain_s": 30.0,
+        "workload_args": {"tenants": 200, "system_tokens": 4000},
+        "rows": [*ALL_ROWS, "pdplane:kv_aware"],
+    },
+    "shared-prefix-4p4d": {
+        "topology": "4P4D",
+        "workload": "shared-prefix",
+        "rates": [8.0, 14.0],
+        "profile": "qwen2-7b-a100",
+        "kv_blocks": 25000,
+        "duration_s": 90.0,
+        "time_scale": 2.0,
+        "stream_interval": 16,
+        "drain_s": 30.0,
+        "workload_args": {"tenants": 120, "system_tokens": 4000},
+        "rows": [*ALL_ROWS, "pdplane:kv_aware"],
+    },
+    # Multi-turn chat: sessions of 5 turns (1000-token document + 400-token question, then
+    # 80-token follow-ups after ~5 s), each turn carrying the whole conversation.
+    "multi-turn-8p16d": {
+        "topology": "8P16D",
+        "workload": "multi-turn",
+        "rates": [4.0, 7.0],
+        "profile": "qwen2-7b-a100",
+        "kv_blocks": 25000,
+        "duration_s": 90.0,
+        "time_scale": 2.0,
+        "stream_interval": 16,
+        "drain_s": 40.0,
+        "workload_args": {"turns": 5, "system_tokens": 1000, "think_s": 5.0},
+        "rows": [*ALL_ROWS, "pdplane:kv_aware"],
+    },
+    "multi-turn-4p4d": {
+        "topology": "4P4D",
+        "workload": "multi-turn",
+        "rates": [2.0, 3.5],
+        "profile": "qwen2-7b-a100",
+        "kv_blocks": 25000,
+        "duration_s": 90.0,
+        "time_scale": 2.0,
+        "stream_interval": 16,
+        "drain_s": 40.0,
+        "workload_args": {"turns": 5, "system_tokens": 1000, "think_s": 5.0},
+        "rows": [*ALL_ROWS, "pdplane:kv_aware"],
     },
 }
 
