@@ -25,10 +25,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,6 +44,7 @@ if str(ROOT) not in sys.path:
 from bench import workloads as wl  # noqa: E402
 from bench._openloop import replay  # noqa: E402
 from bench._procs import Proc, free_port, spawn  # noqa: E402
+from bench._proxies import ProxyRun  # noqa: E402
 from bench._routing_proxies import Endpoints, parse_row, start_row  # noqa: E402
 from bench._routing_stats import client_numbers, fleet_numbers  # noqa: E402
 
@@ -217,17 +220,19 @@ async def _measure(p: Point, url: str, control: str) -> dict[str, Any]:
     return {**client, **fleet_numbers(before, after)}
 
 
-def run_point(p: Point, logs: Path, proxy_cpus: str = "", sim_cpus: str = "") -> dict[str, Any]:
-    """Measures one point; returns its settings and numbers (see bench/_routing_stats.py)."""
-    row = parse_row(p.row)
+@contextlib.contextmanager
+def started(
+    p: Point, logs: Path, proxy_cpus: str = "", sim_cpus: str = ""
+) -> Iterator[tuple[ProxyRun, dict[str, Any]]]:
+    """A fresh registry, sim fleet and the point's router; yields (router, fleet line) and
+    stops all three on exit."""
     logs.mkdir(parents=True, exist_ok=True)
     registry, address = _registry(p, proxy_cpus, logs)
     fleet: Proc | None = None
-    proxy = None
+    proxy: ProxyRun | None = None
     try:
         fleet, line = _fleet(p, address, sim_cpus, logs)
-        n_p, n_d = TOPOLOGIES[p.topology]
-        _wait_registered(address, n_p + n_d)
+        _wait_registered(address, sum(TOPOLOGIES[p.topology]))
         ep = Endpoints(
             address,
             line["prefill"],
@@ -235,7 +240,19 @@ def run_point(p: Point, logs: Path, proxy_cpus: str = "", sim_cpus: str = "") ->
             line.get("oracle"),
             tokenizer=_tokenizer_dir(p.tokenizer),
         )
-        proxy = start_row(row, ep, proxy_cpus, logs, dispatch=p.dispatch)
+        proxy = start_row(parse_row(p.row), ep, proxy_cpus, logs, dispatch=p.dispatch)
+        yield proxy, line
+    finally:
+        if proxy is not None:
+            proxy.stop()
+        if fleet is not None:
+            fleet.stop()
+        registry.stop()
+
+
+def run_point(p: Point, logs: Path, proxy_cpus: str = "", sim_cpus: str = "") -> dict[str, Any]:
+    """Measures one point; returns its settings and numbers (see bench/_routing_stats.py)."""
+    with started(p, logs, proxy_cpus, sim_cpus) as (proxy, line):
         cpu0, t0 = proxy.cpu_ms(), time.perf_counter()
         numbers = asyncio.run(_measure(p, proxy.url, line["control"]))
         numbers["proxy_cpu_ms_per_request"] = (
@@ -243,12 +260,6 @@ def run_point(p: Point, logs: Path, proxy_cpus: str = "", sim_cpus: str = "") ->
         )
         numbers["wall_s"] = time.perf_counter() - t0
         return {"point": asdict(p), **numbers}
-    finally:
-        if proxy is not None:
-            proxy.stop()
-        if fleet is not None:
-            fleet.stop()
-        registry.stop()
 
 
 _COLUMNS = [
@@ -316,6 +327,29 @@ def report(results: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
+_MULTI_TURN = {"turns": 5, "system_tokens": 1000, "think_s": 5.0}
+
+
+def _routing_preset(
+    topology: str, workload: str, rates: list[float], workload_args: dict[str, Any]
+) -> dict[str, Any]:
+    """A routing comparison: every row, the A100 profile with a 400k-token cache per
+    instance, 90 modelled s per point at twice real time."""
+    return {
+        "topology": topology,
+        "workload": workload,
+        "rates": rates,
+        "profile": "qwen2-7b-a100",
+        "kv_blocks": 25000,
+        "duration_s": 90.0,
+        "time_scale": 2.0,
+        "stream_interval": 16,
+        "drain_s": 40.0,
+        "workload_args": workload_args,
+        "rows": [*ALL_ROWS, "pdplane:kv_aware"],
+    }
+
+
 _SEED_ROWS = [
     "seed-proxy:random",
     "pdplane:random",
@@ -367,60 +401,16 @@ PRESETS: dict[str, dict[str, Any]] = {
     # Multi-tenant shared prefixes: T tenants with 4000-token system prompts, short questions
     # and answers. T x 4000 tokens is more than one instance's cache (25000 blocks = 400k
     # tokens), so routing decides the hit rate; near and past round_robin's saturation.
-    "shared-prefix-8p16d": {
-        "topology": "8P16D",
-        "workload": "shared-prefix",
-        "rates": [15.0, 25.0],
-        "profile": "qwen2-7b-a100",
-        "kv_blocks": 25000,
-        "duration_s": 90.0,
-        "time_scale": 2.0,
-        "stream_interval": 16,
-        "drain_s": 30.0,
-        "workload_args": {"tenants": 200, "system_tokens": 4000},
-        "rows": [*ALL_ROWS, "pdplane:kv_aware"],
-    },
-    "shared-prefix-4p4d": {
-        "topology": "4P4D",
-        "workload": "shared-prefix",
-        "rates": [8.0, 14.0],
-        "profile": "qwen2-7b-a100",
-        "kv_blocks": 25000,
-        "duration_s": 90.0,
-        "time_scale": 2.0,
-        "stream_interval": 16,
-        "drain_s": 30.0,
-        "workload_args": {"tenants": 120, "system_tokens": 4000},
-        "rows": [*ALL_ROWS, "pdplane:kv_aware"],
-    },
+    "shared-prefix-8p16d": _routing_preset(
+        "8P16D", "shared-prefix", [15.0, 25.0], {"tenants": 200, "system_tokens": 4000}
+    ),
+    "shared-prefix-4p4d": _routing_preset(
+        "4P4D", "shared-prefix", [8.0, 14.0], {"tenants": 120, "system_tokens": 4000}
+    ),
     # Multi-turn chat: sessions of 5 turns (1000-token document + 400-token question, then
     # 80-token follow-ups after ~5 s), each turn carrying the whole conversation.
-    "multi-turn-8p16d": {
-        "topology": "8P16D",
-        "workload": "multi-turn",
-        "rates": [4.0, 7.0],
-        "profile": "qwen2-7b-a100",
-        "kv_blocks": 25000,
-        "duration_s": 90.0,
-        "time_scale": 2.0,
-        "stream_interval": 16,
-        "drain_s": 40.0,
-        "workload_args": {"turns": 5, "system_tokens": 1000, "think_s": 5.0},
-        "rows": [*ALL_ROWS, "pdplane:kv_aware"],
-    },
-    "multi-turn-4p4d": {
-        "topology": "4P4D",
-        "workload": "multi-turn",
-        "rates": [2.0, 3.5],
-        "profile": "qwen2-7b-a100",
-        "kv_blocks": 25000,
-        "duration_s": 90.0,
-        "time_scale": 2.0,
-        "stream_interval": 16,
-        "drain_s": 40.0,
-        "workload_args": {"turns": 5, "system_tokens": 1000, "think_s": 5.0},
-        "rows": [*ALL_ROWS, "pdplane:kv_aware"],
-    },
+    "multi-turn-8p16d": _routing_preset("8P16D", "multi-turn", [4.0, 7.0], _MULTI_TURN),
+    "multi-turn-4p4d": _routing_preset("4P4D", "multi-turn", [2.0, 3.5], _MULTI_TURN),
 }
 
 
