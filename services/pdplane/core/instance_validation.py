@@ -17,6 +17,7 @@ from pdplane.v1 import instance_pb2
 
 __all__ = [
     "KNOWN_DTYPES",
+    "MAX_SPEC_BYTES",
     "ValidationError",
     "parse_host_port",
     "validate_load",
@@ -42,6 +43,9 @@ _ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 _LABEL_KEY = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._/-]{0,61}[A-Za-z0-9])?")
 _HOST = re.compile(r"[A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?")
 _MAX_LABELS = 64
+#: Largest serialized InstanceSpec (bytes): a real one is well under 1 KiB; the per-field
+#: limits alone allowed ~20 KiB, and 5,000 of those outgrew a 64 MiB snapshot message.
+MAX_SPEC_BYTES = 8192
 _MAX_TEXT = 256
 # Upper bounds that no real deployment reaches; anything above is a bug on the caller's side.
 _LIMITS = {
@@ -148,7 +152,8 @@ def validate_spec(spec: instance_pb2.InstanceSpec) -> None:
     Rules: instance_id matches [A-Za-z0-9._:-]{1,128}; role and transport are known, non-zero
     enum values; model is 1..256 printable characters; url is an http(s) base URL with host and
     port; kv_endpoint is host:port; tp_size 1..1024; max_model_len 1..2^24 tokens; kv_layout is
-    set with every number in range and a known torch dtype; at most 64 labels.
+    set with every number in range and a known torch dtype; at most 64 labels; the whole spec
+    at most `MAX_SPEC_BYTES` (8 KiB) serialized.
     """
     if not _ID.fullmatch(spec.instance_id):
         raise ValidationError(
@@ -171,6 +176,9 @@ def validate_spec(spec: instance_pb2.InstanceSpec) -> None:
     _check_range("spec.max_model_len", spec.max_model_len, "max_model_len")
     _check_text("spec.version", spec.version, required=False, spaces=True)
     _check_labels(spec.labels)
+    size = spec.ByteSize()
+    if size > MAX_SPEC_BYTES:
+        raise ValidationError("spec", f"at most {MAX_SPEC_BYTES} bytes serialized, got {size}")
 
 
 def validate_load(load: instance_pb2.LoadReport) -> None:

@@ -163,8 +163,9 @@ def main(argv: list[str]) -> int:
         sources=(
             f"measured: pdplane profile --grid {s.grid} {when}, {len(cells)} cells x "
             f"{s.repeats}, fit score {score:.3f}",
-            f"capacity: vllm:cache_config_info {info['cache_config'] or 'absent'}, "
-            f"max_model_len {info['max_model_len']}",
+            f"capacity: num_gpu_blocks {fitted.num_blocks}, block_size {fitted.block_size} "
+            f"({'vllm:cache_config_info' if info['cache_config'] else 'flags / --base'}), "
+            f"max_model_len {fitted.max_model_len}",
         ),
     )
     s.out.write_text(json.dumps(fitted.to_dict(), indent=1) + "\n")

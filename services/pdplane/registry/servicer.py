@@ -10,11 +10,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 import grpc
 
+from pdplane.core.grpc_auth import ADMIN_REQUIRED, AuthPolicy
 from pdplane.core.instance_validation import ValidationError, validate_load, validate_spec
 from pdplane.registry.store import (
     AlreadyExistsError,
@@ -26,7 +27,7 @@ from pdplane.registry.store import (
 )
 from pdplane.v1 import instance_pb2, registry_pb2, registry_pb2_grpc
 
-__all__ = ["SERVICE_NAME", "AioRegistryServicer", "RegistryServicer"]
+__all__ = ["SERVICE_NAME", "AioRegistryServicer", "RegistryServicer", "public"]
 
 SERVICE_NAME = "pdplane.v1.Registry"
 #: Longest lease a client may ask for (ms); anything above is a mistake, not a wish.
@@ -36,6 +37,10 @@ _R = TypeVar("_R")
 _Event = registry_pb2.WatchEvent
 #: Largest BATCH the registry sends, whatever a watcher asks for (bounds message size).
 MAX_BATCH = 1024
+#: About the most bytes of one SNAPSHOT part (to watchers that accept parts) and of one
+#: ListInstancesStream message: far below gRPC's 64 MiB limit, which 5,000 large specs (88 MB)
+#: had outgrown. A part holds at least one instance (a spec is at most 8 KiB).
+SNAPSHOT_PART_BYTES = 4 << 20
 #: The registry's errors and their status, most specific first (any other StoreError: the
 #: backing store refused for a reason of its own, INTERNAL with its message).
 _STATUS: list[tuple[type[Exception], grpc.StatusCode]] = [
@@ -100,7 +105,19 @@ def _check_heartbeat(request: registry_pb2.HeartbeatRequest) -> None:
 
 def _check_deregister(request: registry_pb2.DeregisterRequest) -> None:
     _require("instance_id", request.instance_id)
-    _require("lease_id", request.lease_id)
+
+
+class _AdminRequired(Exception):
+    """A lease-less Deregister from a caller without the admin credential."""
+
+
+def public(instance: instance_pb2.Instance) -> instance_pb2.Instance:
+    """A copy of `instance` without its lease id: the lease id is the instance's capability
+    (who holds it may heartbeat, drain and deregister it), so no answer lists it."""
+    out = instance_pb2.Instance()
+    out.CopyFrom(instance)
+    out.ClearField("lease_id")
+    return out
 
 
 def _pack(events: list[registry_pb2.WatchEvent], max_batch: int) -> list[registry_pb2.WatchEvent]:
@@ -130,6 +147,50 @@ def _pack(events: list[registry_pb2.WatchEvent], max_batch: int) -> list[registr
     return out
 
 
+def _parts(instances: Iterable[instance_pb2.Instance]) -> Iterator[list[instance_pb2.Instance]]:
+    """`instances` in order, cut into lists of about `SNAPSHOT_PART_BYTES` serialized bytes
+    (at least one list, maybe empty)."""
+    limit = SNAPSHOT_PART_BYTES
+    part: list[instance_pb2.Instance] = []
+    size = 0
+    for instance in instances:
+        n = instance.ByteSize() + 6  # field tag and length prefix
+        if part and size + n > limit:
+            yield part
+            part, size = [], 0
+        part.append(instance)
+        size += n
+    yield part
+
+
+def _in_parts(events: list[registry_pb2.WatchEvent]) -> list[registry_pb2.WatchEvent]:
+    """`events` with every SNAPSHOT over `SNAPSHOT_PART_BYTES` cut into parts of one revision,
+    `more` set on all but the last."""
+    if not any(e.type == _Event.SNAPSHOT for e in events):
+        return events
+    out: list[registry_pb2.WatchEvent] = []
+    for event in events:
+        if event.type != _Event.SNAPSHOT or event.ByteSize() <= SNAPSHOT_PART_BYTES:
+            out.append(event)
+            continue
+        parts = list(_parts(event.instances))
+        for i, part in enumerate(parts):
+            more = i < len(parts) - 1
+            out.append(
+                _Event(type=_Event.SNAPSHOT, revision=event.revision, instances=part, more=more)
+            )
+    return out
+
+
+def _outgoing(
+    events: list[registry_pb2.WatchEvent], request: registry_pb2.WatchInstancesRequest
+) -> list[registry_pb2.WatchEvent]:
+    """What a watcher gets for `events`: packed as it asked (`max_batch`), snapshots in parts
+    when it accepts them (`chunked_snapshots`)."""
+    packed = _pack(events, min(request.max_batch, MAX_BATCH))
+    return _in_parts(packed) if request.chunked_snapshots else packed
+
+
 def _require(field: str, value: str) -> None:
     if not value:
         raise ValidationError(field, "must not be empty")
@@ -138,8 +199,19 @@ def _require(field: str, value: str) -> None:
 class RegistryServicer(registry_pb2_grpc.RegistryServicer):
     """Sync servicer over an `InstanceStore` (validated input only reaches the store)."""
 
-    def __init__(self, store: InstanceStore) -> None:
+    def __init__(self, store: InstanceStore, policy: AuthPolicy | None = None) -> None:
         self._store = store
+        self._policy = policy or AuthPolicy()
+
+    def _lease_for(self, request: registry_pb2.DeregisterRequest, context: Any) -> str:
+        """The lease a Deregister acts on: the caller's own (`lease_id`, which proves it), or,
+        for an operator (admin credential) that names none, the instance's live one."""
+        _check_deregister(request)
+        if request.lease_id:
+            return request.lease_id
+        if not self._policy.is_admin(context):
+            raise _AdminRequired
+        return self._store.get(request.instance_id).lease_id
 
     def Register(
         self, request: registry_pb2.RegisterRequest, context: grpc.ServicerContext
@@ -179,11 +251,16 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
         """Removes (or with drain marks DRAINING) an instance; NOT_FOUND for a stale lease."""
 
         def run() -> registry_pb2.DeregisterResponse:
-            _check_deregister(request)
-            state = self._store.deregister(request.instance_id, request.lease_id, request.drain)
+            lease = self._lease_for(request, context)
+            state = self._store.deregister(request.instance_id, lease, request.drain)
             return registry_pb2.DeregisterResponse(state=state)
 
-        return _call(context, registry_pb2.DeregisterResponse(), run)
+        try:
+            return _call(context, registry_pb2.DeregisterResponse(), run)
+        except _AdminRequired:
+            context.set_code(ADMIN_REQUIRED[0])
+            context.set_details(ADMIN_REQUIRED[1])
+            return registry_pb2.DeregisterResponse()
 
     def ListInstances(
         self, request: registry_pb2.ListInstancesRequest, context: grpc.ServicerContext
@@ -191,14 +268,32 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
         """Instances matching role (BOTH matches either), model and state; zero = any."""
 
         def run() -> registry_pb2.ListInstancesResponse:
-            if request.role not in instance_pb2.Role.values():
-                raise ValidationError("role", f"unknown role {request.role}")
-            if request.state not in instance_pb2.InstanceState.values():
-                raise ValidationError("state", f"unknown state {request.state}")
-            instances, revision = self._store.list(request.role, request.model, request.state)
+            instances, revision = self._listed(request)
             return registry_pb2.ListInstancesResponse(instances=instances, revision=revision)
 
         return _call(context, registry_pb2.ListInstancesResponse(), run)
+
+    def _listed(
+        self, request: registry_pb2.ListInstancesRequest
+    ) -> tuple[list[instance_pb2.Instance], int]:
+        if request.role not in instance_pb2.Role.values():
+            raise ValidationError("role", f"unknown role {request.role}")
+        if request.state not in instance_pb2.InstanceState.values():
+            raise ValidationError("state", f"unknown state {request.state}")
+        instances, revision = self._store.list(request.role, request.model, request.state)
+        return [public(i) for i in instances], revision
+
+    def ListInstancesStream(
+        self, request: registry_pb2.ListInstancesRequest, context: grpc.ServicerContext
+    ) -> Iterator[registry_pb2.ListInstancesResponse]:
+        """ListInstances' list in messages of about `SNAPSHOT_PART_BYTES`, one revision."""
+        try:
+            instances, revision = self._listed(request)
+        except _ERRORS as exc:
+            _fail(context, exc)
+            return
+        for part in _parts(instances):
+            yield registry_pb2.ListInstancesResponse(instances=part, revision=revision)
 
     def GetInstance(
         self, request: registry_pb2.GetInstanceRequest, context: grpc.ServicerContext
@@ -207,7 +302,7 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
 
         def run() -> instance_pb2.Instance:
             _require("instance_id", request.instance_id)
-            return self._store.get(request.instance_id)
+            return public(self._store.get(request.instance_id))
 
         return _call(context, instance_pb2.Instance(), run)
 
@@ -216,13 +311,12 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
     ) -> Iterator[registry_pb2.WatchEvent]:
         """SNAPSHOT (or replay), then every change; holds one server thread while open."""
         wake = threading.Event()
-        max_batch = min(request.max_batch, MAX_BATCH)
         sub = self._store.watch(request.from_revision, wake.set)
         context.add_callback(wake.set)
         try:
             while context.is_active():
                 wake.clear()
-                yield from _pack(sub.poll(), max_batch)
+                yield from _outgoing(sub.poll(), request)
                 wake.wait(1.0)
         finally:
             sub.close()
@@ -263,18 +357,27 @@ class AioRegistryServicer(RegistryServicer):
 
     async def Deregister(self, request: Any, context: Any) -> registry_pb2.DeregisterResponse:  # type: ignore[override]
         async def run() -> registry_pb2.DeregisterResponse:
-            _check_deregister(request)
-            state = await self._store.aderegister(
-                request.instance_id, request.lease_id, request.drain
-            )
+            lease = self._lease_for(request, context)
+            state = await self._store.aderegister(request.instance_id, lease, request.drain)
             return registry_pb2.DeregisterResponse(state=state)
 
-        return await _acall(context, registry_pb2.DeregisterResponse(), run)
+        try:
+            return await _acall(context, registry_pb2.DeregisterResponse(), run)
+        except _AdminRequired:
+            context.set_code(ADMIN_REQUIRED[0])
+            context.set_details(ADMIN_REQUIRED[1])
+            return registry_pb2.DeregisterResponse()
 
     async def ListInstances(  # type: ignore[override]
         self, request: Any, context: Any
     ) -> registry_pb2.ListInstancesResponse:
         return super().ListInstances(request, context)
+
+    async def ListInstancesStream(  # type: ignore[override]
+        self, request: Any, context: Any
+    ) -> AsyncIterator[registry_pb2.ListInstancesResponse]:
+        for response in super().ListInstancesStream(request, context):
+            yield response
 
     async def GetInstance(self, request: Any, context: Any) -> instance_pb2.Instance:  # type: ignore[override]
         return super().GetInstance(request, context)
@@ -299,12 +402,11 @@ class AioRegistryServicer(RegistryServicer):
             with contextlib.suppress(RuntimeError):
                 loop.call_soon_threadsafe(wake.set)
 
-        max_batch = min(request.max_batch, MAX_BATCH)
         sub = self._store.watch(request.from_revision, notify)
         try:
             while True:
                 wake.clear()
-                for event in _pack(sub.poll(), max_batch):
+                for event in _outgoing(sub.poll(), request):
                     yield event
                 await wake.wait()
         finally:

@@ -110,7 +110,7 @@ class WatchHub:
         floor: int = 0,
     ) -> None:
         self.lock = threading.RLock()
-        self.snapshot = snapshot
+        self._snapshot = snapshot
         self.max_queue = max_queue
         self._log: deque[registry_pb2.WatchEvent] = deque(maxlen=history)
         # Every event above `_floor` is in the log: a watcher that saw up to any revision from
@@ -118,8 +118,19 @@ class WatchHub:
         self._floor = floor
         self._subs: set[_Subscription] = set()
 
+    def snapshot(self) -> registry_pb2.WatchEvent:
+        """The store's SNAPSHOT without lease ids (lock held; see `emit`)."""
+        event = self._snapshot()
+        for instance in event.instances:
+            instance.ClearField("lease_id")
+        return event
+
     def emit(self, event: registry_pb2.WatchEvent) -> None:
-        """Logs `event` and queues it for every watcher (lock held)."""
+        """Logs `event` and queues it for every watcher (lock held). Its instance loses its
+        lease id: the lease id is the instance's capability, never sent to watchers (`event`
+        holds its own copy of the instance, made when the event was built)."""
+        if event.HasField("instance"):
+            event.instance.ClearField("lease_id")
         if len(self._log) == self._log.maxlen:
             self._floor = self._log[0].revision if self._log else event.revision
         self._log.append(event)

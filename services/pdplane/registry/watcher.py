@@ -64,6 +64,7 @@ class InstanceWatcher:
         self.snapshots = 0  # SNAPSHOT events applied (first one included)
         self.reconnects = 0  # streams re-opened after an error
         self._misses = 0  # replicas that failed since the last event
+        self._parts: list[registry_pb2.WatchEvent] = []  # parts of a snapshot, last one pending
 
     @property
     def revision(self) -> int:
@@ -134,8 +135,9 @@ class InstanceWatcher:
 
     def _watch_once(self, backoff: Backoff) -> None:
         request = registry_pb2.WatchInstancesRequest(
-            from_revision=self.revision, max_batch=_MAX_BATCH
+            from_revision=self.revision, max_batch=_MAX_BATCH, chunked_snapshots=True
         )
+        self._parts = []  # a snapshot cut off by a broken stream is dropped
         call = self._endpoints.stub.WatchInstances(request, metadata=self._metadata)
         with self._lock:
             self._call = call
@@ -147,6 +149,16 @@ class InstanceWatcher:
             self._misses = 0
 
     def _apply(self, message: registry_pb2.WatchEvent) -> None:
+        if message.type == _Event.SNAPSHOT and (message.more or self._parts):
+            # A snapshot in parts: the view is replaced once the last part arrived.
+            self._parts.append(message)
+            if message.more:
+                return
+            whole = _Event(type=_Event.SNAPSHOT, revision=message.revision)
+            for part in self._parts:
+                whole.instances.extend(part.instances)
+            self._parts = []
+            message = whole
         events = message.events if message.type == _Event.BATCH else [message]
         with self._lock:
             for event in events:

@@ -248,6 +248,7 @@ class WatchInstancesRequest(_message.Message):
 
     FROM_REVISION_FIELD_NUMBER: _builtins.int
     MAX_BATCH_FIELD_NUMBER: _builtins.int
+    CHUNKED_SNAPSHOTS_FIELD_NUMBER: _builtins.int
     from_revision: _builtins.int
     """0 = start with a snapshot. Otherwise replay events after this revision when the registry
     still holds them, else a snapshot.
@@ -257,15 +258,22 @@ class WatchInstancesRequest(_message.Message):
     REMOVED events (the registry packs the events that queued up while the stream was busy,
     so a busy registry sends fewer, larger messages). 0 or 1: one event per message.
     """
+    chunked_snapshots: _builtins.bool
+    """true: the watcher accepts a SNAPSHOT in several messages (each of at most about 4 MiB,
+    all of one revision, every one but the last with `more` set); it replaces its view once
+    the last one arrived. false: one SNAPSHOT message, which fails once it outgrows the 64 MiB
+    message limit.
+    """
     def __init__(
         self,
         *,
         from_revision: _builtins.int = ...,
         max_batch: _builtins.int = ...,
+        chunked_snapshots: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["from_revision", b"from_revision", "max_batch", b"max_batch"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunked_snapshots", b"chunked_snapshots", "from_revision", b"from_revision", "max_batch", b"max_batch"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -310,10 +318,13 @@ class WatchEvent(_message.Message):
     INSTANCES_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
     EVENTS_FIELD_NUMBER: _builtins.int
+    MORE_FIELD_NUMBER: _builtins.int
     type: Global___WatchEvent.Type.ValueType
     revision: _builtins.int
     reason: _builtins.str
     """REMOVED: "deregistered", "lease_expired", ..."""
+    more: _builtins.bool
+    """SNAPSHOT: more parts of this snapshot follow"""
     @_builtins.property
     def instance(self) -> _instance_pb2.Instance:
         """ADDED / UPDATED / REMOVED"""
@@ -335,10 +346,11 @@ class WatchEvent(_message.Message):
         instances: _abc.Iterable[_instance_pb2.Instance] | None = ...,
         reason: _builtins.str = ...,
         events: _abc.Iterable[Global___WatchEvent] | None = ...,
+        more: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["instance", b"instance"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["events", b"events", "instance", b"instance", "instances", b"instances", "reason", b"reason", "revision", b"revision", "type", b"type"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["events", b"events", "instance", b"instance", "instances", b"instances", "more", b"more", "reason", b"reason", "revision", b"revision", "type", b"type"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

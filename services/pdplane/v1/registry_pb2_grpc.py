@@ -60,6 +60,11 @@ class RegistryStub:
                 request_serializer=pdplane_dot_v1_dot_registry__pb2.ListInstancesRequest.SerializeToString,
                 response_deserializer=pdplane_dot_v1_dot_registry__pb2.ListInstancesResponse.FromString,
                 _registered_method=True)
+        self.ListInstancesStream = channel.unary_stream(
+                '/pdplane.v1.Registry/ListInstancesStream',
+                request_serializer=pdplane_dot_v1_dot_registry__pb2.ListInstancesRequest.SerializeToString,
+                response_deserializer=pdplane_dot_v1_dot_registry__pb2.ListInstancesResponse.FromString,
+                _registered_method=True)
         self.GetInstance = channel.unary_unary(
                 '/pdplane.v1.Registry/GetInstance',
                 request_serializer=pdplane_dot_v1_dot_registry__pb2.GetInstanceRequest.SerializeToString,
@@ -112,7 +117,17 @@ class RegistryServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListInstances(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """All matching instances in one message: fails (RESOURCE_EXHAUSTED) once they outgrow the
+        64 MiB message limit; ListInstancesStream has no such limit.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListInstancesStream(self, request, context):
+        """The same list as messages of at most about 4 MiB each, all of one `revision` (one
+        consistent view); the concatenation of their `instances` is the list.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -158,6 +173,11 @@ def add_RegistryServicer_to_server(servicer, server):
             ),
             'ListInstances': grpc.unary_unary_rpc_method_handler(
                     servicer.ListInstances,
+                    request_deserializer=pdplane_dot_v1_dot_registry__pb2.ListInstancesRequest.FromString,
+                    response_serializer=pdplane_dot_v1_dot_registry__pb2.ListInstancesResponse.SerializeToString,
+            ),
+            'ListInstancesStream': grpc.unary_stream_rpc_method_handler(
+                    servicer.ListInstancesStream,
                     request_deserializer=pdplane_dot_v1_dot_registry__pb2.ListInstancesRequest.FromString,
                     response_serializer=pdplane_dot_v1_dot_registry__pb2.ListInstancesResponse.SerializeToString,
             ),
@@ -305,6 +325,33 @@ class Registry:
             request,
             target,
             '/pdplane.v1.Registry/ListInstances',
+            pdplane_dot_v1_dot_registry__pb2.ListInstancesRequest.SerializeToString,
+            pdplane_dot_v1_dot_registry__pb2.ListInstancesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListInstancesStream(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdplane.v1.Registry/ListInstancesStream',
             pdplane_dot_v1_dot_registry__pb2.ListInstancesRequest.SerializeToString,
             pdplane_dot_v1_dot_registry__pb2.ListInstancesResponse.FromString,
             options,

@@ -54,6 +54,13 @@ class RegistryStub:
     Deregister: _grpc.UnaryUnaryMultiCallable[_registry_pb2.DeregisterRequest, _registry_pb2.DeregisterResponse]
     """Removes an instance now, or with drain=true marks it DRAINING (listed, never scheduled)."""
     ListInstances: _grpc.UnaryUnaryMultiCallable[_registry_pb2.ListInstancesRequest, _registry_pb2.ListInstancesResponse]
+    """All matching instances in one message: fails (RESOURCE_EXHAUSTED) once they outgrow the
+    64 MiB message limit; ListInstancesStream has no such limit.
+    """
+    ListInstancesStream: _grpc.UnaryStreamMultiCallable[_registry_pb2.ListInstancesRequest, _registry_pb2.ListInstancesResponse]
+    """The same list as messages of at most about 4 MiB each, all of one `revision` (one
+    consistent view); the concatenation of their `instances` is the list.
+    """
     GetInstance: _grpc.UnaryUnaryMultiCallable[_registry_pb2.GetInstanceRequest, _instance_pb2.Instance]
     """NOT_FOUND for an unknown id."""
     WatchInstances: _grpc.UnaryStreamMultiCallable[_registry_pb2.WatchInstancesRequest, _registry_pb2.WatchEvent]
@@ -85,6 +92,13 @@ class RegistryAsyncStub(RegistryStub):
     Deregister: _aio.UnaryUnaryMultiCallable[_registry_pb2.DeregisterRequest, _registry_pb2.DeregisterResponse]  # type: ignore[assignment]
     """Removes an instance now, or with drain=true marks it DRAINING (listed, never scheduled)."""
     ListInstances: _aio.UnaryUnaryMultiCallable[_registry_pb2.ListInstancesRequest, _registry_pb2.ListInstancesResponse]  # type: ignore[assignment]
+    """All matching instances in one message: fails (RESOURCE_EXHAUSTED) once they outgrow the
+    64 MiB message limit; ListInstancesStream has no such limit.
+    """
+    ListInstancesStream: _aio.UnaryStreamMultiCallable[_registry_pb2.ListInstancesRequest, _registry_pb2.ListInstancesResponse]  # type: ignore[assignment]
+    """The same list as messages of at most about 4 MiB each, all of one `revision` (one
+    consistent view); the concatenation of their `instances` is the list.
+    """
     GetInstance: _aio.UnaryUnaryMultiCallable[_registry_pb2.GetInstanceRequest, _instance_pb2.Instance]  # type: ignore[assignment]
     """NOT_FOUND for an unknown id."""
     WatchInstances: _aio.UnaryStreamMultiCallable[_registry_pb2.WatchInstancesRequest, _registry_pb2.WatchEvent]  # type: ignore[assignment]
@@ -142,7 +156,20 @@ class RegistryServicer(metaclass=_abc_1.ABCMeta):
         self,
         request: _registry_pb2.ListInstancesRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_registry_pb2.ListInstancesResponse, _abc.Awaitable[_registry_pb2.ListInstancesResponse]]: ...
+    ) -> _typing.Union[_registry_pb2.ListInstancesResponse, _abc.Awaitable[_registry_pb2.ListInstancesResponse]]:
+        """All matching instances in one message: fails (RESOURCE_EXHAUSTED) once they outgrow the
+        64 MiB message limit; ListInstancesStream has no such limit.
+        """
+
+    @_abc_1.abstractmethod
+    def ListInstancesStream(
+        self,
+        request: _registry_pb2.ListInstancesRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_registry_pb2.ListInstancesResponse], _abc.AsyncIterator[_registry_pb2.ListInstancesResponse]]:
+        """The same list as messages of at most about 4 MiB each, all of one `revision` (one
+        consistent view); the concatenation of their `instances` is the list.
+        """
 
     @_abc_1.abstractmethod
     def GetInstance(

@@ -137,3 +137,11 @@ def test_gauges_follow_the_verdict(
     assert 'pdplane_plan_bottleneck{role="decode"} 0.0' in text
     assert 'pdplane_plan_instances_delta{role="prefill"} 0.0' in text
     assert seen[-1].summary == "balanced, keep"
+
+
+def test_unreachable_registry_exits_1(
+    free_port: Callable[[], int], capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["plan", "--registry", f"127.0.0.1:{free_port()}", "--window", "0.1s"]
+    assert pdplane_main(argv) == 1
+    assert "UNAVAILABLE" in capsys.readouterr().err

@@ -33,6 +33,7 @@ def test_reflection_lists_registry_and_health(registry: RegistryServer) -> None:
             "HeartbeatStream",
             "Deregister",
             "ListInstances",
+            "ListInstancesStream",
             "GetInstance",
             "WatchInstances",
         ]
