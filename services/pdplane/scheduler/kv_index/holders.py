@@ -21,7 +21,7 @@ from collections.abc import Callable
 import numpy as np
 
 from pdplane.scheduler.kv_index.kernels import HEADER, apply_holders, stage_remove, stage_store
-from pdplane.scheduler.kv_index.u64map import U64Map, U64s
+from pdplane.scheduler.kv_index.u64map import U64Map, U64s, probe_one
 
 __all__ = ["HolderSets", "HolderTable"]
 
@@ -104,6 +104,65 @@ class HolderTable:
         if moved:  # rare: an engine block re-stored under another own hash
             self.remove(np.unique(keys[n : n + moved]), bit)
         return new
+
+    def store_one(self, mapping: U64Map, eng: int, own: int, bit: int) -> int | None:
+        """`store` of one block without numpy or kernel calls (single-block events: their
+        cost is per call). None (nothing done): keys 0 / 1, or the engine block moved to
+        another own hash; the caller then takes the per-call path."""
+        if eng <= 1 or own <= 1:
+            return None
+        mapping.reserve(1)
+        ekeys, evals, ebits = mapping.arrays
+        eslot, efound = probe_one(ekeys, ebits, eng)
+        if efound:
+            return 0 if evals.item(eslot) == own else None
+        self.ids.reserve(1)
+        hkeys, hvals, hbits = self.ids.arrays
+        slot, found = probe_one(hkeys, hbits, own)
+        sets = self.sets
+        if not found:
+            hvals[slot] = sets.acquire(bit, 1)  # the value before the key (readers)
+            hkeys[slot] = own
+            self.ids.added(1)
+        else:
+            sid = hvals.item(slot)
+            mask = sets.masks[sid]
+            if mask | bit != mask:
+                hvals[slot] = sets.acquire(mask | bit, 1)
+                sets.release(sid, 1)
+        evals[eslot] = own
+        ekeys[eslot] = eng
+        mapping.added(1)
+        return 1
+
+    def unstore_one(self, mapping: U64Map, eng: int, bit: int) -> int | None:
+        """`unstore` of one engine block without numpy or kernel calls; None (nothing done)
+        for the keys 0 / 1."""
+        if eng <= 1:
+            return None
+        ekeys, evals, ebits = mapping.arrays
+        eslot, efound = probe_one(ekeys, ebits, eng)
+        if not efound:
+            return 0
+        own = evals.item(eslot)
+        if own <= 1:
+            return None
+        ekeys[eslot] = 1  # tombstone
+        mapping.removed(1)
+        hkeys, hvals, hbits = self.ids.arrays
+        slot, found = probe_one(hkeys, hbits, own)
+        if found:
+            sets = self.sets
+            sid = hvals.item(slot)
+            mask = sets.masks[sid]
+            if mask & ~bit != mask:
+                if mask & ~bit:
+                    hvals[slot] = sets.acquire(mask & ~bit, 1)
+                else:
+                    hkeys[slot] = 1  # no holder left: tombstone
+                    self.ids.removed(1)
+                sets.release(sid, 1)
+        return 1
 
     def unstore(self, mapping: U64Map, eng: U64s, bit: int) -> int | None:
         """One instance (`bit`) drops engine blocks eng (absent ones ignored): from `mapping`

@@ -36,7 +36,7 @@ import numpy as np
 from pdplane.core.kv_events import DEFAULT_MEDIUM
 from pdplane.core.prefix_hash import HASH_VERSION, block_hashes
 from pdplane.scheduler.kv_index.holders import HolderSets, HolderTable
-from pdplane.scheduler.kv_index.kernels import match_runs
+from pdplane.scheduler.kv_index.kernels import match_runs, warm_up
 from pdplane.scheduler.kv_index.u64map import U64Map, U64s
 from pdplane.v1 import kv_events_pb2
 
@@ -145,8 +145,13 @@ class InstanceBlocks:
         mapping = self.blocks.get(medium)
         if not mapping:
             return
-        keys = np.fromiter(engine_hashes, np.uint64)
         table = self.index.tables[medium]
+        if isinstance(engine_hashes, Sequence) and len(engine_hashes) == 1:
+            one = table.unstore_one(mapping, int(engine_hashes[0]), self.bit)
+            if one is not None:
+                self.index.entries -= one
+                return
+        keys = np.fromiter(engine_hashes, np.uint64)
         released = table.unstore(mapping, keys, self.bit)
         if released is None:  # keys 0 or 1: per-call numpy operations
             own, found = mapping.pop(np.unique(keys))
@@ -182,14 +187,19 @@ class InstanceBlocks:
             n = max(room, 0)
         if n <= 0:
             return
-        eng = np.fromiter(engine_hashes, np.uint64, len(engine_hashes))[:n]
-        new = np.fromiter(own, np.uint64, len(own))[:n]
         mapping = self.blocks.get(medium)
         if mapping is None:
             mapping = self.blocks[medium] = U64Map(np.uint64)
         table = index.tables.get(medium)
         if table is None:
             table = index.tables[medium] = HolderTable(index.holder_sets)
+        if n == 1:  # single-block events: no numpy, no kernel call
+            added = table.store_one(mapping, int(engine_hashes[0]), int(own[0]), self.bit)
+            if added is not None:
+                index.entries += added
+                return
+        eng = np.fromiter(engine_hashes, np.uint64, len(engine_hashes))[:n]
+        new = np.fromiter(own, np.uint64, len(own))[:n]
         added = table.store(mapping, eng, new, self.bit)
         if added is None:
             self._add_slow(mapping, table, eng, new)
@@ -272,6 +282,7 @@ class PrefixIndex:
     """
 
     def __init__(self, max_blocks: int = 100_000_000) -> None:
+        warm_up()  # compile the table kernels now, not on the first event
         self.max_blocks = max_blocks
         self.entries = 0
         self.holder_sets = HolderSets()  # shared by every medium's table

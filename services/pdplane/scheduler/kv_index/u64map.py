@@ -2,7 +2,7 @@
 
 Why not a dict: a dict entry holding two Python ints costs ~90-110 bytes (two 32-36 byte int
 objects plus the slot); here a slot is the key (8 bytes) plus the value (8 bytes for uint64,
-4 for int32), at a load factor of 0.375-0.75 (the prefix index's 100M entries: ~2-3.5 GiB
+4 for int32), at a load factor of 0.4-0.8 (the prefix index's 100M entries: ~2-3.5 GiB
 instead of 8.5-22.7 GiB, docs/benchmarks.md).
 
 Layout: open addressing over a power-of-two capacity, Fibonacci hashing of the key (so
@@ -23,12 +23,12 @@ import numba
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["U64Map"]
+__all__ = ["U64Map", "probe_one"]
 
 _EMPTY = np.uint64(0)
 _TOMB = np.uint64(1)
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # 2**64 / golden ratio (Knuth's multiplicative hash)
-_MAX_LOAD = 0.75
+_MAX_LOAD = 0.8  # triangular probing stays short up to ~0.8; less slack per entry
 _MIN_CAPACITY = 8
 
 U64s = npt.NDArray[np.uint64]
@@ -137,18 +137,8 @@ class U64Map:
         if key <= 1:
             return self._special.get(key)
         table, values, bits = self._arrays
-        mask = (1 << bits) - 1
-        pos = ((key * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF) >> (64 - bits)
-        step = 0
-        while True:
-            slot = pos & mask
-            k = int(table[slot])
-            if k == key:
-                return int(values[slot])
-            if k == 0:
-                return None
-            step += 1
-            pos += step
+        slot, found = probe_one(table, bits, key)
+        return int(values.item(slot)) if found else None
 
     def put(self, keys: U64s, vals: np.ndarray) -> int:
         """Sets each key to its value (a key repeated in the batch: its last value); returns
@@ -199,6 +189,23 @@ class U64Map:
             k = np.concatenate([k, np.array(list(self._special), np.uint64)])
             v = np.concatenate([v, np.array(list(self._special.values()), self.dtype)])
         return k, v
+
+
+def probe_one(table: U64s, bits: int, key: int) -> tuple[int, bool]:
+    """One key's probe in plain Python (a single key: cheaper than a kernel call):
+    (its slot, True), or (the empty slot ending its probe sequence, False). key >= 2."""
+    mask = (1 << bits) - 1
+    pos = ((key * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF) >> (64 - bits)
+    step = 0
+    while True:
+        slot = pos & mask
+        seen = table.item(slot)
+        if seen == key:
+            return slot, True
+        if seen == 0:
+            return slot, False
+        step += 1
+        pos += step
 
 
 # The probing loops, compiled (numba, cached on disk): a numpy pass per probe step costs ~1 us
