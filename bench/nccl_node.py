@@ -2,8 +2,9 @@
 
 The process builds a FlashAttention-layout KV cache (`[2, num_blocks, block_size, num_kv_heads,
 head_size]` per layer, random contents), binds the `nccl` transport to it, serves
-`pdplane.v1.KvTransfer` on 127.0.0.1 (port 0), prints `{"port": N}` and then executes JSON
-commands read line by line from stdin, answering one JSON line each on stdout:
+`pdplane.v1.KvTransfer` and `pdplane.v1.NcclKvTransfer` on 127.0.0.1 (port 0), prints
+`{"port": N}` and then executes JSON commands read line by line from stdin, answering one JSON
+line each on stdout:
 
   hold      {transfer_id, block_ids}                  -> prefill: hold blocks for a pull
   checksums {block_ids}                               -> per-block checksums (all layers)
@@ -30,19 +31,21 @@ import sys
 import threading
 import time
 import traceback
-from concurrent import futures
 from typing import Any
 
 import grpc
 import torch
 
+from pdplane.connector.holds import HoldTable
 from pdplane.connector.kv_cache import KvCacheView
-from pdplane.connector.nccl.communicator import P2pOp
-from pdplane.connector.nccl.plan import Strategy
-from pdplane.connector.transports.base import Peer, PullRequest, TransferError
+from pdplane.connector.peers import PeerPool
+from pdplane.connector.server import HoldAccess, KvTransferServicer, start_kv_server
+from pdplane.connector.transports.base import PullRequest, ServiceBinding, TransferError
 from pdplane.connector.transports.nccl import NcclTransport
-from pdplane.core import grpc_util
-from pdplane.v1 import instance_pb2, kv_transfer_pb2_grpc
+from pdplane.connector.transports.nccl.communicator import P2pOp
+from pdplane.connector.transports.nccl.plan import Strategy
+from pdplane.connector.transports.nccl.service import SERVICE_NAME, NcclKvTransferServicer
+from pdplane.v1 import instance_pb2, kv_transfer_nccl_pb2_grpc
 
 _out_lock = threading.Lock()
 
@@ -54,7 +57,7 @@ def emit(obj: dict[str, Any]) -> None:
 
 
 class _ObservedContext:
-    """A servicer context that reports the moment the transport accepts a SendBlocksNccl
+    """A servicer context that reports the moment the transport accepts a SendBlocks
     (its initial metadata: the NCCL sends start right after) as a `send_started` event."""
 
     def __init__(self, context: grpc.ServicerContext, transfer_id: str) -> None:
@@ -69,33 +72,11 @@ class _ObservedContext:
         return getattr(self._context, name)
 
 
-class NodeServicer(kv_transfer_pb2_grpc.KvTransferServicer):
-    """The NCCL RPCs of KvTransfer over an in-memory table of held transfers."""
+class ObservedNcclServicer(NcclKvTransferServicer):
+    """The transport's own service, reporting when a SendBlocks starts sending."""
 
-    def __init__(self, transport: NcclTransport, layout: instance_pb2.KvLayout) -> None:
-        self.transport = transport
-        self.layout = layout
-        self.holds: dict[str, list[int]] = {}
-
-    def SendBlocksNccl(self, request: Any, context: grpc.ServicerContext) -> Any:
-        ids = self.holds.get(request.transfer_id)
-        if ids is None:
-            context.abort(grpc.StatusCode.NOT_FOUND, f"transfer {request.transfer_id} not held")
-        if request.expected_layout != self.layout:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "KV layout mismatch")
-        indices = list(request.block_indices) or list(range(len(ids)))
-        if any(i >= len(ids) for i in indices):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "block index out of range")
-        observed = _ObservedContext(context, request.transfer_id)
-        return self.transport.serve_send_blocks_nccl([ids[i] for i in indices], request, observed)
-
-    def NcclConnect(self, request: Any, context: grpc.ServicerContext) -> Any:
-        return self.transport.serve_nccl_connect(request, context)
-
-    def NcclPushBegin(self, request: Any, context: grpc.ServicerContext) -> Any:
-        if request.layout != self.layout:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "KV layout mismatch")
-        return self.transport.serve_nccl_push_begin(request, context)
+    def SendBlocks(self, request: Any, context: grpc.ServicerContext) -> Any:
+        return super().SendBlocks(request, _ObservedContext(context, request.blocks.transfer_id))
 
 
 class Node:
@@ -125,32 +106,33 @@ class Node:
             push_buffer_bytes=args.push_gpu_bytes,
             push_spill_bytes=args.push_host_bytes,
         )
-        self.transport.bind(KvCacheView(caches, args.num_blocks))
+        self.peers = PeerPool()
+        self.transport.bind(KvCacheView(caches, args.num_blocks), self.peers)
         wgen = torch.Generator(device=f"cuda:{self.device}").manual_seed(1234)
         inner = int(self.transport.engine.mover.views[0].shape[2])
         self.weights = torch.randint(
             1, 1 << 20, (inner,), dtype=torch.int64, device=f"cuda:{self.device}", generator=wgen
         )
-        self.servicer = NodeServicer(self.transport, self.layout)
-        self.server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=8), options=grpc_util.SERVER_OPTIONS
-        )
-        kv_transfer_pb2_grpc.add_KvTransferServicer_to_server(self.servicer, self.server)
-        grpc_util.add_health_and_reflection(self.server, ["pdplane.v1.KvTransfer"])
-        self.port = grpc_util.add_port(self.server, "127.0.0.1:0")
-        self.server.start()
-        self._channels: dict[str, Peer] = {}
-
-    def peer(self, endpoint: str) -> Peer:
-        if endpoint not in self._channels:
-            ch = grpc_util.channel(endpoint)
-            self._channels[endpoint] = Peer(endpoint, kv_transfer_pb2_grpc.KvTransferStub(ch))
-        return self._channels[endpoint]
+        self.holds = HoldTable()
+        access = HoldAccess(self.holds, self.layout)
+        nccl = ObservedNcclServicer(access, self.transport.engine, self.transport.receiver)
+        services = [
+            KvTransferServicer(access).binding(),
+            ServiceBinding(
+                SERVICE_NAME,
+                lambda server: kv_transfer_nccl_pb2_grpc.add_NcclKvTransferServicer_to_server(
+                    nccl, server
+                ),
+            ),
+        ]
+        self.server = start_kv_server(services, "127.0.0.1:0")
+        self.port = self.server.port
 
     # -- commands --------------------------------------------------------------------------
 
     def cmd_hold(self, transfer_id: str, block_ids: list[int]) -> dict[str, Any]:
-        self.servicer.holds[transfer_id] = list(block_ids)
+        if not self.holds.add(transfer_id, transfer_id, block_ids, 3600.0):
+            return {"ok": False, "error": f"transfer {transfer_id} held already"}
         return {}
 
     def cmd_checksums(self, block_ids: list[int]) -> dict[str, Any]:
@@ -183,8 +165,8 @@ class Node:
         )
         t0 = time.monotonic()
         try:
-            nbytes = self.transport.pull(
-                self.peer(endpoint),
+            result = self.transport.pull(
+                self.peers.get(endpoint),
                 request,
                 remote_ids,
                 Strategy.parse(strategy) if strategy else None,
@@ -198,13 +180,12 @@ class Node:
                 "code": exc.code.name if exc.code else None,
                 "elapsed_s": time.monotonic() - t0,
             }
-        t = self.transport.last_timing
         return {
-            "bytes": nbytes,
+            "bytes": result.nbytes,
             "elapsed_s": time.monotonic() - t0,
-            "connect_s": t.connect_s,
-            "post_s": t.post_s,
-            "total_s": t.total_s,
+            "connect_s": result.connect_s,
+            "post_s": result.post_s,
+            "total_s": result.total_s,
         }
 
     def cmd_push(
@@ -213,7 +194,7 @@ class Node:
         t0 = time.monotonic()
         try:
             session = self.transport.push_session(
-                self.peer(endpoint),
+                self.peers.get(endpoint),
                 self.args.instance_id,
                 [(it["transfer_id"], it["block_ids"]) for it in items],
                 self.layout,
@@ -233,10 +214,10 @@ class Node:
 
     def cmd_take(self, transfer_id: str, local_ids: list[int], timeout_s: float) -> dict[str, Any]:
         try:
-            n = self.transport.take_pushed(transfer_id, local_ids, time.monotonic() + timeout_s)
+            n = self.transport.receiver.take(transfer_id, local_ids, time.monotonic() + timeout_s)
         except TransferError as exc:
             return {"ok": False, "error": str(exc), "code": exc.code.name if exc.code else None}
-        return {"bytes": n, "headroom": self.transport.receiver.headroom_bytes}
+        return {"bytes": n, "headroom": self.transport.receiver.gpu_headroom_bytes}
 
     def cmd_raw(
         self, peer: str, is_send: bool, nbytes: int, iters: int, timeout_s: float
@@ -305,8 +286,9 @@ def main() -> int:
                     "trace": traceback.format_exc(),
                 }
             )
-    node.server.stop(grace=1)
+    node.server.stop(1.0)
     node.transport.close()
+    node.peers.close()
     return 0
 
 

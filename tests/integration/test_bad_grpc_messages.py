@@ -23,7 +23,8 @@ GARBAGE = b"\xff\xff\xff\xff\x0f"
 REGISTRY = ["Register", "Heartbeat", "Deregister", "ListInstances", "GetInstance"]
 REGISTRY_STREAMS = ["WatchInstances"]
 REGISTRY_BIDI = ["HeartbeatStream"]
-KV_TRANSFER = ["SendBlocksNccl", "CompleteTransfer", "AbortTransfer", "NcclConnect"]
+KV_TRANSFER = ["CompleteTransfer", "AbortTransfer"]
+NCCL = ["NcclConnect", "SendBlocks", "NcclPushBegin"]
 
 
 def _assert_invalid(error: grpc.RpcError, method: str) -> None:
@@ -106,31 +107,46 @@ def test_scheduler_answers_garbage_and_huge_models_with_invalid_argument(registr
 
 
 def test_connector_kv_server_answers_garbage_with_invalid_argument() -> None:
+    import torch
+
     from pdplane.connector.holds import HoldTable
-    from pdplane.connector.server import KvTransferServicer, start_kv_server
+    from pdplane.connector.kv_cache import KvCacheView
+    from pdplane.connector.server import HoldAccess, start_kv_server, worker_services
+    from pdplane.connector.transports.base import ServiceBinding
+    from pdplane.connector.transports.nccl.service import NcclKvTransferServicer
     from pdplane.connector.transports.tcp import TcpTransport
-    from pdplane.v1 import instance_pb2
+    from pdplane.v1 import instance_pb2, kv_transfer_nccl_pb2_grpc
 
     layout = instance_pb2.KvLayout(
         num_layers=1, num_kv_heads=1, head_size=8, block_size=4, dtype="float32"
     )
-    servicer = KvTransferServicer(HoldTable(), TcpTransport(), layout, arrival_wait_s=0.1)
+    transport = TcpTransport()
+    transport.bind(KvCacheView({"l0": torch.zeros(4, 8)}))
+    access = HoldAccess(HoldTable(), layout, arrival_wait_s=0.1)
     hub = KvEventLog()
-    server, port = start_kv_server(
-        servicer,
-        "127.0.0.1:0",
-        extra_services=[lambda s: add_kv_events_servicer(s, hub)],
-        extra_workers=1,
-    )
+    # The NCCL service is hosted without a GPU: garbage is refused before any handler runs.
+    nccl = NcclKvTransferServicer(access, None, None)  # type: ignore[arg-type]
+    extra = [
+        ServiceBinding("pdplane.v1.KvEvents", lambda s: add_kv_events_servicer(s, hub), 1),
+        ServiceBinding(
+            "pdplane.v1.NcclKvTransfer",
+            lambda s: kv_transfer_nccl_pb2_grpc.add_NcclKvTransferServicer_to_server(nccl, s),
+        ),
+    ]
+    server = start_kv_server([*worker_services(transport, access), *extra], "127.0.0.1:0")
     try:
         _garbage_everywhere(
-            f"127.0.0.1:{port}",
-            unary=[f"/pdplane.v1.KvTransfer/{m}" for m in KV_TRANSFER],
-            server_streams=["/pdplane.v1.KvTransfer/PullBlocks", "/pdplane.v1.KvEvents/Subscribe"],
-            client_streams=["/pdplane.v1.KvTransfer/PushBlocks"],
+            f"127.0.0.1:{server.port}",
+            unary=[f"/pdplane.v1.KvTransfer/{m}" for m in KV_TRANSFER]
+            + [f"/pdplane.v1.NcclKvTransfer/{m}" for m in NCCL],
+            server_streams=[
+                "/pdplane.v1.TcpKvTransfer/PullBlocks",
+                "/pdplane.v1.KvEvents/Subscribe",
+            ],
+            client_streams=["/pdplane.v1.TcpKvTransfer/PushBlocks"],
         )
     finally:
-        server.stop(0).wait(5)
+        server.stop(0)
 
 
 def test_sim_answers_garbage_with_invalid_argument() -> None:
@@ -140,5 +156,8 @@ def test_sim_answers_garbage_with_invalid_argument() -> None:
         _garbage_everywhere(
             sims[0].kv_endpoint,
             unary=[f"/pdplane.v1.KvTransfer/{m}" for m in KV_TRANSFER],
-            server_streams=["/pdplane.v1.KvTransfer/PullBlocks", "/pdplane.v1.KvEvents/Subscribe"],
+            server_streams=[
+                "/pdplane.v1.TcpKvTransfer/PullBlocks",
+                "/pdplane.v1.KvEvents/Subscribe",
+            ],
         )

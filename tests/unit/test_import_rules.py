@@ -35,12 +35,7 @@ CONNECTOR_NEVER = ("fastapi", "starlette", "uvicorn")
 
 #: Known violations, each with why it is allowed for now: (importer, imported) -> reason.
 #: The test fails when an entry is no longer needed, so that it is deleted with the fix.
-KNOWN_VIOLATIONS = {
-    # The connector registers its instance through the registry's internal registration
-    # module instead of its public client; the connector's transport rework moves it to
-    # `pdplane.registry.client`. Remove this entry when that lands.
-    ("pdplane.connector.registration", "pdplane.registry.registration"): "registry internals",
-}
+KNOWN_VIOLATIONS: dict[tuple[str, str], str] = {}
 
 #: Known cycles (sorted module lists), each with why it is allowed for now; the test fails
 #: when one is gone, so that its entry is deleted with the fix.

@@ -90,7 +90,7 @@ class ConnectorConfig(BaseModel):
     chunk_bytes: int = Field(4 * 1024 * 1024, gt=0, description="TCP: bytes per KvChunk.")
     pull_workers: int = Field(4, ge=1, le=64, description="Concurrent pulls per decode worker.")
 
-    # NCCL transport options (see transports/nccl.py); unset = the transport's defaults.
+    # NCCL transport options (see transports/nccl/transport.py); unset = the transport's defaults.
     nccl_strategy: Literal["gather", "grouped"] | None = Field(
         None, description="NCCL: how blocks are batched per send."
     )
@@ -122,9 +122,18 @@ class ConnectorConfig(BaseModel):
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> ConnectorConfig:
-        """Parses `kv_connector_extra_config`; raises ConnectorConfigError naming the bad key."""
+        """Parses `kv_connector_extra_config`; raises ConnectorConfigError naming the bad key.
+
+        `token` and `registry_token` not in it come from `PDPLANE_TOKEN` and
+        `PDPLANE_REGISTRY_TOKEN` (how `pdplane vllm` and `pdplane up` hand them over: an
+        environment is private to the process, argv is not).
+        """
+        data = dict(extra or {})
+        for key, var in (("token", "PDPLANE_TOKEN"), ("registry_token", "PDPLANE_REGISTRY_TOKEN")):
+            if key not in data and os.environ.get(var):
+                data[key] = os.environ[var]
         try:
-            return cls.model_validate(dict(extra or {}))
+            return cls.model_validate(data)
         except ValidationError as exc:
             errs = "; ".join(
                 f"{'.'.join(str(p) for p in e['loc']) or 'config'}: {e['msg']}"
@@ -152,7 +161,6 @@ class ConnectorConfig(BaseModel):
             "push_buffer_bytes",
             "push_spill_bytes",
             "push_ttl_s",
-            "tls_ca",  # its own channels (SendBlocksNccl) must speak TLS like the peers' stubs
         )
         return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
 

@@ -23,6 +23,7 @@ from pdplane.connector.logs import setup_connector_logging
 from pdplane.connector.metadata import PdPlaneConnectorMetadata
 from pdplane.connector.registration import InstanceRegistration, build_spec
 from pdplane.connector.scheduler_side import SchedulerSide
+from pdplane.connector.stats import PdPlaneKvStats, PdPlanePromMetrics
 from pdplane.connector.vllm_info import (
     ROLES,
     data_parallel_rank,
@@ -181,6 +182,25 @@ class PdPlaneConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.get_block_ids_with_load_errors() if self._worker else set()
+
+    def get_kv_connector_stats(self) -> PdPlaneKvStats | None:
+        """Worker: gauges and counters that changed since the last step (see stats.py); they
+        reach the scheduler side (load report) and vLLM's loggers."""
+        return self._worker.stats() if self._worker is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> PdPlaneKvStats:
+        return PdPlaneKvStats(data=dict(data) if data else {})
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> PdPlanePromMetrics:
+        return PdPlanePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # -- scheduler side ------------------------------------------------------------------------
 

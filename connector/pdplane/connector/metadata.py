@@ -20,7 +20,7 @@ __all__ = [
     "ReleaseSpec",
 ]
 
-METADATA_VERSION = 2
+METADATA_VERSION = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,12 +57,14 @@ class LoadSpec:
 class PushSpec:
     """Prefill, push mode: this step computes the whole prompt of `req_id`; push its blocks
     `block_ids` (token order), layer by layer as the forward writes them, to the decode
-    instance whose KvTransfer rank-0 endpoint is `endpoint`, as transfer `transfer_id`."""
+    instance `decode_id` whose KvTransfer rank-0 endpoint is `endpoint`, as transfer
+    `transfer_id`."""
 
     req_id: str
     transfer_id: str
     endpoint: str
     block_ids: tuple[int, ...]
+    decode_id: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,14 +1,11 @@
-"""Decode side: cached gRPC channels to prefill instances' KvTransfer servers."""
+"""Cached gRPC channels to peer instances' worker servers (one per rank endpoint)."""
 
 from __future__ import annotations
 
 import threading
 
-import grpc
-
 from pdplane.connector.transports.base import Peer
 from pdplane.core import grpc_util
-from pdplane.v1 import kv_transfer_pb2_grpc
 
 __all__ = ["PeerPool", "rank_endpoint"]
 
@@ -23,7 +20,8 @@ def rank_endpoint(endpoint: str, tp_rank: int) -> str:
 
 
 class PeerPool:
-    """One channel per peer endpoint, created on first use and kept until `close`.
+    """One channel per peer rank endpoint, created on first use, kept until `drop` (the peer
+    left) or `close`. Every transport's stubs share it (`Peer.stub`).
 
     Args:
         token: bearer token sent on every call (None = none).
@@ -34,28 +32,36 @@ class PeerPool:
         self._metadata = grpc_util.token_metadata(token)
         self._tls_ca = tls_ca
         self._lock = threading.Lock()
-        self._channels: dict[str, tuple[grpc.Channel, Peer]] = {}
+        self._peers: dict[str, Peer] = {}
 
     def get(self, endpoint: str, tp_rank: int = 0) -> Peer:
         """The peer for rank `tp_rank` of the instance whose rank 0 is at `endpoint`."""
         target = rank_endpoint(endpoint, tp_rank)
         with self._lock:
-            entry = self._channels.get(target)
-            if entry is None:
-                ch = grpc_util.channel(target, self._tls_ca)
-                entry = (ch, Peer(target, kv_transfer_pb2_grpc.KvTransferStub(ch), self._metadata))
-                self._channels[target] = entry
-            return entry[1]
+            peer = self._peers.get(target)
+            if peer is None:
+                peer = Peer(target, grpc_util.channel(target, self._tls_ca), self._metadata)
+                self._peers[target] = peer
+            return peer
 
-    def drop(self, endpoint: str) -> None:
-        """Closes the channel to `endpoint` (a peer left)."""
+    def __len__(self) -> int:
+        return len(self._peers)
+
+    def drop(self, endpoint: str, tp_rank: int = 0) -> bool:
+        """Closes the channel to rank `tp_rank` of the instance whose rank 0 is at `endpoint`
+        (it left); True when there was one."""
+        try:
+            target = rank_endpoint(endpoint, tp_rank)
+        except ValueError:
+            return False
         with self._lock:
-            entry = self._channels.pop(endpoint, None)
-        if entry is not None:
-            entry[0].close()
+            peer = self._peers.pop(target, None)
+        if peer is not None:
+            peer.channel.close()
+        return peer is not None
 
     def close(self) -> None:
         with self._lock:
-            entries, self._channels = list(self._channels.values()), {}
-        for ch, _ in entries:
-            ch.close()
+            peers, self._peers = list(self._peers.values()), {}
+        for peer in peers:
+            peer.channel.close()

@@ -29,7 +29,7 @@ from pdplane.connector.metadata import LoadSpec, ReleaseSpec
 from pdplane.connector.peers import PeerPool
 from pdplane.connector.transports.base import KvTransport, PullRequest, TransferError
 from pdplane.core import tracing
-from pdplane.v1 import instance_pb2, kv_transfer_pb2
+from pdplane.v1 import instance_pb2, kv_transfer_pb2, kv_transfer_pb2_grpc
 
 __all__ = ["PullStats", "Puller"]
 
@@ -186,8 +186,11 @@ class Puller:
 
     def _take_pushed(self, spec: LoadSpec, deadline: float) -> int:
         """Bytes taken from the receive buffer; 0 = nothing usable there (pull instead)."""
+        buffer = self._transport.receive_buffer
+        if buffer is None:
+            return 0
         try:
-            return self._transport.take_pushed(
+            return buffer.take(
                 spec.transfer_id,
                 spec.local_block_ids,
                 deadline,
@@ -197,7 +200,7 @@ class Puller:
             )
         except TransferError as exc:
             log.info("transfer %s: %s; pulling instead", spec.transfer_id, exc)
-            self._transport.discard_pushed(spec.transfer_id, "pulled instead")
+            buffer.discard(spec.transfer_id, "pulled instead")
             return 0
 
     def _pull(self, spec: LoadSpec, deadline: float) -> int:
@@ -212,12 +215,14 @@ class Puller:
                 expected_layout=self._layout,
                 tp_rank=self._tp_rank,
                 requester_id=self._requester_id,
+                peer_id=spec.sender_id,
                 deadline=deadline,
             )
-            return self._transport.pull(peer, request)
+            return self._transport.pull(peer, request).nbytes
         finally:
-            if spec.pushed:  # a push arriving after the pull started is of no use
-                self._transport.discard_pushed(spec.transfer_id, "pulled instead")
+            buffer = self._transport.receive_buffer
+            if spec.pushed and buffer is not None:  # a push arriving later is of no use
+                buffer.discard(spec.transfer_id, "pulled instead")
 
     def _finish(self, spec: LoadSpec, stats: PullStats) -> None:
         if stats.ok:
@@ -239,7 +244,7 @@ class Puller:
     def _complete(self, spec: LoadSpec, ok: bool) -> None:
         try:
             peer = self._peers.get(spec.endpoint, self._tp_rank)
-            peer.stub.CompleteTransfer(
+            peer.stub(kv_transfer_pb2_grpc.KvTransferStub).CompleteTransfer(
                 kv_transfer_pb2.CompleteTransferRequest(transfer_id=spec.transfer_id, success=ok),
                 timeout=_CONTROL_TIMEOUT_S,
                 metadata=peer.metadata,
@@ -251,7 +256,7 @@ class Puller:
     def _abort(self, spec: ReleaseSpec) -> None:
         try:
             peer = self._peers.get(spec.endpoint, self._tp_rank)
-            peer.stub.AbortTransfer(
+            peer.stub(kv_transfer_pb2_grpc.KvTransferStub).AbortTransfer(
                 kv_transfer_pb2.AbortTransferRequest(
                     transfer_id=spec.transfer_id, reason=spec.reason
                 ),

@@ -71,14 +71,23 @@ class Pusher:
         if self._sessions:  # a step whose forward never reached wait_for_save
             self.finish()
         by_endpoint: dict[str, list[tuple[str, Sequence[int]]]] = defaultdict(list)
+        peer_ids: dict[str, str] = {}
         for spec in specs:
             by_endpoint[spec.endpoint].append((spec.transfer_id, spec.block_ids))
+            if spec.decode_id:
+                peer_ids[spec.endpoint] = spec.decode_id
         deadline = time.monotonic() + self._timeout_s
         for endpoint, items in by_endpoint.items():
             try:
                 peer = self._peers.get(endpoint, self._tp_rank)
                 session = self._transport.push_session(
-                    peer, self._sender_id, items, self._layout, deadline, self._tp_rank
+                    peer,
+                    self._sender_id,
+                    items,
+                    self._layout,
+                    deadline,
+                    self._tp_rank,
+                    peer_ids.get(endpoint, ""),
                 )
             except TransferError as exc:
                 log.info("push of %d transfers to %s not started: %s", len(items), endpoint, exc)

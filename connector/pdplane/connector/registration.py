@@ -25,7 +25,7 @@ import urllib.request
 from collections.abc import Callable
 
 from pdplane.connector.config import ConnectorConfig
-from pdplane.registry.registration import RegistrationClient
+from pdplane.registry.client import RegistrationClient
 from pdplane.v1 import instance_pb2
 
 __all__ = ["InstanceRegistration", "build_spec"]

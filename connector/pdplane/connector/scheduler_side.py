@@ -35,6 +35,7 @@ from pdplane.connector.metadata import (
     PushSpec,
     ReleaseSpec,
 )
+from pdplane.connector.stats import PdPlaneKvStats
 from pdplane.core.kv_params import (
     DecodeRequestParams,
     KvParamsError,
@@ -103,10 +104,13 @@ class SchedulerSide:
         self._num_running = 0
         self._sending: set[str] = set()  # prefill holds not yet reported finished
         self._receiving: dict[str, str] = {}  # decode req id -> transfer id, load unreported
-        # prefill, push mode: req id -> (transfer id, decode endpoint) allocated this step
-        self._push_candidates: dict[str, tuple[str, str]] = {}
+        # prefill, push mode: req id -> (transfer id, decode endpoint, decode id) allocated
+        # this step
+        self._push_candidates: dict[str, tuple[str, str, str]] = {}
         # prefill: req id -> (transfer id, pushed) issued before the request finished
         self._issued: dict[str, tuple[str, bool]] = {}
+        # TP rank -> the worker's latest gauges (stats.GAUGES), from update_connector_output
+        self._rank_gauges: dict[int, dict[str, int]] = {}
 
     # -- vLLM scheduler hooks ------------------------------------------------------------------
 
@@ -230,26 +234,39 @@ class SchedulerSide:
         return self._hold(request, block_ids, params, issued)
 
     def update_connector_output(self, output: Any) -> None:
-        """Forgets transfers the workers reported finished (for the in-flight count)."""
+        """Forgets transfers the workers reported finished (for the in-flight count) and keeps
+        the workers' latest gauges (for the load report)."""
+        stats = getattr(output, "kv_connector_stats", None)
         with self._lock:
             self._sending.difference_update(getattr(output, "finished_sending", None) or ())
             for req_id in getattr(output, "finished_recving", None) or ():
                 self._receiving.pop(req_id, None)
+            if isinstance(stats, PdPlaneKvStats):
+                for rank, gauges in stats.rank_gauges().items():
+                    self._rank_gauges.setdefault(rank, {}).update(gauges)
 
     # -- load report ---------------------------------------------------------------------------
 
     def load(self, kv_cache_manager: Any, total_blocks: int) -> instance_pb2.LoadReport:
-        """The heartbeat's load report (called from the registration thread)."""
+        """The heartbeat's load report (called from the registration thread). The push
+        receive buffer's capacity and headroom are the smallest over the TP ranks that
+        reported them (0 until every rank did: a partial view would overstate the room)."""
         with self._lock:
             running = self._num_running
             live = len(self._live)
             inflight = len(self._sending) + len(self._receiving)
+            ranks = [dict(g) for g in self._rank_gauges.values()]
         report = instance_pb2.LoadReport(
             num_running=running,
             num_waiting=max(live - running, 0),
             inflight_transfers=inflight,
             total_kv_blocks=total_blocks,
         )
+        if ranks:
+            report.kv_block_bytes = max(g.get("kv_block_bytes", 0) for g in ranks)
+        if len(ranks) == self.tp_size and all(g.get("push_capacity_bytes") for g in ranks):
+            report.recv_buffer_capacity_bytes = min(g["push_capacity_bytes"] for g in ranks)
+            report.recv_buffer_headroom_bytes = min(g["push_headroom_bytes"] for g in ranks)
         pool = getattr(kv_cache_manager, "block_pool", None)
         if pool is not None:
             report.free_kv_blocks = int(pool.get_num_free_blocks())
@@ -299,7 +316,11 @@ class SchedulerSide:
             return  # _hold logs it when the request finishes
         if pp.decode_kv_endpoint:
             tid = make_transfer_id(pp.request_id)
-            self._push_candidates[request.request_id] = (tid, pp.decode_kv_endpoint)
+            self._push_candidates[request.request_id] = (
+                tid,
+                pp.decode_kv_endpoint,
+                pp.decode_engine_id or "",
+            )
 
     def _plan_pushes(self, scheduler_output: Any) -> None:
         """Push the candidates whose whole prompt this step computes; forget the others."""
@@ -308,7 +329,7 @@ class SchedulerSide:
             cand = self._push_candidates.get(new.req_id)
             if cand is None:
                 continue
-            tid, endpoint = cand
+            tid, endpoint, decode_id = cand
             prompt_len = len(new.prompt_token_ids or ())
             done = int(new.num_computed_tokens) + int(scheduled.get(new.req_id, 0))
             ids = list(new.block_ids[0]) if new.block_ids else []
@@ -318,7 +339,9 @@ class SchedulerSide:
                 self._issued[new.req_id] = (tid, False)
                 continue
             self._issued[new.req_id] = (tid, True)
-            self._meta.pushes.append(PushSpec(new.req_id, tid, endpoint, tuple(ids[:needed])))
+            self._meta.pushes.append(
+                PushSpec(new.req_id, tid, endpoint, tuple(ids[:needed]), decode_id)
+            )
             log.info("transfer %s: pushing %d blocks to %s", tid, needed, endpoint)
         self._push_candidates.clear()
 

@@ -1,40 +1,55 @@
-"""The `pdplane.v1.KvTransfer` gRPC server of one worker (TP rank): prefill's side of a pull.
+"""The gRPC server of one worker (TP rank) and the transport-neutral `pdplane.v1.KvTransfer`.
 
-The servicer only checks a call and translates it: it grants access by transfer id (issued by
-this instance, still held), checks the requester's KV layout and the block indices, pins the
-hold while bytes are read, and hands the prefill block ids to the transport. Complete/Abort end
-the hold. Sync gRPC (a thread pool), because it runs inside vLLM's engine process next to the
-engine loop, which must never wait on it.
+The server hosts any number of services (`ServiceBinding`): `KvTransfer` (complete, abort: the
+end of a hold), the transport's own service(s) (`KvTransport.services`), and whatever else the
+connector serves next to them; it adds health and reflection for all of them. Transports reach
+held blocks only through `HoldAccess` (the `BlockAccess` of transports/base.py): it grants
+access by transfer id (issued by this instance, still held), checks the requester's KV layout
+and the block indices, and pins the hold while bytes are read. Sync gRPC (a thread pool),
+because it runs inside vLLM's engine process next to the engine loop, which must never wait on
+it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from concurrent import futures
+from dataclasses import dataclass
+from typing import Any
 
 import grpc
+from grpc_health.v1 import health, health_pb2
 
 from pdplane.connector.holds import HeldTransfer, HoldTable, HoldUnknown
-from pdplane.connector.transports.base import KvTransport
+from pdplane.connector.transports.base import AccessDenied, KvTransport, ServiceBinding
 from pdplane.core import grpc_util, tracing
 from pdplane.core.layout import fingerprint
 from pdplane.v1 import instance_pb2, kv_transfer_pb2, kv_transfer_pb2_grpc
 
-__all__ = ["KvTransferServicer", "start_kv_server"]
+__all__ = [
+    "SERVICE_NAME",
+    "HoldAccess",
+    "KvServer",
+    "KvTransferServicer",
+    "start_kv_server",
+    "worker_services",
+]
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "pdplane.v1.KvTransfer"
+#: server threads beyond the services' long-lived streams
+_BASE_WORKERS = 8
 
 
 def _serve_span(
-    request: kv_transfer_pb2.PullBlocksRequest, context: grpc.ServicerContext, blocks: int
+    request: kv_transfer_pb2.PullBlocksRequest, context: Any, blocks: int
 ) -> contextlib.AbstractContextManager[object]:
     """Prefill's span for serving one pull, a child of decode's `pdplane.kv_pull`. Not made
-    current: PullBlocks is a generator the gRPC server resumes once per chunk."""
-    if not tracing.enabled():
+    current: a streaming handler is a generator the gRPC server resumes once per message."""
+    if context is None or not tracing.enabled():
         return contextlib.nullcontext()
     attrs = {"pdplane.transfer_id": request.transfer_id, "pdplane.blocks": blocks}
     return tracing.span(
@@ -46,12 +61,43 @@ def _serve_span(
     )
 
 
-class KvTransferServicer(kv_transfer_pb2_grpc.KvTransferServicer):
-    """Serves pulls of held transfers.
+class _Pinned:
+    """One read of held blocks (`HoldAccess.pin`); released once. As a context manager it is
+    also the read's tracing span."""
+
+    def __init__(
+        self,
+        holds: HoldTable,
+        hold: HeldTransfer,
+        block_ids: list[int],
+        span: contextlib.AbstractContextManager[object],
+    ) -> None:
+        self._holds = holds
+        self._hold: HeldTransfer | None = hold
+        self.block_ids = block_ids
+        self._span = span
+
+    def release(self) -> None:
+        if self._hold is not None:
+            hold, self._hold = self._hold, None
+            self._holds.unpin(hold)
+
+    def __enter__(self) -> _Pinned:
+        self._span.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self.release()
+        finally:
+            self._span.__exit__(None, None, None)
+
+
+class HoldAccess:
+    """This worker's held blocks as transports may use them (`BlockAccess`).
 
     Args:
         holds: this worker's held transfers.
-        transport: moves the bytes (PullBlocks for TCP, SendBlocksNccl for NCCL).
         layout: this worker's KV layout; a requester with another layout is refused.
         arrival_wait_s: how long a pull (not an abort or complete: those answer at once) for a
             not-yet-known transfer id waits for the hold to arrive (prefill's response can
@@ -63,83 +109,86 @@ class KvTransferServicer(kv_transfer_pb2_grpc.KvTransferServicer):
     def __init__(
         self,
         holds: HoldTable,
-        transport: KvTransport,
         layout: instance_pb2.KvLayout,
         arrival_wait_s: float = 2.0,
         tombstone_s: float = 60.0,
     ) -> None:
-        self._holds = holds
-        self._transport = transport
-        self._layout = layout
-        self._fingerprint = fingerprint(layout)
-        self._arrival_wait_s = arrival_wait_s
-        self._tombstone_s = tombstone_s
+        self.holds = holds
+        self.layout = layout
+        self.fingerprint = fingerprint(layout)
+        self.arrival_wait_s = arrival_wait_s
+        self.tombstone_s = tombstone_s
 
-    def _pin(
-        self, request: kv_transfer_pb2.PullBlocksRequest, context: grpc.ServicerContext
-    ) -> tuple[HeldTransfer, list[int]]:
-        if not request.transfer_id:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "transfer_id is required")
-        got = fingerprint(request.expected_layout)
-        if got != self._fingerprint:
-            context.abort(
+    def check_layout(self, layout: instance_pb2.KvLayout, who: str = "requester") -> None:
+        got = fingerprint(layout)
+        if got != self.fingerprint:
+            raise AccessDenied(
+                f"KV layout mismatch: {who} {got}, this worker {self.fingerprint}",
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"KV layout mismatch: requester {got}, holder {self._fingerprint}",
             )
-        wait = self._arrival_wait(context)
+
+    def arrival_wait(self, time_remaining: float | None) -> float:
+        """How long to wait for a hold not known yet: never past the caller's own deadline
+        (it would only see DEADLINE_EXCEEDED)."""
+        if time_remaining is None:
+            return self.arrival_wait_s
+        return min(self.arrival_wait_s, max(0.0, time_remaining - 0.1))
+
+    def pin(
+        self,
+        request: kv_transfer_pb2.PullBlocksRequest,
+        time_remaining: float | None = None,
+        context: Any = None,
+    ) -> _Pinned:
+        if not request.transfer_id:
+            raise AccessDenied("transfer_id is required", grpc.StatusCode.INVALID_ARGUMENT)
+        self.check_layout(request.expected_layout)
         try:
-            hold = self._holds.pin(request.transfer_id, wait_s=wait)
+            hold = self.holds.pin(request.transfer_id, wait_s=self.arrival_wait(time_remaining))
         except HoldUnknown:
-            context.abort(
-                grpc.StatusCode.NOT_FOUND,
+            raise AccessDenied(
                 f"transfer {request.transfer_id} is not held (unknown, expired or freed)",
-            )
+                grpc.StatusCode.NOT_FOUND,
+            ) from None
         indices: Sequence[int] = request.block_indices or range(len(hold.block_ids))
         bad = [i for i in indices if i >= len(hold.block_ids)]
         if bad:
-            self._holds.unpin(hold)
-            context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
+            self.holds.unpin(hold)
+            raise AccessDenied(
                 f"block indices {bad[:8]} out of range: transfer holds {len(hold.block_ids)}",
+                grpc.StatusCode.INVALID_ARGUMENT,
             )
-        return hold, [hold.block_ids[i] for i in indices]
+        ids = [hold.block_ids[i] for i in indices]
+        return _Pinned(self.holds, hold, ids, _serve_span(request, context, len(ids)))
 
-    def _arrival_wait(self, context: grpc.ServicerContext) -> float:
-        # Never wait past the caller's own deadline (it would only see DEADLINE_EXCEEDED).
-        remaining = context.time_remaining()
-        if remaining is None:
-            return self._arrival_wait_s
-        return min(self._arrival_wait_s, max(0.0, remaining - 0.1))
+    def release(self, transfer_id: str, reason: str) -> bool:
+        """Ends the hold of `transfer_id` (see `HoldTable.release`); False when not held.
+
+        No arrival wait: an unknown id is answered at once and remembered (tombstone), so a
+        hold arriving later still ends at once. Waiting held a pool worker per call: 16
+        AbortTransfer calls for unknown ids tied up all 8 workers for 2 s each."""
+        freed = self.holds.release(transfer_id, reason, 0.0, self.tombstone_s)
+        log.info("transfer %s %s (freed=%s)", transfer_id, reason, freed)
+        return freed
+
+
+class KvTransferServicer(kv_transfer_pb2_grpc.KvTransferServicer):
+    """`pdplane.v1.KvTransfer`: the end of a hold, whatever the transport."""
+
+    def __init__(self, access: HoldAccess) -> None:
+        self._access = access
+
+    def binding(self) -> ServiceBinding:
+        """This service as one of the worker server's services."""
+        return ServiceBinding(
+            SERVICE_NAME,
+            lambda server: kv_transfer_pb2_grpc.add_KvTransferServicer_to_server(self, server),
+        )
 
     def _release(self, transfer_id: str, reason: str, context: grpc.ServicerContext) -> bool:
         if not transfer_id:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "transfer_id is required")
-        # No arrival wait: an unknown id is answered at once and remembered (tombstone), so a
-        # hold arriving later still ends at once. Waiting held a pool worker per call: 16
-        # AbortTransfer calls for unknown ids tied up all 8 workers for 2 s each.
-        freed = self._holds.release(transfer_id, reason, 0.0, self._tombstone_s)
-        log.info("transfer %s %s (freed=%s)", transfer_id, reason, freed)
-        return freed
-
-    def PullBlocks(
-        self, request: kv_transfer_pb2.PullBlocksRequest, context: grpc.ServicerContext
-    ) -> Iterator[kv_transfer_pb2.KvChunk]:
-        hold, block_ids = self._pin(request, context)
-        with _serve_span(request, context, len(block_ids)):
-            try:
-                yield from self._transport.serve_pull_blocks(block_ids, request, context)
-            finally:
-                self._holds.unpin(hold)
-
-    def SendBlocksNccl(
-        self, request: kv_transfer_pb2.PullBlocksRequest, context: grpc.ServicerContext
-    ) -> kv_transfer_pb2.SendBlocksNcclResponse:
-        hold, block_ids = self._pin(request, context)
-        with _serve_span(request, context, len(block_ids)):
-            try:
-                return self._transport.serve_send_blocks_nccl(block_ids, request, context)
-            finally:
-                self._holds.unpin(hold)
+        return self._access.release(transfer_id, reason)
 
     def CompleteTransfer(
         self, request: kv_transfer_pb2.CompleteTransferRequest, context: grpc.ServicerContext
@@ -155,64 +204,60 @@ class KvTransferServicer(kv_transfer_pb2_grpc.KvTransferServicer):
         freed = self._release(request.transfer_id, reason, context)
         return kv_transfer_pb2.AbortTransferResponse(freed=freed)
 
-    def NcclConnect(
-        self, request: kv_transfer_pb2.NcclConnectRequest, context: grpc.ServicerContext
-    ) -> kv_transfer_pb2.NcclConnectResponse:
-        return self._transport.serve_nccl_connect(request, context)
 
-    def PushBlocks(
-        self,
-        request_iterator: Iterator[kv_transfer_pb2.PushBlocksMessage],
-        context: grpc.ServicerContext,
-    ) -> kv_transfer_pb2.PushBlocksResponse:
-        """Push mode (decode): the first message's header names the transfer and the sender's
-        layout (refused unless equal to ours); the transport buffers the chunks that follow."""
-        first = next(request_iterator, None)
-        if first is None or not first.HasField("header") or not first.header.transfer_id:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "PushBlocks starts with a header")
-            raise AssertionError("unreachable")  # abort raises
-        header = first.header
-        got = fingerprint(header.layout)
-        if got != self._fingerprint:
-            context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"KV layout mismatch: sender {got}, receiver {self._fingerprint}",
-            )
-        return self._transport.serve_push_blocks(header, request_iterator, context)
+def worker_services(transport: KvTransport, access: HoldAccess) -> list[ServiceBinding]:
+    """`KvTransfer` plus the transport's own services, all serving through `access`."""
+    return [KvTransferServicer(access).binding(), *transport.services(access)]
 
-    def NcclPushBegin(
-        self, request: kv_transfer_pb2.NcclPushBeginRequest, context: grpc.ServicerContext
-    ) -> kv_transfer_pb2.NcclPushBeginResponse:
-        return self._transport.serve_nccl_push_begin(request, context)
+
+@dataclass
+class KvServer:
+    """A running worker server: its port and health (`set_ready` flips the readiness that
+    the instance's registration waits for, see registration.py)."""
+
+    server: grpc.Server
+    port: int
+    health: health.HealthServicer
+
+    def set_ready(self, ready: bool) -> None:
+        """SERVING / NOT_SERVING for `pdplane.v1.KvTransfer` (the worker's readiness)."""
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if ready
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        self.health.set(SERVICE_NAME, status)
+
+    def stop(self, grace: float | None) -> None:
+        """Stops the server, waiting at most `grace` + 1 s."""
+        self.server.stop(grace).wait((grace or 0.0) + 1.0)
 
 
 def start_kv_server(
-    servicer: KvTransferServicer,
+    services: Sequence[ServiceBinding],
     address: str,
     *,
     token: str | None = None,
     tls_cert: str | None = None,
     tls_key: str | None = None,
-    max_workers: int = 8,
-    extra_services: Sequence[Callable[[grpc.Server], str]] = (),
-    extra_workers: int = 0,
-) -> tuple[grpc.Server, int]:
-    """Starts a sync gRPC server with the KvTransfer service, health and reflection on
-    `address` ("host:port", port 0 = any); bearer-token auth when `token` is set, TLS when
-    cert and key are set. `extra_services` add more services to the same server (each returns
-    its full name, e.g. `pdplane.v1.KvEvents`), `extra_workers` threads for their long-lived
-    streams. Returns (server, bound port). Raises RuntimeError if it cannot bind."""
+    ready: bool = True,
+) -> KvServer:
+    """Starts a sync gRPC server with `services`, health and reflection on `address`
+    ("host:port", port 0 = any); bearer-token auth when `token` is set, TLS when cert and key
+    are set; readiness (`KvServer.set_ready`) starts as `ready`. Raises RuntimeError if it
+    cannot bind."""
     interceptors = grpc_util.server_interceptors(token)
+    workers = _BASE_WORKERS + sum(s.threads for s in services)
     server = grpc.server(
-        futures.ThreadPoolExecutor(
-            max_workers=max_workers + extra_workers, thread_name_prefix="pdplane-kv"
-        ),
+        futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="pdplane-kv"),
         interceptors=interceptors,
         options=grpc_util.SERVER_OPTIONS,
     )
-    kv_transfer_pb2_grpc.add_KvTransferServicer_to_server(servicer, server)
-    names = [SERVICE_NAME, *(add(server) for add in extra_services)]
-    grpc_util.add_health_and_reflection(server, names)
+    for service in services:
+        service.register(server)
+    health_servicer = grpc_util.add_health_and_reflection(server, [s.name for s in services])
     port = grpc_util.add_port(server, address, tls_cert, tls_key)
     server.start()
-    return server, port
+    kv = KvServer(server, port, health_servicer)
+    kv.set_ready(ready)
+    return kv

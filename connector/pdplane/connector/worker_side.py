@@ -1,9 +1,9 @@
 """Worker-side half of the connector: one per worker (TP rank), inside vLLM's worker process.
 
-Serves the KV blocks this worker holds for remote decodes (the `KvTransfer` gRPC server),
-runs the pulls (and, in push mode, the pushes) the scheduler side asks for, and answers
-vLLM's per-step questions (`get_finished`, `get_block_ids_with_load_errors`) from in-memory
-state without blocking.
+Serves the KV blocks this worker holds for remote decodes (the worker's gRPC server: the
+shared `KvTransfer` service plus the transport's own), runs the pulls (and, in push mode, the
+pushes) the scheduler side asks for, and answers vLLM's per-step questions (`get_finished`,
+`get_block_ids_with_load_errors`, `stats`) from in-memory state without blocking.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 
-import grpc
 import torch
 
 from pdplane.connector.config import ConnectorConfig
@@ -22,9 +21,12 @@ from pdplane.connector.metadata import METADATA_VERSION, PdPlaneConnectorMetadat
 from pdplane.connector.peers import PeerPool
 from pdplane.connector.pulls import Puller
 from pdplane.connector.pushes import Pusher
-from pdplane.connector.server import KvTransferServicer, start_kv_server
+from pdplane.connector.server import HoldAccess, KvServer, start_kv_server, worker_services
+from pdplane.connector.stats import COUNTERS, GAUGES, PdPlaneKvStats, rank_stats
 from pdplane.connector.transports import KvTransport, create_transport
+from pdplane.connector.transports.base import ServiceBinding
 from pdplane.core.kv_events import KvEventLog
+from pdplane.core.kv_events_server import SERVICE_NAME as KV_EVENTS_SERVICE
 from pdplane.core.kv_events_server import add_kv_events_servicer
 from pdplane.v1 import instance_pb2
 
@@ -89,9 +91,12 @@ class WorkerSide:
             tp_rank=tp_rank,
             timeout_s=config.push_timeout_s,
         )
-        self.server: grpc.Server | None = None
+        self.server: KvServer | None = None
         self.port = 0
         self._last_seq = 0
+        self._reported: dict[str, int] = {}  # gauges of the last stats report
+        self._counted: dict[str, int] = {}  # counters as of the last stats report
+        self.peers_gone = 0  # peers that left the registry while this worker knew them
         self.kv_events: KvEventsReader | None = None
         if kv_events_endpoint and tp_rank == 0:  # one stream per engine, on rank 0's server
             self.kv_events = KvEventsReader(kv_events_endpoint, KvEventLog(), kv_events_topic)
@@ -99,21 +104,28 @@ class WorkerSide:
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         """Binds the KV cache tensors and starts the KvTransfer server on
         `config.bind_address(tp_rank)`. Raises RuntimeError if the port cannot be bound."""
-        self.transport.bind(KvCacheView(kv_caches, self.num_blocks))
+        self.cache = KvCacheView(kv_caches, self.num_blocks)
+        self.transport.bind(self.cache, self.peers)
         self.pusher.bind_layers(list(kv_caches))
-        servicer = KvTransferServicer(
-            self.holds, self.transport, self.layout, tombstone_s=self.config.transfer_timeout_s
-        )
+        access = HoldAccess(self.holds, self.layout, tombstone_s=self.config.transfer_timeout_s)
+        services = worker_services(self.transport, access)
         events = self.kv_events
-        self.server, self.port = start_kv_server(
-            servicer,
+        if events is not None:
+            services.append(
+                ServiceBinding(
+                    KV_EVENTS_SERVICE,
+                    lambda server: add_kv_events_servicer(server, events.log),
+                    threads=_KV_EVENTS_STREAMS,
+                )
+            )
+        self.server = start_kv_server(
+            services,
             self.config.bind_address(self.tp_rank),
             token=self.config.token,
             tls_cert=self.config.tls_cert,
             tls_key=self.config.tls_key,
-            extra_services=[lambda s: add_kv_events_servicer(s, events.log)] if events else [],
-            extra_workers=_KV_EVENTS_STREAMS if events else 0,
         )
+        self.port = self.server.port
         if events is not None:
             events.start()
         log.info(
@@ -152,8 +164,40 @@ class WorkerSide:
 
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
         """(finished sending, finished receiving) vLLM request ids since the last call."""
-        self.transport.expire_pushed()
+        buffer = self.transport.receive_buffer
+        if buffer is not None:
+            buffer.expire()
         return self.holds.pop_finished() or None, self.puller.pop_finished() or None
+
+    def gauges(self) -> dict[str, int]:
+        """This worker's gauges and counters since start (names of `stats.GAUGES` and
+        `stats.COUNTERS`): push receive buffer (bytes; only in push mode), bytes of one KV
+        cache block over all layers, channels, and the transport's own."""
+        out = dict(self.transport.stats())
+        out["peers_gone"] = self.peers_gone
+        out["peer_channels"] = len(self.peers)
+        buffer = self.transport.receive_buffer
+        if self.config.mode == "push" and buffer is not None:
+            out["push_capacity_bytes"] = buffer.capacity_bytes
+            out["push_headroom_bytes"] = buffer.headroom_bytes
+        cache = getattr(self, "cache", None)
+        if cache is not None:
+            out["kv_block_bytes"] = sum(lc.block_nbytes for lc in cache.layers)
+        return out
+
+    def stats(self) -> PdPlaneKvStats | None:
+        """vLLM's `get_kv_connector_stats` (every engine step): the gauges when they changed
+        since the last report and the counters' increments, else None (cheap: a few integer
+        reads)."""
+        now = self.gauges()
+        gauges = {k: v for k, v in now.items() if k in GAUGES}
+        counters = {k: now[k] - self._counted.get(k, 0) for k in COUNTERS if k in now}
+        counters = {k: n for k, n in counters.items() if n}
+        if gauges == self._reported and not counters:
+            return None
+        self._reported = gauges
+        self._counted.update({k: now[k] for k in COUNTERS if k in now})
+        return rank_stats(self.tp_rank, gauges, counters)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.puller.pop_load_errors()
@@ -165,7 +209,7 @@ class WorkerSide:
         if self.kv_events is not None:
             self.kv_events.stop()  # closes the log: open KvEvents streams end UNAVAILABLE
         if self.server is not None:
-            self.server.stop(_SERVER_GRACE_S).wait(_SERVER_GRACE_S + 1)
+            self.server.stop(_SERVER_GRACE_S)
             self.server = None
         self.peers.close()
         self.transport.close()

@@ -1,11 +1,15 @@
 """`pdplane drain ID`: stop scheduling new requests onto an instance before taking it away.
 
-    pdplane drain decode-2 [--registry HOST:PORT[,HOST:PORT...]] [--token T] [--tls-ca CA]
+    pdplane drain decode-2 [--registry HOST:PORT[,HOST:PORT...]] [--admin-token T] [--tls-ca CA]
 
-Marks the instance DRAINING in the registry (still listed, never scheduled again; requests
-already on it finish), so that stopping it afterwards loses no request. (There is no "remove":
-a live instance whose lease vanished registers itself again within a second; stop the process
-and its lease ends.) Exit codes: 0 done, 1 unknown instance or registry error, 2 bad flags.
+Draining another process's instance is an operator's act: it needs the registry's admin token
+(`--admin-token` / `PDPLANE_ADMIN_TOKEN`; for the fleet of a local `pdplane up`, read from its
+credentials file by default, see `pdplane.core.fleet_credentials`) unless the registry runs
+without any token. Marks the instance DRAINING in the registry (still listed, never scheduled
+again; requests already on it finish), so that stopping it afterwards loses no request.
+(There is no "remove": a live instance whose lease vanished registers itself again within a
+second; stop the process and its lease ends.) Exit codes: 0 done, 1 unknown instance,
+refused or registry error, 2 bad flags.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import sys
 import grpc
 from pydantic import Field
 
-from pdplane.core import defaults, grpc_util
+from pdplane.core import defaults, fleet_credentials, grpc_util
 from pdplane.core.settings import CommandSettings
 from pdplane.registry.endpoints import RegistryEndpoints, call_any
 from pdplane.v1 import instance_pb2, registry_pb2
@@ -31,12 +35,16 @@ class DrainSettings(CommandSettings):
         f"127.0.0.1:{defaults.REGISTRY_PORT}",
         description="registry gRPC address host:port, or several replicas' comma-separated",
     )
-    token: str | None = Field(None, description="registry bearer token")
+    admin_token: str | None = Field(
+        None,
+        description="registry admin token (default: the local `pdplane up` fleet's, if this is "
+        "its registry)",
+    )
     tls_ca: str | None = Field(None, description="CA certificate (PEM) to verify registry TLS")
     timeout_s: float = Field(5.0, gt=0, description="deadline of each call (s)")
 
 
-_VALUE_FLAGS = {"--registry", "--token", "--tls-ca", "--timeout-s", "--instance-id"}
+_VALUE_FLAGS = {"--registry", "--admin-token", "--tls-ca", "--timeout-s", "--instance-id"}
 
 
 def _positional_id(argv: list[str]) -> list[str]:
@@ -60,20 +68,13 @@ def main(argv: list[str]) -> int:
     """Runs `pdplane drain`; see the module docstring for exit codes."""
     argv = _positional_id(argv)
     s = DrainSettings.parse(argv, prog="pdplane drain")
-    metadata = grpc_util.token_metadata(s.token)
+    local = fleet_credentials.for_registry(s.registry)
+    admin_token = s.admin_token or (local.admin_token if local else None)
+    metadata = grpc_util.token_metadata(admin_token)
     endpoints = RegistryEndpoints(s.registry, s.tls_ca)
+    # No lease id: the admin credential, not a lease, authorizes an operator's drain.
+    request = registry_pb2.DeregisterRequest(instance_id=s.instance_id, drain=True)
     try:
-        inst = call_any(
-            endpoints,
-            lambda stub: stub.GetInstance(
-                registry_pb2.GetInstanceRequest(instance_id=s.instance_id),
-                timeout=s.timeout_s,
-                metadata=metadata,
-            ),
-        )
-        request = registry_pb2.DeregisterRequest(
-            instance_id=s.instance_id, lease_id=inst.lease_id, drain=True
-        )
         reply = call_any(
             endpoints,
             lambda stub: stub.Deregister(request, timeout=s.timeout_s, metadata=metadata),

@@ -28,7 +28,7 @@ from typing import Any, Literal, TextIO
 import grpc
 from pydantic import Field
 
-from pdplane.core import defaults, grpc_util
+from pdplane.core import defaults, fleet_credentials, grpc_util
 from pdplane.core.instance_json import event_to_dict, instance_to_dict, parse_role
 from pdplane.core.settings import CommandSettings
 from pdplane.registry.endpoints import FAILOVER_CODES, RegistryEndpoints, call_any
@@ -50,7 +50,11 @@ class LsSettings(CommandSettings):
     model: str | None = Field(None, description="only this served model name")
     json_: bool = Field(False, alias="json", description="print JSON instead of a table")
     watch: bool = Field(False, description="stream ADDED/UPDATED/REMOVED events")
-    token: str | None = Field(None, description="registry bearer token")
+    token: str | None = Field(
+        None,
+        description="registry bearer token (default: the local `pdplane up` fleet's, if this is "
+        "its registry)",
+    )
     tls_ca: str | None = Field(
         None, description="CA certificate (PEM) to verify the registry's and scheduler's TLS"
     )
@@ -221,6 +225,9 @@ def _watch(
 def main(argv: list[str], out: TextIO | None = None) -> int:
     """Runs `pdplane ls`; writes to `out` (stdout by default) and returns the exit code."""
     settings = LsSettings.parse(argv)
+    local = fleet_credentials.for_registry(settings.registry)
+    if settings.token is None and local is not None:
+        settings.token = local.token  # the local `pdplane up` fleet's, nothing to type
     out = out or sys.stdout
     role = parse_role(settings.role) if settings.role else instance_pb2.ROLE_UNSPECIFIED
     endpoints = RegistryEndpoints(settings.registry, settings.tls_ca)

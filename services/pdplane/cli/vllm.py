@@ -21,7 +21,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from pdplane.core import defaults
+from pdplane.core import defaults, fleet_credentials
 from pdplane.core.settings import CommandSettings
 from pdplane.launch.foreground import run_in_foreground
 from pdplane.launch.vllm_cpu import VllmCpuInstance, VllmCpuOptions
@@ -99,6 +99,9 @@ def build(settings: InstanceSettings) -> tuple[list[str], dict[str, str]]:
         extra.update(registry_tls_ca=settings.tls_ca, tls_ca=settings.tls_ca)
     if settings.tls_cert or settings.tls_key:
         extra.update(tls_cert=settings.tls_cert, tls_key=settings.tls_key)
+    # Joining the local `pdplane up` fleet needs nothing typed: its token is in its file.
+    local = fleet_credentials.for_registry(settings.registry) if settings.registry else None
+    token = settings.token or (local.token if local else None)
     options = VllmCpuOptions(
         model=_model_dir(settings),
         port=settings.port,
@@ -108,8 +111,8 @@ def build(settings: InstanceSettings) -> tuple[list[str], dict[str, str]]:
         kv_port=settings.kv_port,
         instance_id=settings.instance_id,
         registry=settings.registry,
-        registry_token=settings.registry_token or settings.token,
-        token=settings.token,
+        registry_token=settings.registry_token or token,
+        token=token,
         connector_extra=extra,
         omp_threads_bind=settings.omp_threads_bind,
         max_model_len=settings.max_model_len,

@@ -3,14 +3,14 @@
 Every pdplane gRPC server exposes `grpc.health.v1.Health` (its answers carry the process's
 `pdplane.core.server_id` as initial metadata) and server reflection, v1 and v1alpha (so
 `grpcurl`, `pdplane grpc` and `grpc_health_probe` work) and, when a token is configured, rejects
-calls without the gRPC metadata `authorization: Bearer <token>` with UNAUTHENTICATED. Both the
+calls without the gRPC metadata `authorization: Bearer <token>` with UNAUTHENTICATED (who may
+do what: `pdplane.core.grpc_auth`). Both the
 sync (`grpc.server`, used inside vLLM's engine process) and the asyncio (`grpc.aio.server`)
 flavours are covered.
 """
 
 from __future__ import annotations
 
-import hmac
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -18,6 +18,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from pdplane.core.grpc_auth import AUTH_KEY, AuthPolicy, ConflictingCredentials
 from pdplane.core.grpc_decode import AioDecodeErrorInterceptor, DecodeErrorInterceptor
 from pdplane.core.grpc_reflection import enable_reflection
 from pdplane.core.server_id import METADATA_KEY, server_id
@@ -36,8 +37,6 @@ __all__ = [
     "server_interceptors",
     "token_metadata",
 ]
-
-_AUTH_KEY = "authorization"
 
 #: Channel options shared by every pdplane client: fail fast on a dead peer instead of
 #: buffering forever, and allow KV chunks of up to 64 MiB (bytes).
@@ -61,16 +60,7 @@ SERVER_OPTIONS: list[tuple[str, Any]] = [
 
 def token_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
     """Call metadata carrying `token` as a bearer token; empty when no token is configured."""
-    return ((_AUTH_KEY, f"Bearer {token}"),) if token else ()
-
-
-def _authorized(metadata: Iterable[tuple[str, str | bytes]] | None, token: str) -> bool:
-    expected = f"Bearer {token}"
-    for key, value in metadata or ():
-        if key == _AUTH_KEY:
-            got = value.decode() if isinstance(value, bytes) else value
-            return hmac.compare_digest(got, expected)
-    return False
+    return ((AUTH_KEY, f"Bearer {token}"),) if token else ()
 
 
 def _is_open(method: str) -> bool:
@@ -79,6 +69,17 @@ def _is_open(method: str) -> bool:
 
 
 _DENIED = "missing or invalid bearer token"
+
+
+def _refusal(policy: AuthPolicy, details: grpc.HandlerCallDetails) -> str | None:
+    """Why the call is refused (UNAUTHENTICATED), or None to let it through."""
+    if _is_open(details.method):
+        return None
+    try:
+        role = policy.role(details.invocation_metadata)
+    except ConflictingCredentials as exc:
+        return str(exc)
+    return None if role is not None else _DENIED
 
 
 def _shaped_like(
@@ -95,34 +96,36 @@ def _shaped_like(
     return grpc.unary_unary_rpc_method_handler(unary_response)
 
 
-def _deny_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+def _deny_handler(handler: grpc.RpcMethodHandler, why: str) -> grpc.RpcMethodHandler:
     def deny(_request: Any, context: grpc.ServicerContext) -> Any:
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, _DENIED)
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, why)
 
     return _shaped_like(handler, deny, deny)
 
 
-def _aio_deny_handler(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+def _aio_deny_handler(handler: grpc.RpcMethodHandler, why: str) -> grpc.RpcMethodHandler:
     # On an asyncio server the refusal must be a coroutine / async generator: a plain function
     # there runs on the event loop's thread and, for streaming shapes, blocked that loop for
     # good (every later RPC timed out and the server could no longer be stopped).
     async def deny(_request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, _DENIED)
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, why)
 
     async def deny_stream(
         _request: Any, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[Any]:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, _DENIED)
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, why)
         yield  # pragma: no cover - abort raises; this only makes it an async generator
 
     return _shaped_like(handler, deny, deny_stream)
 
 
 class TokenAuthInterceptor(grpc.ServerInterceptor):
-    """Sync server interceptor: UNAUTHENTICATED unless the call carries the bearer token."""
+    """Sync server interceptor: UNAUTHENTICATED unless the call satisfies `policy`
+    (`pdplane.core.grpc_auth`: a configured credential, never two conflicting ones)."""
 
-    def __init__(self, token: str) -> None:
-        self._token = token
+    def __init__(self, policy: AuthPolicy | str) -> None:
+        # A bare string is the shared token alone.
+        self._policy = AuthPolicy(token=policy) if isinstance(policy, str) else policy
 
     def intercept_service(
         self,
@@ -130,18 +133,18 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler | None:
         handler = continuation(handler_call_details)
-        if handler is None or _is_open(handler_call_details.method):
+        why = None if handler is None else _refusal(self._policy, handler_call_details)
+        if handler is None or why is None:
             return handler
-        if _authorized(handler_call_details.invocation_metadata, self._token):
-            return handler
-        return _deny_handler(handler)
+        return _deny_handler(handler, why)
 
 
 class AioTokenAuthInterceptor(grpc.aio.ServerInterceptor):
-    """Asyncio server interceptor: UNAUTHENTICATED unless the call carries the bearer token."""
+    """The asyncio twin of `TokenAuthInterceptor`."""
 
-    def __init__(self, token: str) -> None:
-        self._token = token
+    def __init__(self, policy: AuthPolicy | str) -> None:
+        # A bare string is the shared token alone.
+        self._policy = AuthPolicy(token=policy) if isinstance(policy, str) else policy
 
     async def intercept_service(
         self,
@@ -149,24 +152,26 @@ class AioTokenAuthInterceptor(grpc.aio.ServerInterceptor):
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(handler_call_details)
-        if handler is None or _is_open(handler_call_details.method):
+        why = None if handler is None else _refusal(self._policy, handler_call_details)
+        if handler is None or why is None:
             return handler
-        if _authorized(handler_call_details.invocation_metadata, self._token):
-            return handler
-        return _aio_deny_handler(handler)
+        return _aio_deny_handler(handler, why)
 
 
-def server_interceptors(token: str | None) -> list[grpc.ServerInterceptor]:
-    """The interceptors of every sync pdplane server: token auth when `token` is set, then
-    INVALID_ARGUMENT for requests that do not decode (`pdplane.core.grpc_decode`)."""
-    auth: list[grpc.ServerInterceptor] = [TokenAuthInterceptor(token)] if token else []
-    return [*auth, DecodeErrorInterceptor()]
+def server_interceptors(
+    token: str | None, admin_token: str | None = None
+) -> list[grpc.ServerInterceptor]:
+    """The interceptors of every sync pdplane server: credentials (`grpc_auth.AuthPolicy` of
+    `token` and `admin_token`; conflicting `authorization` values are refused even when none is
+    configured), then INVALID_ARGUMENT for requests that do not decode (`grpc_decode`)."""
+    return [TokenAuthInterceptor(AuthPolicy(token, admin_token)), DecodeErrorInterceptor()]
 
 
-def aio_server_interceptors(token: str | None) -> list[grpc.aio.ServerInterceptor]:
+def aio_server_interceptors(
+    token: str | None, admin_token: str | None = None
+) -> list[grpc.aio.ServerInterceptor]:
     """The asyncio twin of `server_interceptors`."""
-    auth: list[grpc.aio.ServerInterceptor] = [AioTokenAuthInterceptor(token)] if token else []
-    return [*auth, AioDecodeErrorInterceptor()]
+    return [AioTokenAuthInterceptor(AuthPolicy(token, admin_token)), AioDecodeErrorInterceptor()]
 
 
 def _reflect(server: grpc.Server | grpc.aio.Server, names: list[str]) -> None:

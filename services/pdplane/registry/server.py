@@ -15,6 +15,7 @@ from concurrent import futures
 import grpc
 
 from pdplane.core import grpc_util
+from pdplane.core.grpc_auth import AuthPolicy
 from pdplane.registry.memory_store import InMemoryStore
 from pdplane.registry.servicer import SERVICE_NAME, AioRegistryServicer, RegistryServicer
 from pdplane.registry.settings import RegistrySettings
@@ -145,14 +146,15 @@ class RegistryServer:
         return self.port
 
     def _start_sync(self) -> None:
-        token = self.settings.token
+        s = self.settings
         self._pool = futures.ThreadPoolExecutor(self.settings.max_workers, "pdplane-registry")
         server = grpc.server(
             self._pool,
-            interceptors=grpc_util.server_interceptors(token),
+            interceptors=grpc_util.server_interceptors(s.token, s.admin_token),
             options=grpc_util.SERVER_OPTIONS,
         )
-        registry_pb2_grpc.add_RegistryServicer_to_server(RegistryServicer(self.store), server)
+        servicer = RegistryServicer(self.store, AuthPolicy(s.token, s.admin_token))
+        registry_pb2_grpc.add_RegistryServicer_to_server(servicer, server)
         grpc_util.add_health_and_reflection(server, [SERVICE_NAME])
         self.port = self._bind(server)
         server.start()
@@ -169,12 +171,13 @@ class RegistryServer:
 
     async def _serve_aio(self) -> None:
         self._loop = asyncio.get_running_loop()
-        token = self.settings.token
+        s = self.settings
         server = grpc.aio.server(
-            interceptors=grpc_util.aio_server_interceptors(token),
+            interceptors=grpc_util.aio_server_interceptors(s.token, s.admin_token),
             options=grpc_util.SERVER_OPTIONS,
         )
-        registry_pb2_grpc.add_RegistryServicer_to_server(AioRegistryServicer(self.store), server)
+        servicer = AioRegistryServicer(self.store, AuthPolicy(s.token, s.admin_token))
+        registry_pb2_grpc.add_RegistryServicer_to_server(servicer, server)
         await grpc_util.aio_add_health_and_reflection(server, [SERVICE_NAME])
         self.port = self._bind(server)
         await server.start()

@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 import grpc
 
+from pdplane.core.grpc_auth import ADMIN_REQUIRED, AuthPolicy
 from pdplane.core.instance_validation import ValidationError, validate_load, validate_spec
 from pdplane.registry.store import (
     AlreadyExistsError,
@@ -26,7 +27,7 @@ from pdplane.registry.store import (
 )
 from pdplane.v1 import instance_pb2, registry_pb2, registry_pb2_grpc
 
-__all__ = ["SERVICE_NAME", "AioRegistryServicer", "RegistryServicer"]
+__all__ = ["SERVICE_NAME", "AioRegistryServicer", "RegistryServicer", "public"]
 
 SERVICE_NAME = "pdplane.v1.Registry"
 #: Longest lease a client may ask for (ms); anything above is a mistake, not a wish.
@@ -104,7 +105,19 @@ def _check_heartbeat(request: registry_pb2.HeartbeatRequest) -> None:
 
 def _check_deregister(request: registry_pb2.DeregisterRequest) -> None:
     _require("instance_id", request.instance_id)
-    _require("lease_id", request.lease_id)
+
+
+class _AdminRequired(Exception):
+    """A lease-less Deregister from a caller without the admin credential."""
+
+
+def public(instance: instance_pb2.Instance) -> instance_pb2.Instance:
+    """A copy of `instance` without its lease id: the lease id is the instance's capability
+    (who holds it may heartbeat, drain and deregister it), so no answer lists it."""
+    out = instance_pb2.Instance()
+    out.CopyFrom(instance)
+    out.ClearField("lease_id")
+    return out
 
 
 def _pack(events: list[registry_pb2.WatchEvent], max_batch: int) -> list[registry_pb2.WatchEvent]:
@@ -186,8 +199,19 @@ def _require(field: str, value: str) -> None:
 class RegistryServicer(registry_pb2_grpc.RegistryServicer):
     """Sync servicer over an `InstanceStore` (validated input only reaches the store)."""
 
-    def __init__(self, store: InstanceStore) -> None:
+    def __init__(self, store: InstanceStore, policy: AuthPolicy | None = None) -> None:
         self._store = store
+        self._policy = policy or AuthPolicy()
+
+    def _lease_for(self, request: registry_pb2.DeregisterRequest, context: Any) -> str:
+        """The lease a Deregister acts on: the caller's own (`lease_id`, which proves it), or,
+        for an operator (admin credential) that names none, the instance's live one."""
+        _check_deregister(request)
+        if request.lease_id:
+            return request.lease_id
+        if not self._policy.is_admin(context):
+            raise _AdminRequired
+        return self._store.get(request.instance_id).lease_id
 
     def Register(
         self, request: registry_pb2.RegisterRequest, context: grpc.ServicerContext
@@ -227,11 +251,16 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
         """Removes (or with drain marks DRAINING) an instance; NOT_FOUND for a stale lease."""
 
         def run() -> registry_pb2.DeregisterResponse:
-            _check_deregister(request)
-            state = self._store.deregister(request.instance_id, request.lease_id, request.drain)
+            lease = self._lease_for(request, context)
+            state = self._store.deregister(request.instance_id, lease, request.drain)
             return registry_pb2.DeregisterResponse(state=state)
 
-        return _call(context, registry_pb2.DeregisterResponse(), run)
+        try:
+            return _call(context, registry_pb2.DeregisterResponse(), run)
+        except _AdminRequired:
+            context.set_code(ADMIN_REQUIRED[0])
+            context.set_details(ADMIN_REQUIRED[1])
+            return registry_pb2.DeregisterResponse()
 
     def ListInstances(
         self, request: registry_pb2.ListInstancesRequest, context: grpc.ServicerContext
@@ -251,7 +280,8 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
             raise ValidationError("role", f"unknown role {request.role}")
         if request.state not in instance_pb2.InstanceState.values():
             raise ValidationError("state", f"unknown state {request.state}")
-        return self._store.list(request.role, request.model, request.state)
+        instances, revision = self._store.list(request.role, request.model, request.state)
+        return [public(i) for i in instances], revision
 
     def ListInstancesStream(
         self, request: registry_pb2.ListInstancesRequest, context: grpc.ServicerContext
@@ -272,7 +302,7 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
 
         def run() -> instance_pb2.Instance:
             _require("instance_id", request.instance_id)
-            return self._store.get(request.instance_id)
+            return public(self._store.get(request.instance_id))
 
         return _call(context, instance_pb2.Instance(), run)
 
@@ -327,13 +357,16 @@ class AioRegistryServicer(RegistryServicer):
 
     async def Deregister(self, request: Any, context: Any) -> registry_pb2.DeregisterResponse:  # type: ignore[override]
         async def run() -> registry_pb2.DeregisterResponse:
-            _check_deregister(request)
-            state = await self._store.aderegister(
-                request.instance_id, request.lease_id, request.drain
-            )
+            lease = self._lease_for(request, context)
+            state = await self._store.aderegister(request.instance_id, lease, request.drain)
             return registry_pb2.DeregisterResponse(state=state)
 
-        return await _acall(context, registry_pb2.DeregisterResponse(), run)
+        try:
+            return await _acall(context, registry_pb2.DeregisterResponse(), run)
+        except _AdminRequired:
+            context.set_code(ADMIN_REQUIRED[0])
+            context.set_details(ADMIN_REQUIRED[1])
+            return registry_pb2.DeregisterResponse()
 
     async def ListInstances(  # type: ignore[override]
         self, request: Any, context: Any

@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from pdplane.core import defaults
+from pdplane.core.grpc_auth import check_bind
 from pdplane.core.settings import CommandSettings
 
 __all__ = ["RegistrySettings"]
@@ -29,7 +30,17 @@ class RegistrySettings(CommandSettings):
     expiry_check_ms: int = Field(
         100, ge=10, le=10_000, description="how often expired leases are looked for (ms)"
     )
-    token: str | None = Field(None, description="shared bearer token required from clients")
+    token: str | None = Field(
+        None,
+        description="shared bearer token required from clients (instances, scheduler, gateway): "
+        "register, read, and change only the caller's own lease",
+    )
+    admin_token: str | None = Field(
+        None, description="operators' bearer token: also drain or deregister any instance by id"
+    )
+    insecure: bool = Field(
+        False, description="allow a non-loopback --host without --token (anyone may register)"
+    )
     tls_cert: str | None = Field(None, description="server certificate (PEM) to serve TLS")
     tls_key: str | None = Field(None, description="server private key (PEM) to serve TLS")
     watch_queue_size: int = Field(
@@ -80,6 +91,7 @@ class RegistrySettings(CommandSettings):
     def _check(self) -> RegistrySettings:
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("--tls-cert and --tls-key must be given together")
+        check_bind("pdplane registry", self.host, self.token, self.insecure)
         if self.lease_ttl_ms > self.max_lease_ttl_ms:
             raise ValueError("--lease-ttl-ms must not exceed --max-lease-ttl-ms")
         if bool(self.etcd_cert) != bool(self.etcd_key):

@@ -118,7 +118,7 @@ class WatchHub:
         max_bytes: int = HISTORY_BYTES,
     ) -> None:
         self.lock = threading.RLock()
-        self.snapshot = snapshot
+        self._snapshot = snapshot
         self.max_queue = max_queue
         self.max_bytes = max_bytes
         self._log: deque[registry_pb2.WatchEvent] = deque(maxlen=history)
@@ -129,8 +129,19 @@ class WatchHub:
         self._floor = floor
         self._subs: set[_Subscription] = set()
 
+    def snapshot(self) -> registry_pb2.WatchEvent:
+        """The store's SNAPSHOT without lease ids (lock held; see `emit`)."""
+        event = self._snapshot()
+        for instance in event.instances:
+            instance.ClearField("lease_id")
+        return event
+
     def emit(self, event: registry_pb2.WatchEvent) -> None:
-        """Logs `event` and queues it for every watcher (lock held)."""
+        """Logs `event` and queues it for every watcher (lock held). Its instance loses its
+        lease id: the lease id is the instance's capability, never sent to watchers (`event`
+        holds its own copy of the instance, made when the event was built)."""
+        if event.HasField("instance"):
+            event.instance.ClearField("lease_id")
         log, sizes = self._log, self._sizes
         if len(log) == log.maxlen:
             self._floor = log[0].revision if log else event.revision

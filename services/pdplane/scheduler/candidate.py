@@ -20,8 +20,8 @@ class Candidate:
 
     Token counts in tokens, KV sizes in KV cache blocks, `kv_cache_usage` a fraction 0..1.
     `revision` is the registry revision of the instance's last change; `epoch` identifies this
-    load report (lease and revision together, so a restarted registry that reuses revision
-    numbers still starts new epochs).
+    load report (registration time and revision together, so a restarted registry that reuses
+    revision numbers still starts new epochs; the lease id, which once served, is never listed).
     """
 
     instance_id: str
@@ -46,6 +46,11 @@ class Candidate:
     pair_key: PairKey
     #: Reported running + waiting requests plus KV cache usage (0..1) as a tie-breaker.
     reported_load: float
+    #: Push mode (decode): receive buffer size and the largest push it takes now (bytes);
+    #: capacity 0 = the instance takes no pushes. Bytes of one KV cache block (all layers).
+    recv_capacity_bytes: int = 0
+    recv_headroom_bytes: int = 0
+    kv_block_bytes: int = 0
 
     @classmethod
     def from_instance(cls, instance: instance_pb2.Instance) -> Candidate:
@@ -70,7 +75,10 @@ class Candidate:
             free_kv_blocks=load.free_kv_blocks,
             total_kv_blocks=load.total_kv_blocks,
             revision=instance.revision,
-            epoch=hash((instance.lease_id, instance.revision)),
+            epoch=hash((instance.registered_at.ToNanoseconds(), instance.revision)),
             pair_key=key,
             reported_load=load.num_running + load.num_waiting + load.kv_cache_usage,
+            recv_capacity_bytes=load.recv_buffer_capacity_bytes,
+            recv_headroom_bytes=load.recv_buffer_headroom_bytes,
+            kv_block_bytes=load.kv_block_bytes,
         )

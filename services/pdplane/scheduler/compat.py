@@ -6,6 +6,12 @@ excluded by the request, has `max_model_len >= prompt_tokens + max_tokens` and, 
 has KV room for the request when its load report says how much (`total_kv_blocks > 0`):
 `(free_kv_blocks - blocks already assigned since that report) * block_size >= tokens`.
 Pairing (equal layout fingerprint, transport and max model length) happens in `pair`.
+
+Push mode: a decode that takes pushes (`recv_buffer_capacity_bytes > 0`) and whose receive
+buffer cannot take the prompt's KV (`recv_buffer_headroom_bytes - blocks assigned since the
+report * kv_block_bytes < blocks_for(prompt) * kv_block_bytes`) is picked only when no decode
+with room is left: its prefill's push would be refused and decode would pull instead, which
+works but loses what push buys.
 """
 
 from __future__ import annotations
@@ -66,13 +72,17 @@ def split_sides(
     tokens: int,
     exclude: Collection[str],
     pending_blocks: Callable[[Candidate], int],
+    push_tokens: int | None = None,
 ) -> tuple[SideCandidates, SideCandidates]:
     """One pass over a model's candidates -> (prefill side, decode side).
 
     `tokens` = prompt_tokens + max_tokens; `pending_blocks(c)` = KV blocks the scheduler
-    already assigned to decode candidate `c` since its last load report.
+    already assigned to decode candidate `c` since its last load report; `push_tokens` = the
+    prompt tokens a push would carry (None: `tokens`).
     """
     prefill, decode = SideCandidates("prefill"), SideCandidates("decode")
+    pushed = tokens if push_tokens is None else push_tokens
+    no_buffer_room: list[Candidate] = []  # decodes whose receive buffer is full
     # The hot loop of every decision: plain attribute checks, reasons worded only on reject.
     for c in candidates:
         if c.can_prefill:
@@ -96,9 +106,20 @@ def split_sides(
             ):
                 reason = f"no KV room for {tokens} tokens"
                 decode.rejected[reason] = decode.rejected.get(reason, 0) + 1
+            elif c.recv_capacity_bytes and not _buffer_room(c, pushed, pending_blocks):
+                no_buffer_room.append(c)
             else:
                 decode.eligible.append(c)
+    if not decode.eligible:
+        decode.eligible = no_buffer_room  # they still serve the request, by pull
     return prefill, decode
+
+
+def _buffer_room(c: Candidate, tokens: int, pending_blocks: Callable[[Candidate], int]) -> bool:
+    # A push carries the prompt's blocks; what was assigned since the report may be pushed too.
+    block_bytes = c.kv_block_bytes
+    needed = blocks_for(tokens, c.block_size) * block_bytes
+    return c.recv_headroom_bytes - pending_blocks(c) * block_bytes >= needed
 
 
 def _common_rejection(c: Candidate, tokens: int, exclude: Collection[str]) -> str:

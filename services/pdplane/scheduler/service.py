@@ -131,6 +131,7 @@ class SchedulerService:
             tokens=tokens,
             exclude=request.exclude_instance_ids,
             pending_blocks=self.inflight.pending_blocks,
+            push_tokens=request.prompt_tokens,
         )
         prefills = prefill_side.require(model, self.view.models)
         decodes = decode_side.require(model, self.view.models)

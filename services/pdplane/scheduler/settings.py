@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from pdplane.core import defaults
+from pdplane.core.grpc_auth import check_bind
 from pdplane.core.settings import CommandSettings
 from pdplane.scheduler.policies import POLICIES
 from pdplane.scheduler.policies.kv_aware import LOCAL_PREFILL_MAX_TOKENS
@@ -122,6 +123,10 @@ class SchedulerSettings(PolicySettings):
     registry_token: str | None = Field(
         default=None, description="bearer token for the registry when it differs from --token"
     )
+    insecure: bool = Field(
+        default=False,
+        description="allow a non-loopback --host without --token (anyone may Schedule/Release)",
+    )
     tls_ca: str | None = Field(
         default=None, description="PEM CA bundle to verify the registry's TLS"
     )
@@ -133,3 +138,8 @@ class SchedulerSettings(PolicySettings):
     registry_wait_s: float = Field(
         default=5.0, ge=0, description="seconds to wait for the first registry snapshot at start"
     )
+
+    @model_validator(mode="after")
+    def _protected(self) -> SchedulerSettings:
+        check_bind("pdplane scheduler", self.host, self.token, self.insecure)
+        return self

@@ -14,8 +14,8 @@ from pdplane.sim.app import build_app
 from pdplane.sim.config import SimConfig
 from pdplane.sim.state import SimState
 from pdplane.sim.tokens import Tokenizer
-from pdplane.sim.transfers import TransferServicer
-from pdplane.v1 import instance_pb2, kv_transfer_pb2_grpc
+from pdplane.sim.transfers import TcpDataServicer, TransferServicer
+from pdplane.v1 import instance_pb2, kv_transfer_pb2_grpc, kv_transfer_tcp_pb2_grpc
 
 __all__ = ["SimInstance"]
 
@@ -27,6 +27,7 @@ _ROLES = {
     "both": instance_pb2.ROLE_BOTH,
 }
 _KV_SERVICE = "pdplane.v1.KvTransfer"
+_TCP_SERVICE = "pdplane.v1.TcpKvTransfer"
 
 
 class SimInstance:
@@ -94,12 +95,12 @@ class SimInstance:
         )
         state = self.state
         kv_transfer_pb2_grpc.add_KvTransferServicer_to_server(
-            TransferServicer(
-                state.transfers, state.push_buffer, state.kv_layout, state.block_bytes
-            ),
-            self._grpc,
+            TransferServicer(state.transfers), self._grpc
         )
-        services = [_KV_SERVICE]
+        kv_transfer_tcp_pb2_grpc.add_TcpKvTransferServicer_to_server(
+            TcpDataServicer(state.push_buffer, state.kv_layout, state.block_bytes), self._grpc
+        )
+        services = [_KV_SERVICE, _TCP_SERVICE]
         if state.events is not None:
             services.append(add_kv_events_servicer(self._grpc, state.events))
         await grpc_util.aio_add_health_and_reflection(self._grpc, services)

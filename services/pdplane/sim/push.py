@@ -1,11 +1,11 @@
 """Push mode: decode's bounded receive buffer for pushed KV, and prefill's pusher.
 
-Like the connector (`connector/pdplane/connector/push_buffer.py`): a push reserves room for the
-whole transfer when its header arrives, all or nothing (`RESOURCE_EXHAUSTED` when it does not
-fit), and stays until the decode request that names it takes it, or until its TTL. A refused
-transfer is remembered, so its decode request knows at once that nothing was pushed. What that
-request then does is the decode sim's `push_overflow`: pull it (pdplane) or recompute the
-prompt (the seed's P2pNcclConnector: "Failed to receive all KVs"), both counted.
+Like the connector (`connector/pdplane/connector/transports/tcp/buffer.py`): a push reserves
+room for the whole transfer when its header arrives, all or nothing (`RESOURCE_EXHAUSTED` when
+it does not fit), and stays until the decode request that names it takes it, or until its TTL.
+A refused transfer is remembered, so its decode request knows at once that nothing was pushed.
+What that request then does is the decode sim's `push_overflow`: pull it (pdplane) or recompute
+the prompt (the seed's P2pNcclConnector: "Failed to receive all KVs"), both counted.
 
 No bytes: a sim push is the `PushBlocks` header alone, sized from the header's block count and
 the receiver's layout; data chunks from a real pushing connector are accepted and dropped.
@@ -21,7 +21,7 @@ from typing import Any
 
 import grpc
 
-from pdplane.v1 import instance_pb2, kv_transfer_pb2, kv_transfer_pb2_grpc
+from pdplane.v1 import instance_pb2, kv_transfer_tcp_pb2, kv_transfer_tcp_pb2_grpc
 
 __all__ = ["Pusher", "ReceiveBuffer", "Taken"]
 
@@ -109,13 +109,13 @@ class ReceiveBuffer:
         context: grpc.aio.ServicerContext,
         layout: instance_pb2.KvLayout,
         block_bytes: int,
-    ) -> kv_transfer_pb2.PushBlocksResponse:
-        """`KvTransfer.PushBlocks`: header first, then (ignored) chunks.
+    ) -> kv_transfer_tcp_pb2.PushBlocksResponse:
+        """`TcpKvTransfer.PushBlocks`: header first, then (ignored) chunks.
 
         INVALID_ARGUMENT for a stream without a header or of another layout;
         RESOURCE_EXHAUSTED when the transfer does not fit.
         """
-        header: kv_transfer_pb2.PushHeader | None = None
+        header: kv_transfer_tcp_pb2.PushHeader | None = None
         received = 0
         async for message in request_iterator:
             if header is None:
@@ -137,7 +137,7 @@ class ReceiveBuffer:
                 received += len(message.chunk.data)
         if header is None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "empty push stream")
-        return kv_transfer_pb2.PushBlocksResponse(bytes_received=received)
+        return kv_transfer_tcp_pb2.PushBlocksResponse(bytes_received=received)
 
 
 class Pusher:
@@ -160,13 +160,13 @@ class Pusher:
         metadata: Any = None,
     ) -> bool:
         """True when decode's buffer took the push; False when it refused or failed."""
-        stub: kv_transfer_pb2_grpc.KvTransferStub = self._stub_for(endpoint)
-        header = kv_transfer_pb2.PushHeader(
+        stub: kv_transfer_tcp_pb2_grpc.TcpKvTransferStub = self._stub_for(endpoint)
+        header = kv_transfer_tcp_pb2.PushHeader(
             transfer_id=transfer_id, sender_id=sender_id, layout=layout, num_blocks=num_blocks
         )
         try:
             await stub.PushBlocks(
-                iter([kv_transfer_pb2.PushBlocksMessage(header=header)]),
+                iter([kv_transfer_tcp_pb2.PushBlocksMessage(header=header)]),
                 timeout=self._timeout_s,
                 metadata=metadata,
             )

@@ -67,7 +67,7 @@ class SimState:
         self.transfers = TransferTable(self.runner.release, c.kv_hold_timeout_s)
         self.peers = KvPeers(token=c.kv_token or None)
         self.push_buffer = ReceiveBuffer(c.push_buffer_bytes) if c.kv_mode == "push" else None
-        self.pusher = Pusher(self.peers.stub)
+        self.pusher = Pusher(self.peers.tcp_stub)
         self.recorder = Recorder(c.record_limit)
         self.faults = FaultPlan(
             failure_rate=c.failure_rate,

@@ -19,9 +19,15 @@ import grpc
 
 from pdplane.core import tracing
 from pdplane.sim.push import ReceiveBuffer
-from pdplane.v1 import instance_pb2, kv_transfer_pb2, kv_transfer_pb2_grpc
+from pdplane.v1 import (
+    instance_pb2,
+    kv_transfer_pb2,
+    kv_transfer_pb2_grpc,
+    kv_transfer_tcp_pb2,
+    kv_transfer_tcp_pb2_grpc,
+)
 
-__all__ = ["HeldTransfer", "KvPeers", "TransferServicer", "TransferTable"]
+__all__ = ["HeldTransfer", "KvPeers", "TcpDataServicer", "TransferServicer", "TransferTable"]
 
 
 @dataclass(slots=True)
@@ -91,40 +97,26 @@ class TransferTable:
 _NO_BYTES = "the simulator holds no KV bytes: only CompleteTransfer and AbortTransfer are served"
 
 
-class TransferServicer(kv_transfer_pb2_grpc.KvTransferServicer):
-    """CompleteTransfer and AbortTransfer over the table, PushBlocks into the receive buffer
-    (push mode); the data RPCs answer UNIMPLEMENTED."""
+class TcpDataServicer(kv_transfer_tcp_pb2_grpc.TcpKvTransferServicer):
+    """The TCP transport's data RPCs: PushBlocks into the receive buffer (push mode); pulls
+    answer UNIMPLEMENTED (there are no bytes)."""
 
     def __init__(
         self,
-        table: TransferTable,
         buffer: ReceiveBuffer | None = None,
         layout: instance_pb2.KvLayout | None = None,
         block_bytes: int = 0,
     ) -> None:
-        self._table = table
         self._buffer = buffer
         self._layout = layout or instance_pb2.KvLayout()
         self._block_bytes = block_bytes
 
     async def PullBlocks(
         self, request: Any, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[kv_transfer_pb2.KvChunk]:
+    ) -> AsyncIterator[kv_transfer_tcp_pb2.KvChunk]:
         """UNIMPLEMENTED: there are no bytes to stream."""
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, _NO_BYTES)
-        yield kv_transfer_pb2.KvChunk()  # never reached: abort raises
-
-    async def SendBlocksNccl(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        """UNIMPLEMENTED: there are no bytes to send."""
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, _NO_BYTES)
-
-    async def NcclConnect(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        """UNIMPLEMENTED: the simulator has no NCCL."""
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, _NO_BYTES)
-
-    async def NcclPushBegin(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        """UNIMPLEMENTED: the simulator has no NCCL."""
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, _NO_BYTES)
+        yield kv_transfer_tcp_pb2.KvChunk()  # never reached: abort raises
 
     async def PushBlocks(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
         """Reserves the push in the receive buffer (push mode); UNIMPLEMENTED in pull mode
@@ -133,6 +125,13 @@ class TransferServicer(kv_transfer_pb2_grpc.KvTransferServicer):
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, "not in push mode: pull instead")
             return None
         return await self._buffer.serve(request_iterator, context, self._layout, self._block_bytes)
+
+
+class TransferServicer(kv_transfer_pb2_grpc.KvTransferServicer):
+    """CompleteTransfer and AbortTransfer over the table."""
+
+    def __init__(self, table: TransferTable) -> None:
+        self._table = table
 
     async def CompleteTransfer(
         self, request: kv_transfer_pb2.CompleteTransferRequest, context: grpc.aio.ServicerContext
@@ -168,10 +167,20 @@ class KvPeers:
         self._metadata = token_metadata(token)
         self._timeout_s = timeout_s
         self._stubs: dict[str, tuple[grpc.aio.Channel, kv_transfer_pb2_grpc.KvTransferStub]] = {}
+        self._tcp_stubs: dict[str, kv_transfer_tcp_pb2_grpc.TcpKvTransferStub] = {}
 
     def stub(self, endpoint: str) -> kv_transfer_pb2_grpc.KvTransferStub:
         """The cached stub of a peer's KvTransfer server."""
         return self._stub(endpoint)
+
+    def tcp_stub(self, endpoint: str) -> kv_transfer_tcp_pb2_grpc.TcpKvTransferStub:
+        """The cached stub of the TCP transport's service on the same server (pushes)."""
+        stub = self._tcp_stubs.get(endpoint)
+        if stub is None:
+            self._stub(endpoint)  # the channel
+            stub = kv_transfer_tcp_pb2_grpc.TcpKvTransferStub(self._stubs[endpoint][0])
+            self._tcp_stubs[endpoint] = stub
+        return stub
 
     @property
     def metadata(self) -> Any:
@@ -206,3 +215,4 @@ class KvPeers:
         for channel, _ in self._stubs.values():
             await channel.close()
         self._stubs.clear()
+        self._tcp_stubs.clear()

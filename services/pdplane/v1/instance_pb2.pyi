@@ -224,6 +224,8 @@ class LoadReport(_message.Message):
     TOTAL_KV_BLOCKS_FIELD_NUMBER: _builtins.int
     INFLIGHT_TRANSFERS_FIELD_NUMBER: _builtins.int
     RECV_BUFFER_HEADROOM_BYTES_FIELD_NUMBER: _builtins.int
+    RECV_BUFFER_CAPACITY_BYTES_FIELD_NUMBER: _builtins.int
+    KV_BLOCK_BYTES_FIELD_NUMBER: _builtins.int
     num_running: _builtins.int
     """requests being computed"""
     num_waiting: _builtins.int
@@ -237,7 +239,17 @@ class LoadReport(_message.Message):
     inflight_transfers: _builtins.int
     """KV transfers in progress (either direction)"""
     recv_buffer_headroom_bytes: _builtins.int
-    """bytes left in the receive buffer (push mode); 0 = none"""
+    """Push mode: the largest pushed transfer the receive buffer takes now (bytes; the smallest
+    over the instance's TP ranks); see recv_buffer_capacity_bytes.
+    """
+    recv_buffer_capacity_bytes: _builtins.int
+    """Push mode: size of the receive buffer (bytes); 0 = the instance takes no pushes (pull
+    mode) and the headroom means nothing.
+    """
+    kv_block_bytes: _builtins.int
+    """Bytes one KV cache block takes over all layers of one TP rank, i.e. what a pushed block
+    costs the receive buffer (turns tokens into bytes); 0 = unknown.
+    """
     def __init__(
         self,
         *,
@@ -248,10 +260,12 @@ class LoadReport(_message.Message):
         total_kv_blocks: _builtins.int = ...,
         inflight_transfers: _builtins.int = ...,
         recv_buffer_headroom_bytes: _builtins.int = ...,
+        recv_buffer_capacity_bytes: _builtins.int = ...,
+        kv_block_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["free_kv_blocks", b"free_kv_blocks", "inflight_transfers", b"inflight_transfers", "kv_cache_usage", b"kv_cache_usage", "num_running", b"num_running", "num_waiting", b"num_waiting", "recv_buffer_headroom_bytes", b"recv_buffer_headroom_bytes", "total_kv_blocks", b"total_kv_blocks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["free_kv_blocks", b"free_kv_blocks", "inflight_transfers", b"inflight_transfers", "kv_block_bytes", b"kv_block_bytes", "kv_cache_usage", b"kv_cache_usage", "num_running", b"num_running", "num_waiting", b"num_waiting", "recv_buffer_capacity_bytes", b"recv_buffer_capacity_bytes", "recv_buffer_headroom_bytes", b"recv_buffer_headroom_bytes", "total_kv_blocks", b"total_kv_blocks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

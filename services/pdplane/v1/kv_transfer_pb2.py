@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdplane.v1 import instance_pb2 as pdplane_dot_v1_dot_instance__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cpdplane/v1/kv_transfer.proto\x12\npdplane.v1\x1a\x19pdplane/v1/instance.proto\"\xbe\x01\n\x11PullBlocksRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x15\n\rblock_indices\x18\x02 \x03(\r\x12-\n\x0f\x65xpected_layout\x18\x03 \x01(\x0b\x32\x14.pdplane.v1.KvLayout\x12\x0f\n\x07tp_rank\x18\x04 \x01(\r\x12\x14\n\x0crequester_id\x18\x05 \x01(\t\x12\'\n\tnccl_plan\x18\x06 \x01(\x0b\x32\x14.pdplane.v1.NcclPlan\"\xb6\x01\n\x08NcclPlan\x12/\n\x08strategy\x18\x01 \x01(\x0e\x32\x1d.pdplane.v1.NcclPlan.Strategy\x12\x13\n\x0b\x63hunk_bytes\x18\x02 \x01(\x04\x12\x13\n\x0brun_lengths\x18\x03 \x03(\r\"O\n\x08Strategy\x12\x18\n\x14STRATEGY_UNSPECIFIED\x10\x00\x12\x13\n\x0fSTRATEGY_GATHER\x10\x01\x12\x14\n\x10STRATEGY_GROUPED\x10\x02\"I\n\x07KvChunk\x12\r\n\x05layer\x18\x01 \x01(\r\x12\r\n\x05\x66irst\x18\x02 \x01(\r\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\",\n\x16SendBlocksNcclResponse\x12\x12\n\nbytes_sent\x18\x01 \x01(\x04\"?\n\x17\x43ompleteTransferRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x0f\n\x07success\x18\x02 \x01(\x08\")\n\x18\x43ompleteTransferResponse\x12\r\n\x05\x66reed\x18\x01 \x01(\x08\";\n\x14\x41\x62ortTransferRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"&\n\x15\x41\x62ortTransferResponse\x12\r\n\x05\x66reed\x18\x01 \x01(\x08\"N\n\x12NcclConnectRequest\x12\x14\n\x0crequester_id\x18\x01 \x01(\t\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\x12\x11\n\tunique_id\x18\x03 \x01(\x0c\"!\n\x13NcclConnectResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\"7\n\x0cNcclPushItem\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\"\x8c\x01\n\x14NcclPushBeginRequest\x12\x14\n\x0crequester_id\x18\x01 \x01(\t\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\x12$\n\x06layout\x18\x03 \x01(\x0b\x32\x14.pdplane.v1.KvLayout\x12\'\n\x05items\x18\x04 \x03(\x0b\x32\x18.pdplane.v1.NcclPushItem\"(\n\x15NcclPushBeginResponse\x12\x0f\n\x07spilled\x18\x01 \x03(\x08\"\x7f\n\nPushHeader\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x11\n\tsender_id\x18\x02 \x01(\t\x12\x0f\n\x07tp_rank\x18\x03 \x01(\r\x12$\n\x06layout\x18\x04 \x01(\x0b\x32\x14.pdplane.v1.KvLayout\x12\x12\n\nnum_blocks\x18\x05 \x01(\r\"_\n\x11PushBlocksMessage\x12&\n\x06header\x18\x01 \x01(\x0b\x32\x16.pdplane.v1.PushHeader\x12\"\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x13.pdplane.v1.KvChunk\",\n\x12PushBlocksResponse\x12\x16\n\x0e\x62ytes_received\x18\x01 \x01(\x04\x32\xcf\x04\n\nKvTransfer\x12\x42\n\nPullBlocks\x12\x1d.pdplane.v1.PullBlocksRequest\x1a\x13.pdplane.v1.KvChunk0\x01\x12S\n\x0eSendBlocksNccl\x12\x1d.pdplane.v1.PullBlocksRequest\x1a\".pdplane.v1.SendBlocksNcclResponse\x12]\n\x10\x43ompleteTransfer\x12#.pdplane.v1.CompleteTransferRequest\x1a$.pdplane.v1.CompleteTransferResponse\x12T\n\rAbortTransfer\x12 .pdplane.v1.AbortTransferRequest\x1a!.pdplane.v1.AbortTransferResponse\x12N\n\x0bNcclConnect\x12\x1e.pdplane.v1.NcclConnectRequest\x1a\x1f.pdplane.v1.NcclConnectResponse\x12T\n\rNcclPushBegin\x12 .pdplane.v1.NcclPushBeginRequest\x1a!.pdplane.v1.NcclPushBeginResponse\x12M\n\nPushBlocks\x12\x1d.pdplane.v1.PushBlocksMessage\x1a\x1e.pdplane.v1.PushBlocksResponse(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cpdplane/v1/kv_transfer.proto\x12\npdplane.v1\x1a\x19pdplane/v1/instance.proto\"\xa6\x01\n\x11PullBlocksRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x15\n\rblock_indices\x18\x02 \x03(\r\x12-\n\x0f\x65xpected_layout\x18\x03 \x01(\x0b\x32\x14.pdplane.v1.KvLayout\x12\x0f\n\x07tp_rank\x18\x04 \x01(\r\x12\x14\n\x0crequester_id\x18\x05 \x01(\tJ\x04\x08\x06\x10\x07R\tnccl_plan\"?\n\x17\x43ompleteTransferRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x0f\n\x07success\x18\x02 \x01(\x08\")\n\x18\x43ompleteTransferResponse\x12\r\n\x05\x66reed\x18\x01 \x01(\x08\";\n\x14\x41\x62ortTransferRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"&\n\x15\x41\x62ortTransferResponse\x12\r\n\x05\x66reed\x18\x01 \x01(\x08\x32\xc1\x01\n\nKvTransfer\x12]\n\x10\x43ompleteTransfer\x12#.pdplane.v1.CompleteTransferRequest\x1a$.pdplane.v1.CompleteTransferResponse\x12T\n\rAbortTransfer\x12 .pdplane.v1.AbortTransferRequest\x1a!.pdplane.v1.AbortTransferResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,39 +33,15 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdplane.v1.kv_transfer_pb2'
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PULLBLOCKSREQUEST']._serialized_start=72
-  _globals['_PULLBLOCKSREQUEST']._serialized_end=262
-  _globals['_NCCLPLAN']._serialized_start=265
-  _globals['_NCCLPLAN']._serialized_end=447
-  _globals['_NCCLPLAN_STRATEGY']._serialized_start=368
-  _globals['_NCCLPLAN_STRATEGY']._serialized_end=447
-  _globals['_KVCHUNK']._serialized_start=449
-  _globals['_KVCHUNK']._serialized_end=522
-  _globals['_SENDBLOCKSNCCLRESPONSE']._serialized_start=524
-  _globals['_SENDBLOCKSNCCLRESPONSE']._serialized_end=568
-  _globals['_COMPLETETRANSFERREQUEST']._serialized_start=570
-  _globals['_COMPLETETRANSFERREQUEST']._serialized_end=633
-  _globals['_COMPLETETRANSFERRESPONSE']._serialized_start=635
-  _globals['_COMPLETETRANSFERRESPONSE']._serialized_end=676
-  _globals['_ABORTTRANSFERREQUEST']._serialized_start=678
-  _globals['_ABORTTRANSFERREQUEST']._serialized_end=737
-  _globals['_ABORTTRANSFERRESPONSE']._serialized_start=739
-  _globals['_ABORTTRANSFERRESPONSE']._serialized_end=777
-  _globals['_NCCLCONNECTREQUEST']._serialized_start=779
-  _globals['_NCCLCONNECTREQUEST']._serialized_end=857
-  _globals['_NCCLCONNECTRESPONSE']._serialized_start=859
-  _globals['_NCCLCONNECTRESPONSE']._serialized_end=892
-  _globals['_NCCLPUSHITEM']._serialized_start=894
-  _globals['_NCCLPUSHITEM']._serialized_end=949
-  _globals['_NCCLPUSHBEGINREQUEST']._serialized_start=952
-  _globals['_NCCLPUSHBEGINREQUEST']._serialized_end=1092
-  _globals['_NCCLPUSHBEGINRESPONSE']._serialized_start=1094
-  _globals['_NCCLPUSHBEGINRESPONSE']._serialized_end=1134
-  _globals['_PUSHHEADER']._serialized_start=1136
-  _globals['_PUSHHEADER']._serialized_end=1263
-  _globals['_PUSHBLOCKSMESSAGE']._serialized_start=1265
-  _globals['_PUSHBLOCKSMESSAGE']._serialized_end=1360
-  _globals['_PUSHBLOCKSRESPONSE']._serialized_start=1362
-  _globals['_PUSHBLOCKSRESPONSE']._serialized_end=1406
-  _globals['_KVTRANSFER']._serialized_start=1409
-  _globals['_KVTRANSFER']._serialized_end=2000
+  _globals['_PULLBLOCKSREQUEST']._serialized_end=238
+  _globals['_COMPLETETRANSFERREQUEST']._serialized_start=240
+  _globals['_COMPLETETRANSFERREQUEST']._serialized_end=303
+  _globals['_COMPLETETRANSFERRESPONSE']._serialized_start=305
+  _globals['_COMPLETETRANSFERRESPONSE']._serialized_end=346
+  _globals['_ABORTTRANSFERREQUEST']._serialized_start=348
+  _globals['_ABORTTRANSFERREQUEST']._serialized_end=407
+  _globals['_ABORTTRANSFERRESPONSE']._serialized_start=409
+  _globals['_ABORTTRANSFERRESPONSE']._serialized_end=447
+  _globals['_KVTRANSFER']._serialized_start=450
+  _globals['_KVTRANSFER']._serialized_end=643
 # @@protoc_insertion_point(module_scope)

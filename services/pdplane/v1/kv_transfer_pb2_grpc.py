@@ -34,16 +34,6 @@ class KvTransferStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.PullBlocks = channel.unary_stream(
-                '/pdplane.v1.KvTransfer/PullBlocks',
-                request_serializer=pdplane_dot_v1_dot_kv__transfer__pb2.PullBlocksRequest.SerializeToString,
-                response_deserializer=pdplane_dot_v1_dot_kv__transfer__pb2.KvChunk.FromString,
-                _registered_method=True)
-        self.SendBlocksNccl = channel.unary_unary(
-                '/pdplane.v1.KvTransfer/SendBlocksNccl',
-                request_serializer=pdplane_dot_v1_dot_kv__transfer__pb2.PullBlocksRequest.SerializeToString,
-                response_deserializer=pdplane_dot_v1_dot_kv__transfer__pb2.SendBlocksNcclResponse.FromString,
-                _registered_method=True)
         self.CompleteTransfer = channel.unary_unary(
                 '/pdplane.v1.KvTransfer/CompleteTransfer',
                 request_serializer=pdplane_dot_v1_dot_kv__transfer__pb2.CompleteTransferRequest.SerializeToString,
@@ -54,44 +44,10 @@ class KvTransferStub:
                 request_serializer=pdplane_dot_v1_dot_kv__transfer__pb2.AbortTransferRequest.SerializeToString,
                 response_deserializer=pdplane_dot_v1_dot_kv__transfer__pb2.AbortTransferResponse.FromString,
                 _registered_method=True)
-        self.NcclConnect = channel.unary_unary(
-                '/pdplane.v1.KvTransfer/NcclConnect',
-                request_serializer=pdplane_dot_v1_dot_kv__transfer__pb2.NcclConnectRequest.SerializeToString,
-                response_deserializer=pdplane_dot_v1_dot_kv__transfer__pb2.NcclConnectResponse.FromString,
-                _registered_method=True)
-        self.NcclPushBegin = channel.unary_unary(
-                '/pdplane.v1.KvTransfer/NcclPushBegin',
-                request_serializer=pdplane_dot_v1_dot_kv__transfer__pb2.NcclPushBeginRequest.SerializeToString,
-                response_deserializer=pdplane_dot_v1_dot_kv__transfer__pb2.NcclPushBeginResponse.FromString,
-                _registered_method=True)
-        self.PushBlocks = channel.stream_unary(
-                '/pdplane.v1.KvTransfer/PushBlocks',
-                request_serializer=pdplane_dot_v1_dot_kv__transfer__pb2.PushBlocksMessage.SerializeToString,
-                response_deserializer=pdplane_dot_v1_dot_kv__transfer__pb2.PushBlocksResponse.FromString,
-                _registered_method=True)
 
 
 class KvTransferServicer:
     """Missing associated documentation comment in .proto file."""
-
-    def PullBlocks(self, request, context):
-        """TCP transport: streams the requested blocks of a held transfer, layer by layer.
-        Errors: NOT_FOUND (unknown, expired or aborted transfer), INVALID_ARGUMENT (block index out
-        of range, layout mismatch), UNAUTHENTICATED.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def SendBlocksNccl(self, request, context):
-        """NCCL transport: prefill sends the requested blocks over the pair's NCCL communicator
-        (established by NcclConnect) while the caller receives them; returns once the sends are
-        complete. Errors as PullBlocks, plus FAILED_PRECONDITION (no communicator for the pair) and
-        DEADLINE_EXCEEDED (the communicator was aborted after the timeout).
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
 
     def CompleteTransfer(self, request, context):
         """Decode has what it needs (or gave up): prefill frees the transfer's blocks.
@@ -107,50 +63,9 @@ class KvTransferServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def NcclConnect(self, request, context):
-        """Creates the 2-rank NCCL communicator for (caller rank, this rank): the caller sends the
-        NCCL unique id it generated (it becomes rank 0); both sides then call ncclCommInitRank.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def NcclPushBegin(self, request, context):
-        """NCCL push mode: the caller (prefill, rank 0 of the pair's communicator) announces the
-        transfers it will send layer by layer during this forward step; the receiver reserves room
-        in its bounded GPU receive buffer (or its pinned host spill) and posts the receives.
-        Errors: RESOURCE_EXHAUSTED (buffer and spill both full: nothing reserved, the caller
-        sends nothing), FAILED_PRECONDITION (no communicator), INVALID_ARGUMENT (layout mismatch).
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def PushBlocks(self, request_iterator, context):
-        """TCP push mode: prefill streams a transfer's blocks layer by layer, during its forward,
-        into decode's bounded receive buffer. The first message carries `header` (room for every
-        layer's blocks is reserved then, all or nothing), the next ones `chunk`s. Errors:
-        RESOURCE_EXHAUSTED (buffer full: nothing kept; decode pulls instead), INVALID_ARGUMENT
-        (no header, layout mismatch, malformed chunk), ALREADY_EXISTS (transfer pushed or pulled
-        already), DEADLINE_EXCEEDED / CANCELLED (stream not finished: the partial data is freed).
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
 
 def add_KvTransferServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'PullBlocks': grpc.unary_stream_rpc_method_handler(
-                    servicer.PullBlocks,
-                    request_deserializer=pdplane_dot_v1_dot_kv__transfer__pb2.PullBlocksRequest.FromString,
-                    response_serializer=pdplane_dot_v1_dot_kv__transfer__pb2.KvChunk.SerializeToString,
-            ),
-            'SendBlocksNccl': grpc.unary_unary_rpc_method_handler(
-                    servicer.SendBlocksNccl,
-                    request_deserializer=pdplane_dot_v1_dot_kv__transfer__pb2.PullBlocksRequest.FromString,
-                    response_serializer=pdplane_dot_v1_dot_kv__transfer__pb2.SendBlocksNcclResponse.SerializeToString,
-            ),
             'CompleteTransfer': grpc.unary_unary_rpc_method_handler(
                     servicer.CompleteTransfer,
                     request_deserializer=pdplane_dot_v1_dot_kv__transfer__pb2.CompleteTransferRequest.FromString,
@@ -160,21 +75,6 @@ def add_KvTransferServicer_to_server(servicer, server):
                     servicer.AbortTransfer,
                     request_deserializer=pdplane_dot_v1_dot_kv__transfer__pb2.AbortTransferRequest.FromString,
                     response_serializer=pdplane_dot_v1_dot_kv__transfer__pb2.AbortTransferResponse.SerializeToString,
-            ),
-            'NcclConnect': grpc.unary_unary_rpc_method_handler(
-                    servicer.NcclConnect,
-                    request_deserializer=pdplane_dot_v1_dot_kv__transfer__pb2.NcclConnectRequest.FromString,
-                    response_serializer=pdplane_dot_v1_dot_kv__transfer__pb2.NcclConnectResponse.SerializeToString,
-            ),
-            'NcclPushBegin': grpc.unary_unary_rpc_method_handler(
-                    servicer.NcclPushBegin,
-                    request_deserializer=pdplane_dot_v1_dot_kv__transfer__pb2.NcclPushBeginRequest.FromString,
-                    response_serializer=pdplane_dot_v1_dot_kv__transfer__pb2.NcclPushBeginResponse.SerializeToString,
-            ),
-            'PushBlocks': grpc.stream_unary_rpc_method_handler(
-                    servicer.PushBlocks,
-                    request_deserializer=pdplane_dot_v1_dot_kv__transfer__pb2.PushBlocksMessage.FromString,
-                    response_serializer=pdplane_dot_v1_dot_kv__transfer__pb2.PushBlocksResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -186,60 +86,6 @@ def add_KvTransferServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class KvTransfer:
     """Missing associated documentation comment in .proto file."""
-
-    @staticmethod
-    def PullBlocks(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_stream(
-            request,
-            target,
-            '/pdplane.v1.KvTransfer/PullBlocks',
-            pdplane_dot_v1_dot_kv__transfer__pb2.PullBlocksRequest.SerializeToString,
-            pdplane_dot_v1_dot_kv__transfer__pb2.KvChunk.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def SendBlocksNccl(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/pdplane.v1.KvTransfer/SendBlocksNccl',
-            pdplane_dot_v1_dot_kv__transfer__pb2.PullBlocksRequest.SerializeToString,
-            pdplane_dot_v1_dot_kv__transfer__pb2.SendBlocksNcclResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
 
     @staticmethod
     def CompleteTransfer(request,
@@ -285,87 +131,6 @@ class KvTransfer:
             '/pdplane.v1.KvTransfer/AbortTransfer',
             pdplane_dot_v1_dot_kv__transfer__pb2.AbortTransferRequest.SerializeToString,
             pdplane_dot_v1_dot_kv__transfer__pb2.AbortTransferResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def NcclConnect(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/pdplane.v1.KvTransfer/NcclConnect',
-            pdplane_dot_v1_dot_kv__transfer__pb2.NcclConnectRequest.SerializeToString,
-            pdplane_dot_v1_dot_kv__transfer__pb2.NcclConnectResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def NcclPushBegin(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/pdplane.v1.KvTransfer/NcclPushBegin',
-            pdplane_dot_v1_dot_kv__transfer__pb2.NcclPushBeginRequest.SerializeToString,
-            pdplane_dot_v1_dot_kv__transfer__pb2.NcclPushBeginResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def PushBlocks(request_iterator,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.stream_unary(
-            request_iterator,
-            target,
-            '/pdplane.v1.KvTransfer/PushBlocks',
-            pdplane_dot_v1_dot_kv__transfer__pb2.PushBlocksMessage.SerializeToString,
-            pdplane_dot_v1_dot_kv__transfer__pb2.PushBlocksResponse.FromString,
             options,
             channel_credentials,
             insecure,

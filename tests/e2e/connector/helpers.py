@@ -13,7 +13,7 @@ import httpx
 from pdplane.core import grpc_util
 from pdplane.core.kv_params import PrefillRequestParams
 from pdplane.launch.process import wait_until
-from pdplane.v1 import instance_pb2, kv_transfer_pb2, kv_transfer_pb2_grpc
+from pdplane.v1 import instance_pb2, kv_transfer_pb2, kv_transfer_tcp_pb2_grpc
 from tests.e2e.conftest import RegistryHandle, VllmPair
 
 MODEL = "tiny"
@@ -130,7 +130,7 @@ def idle_free_blocks(reg: RegistryHandle, instance_id: str, timeout: float = 5.0
 
 def pull_status(endpoint: str, transfer_id: str, layout: instance_pb2.KvLayout) -> grpc.StatusCode:
     with grpc_util.channel(endpoint) as ch:
-        stub = kv_transfer_pb2_grpc.KvTransferStub(ch)
+        stub = kv_transfer_tcp_pb2_grpc.TcpKvTransferStub(ch)
         call = stub.PullBlocks(
             kv_transfer_pb2.PullBlocksRequest(transfer_id=transfer_id, expected_layout=layout),
             timeout=5.0,

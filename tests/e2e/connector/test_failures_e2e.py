@@ -15,14 +15,14 @@ import torch
 
 from pdplane.connector.holds import HoldTable
 from pdplane.connector.kv_cache import KvCacheView
-from pdplane.connector.server import KvTransferServicer, start_kv_server
-from pdplane.connector.transports.base import Peer, PullRequest
+from pdplane.connector.server import HoldAccess, KvServer, start_kv_server, worker_services
+from pdplane.connector.transports.base import Peer, PullRequest, ServiceBinding
 from pdplane.connector.transports.tcp import TcpTransport
 from pdplane.core import grpc_util
 from pdplane.core.kv_params import DecodeRequestParams
 from pdplane.core.layout import fingerprint
 from pdplane.launch.vllm_cpu import VllmCpuInstance
-from pdplane.v1 import instance_pb2, kv_transfer_pb2, kv_transfer_pb2_grpc
+from pdplane.v1 import instance_pb2, kv_transfer_pb2, kv_transfer_pb2_grpc, kv_transfer_tcp_pb2_grpc
 from tests.e2e.conftest import PULL_TIMEOUT_S, TRANSFER_TIMEOUT_S, RegistryHandle, VllmPair
 from tests.e2e.connector.helpers import (
     complete,
@@ -43,7 +43,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 class _Relay:
     """A KvTransfer server of the test's own holding a copy of a real prefill's blocks."""
 
-    server: grpc.Server
+    server: KvServer
     params: dict[str, Any]
 
 
@@ -59,10 +59,10 @@ def _relay(
     with grpc_util.channel(dp.kv_endpoint) as ch:
         stub = kv_transfer_pb2_grpc.KvTransferStub(ch)
         got = transport.pull(
-            Peer(dp.kv_endpoint, stub),
+            Peer(dp.kv_endpoint, ch),
             PullRequest(dp.transfer_id, range(n), range(n), layout, deadline=time.monotonic() + 10),
         )
-        assert got == 2 * n * block_nbytes
+        assert got.nbytes == 2 * n * block_nbytes
         stub.CompleteTransfer(
             kv_transfer_pb2.CompleteTransferRequest(transfer_id=dp.transfer_id, success=True),
             timeout=5,
@@ -75,7 +75,8 @@ def _relay(
     holds = HoldTable()
     relay_tid = f"{dp.request_id}.relay"
     holds.add("relay", relay_tid, list(range(n)), 60.0)
-    server, port = start_kv_server(KvTransferServicer(holds, transport, layout), "127.0.0.1:0")
+    server = start_kv_server(worker_services(transport, HoldAccess(holds, layout)), "127.0.0.1:0")
+    port = server.port
     relayed = DecodeRequestParams(
         request_id=dp.request_id,
         transfer_id=relay_tid,
@@ -106,7 +107,7 @@ def test_corrupting_transferred_bytes_changes_output(
     try:
         decoded = text(complete(vllm_pair.decode_url, prompt, kv_transfer_params=relay.params))
     finally:
-        relay.server.stop(0).wait(5)
+        relay.server.stop(0)
     if corrupt:
         assert decoded != reference
     else:
@@ -174,7 +175,7 @@ def test_abort_frees_held_blocks_at_once(vllm_pair: VllmPair, registry: Registry
     assert pull_status(vllm_pair.prefill_kv_endpoint, tid, layout) == grpc.StatusCode.NOT_FOUND
 
 
-class _HungPrefill(KvTransferServicer):
+class _HungPrefill(kv_transfer_tcp_pb2_grpc.TcpKvTransferServicer):
     """Accepts PullBlocks and never sends a byte."""
 
     def PullBlocks(self, request: Any, context: Any) -> Any:
@@ -187,7 +188,12 @@ def test_client_leaving_during_a_hung_pull_leaks_no_decode_blocks(
     vllm_pair: VllmPair, vllm_reference: VllmCpuInstance, registry: RegistryHandle
 ) -> None:
     layout = layout_of(registry, vllm_pair.decode_id)
-    server, port = start_kv_server(_HungPrefill(HoldTable(), TcpTransport(), layout), "127.0.0.1:0")
+    hung = ServiceBinding(
+        "pdplane.v1.TcpKvTransfer",
+        lambda s: kv_transfer_tcp_pb2_grpc.add_TcpKvTransferServicer_to_server(_HungPrefill(), s),
+    )
+    server = start_kv_server([hung], "127.0.0.1:0")
+    port = server.port
     prompt = fresh_prompt(seed=50)
     hung = DecodeRequestParams(
         request_id="e2e-hung",
@@ -206,7 +212,7 @@ def test_client_leaving_during_a_hung_pull_leaks_no_decode_blocks(
         # finished; the connector does so at its pull timeout.
         wait_free_blocks(registry, vllm_pair.decode_id, baseline, timeout=PULL_TIMEOUT_S + 5)
     finally:
-        server.stop(0).wait(5)
+        server.stop(0)
     assert log_lines(vllm_pair.decode_log, "transfer e2e-hung.0000: pull failed")
     other = fresh_prompt(seed=51, num_tokens=64)  # the engine is alive and serving
     assert text(complete(vllm_pair.decode_url, other)) == text(complete(vllm_reference.url, other))

@@ -148,6 +148,21 @@ def test_kv_came_by_push_not_pull(pushed: PushRoundtrip, push_pair: VllmPair) ->
     assert log_lines(push_pair.prefill_log, f"transfer {tid} completed")
 
 
+def test_decode_heartbeats_report_its_receive_buffer(
+    pushed: PushRoundtrip, registry: RegistryHandle
+) -> None:
+    # The worker's buffer reaches the load report through vLLM's connector stats (every engine
+    # step), so the scheduler's decode guard can tell a full buffer from a free one.
+    def reported() -> bool:
+        inst = registry.get(DECODE_ID)
+        return inst is not None and inst.load.recv_buffer_capacity_bytes == PUSH_BUFFER_BYTES
+
+    wait_until(reported, 10.0, interval_s=0.1, what="the receive buffer in the load report")
+    load = registry.get(DECODE_ID).load  # type: ignore[union-attr]
+    assert load.kv_block_bytes == 2 * 64 * 1024  # 2 layers x 64 KiB per block
+    assert load.recv_buffer_headroom_bytes == PUSH_BUFFER_BYTES  # the push was taken: all free
+
+
 def test_full_receive_buffer_falls_back_to_pull_and_matches(
     push_pair: VllmPair, vllm_reference: VllmCpuInstance, registry: RegistryHandle
 ) -> None:

@@ -24,7 +24,7 @@ def _gpu_reason() -> str | None:
         return "torch is not installed"
     if not torch.cuda.is_available():
         return "no CUDA GPU"
-    from pdplane.connector.nccl.binding import NcclLibrary, NcclUnavailableError
+    from pdplane.connector.transports.nccl.binding import NcclLibrary, NcclUnavailableError
 
     try:
         NcclLibrary.get()

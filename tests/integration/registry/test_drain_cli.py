@@ -45,6 +45,24 @@ def test_drain_an_instance_by_id() -> None:
             client.stop()
 
 
+def test_drain_needs_the_admin_token_when_the_registry_has_one() -> None:
+    with running_registry(token="t", admin_token="a") as address:
+        client = RegistrationClient(
+            address, make_spec("decode-3", instance_pb2.ROLE_DECODE), token="t"
+        )
+        client.start()
+        try:
+            assert client.wait_registered(10)
+            refused = _drain("decode-3", "--registry", address, "--admin-token", "t")
+            assert refused.returncode == 1
+            assert "PERMISSION_DENIED" in refused.stderr
+            done = _drain("decode-3", "--registry", address, "--admin-token", "a")
+            assert done.returncode == 0, done.stderr
+            assert wait_until(lambda: client.state == instance_pb2.INSTANCE_STATE_DRAINING, 5)
+        finally:
+            client.stop()
+
+
 def test_drain_of_an_unknown_instance_fails_with_the_registry_s_reason() -> None:
     with running_registry() as address:
         out = _drain("nobody", "--registry", address)

@@ -8,6 +8,7 @@ import threading
 from pdplane.core import grpc_util
 from pdplane.registry.client import InstanceWatcher
 from pdplane.registry.server import RegistryServer
+from pdplane.registry.servicer import public
 from pdplane.v1 import instance_pb2, registry_pb2, registry_pb2_grpc
 from tests.integration.registry.conftest import wait_until
 from tests.integration.registry.fixtures import make_spec, running_registry_server
@@ -33,7 +34,7 @@ def test_on_change_sees_the_newest_view_and_survives_errors(registry: RegistrySe
         assert watcher.wait_ready(5)
         leases = {f"p{i}": registry.store.register(make_spec(f"p{i}"), 0) for i in range(20)}
         registry.store.deregister("p3", leases["p3"].lease_id, drain=True)
-        expected = {i.spec.instance_id: i for i in registry.store.list()[0]}
+        expected = {i.spec.instance_id: public(i) for i in registry.store.list()[0]}
         assert wait_until(lambda: bool(views) and views[-1] == expected, 5)
         assert views[-1]["p3"].state == instance_pb2.INSTANCE_STATE_DRAINING
         assert watcher.snapshot() == expected

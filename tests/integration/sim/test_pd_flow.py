@@ -8,7 +8,7 @@ import pytest
 
 from pdplane.core.kv_params import DecodeRequestParams, PrefillRequestParams
 from pdplane.sim.testing import running_sims
-from pdplane.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
+from pdplane.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc, kv_transfer_tcp_pb2_grpc
 from tests.integration.sim.helpers import wait_for
 
 PROMPT = {"model": "sim-model", "prompt": "one two three four five six seven", "max_tokens": 6}
@@ -151,7 +151,7 @@ def test_invalid_decode_params_are_400(kv: dict) -> None:
 
 def test_data_rpcs_answer_unimplemented_with_a_reason() -> None:
     with running_sims("prefill") as sims, grpc.insecure_channel(sims[0].kv_endpoint) as channel:
-        stub = kv_transfer_pb2_grpc.KvTransferStub(channel)
+        stub = kv_transfer_tcp_pb2_grpc.TcpKvTransferStub(channel)
         with pytest.raises(grpc.RpcError) as err:
             list(stub.PullBlocks(kv_transfer_pb2.PullBlocksRequest(transfer_id="x"), timeout=5))
         assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED

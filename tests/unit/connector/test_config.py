@@ -56,7 +56,8 @@ def test_transport_options_follow_the_transport() -> None:
         {"transport": "nccl", "nccl_strategy": "grouped", "push_ttl_s": 5}
     )
     assert nccl.transport_options() == {"nccl_strategy": "grouped", "push_ttl_s": 5}
+    # tls_ca is the connector's channels' (every transport's stubs share them), not an option
     tls = ConnectorConfig.from_extra_config({"transport": "nccl", "tls_ca": "/etc/pdplane/ca.pem"})
-    assert tls.transport_options() == {"tls_ca": "/etc/pdplane/ca.pem"}
+    assert tls.transport_options() == {}
     with pytest.raises(ConnectorConfigError, match="nccl_strategy"):
         ConnectorConfig.from_extra_config({"nccl_strategy": "scatter"})

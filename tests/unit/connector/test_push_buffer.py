@@ -8,7 +8,7 @@ import threading
 import grpc
 import pytest
 
-from pdplane.connector.push_buffer import PushBuffer, PushRefused, PushState
+from pdplane.connector.transports.tcp.buffer import PushBuffer, PushRefused, PushState
 
 BLOCK = [100, 100]  # bytes per block of each of 2 layers
 
@@ -42,17 +42,17 @@ def test_a_refused_transfer_is_known_at_once_to_its_decode_request() -> None:
     with pytest.raises(PushRefused):
         buf.reserve("t1", "p0", 1, BLOCK)
     # no waiting for a push that will never come
-    assert buf.take("t1", "p0", wait_s=30.0) is None
+    assert buf.claim("t1", "p0", wait_s=30.0) is None
 
 
 def test_ready_push_is_taken_once_and_frees_its_room() -> None:
     buf = PushBuffer(capacity_bytes=1000)
     _fill(buf, "t1", 2)
-    entry = buf.take("t1", "p0", wait_s=0)
+    entry = buf.claim("t1", "p0", wait_s=0)
     assert entry is not None and entry.state is PushState.GONE
     assert bytes(entry.layers[1][:3]) == b"\x02\x02\x02"
     assert buf.used_bytes == 0
-    assert buf.take("t1", "p0", wait_s=0) is None
+    assert buf.claim("t1", "p0", wait_s=0) is None
     with pytest.raises(PushRefused) as info:  # the same transfer cannot be pushed again
         buf.reserve("t1", "p0", 2, BLOCK)
     assert info.value.code == grpc.StatusCode.ALREADY_EXISTS
@@ -62,7 +62,7 @@ def test_take_waits_for_a_push_still_arriving() -> None:
     buf = PushBuffer(capacity_bytes=1000)
     entry = buf.reserve("t1", "p0", 1, BLOCK)
     got: list[object] = []
-    taker = threading.Thread(target=lambda: got.append(buf.take("t1", "p0", wait_s=5.0)))
+    taker = threading.Thread(target=lambda: got.append(buf.claim("t1", "p0", wait_s=5.0)))
     taker.start()
     entry.write(0, 0, 1, b"a" * 100)
     entry.write(1, 0, 1, b"b" * 100)
@@ -75,7 +75,7 @@ def test_take_gives_up_after_its_wait_and_discard_frees_the_partial_push() -> No
     buf = PushBuffer(capacity_bytes=1000)
     entry = buf.reserve("t1", "p0", 1, BLOCK)
     entry.write(0, 0, 1, b"a" * 100)
-    assert buf.take("t1", "p0", wait_s=0.05) is None
+    assert buf.claim("t1", "p0", wait_s=0.05) is None
     buf.discard("t1", "pulled instead")
     assert buf.used_bytes == 0 and len(buf) == 0
     with pytest.raises(PushRefused) as info:  # the stream's next chunk is refused
@@ -89,7 +89,7 @@ def test_an_incomplete_push_is_freed_at_commit() -> None:
     entry.write(0, 0, 2, b"a" * 200)
     with pytest.raises(PushRefused, match="2 layer-blocks missing"):
         buf.commit(entry)
-    assert buf.used_bytes == 0 and buf.take("t1", "p0", 0) is None
+    assert buf.used_bytes == 0 and buf.claim("t1", "p0", 0) is None
 
 
 @pytest.mark.parametrize(
@@ -119,7 +119,7 @@ def test_a_block_sent_twice_is_refused() -> None:
 def test_a_push_from_another_sender_is_not_used() -> None:
     buf = PushBuffer(capacity_bytes=1000)
     _fill(buf, "t1", 1, sender="intruder")
-    assert buf.take("t1", "p0", wait_s=0) is None
+    assert buf.claim("t1", "p0", wait_s=0) is None
     assert buf.used_bytes == 0
 
 
@@ -130,7 +130,7 @@ def test_unclaimed_pushes_expire_after_the_ttl() -> None:
     assert buf.expire() == 0
     clock.now += 5.0
     assert buf.expire() == 1
-    assert buf.used_bytes == 0 and buf.take("t1", "p0", 0) is None
+    assert buf.used_bytes == 0 and buf.claim("t1", "p0", 0) is None
     _fill(buf, "t2", 5)  # the room is back
 
 

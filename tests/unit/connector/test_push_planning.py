@@ -135,7 +135,9 @@ class FakeTransport:
         self.opened: list[tuple] = []
         self.fail_layer, self.refuse = fail_layer, refuse
 
-    def push_session(self, peer, requester_id, items, layout, deadline, tp_rank=0) -> FakeSession:
+    def push_session(
+        self, peer, requester_id, items, layout, deadline, tp_rank=0, peer_id=""
+    ) -> FakeSession:
         if self.refuse is not None:
             raise self.refuse
         self.opened.append((peer.endpoint, requester_id, [tid for tid, _ in items], tp_rank))
@@ -204,48 +206,38 @@ def test_a_step_without_wait_for_save_finishes_before_the_next_starts(layout) ->
 # -- NCCL wiring (no GPU) ----------------------------------------------------------------------
 
 
-class FakeReceiver:
-    def __init__(self) -> None:
-        self.calls: list[tuple] = []
+def _receiver(taken: list[tuple]) -> Any:
+    from pdplane.connector.transports.nccl.push import PushReceiver  # import-safe on CPU
 
-    def take(self, transfer_id: str, local_ids: Any, deadline: float) -> int:
-        self.calls.append(("take", transfer_id, list(local_ids)))
+    receiver = PushReceiver(SimpleNamespace(), gpu_bytes=0, host_bytes=0)  # type: ignore[arg-type]
+
+    def take(transfer_id: str, local_ids: Any, deadline: float) -> int:
+        taken.append((transfer_id, list(local_ids)))
         return 123
 
-    def discard(self, transfer_id: str) -> int:
-        self.calls.append(("discard", transfer_id))
-        return 0
+    receiver._take = take  # type: ignore[method-assign]
+    return receiver
 
 
-def _nccl_with(receiver: FakeReceiver) -> Any:
-    from pdplane.connector.transports.nccl import NcclTransport  # import-safe on CPU
-
-    transport = NcclTransport()
-    transport._receiver = receiver  # type: ignore[assignment]
-    return transport
-
-
-def test_nccl_take_pushed_takes_whole_transfers_through_the_receiver() -> None:
-    receiver = FakeReceiver()
-    transport = _nccl_with(receiver)
-    n = transport.take_pushed("t1", [5, 6], 1e12, sender_id="p", remote_block_indices=[0, 1])
-    assert n == 123 and receiver.calls == [("take", "t1", [5, 6])]
+def test_nccl_receiver_takes_whole_transfers() -> None:
+    taken: list[tuple] = []
+    receiver = _receiver(taken)
+    n = receiver.take("t1", [5, 6], 1e12, sender_id="p", remote_block_indices=[0, 1])
+    assert n == 123 and taken == [("t1", [5, 6])]
+    receiver.close()
 
 
-def test_nccl_take_pushed_refuses_part_of_a_transfer_so_decode_pulls() -> None:
-    receiver = FakeReceiver()
-    transport = _nccl_with(receiver)
+def test_nccl_receiver_refuses_part_of_a_transfer_so_decode_pulls() -> None:
+    taken: list[tuple] = []
+    receiver = _receiver(taken)
     with pytest.raises(TransferError) as info:
-        transport.take_pushed("t1", [6], 1e12, remote_block_indices=[1])
-    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and receiver.calls == []
-    transport.discard_pushed("t1", "pulled instead")
-    assert receiver.calls == [("discard", "t1")]
+        receiver.take("t1", [6], 1e12, remote_block_indices=[1])
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and taken == []
+    receiver.discard("t1", "pulled instead")  # nothing received: a no-op
+    receiver.close()
 
 
-def test_nccl_transport_before_bind_has_nothing_pushed() -> None:
+def test_nccl_transport_before_bind_has_no_receive_buffer() -> None:
     from pdplane.connector.transports.nccl import NcclTransport
 
-    with pytest.raises(TransferError) as info:
-        NcclTransport().take_pushed("t1", [1], 1e12)
-    assert info.value.code == grpc.StatusCode.NOT_FOUND
-    NcclTransport().discard_pushed("t1", "x")  # no-op, no error
+    assert NcclTransport().receive_buffer is None

@@ -17,7 +17,7 @@ from pdplane.connector.kv_cache import KvCacheView
 from pdplane.connector.metadata import LoadSpec
 from pdplane.connector.peers import PeerPool
 from pdplane.connector.pulls import Puller
-from pdplane.connector.server import KvTransferServicer, start_kv_server
+from pdplane.connector.server import HoldAccess, KvServer, start_kv_server, worker_services
 from pdplane.connector.transports.tcp import TcpTransport
 from pdplane.v1 import instance_pb2
 
@@ -53,7 +53,7 @@ def layout() -> instance_pb2.KvLayout:
 
 @pytest.fixture
 def start_node(layout: instance_pb2.KvLayout) -> Iterator[Callable[..., Node]]:
-    servers: list[grpc.Server] = []
+    servers: list[KvServer] = []
 
     def start(fill: bool, push_buffer_bytes: int = 0, push_ttl_s: float = 60.0) -> Node:
         caches = _caches(fill)
@@ -62,14 +62,14 @@ def start_node(layout: instance_pb2.KvLayout) -> Iterator[Callable[..., Node]]:
         )
         transport.bind(KvCacheView(caches))
         holds = HoldTable()
-        servicer = KvTransferServicer(holds, transport, layout, arrival_wait_s=0.1)
-        server, port = start_kv_server(servicer, "127.0.0.1:0")
+        access = HoldAccess(holds, layout, arrival_wait_s=0.1)
+        server = start_kv_server(worker_services(transport, access), "127.0.0.1:0")
         servers.append(server)
-        return Node(transport, caches, holds, f"127.0.0.1:{port}")
+        return Node(transport, caches, holds, f"127.0.0.1:{server.port}")
 
     yield start
     for server in servers:
-        server.stop(0).wait(5)
+        server.stop(0)
 
 
 @pytest.fixture
@@ -103,7 +103,9 @@ def test_pushed_layers_land_in_the_buffer_and_are_copied_into_decode_blocks(
     _push(prefill, decode, peers, layout, [("t1", [6, 3, 4])])
     (result,) = prefill.transport.push_results
     assert result.ok and result.nbytes == 2 * 3 * BLOCK_BYTES
-    got = decode.transport.take_pushed(
+    buffer = decode.transport.receive_buffer
+    assert buffer is not None
+    got = buffer.take(
         "t1", [5, 1], time.monotonic() + 1, sender_id="prefill-0", remote_block_indices=[0, 2]
     )
     assert got == 2 * 2 * BLOCK_BYTES
@@ -155,7 +157,7 @@ def test_an_aborted_push_frees_its_room_on_decode(start_node, peers, layout) -> 
     session.send_layer(0)
     session.abort("test")
     _wait(lambda: buf.used_bytes == 0, "the partial push to be freed")
-    assert buf.take("t1", "prefill-0", wait_s=0) is None
+    assert buf.claim("t1", "prefill-0", wait_s=0) is None
 
 
 def test_a_push_the_engine_never_finishes_ends_at_its_deadline(start_node, peers, layout) -> None:
@@ -178,10 +180,10 @@ def test_an_unclaimed_push_is_freed_by_the_per_step_expiry(start_node, peers, la
     assert buf is not None
     _push(prefill, decode, peers, layout, [("t1", [6])])
     assert buf.used_bytes > 0
-    decode.transport.expire_pushed()
+    buf.expire()
     assert buf.used_bytes > 0  # not due yet
     time.sleep(0.25)  # past the TTL (no other push arrives to trigger it)
-    decode.transport.expire_pushed()
+    buf.expire()
     assert buf.used_bytes == 0 and len(buf) == 0
 
 

@@ -13,11 +13,11 @@ import torch
 from pdplane.connector.holds import HoldTable
 from pdplane.connector.kv_cache import KvCacheView
 from pdplane.connector.peers import PeerPool
-from pdplane.connector.server import KvTransferServicer, start_kv_server
+from pdplane.connector.server import HoldAccess, start_kv_server, worker_services
 from pdplane.connector.transports import TransferError, create_transport
 from pdplane.connector.transports.base import PullRequest
 from pdplane.connector.transports.tcp import TcpTransport
-from pdplane.v1 import instance_pb2, kv_transfer_pb2
+from pdplane.v1 import instance_pb2, kv_transfer_pb2, kv_transfer_pb2_grpc
 
 NUM_BLOCKS = 8
 SHAPE = (NUM_BLOCKS, 2, 4, 16)  # CPU layout: block index first
@@ -54,12 +54,12 @@ def _serve(
     transport = TcpTransport(chunk_bytes=600)  # < 1 block: one block per chunk
     transport.bind(KvCacheView(caches))
     holds = HoldTable()
-    servicer = KvTransferServicer(holds, transport, layout, arrival_wait_s=0.1)
-    server, port = start_kv_server(servicer, "127.0.0.1:0", token=token)
+    access = HoldAccess(holds, layout, arrival_wait_s=0.1)
+    server = start_kv_server(worker_services(transport, access), "127.0.0.1:0", token=token)
     try:
-        yield Prefill(holds, caches, f"127.0.0.1:{port}")
+        yield Prefill(holds, caches, f"127.0.0.1:{server.port}")
     finally:
-        server.stop(0).wait(5)
+        server.stop(0)
 
 
 @pytest.fixture
@@ -97,10 +97,11 @@ def test_pull_writes_each_block_by_position(prefill: Prefill, layout) -> None:
     transport, caches = _decoder()
     pool = PeerPool()
     try:
-        nbytes = transport.pull(pool.get(prefill.endpoint), _request(layout))
+        result = transport.pull(pool.get(prefill.endpoint), _request(layout))
     finally:
         pool.close()
-    assert nbytes == 2 * 2 * 2 * 4 * 16 * 4  # layers x blocks x block bytes
+    assert result.nbytes == 2 * 2 * 2 * 4 * 16 * 4  # layers x blocks x block bytes
+    assert result.total_s > 0
     for name, dst in caches.items():
         src = prefill.caches[name]
         assert torch.equal(dst[5], src[6])  # position 0 -> prefill block 6 -> decode block 5
@@ -155,7 +156,7 @@ def test_pull_after_complete_is_refused_and_hold_reported_once(prefill: Prefill,
     prefill.holds.add("req-p", "t1", [6, 3, 4], 60)
     pool = PeerPool()
     peer = pool.get(prefill.endpoint)
-    reply = peer.stub.CompleteTransfer(
+    reply = peer.stub(kv_transfer_pb2_grpc.KvTransferStub).CompleteTransfer(
         kv_transfer_pb2.CompleteTransferRequest(transfer_id="t1", success=True), timeout=5
     )
     assert reply.freed
@@ -223,14 +224,14 @@ def test_unknown_ids_are_answered_at_once_without_tying_up_the_pool(
 
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from pdplane.v1 import kv_transfer_pb2_grpc
-
     holds = HoldTable()
-    servicer = KvTransferServicer(holds, TcpTransport(), layout, arrival_wait_s=2.0)
-    server, port = start_kv_server(servicer, "127.0.0.1:0", max_workers=8)
+    transport = TcpTransport()
+    transport.bind(KvCacheView(_caches(False)))
+    access = HoldAccess(holds, layout, arrival_wait_s=2.0)
+    server = start_kv_server(worker_services(transport, access), "127.0.0.1:0")
     started = time.monotonic()
     try:
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
             stub = kv_transfer_pb2_grpc.KvTransferStub(channel)
             with futures.ThreadPoolExecutor(16) as pool:
                 calls = [
@@ -252,7 +253,7 @@ def test_unknown_ids_are_answered_at_once_without_tying_up_the_pool(
                 answers = [c.result() for c in calls]
             elapsed = time.monotonic() - started
     finally:
-        server.stop(0).wait(5)
+        server.stop(0)
     assert health.status == health_pb2.HealthCheckResponse.SERVING
     assert [a.freed for a in answers] == [False] * 16
     assert elapsed < 2.0, f"unknown ids waited for the 2 s arrival wait ({elapsed:.2f} s)"

@@ -17,10 +17,10 @@ import torch
 
 from pdplane.connector.config import ConnectorConfig
 from pdplane.connector.metadata import HoldSpec, LoadSpec, PdPlaneConnectorMetadata, ReleaseSpec
-from pdplane.connector.server import KvTransferServicer, start_kv_server
-from pdplane.connector.transports.tcp import TcpTransport
+from pdplane.connector.server import start_kv_server
+from pdplane.connector.transports.base import ServiceBinding
 from pdplane.connector.worker_side import WorkerSide
-from pdplane.v1 import instance_pb2
+from pdplane.v1 import instance_pb2, kv_transfer_tcp_pb2_grpc
 
 SHAPE = (16, 2, 4, 16)
 LAYOUT = instance_pb2.KvLayout(
@@ -190,7 +190,7 @@ def test_pull_over_tls_with_token(tmp_path: Path) -> None:
             side.shutdown()
 
 
-class _SilentPrefill(KvTransferServicer):
+class _SilentPrefill(kv_transfer_tcp_pb2_grpc.TcpKvTransferServicer):
     """Accepts PullBlocks and never sends a byte (a hung prefill)."""
 
     def PullBlocks(self, request, context):  # type: ignore[no-untyped-def]
@@ -200,11 +200,12 @@ class _SilentPrefill(KvTransferServicer):
 
 
 def test_pull_from_a_hung_prefill_ends_at_the_pull_timeout() -> None:
-    from pdplane.connector.holds import HoldTable
-
-    server, port = start_kv_server(
-        _SilentPrefill(HoldTable(), TcpTransport(), LAYOUT), "127.0.0.1:0"
+    silent = ServiceBinding(
+        "pdplane.v1.TcpKvTransfer",
+        lambda s: kv_transfer_tcp_pb2_grpc.add_TcpKvTransferServicer_to_server(_SilentPrefill(), s),
     )
+    server = start_kv_server([silent], "127.0.0.1:0")
+    port = server.port
     decode, _ = _worker("decode-h", fill=False, pull_timeout_s=1.0)
     try:
         start = time.monotonic()
@@ -218,4 +219,4 @@ def test_pull_from_a_hung_prefill_ends_at_the_pull_timeout() -> None:
         assert "DEADLINE_EXCEEDED" in decode.puller.history[-1].error
     finally:
         decode.shutdown()
-        server.stop(0).wait(5)
+        server.stop(0)

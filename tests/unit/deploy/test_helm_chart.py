@@ -500,3 +500,19 @@ def test_bad_values_fail_the_render_with_a_clear_message(
 ) -> None:
     with pytest.raises(helm.HelmError, match=re.escape(message)):
         render(preset("gpu-1p1d"), values)
+
+
+def test_the_admin_token_reaches_only_the_registry_and_the_engines_drain(
+    rendered: Rendered,
+) -> None:
+    # The registry checks it; an engine pod's preStop `pdplane drain` sends it; the scheduler
+    # and the gateway never change another instance's lease, so they do not get it.
+    seen: set[str] = set()
+    for c in rendered.containers():
+        admin = c.env().get("PDPLANE_ADMIN_TOKEN")
+        if _is_engine(c) or (_is_pdplane_service(c) and c.args()[0] == "registry"):
+            assert admin and admin["valueFrom"]["secretKeyRef"]["key"], c.where
+            seen.add("engine" if _is_engine(c) else "registry")
+        else:
+            assert admin is None, c.where
+    assert seen == {"engine", "registry"}

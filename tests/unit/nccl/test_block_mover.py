@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 import torch
 
-from pdplane.connector.nccl.blocks import BlockMover, layer_byte_view
-from pdplane.connector.nccl.communicator import P2pOp
-from pdplane.connector.nccl.plan import Strategy
+from pdplane.connector.transports.nccl.blocks import BlockMover, layer_byte_view
+from pdplane.connector.transports.nccl.communicator import P2pOp
+from pdplane.connector.transports.nccl.plan import Strategy
 
 NUM_BLOCKS = 12
 

@@ -7,9 +7,9 @@ import ctypes
 import pytest
 import torch
 
-from pdplane.connector.nccl.binding import UniqueId, _Config, nccl_version_code
-from pdplane.connector.nccl.blocks import layer_byte_view, physical_order
-from pdplane.connector.nccl.plan import (
+from pdplane.connector.transports.nccl.binding import UniqueId, _Config, nccl_version_code
+from pdplane.connector.transports.nccl.blocks import layer_byte_view, physical_order
+from pdplane.connector.transports.nccl.plan import (
     Chunk,
     Piece,
     Run,

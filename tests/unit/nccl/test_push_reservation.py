@@ -7,9 +7,9 @@ from types import SimpleNamespace
 import grpc
 import pytest
 
-from pdplane.connector.nccl.engine import NcclTransferError
-from pdplane.connector.nccl.push import PushReceiver
-from pdplane.v1 import kv_transfer_pb2
+from pdplane.connector.transports.nccl.engine import NcclTransferError
+from pdplane.connector.transports.nccl.push import PushReceiver
+from pdplane.v1 import kv_transfer_nccl_pb2
 
 BLOCK = 1000  # bytes per block, all layers
 
@@ -19,9 +19,9 @@ def _receiver(gpu_bytes: int, host_bytes: int) -> PushReceiver:
     return PushReceiver(SimpleNamespace(mover=mover), gpu_bytes, host_bytes)  # type: ignore[arg-type]
 
 
-def _items(*sizes: int, prefix: str = "t") -> list[kv_transfer_pb2.NcclPushItem]:
+def _items(*sizes: int, prefix: str = "t") -> list[kv_transfer_nccl_pb2.NcclPushItem]:
     return [
-        kv_transfer_pb2.NcclPushItem(transfer_id=f"{prefix}{i}", num_blocks=n)
+        kv_transfer_nccl_pb2.NcclPushItem(transfer_id=f"{prefix}{i}", num_blocks=n)
         for i, n in enumerate(sizes)
     ]
 
@@ -54,7 +54,7 @@ def test_an_empty_transfer_id_is_refused() -> None:
     r = _receiver(gpu_bytes=10 * BLOCK, host_bytes=0)
     try:
         with pytest.raises(NcclTransferError) as err:
-            r._reserve([kv_transfer_pb2.NcclPushItem(transfer_id="", num_blocks=1)])
+            r._reserve([kv_transfer_nccl_pb2.NcclPushItem(transfer_id="", num_blocks=1)])
         assert err.value.code == grpc.StatusCode.ALREADY_EXISTS
     finally:
         r.close()

@@ -1,7 +1,9 @@
 """KV transports by name: `tcp` (gRPC byte stream; CPU instances, tests) and `nccl` (GPUs).
 
-Adding a transport is one module implementing `base.KvTransport` plus one line in `_FACTORIES`.
-Modules are imported only when chosen, so a CPU instance never imports NCCL code.
+A transport is one folder here (`tcp/`, `nccl/`) implementing `base.KvTransport`: its byte
+mover, its gRPC service and handlers, its push receive buffer (`receive_buffer.ReceiveBuffer`).
+Adding one is that folder, its proto file and one line in `_FACTORIES`. Modules are imported
+only when chosen, so a CPU instance never imports NCCL code.
 """
 
 from __future__ import annotations
@@ -9,14 +11,29 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from pdplane.connector.transports.base import KvTransport, Peer, PullRequest, TransferError
+from pdplane.connector.transports.base import (
+    KvTransport,
+    Peer,
+    PeerInstance,
+    PullRequest,
+    PullResult,
+    TransferError,
+)
 
-__all__ = ["KvTransport", "Peer", "PullRequest", "TransferError", "create_transport"]
+__all__ = [
+    "KvTransport",
+    "Peer",
+    "PeerInstance",
+    "PullRequest",
+    "PullResult",
+    "TransferError",
+    "create_transport",
+]
 
 #: transport name -> "module:class"
 _FACTORIES: dict[str, str] = {
-    "tcp": "pdplane.connector.transports.tcp:TcpTransport",
-    "nccl": "pdplane.connector.transports.nccl:NcclTransport",
+    "tcp": "pdplane.connector.transports.tcp.transport:TcpTransport",
+    "nccl": "pdplane.connector.transports.nccl.transport:NcclTransport",
 }
 
 

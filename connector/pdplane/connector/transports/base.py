@@ -1,57 +1,78 @@
 """The KV transport interface: how the bytes of KV cache blocks move between two instances.
 
 The connector owns everything around a transfer (which blocks prefill holds, the transfer ids
-that grant access, the `pdplane.v1.KvTransfer` gRPC server, auth, timeouts, reporting to vLLM);
-a transport only moves block bytes. It is used on both sides of a pull:
+that grant access, auth, timeouts, reporting to vLLM, the worker's gRPC server); a transport
+only moves block bytes, and everything it needs for that lives in its own folder
+(`transports/<name>/`): its RPCs (a gRPC service of its own, e.g. `pdplane.v1.TcpKvTransfer`),
+their handlers, its receive buffer. The shared `pdplane.v1.KvTransfer` service (complete,
+abort) knows nothing of any transport.
 
-* **Serve side (prefill).** The connector's `KvTransfer` servicer validates a call (the
-  transfer id is one this instance issued and still holds, the block indices are in range, the
-  requester's layout equals ours), pins the held blocks so they cannot be freed mid-read, and
-  then calls `serve_pull_blocks` (TCP: the RPC's response stream carries the bytes) or
-  `serve_send_blocks_nccl` (NCCL: the RPC returns once the sends completed) with the prefill
-  block ids to send, in the order the requester asked for them. `serve_nccl_connect` answers
-  the NCCL communicator handshake. A transport that does not support a call keeps the default,
-  which answers UNIMPLEMENTED.
+* **Serve side (prefill).** `services(access)` returns the transport's gRPC services; the
+  connector adds them to the worker's server. A handler asks `access` (`BlockAccess`) for the
+  blocks a request names: `access.pin` checks that the transfer id is one this instance issued
+  and still holds, the block indices and the requester's layout, and pins the hold so that it
+  cannot be freed while the bytes are read; `AccessDenied` carries the gRPC status to answer.
 
 * **Pull side (decode).** The connector's background puller calls `pull(peer, request)` from a
   worker thread (never the engine thread) once vLLM has allocated the decode blocks. `pull`
   fills `request.local_block_ids[i]` with prefill's block at position
   `request.remote_block_indices[i]`, for every layer, straight into the paged KV cache, and
-  returns the number of bytes received. It must return or raise by `request.deadline`
-  (`time.monotonic()` seconds); every gRPC call it makes passes `timeout=request.remaining()`
-  and `metadata=peer.metadata`. On any failure it raises `TransferError` (the connector then
+  returns a `PullResult` (bytes and timing of this transfer). It must return or raise by
+  `request.deadline` (`time.monotonic()` seconds); every gRPC call it makes passes
+  `metadata=peer.metadata`. On any failure it raises `TransferError` (the connector then
   reports the blocks to vLLM as load errors and tells prefill to free them); partial writes are
   fine, because failed blocks are recomputed or the request fails.
 
 * **Push mode** (optional; `kv_connector_extra_config.mode: "push"`). Prefill's worker opens a
   `push_session` per decode peer when a step computes a prompt whose decode is known, calls
   `send_layer(l)` on it right after attention layer l wrote its KV (vLLM's `save_kv_layer`)
-  and `finish()` at the step's `wait_for_save`. Decode's transport keeps what arrives in a
-  bounded receive buffer (`serve_push_blocks` for TCP, `serve_nccl_push_begin` for NCCL); the
-  decode request then `take_pushed`s it into its blocks, or, when nothing usable was pushed
-  (buffer full, push failed or late), pulls as above and `discard_pushed`s any leftover. Push
+  and `finish()` at the step's `wait_for_save`. Decode's transport keeps what arrives in its
+  `receive_buffer` (`receive_buffer.ReceiveBuffer`); the decode request then takes it into its
+  blocks, or, when nothing usable was pushed, pulls as above and discards any leftover. Push
   only ever saves a pull: prefill holds the blocks exactly as in pull mode until decode
   completes the transfer.
 
-Both sides get the worker's KV cache through `bind(cache)` before the first call. Tensor
-parallel: rank i of decode pulls from rank i of prefill (`request.tp_rank`); each rank has its
-own transport object and `KvTransfer` server.
+* **Peers.** `preconnect(peers)` may set up, in the background, what the first transfer with
+  each peer would otherwise pay for (NCCL: communicators); `peer_gone(peer)` drops everything
+  kept for a peer that left the registry. `stats()` feeds logs and metrics.
+
+Both sides get the worker's KV cache (and the connector's channels to peers) through `bind`
+before the first call. Tensor parallel: rank i of decode talks to rank i of prefill
+(`request.tp_rank`); each rank has its own transport object and gRPC server.
 """
 
 from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 
 import grpc
 
 from pdplane.connector.kv_cache import KvCacheView
-from pdplane.v1 import instance_pb2, kv_transfer_pb2, kv_transfer_pb2_grpc
+from pdplane.v1 import instance_pb2, kv_transfer_pb2
 
-__all__ = ["KvTransport", "Peer", "PullRequest", "PushSender", "TransferError"]
+if TYPE_CHECKING:
+    from pdplane.connector.transports.receive_buffer import ReceiveBuffer
+
+__all__ = [
+    "AccessDenied",
+    "BlockAccess",
+    "KvTransport",
+    "Peer",
+    "PeerDirectory",
+    "PeerInstance",
+    "PinnedBlocks",
+    "PullRequest",
+    "PullResult",
+    "PushSender",
+    "ServiceBinding",
+    "TransferError",
+]
+
+_Stub = TypeVar("_Stub")
 
 
 class TransferError(RuntimeError):
@@ -66,12 +87,38 @@ class TransferError(RuntimeError):
 
 @dataclass(frozen=True, slots=True)
 class Peer:
-    """A prefill instance's `KvTransfer` endpoint as seen from decode: a ready stub plus the
-    call metadata (bearer token) every call must carry."""
+    """One peer worker's gRPC server as seen from this worker: a channel (shared by every
+    service on that server) plus the call metadata (bearer token) every call must carry.
+    Stubs are built once per stub class (`stub`), never per transfer."""
 
-    endpoint: str  # host:port
-    stub: kv_transfer_pb2_grpc.KvTransferStub
+    endpoint: str  # host:port of the peer's rank server
+    channel: grpc.Channel
     metadata: tuple[tuple[str, str], ...] = ()
+    _stubs: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def stub(self, stub_type: Callable[[grpc.Channel], _Stub]) -> _Stub:
+        """The cached `stub_type(channel)` (a generated `...Stub` class)."""
+        stub = self._stubs.get(stub_type)
+        if stub is None:
+            stub = self._stubs.setdefault(stub_type, stub_type(self.channel))
+        return stub  # type: ignore[no-any-return]
+
+
+class PeerDirectory(Protocol):
+    """The connector's channels to peers (`peers.PeerPool`), as a transport sees them."""
+
+    def get(self, endpoint: str, tp_rank: int = 0) -> Peer:
+        """The peer for rank `tp_rank` of the instance whose rank 0 is at `endpoint`."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class PeerInstance:
+    """A registered instance of the other role, as the connector's registry watch sees it.
+    `kv_endpoint` is its rank 0's host:port (rank i listens on port + i)."""
+
+    instance_id: str
+    kv_endpoint: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +132,9 @@ class PullRequest:
             into `local_block_ids[i]`.
         expected_layout: this worker's KV layout; prefill refuses a different one.
         tp_rank: this worker's tensor-parallel rank (pulls from the same rank of prefill).
-        requester_id: this instance's registry id (selects the NCCL communicator).
+        requester_id: this instance's registry id.
+        peer_id: prefill's registry id (`engine_id` of the params; "" = unknown): what the
+            NCCL transport keys its communicators by.
         deadline: `time.monotonic()` time by which `pull` must have returned or raised.
     """
 
@@ -95,6 +144,7 @@ class PullRequest:
     expected_layout: instance_pb2.KvLayout
     tp_rank: int = 0
     requester_id: str = ""
+    peer_id: str = ""
     deadline: float = field(default_factory=lambda: time.monotonic() + 30.0)
 
     def remaining(self) -> float:
@@ -107,7 +157,7 @@ class PullRequest:
         return left
 
     def to_proto(self) -> kv_transfer_pb2.PullBlocksRequest:
-        """The `PullBlocksRequest` naming this pull (for PullBlocks / SendBlocksNccl)."""
+        """The `PullBlocksRequest` naming this pull."""
         return kv_transfer_pb2.PullBlocksRequest(
             transfer_id=self.transfer_id,
             block_indices=list(self.remote_block_indices),
@@ -115,6 +165,18 @@ class PullRequest:
             tp_rank=self.tp_rank,
             requester_id=self.requester_id,
         )
+
+
+@dataclass(frozen=True, slots=True)
+class PullResult:
+    """What one pull moved and cost (seconds): `connect_s` setting up a connection first (0
+    when one was ready), `post_s` until the receives were posted (NCCL), `total_s` until the
+    bytes were in the cache."""
+
+    nbytes: int
+    connect_s: float = 0.0
+    post_s: float = 0.0
+    total_s: float = 0.0
 
 
 class PushSender(Protocol):
@@ -131,6 +193,62 @@ class PushSender(Protocol):
         """Ends the session now; decode frees what arrived and pulls instead."""
 
 
+class AccessDenied(Exception):
+    """A request for held blocks is refused; `code` is the gRPC status to answer with."""
+
+    def __init__(self, message: str, code: grpc.StatusCode) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class PinnedBlocks(Protocol):
+    """Held blocks pinned for one read (`BlockAccess.pin`); `release()` (or leaving the
+    `with` block) ends the read, after which the hold may be freed."""
+
+    block_ids: list[int]  # prefill block ids, in the requested order
+
+    def release(self) -> None: ...
+
+    def __enter__(self) -> PinnedBlocks: ...
+
+    def __exit__(self, *exc: object) -> None: ...
+
+
+class BlockAccess(Protocol):
+    """What a transport's handlers may ask of the connector: its layout, and held blocks."""
+
+    layout: instance_pb2.KvLayout
+
+    def check_layout(self, layout: instance_pb2.KvLayout, who: str = "requester") -> None:
+        """Raises AccessDenied(INVALID_ARGUMENT) unless `layout` equals this worker's."""
+        ...
+
+    def pin(
+        self,
+        request: kv_transfer_pb2.PullBlocksRequest,
+        time_remaining: float | None = None,
+        context: Any = None,
+    ) -> PinnedBlocks:
+        """Pins the blocks `request` names (transfer held, indices in range, layout equal),
+        waiting a little (never past `time_remaining` seconds) for a hold the engine has not
+        registered yet. `context`: the gRPC call serving it, if any (the read's tracing span
+        is then a child of the caller's). Raises AccessDenied (NOT_FOUND, INVALID_ARGUMENT)."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceBinding:
+    """One gRPC service a transport (or the connector) hosts on the worker's server.
+
+    `name` is its full name (health and reflection); `register(server)` adds its handlers
+    (e.g. a generated `add_...Servicer_to_server`); `threads` is how many server threads it may
+    hold at once for long-lived streams, on top of the server's base pool."""
+
+    name: str
+    register: Callable[[grpc.Server], object]
+    threads: int = 0
+
+
 class KvTransport(ABC):
     """Moves KV cache block bytes; one object per worker (TP rank), on both roles."""
 
@@ -140,6 +258,7 @@ class KvTransport(ABC):
 
     def __init__(self) -> None:
         self._cache: KvCacheView | None = None
+        self._peers: PeerDirectory | None = None
 
     @property
     def cache(self) -> KvCacheView:
@@ -148,57 +267,31 @@ class KvTransport(ABC):
             raise RuntimeError(f"{self.name} transport used before bind()")
         return self._cache
 
-    def bind(self, cache: KvCacheView) -> None:
-        """Gives the transport this worker's KV cache (called once, from register_kv_caches)."""
+    @property
+    def peers(self) -> PeerDirectory | None:
+        """The connector's channels to peers (None when bound without them, e.g. in tests)."""
+        return self._peers
+
+    def bind(self, cache: KvCacheView, peers: PeerDirectory | None = None) -> None:
+        """Gives the transport this worker's KV cache and the connector's channels to peers
+        (called once, from register_kv_caches)."""
         self._cache = cache
+        self._peers = peers
 
     # -- pull side (decode) -------------------------------------------------------------------
 
     @abstractmethod
-    def pull(self, peer: Peer, request: PullRequest) -> int:
-        """Fills `request.local_block_ids` with prefill's blocks; returns bytes received.
+    def pull(self, peer: Peer, request: PullRequest) -> PullResult:
+        """Fills `request.local_block_ids` with prefill's blocks.
 
         Runs on a worker thread; bounded by `request.deadline`. Raises TransferError.
         """
 
-    # -- serve side (prefill) -----------------------------------------------------------------
+    # -- serve side ---------------------------------------------------------------------------
 
-    def serve_pull_blocks(
-        self,
-        block_ids: Sequence[int],
-        request: kv_transfer_pb2.PullBlocksRequest,
-        context: grpc.ServicerContext,
-    ) -> Iterator[kv_transfer_pb2.KvChunk]:
-        """Yields the chunks of a `PullBlocks` stream for `block_ids` (prefill ids, validated,
-        pinned, in the requested order). Default: UNIMPLEMENTED."""
-        context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{self.name} transport has no PullBlocks")
-        yield from ()
-
-    def serve_send_blocks_nccl(
-        self,
-        block_ids: Sequence[int],
-        request: kv_transfer_pb2.PullBlocksRequest,
-        context: grpc.ServicerContext,
-    ) -> kv_transfer_pb2.SendBlocksNcclResponse:
-        """Sends `block_ids` (validated, pinned, in order) to the requester over NCCL and returns
-        once the sends completed. Default: UNIMPLEMENTED."""
-        context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{self.name} transport has no NCCL send")
-        raise AssertionError("unreachable")
-
-    def serve_nccl_connect(
-        self, request: kv_transfer_pb2.NcclConnectRequest, context: grpc.ServicerContext
-    ) -> kv_transfer_pb2.NcclConnectResponse:
-        """Joins the requester's 2-rank NCCL communicator. Default: UNIMPLEMENTED."""
-        context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{self.name} transport has no NCCL")
-        raise AssertionError("unreachable")
-
-    def serve_nccl_push_begin(
-        self, request: kv_transfer_pb2.NcclPushBeginRequest, context: grpc.ServicerContext
-    ) -> kv_transfer_pb2.NcclPushBeginResponse:
-        """NCCL push mode: reserves room for the announced transfers and posts the receives.
-        Default: UNIMPLEMENTED."""
-        context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{self.name} transport has no NCCL push")
-        raise AssertionError("unreachable")
+    @abstractmethod
+    def services(self, access: BlockAccess) -> list[ServiceBinding]:
+        """The transport's gRPC services for this worker's server, serving through `access`."""
 
     # -- push mode ----------------------------------------------------------------------------
 
@@ -210,50 +303,34 @@ class KvTransport(ABC):
         layout: instance_pb2.KvLayout,
         deadline: float,
         tp_rank: int = 0,
+        peer_id: str = "",
     ) -> PushSender:
         """Prefill: starts pushing `items` ((transfer id, this worker's block ids in token
-        order), send order) to `peer`, the decode worker of rank `tp_rank`; `requester_id` is
-        this instance's id; every wait ends by `deadline` (monotonic s). Raises TransferError
-        (UNIMPLEMENTED by default; RESOURCE_EXHAUSTED when decode has no room)."""
+        order), send order) to `peer`, the decode worker of rank `tp_rank` of instance
+        `peer_id`; `requester_id` is this instance's id; every wait ends by `deadline`
+        (monotonic s). Raises TransferError (UNIMPLEMENTED by default; RESOURCE_EXHAUSTED when
+        decode has no room)."""
         raise TransferError(f"{self.name} transport has no push", grpc.StatusCode.UNIMPLEMENTED)
 
-    def serve_push_blocks(
-        self,
-        header: kv_transfer_pb2.PushHeader,
-        messages: Iterator[kv_transfer_pb2.PushBlocksMessage],
-        context: grpc.ServicerContext,
-    ) -> kv_transfer_pb2.PushBlocksResponse:
-        """Decode: receives the pushed transfer `header` announces (layout already checked)
-        from the rest of the stream into the receive buffer. Default: UNIMPLEMENTED."""
-        context.abort(grpc.StatusCode.UNIMPLEMENTED, f"{self.name} transport has no PushBlocks")
-        raise AssertionError("unreachable")
+    @property
+    def receive_buffer(self) -> ReceiveBuffer | None:
+        """Decode, push mode: where pushed transfers wait for their request (None = this
+        transport takes no pushes)."""
+        return None
 
-    def take_pushed(
-        self,
-        transfer_id: str,
-        local_block_ids: Sequence[int],
-        deadline: float,
-        *,
-        sender_id: str = "",
-        remote_block_indices: Sequence[int] | None = None,
-        wait_s: float = 0.0,
-    ) -> int:
-        """Decode: copies the pushed blocks at `remote_block_indices` (default: all, in order)
-        of `transfer_id`, pushed by instance `sender_id`, into `local_block_ids`; waits up to
-        `wait_s` (and never past `deadline`) for a push still arriving. Returns bytes copied.
-        Raises TransferError (NOT_FOUND: nothing usable was pushed — pull instead)."""
-        raise TransferError(f"{self.name} transport has no push", grpc.StatusCode.NOT_FOUND)
+    # -- peers and lifecycle ------------------------------------------------------------------
 
-    def discard_pushed(self, transfer_id: str, reason: str) -> None:  # noqa: B027 - optional
-        """Decode: a push of `transfer_id` will not be used (pulled instead): free it now and
-        refuse it if it arrives later."""
+    def preconnect(self, peers: Sequence[PeerInstance], deadline: float) -> int:
+        """Sets up what the first transfer with each of `peers` would otherwise pay for, by
+        `deadline` (monotonic s); returns how many are ready. Default: nothing to set up."""
+        return 0
 
-    def expire_pushed(self) -> None:  # noqa: B027 - optional hook
-        """Decode: frees pushed transfers past their TTL. Called on every engine step, so it
-        must be cheap when nothing is due."""
+    def peer_gone(self, peer: PeerInstance) -> None:  # noqa: B027 - optional hook
+        """`peer` left the registry: drop what is kept for it (connections, pushed KV)."""
 
-    def peer_gone(self, peer_id: str) -> None:  # noqa: B027 - optional hook
-        """A peer instance left the registry: drop what is cached for it (e.g. communicators)."""
+    def stats(self) -> dict[str, int]:
+        """Counters and gauges for logs and metrics, e.g. {"communicators": 3}."""
+        return {}
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Releases everything the transport holds; called once at connector shutdown."""

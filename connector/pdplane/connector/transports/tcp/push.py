@@ -1,5 +1,6 @@
-"""TCP push mode: prefill streams a transfer's blocks layer by layer (`KvTransfer.PushBlocks`)
-into decode's bounded `PushBuffer`; decode's request later copies them into its own blocks.
+"""TCP push mode, sender side: prefill streams a transfer's blocks layer by layer
+(`TcpKvTransfer.PushBlocks`) into decode's bounded `PushBuffer` (buffer.py; the receiving
+handler is in service.py); decode's request later copies them into its own blocks.
 
 Sender (`TcpPushSession`, prefill's engine thread): one client stream per pushed transfer. The
 header goes out at once; `send_layer(l)` copies layer l's blocks (a snapshot: the bytes are
@@ -7,9 +8,6 @@ read while the engine is between layers) and queues their chunks; gRPC's own thr
 them, so the forward never waits on the network. `finish()` only closes the streams. The
 outcome (received, refused for want of room, failed) arrives asynchronously and is only logged:
 prefill holds the blocks as in pull mode, so a push that did not land costs decode one pull.
-
-Receiver (`receive_push` / `copy_pushed`, decode): fills a `PushBuffer` entry from the stream
-and, when the decode request comes, copies the entry into the blocks vLLM allocated.
 """
 
 from __future__ import annotations
@@ -26,16 +24,14 @@ import grpc
 import torch
 
 from pdplane.connector.kv_cache import KvCacheView
-from pdplane.connector.push_buffer import PushBuffer, PushEntry, PushRefused, PushState
 from pdplane.connector.transports.base import Peer, TransferError
-from pdplane.v1 import instance_pb2, kv_transfer_pb2
+from pdplane.v1 import instance_pb2, kv_transfer_tcp_pb2, kv_transfer_tcp_pb2_grpc
 
-__all__ = ["PushResult", "TcpPushSession", "copy_pushed", "receive_push", "tensor_bytes"]
+__all__ = ["PushResult", "TcpPushSession", "tensor_bytes"]
 
 log = logging.getLogger(__name__)
 
 _END = None  # queue sentinel: the stream is complete
-_INVALID = grpc.StatusCode.INVALID_ARGUMENT
 
 
 def tensor_bytes(t: torch.Tensor) -> bytes:
@@ -59,7 +55,7 @@ class _Stream:
     def __init__(self, transfer_id: str, block_ids: list[int]) -> None:
         self.transfer_id = transfer_id
         self.block_ids = block_ids
-        self.queue: queue.SimpleQueue[kv_transfer_pb2.PushBlocksMessage | None] = (
+        self.queue: queue.SimpleQueue[kv_transfer_tcp_pb2.PushBlocksMessage | None] = (
             queue.SimpleQueue()
         )
         self.call: Any = None  # grpc.Future of the PushBlocks call
@@ -67,8 +63,8 @@ class _Stream:
 
 
 def _messages(
-    q: queue.SimpleQueue[kv_transfer_pb2.PushBlocksMessage | None], deadline: float
-) -> Iterator[kv_transfer_pb2.PushBlocksMessage]:
+    q: queue.SimpleQueue[kv_transfer_tcp_pb2.PushBlocksMessage | None], deadline: float
+) -> Iterator[kv_transfer_tcp_pb2.PushBlocksMessage]:
     # Runs on gRPC's request-consumer thread; ends at the sentinel or the deadline, so the
     # thread never outlives the call even if the engine stopped feeding it.
     while True:
@@ -126,16 +122,17 @@ class TcpPushSession:
                 raise TransferError(str(exc), grpc.StatusCode.INVALID_ARGUMENT) from None
             self._streams.append(_Stream(transfer_id, list(ids)))
         timeout = max(deadline - time.monotonic(), 0.001)
+        stub = peer.stub(kv_transfer_tcp_pb2_grpc.TcpKvTransferStub)
         for s in self._streams:
-            header = kv_transfer_pb2.PushHeader(
+            header = kv_transfer_tcp_pb2.PushHeader(
                 transfer_id=s.transfer_id,
                 sender_id=sender_id,
                 tp_rank=tp_rank,
                 layout=layout,
                 num_blocks=len(s.block_ids),
             )
-            s.queue.put(kv_transfer_pb2.PushBlocksMessage(header=header))
-            s.call = peer.stub.PushBlocks.future(
+            s.queue.put(kv_transfer_tcp_pb2.PushBlocksMessage(header=header))
+            s.call = stub.PushBlocks.future(
                 _messages(s.queue, deadline), timeout=timeout, metadata=peer.metadata
             )
             s.call.add_done_callback(lambda call, s=s: self._ended(s, call))
@@ -152,10 +149,10 @@ class TcpPushSession:
                 data = data.cpu()
             for first in range(0, len(s.block_ids), per_chunk):
                 part = data[first : first + per_chunk]
-                chunk = kv_transfer_pb2.KvChunk(
+                chunk = kv_transfer_tcp_pb2.KvChunk(
                     layer=layer, first=first, num_blocks=int(part.shape[0]), data=tensor_bytes(part)
                 )
-                s.queue.put(kv_transfer_pb2.PushBlocksMessage(chunk=chunk))
+                s.queue.put(kv_transfer_tcp_pb2.PushBlocksMessage(chunk=chunk))
                 self.bytes_queued += len(chunk.data)
 
     def finish(self) -> int:
@@ -201,72 +198,3 @@ class TcpPushSession:
         with self._lock:
             self._results.append(result)
             del self._results[:-1000]
-
-
-def receive_push(
-    buffer: PushBuffer,
-    cache: KvCacheView,
-    header: kv_transfer_pb2.PushHeader,
-    messages: Iterator[kv_transfer_pb2.PushBlocksMessage],
-) -> int:
-    """Decode: reserves room for the transfer `header` announces and fills it from
-    `messages`. Returns bytes received. Raises PushRefused (with the gRPC status to answer);
-    whatever goes wrong, the entry's room is freed before this returns or raises."""
-    if header.num_blocks > cache.num_blocks:
-        raise PushRefused(
-            f"{header.num_blocks} blocks pushed, the cache has {cache.num_blocks}",
-            grpc.StatusCode.INVALID_ARGUMENT,
-        )
-    entry = buffer.reserve(
-        header.transfer_id,
-        header.sender_id,
-        header.num_blocks,
-        [lc.block_nbytes for lc in cache.layers],
-    )
-    try:
-        for msg in messages:
-            if not msg.HasField("chunk"):
-                raise PushRefused("a PushBlocks message after the first needs a chunk", _INVALID)
-            c = msg.chunk
-            entry.write(c.layer, c.first, c.num_blocks, c.data)
-        buffer.commit(entry)
-    finally:
-        if entry.state is PushState.RECEIVING:  # stream broke (cancelled, deadline, error)
-            buffer.fail(entry, "push stream ended before all blocks arrived")
-    return entry.received
-
-
-def copy_pushed(
-    entry: PushEntry,
-    cache: KvCacheView,
-    remote_block_indices: Sequence[int] | None,
-    local_block_ids: Sequence[int],
-) -> int:
-    """Decode: writes the pushed blocks at `remote_block_indices` (None = all, in order) into
-    `local_block_ids` of every layer. Returns bytes copied. Raises TransferError on a length
-    mismatch or bad block ids."""
-    everything = range(entry.num_blocks)
-    indices = list(everything if remote_block_indices is None else remote_block_indices)
-    if len(indices) != len(local_block_ids) or any(not 0 <= i < entry.num_blocks for i in indices):
-        raise TransferError(
-            f"transfer {entry.transfer_id}: {len(local_block_ids)} local blocks for positions "
-            f"{indices[:8]} of a {entry.num_blocks}-block push",
-            grpc.StatusCode.INVALID_ARGUMENT,
-        )
-    try:
-        cache.check_block_ids(local_block_ids)
-        total = 0
-        whole = indices == list(everything)
-        for layer, lc in enumerate(cache.layers):
-            data = (
-                torch.frombuffer(entry.layers[layer], dtype=torch.uint8)
-                .view(lc.tensor.dtype)
-                .reshape(entry.num_blocks, *lc.block_shape)
-            )
-            if not whole:
-                data = data[indices]
-            cache.write_blocks(layer, local_block_ids, data)
-            total += len(indices) * lc.block_nbytes
-    except ValueError as exc:
-        raise TransferError(str(exc), grpc.StatusCode.INVALID_ARGUMENT) from None
-    return total

@@ -17,8 +17,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from pdplane.connector.nccl.communicator import NcclCommunicator, P2pOp
-from pdplane.connector.nccl.plan import (
+from pdplane.connector.transports.nccl.communicator import NcclCommunicator, P2pOp
+from pdplane.connector.transports.nccl.plan import (
     MAX_GROUP_OPS,
     Chunk,
     Run,

@@ -24,9 +24,11 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from pdplane.connector.nccl.communicator import NcclCommunicator, P2pOp
-from pdplane.connector.nccl.engine import NcclEngine, NcclTransferError
-from pdplane.v1 import kv_transfer_pb2
+from pdplane.connector.transports.base import TransferError
+from pdplane.connector.transports.nccl.communicator import NcclCommunicator, P2pOp
+from pdplane.connector.transports.nccl.engine import NcclEngine, NcclTransferError
+from pdplane.connector.transports.receive_buffer import ReceiveBuffer
+from pdplane.v1 import kv_transfer_nccl_pb2
 
 if TYPE_CHECKING:
     import torch
@@ -39,6 +41,7 @@ logger = logging.getLogger(__name__)
 @dataclass(slots=True)
 class _Slot:
     transfer_id: str
+    sender_id: str
     num_blocks: int
     nbytes: int
     spilled: bool
@@ -48,7 +51,7 @@ class _Slot:
     error: str = ""
 
 
-class PushReceiver:
+class PushReceiver(ReceiveBuffer):
     """Decode side of push mode: a bounded receive buffer with pinned-host spill.
 
     Args:
@@ -72,8 +75,19 @@ class PushReceiver:
         self._waiters = ThreadPoolExecutor(max_workers=4, thread_name_prefix="pdplane-push-wait")
 
     @property
+    def capacity_bytes(self) -> int:
+        """The larger of the GPU buffer and the host spill (a push lands in either)."""
+        return max(self.gpu_bytes, self.host_bytes)
+
+    @property
     def headroom_bytes(self) -> int:
-        """Bytes still free in the GPU receive buffer (the registry's load report field)."""
+        """The largest push that fits now: in the GPU buffer or else in the host spill."""
+        with self._lock:
+            return max(self.gpu_bytes - self._gpu_used, self.host_bytes - self._host_used)
+
+    @property
+    def gpu_headroom_bytes(self) -> int:
+        """Bytes still free in the GPU receive buffer."""
         with self._lock:
             return self.gpu_bytes - self._gpu_used
 
@@ -87,7 +101,9 @@ class PushReceiver:
                 self._gpu_used -= slot.nbytes
 
     def expire(self, now: float | None = None) -> int:
-        """Frees received transfers past their TTL. Returns how many."""
+        """Frees received transfers past their TTL. Returns how many. Cheap when empty."""
+        if not self._slots:
+            return 0
         now = time.monotonic() if now is None else now
         with self._lock:
             old = [s for s in self._slots.values() if s.expires_at <= now and s.done.is_set()]
@@ -96,7 +112,7 @@ class PushReceiver:
         return len(old)
 
     def _reserve(
-        self, items: Sequence[kv_transfer_pb2.NcclPushItem]
+        self, items: Sequence[kv_transfer_nccl_pb2.NcclPushItem]
     ) -> list[tuple[str, int, bool]]:
         mover = self.engine.mover
         self.expire()
@@ -126,7 +142,9 @@ class PushReceiver:
             self._gpu_used, self._host_used = gpu, host
         return plan
 
-    def begin(self, request: kv_transfer_pb2.NcclPushBeginRequest, deadline: float) -> list[bool]:
+    def begin(
+        self, request: kv_transfer_nccl_pb2.NcclPushBeginRequest, deadline: float
+    ) -> list[bool]:
         """Serves `NcclPushBegin`: reserves room for every item (all or nothing), posts the
         receives, and returns at once with, per item, whether it spilled to host memory.
 
@@ -154,7 +172,17 @@ class PushReceiver:
                 )
                 for v in views
             ]
-            slots.append(_Slot(tid, n, nbytes, spilled, layers, time.monotonic() + self.ttl_s))
+            slots.append(
+                _Slot(
+                    tid,
+                    request.requester_id,
+                    n,
+                    nbytes,
+                    spilled,
+                    layers,
+                    time.monotonic() + self.ttl_s,
+                )
+            )
         with self._lock:
             for slot in slots:
                 self._slots[slot.transfer_id] = slot
@@ -199,12 +227,34 @@ class PushReceiver:
         for slot in slots:
             slot.done.set()
 
-    def take(self, transfer_id: str, local_ids: Sequence[int], deadline: float) -> int:
-        """Copies a pushed transfer into blocks `local_ids` of this cache (current CUDA stream)
-        and frees its room. Waits for its arrival until `deadline`. Returns bytes copied.
+    def take(
+        self,
+        transfer_id: str,
+        local_block_ids: Sequence[int],
+        deadline: float,
+        *,
+        sender_id: str = "",
+        remote_block_indices: Sequence[int] | None = None,
+        wait_s: float = 0.0,
+    ) -> int:
+        """Copies a pushed transfer into `local_block_ids` and frees its room. Only a whole
+        transfer can be taken (a decode with local prefix hits pulls the rest instead); the
+        sender is implied by the communicator the push came over, and a push still in flight
+        is waited for until `deadline`. Raises TransferError (NOT_FOUND when nothing was pushed
+        for it, INVALID_ARGUMENT for a part of a transfer, DEADLINE_EXCEEDED, ABORTED)."""
+        if remote_block_indices is not None and list(remote_block_indices) != list(
+            range(len(local_block_ids))
+        ):
+            raise TransferError(
+                f"transfer {transfer_id}: only whole pushed transfers are taken",
+                grpc.StatusCode.INVALID_ARGUMENT,
+            )
+        try:
+            return self._take(transfer_id, local_block_ids, deadline)
+        except NcclTransferError as exc:
+            raise TransferError(str(exc), exc.code) from None
 
-        Raises NcclTransferError: NOT_FOUND (unknown/expired), DEADLINE_EXCEEDED, ABORTED
-        (the push failed), INVALID_ARGUMENT (block count differs)."""
+    def _take(self, transfer_id: str, local_ids: Sequence[int], deadline: float) -> int:
         import torch
 
         with self._lock:
@@ -234,16 +284,23 @@ class PushReceiver:
             self._release(slot)
         return slot.nbytes
 
-    def discard(self, transfer_id: str) -> int:
+    def discard(self, transfer_id: str, reason: str = "") -> None:
         """Frees a received transfer decode will not take (it pulled instead). A transfer
         still being received is left to its bounded wait and then to the TTL, because its
-        buffer is the target of receives NCCL has already posted. Returns bytes freed."""
+        buffer is the target of receives NCCL has already posted."""
         with self._lock:
             slot = self._slots.get(transfer_id)
-            if slot is None or not slot.done.is_set():
-                return 0
-            self._release(slot)
-            return slot.nbytes
+            if slot is not None and slot.done.is_set():
+                self._release(slot)
+
+    def drop_sender(self, sender_id: str) -> int:
+        """Frees the received transfers of `sender_id` (those still being received end with
+        their communicator, which is dropped with the peer)."""
+        with self._lock:
+            gone = [s for s in self._slots.values() if s.sender_id == sender_id and s.done.is_set()]
+            for slot in gone:
+                self._release(slot)
+        return len(gone)
 
     def close(self) -> None:
         """Stops the waiter threads (their waits are bounded) and frees everything."""
@@ -267,8 +324,8 @@ class PushSession:
         tp_rank: int,
         requester_id: str,
         items: Sequence[tuple[str, Sequence[int]]],
-        connect: Callable[[kv_transfer_pb2.NcclConnectRequest, float], Any],
-        begin: Callable[[kv_transfer_pb2.NcclPushBeginRequest, float], Any],
+        connect: Callable[[kv_transfer_nccl_pb2.NcclConnectRequest, float], Any],
+        begin: Callable[[kv_transfer_nccl_pb2.NcclPushBeginRequest, float], Any],
         layout: Any,
         deadline: float,
     ) -> None:
@@ -289,12 +346,12 @@ class PushSession:
         comm.lock.acquire()
         self._open = True
         try:
-            request = kv_transfer_pb2.NcclPushBeginRequest(
+            request = kv_transfer_nccl_pb2.NcclPushBeginRequest(
                 requester_id=requester_id,
                 tp_rank=tp_rank,
                 layout=layout,
                 items=[
-                    kv_transfer_pb2.NcclPushItem(transfer_id=tid, num_blocks=len(ids))
+                    kv_transfer_nccl_pb2.NcclPushItem(transfer_id=tid, num_blocks=len(ids))
                     for tid, ids in self.items
                 ],
             )

@@ -1,11 +1,13 @@
-"""Decode side of TCP push mode: the bounded receive buffer pushed KV lands in.
+"""Decode side of TCP push mode: the bounded receive buffer pushed KV lands in
+(`receive_buffer.ReceiveBuffer`).
 
-A push (`KvTransfer.PushBlocks`) reserves room for all of a transfer's blocks of every layer
+A push (`TcpKvTransfer.PushBlocks`) reserves room for all of a transfer's blocks of every layer
 when its header arrives (all or nothing: `PushRefused` with RESOURCE_EXHAUSTED when it does not
 fit, and the decode request then pulls as usual), fills it chunk by chunk while prefill's
 forward runs, and is then READY until the decode request that names the transfer takes it
-(`take`) — or until its TTL, when it is freed unclaimed. A push that ends incomplete, or that a
-pull overtook (`discard`), is freed at once. Every wait here is bounded by the caller.
+(`take`; `claim` hands out the raw entry) — or until its TTL, when it is freed unclaimed. A
+push that ends incomplete, or that a pull overtook (`discard`), is freed at once. Every wait
+here is bounded by the caller.
 
 On CPU the buffer is plain host memory, so "spill to host memory" has nothing left to do: one
 bounded buffer. Thread safety: gRPC handler threads write, decode's pull threads take, the
@@ -22,8 +24,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
+import torch
 
-__all__ = ["PushBuffer", "PushEntry", "PushRefused", "PushState"]
+from pdplane.connector.kv_cache import KvCacheView
+from pdplane.connector.transports.base import TransferError
+from pdplane.connector.transports.receive_buffer import ReceiveBuffer
+
+__all__ = ["PushBuffer", "PushEntry", "PushRefused", "PushState", "copy_pushed"]
 
 _TOMBSTONE_LIMIT = 10_000
 _INVALID = grpc.StatusCode.INVALID_ARGUMENT
@@ -87,7 +94,7 @@ class PushEntry:
         return sum(s.count(0) for s in self.seen)
 
 
-class PushBuffer:
+class PushBuffer(ReceiveBuffer):
     """Pushed transfers awaiting their decode request, at most `capacity_bytes` in all.
 
     Args:
@@ -101,7 +108,8 @@ class PushBuffer:
     ) -> None:
         if capacity_bytes < 0 or ttl_s <= 0:
             raise ValueError("capacity_bytes must be >= 0 and ttl_s > 0")
-        self.capacity_bytes = capacity_bytes
+        self._capacity = capacity_bytes
+        self._cache: KvCacheView | None = None
         self.ttl_s = ttl_s
         self._clock = clock
         self._cond = threading.Condition()
@@ -113,6 +121,14 @@ class PushBuffer:
         self._next_expiry = float("inf")
         self.refused = 0  # pushes refused for want of room (a counter, for logs and tests)
 
+    def bind(self, cache: KvCacheView) -> None:
+        """The KV cache that `take` copies into."""
+        self._cache = cache
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._capacity
+
     @property
     def used_bytes(self) -> int:
         """Bytes reserved by pushes not yet taken or freed."""
@@ -121,7 +137,7 @@ class PushBuffer:
     @property
     def headroom_bytes(self) -> int:
         """Bytes still free (the registry load report's receive-buffer headroom)."""
-        return self.capacity_bytes - self._used
+        return self._capacity - self._used
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -144,12 +160,12 @@ class PushBuffer:
                     f"transfer {transfer_id} cannot be pushed: {why}",
                     grpc.StatusCode.ALREADY_EXISTS,
                 )
-            if self._used + nbytes > self.capacity_bytes:
+            if self._used + nbytes > self._capacity:
                 self.refused += 1
                 self._close(transfer_id, "refused: receive buffer full")
                 raise PushRefused(
                     f"receive buffer full: transfer {transfer_id} needs {nbytes} bytes, "
-                    f"{self.capacity_bytes - self._used} of {self.capacity_bytes} free",
+                    f"{self._capacity - self._used} of {self._capacity} free",
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                 )
             entry = PushEntry(
@@ -190,7 +206,27 @@ class PushBuffer:
             if entry.state is not PushState.GONE:
                 self._drop(entry, reason)
 
-    def take(self, transfer_id: str, sender_id: str, wait_s: float) -> PushEntry | None:
+    def take(
+        self,
+        transfer_id: str,
+        local_block_ids: Sequence[int],
+        deadline: float,
+        *,
+        sender_id: str = "",
+        remote_block_indices: Sequence[int] | None = None,
+        wait_s: float = 0.0,
+    ) -> int:
+        if self._cache is None:
+            raise RuntimeError("PushBuffer.take before bind()")
+        wait = min(wait_s, deadline - self._clock())
+        entry = self.claim(transfer_id, sender_id, wait)
+        if entry is None:
+            raise TransferError(
+                f"transfer {transfer_id}: no usable push", grpc.StatusCode.NOT_FOUND
+            )
+        return copy_pushed(entry, self._cache, remote_block_indices, local_block_ids)
+
+    def claim(self, transfer_id: str, sender_id: str, wait_s: float) -> PushEntry | None:
         """Removes and returns the READY push of `transfer_id` (its bytes are no longer
         counted: the caller copies them out and drops the entry). Waits up to `wait_s` for a
         push that has not arrived or not finished yet. None = no usable push (never pushed,
@@ -237,6 +273,13 @@ class PushBuffer:
                 self._next_expiry = float("inf")
         return len(old)
 
+    def drop_sender(self, sender_id: str) -> int:
+        with self._cond:
+            gone = [e for e in self._entries.values() if e.sender_id == sender_id]
+            for entry in gone:
+                self._drop(entry, f"sender {sender_id} left")
+        return len(gone)
+
     def close(self) -> None:
         """Frees everything (connector shutdown)."""
         with self._cond:
@@ -259,3 +302,39 @@ class PushBuffer:
         while len(self._closed) > _TOMBSTONE_LIMIT:
             self._closed.popitem(last=False)
         self._cond.notify_all()
+
+
+def copy_pushed(
+    entry: PushEntry,
+    cache: KvCacheView,
+    remote_block_indices: Sequence[int] | None,
+    local_block_ids: Sequence[int],
+) -> int:
+    """Writes the pushed blocks at `remote_block_indices` (None = all, in order) into
+    `local_block_ids` of every layer. Returns bytes copied. Raises TransferError on a length
+    mismatch or bad block ids."""
+    everything = range(entry.num_blocks)
+    indices = list(everything if remote_block_indices is None else remote_block_indices)
+    if len(indices) != len(local_block_ids) or any(not 0 <= i < entry.num_blocks for i in indices):
+        raise TransferError(
+            f"transfer {entry.transfer_id}: {len(local_block_ids)} local blocks for positions "
+            f"{indices[:8]} of a {entry.num_blocks}-block push",
+            grpc.StatusCode.INVALID_ARGUMENT,
+        )
+    try:
+        cache.check_block_ids(local_block_ids)
+        total = 0
+        whole = indices == list(everything)
+        for layer, lc in enumerate(cache.layers):
+            data = (
+                torch.frombuffer(entry.layers[layer], dtype=torch.uint8)
+                .view(lc.tensor.dtype)
+                .reshape(entry.num_blocks, *lc.block_shape)
+            )
+            if not whole:
+                data = data[indices]
+            cache.write_blocks(layer, local_block_ids, data)
+            total += len(indices) * lc.block_nbytes
+    except ValueError as exc:
+        raise TransferError(str(exc), grpc.StatusCode.INVALID_ARGUMENT) from None
+    return total

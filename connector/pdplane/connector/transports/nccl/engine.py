@@ -5,7 +5,7 @@ side that calls `NcclConnect` generates the NCCL unique id and becomes rank 0; t
 serves it becomes rank 1. Communicators are created on first use, cached, and dropped (aborted)
 when a transfer on them fails or the peer leaves (`drop_peer`).
 
-A pull on the decode side (`pull`) runs the `SendBlocksNccl` RPC as a gRPC future while it
+A pull on the decode side (`pull`) runs the `SendBlocks` RPC as a gRPC future while it
 posts its receives: with lazily connected NCCL channels neither side's group can complete
 before the other side's group is posted, so the two must overlap. Every step is bounded by the
 pull's deadline; on a timeout or error the communicator is aborted and dropped, and the RPC is
@@ -24,11 +24,16 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from pdplane.connector.nccl.binding import NcclLibrary
-from pdplane.connector.nccl.blocks import BlockMover
-from pdplane.connector.nccl.communicator import NcclCommunicator, P2pOp
-from pdplane.connector.nccl.plan import DEFAULT_CHUNK_BYTES, Strategy, contiguous_runs, split_runs
-from pdplane.v1 import kv_transfer_pb2
+from pdplane.connector.transports.nccl.binding import NcclLibrary
+from pdplane.connector.transports.nccl.blocks import BlockMover
+from pdplane.connector.transports.nccl.communicator import NcclCommunicator, P2pOp
+from pdplane.connector.transports.nccl.plan import (
+    DEFAULT_CHUNK_BYTES,
+    Strategy,
+    contiguous_runs,
+    split_runs,
+)
+from pdplane.v1 import kv_transfer_nccl_pb2, kv_transfer_pb2
 
 if TYPE_CHECKING:
     import torch
@@ -173,7 +178,7 @@ class NcclEngine:
         self,
         peer: str,
         tp_rank: int,
-        call: Callable[[kv_transfer_pb2.NcclConnectRequest, float], Any],
+        call: Callable[[kv_transfer_nccl_pb2.NcclConnectRequest, float], Any],
         requester_id: str,
         deadline: float,
     ) -> NcclCommunicator:
@@ -191,7 +196,7 @@ class NcclEngine:
             deadline = min(deadline, time.monotonic() + self.connect_timeout_s)
             uid = self._lib.get_unique_id()
             comm = NcclCommunicator.start(uid, 0, self.device, f"{key}/r0", self._lib)
-            request = kv_transfer_pb2.NcclConnectRequest(
+            request = kv_transfer_nccl_pb2.NcclConnectRequest(
                 requester_id=requester_id, tp_rank=tp_rank, unique_id=uid
             )
             future = call(request, max(deadline - time.monotonic(), 0.001))
@@ -213,7 +218,7 @@ class NcclEngine:
             self._put(key, comm)
             return comm
 
-    def accept(self, request: kv_transfer_pb2.NcclConnectRequest, deadline: float) -> None:
+    def accept(self, request: kv_transfer_nccl_pb2.NcclConnectRequest, deadline: float) -> None:
         """Serves `NcclConnect`: joins the requester's communicator as rank 1 (replacing an
         older one with the same requester and rank). Raises NcclTransferError."""
         if not request.requester_id:
@@ -240,41 +245,42 @@ class NcclEngine:
     # -- pull: serve side (prefill) ----------------------------------------------------------
 
     def _plan_args(
-        self, plan: kv_transfer_pb2.NcclPlan, ids: Sequence[int]
+        self, plan: kv_transfer_nccl_pb2.NcclPlan, ids: Sequence[int]
     ) -> tuple[Strategy, int, list[Any]]:
-        if plan.strategy == kv_transfer_pb2.NcclPlan.STRATEGY_GROUPED:
+        if plan.strategy == kv_transfer_nccl_pb2.NcclPlan.STRATEGY_GROUPED:
             return Strategy.GROUPED, 0, split_runs(list(plan.run_lengths), ids)
         return Strategy.GATHER, int(plan.chunk_bytes) or self.chunk_bytes, []
 
     def serve_send(
         self,
         block_ids: Sequence[int],
-        request: kv_transfer_pb2.PullBlocksRequest,
+        request: kv_transfer_nccl_pb2.NcclPullRequest,
         deadline: float,
         accepted: Callable[[], None] = lambda: None,
     ) -> int:
-        """Serves `SendBlocksNccl`: sends `block_ids` (this worker's ids, in the requested
+        """Serves `SendBlocks`: sends `block_ids` (this worker's ids, in the requested
         order) to the requester and waits until the sends completed. Returns bytes sent.
         `accepted()` is called once the request is valid, right before the first send (the
         gRPC layer sends the initial metadata the receiver waits for, see `pull`).
 
         Raises NcclTransferError: FAILED_PRECONDITION (no communicator), INVALID_ARGUMENT
         (plan or ids do not fit), DEADLINE_EXCEEDED / ABORTED (communicator aborted)."""
-        comm = self.communicator(request.requester_id, request.tp_rank)
+        blocks = request.blocks
+        comm = self.communicator(blocks.requester_id, blocks.tp_rank)
         if comm is None:
             raise NcclTransferError(
-                f"no NCCL communicator with {request.requester_id} rank {request.tp_rank}",
+                f"no NCCL communicator with {blocks.requester_id} rank {blocks.tp_rank}",
                 grpc.StatusCode.FAILED_PRECONDITION,
             )
         try:
-            strategy, chunk_bytes, runs = self._plan_args(request.nccl_plan, block_ids)
+            strategy, chunk_bytes, runs = self._plan_args(request.plan, block_ids)
             self.mover.check_ids(block_ids)
         except ValueError as exc:
             raise NcclTransferError(str(exc), grpc.StatusCode.INVALID_ARGUMENT) from None
         accepted()
         return self._run(
             comm,
-            _key(request.requester_id, request.tp_rank),
+            _key(blocks.requester_id, blocks.tp_rank),
             True,
             block_ids,
             strategy,
@@ -319,19 +325,19 @@ class NcclEngine:
         remote_ids: Sequence[int] | None = None,
         strategy: Strategy | None = None,
         chunk_bytes: int | None = None,
-    ) -> kv_transfer_pb2.NcclPlan:
+    ) -> kv_transfer_nccl_pb2.NcclPlan:
         """The plan this receiver asks for (engine defaults unless `strategy`/`chunk_bytes`
         are given): GROUPED needs the sender's ids (`remote_ids`) to find the runs consecutive
         on both sides; without them GATHER is used."""
         strategy = strategy or self.strategy
         if strategy is Strategy.GROUPED and remote_ids is not None:
             runs = contiguous_runs(remote_ids, local_ids)
-            return kv_transfer_pb2.NcclPlan(
-                strategy=kv_transfer_pb2.NcclPlan.STRATEGY_GROUPED,
+            return kv_transfer_nccl_pb2.NcclPlan(
+                strategy=kv_transfer_nccl_pb2.NcclPlan.STRATEGY_GROUPED,
                 run_lengths=[r.length for r in runs],
             )
-        return kv_transfer_pb2.NcclPlan(
-            strategy=kv_transfer_pb2.NcclPlan.STRATEGY_GATHER,
+        return kv_transfer_nccl_pb2.NcclPlan(
+            strategy=kv_transfer_nccl_pb2.NcclPlan.STRATEGY_GATHER,
             chunk_bytes=chunk_bytes or self.chunk_bytes,
         )
 
@@ -340,8 +346,8 @@ class NcclEngine:
         peer: str,
         request: kv_transfer_pb2.PullBlocksRequest,
         local_ids: Sequence[int],
-        connect: Callable[[kv_transfer_pb2.NcclConnectRequest, float], Any],
-        send: Callable[[kv_transfer_pb2.PullBlocksRequest, float], Any],
+        connect: Callable[[kv_transfer_nccl_pb2.NcclConnectRequest, float], Any],
+        send: Callable[[kv_transfer_nccl_pb2.NcclPullRequest, float], Any],
         deadline: float,
         remote_ids: Sequence[int] | None = None,
         strategy: Strategy | None = None,
@@ -351,9 +357,9 @@ class NcclEngine:
         """Pulls the blocks `request` names from `peer` into `local_ids` of this cache.
 
         `connect` starts the peer's NcclConnect RPC as a grpc future (`stub.NcclConnect.future`
-        with metadata bound); `send` starts its SendBlocksNccl as an `rpc.SendBlocksCall`.
-        `request.nccl_plan` is filled here (see `make_plan` for `remote_ids`, `strategy`,
-        `chunk_bytes`); `on_posted()` runs once all receives are posted (observability).
+        with metadata bound); `send` starts its SendBlocks as an `rpc.SendBlocksCall`. The plan
+        is made here (see `make_plan` for `remote_ids`, `strategy`, `chunk_bytes`);
+        `on_posted()` runs once all receives are posted (observability).
         Returns the timing; raises NcclTransferError (the communicator is
         aborted and dropped on NCCL failures)."""
         t0 = time.monotonic()
@@ -369,10 +375,10 @@ class NcclEngine:
             timing.connect_s = time.monotonic() - t0
         key = _key(peer, request.tp_rank)
         plan = self.make_plan(local_ids, remote_ids, strategy, chunk_bytes)
-        request.nccl_plan.CopyFrom(plan)
         strategy, chunk_bytes, runs = self._plan_args(plan, local_ids)
+        call = kv_transfer_nccl_pb2.NcclPullRequest(blocks=request, plan=plan)
         with comm.lock:
-            future = send(request, max(deadline - time.monotonic(), 0.001))
+            future = send(call, max(deadline - time.monotonic(), 0.001))
             # Post receives only once the sender accepted the request (its initial metadata):
             # NCCL cannot cancel a posted receive, so a refused request (unknown transfer, bad
             # indices) must fail before, or it would cost the communicator.
@@ -381,11 +387,11 @@ class NcclEngine:
                     future.result()
                 except grpc.RpcError as exc:
                     raise NcclTransferError(
-                        f"SendBlocksNccl on {peer}: {exc.code().name}: {exc.details()}",
+                        f"SendBlocks on {peer}: {exc.code().name}: {exc.details()}",
                         exc.code(),
                     ) from None
                 raise NcclTransferError(
-                    f"SendBlocksNccl on {peer} did not accept the request",
+                    f"SendBlocks on {peer} did not accept the request",
                     grpc.StatusCode.UNAVAILABLE,
                 )
             try:
@@ -399,9 +405,9 @@ class NcclEngine:
                 response = future.result(timeout=max(deadline - time.monotonic(), 0.001))
             except grpc.RpcError as exc:
                 # The sender failed or refused: our receives can never complete.
-                self._drop(key, comm, f"SendBlocksNccl failed: {exc.code().name}")
+                self._drop(key, comm, f"SendBlocks failed: {exc.code().name}")
                 raise NcclTransferError(
-                    f"SendBlocksNccl on {peer}: {exc.code().name}: {exc.details()}", exc.code()
+                    f"SendBlocks on {peer}: {exc.code().name}: {exc.details()}", exc.code()
                 ) from None
             except ValueError as exc:
                 future.cancel()

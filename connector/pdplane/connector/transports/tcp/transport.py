@@ -1,6 +1,6 @@
-"""TCP transport: block bytes streamed over the `KvTransfer.PullBlocks` gRPC response stream
-(pull), or over the `KvTransfer.PushBlocks` client stream into decode's bounded receive buffer
-(push mode, `tcp_push.py`).
+"""TCP transport: block bytes streamed over the `TcpKvTransfer.PullBlocks` gRPC response stream
+(pull), or over the `TcpKvTransfer.PushBlocks` client stream into decode's bounded receive
+buffer (push mode, `push.py`, `buffer.py`).
 
 Each `KvChunk` carries a run of consecutive requested blocks of one layer as raw bytes in the
 holder's layout (block index first, C order) — no pickle, no intermediate receive buffer: the
@@ -11,21 +11,28 @@ every (layer, block) arrived exactly once.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import grpc
 import torch
 
-from pdplane.connector.push_buffer import PushBuffer, PushRefused
-from pdplane.connector.transports.base import KvTransport, Peer, PullRequest, TransferError
-from pdplane.connector.transports.tcp_push import (
-    PushResult,
-    TcpPushSession,
-    copy_pushed,
-    receive_push,
-    tensor_bytes,
+from pdplane.connector.kv_cache import KvCacheView
+from pdplane.connector.transports.base import (
+    BlockAccess,
+    KvTransport,
+    Peer,
+    PeerDirectory,
+    PeerInstance,
+    PullRequest,
+    PullResult,
+    ServiceBinding,
+    TransferError,
 )
-from pdplane.v1 import instance_pb2, kv_transfer_pb2
+from pdplane.connector.transports.receive_buffer import ReceiveBuffer
+from pdplane.connector.transports.tcp.buffer import PushBuffer
+from pdplane.connector.transports.tcp.push import PushResult, TcpPushSession
+from pdplane.connector.transports.tcp.service import SERVICE_NAME, TcpKvTransferServicer
+from pdplane.v1 import instance_pb2, kv_transfer_tcp_pb2, kv_transfer_tcp_pb2_grpc
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "TcpTransport"]
 
@@ -58,27 +65,30 @@ class TcpTransport(KvTransport):
         self.push_buffer = PushBuffer(push_buffer_bytes, push_ttl_s) if push_buffer_bytes else None
         self.push_results: list[PushResult] = []  # prefill: how the last 1000 pushes ended
 
-    def serve_pull_blocks(
-        self,
-        block_ids: Sequence[int],
-        request: kv_transfer_pb2.PullBlocksRequest,
-        context: grpc.ServicerContext,
-    ) -> Iterator[kv_transfer_pb2.KvChunk]:
-        cache = self.cache
-        for layer, lc in enumerate(cache.layers):
-            per_chunk = max(1, self.chunk_bytes // lc.block_nbytes)
-            for first in range(0, len(block_ids), per_chunk):
-                if not context.is_active():
-                    return
-                ids = block_ids[first : first + per_chunk]
-                data = cache.read_blocks(layer, ids)
-                if data.device.type != "cpu":
-                    data = data.cpu()
-                yield kv_transfer_pb2.KvChunk(
-                    layer=layer, first=first, num_blocks=len(ids), data=tensor_bytes(data)
-                )
+    def bind(self, cache: KvCacheView, peers: PeerDirectory | None = None) -> None:
+        super().bind(cache, peers)
+        if self.push_buffer is not None:
+            self.push_buffer.bind(cache)
 
-    def pull(self, peer: Peer, request: PullRequest) -> int:
+    @property
+    def receive_buffer(self) -> ReceiveBuffer | None:
+        return self.push_buffer
+
+    def services(self, access: BlockAccess) -> list[ServiceBinding]:
+        servicer = TcpKvTransferServicer(access, self.cache, self.chunk_bytes, self.push_buffer)
+        return [
+            ServiceBinding(
+                SERVICE_NAME,
+                lambda server: kv_transfer_tcp_pb2_grpc.add_TcpKvTransferServicer_to_server(
+                    servicer, server
+                ),
+            )
+        ]
+
+    # -- pull (decode) -------------------------------------------------------------------------
+
+    def pull(self, peer: Peer, request: PullRequest) -> PullResult:
+        t0 = time.monotonic()
         cache = self.cache
         n = len(request.local_block_ids)
         if n != len(request.remote_block_indices):
@@ -86,7 +96,8 @@ class TcpTransport(KvTransport):
         cache.check_block_ids(request.local_block_ids)
         received = [bytearray(n) for _ in cache.layers]  # 1 per (layer, position) written
         total = 0
-        call = peer.stub.PullBlocks(
+        stub = peer.stub(kv_transfer_tcp_pb2_grpc.TcpKvTransferStub)
+        call = stub.PullBlocks(
             request.to_proto(), timeout=request.remaining(), metadata=peer.metadata
         )
         try:
@@ -103,10 +114,10 @@ class TcpTransport(KvTransport):
         missing = sum(r.count(0) for r in received)
         if missing:
             raise TransferError(f"transfer {request.transfer_id}: {missing} layer-blocks missing")
-        return total
+        return PullResult(total, total_s=time.monotonic() - t0)
 
     def _write_chunk(
-        self, chunk: kv_transfer_pb2.KvChunk, request: PullRequest, received: list[bytearray]
+        self, chunk: kv_transfer_tcp_pb2.KvChunk, request: PullRequest, received: list[bytearray]
     ) -> int:
         cache = self.cache
         if chunk.layer >= cache.num_layers:
@@ -141,6 +152,7 @@ class TcpTransport(KvTransport):
         layout: instance_pb2.KvLayout,
         deadline: float,
         tp_rank: int = 0,
+        peer_id: str = "",
     ) -> TcpPushSession:
         return TcpPushSession(
             self.cache,
@@ -154,50 +166,18 @@ class TcpTransport(KvTransport):
             self.push_results,
         )
 
-    def serve_push_blocks(
-        self,
-        header: kv_transfer_pb2.PushHeader,
-        messages: Iterator[kv_transfer_pb2.PushBlocksMessage],
-        context: grpc.ServicerContext,
-    ) -> kv_transfer_pb2.PushBlocksResponse:
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def peer_gone(self, peer: PeerInstance) -> None:
+        """Frees what `peer` pushed here (its channel is the connector's to drop)."""
+        if self.push_buffer is not None:
+            self.push_buffer.drop_sender(peer.instance_id)
+
+    def stats(self) -> dict[str, int]:
         buffer = self.push_buffer
         if buffer is None:
-            context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED, "push mode is off here: no receive buffer"
-            )
-            raise AssertionError("unreachable")  # abort raises
-        try:
-            received = receive_push(buffer, self.cache, header, messages)
-        except PushRefused as exc:
-            context.abort(exc.code, str(exc))
-        return kv_transfer_pb2.PushBlocksResponse(bytes_received=received)
-
-    def take_pushed(
-        self,
-        transfer_id: str,
-        local_block_ids: Sequence[int],
-        deadline: float,
-        *,
-        sender_id: str = "",
-        remote_block_indices: Sequence[int] | None = None,
-        wait_s: float = 0.0,
-    ) -> int:
-        buffer = self.push_buffer
-        wait = min(wait_s, deadline - time.monotonic())
-        entry = buffer.take(transfer_id, sender_id, wait) if buffer is not None else None
-        if entry is None:
-            raise TransferError(
-                f"transfer {transfer_id}: no usable push", grpc.StatusCode.NOT_FOUND
-            )
-        return copy_pushed(entry, self.cache, remote_block_indices, local_block_ids)
-
-    def discard_pushed(self, transfer_id: str, reason: str) -> None:
-        if self.push_buffer is not None:
-            self.push_buffer.discard(transfer_id, reason)
-
-    def expire_pushed(self) -> None:
-        if self.push_buffer is not None:
-            self.push_buffer.expire()
+            return {}
+        return {"push_buffer_used_bytes": buffer.used_bytes, "pushes_refused": buffer.refused}
 
     def close(self) -> None:
         if self.push_buffer is not None:

@@ -17,7 +17,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pdplane.connector.nccl.binding import NCCL_IN_PROGRESS, NCCL_SUCCESS, NcclError, NcclLibrary
+from pdplane.connector.transports.nccl.binding import (
+    NCCL_IN_PROGRESS,
+    NCCL_SUCCESS,
+    NcclError,
+    NcclLibrary,
+)
 
 if TYPE_CHECKING:
     import torch

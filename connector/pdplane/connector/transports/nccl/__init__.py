@@ -1,0 +1,43 @@
+"""The `nccl` KV transport: block bytes GPU to GPU over NCCL point-to-point, control over gRPC.
+
+| module | responsibility |
+| --- | --- |
+| `transport.py` | `NcclTransport`: the `KvTransport` adapter |
+| `service.py` | `pdplane.v1.NcclKvTransfer` handlers |
+| `engine.py` | communicator cache per peer, handshake, pull (serve and receive sides) |
+| `push.py` | push mode: bounded GPU receive buffer (`ReceiveBuffer`), pinned-host spill, sessions |
+| `rpc.py` | the `SendBlocks` call object that sees prefill's acceptance early |
+| `communicator.py` | one rank of a 2-rank communicator: non-blocking init, bounded waits, abort |
+| `blocks.py` | physical byte view of any backend's KV tensor; gather/scatter and grouped sends |
+| `plan.py` | how requested blocks become messages (pure Python) |
+| `binding.py` | ctypes binding of the few libnccl calls used |
+
+Imports nothing heavy: libnccl and torch.cuda are loaded on first use, so CPU-only machines can
+import this package (and run the planning unit tests).
+"""
+
+from __future__ import annotations
+
+from pdplane.connector.transports.nccl.binding import NcclError, NcclLibrary, NcclUnavailableError
+from pdplane.connector.transports.nccl.communicator import (
+    NcclAbortedError,
+    NcclCommunicator,
+    NcclTimeoutError,
+)
+from pdplane.connector.transports.nccl.engine import NcclEngine, NcclTransferError, PullTiming
+from pdplane.connector.transports.nccl.plan import Strategy
+from pdplane.connector.transports.nccl.transport import NcclTransport
+
+__all__ = [
+    "NcclAbortedError",
+    "NcclCommunicator",
+    "NcclEngine",
+    "NcclError",
+    "NcclLibrary",
+    "NcclTimeoutError",
+    "NcclTransferError",
+    "NcclTransport",
+    "NcclUnavailableError",
+    "PullTiming",
+    "Strategy",
+]

@@ -1,0 +1,81 @@
+"""The credentials of a fleet started on this machine (`pdplane up`), kept for its local tools.
+
+`pdplane up` generates a shared token and an admin token (`generate`), hands them to the
+processes it starts through their environment (`PDPLANE_TOKEN`; `PDPLANE_ADMIN_TOKEN` to the
+registry only), never their argv (which `ps` shows), and writes them with the registry's
+address to `credentials_path()` (mode 0600, in a 0700 folder). `pdplane ls`, `pdplane drain`
+and `pdplane vllm` read that file (`for_registry`) when they talk to that registry and were not
+given a token, so nothing has to be typed.
+
+File format (JSON): {"registry": "127.0.0.1:50051", "token": "...", "admin_token": "..."}.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+__all__ = ["FleetCredentials", "credentials_path", "for_registry", "generate", "remove", "write"]
+
+_FILE = "fleet-credentials.json"
+
+
+def credentials_path() -> Path:
+    """$PDPLANE_CACHE_DIR/fleet-credentials.json, else ~/.cache/pdplane/fleet-credentials.json."""
+    base = os.environ.get("PDPLANE_CACHE_DIR") or Path.home() / ".cache" / "pdplane"
+    return Path(base) / _FILE
+
+
+@dataclass(frozen=True)
+class FleetCredentials:
+    """A fleet's registry address ("host:port") and its two bearer tokens."""
+
+    registry: str
+    token: str
+    admin_token: str
+
+
+def generate(registry: str) -> FleetCredentials:
+    """Fresh tokens (256 random bits each, URL-safe text) for the fleet at `registry`."""
+    return FleetCredentials(registry, secrets.token_urlsafe(32), secrets.token_urlsafe(32))
+
+
+def write(creds: FleetCredentials, path: Path | None = None) -> Path:
+    """Writes `creds` to `path` (default `credentials_path()`), readable by this user only;
+    returns the path. Raises OSError when the folder cannot be made or written."""
+    target = path or credentials_path()
+    target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as out:
+        json.dump(asdict(creds), out)
+    os.replace(tmp, target)  # readers never see a half-written file
+    return target
+
+
+def _read(path: Path) -> FleetCredentials | None:
+    try:
+        data = json.loads(path.read_text())
+        return FleetCredentials(str(data["registry"]), str(data["token"]), str(data["admin_token"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def for_registry(registry: str, path: Path | None = None) -> FleetCredentials | None:
+    """The local fleet's credentials when `registry` (one address or comma-separated replicas)
+    names its registry; None when there is no (readable) file or it is another fleet's."""
+    creds = _read(path or credentials_path())
+    if creds is None:
+        return None
+    wanted = {a.strip() for a in registry.split(",")}
+    return creds if creds.registry in wanted else None
+
+
+def remove(creds: FleetCredentials, path: Path | None = None) -> None:
+    """Deletes the file when it still holds `creds` (a later fleet's file is left alone)."""
+    target = path or credentials_path()
+    if _read(target) == creds:
+        target.unlink(missing_ok=True)

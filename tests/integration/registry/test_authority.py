@@ -1,0 +1,141 @@
+"""Per-instance authority: a rogue cannot register without the token, an instance changes only
+its own lease, lease ids are never listed, an operator's admin token drains anyone.
+
+Runs on both stores (the registry suite's autouse fixture) and both server flavours.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import grpc
+import pytest
+
+from pdplane.core import grpc_util
+from pdplane.v1 import instance_pb2, registry_pb2, registry_pb2_grpc
+from tests.integration.registry.conftest import WatchRecorder, wait_until
+from tests.integration.registry.fixtures import make_spec, running_registry
+
+TOKEN = "instance-secret"
+ADMIN = "admin-secret"
+_Event = registry_pb2.WatchEvent
+
+
+@pytest.fixture(params=["aio", "sync"])
+def address(request: pytest.FixtureRequest) -> Iterator[str]:
+    with running_registry(token=TOKEN, admin_token=ADMIN, flavour=request.param) as addr:
+        yield addr
+
+
+@pytest.fixture
+def stub(address: str) -> Iterator[registry_pb2_grpc.RegistryStub]:
+    with grpc_util.channel(address) as chan:
+        yield registry_pb2_grpc.RegistryStub(chan)
+
+
+def _as(token: str | None) -> tuple[tuple[str, str], ...]:
+    return grpc_util.token_metadata(token)
+
+
+def _register(stub: registry_pb2_grpc.RegistryStub, name: str) -> str:
+    spec = make_spec(name, instance_pb2.ROLE_DECODE)
+    reply = stub.Register(registry_pb2.RegisterRequest(spec=spec), metadata=_as(TOKEN), timeout=5)
+    return str(reply.lease_id)
+
+
+def _code(call: object) -> grpc.StatusCode:
+    with pytest.raises(grpc.RpcError) as err:
+        call()  # type: ignore[operator]
+    return err.value.code()
+
+
+def test_without_the_token_a_rogue_cannot_register(stub: registry_pb2_grpc.RegistryStub) -> None:
+    request = registry_pb2.RegisterRequest(spec=make_spec("rogue", instance_pb2.ROLE_DECODE))
+    for token in (None, "guess"):
+        code = _code(lambda t=token: stub.Register(request, metadata=_as(t), timeout=5))
+        assert code == grpc.StatusCode.UNAUTHENTICATED
+    listed = stub.ListInstances(registry_pb2.ListInstancesRequest(), metadata=_as(TOKEN))
+    assert list(listed.instances) == []
+
+
+def test_lease_ids_are_never_listed(address: str, stub: registry_pb2_grpc.RegistryStub) -> None:
+    lease = _register(stub, "decode-1")
+    assert lease
+    listed = stub.ListInstances(registry_pb2.ListInstancesRequest(), metadata=_as(TOKEN))
+    got = stub.GetInstance(
+        registry_pb2.GetInstanceRequest(instance_id="decode-1"), metadata=_as(TOKEN)
+    )
+    assert [i.lease_id for i in listed.instances] == [""]
+    assert got.lease_id == ""
+    watch = WatchRecorder(address, token=TOKEN)
+    try:
+        assert wait_until(lambda: watch.of_type(_Event.SNAPSHOT), 5)
+        _register(stub, "decode-2")
+        assert wait_until(lambda: watch.of_type(_Event.ADDED), 5)
+        snapshot = watch.of_type(_Event.SNAPSHOT)[0]
+        added = watch.of_type(_Event.ADDED)[0]
+        assert [i.lease_id for i in snapshot.instances] == [""]
+        assert added.instance.spec.instance_id == "decode-2"
+        assert added.instance.lease_id == ""
+    finally:
+        watch.close()
+
+
+def test_an_instance_cannot_drain_or_deregister_another(
+    stub: registry_pb2_grpc.RegistryStub,
+) -> None:
+    _register(stub, "victim")
+    _register(stub, "rogue")
+    for drain in (True, False):
+        # Without the victim's lease id (never listed) the shared token does not suffice ...
+        no_lease = registry_pb2.DeregisterRequest(instance_id="victim", drain=drain)
+        code = _code(lambda r=no_lease: stub.Deregister(r, metadata=_as(TOKEN), timeout=5))
+        assert code == grpc.StatusCode.PERMISSION_DENIED
+        # ... nor does the rogue's own lease id.
+        wrong = registry_pb2.DeregisterRequest(instance_id="victim", lease_id="0" * 16, drain=drain)
+        code = _code(lambda r=wrong: stub.Deregister(r, metadata=_as(TOKEN), timeout=5))
+        assert code == grpc.StatusCode.NOT_FOUND
+    get = registry_pb2.GetInstanceRequest(instance_id="victim")
+    victim = stub.GetInstance(get, metadata=_as(TOKEN))
+    assert victim.state == instance_pb2.INSTANCE_STATE_SERVING
+
+
+def test_an_instance_changes_its_own_lease(stub: registry_pb2_grpc.RegistryStub) -> None:
+    lease = _register(stub, "self")
+    beat = registry_pb2.HeartbeatRequest(instance_id="self", lease_id=lease)
+    assert stub.Heartbeat(beat, metadata=_as(TOKEN), timeout=5).lease_ttl_ms > 0
+    drain = registry_pb2.DeregisterRequest(instance_id="self", lease_id=lease, drain=True)
+    reply = stub.Deregister(drain, metadata=_as(TOKEN), timeout=5)
+    assert reply.state == instance_pb2.INSTANCE_STATE_DRAINING
+
+
+def test_the_admin_token_drains_and_deregisters_any_instance(
+    stub: registry_pb2_grpc.RegistryStub,
+) -> None:
+    _register(stub, "decode-7")
+    drain = registry_pb2.DeregisterRequest(instance_id="decode-7", drain=True)
+    assert stub.Deregister(drain, metadata=_as(ADMIN), timeout=5).state == (
+        instance_pb2.INSTANCE_STATE_DRAINING
+    )
+    remove = registry_pb2.DeregisterRequest(instance_id="decode-7")
+    stub.Deregister(remove, metadata=_as(ADMIN), timeout=5)
+    listed = stub.ListInstances(registry_pb2.ListInstancesRequest(), metadata=_as(ADMIN))
+    assert list(listed.instances) == []
+    unknown = registry_pb2.DeregisterRequest(instance_id="nobody", drain=True)
+    code = _code(lambda: stub.Deregister(unknown, metadata=_as(ADMIN), timeout=5))
+    assert code == grpc.StatusCode.NOT_FOUND
+
+
+def test_a_second_conflicting_authorization_header_is_refused(
+    stub: registry_pb2_grpc.RegistryStub,
+) -> None:
+    request = registry_pb2.ListInstancesRequest()
+    both = (("authorization", f"Bearer {TOKEN}"), ("authorization", "Bearer other"))
+    assert _code(lambda: stub.ListInstances(request, metadata=both, timeout=5)) == (
+        grpc.StatusCode.UNAUTHENTICATED
+    )
+    admin_too = (("authorization", f"Bearer {TOKEN}"), ("authorization", f"Bearer {ADMIN}"))
+    drain = registry_pb2.DeregisterRequest(instance_id="x", drain=True)
+    assert _code(lambda: stub.Deregister(drain, metadata=admin_too, timeout=5)) == (
+        grpc.StatusCode.UNAUTHENTICATED
+    )
