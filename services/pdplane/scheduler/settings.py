@@ -76,6 +76,14 @@ class PolicySettings(CommandSettings):
     kv_max_lag_events: int = Field(
         default=10_000, gt=0, description="an instance's KV events this far behind is stale"
     )
+    kv_events_interval_ms: int = Field(
+        default=10,
+        ge=0,
+        le=1000,
+        description="ask each instance for at most one KV events message per this many ms "
+        "(it batches them): the index's CPU follows this rate, not the request rate (0 = "
+        "every batch at once)",
+    )
     kv_index_max_blocks: int = Field(
         default=100_000_000, gt=0, description="bound on (instance, block) entries of the index"
     )
