@@ -89,12 +89,6 @@ class ConnectorConfig(BaseModel):
     )
     chunk_bytes: int = Field(4 * 1024 * 1024, gt=0, description="TCP: bytes per KvChunk.")
     pull_workers: int = Field(4, ge=1, le=64, description="Concurrent pulls per decode worker.")
-    early_pull: bool = Field(
-        True,
-        description="Decode: start a pull as soon as vLLM allocates the request's blocks, "
-        "when the worker lives in the engine process (uni executor, TP 1), instead of when "
-        "the step's metadata reaches the worker.",
-    )
 
     # NCCL transport options (see transports/nccl/transport.py); unset = the transport's defaults.
     nccl_strategy: Literal["gather", "grouped"] | None = Field(

@@ -20,7 +20,7 @@ from pdplane.connector.config import ConnectorConfig
 from pdplane.connector.kv_events import reader_endpoint
 from pdplane.connector.lifeline import watch_parent
 from pdplane.connector.logs import setup_connector_logging
-from pdplane.connector.metadata import LoadSpec, PdPlaneConnectorMetadata
+from pdplane.connector.metadata import PdPlaneConnectorMetadata
 from pdplane.connector.registration import InstanceRegistration, build_spec
 from pdplane.connector.scheduler_side import SchedulerSide
 from pdplane.connector.stats import PdPlaneKvStats, PdPlanePromMetrics
@@ -32,7 +32,7 @@ from pdplane.connector.vllm_info import (
     software_version,
     tp_rank,
 )
-from pdplane.connector.worker_side import WorkerSide, in_process_worker
+from pdplane.connector.worker_side import WorkerSide
 from pdplane.core import tracing
 from pdplane.v1 import instance_pb2
 
@@ -104,13 +104,8 @@ class PdPlaneConnector(KVConnectorBase_V1):
         self._registration: InstanceRegistration | None = None
         self._cache_manager: Any = None
         if role == KVConnectorRole.SCHEDULER:
-            early = self.config.early_pull and self.tp_size == 1
             self._scheduler = SchedulerSide(
-                self.config,
-                self.instance_id,
-                self.layout,
-                self.tp_size,
-                start_load=self._start_load_here if early else None,
+                self.config, self.instance_id, self.layout, self.tp_size
             )
             self._start_registration(vllm_config)
         else:
@@ -143,15 +138,6 @@ class PdPlaneConnector(KVConnectorBase_V1):
         )
         self._registration = InstanceRegistration(self.config, spec, self._load)
         self._registration.start()
-
-    def _start_load_here(self, spec: LoadSpec) -> bool:
-        """Submits `spec` to this instance's worker when it runs in this process (vLLM's uni
-        executor); False when it does not (the load then goes in the step's metadata)."""
-        worker = in_process_worker(self.instance_id)
-        if worker is None:
-            return False
-        worker.puller.submit(spec)
-        return True
 
     def _load(self) -> instance_pb2.LoadReport:
         assert self._scheduler is not None

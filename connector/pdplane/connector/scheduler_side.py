@@ -24,7 +24,7 @@ import logging
 import re
 import secrets
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from pdplane.connector.config import ConnectorConfig
@@ -78,8 +78,6 @@ class SchedulerSide:
         engine_id: this instance's registry id (goes into the params prefill returns).
         layout: this instance's KV layout (per TP rank).
         tp_size: this instance's tensor-parallel size.
-        start_load: starts a load on a worker in this process at once (True), or cannot
-            (False: the load travels in the step's metadata); None = always the metadata.
     """
 
     def __init__(
@@ -88,10 +86,8 @@ class SchedulerSide:
         engine_id: str,
         layout: instance_pb2.KvLayout,
         tp_size: int = 1,
-        start_load: Callable[[LoadSpec], bool] | None = None,
     ) -> None:
         self.config = config
-        self._start_load = start_load
         self.tp_size = tp_size
         self.engine_id = engine_id
         self.layout = layout
@@ -167,23 +163,21 @@ class SchedulerSide:
                 ReleaseSpec(params.transfer_id, params.kv_endpoint, "decode allocation mismatch")
             )
             return
-        spec = LoadSpec(
-            req_id=req_id,
-            transfer_id=params.transfer_id,
-            endpoint=params.kv_endpoint,
-            remote_block_indices=tuple(range(first, last)),
-            local_block_ids=tuple(local_ids),
-            num_tokens=num_external_tokens,
-            pushed=params.pushed,
-            sender_id=params.engine_id,
-            traceparent=params.traceparent,
+        self._meta.loads.append(
+            LoadSpec(
+                req_id=req_id,
+                transfer_id=params.transfer_id,
+                endpoint=params.kv_endpoint,
+                remote_block_indices=tuple(range(first, last)),
+                local_block_ids=tuple(local_ids),
+                num_tokens=num_external_tokens,
+                pushed=params.pushed,
+                sender_id=params.engine_id,
+                traceparent=params.traceparent,
+            )
         )
         with self._lock:
             self._receiving[req_id] = params.transfer_id
-        # The blocks are allocated now; the step's metadata reaches the worker only after the
-        # rest of this schedule() call and the executor's hand-over.
-        if self._start_load is None or not self._start_load(spec):
-            self._meta.loads.append(spec)
         log.info(
             "transfer %s: loading %d blocks (%d tokens) from %s%s",
             params.transfer_id,

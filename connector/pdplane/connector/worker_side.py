@@ -30,22 +30,11 @@ from pdplane.core.kv_events_server import SERVICE_NAME as KV_EVENTS_SERVICE
 from pdplane.core.kv_events_server import add_kv_events_servicer
 from pdplane.v1 import instance_pb2
 
-__all__ = ["WorkerSide", "in_process_worker"]
+__all__ = ["WorkerSide"]
 
 log = logging.getLogger(__name__)
 
 _SERVER_GRACE_S = 2.0
-# instance id -> its rank-0 worker in this process (the engine process with the uni
-# executor), so that the scheduler side can start a pull at allocation (`early_pull`).
-_IN_PROCESS: dict[str, WorkerSide] = {}
-
-
-def in_process_worker(instance_id: str) -> WorkerSide | None:
-    """The rank-0 worker of `instance_id` if it lives in this process and has its KV cache
-    bound, else None (other executors run workers in their own processes)."""
-    return _IN_PROCESS.get(instance_id)
-
-
 _KV_EVENTS_STREAMS = 8  # threads for KvEvents subscribers (StreamOptions.max_subscribers)
 
 
@@ -77,7 +66,6 @@ class WorkerSide:
     ) -> None:
         self.config = config
         self.layout = layout
-        self.instance_id = instance_id
         self.tp_rank = tp_rank
         self.num_blocks = num_blocks
         if transport is None:
@@ -140,8 +128,6 @@ class WorkerSide:
         self.port = self.server.port
         if events is not None:
             events.start()
-        if self.tp_rank == 0:
-            _IN_PROCESS[self.instance_id] = self
         log.info(
             "KvTransfer server of rank %d on port %d (%s transport, %d layers)",
             self.tp_rank,
@@ -218,8 +204,6 @@ class WorkerSide:
 
     def shutdown(self) -> None:
         """Stops the server, pushes and pulls; idempotent."""
-        if _IN_PROCESS.get(self.instance_id) is self:
-            del _IN_PROCESS[self.instance_id]
         self.pusher.close()
         self.puller.close()
         if self.kv_events is not None:

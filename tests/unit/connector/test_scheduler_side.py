@@ -109,27 +109,6 @@ def test_decode_pulls_exactly_the_prompt_blocks_into_allocated_blocks(layout) ->
     assert side.build_connector_meta(SimpleNamespace(num_scheduled_tokens={})).is_empty()
 
 
-def test_decode_starts_the_pull_at_allocation_when_a_worker_is_in_process(layout) -> None:
-    started: list = []
-    side = SchedulerSide(CFG, "decode-a", layout, start_load=lambda s: started.append(s) or True)
-    req = make_request("d1", 10, _decode_params(layout, 10))
-    assert side.get_num_new_matched_tokens(req, 0) == (10, True)
-    side.update_state_after_alloc(req, make_blocks([40, 12, 33]), 10)
-    # started during allocation, before the step's metadata exists, and not sent twice
-    assert [(s.req_id, s.local_block_ids) for s in started] == [("d1", (40, 12, 33))]
-    assert side.build_connector_meta(SimpleNamespace(num_scheduled_tokens={})).is_empty()
-    assert side.load(None, 64).inflight_transfers == 1
-
-
-def test_decode_load_goes_in_the_metadata_when_no_worker_is_in_process(layout) -> None:
-    side = SchedulerSide(CFG, "decode-a", layout, start_load=lambda s: False)
-    req = make_request("d1", 10, _decode_params(layout, 10))
-    side.get_num_new_matched_tokens(req, 0)
-    side.update_state_after_alloc(req, make_blocks([40, 12, 33]), 10)
-    (load,) = side.build_connector_meta(SimpleNamespace(num_scheduled_tokens={})).loads
-    assert load.req_id == "d1" and load.local_block_ids == (40, 12, 33)
-
-
 def test_decode_with_local_prefix_hit_pulls_only_the_rest(layout) -> None:
     side = _side(layout)
     req = make_request("d2", 10, _decode_params(layout, 10))

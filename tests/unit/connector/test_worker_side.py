@@ -19,7 +19,7 @@ from pdplane.connector.config import ConnectorConfig
 from pdplane.connector.metadata import HoldSpec, LoadSpec, PdPlaneConnectorMetadata, ReleaseSpec
 from pdplane.connector.server import start_kv_server
 from pdplane.connector.transports.base import ServiceBinding
-from pdplane.connector.worker_side import WorkerSide, in_process_worker
+from pdplane.connector.worker_side import WorkerSide
 from pdplane.v1 import instance_pb2, kv_transfer_tcp_pb2_grpc
 
 SHAPE = (16, 2, 4, 16)
@@ -86,15 +86,6 @@ def test_pull_moves_blocks_and_both_sides_report_once(pair) -> None:
     time.sleep(0.05)
     assert prefill.get_finished() == (None, None)
     assert decode.get_finished() == (None, None)
-
-
-def test_rank0_worker_is_found_in_process_while_it_runs(pair) -> None:
-    prefill, _, decode, _ = pair
-    assert in_process_worker("decode-a") is decode
-    assert in_process_worker("prefill-a") is prefill
-    assert in_process_worker("elsewhere") is None
-    decode.shutdown()
-    assert in_process_worker("decode-a") is None  # a stopped worker takes no early pulls
 
 
 def test_failed_pull_reports_finished_and_its_blocks_in_the_same_step(pair, free_port) -> None:
