@@ -438,13 +438,19 @@ def main(argv: list[str] | None = None) -> int:
         help="workload knobs: key=value,... (tenants, "
         "system_tokens, turns, think_s, isl, osl, path)",
     )
-    ap.add_argument("--rates", default="20", help="requests (sessions) per second, comma list")
+    ap.add_argument(
+        "--rates",
+        default=None,
+        help="requests (sessions) per second, comma list (default 20, or the preset's)",
+    )
     ap.add_argument(
         "--policies",
         default="",
         help="router rows, comma list (default: every row, or the preset's)",
     )
-    ap.add_argument("--duration", type=float, default=60.0, help="modelled s per point")
+    ap.add_argument(
+        "--duration", type=float, default=None, help="modelled s per point (default 60)"
+    )
     ap.add_argument("--warmup", type=float, default=0.25, help="fraction left out")
     ap.add_argument("--profile", default="llama3-8b-h100")
     ap.add_argument("--time-scale", type=float, default=1.0)
@@ -481,9 +487,9 @@ def main(argv: list[str] | None = None) -> int:
     base: dict[str, Any] = {
         "topology": args.topology,
         "workload": args.workload,
-        "rates": [float(r) for r in args.rates.split(",")],
+        "rates": [20.0],
         "profile": args.profile,
-        "duration_s": args.duration,
+        "duration_s": 60.0,
         "warmup": args.warmup,
         "time_scale": args.time_scale,
         "stream_interval": args.stream_interval,
@@ -497,8 +503,13 @@ def main(argv: list[str] | None = None) -> int:
     }
     if args.preset:
         base.update(PRESETS[args.preset])
+    # Explicit flags override the preset's values.
     if args.policies:
         base["rows"] = args.policies.split(",")
+    if args.rates:
+        base["rates"] = [float(r) for r in args.rates.split(",")]
+    if args.duration is not None:
+        base["duration_s"] = args.duration
     if base["tokenizer"] == "auto":
         base["tokenizer"] = "tiny" if any("kv_aware" in r for r in base["rows"]) else ""
     rates, rows = base.pop("rates"), base.pop("rows")
