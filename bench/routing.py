@@ -409,6 +409,23 @@ PRESETS: dict[str, dict[str, Any]] = {
     "shared-prefix-4p4d": _routing_preset(
         "4P4D", "shared-prefix", [8.0, 14.0], {"tenants": 120, "system_tokens": 4000}
     ),
+    # The CI test's shared-prefix case: 2P2D, 8 tenants x 2000-token system prompts, a cache
+    # of 700 blocks (11200 tokens) per instance: the 8 prompts do not fit one instance's cache
+    # but half of them do, so routing by prefix keeps them cached and turn by turn thrashes.
+    "shared-prefix-mini": {
+        "topology": "2P2D",
+        "workload": "shared-prefix",
+        "rates": [4.0],
+        "profile": "qwen2-7b-a100",
+        "kv_blocks": 700,
+        "duration_s": 40.0,
+        "time_scale": 4.0,
+        "stream_interval": 16,
+        "drain_s": 10.0,
+        "tokenizer": "tiny",
+        "workload_args": {"tenants": 8, "system_tokens": 2000},
+        "rows": ["pdplane:kv_aware", "pdplane:round_robin"],
+    },
     # Multi-turn chat: sessions of 5 turns (1000-token document + 400-token question, then
     # 80-token follow-ups after ~5 s), each turn carrying the whole conversation.
     "multi-turn-8p16d": _routing_preset("8P16D", "multi-turn", [4.0, 7.0], _MULTI_TURN),
