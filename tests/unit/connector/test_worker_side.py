@@ -220,3 +220,63 @@ def test_pull_from_a_hung_prefill_ends_at_the_pull_timeout() -> None:
     finally:
         decode.shutdown()
         server.stop(0)
+
+
+def test_sync_load_fills_the_blocks_before_the_forward_and_is_never_finished(pair) -> None:
+    prefill, pc, decode, dc = pair
+    endpoint = f"127.0.0.1:{prefill.port}"
+    prefill.handle_metadata(_meta(1, holds=[HoldSpec("p-req", "gw.s", (9, 2), 60.0)]))
+    spec = LoadSpec("d-req", "gw.s", endpoint, (0, 1), (3, 11), 7, sync=True)
+    decode.handle_metadata(_meta(1, loads=[spec]))
+    assert not decode.puller.history  # nothing moves before start_load_kv
+    decode.start_load_kv()  # vLLM: before this step's forward
+    for name in pc:
+        assert torch.equal(dc[name][3], pc[name][9]) and torch.equal(dc[name][11], pc[name][2])
+    assert decode.get_block_ids_with_load_errors() == set()
+    assert _until(lambda: prefill.get_finished()[0]) == {"p-req"}  # completed in background
+    assert decode.get_finished() == (None, None)  # vLLM never waited for it
+    decode.start_load_kv()  # the next step runs nothing again
+    assert len(decode.puller.history) == 1
+
+
+def test_failed_sync_load_is_a_load_error_of_the_same_step(pair, free_port) -> None:
+    prefill, _, decode, dc = pair
+    dead = f"127.0.0.1:{free_port()}"
+    unknown = f"127.0.0.1:{prefill.port}"
+    decode.handle_metadata(
+        _meta(
+            1,
+            loads=[
+                LoadSpec("d1", "gw.x", dead, (0, 1), (4, 6), 8, sync=True),
+                LoadSpec("d2", "never-issued", unknown, (0,), (2,), 3, sync=True),
+            ],
+        )
+    )
+    decode.start_load_kv()
+    assert decode.get_block_ids_with_load_errors() == {4, 6, 2}
+    assert decode.get_block_ids_with_load_errors() == set()
+    assert not dc["model.layers.0.self_attn.attn"][2].any()
+    time.sleep(0.05)
+    assert decode.get_finished() == (None, None)  # never in finished receiving
+
+
+def test_sync_load_from_a_hung_prefill_ends_at_its_own_timeout() -> None:
+    silent = ServiceBinding(
+        "pdplane.v1.TcpKvTransfer",
+        lambda s: kv_transfer_tcp_pb2_grpc.add_TcpKvTransferServicer_to_server(_SilentPrefill(), s),
+    )
+    server = start_kv_server([silent], "127.0.0.1:0")
+    decode, _ = _worker("decode-s", fill=False, pull_timeout_s=30.0, sync_load_timeout_s=0.3)
+    try:
+        spec = LoadSpec("d", "gw.h", f"127.0.0.1:{server.port}", (0,), (3,), 3, sync=True)
+        decode.handle_metadata(_meta(1, loads=[spec]))
+        start = time.monotonic()
+        decode.start_load_kv()
+        took = time.monotonic() - start
+        assert 0.25 <= took < 2.0, took
+        assert decode.get_block_ids_with_load_errors() == {3}
+        assert "DEADLINE_EXCEEDED" in decode.puller.history[-1].error
+        assert decode.get_finished() == (None, None)
+    finally:
+        decode.shutdown()
+        server.stop(0)
