@@ -76,34 +76,9 @@ class Stack:
 
 
 @contextmanager
-def running_stack(
-    log_dir: Path,
-    max_model_len: int,
-    single: bool = True,
-    connector_extra: dict[str, object] | None = None,
-    env: dict[str, str] | None = None,
-) -> Iterator[Stack]:
+def running_stack(log_dir: Path, max_model_len: int, single: bool = True) -> Iterator[Stack]:
     """`pdplane up`'s stack with traces on, plus (`single`) one plain vLLM instance without
-    connector or traces (`Stack.single` is "" without it). `connector_extra`: more
-    `kv_connector_extra_config` keys of the P/D instances; `env`: more environment of the
-    stack's processes (e.g. `PDPLANE_*` settings of the scheduler)."""
-    saved = {k: os.environ.get(k) for k in env or {}}
-    os.environ.update(env or {})
-    try:
-        with _stack(log_dir, max_model_len, single, connector_extra or {}) as stack:
-            yield stack
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-@contextmanager
-def _stack(
-    log_dir: Path, max_model_len: int, single: bool, connector_extra: dict[str, object]
-) -> Iterator[Stack]:
+    connector or traces (`Stack.single` is "" without it)."""
     with otlp_receiver() as receiver:
         os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"] = receiver.endpoint
         os.environ["OTEL_BSP_SCHEDULE_DELAY"] = "200"  # ms: spans arrive soon after a request
@@ -115,7 +90,6 @@ def _stack(
             kv_base_port=free_port_run(2),
             log_dir=log_dir,
             max_model_len=max_model_len,
-            vllm_options={"connector_extra": connector_extra} if connector_extra else {},
         )
         fleet = Fleet(spec, say=lambda m: print(f"  {m}", flush=True))
         plain: VllmCpuInstance | None = None
@@ -288,60 +262,16 @@ def main() -> None:
         action="store_true",
         help="also measure with a new client connection per request (A/B of the client)",
     )
-    parser.add_argument(
-        "--ab",
-        choices=sorted(VARIANTS),
-        help="A/B: run the stack twice in this run, first with the named change off, then "
-        "as configured by default, and print both tables",
-    )
-    parser.add_argument(
-        "--local-prefill-max-tokens",
-        type=int,
-        default=None,
-        help="the scheduler's setting (0 = always disaggregate); default: the scheduler's",
-    )
     args = parser.parse_args()
     max_model_len = max(1024, max(args.prompt_tokens) + 64)
-    base_env = {}
-    if args.local_prefill_max_tokens is not None:
-        base_env["PDPLANE_LOCAL_PREFILL_MAX_TOKENS"] = str(args.local_prefill_max_tokens)
-    runs = [("", {}, {})] if not args.ab else VARIANTS[args.ab]
-    for label, extra, env in runs:
-        logs = Path(tempfile.mkdtemp(prefix="ttft-breakdown-"))
-        rng = random.Random(args.seed)  # the same prompts for every variant
-        results = {}
-        with running_stack(logs, max_model_len, True, extra, {**base_env, **env}) as stack:
-            print(f"stack ready (logs {logs})", flush=True)
-            for n in args.prompt_tokens:
-                results[n] = measure(stack, n, args.runs, rng, args.fresh_ab)
-        _report(args, results, label)
-
-
-#: --ab NAME: (label, connector extra config, environment) of each stack, the change off first.
-VARIANTS: dict[str, list[tuple[str, dict[str, object], dict[str, str]]]] = {
-    "sync-load": [
-        ("A: asynchronous loads only (sync_load_max_bytes=0)", {"sync_load_max_bytes": 0}, {}),
-        ("B: synchronous load of short transfers (default)", {}, {}),
-    ],
-    "local-prefill": [
-        (
-            "A: always disaggregate (local_prefill_max_tokens=0)",
-            {},
-            {"PDPLANE_LOCAL_PREFILL_MAX_TOKENS": "0"},
-        ),
-        ("B: default local prefill of short prompts", {}, {}),
-    ],
-}
-
-
-def _report(
-    args: argparse.Namespace,
-    results: dict[int, tuple[dict[str, float], dict[str, float]]],
-    label: str,
-) -> None:
+    logs = Path(tempfile.mkdtemp(prefix="ttft-breakdown-"))
+    rng = random.Random(args.seed)
+    results = {}
+    with running_stack(logs, max_model_len) as stack:
+        print(f"stack ready (logs {logs})", flush=True)
+        for n in args.prompt_tokens:
+            results[n] = measure(stack, n, args.runs, rng, args.fresh_ab)
     sizes = args.prompt_tokens
-    if label:
-        print(f"\n== {label}")
     print(f"\nTTFT breakdown, median of {args.runs} requests each, one at a time (ms)")
     print(f"{'phase':<44}" + "".join(f"{n:>10}" for n in sizes))
     for phase in PHASES:

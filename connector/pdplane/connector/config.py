@@ -23,9 +23,6 @@ from pdplane.core.token_file import read_token
 __all__ = ["ConnectorConfig", "ConnectorConfigError"]
 
 _TCP_PUSH_BUFFER_BYTES = 256 << 20
-# 4 MiB: the tiny CPU model's 4096-token prompt; on these CPUs a 2 MiB pull takes ~12 ms, well
-# under one engine step of a 2048-token prefill (see docs/benchmarks.md, TTFT breakdown).
-_SYNC_LOAD_MAX_BYTES = 4 << 20
 _INSTANCE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
 
@@ -90,22 +87,6 @@ class ConnectorConfig(BaseModel):
     )
     pull_timeout_s: float = Field(
         30.0, gt=0, description="Decode gives up a pull after this long: load error (s)."
-    )
-    sync_load_max_bytes: int = Field(
-        _SYNC_LOAD_MAX_BYTES,
-        ge=0,
-        description="Decode: a load of at most this many bytes (all layers, this TP rank) "
-        "runs inside the engine step that computes the first token, instead of one step "
-        "earlier in the background (saves an engine step of TTFT; blocks that step); "
-        "0 = always asynchronous.",
-    )
-    sync_load_idle_only: bool = Field(
-        True,
-        description="Decode: load synchronously only while no other request is in the engine "
-        "(a synchronous load stalls the step for every running request).",
-    )
-    sync_load_timeout_s: float = Field(
-        2.0, gt=0, description="Decode: bound on one synchronous load: load error (s)."
     )
     chunk_bytes: int = Field(4 * 1024 * 1024, gt=0, description="TCP: bytes per KvChunk.")
     pull_workers: int = Field(4, ge=1, le=64, description="Concurrent pulls per decode worker.")

@@ -155,14 +155,10 @@ class PdPlaneConnector(KVConnectorBase_V1):
             self._worker.handle_metadata(connector_metadata)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        """Runs this step's synchronous (short) loads before the forward; asynchronous pulls
-        run in the background (started when the metadata is bound)."""
-        if self._worker is not None:
-            self._worker.start_load_kv()
+        """Pulls run in the background (started when the metadata is bound)."""
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Nothing to wait for: synchronous loads end in `start_load_kv`, asynchronous ones
-        before vLLM schedules their request."""
+        """Nothing to wait for: loads are asynchronous and complete before scheduling."""
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any

@@ -20,7 +20,7 @@ __all__ = [
     "ReleaseSpec",
 ]
 
-METADATA_VERSION = 4
+METADATA_VERSION = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,10 +40,7 @@ class LoadSpec:
     `endpoint` into `local_block_ids` (same length); then report `req_id` as finished
     receiving, once (with the local blocks as load errors on failure). `pushed`: prefill
     (instance `sender_id`) pushed them into this worker's receive buffer: take them from
-    there, and pull only if that push is unusable. `sync`: vLLM computes this step's
-    tokens of `req_id` on these blocks: load them before the forward (`start_load_kv`),
-    never report `req_id` finished receiving, and on failure report the local blocks as
-    load errors of this step."""
+    there, and pull only if that push is unusable."""
 
     req_id: str
     transfer_id: str
@@ -54,7 +51,6 @@ class LoadSpec:
     pushed: bool = False
     sender_id: str = ""
     traceparent: str = ""  # the request's trace context (empty: not traced)
-    sync: bool = False
 
 
 @dataclass(frozen=True, slots=True)

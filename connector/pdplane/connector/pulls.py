@@ -7,10 +7,6 @@ free the transfer (CompleteTransfer). Whatever happens, the request is reported 
 receiving exactly once; on failure its blocks are reported as load errors in the same engine
 step, so vLLM recomputes them or fails the request (`kv_load_failure_policy`).
 
-A synchronous load (`load_now`, for short transfers) runs on the engine thread before the
-step's forward, bounded by its own timeout; it is never reported finished receiving (vLLM did
-not wait for it), and on failure its blocks are load errors of that same step.
-
 Push mode: a load whose params say prefill pushed the blocks first takes them from this
 worker's receive buffer (waiting up to `push_wait_s` for a push still arriving); only when no
 usable push is there does it pull, and then any late push is discarded. Either way the same
@@ -118,31 +114,6 @@ class Puller:
         except RuntimeError:  # pool shut down: fail it now rather than never
             self._finish(spec, PullStats(spec.transfer_id, False, 0, 0, 0.0, "shutting down"))
 
-    def load_now(self, spec: LoadSpec, timeout_s: float) -> bool:
-        """Loads `spec` on the calling thread, within `timeout_s` (the transport's deadline:
-        no write into the blocks after it returns); whether it succeeded. On failure the
-        local blocks become the next `pop_load_errors` (vLLM asks in this same step); the
-        request is never in `pop_finished`. Prefill is told to free the transfer in the
-        background."""
-        with self._lock:
-            if spec.req_id in self._active:
-                log.error("request %s is already being pulled; ignoring", spec.req_id)
-                return False
-        attrs = {
-            "pdplane.transfer_id": spec.transfer_id,
-            "pdplane.blocks": len(spec.local_block_ids),
-            "pdplane.sync": True,
-        }
-        with tracing.span("pdplane.kv_pull", parent=spec.traceparent or None, attributes=attrs):
-            stats = self._transfer(spec, time.monotonic() + timeout_s)
-        self._record(spec, stats)
-        if not stats.ok:
-            with self._lock:
-                self._errors.update(spec.local_block_ids)
-        with contextlib.suppress(RuntimeError):  # pool shut down: prefill's timeout frees it
-            self._pool.submit(self._complete, spec, stats.ok)
-        return stats.ok
-
     def release(self, spec: ReleaseSpec) -> None:
         """Tells prefill to free a transfer decode will not pull (best effort, background)."""
         with contextlib.suppress(RuntimeError):  # pool shut down: prefill's timeout frees it
@@ -187,13 +158,6 @@ class Puller:
 
     def _load(self, spec: LoadSpec, deadline: float) -> bool:
         """Moves the blocks and reports the load to vLLM; whether it succeeded."""
-        stats = self._transfer(spec, deadline)
-        # Report to vLLM first: a slow or dead prefill must not delay the decode request.
-        self._finish(spec, stats)
-        return stats.ok
-
-    def _transfer(self, spec: LoadSpec, deadline: float) -> PullStats:
-        """Moves the blocks (never raises: any failure is in the returned stats)."""
         start = time.monotonic()
         nbytes, error, source = 0, "", "pull"
         try:
@@ -207,7 +171,7 @@ class Puller:
         except Exception as exc:  # any bug must still end the load, never hang the request
             log.exception("load of transfer %s", spec.transfer_id)
             error = f"{type(exc).__name__}: {exc}"
-        return PullStats(
+        stats = PullStats(
             spec.transfer_id,
             not error,
             len(spec.local_block_ids),
@@ -216,6 +180,9 @@ class Puller:
             error,
             source,
         )
+        # Report to vLLM first: a slow or dead prefill must not delay the decode request.
+        self._finish(spec, stats)
+        return not error
 
     def _take_pushed(self, spec: LoadSpec, deadline: float) -> int:
         """Bytes taken from the receive buffer; 0 = nothing usable there (pull instead)."""
@@ -258,11 +225,6 @@ class Puller:
                 buffer.discard(spec.transfer_id, "pulled instead")
 
     def _finish(self, spec: LoadSpec, stats: PullStats) -> None:
-        self._record(spec, stats)
-        with self._lock:
-            self._done.append((spec.req_id, () if stats.ok else spec.local_block_ids))
-
-    def _record(self, spec: LoadSpec, stats: PullStats) -> None:
         if stats.ok:
             log.info(
                 "transfer %s: %s %d blocks, %d bytes in %.1f ms",
@@ -277,6 +239,7 @@ class Puller:
         with self._lock:
             self.history.append(stats)
             del self.history[:-1000]
+            self._done.append((spec.req_id, () if stats.ok else spec.local_block_ids))
 
     def _complete(self, spec: LoadSpec, ok: bool) -> None:
         try:

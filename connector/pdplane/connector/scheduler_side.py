@@ -11,12 +11,6 @@ step's metadata:
   loadable asynchronously, and once vLLM allocated blocks for them, ask the workers to pull
   exactly those blocks; if nothing needs pulling (or the request ends before its load),
   ask the workers to tell prefill to free the transfer;
-* decode, short transfers (`sync_load_max_bytes`, by default only while the engine holds no
-  other request): report all prompt tokens but the last as loadable synchronously; the
-  workers pull them at the start of the step that computes the last prompt token, so the
-  first output token comes from that same step (the asynchronous path costs one more
-  engine step: vLLM learns a load finished at the end of a step and schedules the request
-  in the next);
 * push mode (`mode: "push"`), prefill: when a step computes a prompt whose
   `kv_transfer_params` name the decode instance, issue the transfer id at once and ask the
   workers to push the prompt's blocks there during that step's forward (`PushSpec`); the
@@ -55,7 +49,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.request import Request
 
-__all__ = ["SchedulerSide", "make_transfer_id", "token_bytes"]
+__all__ = ["SchedulerSide", "make_transfer_id"]
 
 log = logging.getLogger(__name__)
 
@@ -74,16 +68,6 @@ def make_transfer_id(gateway_request_id: str) -> str:
 
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
-
-
-_DTYPE_BYTES = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2}
-
-
-def token_bytes(layout: instance_pb2.KvLayout) -> int:
-    """KV cache bytes of one token on one TP rank: layers x (K, V) x KV heads x head size x
-    element size (1-byte dtypes such as fp8 when the name is not listed as wider)."""
-    element = _DTYPE_BYTES.get(layout.dtype.removeprefix("torch."), 1)
-    return int(layout.num_layers) * 2 * int(layout.num_kv_heads) * int(layout.head_size) * element
 
 
 class SchedulerSide:
@@ -112,10 +96,8 @@ class SchedulerSide:
         self._lock = threading.Lock()  # guards the counters read by the heartbeat thread
         # decode: requests whose params were consumed (pull or release decided)
         self._consumed: set[str] = set()
-        # decode: req id -> (params, num_external_tokens, num_local_tokens, sync) awaiting
-        # allocation
-        self._pending: dict[str, tuple[DecodeRequestParams, int, int, bool]] = {}
-        self._token_bytes = token_bytes(layout)
+        # decode: req id -> (params, num_external_tokens, num_local_tokens) awaiting allocation
+        self._pending: dict[str, tuple[DecodeRequestParams, int, int]] = {}
         self._seq = 0
         self._meta = PdPlaneConnectorMetadata()
         self._live: set[str] = set()  # requests in the engine (waiting or running)
@@ -139,26 +121,20 @@ class SchedulerSide:
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int, bool]:
-        """(tokens decode will load from prefill beyond `num_computed_tokens`, the local
-        prefix hits; whether asynchronously). A synchronous load (`_loads_sync`) leaves the
-        last prompt token to compute: vLLM schedules at least one token of a request.
-        Side-effect free apart from remembering the answer (vLLM may ask more than once)."""
-        req_id = request.request_id
+        """Tokens decode will load from prefill beyond `num_computed_tokens` (local prefix
+        hits), loaded asynchronously. Side-effect free apart from remembering the answer."""
         with self._lock:
-            self._live.add(req_id)
+            self._live.add(request.request_id)
         params = self._decode_params(request)
         if params is None:
             return 0, False
         problem = self._check(params, request.prompt_token_ids or ())
         if problem:
             log.warning("transfer %s: computing locally: %s", params.transfer_id, problem)
-            self._pending[req_id] = (params, 0, num_computed_tokens, False)
+            self._pending[request.request_id] = (params, 0, num_computed_tokens)
             return 0, False
         count = params.num_tokens - num_computed_tokens
-        if count > 1 and self._loads_sync(req_id, count - 1):
-            self._pending[req_id] = (params, count - 1, num_computed_tokens, True)
-            return count - 1, False
-        self._pending[req_id] = (params, max(count, 0), num_computed_tokens, False)
+        self._pending[request.request_id] = (params, max(count, 0), num_computed_tokens)
         return (count, True) if count > 0 else (0, False)
 
     def update_state_after_alloc(
@@ -171,7 +147,7 @@ class SchedulerSide:
         pending = self._pending.pop(req_id, None)
         if pending is None or req_id in self._consumed:
             return
-        params, _, num_local, sync = pending
+        params, _, num_local = pending
         self._consumed.add(req_id)
         if num_external_tokens <= 0:
             self._meta.releases.append(
@@ -198,20 +174,17 @@ class SchedulerSide:
                 pushed=params.pushed,
                 sender_id=params.engine_id,
                 traceparent=params.traceparent,
-                sync=sync,
             )
         )
-        if not sync:  # a synchronous load is never reported finished receiving
-            with self._lock:
-                self._receiving[req_id] = params.transfer_id
+        with self._lock:
+            self._receiving[req_id] = params.transfer_id
         log.info(
-            "transfer %s: loading %d blocks (%d tokens) from %s%s%s",
+            "transfer %s: loading %d blocks (%d tokens) from %s%s",
             params.transfer_id,
             last - first,
             num_external_tokens,
             params.kv_endpoint,
             " (pushed)" if params.pushed else "",
-            " in the step" if sync else "",
         )
 
     def build_connector_meta(self, scheduler_output: Any) -> PdPlaneConnectorMetadata:
@@ -316,17 +289,6 @@ class SchedulerSide:
         except KvParamsError as exc:
             log.warning("request %s: ignoring kv_transfer_params: %s", req_id, exc)
             return None
-
-    def _loads_sync(self, req_id: str, num_tokens: int) -> bool:
-        """Whether loading `num_tokens` for `req_id` runs inside its first engine step: the
-        bytes are within `sync_load_max_bytes` and (`sync_load_idle_only`) no other request
-        is in the engine, whose step the load would stall."""
-        if num_tokens * self._token_bytes > self.config.sync_load_max_bytes:
-            return False
-        if not self.config.sync_load_idle_only:
-            return True
-        with self._lock:
-            return self._live <= {req_id}
 
     def _check(self, params: DecodeRequestParams, prompt: Sequence[int]) -> str:
         prompt_len = len(prompt)

@@ -17,7 +17,7 @@ from pdplane.connector.config import ConnectorConfig
 from pdplane.connector.holds import HoldTable
 from pdplane.connector.kv_cache import KvCacheView
 from pdplane.connector.kv_events import KvEventsReader
-from pdplane.connector.metadata import METADATA_VERSION, LoadSpec, PdPlaneConnectorMetadata
+from pdplane.connector.metadata import METADATA_VERSION, PdPlaneConnectorMetadata
 from pdplane.connector.peers import PeerPool
 from pdplane.connector.pulls import Puller
 from pdplane.connector.pushes import Pusher
@@ -94,7 +94,6 @@ class WorkerSide:
         self.server: KvServer | None = None
         self.port = 0
         self._last_seq = 0
-        self._sync_loads: list[LoadSpec] = []  # this step's, run by start_load_kv
         self._reported: dict[str, int] = {}  # gauges of the last stats report
         self._counted: dict[str, int] = {}  # counters as of the last stats report
         self.peers_gone = 0  # peers that left the registry while this worker knew them
@@ -148,21 +147,11 @@ class WorkerSide:
             if not self.holds.add(hold.req_id, hold.transfer_id, hold.block_ids, hold.timeout_s):
                 log.error("transfer %s: request %s held twice", hold.transfer_id, hold.req_id)
         for load in meta.loads:
-            if load.sync:
-                self._sync_loads.append(load)
-            else:
-                self.puller.submit(load)
+            self.puller.submit(load)
         for release in meta.releases:
             self.puller.release(release)
         if meta.pushes:
             self.pusher.start(meta.pushes)
-
-    def start_load_kv(self) -> None:
-        """Runs this step's synchronous loads before the forward that reads them (each
-        bounded by `sync_load_timeout_s`; a failed one is a load error of this step)."""
-        loads, self._sync_loads = self._sync_loads, []
-        for load in loads:
-            self.puller.load_now(load, self.config.sync_load_timeout_s)
 
     def save_kv_layer(self, layer_name: str) -> None:
         """Push mode: layer `layer_name` of this step's forward is written; push it."""

@@ -19,7 +19,7 @@ from pdplane.connector.transports.base import TransferError
 from pdplane.core.kv_params import DecodeRequestParams, PrefillRequestParams
 from tests.unit.connector.conftest import make_blocks, make_request
 
-PUSH = ConnectorConfig(kv_port=50100, mode="push", sync_load_max_bytes=0)  # async loads
+PUSH = ConnectorConfig(kv_port=50100, mode="push")
 DECODE_EP = "127.0.0.1:50200"
 
 

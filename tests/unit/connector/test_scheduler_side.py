@@ -5,13 +5,13 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from pdplane.connector.config import ConnectorConfig
-from pdplane.connector.scheduler_side import SchedulerSide, make_transfer_id, token_bytes
+from pdplane.connector.scheduler_side import SchedulerSide, make_transfer_id
 from pdplane.core.kv_params import DecodeRequestParams, PrefillRequestParams, prompt_fingerprint
 from pdplane.core.layout import fingerprint
 from pdplane.v1 import instance_pb2
 from tests.unit.connector.conftest import BLOCK, make_blocks, make_request
 
-CFG = ConnectorConfig(kv_port=50100, transfer_timeout_s=7.0, sync_load_max_bytes=0)  # async
+CFG = ConnectorConfig(kv_port=50100, transfer_timeout_s=7.0)
 
 
 def _side(layout: instance_pb2.KvLayout) -> SchedulerSide:
@@ -221,55 +221,3 @@ def test_a_second_finished_request_never_releases_a_transfer_being_pulled(layout
     _finish(late, "FINISHED_ABORTED")
     side.request_finished(late, [])
     assert len(side.build_connector_meta(SimpleNamespace(num_scheduled_tokens={})).releases) == 1
-
-
-def _sync_side(layout: instance_pb2.KvLayout, **cfg: object) -> SchedulerSide:
-    config = ConnectorConfig.model_validate(
-        {"kv_port": 50100, "sync_load_max_bytes": 1 << 20, **cfg}
-    )
-    return SchedulerSide(config, "decode-a", layout)
-
-
-def test_short_load_on_an_idle_engine_is_synchronous_and_leaves_one_token(layout) -> None:
-    side = _sync_side(layout)
-    req = make_request("s1", 10, _decode_params(layout, 10))
-    assert side.get_num_new_matched_tokens(req, 0) == (9, False)  # vLLM computes token 10
-    assert side.get_num_new_matched_tokens(req, 0) == (9, False)  # no side effect
-    side.update_state_after_alloc(req, make_blocks([40, 12, 33]), 9)
-    (load,) = side.build_connector_meta(SimpleNamespace(num_scheduled_tokens={"s1": 1})).loads
-    assert load.sync and load.num_tokens == 9
-    assert load.remote_block_indices == (0, 1, 2) and load.local_block_ids == (40, 12, 33)
-    # never awaited as finished receiving: not an in-flight transfer of the load report
-    assert side.load(None, 64).inflight_transfers == 0
-
-
-def test_sync_load_respects_the_byte_bound(layout) -> None:
-    per_token = token_bytes(layout)
-    assert per_token == 2 * 2 * 2 * 8 * 4
-    side = _sync_side(layout, sync_load_max_bytes=8 * per_token)
-    req = make_request("s2", 10, _decode_params(layout, 10))
-    assert side.get_num_new_matched_tokens(req, 0) == (10, True)  # 9 tokens > 8: async
-    small = make_request("s3", 9, _decode_params(layout, 9))
-    side.request_finished(req, [])
-    assert side.get_num_new_matched_tokens(small, 0) == (8, False)
-
-
-def test_sync_load_only_while_no_other_request_is_in_the_engine(layout) -> None:
-    side = _sync_side(layout)
-    other = make_request("busy", 5)
-    side.on_new_request(other)
-    req = make_request("s4", 10, _decode_params(layout, 10))
-    assert side.get_num_new_matched_tokens(req, 0) == (10, True)
-    _finish(other, "FINISHED_STOPPED")
-    side.request_finished(other, [])
-    assert side.get_num_new_matched_tokens(req, 0) == (9, False)
-    # unless told to load synchronously whatever runs
-    busy = _sync_side(layout, sync_load_idle_only=False)
-    busy.on_new_request(other)
-    assert busy.get_num_new_matched_tokens(req, 0) == (9, False)
-
-
-def test_a_single_token_to_load_is_computed_not_loaded(layout) -> None:
-    side = _sync_side(layout)
-    req = make_request("s5", 8, _decode_params(layout, 8))
-    assert side.get_num_new_matched_tokens(req, 7) == (1, True)  # async: 0 sync tokens
