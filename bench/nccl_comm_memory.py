@@ -49,7 +49,7 @@ def _worker(rank: int) -> int:
         sys.stdout.write(json.dumps(obj) + "\n")
         sys.stdout.flush()
 
-    answer({"ready": True, "nccl": lib.version()})
+    answer({"ready": True, "nccl": lib.version})
     for line in sys.stdin:
         msg = json.loads(line)
         op = msg["op"]

@@ -103,6 +103,27 @@ class BlockMover:
         chunks = plan_chunks(self.layer_block_bytes, num_blocks, chunk_bytes)
         return chunks[0].nbytes if chunks else 0
 
+    def warm_up(self, chunk_bytes: int) -> None:
+        """Runs the gather and scatter kernels once on scratch memory (CUDA loads kernels on
+        first use) and leaves two staging buffers in the allocator's cache, so that the first
+        transfer costs what the later ones do. Writes nothing into the KV cache."""
+        import torch
+
+        with torch.cuda.device(self.device):
+            index = self._index([0])
+            by_dtype = {v.dtype: v for v in [*self.wide_views, *self.views]}
+            for view in by_dtype.values():
+                src = view[0]  # [num_blocks, inner] of one leading slice
+                gathered = torch.empty_like(src[:1])
+                torch.index_select(src, 0, index, out=gathered)
+                torch.empty_like(src[:2]).index_copy_(0, index, gathered)
+            nbytes = min(chunk_bytes, self.transfer_bytes(self.num_blocks))
+            staging = [
+                torch.empty(nbytes, dtype=torch.uint8, device=self._torch_device) for _ in range(2)
+            ]
+            torch.cuda.synchronize(self.device)
+            del staging
+
     def send_filler(self, comm: NcclCommunicator, nbytes: int, deadline: float) -> None:
         """Sends `nbytes` of meaningless bytes: the message a refused request's receiver
         already posted a receive for. The caller holds `comm.lock`, then `comm.wait`s."""

@@ -51,9 +51,9 @@ if TYPE_CHECKING:
 __all__ = [
     "DEFAULT_MAX_PEER_COMMUNICATORS",
     "NcclEngine",
-    "PushBegins",
     "NcclTransferError",
     "PullTiming",
+    "PushBegins",
     "ServeTiming",
 ]
 

@@ -119,6 +119,7 @@ class NcclTransport(KvTransport):
             self.max_peer_communicators,
         )
         engine.instance_id = self.local.instance_id
+        engine.mover.warm_up(self.chunk_bytes)
         gpu, host, ttl = self._push_sizes
         self._receiver = engine.receiver = PushReceiver(engine, gpu, host, ttl)
         self._engine = engine
