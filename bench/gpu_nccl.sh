@@ -10,7 +10,7 @@
 # and for the registry the tests start: pydantic, pydantic-core, annotated-types,
 # typing-inspection) travel in .whl/base (carry it; see bench/gpu_e2e.sh). Each step has its
 # own time bound (GPU_TESTS_S, GPU_PULL_S, GPU_MEMORY_S seconds) so that the whole run ends
-# within one call of the machine.
+# within one call of the machine; GPU_TESTS_K selects tests (pytest -k) for a shorter re-run.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/base/*.whl || { echo "cannot install .whl/base (carry it)"; exit 1; }
@@ -22,7 +22,7 @@ exec > >(tee "$out/gpu_nccl.log") 2>&1
 rc=0
 echo "== pytest tests/gpu"
 timeout "${GPU_TESTS_S:-330}" python3 -m pytest tests/gpu -q -rs -p no:cacheprovider \
-  > "$out/pytest.txt" 2>&1
+  ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} > "$out/pytest.txt" 2>&1
 [ $? -eq 0 ] || rc=1
 tail -40 "$out/pytest.txt"
 # tests/gpu skips without CUDA or libnccl: here that is a failure, not a pass
@@ -44,6 +44,6 @@ for name in "${runs[@]}"; do
   head -5 "$out/nccl_channels_$name.txt"
 done
 echo "== bench/nccl_comm_memory.py"
-timeout "${GPU_MEMORY_S:-150}" python3 bench/nccl_comm_memory.py --out "$out/nccl_comm_memory.json" \
-  || rc=1
+timeout "${GPU_MEMORY_S:-150}" python3 bench/nccl_comm_memory.py \
+  --budget-s "$(( ${GPU_MEMORY_S:-150} - 30 ))" --out "$out/nccl_comm_memory.json" || rc=1
 exit "$rc"

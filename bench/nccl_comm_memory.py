@@ -117,7 +117,7 @@ class _Rank:
                 self.proc.kill()
 
 
-def _variant(name: str, counts: list[int]) -> dict[str, Any]:
+def _variant(name: str, counts: list[int], deadline: float) -> dict[str, Any]:
     env = dict(os.environ)
     env["NCCL_NVLS_ENABLE"] = "0"
     env["PYTHONPATH"] = os.pathsep.join(
@@ -136,6 +136,9 @@ def _variant(name: str, counts: list[int]) -> dict[str, Any]:
         base = ranks[0].call(op="mem")
         rows, made = [], 0
         for n in counts:
+            if time.monotonic() > deadline:
+                print(f"{name}: out of time before {n} communicators", flush=True)
+                break
             t0 = time.monotonic()
             ids = ranks[0].call(op="ids", n=n - made)["ids"]
             for r in ranks:  # both ranks start their inits before either waits
@@ -145,14 +148,20 @@ def _variant(name: str, counts: list[int]) -> dict[str, Any]:
             made = n
             now = ranks[0].call(op="mem")
             used = base["free"] - now["free"]
-            rows.append(
-                {
-                    "communicators": n,
-                    "gpu_bytes_both_ranks": used,
-                    "per_communicator_per_rank_mib": used / (2 * n) / MIB,
-                    "setup_s": time.monotonic() - t0,
-                }
+            row = {
+                "communicators": n,
+                "gpu_bytes_both_ranks": used,
+                "per_communicator_per_rank_mib": used / (2 * n) / MIB,
+                "setup_s": time.monotonic() - t0,
+            }
+            rows.append(row)
+            print(
+                f"{name:<28} {n:>6} {used / MIB:>15.1f}"
+                f" {row['per_communicator_per_rank_mib']:>14.2f} {row['setup_s']:>6.1f}",
+                flush=True,
             )
+        if not rows:
+            return {"variant": name, "settings": settings, "rows": []}
         if len(rows) > 1:  # the marginal cost, without what NCCL sets up once per process
             a, b = rows[0], rows[-1]
             delta = b["gpu_bytes_both_ranks"] - a["gpu_bytes_both_ranks"]
@@ -182,28 +191,30 @@ def main() -> int:
         help="';'-separated NCCL settings, each 'default' or comma-separated KEY=VALUE",
     )
     p.add_argument("--cap", type=int, default=64, help="max_peer_communicators to price")
+    p.add_argument("--budget-s", type=float, default=100.0, help="stop starting steps after")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
     if args.worker is not None:
         return _worker(args.worker)
     counts = [int(c) for c in args.counts.split(",")]
-    results = [_variant(v.strip(), counts) for v in args.variants.split(";") if v.strip()]
+    deadline = time.monotonic() + args.budget_s
     print(f"{'variant':<28} {'comms':>6} {'GPU MiB (both)':>15} {'MiB/comm/rank':>14} {'s':>6}")
-    for r in results:
-        for row in r["rows"]:
+    results = []
+    for v in (v.strip() for v in args.variants.split(";")):
+        if not v or time.monotonic() > deadline:
+            continue
+        r = _variant(v, counts, deadline)
+        results.append(r)
+        if r["rows"]:
+            per = r["marginal_per_communicator_per_rank_mib"]
+            r["at_cap_mib_per_worker"] = per * args.cap
             print(
-                f"{r['variant']:<28} {row['communicators']:>6}"
-                f" {row['gpu_bytes_both_ranks'] / MIB:>15.1f}"
-                f" {row['per_communicator_per_rank_mib']:>14.2f} {row['setup_s']:>6.1f}"
+                f"{r['variant']:<28} marginal {per:.2f} MiB per communicator and rank; "
+                f"at max_peer_communicators={args.cap}: {per * args.cap:.0f} MiB per worker",
+                flush=True,
             )
-        per = r["marginal_per_communicator_per_rank_mib"]
-        r["at_cap_mib_per_worker"] = per * args.cap
-        print(
-            f"{r['variant']:<28} marginal {per:.2f} MiB per communicator and rank; "
-            f"at max_peer_communicators={args.cap}: {per * args.cap:.0f} MiB per worker"
-        )
-    if args.out:
-        args.out.write_text(json.dumps({"cap": args.cap, "variants": results}, indent=2))
+        if args.out:  # after every variant: a run cut short keeps what it measured
+            args.out.write_text(json.dumps({"cap": args.cap, "variants": results}, indent=2))
     return 0
 
 

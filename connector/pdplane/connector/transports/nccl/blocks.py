@@ -112,11 +112,10 @@ class BlockMover:
         with torch.cuda.device(self.device):
             index = self._index([0])
             by_dtype = {v.dtype: v for v in [*self.wide_views, *self.views]}
-            for view in by_dtype.values():
-                src = view[0]  # [num_blocks, inner] of one leading slice
-                gathered = torch.empty_like(src[:1])
-                torch.index_select(src, 0, index, out=gathered)
-                torch.empty_like(src[:2]).index_copy_(0, index, gathered)
+            for view in by_dtype.values():  # the calls `_gather_chunks` makes, on scratch
+                gathered = torch.empty_like(view[:, :1])
+                torch.index_select(view, 1, index, out=gathered)
+                torch.empty_like(view[:, :2]).index_copy_(1, index, gathered)
             nbytes = min(chunk_bytes, self.transfer_bytes(self.num_blocks))
             staging = [
                 torch.empty(nbytes, dtype=torch.uint8, device=self._torch_device) for _ in range(2)
@@ -217,8 +216,9 @@ class BlockMover:
                         if previous is not None:
                             copies.wait_event(previous)
                         for view, part, idx in parts:
-                            for o in range(view.shape[0]):
-                                torch.index_select(view[o], 0, idx, out=part[o])
+                            # one kernel per layer (K and V together): launches are most of
+                            # a small transfer's cost
+                            torch.index_select(view, 1, idx, out=part)
                         gathered = torch.cuda.Event()
                         gathered.record(copies)
                     comm.stream.wait_event(gathered)
@@ -235,8 +235,7 @@ class BlockMover:
                     with torch.cuda.stream(copies):
                         copies.wait_event(received)
                         for view, part, idx in parts:
-                            for o in range(view.shape[0]):
-                                view[o].index_copy_(0, idx, part[o])
+                            view.index_copy_(1, idx, part)
                         done.record(copies)
                 released[slot] = done
         finally:
@@ -254,6 +253,9 @@ class BlockMover:
         """(layer view, staging part, index slice) per piece of `chunk`; views and parts are
         `[outer, blocks, inner]` in the widest integer type that divides a block's bytes, so
         the copy kernels move 8 bytes per element rather than 1."""
+        uniform = self._uniform_parts(staging, index, chunk)
+        if uniform is not None:
+            return uniform
         parts = []
         offset = 0
         for piece in chunk.pieces:
@@ -269,6 +271,22 @@ class BlockMover:
             parts.append((view, part, index[piece.first : piece.first + piece.count]))
             offset += nbytes
         return parts
+
+    def _uniform_parts(
+        self, staging: torch.Tensor, index: torch.Tensor, chunk: Chunk
+    ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None:
+        """`_parts` in a few tensor operations for the usual chunk: whole layers (every
+        requested block of each), all of one shape and width. None for any other chunk."""
+        pieces = chunk.pieces
+        n = int(index.shape[0])
+        first = self.wide_views[pieces[0].layer]
+        shape, dtype = tuple(first.shape), first.dtype
+        for piece in pieces:
+            view = self.wide_views[piece.layer]
+            if piece.first or piece.count != n or view.dtype != dtype or view.shape != shape:
+                return None
+        stacked = staging[: chunk.nbytes].view(dtype).view(len(pieces), shape[0], n, shape[2])
+        return [(self.wide_views[p.layer], stacked[i], index) for i, p in enumerate(pieces)]
 
     def _grouped(
         self,

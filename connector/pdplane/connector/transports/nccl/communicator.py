@@ -69,8 +69,9 @@ class P2pOp:
 ABORT_WAIT_S = 2.0
 
 
-#: bytes each rank sends the other in `warm_up` (NCCL connects a pair's channels lazily)
-WARMUP_BYTES = 4
+#: bytes each rank sends the other in `warm_up`: NCCL connects a pair's channels lazily, and a
+#: message this large uses all of them, so the first transfer finds them connected
+WARMUP_BYTES = 8 << 20
 #: how long a wait spins (yielding the GIL each turn) before it sleeps between polls (s): a
 #: control-plane round trip costs about this much, so a short transfer is seen done at once
 _SPIN_S = 0.005
