@@ -73,9 +73,10 @@ def _worker(rank: int) -> int:
             answer({"count": len(comms)})
         elif op == "exit":
             break
-    for comm in comms:
-        comm.close()
-    return 0
+    # No teardown: aborting 128 communicators one by one outlasted the run's time bound, and
+    # the process's end frees their memory anyway.
+    sys.stdout.flush()
+    os._exit(0)
 
 
 # -- driver ------------------------------------------------------------------------------------

@@ -478,7 +478,6 @@ class NcclEngine:
             pair.link.send(  # type: ignore[union-attr]
                 _Control(verdict=kv_transfer_nccl_pb2.NcclVerdict(seq=request.seq, bytes=nbytes))
             )
-            time.sleep(0)  # lets the stream's sender ship the verdict before the gathers
             if self.on_send is not None:
                 self.on_send(timing.transfer_id)
             with pair.lock:
@@ -636,7 +635,6 @@ class NcclEngine:
                 blocks=request, plan=plan, seq=seq, early_bytes=early, timeout_ms=timeout_ms
             )
             pair.link.send(_Control(pull=call))  # type: ignore[union-attr]
-            time.sleep(0)  # hands the GIL to the stream's sender: the request leaves now
             timing.sent_s = time.monotonic() - t0
             verdict: Any = None
 

@@ -3,12 +3,13 @@ forward; decode receives into a bounded GPU receive buffer, spilling to pinned h
 when the buffer is full, and refusing (RESOURCE_EXHAUSTED) when both are full, so nothing
 waits for room and nothing overflows.
 
-Sender (`PushSession`): `NcclPushBegin` RPC (receiver reserves and posts all receives), then
-`send_layer(l)` after each attention layer wrote its KV, then `finish()`. Message order on the
+Sender (`PushSession`): `push_begin` on the PUSH pair's stream (the receiver reserves room and
+posts all receives, then answers `push_ready`), then `send_layer(l)` after each attention layer
+wrote its KV, then `finish()`. Message order on the
 communicator: for each layer, for each item in the begin request's order, one message holding
 the item's blocks of that layer in the `[outer, n, inner_bytes]` byte layout.
 
-Receiver (`PushReceiver`): `begin` (serves the RPC), then `take` copies a received transfer
+Receiver (`PushReceiver`): `begin` (serves the `push_begin`), then `take` copies a received transfer
 into the blocks vLLM allocated for it and frees its room; unclaimed transfers expire.
 """
 
