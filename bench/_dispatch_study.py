@@ -17,23 +17,16 @@ from pathlib import Path
 from typing import Any
 
 from bench._openloop import closed_loop
-from bench._routing_proxies import Endpoints, parse_row, start_row
 from bench._routing_stats import percentile
 
 __all__ = ["run_study"]
 
 
 def _point(base: Any, isl: int, conc: int, dispatch: str, logs: Path, args: Any) -> dict[str, Any]:
-    from bench.routing import TOPOLOGIES, _fleet, _registry, _wait_registered
+    from bench.routing import started
 
     p = replace(base, dispatch=dispatch, row="pdplane:least_loaded")
-    registry, address = _registry(p, args.proxy_cpus, logs)
-    fleet = proxy = None
-    try:
-        fleet, line = _fleet(p, address, args.sim_cpus, logs)
-        _wait_registered(address, sum(TOPOLOGIES[p.topology]))
-        ep = Endpoints(address, line["prefill"], line["decode"])
-        proxy = start_row(parse_row(p.row), ep, args.proxy_cpus, logs, dispatch=dispatch)
+    with started(p, logs, args.proxy_cpus, args.sim_cpus) as (proxy, _line):
         cpu0 = proxy.cpu_ms()
         outs = asyncio.run(
             closed_loop(
@@ -58,12 +51,6 @@ def _point(base: Any, isl: int, conc: int, dispatch: str, logs: Path, args: Any)
             "ttft_p99_ms": percentile([o.ttft for o in ok], 99) * 1e3,
             "gateway_cpu_ms_per_request": (proxy.cpu_ms() - cpu0) / max(len(ok), 1),
         }
-    finally:
-        if proxy is not None:
-            proxy.stop()
-        if fleet is not None:
-            fleet.stop()
-        registry.stop()
 
 
 def run_study(args: argparse.Namespace, out: Path) -> list[dict[str, Any]]:
@@ -81,7 +68,7 @@ def run_study(args: argparse.Namespace, out: Path) -> list[dict[str, Any]]:
         stream_interval=args.stream_interval,
     )
     rows: list[dict[str, Any]] = []
-    for isl in (1024, 8192):
+    for isl in (1000, 8000):  # "1k" and "8k" (8000 + 64 output tokens fit 8192)
         for conc in (8, 16, 32, 64, 128):
             for mode in ("sequential", "concurrent"):
                 print(

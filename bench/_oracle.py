@@ -1,18 +1,26 @@
-"""The oracle router: a P/D proxy inside the sim fleet's process that knows every cache.
+"""In-fleet routers: the oracle (knows every cache) and the seed proxy's random choice.
 
+Both are P/D proxies inside the sim fleet's process, with the pdplane gateway's legs
+(sequential dispatch, `kv_transfer_params` from `pdplane.core.kv_params`, the decode named on
+the prefill leg so push mode works). No retries, no authentication: instruments, not products.
+
+`random` is the seed proxy's choice: prefill and decode drawn at random (seeded), with no look
+at load or KV room, the behaviour behind the seed's 1P7D pile-up.
+
+The oracle:
 For each request it tokenizes the prompt exactly as the sims do, looks its block keys up in
 every prefill instance's prefix cache (direct reads, no events, no delay) and sends the
 prefill leg where `uncached prompt tokens + uncached tokens it has sent there and not yet seen
 answered` is lowest (ties: the longest hit); the decode leg goes to the decode instance with
 the fewest requests it has sent and not yet seen finish (ties: the longest hit in its cache).
 The legs are the same as the pdplane gateway's in sequential dispatch
-(`kv_transfer_params` from `pdplane.core.kv_params`). It is an upper bound for routing that
-reads the engines' state, not a product: no retries, no authentication.
+(`kv_transfer_params` from `pdplane.core.kv_params`).
 """
 
 from __future__ import annotations
 
 import json
+import random
 import uuid
 from typing import Any
 
@@ -24,13 +32,20 @@ from pdplane.sim.fleet import SimFleet
 from pdplane.sim.instance import SimInstance
 from pdplane.sim.kv_cache import chain_hashes
 
-__all__ = ["build_oracle_app"]
+__all__ = ["ROUTERS", "build_oracle_app"]
+
+#: the in-fleet routers by name
+ROUTERS = ("oracle", "random")
 
 _SSE = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
 
 
 class _Oracle:
-    def __init__(self, fleet: SimFleet) -> None:
+    def __init__(self, fleet: SimFleet, mode: str = "oracle", seed: int = 0) -> None:
+        if mode not in ROUTERS:
+            raise ValueError(f"unknown in-fleet router {mode!r}; known: {', '.join(ROUTERS)}")
+        self.mode = mode
+        self.rng = random.Random(seed)
         self.prefills = [s for s in fleet.instances if s.config.role == "prefill"]
         self.decodes = [s for s in fleet.instances if s.config.role == "decode"]
         if not self.prefills or not self.decodes:
@@ -57,6 +72,8 @@ class _Oracle:
 
     def pick(self, ids: list[int]) -> tuple[SimInstance, SimInstance, int]:
         """(prefill, decode, uncached prompt tokens at the chosen prefill)."""
+        if self.mode == "random":
+            return self.rng.choice(self.prefills), self.rng.choice(self.decodes), 0
         keys = chain_hashes(ids, self.block_size)
         max_blocks = (len(ids) - 1) // self.block_size
         best: tuple[float, int, SimInstance] | None = None
@@ -129,9 +146,10 @@ class _Oracle:
             return out
 
 
-def build_oracle_app(fleet: SimFleet) -> web.Application:
-    """The oracle's aiohttp app (`/v1/chat/completions`, `/v1/completions`) over `fleet`."""
-    oracle = _Oracle(fleet)
+def build_oracle_app(fleet: SimFleet, mode: str = "oracle", seed: int = 0) -> web.Application:
+    """An in-fleet router's aiohttp app (`/v1/chat/completions`, `/v1/completions`) over
+    `fleet`; `mode` is one of `ROUTERS`."""
+    oracle = _Oracle(fleet, mode, seed)
 
     async def start(_app: web.Application) -> None:
         oracle.session = aiohttp.ClientSession(

@@ -8,8 +8,9 @@ Row names:
 - `vllm-router:P[/D]`: vllm-router in `--vllm-pd-disaggregation` mode with `--prefill-policy
   P --decode-policy D` (`cache_aware`, `power_of_two`, `round_robin`, `random`, ...);
 - `xpyd:S`: xpyd-proxy with `scheduling: S` (`cache_aware`, `roundrobin`, `loadbalanced`, ...);
-- `oracle`: the fleet's own oracle router (bench/_oracle.py).
-`random` on both sides is the seed proxy's choice.
+- `oracle`: the fleet's own oracle router (bench/_oracle.py);
+- `seed-proxy:random`: the seed proxy's random P and D choice, in the fleet (bench/_oracle.py);
+  unlike `pdplane:random` it has no KV-room guard, as the seed's proxy had none.
 """
 
 from __future__ import annotations
@@ -25,7 +26,10 @@ __all__ = ["POLICY_FLAGS", "Endpoints", "Row", "parse_row", "start_row"]
 
 #: Extra gateway flags a pdplane policy needs (e.g. a tokenizer for prefix hashes); the
 #: `{tokenizer}` placeholder is the fleet's tokenizer directory.
-POLICY_FLAGS: dict[str, list[str]] = {"kv_aware": ["--tokenizer", "{tokenizer}"]}
+POLICY_FLAGS: dict[str, list[str]] = {
+    # exact prompt token ids and prefix block hashes (the sims must use the same tokenizer)
+    "kv_aware": ["--tokenizer", "{tokenizer}"],
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,10 +55,12 @@ class Endpoints:
 def parse_row(name: str) -> Row:
     """A row from its name (see the module docstring). Raises ValueError."""
     kind, _, spec = name.partition(":")
-    if kind == "oracle" and not spec:
+    if (kind, spec) in (("oracle", ""), ("seed-proxy", "random")):
         return Row(name, "oracle", "", "")
     if kind not in ("pdplane", "vllm-router", "xpyd") or not spec:
-        raise ValueError(f"bad row {name!r}: pdplane:P[/D], vllm-router:P[/D], xpyd:S or oracle")
+        raise ValueError(
+            f"bad row {name!r}: pdplane:P[/D], vllm-router:P[/D], xpyd:S, oracle, seed-proxy:random"
+        )
     prefill, _, decode = spec.partition("/")
     return Row(name, kind, prefill, decode or prefill)
 
@@ -65,7 +71,9 @@ def _pdplane(row: Row, ep: Endpoints, cpus: str, logs: Path, dispatch: str) -> P
     argv += ["--prefill-policy", row.prefill, "--decode-policy", row.decode, "--seed", "0"]
     argv += ["--registry", ep.registry, "--port", str(port), "--dispatch", dispatch]
     argv += ["--log-level", "warning", "--upstream-timeout-s", "3600"]
-    for policy in {row.prefill, row.decode}:
+    for policy in sorted({row.prefill, row.decode}):
+        if policy in POLICY_FLAGS and not ep.tokenizer:
+            raise RuntimeError(f"{policy} needs the fleet's tokenizer (run with --tokenizer tiny)")
         argv += [f.format(tokenizer=ep.tokenizer) for f in POLICY_FLAGS.get(policy, [])]
     proc = spawn(f"pdplane-{row.prefill}-{row.decode}-{dispatch}", argv, cpus, logs)
     return ProxyRun(row.name, f"http://127.0.0.1:{port}", [proc])
@@ -124,7 +132,7 @@ def start_row(
     """
     if row.kind == "oracle":
         if not ep.oracle:
-            raise RuntimeError("the fleet runs no oracle (start it with --oracle)")
+            raise RuntimeError("the fleet runs no in-fleet router (start it with --router)")
         run = ProxyRun(row.name, ep.oracle)
     elif row.kind == "pdplane":
         run = _pdplane(row, ep, cpus, logs, dispatch)

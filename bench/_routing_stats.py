@@ -88,12 +88,15 @@ def fleet_numbers(before: dict[str, Any], after: dict[str, Any]) -> dict[str, An
     for a, b in decodes:
         itl = itl.merge(LogHistogram.from_dict(b["itl"]).minus(LogHistogram.from_dict(a["itl"])))
     finished = sum(_delta(a, b, "finished") for a, b in decodes)
+    prefilled = sum(_delta(a, b, "finished") for a, b in prefills)
     total = [(a, b) for _, a, b in pairs]
     return {
         "window_s": dt,
         "output_tok_s": sum(_delta(a, b, "generation_tokens") for a, b in decodes) / dt,
         "prefill_hit_rate": hit_rate(prefills),
         "decode_hit_rate": hit_rate(decodes),
+        # requests whose prompt went through a prefill instance (kv_aware may skip it)
+        "prefill_legs_per_request": prefilled / finished if finished else 0.0,
         "kv_mb_per_request": (
             sum(_delta(a, b, "kv_bytes_in") for a, b in decodes) / finished / 1e6
             if finished

@@ -1,9 +1,10 @@
 """A whole XpYd fleet of sims in one process, plus a control endpoint and the oracle router.
 
     python bench/_simfleet.py --prefill 8 --decode 16 --registry 127.0.0.1:50051 \
-        --profile llama3-8b-h200 --time-scale 1 --stream-interval 16 [--oracle]
+        --profile llama3-8b-h200 --time-scale 1 --stream-interval 16 [--router oracle]
 
 Prints one JSON line `{"prefill": [urls], "decode": [urls], "control": url, "oracle": url}`
+(`oracle`: the in-fleet router's URL, or null)
 once everything serves, then runs until SIGTERM/SIGINT. Control routes (one call for all
 instances, so a benchmark reads 24 engines without 24 requests):
 - `GET /fleet/stats`: `{"wall_time", "instances": [{"instance_id", "role", "stats": ...}]}`
@@ -29,9 +30,10 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench._oracle import build_oracle_app  # noqa: E402
+from bench._oracle import ROUTERS, build_oracle_app  # noqa: E402
 from pdplane.sim.config import SimConfig  # noqa: E402
 from pdplane.sim.fleet import SimFleet  # noqa: E402
+from pdplane.sim.profiles import load_profile  # noqa: E402
 
 __all__ = ["main"]
 
@@ -71,10 +73,20 @@ async def _serve(args: argparse.Namespace) -> None:
         if value:
             knobs[name] = value
 
+    prof = load_profile(args.profile) if args.profile else None
+    if prof is not None:
+        # A cache smaller than the profile's shortens the context (as vLLM would refuse a
+        # longer one); every instance gets the same, or prefill and decode would not pair.
+        smallest = min(b for b in (args.kv_blocks, args.decode_kv_blocks, prof.num_blocks) if b)
+        knobs["max_model_len"] = min(prof.max_model_len, smallest * prof.block_size)
+
     def config(role: str) -> SimConfig:
-        if args.profile:
-            return SimConfig.from_profile(args.profile, role=role, **knobs)
-        return SimConfig(role=role, **knobs)  # type: ignore[arg-type]
+        extra = dict(knobs)
+        if role == "decode" and args.decode_kv_blocks:
+            extra["kv_blocks"] = args.decode_kv_blocks
+        if prof is not None:
+            return SimConfig.from_profile(prof, role=role, **extra)
+        return SimConfig(role=role, **extra)  # type: ignore[arg-type]
 
     configs = [config("prefill") for _ in range(args.prefill)]
     configs += [config("decode") for _ in range(args.decode)]
@@ -94,7 +106,7 @@ async def _serve(args: argparse.Namespace) -> None:
         "prefill": [s.url for s in fleet.instances if s.config.role == "prefill"],
         "decode": [s.url for s in fleet.instances if s.config.role == "decode"],
         "control": await serve(_control_app(fleet)),
-        "oracle": await serve(build_oracle_app(fleet)) if args.oracle else None,
+        "oracle": await serve(build_oracle_app(fleet, args.router)) if args.router else None,
     }
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -123,11 +135,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-mode", choices=("pull", "push"), default="pull")
     ap.add_argument("--push-overflow", choices=("pull", "recompute"), default="pull")
     ap.add_argument("--push-buffer-bytes", type=int, default=0)
-    ap.add_argument("--kv-blocks", type=int, default=0)
+    ap.add_argument("--kv-blocks", type=int, default=0, help="every instance's cache (blocks)")
+    ap.add_argument("--decode-kv-blocks", type=int, default=0, help="decode instances' cache")
     ap.add_argument("--max-num-seqs", type=int, default=0)
     ap.add_argument("--tokenizer", default="")
     ap.add_argument("--no-kv-events", dest="kv_events", action="store_false")
-    ap.add_argument("--oracle", action="store_true", help="also serve the oracle router")
+    ap.add_argument(
+        "--router",
+        choices=ROUTERS,
+        default=None,
+        help="also serve an in-fleet router (bench/_oracle.py)",
+    )
     args = ap.parse_args(argv)
     try:
         import uvloop

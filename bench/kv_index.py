@@ -14,16 +14,21 @@
    the end). p50 / p99 over repeated calls; the prompt's own hashing (gateway side) beside it.
 3. Memory: bytes per (instance, block) entry measured with tracemalloc on 1,000 instances x
    N blocks, distinct blocks (worst case) and 90% shared, extrapolated to 1,000 x 100k.
+   `--full-memory`: instead, builds the full 1,000 x 100k index once per layout and reports the
+   process's resident memory (RSS) before and after (needs ~6 GiB free).
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import os
 import random
 import statistics
 import time
 import tracemalloc
+
+import numpy as np
 
 from pdplane.core.kv_events import KvEventLog
 from pdplane.core.prefix_hash import HASH_VERSION, block_hashes
@@ -215,10 +220,53 @@ def memory(quick: bool) -> None:
         gc.collect()
 
 
+def _rss() -> int:
+    """Resident bytes of this process (Linux /proc)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def memory_full() -> None:
+    print("\n## memory at full size (RSS before / after building the index once)")
+    print(
+        "| layout | instances x blocks | entries | RSS before | RSS after | bytes/entry | build s |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    n_inst, per = 1000, 100_000
+    for label, shared_frac in (("distinct (worst case)", 0.0), ("90% shared", 0.9)):
+        rng = np.random.default_rng(2)
+        common = rng.integers(2, 2**63, int(per * shared_frac), np.uint64, endpoint=False)
+        gc.collect()
+        before = _rss()
+        t0 = time.perf_counter()
+        index = PrefixIndex()
+        for i in range(n_inst):
+            inst = index.add_instance(f"i{i}")
+            own = rng.integers(2, 2**63, per, np.uint64)
+            own[: len(common)] = common
+            inst._add("GPU", rng.integers(2, 2**63, per, np.uint64), own)  # type: ignore[arg-type]
+        build = time.perf_counter() - t0
+        gc.collect()
+        after = _rss()
+        assert index.entries == n_inst * per
+        print(
+            f"| {label} | {n_inst:,} x {per:,} | {index.entries:,} | {before / 2**30:.2f} GiB "
+            f"| {after / 2**30:.2f} GiB | {(after - before) / index.entries:.0f} | {build:.0f} |"
+        )
+        del index, inst
+        gc.collect()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer events and repetitions")
+    parser.add_argument(
+        "--full-memory", action="store_true", help="only the full-size memory build (RSS)"
+    )
     args = parser.parse_args()
+    if args.full_memory:
+        memory_full()
+        return
     ingest(args.quick)
     lookup(args.quick)
     memory(args.quick)

@@ -5,7 +5,9 @@
 Starts `pdplane up`'s stack (registry, scheduler, gateway, prefill, decode) with traces on
 (`OTEL_EXPORTER_OTLP_ENDPOINT` pointed at an OTLP receiver in this process) plus one plain vLLM
 instance with the same flags, then sends fresh prompts (token ids: the count is exact; fresh:
-no prefix cache answers), streamed, one request at a time, to both. Per prompt length it prints
+no prefix cache answers), streamed, one request at a time, to both, each through a persistent
+client (one keep-alive connection per target: neither TTFT carries connection set-up;
+`--fresh-ab` also measures a new client per request, side by side). Per prompt length it prints
 the median of each phase (ms) from the spans of each disaggregated request, and goal G3.5:
 
     floor = prefill alone (TTFT of the plain instance) + KV transfer (`pdplane.kv_pull`)
@@ -119,9 +121,18 @@ def running_stack(log_dir: Path, max_model_len: int, single: bool = True) -> Ite
 
 
 def timed_stream(
-    url: str, model: str, prompt: list[int], max_tokens: int, headers: dict[str, str] | None = None
+    url: str,
+    model: str,
+    prompt: list[int],
+    max_tokens: int,
+    headers: dict[str, str] | None = None,
+    client: httpx.Client | None = None,
 ) -> tuple[float, list[float]]:
-    """(TTFT ms, inter-token gaps ms) of one streamed completion, as the client sees them."""
+    """(TTFT ms, inter-token gaps ms) of one streamed completion, as the client sees them.
+
+    `client`: a persistent client (its keep-alive connection is reused); None = a new client
+    and connection for this request, whose set-up (httpx builds an SSL context per client,
+    ~20 ms here, even for plain HTTP) lands inside the measured TTFT."""
     body = {
         "model": model,
         "prompt": prompt,
@@ -132,9 +143,14 @@ def timed_stream(
     }
     start = time.perf_counter()
     stamps: list[float] = []
-    with httpx.stream(
-        "POST", f"{url}/v1/completions", json=body, headers=headers, timeout=300.0
-    ) as r:
+    stream = (
+        client.stream("POST", f"{url}/v1/completions", json=body, headers=headers)
+        if client is not None
+        else httpx.stream(
+            "POST", f"{url}/v1/completions", json=body, headers=headers, timeout=300.0
+        )
+    )
+    with stream as r:
         r.raise_for_status()
         for line in r.iter_lines():
             if line.startswith("data: {") and json.loads(line[6:])["choices"]:
@@ -188,31 +204,51 @@ def breakdown(spans: list[ReceivedSpan], client_ttft_ms: float) -> dict[str, flo
 
 
 def measure(
-    stack: Stack, prompt_tokens: int, runs: int, rng: random.Random
+    stack: Stack, prompt_tokens: int, runs: int, rng: random.Random, fresh_ab: bool = False
 ) -> tuple[dict[str, float], dict[str, float]]:
-    """Medians of the phases (ms) and of the floor's parts over `runs` fresh prompts."""
+    """Medians of the phases (ms) and of the floor's parts over `runs` fresh prompts.
+
+    Both targets are reached through persistent clients (one keep-alive connection each), so
+    neither TTFT carries the client's connection set-up. `fresh_ab` also sends, interleaved,
+    `runs` other fresh prompts to both with a new client per request (the bench's earlier
+    client) and adds their medians as "fresh connection" rows."""
     phases: dict[str, list[float]] = defaultdict(list)
     single_ttft: list[float] = []
     single_step: list[float] = []
-    for i in range(runs + 1):  # the first of each length warms both paths, not counted
-        prompt = [rng.randrange(8, VOCAB) for _ in range(prompt_tokens)]
-        trace_id = os.urandom(16).hex()
-        tp = {"traceparent": f"00-{trace_id}-{os.urandom(8).hex()}-01"}
-        ttft, _ = timed_stream(stack.gateway, stack.model, prompt, 4, tp)
-        s_ttft, gaps = timed_stream(stack.single, stack.model, prompt, 8)
-        spans = stack.receiver.wait_for(_trace_complete(trace_id), timeout_s=30)
-        if i == 0:
-            continue
-        for k, v in breakdown([s for s in spans if s.trace_id == trace_id], ttft).items():
-            phases[k].append(v)
-        single_ttft.append(s_ttft)
-        single_step.extend(gaps)
+    fresh: dict[str, list[float]] = defaultdict(list)
+    with httpx.Client(timeout=300.0) as to_gateway, httpx.Client(timeout=300.0) as to_single:
+        for i in range(runs + 1):  # the first of each length warms both paths, not counted
+            prompt = [rng.randrange(8, VOCAB) for _ in range(prompt_tokens)]
+            trace_id = os.urandom(16).hex()
+            tp = {"traceparent": f"00-{trace_id}-{os.urandom(8).hex()}-01"}
+            ttft, _ = timed_stream(stack.gateway, stack.model, prompt, 4, tp, to_gateway)
+            s_ttft, gaps = timed_stream(stack.single, stack.model, prompt, 8, None, to_single)
+            spans = stack.receiver.wait_for(_trace_complete(trace_id), timeout_s=30)
+            if fresh_ab:
+                other = [rng.randrange(8, VOCAB) for _ in range(prompt_tokens)]
+                f_ttft, _ = timed_stream(stack.gateway, stack.model, other, 4)
+                f_single, _ = timed_stream(stack.single, stack.model, other, 8)
+            if i == 0:
+                continue
+            for k, v in breakdown([s for s in spans if s.trace_id == trace_id], ttft).items():
+                phases[k].append(v)
+            single_ttft.append(s_ttft)
+            single_step.extend(gaps)
+            if fresh_ab:
+                fresh["client TTFT"].append(f_ttft)
+                fresh["prefill alone"].append(f_single)
     med = {k: statistics.median(v) for k, v in phases.items()}
     floor = {
         "prefill alone (single TTFT)": statistics.median(single_ttft),
         "KV transfer": med["KV transfer (kv_pull)"],
         "one decode step (single ITL)": statistics.median(single_step),
     }
+    if fresh_ab:
+        f_ttft, f_single = (statistics.median(fresh[k]) for k in ("client TTFT", "prefill alone"))
+        f_floor = f_single + floor["KV transfer"] + floor["one decode step (single ITL)"]
+        med["fresh connection: client TTFT"] = f_ttft
+        med["fresh connection: prefill alone"] = f_single
+        med["fresh connection: ratio TTFT / floor"] = f_ttft / f_floor
     return med, floor
 
 
@@ -221,6 +257,11 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=10)
     parser.add_argument("--prompt-tokens", type=int, nargs="+", default=[128, 512, 2048])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--fresh-ab",
+        action="store_true",
+        help="also measure with a new client connection per request (A/B of the client)",
+    )
     args = parser.parse_args()
     max_model_len = max(1024, max(args.prompt_tokens) + 64)
     logs = Path(tempfile.mkdtemp(prefix="ttft-breakdown-"))
@@ -229,7 +270,7 @@ def main() -> None:
     with running_stack(logs, max_model_len) as stack:
         print(f"stack ready (logs {logs})", flush=True)
         for n in args.prompt_tokens:
-            results[n] = measure(stack, n, args.runs, rng)
+            results[n] = measure(stack, n, args.runs, rng, args.fresh_ab)
     sizes = args.prompt_tokens
     print(f"\nTTFT breakdown, median of {args.runs} requests each, one at a time (ms)")
     print(f"{'phase':<44}" + "".join(f"{n:>10}" for n in sizes))
@@ -243,6 +284,11 @@ def main() -> None:
     ratios = {n: results[n][0]["client TTFT"] / floors[n] for n in sizes}
     label = "G3.5 ratio TTFT / floor (goal <= 1.2)"
     print(f"{label:<44}" + "".join(f"{ratios[n]:>10.2f}" for n in sizes))
+    if args.fresh_ab:
+        print()
+        for row in [k for k in results[sizes[0]][0] if k.startswith("fresh connection")]:
+            fmt = ".2f" if "ratio" in row else ".1f"
+            print(f"{row:<44}" + "".join(f"{results[n][0][row]:>10{fmt}}" for n in sizes))
 
 
 if __name__ == "__main__":

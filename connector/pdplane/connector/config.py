@@ -18,6 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from pdplane.core import defaults
+from pdplane.core.token_file import read_token
 from pdplane.v1 import instance_pb2
 
 __all__ = ["ConnectorConfig", "ConnectorConfigError"]
@@ -139,9 +140,26 @@ class ConnectorConfig(BaseModel):
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> ConnectorConfig:
-        """Parses `kv_connector_extra_config`; raises ConnectorConfigError naming the bad key."""
+        """Parses `kv_connector_extra_config`; raises ConnectorConfigError naming the bad key.
+
+        `token` and `registry_token` not in it come from `PDPLANE_TOKEN` and
+        `PDPLANE_REGISTRY_TOKEN` (how `pdplane vllm` and `pdplane up` hand them over: an
+        environment is private to the process, argv is not), else from the files named by
+        `PDPLANE_TOKEN_FILE` / `PDPLANE_REGISTRY_TOKEN_FILE` (compose's generated tokens).
+        """
+        data = dict(extra or {})
+        for key, var in (("token", "PDPLANE_TOKEN"), ("registry_token", "PDPLANE_REGISTRY_TOKEN")):
+            if key in data:
+                continue
+            if os.environ.get(var):
+                data[key] = os.environ[var]
+            elif path := os.environ.get(f"{var}_FILE"):
+                try:
+                    data[key] = read_token(path)
+                except ValueError as exc:
+                    raise ConnectorConfigError(f"{var}_FILE: {exc}") from None
         try:
-            return cls.model_validate(dict(extra or {}))
+            return cls.model_validate(data)
         except ValidationError as exc:
             errs = "; ".join(
                 f"{'.'.join(str(p) for p in e['loc']) or 'config'}: {e['msg']}"

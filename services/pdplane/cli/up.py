@@ -7,6 +7,11 @@ optionally sends one OpenAI request (`--demo`), and serves until Ctrl-C / SIGTER
 every child (process groups, bounded) so that nothing is left behind; the children also get
 SIGTERM if `pdplane up` itself is killed.
 
+The fleet is token-protected with nothing to type: `pdplane up` generates a shared token and
+an admin token for each run, gives them to its children through their environment and writes
+them (0600) to `pdplane.core.fleet_credentials.credentials_path()`, where `pdplane ls`,
+`pdplane drain` and `pdplane vllm` find them when they talk to this registry.
+
 It refuses to start (status 1, naming them) when any port it needs is taken, e.g. by another
 `pdplane up`, and it reports a process "up" or "healthy" only once the answer comes from the
 process it started (each child's health carries its own server id).
@@ -31,7 +36,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from pdplane.core import defaults
+from pdplane.core import defaults, fleet_credentials
 from pdplane.core.settings import CommandSettings
 from pdplane.launch.fleet import Fleet, FleetSpec
 from pdplane.launch.process import Cancelled
@@ -153,17 +158,26 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
 
-    spec = FleetSpec.from_settings(settings)
+    # Secure by default with nothing to type: fresh tokens for every run, handed to the
+    # children through their environment and to local tools (`pdplane ls`, `drain`, `vllm`)
+    # through a 0600 file.
+    creds = fleet_credentials.generate(f"{settings.host}:{settings.registry_port}")
+    spec = FleetSpec.from_settings(settings, token=creds.token, admin_token=creds.admin_token)
     fleet = Fleet(spec, say=_say)
     fleet.die_with_parent = True
     status = 0
     try:
+        # Not over another running fleet's file: start() reports its ports taken instead.
+        path = fleet_credentials.credentials_path()
+        if not fleet.busy_ports():
+            fleet_credentials.write(creds, path)
         fleet.start(cancel=stop.event)
         _say(f"ready in {fleet.ready_after_s:.0f} s")
         _say(f"  gateway (OpenAI API): {fleet.gateway_url}/v1   model: {fleet.model_name}")
         _say(f"  registry (gRPC):      {fleet.registry_address}   try: pdplane ls")
         _say(f"  scheduler (gRPC):     {fleet.scheduler_address}")
         _say(f"  logs:                 {spec.log_dir.resolve()}")
+        _say(f"  tokens:               {path} (read by pdplane ls, drain, vllm)")
         if settings.demo:
             _say("demo request: POST /v1/chat/completions")
             _say(f"  answer: {fleet.demo_request()!r}")
@@ -173,12 +187,13 @@ def main(argv: list[str]) -> int:
         status = _supervise(fleet, stop.event)
     except Cancelled:
         _say("interrupted during start-up")
-    except (TimeoutError, RuntimeError) as exc:
+    except (TimeoutError, RuntimeError, OSError) as exc:
         _say(f"error: {exc}")
         status = 1
     finally:
         _say("stopping")
         started = time.monotonic()
         fleet.stop()
+        fleet_credentials.remove(creds)
         _say(f"stopped in {time.monotonic() - started:.1f} s")
     return status

@@ -21,8 +21,9 @@ from typing import Literal
 
 from pydantic import Field
 
-from pdplane.core import defaults
+from pdplane.core import defaults, fleet_credentials
 from pdplane.core.settings import CommandSettings
+from pdplane.core.token_file import token_file_field
 from pdplane.launch.foreground import run_in_foreground
 from pdplane.launch.vllm_cpu import VllmCpuInstance, VllmCpuOptions
 
@@ -61,6 +62,8 @@ class InstanceSettings(CommandSettings):
     registry_token: str | None = Field(
         None, description="bearer token for the registry when it differs from --token"
     )
+    token_file: str | None = token_file_field("--token")
+    registry_token_file: str | None = token_file_field("--registry-token")
     tls_ca: str | None = Field(
         None, description="PEM CA to verify the registry's and the peers' KvTransfer TLS"
     )
@@ -99,6 +102,9 @@ def build(settings: InstanceSettings) -> tuple[list[str], dict[str, str]]:
         extra.update(registry_tls_ca=settings.tls_ca, tls_ca=settings.tls_ca)
     if settings.tls_cert or settings.tls_key:
         extra.update(tls_cert=settings.tls_cert, tls_key=settings.tls_key)
+    # Joining the local `pdplane up` fleet needs nothing typed: its token is in its file.
+    local = fleet_credentials.for_registry(settings.registry) if settings.registry else None
+    token = settings.token or (local.token if local else None)
     options = VllmCpuOptions(
         model=_model_dir(settings),
         port=settings.port,
@@ -108,8 +114,8 @@ def build(settings: InstanceSettings) -> tuple[list[str], dict[str, str]]:
         kv_port=settings.kv_port,
         instance_id=settings.instance_id,
         registry=settings.registry,
-        registry_token=settings.registry_token or settings.token,
-        token=settings.token,
+        registry_token=settings.registry_token or token,
+        token=token,
         connector_extra=extra,
         omp_threads_bind=settings.omp_threads_bind,
         max_model_len=settings.max_model_len,

@@ -438,6 +438,11 @@ class SubscriptionCursor:
             events=kv_events_pb2.KvEventBatch(events=events),
         )
 
+    @property
+    def in_snapshot(self) -> bool:
+        """True while a snapshot's chunks are being sent."""
+        return self._snapshot is not None
+
     def heartbeat(self) -> kv_events_pb2.KvEventsMessage:
         """A heartbeat message (the subscriber's position and the log's head)."""
         return kv_events_pb2.KvEventsMessage(

@@ -8,7 +8,10 @@ interceptors and ports), so KvEvents is guarded exactly like the service next to
 A stream never blocks the log's writer: it waits on a per-stream wake-up (set by the log's
 listener), sends what is ready, and a heartbeat after `heartbeat_s` of silence. gRPC's flow
 control holds a slow subscriber's stream back; its cursor then falls out of the log's bounded
-ring and the next message is a fresh snapshot (never a silent gap).
+ring and the next message is a fresh snapshot (never a silent gap). A subscriber that asks
+for `min_interval_ms` gets at most one events message per interval: the events of the interval
+travel as one batch, so its cost follows that rate instead of the engine's event rate (the
+first event after a quiet interval is sent at once).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator, Iterator
 
 import grpc
@@ -94,6 +98,11 @@ def _cursor(
     )
 
 
+def _interval_s(request: kv_events_pb2.SubscribeKvEventsRequest, opts: StreamOptions) -> float:
+    """The subscriber's `min_interval_ms` in seconds, capped at the heartbeat period."""
+    return min(request.min_interval_ms / 1000.0, opts.heartbeat_s)
+
+
 def _describe(request: kv_events_pb2.SubscribeKvEventsRequest, peer: str) -> str:
     who = "".join(c if c.isprintable() else "?" for c in request.subscriber[:_MAX_NAME])
     return f"{who or 'subscriber'}@{peer}"
@@ -118,9 +127,17 @@ class KvEventsServicer(kv_events_pb2_grpc.KvEventsServicer):
                 f"at most {self._opts.max_subscribers} KV event subscribers",
             )
         wake = threading.Event()
+        ended = threading.Event()
         handle = self._log.add_listener(wake.set)
-        context.add_callback(wake.set)  # the RPC ended (cancelled, deadline): stop waiting
+
+        def on_end() -> None:  # the RPC ended (cancelled, deadline): stop waiting
+            ended.set()
+            wake.set()
+
+        context.add_callback(on_end)
         cursor = _cursor(self._log, request, self._opts)
+        interval = _interval_s(request, self._opts)
+        events_sent = -interval
         name = _describe(request, context.peer())
         log.info(
             "KV events: %s subscribed (epoch %d from %d)",
@@ -133,8 +150,13 @@ class KvEventsServicer(kv_events_pb2_grpc.KvEventsServicer):
                 wake.clear()
                 if self._log.closed:
                     context.abort(grpc.StatusCode.UNAVAILABLE, "the KV event log is closed")
+                hold = events_sent + interval - time.monotonic()
+                if hold > 0 and not cursor.in_snapshot and ended.wait(hold):
+                    break
                 msg = cursor.next_message()
                 if msg is not None:
+                    if msg.HasField("events"):
+                        events_sent = time.monotonic()
                     yield msg
                 elif not wake.wait(self._opts.heartbeat_s):
                     yield cursor.heartbeat()
@@ -170,6 +192,8 @@ class AioKvEventsServicer(kv_events_pb2_grpc.KvEventsServicer):
 
         handle = self._log.add_listener(on_event)
         cursor = _cursor(self._log, request, self._opts)
+        interval = _interval_s(request, self._opts)
+        events_sent = -interval
         name = _describe(request, context.peer())
         log.info(
             "KV events: %s subscribed (epoch %d from %d)",
@@ -182,8 +206,13 @@ class AioKvEventsServicer(kv_events_pb2_grpc.KvEventsServicer):
                 wake.clear()
                 if self._log.closed:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "the KV event log is closed")
+                hold = events_sent + interval - time.monotonic()
+                if hold > 0 and not cursor.in_snapshot:
+                    await asyncio.sleep(hold)
                 msg = cursor.next_message()
                 if msg is not None:
+                    if msg.HasField("events"):
+                        events_sent = time.monotonic()
                     yield msg
                     continue
                 try:

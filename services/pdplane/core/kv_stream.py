@@ -64,12 +64,20 @@ class KvStreamReader:
         """Events the engine had assigned that this state does not include yet."""
         return max(self.head_sequence - max(self.next_sequence - 1, 0), 0)
 
-    def request(self, subscriber: str = "") -> kv_events_pb2.SubscribeKvEventsRequest:
-        """The request that resumes this state (or asks for a snapshot)."""
+    def request(
+        self, subscriber: str = "", min_interval_ms: int = 0
+    ) -> kv_events_pb2.SubscribeKvEventsRequest:
+        """The request that resumes this state (or asks for a snapshot); `min_interval_ms`:
+        at most one events message per this many ms (the server batches; 0 = unbatched)."""
         if not self.synced:
-            return kv_events_pb2.SubscribeKvEventsRequest(subscriber=subscriber)
+            return kv_events_pb2.SubscribeKvEventsRequest(
+                subscriber=subscriber, min_interval_ms=min_interval_ms
+            )
         return kv_events_pb2.SubscribeKvEventsRequest(
-            epoch=self.epoch, from_sequence=self.next_sequence, subscriber=subscriber
+            epoch=self.epoch,
+            from_sequence=self.next_sequence,
+            subscriber=subscriber,
+            min_interval_ms=min_interval_ms,
         )
 
     def reset(self) -> None:

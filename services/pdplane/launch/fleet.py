@@ -27,6 +27,7 @@ from typing import Any, Protocol
 import grpc
 import httpx
 
+from pdplane.core import grpc_util
 from pdplane.launch.etcd import etcd_binary, member_argv
 from pdplane.launch.process import (
     ManagedProcess,
@@ -118,10 +119,17 @@ class FleetSpec:
     #: `etcd_port`, peer port `etcd_port` + 1, data in a fresh folder under `log_dir`).
     store: str = "memory"
     etcd_port: int = 2379
+    #: The fleet's shared bearer token (every service and instance) and the registry's admin
+    #: token; None = an open fleet. Children get them through their environment, never argv.
+    token: str | None = None
+    admin_token: str | None = None
 
     @classmethod
-    def from_settings(cls, s: _UpLike) -> FleetSpec:
-        """From `pdplane up`'s settings (`--vllm-args` is split like a shell would)."""
+    def from_settings(
+        cls, s: _UpLike, token: str | None = None, admin_token: str | None = None
+    ) -> FleetSpec:
+        """From `pdplane up`'s settings (`--vllm-args` is split like a shell would) and the
+        fleet's tokens."""
         return cls(
             prefill=s.prefill,
             decode=s.decode,
@@ -142,6 +150,8 @@ class FleetSpec:
             store=s.store,
             etcd_port=s.etcd_port,
             vllm_options={"connector_extra": {"mode": s.kv_mode}} if s.kv_mode != "pull" else {},
+            token=token,
+            admin_token=admin_token,
         )
 
 
@@ -281,9 +291,30 @@ class Fleet:
         self.model_name = spec.served_model_name or _TINY_MODEL_NAME
         self._say(f"model ready: {self.model_dir} (served as {self.model_name!r})")
 
-    def _service(self, name: str, argv: list[str]) -> ManagedProcess:
+    def _env(self, admin: bool = False) -> dict[str, str]:
+        """A child's environment: this one's plus the fleet's token (and, for the registry
+        only, the admin token): `ps` shows argv to every user, the environment to none."""
+        env = {**os.environ}
+        for name, value in (("PDPLANE_TOKEN", self.spec.token), ("PDPLANE_ADMIN_TOKEN", None)):
+            env.pop(name, None)
+            if value:
+                env[name] = value
+        if admin and self.spec.admin_token:
+            env["PDPLANE_ADMIN_TOKEN"] = self.spec.admin_token
+        return env
+
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        """Call metadata carrying the fleet's token (empty for an open fleet)."""
+        return grpc_util.token_metadata(self.spec.token)
+
+    def _service(self, name: str, argv: list[str], admin: bool = False) -> ManagedProcess:
         proc = ManagedProcess(
-            name, argv, self.spec.log_dir / f"{name}.log", die_with_parent=self.die_with_parent
+            name,
+            argv,
+            self.spec.log_dir / f"{name}.log",
+            env=self._env(admin),
+            die_with_parent=self.die_with_parent,
         )
         self._services.append(proc)
         proc.start()
@@ -308,12 +339,18 @@ class Fleet:
         self._say(f"etcd healthy at 127.0.0.1:{port}")
         return ["--store", "etcd", "--etcd-endpoints", f"127.0.0.1:{port}"]
 
+    def start_services(self, timeout_s: float) -> None:
+        """Starts only registry, scheduler and gateway (etcd too with store "etcd") and waits
+        until each answers; raises TimeoutError or ProcessDied like `start`."""
+        self._start_services(time.monotonic() + timeout_s)
+
     def _start_services(self, deadline: float) -> None:
         s = self.spec
         store = self._start_etcd(deadline) if s.store == "etcd" else []
         reg = self._service(
             "registry",
             _pdplane("registry", "--host", s.host, "--port", str(s.registry_port), *store),
+            admin=True,
         )
         wait_until(
             lambda: grpc_serving(self.registry_address, server_id=reg.server_id),
@@ -388,6 +425,8 @@ class Fleet:
             omp_threads_bind=str(index % self._cores),
             max_model_len=self.spec.max_model_len,
             extra_args=list(self.spec.vllm_args),
+            token=self.spec.token,
+            registry_token=self.spec.token,
             **{**self.spec.vllm_options, **overrides},
         )
         inst = VllmCpuInstance(options, self.spec.log_dir / f"{kind}-{index}.log")
@@ -431,7 +470,9 @@ class Fleet:
         """The registry's current list (raises grpc.RpcError when it is unreachable)."""
         with grpc.insecure_channel(self.registry_address) as channel:
             stub = registry_pb2_grpc.RegistryStub(channel)
-            reply = stub.ListInstances(registry_pb2.ListInstancesRequest(), timeout=5.0)
+            reply = stub.ListInstances(
+                registry_pb2.ListInstancesRequest(), timeout=5.0, metadata=self.metadata
+            )
         return list(reply.instances)
 
     def wait_registered(self, count: int, timeout_s: float) -> None:
@@ -444,6 +485,10 @@ class Fleet:
                 return False
 
         wait_until(enough, timeout_s, watch=self._services, what=f"{count} instances to register")
+
+    def service_pids(self) -> list[int]:
+        """Process ids of the running registry, scheduler and gateway (etcd too)."""
+        return [p.pid for p in self._services if p.pid is not None and p.returncode is None]
 
     def dead_service(self) -> ManagedProcess | None:
         """The first of registry, scheduler and gateway that has exited, if any."""

@@ -116,8 +116,6 @@ def connector_config(options: VllmCpuOptions) -> dict[str, Any] | None:
     optional = {
         "kv_port": options.kv_port,
         "registry": options.registry,
-        "registry_token": options.registry_token,
-        "token": options.token,
         "instance_id": options.instance_id,
         "transfer_timeout_s": options.transfer_timeout_s,
         "pull_timeout_s": options.pull_timeout_s,
@@ -227,6 +225,14 @@ class VllmCpuInstance:
         env = {**self._base_env, **LEAN_ENV}
         if self.options.omp_threads_bind is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = self.options.omp_threads_bind
+        # The connector reads its tokens from here (`ConnectorConfig.from_extra_config`): in
+        # --kv-transfer-config they would be in argv, which `ps` shows to every user.
+        for name, value in (
+            ("PDPLANE_TOKEN", self.options.token),
+            ("PDPLANE_REGISTRY_TOKEN", self.options.registry_token),
+        ):
+            if value:
+                env[name] = value
         env.update(self.options.extra_env)
         if tracing.env_enabled(env) and "OTEL_SERVICE_NAME" not in env:
             o = self.options

@@ -4,6 +4,11 @@ A store owns one `WatchHub`, calls `emit` (under the hub's lock) for every chang
 `watch` the current revision; the hub replays logged events to a re-watching client or asks
 the store for a SNAPSHOT, and turns a watcher that lagged `max_queue` events into one fresh
 SNAPSHOT instead of a silent gap.
+
+The log is bounded by `history` events and by `max_bytes` serialized bytes (`HISTORY_BYTES`,
+16 MiB): 10,000 events of large specs had kept a registry at 315 MB RSS after all 5,000 of its
+instances were gone (81 MB with the log emptied); a watcher asking for an event no longer held
+gets a SNAPSHOT, as for any event older than the log.
 """
 
 from __future__ import annotations
@@ -14,9 +19,11 @@ from collections.abc import Callable, Iterable
 
 from pdplane.v1 import instance_pb2, registry_pb2
 
-__all__ = ["WatchHub", "filter_instances"]
+__all__ = ["HISTORY_BYTES", "WatchHub", "filter_instances"]
 
 _Event = registry_pb2.WatchEvent
+#: Default bound of a hub's event log (serialized bytes of its events).
+HISTORY_BYTES = 16 << 20
 
 
 def filter_instances(
@@ -108,11 +115,15 @@ class WatchHub:
         history: int,
         max_queue: int,
         floor: int = 0,
+        max_bytes: int = HISTORY_BYTES,
     ) -> None:
         self.lock = threading.RLock()
         self._snapshot = snapshot
         self.max_queue = max_queue
+        self.max_bytes = max_bytes
         self._log: deque[registry_pb2.WatchEvent] = deque(maxlen=history)
+        self._sizes: deque[int] = deque(maxlen=history)  # ByteSize of each logged event
+        self.history_bytes = 0  # sum of `_sizes`
         # Every event above `_floor` is in the log: a watcher that saw up to any revision from
         # `_floor` on can be replayed to.
         self._floor = floor
@@ -131,9 +142,19 @@ class WatchHub:
         holds its own copy of the instance, made when the event was built)."""
         if event.HasField("instance"):
             event.instance.ClearField("lease_id")
-        if len(self._log) == self._log.maxlen:
-            self._floor = self._log[0].revision if self._log else event.revision
-        self._log.append(event)
+        log, sizes = self._log, self._sizes
+        if len(log) == log.maxlen:
+            self._floor = log[0].revision if log else event.revision
+            if sizes:
+                self.history_bytes -= sizes[0]
+        if log.maxlen != 0:  # --event-history 0 keeps nothing
+            size = event.ByteSize()
+            log.append(event)
+            sizes.append(size)
+            self.history_bytes += size
+        while self.history_bytes > self.max_bytes and len(log) > 1:
+            self._floor = log.popleft().revision
+            self.history_bytes -= sizes.popleft()
         for sub in self._subs:
             sub.push(event)
 
@@ -141,6 +162,8 @@ class WatchHub:
         """Forgets the log and sends every watcher a fresh SNAPSHOT (lock held): the store lost
         the continuity of its history (e.g. etcd compacted past it) and now stands at `floor`."""
         self._log.clear()
+        self._sizes.clear()
+        self.history_bytes = 0
         self._floor = floor
         for sub in self._subs:
             sub.lagged()

@@ -230,7 +230,8 @@ class InstanceSource(Protocol):
 class PolicyFlags(Protocol):
     """The decision flags of a local scheduler (`pdplane.scheduler.settings.PolicySettings`):
     default policy names per side, in-flight expiry (seconds), seed of randomised policies,
-    the prefix index's (on/off, staleness after seconds or events behind, size bound), the
+    the prefix index's (on/off, staleness after seconds or events behind, events batching
+    interval in ms, size bound), the
     kv_aware cost weights and conditional disaggregation's threshold
     (tokens)."""
 
@@ -242,6 +243,7 @@ class PolicyFlags(Protocol):
     kv_index: bool
     kv_stale_after_s: float
     kv_max_lag_events: int
+    kv_events_interval_ms: int
     kv_index_max_blocks: int
     kv_request_tokens: float
     kv_usage_tokens: float

@@ -7,6 +7,7 @@ from pydantic import Field, field_validator, model_validator
 from pdplane.core import defaults
 from pdplane.core.grpc_auth import check_bind
 from pdplane.core.settings import CommandSettings
+from pdplane.core.token_file import token_file_field
 from pdplane.scheduler.policies import POLICIES
 from pdplane.scheduler.policies.kv_aware import LOCAL_PREFILL_MAX_TOKENS
 
@@ -76,6 +77,14 @@ class PolicySettings(CommandSettings):
     kv_max_lag_events: int = Field(
         default=10_000, gt=0, description="an instance's KV events this far behind is stale"
     )
+    kv_events_interval_ms: int = Field(
+        default=10,
+        ge=0,
+        le=1000,
+        description="ask each instance for at most one KV events message per this many ms "
+        "(it batches them): the index's CPU follows this rate, not the request rate (0 = "
+        "every batch at once)",
+    )
     kv_index_max_blocks: int = Field(
         default=100_000_000, gt=0, description="bound on (instance, block) entries of the index"
     )
@@ -123,6 +132,8 @@ class SchedulerSettings(PolicySettings):
     registry_token: str | None = Field(
         default=None, description="bearer token for the registry when it differs from --token"
     )
+    token_file: str | None = token_file_field("--token")
+    registry_token_file: str | None = token_file_field("--registry-token")
     insecure: bool = Field(
         default=False,
         description="allow a non-loopback --host without --token (anyone may Schedule/Release)",

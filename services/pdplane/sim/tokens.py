@@ -12,7 +12,8 @@ as with a real tokenizer.
 `HfTokenizer` (`--tokenizer DIR`, a Hugging Face tokenizer directory, e.g. the one
 `pdplane.models.tiny` builds) gives the ids the gateway's tokenizer gives (chat template
 included), so prefix hashes computed by the gateway and by the scheduler match the sims'
-cache. Its generated tokens are ids drawn from the vocabulary, sent as their decoded text.
+cache. Its generated tokens are drawn from the vocabulary's whole-word tokens (" word" that
+encodes back to itself), so an answer sent back re-tokenizes to the ids generated, as above.
 
 Output is a pure function of (prompt, seed): a decode that loaded remote KV answers exactly
 like a single instance, and a prefill's one token is the first token of that answer.
@@ -25,6 +26,7 @@ import json
 import random
 import re
 import zlib
+from collections import OrderedDict
 from typing import Any, Protocol
 
 __all__ = [
@@ -55,6 +57,10 @@ _WORDS = (
 VOCAB: tuple[str, ...] = tuple(" " + w for w in _WORDS.split())
 
 _VOCAB_SIZE = 32_000
+#: HfTokenizer looks for whole-word output tokens among the first this many ids.
+_MAX_SCANNED_IDS = 50_000
+#: chat prompts HfTokenizer remembers (a prefill and its decode share one process's copy)
+_RECENT_PROMPTS = 512
 _SPECIAL = 16
 _START, _SEP, _END, _EMPTY = 1, 2, 3, 4
 _ROLE_IDS = {"system": 5, "user": 6, "assistant": 7, "tool": 8, "developer": 9}
@@ -164,18 +170,41 @@ class HfTokenizer:
         except Exception as exc:  # transformers raises many kinds
             raise ValueError(f"cannot load tokenizer {path!r}: {exc}") from exc
         self.name = path
+        self._recent: OrderedDict[str, list[int]] = OrderedDict()
         special = set(self._tok.all_special_ids)
-        self._choices = [i for i in range(len(self._tok)) if i not in special]
         self._pieces: dict[int, str] = {}
+        words = []
+        for i in range(min(len(self._tok), _MAX_SCANNED_IDS)):
+            if i in special:
+                continue
+            piece = str(self._tok.decode([i]))
+            if (
+                piece[:1] == " "
+                and piece[1:].isalpha()
+                and self._tok.encode(piece, add_special_tokens=False) == [i]
+            ):
+                words.append(i)
+                self._pieces[i] = piece
+        self._choices = words or [i for i in range(len(self._tok)) if i not in special]
 
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text)) or [self._tok.bos_token_id or 0]
 
     def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        # A prefill and its decode in one process tokenize the same prompt: remember a few.
+        key = json.dumps(messages, sort_keys=True, separators=(",", ":"))
+        cached = self._recent.get(key)
+        if cached is not None:
+            self._recent.move_to_end(key)
+            return cached
         ids = self._tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         if not isinstance(ids, list):  # newer transformers: a BatchEncoding (not a dict)
             ids = ids["input_ids"]
-        return list(ids)
+        out = list(ids)
+        self._recent[key] = out
+        if len(self._recent) > _RECENT_PROMPTS:
+            self._recent.popitem(last=False)
+        return out
 
     def sample(self, key: str, seed: int, num_tokens: int) -> tuple[list[int], list[str]]:
         ids = _rng(key, seed).choices(self._choices, k=num_tokens)

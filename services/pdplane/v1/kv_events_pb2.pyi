@@ -38,6 +38,7 @@ class SubscribeKvEventsRequest(_message.Message):
     EPOCH_FIELD_NUMBER: _builtins.int
     FROM_SEQUENCE_FIELD_NUMBER: _builtins.int
     SUBSCRIBER_FIELD_NUMBER: _builtins.int
+    MIN_INTERVAL_MS_FIELD_NUMBER: _builtins.int
     epoch: _builtins.int
     """The log epoch the subscriber's state belongs to (from its last message); 0 = none."""
     from_sequence: _builtins.int
@@ -47,16 +48,23 @@ class SubscribeKvEventsRequest(_message.Message):
     """
     subscriber: _builtins.str
     """who asks, for the engine's log lines (<= 128 characters)"""
+    min_interval_ms: _builtins.int
+    """At most one events message per this many ms: the server holds what comes within the
+    interval and sends it as one batch (bounded by its batch size), so a subscriber's cost
+    follows this rate, not the engine's event rate. 0 = send as soon as ready. Snapshots and
+    heartbeats are not delayed; the server caps the interval at its heartbeat period.
+    """
     def __init__(
         self,
         *,
         epoch: _builtins.int = ...,
         from_sequence: _builtins.int = ...,
         subscriber: _builtins.str = ...,
+        min_interval_ms: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "from_sequence", b"from_sequence", "subscriber", b"subscriber"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "from_sequence", b"from_sequence", "min_interval_ms", b"min_interval_ms", "subscriber", b"subscriber"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -19,6 +19,9 @@ from bench.ttft_breakdown import breakdown, running_stack, timed_stream
 
 pytestmark = pytest.mark.vllm
 
+# `pdplane up` numbers its instances across roles: 1P1D is prefill-0 and decode-1.
+PREFILL, DECODE = "prefill-0", "decode-1"
+
 
 def test_trace_tree_across_processes(tmp_path: Path) -> None:
     rng = random.Random(7)
@@ -47,11 +50,11 @@ def test_trace_tree_across_processes(tmp_path: Path) -> None:
     assert decision.parent_id == by["pdplane.schedule"].span_id
     assert decision.service == "pdplane-scheduler"
     pull, serve = by["pdplane.kv_pull"], by["pdplane.kv_serve"]
-    assert pull.parent_id == root.span_id and pull.service == "decode-0"
-    assert serve.parent_id == pull.span_id and serve.service == "prefill-0"
+    assert pull.parent_id == root.span_id and pull.service == DECODE
+    assert serve.parent_id == pull.span_id and serve.service == PREFILL
     assert pull.start_ns <= serve.start_ns <= serve.end_ns <= pull.end_ns
     engines = {s.parent_id: s for s in spans if s.name == "llm_request"}
-    assert engines[by["pdplane.prefill_leg"].span_id].service == "prefill-0"
-    assert engines[by["pdplane.decode_leg"].span_id].service == "decode-0"
+    assert engines[by["pdplane.prefill_leg"].span_id].service == PREFILL
+    assert engines[by["pdplane.decode_leg"].span_id].service == DECODE
     phases = breakdown(spans, ttft)
     assert all(v >= 0 for k, v in phases.items() if not k.startswith("relay")), phases

@@ -254,3 +254,56 @@ async def test_asyncio_server_serves_the_same_stream() -> None:
             call.cancel()
     finally:
         await server.stop(None)
+
+
+def _events_of(msg: kv_events_pb2.KvEventsMessage) -> int:
+    return len(msg.events.events) if msg.WhichOneof("body") == "events" else 0
+
+
+def test_min_interval_batches_the_events_of_the_interval(log: KvEventLog) -> None:
+    # The first event after a quiet interval goes at once; what comes within the next
+    # min_interval_ms travels as one message (the subscriber's cost follows its rate).
+    server, address = _serve(log, heartbeat_s=5.0)
+    try:
+        reader = KvStreamReader(Replica())
+        stub = kv_events_pb2_grpc.KvEventsStub(grpc_util.channel(address))
+        stream = stub.Subscribe(reader.request("test", min_interval_ms=1000))
+        _store_many(log, 0, 1)
+        _follow(stream, reader, log)  # the snapshot, then the first event's message
+        _store_many(log, 1, 1)
+        first = next(stream)
+        sent = time.monotonic()
+        assert _events_of(first) == 1
+        _store_many(log, 2, 49)  # within the hold that `first` started
+        second = next(stream)
+        assert _events_of(second) == 49
+        assert time.monotonic() - sent >= 0.8
+        reader.feed(first)
+        reader.feed(second)
+        assert reader.next_sequence == log.head + 1
+        stream.cancel()
+    finally:
+        server.stop(None)
+
+
+async def test_asyncio_server_batches_with_min_interval() -> None:
+    log = KvEventLog(replay_blocks=64)
+    server = grpc.aio.server(options=grpc_util.SERVER_OPTIONS)
+    add_kv_events_servicer(server, log, StreamOptions(heartbeat_s=5.0))
+    port = grpc_util.add_port(server, "127.0.0.1:0")
+    await server.start()
+    try:
+        reader = KvStreamReader(Replica())
+        async with grpc_util.aio_channel(f"127.0.0.1:{port}") as channel:
+            stub = kv_events_pb2_grpc.KvEventsStub(channel)
+            call = stub.Subscribe(reader.request("test", min_interval_ms=1000))
+            _store_many(log, 0, 1)
+            while not (reader.synced and reader.next_sequence == log.head + 1):
+                reader.feed(await asyncio.wait_for(call.read(), 5))
+            _store_many(log, 1, 1)
+            assert _events_of(await asyncio.wait_for(call.read(), 5)) == 1
+            _store_many(log, 2, 49)
+            assert _events_of(await asyncio.wait_for(call.read(), 5)) == 49
+            call.cancel()
+    finally:
+        await server.stop(None)

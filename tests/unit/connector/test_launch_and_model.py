@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
+from pdplane.connector.config import ConnectorConfig
 from pdplane.launch.vllm_cpu import LEAN_ENV, VllmCpuInstance, VllmCpuOptions
 from pdplane.models.tiny import build_tiny_model
 
@@ -39,10 +42,11 @@ def test_connector_instance_command_carries_role_and_settings(tmp_path: Path) ->
     assert kv["kv_role"] == "kv_consumer" and kv["kv_load_failure_policy"] == "recompute"
     extra = kv["kv_connector_extra_config"]
     assert extra["url"] == "http://127.0.0.1:8101" and extra["kv_port"] == 50101
-    assert extra["registry"] == "127.0.0.1:50051" and extra["token"] == "tok"
+    assert extra["registry"] == "127.0.0.1:50051" and "token" not in extra
     assert extra["transfer_timeout_s"] == 9
     env = inst.env()
     assert env["PATH"] == "/usr/bin" and env["VLLM_CPU_OMP_THREADS_BIND"] == "1"
+    assert env["PDPLANE_TOKEN"] == "tok"  # in the environment, not argv (ps shows argv)
     assert all(env[k] == v for k, v in LEAN_ENV.items())
     assert inst.kv_endpoint == "127.0.0.1:50101" and inst.url == "http://127.0.0.1:8101"
 
@@ -96,3 +100,12 @@ def test_kv_events_off_without_connector_prefix_cache_or_when_given(tmp_path: Pa
         tmp_path / "c.log",
     )
     assert given.command().count("--kv-events-config") == 1
+
+
+def test_connector_reads_its_tokens_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+
+    monkeypatch.setenv("PDPLANE_TOKEN", "kv-tok")
+    monkeypatch.setenv("PDPLANE_REGISTRY_TOKEN", "reg-tok")
+    config = ConnectorConfig.from_extra_config({})
+    assert config.token == "kv-tok" and config.registry_token == "reg-tok"
+    assert ConnectorConfig.from_extra_config({"token": "explicit"}).token == "explicit"

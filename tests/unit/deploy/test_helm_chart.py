@@ -6,6 +6,7 @@ rendered objects or is a real pdplane flag."""
 
 from __future__ import annotations
 
+import base64
 import json
 import re
 from typing import Any
@@ -322,9 +323,9 @@ def test_every_grpc_caller_sends_the_shared_token(rendered: Rendered) -> None:
             continue
         token = c.env().get("PDPLANE_TOKEN")
         assert token and token["valueFrom"]["secretKeyRef"]["key"], c.where
-        if (config := _kv_transfer_config(c)) is not None:
-            extra = config["kv_connector_extra_config"]
-            assert extra["token"] == extra["registry_token"] == "$(PDPLANE_TOKEN)", c.where
+        if _kv_transfer_config(c) is not None:
+            # vLLM's own connector reads its registry credential from the environment.
+            assert c.env()["PDPLANE_REGISTRY_TOKEN"]["value"] == "$(PDPLANE_TOKEN)", c.where
         engines += _is_engine(c)
     groups = [
         w
@@ -334,6 +335,24 @@ def test_every_grpc_caller_sends_the_shared_token(rendered: Rendered) -> None:
         )
     ]
     assert engines == len(groups) > 0
+
+
+def test_no_token_appears_in_any_containers_args_or_command(rendered: Rendered) -> None:
+    # argv is readable by every process of the node (`ps`, /proc/*/cmdline): tokens travel in
+    # the environment only, neither as a $(VAR) reference nor as the Secret's value.
+    secrets = {
+        base64.b64decode(v).decode()
+        for s in rendered.of("Secret")
+        for v in (s.get("data") or {}).values()
+    }
+    for c in rendered.containers():
+        argv = [str(a) for a in [*(c.spec.get("command") or []), *c.args()]]
+        for text in argv:
+            assert "TOKEN)" not in text, (c.where, text)
+            assert not any(len(v) >= 16 and v in text for v in secrets), c.where
+        if (config := _kv_transfer_config(c)) is not None:
+            extra = config["kv_connector_extra_config"]
+            assert not {"token", "registry_token"} & set(extra), c.where
 
 
 def test_probes_and_services_use_ports_their_containers_have(rendered: Rendered) -> None:
@@ -500,3 +519,19 @@ def test_bad_values_fail_the_render_with_a_clear_message(
 ) -> None:
     with pytest.raises(helm.HelmError, match=re.escape(message)):
         render(preset("gpu-1p1d"), values)
+
+
+def test_the_admin_token_reaches_only_the_registry_and_the_engines_drain(
+    rendered: Rendered,
+) -> None:
+    # The registry checks it; an engine pod's preStop `pdplane drain` sends it; the scheduler
+    # and the gateway never change another instance's lease, so they do not get it.
+    seen: set[str] = set()
+    for c in rendered.containers():
+        admin = c.env().get("PDPLANE_ADMIN_TOKEN")
+        if _is_engine(c) or (_is_pdplane_service(c) and c.args()[0] == "registry"):
+            assert admin and admin["valueFrom"]["secretKeyRef"]["key"], c.where
+            seen.add("engine" if _is_engine(c) else "registry")
+        else:
+            assert admin is None, c.where
+    assert seen == {"engine", "registry"}

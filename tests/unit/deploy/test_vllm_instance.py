@@ -51,7 +51,10 @@ def test_environment_settings_roles_tokens_and_tls(
     extra = _kv_config(argv)["kv_connector_extra_config"]
     assert _kv_config(argv)["kv_role"] == "kv_consumer"
     assert extra["url"] == "http://decode-7:9100"
-    assert extra["token"] == extra["registry_token"] == "s3cret"
+    # Tokens reach the connector through the environment, never argv (ps shows argv).
+    assert "token" not in extra and "registry_token" not in extra
+    assert "s3cret" not in " ".join(argv)
+    assert env["PDPLANE_TOKEN"] == env["PDPLANE_REGISTRY_TOKEN"] == "s3cret"
     assert extra["registry_tls_ca"] == extra["tls_ca"] == "/etc/pdplane/tls/ca.pem"
     assert "tls_cert" not in extra
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "1"

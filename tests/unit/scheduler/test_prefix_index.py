@@ -100,7 +100,7 @@ def test_live_events_extend_and_removal_maps_engine_hashes() -> None:
     e.log.cleared()
     _pump(reader, cursor)
     assert index.match(hashes) == {}
-    assert index.entries == 0 and index.tables["GPU"] == {}
+    assert index.entries == 0 and len(index.tables["GPU"]) == 0 and len(index.holder_sets) == 0
 
 
 def test_evicted_prefix_is_no_longer_predicted_on_that_instance_only() -> None:
@@ -175,7 +175,7 @@ def test_removed_instance_frees_its_entries_and_slot() -> None:
     _live(index, "e", e)
     slot = index.instance("e").slot  # type: ignore[union-attr]
     index.remove_instance("e")
-    assert index.entries == 0 and index.tables["GPU"] == {}
+    assert index.entries == 0 and len(index.tables["GPU"]) == 0 and len(index.holder_sets) == 0
     assert index.add_instance("f").slot == slot
 
 

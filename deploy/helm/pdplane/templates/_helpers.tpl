@@ -98,6 +98,16 @@ assignments, so which one a gateway uses does not change the decisions).
       key: {{ .Values.auth.tokenKey }}
 {{- end -}}
 
+{{/* The admin token: only where drains come from (registry checks, engines' preStop sends). */}}
+{{- define "pdplane.adminTokenEnv" -}}
+- name: PDPLANE_ADMIN_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "pdplane.authSecretName" . }}
+      key: {{ .Values.auth.adminTokenKey }}
+      optional: true
+{{- end -}}
+
 {{/* TLS: the env of a gRPC server and client (server = true adds cert and key). */}}
 {{- define "pdplane.tlsEnv" -}}
 {{- $root := index . 0 -}}

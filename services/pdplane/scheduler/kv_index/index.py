@@ -31,13 +31,20 @@ import logging
 from collections.abc import Collection, Iterable, Sequence
 from enum import StrEnum
 
+import numpy as np
+
 from pdplane.core.kv_events import DEFAULT_MEDIUM
 from pdplane.core.prefix_hash import HASH_VERSION, block_hashes
+from pdplane.scheduler.kv_index.holders import HolderSets, HolderTable
+from pdplane.scheduler.kv_index.kernels import match_runs, warm_up
+from pdplane.scheduler.kv_index.u64map import U64Map, U64s
 from pdplane.v1 import kv_events_pb2
 
 __all__ = ["InstanceBlocks", "KvState", "PrefixIndex"]
 
 log = logging.getLogger(__name__)
+
+_FIRST_CHUNK = 64  # blocks probed by match's first step (1k tokens at block size 16)
 
 
 class KvState(StrEnum):
@@ -64,7 +71,7 @@ class InstanceBlocks:
         self.bit = 1 << slot
         self.state = KvState.SYNCING
         self.state_reason = "no snapshot yet"
-        self.blocks: dict[str, dict[int, int]] = {}  # medium -> engine hash -> own hash
+        self.blocks: dict[str, U64Map] = {}  # medium -> engine hash -> own hash (uint64)
         self.orphans = 0  # stored blocks whose parent was unknown (not indexed)
         self.dropped = 0  # stored blocks refused by the memory bound
         self._pending: _Pending | None = None
@@ -138,35 +145,37 @@ class InstanceBlocks:
         mapping = self.blocks.get(medium)
         if not mapping:
             return
-        table = self.index.tables.get(medium)
-        if table is None:
-            return
-        keep = ~self.bit
-        released = 0
-        for eng in engine_hashes:
-            own = mapping.pop(eng, None)
-            if own is None:
-                continue
-            released += 1
-            mask = table.get(own, 0) & keep
-            if mask:
-                table[own] = mask
-            else:
-                table.pop(own, None)
+        table = self.index.tables[medium]
+        if isinstance(engine_hashes, Sequence) and len(engine_hashes) == 1:
+            one = table.unstore_one(mapping, int(engine_hashes[0]), self.bit)
+            if one is not None:
+                self.index.entries -= one
+                return
+        keys = np.fromiter(engine_hashes, np.uint64)
+        released = table.unstore(mapping, keys, self.bit)
+        if released is None:  # keys 0 or 1: per-call numpy operations
+            own, found = mapping.pop(np.unique(keys))
+            released = int(found.sum())
+            if released:
+                table.remove(np.unique(own[found]), self.bit)
         self.index.entries -= released
 
     def clear(self) -> None:
         """Forgets every block of this instance (AllBlocksCleared, snapshot, leaving)."""
         for medium, mapping in self.blocks.items():
-            self.removed(list(mapping), medium)
+            _, own = mapping.items()
+            self.index.entries -= len(mapping)
+            self.index.tables[medium].remove(np.unique(own), self.bit)
         self.blocks = {}
 
     # -- helpers -------------------------------------------------------------------------------
 
     def _own_of(self, engine: int, medium: str) -> int | None:
-        own = self.blocks.get(medium, {}).get(engine)
+        mapping = self.blocks.get(medium)
+        own = mapping.get_one(engine) if mapping is not None else None
         if own is None and medium != DEFAULT_MEDIUM:  # an offloaded block's parent on device
-            own = self.blocks.get(DEFAULT_MEDIUM, {}).get(engine)
+            device = self.blocks.get(DEFAULT_MEDIUM)
+            own = device.get_one(engine) if device is not None else None
         return own
 
     def _add(self, medium: str, engine_hashes: Sequence[int], own: Sequence[int]) -> None:
@@ -178,22 +187,38 @@ class InstanceBlocks:
             n = max(room, 0)
         if n <= 0:
             return
-        mapping = self.blocks.setdefault(medium, {})
-        table = index.tables.setdefault(medium, {})
-        bit = self.bit
-        added = 0
-        for i in range(n):
-            eng = engine_hashes[i]
-            h = own[i]
-            prev = mapping.get(eng)
-            if prev == h:
-                continue  # stored again (vLLM re-announces reused blocks)
-            if prev is not None:
-                self.removed((eng,), medium)
-            mapping[eng] = h
-            table[h] = table.get(h, 0) | bit
-            added += 1
-        index.entries += added
+        mapping = self.blocks.get(medium)
+        if mapping is None:
+            mapping = self.blocks[medium] = U64Map(np.uint64)
+        table = index.tables.get(medium)
+        if table is None:
+            table = index.tables[medium] = HolderTable(index.holder_sets)
+        if n == 1:  # single-block events: no numpy, no kernel call
+            added = table.store_one(mapping, int(engine_hashes[0]), int(own[0]), self.bit)
+            if added is not None:
+                index.entries += added
+                return
+        eng = np.fromiter(engine_hashes, np.uint64, len(engine_hashes))[:n]
+        new = np.fromiter(own, np.uint64, len(own))[:n]
+        added = table.store(mapping, eng, new, self.bit)
+        if added is None:
+            self._add_slow(mapping, table, eng, new)
+        else:
+            index.entries += added
+
+    def _add_slow(self, mapping: U64Map, table: HolderTable, eng: U64s, new: U64s) -> None:
+        # Batches with the keys 0 or 1 (U64Map's side dict): per-call numpy operations.
+        prev, found = mapping.get(eng)
+        same = found & (prev == new)  # stored again (vLLM re-announces reused blocks)
+        if same.all():
+            return
+        moved = found & ~same  # an engine block now under another own hash
+        if moved.any():
+            table.remove(np.unique(prev[moved]), self.bit)
+        if same.any():
+            eng, new = eng[~same], new[~same]
+        self.index.entries += mapping.put(eng, new)
+        table.add(np.unique(new), self.bit)
 
     def _apply_snapshot_medium(
         self, medium: str, blocks: dict[int, tuple[int | None, kv_events_pb2.BlockStored]]
@@ -257,9 +282,11 @@ class PrefixIndex:
     """
 
     def __init__(self, max_blocks: int = 100_000_000) -> None:
+        warm_up()  # compile the table kernels now, not on the first event
         self.max_blocks = max_blocks
         self.entries = 0
-        self.tables: dict[str, dict[int, int]] = {}
+        self.holder_sets = HolderSets()  # shared by every medium's table
+        self.tables: dict[str, HolderTable] = {}  # medium -> own hash -> holder set
         self._instances: dict[str, InstanceBlocks] = {}
         self._by_slot: dict[int, InstanceBlocks] = {}
         self._free_slots: list[int] = []
@@ -338,21 +365,37 @@ class PrefixIndex:
                 if inst is not None:
                     mask |= inst.bit
             alive &= mask
-        if not table or not alive:
+        if not table or not alive or not len(hashes):
             return {}
         found: dict[str, int] = {}
         by_slot = self._by_slot
+        masks = self.holder_sets.masks
+        ids = table.ids
+        special = ids.special
+        sid0, sid1 = special.get(0, -1), special.get(1, -1)
         depth = 0
-        get = table.get
-        for h in hashes:
-            held = get(h, 0) & alive
-            if held != alive:
-                if depth:
-                    _report(alive & ~held, depth, by_slot, found)
-                alive = held
-                if not alive:
-                    return found
-            depth += 1
+        start = 0
+        chunk = _FIRST_CHUNK
+        while start < len(hashes):
+            # Probe a chunk of blocks at a time (64, then doubling): most walks end early.
+            keys = np.fromiter(hashes[start : start + chunk], np.uint64)
+            hkeys, hvals, hbits = ids.arrays  # one read: a table growing meanwhile is new
+            out = match_runs(hkeys, hvals, hbits, keys, sid0, sid1).tolist()
+            held, runs = out[0], out[1]
+            # Walk runs of blocks with the same holder set: one step per run, not per block.
+            for r in range(2, 2 + 2 * runs, 2):
+                held_by = masks[out[r]] & alive
+                if held_by != alive:
+                    if depth:
+                        _report(alive & ~held_by, depth, by_slot, found)
+                    alive = held_by
+                    if not alive:
+                        return found
+                depth += out[r + 1]
+            if held < len(keys):
+                break
+            start += len(keys)
+            chunk *= 2
         if depth:
             _report(alive, depth, by_slot, found)
         return found

@@ -79,6 +79,9 @@ class KvIndexManager:
             heartbeat every 1 s).
         max_lag_events: an instance more than this many events behind its engine is STALE.
         subscriber: name sent to the instances (their log lines).
+        events_interval_ms: asks each instance for at most one events message per this many ms
+            (it batches the interval's events): the index's cost per second then follows this
+            rate, not the request rate, for up to this much staleness (0 = every batch at once).
     """
 
     def __init__(
@@ -91,6 +94,7 @@ class KvIndexManager:
         stale_after_s: float = 3.0,
         max_lag_events: int = 10_000,
         subscriber: str = "scheduler",
+        events_interval_ms: int = 10,
     ) -> None:
         self.source = source
         self.index = index or PrefixIndex()
@@ -99,6 +103,7 @@ class KvIndexManager:
         self.stale_after_s = stale_after_s
         self.max_lag_events = max_lag_events
         self._subscriber = subscriber
+        self._events_interval_ms = events_interval_ms
         self._followers: dict[str, _Follower] = {}
         self._revision = -1
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -249,7 +254,10 @@ class KvIndexManager:
             try:
                 async with grpc_util.aio_channel(f.endpoint, self._tls_ca) as channel:
                     stub = kv_events_pb2_grpc.KvEventsStub(channel)
-                    call = stub.Subscribe(f.reader.request(self._subscriber), metadata=metadata)
+                    call = stub.Subscribe(
+                        f.reader.request(self._subscriber, self._events_interval_ms),
+                        metadata=metadata,
+                    )
                     async for msg in call:
                         if not f.connected:
                             f.connected = True

@@ -40,6 +40,7 @@ def start_kv_index(
         stale_after_s=settings.kv_stale_after_s,
         max_lag_events=settings.kv_max_lag_events,
         subscriber=subscriber,
+        events_interval_ms=settings.kv_events_interval_ms,
     )
     if registry is not None:
         manager.register_metrics(registry)

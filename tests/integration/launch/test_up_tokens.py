@@ -1,0 +1,109 @@
+"""`pdplane up`'s fleet is token-protected with nothing typed; `pdplane ls` and `pdplane drain`
+work against it by reading the fleet's credentials file.
+
+Uses the launch helpers `pdplane up` runs on (FleetSpec.from_settings with up's settings, the
+credentials file, Fleet's real registry/scheduler/gateway processes) and a registered instance
+standing in for vLLM.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from pdplane.cli.up import UpSettings
+from pdplane.core import fleet_credentials, grpc_util
+from pdplane.launch.fleet import Fleet, FleetSpec
+from pdplane.launch.ports import free_port_run
+from pdplane.registry.client import RegistrationClient
+from pdplane.v1 import instance_pb2, registry_pb2, registry_pb2_grpc
+from tests.integration.registry.fixtures import make_spec
+
+
+@pytest.fixture
+def cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("PDPLANE_CACHE_DIR", str(tmp_path / "cache"))
+    for name in ("PDPLANE_TOKEN", "PDPLANE_ADMIN_TOKEN", "PDPLANE_REGISTRY_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    return tmp_path / "cache"
+
+
+@pytest.fixture
+def fleet(
+    cache_dir: Path, tmp_path: Path
+) -> Iterator[tuple[Fleet, fleet_credentials.FleetCredentials]]:
+    base = free_port_run(3)
+    argv = ["--registry-port", str(base), "--scheduler-port", str(base + 1)]
+    argv += ["--gateway-port", str(base + 2), "--log-dir", str(tmp_path / "logs")]
+    settings = UpSettings.parse(argv)
+    creds = fleet_credentials.generate(f"{settings.host}:{settings.registry_port}")
+    spec = FleetSpec.from_settings(settings, token=creds.token, admin_token=creds.admin_token)
+    fleet_credentials.write(creds)
+    running = Fleet(spec)
+    try:
+        running.start_services(60)
+        yield running, creds
+    finally:
+        running.stop()
+        fleet_credentials.remove(creds)
+
+
+def _pdplane(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "pdplane.cli.main", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ},
+    )
+
+
+def test_the_fleet_is_protected_and_its_tools_need_nothing_typed(
+    fleet: tuple[Fleet, fleet_credentials.FleetCredentials], cache_dir: Path
+) -> None:
+    running, creds = fleet
+    address = running.registry_address
+    path = fleet_credentials.credentials_path()
+    assert path.parent == cache_dir
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert fleet_credentials.for_registry(address) == creds
+
+    with grpc_util.channel(address) as chan:
+        stub = registry_pb2_grpc.RegistryStub(chan)
+        with pytest.raises(grpc.RpcError) as err:
+            stub.ListInstances(registry_pb2.ListInstancesRequest(), timeout=5)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    # The tokens travel in the children's environment, never their argv (which ps shows).
+    for pid in running.service_pids():
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode()
+        assert creds.token not in cmdline and creds.admin_token not in cmdline
+
+    client = RegistrationClient(
+        address, make_spec("decode-5", instance_pb2.ROLE_DECODE), token=creds.token
+    )
+    client.start()
+    try:
+        assert client.wait_registered(10)
+        listed = _pdplane("ls", "--registry", address, "--json")
+        assert listed.returncode == 0, listed.stderr
+        assert "decode-5" in listed.stdout
+        drained = _pdplane("drain", "decode-5", "--registry", address)
+        assert drained.returncode == 0, drained.stderr
+        assert drained.stdout.strip() == "decode-5: draining"
+    finally:
+        client.stop()
+
+
+def test_tools_do_not_send_a_fleet_s_tokens_to_another_registry(
+    fleet: tuple[Fleet, fleet_credentials.FleetCredentials],
+) -> None:
+    running, _ = fleet
+    assert fleet_credentials.for_registry("127.0.0.1:1") is None
+    assert fleet_credentials.for_registry(f"127.0.0.1:1,{running.registry_address}") is not None

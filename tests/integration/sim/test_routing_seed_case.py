@@ -1,0 +1,35 @@
+"""The routing benchmark's seed case, small: random decode choice piles up, pdplane's does not.
+
+The seed's 1P7D failure (bench/routing.py preset `seed-1p7d-mini`: ~1k-token prompts, push
+mode into bounded receive buffers with overflow -> recompute, decode KV near full) through
+the real gateway, registry and sims. Orderings only, never absolute times.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+from bench.routing import preset_points, run_point
+
+
+@pytest.mark.timeout(600)
+def test_random_decode_choice_piles_up_and_least_loaded_stays_balanced(tmp_path: Path) -> None:
+    rows = ["seed-proxy:random", "pdplane:least_loaded"]
+    got = {
+        p.row: run_point(p, tmp_path / p.row.replace(":", "-"))
+        for p in preset_points("seed-1p7d-mini", rows)
+    }
+    rnd, ll = got["seed-proxy:random"], got["pdplane:least_loaded"]
+    for r in (rnd, ll):
+        assert r["ok"] > 0.5 * r["requests"], r
+    # pdplane's policy: balanced decode KV, no receive-buffer overflow.
+    assert ll["decode_kv_max_over_mean"] <= 1.15, ll
+    assert ll["push_refused"] == 0, ll
+    # random: the pile-up of the seed's report.
+    assert rnd["decode_kv_max_over_mean"] > ll["decode_kv_max_over_mean"], (rnd, ll)
+    assert rnd["push_refused"] + rnd["preemptions"] > ll["push_refused"] + ll["preemptions"]
+    assert rnd["decode_waiting_peak"] > ll["decode_waiting_peak"], (rnd, ll)
