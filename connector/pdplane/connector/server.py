@@ -253,7 +253,7 @@ def start_kv_server(
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="pdplane-kv"),
         interceptors=interceptors,
-        options=grpc_util.SERVER_OPTIONS,
+        options=grpc_util.KV_SERVER_OPTIONS,
     )
     for service in services:
         service.register(server)
