@@ -109,5 +109,5 @@ class ScheduleStream:
 def _expire(future: asyncio.Future[scheduler_pb2.ScheduleResult], timeout_s: float) -> None:
     if not future.done():
         future.set_exception(
-            StreamEnded(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {timeout_s:g} s")
+            StreamEnded(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {timeout_s:.3g} s")
         )
