@@ -7,8 +7,9 @@
 # 2. builds `python:3.11-slim` locally (no image registry is reachable here);
 # 3. validates every profile with `docker compose config -q`;
 # 4. `docker compose --profile cpu up -d --build --wait` on free host ports;
-# 5. runs the host-side checks in tests/docker (pytest -m docker): registry gRPC health,
-#    `pdplane ls --json` lists one prefill and one decode, a completion and a streaming chat
+# 5. runs the host-side checks in tests/docker (pytest -m docker) with the token the stack
+#    generated (read out of its volume, as an operator would): registry gRPC health, a wrong
+#    token is refused, `pdplane ls --json` lists one prefill and one decode, a completion and a streaming chat
 #    through the gateway's published port, `docker compose restart registry`; then re-creates
 #    the stack with deploy/docker-compose.tls.yml (test certificates, shared token) and checks
 #    it again (tests/docker/test_compose_tls.py);
@@ -90,6 +91,11 @@ prepare_build_context() {
   fi
 }
 
+# The shared token the stack's `tokens` service generated into its volume.
+compose_token() {
+  docker compose exec -T registry cat /run/pdplane/fleet/token
+}
+
 t=$SECONDS
 engine_install_prereqs
 engine_install_compose
@@ -122,7 +128,10 @@ if [[ $stages == *" cpu "* ]]; then
 
   export PDPLANE_COMPOSE_GATEWAY="http://127.0.0.1:$gw_port"
   export PDPLANE_COMPOSE_REGISTRY="127.0.0.1:$reg_port"
-  "$PYTHON" -m pytest -m docker tests/docker/test_compose_stack.py -p no:cacheprovider -v -s
+  # The generated token, as docs/deploy.md tells operators to read it; `pdplane ls` in the
+  # tests takes it from PDPLANE_TOKEN.
+  PDPLANE_TOKEN=$(compose_token) \
+    "$PYTHON" -m pytest -m docker tests/docker/test_compose_stack.py -p no:cacheprovider -v -s
 
   # Same stack with TLS on every gRPC hop and a shared token (deploy/docker-compose.tls.yml).
   t=$SECONDS
@@ -144,7 +153,7 @@ if [[ $stages == *" cpu "* ]]; then
 fi
 
 if [[ $stages == *" ha "* ]]; then
-  # Plain HA stack (no TLS, no token): deploy/ha.env turns the registry onto etcd and points
+  # Plain HA stack (no TLS; the generated token): deploy/ha.env turns the registry onto etcd and points
   # every client at both replicas; COMPOSE_* reach the tests' `docker compose` calls too.
   unset PDPLANE_ENV_FILE PDPLANE_TLS_DIR PDPLANE_COMPOSE_TOKEN PDPLANE_COMPOSE_TLS_CA
   export COMPOSE_ENV_FILES="$root/deploy/ha.env" COMPOSE_PROFILES=ha,sim
@@ -155,7 +164,8 @@ if [[ $stages == *" ha "* ]]; then
   export PDPLANE_COMPOSE_REGISTRY="127.0.0.1:$reg_port"
   export PDPLANE_COMPOSE_GATEWAY_2="http://127.0.0.1:$gw2_port"
   export PDPLANE_COMPOSE_REGISTRY_2="127.0.0.1:$reg2_port"
-  "$PYTHON" -m pytest -m docker tests/docker/test_compose_ha.py -p no:cacheprovider -v
+  PDPLANE_TOKEN=$(compose_token) \
+    "$PYTHON" -m pytest -m docker tests/docker/test_compose_ha.py -p no:cacheprovider -v
   t=$SECONDS
   docker compose down --volumes --timeout 20
   left=$(docker ps -aq --filter "label=com.docker.compose.project=$COMPOSE_PROJECT_NAME")

@@ -59,6 +59,15 @@ def test_registry_answers_grpc_health_on_published_port(registry_addr: str) -> N
     assert reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
+def test_registry_refuses_a_wrong_token(
+    registry_addr: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Protected mode holds with the token the stack generated: no PDPLANE_INSECURE anywhere.
+    argv = ["--registry", registry_addr, "--json", "--token", "wrong", "--scheduler", ""]
+    assert ls.main(argv, out=io.StringIO()) == 1
+    assert "UNAUTHENTICATED" in capsys.readouterr().err
+
+
 def test_pdplane_ls_lists_one_prefill_and_one_decode(registry_addr: str) -> None:
     instances = _ls_json(registry_addr)
     assert _roles(instances) == ["decode", "prefill"], instances

@@ -18,6 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from pdplane.core import defaults
+from pdplane.core.token_file import read_token
 
 __all__ = ["ConnectorConfig", "ConnectorConfigError"]
 
@@ -126,12 +127,20 @@ class ConnectorConfig(BaseModel):
 
         `token` and `registry_token` not in it come from `PDPLANE_TOKEN` and
         `PDPLANE_REGISTRY_TOKEN` (how `pdplane vllm` and `pdplane up` hand them over: an
-        environment is private to the process, argv is not).
+        environment is private to the process, argv is not), else from the files named by
+        `PDPLANE_TOKEN_FILE` / `PDPLANE_REGISTRY_TOKEN_FILE` (compose's generated tokens).
         """
         data = dict(extra or {})
         for key, var in (("token", "PDPLANE_TOKEN"), ("registry_token", "PDPLANE_REGISTRY_TOKEN")):
-            if key not in data and os.environ.get(var):
+            if key in data:
+                continue
+            if os.environ.get(var):
                 data[key] = os.environ[var]
+            elif path := os.environ.get(f"{var}_FILE"):
+                try:
+                    data[key] = read_token(path)
+                except ValueError as exc:
+                    raise ConnectorConfigError(f"{var}_FILE: {exc}") from None
         try:
             return cls.model_validate(data)
         except ValidationError as exc:

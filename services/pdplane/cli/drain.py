@@ -21,6 +21,7 @@ from pydantic import Field
 
 from pdplane.core import defaults, fleet_credentials, grpc_util
 from pdplane.core.settings import CommandSettings
+from pdplane.core.token_file import token_file_field
 from pdplane.registry.endpoints import RegistryEndpoints, call_any
 from pdplane.v1 import instance_pb2, registry_pb2
 
@@ -40,11 +41,19 @@ class DrainSettings(CommandSettings):
         description="registry admin token (default: the local `pdplane up` fleet's, if this is "
         "its registry)",
     )
+    admin_token_file: str | None = token_file_field("--admin-token")
     tls_ca: str | None = Field(None, description="CA certificate (PEM) to verify registry TLS")
     timeout_s: float = Field(5.0, gt=0, description="deadline of each call (s)")
 
 
-_VALUE_FLAGS = {"--registry", "--admin-token", "--tls-ca", "--timeout-s", "--instance-id"}
+_VALUE_FLAGS = {
+    "--registry",
+    "--admin-token",
+    "--admin-token-file",
+    "--tls-ca",
+    "--timeout-s",
+    "--instance-id",
+}
 
 
 def _positional_id(argv: list[str]) -> list[str]:

@@ -25,6 +25,7 @@ from pydantic import Field
 
 from pdplane.core import grpc_util
 from pdplane.core.settings import CommandSettings
+from pdplane.core.token_file import token_file_field
 
 __all__ = ["GrpcSettings", "main"]
 
@@ -33,6 +34,7 @@ class GrpcSettings(CommandSettings):
     """Flags of `pdplane grpc` besides its positional arguments."""
 
     token: str | None = Field(None, description="bearer token sent as call metadata")
+    token_file: str | None = token_file_field("--token")
     tls_ca: str | None = Field(None, description="CA certificate (PEM) to verify server TLS")
     timeout_s: float = Field(10.0, gt=0, description="deadline of the call (s)")
 

@@ -31,6 +31,7 @@ from pydantic import Field
 from pdplane.core import defaults, fleet_credentials, grpc_util
 from pdplane.core.instance_json import event_to_dict, instance_to_dict, parse_role
 from pdplane.core.settings import CommandSettings
+from pdplane.core.token_file import token_file_field
 from pdplane.registry.endpoints import FAILOVER_CODES, RegistryEndpoints, call_any
 from pdplane.v1 import instance_pb2, registry_pb2, scheduler_pb2, scheduler_pb2_grpc
 
@@ -55,6 +56,7 @@ class LsSettings(CommandSettings):
         description="registry bearer token (default: the local `pdplane up` fleet's, if this is "
         "its registry)",
     )
+    token_file: str | None = token_file_field("--token")
     tls_ca: str | None = Field(
         None, description="CA certificate (PEM) to verify the registry's and scheduler's TLS"
     )

@@ -17,6 +17,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "registry": ("pdplane.registry.__main__", "run the registry gRPC service"),
     "ls": ("pdplane.cli.ls", "list (or --watch) the instances in a registry"),
     "drain": ("pdplane.cli.drain", "stop scheduling onto an instance before removing it"),
+    "tokens": ("pdplane.cli.tokens", "write random bearer tokens into files once (init step)"),
     "grpc": ("pdplane.cli.grpc", "call any gRPC method by reflection (list, Service/Method JSON)"),
     "scheduler": ("pdplane.scheduler.__main__", "run the scheduler gRPC service"),
     "gateway": ("pdplane.gateway.__main__", "run the OpenAI-compatible gateway"),

@@ -23,6 +23,7 @@ from pydantic import Field
 
 from pdplane.core import defaults, fleet_credentials
 from pdplane.core.settings import CommandSettings
+from pdplane.core.token_file import token_file_field
 from pdplane.launch.foreground import run_in_foreground
 from pdplane.launch.vllm_cpu import VllmCpuInstance, VllmCpuOptions
 
@@ -61,6 +62,8 @@ class InstanceSettings(CommandSettings):
     registry_token: str | None = Field(
         None, description="bearer token for the registry when it differs from --token"
     )
+    token_file: str | None = token_file_field("--token")
+    registry_token_file: str | None = token_file_field("--registry-token")
     tls_ca: str | None = Field(
         None, description="PEM CA to verify the registry's and the peers' KvTransfer TLS"
     )

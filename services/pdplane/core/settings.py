@@ -1,16 +1,20 @@
 """Typed command settings: every field is a `--kebab-case` flag and a `PDPLANE_*` env var.
 
 Built on pydantic-settings' CLI support, so flags, environment and defaults are parsed and
-validated in one place (precedence: flag > environment > default).
+validated in one place (precedence: flag > environment > default). A token setting `<name>`
+with a `<name>_file` companion is read from that file when it is empty
+(`pdplane.core.token_file`).
 """
 
 from __future__ import annotations
 
 import sys
-from typing import Self
+from typing import Any, Self
 
-from pydantic import ValidationError
+from pydantic import ValidationError, model_validator
 from pydantic_settings import BaseSettings, CliApp, CliSettingsSource, SettingsConfigDict
+
+from pdplane.core.token_file import resolve_token_files
 
 __all__ = ["CommandSettings"]
 
@@ -25,6 +29,12 @@ class CommandSettings(BaseSettings):
         cli_exit_on_error=True,
         extra="ignore",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _token_files(cls, data: Any) -> Any:
+        # Before the subclasses' checks (protected mode looks at the token).
+        return resolve_token_files(data, cls.model_fields)
 
     @classmethod
     def parse(cls, argv: list[str], prog: str | None = None) -> Self:

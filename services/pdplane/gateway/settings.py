@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field
 
 from pdplane.core import defaults
+from pdplane.core.token_file import token_file_field
 from pdplane.scheduler import EMBEDDED, PolicySettings
 
 __all__ = ["GatewaySettings"]
@@ -82,6 +83,7 @@ class GatewaySettings(PolicySettings):
     token: str | None = Field(
         None, description="bearer token for the scheduler, registry and KvTransfer gRPC calls"
     )
+    token_file: str | None = token_file_field("--token")
     tls_ca: str | None = Field(None, description="PEM CA for TLS to the gRPC services")
     schedule_timeout_s: float = Field(5.0, gt=0, description="deadline of one Schedule call (s)")
     release_batch_s: float = Field(

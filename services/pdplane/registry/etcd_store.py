@@ -43,13 +43,13 @@ from pdplane.registry.etcd_lease import ReplicaLease, describe
 from pdplane.registry.etcd_loads import LoadReports
 from pdplane.registry.etcd_view import EtcdView, composite, etcd_revision
 from pdplane.registry.store import (
-    AlreadyExistsError,
     LeaseGrant,
     LeasePolicy,
     NotFoundError,
     StoreError,
     StoreUnavailableError,
     Subscription,
+    check_replace,
 )
 from pdplane.v1 import instance_pb2, registry_store_pb2
 
@@ -263,13 +263,34 @@ class EtcdStore:
 
     # ------------------------------------------------------------------------- membership
 
-    def register(self, spec: instance_pb2.InstanceSpec, ttl_ms: int) -> LeaseGrant:
-        return self._run(self._register(spec, ttl_ms))
+    def register(
+        self,
+        spec: instance_pb2.InstanceSpec,
+        ttl_ms: int,
+        lease_id: str = "",
+        admin: bool = False,
+    ) -> LeaseGrant:
+        return self._run(self._register(spec, ttl_ms, lease_id, admin))
 
-    async def aregister(self, spec: instance_pb2.InstanceSpec, ttl_ms: int) -> LeaseGrant:
-        return await self._hop(self._register(spec, ttl_ms))
+    async def aregister(
+        self,
+        spec: instance_pb2.InstanceSpec,
+        ttl_ms: int,
+        lease_id: str = "",
+        admin: bool = False,
+    ) -> LeaseGrant:
+        return await self._hop(self._register(spec, ttl_ms, lease_id, admin))
 
-    async def _register(self, spec: instance_pb2.InstanceSpec, ttl_ms: int) -> LeaseGrant:
+    def _expired_here(self, instance_id: str) -> bool:
+        """True when this replica holds `instance_id` and its lease deadline passed (the
+        reaper has not deleted the key yet)."""
+        with self.lock:
+            owned = self._owned.get(instance_id)
+        return owned is not None and owned.deadline <= time.monotonic()
+
+    async def _register(
+        self, spec: instance_pb2.InstanceSpec, ttl_ms: int, lease_id: str, admin: bool
+    ) -> LeaseGrant:
         ttl_ms, interval_ms = self.policy.grant(ttl_ms)
         key = self._key("instances/", spec.instance_id)
         for _ in range(_CAS_TRIES):
@@ -284,13 +305,13 @@ class EtcdStore:
                 guard = absent(key)
             else:
                 old = registry_store_pb2.StoredInstance.FromString(kv.value).instance
-                if old.spec != spec:
-                    raise AlreadyExistsError(
-                        f"spec.instance_id: {echo(spec.instance_id)} is held by a live lease with "
-                        "a different spec"
-                    )
-                instance.registered_at.CopyFrom(old.registered_at)
-                instance.load.CopyFrom(old.load)
+                expired = self._expired_here(spec.instance_id)
+                if not expired:
+                    check_replace(old, spec, lease_id, admin)
+                    instance.registered_at.CopyFrom(old.registered_at)
+                    instance.load.CopyFrom(old.load)
+                else:
+                    instance.registered_at.FromNanoseconds(now_ns)
                 guard = unchanged_since(key, kv.mod_revision)
             value = registry_store_pb2.StoredInstance(instance=instance, lease_ttl_ms=ttl_ms)
             ok, rev = await self._etcd.txn(

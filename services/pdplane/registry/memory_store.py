@@ -14,11 +14,11 @@ from dataclasses import dataclass
 
 from pdplane.core.echo import echo
 from pdplane.registry.store import (
-    AlreadyExistsError,
     LeaseGrant,
     LeasePolicy,
     NotFoundError,
     Subscription,
+    check_replace,
 )
 from pdplane.registry.watch_hub import WatchHub, filter_instances
 from pdplane.v1 import instance_pb2, registry_pb2
@@ -100,16 +100,19 @@ class InMemoryStore:
             return None
         return entry
 
-    def register(self, spec: instance_pb2.InstanceSpec, ttl_ms: int) -> LeaseGrant:
+    def register(
+        self,
+        spec: instance_pb2.InstanceSpec,
+        ttl_ms: int,
+        lease_id: str = "",
+        admin: bool = False,
+    ) -> LeaseGrant:
         ttl_ms, interval_ms = self.policy.grant(ttl_ms)
         now, now_ns = self._clock(), time.time_ns()
         with self.lock:
             old = self._live(spec.instance_id, now)
-            if old is not None and old.instance.spec != spec:
-                raise AlreadyExistsError(
-                    f"spec.instance_id: {echo(spec.instance_id)} is held by a live lease with a "
-                    "different spec"
-                )
+            if old is not None:
+                check_replace(old.instance, spec, lease_id, admin)
             instance = instance_pb2.Instance(
                 spec=spec, state=_SERVING, lease_id=secrets.token_hex(8)
             )
@@ -214,8 +217,14 @@ class InMemoryStore:
         with self.lock:
             return self._hub.watch(from_revision, self._revision, notify, ahead_ok=False)
 
-    async def aregister(self, spec: instance_pb2.InstanceSpec, ttl_ms: int) -> LeaseGrant:
-        return self.register(spec, ttl_ms)  # never blocks: one lock, no I/O
+    async def aregister(
+        self,
+        spec: instance_pb2.InstanceSpec,
+        ttl_ms: int,
+        lease_id: str = "",
+        admin: bool = False,
+    ) -> LeaseGrant:
+        return self.register(spec, ttl_ms, lease_id, admin)  # never blocks: one lock, no I/O
 
     async def aheartbeat(
         self, instance_id: str, lease_id: str, load: instance_pb2.LoadReport

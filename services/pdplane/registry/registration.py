@@ -38,6 +38,9 @@ _PERMANENT = {
     grpc.StatusCode.PERMISSION_DENIED,
 }
 _PERMANENT_RETRY_S = 5.0
+#: ALREADY_EXISTS: the id's previous lease is still live (this process restarted before it
+#: expired). Retried often so that the instance is back within about a second of the expiry.
+_HELD_RETRY_S = 1.0
 
 
 def _is_idle(load: instance_pb2.LoadReport) -> bool:
@@ -320,7 +323,7 @@ class RegistrationClient:
             return 0.0
         if code in _PERMANENT:
             log.error("registry rejected %s: %s", self.instance_id, self.last_error)
-            return _PERMANENT_RETRY_S
+            return _HELD_RETRY_S if code == grpc.StatusCode.ALREADY_EXISTS else _PERMANENT_RETRY_S
         if code in FAILOVER_CODES and self._endpoints.several and not self._stopping.is_set():
             self._endpoints.failover()
             self.failovers += 1

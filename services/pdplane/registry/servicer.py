@@ -220,7 +220,10 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
 
         def run() -> registry_pb2.RegisterResponse:
             _check_register(request)
-            return _registered(self._store.register(request.spec, request.lease_ttl_ms))
+            admin = self._policy.is_admin(context)
+            return _registered(
+                self._store.register(request.spec, request.lease_ttl_ms, request.lease_id, admin)
+            )
 
         return _call(context, registry_pb2.RegisterResponse(), run)
 
@@ -329,7 +332,11 @@ class AioRegistryServicer(RegistryServicer):
     async def Register(self, request: Any, context: Any) -> registry_pb2.RegisterResponse:  # type: ignore[override]
         async def run() -> registry_pb2.RegisterResponse:
             _check_register(request)
-            return _registered(await self._store.aregister(request.spec, request.lease_ttl_ms))
+            admin = self._policy.is_admin(context)
+            grant = await self._store.aregister(
+                request.spec, request.lease_ttl_ms, request.lease_id, admin
+            )
+            return _registered(grant)
 
         return await _acall(context, registry_pb2.RegisterResponse(), run)
 

@@ -9,6 +9,7 @@ from pydantic import Field, model_validator
 from pdplane.core import defaults
 from pdplane.core.grpc_auth import check_bind
 from pdplane.core.settings import CommandSettings
+from pdplane.core.token_file import token_file_field
 
 __all__ = ["RegistrySettings"]
 
@@ -38,6 +39,8 @@ class RegistrySettings(CommandSettings):
     admin_token: str | None = Field(
         None, description="operators' bearer token: also drain or deregister any instance by id"
     )
+    token_file: str | None = token_file_field("--token")
+    admin_token_file: str | None = token_file_field("--admin-token")
     insecure: bool = Field(
         False, description="allow a non-loopback --host without --token (anyone may register)"
     )

@@ -12,10 +12,12 @@ asyncio servicer awaits (never blocks its loop).
 
 from __future__ import annotations
 
+import hmac
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+from pdplane.core.echo import echo
 from pdplane.v1 import instance_pb2, registry_pb2
 
 __all__ = [
@@ -27,6 +29,7 @@ __all__ = [
     "StoreError",
     "StoreUnavailableError",
     "Subscription",
+    "check_replace",
 ]
 
 
@@ -39,7 +42,31 @@ class NotFoundError(StoreError):
 
 
 class AlreadyExistsError(StoreError):
-    """The id is held by a live lease with a different spec."""
+    """The id is held by a live lease: with a different spec, or by a caller that did not
+    prove it holds that lease."""
+
+
+def check_replace(
+    old: instance_pb2.Instance, spec: instance_pb2.InstanceSpec, lease_id: str, admin: bool
+) -> None:
+    """Raises AlreadyExistsError unless `spec` may replace `old`, which holds a live lease.
+
+    The spec must be identical, and the caller must prove it is the holder: `lease_id` is
+    `old`'s live lease id, or `admin` (the admin token). Without that proof a holder of the
+    shared token could copy a spec from ListInstances and take the instance's lease (and its
+    traffic). A restarted instance re-registers without proof once its old lease expired.
+    """
+    if old.spec != spec:
+        raise AlreadyExistsError(
+            f"spec.instance_id: {echo(spec.instance_id)} is held by a live lease with a "
+            "different spec"
+        )
+    if not admin and not hmac.compare_digest(old.lease_id.encode(), lease_id.encode()):
+        raise AlreadyExistsError(
+            f"spec.instance_id: {echo(spec.instance_id)} is held by a live lease: re-registering "
+            "it needs that lease_id or the admin token (a restarted instance registers again "
+            "once its old lease expired)"
+        )
 
 
 class StoreUnavailableError(StoreError):
@@ -98,10 +125,17 @@ class InstanceStore(Protocol):
         """The revision of the last change."""
         ...
 
-    def register(self, spec: instance_pb2.InstanceSpec, ttl_ms: int) -> LeaseGrant:
-        """Adds `spec` (already validated) with a new lease, or replaces the lease when the
-        same id is registered with an identical spec or its old lease expired.
-        Raises AlreadyExistsError for a different spec under a live lease."""
+    def register(
+        self,
+        spec: instance_pb2.InstanceSpec,
+        ttl_ms: int,
+        lease_id: str = "",
+        admin: bool = False,
+    ) -> LeaseGrant:
+        """Adds `spec` (already validated) with a new lease. An id whose old lease expired is
+        registered afresh; a live one is replaced only as `check_replace` allows (identical
+        spec, and `lease_id` its live lease id or `admin`). Raises AlreadyExistsError
+        otherwise."""
         ...
 
     def heartbeat(
@@ -140,7 +174,13 @@ class InstanceStore(Protocol):
         still held, else a SNAPSHOT (always a SNAPSHOT for 0)."""
         ...
 
-    async def aregister(self, spec: instance_pb2.InstanceSpec, ttl_ms: int) -> LeaseGrant:
+    async def aregister(
+        self,
+        spec: instance_pb2.InstanceSpec,
+        ttl_ms: int,
+        lease_id: str = "",
+        admin: bool = False,
+    ) -> LeaseGrant:
         """`register` as a coroutine."""
         ...
 

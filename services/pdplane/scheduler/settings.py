@@ -7,6 +7,7 @@ from pydantic import Field, field_validator, model_validator
 from pdplane.core import defaults
 from pdplane.core.grpc_auth import check_bind
 from pdplane.core.settings import CommandSettings
+from pdplane.core.token_file import token_file_field
 from pdplane.scheduler.policies import POLICIES
 from pdplane.scheduler.policies.kv_aware import LOCAL_PREFILL_MAX_TOKENS
 
@@ -131,6 +132,8 @@ class SchedulerSettings(PolicySettings):
     registry_token: str | None = Field(
         default=None, description="bearer token for the registry when it differs from --token"
     )
+    token_file: str | None = token_file_field("--token")
+    registry_token_file: str | None = token_file_field("--registry-token")
     insecure: bool = Field(
         default=False,
         description="allow a non-loopback --host without --token (anyone may Schedule/Release)",

@@ -13,6 +13,7 @@ from pydantic import Field
 
 from pdplane.core.defaults import KV_TRANSFER_TIMEOUT_S
 from pdplane.core.settings import CommandSettings
+from pdplane.core.token_file import token_file_field
 from pdplane.sim.config import SimConfig
 
 __all__ = ["SimSettings"]
@@ -32,6 +33,7 @@ class SimSettings(CommandSettings):
     instance_id: str = Field("", description="registry id (default sim-<role>-<port>)")
     registry: str | None = Field(None, description="registry host:port; none = no registration")
     registry_token: str | None = Field(None, description="registry bearer token")
+    registry_token_file: str | None = token_file_field("--registry-token")
     lease_ttl_ms: int = Field(0, ge=0, description="requested lease TTL (ms); 0 = default")
     profile: str = Field(
         "",

@@ -28,8 +28,15 @@ class RegisterRequest(_message.Message):
 
     SPEC_FIELD_NUMBER: _builtins.int
     LEASE_TTL_MS_FIELD_NUMBER: _builtins.int
+    LEASE_ID_FIELD_NUMBER: _builtins.int
     lease_ttl_ms: _builtins.int
     """Requested lease TTL in ms; 0 = the registry's default (5000). Capped by the registry."""
+    lease_id: _builtins.str
+    """Proof for re-registering an id whose lease is still live: its current lease id (or the
+    call carries the admin token). Empty for a new id, or once the old lease expired or the
+    registry forgot it (a restarted instance or registry). A live id re-registered without
+    proof is ALREADY_EXISTS, as is a live id with a different spec.
+    """
     @_builtins.property
     def spec(self) -> _instance_pb2.InstanceSpec: ...
     def __init__(
@@ -37,10 +44,11 @@ class RegisterRequest(_message.Message):
         *,
         spec: _instance_pb2.InstanceSpec | None = ...,
         lease_ttl_ms: _builtins.int = ...,
+        lease_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["spec", b"spec"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_ttl_ms", b"lease_ttl_ms", "spec", b"spec"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_id", b"lease_id", "lease_ttl_ms", b"lease_ttl_ms", "spec", b"spec"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -83,8 +83,9 @@ class RegistryServicer:
     def Register(self, request, context):
         """Registers an instance and grants a lease.
         Errors: INVALID_ARGUMENT (field named in the message), ALREADY_EXISTS (same id with a
-        different spec and a live lease), UNAUTHENTICATED (token configured, missing or wrong).
-        Re-registering the same id with an identical spec replaces the old lease.
+        live lease and a different spec, or without proof: see RegisterRequest.lease_id),
+        UNAUTHENTICATED (token configured, missing or wrong). Re-registering a live id with an
+        identical spec and its lease id (or the admin token) replaces the old lease.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -37,8 +37,9 @@ class RegistryStub:
     Register: _grpc.UnaryUnaryMultiCallable[_registry_pb2.RegisterRequest, _registry_pb2.RegisterResponse]
     """Registers an instance and grants a lease.
     Errors: INVALID_ARGUMENT (field named in the message), ALREADY_EXISTS (same id with a
-    different spec and a live lease), UNAUTHENTICATED (token configured, missing or wrong).
-    Re-registering the same id with an identical spec replaces the old lease.
+    live lease and a different spec, or without proof: see RegisterRequest.lease_id),
+    UNAUTHENTICATED (token configured, missing or wrong). Re-registering a live id with an
+    identical spec and its lease id (or the admin token) replaces the old lease.
     """
     Heartbeat: _grpc.UnaryUnaryMultiCallable[_registry_pb2.HeartbeatRequest, _registry_pb2.HeartbeatResponse]
     """Renews a lease and records the load report. NOT_FOUND for an unknown or expired lease:
@@ -75,8 +76,9 @@ class RegistryAsyncStub(RegistryStub):
     Register: _aio.UnaryUnaryMultiCallable[_registry_pb2.RegisterRequest, _registry_pb2.RegisterResponse]  # type: ignore[assignment]
     """Registers an instance and grants a lease.
     Errors: INVALID_ARGUMENT (field named in the message), ALREADY_EXISTS (same id with a
-    different spec and a live lease), UNAUTHENTICATED (token configured, missing or wrong).
-    Re-registering the same id with an identical spec replaces the old lease.
+    live lease and a different spec, or without proof: see RegisterRequest.lease_id),
+    UNAUTHENTICATED (token configured, missing or wrong). Re-registering a live id with an
+    identical spec and its lease id (or the admin token) replaces the old lease.
     """
     Heartbeat: _aio.UnaryUnaryMultiCallable[_registry_pb2.HeartbeatRequest, _registry_pb2.HeartbeatResponse]  # type: ignore[assignment]
     """Renews a lease and records the load report. NOT_FOUND for an unknown or expired lease:
@@ -116,8 +118,9 @@ class RegistryServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_registry_pb2.RegisterResponse, _abc.Awaitable[_registry_pb2.RegisterResponse]]:
         """Registers an instance and grants a lease.
         Errors: INVALID_ARGUMENT (field named in the message), ALREADY_EXISTS (same id with a
-        different spec and a live lease), UNAUTHENTICATED (token configured, missing or wrong).
-        Re-registering the same id with an identical spec replaces the old lease.
+        live lease and a different spec, or without proof: see RegisterRequest.lease_id),
+        UNAUTHENTICATED (token configured, missing or wrong). Re-registering a live id with an
+        identical spec and its lease id (or the admin token) replaces the old lease.
         """
 
     @_abc_1.abstractmethod

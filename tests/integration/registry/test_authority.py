@@ -1,5 +1,6 @@
 """Per-instance authority: a rogue cannot register without the token, an instance changes only
-its own lease, lease ids are never listed, an operator's admin token drains anyone.
+its own lease (nor takes one by re-registering a copied spec), lease ids are never listed, an
+operator's admin token drains anyone.
 
 Runs on both stores (the registry suite's autouse fixture) and both server flavours.
 """
@@ -12,6 +13,7 @@ import grpc
 import pytest
 
 from pdplane.core import grpc_util
+from pdplane.registry.client import RegistrationClient
 from pdplane.v1 import instance_pb2, registry_pb2, registry_pb2_grpc
 from tests.integration.registry.conftest import WatchRecorder, wait_until
 from tests.integration.registry.fixtures import make_spec, running_registry
@@ -139,3 +141,49 @@ def test_a_second_conflicting_authorization_header_is_refused(
     assert _code(lambda: stub.Deregister(drain, metadata=admin_too, timeout=5)) == (
         grpc.StatusCode.UNAUTHENTICATED
     )
+
+
+def _beat(stub: registry_pb2_grpc.RegistryStub, name: str, lease: str) -> int:
+    request = registry_pb2.HeartbeatRequest(instance_id=name, lease_id=lease)
+    return int(stub.Heartbeat(request, metadata=_as(TOKEN), timeout=5).lease_ttl_ms)
+
+
+def test_a_live_lease_is_not_taken_by_re_registering_a_copied_spec(
+    stub: registry_pb2_grpc.RegistryStub,
+) -> None:
+    lease = _register(stub, "decode-1")
+    # The rogue copies the spec from List (no lease id there) and re-registers it.
+    listed = stub.ListInstances(registry_pb2.ListInstancesRequest(), metadata=_as(TOKEN))
+    copied = registry_pb2.RegisterRequest(spec=listed.instances[0].spec)
+    for guess in ("", "0123456789abcdef"):
+        copied.lease_id = guess
+        code = _code(lambda: stub.Register(copied, metadata=_as(TOKEN), timeout=5))
+        assert code == grpc.StatusCode.ALREADY_EXISTS
+    assert _beat(stub, "decode-1", lease) > 0  # the holder keeps its lease
+
+    # The holder itself (its lease id as proof) and an operator (admin token) may replace it.
+    copied.lease_id = lease
+    again = stub.Register(copied, metadata=_as(TOKEN), timeout=5).lease_id
+    assert again and again != lease
+    assert _code(lambda: _beat(stub, "decode-1", lease)) == grpc.StatusCode.NOT_FOUND
+    copied.lease_id = ""
+    by_admin = stub.Register(copied, metadata=_as(ADMIN), timeout=5).lease_id
+    assert by_admin not in ("", again)
+    assert _beat(stub, "decode-1", by_admin) > 0
+
+
+def test_a_restarted_instance_registers_again_by_itself_once_its_lease_expired(
+    address: str, stub: registry_pb2_grpc.RegistryStub
+) -> None:
+    # A crashed process: registered with a 1 s lease and never heard of again.
+    spec = make_spec("decode-1", instance_pb2.ROLE_DECODE)
+    old = registry_pb2.RegisterRequest(spec=spec, lease_ttl_ms=1000)
+    stub.Register(old, metadata=_as(TOKEN), timeout=5)
+    # Its restart (same id, same spec, no lease id) is back within ~2 s of the expiry.
+    client = RegistrationClient(address, spec, token=TOKEN)
+    client.start()
+    try:
+        assert client.wait_registered(timeout=1.0 + 2.5), client.last_error
+        assert _beat(stub, "decode-1", client.lease_id) > 0
+    finally:
+        client.stop()

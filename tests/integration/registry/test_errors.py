@@ -95,8 +95,10 @@ def test_duplicate_id_with_other_spec(stub: registry_pb2_grpc.RegistryStub) -> N
     err = _refused(stub.Register, registry_pb2.RegisterRequest(spec=make_spec("p0", model="x")))
     assert err.code() == Code.ALREADY_EXISTS
     assert err.details().startswith("spec.instance_id: ")
-    # The identical spec re-registers (a restarted instance) and replaces the lease.
-    again = stub.Register(registry_pb2.RegisterRequest(spec=make_spec("p0")))
+    # The identical spec with the live lease id (the holder's proof) replaces the lease.
+    again = stub.Register(
+        registry_pb2.RegisterRequest(spec=make_spec("p0"), lease_id=first.lease_id)
+    )
     assert again.lease_id != first.lease_id
 
 

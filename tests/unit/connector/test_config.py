@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from pdplane.connector.config import ConnectorConfig, ConnectorConfigError
@@ -61,3 +63,20 @@ def test_transport_options_follow_the_transport() -> None:
     assert tls.transport_options() == {}
     with pytest.raises(ConnectorConfigError, match="nccl_strategy"):
         ConnectorConfig.from_extra_config({"nccl_strategy": "scatter"})
+
+
+def test_tokens_come_from_files_when_the_environment_has_none(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "token").write_text("kv-secret\n")
+    monkeypatch.setenv("PDPLANE_TOKEN", "")
+    monkeypatch.delenv("PDPLANE_REGISTRY_TOKEN", raising=False)
+    monkeypatch.setenv("PDPLANE_TOKEN_FILE", str(tmp_path / "token"))
+    monkeypatch.setenv("PDPLANE_REGISTRY_TOKEN_FILE", str(tmp_path / "token"))
+    cfg = ConnectorConfig.from_extra_config({})
+    assert cfg.token == cfg.registry_token == "kv-secret"
+    monkeypatch.setenv("PDPLANE_TOKEN", "from-env")  # a non-empty variable wins
+    assert ConnectorConfig.from_extra_config({}).token == "from-env"
+    monkeypatch.setenv("PDPLANE_REGISTRY_TOKEN_FILE", str(tmp_path / "absent"))
+    with pytest.raises(ConnectorConfigError, match="PDPLANE_REGISTRY_TOKEN_FILE"):
+        ConnectorConfig.from_extra_config({})

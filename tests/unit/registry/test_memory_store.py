@@ -60,7 +60,8 @@ def test_register_heartbeat_expire(store: InMemoryStore, clock: Clock) -> None:
 
 def test_heartbeat_with_stale_lease_is_not_found(store: InMemoryStore) -> None:
     first = store.register(make_spec("p0"), 0)
-    second = store.register(make_spec("p0"), 0)  # identical spec: replaces the lease
+    # Identical spec and the live lease id (the holder's proof): replaces the lease.
+    second = store.register(make_spec("p0"), 0, lease_id=first.lease_id)
     assert first.lease_id != second.lease_id
     with pytest.raises(NotFoundError, match="lease_id"):
         store.heartbeat("p0", first.lease_id, instance_pb2.LoadReport())
