@@ -19,9 +19,7 @@ from pdplane.v1 import scheduler_pb2, scheduler_pb2_grpc
 def _answer(call: scheduler_pb2.ScheduleCall, by: str) -> scheduler_pb2.ScheduleResult:
     # The reason names the request and the answering scheduler: what the client must get back.
     ref = scheduler_pb2.InstanceRef(instance_id=f"{by}-d", url="http://127.0.0.1:1")
-    response = scheduler_pb2.ScheduleResponse(
-        decode=ref, reason=f"{by}:{call.request.request_id}"
-    )
+    response = scheduler_pb2.ScheduleResponse(decode=ref, reason=f"{by}:{call.request.request_id}")
     return scheduler_pb2.ScheduleResult(call_id=call.call_id, response=response)
 
 
