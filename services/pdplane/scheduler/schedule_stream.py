@@ -71,6 +71,7 @@ class ScheduleStream:
             error = StreamEnded(grpc.StatusCode.CANCELLED, "the stream was closed")
         finally:
             self.ended = True
+            self._outbox.put_nowait(None)  # ends the request generator, which waits on it
             for future in pending.values():
                 if not future.done():
                     future.set_exception(error)

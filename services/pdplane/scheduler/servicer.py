@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 
 import grpc
@@ -20,10 +21,13 @@ from pdplane.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 __all__ = ["SchedulerServicer"]
 
+log = logging.getLogger(__name__)
+
 _DECISION = "pdplane.scheduler.decision"
 _OK = grpc.StatusCode.OK.value[0]
 _INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT.value[0]
 _UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
+_INTERNAL = grpc.StatusCode.INTERNAL.value[0]
 _MESSAGE_MAX = 1024  # characters of a ScheduleResult's error message
 
 
@@ -84,6 +88,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             return _failed(call.call_id, _INVALID_ARGUMENT, exc)
         except NoInstance as exc:
             return _failed(call.call_id, _UNAVAILABLE, exc)
+        except Exception as exc:
+            # One call's bug must not end the stream that the gateway's other calls share.
+            log.exception("ScheduleStream call %s failed", request.request_id[:128])
+            return _failed(call.call_id, _INTERNAL, exc)
         return scheduler_pb2.ScheduleResult(
             call_id=call.call_id, response=decision_to_pb(decision), code=_OK
         )

@@ -6,13 +6,14 @@ stream is what the rest of this package tests."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 import pytest
 
-from pdplane.scheduler import RequestFeatures, SchedulerUnavailable
+from pdplane.scheduler import Decision, RequestFeatures, SchedulerError, SchedulerUnavailable
 from pdplane.scheduler.remote import RemoteScheduler
+from pdplane.scheduler.server import SchedulerServer
 from pdplane.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 
@@ -177,3 +178,27 @@ async def test_the_trace_context_rides_in_each_call() -> None:
         tracing.shutdown()
         await client.close()
         await server.stop(0)
+
+
+async def test_one_failing_call_does_not_end_the_stream(
+    pair_server: Callable[..., SchedulerServer], client_factory: Callable[..., RemoteScheduler]
+) -> None:
+    server = pair_server()
+    service = server.app.service
+    assert service is not None
+    decide = service.schedule
+
+    def schedule(features: RequestFeatures) -> Decision:
+        if features.request_id == "poison":
+            raise RuntimeError("a bug")
+        return decide(features)
+
+    service.schedule = schedule  # type: ignore[method-assign,assignment]
+    client = client_factory(server.address)
+    assert (await client.schedule(_features("before"))).decode.instance_id == "d0"
+    stream = client._stream
+    with pytest.raises(SchedulerError) as err:
+        await client.schedule(_features("poison"))
+    assert err.value.code == grpc.StatusCode.INTERNAL
+    assert (await client.schedule(_features("after"))).decode.instance_id == "d0"
+    assert client._stream is stream and stream is not None and not stream.ended
