@@ -88,7 +88,8 @@ class RemoteScheduler:
     The channel is opened on first use (inside the caller's event loop). `timeout_s` bounds
     every call (seconds); a scheduler that does not answer in time counts as unavailable.
     `release_batch_s` (seconds) bounds how long a `release_nowait` waits for a Schedule to ride
-    on before it is sent in a `ReleaseBatch`.
+    on before it is sent in a `ReleaseBatch`. `stream` False sends every Schedule as a unary
+    call (as against a scheduler without ScheduleStream).
     """
 
     def __init__(
@@ -99,6 +100,7 @@ class RemoteScheduler:
         tls_ca: str | Path | None = None,
         timeout_s: float = 5.0,
         release_batch_s: float = 0.05,
+        stream: bool = True,
     ) -> None:
         self._address = address
         self._tls_ca = tls_ca
@@ -111,7 +113,8 @@ class RemoteScheduler:
         self._flush_timer: asyncio.TimerHandle | None = None
         self._flushes: set[asyncio.Task[Any]] = set()
         self._stream: ScheduleStream | None = None
-        self._unary = False  # the scheduler answered UNIMPLEMENTED to ScheduleStream
+        # Unary Schedules: asked for, or the scheduler answered UNIMPLEMENTED to ScheduleStream.
+        self._unary = not stream
 
     def _get_stub(self) -> scheduler_pb2_grpc.SchedulerStub:
         if self._stub is None:

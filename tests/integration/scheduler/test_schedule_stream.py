@@ -156,6 +156,41 @@ async def test_a_scheduler_without_the_stream_is_called_unary() -> None:
         await server.stop(0)
 
 
+class _Both(_StandIn):
+    """A scheduler with ScheduleStream and the unary Schedule, counting each."""
+
+    def __init__(self) -> None:
+        super().__init__("stream")
+        self.unary = _UnaryOnly()
+
+    async def Schedule(
+        self, request: scheduler_pb2.ScheduleRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.ScheduleResponse:
+        return await self.unary.Schedule(request, context)
+
+
+async def test_schedule_stream_off_sends_unary_calls_only() -> None:
+    from pdplane.gateway.settings import GatewaySettings
+    from pdplane.scheduler.factory import open_scheduler
+
+    both = _Both()
+    server, address = await _serve(both)
+    # The gateway's setting (`--no-schedule-stream`, PDPLANE_SCHEDULE_STREAM=false) reaches
+    # the client through the one factory.
+    off = open_scheduler(GatewaySettings(scheduler=address, schedule_stream=False))
+    on = open_scheduler(GatewaySettings(scheduler=address))
+    try:
+        for rid in ("a", "b"):
+            assert (await off.schedule(_features(rid))).reason == f"unary:{rid}"
+        assert (both.unary.unary_calls, both.streams) == (2, 0)
+        assert (await on.schedule(_features("c"))).reason == "stream:c"
+        assert (both.unary.unary_calls, both.streams) == (2, 1)
+    finally:
+        await off.close()
+        await on.close()
+        await server.stop(0)
+
+
 async def test_the_trace_context_rides_in_each_call() -> None:
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
