@@ -62,7 +62,7 @@ def run_study(args: argparse.Namespace, out: Path) -> list[dict[str, Any]]:
         workload="fixed",
         rate=0.0,
         row="",
-        duration_s=args.duration,
+        duration_s=60.0 if args.duration is None else args.duration,
         profile=args.profile,
         time_scale=args.time_scale,
         stream_interval=args.stream_interval,

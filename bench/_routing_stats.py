@@ -1,7 +1,8 @@
 """A routing run's numbers: the client's latencies and the sims' own counters over a window.
 
 Client side (modelled seconds): TTFT percentiles of the requests sent in the window (a request
-that failed or did not finish counts as an infinite TTFT), mean TPOT per request, goodput
+that failed, or was still waiting for its first token at the end, counts as an infinite TTFT),
+mean TPOT per request, goodput
 (requests per second meeting both SLOs). Sim side (two `GET /fleet/stats` reads, at the start
 and at the end of the window): output tokens per second, prefix cache hit rate (prefill and
 decode instances), KV transferred per finished decode request, per-decode time-averaged
@@ -37,7 +38,12 @@ def client_numbers(
 ) -> dict[str, Any]:
     """Latencies of the requests sent in [start, end) (modelled s) and goodput."""
     window = [o for o in outcomes if start <= o.sent < end]
-    ttfts = [o.ttft if o.ok else math.inf for o in window]
+    # A request cut off after its first token still has a TTFT; one that failed or never got
+    # a token counts as infinite.
+    ttfts = [
+        o.ttft if o.ttft >= 0 and not (o.error and o.error != "unfinished") else math.inf
+        for o in window
+    ]
     tpots = [o.tpot for o in window if o.ok and o.tokens > 1]
     good = [o for o in window if o.ok and o.ttft <= slo_ttft_s and o.tpot <= slo_tpot_s]
     span = max(end - start, 1e-9)

@@ -144,7 +144,9 @@ class HoldAccess:
             raise AccessDenied("transfer_id is required", grpc.StatusCode.INVALID_ARGUMENT)
         self.check_layout(request.expected_layout)
         try:
-            hold = self.holds.pin(request.transfer_id, wait_s=self.arrival_wait(time_remaining))
+            hold = self.holds.pin(
+                request.transfer_id, self.arrival_wait(time_remaining), request.requester_id
+            )
         except HoldUnknown:
             raise AccessDenied(
                 f"transfer {request.transfer_id} is not held (unknown, expired or freed)",

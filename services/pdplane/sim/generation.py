@@ -67,7 +67,8 @@ class CompletionRoutes:
     async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
         try:
             body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+            # RecursionError: nesting deeper than json's recursion limit ("[" * 100_000)
             return error_response(SimApiError(400, "request body is not valid JSON"))
         record = self._s.recorder.add(request.path, request.headers.get("X-Request-Id", ""), body)
         try:

@@ -76,6 +76,10 @@ def _int_field(body: dict[str, Any], name: str) -> int | None:
     return value
 
 
+#: Exclusive bound of a prompt token id (uint32 on the KV events wire).
+_TOKEN_ID_LIMIT = 2**32
+
+
 def _completion_prompt(body: dict[str, Any], tok: Tokenizer) -> tuple[list[int], str, str | None]:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
@@ -87,6 +91,10 @@ def _completion_prompt(body: dict[str, Any], tok: Tokenizer) -> tuple[list[int],
         and prompt
         and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
     ):
+        # Token ids travel as uint32 (KV events): one outside that range used to raise inside
+        # the engine loop, which then served nobody again.
+        if not all(0 <= t < _TOKEN_ID_LIMIT for t in prompt):
+            raise _bad(f"prompt token ids must be in [0, {_TOKEN_ID_LIMIT})", "prompt")
         return prompt, prompt_key(prompt), None
     raise _bad("prompt must be a string or a list of token ids (one prompt per request)", "prompt")
 

@@ -149,18 +149,32 @@ def _post(url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
 
 
 def _settle(stack: Stack) -> None:
-    """Waits until the index applied what the engines published (no lag, a quiet moment)."""
+    """Waits until the index applied what the engines published and holds, on the instances
+    that served the last request, every full block of its prompt: the precondition of the
+    routing assertions that follow (vLLM publishes from its own thread, so a fixed pause would
+    only hope). Fails, with the index's view, if an engine never reports them."""
     manager = stack.scheduler.app.kv_index
     assert manager is not None
-    deadline = time.monotonic() + 20
+    features, decision = stack.port.decisions[-1]
+    hashes = features.prefix_hashes[BS]
+    full = len(hashes)
+    served = [decision.decode.instance_id]
+    if decision.prefill is not None:
+        served.append(decision.prefill.instance_id)
+    deadline = time.monotonic() + 30
 
     def quiet() -> bool:
-        return all(s.state is KvState.LIVE and s.lag_events == 0 for s in manager.states())
+        if not all(s.state is KvState.LIVE and s.lag_events == 0 for s in manager.states()):
+            return False
+        held = manager.index.match(hashes, instances=served)
+        return all(held.get(iid, 0) >= full for iid in served)
 
     while not quiet():
-        assert time.monotonic() < deadline, manager.states()
+        held = manager.index.match(hashes, instances=served)
+        assert time.monotonic() < deadline, (
+            f"the index never showed {full} blocks on {served}: holds {held}; {manager.states()}"
+        )
         time.sleep(0.05)
-    time.sleep(0.5)  # vLLM publishes from its own thread: let a last batch land
 
 
 def _ids(seed: int, n: int) -> list[int]:

@@ -185,3 +185,22 @@ def test_malformed_chat_content_is_400_like_vllm(content: object) -> None:
         r = httpx.post(sims.urls[0] + "/v1/chat/completions", json=body)
         assert r.status_code == 400, r.text
         assert r.json()["error"]["type"] == "BadRequestError"
+
+
+@pytest.mark.parametrize(
+    ("path", "raw"),
+    [
+        # deep nesting: json's RecursionError was a 500
+        ("/v1/chat/completions", b"[" * 100_000),
+        # a token id outside uint32 raised inside the engine loop: every later request hung
+        ("/v1/completions", json.dumps({"model": "sim-model", "prompt": [1, 2**40]}).encode()),
+    ],
+)
+def test_hostile_body_is_400_and_the_sim_keeps_serving(path: str, raw: bytes) -> None:
+    with running_sims("both") as sims:
+        headers = {"content-type": "application/json"}
+        r = httpx.post(sims.urls[0] + path, content=raw, headers=headers, timeout=10)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["type"] == "BadRequestError"
+        ok = httpx.post(sims.urls[0] + "/v1/chat/completions", json=CHAT, timeout=10)
+        assert ok.status_code == 200, ok.text

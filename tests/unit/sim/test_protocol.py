@@ -72,6 +72,9 @@ def test_unknown_model_is_404() -> None:
         {"prompt": "x", "stream_options": {"include_usage": True}},
         {"prompt": "x", "kv_transfer_params": [1]},
         [1, 2],
+        # token ids outside uint32 once crashed the engine loop (KV events) and froze the sim
+        {"prompt": [1, 2**32]},
+        {"prompt": [-1, 2]},
     ],
 )
 def test_malformed_requests_are_400(body: object) -> None:
