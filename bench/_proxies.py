@@ -95,8 +95,9 @@ def wait_ready(run: ProxyRun, model: str, timeout_s: float = 90.0) -> None:
 #: Variants of a pdplane proxy, appended to its name with "+" (e.g. "pdplane-embedded+tok"):
 #: tok = the gateway tokenizes prompts (`--tokenizer`, the fleet's tokenizer); kv_aware = the
 #: kv_aware policy on both sides instead of round_robin (implies tok); no-kv-index = no prefix
-#: index fed by the instances' KV events (`--no-kv-index`).
-VARIANTS = ("tok", "kv_aware", "no-kv-index")
+#: index fed by the instances' KV events (`--no-kv-index`); unary = a remote gateway's Schedules
+#: as unary calls instead of on one ScheduleStream (`--no-schedule-stream`).
+VARIANTS = ("tok", "kv_aware", "no-kv-index", "unary")
 
 
 def _variant_flags(variants: frozenset[str], fleet: Fleet) -> tuple[list[str], list[str]]:
@@ -159,6 +160,7 @@ def _pdplane(
             "--dispatch",
             dispatch,
             *(["--no-kv-index"] if "no-kv-index" in variants else []),
+            *(["--no-schedule-stream"] if "unary" in variants else []),
             *tok,
             "--log-level",
             "warning",
@@ -175,6 +177,8 @@ def _pdplane_embedded(
 ) -> ProxyRun:
     # The scheduler's decision code inside the gateway: no gRPC on the request path.
     gw_port = free_port()
+    if "unary" in variants:
+        raise ValueError("+unary is for a remote scheduler (pdplane, pdplane-concurrent)")
     policy, tok = _variant_flags(variants, fleet)
     gateway = spawn(
         "pdplane-gateway-embedded",

@@ -1,22 +1,30 @@
 """A KV node for the NCCL tests and benchmark: one process owning a paged KV cache on a GPU.
 
 The process builds a FlashAttention-layout KV cache (`[2, num_blocks, block_size, num_kv_heads,
-head_size]` per layer, random contents), binds the `nccl` transport to it, serves
-`pdplane.v1.KvTransfer` and `pdplane.v1.NcclKvTransfer` on 127.0.0.1 (port 0), prints
+head_size]` per layer, random contents), binds the `nccl` transport to it, serves the worker
+server (`pdplane.v1.KvTransfer` and `pdplane.v1.NcclKvTransfer`) on 127.0.0.1 (port 0), prints
 `{"port": N}` and then executes JSON commands read line by line from stdin, answering one JSON
 line each on stdout:
 
-  hold      {transfer_id, block_ids}                  -> prefill: hold blocks for a pull
-  checksums {block_ids}                               -> per-block checksums (all layers)
-  pull      {endpoint, transfer_id, block_indices, local_ids, timeout_s[, remote_ids]}
-  push      {endpoint, items: [{transfer_id, block_ids}], timeout_s}
-  take      {transfer_id, local_ids, timeout_s}       -> decode: copy a pushed transfer in
-  raw       {peer, is_send, nbytes, iters, timeout_s} -> plain NCCL send/recv of one buffer
-  comms     {}                                        -> communicators and their states
-  exit      {}
+  hold       {transfer_id, block_ids[, peer_id]}      -> prefill: hold blocks for a pull
+  checksums  {block_ids}                              -> per-block checksums (all layers)
+  pull       {endpoint, peer_id, transfer_id, block_indices, local_ids, timeout_s
+              [, remote_ids, strategy, chunk_bytes]}  -> decode: one pull, with its timing
+  pulls      {pulls: [pull args...], concurrency}     -> decode: pulls at once, each answered
+  push       {endpoint, peer_id, items: [{transfer_id, block_ids}], timeout_s}
+  take       {transfer_id, local_ids, timeout_s}      -> decode: copy a pushed transfer in
+  raw        {peer, is_send, nbytes, iters, timeout_s} -> plain NCCL send/recv on the pair
+  preconnect {peers: [{instance_id, endpoint, pulls_from, serves_to, pushes_to}], timeout_s}
+  drop       {peer_id}                                -> drop a peer as if it left the registry
+  deregister {drain}                                  -> leave the registry (with --registry)
+  comms      {}                                       -> pairs, their states and counters
+  serve_timings {}                                    -> prefill's side of the pulls it served
+  exit       {}
 
-Events (not answers) are lines with an "event" key, e.g. {"event": "send_started"}.
-Run with distinct NCCL_HOSTID per process when two share one GPU.
+With `--registry`, the node registers itself (role `--role`) and follows the registry like a
+connector worker: it pre-connects to the instances of the other role and drops those that
+leave (events `peer_gone`). Events (not answers) are lines with an "event" key, e.g.
+{"event": "send_started"}. Run with distinct NCCL_HOSTID per process when two share one GPU.
 """
 
 from __future__ import annotations
@@ -31,23 +39,32 @@ import sys
 import threading
 import time
 import traceback
+from concurrent import futures
+from dataclasses import asdict
 from typing import Any
 
-import grpc
 import torch
 
 from pdplane.connector.holds import HoldTable
 from pdplane.connector.kv_cache import KvCacheView
+from pdplane.connector.peer_watch import PeerFollower, PeerWatch, WorkerIdentity
 from pdplane.connector.peers import PeerPool
-from pdplane.connector.server import HoldAccess, KvTransferServicer, start_kv_server
-from pdplane.connector.transports.base import PullRequest, ServiceBinding, TransferError
+from pdplane.connector.server import HoldAccess, start_kv_server, worker_services
+from pdplane.connector.transports.base import (
+    LocalWorker,
+    PeerInstance,
+    PullRequest,
+    TransferError,
+)
 from pdplane.connector.transports.nccl import NcclTransport
 from pdplane.connector.transports.nccl.communicator import P2pOp
+from pdplane.connector.transports.nccl.pairs import PairKey, Purpose
 from pdplane.connector.transports.nccl.plan import Strategy
-from pdplane.connector.transports.nccl.service import SERVICE_NAME, NcclKvTransferServicer
-from pdplane.v1 import instance_pb2, kv_transfer_nccl_pb2_grpc
+from pdplane.core.layout import fingerprint
+from pdplane.v1 import instance_pb2
 
 _out_lock = threading.Lock()
+_ROLES = {"prefill": instance_pb2.ROLE_PREFILL, "decode": instance_pb2.ROLE_DECODE}
 
 
 def emit(obj: dict[str, Any]) -> None:
@@ -56,27 +73,13 @@ def emit(obj: dict[str, Any]) -> None:
         sys.stdout.flush()
 
 
-class _ObservedContext:
-    """A servicer context that reports the moment the transport accepts a SendBlocks
-    (its initial metadata: the NCCL sends start right after) as a `send_started` event."""
-
-    def __init__(self, context: grpc.ServicerContext, transfer_id: str) -> None:
-        self._context = context
-        self._transfer_id = transfer_id
-
-    def send_initial_metadata(self, metadata: Any) -> None:
-        self._context.send_initial_metadata(metadata)
-        emit({"event": "send_started", "transfer_id": self._transfer_id})
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._context, name)
-
-
-class ObservedNcclServicer(NcclKvTransferServicer):
-    """The transport's own service, reporting when a SendBlocks starts sending."""
-
-    def SendBlocks(self, request: Any, context: grpc.ServicerContext) -> Any:
-        return super().SendBlocks(request, _ObservedContext(context, request.blocks.transfer_id))
+def _failed(exc: TransferError, t0: float) -> dict[str, Any]:
+    return {
+        "ok": False,
+        "error": str(exc),
+        "code": exc.code.name if exc.code else None,
+        "elapsed_s": time.monotonic() - t0,
+    }
 
 
 class Node:
@@ -103,42 +106,92 @@ class Node:
         self.transport = NcclTransport(
             nccl_strategy=args.strategy,
             nccl_chunk_bytes=args.chunk_bytes,
+            max_peer_communicators=args.max_peer_communicators,
             push_buffer_bytes=args.push_gpu_bytes,
             push_spill_bytes=args.push_host_bytes,
         )
         self.peers = PeerPool()
-        self.transport.bind(KvCacheView(caches, args.num_blocks), self.peers)
+        local = LocalWorker(args.instance_id, "", 0)
+        self.transport.bind(KvCacheView(caches, args.num_blocks), self.peers, local)
+        self.engine = self.transport.engine
+        self.engine.on_send = lambda tid: emit({"event": "send_started", "transfer_id": tid})
         wgen = torch.Generator(device=f"cuda:{self.device}").manual_seed(1234)
-        inner = int(self.transport.engine.mover.views[0].shape[2])
+        inner = int(self.engine.mover.views[0].shape[2])
         self.weights = torch.randint(
             1, 1 << 20, (inner,), dtype=torch.int64, device=f"cuda:{self.device}", generator=wgen
         )
         self.holds = HoldTable()
         access = HoldAccess(self.holds, self.layout)
-        nccl = ObservedNcclServicer(access, self.transport.engine, self.transport.receiver)
-        services = [
-            KvTransferServicer(access).binding(),
-            ServiceBinding(
-                SERVICE_NAME,
-                lambda server: kv_transfer_nccl_pb2_grpc.add_NcclKvTransferServicer_to_server(
-                    nccl, server
-                ),
-            ),
-        ]
-        self.server = start_kv_server(services, "127.0.0.1:0")
+        self.server = start_kv_server(
+            worker_services(self.transport, access), "127.0.0.1:0", ready=not args.registry
+        )
         self.port = self.server.port
+        self.endpoint = f"127.0.0.1:{self.port}"
+        self.transport.local = LocalWorker(args.instance_id, self.endpoint, 0)
+        self.gone: list[dict[str, Any]] = []
+        self.follower: PeerFollower | None = None
+        self.registration: Any = None
+        if args.registry:
+            self._follow(args.registry)
+
+    def _follow(self, registry: str) -> None:
+        from pdplane.registry.client import InstanceWatcher, RegistrationClient
+
+        role = _ROLES[self.args.role]
+        me = WorkerIdentity(
+            self.args.instance_id,
+            role,
+            "bench",
+            instance_pb2.TRANSPORT_NCCL,
+            fingerprint(self.layout),
+            1,
+        )
+        watch = PeerWatch(me, lambda peers: follower.later(peers), lambda p: None, 64)
+        watcher = InstanceWatcher(registry, on_change=watch.on_change)
+        follower = PeerFollower(
+            watch, watcher, self.transport.preconnect, 30.0, lambda: self.server.set_ready(True)
+        )
+        watch.on_gone = follower.gone(self._peer_gone)
+        self.follower = follower
+        follower.start()
+        spec = instance_pb2.InstanceSpec(
+            instance_id=self.args.instance_id,
+            role=role,
+            model="bench",
+            url="http://127.0.0.1:1",
+            kv_endpoint=self.endpoint,
+            transport=instance_pb2.TRANSPORT_NCCL,
+            tp_size=1,
+            kv_layout=self.layout,
+            max_model_len=1 << 20,
+            version="bench",
+        )
+        self.registration = RegistrationClient(registry, spec, lease_ttl_ms=self.args.lease_ttl_ms)
+        follower.ready.wait(35)
+        self.registration.start()
+
+    def _peer_gone(self, peer: PeerInstance) -> None:
+        t0 = time.monotonic()
+        dropped = self.transport.peer_gone(peer)
+        self.peers.drop(peer.kv_endpoint)
+        logging.getLogger("nccl_node").warning(
+            "peer %s left the registry: dropped %s", peer.instance_id, dropped
+        )
+        event = {"event": "peer_gone", "peer": peer.instance_id, "dropped": dropped}
+        self.gone.append({**event, "drop_s": time.monotonic() - t0})
+        emit(event)
 
     # -- commands --------------------------------------------------------------------------
 
-    def cmd_hold(self, transfer_id: str, block_ids: list[int]) -> dict[str, Any]:
-        if not self.holds.add(transfer_id, transfer_id, block_ids, 3600.0):
+    def cmd_hold(self, transfer_id: str, block_ids: list[int], peer_id: str = "") -> dict[str, Any]:
+        if not self.holds.add(transfer_id, transfer_id, block_ids, 3600.0, peer_id):
             return {"ok": False, "error": f"transfer {transfer_id} held already"}
         return {}
 
     def cmd_checksums(self, block_ids: list[int]) -> dict[str, Any]:
         idx = torch.tensor(block_ids, dtype=torch.long, device=f"cuda:{self.device}")
         total = torch.zeros(len(block_ids), dtype=torch.int64, device=idx.device)
-        for layer, view in enumerate(self.transport.engine.mover.views):
+        for layer, view in enumerate(self.engine.mover.views):
             picked = view.index_select(1, idx).to(torch.int64)  # [outer, n, inner]
             per_block = (picked * self.weights).sum(dim=(0, 2))
             total = total * 31 + per_block * (layer + 1)
@@ -147,6 +200,7 @@ class Node:
     def cmd_pull(
         self,
         endpoint: str,
+        peer_id: str,
         transfer_id: str,
         block_indices: list[int],
         local_ids: list[int],
@@ -161,11 +215,12 @@ class Node:
             local_block_ids=local_ids,
             expected_layout=self.layout,
             requester_id=self.args.instance_id,
+            peer_id=peer_id,
             deadline=time.monotonic() + timeout_s,
         )
         t0 = time.monotonic()
         try:
-            result = self.transport.pull(
+            t = self.transport.pull_timed(
                 self.peers.get(endpoint),
                 request,
                 remote_ids,
@@ -174,22 +229,20 @@ class Node:
                 lambda: emit({"event": "recv_posted", "transfer_id": transfer_id}),
             )
         except TransferError as exc:
-            return {
-                "ok": False,
-                "error": str(exc),
-                "code": exc.code.name if exc.code else None,
-                "elapsed_s": time.monotonic() - t0,
-            }
+            return _failed(exc, t0)
         return {
-            "bytes": result.nbytes,
+            "bytes": t.nbytes,
             "elapsed_s": time.monotonic() - t0,
-            "connect_s": result.connect_s,
-            "post_s": result.post_s,
-            "total_s": result.total_s,
+            **{k: v for k, v in asdict(t).items() if k != "nbytes"},
         }
 
+    def cmd_pulls(self, pulls: list[dict[str, Any]], concurrency: int) -> dict[str, Any]:
+        with futures.ThreadPoolExecutor(concurrency) as pool:
+            answers = list(pool.map(lambda kw: self.cmd_pull(**kw), pulls))
+        return {"answers": answers, "failed": sum(a.get("ok") is False for a in answers)}
+
     def cmd_push(
-        self, endpoint: str, items: list[dict[str, Any]], timeout_s: float
+        self, endpoint: str, items: list[dict[str, Any]], timeout_s: float, peer_id: str = ""
     ) -> dict[str, Any]:
         t0 = time.monotonic()
         try:
@@ -199,32 +252,30 @@ class Node:
                 [(it["transfer_id"], it["block_ids"]) for it in items],
                 self.layout,
                 time.monotonic() + timeout_s,
+                peer_id=peer_id,
             )
             for layer in range(self.args.layers):
                 session.send_layer(layer)
             nbytes = session.finish()
         except TransferError as exc:
-            return {
-                "ok": False,
-                "error": str(exc),
-                "code": exc.code.name if exc.code else None,
-                "elapsed_s": time.monotonic() - t0,
-            }
+            return _failed(exc, t0)
         return {"bytes": nbytes, "spilled": session.spilled, "elapsed_s": time.monotonic() - t0}
 
     def cmd_take(self, transfer_id: str, local_ids: list[int], timeout_s: float) -> dict[str, Any]:
+        receiver = self.transport.receiver
         try:
-            n = self.transport.receiver.take(transfer_id, local_ids, time.monotonic() + timeout_s)
+            n = receiver.take(transfer_id, local_ids, time.monotonic() + timeout_s)
         except TransferError as exc:
             return {"ok": False, "error": str(exc), "code": exc.code.name if exc.code else None}
-        return {"bytes": n, "headroom": self.transport.receiver.gpu_headroom_bytes}
+        return {"bytes": n, "headroom": receiver.gpu_headroom_bytes}
 
     def cmd_raw(
         self, peer: str, is_send: bool, nbytes: int, iters: int, timeout_s: float
     ) -> dict[str, Any]:
-        comm = self.transport.engine.communicator(peer, 0)
-        if comm is None:
-            return {"ok": False, "error": f"no communicator with {peer}"}
+        pair = self.engine.pairs.get(PairKey(peer, 0, Purpose.PULL))
+        if pair is None:
+            return {"ok": False, "error": f"no pair with {peer}"}
+        comm = pair.comm
         buf = torch.empty(nbytes + 8, dtype=torch.uint8, device=f"cuda:{self.device}")
         ptr = buf.data_ptr()
         times = []
@@ -242,8 +293,45 @@ class Node:
                 times.append(time.monotonic() - t0)
         return {"times_s": times, "median_s": statistics.median(times)}
 
+    def cmd_preconnect(self, peers: list[dict[str, Any]], timeout_s: float) -> dict[str, Any]:
+        t0 = time.monotonic()
+        wanted = [
+            PeerInstance(
+                p["instance_id"],
+                p["endpoint"],
+                bool(p.get("pulls_from")),
+                bool(p.get("serves_to")),
+                bool(p.get("pushes_to")),
+            )
+            for p in peers
+        ]
+        opened = self.transport.preconnect(wanted, time.monotonic() + timeout_s)
+        return {"opened": opened, "elapsed_s": time.monotonic() - t0}
+
+    def cmd_drop(self, peer_id: str) -> dict[str, Any]:
+        return {"dropped": self.transport.peer_gone(PeerInstance(peer_id, ""))}
+
+    def cmd_deregister(self, drain: bool = False) -> dict[str, Any]:
+        """Leaves the registry (with `drain`: DRAINING first, gone once idle)."""
+        if self.registration is None:
+            return {"ok": False, "error": "not registered (no --registry)"}
+        self.registration.stop(drain=drain, drain_timeout=5.0)
+        return {}
+
     def cmd_comms(self) -> dict[str, Any]:
-        return {"comms": self.transport.engine.states()}
+        return {"comms": self.engine.states(), "stats": self.engine.stats(), "gone": self.gone}
+
+    def cmd_serve_timings(self) -> dict[str, Any]:
+        return {"timings": [asdict(t) for t in self.engine.serve_timings]}
+
+    def close(self) -> None:
+        if self.registration is not None:
+            self.registration.stop()  # idempotent
+        if self.follower is not None:
+            self.follower.stop()
+        self.server.stop(1.0)
+        self.transport.close()
+        self.peers.close()
 
 
 def main() -> int:
@@ -261,6 +349,10 @@ def main() -> int:
     p.add_argument("--chunk-bytes", type=int, default=64 << 20)
     p.add_argument("--push-gpu-bytes", type=int, default=64 << 20)
     p.add_argument("--push-host-bytes", type=int, default=64 << 20)
+    p.add_argument("--max-peer-communicators", type=int, default=64)
+    p.add_argument("--registry", default="")
+    p.add_argument("--role", choices=sorted(_ROLES), default="decode")
+    p.add_argument("--lease-ttl-ms", type=int, default=2000)
     args = p.parse_args()
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(threadName)s %(name)s %(levelname)s %(message)s"
@@ -286,9 +378,7 @@ def main() -> int:
                     "trace": traceback.format_exc(),
                 }
             )
-    node.server.stop(1.0)
-    node.transport.close()
-    node.peers.close()
+    node.close()
     return 0
 
 

@@ -5,8 +5,11 @@ Two KV node processes (bench/nccl_node.py) on the GPU(s) hold a Llama-3-8B-shape
 layout. For each prompt length, decode pulls a random, non-contiguous set of prefill blocks into
 random decode blocks (gRPC control + NCCL data), and the same number of bytes is sent raw
 between the same two ranks as one contiguous buffer. Also measured: the control-plane overhead
-per transfer (a 1-block pull, dominated by the gRPC round trip and the waits) and the first
-connect. Bytes are verified by per-block checksums (first repeat of each variant and size).
+per transfer (a 1-block pull minus raw NCCL of the same bytes) and where it goes (decode's and
+prefill's timestamps of each 1-block pull: both processes read one monotonic clock), the
+pre-connect (the pair set up before any request) and the first pull through the pre-connected
+pair against the later ones. Bytes are verified by per-block checksums (first repeat of each
+variant and size).
 
     python bench/nccl_pull.py --out results.json            # one GPU: NCCL socket transport
     python bench/nccl_pull.py --decode-device 1 ...         # two GPUs: NVLink / P2P
@@ -41,7 +44,7 @@ def _ok(answer: dict[str, Any]) -> dict[str, Any]:
 def _raw(decode: NodeProcess, prefill: NodeProcess, nbytes: int, iters: int) -> float:
     # Both ranks run their half at once; the node times from a joint 4-byte exchange.
     decode.send(
-        "raw", peer=prefill.endpoint, is_send=False, nbytes=nbytes, iters=iters, timeout_s=120
+        "raw", peer=prefill.instance_id, is_send=False, nbytes=nbytes, iters=iters, timeout_s=120
     )
     prefill.send(
         "raw", peer=decode.instance_id, is_send=True, nbytes=nbytes, iters=iters, timeout_s=120
@@ -64,6 +67,7 @@ def _pull(
         decode.call(
             "pull",
             endpoint=prefill.endpoint,
+            peer_id=prefill.instance_id,
             transfer_id=tid,
             block_indices=list(range(len(src))),
             local_ids=dst,
@@ -71,6 +75,32 @@ def _pull(
             **extra,
         )
     )
+
+
+def _breakdown(pulls: list[dict[str, Any]], prefill: NodeProcess) -> dict[str, float]:
+    """Median phases of the pulls, from decode's timing and prefill's serve timings (both
+    `time.monotonic()` instants of one host): request written, read by prefill, pinned (and
+    verdict queued), sends enqueued, receives posted (decode), bytes in (decode)."""
+    served = {t["transfer_id"]: t for t in _ok(prefill.call("serve_timings"))["timings"]}
+    phases: dict[str, list[float]] = {}
+
+    def add(name: str, seconds: float) -> None:
+        phases.setdefault(name, []).append(seconds * 1e3)
+
+    for p in pulls:
+        s = served.get(p["transfer_id"])
+        if s is None:
+            continue
+        start = p["started"]
+        add("decode: request queued", p["sent_s"])
+        add("request on the wire (stream)", s["received"] - (start + p["sent_s"]))
+        add("prefill: pin + verdict", s["pinned"] - s["received"])
+        add("prefill: gather + enqueue sends", s["enqueued"] - s["pinned"])
+        add("decode: all receives posted", p["post_s"])
+        add("decode: verdict in", p["verdict_s"])
+        add("NCCL + completion seen (decode)", start + p["total_s"] - s["enqueued"])
+        add("total", p["total_s"])
+    return {k: round(statistics.median(v), 3) for k, v in phases.items()}
 
 
 def main() -> int:
@@ -128,11 +158,14 @@ def main() -> int:
         prefill.stop()
         raise
     try:
-        first = _pull(decode, prefill, "connect", [3], [5])
-        results["first_pull_with_connect_ms"] = first["elapsed_s"] * 1e3
-        results["connect_ms"] = first["connect_s"] * 1e3
-        one, posted = [], []
-        for i in range(20):
+        peers = [{"instance_id": prefill.instance_id, "endpoint": prefill.endpoint}]
+        pre = _ok(decode.call("preconnect", peers=[{**peers[0], "pulls_from": True}], timeout_s=60))
+        results["preconnect_ms"] = pre["elapsed_s"] * 1e3
+        first = _pull(decode, prefill, "first", [3], [5])
+        results["first_pull_ms"] = first["elapsed_s"] * 1e3
+        results["first_pull_connect_ms"] = first["connect_s"] * 1e3
+        one: list[dict[str, Any]] = []
+        for i in range(40):
             got = _pull(
                 decode,
                 prefill,
@@ -140,15 +173,15 @@ def main() -> int:
                 [rng.randrange(num_blocks)],
                 [rng.randrange(num_blocks)],
             )
-            one.append(got["elapsed_s"])
-            posted.append(got["post_s"])
-        raw_one = _raw(decode, prefill, TOKEN_BYTES * BLOCK, 10)
-        results["one_block_pull_ms"] = statistics.median(one) * 1e3
+            one.append({**got, "transfer_id": f"one{i}"})
+        raw_one = _raw(decode, prefill, TOKEN_BYTES * BLOCK, 20)
+        pull_one = statistics.median(g["elapsed_s"] for g in one)
+        results["one_block_pull_ms"] = pull_one * 1e3
         results["one_block_raw_ms"] = raw_one * 1e3
-        # until decode's receives are posted: the request and prefill's acceptance (one gRPC
-        # round trip) plus the planning
-        results["one_block_post_ms"] = statistics.median(posted) * 1e3
-        results["control_overhead_ms"] = (statistics.median(one) - raw_one) * 1e3
+        results["one_block_pull_over_raw"] = pull_one / raw_one
+        results["control_overhead_ms"] = (pull_one - raw_one) * 1e3
+        results["first_over_later"] = first["elapsed_s"] / pull_one
+        results["one_block_breakdown_ms"] = _breakdown(one, prefill)
         for n_tokens in tokens:
             n = n_tokens // BLOCK
             nbytes = n * BLOCK * TOKEN_BYTES
@@ -204,11 +237,13 @@ def main() -> int:
         decode.stop()
         prefill.stop()
     print(
-        f"connect {results['connect_ms']:.1f} ms; 1-block pull "
-        f"{results['one_block_pull_ms']:.2f} ms (raw {results['one_block_raw_ms']:.2f} ms, "
-        f"receives posted after {results['one_block_post_ms']:.2f} ms): "
+        f"pre-connect {results['preconnect_ms']:.1f} ms; first pull through it "
+        f"{results['first_pull_ms']:.2f} ms ({results['first_over_later']:.2f} x later ones); "
+        f"1-block pull {results['one_block_pull_ms']:.2f} ms (raw "
+        f"{results['one_block_raw_ms']:.2f} ms, {results['one_block_pull_over_raw']:.2f} x): "
         f"control-plane overhead {results['control_overhead_ms']:.2f} ms/transfer"
     )
+    print("where a 1-block pull's time goes (median ms):", results["one_block_breakdown_ms"])
     print(
         f"{'tokens':>7} {'MiB':>7} {'raw ms':>8} {'raw GB/s':>8}  {'variant':<20}"
         f" {'pull ms':>8} {'GB/s':>6} {'ratio':>6} ok"

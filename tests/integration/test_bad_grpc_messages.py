@@ -24,7 +24,7 @@ REGISTRY = ["Register", "Heartbeat", "Deregister", "ListInstances", "GetInstance
 REGISTRY_STREAMS = ["WatchInstances"]
 REGISTRY_BIDI = ["HeartbeatStream"]
 KV_TRANSFER = ["CompleteTransfer", "AbortTransfer"]
-NCCL = ["NcclConnect", "SendBlocks", "NcclPushBegin"]
+NCCL = ["Preconnect"]
 
 
 def _assert_invalid(error: grpc.RpcError, method: str) -> None:
@@ -113,9 +113,12 @@ def test_connector_kv_server_answers_garbage_with_invalid_argument() -> None:
     from pdplane.connector.kv_cache import KvCacheView
     from pdplane.connector.server import HoldAccess, start_kv_server, worker_services
     from pdplane.connector.transports.base import ServiceBinding
+    from pdplane.connector.transports.nccl.blocks import BlockMover, layer_byte_view
+    from pdplane.connector.transports.nccl.engine import NcclEngine
     from pdplane.connector.transports.nccl.service import NcclKvTransferServicer
     from pdplane.connector.transports.tcp import TcpTransport
     from pdplane.v1 import instance_pb2, kv_transfer_nccl_pb2_grpc
+    from tests.unit.nccl.fabric import Fabric, FakeComms
 
     layout = instance_pb2.KvLayout(
         num_layers=1, num_kv_heads=1, head_size=8, block_size=4, dtype="float32"
@@ -124,8 +127,11 @@ def test_connector_kv_server_answers_garbage_with_invalid_argument() -> None:
     transport.bind(KvCacheView({"l0": torch.zeros(4, 8)}))
     access = HoldAccess(HoldTable(), layout, arrival_wait_s=0.1)
     hub = KvEventLog()
-    # The NCCL service is hosted without a GPU: garbage is refused before any handler runs.
-    nccl = NcclKvTransferServicer(access, None, None)  # type: ignore[arg-type]
+    # The NCCL service over CPU stand-ins of NCCL: garbage is refused before any NCCL call.
+    views = [layer_byte_view(torch.zeros(2, 4, 8), 1)]
+    engine = NcclEngine(0, views, comms=FakeComms(Fabric()), mover=BlockMover(views, "cpu"))
+    engine.access = access
+    nccl = NcclKvTransferServicer(engine, None)
     extra = [
         ServiceBinding("pdplane.v1.KvEvents", lambda s: add_kv_events_servicer(s, hub), 1),
         ServiceBinding(
@@ -143,7 +149,10 @@ def test_connector_kv_server_answers_garbage_with_invalid_argument() -> None:
                 "/pdplane.v1.TcpKvTransfer/PullBlocks",
                 "/pdplane.v1.KvEvents/Subscribe",
             ],
-            client_streams=["/pdplane.v1.TcpKvTransfer/PushBlocks"],
+            client_streams=[
+                "/pdplane.v1.TcpKvTransfer/PushBlocks",
+                "/pdplane.v1.NcclKvTransfer/Pair",
+            ],
         )
     finally:
         server.stop(0)

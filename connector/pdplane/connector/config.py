@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from pdplane.core import defaults
 from pdplane.core.token_file import read_token
+from pdplane.v1 import instance_pb2
 
 __all__ = ["ConnectorConfig", "ConnectorConfigError"]
 
@@ -106,6 +107,22 @@ class ConnectorConfig(BaseModel):
         "(TCP) / 1 GiB (NCCL).",
     )
     push_spill_bytes: int | None = Field(None, ge=0, description="NCCL push: host spill.")
+    max_peer_communicators: int | None = Field(
+        None,
+        ge=1,
+        le=4096,
+        description="NCCL: communicators per worker at most (default 64); idle ones beyond "
+        "it are closed, least recently used first, never one in use.",
+    )
+    preconnect_peers: int = Field(
+        32,
+        ge=0,
+        description="Compatible instances of the other role each worker connects to in the "
+        "background (at start, before registering, and as they join); 0 = none.",
+    )
+    preconnect_timeout_s: float = Field(
+        30.0, gt=0, description="Bound on the start-up pre-connect before registering (s)."
+    )
     push_ttl_s: float | None = Field(None, gt=0, description="Push: unclaimed KV TTL (s).")
 
     @model_validator(mode="after")
@@ -167,11 +184,19 @@ class ConnectorConfig(BaseModel):
             "nccl_strategy",
             "nccl_chunk_bytes",
             "nccl_connect_timeout_s",
+            "max_peer_communicators",
             "push_buffer_bytes",
             "push_spill_bytes",
             "push_ttl_s",
         )
         return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
+
+    @property
+    def registry_transport(self) -> instance_pb2.Transport.ValueType:
+        """`transport` as the registry's `Transport` enum."""
+        if self.transport == "nccl":
+            return instance_pb2.TRANSPORT_NCCL
+        return instance_pb2.TRANSPORT_TCP
 
     def kv_endpoint(self, tp_rank: int = 0) -> str:
         """host:port peers use to reach the KvTransfer server of `tp_rank`."""
@@ -179,6 +204,15 @@ class ConnectorConfig(BaseModel):
         if ":" in host and not host.startswith("["):
             host = f"[{host}]"
         return f"{host}:{self.kv_port + tp_rank if self.kv_port else 0}"
+
+    def kv_local_address(self, tp_rank: int = 0) -> str:
+        """host:port this instance reaches its own worker server of `tp_rank` at."""
+        host = self.kv_host
+        if host in ("", "0.0.0.0", "::", "[::]"):
+            host = "127.0.0.1"
+        elif ":" in host and not host.startswith("["):
+            host = f"[{host}]"
+        return f"{host}:{self.kv_port + tp_rank}"
 
     def bind_address(self, tp_rank: int = 0) -> str:
         """host:port the KvTransfer server of `tp_rank` binds (port 0 = any free port)."""

@@ -118,6 +118,9 @@ class PdPlaneConnector(KVConnectorBase_V1):
                 self._num_blocks,
                 kv_events_endpoint=reader_endpoint(events_config, data_parallel_rank(vllm_config)),
                 kv_events_topic=str(getattr(events_config, "topic", "") or ""),
+                role=self.kv_role,
+                model=served_model_name(vllm_config),
+                tp_size=self.tp_size,
             )
         # No engine process outlives its API server (an orphan would keep the KV port and
         # heartbeat for a dead HTTP server); deregistering first tells the gateway at once.

@@ -18,7 +18,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 __all__ = ["HeldTransfer", "HoldTable", "HoldUnknown"]
 
@@ -41,6 +41,8 @@ class HeldTransfer:
     deadline: float  # monotonic seconds
     readers: int = 0
     end_reason: str | None = None  # set once the hold is over; reported when readers == 0
+    #: decode instances it is meant for or being read by: their leaving ends it
+    peers: set[str] = field(default_factory=set)
 
 
 class HoldTable:
@@ -59,9 +61,15 @@ class HoldTable:
         self.ended: dict[str, str] = {}  # transfer id -> reason, last _RECENT_LIMIT (for logs)
 
     def add(
-        self, req_id: str, transfer_id: str, block_ids: Sequence[int], timeout_s: float
+        self,
+        req_id: str,
+        transfer_id: str,
+        block_ids: Sequence[int],
+        timeout_s: float,
+        peer_id: str = "",
     ) -> bool:
-        """Starts holding `block_ids` for `transfer_id` for at most `timeout_s` seconds.
+        """Starts holding `block_ids` for `transfer_id` for at most `timeout_s` seconds, for
+        decode instance `peer_id` when it is known (see `release_peer`).
 
         Returns False (and holds nothing new) if `req_id` was held before or `transfer_id` is
         live. A transfer already completed/aborted before it arrived ends at once."""
@@ -73,6 +81,8 @@ class HoldTable:
             if len(self._seen_reqs) > _RECENT_LIMIT:
                 self._seen_reqs.popitem(last=False)
             hold = HeldTransfer(transfer_id, req_id, tuple(block_ids), now + timeout_s)
+            if peer_id:
+                hold.peers.add(peer_id)
             self._holds[transfer_id] = hold
             if self._tombstones.pop(transfer_id, None) is not None:
                 self._end(hold, "released before hold started")
@@ -81,15 +91,18 @@ class HoldTable:
             self._cond.notify_all()
             return True
 
-    def pin(self, transfer_id: str, wait_s: float = 0.0) -> HeldTransfer:
-        """Marks the hold as being read and returns it; waits up to `wait_s` seconds for a hold
-        that has not arrived yet. Raises HoldUnknown. Every pin needs one `unpin`."""
+    def pin(self, transfer_id: str, wait_s: float = 0.0, reader: str = "") -> HeldTransfer:
+        """Marks the hold as being read (by decode instance `reader`, if named) and returns
+        it; waits up to `wait_s` seconds for a hold that has not arrived yet. Raises
+        HoldUnknown. Every pin needs one `unpin`."""
         deadline = self._clock() + wait_s
         with self._cond:
             while True:
                 hold = self._holds.get(transfer_id)
                 if hold is not None and hold.end_reason is None:
                     hold.readers += 1
+                    if reader:
+                        hold.peers.add(reader)
                     return hold
                 left = deadline - self._clock()
                 if hold is not None or transfer_id in self.ended or left <= 0:
@@ -128,6 +141,16 @@ class HoldTable:
                 self._tombstones[transfer_id] = expiry
                 self._next_deadline = min(self._next_deadline, expiry)
             return False
+
+    def release_peer(self, peer_id: str, reason: str) -> int:
+        """Ends the holds meant for or read by decode instance `peer_id` (it left the
+        registry: nobody else pulls them). Returns how many."""
+        with self._cond:
+            mine = [h for h in self._holds.values() if h.end_reason is None and peer_id in h.peers]
+            for hold in mine:
+                self._end(hold, reason)
+            self._cond.notify_all()
+        return len(mine)
 
     def pop_finished(self) -> set[str]:
         """vLLM request ids whose hold ended since the last call (each id exactly once).

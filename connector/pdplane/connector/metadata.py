@@ -20,18 +20,20 @@ __all__ = [
     "ReleaseSpec",
 ]
 
-METADATA_VERSION = 3
+METADATA_VERSION = 4
 
 
 @dataclass(frozen=True, slots=True)
 class HoldSpec:
     """Prefill: keep `block_ids` for `transfer_id` until completed, aborted or `timeout_s`;
-    then report `req_id` (vLLM's id) as finished sending, once."""
+    then report `req_id` (vLLM's id) as finished sending, once. `decode_id`: the decode
+    instance the gateway named for it, when it did (its leaving the registry ends the hold)."""
 
     req_id: str
     transfer_id: str
     block_ids: tuple[int, ...]
     timeout_s: float
+    decode_id: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,8 +2,10 @@
 
 vLLM builds the connector before its HTTP server listens; registering at that moment would let
 the gateway route to an instance that refuses connections. So a thread first waits for
-`<url>/health` to answer 200, then hands over to `RegistrationClient` (register, heartbeat with
-the engine's load, re-register after a registry restart, deregister on shutdown).
+`<url>/health` to answer 200 and for every TP rank's worker to be ready (pre-connected to the
+peers it will need, see peer_watch.py), then hands over to `RegistrationClient` (register,
+heartbeat with the engine's load, re-register after a registry restart, deregister on
+shutdown).
 
 While registered, the same thread keeps checking that the HTTP server still listens (a TCP
 connect every 0.25 s: no request, no access-log line): when the connection is refused twice in a
@@ -19,12 +21,17 @@ import atexit
 import logging
 import socket
 import threading
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable
 
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from pdplane.connector.config import ConnectorConfig
+from pdplane.core import grpc_util
 from pdplane.registry.client import RegistrationClient
 from pdplane.v1 import instance_pb2
 
@@ -36,6 +43,9 @@ _HEALTH_POLL_S = 0.5
 _LIVENESS_POLL_S = 0.25
 _CONNECT_TIMEOUT_S = 1.0
 _REFUSALS_BEFORE_DEREGISTER = 2
+#: beyond the pre-connect's own bound, how long registration waits for the workers (s)
+_READY_GRACE_S = 5.0
+_KV_TRANSFER = "pdplane.v1.KvTransfer"
 
 
 def build_spec(
@@ -55,9 +65,7 @@ def build_spec(
         model=model,
         url=(config.url or "").rstrip("/"),
         kv_endpoint=config.kv_endpoint(),
-        transport=instance_pb2.TRANSPORT_NCCL
-        if config.transport == "nccl"
-        else instance_pb2.TRANSPORT_TCP,
+        transport=config.registry_transport,
         tp_size=tp_size,
         kv_layout=layout,
         max_model_len=max_model_len,
@@ -81,6 +89,20 @@ def _probe(url: str) -> str:
 
 def _healthy(url: str) -> bool:
     return _probe(url) == "ok"
+
+
+def _worker_state(target: str, tls_ca: str | None) -> str:
+    """The worker server at `target`: "ready" (`pdplane.v1.KvTransfer` SERVING), "starting"
+    or "absent" (nothing answers there: no worker of this instance on this host)."""
+    try:
+        with grpc_util.channel(target, tls_ca) as channel:
+            answer = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=_KV_TRANSFER), timeout=2.0
+            )
+    except grpc.RpcError as exc:
+        unavailable = isinstance(exc, grpc.Call) and exc.code() == grpc.StatusCode.UNAVAILABLE
+        return "absent" if unavailable else "starting"
+    return "ready" if answer.status == health_pb2.HealthCheckResponse.SERVING else "starting"
 
 
 def _refused(url: str) -> bool:
@@ -121,6 +143,8 @@ class InstanceRegistration:
             lease_ttl_ms=config.lease_ttl_ms,
         )
         self._url = spec.url
+        self._config = config
+        self._tp_size = spec.tp_size
         self._stopping = threading.Event()
         self._lock = threading.Lock()
         self._thread = threading.Thread(
@@ -145,6 +169,7 @@ class InstanceRegistration:
     def _wait_then_register(self) -> None:
         while not self._stopping.is_set():
             if _healthy(self._url):
+                self._wait_workers_ready()
                 with self._lock:
                     if self._stopping.is_set():
                         return
@@ -153,6 +178,24 @@ class InstanceRegistration:
                 self._watch_liveness()
                 return
             self._stopping.wait(_HEALTH_POLL_S)
+
+    def _wait_workers_ready(self) -> None:
+        # Each worker pre-connects to the peers it will need before it reports ready (health
+        # of pdplane.v1.KvTransfer on its own server), so that the scheduler sends this
+        # instance no request before that. Bounded: an instance registers anyway once the
+        # pre-connect's own bound is past. Workers start their servers before vLLM's HTTP
+        # server answers, so one that nothing answers for is not on this host: not waited for.
+        targets = [self._config.kv_local_address(r) for r in range(max(self._tp_size, 1))]
+        deadline = time.monotonic() + self._config.preconnect_timeout_s + _READY_GRACE_S
+        waiting = list(targets)
+        while waiting and not self._stopping.is_set():
+            states = {t: _worker_state(t, self._config.tls_ca) for t in waiting}
+            waiting = [t for t, state in states.items() if state == "starting"]
+            if not waiting or time.monotonic() >= deadline:
+                break
+            self._stopping.wait(_HEALTH_POLL_S)
+        if waiting:
+            log.warning("workers at %s not ready in time; registering anyway", waiting)
 
     def _watch_liveness(self) -> None:
         refusals = 0

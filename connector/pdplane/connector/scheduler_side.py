@@ -371,7 +371,13 @@ class SchedulerSide:
         held = tuple(int(b) for b in block_ids[:needed])
         transfer_id, pushed = issued or (make_transfer_id(pp.request_id), False)
         self._meta.holds.append(
-            HoldSpec(request.request_id, transfer_id, held, self.config.transfer_timeout_s)
+            HoldSpec(
+                request.request_id,
+                transfer_id,
+                held,
+                self.config.transfer_timeout_s,
+                pp.decode_engine_id or "",
+            )
         )
         with self._lock:
             self._sending.add(request.request_id)

@@ -144,7 +144,9 @@ class HoldAccess:
             raise AccessDenied("transfer_id is required", grpc.StatusCode.INVALID_ARGUMENT)
         self.check_layout(request.expected_layout)
         try:
-            hold = self.holds.pin(request.transfer_id, wait_s=self.arrival_wait(time_remaining))
+            hold = self.holds.pin(
+                request.transfer_id, self.arrival_wait(time_remaining), request.requester_id
+            )
         except HoldUnknown:
             raise AccessDenied(
                 f"transfer {request.transfer_id} is not held (unknown, expired or freed)",
@@ -251,7 +253,7 @@ def start_kv_server(
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="pdplane-kv"),
         interceptors=interceptors,
-        options=grpc_util.SERVER_OPTIONS,
+        options=grpc_util.KV_SERVER_OPTIONS,
     )
     for service in services:
         service.register(server)

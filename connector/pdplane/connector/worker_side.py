@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from dataclasses import replace
 
 import torch
 
@@ -18,16 +19,20 @@ from pdplane.connector.holds import HoldTable
 from pdplane.connector.kv_cache import KvCacheView
 from pdplane.connector.kv_events import KvEventsReader
 from pdplane.connector.metadata import METADATA_VERSION, PdPlaneConnectorMetadata
+from pdplane.connector.peer_watch import PeerFollower, PeerWatch, WorkerIdentity
 from pdplane.connector.peers import PeerPool
 from pdplane.connector.pulls import Puller
 from pdplane.connector.pushes import Pusher
 from pdplane.connector.server import HoldAccess, KvServer, start_kv_server, worker_services
 from pdplane.connector.stats import COUNTERS, GAUGES, PdPlaneKvStats, rank_stats
 from pdplane.connector.transports import KvTransport, create_transport
-from pdplane.connector.transports.base import ServiceBinding
+from pdplane.connector.transports.base import LocalWorker, PeerInstance, ServiceBinding
+from pdplane.connector.vllm_info import ROLES
 from pdplane.core.kv_events import KvEventLog
 from pdplane.core.kv_events_server import SERVICE_NAME as KV_EVENTS_SERVICE
 from pdplane.core.kv_events_server import add_kv_events_servicer
+from pdplane.core.layout import fingerprint
+from pdplane.registry.client import InstanceWatcher
 from pdplane.v1 import instance_pb2
 
 __all__ = ["WorkerSide"]
@@ -51,6 +56,8 @@ class WorkerSide:
         kv_events_endpoint: where vLLM publishes its KV cache events (`kv_events.
             reader_endpoint`); rank 0 reads them and serves `pdplane.v1.KvEvents` next to
             KvTransfer. None = no events.
+        role: vLLM's kv_role; model: the served model name; tp_size: the instance's TP size
+            (which registered instances are this worker's peers, see peer_watch.py).
     """
 
     def __init__(
@@ -63,8 +70,22 @@ class WorkerSide:
         transport: KvTransport | None = None,
         kv_events_endpoint: str | None = None,
         kv_events_topic: str = "",
+        role: str = "kv_both",
+        model: str = "",
+        tp_size: int = 1,
     ) -> None:
         self.config = config
+        self.instance_id = instance_id
+        self.identity = WorkerIdentity(
+            instance_id,
+            ROLES.get(role, instance_pb2.ROLE_BOTH),
+            model,
+            config.registry_transport,
+            fingerprint(layout),
+            tp_size,
+            push=config.mode == "push",
+        )
+        self.follower: PeerFollower | None = None
         self.layout = layout
         self.tp_rank = tp_rank
         self.num_blocks = num_blocks
@@ -105,7 +126,8 @@ class WorkerSide:
         """Binds the KV cache tensors and starts the KvTransfer server on
         `config.bind_address(tp_rank)`. Raises RuntimeError if the port cannot be bound."""
         self.cache = KvCacheView(kv_caches, self.num_blocks)
-        self.transport.bind(self.cache, self.peers)
+        local = LocalWorker(self.instance_id, self.config.kv_endpoint(self.tp_rank), self.tp_rank)
+        self.transport.bind(self.cache, self.peers, local)
         self.pusher.bind_layers(list(kv_caches))
         access = HoldAccess(self.holds, self.layout, tombstone_s=self.config.transfer_timeout_s)
         services = worker_services(self.transport, access)
@@ -124,16 +146,63 @@ class WorkerSide:
             token=self.config.token,
             tls_cert=self.config.tls_cert,
             tls_key=self.config.tls_key,
+            ready=not self.config.registry,  # with a registry: once pre-connected
         )
         self.port = self.server.port
+        if not self.config.kv_port:  # any port: peers reach the one bound
+            host = self.config.kv_endpoint(self.tp_rank).rpartition(":")[0]
+            self.transport.local = replace(local, endpoint=f"{host}:{self.port}")
         if events is not None:
             events.start()
+        if self.config.registry:
+            self._follow_peers()
         log.info(
             "KvTransfer server of rank %d on port %d (%s transport, %d layers)",
             self.tp_rank,
             self.port,
             self.transport.name,
             len(kv_caches),
+        )
+
+    def _follow_peers(self) -> None:
+        config, server = self.config, self.server
+        assert config.registry is not None and server is not None
+        watch = PeerWatch(
+            self.identity,
+            lambda peers: follower.later(peers),
+            lambda peer: None,
+            config.preconnect_peers,
+        )
+        watcher = InstanceWatcher(
+            config.registry,
+            token=config.registry_token,
+            tls_ca=config.registry_tls_ca,
+            on_change=watch.on_change,
+        )
+        follower = PeerFollower(
+            watch,
+            watcher,
+            self.transport.preconnect,
+            config.preconnect_timeout_s,
+            lambda: server.set_ready(True),
+        )
+        watch.on_gone = follower.gone(self.peer_gone)
+        self.follower = follower
+        follower.start()
+
+    def peer_gone(self, peer: PeerInstance) -> None:
+        """`peer` left the registry (killed: its lease expired; drained: it went): drops its
+        communicators and pushed KV (transport), its channel, and the holds meant for it."""
+        dropped = self.transport.peer_gone(peer)
+        channel = self.peers.drop(peer.kv_endpoint, self.tp_rank)
+        holds = self.holds.release_peer(peer.instance_id, f"decode {peer.instance_id} left")
+        self.peers_gone += 1
+        log.warning(
+            "peer %s left the registry: dropped %s, %s, %d holds",
+            peer.instance_id,
+            ", ".join(f"{n} {what}" for what, n in dropped.items()) or "nothing of the transport",
+            "its channel" if channel else "no channel",
+            holds,
         )
 
     def handle_metadata(self, meta: PdPlaneConnectorMetadata) -> None:
@@ -144,7 +213,9 @@ class WorkerSide:
         if meta.version != METADATA_VERSION:
             raise RuntimeError(f"connector metadata v{meta.version} != v{METADATA_VERSION}")
         for hold in meta.holds:
-            if not self.holds.add(hold.req_id, hold.transfer_id, hold.block_ids, hold.timeout_s):
+            if not self.holds.add(
+                hold.req_id, hold.transfer_id, hold.block_ids, hold.timeout_s, hold.decode_id
+            ):
                 log.error("transfer %s: request %s held twice", hold.transfer_id, hold.req_id)
         for load in meta.loads:
             self.puller.submit(load)
@@ -206,6 +277,8 @@ class WorkerSide:
         """Stops the server, pushes and pulls; idempotent."""
         self.pusher.close()
         self.puller.close()
+        if self.follower is not None:
+            self.follower.stop()
         if self.kv_events is not None:
             self.kv_events.stop()  # closes the log: open KvEvents streams end UNAVAILABLE
         if self.server is not None:

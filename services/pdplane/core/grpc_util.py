@@ -11,7 +11,7 @@ flavours are covered.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,10 @@ from pdplane.core.server_id import METADATA_KEY, server_id
 
 __all__ = [
     "CHANNEL_OPTIONS",
+    "CONTROL_MAX_RECEIVE_BYTES",
     "FAST_RECONNECT_OPTIONS",
+    "KV_SERVER_OPTIONS",
+    "SERVER_OPTIONS",
     "AioTokenAuthInterceptor",
     "TokenAuthInterceptor",
     "add_health_and_reflection",
@@ -39,22 +42,42 @@ __all__ = [
 ]
 
 #: Channel options shared by every pdplane client: fail fast on a dead peer instead of
-#: buffering forever, and allow KV chunks of up to 64 MiB (bytes).
+#: buffering forever, and allow KV chunks and large registry snapshots of up to 64 MiB (bytes).
 CHANNEL_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.keepalive_time_ms", 10_000),
     ("grpc.keepalive_timeout_ms", 5_000),
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
     ("grpc.max_send_message_length", 64 * 1024 * 1024),
 ]
-SERVER_OPTIONS: list[tuple[str, Any]] = [
+_SERVER_BASE_OPTIONS: list[tuple[str, Any]] = [
     # Accept the clients' 10 s keepalive pings, also on idle watch streams; gRPC's default
     # (one ping per 5 min) answers them with GOAWAY "too_many_pings" and breaks the watch.
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
     ("grpc.http2.max_ping_strikes", 0),
-    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    # Answers (registry snapshots, in-flight exchange snapshots, KV chunks) may be large.
     ("grpc.max_send_message_length", 64 * 1024 * 1024),
     ("grpc.so_reuseport", 0),
+]
+#: Largest request message (bytes) a control-plane server (registry, scheduler, in-flight
+#: exchange) accepts; a larger one is RESOURCE_EXHAUSTED (gRPC's own check) before it is
+#: decoded. gRPC's default 4 MiB. The largest legitimate requests: a ScheduleRequest for a
+#: 1,048,576-token prompt carries prefix hashes at block sizes 16, 32 and 64 (65,536 + 32,768 +
+#: 16,384 uint64 varints of at most 10 bytes: 1.1 MiB) plus `prefix_block_hashes` at block size
+#: 16 (0.63 MiB), 1.8 MiB in all (block size 8 alone: 1.25 MiB per entry); a RegisterRequest is
+#: bounded by the 8 KiB spec cap; a SubscribeInflightRequest is one replica id (the exchange's
+#: batches are answers, bounded by the send limit above).
+CONTROL_MAX_RECEIVE_BYTES = 4 * 1024 * 1024
+#: Options of the control-plane servers (registry, scheduler, in-flight exchange).
+SERVER_OPTIONS: list[tuple[str, Any]] = [
+    *_SERVER_BASE_OPTIONS,
+    ("grpc.max_receive_message_length", CONTROL_MAX_RECEIVE_BYTES),
+]
+#: Options of the KV data path servers (the connector's KvTransfer server, the sim instance's):
+#: a pushed KV chunk (TCP PushBlocks) may be up to 64 MiB (bytes).
+KV_SERVER_OPTIONS: list[tuple[str, Any]] = [
+    *_SERVER_BASE_OPTIONS,
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
 ]
 
 
@@ -82,41 +105,39 @@ def _refusal(policy: AuthPolicy, details: grpc.HandlerCallDetails) -> str | None
     return None if role is not None else _DENIED
 
 
-def _shaped_like(
-    handler: grpc.RpcMethodHandler, unary_response: Any, streaming_response: Any
-) -> grpc.RpcMethodHandler:
-    # The refusal must have the handler's shape: gRPC drives a response-streaming handler as an
-    # iterator and a unary one as a function.
-    if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(streaming_response)
-    if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(unary_response)
-    if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(streaming_response)
-    return grpc.unary_unary_rpc_method_handler(unary_response)
+# The refusals are request-streaming whatever the method's shape: gRPC then reads a request
+# message only when the handler iterates its requests, which a refusal never does, so an
+# unauthenticated unary call is refused after its headers instead of after its whole (up to
+# the receive limit) message was buffered and decoded. On the wire a unary client cannot tell
+# the difference: it sees UNAUTHENTICATED. Response-streaming methods keep a streaming refusal
+# because gRPC drives those handlers as iterators.
 
 
 def _deny_handler(handler: grpc.RpcMethodHandler, why: str) -> grpc.RpcMethodHandler:
-    def deny(_request: Any, context: grpc.ServicerContext) -> Any:
+    def deny(_requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
         context.abort(grpc.StatusCode.UNAUTHENTICATED, why)
 
-    return _shaped_like(handler, deny, deny)
+    if handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(deny)
+    return grpc.stream_unary_rpc_method_handler(deny)
 
 
 def _aio_deny_handler(handler: grpc.RpcMethodHandler, why: str) -> grpc.RpcMethodHandler:
     # On an asyncio server the refusal must be a coroutine / async generator: a plain function
     # there runs on the event loop's thread and, for streaming shapes, blocked that loop for
     # good (every later RPC timed out and the server could no longer be stopped).
-    async def deny(_request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+    async def deny(_requests: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, why)
 
     async def deny_stream(
-        _request: Any, context: grpc.aio.ServicerContext[Any, Any]
+        _requests: Any, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[Any]:
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, why)
         yield  # pragma: no cover - abort raises; this only makes it an async generator
 
-    return _shaped_like(handler, deny, deny_stream)
+    if handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(deny_stream)
+    return grpc.stream_unary_rpc_method_handler(deny)
 
 
 class TokenAuthInterceptor(grpc.ServerInterceptor):

@@ -86,6 +86,11 @@ class GatewaySettings(PolicySettings):
     token_file: str | None = token_file_field("--token")
     tls_ca: str | None = Field(None, description="PEM CA for TLS to the gRPC services")
     schedule_timeout_s: float = Field(5.0, gt=0, description="deadline of one Schedule call (s)")
+    schedule_stream: bool = Field(
+        True,
+        description="remote scheduler: Schedule calls on one long-lived ScheduleStream; off = "
+        "one unary Schedule call per request",
+    )
     release_batch_s: float = Field(
         0.05,
         ge=0,

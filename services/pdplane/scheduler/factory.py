@@ -34,6 +34,7 @@ def open_scheduler(
             tls_ca=settings.tls_ca,
             timeout_s=settings.schedule_timeout_s,
             release_batch_s=settings.release_batch_s,
+            stream=settings.schedule_stream,
         )
     if source is None:
         raise ValueError(f"--scheduler {EMBEDDED} needs the registry's instances (a source)")

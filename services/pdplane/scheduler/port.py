@@ -262,8 +262,9 @@ class PortSettings(PolicyFlags, Protocol):
 
     `scheduler` is "host:port" of a `pdplane scheduler`, or `EMBEDDED`; `token`/`tls_ca`
     authenticate and verify it; `schedule_timeout_s` bounds one call and `release_batch_s` how
-    long a queued Release waits for a Schedule to ride on (seconds). The policy flags configure
-    the local implementation only (a remote scheduler has its own).
+    long a queued Release waits for a Schedule to ride on (seconds); `schedule_stream` False
+    makes a remote scheduler's Schedules unary calls. The policy flags configure the local
+    implementation only (a remote scheduler has its own).
     """
 
     scheduler: str
@@ -272,4 +273,5 @@ class PortSettings(PolicyFlags, Protocol):
     token: str | None
     tls_ca: str | None
     schedule_timeout_s: float
+    schedule_stream: bool
     release_batch_s: float

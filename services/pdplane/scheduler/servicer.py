@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+import logging
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 
 import grpc
 
@@ -20,7 +21,14 @@ from pdplane.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 __all__ = ["SchedulerServicer"]
 
+log = logging.getLogger(__name__)
+
 _DECISION = "pdplane.scheduler.decision"
+_OK = grpc.StatusCode.OK.value[0]
+_INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT.value[0]
+_UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
+_INTERNAL = grpc.StatusCode.INTERNAL.value[0]
+_MESSAGE_MAX = 1024  # characters of a ScheduleResult's error message
 
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
@@ -59,6 +67,35 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         return decision_to_pb(decision)
 
+    async def ScheduleStream(
+        self,
+        request_iterator: AsyncIterator[scheduler_pb2.ScheduleCall],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[scheduler_pb2.ScheduleResult]:
+        # Decisions are synchronous, so the answers come back in call order; a call's error
+        # is its result's code (the stream carries the other calls on).
+        async for call in request_iterator:
+            yield self._decide(call)
+
+    def _decide(self, call: scheduler_pb2.ScheduleCall) -> scheduler_pb2.ScheduleResult:
+        request = call.request
+        try:
+            if request.releases:
+                self._release_all(request.releases)
+            with tracing.span(_DECISION, parent=call.traceparent or None, server=True):
+                decision = self._service.schedule(features_from_pb(request))
+        except InvalidRequest as exc:
+            return _failed(call.call_id, _INVALID_ARGUMENT, exc)
+        except NoInstance as exc:
+            return _failed(call.call_id, _UNAVAILABLE, exc)
+        except Exception as exc:
+            # One call's bug must not end the stream that the gateway's other calls share.
+            log.exception("ScheduleStream call %s failed", request.request_id[:128])
+            return _failed(call.call_id, _INTERNAL, exc)
+        return scheduler_pb2.ScheduleResult(
+            call_id=call.call_id, response=decision_to_pb(decision), code=_OK
+        )
+
     async def Release(
         self, request: scheduler_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.ReleaseResponse:
@@ -86,3 +123,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             )
         assert self._kv_states is not None
         return kv_states_to_pb(self._kv_states())
+
+
+def _failed(call_id: int, code: int, exc: Exception) -> scheduler_pb2.ScheduleResult:
+    return scheduler_pb2.ScheduleResult(call_id=call_id, code=code, message=str(exc)[:_MESSAGE_MAX])

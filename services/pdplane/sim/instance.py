@@ -91,7 +91,7 @@ class SimInstance:
         c = self.config
         self._grpc = grpc.aio.server(
             interceptors=grpc_util.aio_server_interceptors(c.kv_token or None),
-            options=grpc_util.SERVER_OPTIONS,
+            options=grpc_util.KV_SERVER_OPTIONS,
         )
         state = self.state
         kv_transfer_pb2_grpc.add_KvTransferServicer_to_server(

@@ -34,53 +34,49 @@ class NcclKvTransferStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.NcclConnect = channel.unary_unary(
-                '/pdplane.v1.NcclKvTransfer/NcclConnect',
-                request_serializer=pdplane_dot_v1_dot_kv__transfer__nccl__pb2.NcclConnectRequest.SerializeToString,
-                response_deserializer=pdplane_dot_v1_dot_kv__transfer__nccl__pb2.NcclConnectResponse.FromString,
+        self.Pair = channel.stream_stream(
+                '/pdplane.v1.NcclKvTransfer/Pair',
+                request_serializer=pdplane_dot_v1_dot_kv__transfer__nccl__pb2.NcclControl.SerializeToString,
+                response_deserializer=pdplane_dot_v1_dot_kv__transfer__nccl__pb2.NcclControl.FromString,
                 _registered_method=True)
-        self.SendBlocks = channel.unary_unary(
-                '/pdplane.v1.NcclKvTransfer/SendBlocks',
-                request_serializer=pdplane_dot_v1_dot_kv__transfer__nccl__pb2.NcclPullRequest.SerializeToString,
-                response_deserializer=pdplane_dot_v1_dot_kv__transfer__nccl__pb2.NcclSendBlocksResponse.FromString,
-                _registered_method=True)
-        self.NcclPushBegin = channel.unary_unary(
-                '/pdplane.v1.NcclKvTransfer/NcclPushBegin',
-                request_serializer=pdplane_dot_v1_dot_kv__transfer__nccl__pb2.NcclPushBeginRequest.SerializeToString,
-                response_deserializer=pdplane_dot_v1_dot_kv__transfer__nccl__pb2.NcclPushBeginResponse.FromString,
+        self.Preconnect = channel.unary_unary(
+                '/pdplane.v1.NcclKvTransfer/Preconnect',
+                request_serializer=pdplane_dot_v1_dot_kv__transfer__nccl__pb2.NcclPreconnectRequest.SerializeToString,
+                response_deserializer=pdplane_dot_v1_dot_kv__transfer__nccl__pb2.NcclPreconnectResponse.FromString,
                 _registered_method=True)
 
 
 class NcclKvTransferServicer:
     """Missing associated documentation comment in .proto file."""
 
-    def NcclConnect(self, request, context):
-        """Creates the 2-rank NCCL communicator for (caller rank, this rank): the caller sends the
-        NCCL unique id it generated (it becomes rank 0); both sides then call ncclCommInitRank.
+    def Pair(self, request_iterator, context):
+        """One stream per communicator: it creates the communicator, carries the control of every
+        transfer on it, and its end is the communicator's end on both sides.
+        caller -> hello (first message; the caller generated the NCCL unique id: rank 0)
+        server -> ready (joined as rank 1; both directions warmed up)
+        then, in order, on a PULL pair (caller = decode worker, server = prefill worker):
+        caller -> pull; server -> verdict. Accepted: the sends follow. Refused: only
+        `early_bytes` of filler follow, so that every receive the caller posted before the
+        verdict is matched (an unmatched receive cannot be cancelled, not even by an abort).
+        on a PUSH pair (caller = prefill worker, server = decode worker):
+        caller -> push_begin; server -> push_ready (room reserved and receives posted, or why
+        not); then the caller sends layer by layer.
+        server -> close: asks the caller to end the stream once its transfer is over (eviction,
+        shutdown); the caller ends it and both sides free the communicator. A stream that breaks
+        (peer gone) aborts the communicator on both sides.
+        Errors (stream status): INVALID_ARGUMENT (no hello first, bad unique id, empty
+        requester id), DEADLINE_EXCEEDED (the communicator did not come up in time),
+        UNAUTHENTICATED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def SendBlocks(self, request, context):
-        """Prefill sends the requested blocks over the pair's NCCL communicator (established by
-        NcclConnect) while the caller receives them; returns once the sends are complete. Right
-        before sending, the server sends the initial metadata `pdplane-nccl: sending`: the caller
-        posts its receives only then. Errors: NOT_FOUND (unknown, expired or aborted transfer),
-        INVALID_ARGUMENT (block index out of range, layout mismatch), FAILED_PRECONDITION (no
-        communicator for the pair), DEADLINE_EXCEEDED (the communicator was aborted after the
-        timeout), UNAUTHENTICATED.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def NcclPushBegin(self, request, context):
-        """Push mode: the caller (prefill, rank 0 of the pair's communicator) announces the
-        transfers it will send layer by layer during this forward step; the receiver reserves room
-        in its bounded GPU receive buffer (or its pinned host spill) and posts the receives.
-        Errors: RESOURCE_EXHAUSTED (buffer and spill both full: nothing reserved, the caller
-        sends nothing), FAILED_PRECONDITION (no communicator), INVALID_ARGUMENT (layout mismatch).
+    def Preconnect(self, request, context):
+        """Asks the server (a decode worker) to open its PULL pair with the caller (a prefill worker
+        that has just started) now, so that no request pays for it; returns once it is up.
+        Errors: UNAVAILABLE (the caller's endpoint did not answer), DEADLINE_EXCEEDED,
+        RESOURCE_EXHAUSTED (the server is at max_peer_communicators with none idle).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -89,20 +85,15 @@ class NcclKvTransferServicer:
 
 def add_NcclKvTransferServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'NcclConnect': grpc.unary_unary_rpc_method_handler(
-                    servicer.NcclConnect,
-                    request_deserializer=pdplane_dot_v1_dot_kv__transfer__nccl__pb2.NcclConnectRequest.FromString,
-                    response_serializer=pdplane_dot_v1_dot_kv__transfer__nccl__pb2.NcclConnectResponse.SerializeToString,
+            'Pair': grpc.stream_stream_rpc_method_handler(
+                    servicer.Pair,
+                    request_deserializer=pdplane_dot_v1_dot_kv__transfer__nccl__pb2.NcclControl.FromString,
+                    response_serializer=pdplane_dot_v1_dot_kv__transfer__nccl__pb2.NcclControl.SerializeToString,
             ),
-            'SendBlocks': grpc.unary_unary_rpc_method_handler(
-                    servicer.SendBlocks,
-                    request_deserializer=pdplane_dot_v1_dot_kv__transfer__nccl__pb2.NcclPullRequest.FromString,
-                    response_serializer=pdplane_dot_v1_dot_kv__transfer__nccl__pb2.NcclSendBlocksResponse.SerializeToString,
-            ),
-            'NcclPushBegin': grpc.unary_unary_rpc_method_handler(
-                    servicer.NcclPushBegin,
-                    request_deserializer=pdplane_dot_v1_dot_kv__transfer__nccl__pb2.NcclPushBeginRequest.FromString,
-                    response_serializer=pdplane_dot_v1_dot_kv__transfer__nccl__pb2.NcclPushBeginResponse.SerializeToString,
+            'Preconnect': grpc.unary_unary_rpc_method_handler(
+                    servicer.Preconnect,
+                    request_deserializer=pdplane_dot_v1_dot_kv__transfer__nccl__pb2.NcclPreconnectRequest.FromString,
+                    response_serializer=pdplane_dot_v1_dot_kv__transfer__nccl__pb2.NcclPreconnectResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -116,7 +107,7 @@ class NcclKvTransfer:
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod
-    def NcclConnect(request,
+    def Pair(request_iterator,
             target,
             options=(),
             channel_credentials=None,
@@ -126,12 +117,12 @@ class NcclKvTransfer:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
+        return grpc.experimental.stream_stream(
+            request_iterator,
             target,
-            '/pdplane.v1.NcclKvTransfer/NcclConnect',
-            pdplane_dot_v1_dot_kv__transfer__nccl__pb2.NcclConnectRequest.SerializeToString,
-            pdplane_dot_v1_dot_kv__transfer__nccl__pb2.NcclConnectResponse.FromString,
+            '/pdplane.v1.NcclKvTransfer/Pair',
+            pdplane_dot_v1_dot_kv__transfer__nccl__pb2.NcclControl.SerializeToString,
+            pdplane_dot_v1_dot_kv__transfer__nccl__pb2.NcclControl.FromString,
             options,
             channel_credentials,
             insecure,
@@ -143,7 +134,7 @@ class NcclKvTransfer:
             _registered_method=True)
 
     @staticmethod
-    def SendBlocks(request,
+    def Preconnect(request,
             target,
             options=(),
             channel_credentials=None,
@@ -156,36 +147,9 @@ class NcclKvTransfer:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/pdplane.v1.NcclKvTransfer/SendBlocks',
-            pdplane_dot_v1_dot_kv__transfer__nccl__pb2.NcclPullRequest.SerializeToString,
-            pdplane_dot_v1_dot_kv__transfer__nccl__pb2.NcclSendBlocksResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def NcclPushBegin(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/pdplane.v1.NcclKvTransfer/NcclPushBegin',
-            pdplane_dot_v1_dot_kv__transfer__nccl__pb2.NcclPushBeginRequest.SerializeToString,
-            pdplane_dot_v1_dot_kv__transfer__nccl__pb2.NcclPushBeginResponse.FromString,
+            '/pdplane.v1.NcclKvTransfer/Preconnect',
+            pdplane_dot_v1_dot_kv__transfer__nccl__pb2.NcclPreconnectRequest.SerializeToString,
+            pdplane_dot_v1_dot_kv__transfer__nccl__pb2.NcclPreconnectResponse.FromString,
             options,
             channel_credentials,
             insecure,

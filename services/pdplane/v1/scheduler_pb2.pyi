@@ -40,6 +40,69 @@ OUTCOME_CANCELLED: Outcome.ValueType  # 3
 Global___Outcome: _TypeAlias = Outcome  # noqa: Y015
 
 @_typing.final
+class ScheduleCall(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CALL_ID_FIELD_NUMBER: _builtins.int
+    REQUEST_FIELD_NUMBER: _builtins.int
+    TRACEPARENT_FIELD_NUMBER: _builtins.int
+    call_id: _builtins.int
+    """chosen by the client, unique among its calls in flight on the stream"""
+    traceparent: _builtins.str
+    """W3C trace context of the caller's span (what unary calls carry in metadata); "" = none."""
+    @_builtins.property
+    def request(self) -> Global___ScheduleRequest: ...
+    def __init__(
+        self,
+        *,
+        call_id: _builtins.int = ...,
+        request: Global___ScheduleRequest | None = ...,
+        traceparent: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["request", b"request"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["call_id", b"call_id", "request", b"request", "traceparent", b"traceparent"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ScheduleCall: _TypeAlias = ScheduleCall  # noqa: Y015
+
+@_typing.final
+class ScheduleResult(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CALL_ID_FIELD_NUMBER: _builtins.int
+    RESPONSE_FIELD_NUMBER: _builtins.int
+    CODE_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    call_id: _builtins.int
+    code: _builtins.int
+    """A google.rpc.Code number, as Schedule's status would be: 0 OK, 3 INVALID_ARGUMENT,
+    14 UNAVAILABLE (no compatible instance; the message names the missing side).
+    """
+    message: _builtins.str
+    """the error, bounded like a status message; "" when OK"""
+    @_builtins.property
+    def response(self) -> Global___ScheduleResponse:
+        """set when code == 0"""
+
+    def __init__(
+        self,
+        *,
+        call_id: _builtins.int = ...,
+        response: Global___ScheduleResponse | None = ...,
+        code: _builtins.int = ...,
+        message: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["response", b"response"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["call_id", b"call_id", "code", b"code", "message", b"message", "response", b"response"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ScheduleResult: _TypeAlias = ScheduleResult  # noqa: Y015
+
+@_typing.final
 class ScheduleRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

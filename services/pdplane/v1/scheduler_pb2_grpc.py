@@ -54,6 +54,11 @@ class SchedulerStub:
                 request_serializer=pdplane_dot_v1_dot_scheduler__pb2.ListKvStatesRequest.SerializeToString,
                 response_deserializer=pdplane_dot_v1_dot_scheduler__pb2.ListKvStatesResponse.FromString,
                 _registered_method=True)
+        self.ScheduleStream = channel.stream_stream(
+                '/pdplane.v1.Scheduler/ScheduleStream',
+                request_serializer=pdplane_dot_v1_dot_scheduler__pb2.ScheduleCall.SerializeToString,
+                response_deserializer=pdplane_dot_v1_dot_scheduler__pb2.ScheduleResult.FromString,
+                _registered_method=True)
 
 
 class SchedulerServicer:
@@ -93,6 +98,18 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ScheduleStream(self, request_iterator, context):
+        """Schedule over one long-lived stream per gateway: each ScheduleCall is answered by one
+        ScheduleResult with the same call_id (answers may come in any order). A call's failure is
+        its result's status, never the stream's: the stream ends only when the scheduler or the
+        gateway goes away (or on a bad token, UNAUTHENTICATED, when it opens). Releases ride on the
+        calls (ScheduleRequest.releases). A server without it answers UNIMPLEMENTED; the client
+        then uses Schedule.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -115,6 +132,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.ListKvStates,
                     request_deserializer=pdplane_dot_v1_dot_scheduler__pb2.ListKvStatesRequest.FromString,
                     response_serializer=pdplane_dot_v1_dot_scheduler__pb2.ListKvStatesResponse.SerializeToString,
+            ),
+            'ScheduleStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.ScheduleStream,
+                    request_deserializer=pdplane_dot_v1_dot_scheduler__pb2.ScheduleCall.FromString,
+                    response_serializer=pdplane_dot_v1_dot_scheduler__pb2.ScheduleResult.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -225,6 +247,33 @@ class Scheduler:
             '/pdplane.v1.Scheduler/ListKvStates',
             pdplane_dot_v1_dot_scheduler__pb2.ListKvStatesRequest.SerializeToString,
             pdplane_dot_v1_dot_scheduler__pb2.ListKvStatesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ScheduleStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pdplane.v1.Scheduler/ScheduleStream',
+            pdplane_dot_v1_dot_scheduler__pb2.ScheduleCall.SerializeToString,
+            pdplane_dot_v1_dot_scheduler__pb2.ScheduleResult.FromString,
             options,
             channel_credentials,
             insecure,

@@ -48,6 +48,14 @@ class SchedulerStub:
     what `pdplane ls` shows in its KV_INDEX column.
     Errors: FAILED_PRECONDITION when the scheduler runs without a prefix index (--no-kv-index).
     """
+    ScheduleStream: _grpc.StreamStreamMultiCallable[_scheduler_pb2.ScheduleCall, _scheduler_pb2.ScheduleResult]
+    """Schedule over one long-lived stream per gateway: each ScheduleCall is answered by one
+    ScheduleResult with the same call_id (answers may come in any order). A call's failure is
+    its result's status, never the stream's: the stream ends only when the scheduler or the
+    gateway goes away (or on a bad token, UNAUTHENTICATED, when it opens). Releases ride on the
+    calls (ScheduleRequest.releases). A server without it answers UNIMPLEMENTED; the client
+    then uses Schedule.
+    """
 
 @_typing.type_check_only
 class SchedulerAsyncStub(SchedulerStub):
@@ -68,6 +76,14 @@ class SchedulerAsyncStub(SchedulerStub):
     """The prefix index's view of every instance it follows (docs/kv_events.md), sorted by id:
     what `pdplane ls` shows in its KV_INDEX column.
     Errors: FAILED_PRECONDITION when the scheduler runs without a prefix index (--no-kv-index).
+    """
+    ScheduleStream: _aio.StreamStreamMultiCallable[_scheduler_pb2.ScheduleCall, _scheduler_pb2.ScheduleResult]  # type: ignore[assignment]
+    """Schedule over one long-lived stream per gateway: each ScheduleCall is answered by one
+    ScheduleResult with the same call_id (answers may come in any order). A call's failure is
+    its result's status, never the stream's: the stream ends only when the scheduler or the
+    gateway goes away (or on a bad token, UNAUTHENTICATED, when it opens). Releases ride on the
+    calls (ScheduleRequest.releases). A server without it answers UNIMPLEMENTED; the client
+    then uses Schedule.
     """
 
 class SchedulerServicer(metaclass=_abc_1.ABCMeta):
@@ -110,6 +126,20 @@ class SchedulerServicer(metaclass=_abc_1.ABCMeta):
         """The prefix index's view of every instance it follows (docs/kv_events.md), sorted by id:
         what `pdplane ls` shows in its KV_INDEX column.
         Errors: FAILED_PRECONDITION when the scheduler runs without a prefix index (--no-kv-index).
+        """
+
+    @_abc_1.abstractmethod
+    def ScheduleStream(
+        self,
+        request_iterator: _MaybeAsyncIterator[_scheduler_pb2.ScheduleCall],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_scheduler_pb2.ScheduleResult], _abc.AsyncIterator[_scheduler_pb2.ScheduleResult]]:
+        """Schedule over one long-lived stream per gateway: each ScheduleCall is answered by one
+        ScheduleResult with the same call_id (answers may come in any order). A call's failure is
+        its result's status, never the stream's: the stream ends only when the scheduler or the
+        gateway goes away (or on a bad token, UNAUTHENTICATED, when it opens). Releases ride on the
+        calls (ScheduleRequest.releases). A server without it answers UNIMPLEMENTED; the client
+        then uses Schedule.
         """
 
 def add_SchedulerServicer_to_server(servicer: SchedulerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -13,72 +13,9 @@ from typing import Any
 
 import pytest
 
+from tests.gpu.nccl.helpers import BLOCK_BYTES, NUM_BLOCKS, SMALL, _check_pull, _ok, _pull, _sums
+
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
-
-NUM_BLOCKS = 256
-LAYERS = 4
-BLOCK_BYTES = LAYERS * 2 * 16 * 8 * 128 * 2  # K+V of 16 tokens, 8 heads x 128, bf16: 256 KiB
-SMALL = {"layers": LAYERS, "num_blocks": NUM_BLOCKS}
-
-
-def _ok(answer: dict[str, Any]) -> dict[str, Any]:
-    assert answer.get("ok") is True, answer
-    return answer
-
-
-def _sums(node: Any, ids: list[int]) -> list[int]:
-    return _ok(node.call("checksums", block_ids=ids))["checksums"]
-
-
-def _pull(
-    decode: Any,
-    prefill: Any,
-    transfer_id: str,
-    held: list[int],
-    positions: list[int],
-    local: list[int],
-    timeout_s: float = 60.0,
-    **extra: Any,
-) -> dict[str, Any]:
-    _ok(prefill.call("hold", transfer_id=transfer_id, block_ids=held))
-    return decode.call(
-        "pull",
-        endpoint=prefill.endpoint,
-        transfer_id=transfer_id,
-        block_indices=positions,
-        local_ids=local,
-        timeout_s=timeout_s,
-        **extra,
-    )
-
-
-def _check_pull(
-    decode: Any,
-    prefill: Any,
-    transfer_id: str,
-    rng: random.Random,
-    consecutive: bool = False,
-    grouped: bool = False,
-) -> None:
-    """Pulls 40 of 48 held blocks into random decode blocks; checksums must match."""
-    if consecutive:
-        start = rng.randrange(NUM_BLOCKS - 48)
-        held = list(range(start, start + 48))
-        positions = list(range(40))
-        first = rng.randrange(NUM_BLOCKS - 40)
-        local = list(range(first, first + 40))
-    else:
-        held = rng.sample(range(NUM_BLOCKS), 48)
-        positions = sorted(rng.sample(range(48), 40))
-        local = rng.sample(range(NUM_BLOCKS), 40)
-    src = [held[p] for p in positions]
-    before = _sums(decode, local)
-    extra = {"strategy": "grouped", "remote_ids": src} if grouped else {}
-    answer = _ok(_pull(decode, prefill, transfer_id, held, positions, local, **extra))
-    assert answer["bytes"] == 40 * BLOCK_BYTES
-    expected = _sums(prefill, src)
-    assert before != expected  # the destination did not hold these bytes already
-    assert _sums(decode, local) == expected
 
 
 @pytest.mark.parametrize("grouped", [False, True], ids=["gather", "grouped"])
@@ -91,7 +28,7 @@ def test_pull_noncontiguous_blocks_arrive_byte_equal(start_node: Any, grouped: b
         _check_pull(decode, prefill, f"t{i}", rng, grouped=grouped)
     _check_pull(decode, prefill, "run", rng, consecutive=True, grouped=grouped)
     comms = _ok(decode.call("comms"))["comms"]
-    assert comms["active"] == {f"{prefill.endpoint}#0": "ready"}  # one cached communicator
+    assert comms["active"] == {"p0#0/pull": "ready"}  # one pair, kept for every transfer
 
 
 def test_pull_errors_are_clean(start_node: Any) -> None:
@@ -100,16 +37,18 @@ def test_pull_errors_are_clean(start_node: Any) -> None:
     answer = decode.call(
         "pull",
         endpoint=prefill.endpoint,
+        peer_id="p0",
         transfer_id="never-held",
         block_indices=[0],
         local_ids=[1],
         timeout_s=10,
     )
     assert answer["ok"] is False and answer["code"] == "NOT_FOUND", answer
-    # Refused before any receive was posted: the communicator survives and is reused.
+    # Decode posted the first receive before the verdict; prefill's filler matched it: the
+    # communicator survives and is reused.
     comms = _ok(decode.call("comms"))["comms"]
-    assert comms == {"active": {f"{prefill.endpoint}#0": "ready"}, "retired": {}}
-    # Out-of-range block index: refused before any receive was posted, too.
+    assert comms == {"active": {"p0#0/pull": "ready"}, "retired": {}}
+    # Out-of-range block index: refused the same way.
     bad = _pull(decode, prefill, "held", [4, 5], [0, 99], [1, 2], timeout_s=10)
     assert bad["ok"] is False and bad["code"] == "INVALID_ARGUMENT", bad
     _check_pull(decode, prefill, "after", random.Random(3))
@@ -131,11 +70,15 @@ def test_push_spills_to_host_and_refuses_when_full(start_node: Any) -> None:
         {"transfer_id": f"push{i}", "block_ids": rng.sample(range(NUM_BLOCKS), 16)}
         for i in range(3)
     ]
-    answer = _ok(prefill.call("push", endpoint=decode.endpoint, items=items[:2], timeout_s=30))
+    answer = _ok(
+        prefill.call("push", endpoint=decode.endpoint, peer_id="d0", items=items[:2], timeout_s=30)
+    )
     assert answer["spilled"] == [False, True]  # GPU buffer first, then pinned host memory
     assert answer["bytes"] == 2 * item_bytes
     t0 = time.monotonic()
-    full = prefill.call("push", endpoint=decode.endpoint, items=items[2:], timeout_s=30)
+    full = prefill.call(
+        "push", endpoint=decode.endpoint, peer_id="d0", items=items[2:], timeout_s=30
+    )
     assert full["ok"] is False and full["code"] == "RESOURCE_EXHAUSTED", full
     assert time.monotonic() - t0 < 5  # refused at once, never waits for room
     for item in items[:2]:
@@ -143,7 +86,7 @@ def test_push_spills_to_host_and_refuses_when_full(start_node: Any) -> None:
         _ok(decode.call("take", transfer_id=item["transfer_id"], local_ids=local, timeout_s=30))
         assert _sums(decode, local) == _sums(prefill, item["block_ids"])
     # Room is back: the refused transfer now goes through.
-    _ok(prefill.call("push", endpoint=decode.endpoint, items=items[2:], timeout_s=30))
+    _ok(prefill.call("push", endpoint=decode.endpoint, peer_id="d0", items=items[2:], timeout_s=30))
     local = rng.sample(range(NUM_BLOCKS), 16)
     _ok(decode.call("take", transfer_id="push2", local_ids=local, timeout_s=30))
     assert _sums(decode, local) == _sums(prefill, items[2]["block_ids"])
@@ -167,6 +110,7 @@ def _big_pull_async(decode: Any, prefill: Any, transfer_id: str) -> None:
     decode.send(
         "pull",
         endpoint=prefill.endpoint,
+        peer_id=prefill.instance_id,
         transfer_id=transfer_id,
         block_indices=list(range(BIG_BLOCKS)),
         local_ids=list(range(BIG_BLOCKS)),
@@ -191,9 +135,9 @@ def test_prefill_killed_mid_transfer_decode_fails_in_time_then_recovers(
     assert answer["ok"] is False, answer
     assert waited < TIMEOUT_S + ABORT_GRACE_S, (waited, answer)  # the wait is bounded
     comms = _ok(decode.call("comms"))["comms"]
-    key = f"{prefill.endpoint}#0"
+    key = "p0#0/pull"
     assert key not in comms["active"], (comms, answer)
-    assert comms["retired"][key] == "aborted", (comms, answer)
+    assert comms["retired"][key] == "failed", (comms, answer)
     # A new prefill instance afterwards works.
     prefill2 = start_node("p1", seed=3, **BIG)
     _check_pull(decode, prefill2, "after", random.Random(2))
@@ -210,10 +154,10 @@ def test_decode_killed_mid_transfer_prefill_aborts_then_serves_new_peer(
     decode.wait_event("recv_posted", timeout=30, transfer_id="big")
     t0 = time.monotonic()
     decode.kill()
-    key = "d0#0"
-    while True:  # poll prefill until its communicator with the dead decode is aborted
+    key = "d0#0/pull"
+    while True:  # poll prefill until its pair with the dead decode is gone
         comms = _ok(prefill.call("comms"))["comms"]
-        if comms["retired"].get(key) == "aborted":
+        if comms["retired"].get(key) == "failed":
             break
         if time.monotonic() - t0 > TIMEOUT_S + ABORT_GRACE_S:
             pytest.fail(f"prefill still holds {comms}; its log:\n{prefill.dump_stacks()}")

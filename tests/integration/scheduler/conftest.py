@@ -124,3 +124,19 @@ def sees(server: SchedulerServer, *ids: str, model: str = "tiny") -> Callable[[]
         return {c.instance_id for c in view_of(server).candidates(model)} == set(ids)
 
     return check
+
+
+@pytest.fixture
+def pair_server(
+    fleet: Fleet, scheduler_factory: Callable[..., SchedulerServer]
+) -> Callable[..., SchedulerServer]:
+    """Starts a scheduler (settings as keywords) over prefill p0 + decode d0, once it sees both."""
+    fleet.add("p0", "prefill")
+    fleet.add("d0", "decode")
+
+    def start(**settings: object) -> SchedulerServer:
+        server = scheduler_factory(**settings)
+        wait_for(sees(server, "p0", "d0"))
+        return server
+
+    return start

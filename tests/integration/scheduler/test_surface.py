@@ -24,21 +24,6 @@ from tests.integration.scheduler.conftest import Fleet, sees, wait_for
 from tests.integration.scheduler.fixtures import running_scheduler_server
 
 
-@pytest.fixture
-def pair_server(
-    fleet: Fleet, scheduler_factory: Callable[..., SchedulerServer]
-) -> Callable[..., SchedulerServer]:
-    fleet.add("p0", "prefill")
-    fleet.add("d0", "decode")
-
-    def start(**settings: object) -> SchedulerServer:
-        server = scheduler_factory(**settings)
-        wait_for(sees(server, "p0", "d0"))
-        return server
-
-    return start
-
-
 @pytest.mark.parametrize(
     ("request_fields", "message"),
     [

@@ -6,10 +6,7 @@ scatter into the destination blocks. Stream ordering itself is covered by tests/
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
-from collections.abc import Iterator
-from typing import Any
 
 import pytest
 import torch
@@ -17,24 +14,9 @@ import torch
 from pdplane.connector.transports.nccl.blocks import BlockMover, layer_byte_view
 from pdplane.connector.transports.nccl.communicator import P2pOp
 from pdplane.connector.transports.nccl.plan import Strategy
+from tests.unit.nccl.fabric import FakeStream, cpu_cuda  # noqa: F401 - a fixture
 
 NUM_BLOCKS = 12
-
-
-class FakeStream:
-    def __init__(self) -> None:
-        self.waited_on: list[Any] = []
-
-    def wait_stream(self, other: Any) -> None:
-        self.waited_on.append(other)
-
-    def wait_event(self, event: Any) -> None:
-        pass
-
-
-class FakeEvent:
-    def record(self, stream: Any = None) -> None:
-        pass
 
 
 class Wire:
@@ -66,18 +48,9 @@ class FakeComm:
 
 
 @pytest.fixture
-def recorded(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
-    """CUDA stand-ins; yields the sizes of the tensors whose memory was handed to a stream."""
-    handed: list[int] = []
-    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "default_stream", lambda d=None: FakeStream())
-    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
-    monkeypatch.setattr(torch.Tensor, "record_stream", lambda t, s: handed.append(t.numel()))
-    monkeypatch.setattr(
-        BlockMover, "_index", lambda self, ids: torch.tensor(list(ids), dtype=torch.long)
-    )
-    yield handed
+def recorded(cpu_cuda: list[int]) -> list[int]:  # noqa: F811 - the fixture imported above
+    """CUDA stand-ins; the sizes of the tensors whose memory was handed to a stream."""
+    return cpu_cuda
 
 
 def _caches(seed: int) -> list[torch.Tensor]:
@@ -90,7 +63,7 @@ def _caches(seed: int) -> list[torch.Tensor]:
 
 
 def _mover(caches: list[torch.Tensor]) -> BlockMover:
-    return BlockMover([layer_byte_view(t, 1) for t in caches], device=0)
+    return BlockMover([layer_byte_view(t, 1) for t in caches], device="cpu")
 
 
 @pytest.mark.parametrize("chunk_blocks", [1, 3, 100])

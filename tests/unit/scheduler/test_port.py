@@ -51,6 +51,7 @@ class _Settings(PolicySettings):
     token: str | None = None
     tls_ca: str | None = None
     schedule_timeout_s: float = 5.0
+    schedule_stream: bool = True
     release_batch_s: float = 0.05
     host: str = "127.0.0.1"
     inflight_port: int = 0

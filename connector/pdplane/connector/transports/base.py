@@ -61,6 +61,7 @@ __all__ = [
     "AccessDenied",
     "BlockAccess",
     "KvTransport",
+    "LocalWorker",
     "Peer",
     "PeerDirectory",
     "PeerInstance",
@@ -114,11 +115,26 @@ class PeerDirectory(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class PeerInstance:
-    """A registered instance of the other role, as the connector's registry watch sees it.
-    `kv_endpoint` is its rank 0's host:port (rank i listens on port + i)."""
+    """A registered instance this worker exchanges KV with, as the connector's registry watch
+    sees it. `kv_endpoint` is its rank 0's host:port (rank i listens on port + i). What the
+    two do: this worker pulls from it (`pulls_from`: it prefills, we decode), it pulls from
+    this worker (`serves_to`), this worker pushes to it (`pushes_to`, push mode)."""
 
     instance_id: str
     kv_endpoint: str
+    pulls_from: bool = False
+    serves_to: bool = False
+    pushes_to: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class LocalWorker:
+    """This worker as peers know it: its instance's registry id, its own server's advertised
+    host:port (this rank's) and its TP rank."""
+
+    instance_id: str = ""
+    endpoint: str = ""
+    tp_rank: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -259,6 +275,7 @@ class KvTransport(ABC):
     def __init__(self) -> None:
         self._cache: KvCacheView | None = None
         self._peers: PeerDirectory | None = None
+        self.local = LocalWorker()
 
     @property
     def cache(self) -> KvCacheView:
@@ -272,11 +289,17 @@ class KvTransport(ABC):
         """The connector's channels to peers (None when bound without them, e.g. in tests)."""
         return self._peers
 
-    def bind(self, cache: KvCacheView, peers: PeerDirectory | None = None) -> None:
-        """Gives the transport this worker's KV cache and the connector's channels to peers
-        (called once, from register_kv_caches)."""
+    def bind(
+        self,
+        cache: KvCacheView,
+        peers: PeerDirectory | None = None,
+        local: LocalWorker | None = None,
+    ) -> None:
+        """Gives the transport this worker's KV cache, the connector's channels to peers and
+        who this worker is (called once, from register_kv_caches)."""
         self._cache = cache
         self._peers = peers
+        self.local = local or LocalWorker()
 
     # -- pull side (decode) -------------------------------------------------------------------
 
@@ -325,8 +348,10 @@ class KvTransport(ABC):
         `deadline` (monotonic s); returns how many are ready. Default: nothing to set up."""
         return 0
 
-    def peer_gone(self, peer: PeerInstance) -> None:  # noqa: B027 - optional hook
-        """`peer` left the registry: drop what is kept for it (connections, pushed KV)."""
+    def peer_gone(self, peer: PeerInstance) -> dict[str, int]:
+        """`peer` left the registry: drops what is kept for it (connections, pushed KV);
+        returns how many of each, e.g. {"communicators": 2}. Default: nothing kept."""
+        return {}
 
     def stats(self) -> dict[str, int]:
         """Counters and gauges for logs and metrics, e.g. {"communicators": 3}."""

@@ -2,12 +2,14 @@
 
 | module | responsibility |
 | --- | --- |
-| `transport.py` | `NcclTransport`: the `KvTransport` adapter |
-| `service.py` | `pdplane.v1.NcclKvTransfer` handlers |
-| `engine.py` | communicator cache per peer, handshake, pull (serve and receive sides) |
+| `transport.py` | `NcclTransport`: the `KvTransport` (pull, push, pre-connect, peers gone) |
+| `service.py` | `pdplane.v1.NcclKvTransfer` handlers (`Pair`, `Preconnect`) |
+| `engine.py` | pairs with peers: handshake, pull on both sides, serving a push's begin |
+| `pairs.py` | the pair table: one communicator per (peer, rank, purpose), cap, LRU eviction |
+| `control.py` | the two ends of a pair's control stream |
 | `push.py` | push mode: bounded GPU receive buffer (`ReceiveBuffer`), pinned-host spill, sessions |
-| `rpc.py` | the `SendBlocks` call object that sees prefill's acceptance early |
 | `communicator.py` | one rank of a 2-rank communicator: non-blocking init, bounded waits, abort |
+| `errors.py` | `NcclTransferError` |
 | `blocks.py` | physical byte view of any backend's KV tensor; gather/scatter and grouped sends |
 | `plan.py` | how requested blocks become messages (pure Python) |
 | `binding.py` | ctypes binding of the few libnccl calls used |
@@ -24,7 +26,8 @@ from pdplane.connector.transports.nccl.communicator import (
     NcclCommunicator,
     NcclTimeoutError,
 )
-from pdplane.connector.transports.nccl.engine import NcclEngine, NcclTransferError, PullTiming
+from pdplane.connector.transports.nccl.engine import NcclEngine, PullTiming
+from pdplane.connector.transports.nccl.errors import NcclTransferError
 from pdplane.connector.transports.nccl.plan import Strategy
 from pdplane.connector.transports.nccl.transport import NcclTransport
 

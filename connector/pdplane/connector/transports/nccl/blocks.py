@@ -14,8 +14,8 @@ operations of one transfer following a `plan` (see plan.py); the caller waits wi
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from pdplane.connector.transports.nccl.communicator import NcclCommunicator, P2pOp
 from pdplane.connector.transports.nccl.plan import (
@@ -78,14 +78,17 @@ def _widest(view: torch.Tensor) -> torch.Tensor:
 class BlockMover:
     """Enqueues the GPU copies and NCCL operations of transfers for one worker's KV cache.
 
-    `views` are the layers' byte views (`layer_byte_view`), in model order.
+    `views` are the layers' byte views (`layer_byte_view`), in model order; `device` their
+    CUDA device index ("cpu" only in tests with stand-ins for the CUDA calls).
     """
 
-    def __init__(self, views: Sequence[torch.Tensor], device: int) -> None:
+    def __init__(self, views: Sequence[torch.Tensor], device: int | str) -> None:
         if not views:
             raise ValueError("no KV cache layers")
         self.views = list(views)
         self.device = device
+        self._torch_device = f"cuda:{device}" if isinstance(device, int) else device
+        self._filler: Any = None
         self.num_blocks = int(self.views[0].shape[1])
         self.layer_block_bytes = [int(v.shape[0]) * int(v.shape[2]) for v in self.views]
         self.wide_views = [_widest(v) for v in self.views]
@@ -93,6 +96,44 @@ class BlockMover:
     def transfer_bytes(self, num_blocks: int) -> int:
         """Bytes a transfer of `num_blocks` blocks moves (all layers)."""
         return num_blocks * sum(self.layer_block_bytes)
+
+    def first_message_bytes(self, num_blocks: int, chunk_bytes: int) -> int:
+        """Bytes of the first message of a gather-strategy transfer of `num_blocks` blocks
+        (what a receiver may post before the sender accepted). Raises ValueError."""
+        chunks = plan_chunks(self.layer_block_bytes, num_blocks, chunk_bytes)
+        return chunks[0].nbytes if chunks else 0
+
+    def warm_up(self, chunk_bytes: int) -> None:
+        """Runs the gather and scatter kernels once on scratch memory (CUDA loads kernels on
+        first use) and leaves two staging buffers in the allocator's cache, so that the first
+        transfer costs what the later ones do. Writes nothing into the KV cache."""
+        import torch
+
+        with torch.cuda.device(self.device):
+            index = self._index([0])
+            by_dtype = {v.dtype: v for v in [*self.wide_views, *self.views]}
+            for view in by_dtype.values():  # the calls `_gather_chunks` makes, on scratch
+                gathered = torch.empty_like(view[:, :1])
+                torch.index_select(view, 1, index, out=gathered)
+                torch.empty_like(view[:, :2]).index_copy_(1, index, gathered)
+            nbytes = min(chunk_bytes, self.transfer_bytes(self.num_blocks))
+            staging = [
+                torch.empty(nbytes, dtype=torch.uint8, device=self._torch_device) for _ in range(2)
+            ]
+            torch.cuda.synchronize(self.device)
+            del staging
+
+    def send_filler(self, comm: NcclCommunicator, nbytes: int, deadline: float) -> None:
+        """Sends `nbytes` of meaningless bytes: the message a refused request's receiver
+        already posted a receive for. The caller holds `comm.lock`, then `comm.wait`s."""
+        import torch
+
+        if self._filler is None or self._filler.numel() < nbytes:
+            self._filler = torch.empty(nbytes, dtype=torch.uint8, device=self._torch_device)
+        filler = self._filler
+        with torch.cuda.device(self.device), torch.cuda.stream(comm.stream):
+            comm.enqueue([P2pOp(True, filler.data_ptr(), nbytes)], deadline)
+            filler.record_stream(comm.stream)
 
     def check_ids(self, ids: Sequence[int]) -> None:
         """Raises ValueError unless every id is a block of this cache."""
@@ -103,7 +144,7 @@ class BlockMover:
     def _index(self, ids: Sequence[int]) -> torch.Tensor:
         import torch
 
-        return torch.tensor(list(ids), dtype=torch.long, device=f"cuda:{self.device}")
+        return torch.tensor(list(ids), dtype=torch.long, device=self._torch_device)
 
     def enqueue(
         self,
@@ -114,13 +155,16 @@ class BlockMover:
         deadline: float,
         chunk_bytes: int = 0,
         runs: Sequence[Run] = (),
+        gate: Callable[[], None] | None = None,
     ) -> int:
         """Enqueues one transfer of blocks `ids` (in request order) on `comm`'s stream: sends
         when `is_send`, else receives into `ids`. Returns the bytes it moves.
 
-        GATHER needs `chunk_bytes`; GROUPED needs `runs` (see plan.py). The caller holds
+        GATHER needs `chunk_bytes`; GROUPED needs `runs` (see plan.py). A receiver's `gate()`
+        runs right after the first message's receive is posted, before anything else (its
+        scatter included); whatever it raises ends the enqueue (GATHER only). The caller holds
         `comm.lock` and then calls `comm.wait(deadline)`. Raises ValueError, NcclError,
-        NcclTimeoutError, NcclAbortedError."""
+        NcclTimeoutError, NcclAbortedError, or what `gate` raised."""
         import torch
 
         self.check_ids(ids)
@@ -135,7 +179,7 @@ class BlockMover:
             # The blocks were written by the compute stream; order our reads/writes after it.
             comm.stream.wait_stream(torch.cuda.default_stream(self.device))
             if strategy is Strategy.GATHER:
-                self._gather_chunks(comm, is_send, index, chunks, deadline)
+                self._gather_chunks(comm, is_send, index, chunks, deadline, gate)
             else:
                 self._grouped(comm, is_send, ids, runs, deadline)
         return self.transfer_bytes(len(ids))
@@ -147,6 +191,7 @@ class BlockMover:
         index: torch.Tensor,
         chunks: Sequence[Chunk],
         deadline: float,
+        gate: Callable[[], None] | None = None,
     ) -> None:
         # Two staging buffers and a second stream for the gathers/scatters: chunk k+1 is
         # gathered (sender) or chunk k scattered (receiver) while NCCL moves the other buffer,
@@ -171,8 +216,9 @@ class BlockMover:
                         if previous is not None:
                             copies.wait_event(previous)
                         for view, part, idx in parts:
-                            for o in range(view.shape[0]):
-                                torch.index_select(view[o], 0, idx, out=part[o])
+                            # one kernel per layer (K and V together): launches are most of
+                            # a small transfer's cost
+                            torch.index_select(view, 1, idx, out=part)
                         gathered = torch.cuda.Event()
                         gathered.record(copies)
                     comm.stream.wait_event(gathered)
@@ -182,13 +228,14 @@ class BlockMover:
                     if previous is not None:
                         comm.stream.wait_event(previous)
                     comm.enqueue([P2pOp(False, buffers[slot].data_ptr(), chunk.nbytes)], deadline)
+                    if k == 0 and gate is not None:
+                        gate()
                     received = torch.cuda.Event()
                     received.record(comm.stream)
                     with torch.cuda.stream(copies):
                         copies.wait_event(received)
                         for view, part, idx in parts:
-                            for o in range(view.shape[0]):
-                                view[o].index_copy_(0, idx, part[o])
+                            view.index_copy_(1, idx, part)
                         done.record(copies)
                 released[slot] = done
         finally:
@@ -206,6 +253,9 @@ class BlockMover:
         """(layer view, staging part, index slice) per piece of `chunk`; views and parts are
         `[outer, blocks, inner]` in the widest integer type that divides a block's bytes, so
         the copy kernels move 8 bytes per element rather than 1."""
+        uniform = self._uniform_parts(staging, index, chunk)
+        if uniform is not None:
+            return uniform
         parts = []
         offset = 0
         for piece in chunk.pieces:
@@ -221,6 +271,22 @@ class BlockMover:
             parts.append((view, part, index[piece.first : piece.first + piece.count]))
             offset += nbytes
         return parts
+
+    def _uniform_parts(
+        self, staging: torch.Tensor, index: torch.Tensor, chunk: Chunk
+    ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None:
+        """`_parts` in a few tensor operations for the usual chunk: whole layers (every
+        requested block of each), all of one shape and width. None for any other chunk."""
+        pieces = chunk.pieces
+        n = int(index.shape[0])
+        first = self.wide_views[pieces[0].layer]
+        shape, dtype = tuple(first.shape), first.dtype
+        for piece in pieces:
+            view = self.wide_views[piece.layer]
+            if piece.first or piece.count != n or view.dtype != dtype or view.shape != shape:
+                return None
+        stacked = staging[: chunk.nbytes].view(dtype).view(len(pieces), shape[0], n, shape[2])
+        return [(self.wide_views[p.layer], stacked[i], index) for i, p in enumerate(pieces)]
 
     def _grouped(
         self,

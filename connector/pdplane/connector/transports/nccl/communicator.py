@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pdplane.connector.transports.nccl.binding import (
     NCCL_IN_PROGRESS,
@@ -27,7 +27,15 @@ from pdplane.connector.transports.nccl.binding import (
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["CommState", "NcclAbortedError", "NcclCommunicator", "NcclTimeoutError", "P2pOp"]
+__all__ = [
+    "CommFactory",
+    "CommState",
+    "NcclAbortedError",
+    "NcclComms",
+    "NcclCommunicator",
+    "NcclTimeoutError",
+    "P2pOp",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -61,10 +69,18 @@ class P2pOp:
 ABORT_WAIT_S = 2.0
 
 
+#: bytes each rank sends the other in `warm_up`: NCCL connects a pair's channels lazily, and a
+#: message this large uses all of them, so the first transfer finds them connected
+WARMUP_BYTES = 8 << 20
+#: how long a wait spins (yielding the GIL each turn) before it sleeps between polls (s): a
+#: control-plane round trip costs about this much, so a short transfer is seen done at once
+_SPIN_S = 0.005
+
+
 def _sleep_backoff(started: float) -> None:
-    # Spin briefly (transfers often finish within a millisecond), then yield the CPU.
+    # Spin first (transfers often finish within a few milliseconds), then yield the CPU.
     elapsed = time.monotonic() - started
-    time.sleep(0 if elapsed < 0.002 else 0.0002 if elapsed < 0.05 else 0.001)
+    time.sleep(0 if elapsed < _SPIN_S else 0.0001 if elapsed < 0.05 else 0.001)
 
 
 class NcclCommunicator:
@@ -87,6 +103,9 @@ class NcclCommunicator:
         self.lock = threading.Lock()  #: held by the owner for one whole transfer
         self.created_at = time.monotonic()
         self.abort_wait_s = ABORT_WAIT_S
+        # Every libnccl call on the handle holds this: an abort from another thread (peer
+        # gone, eviction) then never frees the communicator under a call in progress.
+        self._handle_lock = threading.Lock()
         with torch.cuda.device(device):
             self.stream: torch.cuda.Stream = torch.cuda.Stream(device=device)
             #: the gather path's copies (blocks.py), overlapping this stream's NCCL operations
@@ -114,16 +133,27 @@ class NcclCommunicator:
     def usable(self) -> bool:
         return self.state in (CommState.INITIALIZING, CommState.READY)
 
+    def _async_error(self, what: str) -> int:
+        """ncclCommGetAsyncError, unless the communicator is (being) aborted: then raises
+        NcclAbortedError. Never waits long for a concurrent abort."""
+        if not self._handle_lock.acquire(timeout=0.1):
+            raise NcclAbortedError(f"{self.label}: communicator busy aborting ({what})")
+        try:
+            if not self.usable:
+                raise NcclAbortedError(f"{self.label}: communicator {self.state.value} ({what})")
+            return self._lib.comm_async_error(self._handle)
+        finally:
+            self._handle_lock.release()
+
     def _poll_async(self, deadline: float, what: str) -> None:
         started = time.monotonic()
         while True:
-            if not self.usable:
-                raise NcclAbortedError(f"{self.label}: communicator {self.state.value} ({what})")
-            result = self._lib.comm_async_error(self._handle)
+            result = self._async_error(what)
             if result == NCCL_SUCCESS:
                 return
             if result != NCCL_IN_PROGRESS:
-                detail = self._lib.last_error(self._handle)
+                with self._handle_lock:
+                    detail = self._lib.last_error(self._handle) if self.usable else ""
                 self.abort(f"{what}: {NcclError('NCCL', result, detail)}")
                 raise NcclAbortedError(f"{self.label}: {what} failed: {NcclError('NCCL', result)}")
             if time.monotonic() >= deadline:
@@ -150,15 +180,18 @@ class NcclCommunicator:
             raise NcclAbortedError(f"{self.label}: communicator {self.state.value}")
         stream = int(self.stream.cuda_stream)
         lib = self._lib
-        lib.group_start()
-        try:
-            for op in ops:
-                if op.is_send:
-                    lib.send(op.ptr, op.nbytes, self.peer, self._handle, stream)
-                else:
-                    lib.recv(op.ptr, op.nbytes, self.peer, self._handle, stream)
-        finally:
-            result = lib.group_end()
+        with self._handle_lock:
+            if self.state is not CommState.READY:
+                raise NcclAbortedError(f"{self.label}: communicator {self.state.value}")
+            lib.group_start()
+            try:
+                for op in ops:
+                    if op.is_send:
+                        lib.send(op.ptr, op.nbytes, self.peer, self._handle, stream)
+                    else:
+                        lib.recv(op.ptr, op.nbytes, self.peer, self._handle, stream)
+            finally:
+                result = lib.group_end()
         if result == NCCL_IN_PROGRESS:
             self._poll_async(deadline, "group")
 
@@ -173,9 +206,7 @@ class NcclCommunicator:
         event.record(self.stream)
         started = time.monotonic()
         while not event.query():
-            if not self.usable:
-                raise NcclAbortedError(f"{self.label}: communicator {self.state.value} ({what})")
-            result = self._lib.comm_async_error(self._handle)
+            result = self._async_error(what)
             if result not in (NCCL_SUCCESS, NCCL_IN_PROGRESS):
                 self.abort(f"{what}: async error {result}")
                 raise NcclAbortedError(f"{self.label}: {what} failed: {NcclError('NCCL', result)}")
@@ -213,7 +244,8 @@ class NcclCommunicator:
         done = threading.Event()
 
         def run() -> None:
-            self._lib.comm_abort(self._handle)
+            with self._handle_lock:
+                self._lib.comm_abort(self._handle)
             done.set()
 
         threading.Thread(target=run, name=f"nccl-abort-{self.label}", daemon=True).start()
@@ -237,7 +269,53 @@ class NcclCommunicator:
             if self.state in (CommState.ABORTED, CommState.CLOSED):
                 return
             self.state = CommState.CLOSED
-        self._lib.comm_abort(self._handle)
+        with self._handle_lock:
+            self._lib.comm_abort(self._handle)
+
+    def warm_up(self, deadline: float) -> None:
+        """Exchanges `WARMUP_BYTES` each way, so that NCCL's lazily built connections exist
+        before the first transfer (both ranks call it). Raises as `wait`."""
+        import torch
+
+        buf = torch.zeros(2 * WARMUP_BYTES, dtype=torch.uint8, device=f"cuda:{self.device}")
+        ptr = buf.data_ptr()
+        self.enqueue(
+            [P2pOp(True, ptr, WARMUP_BYTES), P2pOp(False, ptr + WARMUP_BYTES, WARMUP_BYTES)],
+            deadline,
+        )
+        self.wait(deadline, "warm-up")
 
     def __repr__(self) -> str:
         return f"NcclCommunicator({self.label!r}, rank={self.rank}, {self.state.value})"
+
+
+class CommFactory(Protocol):
+    """Makes the communicators of one worker (`NcclComms`; tests pass a stand-in)."""
+
+    def unique_id(self) -> bytes:
+        """A new ncclUniqueId (128 bytes) for a communicator this side creates as rank 0."""
+        ...
+
+    def start(self, unique_id: bytes, rank: int, label: str) -> Any:
+        """Starts rank `rank` of the 2-rank communicator `unique_id` without blocking (see
+        `NcclCommunicator.start`). Raises ValueError, NcclError."""
+        ...
+
+
+class NcclComms:
+    """`CommFactory` of real NCCL communicators on CUDA `device`."""
+
+    def __init__(self, device: int, lib: NcclLibrary | None = None) -> None:
+        self.device = device
+        self._lib = lib
+
+    def _library(self) -> NcclLibrary:
+        if self._lib is None:
+            self._lib = NcclLibrary.get()
+        return self._lib
+
+    def unique_id(self) -> bytes:
+        return self._library().get_unique_id()
+
+    def start(self, unique_id: bytes, rank: int, label: str) -> NcclCommunicator:
+        return NcclCommunicator.start(unique_id, rank, self.device, label, self._library())

@@ -1,15 +1,21 @@
-"""The worker-side NCCL transfer engine: communicators per peer, pull on both sides.
+"""The worker-side NCCL transfer engine: pairs with peers, pulls (both sides), pre-connect.
 
-One 2-rank communicator per (peer instance, TP rank) and per direction of the handshake: the
-side that calls `NcclConnect` generates the NCCL unique id and becomes rank 0; the side that
-serves it becomes rank 1. Communicators are created on first use, cached, and dropped (aborted)
-when a transfer on them fails or the peer leaves (`drop_peer`).
+A pair (pairs.py) is one 2-rank communicator per (peer instance, TP rank, purpose) and the
+control stream it was made over (`NcclKvTransfer.Pair`, control.py): the side that needs it
+(decode for pulls, prefill for pushes) opens the stream with the NCCL unique id and becomes
+rank 0; the peer joins as rank 1. Pairs are cached, capped (`max_peer_communicators`, least
+recently used idle one evicted first), and dropped when a transfer on them fails, their stream
+breaks or the peer leaves (`drop_peer`).
 
-A pull on the decode side (`pull`) runs the `SendBlocks` RPC as a gRPC future while it
-posts its receives: with lazily connected NCCL channels neither side's group can complete
-before the other side's group is posted, so the two must overlap. Every step is bounded by the
-pull's deadline; on a timeout or error the communicator is aborted and dropped, and the RPC is
-cancelled.
+A pull costs one message each way on the pair's stream, and decode does not wait for the
+answer before posting its first receive: it sends the request, posts the receive of the first
+message (gather strategy) and only then waits for prefill's verdict. Prefill answers every
+request: accepted, then the sends; or refused, then exactly `early_bytes` of filler, so that the
+receive decode posted early is always matched (NCCL cannot cancel a posted receive, and
+`ncclCommAbort` did not stop one nobody matched). The rest of the receives are posted once the
+verdict arrived, which for a large transfer is long before the first message is through.
+Every wait is bounded by the pull's deadline; on a timeout or NCCL error the pair is aborted
+and dropped on both sides.
 """
 
 from __future__ import annotations
@@ -18,54 +24,100 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from concurrent import futures
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
 
-from pdplane.connector.transports.nccl.binding import NcclLibrary
+from pdplane.connector.transports.base import AccessDenied, BlockAccess, Peer
 from pdplane.connector.transports.nccl.blocks import BlockMover
-from pdplane.connector.transports.nccl.communicator import NcclCommunicator, P2pOp
+from pdplane.connector.transports.nccl.communicator import CommFactory, NcclComms
+from pdplane.connector.transports.nccl.control import CallerLink, ServerLink
+from pdplane.connector.transports.nccl.errors import NcclTransferError, code_of, status_of
+from pdplane.connector.transports.nccl.pairs import Pair, PairKey, PairTable, Purpose
 from pdplane.connector.transports.nccl.plan import (
     DEFAULT_CHUNK_BYTES,
     Strategy,
     contiguous_runs,
     split_runs,
 )
-from pdplane.v1 import kv_transfer_nccl_pb2, kv_transfer_pb2
+from pdplane.v1 import kv_transfer_nccl_pb2, kv_transfer_nccl_pb2_grpc, kv_transfer_pb2
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["NcclEngine", "NcclTransferError", "PullTiming"]
+__all__ = [
+    "DEFAULT_MAX_PEER_COMMUNICATORS",
+    "NcclEngine",
+    "NcclTransferError",
+    "PullTiming",
+    "PushBegins",
+    "ServeTiming",
+]
 
-logger = logging.getLogger(__name__)
+log = logging.getLogger(__name__)
 
-_WARMUP_BYTES = 4
+#: communicators per worker by default (docs/nccl.md has what they cost)
+DEFAULT_MAX_PEER_COMMUNICATORS = 64
+#: bound on serving one request whose caller named no timeout (s)
+_DEFAULT_SERVE_TIMEOUT_S = 60.0
+#: how long a pair asked to close may take to end its stream before it is aborted (s)
+_CLOSE_GRACE_S = 5.0
+#: concurrent handshakes of one `preconnect`
+_PRECONNECT_WORKERS = 8
 
-
-class NcclTransferError(RuntimeError):
-    """A transfer or handshake failed; `code` is the gRPC status that fits it best."""
-
-    def __init__(self, message: str, code: grpc.StatusCode = grpc.StatusCode.INTERNAL) -> None:
-        super().__init__(message)
-        self.code = code
+_Control = kv_transfer_nccl_pb2.NcclControl
 
 
 @dataclass(slots=True)
 class PullTiming:
-    """What one `pull` cost (seconds): connect (0 when cached), post (receives enqueued),
-    total (until the bytes are in the cache), and the bytes moved."""
+    """What one pull cost, in seconds after `started` (`time.monotonic()`, comparable across
+    processes of one host): `connect_s` setting up a pair first (0 when one was ready),
+    `sent_s` request queued on the stream, `post_s` receives posted (all of them), `verdict_s`
+    prefill's answer in, `total_s` bytes in the cache; and the bytes moved."""
 
+    started: float = 0.0
     connect_s: float = 0.0
+    sent_s: float = 0.0
     post_s: float = 0.0
+    verdict_s: float = 0.0
     total_s: float = 0.0
     nbytes: int = 0
 
 
-def _key(peer: str, tp_rank: int) -> str:
-    return f"{peer}#{tp_rank}"
+@dataclass(slots=True)
+class ServeTiming:
+    """Prefill's side of one pull, as `time.monotonic()` instants: request read from the stream,
+    blocks pinned and verdict queued, sends enqueued, sends complete."""
+
+    transfer_id: str
+    received: float
+    pinned: float = 0.0
+    enqueued: float = 0.0
+    done: float = 0.0
+
+
+class PushBegins(Protocol):
+    """Decode's receive buffer as a push pair's server uses it (`push.PushReceiver`)."""
+
+    def begin(
+        self,
+        request: kv_transfer_nccl_pb2.NcclPushBeginRequest,
+        deadline: float,
+        comm: Any,
+        sender_id: str,
+        done: Callable[[str | None], None],
+    ) -> list[bool]: ...
+
+
+class _Refused(Exception):
+    """Prefill refused a pull (its verdict)."""
+
+    def __init__(self, verdict: Any) -> None:
+        super().__init__(verdict.message)
+        self.verdict = verdict
 
 
 class NcclEngine:
@@ -77,6 +129,9 @@ class NcclEngine:
         strategy: how blocks travel (`plan.Strategy`); receivers decide, senders follow.
         chunk_bytes: gather staging size (bytes).
         connect_timeout_s: bound on creating a communicator (s).
+        max_pairs: communicators at most (`max_peer_communicators`).
+        comms: makes communicators (default: libnccl); tests pass a stand-in.
+        mover: moves blocks (default: a `BlockMover` over `views`).
     """
 
     def __init__(
@@ -86,163 +141,286 @@ class NcclEngine:
         strategy: Strategy = Strategy.GATHER,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         connect_timeout_s: float = 30.0,
+        max_pairs: int = DEFAULT_MAX_PEER_COMMUNICATORS,
+        comms: CommFactory | None = None,
+        mover: BlockMover | None = None,
     ) -> None:
         self.device = device
-        self.mover = BlockMover(views, device)
+        self.mover = mover or BlockMover(views, device)
         self.strategy = strategy
         self.chunk_bytes = chunk_bytes
         self.connect_timeout_s = connect_timeout_s
-        self._lib = NcclLibrary.get()
-        self._comms: dict[str, NcclCommunicator] = {}
-        self._connecting: dict[str, threading.Lock] = {}
+        self.comms: CommFactory = comms or NcclComms(device)
+        self.pairs = PairTable(max_pairs, self._retire)
+        self.instance_id = ""  # this instance's registry id: the requester id of our hellos
+        self.receiver: PushBegins | None = None  # decode, push mode
+        self.access: BlockAccess | None = None  # prefill: the connector's held blocks
+        self.serve_timings: deque[ServeTiming] = deque(maxlen=1000)
+        #: called with the transfer id right before a served pull's sends are enqueued
+        #: (observability: benchmarks and tests time and interrupt transfers with it)
+        self.on_send: Callable[[str], None] | None = None
+        self._gates: dict[PairKey, threading.Lock] = {}
         self._lock = threading.Lock()
-        #: the last communicators taken out of service: (key, communicator), newest last
-        self.retired: deque[tuple[str, NcclCommunicator]] = deque(maxlen=64)
+        self._closed = False
 
-    # -- communicator cache --------------------------------------------------------------------
-
-    def communicator(self, peer: str, tp_rank: int) -> NcclCommunicator | None:
-        """The usable cached communicator with `peer` for `tp_rank`, if any."""
-        with self._lock:
-            comm = self._comms.get(_key(peer, tp_rank))
-        return comm if comm is not None and comm.usable else None
+    # -- pairs ----------------------------------------------------------------------------------
 
     def states(self) -> dict[str, dict[str, str]]:
-        """{"active": {"peer#tp_rank": state}, "retired": {...}} (states: "ready", "aborted",
-        "closed"); retired lists the communicators dropped most recently."""
-        with self._lock:
-            return {
-                "active": {k: c.state.value for k, c in self._comms.items()},
-                "retired": {k: c.state.value for k, c in self.retired},
-            }
+        """{"active": {"peer#rank/purpose": communicator state}, "retired": {key: how it
+        left: "evicted", "dropped", "failed", "closed", "replaced"}} (the latest per key)."""
+        return {"active": self.pairs.states(), "retired": dict(self.pairs.retired)}
 
-    def _put(self, key: str, comm: NcclCommunicator) -> None:
-        with self._lock:
-            old = self._comms.pop(key, None)
-            self._comms[key] = comm
-            if old is not None:
-                self.retired.append((key, old))
-        if old is not None:
-            old.abort("replaced by a new communicator")
+    def stats(self) -> dict[str, int]:
+        """Gauge `communicators` and the cumulative counters `communicators_<counter>`."""
+        out = {"communicators": len(self.pairs)}
+        out.update({f"communicators_{k}": v for k, v in self.pairs.counters.items()})
+        return out
 
-    def _drop(self, key: str, comm: NcclCommunicator, reason: str) -> None:
+    def _gate(self, key: PairKey) -> threading.Lock:
         with self._lock:
-            if self._comms.get(key) is comm:
-                del self._comms[key]
-                self.retired.append((key, comm))
-        comm.abort(reason)
+            return self._gates.setdefault(key, threading.Lock())
 
-    def drop_peer_comm(self, comm: NcclCommunicator, reason: str) -> None:
-        """Aborts `comm` and forgets it (after a failed transfer on it)."""
-        with self._lock:
-            for key, cached in list(self._comms.items()):
-                if cached is comm:
-                    del self._comms[key]
-                    self.retired.append((key, comm))
-        comm.abort(reason)
+    def acquire(
+        self,
+        key: PairKey,
+        peer: Peer,
+        deadline: float,
+        evict: bool = True,
+    ) -> tuple[Pair, float]:
+        """The pair for `key`, opened through `peer` if needed, counted in use until
+        `release`. Returns (pair, seconds spent connecting). Raises NcclTransferError."""
+        pair = self.pairs.acquire(key)
+        if pair is not None:
+            return pair, 0.0
+        t0 = time.monotonic()
+        for _ in range(3):  # a pair evicted or closed between open and acquire: open again
+            self.open(key, peer, deadline, evict)
+            pair = self.pairs.acquire(key)
+            if pair is not None:
+                return pair, time.monotonic() - t0
+        raise NcclTransferError(f"pair {key} closed as it opened", grpc.StatusCode.UNAVAILABLE)
 
-    def drop_peer(self, peer: str) -> int:
-        """Aborts and forgets every communicator with `peer` (it left the registry or
-        restarted). Returns how many were dropped."""
-        with self._lock:
-            keys = [k for k in self._comms if k.rpartition("#")[0] == peer]
-            comms = [self._comms.pop(k) for k in keys]
-            self.retired.extend(zip(keys, comms, strict=True))
-        for comm in comms:
-            comm.abort(f"peer {peer} left")
-        return len(comms)
+    def release(self, pair: Pair) -> None:
+        self.pairs.release(pair)
+
+    def open(self, key: PairKey, peer: Peer, deadline: float, evict: bool = True) -> bool:
+        """Opens the pair for `key` unless one is up: this side calls (rank 0). Returns True
+        when it opened one. `evict=False` (pre-connect) never evicts: RESOURCE_EXHAUSTED when
+        the table is full. Raises NcclTransferError."""
+        with self._gate(key):  # one handshake per key at a time; later callers reuse it
+            if self.pairs.get(key) is not None:
+                return False
+            if self._closed:
+                raise NcclTransferError("engine closed", grpc.StatusCode.UNAVAILABLE)
+            if not self.pairs.make_room(evict) and not evict:
+                raise NcclTransferError(
+                    f"{len(self.pairs)} communicators, none idle (max_peer_communicators)",
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                )
+            self._handshake(key, peer, min(deadline, time.monotonic() + self.connect_timeout_s))
+            return True
+
+    def _handshake(self, key: PairKey, peer: Peer, deadline: float) -> None:
+        t0 = time.monotonic()
+        uid = self.comms.unique_id()
+        comm = self.comms.start(uid, 0, f"{key}/r0")
+        pair = Pair(key, comm, caller=True)
+        hello = _Control(
+            hello=kv_transfer_nccl_pb2.NcclConnectRequest(
+                requester_id=self.instance_id,
+                tp_rank=key.tp_rank,
+                unique_id=uid,
+                purpose=kv_transfer_nccl_pb2.NcclPurpose.ValueType(key.purpose),
+            )
+        )
+        try:
+            stub = peer.stub(kv_transfer_nccl_pb2_grpc.NcclKvTransferStub)
+            pair.link = CallerLink(
+                stub.Pair,
+                peer.metadata,
+                hello,
+                lambda message: self._on_caller_message(pair, message),
+                lambda reason, clean: self._ended(pair, reason, clean),
+                str(key),
+            )
+            comm.wait_ready(deadline)
+            comm.warm_up(deadline)
+            pair.ready.wait(deadline, "ready from the peer")
+        except Exception as exc:
+            if pair.link is not None:
+                pair.link.cancel("handshake failed")
+            comm.abort(f"handshake failed: {exc}")
+            code = exc.code if isinstance(exc, NcclTransferError) else grpc.StatusCode.UNAVAILABLE
+            if code == grpc.StatusCode.UNAVAILABLE and pair.ready.error:
+                detail = pair.ready.error  # the peer's status says why
+            else:
+                detail = str(exc)
+            raise NcclTransferError(
+                f"NCCL handshake with {key.peer_id} at {peer.endpoint}: {detail}", code
+            ) from None
+        self.pairs.add(pair)
+        log.info("communicator %s ready in %.0f ms", key, (time.monotonic() - t0) * 1000)
+
+    def _on_caller_message(self, pair: Pair, message: kv_transfer_nccl_pb2.NcclControl) -> None:
+        # The caller's stream reader: hand answers over, never block.
+        kind = message.WhichOneof("kind")
+        if kind == "ready":
+            pair.ready.set(message.ready)
+        elif kind == "verdict":
+            pair.answer(message.verdict.seq, message.verdict)
+        elif kind == "push_ready":
+            pair.answer(message.push_ready.seq, message.push_ready)
+        elif kind == "close":
+            self._close(pair, f"peer: {message.close.reason}", "closed")
+        else:
+            log.warning("pair %s: unexpected %s from the server", pair.key, kind)
+
+    def _close(self, pair: Pair, reason: str, how: str) -> None:
+        """Closes `pair` gracefully once no transfer uses it (now when idle)."""
+        if self.pairs.close_when_idle(pair, reason, how):
+            self._retire(pair, reason, True)
+
+    def fail(self, pair: Pair, reason: str) -> None:
+        """Aborts `pair` on this side now (its stream ends: the peer aborts its side too)."""
+        self.pairs.remove(pair, "failed")
+        self._retire(pair, reason, False)
+
+    def _retire(self, pair: Pair, reason: str, graceful: bool) -> None:
+        # The pair is out of the table. Graceful: the caller ends its stream, and each side
+        # frees the communicator when the stream ended (`_ended`); a stream that does not end
+        # within the grace is broken. Otherwise now: abort and break the stream.
+        link = pair.link
+        pair.closing = pair.closing or reason
+        if graceful and link is not None and link.alive:
+            log.info("closing communicator %s: %s", pair.key, reason)
+            link.close(reason)
+            timer = threading.Timer(_CLOSE_GRACE_S, self._force, (pair, "close timed out"))
+            timer.daemon = True
+            timer.start()
+            return
+        self._force(pair, reason)
+
+    def _force(self, pair: Pair, reason: str) -> None:
+        if pair.link is not None and pair.link.alive:
+            pair.link.cancel(reason)
+        pair.comm.abort(reason)
+
+    def _ended(self, pair: Pair, reason: str, clean: bool) -> None:
+        # Either reader thread, once: the stream is over, so is the communicator. Clean: the
+        # other side closed its half (it closes the pair too); else the stream broke.
+        graceful = clean or bool(pair.closing)
+        pair.closing = pair.closing or reason
+        self.pairs.remove(pair, "closed" if graceful else "failed")
+        pair.fail_waiters(reason)
+        if graceful and pair.users == 0:
+            pair.comm.close()
+            log.info("communicator %s closed (%s)", pair.key, pair.closing)
+        else:
+            pair.comm.abort(f"control stream ended: {reason}")
+
+    def drop_peer(self, peer_id: str, reason: str = "peer left") -> int:
+        """Aborts every pair with instance `peer_id` (it left the registry; transfers on them
+        fail at once). Returns how many."""
+        pairs = self.pairs.by_peer(peer_id)
+        for pair in pairs:
+            if self.pairs.remove(pair, "dropped"):
+                self._retire(pair, reason, False)
+        return len(pairs)
 
     def close(self) -> None:
-        """Releases every communicator."""
-        with self._lock:
-            comms = list(self._comms.values())
-            self._comms.clear()
-        for comm in comms:
-            comm.close()
+        """Releases every pair (connector shutdown)."""
+        self._closed = True
+        for pair in self.pairs.all():
+            self.pairs.remove(pair, "closed")
+            self._retire(pair, "shutting down", False)
 
-    # -- handshake ---------------------------------------------------------------------------
+    # -- pre-connect ----------------------------------------------------------------------------
 
-    def _warmup(self, comm: NcclCommunicator, deadline: float) -> None:
-        # Connects both directions now, so the first transfer pays no connection setup.
-        import torch
-
-        buf = torch.zeros(2 * _WARMUP_BYTES, dtype=torch.uint8, device=f"cuda:{self.device}")
-        ptr = buf.data_ptr()
-        comm.enqueue(
-            [P2pOp(True, ptr, _WARMUP_BYTES), P2pOp(False, ptr + _WARMUP_BYTES, _WARMUP_BYTES)],
-            deadline,
-        )
-        comm.wait(deadline, "warm-up")
-
-    def connect(
-        self,
-        peer: str,
-        tp_rank: int,
-        call: Callable[[kv_transfer_nccl_pb2.NcclConnectRequest, float], Any],
-        requester_id: str,
-        deadline: float,
-    ) -> NcclCommunicator:
-        """The communicator with `peer` for `tp_rank`, creating it (rank 0) if needed.
-
-        `call(request, timeout_s)` starts the peer's `NcclConnect` RPC and returns a
-        grpc future (e.g. `stub.NcclConnect.future`). Raises NcclTransferError."""
-        key = _key(peer, tp_rank)
-        with self._lock:
-            gate = self._connecting.setdefault(key, threading.Lock())
-        with gate:  # one handshake per peer at a time; later callers reuse its result
-            comm = self.communicator(peer, tp_rank)
-            if comm is not None:
-                return comm
-            deadline = min(deadline, time.monotonic() + self.connect_timeout_s)
-            uid = self._lib.get_unique_id()
-            comm = NcclCommunicator.start(uid, 0, self.device, f"{key}/r0", self._lib)
-            request = kv_transfer_nccl_pb2.NcclConnectRequest(
-                requester_id=requester_id, tp_rank=tp_rank, unique_id=uid
-            )
-            future = call(request, max(deadline - time.monotonic(), 0.001))
-            try:
-                comm.wait_ready(deadline)
-                self._warmup(comm, deadline)
-                future.result(timeout=max(deadline - time.monotonic(), 0.001))
-            except grpc.RpcError as exc:
-                comm.abort("NcclConnect failed")
-                raise NcclTransferError(
-                    f"NcclConnect to {peer}: {exc.code().name}: {exc.details()}", exc.code()
-                ) from None
-            except Exception as exc:
-                future.cancel()
-                comm.abort(f"handshake failed: {exc}")
-                raise NcclTransferError(
-                    f"NCCL handshake with {peer}: {exc}", grpc.StatusCode.UNAVAILABLE
-                ) from exc
-            self._put(key, comm)
-            return comm
-
-    def accept(self, request: kv_transfer_nccl_pb2.NcclConnectRequest, deadline: float) -> None:
-        """Serves `NcclConnect`: joins the requester's communicator as rank 1 (replacing an
-        older one with the same requester and rank). Raises NcclTransferError."""
-        if not request.requester_id:
-            raise NcclTransferError("requester_id is empty", grpc.StatusCode.INVALID_ARGUMENT)
-        key = _key(request.requester_id, request.tp_rank)
-        deadline = min(deadline, time.monotonic() + self.connect_timeout_s)
+    def preconnect(
+        self, jobs: Sequence[Callable[[], bool]], deadline: float
+    ) -> tuple[int, list[str]]:
+        """Runs handshakes `jobs` (each returns True when it opened a pair) a few at a time,
+        until `deadline`. Returns (pairs opened, errors)."""
+        if not jobs:
+            return 0, []
+        opened, errors = 0, []
+        pool = futures.ThreadPoolExecutor(_PRECONNECT_WORKERS, thread_name_prefix="nccl-pre")
         try:
-            comm = NcclCommunicator.start(
-                bytes(request.unique_id), 1, self.device, f"{key}/r1", self._lib
-            )
+            running = [pool.submit(job) for job in jobs]
+            done, late = futures.wait(running, timeout=max(deadline - time.monotonic(), 0))
+            for f in done:
+                if f.exception() is not None:
+                    errors.append(str(f.exception()))
+                elif f.result():
+                    opened += 1
+            errors += ["pre-connect still running at its deadline"] * len(late)
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
+        return opened, errors
+
+    # -- serve side: the server's end of a pair -------------------------------------------------
+
+    def serve_pair(
+        self,
+        requests: Iterator[kv_transfer_nccl_pb2.NcclControl],
+        context: grpc.ServicerContext,
+    ) -> Iterator[kv_transfer_nccl_pb2.NcclControl]:
+        """Serves `NcclKvTransfer.Pair`: joins the caller's communicator as rank 1, then
+        answers its requests in order on a thread of the pair's own. Returns the response
+        stream; aborts the call (INVALID_ARGUMENT, DEADLINE_EXCEEDED, UNAVAILABLE) when the
+        handshake cannot be done."""
+        first = next(requests, None)
+        if first is None or first.WhichOneof("kind") != "hello" or not first.hello.requester_id:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a Pair stream starts with a hello")
+            raise AssertionError("unreachable")  # abort raises
+        hello = first.hello
+        try:
+            purpose = Purpose(hello.purpose or Purpose.PULL)
+        except ValueError:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown purpose {hello.purpose}")
+            raise AssertionError("unreachable") from None
+        if self._closed:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "shutting down")
+        key = PairKey(hello.requester_id, hello.tp_rank, purpose)
+        self.pairs.make_room()
+        left = context.time_remaining()
+        deadline = time.monotonic() + min(self.connect_timeout_s, left or self.connect_timeout_s)
+        try:
+            comm = self.comms.start(bytes(hello.unique_id), 1, f"{key}/r1")
         except ValueError as exc:
-            raise NcclTransferError(str(exc), grpc.StatusCode.INVALID_ARGUMENT) from None
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            raise AssertionError("unreachable") from None
         try:
             comm.wait_ready(deadline)
-            self._warmup(comm, deadline)
+            comm.warm_up(deadline)
         except Exception as exc:
             comm.abort(f"handshake failed: {exc}")
-            raise NcclTransferError(
-                f"NCCL handshake with {request.requester_id}: {exc}",
-                grpc.StatusCode.DEADLINE_EXCEEDED,
-            ) from exc
-        self._put(key, comm)
+            context.abort(
+                grpc.StatusCode.DEADLINE_EXCEEDED, f"NCCL handshake with {key.peer_id}: {exc}"
+            )
+        pair = Pair(key, comm, caller=False)
+        link = ServerLink(
+            lambda message: self._on_server_message(pair, message),
+            lambda reason, clean: self._ended(pair, reason, clean),
+            str(key),
+        )
+        pair.link = link
+        self.pairs.add(pair)
+        link.send(_Control(ready=kv_transfer_nccl_pb2.NcclConnectResponse(ok=True)))
+        link.start(requests)
+        context.add_callback(lambda: link.cancel("call ended"))
+        log.info("communicator %s joined", key)
+        return link.responses()
 
-    # -- pull: serve side (prefill) ----------------------------------------------------------
+    def _on_server_message(self, pair: Pair, message: kv_transfer_nccl_pb2.NcclControl) -> None:
+        # The server's stream reader: requests are served one after the other, in order.
+        kind = message.WhichOneof("kind")
+        if kind == "pull":
+            self._serve_pull(pair, message.pull)
+        elif kind == "push_begin":
+            self._serve_push_begin(pair, message.push_begin)
+        else:
+            log.warning("pair %s: unexpected %s from the caller", pair.key, kind)
 
     def _plan_args(
         self, plan: kv_transfer_nccl_pb2.NcclPlan, ids: Sequence[int]
@@ -251,73 +429,122 @@ class NcclEngine:
             return Strategy.GROUPED, 0, split_runs(list(plan.run_lengths), ids)
         return Strategy.GATHER, int(plan.chunk_bytes) or self.chunk_bytes, []
 
-    def serve_send(
+    def _serve_pull(self, pair: Pair, request: kv_transfer_nccl_pb2.NcclPullRequest) -> None:
+        timing = ServeTiming(request.blocks.transfer_id, time.monotonic())
+        timeout = request.timeout_ms / 1000 if request.timeout_ms else _DEFAULT_SERVE_TIMEOUT_S
+        deadline = timing.received + timeout
+        self.pairs.hold(pair)
+        try:
+            self._serve_pull_held(pair, request, deadline, timing)
+        except Exception as exc:  # NCCL failed: the pair is of no use any more
+            log.warning("pair %s: serving %s failed: %s", pair.key, timing.transfer_id, exc)
+            self.fail(pair, f"serving transfer {timing.transfer_id}: {exc}")
+        finally:
+            self.pairs.release(pair)
+
+    def _serve_pull_held(
         self,
-        block_ids: Sequence[int],
+        pair: Pair,
         request: kv_transfer_nccl_pb2.NcclPullRequest,
         deadline: float,
-        accepted: Callable[[], None] = lambda: None,
-    ) -> int:
-        """Serves `SendBlocks`: sends `block_ids` (this worker's ids, in the requested
-        order) to the requester and waits until the sends completed. Returns bytes sent.
-        `accepted()` is called once the request is valid, right before the first send (the
-        gRPC layer sends the initial metadata the receiver waits for, see `pull`).
-
-        Raises NcclTransferError: FAILED_PRECONDITION (no communicator), INVALID_ARGUMENT
-        (plan or ids do not fit), DEADLINE_EXCEEDED / ABORTED (communicator aborted)."""
-        blocks = request.blocks
-        comm = self.communicator(blocks.requester_id, blocks.tp_rank)
-        if comm is None:
-            raise NcclTransferError(
-                f"no NCCL communicator with {blocks.requester_id} rank {blocks.tp_rank}",
-                grpc.StatusCode.FAILED_PRECONDITION,
-            )
+        timing: ServeTiming,
+    ) -> None:
+        access = self.access
+        if access is None:
+            self._refuse(pair, request, grpc.StatusCode.UNAVAILABLE, "not serving", deadline)
+            return
         try:
-            strategy, chunk_bytes, runs = self._plan_args(request.plan, block_ids)
-            self.mover.check_ids(block_ids)
-        except ValueError as exc:
-            raise NcclTransferError(str(exc), grpc.StatusCode.INVALID_ARGUMENT) from None
-        accepted()
-        return self._run(
-            comm,
-            _key(blocks.requester_id, blocks.tp_rank),
-            True,
-            block_ids,
-            strategy,
-            chunk_bytes,
-            runs,
-            deadline,
-        )
-
-    def _run(
-        self,
-        comm: NcclCommunicator,
-        key: str,
-        is_send: bool,
-        ids: Sequence[int],
-        strategy: Strategy,
-        chunk_bytes: int,
-        runs: Sequence[Any],
-        deadline: float,
-    ) -> int:
-        with comm.lock:
+            pinned = access.pin(request.blocks, deadline - time.monotonic())
+        except AccessDenied as exc:
+            self._refuse(pair, request, exc.code, str(exc), deadline)
+            return
+        with pinned:
+            ids = pinned.block_ids
             try:
-                nbytes = self.mover.enqueue(
-                    comm, is_send, ids, strategy, deadline, chunk_bytes, runs
-                )
-                comm.wait(deadline)
+                strategy, chunk_bytes, runs = self._plan_args(request.plan, ids)
+                self.mover.check_ids(ids)
+                if request.early_bytes:
+                    first = self.mover.first_message_bytes(len(ids), chunk_bytes)
+                    if strategy is not Strategy.GATHER or first != request.early_bytes:
+                        raise ValueError(
+                            f"plans differ: the caller posted {request.early_bytes} bytes first, "
+                            f"this side would send {first}"
+                        )
             except ValueError as exc:
-                self._drop(key, comm, f"bad transfer: {exc}")
-                raise NcclTransferError(str(exc), grpc.StatusCode.INVALID_ARGUMENT) from None
-            except TimeoutError as exc:
-                self._drop(key, comm, str(exc))
-                raise NcclTransferError(str(exc), grpc.StatusCode.DEADLINE_EXCEEDED) from exc
-            except Exception as exc:
-                self._drop(key, comm, str(exc))
-                raise NcclTransferError(str(exc), grpc.StatusCode.ABORTED) from exc
-        return nbytes
+                self._refuse(pair, request, grpc.StatusCode.INVALID_ARGUMENT, str(exc), deadline)
+                return
+            nbytes = self.mover.transfer_bytes(len(ids))
+            timing.pinned = time.monotonic()
+            pair.link.send(  # type: ignore[union-attr]
+                _Control(verdict=kv_transfer_nccl_pb2.NcclVerdict(seq=request.seq, bytes=nbytes))
+            )
+            if self.on_send is not None:
+                self.on_send(timing.transfer_id)
+            with pair.lock:
+                self.mover.enqueue(pair.comm, True, ids, strategy, deadline, chunk_bytes, runs)
+                timing.enqueued = time.monotonic()
+                pair.comm.wait(deadline, "send")
+            timing.done = time.monotonic()
+            self.serve_timings.append(timing)
 
-    # -- pull: receive side (decode) ---------------------------------------------------------
+    def _refuse(
+        self,
+        pair: Pair,
+        request: kv_transfer_nccl_pb2.NcclPullRequest,
+        code: grpc.StatusCode,
+        message: str,
+        deadline: float,
+    ) -> None:
+        # The verdict first (decode waits for it before posting more), then the filler that
+        # completes the one receive decode may have posted already.
+        verdict = kv_transfer_nccl_pb2.NcclVerdict(
+            seq=request.seq, code=code_of(code), message=message[:1000]
+        )
+        pair.link.send(_Control(verdict=verdict))  # type: ignore[union-attr]
+        if request.early_bytes:
+            with pair.lock:
+                self.mover.send_filler(pair.comm, int(request.early_bytes), deadline)
+                pair.comm.wait(deadline, "filler")
+
+    def _serve_push_begin(
+        self, pair: Pair, request: kv_transfer_nccl_pb2.NcclPushBeginRequest
+    ) -> None:
+        timeout = request.timeout_ms / 1000 if request.timeout_ms else _DEFAULT_SERVE_TIMEOUT_S
+        deadline = time.monotonic() + timeout
+        receiver, access = self.receiver, self.access
+
+        def answer(code: grpc.StatusCode, message: str = "", spilled: Sequence[bool] = ()) -> None:
+            ready = kv_transfer_nccl_pb2.NcclPushBeginResponse(
+                seq=request.seq, code=code_of(code), message=message[:1000], spilled=spilled
+            )
+            pair.link.send(_Control(push_ready=ready))  # type: ignore[union-attr]
+
+        if receiver is None or access is None:
+            answer(grpc.StatusCode.UNIMPLEMENTED, "this worker takes no pushes")
+            return
+        try:
+            access.check_layout(request.layout, who="sender")
+        except AccessDenied as exc:
+            answer(exc.code, str(exc))
+            return
+
+        def done(error: str | None) -> None:  # the receives completed (or failed)
+            self.pairs.release(pair)
+            if error:
+                self.fail(pair, f"push receive: {error}")
+
+        self.pairs.hold(pair)
+        try:
+            spilled = receiver.begin(request, deadline, pair.comm, pair.key.peer_id, done)
+        except NcclTransferError as exc:
+            self.pairs.release(pair)
+            answer(exc.code, str(exc))
+            if exc.code == grpc.StatusCode.ABORTED:
+                self.fail(pair, str(exc))
+            return
+        answer(grpc.StatusCode.OK, spilled=spilled)
+
+    # -- pull: caller side (decode) -------------------------------------------------------------
 
     def make_plan(
         self,
@@ -343,89 +570,122 @@ class NcclEngine:
 
     def pull(
         self,
-        peer: str,
+        peer_id: str,
+        peer: Peer,
         request: kv_transfer_pb2.PullBlocksRequest,
         local_ids: Sequence[int],
-        connect: Callable[[kv_transfer_nccl_pb2.NcclConnectRequest, float], Any],
-        send: Callable[[kv_transfer_nccl_pb2.NcclPullRequest, float], Any],
         deadline: float,
         remote_ids: Sequence[int] | None = None,
         strategy: Strategy | None = None,
         chunk_bytes: int | None = None,
         on_posted: Callable[[], None] | None = None,
     ) -> PullTiming:
-        """Pulls the blocks `request` names from `peer` into `local_ids` of this cache.
-
-        `connect` starts the peer's NcclConnect RPC as a grpc future (`stub.NcclConnect.future`
-        with metadata bound); `send` starts its SendBlocks as an `rpc.SendBlocksCall`. The plan
-        is made here (see `make_plan` for `remote_ids`, `strategy`, `chunk_bytes`);
-        `on_posted()` runs once all receives are posted (observability).
-        Returns the timing; raises NcclTransferError (the communicator is
-        aborted and dropped on NCCL failures)."""
-        t0 = time.monotonic()
-        timing = PullTiming()
+        """Pulls the blocks `request` names from instance `peer_id` (reached at `peer`) into
+        `local_ids` of this cache. The plan is made here (see `make_plan` for `remote_ids`,
+        `strategy`, `chunk_bytes`); `on_posted()` runs once all receives are posted.
+        Returns the timing; raises NcclTransferError (the pair is aborted and dropped on NCCL
+        failures; a refusal keeps it)."""
+        timing = PullTiming(started=time.monotonic())
         if len(request.block_indices) != len(local_ids):
             raise NcclTransferError(
                 f"{len(request.block_indices)} block indices but {len(local_ids)} local blocks",
                 grpc.StatusCode.INVALID_ARGUMENT,
             )
-        comm = self.communicator(peer, request.tp_rank)
-        if comm is None:
-            comm = self.connect(peer, request.tp_rank, connect, request.requester_id, deadline)
-            timing.connect_s = time.monotonic() - t0
-        key = _key(peer, request.tp_rank)
+        key = PairKey(peer_id or peer.endpoint, request.tp_rank, Purpose.PULL)
+        pair, timing.connect_s = self.acquire(key, peer, deadline)
+        try:
+            self._pull_on(
+                pair,
+                request,
+                local_ids,
+                deadline,
+                timing,
+                remote_ids,
+                strategy,
+                chunk_bytes,
+                on_posted,
+            )
+        finally:
+            self.release(pair)
+        timing.total_s = time.monotonic() - timing.started
+        return timing
+
+    def _pull_on(
+        self,
+        pair: Pair,
+        request: kv_transfer_pb2.PullBlocksRequest,
+        local_ids: Sequence[int],
+        deadline: float,
+        timing: PullTiming,
+        remote_ids: Sequence[int] | None,
+        strategy: Strategy | None,
+        chunk_bytes: int | None,
+        on_posted: Callable[[], None] | None,
+    ) -> None:
         plan = self.make_plan(local_ids, remote_ids, strategy, chunk_bytes)
         strategy, chunk_bytes, runs = self._plan_args(plan, local_ids)
-        call = kv_transfer_nccl_pb2.NcclPullRequest(blocks=request, plan=plan)
-        with comm.lock:
-            future = send(call, max(deadline - time.monotonic(), 0.001))
-            # Post receives only once the sender accepted the request (its initial metadata):
-            # NCCL cannot cancel a posted receive, so a refused request (unknown transfer, bad
-            # indices) must fail before, or it would cost the communicator.
-            if not future.accepted():
-                try:
-                    future.result()
-                except grpc.RpcError as exc:
-                    raise NcclTransferError(
-                        f"SendBlocks on {peer}: {exc.code().name}: {exc.details()}",
-                        exc.code(),
-                    ) from None
-                raise NcclTransferError(
-                    f"SendBlocks on {peer} did not accept the request",
-                    grpc.StatusCode.UNAVAILABLE,
-                )
+        early = 0
+        if strategy is Strategy.GATHER and local_ids:
+            early = self.mover.first_message_bytes(len(local_ids), chunk_bytes)
+        comm, t0 = pair.comm, timing.started
+        with pair.lock:
+            seq, waiter = pair.expect()
+            timeout_ms = max(int((deadline - time.monotonic()) * 1000), 1)
+            call = kv_transfer_nccl_pb2.NcclPullRequest(
+                blocks=request, plan=plan, seq=seq, early_bytes=early, timeout_ms=timeout_ms
+            )
+            pair.link.send(_Control(pull=call))  # type: ignore[union-attr]
+            timing.sent_s = time.monotonic() - t0
+            verdict: Any = None
+
+            def gate() -> None:
+                # Between the first receive and the others: decode posts the rest only for
+                # an accepted request (a refusal's filler matches the first one).
+                nonlocal verdict
+                verdict = waiter.wait(deadline, "verdict")
+                timing.verdict_s = time.monotonic() - t0
+                if verdict.code:
+                    raise _Refused(verdict)
+
             try:
-                timing.nbytes = self.mover.enqueue(
-                    comm, False, local_ids, strategy, deadline, chunk_bytes, runs
-                )
+                if early:
+                    timing.nbytes = self.mover.enqueue(
+                        comm, False, local_ids, strategy, deadline, chunk_bytes, runs, gate
+                    )
+                else:
+                    gate()
+                    timing.nbytes = self.mover.enqueue(
+                        comm, False, local_ids, strategy, deadline, chunk_bytes, runs
+                    )
                 timing.post_s = time.monotonic() - t0
                 if on_posted is not None:
                     on_posted()
                 comm.wait(deadline)
-                response = future.result(timeout=max(deadline - time.monotonic(), 0.001))
-            except grpc.RpcError as exc:
-                # The sender failed or refused: our receives can never complete.
-                self._drop(key, comm, f"SendBlocks failed: {exc.code().name}")
+            except _Refused:
+                if early:  # only the first receive is posted: the filler completes it
+                    try:
+                        comm.wait(deadline, "filler")
+                    except Exception as exc:
+                        self.fail(pair, f"filler: {exc}")
                 raise NcclTransferError(
-                    f"SendBlocks on {peer}: {exc.code().name}: {exc.details()}", exc.code()
+                    f"pull from {pair.key.peer_id}: {verdict.message}", status_of(verdict.code)
                 ) from None
+            except NcclTransferError as exc:  # no verdict: the stream ended or timed out
+                self.fail(pair, str(exc))
+                raise
             except ValueError as exc:
-                future.cancel()
-                self._drop(key, comm, f"bad transfer: {exc}")
+                self.fail(pair, f"bad transfer: {exc}")
                 raise NcclTransferError(str(exc), grpc.StatusCode.INVALID_ARGUMENT) from None
             except Exception as exc:
-                future.cancel()
-                self._drop(key, comm, str(exc))
+                self.fail(pair, str(exc))
                 code = (
                     grpc.StatusCode.DEADLINE_EXCEEDED
                     if isinstance(exc, TimeoutError)
                     else grpc.StatusCode.ABORTED
                 )
-                raise NcclTransferError(f"pull from {peer}: {exc}", code) from exc
-        if response.bytes_sent != timing.nbytes:
+                raise NcclTransferError(f"pull from {pair.key.peer_id}: {exc}", code) from exc
+        if verdict.bytes != timing.nbytes:
             raise NcclTransferError(
-                f"peer sent {response.bytes_sent} bytes, expected {timing.nbytes}",
+                f"peer sends {verdict.bytes} bytes, expected {timing.nbytes}",
                 grpc.StatusCode.DATA_LOSS,
             )
-        timing.total_s = time.monotonic() - t0
-        return timing

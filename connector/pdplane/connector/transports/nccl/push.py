@@ -3,12 +3,13 @@ forward; decode receives into a bounded GPU receive buffer, spilling to pinned h
 when the buffer is full, and refusing (RESOURCE_EXHAUSTED) when both are full, so nothing
 waits for room and nothing overflows.
 
-Sender (`PushSession`): `NcclPushBegin` RPC (receiver reserves and posts all receives), then
-`send_layer(l)` after each attention layer wrote its KV, then `finish()`. Message order on the
+Sender (`PushSession`): `push_begin` on the PUSH pair's stream (the receiver reserves room and
+posts all receives, then answers `push_ready`), then `send_layer(l)` after each attention layer
+wrote its KV, then `finish()`. Message order on the
 communicator: for each layer, for each item in the begin request's order, one message holding
 the item's blocks of that layer in the `[outer, n, inner_bytes]` byte layout.
 
-Receiver (`PushReceiver`): `begin` (serves the RPC), then `take` copies a received transfer
+Receiver (`PushReceiver`): `begin` (serves the `push_begin`), then `take` copies a received transfer
 into the blocks vLLM allocated for it and frees its room; unclaimed transfers expire.
 """
 
@@ -26,12 +27,15 @@ import grpc
 
 from pdplane.connector.transports.base import TransferError
 from pdplane.connector.transports.nccl.communicator import NcclCommunicator, P2pOp
-from pdplane.connector.transports.nccl.engine import NcclEngine, NcclTransferError
+from pdplane.connector.transports.nccl.errors import NcclTransferError, status_of
+from pdplane.connector.transports.nccl.pairs import Pair
 from pdplane.connector.transports.receive_buffer import ReceiveBuffer
 from pdplane.v1 import kv_transfer_nccl_pb2
 
 if TYPE_CHECKING:
     import torch
+
+    from pdplane.connector.transports.nccl.engine import NcclEngine
 
 __all__ = ["PushReceiver", "PushSession"]
 
@@ -143,20 +147,22 @@ class PushReceiver(ReceiveBuffer):
         return plan
 
     def begin(
-        self, request: kv_transfer_nccl_pb2.NcclPushBeginRequest, deadline: float
+        self,
+        request: kv_transfer_nccl_pb2.NcclPushBeginRequest,
+        deadline: float,
+        comm: NcclCommunicator,
+        sender_id: str,
+        done: Callable[[str | None], None],
     ) -> list[bool]:
-        """Serves `NcclPushBegin`: reserves room for every item (all or nothing), posts the
-        receives, and returns at once with, per item, whether it spilled to host memory.
+        """Serves a push pair's `push_begin` from instance `sender_id`: reserves room for
+        every item (all or nothing), posts the receives on `comm`, and returns at once with,
+        per item, whether it spilled to host memory. `done(error)` runs once the receives
+        completed (error None) or failed; not when this raises.
 
-        Raises NcclTransferError (RESOURCE_EXHAUSTED, FAILED_PRECONDITION, ALREADY_EXISTS)."""
+        Raises NcclTransferError (RESOURCE_EXHAUSTED, ALREADY_EXISTS; ABORTED: posting
+        failed, the communicator is of no use)."""
         import torch
 
-        comm = self.engine.communicator(request.requester_id, request.tp_rank)
-        if comm is None:
-            raise NcclTransferError(
-                f"no NCCL communicator with {request.requester_id} rank {request.tp_rank}",
-                grpc.StatusCode.FAILED_PRECONDITION,
-            )
         plan = self._reserve(request.items)
         views = self.engine.mover.views
         dev = f"cuda:{self.engine.device}"
@@ -175,7 +181,7 @@ class PushReceiver(ReceiveBuffer):
             slots.append(
                 _Slot(
                     tid,
-                    request.requester_id,
+                    sender_id,
                     n,
                     nbytes,
                     spilled,
@@ -206,7 +212,7 @@ class PushReceiver(ReceiveBuffer):
         except Exception as exc:
             self._fail(slots, f"posting receives failed: {exc}")
             raise NcclTransferError(str(exc), grpc.StatusCode.ABORTED) from exc
-        self._waiters.submit(self._await, comm, slots, deadline)
+        self._waiters.submit(self._await, comm, slots, deadline, done)
         return [s.spilled for s in slots]
 
     def _fail(self, slots: Sequence[_Slot], error: str) -> None:
@@ -216,16 +222,23 @@ class PushReceiver(ReceiveBuffer):
                 self._release(slot)
                 slot.done.set()
 
-    def _await(self, comm: NcclCommunicator, slots: Sequence[_Slot], deadline: float) -> None:
+    def _await(
+        self,
+        comm: NcclCommunicator,
+        slots: Sequence[_Slot],
+        deadline: float,
+        done: Callable[[str | None], None],
+    ) -> None:
         try:
             comm.wait(deadline, "push receive")
         except Exception as exc:
             logger.warning("push receive failed: %s", exc)
-            self.engine.drop_peer_comm(comm, str(exc))
             self._fail(slots, str(exc))
+            done(str(exc))
             return
         for slot in slots:
             slot.done.set()
+        done(None)
 
     def take(
         self,
@@ -311,56 +324,64 @@ class PushReceiver(ReceiveBuffer):
 
 
 class PushSession:
-    """Prefill side of one forward step's push to one decode worker.
+    """Prefill side of one forward step's push to one decode worker, over the pair's stream.
 
-    Holds the communicator's lock from `NcclPushBegin` to `finish`, so no other transfer
-    interleaves messages. Use as a context manager or call `finish()`/`abort()`.
+    Holds the pair's lock from `push_begin` to `finish`, so no other transfer interleaves
+    messages. Use as a context manager or call `finish()`/`abort()`.
     """
 
     def __init__(
         self,
         engine: NcclEngine,
-        peer: str,
-        tp_rank: int,
+        pair: Pair,
         requester_id: str,
         items: Sequence[tuple[str, Sequence[int]]],
-        connect: Callable[[kv_transfer_nccl_pb2.NcclConnectRequest, float], Any],
-        begin: Callable[[kv_transfer_nccl_pb2.NcclPushBeginRequest, float], Any],
         layout: Any,
         deadline: float,
     ) -> None:
-        """Connects if needed and calls `begin` (the peer's NcclPushBegin, blocking call
-        returning the response). `items`: (transfer id, this worker's block ids) in send order.
-        Raises NcclTransferError (RESOURCE_EXHAUSTED when the receiver is full)."""
+        """Announces `items` ((transfer id, this worker's block ids) in send order) on `pair`
+        (acquired from `engine`; released when the session ends) and waits for decode's
+        `push_ready`. Raises NcclTransferError (RESOURCE_EXHAUSTED when the receiver is
+        full); the pair is released then."""
         import torch
 
         self.engine = engine
+        self.pair = pair
+        self.comm = pair.comm
         self.deadline = deadline
         self.items = [(tid, list(ids)) for tid, ids in items]
-        for _, ids in self.items:
-            engine.mover.check_ids(ids)
-        comm = engine.communicator(peer, tp_rank) or engine.connect(
-            peer, tp_rank, connect, requester_id, deadline
-        )
-        self.comm = comm
-        comm.lock.acquire()
         self._open = True
+        self.comm.lock.acquire()
         try:
-            request = kv_transfer_nccl_pb2.NcclPushBeginRequest(
+            for _, ids in self.items:
+                engine.mover.check_ids(ids)
+            seq, waiter = pair.expect()
+            begin = kv_transfer_nccl_pb2.NcclPushBeginRequest(
                 requester_id=requester_id,
-                tp_rank=tp_rank,
+                tp_rank=pair.key.tp_rank,
                 layout=layout,
                 items=[
                     kv_transfer_nccl_pb2.NcclPushItem(transfer_id=tid, num_blocks=len(ids))
                     for tid, ids in self.items
                 ],
+                seq=seq,
+                timeout_ms=max(int((deadline - time.monotonic()) * 1000), 1),
             )
-            self.spilled = list(begin(request, max(deadline - time.monotonic(), 0.001)).spilled)
-        except grpc.RpcError as exc:
+            assert pair.link is not None
+            pair.link.send(kv_transfer_nccl_pb2.NcclControl(push_begin=begin))
+            ready = waiter.wait(deadline, "push_ready")
+        except ValueError as exc:
+            self._close()
+            raise NcclTransferError(str(exc), grpc.StatusCode.INVALID_ARGUMENT) from None
+        except NcclTransferError as exc:
+            self.abort(str(exc))  # no answer: the stream is of no use any more
+            raise
+        if ready.code:
             self._close()
             raise NcclTransferError(
-                f"NcclPushBegin on {peer}: {exc.code().name}: {exc.details()}", exc.code()
-            ) from None
+                f"push to {pair.key.peer_id}: {ready.message}", status_of(ready.code)
+            )
+        self.spilled = list(ready.spilled)
         dev = f"cuda:{engine.device}"
         self._index = [torch.tensor(ids, dtype=torch.long, device=dev) for _, ids in self.items]
         self.bytes_sent = 0
@@ -369,6 +390,7 @@ class PushSession:
         if self._open:
             self._open = False
             self.comm.lock.release()
+            self.engine.release(self.pair)
 
     def send_layer(self, layer: int) -> None:
         """Enqueues layer `layer`'s messages, ordered after the work already on the current
@@ -396,7 +418,7 @@ class PushSession:
 
     def finish(self) -> int:
         """Waits (bounded by the session deadline) until every message left; returns bytes.
-        Raises NcclTransferError after aborting the communicator."""
+        Raises NcclTransferError after aborting the pair."""
         try:
             self.comm.wait(self.deadline, "push send")
         except Exception as exc:
@@ -412,8 +434,8 @@ class PushSession:
         return self.bytes_sent
 
     def abort(self, reason: str) -> None:
-        """Aborts the communicator (the receiver's waits then fail) and ends the session."""
-        self.engine.drop_peer_comm(self.comm, reason)
+        """Aborts the pair (the receiver's waits then fail) and ends the session."""
+        self.engine.fail(self.pair, reason)
         self._close()
 
     def __enter__(self) -> PushSession:

@@ -1,89 +1,69 @@
-"""The `pdplane.v1.NcclKvTransfer` service of one worker: the NCCL handshake, prefill's side of
-a pull (validate, pin, send over the pair's communicator) and decode's side of a push (reserve
-room, post receives).
+"""The `pdplane.v1.NcclKvTransfer` service of one worker: the server's end of pairs (the
+stream that creates a communicator and carries its transfers' control) and `Preconnect`.
 
-Handlers only translate: access to held blocks goes through the connector's `BlockAccess`,
-the bytes through the worker's `NcclEngine` / `PushReceiver`; their errors become statuses.
+Handlers only translate: the engine serves the pairs (pulls through the connector's
+`BlockAccess`, pushes into the receive buffer); its errors become statuses.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import grpc
 
-from pdplane.connector.transports.base import AccessDenied, BlockAccess
-from pdplane.connector.transports.nccl.engine import NcclTransferError
-from pdplane.connector.transports.nccl.rpc import ACCEPTED_METADATA
+from pdplane.connector.transports.base import PeerDirectory
+from pdplane.connector.transports.nccl.errors import NcclTransferError
+from pdplane.connector.transports.nccl.pairs import PairKey, Purpose
 from pdplane.v1 import kv_transfer_nccl_pb2, kv_transfer_nccl_pb2_grpc
 
 if TYPE_CHECKING:
     from pdplane.connector.transports.nccl.engine import NcclEngine
-    from pdplane.connector.transports.nccl.push import PushReceiver
 
 __all__ = ["SERVICE_NAME", "NcclKvTransferServicer"]
 
 SERVICE_NAME = "pdplane.v1.NcclKvTransfer"
 
 
-def _deadline(context: grpc.ServicerContext) -> float:
-    left = context.time_remaining()
-    return time.monotonic() + (left if left is not None else 60.0)
-
-
 class NcclKvTransferServicer(kv_transfer_nccl_pb2_grpc.NcclKvTransferServicer):
-    """Serves the NCCL control RPCs of one worker.
+    """Serves the NCCL control of one worker.
 
     Args:
-        access: the connector's held blocks and layout.
-        engine: the worker's communicators and block mover.
-        receiver: decode's push receive buffer.
+        engine: the worker's pairs, block mover and push receiver.
+        peers: channels to peers (`Preconnect` opens a pair to the caller through them).
     """
 
-    def __init__(self, access: BlockAccess, engine: NcclEngine, receiver: PushReceiver) -> None:
-        self._access = access
+    def __init__(self, engine: NcclEngine, peers: PeerDirectory | None) -> None:
         self._engine = engine
-        self._receiver = receiver
+        self._peers = peers
 
-    def NcclConnect(
-        self, request: kv_transfer_nccl_pb2.NcclConnectRequest, context: grpc.ServicerContext
-    ) -> kv_transfer_nccl_pb2.NcclConnectResponse:
+    def Pair(
+        self,
+        request_iterator: Iterator[kv_transfer_nccl_pb2.NcclControl],
+        context: grpc.ServicerContext,
+    ) -> Iterator[kv_transfer_nccl_pb2.NcclControl]:
+        return self._engine.serve_pair(request_iterator, context)
+
+    def Preconnect(
+        self, request: kv_transfer_nccl_pb2.NcclPreconnectRequest, context: grpc.ServicerContext
+    ) -> kv_transfer_nccl_pb2.NcclPreconnectResponse:
+        """Opens this worker's PULL pair with the caller (a prefill that just started)."""
+        if not request.requester_id or not request.endpoint:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "requester_id and endpoint are required"
+            )
+        if self._peers is None:
+            context.abort(grpc.StatusCode.UNIMPLEMENTED, "this worker opens no pairs")
+            raise AssertionError("unreachable")  # abort raises
+        left = context.time_remaining()
+        deadline = time.monotonic() + (left if left is not None else 30.0)
+        key = PairKey(request.requester_id, request.tp_rank, Purpose.PULL)
         try:
-            self._engine.accept(request, _deadline(context))
+            peer = self._peers.get(request.endpoint, 0)
+            opened = self._engine.open(key, peer, deadline, evict=False)
+        except ValueError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except NcclTransferError as exc:
             context.abort(exc.code, str(exc))
-        return kv_transfer_nccl_pb2.NcclConnectResponse(ok=True)
-
-    def SendBlocks(
-        self, request: kv_transfer_nccl_pb2.NcclPullRequest, context: grpc.ServicerContext
-    ) -> kv_transfer_nccl_pb2.NcclSendBlocksResponse:
-        try:
-            pinned = self._access.pin(request.blocks, context.time_remaining(), context)
-        except AccessDenied as exc:
-            context.abort(exc.code, str(exc))
-            raise AssertionError("unreachable") from None  # abort raises
-        with pinned:
-            try:
-                sent = self._engine.serve_send(
-                    pinned.block_ids,
-                    request,
-                    _deadline(context),
-                    lambda: context.send_initial_metadata((ACCEPTED_METADATA,)),
-                )
-            except NcclTransferError as exc:
-                context.abort(exc.code, str(exc))
-        return kv_transfer_nccl_pb2.NcclSendBlocksResponse(bytes_sent=sent)
-
-    def NcclPushBegin(
-        self, request: kv_transfer_nccl_pb2.NcclPushBeginRequest, context: grpc.ServicerContext
-    ) -> kv_transfer_nccl_pb2.NcclPushBeginResponse:
-        """Decode: reserve room for the announced transfers, post the receives."""
-        try:
-            self._access.check_layout(request.layout, who="sender")
-            spilled = self._receiver.begin(request, _deadline(context))
-        except AccessDenied as exc:
-            context.abort(exc.code, str(exc))
-        except NcclTransferError as exc:
-            context.abort(exc.code, str(exc))
-        return kv_transfer_nccl_pb2.NcclPushBeginResponse(spilled=spilled)
+        return kv_transfer_nccl_pb2.NcclPreconnectResponse(connected=opened)

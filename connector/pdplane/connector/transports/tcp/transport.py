@@ -20,6 +20,7 @@ from pdplane.connector.kv_cache import KvCacheView
 from pdplane.connector.transports.base import (
     BlockAccess,
     KvTransport,
+    LocalWorker,
     Peer,
     PeerDirectory,
     PeerInstance,
@@ -65,8 +66,13 @@ class TcpTransport(KvTransport):
         self.push_buffer = PushBuffer(push_buffer_bytes, push_ttl_s) if push_buffer_bytes else None
         self.push_results: list[PushResult] = []  # prefill: how the last 1000 pushes ended
 
-    def bind(self, cache: KvCacheView, peers: PeerDirectory | None = None) -> None:
-        super().bind(cache, peers)
+    def bind(
+        self,
+        cache: KvCacheView,
+        peers: PeerDirectory | None = None,
+        local: LocalWorker | None = None,
+    ) -> None:
+        super().bind(cache, peers, local)
         if self.push_buffer is not None:
             self.push_buffer.bind(cache)
 
@@ -168,10 +174,28 @@ class TcpTransport(KvTransport):
 
     # -- lifecycle -----------------------------------------------------------------------------
 
-    def peer_gone(self, peer: PeerInstance) -> None:
+    def preconnect(self, peers: Sequence[PeerInstance], deadline: float) -> int:
+        """Opens the channels to `peers` this worker will call (pull from, push to) and waits
+        (until `deadline`) for them to connect; returns how many did."""
+        directory = self.peers
+        if directory is None:
+            return 0
+        calls = [p for p in peers if p.pulls_from or p.pushes_to]
+        ready = 0
+        for p in calls:
+            channel = directory.get(p.kv_endpoint, self.local.tp_rank).channel
+            try:
+                grpc.channel_ready_future(channel).result(max(deadline - time.monotonic(), 0))
+                ready += 1
+            except grpc.FutureTimeoutError:
+                continue
+        return ready
+
+    def peer_gone(self, peer: PeerInstance) -> dict[str, int]:
         """Frees what `peer` pushed here (its channel is the connector's to drop)."""
-        if self.push_buffer is not None:
-            self.push_buffer.drop_sender(peer.instance_id)
+        if self.push_buffer is None:
+            return {}
+        return {"pushed": self.push_buffer.drop_sender(peer.instance_id)}
 
     def stats(self) -> dict[str, int]:
         buffer = self.push_buffer
