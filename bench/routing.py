@@ -409,15 +409,17 @@ PRESETS: dict[str, dict[str, Any]] = {
     "shared-prefix-4p4d": _routing_preset(
         "4P4D", "shared-prefix", [8.0, 14.0], {"tenants": 120, "system_tokens": 4000}
     ),
-    # The CI test's shared-prefix case: 2P2D, 8 tenants x 2000-token system prompts, a cache
-    # of 700 blocks (11200 tokens) per instance: the 8 prompts do not fit one instance's cache
-    # but half of them do, so routing by prefix keeps them cached and turn by turn thrashes.
+    # The CI test's shared-prefix case: 2P2D, 8 tenants x 2000-word system prompts (~3000
+    # tokens, ~190 blocks, with the tiny model's tokenizer), 900 blocks per prefill instance
+    # (half the tenants fit, not all) and 4000 per decode instance (all fit, with room for
+    # the running requests: at 700 / 700 round_robin got 503s for lack of decode KV room).
     "shared-prefix-mini": {
         "topology": "2P2D",
         "workload": "shared-prefix",
         "rates": [4.0],
         "profile": "qwen2-7b-a100",
-        "kv_blocks": 700,
+        "kv_blocks": 900,
+        "decode_kv_blocks": 4000,
         "duration_s": 40.0,
         "time_scale": 4.0,
         "stream_interval": 16,

@@ -238,15 +238,16 @@ PROFILES: dict[str, Profile] = {
         name="tiny-cpu",
         description="pdplane.models.tiny (2 layers, hidden 128, fp32) on vLLM CPU 0.32, "
         "2-core AVX2 host, lean flags (eager, uni executor), one core",
-        # Fitted by bench/sim_calibrate.py --fit on this machine (docs/sim.md, calibration).
+        # Refitted by bench/sim_calibrate.py --fit on this machine from the 2026-12-01 run of
+        # docs/sim.md ("Calibration"); the earlier fit's ITL was ~2.3x the measured one.
         cost=CostModel(
-            step_ms=4.92,
-            token_ms=0.0102,
+            step_ms=2.07,
+            token_ms=0.00729,
             prefill_token_ms=0.0065,
-            seq_ms=0.216,
-            kv_read_ms_per_ktok=0.0,
+            seq_ms=0.0924,
+            kv_read_ms_per_ktok=0.0246,
             prefill_attn_ms_per_mpair=0.0,
-            request_ms=5.64,
+            request_ms=5.88,
         ),
         max_num_seqs=128,
         max_num_batched_tokens=2048,
