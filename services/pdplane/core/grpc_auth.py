@@ -63,7 +63,12 @@ def _bearer(metadata: Iterable[tuple[str, str | bytes]] | None) -> str | None:
 
 
 def _matches(got: str | None, token: str | None) -> bool:
-    return token is not None and got is not None and hmac.compare_digest(got, f"Bearer {token}")
+    # Compared as UTF-8 bytes: hmac.compare_digest raises TypeError on a non-ASCII str, which
+    # would end a caller's call UNKNOWN instead of refusing it (or break a non-ASCII token).
+    if token is None or got is None:
+        return False
+    want = f"Bearer {token}".encode("utf-8", "surrogatepass")
+    return hmac.compare_digest(got.encode("utf-8", "surrogatepass"), want)
 
 
 @dataclass(frozen=True)

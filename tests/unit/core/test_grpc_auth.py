@@ -16,6 +16,7 @@ import grpc
 import pytest
 
 from pdplane.core import grpc_util
+from pdplane.core.grpc_auth import AuthPolicy, CallerRole
 
 _SERVICE = "test.Echo"
 _TOKEN = "s3cret"
@@ -152,3 +153,20 @@ def test_unauthenticated_call_is_refused_and_server_stays_responsive(
         # Every shape still answers with the token afterwards, well within the deadline.
         for other in _KINDS:
             assert _call(chan, other, grpc_util.token_metadata(_TOKEN)) == b"x"
+
+
+@pytest.mark.parametrize(
+    "value", ["Bearer s\u00e9cret", "Bearer \u2603", b"Bearer \xff\xfe".decode("latin-1")]
+)
+def test_non_ascii_authorization_is_refused_not_an_error(value: str) -> None:
+    # hmac.compare_digest raises TypeError on non-ASCII str: the call would end UNKNOWN
+    # (an exception in the interceptor) instead of a plain refusal.
+    policy = AuthPolicy(token="secret", admin_token="admin")
+    assert policy.role([("authorization", value)]) is None
+    assert policy.role([("authorization", "Bearer secret")]) is CallerRole.INSTANCE
+
+
+def test_a_non_ascii_configured_token_still_matches_itself() -> None:
+    policy = AuthPolicy(token="s\u00e9cret")
+    assert policy.role([("authorization", "Bearer s\u00e9cret")]) is CallerRole.INSTANCE
+    assert policy.role([("authorization", "Bearer secret")]) is None
