@@ -33,6 +33,7 @@ def new_token() -> str:
     """
     return secrets.token_hex(32)
 
+
 #: A token file larger than this is a wrong path (a log, a binary), not a token.
 MAX_TOKEN_BYTES = 4096
 
