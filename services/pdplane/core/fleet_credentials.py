@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from pdplane.core.token_file import new_token
 
 __all__ = [
     "FleetCredentials",
@@ -47,8 +48,8 @@ class FleetCredentials:
 
 
 def generate(registry: str) -> FleetCredentials:
-    """Fresh tokens (256 random bits each, URL-safe text) for the fleet at `registry`."""
-    return FleetCredentials(registry, secrets.token_urlsafe(32), secrets.token_urlsafe(32))
+    """Fresh tokens (`token_file.new_token`: 256 random bits each) for the fleet at `registry`."""
+    return FleetCredentials(registry, new_token(), new_token())
 
 
 def write(creds: FleetCredentials, path: Path | None = None) -> Path:

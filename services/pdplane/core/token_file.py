@@ -18,10 +18,21 @@ from typing import Any
 __all__ = [
     "MAX_TOKEN_BYTES",
     "ensure_token",
+    "new_token",
     "read_token",
     "resolve_token_files",
     "token_file_field",
 ]
+
+
+def new_token() -> str:
+    """A fresh bearer token: 256 random bits as 64 hex digits.
+
+    Hex, not URL-safe base64: a token that starts with "-" (1 in 64 of `token_urlsafe`'s)
+    breaks `--token "$T"` on every command line (argparse takes it for an option).
+    """
+    return secrets.token_hex(32)
+
 
 #: A token file larger than this is a wrong path (a log, a binary), not a token.
 MAX_TOKEN_BYTES = 4096
@@ -65,7 +76,7 @@ def ensure_token(path: str | Path) -> bool:
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         with os.fdopen(fd, "w") as out:
-            out.write(secrets.token_urlsafe(32) + "\n")
+            out.write(new_token() + "\n")
         try:
             os.link(tmp, target)
         except FileExistsError:

@@ -258,6 +258,33 @@ PROFILES: dict[str, Profile] = {
     ),
     "llama3-8b-h100": _llama3_8b("h100", "H100 SXM 80 GB", 80, 3.35, _SRC_H100),
     "llama3-8b-h200": _llama3_8b("h200", "H200 SXM 141 GB", 141, 4.8, _SRC_H200),
+    # Fitted by bench/gpu_sim_profile.sh (bench/sim_calibrate.py --target gpu) to vLLM 0.26
+    # serving a Llama-3-8B-shaped model with random weights on one H200, 2026-12-01: median
+    # error TTFT 6.1 % / ITL 0.8 % on the 9 fitted cells, 13.8 % / 1.4 % out of sample
+    # (docs/sim.md, "Calibration on the GPU"). Limits and transfer terms as the datasheet one.
+    "llama3-8b-h200-measured": dataclasses.replace(
+        _llama3_8b("h200", "H200 SXM 141 GB", 141, 4.8, _SRC_H200),
+        name="llama3-8b-h200-measured",
+        cost=CostModel(
+            step_ms=0.338,
+            weights_ms=4.46,
+            token_ms=0.0221,
+            prefill_token_ms=0.0,
+            seq_ms=0.0101,
+            kv_read_ms_per_ktok=0.0388,
+            prefill_attn_ms_per_mpair=0.788,
+            request_ms=10.5,
+        ),
+        num_blocks=56080,
+        sources=(
+            _SRC_LLAMA,
+            "measured: bench/gpu_sim_profile.sh on one H200, vLLM 0.26, --load-format dummy, "
+            "fit score 0.055 over 9 cells (docs/sim.md, calibration on the GPU)",
+            "num_blocks: vLLM's own KV cache size at --gpu-memory-utilization 0.9 in that run",
+            _SRC_VLLM,
+            _SRC_NVLINK,
+        ),
+    ),
     "qwen2-7b-a100": Profile(
         name="qwen2-7b-a100",
         description="Qwen2-7B, bf16, one A100 SXM 80 GB (the seed's 1P7D deployment)",

@@ -29,7 +29,9 @@ def test_random_decode_choice_piles_up_and_least_loaded_stays_balanced(tmp_path:
     # pdplane's policy: balanced decode KV, no receive-buffer overflow.
     assert ll["decode_kv_max_over_mean"] <= 1.15, ll
     assert ll["push_refused"] == 0, ll
-    # random: the pile-up of the seed's report.
-    assert rnd["decode_kv_max_over_mean"] > ll["decode_kv_max_over_mean"], (rnd, ll)
+    # random: the pile-up of the seed's report, seen in the waiting queues and in what
+    # overflowed or was preempted. Not in KV max/mean: random fills every decode's KV cache to
+    # ~90 %+, so the ratio is squeezed towards 1 (1.03-1.08 measured) and its order against
+    # least_loaded's (1.01-1.05) flips from run to run on a loaded machine.
     assert rnd["push_refused"] + rnd["preemptions"] > ll["push_refused"] + ll["preemptions"]
     assert rnd["decode_waiting_peak"] > ll["decode_waiting_peak"], (rnd, ll)

@@ -71,3 +71,16 @@ def test_pdplane_tokens_writes_both_files_once_and_never_prints_them(
     out = capsys.readouterr().out
     assert "kept the token in" in out and not any(t in out for t in first)
     assert tokens.main(["--token-file", str(tmp_path / "no" / "dir")]) == 1
+
+
+def test_generated_tokens_never_start_with_a_dash_and_carry_256_bits() -> None:
+    # A token starting with "-" breaks `--token "$T"` (argparse takes it for an option).
+    from pdplane.core.fleet_credentials import generate
+    from pdplane.core.token_file import new_token
+
+    tokens = [new_token() for _ in range(2000)]
+    creds = [generate("127.0.0.1:1") for _ in range(200)]
+    tokens += [c.token for c in creds] + [c.admin_token for c in creds]
+    assert not [t for t in tokens if t.startswith("-")]
+    assert all(len(bytes.fromhex(t)) == 32 for t in tokens)
+    assert len(set(tokens)) == len(tokens)
