@@ -1,10 +1,11 @@
 """The routers a routing benchmark compares, by row name, all over the same sim fleet.
 
 Row names:
-- `pdplane:P[/D]`: the pdplane gateway with the scheduler embedded (`--scheduler embedded`),
-  prefill policy P and decode policy D (default D = P); any name the gateway accepts
-  (`round_robin`, `random`, `least_loaded`, `power_of_two`, `consistent_hash`, `kv_aware`, ...);
-  `POLICY_FLAGS` adds the flags a policy needs;
+- `pdplane:P[/D][+flag=value...]`: the pdplane gateway with the scheduler embedded
+  (`--scheduler embedded`), prefill policy P and decode policy D (default D = P); any name the
+  gateway accepts (`round_robin`, `random`, `least_loaded`, `power_of_two`, `consistent_hash`,
+  `kv_aware`, ...); `POLICY_FLAGS` adds the flags a policy needs; each `+flag=value` adds the
+  gateway flag `--flag value` (e.g. `pdplane:kv_aware+kv-load-factor=2`);
 - `vllm-router:P[/D]`: vllm-router in `--vllm-pd-disaggregation` mode with `--prefill-policy
   P --decode-policy D` (`cache_aware`, `power_of_two`, `round_robin`, `random`, ...);
 - `xpyd:S`: xpyd-proxy with `scheduling: S` (`cache_aware`, `roundrobin`, `loadbalanced`, ...);
@@ -15,6 +16,7 @@ Row names:
 
 from __future__ import annotations
 
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +40,8 @@ class Row:
     kind: str
     prefill: str
     decode: str
+    #: extra gateway flags from the row's `+flag=value` suffixes (pdplane rows only)
+    flags: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +56,9 @@ class Endpoints:
     tokenizer: str = ""
 
 
+_FLAG = re.compile(r"[a-z][a-z0-9-]*")
+
+
 def parse_row(name: str) -> Row:
     """A row from its name (see the module docstring). Raises ValueError."""
     kind, _, spec = name.partition(":")
@@ -61,8 +68,15 @@ def parse_row(name: str) -> Row:
         raise ValueError(
             f"bad row {name!r}: pdplane:P[/D], vllm-router:P[/D], xpyd:S, oracle, seed-proxy:random"
         )
+    spec, *extras = spec.split("+")
+    flags: list[str] = []
+    for extra in extras:
+        flag, eq, value = extra.partition("=")
+        if kind != "pdplane" or not eq or not value or not _FLAG.fullmatch(flag):
+            raise ValueError(f"bad row {name!r}: a suffix is +flag=value, on pdplane rows only")
+        flags += [f"--{flag}", value]
     prefill, _, decode = spec.partition("/")
-    return Row(name, kind, prefill, decode or prefill)
+    return Row(name, kind, prefill, decode or prefill, tuple(flags))
 
 
 def _pdplane(row: Row, ep: Endpoints, cpus: str, logs: Path, dispatch: str) -> ProxyRun:
@@ -75,6 +89,7 @@ def _pdplane(row: Row, ep: Endpoints, cpus: str, logs: Path, dispatch: str) -> P
         if policy in POLICY_FLAGS and not ep.tokenizer:
             raise RuntimeError(f"{policy} needs the fleet's tokenizer (run with --tokenizer tiny)")
         argv += [f.format(tokenizer=ep.tokenizer) for f in POLICY_FLAGS.get(policy, [])]
+    argv += row.flags
     proc = spawn(f"pdplane-{row.prefill}-{row.decode}-{dispatch}", argv, cpus, logs)
     return ProxyRun(row.name, f"http://127.0.0.1:{port}", [proc])
 

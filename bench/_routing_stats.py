@@ -21,7 +21,7 @@ from typing import Any
 from bench._openloop import Outcome
 from pdplane.sim.stats import LogHistogram
 
-__all__ = ["client_numbers", "fleet_numbers", "percentile"]
+__all__ = ["client_numbers", "fleet_hit_rate", "fleet_numbers", "percentile"]
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -67,6 +67,26 @@ def _delta(a: dict[str, Any], b: dict[str, Any], key: str) -> float:
     return float(b[key]) - float(a[key])
 
 
+def fleet_hit_rate(
+    instances: Sequence[tuple[dict[str, Any], dict[str, Any]]],
+    decodes: Sequence[tuple[dict[str, Any], dict[str, Any]]],
+) -> float:
+    """1 - prompt tokens computed / prompt tokens, over a window (two reads per instance).
+
+    Computed prompt tokens = computed - generated tokens summed over every instance (a decode
+    step computes the one token it generates); the prompt tokens are those of the decode legs,
+    one per request. Off by about one token per leg (a prefill leg's sampled token, a decode's
+    recomputed last prompt token), against thousands of prompt tokens. 0.0 with no prompt.
+    """
+    prompt = sum(_delta(a, b, "prompt_tokens") for a, b in decodes)
+    if prompt <= 0:
+        return 0.0
+    computed = sum(
+        _delta(a, b, "computed_tokens") - _delta(a, b, "generation_tokens") for a, b in instances
+    )
+    return 1.0 - max(computed, 0.0) / prompt
+
+
 def fleet_numbers(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     """The sims' counters between two `/fleet/stats` reads (see the module docstring)."""
     pairs = [
@@ -100,6 +120,10 @@ def fleet_numbers(before: dict[str, Any], after: dict[str, Any]) -> dict[str, An
         "window_s": dt,
         "output_tok_s": sum(_delta(a, b, "generation_tokens") for a, b in decodes) / dt,
         "prefill_hit_rate": hit_rate(prefills),
+        # 1 - prompt tokens computed anywhere (prefill, or locally on decode) / prompt tokens of
+        # the decode legs: the fleet's prefix cache hit, alike for every router whether it
+        # prefills on a prefill instance or on the decode (each request has one decode leg)
+        "fleet_hit_rate": fleet_hit_rate(total, decodes),
         "decode_hit_rate": hit_rate(decodes),
         # requests whose prompt went through a prefill instance (kv_aware may skip it)
         "prefill_legs_per_request": prefilled / finished if finished else 0.0,

@@ -273,6 +273,7 @@ _COLUMNS = [
     ("goodput_rps", "goodput/s", "{:.1f}"),
     ("prefill_hit_rate", "P hit", "{:.0%}"),
     ("decode_hit_rate", "D hit", "{:.0%}"),
+    ("fleet_hit_rate", "fleet hit", "{:.0%}"),
     ("prefill_legs_per_request", "P legs/req", "{:.2f}"),
     ("kv_mb_per_request", "KV MB/req", "{:.1f}"),
     ("decode_running_mean", "D run mean", "{:.0f}"),
@@ -285,6 +286,7 @@ _COLUMNS = [
     ("push_refused", "overflows", "{:.0f}"),
     ("unfinished", "unfinished", "{}"),
     ("proxy_cpu_ms_per_request", "proxy CPU ms/req", "{:.2f}"),
+    ("sim_lag_s", "sim lag s", "{:.0f}"),
 ]
 
 
@@ -472,7 +474,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--warmup", type=float, default=0.25, help="fraction left out")
     ap.add_argument("--profile", default="llama3-8b-h100")
-    ap.add_argument("--time-scale", type=float, default=1.0)
+    ap.add_argument(
+        "--time-scale",
+        type=float,
+        default=None,
+        help="modelled seconds per real second (default 1, or the preset's)",
+    )
     ap.add_argument("--stream-interval", type=int, default=16)
     ap.add_argument("--kv-mode", default="pull", choices=("pull", "push"))
     ap.add_argument("--push-overflow", default="pull", choices=("pull", "recompute"))
@@ -510,7 +517,7 @@ def main(argv: list[str] | None = None) -> int:
         "profile": args.profile,
         "duration_s": 60.0,
         "warmup": args.warmup,
-        "time_scale": args.time_scale,
+        "time_scale": 1.0,
         "stream_interval": args.stream_interval,
         "kv_mode": args.kv_mode,
         "push_overflow": args.push_overflow,
@@ -529,6 +536,8 @@ def main(argv: list[str] | None = None) -> int:
         base["rates"] = [float(r) for r in args.rates.split(",")]
     if args.duration is not None:
         base["duration_s"] = args.duration
+    if args.time_scale is not None:
+        base["time_scale"] = args.time_scale
     if base["tokenizer"] == "auto":
         base["tokenizer"] = "tiny" if any("kv_aware" in r for r in base["rows"]) else ""
     rates, rows = base.pop("rates"), base.pop("rows")
