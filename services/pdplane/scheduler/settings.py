@@ -101,7 +101,7 @@ class PolicySettings(CommandSettings):
         description="kv_aware decode: weight of an uncached (pulled) token vs a prefilled one",
     )
     kv_load_factor: float = Field(
-        default=1.25,
+        default=2.0,
         ge=1,
         description="kv_aware: bounded loads, no instance above this times the mean requests",
     )

@@ -287,3 +287,34 @@ def test_hashes_of_another_block_size_never_match(fleet: Callable[..., Scheduler
         "r1", "tiny", len(prompt), prefix_block_hashes=block_hashes(prompt, BS)
     )
     assert service.schedule(legacy).prefill_cached_tokens == 16 * BS
+
+
+@pytest.mark.parametrize(("load_factor", "expected"), [(1.25, "p4"), (2.0, "p0")])
+def test_a_holder_one_request_above_a_light_fleet_keeps_its_prefix(
+    fake_source: type, make_instance: MakeInstance, load_factor: float, expected: str
+) -> None:
+    # 8 prefill instances, 4 requests on them, one of those on the holder p0. With 1.25 the
+    # cap is ceil(1.25 x 5 / 8) = 1: any busy holder is skipped while an idle instance is left,
+    # so the prompt is prefilled from scratch elsewhere; with 2.0 the cap is 2 and p0 keeps it.
+    busy = {"p0", "p1", "p2", "p3"}
+    prefills = [
+        make_instance(f"p{i}", "prefill", num_running=int(f"p{i}" in busy)) for i in range(8)
+    ]
+    service = SchedulerService(
+        CandidateView(fake_source(*prefills, make_instance("d0", "decode"))),
+        prefill_policy="kv_aware",
+        decode_policy="kv_aware",
+        kv_weights=KvAwareWeights(load_factor=load_factor),
+    )
+    service.kv_index = PrefixIndex()
+    shared = tokens(9, 100 * BS)
+    hold(service.kv_index, "p0", shared)
+    decision = service.schedule(req(0, shared + tokens(10, 8)))
+    assert decision.prefill is not None and decision.prefill.instance_id == expected
+    assert decision.prefill_cached_tokens == (100 * BS if expected == "p0" else 0)
+
+
+def test_the_default_load_factor_is_2() -> None:
+    # Shared prefix at 8P16D, 25 req/s (docs/benchmarks.md, "Without the simulator's lag"):
+    # 1.25 skipped busy holders on the lightly loaded prefill side (prefill hit 59 % vs 73 %).
+    assert KvAwareWeights().load_factor == 2.0

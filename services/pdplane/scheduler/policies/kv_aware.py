@@ -67,7 +67,7 @@ class KvAwareWeights:
     request_tokens: float = 512.0
     kv_usage_tokens: float = 1024.0
     decode_hit_weight: float = 0.25
-    load_factor: float = 1.25
+    load_factor: float = 2.0
 
     def __post_init__(self) -> None:
         if self.request_tokens < 0 or self.kv_usage_tokens < 0 or self.decode_hit_weight < 0:
