@@ -2,6 +2,8 @@
 
     pdplane drain decode-2 [--registry HOST:PORT[,HOST:PORT...]] [--admin-token T] [--tls-ca CA]
 
+(The id may also come after the flags, or from PDPLANE_INSTANCE_ID.)
+
 Draining another process's instance is an operator's act: it needs the registry's admin token
 (`--admin-token` / `PDPLANE_ADMIN_TOKEN`; for the fleet of a local `pdplane up`, read from its
 credentials file by default, see `pdplane.core.fleet_credentials`) unless the registry runs
@@ -18,6 +20,7 @@ import sys
 
 import grpc
 from pydantic import Field
+from pydantic_settings import CliPositionalArg
 
 from pdplane.core import defaults, fleet_credentials, grpc_util
 from pdplane.core.settings import CommandSettings
@@ -29,9 +32,11 @@ __all__ = ["DrainSettings", "main"]
 
 
 class DrainSettings(CommandSettings):
-    """Flags of `pdplane drain` (each also a `PDPLANE_*` environment variable)."""
+    """`pdplane drain INSTANCE-ID [flags]` (each also a `PDPLANE_*` environment variable)."""
 
-    instance_id: str = Field(description="registry id of the instance (see `pdplane ls`)")
+    instance_id: CliPositionalArg[str] = Field(
+        "", description="registry id of the instance (see `pdplane ls`; or PDPLANE_INSTANCE_ID)"
+    )
     registry: str = Field(
         f"127.0.0.1:{defaults.REGISTRY_PORT}",
         description="registry gRPC address host:port, or several replicas' comma-separated",
@@ -46,39 +51,13 @@ class DrainSettings(CommandSettings):
     timeout_s: float = Field(5.0, gt=0, description="deadline of each call (s)")
 
 
-_VALUE_FLAGS = {
-    "--registry",
-    "--admin-token",
-    "--admin-token-file",
-    "--tls-ca",
-    "--timeout-s",
-    "--instance-id",
-}
-
-
-def _positional_id(argv: list[str]) -> list[str]:
-    # The id is positional for people (anywhere among the flags); pydantic-settings' CLI takes
-    # it as --instance-id.
-    rest: list[str] = []
-    found: list[str] = []
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
-        if arg in _VALUE_FLAGS and i + 1 < len(argv):
-            rest += argv[i : i + 2]
-            i += 2
-            continue
-        (rest if arg.startswith("-") else found).append(arg)
-        i += 1
-    return [*(["--instance-id", found[0]] if len(found) == 1 else found), *rest]
-
-
 def main(argv: list[str]) -> int:
     """Runs `pdplane drain`; see the module docstring for exit codes."""
-    argv = _positional_id(argv)
     s = DrainSettings.parse(argv, prog="pdplane drain")
-    local = fleet_credentials.for_registry(s.registry)
-    admin_token = s.admin_token or (local.admin_token if local else None)
+    if not s.instance_id:
+        sys.stderr.write("error: pdplane drain: give the instance id (see `pdplane drain -h`)\n")
+        return 2
+    admin_token = fleet_credentials.token_for(s.registry, s.admin_token, admin=True)
     metadata = grpc_util.token_metadata(admin_token)
     endpoints = RegistryEndpoints(s.registry, s.tls_ca)
     # No lease id: the admin credential, not a lease, authorizes an operator's drain.

@@ -22,8 +22,9 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
 from pydantic import Field
+from pydantic_settings import CliPositionalArg
 
-from pdplane.core import grpc_util
+from pdplane.core import fleet_credentials, grpc_util
 from pdplane.core.settings import CommandSettings
 from pdplane.core.token_file import token_file_field
 
@@ -31,21 +32,31 @@ __all__ = ["GrpcSettings", "main"]
 
 
 class GrpcSettings(CommandSettings):
-    """Flags of `pdplane grpc` besides its positional arguments."""
+    """`pdplane grpc ADDRESS list|SERVICE/METHOD [BODY] [flags]`: a call by reflection."""
 
-    token: str | None = Field(None, description="bearer token sent as call metadata")
+    address: CliPositionalArg[str] = Field(description="the server's gRPC address host:port")
+    method: CliPositionalArg[str] = Field(
+        description="`list` (its services), or Service/Method, e.g. "
+        "pdplane.v1.Registry/ListInstances"
+    )
+    body: CliPositionalArg[str] = Field("{}", description="the request as JSON")
+    token: str | None = Field(
+        None,
+        description="bearer token sent as call metadata (default: the local `pdplane up` "
+        "fleet's, if ADDRESS is its registry)",
+    )
     token_file: str | None = token_file_field("--token")
     tls_ca: str | None = Field(None, description="CA certificate (PEM) to verify server TLS")
     timeout_s: float = Field(10.0, gt=0, description="deadline of the call (s)")
 
 
-def _call(channel: grpc.Channel, method: str, body: str, s: GrpcSettings) -> None:
-    service, _, name = method.rpartition("/")
+def _call(channel: grpc.Channel, s: GrpcSettings) -> None:
+    service, _, name = s.method.rpartition("/")
     pool = descriptor_pool.DescriptorPool(ProtoReflectionDescriptorDatabase(channel))
     descriptor = pool.FindServiceByName(service).FindMethodByName(name)
     request_cls = message_factory.GetMessageClass(descriptor.input_type)
     response_cls: Any = message_factory.GetMessageClass(descriptor.output_type)
-    request = json_format.Parse(body, request_cls())
+    request = json_format.Parse(s.body, request_cls())
     path = f"/{service}/{name}"
     kwargs: dict[str, Any] = {
         "request_serializer": request_cls.SerializeToString,
@@ -66,31 +77,26 @@ def _call(channel: grpc.Channel, method: str, body: str, s: GrpcSettings) -> Non
 
 
 def main(argv: list[str]) -> int:
-    """Runs `pdplane grpc ADDRESS list|SERVICE/METHOD [JSON] [flags]`."""
-    positional = [a for a in argv if not a.startswith("--")]
-    flags = [a for a in argv if a.startswith("--")]
-    # Flag values follow their flag: take them back out of the positional list.
-    for i, arg in enumerate(argv[:-1]):
-        if arg.startswith("--") and "=" not in arg and argv[i + 1] in positional:
-            positional.remove(argv[i + 1])
-            flags.append(argv[i + 1])
-    settings = GrpcSettings.parse(flags, prog="pdplane grpc")
-    if len(positional) < 2 or (positional[1] != "list" and "/" not in positional[1]):
-        sys.stderr.write(__doc__.split("\n\n")[1] + "\n")
+    """Runs `pdplane grpc ADDRESS list|SERVICE/METHOD [BODY] [flags]`."""
+    s = GrpcSettings.parse(argv, prog="pdplane grpc")
+    if s.method != "list" and "/" not in s.method:
+        sys.stderr.write(
+            f"error: pdplane grpc: expected `list` or Service/Method, got {s.method!r}\n"
+        )
         return 2
-    address, what = positional[0], positional[1]
-    body = positional[2] if len(positional) > 2 else "{}"
-    with grpc_util.channel(address, settings.tls_ca) as channel:
+    # Nothing to type for the local `pdplane up` fleet's registry: its token is in its file.
+    s.token = fleet_credentials.token_for(s.address, s.token)
+    with grpc_util.channel(s.address, s.tls_ca) as channel:
         try:
-            if what == "list":
+            if s.method == "list":
                 db = ProtoReflectionDescriptorDatabase(channel)
                 print("\n".join(sorted(db.get_services())))
             else:
-                _call(channel, what, body, settings)
+                _call(channel, s)
         except grpc.RpcError as exc:
             code = exc.code().name if isinstance(exc, grpc.Call) else "UNKNOWN"
             details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
-            sys.stderr.write(f"pdplane grpc: {address}: {code}: {details}\n")
+            sys.stderr.write(f"pdplane grpc: {s.address}: {code}: {details}\n")
             return 1
         except (KeyError, json_format.ParseError) as exc:
             sys.stderr.write(f"pdplane grpc: {exc}\n")

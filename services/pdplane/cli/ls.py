@@ -227,9 +227,8 @@ def _watch(
 def main(argv: list[str], out: TextIO | None = None) -> int:
     """Runs `pdplane ls`; writes to `out` (stdout by default) and returns the exit code."""
     settings = LsSettings.parse(argv)
-    local = fleet_credentials.for_registry(settings.registry)
-    if settings.token is None and local is not None:
-        settings.token = local.token  # the local `pdplane up` fleet's, nothing to type
+    # The local `pdplane up` fleet's token when none was given: nothing to type.
+    settings.token = fleet_credentials.token_for(settings.registry, settings.token)
     out = out or sys.stdout
     role = parse_role(settings.role) if settings.role else instance_pb2.ROLE_UNSPECIFIED
     endpoints = RegistryEndpoints(settings.registry, settings.tls_ca)

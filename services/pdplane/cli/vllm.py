@@ -103,8 +103,7 @@ def build(settings: InstanceSettings) -> tuple[list[str], dict[str, str]]:
     if settings.tls_cert or settings.tls_key:
         extra.update(tls_cert=settings.tls_cert, tls_key=settings.tls_key)
     # Joining the local `pdplane up` fleet needs nothing typed: its token is in its file.
-    local = fleet_credentials.for_registry(settings.registry) if settings.registry else None
-    token = settings.token or (local.token if local else None)
+    token = fleet_credentials.token_for(settings.registry or "", settings.token)
     options = VllmCpuOptions(
         model=_model_dir(settings),
         port=settings.port,

@@ -3,9 +3,9 @@
 `pdplane up` generates a shared token and an admin token (`generate`), hands them to the
 processes it starts through their environment (`PDPLANE_TOKEN`; `PDPLANE_ADMIN_TOKEN` to the
 registry only), never their argv (which `ps` shows), and writes them with the registry's
-address to `credentials_path()` (mode 0600, in a 0700 folder). `pdplane ls`, `pdplane drain`
-and `pdplane vllm` read that file (`for_registry`) when they talk to that registry and were not
-given a token, so nothing has to be typed.
+address to `credentials_path()` (mode 0600, in a 0700 folder). `pdplane ls`, `pdplane drain`,
+`pdplane vllm`, `pdplane grpc` and `pdplane plan --registry` read that file (`token_for`) when
+they talk to that registry and were not given a token, so nothing has to be typed.
 
 File format (JSON): {"registry": "127.0.0.1:50051", "token": "...", "admin_token": "..."}.
 """
@@ -19,7 +19,15 @@ from pathlib import Path
 
 from pdplane.core.token_file import new_token
 
-__all__ = ["FleetCredentials", "credentials_path", "for_registry", "generate", "remove", "write"]
+__all__ = [
+    "FleetCredentials",
+    "credentials_path",
+    "for_registry",
+    "generate",
+    "remove",
+    "token_for",
+    "write",
+]
 
 _FILE = "fleet-credentials.json"
 
@@ -73,6 +81,18 @@ def for_registry(registry: str, path: Path | None = None) -> FleetCredentials | 
         return None
     wanted = {a.strip() for a in registry.split(",")}
     return creds if creds.registry in wanted else None
+
+
+def token_for(registry: str, token: str | None, *, admin: bool = False) -> str | None:
+    """The token a local tool sends to `registry`: `token` when given (non-empty), else the
+    local fleet's shared token (`admin`: its admin token) when `registry` names its registry,
+    else None (no token)."""
+    if token:
+        return token
+    local = for_registry(registry)
+    if local is None:
+        return None
+    return local.admin_token if admin else local.token
 
 
 def remove(creds: FleetCredentials, path: Path | None = None) -> None:

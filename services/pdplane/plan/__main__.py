@@ -22,7 +22,9 @@ import sys
 import grpc
 from pydantic import Field
 
+from pdplane.core import fleet_credentials
 from pdplane.core.settings import CommandSettings
+from pdplane.core.token_file import token_file_field
 from pdplane.plan.live_cli import parse_duration, run_live
 from pdplane.plan.report import plan_json, plan_text, verify_text
 from pdplane.plan.search import Slo, parse_slo, plan_fleet
@@ -62,7 +64,12 @@ class PlanSettings(CommandSettings):
     registry: str | None = Field(
         None, description="live advice: registry host:port (several comma-separated)"
     )
-    token: str | None = Field(None, description="registry bearer token")
+    token: str | None = Field(
+        None,
+        description="registry bearer token (default: the local `pdplane up` fleet's, if this "
+        "is its registry)",
+    )
+    token_file: str | None = token_file_field("--token")
     tls_ca: str | None = Field(None, description="CA certificate (PEM) to verify registry TLS")
     window: str = Field("10m", description="live advice: sliding window (10m, 30s, ...)")
     interval_s: float = Field(1.0, gt=0, description="live advice: sampling period (s)")
@@ -93,13 +100,18 @@ def _live(s: PlanSettings) -> int:
     except ValueError as exc:
         sys.stderr.write(f"error: pdplane plan: {exc}\n")
         return 2
+    registry = s.registry or ""
+    gateway = f" and the gateway's TTFT/TPOT from {s.gateway}" if s.gateway else ""
+    # One window of real time passes before the verdict: say so rather than wait in silence.
+    sys.stderr.write(f"collecting {s.window} of load reports from {registry}{gateway}\n")
+    sys.stderr.flush()
     try:
         run_live(
-            s.registry or "",
+            registry,
             window_s=window_s,
             interval_s=s.interval_s,
             gateway=s.gateway,
-            token=s.token,
+            token=fleet_credentials.token_for(registry, s.token),
             tls_ca=s.tls_ca,
             ttft_slo_s=slo.bound("ttft"),
             itl_slo_s=slo.bound("itl"),

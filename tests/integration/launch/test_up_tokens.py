@@ -8,6 +8,7 @@ standing in for vLLM.
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 import subprocess
@@ -107,3 +108,31 @@ def test_tools_do_not_send_a_fleet_s_tokens_to_another_registry(
     running, _ = fleet
     assert fleet_credentials.for_registry("127.0.0.1:1") is None
     assert fleet_credentials.for_registry(f"127.0.0.1:1,{running.registry_address}") is not None
+
+
+def test_grpc_and_live_plan_need_nothing_typed(
+    fleet: tuple[Fleet, fleet_credentials.FleetCredentials],
+) -> None:
+    # README's next steps after `pdplane up`, exactly as printed there (no token typed).
+    address = fleet[0].registry_address
+    called = _pdplane("grpc", address, "pdplane.v1.Registry/ListInstances", "{}")
+    assert called.returncode == 0, called.stderr
+    assert "revision" in json.loads(called.stdout)
+    planned = _pdplane("plan", "--registry", address, "--window", "1s", "--interval-s", "0.2")
+    assert planned.returncode == 0, planned.stderr
+    # The window is waited out in silence otherwise: say what it is doing first.
+    assert planned.stderr.splitlines()[0] == f"collecting 1s of load reports from {address}"
+
+
+def test_plan_reads_a_token_file(
+    fleet: tuple[Fleet, fleet_credentials.FleetCredentials], tmp_path: Path
+) -> None:
+    running, creds = fleet
+    fleet_credentials.remove(creds)  # only the file given below may supply the token
+    token_file = tmp_path / "token"
+    token_file.write_text(creds.token + "\n")
+    argv = ["plan", "--registry", running.registry_address, "--window", "0.5s"]
+    refused = _pdplane(*argv, "--interval-s", "0.2")
+    assert refused.returncode == 1 and "UNAUTHENTICATED" in refused.stderr
+    planned = _pdplane(*argv, "--interval-s", "0.2", "--token-file", str(token_file))
+    assert planned.returncode == 0, planned.stderr

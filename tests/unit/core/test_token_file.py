@@ -54,7 +54,7 @@ def test_an_unreadable_token_file_stops_the_command_with_its_path(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     with pytest.raises(SystemExit) as exc:
-        DrainSettings.parse(["--instance-id", "d0", "--admin-token-file", str(tmp_path / "nope")])
+        DrainSettings.parse(["d0", "--admin-token-file", str(tmp_path / "nope")])
     assert exc.value.code == 2
     assert "nope" in capsys.readouterr().err
 

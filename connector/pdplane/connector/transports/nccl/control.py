@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import grpc
@@ -46,6 +46,24 @@ def _describe(exc: BaseException) -> str:
     if isinstance(exc, grpc.Call):
         return f"{exc.code().name}: {exc.details()}"
     return f"{type(exc).__name__}: {exc}"
+
+
+def _pump(
+    messages: Iterable[kv_transfer_nccl_pb2.NcclControl],
+    on_message: Callable[[kv_transfer_nccl_pb2.NcclControl], None],
+    ended: str,
+) -> tuple[str, bool]:
+    """Feeds every message of one side of a control stream to `on_message` until it ends;
+    returns why it ended and whether cleanly (`ended`, True) or not (the error, False)."""
+    try:
+        for message in messages:
+            on_message(message)
+    except grpc.RpcError as exc:
+        return _describe(exc), False
+    except Exception as exc:
+        log.exception("control stream reader failed")
+        return _describe(exc), False
+    return ended, True
 
 
 class _Ends:
@@ -114,13 +132,7 @@ class CallerLink:
     def _read(self) -> None:
         reason, clean = "ended by the server", True
         try:
-            for message in self._call:
-                self._on_message(message)
-        except grpc.RpcError as exc:
-            reason, clean = _describe(exc), False
-        except Exception as exc:
-            log.exception("control stream reader failed")
-            reason, clean = _describe(exc), False
+            reason, clean = _pump(self._call, self._on_message, reason)
         finally:
             self.alive = False
             self._queue.put(_END)  # ends gRPC's request consumer if it still waits
@@ -178,13 +190,7 @@ class ServerLink:
     def _read(self, requests: Iterator[kv_transfer_nccl_pb2.NcclControl]) -> None:
         reason, clean = "ended by the caller", True
         try:
-            for message in requests:
-                self._on_message(message)
-        except grpc.RpcError as exc:
-            reason, clean = _describe(exc), False
-        except Exception as exc:
-            log.exception("control stream reader failed")
-            reason, clean = _describe(exc), False
+            reason, clean = _pump(requests, self._on_message, reason)
         finally:
             self.alive = False
             self._queue.put(_END)  # the handler's response stream ends too

@@ -1,0 +1,33 @@
+"""`--help` of the commands with positional arguments shows the form that works."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdplane.cli import drain, grpc
+
+
+def _help(main: object, capsys: pytest.CaptureFixture[str]) -> str:
+    with pytest.raises(SystemExit) as done:
+        main(["--help"])  # type: ignore[operator]
+    assert done.value.code == 0
+    return capsys.readouterr().out
+
+
+def test_grpc_help_shows_its_positional_arguments(capsys: pytest.CaptureFixture[str]) -> None:
+    text = _help(grpc.main, capsys)
+    usage = text.split("\n\n")[0]
+    assert "ADDRESS" in usage and "METHOD" in usage and "[BODY]" in usage
+    assert "list" in text and "Service/Method" in text and "JSON" in text
+
+
+def test_drain_help_shows_the_positional_id(capsys: pytest.CaptureFixture[str]) -> None:
+    text = _help(drain.main, capsys)
+    assert "--instance-id" not in text
+    assert "(required)" not in text
+    assert "INSTANCE-ID" in text.split("\n\n")[0]
+
+
+def test_drain_without_an_id_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert drain.main([]) == 2
+    assert "instance id" in capsys.readouterr().err
