@@ -1,13 +1,16 @@
 """Prefix index benchmark: event ingest rate, lookup latency, memory per entry.
 
-    python bench/kv_index.py [--quick]
+    python bench/kv_index.py [--quick] [--batch-events N] [--ingest-only]
 
 1. Ingest (one core, one instance): `InstanceBlocks.apply` of BlockStored events as they come
    off the stream (protobuf), block sizes 16 and 128, events of 1 and 32 blocks, followed by
    their BlockRemoved, with the token ids only (the index hashes them) and with the source's
    own hashes (`BlockStored.own_hashes`: the index only updates its tables). Side by side: the
    own-hash computation alone, the table updates alone (hashes precomputed), and what the
-   source pays: `KvEventLog.stored` per block with and without computing our hashes.
+   source pays: `KvEventLog.stored` per block with and without computing our hashes. The
+   "stream" columns feed the same own-hash events and removals through `KvStreamReader.feed`
+   in KvEventBatch messages of `--batch-events` events (`InstanceBlocks.apply_events`: runs of
+   like events merged into one table update), against "apply" = one `apply` per event.
 2. Lookup: `PrefixIndex.match` of 1k / 8k / 32k-token prompts (block size 16) at 10 / 100 /
    1,000 LIVE instances; every instance holds a shared 512-token system prefix plus its own
    prompts, and 3 instances hold the whole queried prompt (the walk's worst case: it runs to
@@ -31,11 +34,13 @@ import tracemalloc
 import numpy as np
 
 from pdplane.core.kv_events import KvEventLog
+from pdplane.core.kv_stream import KvStreamReader
 from pdplane.core.prefix_hash import HASH_VERSION, block_hashes
 from pdplane.scheduler.kv_index import KvState, PrefixIndex
 from pdplane.v1 import kv_events_pb2
 
 _U64 = (1 << 64) - 1
+Msg = kv_events_pb2.KvEventsMessage
 
 
 def _events(n_blocks: int, per_event: int, bs: int, seed: int) -> list[kv_events_pb2.KvEvent]:
@@ -83,6 +88,46 @@ def _apply_rate(events: list[kv_events_pb2.KvEvent], n: int) -> float:
     return rate
 
 
+def _messages(events: list[kv_events_pb2.KvEvent], batch: int, first: int) -> list[Msg]:
+    """`events` as KvEventsMessages of `batch` events each, sequences from `first`."""
+    msgs = []
+    for start in range(0, len(events), batch):
+        msg = kv_events_pb2.KvEventsMessage(epoch=1)
+        for seq, ev in enumerate(events[start : start + batch], first + start):
+            e = msg.events.events.add()
+            e.CopyFrom(ev)
+            e.sequence = seq
+        msg.sequence = msg.head_sequence = msg.events.events[-1].sequence
+        msgs.append(msg)
+    return msgs
+
+
+def _stream_rates(
+    stored: list[kv_events_pb2.KvEvent],
+    removed: list[kv_events_pb2.KvEvent],
+    n: int,
+    batch: int,
+) -> tuple[float, float]:
+    """Blocks/s of `KvStreamReader.feed` (sequence checks, then `InstanceBlocks.apply_events`)
+    of `stored`, then of `removed`, in KvEventBatch messages of `batch` events."""
+    index = PrefixIndex()
+    inst = index.add_instance("i0")
+    reader = KvStreamReader(inst)
+    snapshot = kv_events_pb2.KvEventsMessage(epoch=1, sequence=0)
+    snapshot.snapshot.last = True
+    reader.feed(snapshot)  # empty snapshot: the reader is synced
+    store_msgs = _messages(stored, batch, 1)
+    remove_msgs = _messages(removed, batch, 1 + len(stored))
+    rates = []
+    for msgs, entries in ((store_msgs, n), (remove_msgs, 0)):
+        t0 = time.perf_counter()
+        for msg in msgs:
+            reader.feed(msg)
+        rates.append(n / (time.perf_counter() - t0))
+        assert index.entries == entries and inst.orphans == 0
+    return rates[0], rates[1]
+
+
 def _source_rate(events: list[kv_events_pb2.KvEvent], n: int, own: bool) -> float:
     log = KvEventLog(own_hashes=own, replay_blocks=n + 1, replay_events=len(events) + 1)
     t0 = time.perf_counter()
@@ -93,14 +138,16 @@ def _source_rate(events: list[kv_events_pb2.KvEvent], n: int, own: bool) -> floa
     return n / (time.perf_counter() - t0)
 
 
-def ingest(quick: bool) -> None:
+def ingest(quick: bool, batch: int) -> None:
     print("## ingest (block events/s, one core, one instance)")
     print(
         "| block size | blocks/event | apply stored | apply stored, own hashes sent "
         "| apply removed "
+        f"| stream stored, own hashes sent ({batch} events/batch) "
+        f"| stream removed ({batch} events/batch) "
         "| hash only | tables only | source: log.stored | source: log.stored + own hashes |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     n = 20_000 if quick else 100_000
     for bs in (16, 128):
         for per_event in (1, 32):
@@ -140,10 +187,22 @@ def ingest(quick: bool) -> None:
                     mapping[e] = h
                     table[h] = table.get(h, 0) | 1
             t_tables = time.perf_counter() - t0
-            t_own = n / _apply_rate(_with_own(events, bs), n)
+            with_own = _with_own(events, bs)
+            t_own = n / _apply_rate(with_own, n)
+            stream_store, stream_remove = _stream_rates(with_own, removes, n, batch)
             t_src = n / _source_rate(events, n, own=False)
             t_src_own = n / _source_rate(events, n, own=True)
-            times = (t_store, t_own, t_remove, t_hash, t_tables, t_src, t_src_own)
+            times = (
+                t_store,
+                t_own,
+                t_remove,
+                n / stream_store,
+                n / stream_remove,
+                t_hash,
+                t_tables,
+                t_src,
+                t_src_own,
+            )
             rate = [n / t for t in times]
             print(f"| {bs} | {per_event} | " + " | ".join(f"{r / 1e3:,.0f}k" for r in rate) + " |")
 
@@ -263,11 +322,20 @@ def main() -> None:
     parser.add_argument(
         "--full-memory", action="store_true", help="only the full-size memory build (RSS)"
     )
+    parser.add_argument(
+        "--batch-events",
+        type=int,
+        default=100,
+        help="events per KvEventBatch message in the stream columns",
+    )
+    parser.add_argument("--ingest-only", action="store_true", help="only the ingest table")
     args = parser.parse_args()
     if args.full_memory:
         memory_full()
         return
-    ingest(args.quick)
+    ingest(args.quick, args.batch_events)
+    if args.ingest_only:
+        return
     lookup(args.quick)
     memory(args.quick)
 

@@ -37,6 +37,10 @@ class KvEventSink(Protocol):
     def apply(self, event: kv_events_pb2.KvEvent) -> None:
         """A live event, in sequence order, after the state it applies to."""
 
+    def apply_events(self, events: Sequence[kv_events_pb2.KvEvent]) -> None:
+        """Consecutive live events (one `KvEventBatch`), in sequence order: the same state as
+        `apply` of each in turn."""
+
 
 class KvStreamReader:
     """Applies one engine's Subscribe messages to `sink`, checking continuity.
@@ -131,16 +135,19 @@ class KvStreamReader:
             self._gap(f"events of epoch {msg.epoch}, state of epoch {self.epoch}")
         if not events:
             return
-        if events[0].sequence != self.next_sequence:
-            self._gap(f"expected sequence {self.next_sequence}, got {events[0].sequence}")
-        apply = self.sink.apply
-        expected = self.next_sequence
-        for event in events:
-            if event.sequence != expected:
-                self._gap(f"expected sequence {expected}, got {event.sequence}")
-            apply(event)
-            expected += 1
-            self.next_sequence = expected
+        first = events[0].sequence
+        if first != self.next_sequence:
+            self._gap(f"expected sequence {self.next_sequence}, got {first}")
+        n = len(events)
+        if n > 1 and [e.sequence for e in events] != list(range(first, first + n)):
+            bad = next(i for i, e in enumerate(events) if e.sequence != first + i)
+            self._gap(f"expected sequence {first + bad}, got {events[bad].sequence}")
+        try:
+            self.sink.apply_events(events)
+        except Exception:
+            self.reset()  # applied in part: the state is not exact, ask for a snapshot
+            raise
+        self.next_sequence = first + n
 
     def _gap(self, why: str) -> None:
         self.reset()

@@ -42,6 +42,10 @@ class Replica:
         else:
             self.blocks.clear()
 
+    def apply_events(self, events: Sequence[kv_events_pb2.KvEvent]) -> None:
+        for event in events:
+            self.apply(event)
+
     @staticmethod
     def _store(
         into: dict[Key, tuple[int | None, tuple[int, ...]]], b: kv_events_pb2.BlockStored

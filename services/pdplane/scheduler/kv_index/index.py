@@ -35,6 +35,7 @@ import numpy as np
 
 from pdplane.core.kv_events import DEFAULT_MEDIUM
 from pdplane.core.prefix_hash import HASH_VERSION, block_hashes
+from pdplane.scheduler.kv_index.batch import apply_events
 from pdplane.scheduler.kv_index.holders import HolderSets, HolderTable
 from pdplane.scheduler.kv_index.kernels import match_runs, warm_up
 from pdplane.scheduler.kv_index.u64map import U64Map, U64s
@@ -110,6 +111,11 @@ class InstanceBlocks:
             self.removed(event.removed.block_hashes, event.removed.medium or DEFAULT_MEDIUM)
         elif kind == "cleared":
             self.clear()
+
+    def apply_events(self, events: Sequence[kv_events_pb2.KvEvent]) -> None:
+        """Consecutive live events at once: the state of `apply` of each in turn, with runs
+        of like events merged into one table update (`pdplane.scheduler.kv_index.batch`)."""
+        apply_events(self, events)
 
     # -- updates -------------------------------------------------------------------------------
 
@@ -187,12 +193,7 @@ class InstanceBlocks:
             n = max(room, 0)
         if n <= 0:
             return
-        mapping = self.blocks.get(medium)
-        if mapping is None:
-            mapping = self.blocks[medium] = U64Map(np.uint64)
-        table = index.tables.get(medium)
-        if table is None:
-            table = index.tables[medium] = HolderTable(index.holder_sets)
+        mapping, table = self.tables_of(medium)
         if n == 1:  # single-block events: no numpy, no kernel call
             added = table.store_one(mapping, int(engine_hashes[0]), int(own[0]), self.bit)
             if added is not None:
@@ -205,6 +206,18 @@ class InstanceBlocks:
             self._add_slow(mapping, table, eng, new)
         else:
             index.entries += added
+
+    def tables_of(self, medium: str) -> tuple[U64Map, HolderTable]:
+        """This instance's engine -> own map of `medium` and the medium's holder table
+        (created empty if new)."""
+        mapping = self.blocks.get(medium)
+        if mapping is None:
+            mapping = self.blocks[medium] = U64Map(np.uint64)
+        index = self.index
+        table = index.tables.get(medium)
+        if table is None:
+            table = index.tables[medium] = HolderTable(index.holder_sets)
+        return mapping, table
 
     def _add_slow(self, mapping: U64Map, table: HolderTable, eng: U64s, new: U64s) -> None:
         # Batches with the keys 0 or 1 (U64Map's side dict): per-call numpy operations.

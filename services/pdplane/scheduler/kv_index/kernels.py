@@ -33,7 +33,15 @@ import numba
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["HEADER", "apply_holders", "match_runs", "stage_remove", "stage_store", "warm_up"]
+__all__ = [
+    "HEADER",
+    "apply_holders",
+    "match_runs",
+    "stage_remove",
+    "stage_store",
+    "store_conflicts",
+    "warm_up",
+]
 
 HEADER = 8  # work[:HEADER] are the counts above
 
@@ -170,6 +178,44 @@ def stage_store(
 
 
 @numba.njit(cache=True, nogil=True)
+def store_conflicts(
+    ekeys: U64s, evals: U64s, ebits: int, eng: U64s, own: U64s
+) -> bool:  # pragma: no cover - compiled
+    """True when `stage_store` of eng -> own as ONE batch could leave other holders than
+    storing the pairs one at a time, in order; nothing is changed.
+
+    `stage_store` adds the instance to every own hash first and takes it off the hashes it
+    moved blocks away from last, so a batch is exact unless a block moves: an engine hash
+    already mapped to another own hash, or repeated in the batch under different own hashes.
+    Keys 0 / 1 also conflict (they take the per-call path, whose `put` wants unique keys).
+    """
+    n = len(eng)
+    for i in range(n):
+        if eng[i] <= _TOMB or own[i] <= _TOMB:
+            return True
+        slot, found = _probe(ekeys, ebits, eng[i])
+        if found and evals[slot] != own[i]:
+            return True
+    if n < 2:
+        return False
+    ordered = np.sort(eng)
+    repeats = False
+    for k in range(1, n):
+        if ordered[k] == ordered[k - 1]:
+            repeats = True
+            break
+    if not repeats:  # the usual case: no second sort
+        return False
+    order = np.argsort(eng)
+    for k in range(1, n):
+        a = order[k - 1]
+        b = order[k]
+        if eng[a] == eng[b] and own[a] != own[b]:
+            return True
+    return False
+
+
+@numba.njit(cache=True, nogil=True)
 def stage_remove(
     ekeys: U64s,
     evals: U64s,
@@ -295,6 +341,7 @@ def warm_up() -> None:
     keys = np.zeros(2, np.uint64)
     stage_store(ekeys, evals, ebits, hkeys, hvals, hbits, one, one, work, keys)
     stage_remove(ekeys, evals, ebits, hkeys, hvals, hbits, one, work, keys)
+    store_conflicts(ekeys, evals, ebits, one, one)
     apply_holders(hkeys, hvals, hbits, work, keys, np.full(1, -2, np.int64))
     match_runs(hkeys, hvals, hbits, one, -1, -1)
     probe = U64Map(np.uint64)
