@@ -21,25 +21,49 @@ chained on their parent's own hash) end the run and take `InstanceBlocks`' own p
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Sequence
+from typing import Protocol
 
 import numpy as np
 
 from pdplane.core.kv_events import DEFAULT_MEDIUM
 from pdplane.core.prefix_hash import HASH_VERSION
+from pdplane.scheduler.kv_index.holders import HolderTable
 from pdplane.scheduler.kv_index.kernels import store_conflicts
+from pdplane.scheduler.kv_index.u64map import U64Map
 from pdplane.v1 import kv_events_pb2
 
-if TYPE_CHECKING:
-    from pdplane.scheduler.kv_index.index import InstanceBlocks
-
-__all__ = ["apply_events"]
+__all__ = ["InstanceSink", "apply_events"]
 
 _NONE, _STORED, _REMOVED = 0, 1, 2
 
 
-def apply_events(inst: InstanceBlocks, events: Iterable[kv_events_pb2.KvEvent]) -> None:
+class _Bound(Protocol):
+    """What of `PrefixIndex` a run's store reads and updates (its memory bound)."""
+
+    max_blocks: int
+    entries: int
+
+
+class InstanceSink(Protocol):
+    """What of `pdplane.scheduler.kv_index.index.InstanceBlocks` this module uses (a protocol,
+    so that index.py can call into this module without the two importing each other)."""
+
+    bit: int
+
+    @property
+    def index(self) -> _Bound: ...
+
+    def stored(self, msg: kv_events_pb2.BlockStored) -> None: ...
+
+    def removed(self, engine_hashes: Sequence[int], medium: str = ...) -> None: ...
+
+    def clear(self) -> None: ...
+
+    def tables_of(self, medium: str) -> tuple[U64Map, HolderTable]: ...
+
+
+def apply_events(inst: InstanceSink, events: Iterable[kv_events_pb2.KvEvent]) -> None:
     """Applies `events` (in sequence order) to `inst`: the same state as `inst.apply` of
     each event in turn (tests/unit/scheduler/test_kv_index_batch.py checks it)."""
     eng: list[int] = []  # the run's engine hashes
@@ -105,7 +129,7 @@ def apply_events(inst: InstanceBlocks, events: Iterable[kv_events_pb2.KvEvent]) 
 
 
 def _store_run(
-    inst: InstanceBlocks,
+    inst: InstanceSink,
     medium: str,
     eng: list[int],
     own: list[int],
