@@ -1,6 +1,6 @@
 """`pdplane profile` against real vLLM CPU: does the measured profile predict the instance?
 
-    flock /tmp/pdplane-heavy.lock python bench/plan_profile.py --out logs/plan-profile
+    python bench/plan_profile.py --out logs/plan-profile
 
 Starts one vLLM CPU instance (`pdplane.models.tiny`, the launcher's lean settings, pinned to
 `--engine-cores`), runs `pdplane profile` against it (client on `--client-cores`), then

@@ -18,7 +18,7 @@ client's latencies and the sims' own counters (bench/_routing_stats.py). Rows:
 
 The router, registry and load generator run on `--proxy-cpus`, the sims on `--sim-cpus`.
 Results: a Markdown table per (topology, workload, rate) on stdout and everything in
-`--out` (routing.json, logs). Run it under the shared heavy lock.
+`--out` (routing.json, logs). Run it on an otherwise idle machine.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Calibration: the same workload on real vLLM and on `pdplane sim`; the error of TTFT and ITL.
 
-    flock /tmp/pdplane-heavy.lock python bench/sim_calibrate.py --fit --out logs/calib   # CPU
+    python bench/sim_calibrate.py --fit --out logs/calib   # CPU
     python bench/sim_calibrate.py --target gpu --out $OUT/sim_profile     # GPU machine
     python bench/sim_calibrate.py --target cpu-dummy --fit --out logs/calib-dry  # GPU dry run
 
@@ -10,7 +10,7 @@ profile (or `--profile FILE.json`), both pinned to `--engine-cores`, the client 
 (pdplane.plan.fit) and uses the fit. `--target gpu` (bench/gpu_sim_profile.sh runs it)
 serves a Llama-3-8B-shaped model with dummy weights (bench/_calib_servers.py), always fits, and
 writes the measured profile `profile-llama3-8b-<gpu>.json` (`pdplane sim --profile FILE`) next
-to the error table. Starts vLLM: on the CPU machine run it under the shared heavy lock.
+to the error table. Starts vLLM: on the CPU machine run it when nothing else loads it.
 
 Cells: B concurrent requests x L-token prompts x O output tokens (token-id prompts, unique: no
 prefix hits) are fitted; a shared-prefix cell and a Poisson-arrival cell are out of sample.
