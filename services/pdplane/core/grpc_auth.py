@@ -23,6 +23,7 @@ import hmac
 import ipaddress
 from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import grpc
@@ -62,12 +63,16 @@ def _bearer(metadata: Iterable[tuple[str, str | bytes]] | None) -> str | None:
     return next(iter(values), None)
 
 
-def _matches(got: str | None, token: str | None) -> bool:
+def _bearer_bytes(token: str | None) -> bytes | None:
+    """The `authorization` value that proves `token`, as UTF-8 bytes (None: not configured)."""
+    return f"Bearer {token}".encode("utf-8", "surrogatepass") if token else None
+
+
+def _matches(got: str | None, want: bytes | None) -> bool:
     # Compared as UTF-8 bytes: hmac.compare_digest raises TypeError on a non-ASCII str, which
     # would end a caller's call UNKNOWN instead of refusing it (or break a non-ASCII token).
-    if token is None or got is None:
+    if want is None or got is None:
         return False
-    want = f"Bearer {token}".encode("utf-8", "surrogatepass")
     return hmac.compare_digest(got.encode("utf-8", "surrogatepass"), want)
 
 
@@ -83,19 +88,28 @@ class AuthPolicy:
         """True when no credential is configured (every caller is an operator)."""
         return not self.token and not self.admin_token
 
+    @cached_property
+    def _bearer(self) -> bytes | None:
+        # Built once per policy, not on every call (this check runs on every RPC).
+        return _bearer_bytes(self.token)
+
+    @cached_property
+    def _admin_bearer(self) -> bytes | None:
+        return _bearer_bytes(self.admin_token)
+
     def role(self, metadata: Iterable[tuple[str, str | bytes]] | None) -> CallerRole | None:
         """The caller's role from its call metadata; None when it proved nothing it must.
 
         Raises ConflictingCredentials for two distinct `authorization` values.
         """
         got = _bearer(metadata)
-        if _matches(got, self.admin_token or None):
+        if _matches(got, self._admin_bearer):
             return CallerRole.ADMIN
         if self.open:
             return CallerRole.ADMIN
         if not self.token:  # only an admin token: anyone may register and read
             return CallerRole.INSTANCE
-        return CallerRole.INSTANCE if _matches(got, self.token) else None
+        return CallerRole.INSTANCE if _matches(got, self._bearer) else None
 
     def is_admin(self, context: Any) -> bool:
         """True when the call of `context` (sync or asyncio ServicerContext) is an operator's."""
