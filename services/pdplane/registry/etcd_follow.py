@@ -13,7 +13,7 @@ import time
 from aetcd import rpc
 
 from pdplane.registry.etcd_client import REQUIRE_LEADER, EtcdClient, prefix_end
-from pdplane.registry.etcd_lease import describe
+from pdplane.registry.etcd_lease import FailureStreak, describe
 from pdplane.registry.etcd_view import EtcdView
 from pdplane.registry.store import StoreError
 
@@ -62,6 +62,7 @@ class ViewFollower:
 
     async def follow(self) -> None:
         """The watch loop (a task, runs until cancelled)."""
+        streak = FailureStreak(log, "etcd watch")
         while True:
             call = self._client.watch().Watch(metadata=REQUIRE_LEADER)
             try:
@@ -73,6 +74,7 @@ class ViewFollower:
                 )
                 await call.write(rpc.WatchRequest(create_request=create))
                 async for reply in call:
+                    streak.ok()
                     self.saw(reply.header.revision)
                     if reply.compact_revision:
                         log.warning("etcd compacted past this view; reloading")
@@ -87,7 +89,7 @@ class ViewFollower:
                     self._on_progress()
             except Exception as exc:  # any failure: next endpoint, the task must live on
                 self.last_error = f"watch via {self._client.endpoint}: {describe(exc)}"
-                log.info("etcd watch broken (%s); re-watching", self.last_error)
+                streak.failed(self.last_error)
                 self._client.rotate()
                 await asyncio.sleep(0.1)
             finally:

@@ -20,7 +20,7 @@ from pdplane.registry.etcd_client import REQUIRE_LEADER, EtcdClient
 from pdplane.registry.store import StoreError, StoreUnavailableError
 from pdplane.v1 import registry_store_pb2
 
-__all__ = ["ReplicaLease", "describe"]
+__all__ = ["FailureStreak", "ReplicaLease", "describe"]
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +30,29 @@ def describe(exc: BaseException) -> str:
     if isinstance(exc, grpc.aio.AioRpcError):
         return f"{exc.code().name}: {(exc.details() or '')[:200]}"
     return f"{type(exc).__name__}: {str(exc)[:200]}"
+
+
+class FailureStreak:
+    """Logs a retry loop's failures once per streak: the first at WARNING, the repeats at DEBUG,
+    and the recovery at INFO with the count. An etcd outage must not write a line every 100 ms
+    (the loops retry that often) and bury everything else in the log."""
+
+    def __init__(self, logger: logging.Logger, what: str) -> None:
+        self._log = logger
+        self._what = what
+        self.failures = 0
+
+    def failed(self, detail: str) -> None:
+        """One failed attempt (`detail`: what went wrong, already bounded)."""
+        self.failures += 1
+        level = logging.WARNING if self.failures == 1 else logging.DEBUG
+        self._log.log(level, "%s failed (%s); retrying", self._what, detail)
+
+    def ok(self) -> None:
+        """An attempt succeeded: ends the streak (INFO line if there was one)."""
+        if self.failures:
+            self._log.info("%s back after %d failed attempt(s)", self._what, self.failures)
+            self.failures = 0
 
 
 class ReplicaLease:
@@ -57,6 +80,7 @@ class ReplicaLease:
         self.id = 0
         self.confirmed = 0.0  # time.monotonic() of the last confirmation
         self.last_error = ""
+        self._streak = FailureStreak(log, "etcd keep-alive")
 
     def healthy(self, now: float) -> bool:
         """Whether the lease was confirmed within the last half TTL."""
@@ -105,11 +129,12 @@ class ReplicaLease:
                         continue
                     was_healthy = self.healthy(time.monotonic())
                     self.confirmed = time.monotonic()
+                    self._streak.ok()
                     self._on_renewed(was_healthy)
                     await asyncio.sleep(interval)
             except Exception as exc:  # any failure: next endpoint, the task must live on
                 self.last_error = f"keep-alive via {self._client.endpoint}: {describe(exc)}"
-                log.info("etcd keep-alive failed (%s)", self.last_error)
+                self._streak.failed(self.last_error)
                 self._client.rotate()
                 await asyncio.sleep(0.2)
             finally:
