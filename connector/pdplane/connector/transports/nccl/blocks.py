@@ -308,14 +308,14 @@ class BlockMover:
         gate: Callable[[], None] | None = None,
     ) -> None:
         ops: list[P2pOp] = []
+        pending = [gate] if gate is not None else []
 
         def flush() -> None:
-            nonlocal ops, gate
+            nonlocal ops
             comm.enqueue(ops, deadline)
             ops = []
-            if gate is not None:
-                gate, first_gate = None, gate
-                first_gate()
+            if pending:
+                pending.pop()()
 
         for view in self.views:
             outer, num_blocks, inner = (int(s) for s in view.shape)
