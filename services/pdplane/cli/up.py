@@ -26,6 +26,7 @@ times in a minute.
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import sys
 import threading
@@ -166,6 +167,8 @@ def main(argv: list[str]) -> int:
     spec = FleetSpec.from_settings(settings, token=creds.token, admin_token=creds.admin_token)
     fleet = Fleet(spec, say=_say)
     fleet.die_with_parent = True
+    # Local tools (`pdplane grpc`) send the shared token to the scheduler and KV servers too.
+    creds = dataclasses.replace(creds, services=fleet.service_addresses())
     status = 0
     try:
         # Not over another running fleet's file: start() reports its ports taken instead.

@@ -178,6 +178,13 @@ class Fleet:
     def scheduler_address(self) -> str:
         return f"{self.spec.host}:{self.spec.scheduler_port}"
 
+    def service_addresses(self) -> tuple[str, ...]:
+        """Where the fleet's gRPC services other than the registry listen ("host:port"): the
+        scheduler and every instance's KvTransfer server; all take the shared token."""
+        s = self.spec
+        kv = [f"{s.host}:{s.kv_base_port + i}" for i in range(s.prefill + s.decode)]
+        return (self.scheduler_address, *kv)
+
     @property
     def gateway_url(self) -> str:
         return f"http://{self.spec.host}:{self.spec.gateway_port}"
