@@ -67,6 +67,8 @@ PHASES = (
     "  decode vLLM queue (incl. KV wait)",
     "relay (gateway first byte -> client)",
 )
+#: The row of `--plain-prefill`.
+PLAIN_PREFILL = "plain: non-streamed 1-token answer (client)"
 
 
 @dataclass
@@ -190,9 +192,29 @@ def timed_stream(
     return ttft, [(b - a) * 1000 for a, b in itertools.pairwise(stamps)]
 
 
+def timed_answer(url: str, model: str, prompt: list[int], client: httpx.Client) -> float:
+    """ms until the whole non-streamed answer of a prefill-shaped request (1 token, no
+    stream, as the gateway's prefill leg sends it) has arrived, as the client sees it."""
+    body = {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0, "stream": False}
+    start = time.perf_counter()
+    r = client.post(f"{url}/v1/completions", json=body)
+    r.raise_for_status()
+    return (time.perf_counter() - start) * 1000
+
+
 def _trace_complete(trace_id: str, push: bool = False) -> Callable[[list[ReceivedSpan]], bool]:
     # Push mode: decode takes the blocks from its receive buffer, so no pull is served.
-    needed = {"pdplane.request", "pdplane.kv_pull", "llm_request"}
+    # Every span `breakdown` reads; they come from four processes, each exporting on its own.
+    needed = {
+        "pdplane.request",
+        "pdplane.schedule",
+        "pdplane.scheduler.decision",
+        "pdplane.prefill_leg",
+        "pdplane.decode_leg",
+        "pdplane.first_byte",
+        "pdplane.kv_pull",
+        "llm_request",
+    }
     if not push:
         needed.add("pdplane.kv_serve")
 
@@ -250,8 +272,11 @@ def measure(
     rng: random.Random,
     fresh_ab: bool = False,
     push: bool = False,
+    plain_prefill: bool = False,
 ) -> tuple[dict[str, float], dict[str, float]]:
     """Medians of the phases (ms) and of the floor's parts over `runs` fresh prompts.
+    `plain_prefill` also sends another fresh prompt per run to the plain instance shaped like
+    the prefill leg (non-streamed, 1 token) and adds the median of its answer time as a row.
 
     Both targets are reached through persistent clients (one keep-alive connection each), so
     neither TTFT carries the client's connection set-up. `fresh_ab` also sends, interleaved,
@@ -273,6 +298,11 @@ def measure(
                 other = [rng.randrange(8, VOCAB) for _ in range(prompt_tokens)]
                 f_ttft, _ = timed_stream(stack.gateway, stack.model, other, 4)
                 f_single, _ = timed_stream(stack.single, stack.model, other, 8)
+            if plain_prefill:
+                other = [rng.randrange(8, VOCAB) for _ in range(prompt_tokens)]
+                fresh["plain prefill-shaped"].append(
+                    timed_answer(stack.single, stack.model, other, to_single)
+                )
             if i == 0:
                 continue
             for k, v in breakdown([s for s in spans if s.trace_id == trace_id], ttft).items():
@@ -288,6 +318,8 @@ def measure(
         "KV transfer": med["KV transfer (kv_pull)"],
         "one decode step (single ITL)": statistics.median(single_step),
     }
+    if plain_prefill:
+        med[PLAIN_PREFILL] = statistics.median(fresh["plain prefill-shaped"][1:])
     if fresh_ab:
         f_ttft, f_single = (statistics.median(fresh[k]) for k in ("client TTFT", "prefill alone"))
         f_floor = f_single + floor["KV transfer"] + floor["one decode step (single ITL)"]
@@ -339,6 +371,11 @@ def main() -> None:
         help="also measure with a new client connection per request (A/B of the client)",
     )
     parser.add_argument(
+        "--plain-prefill",
+        action="store_true",
+        help="also time a prefill-shaped request (non-streamed, 1 token) on the plain instance",
+    )
+    parser.add_argument(
         "--ab",
         choices=sorted(VARIANTS),
         help="A/B: run the stack once per variant in this run (the default first), the same "
@@ -356,7 +393,9 @@ def main() -> None:
         with running_stack(logs, max_model_len, True, v.connector_extra, v.env) as stack:
             print(f"stack ready{' (' + v.label + ')' if v.label else ''} (logs {logs})", flush=True)
             for n in args.prompt_tokens:
-                results[n] = measure(stack, n, args.runs, rng, args.fresh_ab, push)
+                results[n] = measure(
+                    stack, n, args.runs, rng, args.fresh_ab, push, args.plain_prefill
+                )
         measured.append((v, results, _load_sources(logs)))
         _report(args, results, v.label, measured[-1][2] if push else "")
     if len(measured) > 1:
@@ -393,6 +432,8 @@ def _report(args: argparse.Namespace, results: Results, label: str, sources: str
     ratios = {n: results[n][0]["client TTFT"] / floors[n] for n in sizes}
     label = "G3.5 ratio TTFT / floor (goal <= 1.2)"
     print(f"{label:<44}" + "".join(_fmt(ratios[n], ".2f") for n in sizes))
+    if args.plain_prefill:
+        print(f"{PLAIN_PREFILL:<44}" + "".join(_fmt(results[n][0][PLAIN_PREFILL]) for n in sizes))
     if sources:
         print(f"decode's KV loads: {sources}")
     if args.fresh_ab:
