@@ -5,6 +5,7 @@ of each event in turn: the same entries, holders and `match` results."""
 from __future__ import annotations
 
 from array import array
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -89,6 +90,21 @@ def _new_index(max_blocks: int) -> PrefixIndex:
     return index
 
 
+def _batches(
+    events: list[tuple[int, kv_events_pb2.KvEvent]], sizes: list[int]
+) -> Iterator[tuple[int, list[kv_events_pb2.KvEvent], int]]:
+    """(instance, events, batch number) of consecutive events of one instance, cut to the
+    drawn sizes (cycled)."""
+    i = k = 0
+    while i < len(events):
+        n = events[i][0]
+        j = i
+        while j < len(events) and j - i < sizes[k % len(sizes)] and events[j][0] == n:
+            j += 1
+        yield n, [e for _, e in events[i:j]], k
+        i, k = j, k + 1
+
+
 @settings(max_examples=300, deadline=None)
 @given(
     st.lists(st.tuples(st.sampled_from([0] * 5 + [1]), _event()), min_size=20, max_size=80),
@@ -104,17 +120,10 @@ def test_batched_apply_matches_one_by_one(
         inst = one_by_one.instance(f"i{n}")
         assert inst is not None
         inst.apply(event)
-    # Batches: consecutive events of one instance, cut to the drawn sizes.
-    i = k = 0
-    while i < len(events):
-        n = events[i][0]
-        j = i
-        while j < len(events) and j - i < sizes[k % len(sizes)] and events[j][0] == n:
-            j += 1
+    for n, part, _ in _batches(events, sizes):
         inst = batched.instance(f"i{n}")
         assert inst is not None
-        inst.apply_events([e for _, e in events[i:j]])
-        i, k = j, k + 1
+        inst.apply_events(part)
     assert _state(batched) == _state(one_by_one)
     prompts: list[list[int]] = []
     for _, event in events:
@@ -244,20 +253,13 @@ def test_columnar_batches_match_one_by_one(
         inst = one_by_one.instance(f"i{n}")
         assert inst is not None
         inst.apply(event)
-    i = k = 0
-    while i < len(events):
-        n = events[i][0]
-        j = i
-        while j < len(events) and j - i < sizes[k % len(sizes)] and events[j][0] == n:
-            j += 1
-        entries = [(e, _column_store(e)) for _, e in events[i:j]]
-        batch = encode_batch(entries, columnar[k % len(columnar)])
+    for n, part, k in _batches(events, sizes):
+        batch = encode_batch([(e, _column_store(e)) for e in part], columnar[k % len(columnar)])
         wire = kv_events_pb2.KvEventBatch.FromString(batch.SerializeToString())
-        assert [e.sequence for e in expand_batch(wire)] == [e.sequence for _, e in events[i:j]]
+        assert [e.sequence for e in expand_batch(wire)] == [e.sequence for e in part]
         inst = batched.instance(f"i{n}")
         assert inst is not None
         inst.apply_batch(wire)
-        i, k = j, k + 1
     assert _state(batched) == _state(one_by_one)
     for _, event in events:
         if event.HasField("stored") and event.stored.own_hashes:
