@@ -66,6 +66,7 @@ PHASES = (
     "pull end -> first byte at gateway",
     "  decode vLLM queue (incl. KV wait)",
     "relay (gateway first byte -> client)",
+    "decode side (prefill's answer -> first byte)",
 )
 #: The row of `--plain-prefill`.
 PLAIN_PREFILL = "plain: non-streamed 1-token answer (client)"
@@ -262,6 +263,9 @@ def breakdown(spans: list[ReceivedSpan], client_ttft_ms: float) -> dict[str, flo
         "  decode vLLM queue (incl. KV wait)": 1000
         * float(vllm["d"].attributes.get("gen_ai.latency.time_in_queue", 0.0)),
         "relay (gateway first byte -> client)": client_ttft_ms - gateway_ttft,
+        # What follows prefill on the critical path in every mode: the decode leg's rest,
+        # admission, the load (pull or copy of a push) and decode's first token.
+        "decode side (prefill's answer -> first byte)": ms(pleg.end_ns, first.end_ns),
     }
 
 
