@@ -454,17 +454,18 @@ def _summary(sizes: list[int], measured: list[tuple[Variant, Results, str]]) -> 
     its ratio against its own parts follows in brackets."""
     base = measured[0][1]
     print("\nsummary: client TTFT ms / G3.5 ratio (floor with the pull stack's KV transfer)")
-    print(f"{'variant':<44}" + "".join(f"{n:>18}" for n in sizes))
+    print(f"{'variant':<44}" + "".join(f"{n:>22}" for n in sizes))
     for v, results, _ in measured:
         cells = []
         for n in sizes:
             med, parts = results[n]
             own = sum(parts.values())
-            floor = own - parts["KV transfer"] + base[n][1]["KV transfer"]
-            cell = f"{med['client TTFT']:.1f} / {med['client TTFT'] / floor:.2f}"
-            if abs(floor - own) > 1e-9:
+            cell = f"{med['client TTFT']:.1f} / {med['client TTFT'] / own:.2f}"
+            if v.connector_extra.get("mode") == "push":
+                floor = own - parts["KV transfer"] + base[n][1]["KV transfer"]
+                cell = f"{med['client TTFT']:.1f} / {med['client TTFT'] / floor:.2f}"
                 cell += f" ({med['client TTFT'] / own:.2f})"
-            cells.append(f"{cell:>18}")
+            cells.append(f" {cell:>21}")
         print(f"{v.label:<44}" + "".join(cells))
 
 
