@@ -1,7 +1,7 @@
 """Where a disaggregated request's TTFT goes, from its OpenTelemetry spans (real vLLM CPU, 1P1D).
 
     .venv/bin/python bench/ttft_breakdown.py [--runs 10] [--prompt-tokens 128 512 2048]
-        [--ab dispatch-mode]
+        [--ab dispatch-mode] [--plain-prefill] [--fresh-ab]
 
 Starts `pdplane up`'s stack (registry, scheduler, gateway, prefill, decode) with traces on
 (`OTEL_EXPORTER_OTLP_ENDPOINT` pointed at an OTLP receiver in this process) plus one plain vLLM
@@ -14,6 +14,13 @@ the median of each phase (ms) from the spans of each disaggregated request, and 
     floor = prefill alone (TTFT of the plain instance) + KV transfer (`pdplane.kv_pull`)
             + one decode step (median inter-token gap of the plain instance)
     ratio = disaggregated TTFT (client-measured) / floor         G3.5: ratio <= 1.2
+
+`--ab dispatch-mode` runs the stack four times in one run, the same prompts each: sequential
+or concurrent dispatch (`PDPLANE_DISPATCH`) x pull or push KV (`"mode"` of both instances'
+`kv_connector_extra_config`), each with its own plain instance, then a summary. A push stack's
+`pdplane.kv_pull` is decode's copy out of its receive buffer, so its ratio is also given
+against the floor with the pull stack's transfer. `--plain-prefill` also times a prefill-shaped
+request (non-streamed, 1 token) on the plain instance.
 """
 
 from __future__ import annotations
