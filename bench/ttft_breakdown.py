@@ -66,6 +66,7 @@ PHASES = (
     "pull end -> first byte at gateway",
     "  decode vLLM queue (incl. KV wait)",
     "relay (gateway first byte -> client)",
+    "decode side (prefill's answer -> first byte)",
 )
 #: The row of `--plain-prefill`.
 PLAIN_PREFILL = "plain: non-streamed 1-token answer (client)"
@@ -262,6 +263,9 @@ def breakdown(spans: list[ReceivedSpan], client_ttft_ms: float) -> dict[str, flo
         "  decode vLLM queue (incl. KV wait)": 1000
         * float(vllm["d"].attributes.get("gen_ai.latency.time_in_queue", 0.0)),
         "relay (gateway first byte -> client)": client_ttft_ms - gateway_ttft,
+        # What follows prefill on the critical path in every mode: the decode leg's rest,
+        # admission, the load (pull or copy of a push) and decode's first token.
+        "decode side (prefill's answer -> first byte)": ms(pleg.end_ns, first.end_ns),
     }
 
 
@@ -450,17 +454,18 @@ def _summary(sizes: list[int], measured: list[tuple[Variant, Results, str]]) -> 
     its ratio against its own parts follows in brackets."""
     base = measured[0][1]
     print("\nsummary: client TTFT ms / G3.5 ratio (floor with the pull stack's KV transfer)")
-    print(f"{'variant':<44}" + "".join(f"{n:>18}" for n in sizes))
+    print(f"{'variant':<44}" + "".join(f"{n:>22}" for n in sizes))
     for v, results, _ in measured:
         cells = []
         for n in sizes:
             med, parts = results[n]
             own = sum(parts.values())
-            floor = own - parts["KV transfer"] + base[n][1]["KV transfer"]
-            cell = f"{med['client TTFT']:.1f} / {med['client TTFT'] / floor:.2f}"
-            if abs(floor - own) > 1e-9:
+            cell = f"{med['client TTFT']:.1f} / {med['client TTFT'] / own:.2f}"
+            if v.connector_extra.get("mode") == "push":
+                floor = own - parts["KV transfer"] + base[n][1]["KV transfer"]
+                cell = f"{med['client TTFT']:.1f} / {med['client TTFT'] / floor:.2f}"
                 cell += f" ({med['client TTFT'] / own:.2f})"
-            cells.append(f"{cell:>18}")
+            cells.append(f" {cell:>21}")
         print(f"{v.label:<44}" + "".join(cells))
 
 

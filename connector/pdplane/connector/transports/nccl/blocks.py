@@ -142,9 +142,16 @@ class BlockMover:
             raise ValueError(f"block ids out of range [0, {self.num_blocks}): {bad[:8]}")
 
     def _index(self, ids: Sequence[int]) -> torch.Tensor:
+        """`ids` as a long tensor on this device, uploaded on the current stream without a
+        host synchronisation (pinned host memory, non-blocking copy; the host allocator keeps
+        the pinned block until the copy is done). A pageable upload would wait for the GPU,
+        and on a GPU shared with the peer's process that wait includes the peer's kernels."""
         import torch
 
-        return torch.tensor(list(ids), dtype=torch.long, device=self._torch_device)
+        host = torch.tensor(list(ids), dtype=torch.long)
+        if not str(self._torch_device).startswith("cuda"):
+            return host.to(self._torch_device)
+        return host.pin_memory().to(self._torch_device, non_blocking=True)
 
     def enqueue(
         self,
@@ -160,9 +167,10 @@ class BlockMover:
         """Enqueues one transfer of blocks `ids` (in request order) on `comm`'s stream: sends
         when `is_send`, else receives into `ids`. Returns the bytes it moves.
 
-        GATHER needs `chunk_bytes`; GROUPED needs `runs` (see plan.py). A receiver's `gate()`
-        runs right after the first message's receive is posted, before anything else (its
-        scatter included); whatever it raises ends the enqueue (GATHER only). The caller holds
+        GATHER needs `chunk_bytes`; GROUPED needs `runs` (see plan.py). `gate()` runs once,
+        right after the first message's operation is enqueued (a receiver's before its
+        scatter; a sender's before the next gather), whatever it raises ends the enqueue;
+        not called when `ids` is empty. The caller holds
         `comm.lock` and then calls `comm.wait(deadline)`. Raises ValueError, NcclError,
         NcclTimeoutError, NcclAbortedError, or what `gate` raised."""
         import torch
@@ -181,7 +189,7 @@ class BlockMover:
             if strategy is Strategy.GATHER:
                 self._gather_chunks(comm, is_send, index, chunks, deadline, gate)
             else:
-                self._grouped(comm, is_send, ids, runs, deadline)
+                self._grouped(comm, is_send, ids, runs, deadline, gate)
         return self.transfer_bytes(len(ids))
 
     def _gather_chunks(
@@ -224,6 +232,8 @@ class BlockMover:
                     comm.stream.wait_event(gathered)
                     comm.enqueue([P2pOp(True, buffers[slot].data_ptr(), chunk.nbytes)], deadline)
                     done.record(comm.stream)
+                    if k == 0 and gate is not None:
+                        gate()
                 else:
                     if previous is not None:
                         comm.stream.wait_event(previous)
@@ -295,8 +305,18 @@ class BlockMover:
         ids: Sequence[int],
         runs: Sequence[Run],
         deadline: float,
+        gate: Callable[[], None] | None = None,
     ) -> None:
         ops: list[P2pOp] = []
+        pending = [gate] if gate is not None else []
+
+        def flush() -> None:
+            nonlocal ops
+            comm.enqueue(ops, deadline)
+            ops = []
+            if pending:
+                pending.pop()()
+
         for view in self.views:
             outer, num_blocks, inner = (int(s) for s in view.shape)
             base = view.data_ptr()
@@ -305,6 +325,6 @@ class BlockMover:
                     ptr = base + (o * num_blocks + ids[run.first]) * inner
                     ops.append(P2pOp(is_send, ptr, run.length * inner))
                     if len(ops) == MAX_GROUP_OPS:
-                        comm.enqueue(ops, deadline)
-                        ops = []
-        comm.enqueue(ops, deadline)
+                        flush()
+        if ops:
+            flush()
