@@ -43,6 +43,7 @@ def test_sequential_pull_has_every_phase() -> None:
     assert got["decode admission (arrival -> pull start)"] == 4.0
     assert got["pull end -> first byte at gateway"] == 8.0
     assert got["relay (gateway first byte -> client)"] == 2.0
+    assert got["decode side (prefill's answer -> first byte)"] == 18.0
 
 
 def test_concurrent_push_marks_the_spans_it_has_not() -> None:
