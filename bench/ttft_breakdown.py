@@ -64,6 +64,8 @@ PHASES = (
     "  scheduler decision",
     "prefill leg",
     "  prefill vLLM TTFT",
+    "  leg start -> prefill vLLM arrival",
+    "  prefill vLLM end -> answer at gateway",
     "between legs (gateway)",
     "decode leg (send -> headers)",
     "  of it after prefill's answer",
@@ -260,6 +262,9 @@ def breakdown(spans: list[ReceivedSpan], client_ttft_ms: float) -> dict[str, flo
         "prefill leg": pleg.ms,
         "  prefill vLLM TTFT": 1000
         * float(vllm["prefill"].attributes.get("gen_ai.latency.time_to_first_token", 0.0)),
+        # The prefill leg around vLLM's own request span (`llm_request`: arrival -> finish).
+        "  leg start -> prefill vLLM arrival": ms(pleg.start_ns, vllm["prefill"].start_ns),
+        "  prefill vLLM end -> answer at gateway": ms(vllm["prefill"].end_ns, pleg.end_ns),
         "between legs (gateway)": math.nan if concurrent else ms(pleg.end_ns, dleg.start_ns),
         "decode leg (send -> headers)": dleg.ms,
         "  of it after prefill's answer": ms(max(pleg.end_ns, dleg.start_ns), dleg.end_ns),
