@@ -1,6 +1,7 @@
 """Where a disaggregated request's TTFT goes, from its OpenTelemetry spans (real vLLM CPU, 1P1D).
 
     .venv/bin/python bench/ttft_breakdown.py [--runs 10] [--prompt-tokens 128 512 2048]
+        [--ab dispatch-mode] [--plain-prefill] [--fresh-ab]
 
 Starts `pdplane up`'s stack (registry, scheduler, gateway, prefill, decode) with traces on
 (`OTEL_EXPORTER_OTLP_ENDPOINT` pointed at an OTLP receiver in this process) plus one plain vLLM
@@ -13,6 +14,13 @@ the median of each phase (ms) from the spans of each disaggregated request, and 
     floor = prefill alone (TTFT of the plain instance) + KV transfer (`pdplane.kv_pull`)
             + one decode step (median inter-token gap of the plain instance)
     ratio = disaggregated TTFT (client-measured) / floor         G3.5: ratio <= 1.2
+
+`--ab dispatch-mode` runs the stack four times in one run, the same prompts each: sequential
+or concurrent dispatch (`PDPLANE_DISPATCH`) x pull or push KV (`"mode"` of both instances'
+`kv_connector_extra_config`), each with its own plain instance, then a summary. A push stack's
+`pdplane.kv_pull` is decode's copy out of its receive buffer, so its ratio is also given
+against the floor with the pull stack's transfer. `--plain-prefill` also times a prefill-shaped
+request (non-streamed, 1 token) on the plain instance.
 """
 
 from __future__ import annotations
@@ -20,14 +28,16 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import os
 import random
+import re
 import statistics
 import sys
 import tempfile
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,15 +64,21 @@ PHASES = (
     "  scheduler decision",
     "prefill leg",
     "  prefill vLLM TTFT",
+    "  leg start -> prefill vLLM arrival",
+    "  prefill vLLM end -> answer at gateway",
     "between legs (gateway)",
     "decode leg (send -> headers)",
+    "  of it after prefill's answer",
     "decode admission (arrival -> pull start)",
     "KV transfer (kv_pull)",
     "  prefill kv_serve",
     "pull end -> first byte at gateway",
     "  decode vLLM queue (incl. KV wait)",
     "relay (gateway first byte -> client)",
+    "decode side (prefill's answer -> first byte)",
 )
+#: The row of `--plain-prefill`.
+PLAIN_PREFILL = "plain: non-streamed 1-token answer (client)"
 
 
 @dataclass
@@ -76,9 +92,35 @@ class Stack:
 
 
 @contextmanager
-def running_stack(log_dir: Path, max_model_len: int, single: bool = True) -> Iterator[Stack]:
+def running_stack(
+    log_dir: Path,
+    max_model_len: int,
+    single: bool = True,
+    connector_extra: dict[str, object] | None = None,
+    env: dict[str, str] | None = None,
+) -> Iterator[Stack]:
     """`pdplane up`'s stack with traces on, plus (`single`) one plain vLLM instance without
-    connector or traces (`Stack.single` is "" without it)."""
+    connector or traces (`Stack.single` is "" without it). `connector_extra`: more
+    `kv_connector_extra_config` keys of the P/D instances (e.g. `{"mode": "push"}`); `env`:
+    more environment of the stack's processes (e.g. `PDPLANE_DISPATCH` of the gateway),
+    restored afterwards."""
+    saved = {k: os.environ.get(k) for k in env or {}}
+    os.environ.update(env or {})
+    try:
+        with _stack(log_dir, max_model_len, single, connector_extra or {}) as stack:
+            yield stack
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@contextmanager
+def _stack(
+    log_dir: Path, max_model_len: int, single: bool, connector_extra: dict[str, object]
+) -> Iterator[Stack]:
     with otlp_receiver() as receiver:
         os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"] = receiver.endpoint
         os.environ["OTEL_BSP_SCHEDULE_DELAY"] = "200"  # ms: spans arrive soon after a request
@@ -90,6 +132,7 @@ def running_stack(log_dir: Path, max_model_len: int, single: bool = True) -> Ite
             kv_base_port=free_port_run(2),
             log_dir=log_dir,
             max_model_len=max_model_len,
+            vllm_options={"connector_extra": connector_extra} if connector_extra else {},
         )
         fleet = Fleet(spec, say=lambda m: print(f"  {m}", flush=True))
         plain: VllmCpuInstance | None = None
@@ -159,8 +202,31 @@ def timed_stream(
     return ttft, [(b - a) * 1000 for a, b in itertools.pairwise(stamps)]
 
 
-def _trace_complete(trace_id: str) -> object:
-    needed = {"pdplane.request", "pdplane.kv_pull", "pdplane.kv_serve", "llm_request"}
+def timed_answer(url: str, model: str, prompt: list[int], client: httpx.Client) -> float:
+    """ms until the whole non-streamed answer of a prefill-shaped request (1 token, no
+    stream, as the gateway's prefill leg sends it) has arrived, as the client sees it."""
+    body = {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0, "stream": False}
+    start = time.perf_counter()
+    r = client.post(f"{url}/v1/completions", json=body)
+    r.raise_for_status()
+    return (time.perf_counter() - start) * 1000
+
+
+def _trace_complete(trace_id: str, push: bool = False) -> Callable[[list[ReceivedSpan]], bool]:
+    # Push mode: decode takes the blocks from its receive buffer, so no pull is served.
+    # Every span `breakdown` reads; they come from four processes, each exporting on its own.
+    needed = {
+        "pdplane.request",
+        "pdplane.schedule",
+        "pdplane.scheduler.decision",
+        "pdplane.prefill_leg",
+        "pdplane.decode_leg",
+        "pdplane.first_byte",
+        "pdplane.kv_pull",
+        "llm_request",
+    }
+    if not push:
+        needed.add("pdplane.kv_serve")
 
     def done(spans: list[ReceivedSpan]) -> bool:
         got = [s for s in spans if s.trace_id == trace_id]
@@ -171,7 +237,9 @@ def _trace_complete(trace_id: str) -> object:
 
 
 def breakdown(spans: list[ReceivedSpan], client_ttft_ms: float) -> dict[str, float]:
-    """The phases (ms) of one request's trace (`spans` all of one trace id)."""
+    """The phases (ms) of one request's trace (`spans` all of one trace id); NaN for a span
+    the mode does not have (no `pdplane.kv_serve` after a push; no gap between the legs with
+    concurrent dispatch, where the decode leg opens before prefill answers)."""
     by = {s.name: s for s in spans if s.name != "llm_request"}
     legs = {by["pdplane.prefill_leg"].span_id: "prefill", by["pdplane.decode_leg"].span_id: "d"}
     vllm = {legs[s.parent_id]: s for s in spans if s.name == "llm_request" and s.parent_id in legs}
@@ -183,6 +251,9 @@ def breakdown(spans: list[ReceivedSpan], client_ttft_ms: float) -> dict[str, flo
     def ms(a: int, b: int) -> float:
         return (b - a) / 1e6
 
+    concurrent = dleg.start_ns < pleg.end_ns
+    serve = by.get("pdplane.kv_serve")
+
     return {
         "client TTFT": client_ttft_ms,
         "gateway in (arrival -> Schedule)": ms(root.start_ns, sched.start_ns),
@@ -191,22 +262,37 @@ def breakdown(spans: list[ReceivedSpan], client_ttft_ms: float) -> dict[str, flo
         "prefill leg": pleg.ms,
         "  prefill vLLM TTFT": 1000
         * float(vllm["prefill"].attributes.get("gen_ai.latency.time_to_first_token", 0.0)),
-        "between legs (gateway)": ms(pleg.end_ns, dleg.start_ns),
+        # The prefill leg around vLLM's own request span (`llm_request`: arrival -> finish).
+        "  leg start -> prefill vLLM arrival": ms(pleg.start_ns, vllm["prefill"].start_ns),
+        "  prefill vLLM end -> answer at gateway": ms(vllm["prefill"].end_ns, pleg.end_ns),
+        "between legs (gateway)": math.nan if concurrent else ms(pleg.end_ns, dleg.start_ns),
         "decode leg (send -> headers)": dleg.ms,
+        "  of it after prefill's answer": ms(max(pleg.end_ns, dleg.start_ns), dleg.end_ns),
         "decode admission (arrival -> pull start)": ms(vllm["d"].start_ns, pull.start_ns),
         "KV transfer (kv_pull)": pull.ms,
-        "  prefill kv_serve": by["pdplane.kv_serve"].ms,
+        "  prefill kv_serve": serve.ms if serve is not None else math.nan,
         "pull end -> first byte at gateway": ms(pull.end_ns, first.end_ns),
         "  decode vLLM queue (incl. KV wait)": 1000
         * float(vllm["d"].attributes.get("gen_ai.latency.time_in_queue", 0.0)),
         "relay (gateway first byte -> client)": client_ttft_ms - gateway_ttft,
+        # What follows prefill on the critical path in every mode: the decode leg's rest,
+        # admission, the load (pull or copy of a push) and decode's first token.
+        "decode side (prefill's answer -> first byte)": ms(pleg.end_ns, first.end_ns),
     }
 
 
 def measure(
-    stack: Stack, prompt_tokens: int, runs: int, rng: random.Random, fresh_ab: bool = False
+    stack: Stack,
+    prompt_tokens: int,
+    runs: int,
+    rng: random.Random,
+    fresh_ab: bool = False,
+    push: bool = False,
+    plain_prefill: bool = False,
 ) -> tuple[dict[str, float], dict[str, float]]:
     """Medians of the phases (ms) and of the floor's parts over `runs` fresh prompts.
+    `plain_prefill` also sends another fresh prompt per run to the plain instance shaped like
+    the prefill leg (non-streamed, 1 token) and adds the median of its answer time as a row.
 
     Both targets are reached through persistent clients (one keep-alive connection each), so
     neither TTFT carries the client's connection set-up. `fresh_ab` also sends, interleaved,
@@ -223,11 +309,16 @@ def measure(
             tp = {"traceparent": f"00-{trace_id}-{os.urandom(8).hex()}-01"}
             ttft, _ = timed_stream(stack.gateway, stack.model, prompt, 4, tp, to_gateway)
             s_ttft, gaps = timed_stream(stack.single, stack.model, prompt, 8, None, to_single)
-            spans = stack.receiver.wait_for(_trace_complete(trace_id), timeout_s=30)
+            spans = stack.receiver.wait_for(_trace_complete(trace_id, push), timeout_s=30)
             if fresh_ab:
                 other = [rng.randrange(8, VOCAB) for _ in range(prompt_tokens)]
                 f_ttft, _ = timed_stream(stack.gateway, stack.model, other, 4)
                 f_single, _ = timed_stream(stack.single, stack.model, other, 8)
+            if plain_prefill:
+                other = [rng.randrange(8, VOCAB) for _ in range(prompt_tokens)]
+                fresh["plain prefill-shaped"].append(
+                    timed_answer(stack.single, stack.model, other, to_single)
+                )
             if i == 0:
                 continue
             for k, v in breakdown([s for s in spans if s.trace_id == trace_id], ttft).items():
@@ -237,12 +328,14 @@ def measure(
             if fresh_ab:
                 fresh["client TTFT"].append(f_ttft)
                 fresh["prefill alone"].append(f_single)
-    med = {k: statistics.median(v) for k, v in phases.items()}
+    med = {k: _median(v) for k, v in phases.items()}
     floor = {
         "prefill alone (single TTFT)": statistics.median(single_ttft),
         "KV transfer": med["KV transfer (kv_pull)"],
         "one decode step (single ITL)": statistics.median(single_step),
     }
+    if plain_prefill:
+        med[PLAIN_PREFILL] = statistics.median(fresh["plain prefill-shaped"][1:])
     if fresh_ab:
         f_ttft, f_single = (statistics.median(fresh[k]) for k in ("client TTFT", "prefill alone"))
         f_floor = f_single + floor["KV transfer"] + floor["one decode step (single ITL)"]
@@ -250,6 +343,37 @@ def measure(
         med["fresh connection: prefill alone"] = f_single
         med["fresh connection: ratio TTFT / floor"] = f_ttft / f_floor
     return med, floor
+
+
+def _median(values: list[float]) -> float:
+    """Median of the values that exist (NaN = the span is not in this mode); NaN if none."""
+    present = [v for v in values if not math.isnan(v)]
+    return statistics.median(present) if present else math.nan
+
+
+#: Per prompt length: (phase medians, the floor's parts), ms.
+Results = dict[int, tuple[dict[str, float], dict[str, float]]]
+
+
+@dataclass
+class Variant:
+    """One stack of an A/B: its label, more `kv_connector_extra_config` keys of the P/D
+    instances, more environment of the stack's processes."""
+
+    label: str
+    connector_extra: dict[str, object]
+    env: dict[str, str]
+
+
+#: --ab NAME: the stacks it runs, one after the other, the default first.
+VARIANTS: dict[str, list[Variant]] = {
+    "dispatch-mode": [
+        Variant("A: sequential + pull (default)", {}, {"PDPLANE_DISPATCH": "sequential"}),
+        Variant("B: concurrent + pull", {}, {"PDPLANE_DISPATCH": "concurrent"}),
+        Variant("C: sequential + push", {"mode": "push"}, {"PDPLANE_DISPATCH": "sequential"}),
+        Variant("D: concurrent + push", {"mode": "push"}, {"PDPLANE_DISPATCH": "concurrent"}),
+    ],
+}
 
 
 def main() -> None:
@@ -262,33 +386,99 @@ def main() -> None:
         action="store_true",
         help="also measure with a new client connection per request (A/B of the client)",
     )
+    parser.add_argument(
+        "--plain-prefill",
+        action="store_true",
+        help="also time a prefill-shaped request (non-streamed, 1 token) on the plain instance",
+    )
+    parser.add_argument(
+        "--ab",
+        choices=sorted(VARIANTS),
+        help="A/B: run the stack once per variant in this run (the default first), the same "
+        "prompts each, and print each one's table and a summary",
+    )
     args = parser.parse_args()
     max_model_len = max(1024, max(args.prompt_tokens) + 64)
-    logs = Path(tempfile.mkdtemp(prefix="ttft-breakdown-"))
-    rng = random.Random(args.seed)
-    results = {}
-    with running_stack(logs, max_model_len) as stack:
-        print(f"stack ready (logs {logs})", flush=True)
-        for n in args.prompt_tokens:
-            results[n] = measure(stack, n, args.runs, rng, args.fresh_ab)
+    variants = VARIANTS[args.ab] if args.ab else [Variant("", {}, {})]
+    measured: list[tuple[Variant, Results, str]] = []
+    for v in variants:
+        logs = Path(tempfile.mkdtemp(prefix="ttft-breakdown-"))
+        rng = random.Random(args.seed)  # the same prompts for every variant
+        push = v.connector_extra.get("mode") == "push"
+        results: Results = {}
+        with running_stack(logs, max_model_len, True, v.connector_extra, v.env) as stack:
+            print(f"stack ready{' (' + v.label + ')' if v.label else ''} (logs {logs})", flush=True)
+            for n in args.prompt_tokens:
+                results[n] = measure(
+                    stack, n, args.runs, rng, args.fresh_ab, push, args.plain_prefill
+                )
+        measured.append((v, results, _load_sources(logs)))
+        _report(args, results, v.label, measured[-1][2] if push else "")
+    if len(measured) > 1:
+        _summary(args.prompt_tokens, measured)
+
+
+def _load_sources(log_dir: Path) -> str:
+    """How decode got the KV over the stack's life, from its connector's log lines
+    ("transfer <id>: took pushed ..." / "transfer <id>: pulled ..."), warm-up requests
+    included."""
+    text = "".join(f.read_text(errors="replace") for f in sorted(log_dir.glob("decode*.log")))
+    pushed = len(re.findall(r"transfer \S+: took pushed", text))
+    pulled = len(re.findall(r"transfer \S+: pulled", text))
+    return f"{pushed} taken from a push, {pulled} pulled"
+
+
+def _fmt(value: float, spec: str = ".1f") -> str:
+    return f"{'-':>10}" if math.isnan(value) else f"{value:>10{spec}}"
+
+
+def _report(args: argparse.Namespace, results: Results, label: str, sources: str) -> None:
     sizes = args.prompt_tokens
+    if label:
+        print(f"\n== {label}")
     print(f"\nTTFT breakdown, median of {args.runs} requests each, one at a time (ms)")
     print(f"{'phase':<44}" + "".join(f"{n:>10}" for n in sizes))
     for phase in PHASES:
-        print(f"{phase:<44}" + "".join(f"{results[n][0][phase]:>10.1f}" for n in sizes))
+        print(f"{phase:<44}" + "".join(_fmt(results[n][0][phase]) for n in sizes))
     print()
     for part in next(iter(results.values()))[1]:
-        print(f"{'floor: ' + part:<44}" + "".join(f"{results[n][1][part]:>10.1f}" for n in sizes))
+        print(f"{'floor: ' + part:<44}" + "".join(_fmt(results[n][1][part]) for n in sizes))
     floors = {n: sum(results[n][1].values()) for n in sizes}
-    print(f"{'floor':<44}" + "".join(f"{floors[n]:>10.1f}" for n in sizes))
+    print(f"{'floor':<44}" + "".join(_fmt(floors[n]) for n in sizes))
     ratios = {n: results[n][0]["client TTFT"] / floors[n] for n in sizes}
     label = "G3.5 ratio TTFT / floor (goal <= 1.2)"
-    print(f"{label:<44}" + "".join(f"{ratios[n]:>10.2f}" for n in sizes))
+    print(f"{label:<44}" + "".join(_fmt(ratios[n], ".2f") for n in sizes))
+    if args.plain_prefill:
+        print(f"{PLAIN_PREFILL:<44}" + "".join(_fmt(results[n][0][PLAIN_PREFILL]) for n in sizes))
+    if sources:
+        print(f"decode's KV loads: {sources}")
     if args.fresh_ab:
         print()
         for row in [k for k in results[sizes[0]][0] if k.startswith("fresh connection")]:
             fmt = ".2f" if "ratio" in row else ".1f"
-            print(f"{row:<44}" + "".join(f"{results[n][0][row]:>10{fmt}}" for n in sizes))
+            print(f"{row:<44}" + "".join(_fmt(results[n][0][row], fmt) for n in sizes))
+
+
+def _summary(sizes: list[int], measured: list[tuple[Variant, Results, str]]) -> None:
+    """Per variant: client TTFT and the G3.5 ratio. A push stack's own `kv_pull` is the copy
+    out of its receive buffer, not a transfer, so its ratio also uses the floor with the first
+    (pull) stack's KV transfer at that length, measured in this run (the floor as defined);
+    its ratio against its own parts follows in brackets."""
+    base = measured[0][1]
+    print("\nsummary: client TTFT ms / G3.5 ratio (floor with the pull stack's KV transfer)")
+    print(f"{'variant':<44}" + "".join(f"{n:>22}" for n in sizes))
+    for v, results, _ in measured:
+        cells = []
+        for n in sizes:
+            med, parts = results[n]
+            own = sum(parts.values())
+            cell = f"{med['client TTFT']:.1f} / {med['client TTFT'] / own:.2f}"
+            if v.connector_extra.get("mode") == "push":
+                floor = own - parts["KV transfer"] + base[n][1]["KV transfer"]
+                cell = f"{med['client TTFT']:.1f} / {med['client TTFT'] / floor:.2f}"
+                cell += f" ({med['client TTFT'] / own:.2f})"
+            cells.append(f" {cell:>21}")
+        print(f"{v.label:<44}" + "".join(cells))
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ standing in for vLLM.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import stat
@@ -24,6 +25,7 @@ from pdplane.core import fleet_credentials, grpc_util
 from pdplane.launch.fleet import Fleet, FleetSpec
 from pdplane.launch.ports import free_port_run
 from pdplane.registry.client import RegistrationClient
+from pdplane.sim.testing import running_sims
 from pdplane.v1 import instance_pb2, registry_pb2, registry_pb2_grpc
 from tests.integration.registry.fixtures import make_spec
 
@@ -46,8 +48,10 @@ def fleet(
     settings = UpSettings.parse(argv)
     creds = fleet_credentials.generate(f"{settings.host}:{settings.registry_port}")
     spec = FleetSpec.from_settings(settings, token=creds.token, admin_token=creds.admin_token)
-    fleet_credentials.write(creds)
     running = Fleet(spec)
+    # As `pdplane up` writes it: the scheduler and KV addresses take the shared token too.
+    creds = dataclasses.replace(creds, services=running.service_addresses())
+    fleet_credentials.write(creds)
     try:
         running.start_services(60)
         yield running, creds
@@ -136,3 +140,91 @@ def test_plan_reads_a_token_file(
     assert refused.returncode == 1 and "UNAUTHENTICATED" in refused.stderr
     planned = _pdplane(*argv, "--interval-s", "0.2", "--token-file", str(token_file))
     assert planned.returncode == 0, planned.stderr
+
+
+def test_grpc_reaches_the_scheduler_with_the_fleet_token(
+    fleet: tuple[Fleet, fleet_credentials.FleetCredentials],
+) -> None:
+    # The shared token applies on every gRPC hop, not only at the registry.
+    running, creds = fleet
+    address = running.scheduler_address
+    assert address in creds.services
+    with grpc_util.channel(address) as chan, pytest.raises(grpc.RpcError) as err:
+        chan.unary_unary("/pdplane.v1.Scheduler/ListKvStates")(b"", timeout=10)
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED  # auth is on
+    called = _pdplane("grpc", address, "pdplane.v1.Scheduler/ListKvStates", "{}")
+    assert called.returncode == 0, called.stderr
+    assert isinstance(json.loads(called.stdout), dict)
+
+
+def test_grpc_sends_the_shared_token_only_to_the_fleet_s_own_services(
+    fleet: tuple[Fleet, fleet_credentials.FleetCredentials],
+) -> None:
+    running, creds = fleet
+    assert fleet_credentials.token_for(running.scheduler_address, None) == creds.token
+    kv = f"{running.spec.host}:{running.spec.kv_base_port}"
+    assert fleet_credentials.token_for(kv, None) == creds.token
+    assert fleet_credentials.token_for("127.0.0.1:1", None) is None
+    # The admin token is the registry's alone.
+    assert fleet_credentials.token_for(running.scheduler_address, None, admin=True) is None
+    admin = fleet_credentials.token_for(running.registry_address, None, admin=True)
+    assert admin == creds.admin_token
+
+
+def test_a_credentials_file_without_services_still_reaches_the_registry(
+    fleet: tuple[Fleet, fleet_credentials.FleetCredentials], cache_dir: Path
+) -> None:
+    # A file written by an older version: registry and tokens only.
+    running, creds = fleet
+    path = fleet_credentials.credentials_path()
+    data = json.loads(path.read_text())
+    del data["services"]
+    path.write_text(json.dumps(data))
+    assert fleet_credentials.token_for(running.registry_address, None) == creds.token
+    assert fleet_credentials.token_for(running.scheduler_address, None) is None
+
+
+def test_grpc_reaches_a_joined_instance_s_kv_server_with_the_fleet_token(
+    fleet: tuple[Fleet, fleet_credentials.FleetCredentials],
+) -> None:
+    # An instance that joined after the file was written (as `pdplane vllm` does): its
+    # KvTransfer endpoint is known from the registry only.
+    running, creds = fleet
+    with running_sims(
+        ["decode"],
+        registry=running.registry_address,
+        registry_token=creds.token,
+        kv_token=creds.token,
+    ) as sims:
+        endpoint = sims[0].kv_endpoint
+        assert endpoint not in creds.services
+        _wait_registered(running.registry_address, creds.token, endpoint)
+        body = '{"transfer_id": "no-such-transfer"}'
+        called = _pdplane("grpc", endpoint, "pdplane.v1.KvTransfer/AbortTransfer", body)
+        assert "UNAUTHENTICATED" not in called.stderr, called.stderr
+        assert called.returncode == 0, called.stderr
+    # A server the registry does not list gets no token, even one that would accept it.
+    with running_sims(["decode"], kv_token=creds.token) as stranger:
+        body = '{"transfer_id": "no-such-transfer"}'
+        endpoint = stranger[0].kv_endpoint
+        called = _pdplane("grpc", endpoint, "pdplane.v1.KvTransfer/AbortTransfer", body)
+        assert called.returncode == 1 and "UNAUTHENTICATED" in called.stderr, called.stderr
+
+
+def _wait_registered(registry: str, token: str, kv_endpoint: str, timeout_s: float = 10) -> None:
+    """Blocks until the registry lists an instance at `kv_endpoint` (a watch, no polling)."""
+    request = registry_pb2.WatchInstancesRequest()
+    with grpc_util.channel(registry) as chan:
+        stub = registry_pb2_grpc.RegistryStub(chan)
+        metadata = grpc_util.token_metadata(token)
+        for event in stub.WatchInstances(request, timeout=timeout_s, metadata=metadata):
+            if any(i.spec.kv_endpoint == kv_endpoint for i in _instances(event)):
+                return
+    raise AssertionError(f"{kv_endpoint} never registered")
+
+
+def _instances(event: registry_pb2.WatchEvent) -> list[instance_pb2.Instance]:
+    if event.type == registry_pb2.WatchEvent.SNAPSHOT:
+        return list(event.instances)
+    added = (registry_pb2.WatchEvent.ADDED, registry_pb2.WatchEvent.UPDATED)
+    return [event.instance] if event.type in added else []
