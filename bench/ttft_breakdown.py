@@ -1,6 +1,7 @@
 """Where a disaggregated request's TTFT goes, from its OpenTelemetry spans (real vLLM CPU, 1P1D).
 
     .venv/bin/python bench/ttft_breakdown.py [--runs 10] [--prompt-tokens 128 512 2048]
+        [--ab dispatch-mode]
 
 Starts `pdplane up`'s stack (registry, scheduler, gateway, prefill, decode) with traces on
 (`OTEL_EXPORTER_OTLP_ENDPOINT` pointed at an OTLP receiver in this process) plus one plain vLLM
@@ -20,14 +21,16 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import os
 import random
+import re
 import statistics
 import sys
 import tempfile
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,6 +59,7 @@ PHASES = (
     "  prefill vLLM TTFT",
     "between legs (gateway)",
     "decode leg (send -> headers)",
+    "  of it after prefill's answer",
     "decode admission (arrival -> pull start)",
     "KV transfer (kv_pull)",
     "  prefill kv_serve",
@@ -76,9 +80,35 @@ class Stack:
 
 
 @contextmanager
-def running_stack(log_dir: Path, max_model_len: int, single: bool = True) -> Iterator[Stack]:
+def running_stack(
+    log_dir: Path,
+    max_model_len: int,
+    single: bool = True,
+    connector_extra: dict[str, object] | None = None,
+    env: dict[str, str] | None = None,
+) -> Iterator[Stack]:
     """`pdplane up`'s stack with traces on, plus (`single`) one plain vLLM instance without
-    connector or traces (`Stack.single` is "" without it)."""
+    connector or traces (`Stack.single` is "" without it). `connector_extra`: more
+    `kv_connector_extra_config` keys of the P/D instances (e.g. `{"mode": "push"}`); `env`:
+    more environment of the stack's processes (e.g. `PDPLANE_DISPATCH` of the gateway),
+    restored afterwards."""
+    saved = {k: os.environ.get(k) for k in env or {}}
+    os.environ.update(env or {})
+    try:
+        with _stack(log_dir, max_model_len, single, connector_extra or {}) as stack:
+            yield stack
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@contextmanager
+def _stack(
+    log_dir: Path, max_model_len: int, single: bool, connector_extra: dict[str, object]
+) -> Iterator[Stack]:
     with otlp_receiver() as receiver:
         os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"] = receiver.endpoint
         os.environ["OTEL_BSP_SCHEDULE_DELAY"] = "200"  # ms: spans arrive soon after a request
@@ -90,6 +120,7 @@ def running_stack(log_dir: Path, max_model_len: int, single: bool = True) -> Ite
             kv_base_port=free_port_run(2),
             log_dir=log_dir,
             max_model_len=max_model_len,
+            vllm_options={"connector_extra": connector_extra} if connector_extra else {},
         )
         fleet = Fleet(spec, say=lambda m: print(f"  {m}", flush=True))
         plain: VllmCpuInstance | None = None
@@ -159,8 +190,11 @@ def timed_stream(
     return ttft, [(b - a) * 1000 for a, b in itertools.pairwise(stamps)]
 
 
-def _trace_complete(trace_id: str) -> object:
-    needed = {"pdplane.request", "pdplane.kv_pull", "pdplane.kv_serve", "llm_request"}
+def _trace_complete(trace_id: str, push: bool = False) -> Callable[[list[ReceivedSpan]], bool]:
+    # Push mode: decode takes the blocks from its receive buffer, so no pull is served.
+    needed = {"pdplane.request", "pdplane.kv_pull", "llm_request"}
+    if not push:
+        needed.add("pdplane.kv_serve")
 
     def done(spans: list[ReceivedSpan]) -> bool:
         got = [s for s in spans if s.trace_id == trace_id]
@@ -171,7 +205,9 @@ def _trace_complete(trace_id: str) -> object:
 
 
 def breakdown(spans: list[ReceivedSpan], client_ttft_ms: float) -> dict[str, float]:
-    """The phases (ms) of one request's trace (`spans` all of one trace id)."""
+    """The phases (ms) of one request's trace (`spans` all of one trace id); NaN for a span
+    the mode does not have (no `pdplane.kv_serve` after a push; no gap between the legs with
+    concurrent dispatch, where the decode leg opens before prefill answers)."""
     by = {s.name: s for s in spans if s.name != "llm_request"}
     legs = {by["pdplane.prefill_leg"].span_id: "prefill", by["pdplane.decode_leg"].span_id: "d"}
     vllm = {legs[s.parent_id]: s for s in spans if s.name == "llm_request" and s.parent_id in legs}
@@ -183,6 +219,9 @@ def breakdown(spans: list[ReceivedSpan], client_ttft_ms: float) -> dict[str, flo
     def ms(a: int, b: int) -> float:
         return (b - a) / 1e6
 
+    concurrent = dleg.start_ns < pleg.end_ns
+    serve = by.get("pdplane.kv_serve")
+
     return {
         "client TTFT": client_ttft_ms,
         "gateway in (arrival -> Schedule)": ms(root.start_ns, sched.start_ns),
@@ -191,11 +230,12 @@ def breakdown(spans: list[ReceivedSpan], client_ttft_ms: float) -> dict[str, flo
         "prefill leg": pleg.ms,
         "  prefill vLLM TTFT": 1000
         * float(vllm["prefill"].attributes.get("gen_ai.latency.time_to_first_token", 0.0)),
-        "between legs (gateway)": ms(pleg.end_ns, dleg.start_ns),
+        "between legs (gateway)": math.nan if concurrent else ms(pleg.end_ns, dleg.start_ns),
         "decode leg (send -> headers)": dleg.ms,
+        "  of it after prefill's answer": ms(max(pleg.end_ns, dleg.start_ns), dleg.end_ns),
         "decode admission (arrival -> pull start)": ms(vllm["d"].start_ns, pull.start_ns),
         "KV transfer (kv_pull)": pull.ms,
-        "  prefill kv_serve": by["pdplane.kv_serve"].ms,
+        "  prefill kv_serve": serve.ms if serve is not None else math.nan,
         "pull end -> first byte at gateway": ms(pull.end_ns, first.end_ns),
         "  decode vLLM queue (incl. KV wait)": 1000
         * float(vllm["d"].attributes.get("gen_ai.latency.time_in_queue", 0.0)),
@@ -204,7 +244,12 @@ def breakdown(spans: list[ReceivedSpan], client_ttft_ms: float) -> dict[str, flo
 
 
 def measure(
-    stack: Stack, prompt_tokens: int, runs: int, rng: random.Random, fresh_ab: bool = False
+    stack: Stack,
+    prompt_tokens: int,
+    runs: int,
+    rng: random.Random,
+    fresh_ab: bool = False,
+    push: bool = False,
 ) -> tuple[dict[str, float], dict[str, float]]:
     """Medians of the phases (ms) and of the floor's parts over `runs` fresh prompts.
 
@@ -223,7 +268,7 @@ def measure(
             tp = {"traceparent": f"00-{trace_id}-{os.urandom(8).hex()}-01"}
             ttft, _ = timed_stream(stack.gateway, stack.model, prompt, 4, tp, to_gateway)
             s_ttft, gaps = timed_stream(stack.single, stack.model, prompt, 8, None, to_single)
-            spans = stack.receiver.wait_for(_trace_complete(trace_id), timeout_s=30)
+            spans = stack.receiver.wait_for(_trace_complete(trace_id, push), timeout_s=30)
             if fresh_ab:
                 other = [rng.randrange(8, VOCAB) for _ in range(prompt_tokens)]
                 f_ttft, _ = timed_stream(stack.gateway, stack.model, other, 4)
@@ -237,7 +282,7 @@ def measure(
             if fresh_ab:
                 fresh["client TTFT"].append(f_ttft)
                 fresh["prefill alone"].append(f_single)
-    med = {k: statistics.median(v) for k, v in phases.items()}
+    med = {k: _median(v) for k, v in phases.items()}
     floor = {
         "prefill alone (single TTFT)": statistics.median(single_ttft),
         "KV transfer": med["KV transfer (kv_pull)"],
@@ -252,6 +297,37 @@ def measure(
     return med, floor
 
 
+def _median(values: list[float]) -> float:
+    """Median of the values that exist (NaN = the span is not in this mode); NaN if none."""
+    present = [v for v in values if not math.isnan(v)]
+    return statistics.median(present) if present else math.nan
+
+
+#: Per prompt length: (phase medians, the floor's parts), ms.
+Results = dict[int, tuple[dict[str, float], dict[str, float]]]
+
+
+@dataclass
+class Variant:
+    """One stack of an A/B: its label, more `kv_connector_extra_config` keys of the P/D
+    instances, more environment of the stack's processes."""
+
+    label: str
+    connector_extra: dict[str, object]
+    env: dict[str, str]
+
+
+#: --ab NAME: the stacks it runs, one after the other, the default first.
+VARIANTS: dict[str, list[Variant]] = {
+    "dispatch-mode": [
+        Variant("A: sequential + pull (default)", {}, {"PDPLANE_DISPATCH": "sequential"}),
+        Variant("B: concurrent + pull", {}, {"PDPLANE_DISPATCH": "concurrent"}),
+        Variant("C: sequential + push", {"mode": "push"}, {"PDPLANE_DISPATCH": "sequential"}),
+        Variant("D: concurrent + push", {"mode": "push"}, {"PDPLANE_DISPATCH": "concurrent"}),
+    ],
+}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=10)
@@ -262,33 +338,89 @@ def main() -> None:
         action="store_true",
         help="also measure with a new client connection per request (A/B of the client)",
     )
+    parser.add_argument(
+        "--ab",
+        choices=sorted(VARIANTS),
+        help="A/B: run the stack once per variant in this run (the default first), the same "
+        "prompts each, and print each one's table and a summary",
+    )
     args = parser.parse_args()
     max_model_len = max(1024, max(args.prompt_tokens) + 64)
-    logs = Path(tempfile.mkdtemp(prefix="ttft-breakdown-"))
-    rng = random.Random(args.seed)
-    results = {}
-    with running_stack(logs, max_model_len) as stack:
-        print(f"stack ready (logs {logs})", flush=True)
-        for n in args.prompt_tokens:
-            results[n] = measure(stack, n, args.runs, rng, args.fresh_ab)
+    variants = VARIANTS[args.ab] if args.ab else [Variant("", {}, {})]
+    measured: list[tuple[Variant, Results, str]] = []
+    for v in variants:
+        logs = Path(tempfile.mkdtemp(prefix="ttft-breakdown-"))
+        rng = random.Random(args.seed)  # the same prompts for every variant
+        push = v.connector_extra.get("mode") == "push"
+        results: Results = {}
+        with running_stack(logs, max_model_len, True, v.connector_extra, v.env) as stack:
+            print(f"stack ready{' (' + v.label + ')' if v.label else ''} (logs {logs})", flush=True)
+            for n in args.prompt_tokens:
+                results[n] = measure(stack, n, args.runs, rng, args.fresh_ab, push)
+        measured.append((v, results, _load_sources(logs)))
+        _report(args, results, v.label, measured[-1][2] if push else "")
+    if len(measured) > 1:
+        _summary(args.prompt_tokens, measured)
+
+
+def _load_sources(log_dir: Path) -> str:
+    """How decode got the KV over the stack's life, from its connector's log lines
+    ("transfer <id>: took pushed ..." / "transfer <id>: pulled ..."), warm-up requests
+    included."""
+    text = "".join(f.read_text(errors="replace") for f in sorted(log_dir.glob("decode*.log")))
+    pushed = len(re.findall(r"transfer \S+: took pushed", text))
+    pulled = len(re.findall(r"transfer \S+: pulled", text))
+    return f"{pushed} taken from a push, {pulled} pulled"
+
+
+def _fmt(value: float, spec: str = ".1f") -> str:
+    return f"{'-':>10}" if math.isnan(value) else f"{value:>10{spec}}"
+
+
+def _report(args: argparse.Namespace, results: Results, label: str, sources: str) -> None:
     sizes = args.prompt_tokens
+    if label:
+        print(f"\n== {label}")
     print(f"\nTTFT breakdown, median of {args.runs} requests each, one at a time (ms)")
     print(f"{'phase':<44}" + "".join(f"{n:>10}" for n in sizes))
     for phase in PHASES:
-        print(f"{phase:<44}" + "".join(f"{results[n][0][phase]:>10.1f}" for n in sizes))
+        print(f"{phase:<44}" + "".join(_fmt(results[n][0][phase]) for n in sizes))
     print()
     for part in next(iter(results.values()))[1]:
-        print(f"{'floor: ' + part:<44}" + "".join(f"{results[n][1][part]:>10.1f}" for n in sizes))
+        print(f"{'floor: ' + part:<44}" + "".join(_fmt(results[n][1][part]) for n in sizes))
     floors = {n: sum(results[n][1].values()) for n in sizes}
-    print(f"{'floor':<44}" + "".join(f"{floors[n]:>10.1f}" for n in sizes))
+    print(f"{'floor':<44}" + "".join(_fmt(floors[n]) for n in sizes))
     ratios = {n: results[n][0]["client TTFT"] / floors[n] for n in sizes}
     label = "G3.5 ratio TTFT / floor (goal <= 1.2)"
-    print(f"{label:<44}" + "".join(f"{ratios[n]:>10.2f}" for n in sizes))
+    print(f"{label:<44}" + "".join(_fmt(ratios[n], ".2f") for n in sizes))
+    if sources:
+        print(f"decode's KV loads: {sources}")
     if args.fresh_ab:
         print()
         for row in [k for k in results[sizes[0]][0] if k.startswith("fresh connection")]:
             fmt = ".2f" if "ratio" in row else ".1f"
-            print(f"{row:<44}" + "".join(f"{results[n][0][row]:>10{fmt}}" for n in sizes))
+            print(f"{row:<44}" + "".join(_fmt(results[n][0][row], fmt) for n in sizes))
+
+
+def _summary(sizes: list[int], measured: list[tuple[Variant, Results, str]]) -> None:
+    """Per variant: client TTFT and the G3.5 ratio. A push stack's own `kv_pull` is the copy
+    out of its receive buffer, not a transfer, so its ratio also uses the floor with the first
+    (pull) stack's KV transfer at that length, measured in this run (the floor as defined);
+    its ratio against its own parts follows in brackets."""
+    base = measured[0][1]
+    print("\nsummary: client TTFT ms / G3.5 ratio (floor with the pull stack's KV transfer)")
+    print(f"{'variant':<44}" + "".join(f"{n:>18}" for n in sizes))
+    for v, results, _ in measured:
+        cells = []
+        for n in sizes:
+            med, parts = results[n]
+            own = sum(parts.values())
+            floor = own - parts["KV transfer"] + base[n][1]["KV transfer"]
+            cell = f"{med['client TTFT']:.1f} / {med['client TTFT'] / floor:.2f}"
+            if abs(floor - own) > 1e-9:
+                cell += f" ({med['client TTFT'] / own:.2f})"
+            cells.append(f"{cell:>18}")
+        print(f"{v.label:<44}" + "".join(cells))
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ class GrpcSettings(CommandSettings):
     token: str | None = Field(
         None,
         description="bearer token sent as call metadata (default: the local `pdplane up` "
-        "fleet's, if ADDRESS is its registry)",
+        "fleet's shared token, if ADDRESS is its registry, scheduler or a KvTransfer endpoint)",
     )
     token_file: str | None = token_file_field("--token")
     tls_ca: str | None = Field(None, description="CA certificate (PEM) to verify server TLS")
@@ -84,7 +84,7 @@ def main(argv: list[str]) -> int:
             f"error: pdplane grpc: expected `list` or Service/Method, got {s.method!r}\n"
         )
         return 2
-    # Nothing to type for the local `pdplane up` fleet's registry: its token is in its file.
+    # Nothing to type for the local `pdplane up` fleet's services: its token is in its file.
     s.token = fleet_credentials.token_for(s.address, s.token)
     with grpc_util.channel(s.address, s.tls_ca) as channel:
         try:

@@ -12,7 +12,7 @@ an admin token for each run, gives them to its children through their environmen
 them (0600) to `pdplane.core.fleet_credentials.credentials_path()`, where `pdplane ls`,
 `pdplane drain` and `pdplane vllm` find them when they talk to this registry.
 
-It refuses to start (status 1, naming them) when any port it needs is taken, e.g. by another
+It refuses to start (status 2, naming them) when any port it needs is taken, e.g. by another
 `pdplane up`, and it reports a process "up" or "healthy" only once the answer comes from the
 process it started (each child's health carries its own server id).
 
@@ -26,6 +26,7 @@ times in a minute.
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import sys
 import threading
@@ -38,7 +39,7 @@ from pydantic import Field
 
 from pdplane.core import defaults, fleet_credentials
 from pdplane.core.settings import CommandSettings
-from pdplane.launch.fleet import Fleet, FleetSpec
+from pdplane.launch.fleet import Fleet, FleetSpec, PortsInUse
 from pdplane.launch.process import Cancelled
 
 __all__ = ["UpSettings", "main"]
@@ -152,7 +153,8 @@ def _supervise(fleet: Fleet, stop: threading.Event) -> int:
 
 
 def main(argv: list[str]) -> int:
-    """Runs `pdplane up`; returns 0 after a clean Ctrl-C/SIGTERM, 1 if a child failed."""
+    """Runs `pdplane up`; returns 0 after a clean Ctrl-C/SIGTERM, 2 when a port it needs is
+    taken (nothing started), 1 if a child failed."""
     settings = UpSettings.parse(argv)
     stop = _Stop()
     signal.signal(signal.SIGINT, stop)
@@ -165,6 +167,8 @@ def main(argv: list[str]) -> int:
     spec = FleetSpec.from_settings(settings, token=creds.token, admin_token=creds.admin_token)
     fleet = Fleet(spec, say=_say)
     fleet.die_with_parent = True
+    # Local tools (`pdplane grpc`) send the shared token to the scheduler and KV servers too.
+    creds = dataclasses.replace(creds, services=fleet.service_addresses())
     status = 0
     try:
         # Not over another running fleet's file: start() reports its ports taken instead.
@@ -187,6 +191,9 @@ def main(argv: list[str]) -> int:
         status = _supervise(fleet, stop.event)
     except Cancelled:
         _say("interrupted during start-up")
+    except PortsInUse as exc:  # bad input, as for a bad flag: nothing was started
+        _say(f"error: {exc}")
+        status = 2
     except (TimeoutError, RuntimeError, OSError) as exc:
         _say(f"error: {exc}")
         status = 1

@@ -5,9 +5,13 @@ processes it starts through their environment (`PDPLANE_TOKEN`; `PDPLANE_ADMIN_T
 registry only), never their argv (which `ps` shows), and writes them with the registry's
 address to `credentials_path()` (mode 0600, in a 0700 folder). `pdplane ls`, `pdplane drain`,
 `pdplane vllm`, `pdplane grpc` and `pdplane plan --registry` read that file (`token_for`) when
-they talk to that registry and were not given a token, so nothing has to be typed.
+they talk to that registry, or (the shared token only) to another gRPC service of the fleet that
+it lists (the scheduler, the instances' KvTransfer endpoints), and were not given a token, so
+nothing has to be typed. The admin token goes to the registry alone, the only service that
+checks it.
 
-File format (JSON): {"registry": "127.0.0.1:50051", "token": "...", "admin_token": "..."}.
+File format (JSON): {"registry": "127.0.0.1:50051", "token": "...", "admin_token": "...",
+"services": ["127.0.0.1:50052", ...]} ("services" absent in files of older versions: none).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from pdplane.core.token_file import new_token
 __all__ = [
     "FleetCredentials",
     "credentials_path",
+    "for_address",
     "for_registry",
     "generate",
     "remove",
@@ -40,16 +45,19 @@ def credentials_path() -> Path:
 
 @dataclass(frozen=True)
 class FleetCredentials:
-    """A fleet's registry address ("host:port") and its two bearer tokens."""
+    """A fleet's registry address ("host:port"), its two bearer tokens, and the addresses of
+    its other gRPC services ("host:port" each) that take the shared token."""
 
     registry: str
     token: str
     admin_token: str
+    services: tuple[str, ...] = ()
 
 
-def generate(registry: str) -> FleetCredentials:
-    """Fresh tokens (`token_file.new_token`: 256 random bits each) for the fleet at `registry`."""
-    return FleetCredentials(registry, new_token(), new_token())
+def generate(registry: str, services: tuple[str, ...] = ()) -> FleetCredentials:
+    """Fresh tokens (`token_file.new_token`: 256 random bits each) for the fleet at `registry`
+    whose other gRPC services listen at `services`."""
+    return FleetCredentials(registry, new_token(), new_token(), tuple(services))
 
 
 def write(creds: FleetCredentials, path: Path | None = None) -> Path:
@@ -60,7 +68,7 @@ def write(creds: FleetCredentials, path: Path | None = None) -> Path:
     tmp = target.with_name(f".{target.name}.{os.getpid()}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as out:
-        json.dump(asdict(creds), out)
+        json.dump({**asdict(creds), "services": list(creds.services)}, out)
     os.replace(tmp, target)  # readers never see a half-written file
     return target
 
@@ -68,9 +76,21 @@ def write(creds: FleetCredentials, path: Path | None = None) -> Path:
 def _read(path: Path) -> FleetCredentials | None:
     try:
         data = json.loads(path.read_text())
-        return FleetCredentials(str(data["registry"]), str(data["token"]), str(data["admin_token"]))
-    except (OSError, ValueError, KeyError, TypeError):
+        services = data.get("services") or []
+        if not isinstance(services, list):
+            return None
+        return FleetCredentials(
+            str(data["registry"]),
+            str(data["token"]),
+            str(data["admin_token"]),
+            tuple(str(a) for a in services),
+        )
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
+
+
+def _addresses(address: str) -> set[str]:
+    return {a.strip() for a in address.split(",")}
 
 
 def for_registry(registry: str, path: Path | None = None) -> FleetCredentials | None:
@@ -79,17 +99,26 @@ def for_registry(registry: str, path: Path | None = None) -> FleetCredentials | 
     creds = _read(path or credentials_path())
     if creds is None:
         return None
-    wanted = {a.strip() for a in registry.split(",")}
-    return creds if creds.registry in wanted else None
+    return creds if creds.registry in _addresses(registry) else None
 
 
-def token_for(registry: str, token: str | None, *, admin: bool = False) -> str | None:
-    """The token a local tool sends to `registry`: `token` when given (non-empty), else the
-    local fleet's shared token (`admin`: its admin token) when `registry` names its registry,
-    else None (no token)."""
+def for_address(address: str, path: Path | None = None) -> FleetCredentials | None:
+    """The local fleet's credentials when `address` (one or comma-separated "host:port") names
+    its registry or one of its other gRPC services; None otherwise (or without a file)."""
+    creds = _read(path or credentials_path())
+    if creds is None:
+        return None
+    ours = {creds.registry, *creds.services}
+    return creds if _addresses(address) & ours else None
+
+
+def token_for(address: str, token: str | None, *, admin: bool = False) -> str | None:
+    """The token a local tool sends to `address`: `token` when given (non-empty), else the
+    local fleet's shared token when `address` names one of its gRPC services (`for_address`),
+    or with `admin` its admin token when `address` names its registry; else None (no token)."""
     if token:
         return token
-    local = for_registry(registry)
+    local = for_registry(address) if admin else for_address(address)
     if local is None:
         return None
     return local.admin_token if admin else local.token

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import logging
+import sys
 
 import uvicorn
 
 from pdplane.core import tracing
+from pdplane.core.listen import refuse_taken
 from pdplane.gateway.app import create_app
 from pdplane.gateway.http_server import server_options
 from pdplane.gateway.settings import GatewaySettings
@@ -15,8 +17,12 @@ __all__ = ["main"]
 
 
 def main(argv: list[str]) -> int:
-    """Runs the gateway until interrupted; returns the exit code."""
+    """Runs the gateway until interrupted; returns the exit code (2 on bad flags or a port in
+    use)."""
     settings = GatewaySettings.parse(argv)
+    wanted = [(settings.port, "--port"), (settings.inflight_port, "--inflight-port")]
+    if refuse_taken("pdplane gateway", settings.host, wanted):
+        return 2
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -39,6 +45,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    import sys
-
     sys.exit(main(sys.argv[1:]))

@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import shlex
 import shutil
-import socket
 import sys
 import threading
 import time
@@ -28,6 +27,7 @@ import grpc
 import httpx
 
 from pdplane.core import grpc_util
+from pdplane.core.listen import port_taken
 from pdplane.launch.etcd import etcd_binary, member_argv
 from pdplane.launch.process import (
     ManagedProcess,
@@ -52,18 +52,6 @@ def default_model_cache() -> Path:
 
 class PortsInUse(RuntimeError):
     """Ports the fleet needs are taken (e.g. by another `pdplane up`); nothing was started."""
-
-
-def _port_taken(host: str, port: int) -> bool:
-    # Bind as the servers do (SO_REUSEADDR: a port in TIME_WAIT is free, a listening one not).
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError:
-            return True
-    return False
 
 
 class _UpLike(Protocol):
@@ -190,6 +178,13 @@ class Fleet:
     def scheduler_address(self) -> str:
         return f"{self.spec.host}:{self.spec.scheduler_port}"
 
+    def service_addresses(self) -> tuple[str, ...]:
+        """Where the fleet's gRPC services other than the registry listen ("host:port"): the
+        scheduler and every instance's KvTransfer server; all take the shared token."""
+        s = self.spec
+        kv = [f"{s.host}:{s.kv_base_port + i}" for i in range(s.prefill + s.decode)]
+        return (self.scheduler_address, *kv)
+
     @property
     def gateway_url(self) -> str:
         return f"http://{self.spec.host}:{self.spec.gateway_port}"
@@ -253,7 +248,7 @@ class Fleet:
                 (s.vllm_base_port + index, f"{name} vLLM"),
                 (s.kv_base_port + index, f"{name} KV"),
             ]
-        return [(port, what) for port, what in wanted if _port_taken(s.host, port)]
+        return [(port, what) for port, what in wanted if port_taken(s.host, port)]
 
     def instance_ready(self, inst: VllmCpuInstance) -> bool:
         """True when `inst` answers /health and the engine answering is the one it started

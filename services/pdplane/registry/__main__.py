@@ -7,6 +7,7 @@ import signal
 import sys
 import threading
 
+from pdplane.core.listen import refuse_taken
 from pdplane.registry.server import RegistryServer
 from pdplane.registry.settings import RegistrySettings
 from pdplane.registry.store import StoreError
@@ -16,8 +17,11 @@ __all__ = ["main"]
 
 def main(argv: list[str]) -> int:
     """Serves the registry with settings from `argv` and `PDPLANE_*`; returns the exit code
-    (0 after a clean stop on SIGTERM/SIGINT, 1 when the port cannot be bound)."""
+    (0 after a clean stop on SIGTERM/SIGINT, 2 on bad flags or a port in use, 1 when the
+    server cannot start otherwise)."""
     settings = RegistrySettings.parse(argv)
+    if refuse_taken("pdplane registry", settings.host, [(settings.port, "--port")]):
+        return 2
     logging.basicConfig(
         level=settings.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

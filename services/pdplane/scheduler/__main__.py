@@ -8,6 +8,7 @@ import signal
 import sys
 
 from pdplane.core import tracing
+from pdplane.core.listen import refuse_taken
 from pdplane.scheduler.app import SchedulerApp
 from pdplane.scheduler.settings import SchedulerSettings
 
@@ -40,8 +41,12 @@ async def _serve(settings: SchedulerSettings) -> int:
 
 
 def main(argv: list[str]) -> int:
-    """Runs the scheduler until SIGINT/SIGTERM; returns the exit code (2 on bad flags)."""
+    """Runs the scheduler until SIGINT/SIGTERM; returns the exit code (2 on bad flags or a port
+    in use, 1 when it cannot start otherwise)."""
     settings = SchedulerSettings.parse(argv)
+    wanted = [(settings.port, "--port"), (settings.metrics_port, "--metrics-port")]
+    if refuse_taken("pdplane scheduler", settings.host, wanted):
+        return 2
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

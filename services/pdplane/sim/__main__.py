@@ -9,6 +9,7 @@ import signal
 import sys
 
 from pdplane.core import tracing
+from pdplane.core.listen import refuse_taken
 from pdplane.sim.fleet import SimFleet, expand
 from pdplane.sim.settings import SimSettings
 
@@ -43,20 +44,36 @@ async def _serve(settings: SimSettings) -> None:
         await fleet.stop()
 
 
+def _ports(settings: SimSettings) -> list[tuple[int, str]]:
+    """(port, flag) of every port the fleet binds: `instances` consecutive ones per flag."""
+    wanted: list[tuple[int, str]] = []
+    for flag, first in (("--port", settings.port), ("--kv-port", settings.kv_port)):
+        if first:
+            wanted += [(first + i, flag) for i in range(settings.instances)]
+    return wanted
+
+
 def main(argv: list[str]) -> int:
-    """Entry point of `pdplane sim`; returns the exit code (2 on bad flags)."""
+    """Entry point of `pdplane sim`; returns the exit code (2 on bad flags or a port in use,
+    1 when an instance fails to start)."""
     settings = SimSettings.parse(argv)
+    if refuse_taken("pdplane sim", settings.host, _ports(settings)):
+        return 2
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     tracing.configure("pdplane-sim")
+    run = asyncio.run
     if settings.uvloop:
         try:
             import uvloop
 
-            uvloop.run(_serve(settings))
-            return 0
+            run = uvloop.run
         except ImportError:
             pass
-    asyncio.run(_serve(settings))
+    try:
+        run(_serve(settings))
+    except OSError as exc:  # a port taken after the check above, an unknown --host
+        sys.stderr.write(f"pdplane sim: cannot start: {exc}\n")
+        return 1
     return 0
 
 

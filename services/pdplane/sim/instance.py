@@ -88,6 +88,15 @@ class SimInstance:
         )
 
     async def start(self) -> None:
+        """Binds both ports and registers; on any failure (e.g. OSError: a port in use) what
+        was started is stopped again before the error propagates."""
+        try:
+            await self._start()
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def _start(self) -> None:
         c = self.config
         self._grpc = grpc.aio.server(
             interceptors=grpc_util.aio_server_interceptors(c.kv_token or None),

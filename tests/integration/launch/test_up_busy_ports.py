@@ -30,7 +30,7 @@ def test_up_on_a_running_registry_port_fails_before_starting_anything(tmp_path: 
         ports["registry-port"] = int(registry.rsplit(":", 1)[1])
         result = _up(tmp_path, ports)
     out = result.stdout + result.stderr
-    assert result.returncode == 1, out
+    assert result.returncode == 2, out
     assert f"{ports['registry-port']} (registry)" in out and "in use" in out, out
     assert " up (" not in out and "healthy" not in out and "starting" not in out, out
 
@@ -58,7 +58,7 @@ def test_up_names_every_taken_port(tmp_path: Path) -> None:
         for sock in taken:
             sock.close()
     out = result.stdout + result.stderr
-    assert result.returncode == 1, out
+    assert result.returncode == 2, out
     for expected in (
         f"{ports['gateway-port']} (gateway)",
         f"{ports['vllm-base-port']} (prefill-0 vLLM)",

@@ -8,6 +8,7 @@ standing in for vLLM.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import stat
@@ -46,8 +47,10 @@ def fleet(
     settings = UpSettings.parse(argv)
     creds = fleet_credentials.generate(f"{settings.host}:{settings.registry_port}")
     spec = FleetSpec.from_settings(settings, token=creds.token, admin_token=creds.admin_token)
-    fleet_credentials.write(creds)
     running = Fleet(spec)
+    # As `pdplane up` writes it: the scheduler and KV addresses take the shared token too.
+    creds = dataclasses.replace(creds, services=running.service_addresses())
+    fleet_credentials.write(creds)
     try:
         running.start_services(60)
         yield running, creds
@@ -136,3 +139,45 @@ def test_plan_reads_a_token_file(
     assert refused.returncode == 1 and "UNAUTHENTICATED" in refused.stderr
     planned = _pdplane(*argv, "--interval-s", "0.2", "--token-file", str(token_file))
     assert planned.returncode == 0, planned.stderr
+
+
+def test_grpc_reaches_the_scheduler_with_the_fleet_token(
+    fleet: tuple[Fleet, fleet_credentials.FleetCredentials],
+) -> None:
+    # The shared token applies on every gRPC hop, not only at the registry.
+    running, creds = fleet
+    address = running.scheduler_address
+    assert address in creds.services
+    with grpc_util.channel(address) as chan, pytest.raises(grpc.RpcError) as err:
+        chan.unary_unary("/pdplane.v1.Scheduler/ListKvStates")(b"", timeout=10)
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED  # auth is on
+    called = _pdplane("grpc", address, "pdplane.v1.Scheduler/ListKvStates", "{}")
+    assert called.returncode == 0, called.stderr
+    assert isinstance(json.loads(called.stdout), dict)
+
+
+def test_grpc_sends_the_shared_token_only_to_the_fleet_s_own_services(
+    fleet: tuple[Fleet, fleet_credentials.FleetCredentials],
+) -> None:
+    running, creds = fleet
+    assert fleet_credentials.token_for(running.scheduler_address, None) == creds.token
+    kv = f"{running.spec.host}:{running.spec.kv_base_port}"
+    assert fleet_credentials.token_for(kv, None) == creds.token
+    assert fleet_credentials.token_for("127.0.0.1:1", None) is None
+    # The admin token is the registry's alone.
+    assert fleet_credentials.token_for(running.scheduler_address, None, admin=True) is None
+    admin = fleet_credentials.token_for(running.registry_address, None, admin=True)
+    assert admin == creds.admin_token
+
+
+def test_a_credentials_file_without_services_still_reaches_the_registry(
+    fleet: tuple[Fleet, fleet_credentials.FleetCredentials], cache_dir: Path
+) -> None:
+    # A file written by an older version: registry and tokens only.
+    running, creds = fleet
+    path = fleet_credentials.credentials_path()
+    data = json.loads(path.read_text())
+    del data["services"]
+    path.write_text(json.dumps(data))
+    assert fleet_credentials.token_for(running.registry_address, None) == creds.token
+    assert fleet_credentials.token_for(running.scheduler_address, None) is None

@@ -510,7 +510,8 @@ def test_tls_switches_grpc_probes_to_exec_with_the_ca() -> None:
         ({"registry": {"replicas": 2}}, "needs registry.store=etcd"),
         ({"registry": {"store": "etcd"}, "etcd": {"enabled": False}}, "etcd.endpoints"),
         ({"tls": {"enabled": True}}, "tls.existingSecret"),
-        ({"engines": [{"name": "x", "role": "router"}]}, "must be prefill, decode or both"),
+        # values.schema.json catches this one before the templates run.
+        ({"engines": [{"name": "x", "role": "router"}]}, "/engines/0/role': value must be one of"),
         ({"engineDefaults": {"tensorParallelSize": 2}}, "gpus (1) < tensorParallelSize (2)"),
     ],
 )

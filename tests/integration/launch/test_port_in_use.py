@@ -1,0 +1,86 @@
+"""A long-running command started on a port another process listens on fails at once: exit
+status 2 (bad input), one line on stderr naming the address and the flag to change, no
+traceback, nothing started (the sim never prints its "up" line)."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+from pdplane.launch.ports import free_port_run
+
+# A registry address nothing answers on: the commands must fail before they dial it.
+_NO_REGISTRY = "127.0.0.1:1"
+
+
+@pytest.fixture
+def taken() -> Iterator[int]:
+    """A loopback port with a listener on it for the test's duration."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", free_port_run()))
+        sock.listen()
+        yield sock.getsockname()[1]
+
+
+def _run(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "pdplane.cli.main", *argv],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def _assert_refused(
+    result: subprocess.CompletedProcess[str], prog: str, address: str, flag: str
+) -> None:
+    out = result.stdout + result.stderr
+    assert result.returncode == 2, out
+    assert "Traceback" not in out, out
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, out
+    assert lines[0].startswith(f"{prog}: address already in use: {address} ({flag})"), out
+    assert "choose another port" in lines[0] and flag in lines[0].rsplit("(", 1)[1], out
+    assert result.stdout == "", out
+
+
+def test_sim_on_a_taken_http_port(taken: int) -> None:
+    result = _run("sim", "--port", str(taken))
+    _assert_refused(result, "pdplane sim", f"127.0.0.1:{taken}", "--port")
+
+
+def test_sim_names_a_taken_port_of_a_later_instance(taken: int) -> None:
+    result = _run("sim", "--port", str(taken - 1), "--instances", "2")
+    _assert_refused(result, "pdplane sim", f"127.0.0.1:{taken}", "--port")
+
+
+def test_sim_on_a_taken_kv_port(taken: int) -> None:
+    result = _run("sim", "--port", "0", "--kv-port", str(taken))
+    _assert_refused(result, "pdplane sim", f"127.0.0.1:{taken}", "--kv-port")
+
+
+def test_registry_on_a_taken_port(taken: int) -> None:
+    result = _run("registry", "--port", str(taken))
+    _assert_refused(result, "pdplane registry", f"127.0.0.1:{taken}", "--port")
+
+
+@pytest.mark.parametrize("flag", ["--port", "--metrics-port"])
+def test_scheduler_on_a_taken_port(taken: int, flag: str) -> None:
+    argv = ["scheduler", "--registry", _NO_REGISTRY, "--port", "0", flag, str(taken)]
+    result = _run(*argv)
+    _assert_refused(result, "pdplane scheduler", f"127.0.0.1:{taken}", flag)
+
+
+def test_gateway_on_a_taken_port(taken: int) -> None:
+    result = _run("gateway", "--registry", _NO_REGISTRY, "--port", str(taken))
+    _assert_refused(result, "pdplane gateway", f"127.0.0.1:{taken}", "--port")
+
+
+def test_gateway_on_a_taken_inflight_port(taken: int) -> None:
+    argv = ["gateway", "--registry", _NO_REGISTRY, "--scheduler", "embedded", "--port", "0"]
+    result = _run(*argv, "--inflight-port", str(taken))
+    _assert_refused(result, "pdplane gateway", f"127.0.0.1:{taken}", "--inflight-port")
