@@ -8,9 +8,13 @@
    own hashes (`BlockStored.own_hashes`: the index only updates its tables). Side by side: the
    own-hash computation alone, the table updates alone (hashes precomputed), and what the
    source pays: `KvEventLog.stored` per block with and without computing our hashes. The
-   "stream" columns feed the same own-hash events and removals through `KvStreamReader.feed`
-   in KvEventBatch messages of `--batch-events` events (`InstanceBlocks.apply_events`: runs of
-   like events merged into one table update), against "apply" = one `apply` per event.
+   "stream" columns are the real path of one stream: the same events into a `KvEventLog`
+   (which computes our own hashes), encoded by `SubscriptionCursor` in messages of
+   `--batch-events` events (plain `KvEvent`s, or the common single-block stores columnar:
+   `KvEventBatch.stored_columns`), serialized; timed: the subscriber's parse of each message
+   and `KvStreamReader.feed` (`InstanceBlocks.apply_events` / `apply_batch`: runs merged into
+   one table update). "source: encode + serialize" is what the source pays per subscriber
+   for the same messages (stores and removals).
 2. Lookup: `PrefixIndex.match` of 1k / 8k / 32k-token prompts (block size 16) at 10 / 100 /
    1,000 LIVE instances; every instance holds a shared 512-token system prefix plus its own
    prompts, and 3 instances hold the whole queried prompt (the walk's worst case: it runs to
@@ -33,7 +37,7 @@ import tracemalloc
 
 import numpy as np
 
-from pdplane.core.kv_events import KvEventLog
+from pdplane.core.kv_events import KvEventLog, SubscriptionCursor
 from pdplane.core.kv_stream import KvStreamReader
 from pdplane.core.prefix_hash import HASH_VERSION, block_hashes
 from pdplane.scheduler.kv_index import KvState, PrefixIndex
@@ -88,44 +92,49 @@ def _apply_rate(events: list[kv_events_pb2.KvEvent], n: int) -> float:
     return rate
 
 
-def _messages(events: list[kv_events_pb2.KvEvent], batch: int, first: int) -> list[Msg]:
-    """`events` as KvEventsMessages of `batch` events each, sequences from `first`."""
-    msgs = []
-    for start in range(0, len(events), batch):
-        msg = kv_events_pb2.KvEventsMessage(epoch=1)
-        for seq, ev in enumerate(events[start : start + batch], first + start):
-            e = msg.events.events.add()
-            e.CopyFrom(ev)
-            e.sequence = seq
-        msg.sequence = msg.head_sequence = msg.events.events[-1].sequence
-        msgs.append(msg)
-    return msgs
+def _wire(cursor: SubscriptionCursor) -> tuple[list[bytes], float]:
+    """Every message `cursor` has ready, serialized; and the seconds that took (source side,
+    per subscriber: `SubscriptionCursor.next_message` and `SerializeToString`)."""
+    out = []
+    t0 = time.perf_counter()
+    while (msg := cursor.next_message()) is not None:
+        out.append(msg.SerializeToString())
+    return out, time.perf_counter() - t0
 
 
 def _stream_rates(
-    stored: list[kv_events_pb2.KvEvent],
-    removed: list[kv_events_pb2.KvEvent],
-    n: int,
-    batch: int,
-) -> tuple[float, float]:
-    """Blocks/s of `KvStreamReader.feed` (sequence checks, then `InstanceBlocks.apply_events`)
-    of `stored`, then of `removed`, in KvEventBatch messages of `batch` events."""
+    events: list[kv_events_pb2.KvEvent], n: int, batch: int, columnar: bool
+) -> tuple[float, float, float]:
+    """The real path of one stream: `KvEventLog.stored` of `events` (it computes our own
+    hashes), then `removed` of their blocks; `SubscriptionCursor` encodes them in messages of
+    `batch` events (`columnar`: common single-block stores as `stored_columns`), serialized;
+    the subscriber parses each message and `KvStreamReader.feed`s it into the index.
+    Returns blocks/s of (parse + feed of the stores, of the removals, source encoding)."""
+    log = KvEventLog(replay_blocks=2 * n + 1, replay_events=2 * len(events) + 1)
+    for ev in events:
+        st = ev.stored
+        parent = st.parent_block_hash if st.HasField("parent_block_hash") else None
+        log.stored(st.block_hashes, parent, st.token_ids, st.block_size)
+    cursor = SubscriptionCursor(log, log.epoch, 1, batch_events=batch, columnar=columnar)
+    store_wire, t_enc = _wire(cursor)
+    for ev in events:
+        log.removed(ev.stored.block_hashes)
+    remove_wire, t_enc2 = _wire(cursor)
     index = PrefixIndex()
     inst = index.add_instance("i0")
     reader = KvStreamReader(inst)
-    snapshot = kv_events_pb2.KvEventsMessage(epoch=1, sequence=0)
+    snapshot = kv_events_pb2.KvEventsMessage(epoch=log.epoch, sequence=0)
     snapshot.snapshot.last = True
     reader.feed(snapshot)  # empty snapshot: the reader is synced
-    store_msgs = _messages(stored, batch, 1)
-    remove_msgs = _messages(removed, batch, 1 + len(stored))
+    parse = Msg.FromString
     rates = []
-    for msgs, entries in ((store_msgs, n), (remove_msgs, 0)):
+    for wire, entries in ((store_wire, n), (remove_wire, 0)):
         t0 = time.perf_counter()
-        for msg in msgs:
-            reader.feed(msg)
+        for raw in wire:
+            reader.feed(parse(raw))
         rates.append(n / (time.perf_counter() - t0))
         assert index.entries == entries and inst.orphans == 0
-    return rates[0], rates[1]
+    return rates[0], rates[1], 2 * n / (t_enc + t_enc2)
 
 
 def _source_rate(events: list[kv_events_pb2.KvEvent], n: int, own: bool) -> float:
@@ -143,11 +152,13 @@ def ingest(quick: bool, batch: int) -> None:
     print(
         "| block size | blocks/event | apply stored | apply stored, own hashes sent "
         "| apply removed "
-        f"| stream stored, own hashes sent ({batch} events/batch) "
+        f"| stream stored, plain events ({batch} events/batch) "
+        f"| stream stored, columnar ({batch} events/batch) "
         f"| stream removed ({batch} events/batch) "
+        "| source: encode + serialize, plain | source: encode + serialize, columnar "
         "| hash only | tables only | source: log.stored | source: log.stored + own hashes |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     n = 20_000 if quick else 100_000
     for bs in (16, 128):
         for per_event in (1, 32):
@@ -189,15 +200,19 @@ def ingest(quick: bool, batch: int) -> None:
             t_tables = time.perf_counter() - t0
             with_own = _with_own(events, bs)
             t_own = n / _apply_rate(with_own, n)
-            stream_store, stream_remove = _stream_rates(with_own, removes, n, batch)
+            plain_store, stream_remove, enc_plain = _stream_rates(events, n, batch, False)
+            col_store, _, enc_col = _stream_rates(events, n, batch, True)
             t_src = n / _source_rate(events, n, own=False)
             t_src_own = n / _source_rate(events, n, own=True)
             times = (
                 t_store,
                 t_own,
                 t_remove,
-                n / stream_store,
+                n / plain_store,
+                n / col_store,
                 n / stream_remove,
+                n / enc_plain,
+                n / enc_col,
                 t_hash,
                 t_tables,
                 t_src,

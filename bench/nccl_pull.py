@@ -79,8 +79,9 @@ def _pull(
 
 def _breakdown(pulls: list[dict[str, Any]], prefill: NodeProcess) -> dict[str, float]:
     """Median phases of the pulls, from decode's timing and prefill's serve timings (both
-    `time.monotonic()` instants of one host): request written, read by prefill, pinned (and
-    verdict queued), sends enqueued, receives posted (decode), bytes in (decode)."""
+    `time.monotonic()` instants of one host): request written, read by prefill, pinned,
+    first send enqueued (then the verdict queued), sends enqueued, receives posted (decode),
+    bytes in (decode)."""
     served = {t["transfer_id"]: t for t in _ok(prefill.call("serve_timings"))["timings"]}
     phases: dict[str, list[float]] = {}
 
@@ -94,7 +95,10 @@ def _breakdown(pulls: list[dict[str, Any]], prefill: NodeProcess) -> dict[str, f
         start = p["started"]
         add("decode: request queued", p["sent_s"])
         add("request on the wire (stream)", s["received"] - (start + p["sent_s"]))
-        add("prefill: pin + verdict", s["pinned"] - s["received"])
+        add("prefill: pin + checks", s["pinned"] - s["received"])
+        if s.get("first"):
+            add("prefill: first gather + send enqueued", s["first"] - s["pinned"])
+            add("prefill: verdict queued + other sends", s["enqueued"] - s["first"])
         add("prefill: gather + enqueue sends", s["enqueued"] - s["pinned"])
         add("decode: all receives posted", p["post_s"])
         add("decode: verdict in", p["verdict_s"])

@@ -8,13 +8,16 @@ measures the calibration's out-of-sample cells (a shared-prefix cell and Poisson
 bench/sim_calibrate.py) on the same instance and prints, side by side, the engine model's
 error with the profile `pdplane profile` wrote and with the named `tiny-cpu` profile (the
 simulator's own calibration): median |model - vLLM| / vLLM of each cell's median TTFT and
-mean ITL, in and out of sample. Writes profile.json, plan-profile.md and plan-profile.json.
+mean ITL, in and out of sample; then the fit's A/B (burst cells' TTFT fitted or left out,
+both refitted on the re-measured sweep cells). Writes profile.json, plan-profile.md and
+plan-profile.json.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import socket
@@ -32,7 +35,7 @@ from bench.sim_calibrate import CPU_HOLDOUT  # noqa: E402
 from pdplane.launch.vllm_cpu import VllmCpuInstance, VllmCpuOptions  # noqa: E402
 from pdplane.models.tiny import build_tiny_model  # noqa: E402
 from pdplane.plan import profile_cli  # noqa: E402
-from pdplane.plan.fit import predict  # noqa: E402
+from pdplane.plan.fit import fit_cost, predict, unbatched_ttft_weight  # noqa: E402
 from pdplane.plan.sweep import CellResult, measure_cells  # noqa: E402
 from pdplane.sim.profiles import PROFILES, Profile, load_profile  # noqa: E402
 
@@ -95,9 +98,19 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         inst.stop()
     measured = load_profile(str(path))
+    # A/B of the fit's TTFT weighting, both fitted on the re-measured sweep cells (so their
+    # sweep-cell column is in sample) from the same start as `pdplane profile`.
+    start = dataclasses.replace(measured, cost=tiny.cost)
+    refits = {
+        f"refit, burst TTFT {kind}": dataclasses.replace(
+            start, cost=fit_cost(start, grid, ttft_weight=weight)[0]
+        )
+        for kind, weight in (("fitted (before)", None), ("left out (now)", unbatched_ttft_weight))
+    }
     rows = []
     result: dict[str, object] = {"profile_s": took, "profile": measured.to_dict()}
-    for label, prof in (("pdplane profile", measured), ("tiny-cpu (calibration)", tiny)):
+    profiles = {"pdplane profile": measured, "tiny-cpu (calibration)": tiny, **refits}
+    for label, prof in profiles.items():
         fit_t, fit_i = _errors(prof, grid)
         out_t, out_i = _errors(prof, holdout)
         result[label] = {"ttft_fit": fit_t, "itl_fit": fit_i, "ttft_out": out_t, "itl_out": out_i}

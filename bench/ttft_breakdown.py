@@ -1,7 +1,7 @@
 """Where a disaggregated request's TTFT goes, from its OpenTelemetry spans (real vLLM CPU, 1P1D).
 
     .venv/bin/python bench/ttft_breakdown.py [--runs 10] [--prompt-tokens 128 512 2048]
-        [--ab dispatch-mode]
+        [--ab dispatch-mode] [--plain-prefill] [--fresh-ab]
 
 Starts `pdplane up`'s stack (registry, scheduler, gateway, prefill, decode) with traces on
 (`OTEL_EXPORTER_OTLP_ENDPOINT` pointed at an OTLP receiver in this process) plus one plain vLLM
@@ -14,6 +14,13 @@ the median of each phase (ms) from the spans of each disaggregated request, and 
     floor = prefill alone (TTFT of the plain instance) + KV transfer (`pdplane.kv_pull`)
             + one decode step (median inter-token gap of the plain instance)
     ratio = disaggregated TTFT (client-measured) / floor         G3.5: ratio <= 1.2
+
+`--ab dispatch-mode` runs the stack four times in one run, the same prompts each: sequential
+or concurrent dispatch (`PDPLANE_DISPATCH`) x pull or push KV (`"mode"` of both instances'
+`kv_connector_extra_config`), each with its own plain instance, then a summary. A push stack's
+`pdplane.kv_pull` is decode's copy out of its receive buffer, so its ratio is also given
+against the floor with the pull stack's transfer. `--plain-prefill` also times a prefill-shaped
+request (non-streamed, 1 token) on the plain instance.
 """
 
 from __future__ import annotations
@@ -57,6 +64,8 @@ PHASES = (
     "  scheduler decision",
     "prefill leg",
     "  prefill vLLM TTFT",
+    "  leg start -> prefill vLLM arrival",
+    "  prefill vLLM end -> answer at gateway",
     "between legs (gateway)",
     "decode leg (send -> headers)",
     "  of it after prefill's answer",
@@ -66,7 +75,10 @@ PHASES = (
     "pull end -> first byte at gateway",
     "  decode vLLM queue (incl. KV wait)",
     "relay (gateway first byte -> client)",
+    "decode side (prefill's answer -> first byte)",
 )
+#: The row of `--plain-prefill`.
+PLAIN_PREFILL = "plain: non-streamed 1-token answer (client)"
 
 
 @dataclass
@@ -190,9 +202,29 @@ def timed_stream(
     return ttft, [(b - a) * 1000 for a, b in itertools.pairwise(stamps)]
 
 
+def timed_answer(url: str, model: str, prompt: list[int], client: httpx.Client) -> float:
+    """ms until the whole non-streamed answer of a prefill-shaped request (1 token, no
+    stream, as the gateway's prefill leg sends it) has arrived, as the client sees it."""
+    body = {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0, "stream": False}
+    start = time.perf_counter()
+    r = client.post(f"{url}/v1/completions", json=body)
+    r.raise_for_status()
+    return (time.perf_counter() - start) * 1000
+
+
 def _trace_complete(trace_id: str, push: bool = False) -> Callable[[list[ReceivedSpan]], bool]:
     # Push mode: decode takes the blocks from its receive buffer, so no pull is served.
-    needed = {"pdplane.request", "pdplane.kv_pull", "llm_request"}
+    # Every span `breakdown` reads; they come from four processes, each exporting on its own.
+    needed = {
+        "pdplane.request",
+        "pdplane.schedule",
+        "pdplane.scheduler.decision",
+        "pdplane.prefill_leg",
+        "pdplane.decode_leg",
+        "pdplane.first_byte",
+        "pdplane.kv_pull",
+        "llm_request",
+    }
     if not push:
         needed.add("pdplane.kv_serve")
 
@@ -230,6 +262,9 @@ def breakdown(spans: list[ReceivedSpan], client_ttft_ms: float) -> dict[str, flo
         "prefill leg": pleg.ms,
         "  prefill vLLM TTFT": 1000
         * float(vllm["prefill"].attributes.get("gen_ai.latency.time_to_first_token", 0.0)),
+        # The prefill leg around vLLM's own request span (`llm_request`: arrival -> finish).
+        "  leg start -> prefill vLLM arrival": ms(pleg.start_ns, vllm["prefill"].start_ns),
+        "  prefill vLLM end -> answer at gateway": ms(vllm["prefill"].end_ns, pleg.end_ns),
         "between legs (gateway)": math.nan if concurrent else ms(pleg.end_ns, dleg.start_ns),
         "decode leg (send -> headers)": dleg.ms,
         "  of it after prefill's answer": ms(max(pleg.end_ns, dleg.start_ns), dleg.end_ns),
@@ -240,6 +275,9 @@ def breakdown(spans: list[ReceivedSpan], client_ttft_ms: float) -> dict[str, flo
         "  decode vLLM queue (incl. KV wait)": 1000
         * float(vllm["d"].attributes.get("gen_ai.latency.time_in_queue", 0.0)),
         "relay (gateway first byte -> client)": client_ttft_ms - gateway_ttft,
+        # What follows prefill on the critical path in every mode: the decode leg's rest,
+        # admission, the load (pull or copy of a push) and decode's first token.
+        "decode side (prefill's answer -> first byte)": ms(pleg.end_ns, first.end_ns),
     }
 
 
@@ -250,8 +288,11 @@ def measure(
     rng: random.Random,
     fresh_ab: bool = False,
     push: bool = False,
+    plain_prefill: bool = False,
 ) -> tuple[dict[str, float], dict[str, float]]:
     """Medians of the phases (ms) and of the floor's parts over `runs` fresh prompts.
+    `plain_prefill` also sends another fresh prompt per run to the plain instance shaped like
+    the prefill leg (non-streamed, 1 token) and adds the median of its answer time as a row.
 
     Both targets are reached through persistent clients (one keep-alive connection each), so
     neither TTFT carries the client's connection set-up. `fresh_ab` also sends, interleaved,
@@ -273,6 +314,11 @@ def measure(
                 other = [rng.randrange(8, VOCAB) for _ in range(prompt_tokens)]
                 f_ttft, _ = timed_stream(stack.gateway, stack.model, other, 4)
                 f_single, _ = timed_stream(stack.single, stack.model, other, 8)
+            if plain_prefill:
+                other = [rng.randrange(8, VOCAB) for _ in range(prompt_tokens)]
+                fresh["plain prefill-shaped"].append(
+                    timed_answer(stack.single, stack.model, other, to_single)
+                )
             if i == 0:
                 continue
             for k, v in breakdown([s for s in spans if s.trace_id == trace_id], ttft).items():
@@ -288,6 +334,8 @@ def measure(
         "KV transfer": med["KV transfer (kv_pull)"],
         "one decode step (single ITL)": statistics.median(single_step),
     }
+    if plain_prefill:
+        med[PLAIN_PREFILL] = statistics.median(fresh["plain prefill-shaped"][1:])
     if fresh_ab:
         f_ttft, f_single = (statistics.median(fresh[k]) for k in ("client TTFT", "prefill alone"))
         f_floor = f_single + floor["KV transfer"] + floor["one decode step (single ITL)"]
@@ -339,6 +387,11 @@ def main() -> None:
         help="also measure with a new client connection per request (A/B of the client)",
     )
     parser.add_argument(
+        "--plain-prefill",
+        action="store_true",
+        help="also time a prefill-shaped request (non-streamed, 1 token) on the plain instance",
+    )
+    parser.add_argument(
         "--ab",
         choices=sorted(VARIANTS),
         help="A/B: run the stack once per variant in this run (the default first), the same "
@@ -356,7 +409,9 @@ def main() -> None:
         with running_stack(logs, max_model_len, True, v.connector_extra, v.env) as stack:
             print(f"stack ready{' (' + v.label + ')' if v.label else ''} (logs {logs})", flush=True)
             for n in args.prompt_tokens:
-                results[n] = measure(stack, n, args.runs, rng, args.fresh_ab, push)
+                results[n] = measure(
+                    stack, n, args.runs, rng, args.fresh_ab, push, args.plain_prefill
+                )
         measured.append((v, results, _load_sources(logs)))
         _report(args, results, v.label, measured[-1][2] if push else "")
     if len(measured) > 1:
@@ -393,6 +448,8 @@ def _report(args: argparse.Namespace, results: Results, label: str, sources: str
     ratios = {n: results[n][0]["client TTFT"] / floors[n] for n in sizes}
     label = "G3.5 ratio TTFT / floor (goal <= 1.2)"
     print(f"{label:<44}" + "".join(_fmt(ratios[n], ".2f") for n in sizes))
+    if args.plain_prefill:
+        print(f"{PLAIN_PREFILL:<44}" + "".join(_fmt(results[n][0][PLAIN_PREFILL]) for n in sizes))
     if sources:
         print(f"decode's KV loads: {sources}")
     if args.fresh_ab:
@@ -409,17 +466,18 @@ def _summary(sizes: list[int], measured: list[tuple[Variant, Results, str]]) -> 
     its ratio against its own parts follows in brackets."""
     base = measured[0][1]
     print("\nsummary: client TTFT ms / G3.5 ratio (floor with the pull stack's KV transfer)")
-    print(f"{'variant':<44}" + "".join(f"{n:>18}" for n in sizes))
+    print(f"{'variant':<44}" + "".join(f"{n:>22}" for n in sizes))
     for v, results, _ in measured:
         cells = []
         for n in sizes:
             med, parts = results[n]
             own = sum(parts.values())
-            floor = own - parts["KV transfer"] + base[n][1]["KV transfer"]
-            cell = f"{med['client TTFT']:.1f} / {med['client TTFT'] / floor:.2f}"
-            if abs(floor - own) > 1e-9:
+            cell = f"{med['client TTFT']:.1f} / {med['client TTFT'] / own:.2f}"
+            if v.connector_extra.get("mode") == "push":
+                floor = own - parts["KV transfer"] + base[n][1]["KV transfer"]
+                cell = f"{med['client TTFT']:.1f} / {med['client TTFT'] / floor:.2f}"
                 cell += f" ({med['client TTFT'] / own:.2f})"
-            cells.append(f"{cell:>18}")
+            cells.append(f" {cell:>21}")
         print(f"{v.label:<44}" + "".join(cells))
 
 

@@ -27,6 +27,7 @@ from pydantic_settings import CliPositionalArg
 from pdplane.core import fleet_credentials, grpc_util
 from pdplane.core.settings import CommandSettings
 from pdplane.core.token_file import token_file_field
+from pdplane.v1 import registry_pb2, registry_pb2_grpc
 
 __all__ = ["GrpcSettings", "main"]
 
@@ -43,7 +44,8 @@ class GrpcSettings(CommandSettings):
     token: str | None = Field(
         None,
         description="bearer token sent as call metadata (default: the local `pdplane up` "
-        "fleet's shared token, if ADDRESS is its registry, scheduler or a KvTransfer endpoint)",
+        "fleet's shared token, if ADDRESS is its registry, scheduler or an instance's KvTransfer "
+        "endpoint)",
     )
     token_file: str | None = token_file_field("--token")
     tls_ca: str | None = Field(None, description="CA certificate (PEM) to verify server TLS")
@@ -76,6 +78,29 @@ def _call(channel: grpc.Channel, s: GrpcSettings) -> None:
         print(json.dumps(json_format.MessageToDict(reply), indent=2), flush=True)
 
 
+#: Deadline of the registry lookup of a joined instance's KvTransfer endpoint (s).
+_LOOKUP_TIMEOUT_S = 2.0
+
+
+def _joined_instance_token(address: str) -> str | None:
+    """The local fleet's shared token when `address` is the KvTransfer endpoint of an instance
+    registered with the fleet's registry but absent from its credentials file (one that joined
+    later, e.g. `pdplane vllm`); None otherwise, also when the registry does not answer."""
+    creds = fleet_credentials.local()
+    if creds is None:
+        return None
+    request = registry_pb2.ListInstancesRequest()
+    metadata = grpc_util.token_metadata(creds.token)
+    try:
+        with grpc_util.channel(creds.registry) as channel:
+            stub = registry_pb2_grpc.RegistryStub(channel)
+            reply = stub.ListInstances(request, timeout=_LOOKUP_TIMEOUT_S, metadata=metadata)
+    except grpc.RpcError:
+        return None
+    endpoints = {i.spec.kv_endpoint for i in reply.instances}
+    return creds.token if address in endpoints else None
+
+
 def main(argv: list[str]) -> int:
     """Runs `pdplane grpc ADDRESS list|SERVICE/METHOD [BODY] [flags]`."""
     s = GrpcSettings.parse(argv, prog="pdplane grpc")
@@ -85,7 +110,7 @@ def main(argv: list[str]) -> int:
         )
         return 2
     # Nothing to type for the local `pdplane up` fleet's services: its token is in its file.
-    s.token = fleet_credentials.token_for(s.address, s.token)
+    s.token = fleet_credentials.token_for(s.address, s.token) or _joined_instance_token(s.address)
     with grpc_util.channel(s.address, s.tls_ca) as channel:
         try:
             if s.method == "list":

@@ -29,6 +29,7 @@ __all__ = [
     "for_address",
     "for_registry",
     "generate",
+    "local",
     "remove",
     "token_for",
     "write",
@@ -87,6 +88,12 @@ def _read(path: Path) -> FleetCredentials | None:
         )
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
+
+
+def local(path: Path | None = None) -> FleetCredentials | None:
+    """The local fleet's credentials (`path`, default `credentials_path()`); None when there is
+    no readable file."""
+    return _read(path or credentials_path())
 
 
 def _addresses(address: str) -> set[str]:

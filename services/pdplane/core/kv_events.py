@@ -36,6 +36,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from pdplane.core.kv_columns import ColumnStore, encode_batch
 from pdplane.core.prefix_hash import HASH_VERSION, block_hashes
 from pdplane.v1 import kv_events_pb2
 
@@ -120,7 +121,8 @@ class KvEventLog:
         self._own_hashes = own_hashes
         self._lock = threading.Lock()
         self._head = 0  # last assigned sequence
-        self._ring: deque[tuple[kv_events_pb2.KvEvent, int]] = deque()  # (event, blocks)
+        # (event, blocks, its columnar form if it has one: kv_columns.encode_batch)
+        self._ring: deque[tuple[kv_events_pb2.KvEvent, int, ColumnStore | None]] = deque()
         self._ring_blocks = 0
         self._blocks: dict[tuple[str, int], _Block] = {}
         self._listeners: dict[int, Callable[[], None]] = {}
@@ -191,6 +193,12 @@ class KvEventLog:
             msg.hash_version = HASH_VERSION
         raw = tokens.tobytes()
         step = block_size * tokens.itemsize
+        col = None  # the common single-block store (kv_columns): one block, a parent, our
+        # own hash, no LoRA, no extra keys
+        common = parent is not None and own is not None and lora_id is None and not name
+        if n == 1 and common and not extras:
+            assert parent is not None and own is not None
+            col = ColumnStore(hashes[0], parent, own[0], raw, block_size, med, HASH_VERSION)
         with self._lock:
             prev = parent
             for i, h in enumerate(hashes):
@@ -204,7 +212,7 @@ class KvEventLog:
                     own[i] if own is not None else None,
                 )
                 prev = h
-            seq = self._append_locked(kv_events_pb2.KvEvent(stored=msg), n)
+            seq = self._append_locked(kv_events_pb2.KvEvent(stored=msg), n, col)
         self._notify()
         return seq
 
@@ -261,15 +269,17 @@ class KvEventLog:
         self.closed = True
         self._notify()
 
-    def _append_locked(self, event: kv_events_pb2.KvEvent, blocks: int) -> int:
+    def _append_locked(
+        self, event: kv_events_pb2.KvEvent, blocks: int, col: ColumnStore | None = None
+    ) -> int:
         self._head += 1
         event.sequence = self._head
-        self._ring.append((event, blocks))
+        self._ring.append((event, blocks, col))
         self._ring_blocks += blocks
         while self._ring and (
             len(self._ring) > self._replay_events or self._ring_blocks > self._replay_blocks
         ):
-            _, dropped = self._ring.popleft()
+            _, dropped, _ = self._ring.popleft()
             self._ring_blocks -= dropped
         return self._head
 
@@ -289,6 +299,13 @@ class KvEventLog:
         """Up to `max_events` events from `from_sequence` on (the ring's own objects: do not
         mutate); [] when there are none yet; None when the log cannot replay from there (fell
         out of the ring, or a sequence the log never assigned): the caller needs a snapshot."""
+        entries = self.read_entries(from_sequence, max_events)
+        return None if entries is None else [e for e, _ in entries]
+
+    def read_entries(
+        self, from_sequence: int, max_events: int
+    ) -> list[tuple[kv_events_pb2.KvEvent, ColumnStore | None]] | None:
+        """`read`, each event with its columnar form (`kv_columns.ColumnStore`) or None."""
         with self._lock:
             head = self._head
             if from_sequence > head + 1 or from_sequence <= 0:
@@ -299,8 +316,9 @@ class KvEventLog:
             if from_sequence < oldest:
                 return None
             start = from_sequence - oldest
+            ring = self._ring
             return [
-                self._ring[i][0] for i in range(start, min(start + max_events, len(self._ring)))
+                (ring[i][0], ring[i][2]) for i in range(start, min(start + max_events, len(ring)))
             ]
 
     def snapshot(self) -> tuple[int, list[tuple[str, int, _Block]]]:
@@ -398,6 +416,9 @@ class SubscriptionCursor:
         log: the engine's log.
         epoch / from_sequence: what the subscriber asked for (`SubscribeKvEventsRequest`).
         batch_events: most events per message.
+        columnar: the subscriber reads `KvEventBatch.stored_columns`
+            (`SubscribeKvEventsRequest.columnar_stores`): the common single-block stores go
+            there (`kv_columns.encode_batch`).
         chunk_tokens: a snapshot chunk is closed once it holds this many tokens (bounds the
             message size: about 3 bytes per token id plus per-block overhead).
     """
@@ -410,9 +431,11 @@ class SubscriptionCursor:
         *,
         batch_events: int = 256,
         chunk_tokens: int = 262_144,
+        columnar: bool = False,
     ) -> None:
         self._log = log
         self._batch = batch_events
+        self._columnar = columnar
         self._chunk_tokens = chunk_tokens
         self._next = from_sequence if epoch == log.epoch else 0
         self._snapshot: Iterator[kv_events_pb2.KvEventsMessage] | None = None
@@ -424,18 +447,19 @@ class SubscriptionCursor:
             if msg is not None:
                 return msg
             self._snapshot = None
-        events = self._log.read(self._next, self._batch) if self._next else None
-        if events is None:
+        entries = self._log.read_entries(self._next, self._batch) if self._next else None
+        if entries is None:
             self._start_snapshot()
             return self.next_message()
-        if not events:
+        if not entries:
             return None
-        self._next = events[-1].sequence + 1
+        last = entries[-1][0].sequence
+        self._next = last + 1
         return kv_events_pb2.KvEventsMessage(
             epoch=self._log.epoch,
-            sequence=events[-1].sequence,
+            sequence=last,
             head_sequence=self._log.head,
-            events=kv_events_pb2.KvEventBatch(events=events),
+            events=encode_batch(entries, self._columnar),
         )
 
     @property

@@ -95,6 +95,7 @@ def _cursor(
         request.from_sequence,
         batch_events=opts.batch_events,
         chunk_tokens=opts.chunk_tokens,
+        columnar=request.columnar_stores,
     )
 
 

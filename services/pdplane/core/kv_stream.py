@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
+from pdplane.core.kv_columns import batch_span, column_arrays
 from pdplane.v1 import kv_events_pb2
 
 __all__ = ["KvEventSink", "KvStreamReader", "StreamGap"]
@@ -40,6 +41,10 @@ class KvEventSink(Protocol):
     def apply_events(self, events: Sequence[kv_events_pb2.KvEvent]) -> None:
         """Consecutive live events (one `KvEventBatch`), in sequence order: the same state as
         `apply` of each in turn."""
+
+    def apply_batch(self, batch: kv_events_pb2.KvEventBatch) -> None:
+        """A `KvEventBatch` with `stored_columns` (its sequences checked): the same state as
+        `apply_events(kv_columns.expand_batch(batch))`."""
 
 
 class KvStreamReader:
@@ -72,16 +77,18 @@ class KvStreamReader:
         self, subscriber: str = "", min_interval_ms: int = 0
     ) -> kv_events_pb2.SubscribeKvEventsRequest:
         """The request that resumes this state (or asks for a snapshot); `min_interval_ms`:
-        at most one events message per this many ms (the server batches; 0 = unbatched)."""
+        at most one events message per this many ms (the server batches; 0 = unbatched).
+        It asks for columnar stores (the sink's `apply_batch`)."""
         if not self.synced:
             return kv_events_pb2.SubscribeKvEventsRequest(
-                subscriber=subscriber, min_interval_ms=min_interval_ms
+                subscriber=subscriber, min_interval_ms=min_interval_ms, columnar_stores=True
             )
         return kv_events_pb2.SubscribeKvEventsRequest(
             epoch=self.epoch,
             from_sequence=self.next_sequence,
             subscriber=subscriber,
             min_interval_ms=min_interval_ms,
+            columnar_stores=True,
         )
 
     def reset(self) -> None:
@@ -128,22 +135,27 @@ class KvStreamReader:
             self.next_sequence = msg.sequence + 1
 
     def _feed_events(self, msg: kv_events_pb2.KvEventsMessage) -> None:
-        events = msg.events.events
+        batch = msg.events
+        events = batch.events
         if not self.synced or self._snap_index >= 0:
             self._gap("events before a snapshot")
         if msg.epoch != self.epoch:
             self._gap(f"events of epoch {msg.epoch}, state of epoch {self.epoch}")
-        if not events:
+        columnar = batch.HasField("stored_columns") and batch.stored_columns.count > 0
+        try:
+            sequences = column_arrays(batch.stored_columns)[0] if columnar else ()
+            first, n = batch_span(batch, sequences)
+        except ValueError as exc:
+            self._gap(str(exc))
+        if not n:
             return
-        first = events[0].sequence
         if first != self.next_sequence:
             self._gap(f"expected sequence {self.next_sequence}, got {first}")
-        n = len(events)
-        if n > 1 and [e.sequence for e in events] != list(range(first, first + n)):
-            bad = next(i for i, e in enumerate(events) if e.sequence != first + i)
-            self._gap(f"expected sequence {first + bad}, got {events[bad].sequence}")
         try:
-            self.sink.apply_events(events)
+            if columnar:
+                self.sink.apply_batch(batch)
+            else:
+                self.sink.apply_events(events)
         except Exception:
             self.reset()  # applied in part: the state is not exact, ask for a snapshot
             raise

@@ -11,38 +11,52 @@ status 1).
 
 from __future__ import annotations
 
+import errno
 import socket
 import sys
 from collections.abc import Iterable
 
-__all__ = ["port_taken", "refuse_taken", "taken_message"]
+__all__ = ["bind_error", "port_taken", "refuse_taken", "taken_message"]
 
 
-def port_taken(host: str, port: int) -> bool:
-    """True when `host`:`port` (TCP) cannot be bound now (in use, or not this machine's)."""
+def bind_error(host: str, port: int) -> OSError | None:
+    """Why `host`:`port` (TCP) cannot be bound now (errno EADDRINUSE: another process listens
+    there; EADDRNOTAVAIL: `host` is not this machine's; EACCES: a privileged port), or None."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
-        except OSError:
-            return True
-    return False
+        except OSError as exc:
+            return exc
+    return None
+
+
+def port_taken(host: str, port: int) -> bool:
+    """True when `host`:`port` (TCP) cannot be bound now (in use, or not this machine's)."""
+    return bind_error(host, port) is not None
 
 
 def taken_message(prog: str, host: str, wanted: Iterable[tuple[int, str]]) -> str | None:
-    """One line naming every taken port of `wanted` ((port, flag) pairs; port 0, "any free
-    port", is never taken) on `host`, or None when all are free."""
-    taken = [(port, flag) for port, flag in wanted if port and port_taken(host, port)]
-    if not taken:
+    """One line naming every port of `wanted` ((port, flag) pairs; port 0, "any free port", is
+    never checked) that cannot be bound on `host`, and why; None when all can."""
+    failed = [
+        (port, flag, err) for port, flag in wanted if port and (err := bind_error(host, port))
+    ]
+    if not failed:
         return None
     shown = f"[{host}]" if ":" in host else host
-    listed = ", ".join(f"{shown}:{port} ({flag})" for port, flag in taken)
-    flags = ", ".join(dict.fromkeys(flag.split(" ")[0] for _, flag in taken))
-    return (
-        f"{prog}: address already in use: {listed}; stop the process listening there or "
-        f"choose another port ({flags})"
+    flags = ", ".join(dict.fromkeys(flag for _, flag, _ in failed))
+    if all(err.errno == errno.EADDRINUSE for _, _, err in failed):
+        listed = ", ".join(f"{shown}:{port} ({flag})" for port, flag, _ in failed)
+        return (
+            f"{prog}: address already in use: {listed}; stop the process listening there or "
+            f"choose another port ({flags})"
+        )
+    listed = ", ".join(
+        f"{shown}:{port} ({flag}): {err.strerror or err}" for port, flag, err in failed
     )
+    return f"{prog}: cannot listen on {listed}; check --host and {flags}"
 
 
 def refuse_taken(prog: str, host: str, wanted: Iterable[tuple[int, str]]) -> bool:

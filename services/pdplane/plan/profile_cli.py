@@ -5,14 +5,14 @@
                     [--max-num-seqs N --max-num-batched-tokens N] [--name NAME]
 
 A short sweep through the instance's OpenAI API (`pdplane.plan.sweep`: cells of B concurrent
-streamed requests x L-token prompts x O outputs; TTFT grows with prompt tokens and batch, ITL
-with the decode batch and its context), then the cost model fitted to it
-(`pdplane.plan.fit`: the engine model itself run on the same cells, Nelder-Mead on the log
-errors). Capacity comes from the instance: `vllm:cache_config_info` in `/metrics`
-(`num_gpu_blocks`, `block_size`) and `max_model_len` from `/v1/models`; what the API does not
-say (`--max-num-seqs`, `--max-num-batched-tokens`, the KV layout) is taken from `--base` or the
-flags. The file is the simulator's profile format (`pdplane sim --profile FILE`,
-`pdplane plan --profile FILE`). Exit codes: 0 written, 1 the instance failed, 2 bad flags.
+streamed requests x L-token prompts x O outputs; TTFT grows with prompt tokens and batch, ITL with
+the decode batch and its context), then the cost model fitted to it (`pdplane.plan.fit`: the engine
+model itself run on the same cells, Nelder-Mead on the log errors; a burst cell's TTFT is left out
+of the fit, its ITL kept). Capacity comes from the instance: `vllm:cache_config_info` in `/metrics`
+(`num_gpu_blocks`, `block_size`) and `max_model_len` from `/v1/models`; what the API does not say
+(`--max-num-seqs`, `--max-num-batched-tokens`, the KV layout) is taken from `--base` or the flags.
+The file is the simulator's profile format (`pdplane sim --profile FILE`, `pdplane plan --profile
+FILE`). Exit codes: 0 written, 1 the instance failed, 2 bad flags.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pydantic import Field
 
 from pdplane.core.settings import CommandSettings
-from pdplane.plan.fit import fit_cost, predict
+from pdplane.plan.fit import fit_cost, predict, unbatched_ttft_weight
 from pdplane.plan.sweep import Cell, CellResult, measure_cells
 from pdplane.sim.profiles import Profile, load_profile
 
@@ -101,7 +101,8 @@ def _capacity(s: ProfileSettings, base: Profile, info: dict[str, Any]) -> Profil
 def measure_profile(
     url: str, model: str, base: Profile, cells: list[Cell], *, repeats: int = 2
 ) -> tuple[Profile, list[CellResult], float]:
-    """Sweeps `cells` on the instance and fits `base`'s cost model to them.
+    """Sweeps `cells` on the instance and fits `base`'s cost model to them (TTFT from the cells
+    without a burst of arrivals, ITL from all: `pdplane.plan.fit.unbatched_ttft_weight`).
 
     Returns (fitted profile, measured cells, fit score). Raises RuntimeError when a cell got no
     answer at all.
@@ -110,7 +111,7 @@ def measure_profile(
     bad = [r.cell.name for r in real if not r.ttft_s]
     if bad:
         raise RuntimeError(f"no answer in cells {', '.join(bad)}")
-    cost, score = fit_cost(base, real)
+    cost, score = fit_cost(base, real, ttft_weight=unbatched_ttft_weight)
     return dataclasses.replace(base, cost=cost), real, score
 
 

@@ -24,31 +24,33 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apdplane/v1/kv_events.proto\x12\npdplane.v1\"m\n\x18SubscribeKvEventsRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x15\n\rfrom_sequence\x18\x02 \x01(\x04\x12\x12\n\nsubscriber\x18\x03 \x01(\t\x12\x17\n\x0fmin_interval_ms\x18\x04 \x01(\r\"\xdc\x01\n\x0fKvEventsMessage\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x10\n\x08sequence\x18\x02 \x01(\x04\x12\x15\n\rhead_sequence\x18\x03 \x01(\x04\x12*\n\x06\x65vents\x18\x04 \x01(\x0b\x32\x18.pdplane.v1.KvEventBatchH\x00\x12/\n\x08snapshot\x18\x05 \x01(\x0b\x32\x1b.pdplane.v1.KvSnapshotChunkH\x00\x12,\n\theartbeat\x18\x06 \x01(\x0b\x32\x17.pdplane.v1.KvHeartbeatH\x00\x42\x06\n\x04\x62ody\"3\n\x0cKvEventBatch\x12#\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x13.pdplane.v1.KvEvent\"\xad\x01\n\x07KvEvent\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12)\n\x06stored\x18\x02 \x01(\x0b\x32\x17.pdplane.v1.BlockStoredH\x00\x12+\n\x07removed\x18\x03 \x01(\x0b\x32\x18.pdplane.v1.BlockRemovedH\x00\x12/\n\x07\x63leared\x18\x04 \x01(\x0b\x32\x1c.pdplane.v1.AllBlocksClearedH\x00\x42\x07\n\x05\x65vent\"\x83\x02\n\x0b\x42lockStored\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x04\x12\x1e\n\x11parent_block_hash\x18\x02 \x01(\x04H\x00\x88\x01\x01\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x14\n\x07lora_id\x18\x05 \x01(\x03H\x01\x88\x01\x01\x12\x11\n\tlora_name\x18\x06 \x01(\t\x12\x12\n\nextra_keys\x18\x07 \x03(\t\x12\x0e\n\x06medium\x18\x08 \x01(\t\x12\x12\n\nown_hashes\x18\t \x03(\x04\x12\x14\n\x0chash_version\x18\n \x01(\rB\x14\n\x12_parent_block_hashB\n\n\x08_lora_id\"4\n\x0c\x42lockRemoved\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x04\x12\x0e\n\x06medium\x18\x02 \x01(\t\"\x12\n\x10\x41llBlocksCleared\"m\n\x0fKvSnapshotChunk\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04last\x18\x02 \x01(\x08\x12\x14\n\x0ctotal_blocks\x18\x03 \x01(\x04\x12\'\n\x06\x62locks\x18\x04 \x03(\x0b\x32\x17.pdplane.v1.BlockStored\"\r\n\x0bKvHeartbeat2\\\n\x08KvEvents\x12P\n\tSubscribe\x12$.pdplane.v1.SubscribeKvEventsRequest\x1a\x1b.pdplane.v1.KvEventsMessage0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apdplane/v1/kv_events.proto\x12\npdplane.v1\"\x86\x01\n\x18SubscribeKvEventsRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x15\n\rfrom_sequence\x18\x02 \x01(\x04\x12\x12\n\nsubscriber\x18\x03 \x01(\t\x12\x17\n\x0fmin_interval_ms\x18\x04 \x01(\r\x12\x17\n\x0f\x63olumnar_stores\x18\x05 \x01(\x08\"\xdc\x01\n\x0fKvEventsMessage\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12\x10\n\x08sequence\x18\x02 \x01(\x04\x12\x15\n\rhead_sequence\x18\x03 \x01(\x04\x12*\n\x06\x65vents\x18\x04 \x01(\x0b\x32\x18.pdplane.v1.KvEventBatchH\x00\x12/\n\x08snapshot\x18\x05 \x01(\x0b\x32\x1b.pdplane.v1.KvSnapshotChunkH\x00\x12,\n\theartbeat\x18\x06 \x01(\x0b\x32\x17.pdplane.v1.KvHeartbeatH\x00\x42\x06\n\x04\x62ody\"k\n\x0cKvEventBatch\x12#\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x13.pdplane.v1.KvEvent\x12\x36\n\x0estored_columns\x18\x02 \x01(\x0b\x32\x1e.pdplane.v1.BlockStoredColumns\"\xca\x01\n\x12\x42lockStoredColumns\x12\r\n\x05\x63ount\x18\x01 \x01(\r\x12\x11\n\tsequences\x18\x02 \x01(\x0c\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x01(\x0c\x12\x1b\n\x13parent_block_hashes\x18\x04 \x01(\x0c\x12\x12\n\nown_hashes\x18\x05 \x01(\x0c\x12\x11\n\ttoken_ids\x18\x06 \x01(\x0c\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\x0e\n\x06medium\x18\x08 \x01(\t\x12\x14\n\x0chash_version\x18\t \x01(\r\"\xad\x01\n\x07KvEvent\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12)\n\x06stored\x18\x02 \x01(\x0b\x32\x17.pdplane.v1.BlockStoredH\x00\x12+\n\x07removed\x18\x03 \x01(\x0b\x32\x18.pdplane.v1.BlockRemovedH\x00\x12/\n\x07\x63leared\x18\x04 \x01(\x0b\x32\x1c.pdplane.v1.AllBlocksClearedH\x00\x42\x07\n\x05\x65vent\"\x83\x02\n\x0b\x42lockStored\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x04\x12\x1e\n\x11parent_block_hash\x18\x02 \x01(\x04H\x00\x88\x01\x01\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x14\n\x07lora_id\x18\x05 \x01(\x03H\x01\x88\x01\x01\x12\x11\n\tlora_name\x18\x06 \x01(\t\x12\x12\n\nextra_keys\x18\x07 \x03(\t\x12\x0e\n\x06medium\x18\x08 \x01(\t\x12\x12\n\nown_hashes\x18\t \x03(\x04\x12\x14\n\x0chash_version\x18\n \x01(\rB\x14\n\x12_parent_block_hashB\n\n\x08_lora_id\"4\n\x0c\x42lockRemoved\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x04\x12\x0e\n\x06medium\x18\x02 \x01(\t\"\x12\n\x10\x41llBlocksCleared\"m\n\x0fKvSnapshotChunk\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04last\x18\x02 \x01(\x08\x12\x14\n\x0ctotal_blocks\x18\x03 \x01(\x04\x12\'\n\x06\x62locks\x18\x04 \x03(\x0b\x32\x17.pdplane.v1.BlockStored\"\r\n\x0bKvHeartbeat2\\\n\x08KvEvents\x12P\n\tSubscribe\x12$.pdplane.v1.SubscribeKvEventsRequest\x1a\x1b.pdplane.v1.KvEventsMessage0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdplane.v1.kv_events_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SUBSCRIBEKVEVENTSREQUEST']._serialized_start=42
-  _globals['_SUBSCRIBEKVEVENTSREQUEST']._serialized_end=151
-  _globals['_KVEVENTSMESSAGE']._serialized_start=154
-  _globals['_KVEVENTSMESSAGE']._serialized_end=374
-  _globals['_KVEVENTBATCH']._serialized_start=376
-  _globals['_KVEVENTBATCH']._serialized_end=427
-  _globals['_KVEVENT']._serialized_start=430
-  _globals['_KVEVENT']._serialized_end=603
-  _globals['_BLOCKSTORED']._serialized_start=606
-  _globals['_BLOCKSTORED']._serialized_end=865
-  _globals['_BLOCKREMOVED']._serialized_start=867
-  _globals['_BLOCKREMOVED']._serialized_end=919
-  _globals['_ALLBLOCKSCLEARED']._serialized_start=921
-  _globals['_ALLBLOCKSCLEARED']._serialized_end=939
-  _globals['_KVSNAPSHOTCHUNK']._serialized_start=941
-  _globals['_KVSNAPSHOTCHUNK']._serialized_end=1050
-  _globals['_KVHEARTBEAT']._serialized_start=1052
-  _globals['_KVHEARTBEAT']._serialized_end=1065
-  _globals['_KVEVENTS']._serialized_start=1067
-  _globals['_KVEVENTS']._serialized_end=1159
+  _globals['_SUBSCRIBEKVEVENTSREQUEST']._serialized_start=43
+  _globals['_SUBSCRIBEKVEVENTSREQUEST']._serialized_end=177
+  _globals['_KVEVENTSMESSAGE']._serialized_start=180
+  _globals['_KVEVENTSMESSAGE']._serialized_end=400
+  _globals['_KVEVENTBATCH']._serialized_start=402
+  _globals['_KVEVENTBATCH']._serialized_end=509
+  _globals['_BLOCKSTOREDCOLUMNS']._serialized_start=512
+  _globals['_BLOCKSTOREDCOLUMNS']._serialized_end=714
+  _globals['_KVEVENT']._serialized_start=717
+  _globals['_KVEVENT']._serialized_end=890
+  _globals['_BLOCKSTORED']._serialized_start=893
+  _globals['_BLOCKSTORED']._serialized_end=1152
+  _globals['_BLOCKREMOVED']._serialized_start=1154
+  _globals['_BLOCKREMOVED']._serialized_end=1206
+  _globals['_ALLBLOCKSCLEARED']._serialized_start=1208
+  _globals['_ALLBLOCKSCLEARED']._serialized_end=1226
+  _globals['_KVSNAPSHOTCHUNK']._serialized_start=1228
+  _globals['_KVSNAPSHOTCHUNK']._serialized_end=1337
+  _globals['_KVHEARTBEAT']._serialized_start=1339
+  _globals['_KVHEARTBEAT']._serialized_end=1352
+  _globals['_KVEVENTS']._serialized_start=1354
+  _globals['_KVEVENTS']._serialized_end=1446
 # @@protoc_insertion_point(module_scope)

@@ -84,3 +84,13 @@ def test_gateway_on_a_taken_inflight_port(taken: int) -> None:
     argv = ["gateway", "--registry", _NO_REGISTRY, "--scheduler", "embedded", "--port", "0"]
     result = _run(*argv, "--inflight-port", str(taken))
     _assert_refused(result, "pdplane gateway", f"127.0.0.1:{taken}", "--inflight-port")
+
+
+def test_a_host_that_is_not_this_machine_s_is_named_with_its_reason() -> None:
+    # 192.0.2.1 (TEST-NET-1, RFC 5737) is assigned to no interface here.
+    result = _run("sim", "--host", "192.0.2.1", "--port", "8100", "--registry-token", "t")
+    out = result.stdout + result.stderr
+    assert result.returncode == 2 and "Traceback" not in out, out
+    line = result.stderr.strip()
+    assert line.startswith("pdplane sim: cannot listen on 192.0.2.1:8100 (--port): "), out
+    assert "already in use" not in line and "check --host" in line, out

@@ -25,6 +25,7 @@ from pdplane.core import fleet_credentials, grpc_util
 from pdplane.launch.fleet import Fleet, FleetSpec
 from pdplane.launch.ports import free_port_run
 from pdplane.registry.client import RegistrationClient
+from pdplane.sim.testing import running_sims
 from pdplane.v1 import instance_pb2, registry_pb2, registry_pb2_grpc
 from tests.integration.registry.fixtures import make_spec
 
@@ -181,3 +182,49 @@ def test_a_credentials_file_without_services_still_reaches_the_registry(
     path.write_text(json.dumps(data))
     assert fleet_credentials.token_for(running.registry_address, None) == creds.token
     assert fleet_credentials.token_for(running.scheduler_address, None) is None
+
+
+def test_grpc_reaches_a_joined_instance_s_kv_server_with_the_fleet_token(
+    fleet: tuple[Fleet, fleet_credentials.FleetCredentials],
+) -> None:
+    # An instance that joined after the file was written (as `pdplane vllm` does): its
+    # KvTransfer endpoint is known from the registry only.
+    running, creds = fleet
+    with running_sims(
+        ["decode"],
+        registry=running.registry_address,
+        registry_token=creds.token,
+        kv_token=creds.token,
+    ) as sims:
+        endpoint = sims[0].kv_endpoint
+        assert endpoint not in creds.services
+        _wait_registered(running.registry_address, creds.token, endpoint)
+        body = '{"transfer_id": "no-such-transfer"}'
+        called = _pdplane("grpc", endpoint, "pdplane.v1.KvTransfer/AbortTransfer", body)
+        assert "UNAUTHENTICATED" not in called.stderr, called.stderr
+        assert called.returncode == 0, called.stderr
+    # A server the registry does not list gets no token, even one that would accept it.
+    with running_sims(["decode"], kv_token=creds.token) as stranger:
+        body = '{"transfer_id": "no-such-transfer"}'
+        endpoint = stranger[0].kv_endpoint
+        called = _pdplane("grpc", endpoint, "pdplane.v1.KvTransfer/AbortTransfer", body)
+        assert called.returncode == 1 and "UNAUTHENTICATED" in called.stderr, called.stderr
+
+
+def _wait_registered(registry: str, token: str, kv_endpoint: str, timeout_s: float = 10) -> None:
+    """Blocks until the registry lists an instance at `kv_endpoint` (a watch, no polling)."""
+    request = registry_pb2.WatchInstancesRequest()
+    with grpc_util.channel(registry) as chan:
+        stub = registry_pb2_grpc.RegistryStub(chan)
+        metadata = grpc_util.token_metadata(token)
+        for event in stub.WatchInstances(request, timeout=timeout_s, metadata=metadata):
+            if any(i.spec.kv_endpoint == kv_endpoint for i in _instances(event)):
+                return
+    raise AssertionError(f"{kv_endpoint} never registered")
+
+
+def _instances(event: registry_pb2.WatchEvent) -> list[instance_pb2.Instance]:
+    if event.type == registry_pb2.WatchEvent.SNAPSHOT:
+        return list(event.instances)
+    added = (registry_pb2.WatchEvent.ADDED, registry_pb2.WatchEvent.UPDATED)
+    return [event.instance] if event.type in added else []

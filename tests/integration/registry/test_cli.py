@@ -159,6 +159,10 @@ def test_registry_command_rejects_bad_flags() -> None:
 
 
 def test_registry_command_reports_a_busy_port(registry: RegistryServer) -> None:
+    # Bad input, as for a bad flag: status 2 and one line naming the address and the flag.
     result = _pdplane("registry", "--port", str(registry.port))
-    assert result.returncode == 1
-    assert f"127.0.0.1:{registry.port}" in result.stderr
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        f"pdplane registry: address already in use: 127.0.0.1:{registry.port} (--port); "
+        "stop the process listening there or choose another port (--port)"
+    )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from pdplane.core.kv_columns import expand_batch
 from pdplane.v1 import kv_events_pb2
 
 Key = tuple[str, int]
@@ -45,6 +46,9 @@ class Replica:
     def apply_events(self, events: Sequence[kv_events_pb2.KvEvent]) -> None:
         for event in events:
             self.apply(event)
+
+    def apply_batch(self, batch: kv_events_pb2.KvEventBatch) -> None:
+        self.apply_events(expand_batch(batch))
 
     @staticmethod
     def _store(

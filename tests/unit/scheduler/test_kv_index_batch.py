@@ -1,12 +1,24 @@
-"""`InstanceBlocks.apply_events` (runs of like events merged into one table update) against
-`InstanceBlocks.apply` of each event in turn: the same entries, holders and `match` results."""
+"""`InstanceBlocks.apply_events` (runs of like events merged into one table update) and
+`apply_batch` (columnar stores, `KvEventBatch.stored_columns`) against `InstanceBlocks.apply`
+of each event in turn: the same entries, holders and `match` results."""
 
 from __future__ import annotations
 
+from array import array
+from collections.abc import Iterator
+
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pdplane.core.kv_columns import (
+    ColumnStore,
+    batch_span,
+    column_arrays,
+    encode_batch,
+    expand_batch,
+)
 from pdplane.core.prefix_hash import HASH_VERSION
 from pdplane.scheduler.kv_index import KvState, PrefixIndex
 from pdplane.v1 import kv_events_pb2
@@ -78,6 +90,21 @@ def _new_index(max_blocks: int) -> PrefixIndex:
     return index
 
 
+def _batches(
+    events: list[tuple[int, kv_events_pb2.KvEvent]], sizes: list[int]
+) -> Iterator[tuple[int, list[kv_events_pb2.KvEvent], int]]:
+    """(instance, events, batch number) of consecutive events of one instance, cut to the
+    drawn sizes (cycled)."""
+    i = k = 0
+    while i < len(events):
+        n = events[i][0]
+        j = i
+        while j < len(events) and j - i < sizes[k % len(sizes)] and events[j][0] == n:
+            j += 1
+        yield n, [e for _, e in events[i:j]], k
+        i, k = j, k + 1
+
+
 @settings(max_examples=300, deadline=None)
 @given(
     st.lists(st.tuples(st.sampled_from([0] * 5 + [1]), _event()), min_size=20, max_size=80),
@@ -93,17 +120,10 @@ def test_batched_apply_matches_one_by_one(
         inst = one_by_one.instance(f"i{n}")
         assert inst is not None
         inst.apply(event)
-    # Batches: consecutive events of one instance, cut to the drawn sizes.
-    i = k = 0
-    while i < len(events):
-        n = events[i][0]
-        j = i
-        while j < len(events) and j - i < sizes[k % len(sizes)] and events[j][0] == n:
-            j += 1
+    for n, part, _ in _batches(events, sizes):
         inst = batched.instance(f"i{n}")
         assert inst is not None
-        inst.apply_events([e for _, e in events[i:j]])
-        i, k = j, k + 1
+        inst.apply_events(part)
     assert _state(batched) == _state(one_by_one)
     prompts: list[list[int]] = []
     for _, event in events:
@@ -188,3 +208,98 @@ def test_a_run_of_single_block_stores_is_one_table_update() -> None:
     assert index.match([1001]) == {"i0": 1}
     assert index.match([1000]) == {}
     assert np.all(index.tables["GPU"].ids.items()[0] % 2 == 1)
+
+
+def _column_store(event: kv_events_pb2.KvEvent) -> ColumnStore | None:
+    """The columnar form of `event` if it has the common form (as `KvEventLog` builds it)."""
+    if event.WhichOneof("event") != "stored":
+        return None
+    msg = event.stored
+    if len(msg.block_hashes) != 1 or len(msg.own_hashes) != 1:
+        return None
+    if not msg.HasField("parent_block_hash") or msg.HasField("lora_id") or msg.extra_keys:
+        return None
+    return ColumnStore(
+        msg.block_hashes[0],
+        msg.parent_block_hash,
+        msg.own_hashes[0],
+        array("I", msg.token_ids).tobytes(),
+        msg.block_size,
+        msg.medium,
+        msg.hash_version,
+    )
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.tuples(st.sampled_from([0] * 5 + [1]), _event()), min_size=20, max_size=80),
+    st.lists(st.integers(1, 30), min_size=1, max_size=20),  # batch sizes, cycled
+    st.sampled_from([10_000, 10_000, 10_000, 8]),  # max_blocks: none, or one events reach
+    st.lists(st.booleans(), min_size=1, max_size=20),  # batches sent columnar, cycled
+)
+def test_columnar_batches_match_one_by_one(
+    events: list[tuple[int, kv_events_pb2.KvEvent]],
+    sizes: list[int],
+    max_blocks: int,
+    columnar: list[bool],
+) -> None:
+    """Batches as the source encodes them (`kv_columns.encode_batch`, columnar or not), through
+    the wire (serialized, parsed) and `InstanceBlocks.apply_batch`: the state of `apply` of
+    each event in turn."""
+    one_by_one = _new_index(max_blocks)
+    batched = _new_index(max_blocks)
+    for seq, (n, event) in enumerate(events, 1):
+        event.sequence = seq
+        inst = one_by_one.instance(f"i{n}")
+        assert inst is not None
+        inst.apply(event)
+    for n, part, k in _batches(events, sizes):
+        batch = encode_batch([(e, _column_store(e)) for e in part], columnar[k % len(columnar)])
+        wire = kv_events_pb2.KvEventBatch.FromString(batch.SerializeToString())
+        assert [e.sequence for e in expand_batch(wire)] == [e.sequence for e in part]
+        inst = batched.instance(f"i{n}")
+        assert inst is not None
+        inst.apply_batch(wire)
+    assert _state(batched) == _state(one_by_one)
+    for _, event in events:
+        if event.HasField("stored") and event.stored.own_hashes:
+            prompt = list(event.stored.own_hashes)
+            for medium in _MEDIA:
+                assert batched.match(prompt, medium=medium) == one_by_one.match(
+                    prompt, medium=medium
+                )
+
+
+def test_a_columnar_batch_interleaved_with_removals() -> None:
+    """Columnar stores with plain removals between them: each stretch of stores lands before
+    the removal that follows it in sequence order (a removed block is gone, a stored-again
+    one is back)."""
+    events = [_stored(100 + i, 1000 + i) for i in range(10)]
+    for e in events:
+        e.stored.parent_block_hash = 7
+    removal = kv_events_pb2.KvEvent(removed=kv_events_pb2.BlockRemoved(block_hashes=[103]))
+    seq = [*events[:5], removal, *events[5:], _stored(103, 1003)]
+    seq[-1].stored.parent_block_hash = 7
+    for s, e in enumerate(seq, 1):
+        e.sequence = s
+    batch = encode_batch([(e, _column_store(e)) for e in seq], True)
+    assert batch.stored_columns.count == 11 and len(batch.events) == 1
+    assert batch_span(batch, column_arrays(batch.stored_columns)[0]) == (1, 12)
+    index = _new_index(100)
+    inst = index.instance("i0")
+    assert inst is not None
+    inst.apply_batch(batch)
+    reference = _new_index(100)
+    for e in seq:
+        reference.instance("i0").apply(e)  # type: ignore[union-attr]
+    assert _state(index) == _state(reference)
+    assert index.entries == 10 and index.match([1003]) == {"i0": 1}
+
+
+def test_batch_span_refuses_gaps_and_repeats() -> None:
+    plain = kv_events_pb2.KvEvent(sequence=2, cleared=kv_events_pb2.AllBlocksCleared())
+    batch = kv_events_pb2.KvEventBatch(events=[plain])
+    assert batch_span(batch, array("Q", [1, 3])) == (1, 3)
+    for cols in ([1, 4], [2, 3], [3, 1], [1, 1, 3]):
+        with pytest.raises(ValueError):
+            batch_span(batch, array("Q", cols))

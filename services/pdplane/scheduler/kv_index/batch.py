@@ -17,6 +17,11 @@ What is merged (order is kept exactly; only consecutive events of one kind are m
 
 `cleared` events and `stored` events without own hashes (the index hashes their token ids,
 chained on their parent's own hash) end the run and take `InstanceBlocks`' own path.
+
+`apply_batch` takes a batch whose common single-block stores came as columns
+(`KvEventBatch.stored_columns`, `pdplane.core.kv_columns`): the columns are read as arrays in
+one copy each, and every stretch of column entries between two plain events (in sequence
+order) is one store run as above, without a protobuf read per event.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from typing import Protocol
 
 import numpy as np
 
+from pdplane.core.kv_columns import expand_batch
 from pdplane.core.kv_events import DEFAULT_MEDIUM
 from pdplane.core.prefix_hash import HASH_VERSION
 from pdplane.scheduler.kv_index.holders import HolderTable
@@ -33,7 +39,7 @@ from pdplane.scheduler.kv_index.kernels import store_conflicts
 from pdplane.scheduler.kv_index.u64map import U64Map
 from pdplane.v1 import kv_events_pb2
 
-__all__ = ["InstanceSink", "apply_events"]
+__all__ = ["InstanceSink", "apply_batch", "apply_events"]
 
 _NONE, _STORED, _REMOVED = 0, 1, 2
 
@@ -55,6 +61,8 @@ class InstanceSink(Protocol):
     def index(self) -> _Bound: ...
 
     def stored(self, msg: kv_events_pb2.BlockStored) -> None: ...
+
+    def stored_own(self, medium: str, engine_hashes: Sequence[int], own: Sequence[int]) -> None: ...
 
     def removed(self, engine_hashes: Sequence[int], medium: str = ...) -> None: ...
 
@@ -128,6 +136,70 @@ def apply_events(inst: InstanceSink, events: Iterable[kv_events_pb2.KvEvent]) ->
     flush()
 
 
+def apply_batch(inst: InstanceSink, batch: kv_events_pb2.KvEventBatch) -> None:
+    """Applies every event of `batch`, plain and columnar, in sequence order to `inst`: the
+    same state as `apply_events(inst, kv_columns.expand_batch(batch))` (the hypothesis test
+    in tests/unit/scheduler/test_kv_index_batch.py checks it). The batch's sequences must be
+    valid (`kv_columns.batch_span`: the stream reader checks them). Raises ValueError on a
+    column of the wrong length."""
+    events = batch.events
+    if not batch.HasField("stored_columns") or not batch.stored_columns.count:
+        apply_events(inst, events)
+        return
+    cols = batch.stored_columns
+    if cols.hash_version != HASH_VERSION:  # not our own hashes: the index hashes the tokens
+        apply_events(inst, expand_batch(batch))
+        return
+    n = cols.count
+    # Writable native copies (the tables' kernels take native uint64 arrays).
+    seq, eng, own = (
+        np.frombuffer(raw, "<u8").astype(np.uint64)
+        for raw in (cols.sequences, cols.block_hashes, cols.own_hashes)
+    )
+    if not len(seq) == len(eng) == len(own) == n:
+        raise ValueError(f"columns of {len(seq)}, {len(eng)}, {len(own)} entries for {n}")
+    medium = cols.medium or DEFAULT_MEDIUM
+    done = 0  # column entries applied
+    if events:
+        # cuts[i]: how many column entries come before events[i] in sequence order.
+        cuts = np.searchsorted(seq, [e.sequence for e in events]).tolist()
+        i = 0
+        while i < len(events):
+            cut = cuts[i]
+            if cut > done:
+                _store_columns(inst, medium, eng[done:cut], own[done:cut])
+                done = cut
+            j = i + 1
+            while j < len(events) and cuts[j] == cut:
+                j += 1
+            apply_events(inst, events[i:j])
+            i = j
+    if done < n:
+        _store_columns(inst, medium, eng[done:], own[done:])
+
+
+def _store_merged(inst: InstanceSink, medium: str, eng: np.ndarray, own: np.ndarray) -> bool:
+    """One table update for a run of single stores (uint64 arrays), if it is exact and within
+    the memory bound; False = nothing done, apply the run event by event."""
+    index = inst.index
+    if len(own) <= 1 or len(own) > index.max_blocks - index.entries:
+        return False
+    mapping, table = inst.tables_of(medium)
+    ekeys, evals, ebits = mapping.arrays
+    if store_conflicts(ekeys, evals, ebits, eng, own):
+        return False
+    added = table.store(mapping, eng, own, inst.bit)
+    assert added is not None, "keys 0 / 1 are conflicts"
+    index.entries += added
+    return True
+
+
+def _store_columns(inst: InstanceSink, medium: str, eng: np.ndarray, own: np.ndarray) -> None:
+    if not _store_merged(inst, medium, eng, own):
+        for e, o in zip(eng.tolist(), own.tolist(), strict=True):
+            inst.stored_own(medium, [e], [o])
+
+
 def _store_run(
     inst: InstanceSink,
     medium: str,
@@ -135,15 +207,12 @@ def _store_run(
     own: list[int],
     run: list[kv_events_pb2.BlockStored],
 ) -> None:
-    if len(run) > 1 and len(own) <= inst.index.max_blocks - inst.index.entries:
-        mapping, table = inst.tables_of(medium)
-        eng_a = np.fromiter(eng, np.uint64, len(eng))
-        own_a = np.fromiter(own, np.uint64, len(own))
-        ekeys, evals, ebits = mapping.arrays
-        if not store_conflicts(ekeys, evals, ebits, eng_a, own_a):
-            added = table.store(mapping, eng_a, own_a, inst.bit)
-            assert added is not None, "keys 0 / 1 are conflicts"
-            inst.index.entries += added
-            return
+    if len(run) > 1 and _store_merged(
+        inst,
+        medium,
+        np.fromiter(eng, np.uint64, len(eng)),
+        np.fromiter(own, np.uint64, len(own)),
+    ):
+        return
     for msg in run:  # one event, or a run that must go event by event
         inst.stored(msg)

@@ -35,7 +35,7 @@ import numpy as np
 
 from pdplane.core.kv_events import DEFAULT_MEDIUM
 from pdplane.core.prefix_hash import HASH_VERSION, block_hashes
-from pdplane.scheduler.kv_index.batch import apply_events
+from pdplane.scheduler.kv_index.batch import apply_batch, apply_events
 from pdplane.scheduler.kv_index.holders import HolderSets, HolderTable
 from pdplane.scheduler.kv_index.kernels import match_runs, warm_up
 from pdplane.scheduler.kv_index.u64map import U64Map, U64s
@@ -117,6 +117,10 @@ class InstanceBlocks:
         of like events merged into one table update (`pdplane.scheduler.kv_index.batch`)."""
         apply_events(self, events)
 
+    def apply_batch(self, batch: kv_events_pb2.KvEventBatch) -> None:
+        """A whole `KvEventBatch`, its columnar stores included (`batch.apply_batch`)."""
+        apply_batch(self, batch)
+
     # -- updates -------------------------------------------------------------------------------
 
     def stored(self, msg: kv_events_pb2.BlockStored) -> None:
@@ -125,7 +129,7 @@ class InstanceBlocks:
         medium = msg.medium or DEFAULT_MEDIUM
         given = _given_own(msg)
         if given is not None:
-            self._add(medium, msg.block_hashes, given)
+            self.stored_own(medium, msg.block_hashes, given)
             return
         parent_own: int | None = None
         if msg.HasField("parent_block_hash"):
@@ -145,6 +149,11 @@ class InstanceBlocks:
             self.orphans += len(msg.block_hashes)
             return
         self._add(medium, msg.block_hashes, own)
+
+    def stored_own(self, medium: str, engine_hashes: Sequence[int], own: Sequence[int]) -> None:
+        """Indexes engine blocks under the own hashes given (one per block; as `stored` of a
+        BlockStored carrying them)."""
+        self._add(medium, engine_hashes, own)
 
     def removed(self, engine_hashes: Iterable[int], medium: str = DEFAULT_MEDIUM) -> None:
         """Drops these engine blocks; unknown hashes are ignored."""

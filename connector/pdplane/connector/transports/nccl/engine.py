@@ -10,10 +10,11 @@ breaks or the peer leaves (`drop_peer`).
 A pull costs one message each way on the pair's stream, and decode does not wait for the
 answer before posting its first receive: it sends the request, posts the receive of the first
 message (gather strategy) and only then waits for prefill's verdict. Prefill answers every
-request: accepted, then the sends; or refused, then exactly `early_bytes` of filler, so that the
-receive decode posted early is always matched (NCCL cannot cancel a posted receive, and
-`ncclCommAbort` did not stop one nobody matched). The rest of the receives are posted once the
-verdict arrived, which for a large transfer is long before the first message is through.
+request: the first send, the verdict (accepted), the other sends; or refused, then exactly
+`early_bytes` of filler, so that the receive decode posted early is always matched (NCCL
+cannot cancel a posted receive, and `ncclCommAbort` did not stop one nobody matched). The
+rest of the receives are posted once the verdict arrived, which for a large transfer is long
+before the first message is through.
 Every wait is bounded by the pull's deadline; on a timeout or NCCL error the pair is aborted
 and dropped on both sides.
 """
@@ -90,11 +91,13 @@ class PullTiming:
 @dataclass(slots=True)
 class ServeTiming:
     """Prefill's side of one pull, as `time.monotonic()` instants: request read from the stream,
-    blocks pinned and verdict queued, sends enqueued, sends complete."""
+    blocks pinned and checked, first message's send enqueued (then the verdict queued), all
+    sends enqueued, sends complete."""
 
     transfer_id: str
     received: float
     pinned: float = 0.0
+    first: float = 0.0
     enqueued: float = 0.0
     done: float = 0.0
 
@@ -156,7 +159,7 @@ class NcclEngine:
         self.receiver: PushBegins | None = None  # decode, push mode
         self.access: BlockAccess | None = None  # prefill: the connector's held blocks
         self.serve_timings: deque[ServeTiming] = deque(maxlen=1000)
-        #: called with the transfer id right before a served pull's sends are enqueued
+        #: called with the transfer id once a served pull's first send is enqueued
         #: (observability: benchmarks and tests time and interrupt transfers with it)
         self.on_send: Callable[[str], None] | None = None
         self._gates: dict[PairKey, threading.Lock] = {}
@@ -475,13 +478,30 @@ class NcclEngine:
                 return
             nbytes = self.mover.transfer_bytes(len(ids))
             timing.pinned = time.monotonic()
-            pair.link.send(  # type: ignore[union-attr]
-                _Control(verdict=kv_transfer_nccl_pb2.NcclVerdict(seq=request.seq, bytes=nbytes))
-            )
-            if self.on_send is not None:
-                self.on_send(timing.transfer_id)
+            answered = False
+
+            def accept() -> None:
+                # The verdict goes once the first message's send is enqueued: queueing it
+                # wakes the stream's sender thread, which would otherwise take the GIL from
+                # this one in the middle of launching the first gather and send (decode
+                # already posted that receive; it needs the verdict only for the later ones).
+                nonlocal answered
+                answered = True
+                timing.first = time.monotonic()
+                pair.link.send(  # type: ignore[union-attr]
+                    _Control(
+                        verdict=kv_transfer_nccl_pb2.NcclVerdict(seq=request.seq, bytes=nbytes)
+                    )
+                )
+                if self.on_send is not None:
+                    self.on_send(timing.transfer_id)
+
             with pair.lock:
-                self.mover.enqueue(pair.comm, True, ids, strategy, deadline, chunk_bytes, runs)
+                self.mover.enqueue(
+                    pair.comm, True, ids, strategy, deadline, chunk_bytes, runs, accept
+                )
+                if not answered:  # nothing to send
+                    accept()
                 timing.enqueued = time.monotonic()
                 pair.comm.wait(deadline, "send")
             timing.done = time.monotonic()
