@@ -1,7 +1,7 @@
 """Where a disaggregated request's TTFT goes, from its OpenTelemetry spans (real vLLM CPU, 1P1D).
 
     .venv/bin/python bench/ttft_breakdown.py [--runs 10] [--prompt-tokens 128 512 2048]
-        [--ab dispatch-mode]
+        [--ab dispatch-mode] [--plain-prefill] [--fresh-ab]
 
 Starts `pdplane up`'s stack (registry, scheduler, gateway, prefill, decode) with traces on
 (`OTEL_EXPORTER_OTLP_ENDPOINT` pointed at an OTLP receiver in this process) plus one plain vLLM
@@ -14,6 +14,13 @@ the median of each phase (ms) from the spans of each disaggregated request, and 
     floor = prefill alone (TTFT of the plain instance) + KV transfer (`pdplane.kv_pull`)
             + one decode step (median inter-token gap of the plain instance)
     ratio = disaggregated TTFT (client-measured) / floor         G3.5: ratio <= 1.2
+
+`--ab dispatch-mode` runs the stack four times in one run, the same prompts each: sequential
+or concurrent dispatch (`PDPLANE_DISPATCH`) x pull or push KV (`"mode"` of both instances'
+`kv_connector_extra_config`), each with its own plain instance, then a summary. A push stack's
+`pdplane.kv_pull` is decode's copy out of its receive buffer, so its ratio is also given
+against the floor with the pull stack's transfer. `--plain-prefill` also times a prefill-shaped
+request (non-streamed, 1 token) on the plain instance.
 """
 
 from __future__ import annotations
@@ -57,6 +64,8 @@ PHASES = (
     "  scheduler decision",
     "prefill leg",
     "  prefill vLLM TTFT",
+    "  leg start -> prefill vLLM arrival",
+    "  prefill vLLM end -> answer at gateway",
     "between legs (gateway)",
     "decode leg (send -> headers)",
     "  of it after prefill's answer",
@@ -66,6 +75,7 @@ PHASES = (
     "pull end -> first byte at gateway",
     "  decode vLLM queue (incl. KV wait)",
     "relay (gateway first byte -> client)",
+    "decode side (prefill's answer -> first byte)",
 )
 #: The row of `--plain-prefill`.
 PLAIN_PREFILL = "plain: non-streamed 1-token answer (client)"
@@ -252,6 +262,9 @@ def breakdown(spans: list[ReceivedSpan], client_ttft_ms: float) -> dict[str, flo
         "prefill leg": pleg.ms,
         "  prefill vLLM TTFT": 1000
         * float(vllm["prefill"].attributes.get("gen_ai.latency.time_to_first_token", 0.0)),
+        # The prefill leg around vLLM's own request span (`llm_request`: arrival -> finish).
+        "  leg start -> prefill vLLM arrival": ms(pleg.start_ns, vllm["prefill"].start_ns),
+        "  prefill vLLM end -> answer at gateway": ms(vllm["prefill"].end_ns, pleg.end_ns),
         "between legs (gateway)": math.nan if concurrent else ms(pleg.end_ns, dleg.start_ns),
         "decode leg (send -> headers)": dleg.ms,
         "  of it after prefill's answer": ms(max(pleg.end_ns, dleg.start_ns), dleg.end_ns),
@@ -262,6 +275,9 @@ def breakdown(spans: list[ReceivedSpan], client_ttft_ms: float) -> dict[str, flo
         "  decode vLLM queue (incl. KV wait)": 1000
         * float(vllm["d"].attributes.get("gen_ai.latency.time_in_queue", 0.0)),
         "relay (gateway first byte -> client)": client_ttft_ms - gateway_ttft,
+        # What follows prefill on the critical path in every mode: the decode leg's rest,
+        # admission, the load (pull or copy of a push) and decode's first token.
+        "decode side (prefill's answer -> first byte)": ms(pleg.end_ns, first.end_ns),
     }
 
 
@@ -450,17 +466,18 @@ def _summary(sizes: list[int], measured: list[tuple[Variant, Results, str]]) -> 
     its ratio against its own parts follows in brackets."""
     base = measured[0][1]
     print("\nsummary: client TTFT ms / G3.5 ratio (floor with the pull stack's KV transfer)")
-    print(f"{'variant':<44}" + "".join(f"{n:>18}" for n in sizes))
+    print(f"{'variant':<44}" + "".join(f"{n:>22}" for n in sizes))
     for v, results, _ in measured:
         cells = []
         for n in sizes:
             med, parts = results[n]
             own = sum(parts.values())
-            floor = own - parts["KV transfer"] + base[n][1]["KV transfer"]
-            cell = f"{med['client TTFT']:.1f} / {med['client TTFT'] / floor:.2f}"
-            if abs(floor - own) > 1e-9:
+            cell = f"{med['client TTFT']:.1f} / {med['client TTFT'] / own:.2f}"
+            if v.connector_extra.get("mode") == "push":
+                floor = own - parts["KV transfer"] + base[n][1]["KV transfer"]
+                cell = f"{med['client TTFT']:.1f} / {med['client TTFT'] / floor:.2f}"
                 cell += f" ({med['client TTFT'] / own:.2f})"
-            cells.append(f"{cell:>18}")
+            cells.append(f" {cell:>21}")
         print(f"{v.label:<44}" + "".join(cells))
 
 

@@ -38,11 +38,14 @@ def test_sequential_pull_has_every_phase() -> None:
     got = breakdown(_trace(17.5, served=True), client_ttft_ms=37.0)
     assert set(got) == set(PHASES)
     assert got["between legs (gateway)"] == 0.5
+    assert got["  leg start -> prefill vLLM arrival"] == 1.0
+    assert got["  prefill vLLM end -> answer at gateway"] == 2.0
     assert got["decode leg (send -> headers)"] == got["  of it after prefill's answer"] == 2.5
     assert got["  prefill kv_serve"] == 2.0
     assert got["decode admission (arrival -> pull start)"] == 4.0
     assert got["pull end -> first byte at gateway"] == 8.0
     assert got["relay (gateway first byte -> client)"] == 2.0
+    assert got["decode side (prefill's answer -> first byte)"] == 18.0
 
 
 def test_concurrent_push_marks_the_spans_it_has_not() -> None:

@@ -174,11 +174,12 @@ class BlockStoredColumns(_message.Message):
     (several blocks, a LoRA, extra keys, no parent, no own hash, another block size or medium)
     is sent as a plain KvEvent.
 
-    The columns are `bytes` holding little-endian fixed-width arrays, not `repeated` fields:
-    a subscriber reads one as an array in one copy (numpy.frombuffer) where a packed repeated
-    field costs a Python object per element on both ends (docs/benchmarks.md, "Columnar
-    stores"). A column of the wrong length makes the batch invalid (the subscriber
-    reconnects).
+    The columns are `bytes` holding little-endian fixed-width arrays, not packed `repeated`
+    fields: a subscriber reads one as an array in one copy (numpy.frombuffer), and the source
+    writes one from an array in one copy; measured on 1,000 uint64 values, ~1.1 us to decode
+    and ~0.7 us to encode, against ~7.7 us and ~53 us for a packed repeated field
+    (docs/benchmarks.md, "Columnar stores"). A column of the wrong length makes the batch
+    invalid (the subscriber reconnects).
     """
 
     DESCRIPTOR: _descriptor.Descriptor

@@ -307,3 +307,44 @@ async def test_asyncio_server_batches_with_min_interval() -> None:
             call.cancel()
     finally:
         await server.stop(None)
+
+
+def _store_chain(log: KvEventLog, start: int, count: int, block_size: int = 16) -> None:
+    """Single-block stores, each the child of the one before (decode-time blocks)."""
+    for i in range(start, start + count):
+        parent = i - 1 if i > start else None
+        log.stored([i], parent, [(i * 7 + j) % 1000 for j in range(block_size)], block_size)
+
+
+def test_columnar_stores_reach_the_subscriber_that_asks_and_no_other(log: KvEventLog) -> None:
+    """Chained single-block stores with a removal and a multi-block store among them: a
+    reader (it asks for columnar stores) gets them as `stored_columns` and ends with the log's
+    state; a request without the flag (an older subscriber) gets plain events only."""
+    server, address = _serve(log)
+    try:
+        replica = Replica()
+        reader = KvStreamReader(replica)
+        stream = _subscribe(address, reader)
+        _follow(stream, reader, log)  # the empty snapshot
+        _store_chain(log, 100, 20)
+        log.removed([105])
+        log.stored([200, 201], 119, list(range(32)), 16)
+        _store_chain(log, 300, 10)
+        columnar = 0
+        deadline = time.monotonic() + 20
+        while reader.next_sequence != log.head + 1:
+            assert time.monotonic() < deadline, "stream did not catch up"
+            msg = next(stream)
+            if msg.HasField("events"):
+                columnar += msg.events.stored_columns.count
+            reader.feed(msg)
+        assert columnar == 19 + 9  # every chained store but each chain's first
+        assert replica.blocks == log_state(log)
+        stream.cancel()  # type: ignore[attr-defined]
+        stub = kv_events_pb2_grpc.KvEventsStub(grpc_util.channel(address))
+        old = kv_events_pb2.SubscribeKvEventsRequest(epoch=log.epoch, from_sequence=1)
+        msg = next(stub.Subscribe(old))
+        assert msg.HasField("events") and len(msg.events.events) == log.head
+        assert not msg.events.HasField("stored_columns")
+    finally:
+        server.stop(None)

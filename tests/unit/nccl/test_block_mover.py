@@ -11,6 +11,7 @@ import ctypes
 import pytest
 import torch
 
+from pdplane.connector.transports.nccl import blocks
 from pdplane.connector.transports.nccl.blocks import BlockMover, layer_byte_view
 from pdplane.connector.transports.nccl.communicator import P2pOp
 from pdplane.connector.transports.nccl.plan import Strategy
@@ -103,3 +104,36 @@ def test_a_failed_enqueue_still_hands_the_memory_to_both_streams(recorded: list[
     assert comm.stream.waited_on[-1] is comm.copy_stream
     # two staging buffers and the index, each recorded on both streams
     assert len(recorded) == 6
+
+
+@pytest.mark.parametrize("rows_on", ["both", "sender", "receiver"])
+@pytest.mark.parametrize("src,dst", [([7], [2]), ([3, 11], [0, 6])])
+def test_few_blocks_copied_slice_by_slice_keep_the_staging_layout(
+    recorded: list[int],
+    monkeypatch: pytest.MonkeyPatch,
+    rows_on: str,
+    src: list[int],
+    dst: list[int],
+) -> None:
+    """A small single-chunk transfer copies slices with one batched copy instead of a gather
+    per layer; its staging bytes equal the per-layer gather's, so a peer on either path
+    receives the right blocks."""
+    gen = torch.Generator().manual_seed(3)
+    shape = (2, NUM_BLOCKS, 4, 2, 8)
+    src_caches = [torch.randint(-999, 999, shape, generator=gen, dtype=torch.int16) for _ in "abc"]
+    dst_caches = [torch.zeros_like(t) for t in src_caches]
+    sender, receiver = _mover(src_caches), _mover(dst_caches)
+    chunk_bytes = 1 << 20
+    wire = Wire()
+    limit = {True: 10_000, False: 0}
+    monkeypatch.setattr(blocks, "ROW_COPY_MAX_SLICES", limit[rows_on in ("both", "sender")])
+    built: list[int] = []
+    monkeypatch.setattr(sender, "_index", lambda ids: built.append(len(ids)) or torch.tensor(ids))
+    sender.enqueue(FakeComm(wire), True, src, Strategy.GATHER, 0.0, chunk_bytes)
+    assert built == ([] if rows_on in ("both", "sender") else [len(src)])
+    monkeypatch.setattr(blocks, "ROW_COPY_MAX_SLICES", limit[rows_on in ("both", "receiver")])
+    receiver.enqueue(FakeComm(wire), False, dst, Strategy.GATHER, 0.0, chunk_bytes)
+    for s, d in zip(src_caches, dst_caches, strict=True):
+        assert torch.equal(d[:, dst], s[:, src])
+        others = [b for b in range(NUM_BLOCKS) if b not in dst]
+        assert not d[:, others].any()

@@ -10,10 +10,11 @@ breaks or the peer leaves (`drop_peer`).
 A pull costs one message each way on the pair's stream, and decode does not wait for the
 answer before posting its first receive: it sends the request, posts the receive of the first
 message (gather strategy) and only then waits for prefill's verdict. Prefill answers every
-request: accepted, then the sends; or refused, then exactly `early_bytes` of filler, so that the
-receive decode posted early is always matched (NCCL cannot cancel a posted receive, and
-`ncclCommAbort` did not stop one nobody matched). The rest of the receives are posted once the
-verdict arrived, which for a large transfer is long before the first message is through.
+request: the first send, the verdict (accepted), the other sends; or refused, then exactly
+`early_bytes` of filler, so that the receive decode posted early is always matched (NCCL
+cannot cancel a posted receive, and `ncclCommAbort` did not stop one nobody matched). The
+rest of the receives are posted once the verdict arrived, which for a large transfer is long
+before the first message is through.
 Every wait is bounded by the pull's deadline; on a timeout or NCCL error the pair is aborted
 and dropped on both sides.
 """
