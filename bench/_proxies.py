@@ -6,6 +6,7 @@ ignored); `missing()` says how to install one that is absent.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -96,8 +97,20 @@ def wait_ready(run: ProxyRun, model: str, timeout_s: float = 90.0) -> None:
 #: tok = the gateway tokenizes prompts (`--tokenizer`, the fleet's tokenizer); kv_aware = the
 #: kv_aware policy on both sides instead of round_robin (implies tok); no-kv-index = no prefix
 #: index fed by the instances' KV events (`--no-kv-index`); unary = a remote gateway's Schedules
-#: as unary calls instead of on one ScheduleStream (`--no-schedule-stream`).
-VARIANTS = ("tok", "kv_aware", "no-kv-index", "unary")
+#: as unary calls instead of on one ScheduleStream (`--no-schedule-stream`); base = the
+#: gateway and scheduler run the code of another checkout, `PDPLANE_BENCH_BASE_TREE` (an A/B
+#: of two trees in one run).
+VARIANTS = ("tok", "kv_aware", "no-kv-index", "unary", "base")
+
+
+def _tree_env(variants: frozenset[str]) -> dict[str, str] | None:
+    """The environment of a "+base" proxy's processes: the base tree's code first."""
+    if "base" not in variants:
+        return None
+    tree = os.environ.get("PDPLANE_BENCH_BASE_TREE", "")
+    if not tree:
+        raise RuntimeError("+base needs PDPLANE_BENCH_BASE_TREE (a checkout to compare with)")
+    return {"PYTHONPATH": f"{tree}/services:{tree}/connector"}
 
 
 def _variant_flags(variants: frozenset[str], fleet: Fleet) -> tuple[list[str], list[str]]:
@@ -143,6 +156,7 @@ def _pdplane(
         ],
         cpus,
         logs,
+        env=_tree_env(variants),
     )
     gateway = spawn(
         f"pdplane-gateway-{dispatch}",
@@ -167,6 +181,7 @@ def _pdplane(
         ],
         cpus,
         logs,
+        env=_tree_env(variants),
     )
     url = f"http://127.0.0.1:{gw_port}"
     return ProxyRun(name or f"pdplane-{dispatch}", url, [scheduler, gateway])
@@ -200,6 +215,7 @@ def _pdplane_embedded(
         ],
         cpus,
         logs,
+        env=_tree_env(variants),
     )
     return ProxyRun(name, f"http://127.0.0.1:{gw_port}", [gateway])
 

@@ -33,6 +33,51 @@ class UpstreamTimeout(Exception):
     """The instance did not answer (or went silent) for longer than the configured timeout."""
 
 
+class _IdleWatchdog:
+    """Cancels the current task once one read has waited `idle_s` (s).
+
+    The stream stamps `since` (loop time) when a read starts and clears it when the read
+    returns (time spent by the consumer between reads does not count); one timer re-arms
+    itself only when it fires. An `asyncio.timeout` around every read (a Timeout object, a
+    timer armed and cancelled per chunk) is the same bound at a cost per chunk. `expired()`
+    tells a CancelledError that is this watchdog's (as `asyncio.timeout` does, via `uncancel`).
+    """
+
+    __slots__ = ("_fired", "_handle", "_idle_s", "_task", "loop", "since")
+
+    def __init__(self, idle_s: float) -> None:
+        self.loop = asyncio.get_running_loop()
+        self._task = asyncio.current_task()
+        self._idle_s = idle_s
+        self._fired = False
+        self.since: float | None = None
+        self._handle: asyncio.TimerHandle | None = self.loop.call_later(idle_s, self._check)
+
+    def _check(self) -> None:
+        now = self.loop.time()
+        deadline = now + self._idle_s if self.since is None else self.since + self._idle_s
+        if now < deadline:
+            self._handle = self.loop.call_at(deadline, self._check)
+            return
+        self._handle = None
+        if self._task is not None and not self._task.done():
+            self._fired = True
+            self._task.cancel()
+
+    def expired(self) -> bool:
+        """True when the pending CancelledError is the watchdog's alone (then consumed)."""
+        if not self._fired or self._task is None:
+            return False
+        self._fired = False
+        return self._task.uncancel() == 0
+
+    def stop(self) -> None:
+        """Disarms the timer (idempotent)."""
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+
+
 class UpstreamResponse:
     """An instance's answer once its headers arrived; the caller reads or streams the body,
     then calls `release()` (connection back to the pool) or `close()` (connection dropped,
@@ -58,17 +103,29 @@ class UpstreamResponse:
 
         Raises UpstreamUnreachable (broken off) or UpstreamTimeout (silent) mid-body."""
         content = self._resp.content
+        watchdog = None if idle_timeout_s is None else _IdleWatchdog(idle_timeout_s)
         try:
             while True:
-                async with asyncio.timeout(idle_timeout_s):
+                if watchdog is None:
                     chunk = await content.readany()
+                else:
+                    watchdog.since = watchdog.loop.time()
+                    chunk = await content.readany()
+                    watchdog.since = None
                 if not chunk:
                     return
                 yield chunk
+        except asyncio.CancelledError as exc:
+            if watchdog is not None and watchdog.expired():
+                raise UpstreamTimeout(f"{self._resp.url} went silent") from exc
+            raise
         except TimeoutError as exc:
             raise UpstreamTimeout(f"{self._resp.url} went silent") from exc
         except aiohttp.ClientError as exc:
             raise UpstreamUnreachable(f"{self._resp.url}: {exc or type(exc).__name__}") from exc
+        finally:
+            if watchdog is not None:
+                watchdog.stop()
 
     async def read(self) -> bytes:
         """The whole body (raises as `chunks`)."""

@@ -69,15 +69,28 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
     async def ScheduleStream(
         self,
-        request_iterator: AsyncIterator[scheduler_pb2.ScheduleCall],
+        request_iterator: AsyncIterator[scheduler_pb2.ScheduleCalls],
         context: grpc.aio.ServicerContext,
-    ) -> AsyncIterator[scheduler_pb2.ScheduleResult]:
-        # Decisions are synchronous, so the answers come back in call order; a call's error
-        # is its result's code (the stream carries the other calls on).
-        async for call in request_iterator:
-            yield self._decide(call)
+    ) -> AsyncIterator[scheduler_pb2.ScheduleResults]:
+        # Decisions are synchronous: a message's calls are answered together, in one message
+        # (one write), in call order. A call's error is its result's code (the stream carries
+        # the other calls on).
+        async for batch in request_iterator:
+            if batch.releases:
+                try:
+                    self._release_all(batch.releases)
+                except InvalidRequest as exc:
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc)[:_MESSAGE_MAX])
+            if batch.calls:
+                answers = scheduler_pb2.ScheduleResults()
+                add = answers.results.add
+                for call in batch.calls:
+                    self._decide(call, add(call_id=call.call_id))
+                yield answers
 
-    def _decide(self, call: scheduler_pb2.ScheduleCall) -> scheduler_pb2.ScheduleResult:
+    def _decide(
+        self, call: scheduler_pb2.ScheduleCall, result: scheduler_pb2.ScheduleResult
+    ) -> None:
         request = call.request
         try:
             if request.releases:
@@ -85,16 +98,15 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             with tracing.span(_DECISION, parent=call.traceparent or None, server=True):
                 decision = self._service.schedule(features_from_pb(request))
         except InvalidRequest as exc:
-            return _failed(call.call_id, _INVALID_ARGUMENT, exc)
+            _failed(result, _INVALID_ARGUMENT, exc)
         except NoInstance as exc:
-            return _failed(call.call_id, _UNAVAILABLE, exc)
+            _failed(result, _UNAVAILABLE, exc)
         except Exception as exc:
             # One call's bug must not end the stream that the gateway's other calls share.
             log.exception("ScheduleStream call %s failed", request.request_id[:128])
-            return _failed(call.call_id, _INTERNAL, exc)
-        return scheduler_pb2.ScheduleResult(
-            call_id=call.call_id, response=decision_to_pb(decision), code=_OK
-        )
+            _failed(result, _INTERNAL, exc)
+        else:
+            result.response.CopyFrom(decision_to_pb(decision))
 
     async def Release(
         self, request: scheduler_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
@@ -125,5 +137,6 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         return kv_states_to_pb(self._kv_states())
 
 
-def _failed(call_id: int, code: int, exc: Exception) -> scheduler_pb2.ScheduleResult:
-    return scheduler_pb2.ScheduleResult(call_id=call_id, code=code, message=str(exc)[:_MESSAGE_MAX])
+def _failed(result: scheduler_pb2.ScheduleResult, code: int, exc: Exception) -> None:
+    result.code = code
+    result.message = str(exc)[:_MESSAGE_MAX]

@@ -25,41 +25,45 @@ _sym_db = _symbol_database.Default()
 from pdplane.v1 import instance_pb2 as pdplane_dot_v1_dot_instance__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apdplane/v1/scheduler.proto\x12\npdplane.v1\x1a\x19pdplane/v1/instance.proto\"b\n\x0cScheduleCall\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12,\n\x07request\x18\x02 \x01(\x0b\x32\x1b.pdplane.v1.ScheduleRequest\x12\x13\n\x0btraceparent\x18\x03 \x01(\t\"p\n\x0eScheduleResult\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12.\n\x08response\x18\x02 \x01(\x0b\x32\x1c.pdplane.v1.ScheduleResponse\x12\x0c\n\x04\x63ode\x18\x03 \x01(\x05\x12\x0f\n\x07message\x18\x04 \x01(\t\"\xbd\x02\n\x0fScheduleRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\x12\x1b\n\x13prefix_block_hashes\x18\x04 \x03(\x04\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\x12\x13\n\x0brouting_key\x18\x06 \x01(\t\x12\x1c\n\x14\x65xclude_instance_ids\x18\x07 \x03(\t\x12\x16\n\x0eprefill_policy\x18\x08 \x01(\t\x12\x15\n\rdecode_policy\x18\t \x01(\t\x12,\n\x08releases\x18\n \x03(\x0b\x32\x1a.pdplane.v1.ReleaseRequest\x12/\n\rprefix_hashes\x18\x0b \x03(\x0b\x32\x18.pdplane.v1.PrefixHashes\"N\n\x0cPrefixHashes\x12\x12\n\nblock_size\x18\x01 \x01(\r\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x04\x12\x14\n\x0chash_version\x18\x03 \x01(\r\"n\n\x0bInstanceRef\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0b\n\x03url\x18\x02 \x01(\t\x12\x13\n\x0bkv_endpoint\x18\x03 \x01(\t\x12(\n\ttransport\x18\x04 \x01(\x0e\x32\x15.pdplane.v1.Transport\"\xb2\x01\n\x10ScheduleResponse\x12(\n\x07prefill\x18\x01 \x01(\x0b\x32\x17.pdplane.v1.InstanceRef\x12\'\n\x06\x64\x65\x63ode\x18\x02 \x01(\x0b\x32\x17.pdplane.v1.InstanceRef\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x1d\n\x15prefill_cached_tokens\x18\x04 \x01(\r\x12\x1c\n\x14\x64\x65\x63ode_cached_tokens\x18\x05 \x01(\r\"J\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12$\n\x07outcome\x18\x02 \x01(\x0e\x32\x13.pdplane.v1.Outcome\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"C\n\x13ReleaseBatchRequest\x12,\n\x08releases\x18\x01 \x03(\x0b\x32\x1a.pdplane.v1.ReleaseRequest\"(\n\x14ReleaseBatchResponse\x12\x10\n\x08released\x18\x01 \x01(\r\"\x15\n\x13ListKvStatesRequest\"\x96\x01\n\x0cKvIndexState\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x0e\n\x06\x62locks\x18\x04 \x01(\x04\x12\x12\n\nlag_events\x18\x05 \x01(\x04\x12\x1b\n\x13last_message_age_ms\x18\x06 \x01(\r\x12\x11\n\tsnapshots\x18\x07 \x01(\r\"C\n\x14ListKvStatesResponse\x12+\n\tinstances\x18\x01 \x03(\x0b\x32\x18.pdplane.v1.KvIndexState*b\n\x07Outcome\x12\x17\n\x13OUTCOME_UNSPECIFIED\x10\x00\x12\x13\n\x0fOUTCOME_SUCCESS\x10\x01\x12\x12\n\x0eOUTCOME_FAILED\x10\x02\x12\x15\n\x11OUTCOME_CANCELLED\x10\x03\x32\x88\x03\n\tScheduler\x12\x45\n\x08Schedule\x12\x1b.pdplane.v1.ScheduleRequest\x1a\x1c.pdplane.v1.ScheduleResponse\x12\x42\n\x07Release\x12\x1a.pdplane.v1.ReleaseRequest\x1a\x1b.pdplane.v1.ReleaseResponse\x12Q\n\x0cReleaseBatch\x12\x1f.pdplane.v1.ReleaseBatchRequest\x1a .pdplane.v1.ReleaseBatchResponse\x12Q\n\x0cListKvStates\x12\x1f.pdplane.v1.ListKvStatesRequest\x1a .pdplane.v1.ListKvStatesResponse\x12J\n\x0eScheduleStream\x12\x18.pdplane.v1.ScheduleCall\x1a\x1a.pdplane.v1.ScheduleResult(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apdplane/v1/scheduler.proto\x12\npdplane.v1\x1a\x19pdplane/v1/instance.proto\"f\n\rScheduleCalls\x12\'\n\x05\x63\x61lls\x18\x01 \x03(\x0b\x32\x18.pdplane.v1.ScheduleCall\x12,\n\x08releases\x18\x02 \x03(\x0b\x32\x1a.pdplane.v1.ReleaseRequest\">\n\x0fScheduleResults\x12+\n\x07results\x18\x01 \x03(\x0b\x32\x1a.pdplane.v1.ScheduleResult\"b\n\x0cScheduleCall\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12,\n\x07request\x18\x02 \x01(\x0b\x32\x1b.pdplane.v1.ScheduleRequest\x12\x13\n\x0btraceparent\x18\x03 \x01(\t\"p\n\x0eScheduleResult\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12.\n\x08response\x18\x02 \x01(\x0b\x32\x1c.pdplane.v1.ScheduleResponse\x12\x0c\n\x04\x63ode\x18\x03 \x01(\x05\x12\x0f\n\x07message\x18\x04 \x01(\t\"\xbd\x02\n\x0fScheduleRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\x12\x1b\n\x13prefix_block_hashes\x18\x04 \x03(\x04\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\x12\x13\n\x0brouting_key\x18\x06 \x01(\t\x12\x1c\n\x14\x65xclude_instance_ids\x18\x07 \x03(\t\x12\x16\n\x0eprefill_policy\x18\x08 \x01(\t\x12\x15\n\rdecode_policy\x18\t \x01(\t\x12,\n\x08releases\x18\n \x03(\x0b\x32\x1a.pdplane.v1.ReleaseRequest\x12/\n\rprefix_hashes\x18\x0b \x03(\x0b\x32\x18.pdplane.v1.PrefixHashes\"N\n\x0cPrefixHashes\x12\x12\n\nblock_size\x18\x01 \x01(\r\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x04\x12\x14\n\x0chash_version\x18\x03 \x01(\r\"n\n\x0bInstanceRef\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0b\n\x03url\x18\x02 \x01(\t\x12\x13\n\x0bkv_endpoint\x18\x03 \x01(\t\x12(\n\ttransport\x18\x04 \x01(\x0e\x32\x15.pdplane.v1.Transport\"\xb2\x01\n\x10ScheduleResponse\x12(\n\x07prefill\x18\x01 \x01(\x0b\x32\x17.pdplane.v1.InstanceRef\x12\'\n\x06\x64\x65\x63ode\x18\x02 \x01(\x0b\x32\x17.pdplane.v1.InstanceRef\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x1d\n\x15prefill_cached_tokens\x18\x04 \x01(\r\x12\x1c\n\x14\x64\x65\x63ode_cached_tokens\x18\x05 \x01(\r\"J\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12$\n\x07outcome\x18\x02 \x01(\x0e\x32\x13.pdplane.v1.Outcome\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"C\n\x13ReleaseBatchRequest\x12,\n\x08releases\x18\x01 \x03(\x0b\x32\x1a.pdplane.v1.ReleaseRequest\"(\n\x14ReleaseBatchResponse\x12\x10\n\x08released\x18\x01 \x01(\r\"\x15\n\x13ListKvStatesRequest\"\x96\x01\n\x0cKvIndexState\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x0e\n\x06\x62locks\x18\x04 \x01(\x04\x12\x12\n\nlag_events\x18\x05 \x01(\x04\x12\x1b\n\x13last_message_age_ms\x18\x06 \x01(\r\x12\x11\n\tsnapshots\x18\x07 \x01(\r\"C\n\x14ListKvStatesResponse\x12+\n\tinstances\x18\x01 \x03(\x0b\x32\x18.pdplane.v1.KvIndexState*b\n\x07Outcome\x12\x17\n\x13OUTCOME_UNSPECIFIED\x10\x00\x12\x13\n\x0fOUTCOME_SUCCESS\x10\x01\x12\x12\n\x0eOUTCOME_FAILED\x10\x02\x12\x15\n\x11OUTCOME_CANCELLED\x10\x03\x32\x8a\x03\n\tScheduler\x12\x45\n\x08Schedule\x12\x1b.pdplane.v1.ScheduleRequest\x1a\x1c.pdplane.v1.ScheduleResponse\x12\x42\n\x07Release\x12\x1a.pdplane.v1.ReleaseRequest\x1a\x1b.pdplane.v1.ReleaseResponse\x12Q\n\x0cReleaseBatch\x12\x1f.pdplane.v1.ReleaseBatchRequest\x1a .pdplane.v1.ReleaseBatchResponse\x12Q\n\x0cListKvStates\x12\x1f.pdplane.v1.ListKvStatesRequest\x1a .pdplane.v1.ListKvStatesResponse\x12L\n\x0eScheduleStream\x12\x19.pdplane.v1.ScheduleCalls\x1a\x1b.pdplane.v1.ScheduleResults(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdplane.v1.scheduler_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_OUTCOME']._serialized_start=1445
-  _globals['_OUTCOME']._serialized_end=1543
-  _globals['_SCHEDULECALL']._serialized_start=69
-  _globals['_SCHEDULECALL']._serialized_end=167
-  _globals['_SCHEDULERESULT']._serialized_start=169
-  _globals['_SCHEDULERESULT']._serialized_end=281
-  _globals['_SCHEDULEREQUEST']._serialized_start=284
-  _globals['_SCHEDULEREQUEST']._serialized_end=601
-  _globals['_PREFIXHASHES']._serialized_start=603
-  _globals['_PREFIXHASHES']._serialized_end=681
-  _globals['_INSTANCEREF']._serialized_start=683
-  _globals['_INSTANCEREF']._serialized_end=793
-  _globals['_SCHEDULERESPONSE']._serialized_start=796
-  _globals['_SCHEDULERESPONSE']._serialized_end=974
-  _globals['_RELEASEREQUEST']._serialized_start=976
-  _globals['_RELEASEREQUEST']._serialized_end=1050
-  _globals['_RELEASERESPONSE']._serialized_start=1052
-  _globals['_RELEASERESPONSE']._serialized_end=1087
-  _globals['_RELEASEBATCHREQUEST']._serialized_start=1089
-  _globals['_RELEASEBATCHREQUEST']._serialized_end=1156
-  _globals['_RELEASEBATCHRESPONSE']._serialized_start=1158
-  _globals['_RELEASEBATCHRESPONSE']._serialized_end=1198
-  _globals['_LISTKVSTATESREQUEST']._serialized_start=1200
-  _globals['_LISTKVSTATESREQUEST']._serialized_end=1221
-  _globals['_KVINDEXSTATE']._serialized_start=1224
-  _globals['_KVINDEXSTATE']._serialized_end=1374
-  _globals['_LISTKVSTATESRESPONSE']._serialized_start=1376
-  _globals['_LISTKVSTATESRESPONSE']._serialized_end=1443
-  _globals['_SCHEDULER']._serialized_start=1546
-  _globals['_SCHEDULER']._serialized_end=1938
+  _globals['_OUTCOME']._serialized_start=1613
+  _globals['_OUTCOME']._serialized_end=1711
+  _globals['_SCHEDULECALLS']._serialized_start=69
+  _globals['_SCHEDULECALLS']._serialized_end=171
+  _globals['_SCHEDULERESULTS']._serialized_start=173
+  _globals['_SCHEDULERESULTS']._serialized_end=235
+  _globals['_SCHEDULECALL']._serialized_start=237
+  _globals['_SCHEDULECALL']._serialized_end=335
+  _globals['_SCHEDULERESULT']._serialized_start=337
+  _globals['_SCHEDULERESULT']._serialized_end=449
+  _globals['_SCHEDULEREQUEST']._serialized_start=452
+  _globals['_SCHEDULEREQUEST']._serialized_end=769
+  _globals['_PREFIXHASHES']._serialized_start=771
+  _globals['_PREFIXHASHES']._serialized_end=849
+  _globals['_INSTANCEREF']._serialized_start=851
+  _globals['_INSTANCEREF']._serialized_end=961
+  _globals['_SCHEDULERESPONSE']._serialized_start=964
+  _globals['_SCHEDULERESPONSE']._serialized_end=1142
+  _globals['_RELEASEREQUEST']._serialized_start=1144
+  _globals['_RELEASEREQUEST']._serialized_end=1218
+  _globals['_RELEASERESPONSE']._serialized_start=1220
+  _globals['_RELEASERESPONSE']._serialized_end=1255
+  _globals['_RELEASEBATCHREQUEST']._serialized_start=1257
+  _globals['_RELEASEBATCHREQUEST']._serialized_end=1324
+  _globals['_RELEASEBATCHRESPONSE']._serialized_start=1326
+  _globals['_RELEASEBATCHRESPONSE']._serialized_end=1366
+  _globals['_LISTKVSTATESREQUEST']._serialized_start=1368
+  _globals['_LISTKVSTATESREQUEST']._serialized_end=1389
+  _globals['_KVINDEXSTATE']._serialized_start=1392
+  _globals['_KVINDEXSTATE']._serialized_end=1542
+  _globals['_LISTKVSTATESRESPONSE']._serialized_start=1544
+  _globals['_LISTKVSTATESRESPONSE']._serialized_end=1611
+  _globals['_SCHEDULER']._serialized_start=1714
+  _globals['_SCHEDULER']._serialized_end=2108
 # @@protoc_insertion_point(module_scope)

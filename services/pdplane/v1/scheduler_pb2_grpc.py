@@ -56,8 +56,8 @@ class SchedulerStub:
                 _registered_method=True)
         self.ScheduleStream = channel.stream_stream(
                 '/pdplane.v1.Scheduler/ScheduleStream',
-                request_serializer=pdplane_dot_v1_dot_scheduler__pb2.ScheduleCall.SerializeToString,
-                response_deserializer=pdplane_dot_v1_dot_scheduler__pb2.ScheduleResult.FromString,
+                request_serializer=pdplane_dot_v1_dot_scheduler__pb2.ScheduleCalls.SerializeToString,
+                response_deserializer=pdplane_dot_v1_dot_scheduler__pb2.ScheduleResults.FromString,
                 _registered_method=True)
 
 
@@ -99,11 +99,14 @@ class SchedulerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ScheduleStream(self, request_iterator, context):
-        """Schedule over one long-lived stream per gateway: each ScheduleCall is answered by one
-        ScheduleResult with the same call_id (answers may come in any order). A call's failure is
-        its result's status, never the stream's: the stream ends only when the scheduler or the
-        gateway goes away (or on a bad token, UNAUTHENTICATED, when it opens). Releases ride on the
-        calls (ScheduleRequest.releases). A server without it answers UNIMPLEMENTED; the client
+        """Schedule over one long-lived stream per gateway. Each ScheduleCalls message carries the
+        calls the gateway queued while its previous message was being written (one or more), and
+        each of its ScheduleCall is answered by one ScheduleResult with the same call_id, in a
+        ScheduleResults message (answers may come in any order and any grouping). A call's
+        failure is its result's status, never the stream's: the stream ends only when the
+        scheduler or the gateway goes away (or on a bad token, UNAUTHENTICATED, when it opens).
+        Releases ride on the calls (ScheduleRequest.releases) or, with no call to ride on, on
+        ScheduleCalls.releases (no answer). A server without it answers UNIMPLEMENTED; the client
         then uses Schedule.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -135,8 +138,8 @@ def add_SchedulerServicer_to_server(servicer, server):
             ),
             'ScheduleStream': grpc.stream_stream_rpc_method_handler(
                     servicer.ScheduleStream,
-                    request_deserializer=pdplane_dot_v1_dot_scheduler__pb2.ScheduleCall.FromString,
-                    response_serializer=pdplane_dot_v1_dot_scheduler__pb2.ScheduleResult.SerializeToString,
+                    request_deserializer=pdplane_dot_v1_dot_scheduler__pb2.ScheduleCalls.FromString,
+                    response_serializer=pdplane_dot_v1_dot_scheduler__pb2.ScheduleResults.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -272,8 +275,8 @@ class Scheduler:
             request_iterator,
             target,
             '/pdplane.v1.Scheduler/ScheduleStream',
-            pdplane_dot_v1_dot_scheduler__pb2.ScheduleCall.SerializeToString,
-            pdplane_dot_v1_dot_scheduler__pb2.ScheduleResult.FromString,
+            pdplane_dot_v1_dot_scheduler__pb2.ScheduleCalls.SerializeToString,
+            pdplane_dot_v1_dot_scheduler__pb2.ScheduleResults.FromString,
             options,
             channel_credentials,
             insecure,

@@ -48,12 +48,15 @@ class SchedulerStub:
     what `pdplane ls` shows in its KV_INDEX column.
     Errors: FAILED_PRECONDITION when the scheduler runs without a prefix index (--no-kv-index).
     """
-    ScheduleStream: _grpc.StreamStreamMultiCallable[_scheduler_pb2.ScheduleCall, _scheduler_pb2.ScheduleResult]
-    """Schedule over one long-lived stream per gateway: each ScheduleCall is answered by one
-    ScheduleResult with the same call_id (answers may come in any order). A call's failure is
-    its result's status, never the stream's: the stream ends only when the scheduler or the
-    gateway goes away (or on a bad token, UNAUTHENTICATED, when it opens). Releases ride on the
-    calls (ScheduleRequest.releases). A server without it answers UNIMPLEMENTED; the client
+    ScheduleStream: _grpc.StreamStreamMultiCallable[_scheduler_pb2.ScheduleCalls, _scheduler_pb2.ScheduleResults]
+    """Schedule over one long-lived stream per gateway. Each ScheduleCalls message carries the
+    calls the gateway queued while its previous message was being written (one or more), and
+    each of its ScheduleCall is answered by one ScheduleResult with the same call_id, in a
+    ScheduleResults message (answers may come in any order and any grouping). A call's
+    failure is its result's status, never the stream's: the stream ends only when the
+    scheduler or the gateway goes away (or on a bad token, UNAUTHENTICATED, when it opens).
+    Releases ride on the calls (ScheduleRequest.releases) or, with no call to ride on, on
+    ScheduleCalls.releases (no answer). A server without it answers UNIMPLEMENTED; the client
     then uses Schedule.
     """
 
@@ -77,12 +80,15 @@ class SchedulerAsyncStub(SchedulerStub):
     what `pdplane ls` shows in its KV_INDEX column.
     Errors: FAILED_PRECONDITION when the scheduler runs without a prefix index (--no-kv-index).
     """
-    ScheduleStream: _aio.StreamStreamMultiCallable[_scheduler_pb2.ScheduleCall, _scheduler_pb2.ScheduleResult]  # type: ignore[assignment]
-    """Schedule over one long-lived stream per gateway: each ScheduleCall is answered by one
-    ScheduleResult with the same call_id (answers may come in any order). A call's failure is
-    its result's status, never the stream's: the stream ends only when the scheduler or the
-    gateway goes away (or on a bad token, UNAUTHENTICATED, when it opens). Releases ride on the
-    calls (ScheduleRequest.releases). A server without it answers UNIMPLEMENTED; the client
+    ScheduleStream: _aio.StreamStreamMultiCallable[_scheduler_pb2.ScheduleCalls, _scheduler_pb2.ScheduleResults]  # type: ignore[assignment]
+    """Schedule over one long-lived stream per gateway. Each ScheduleCalls message carries the
+    calls the gateway queued while its previous message was being written (one or more), and
+    each of its ScheduleCall is answered by one ScheduleResult with the same call_id, in a
+    ScheduleResults message (answers may come in any order and any grouping). A call's
+    failure is its result's status, never the stream's: the stream ends only when the
+    scheduler or the gateway goes away (or on a bad token, UNAUTHENTICATED, when it opens).
+    Releases ride on the calls (ScheduleRequest.releases) or, with no call to ride on, on
+    ScheduleCalls.releases (no answer). A server without it answers UNIMPLEMENTED; the client
     then uses Schedule.
     """
 
@@ -131,14 +137,17 @@ class SchedulerServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
     def ScheduleStream(
         self,
-        request_iterator: _MaybeAsyncIterator[_scheduler_pb2.ScheduleCall],
+        request_iterator: _MaybeAsyncIterator[_scheduler_pb2.ScheduleCalls],
         context: _ServicerContext,
-    ) -> _typing.Union[_abc.Iterator[_scheduler_pb2.ScheduleResult], _abc.AsyncIterator[_scheduler_pb2.ScheduleResult]]:
-        """Schedule over one long-lived stream per gateway: each ScheduleCall is answered by one
-        ScheduleResult with the same call_id (answers may come in any order). A call's failure is
-        its result's status, never the stream's: the stream ends only when the scheduler or the
-        gateway goes away (or on a bad token, UNAUTHENTICATED, when it opens). Releases ride on the
-        calls (ScheduleRequest.releases). A server without it answers UNIMPLEMENTED; the client
+    ) -> _typing.Union[_abc.Iterator[_scheduler_pb2.ScheduleResults], _abc.AsyncIterator[_scheduler_pb2.ScheduleResults]]:
+        """Schedule over one long-lived stream per gateway. Each ScheduleCalls message carries the
+        calls the gateway queued while its previous message was being written (one or more), and
+        each of its ScheduleCall is answered by one ScheduleResult with the same call_id, in a
+        ScheduleResults message (answers may come in any order and any grouping). A call's
+        failure is its result's status, never the stream's: the stream ends only when the
+        scheduler or the gateway goes away (or on a bad token, UNAUTHENTICATED, when it opens).
+        Releases ride on the calls (ScheduleRequest.releases) or, with no call to ride on, on
+        ScheduleCalls.releases (no answer). A server without it answers UNIMPLEMENTED; the client
         then uses Schedule.
         """
 

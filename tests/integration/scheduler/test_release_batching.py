@@ -58,13 +58,15 @@ async def test_a_queued_release_rides_on_the_next_schedule(
     assert _release_counts(server) == {"success/true": 1.0, "failed/true": 1.0}
 
 
+@pytest.mark.parametrize("stream", [True, False], ids=["on-the-stream", "release-batch"])
 async def test_queued_releases_are_flushed_in_one_batch_without_a_schedule(
     one_pair: Fleet,
     scheduler_factory: Callable[..., SchedulerServer],
     client_factory: Callable[..., RemoteScheduler],
+    stream: bool,
 ) -> None:
     server = scheduler_factory()
-    client = client_factory(server.address, release_batch_s=0.05)
+    client = client_factory(server.address, release_batch_s=0.05, stream=stream)
     for rid in ("a", "b", "c"):
         await client.schedule(RequestFeatures(rid, "tiny", 16, 16))
     for rid in ("a", "b", "c"):
