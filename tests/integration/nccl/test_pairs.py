@@ -252,35 +252,6 @@ def test_a_new_prefill_asks_decodes_to_connect_first(start_node: Callable[..., N
     assert t.connect_s == 0  # the first request pays no handshake
 
 
-def test_a_preconnected_pair_ran_the_first_pulls_copies_on_both_sides(
-    start_node: Callable[..., Node], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Pre-connect warms, on both sides, the copy path a 1-block pull then takes (the
-    batched slice copy): the first pull through the pair launches nothing that was not
-    launched on that side before it."""
-    decode, prefill = start_node("d0", seed=2), start_node("p0", seed=1)
-    ran: list[tuple[int, bool, int, bool]] = []
-    real_copy = BlockMover._copy
-
-    def copy(self: BlockMover, is_send: bool, staging: Any, ids: Any, index: Any, chunk: Any):  # type: ignore[no-untyped-def]
-        ran.append((id(self), is_send, len(ids), index is None))
-        return real_copy(self, is_send, staging, ids, index, chunk)
-
-    monkeypatch.setattr(BlockMover, "_copy", copy)
-    stub = kv_transfer_nccl_pb2_grpc.NcclKvTransferStub(prefill.peers.get(decode.endpoint).channel)
-    request = kv_transfer_nccl_pb2.NcclPreconnectRequest(
-        requester_id="p0", tp_rank=0, endpoint=prefill.endpoint
-    )
-    assert stub.Preconnect(request, timeout=10).connected is True
-    d, p = id(decode.engine.mover), id(prefill.engine.mover)
-    warmed = sorted(ran)
-    assert warmed == sorted([(d, True, 1, True), (p, True, 1, True)])  # both, batched
-    ran.clear()
-    t = _pull(decode, prefill, "t0", [5], [9])
-    assert t.connect_s == 0 and _same(decode, [9], prefill, [5])
-    assert sorted(ran) == sorted([(d, False, 1, True), (p, True, 1, True)])
-
-
 def test_preconnect_never_evicts(start_node: Callable[..., Node]) -> None:
     decode = start_node("d0", cap=1)
     prefills = [start_node(f"p{i}", seed=i) for i in range(2)]

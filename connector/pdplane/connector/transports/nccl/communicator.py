@@ -274,18 +274,15 @@ class NcclCommunicator:
 
     def warm_up(self, deadline: float) -> None:
         """Exchanges `WARMUP_BYTES` each way, so that NCCL's lazily built connections exist
-        before the first transfer (both ranks call it). The buffer is allocated on this
-        communicator's stream: freed, it stays in the caching allocator's pool of that stream,
-        where transfers allocate their staging buffers. Raises as `wait`."""
+        before the first transfer (both ranks call it). Raises as `wait`."""
         import torch
 
-        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
-            buf = torch.zeros(2 * WARMUP_BYTES, dtype=torch.uint8, device=f"cuda:{self.device}")
-            ptr = buf.data_ptr()
-            self.enqueue(
-                [P2pOp(True, ptr, WARMUP_BYTES), P2pOp(False, ptr + WARMUP_BYTES, WARMUP_BYTES)],
-                deadline,
-            )
+        buf = torch.zeros(2 * WARMUP_BYTES, dtype=torch.uint8, device=f"cuda:{self.device}")
+        ptr = buf.data_ptr()
+        self.enqueue(
+            [P2pOp(True, ptr, WARMUP_BYTES), P2pOp(False, ptr + WARMUP_BYTES, WARMUP_BYTES)],
+            deadline,
+        )
         self.wait(deadline, "warm-up")
 
     def __repr__(self) -> str:

@@ -248,7 +248,6 @@ class NcclEngine:
             )
             comm.wait_ready(deadline)
             comm.warm_up(deadline)
-            self.mover.warm_pair(comm, self.chunk_bytes, deadline)
             pair.ready.wait(deadline, "ready from the peer")
         except Exception as exc:
             if pair.link is not None:
@@ -397,7 +396,6 @@ class NcclEngine:
         try:
             comm.wait_ready(deadline)
             comm.warm_up(deadline)
-            self.mover.warm_pair(comm, self.chunk_bytes, deadline)
         except Exception as exc:
             comm.abort(f"handshake failed: {exc}")
             context.abort(
