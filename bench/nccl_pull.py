@@ -186,6 +186,10 @@ def main() -> int:
         results["control_overhead_ms"] = (pull_one - raw_one) * 1e3
         results["first_over_later"] = first["elapsed_s"] / pull_one
         results["one_block_breakdown_ms"] = _breakdown(one, prefill)
+        # the same phases of the first pull, to see which one a first use still pays
+        results["first_pull_breakdown_ms"] = _breakdown(
+            [{**first, "transfer_id": "first"}], prefill
+        )
         for n_tokens in tokens:
             n = n_tokens // BLOCK
             nbytes = n * BLOCK * TOKEN_BYTES
@@ -248,6 +252,7 @@ def main() -> int:
         f"control-plane overhead {results['control_overhead_ms']:.2f} ms/transfer"
     )
     print("where a 1-block pull's time goes (median ms):", results["one_block_breakdown_ms"])
+    print("the first pull through the pre-connected pair (ms):", results["first_pull_breakdown_ms"])
     print(
         f"{'tokens':>7} {'MiB':>7} {'raw ms':>8} {'raw GB/s':>8}  {'variant':<20}"
         f" {'pull ms':>8} {'GB/s':>6} {'ratio':>6} ok"
