@@ -8,8 +8,9 @@ measures the calibration's out-of-sample cells (a shared-prefix cell and Poisson
 bench/sim_calibrate.py) on the same instance and prints, side by side, the engine model's
 error with the profile `pdplane profile` wrote and with the named `tiny-cpu` profile (the
 simulator's own calibration): median |model - vLLM| / vLLM of each cell's median TTFT and
-mean ITL, in and out of sample; then the fit's A/B (burst cells' TTFT fitted or left out,
-both refitted on the re-measured sweep cells). Writes profile.json, plan-profile.md and
+mean ITL, in and out of sample; then the fit's A/B (without the API server's serial term and
+the burst cells' TTFT left out, or with the term and every cell's TTFT fitted; both refitted on
+the re-measured sweep cells). Writes profile.json, plan-profile.md and
 plan-profile.json.
 """
 
@@ -35,7 +36,7 @@ from bench.sim_calibrate import CPU_HOLDOUT  # noqa: E402
 from pdplane.launch.vllm_cpu import VllmCpuInstance, VllmCpuOptions  # noqa: E402
 from pdplane.models.tiny import build_tiny_model  # noqa: E402
 from pdplane.plan import profile_cli  # noqa: E402
-from pdplane.plan.fit import fit_cost, predict, unbatched_ttft_weight  # noqa: E402
+from pdplane.plan.fit import FIT_FIELDS, fit_cost, predict, unbatched_ttft_weight  # noqa: E402
 from pdplane.plan.sweep import CellResult, measure_cells  # noqa: E402
 from pdplane.sim.profiles import PROFILES, Profile, load_profile  # noqa: E402
 
@@ -101,11 +102,15 @@ def main(argv: list[str] | None = None) -> int:
     # A/B of the fit's TTFT weighting, both fitted on the re-measured sweep cells (so their
     # sweep-cell column is in sample) from the same start as `pdplane profile`.
     start = dataclasses.replace(measured, cost=tiny.cost)
+    variants = (
+        ("no serial term, burst TTFT left out (now)", FIT_FIELDS, unbatched_ttft_weight),
+        ("serial term, burst TTFT fitted", (*FIT_FIELDS, "serial_request_ms"), None),
+    )
     refits = {
-        f"refit, burst TTFT {kind}": dataclasses.replace(
-            start, cost=fit_cost(start, grid, ttft_weight=weight)[0]
+        f"refit, {kind}": dataclasses.replace(
+            start, cost=fit_cost(start, grid, fields=fields, ttft_weight=weight)[0]
         )
-        for kind, weight in (("fitted (before)", None), ("left out (now)", unbatched_ttft_weight))
+        for kind, fields, weight in variants
     }
     rows = []
     result: dict[str, object] = {"profile_s": took, "profile": measured.to_dict()}

@@ -18,6 +18,7 @@ import numpy as np
 
 from pdplane.plan.sweep import Cell, CellResult
 from pdplane.sim.engine import EngineCore, EngineLimits, EngineRequest
+from pdplane.sim.frontend import Frontend
 from pdplane.sim.offline import run_offline
 from pdplane.sim.profiles import CostModel, Profile
 
@@ -57,21 +58,26 @@ def predict(profile: Profile, cost: CostModel, cell: Cell, seed: int = 0) -> tup
         max_num_batched_tokens=profile.max_num_batched_tokens,
     )
     core = EngineCore(limits, cost)
+    frontend = Frontend(cost)
     arrivals: list[tuple[float, EngineRequest]] = []
+    sent: dict[str, float] = {}
     base = 1_000_000 * (seed + 1)
     shared = list(range(base, base + cell.shared_prefix))
     offset = 0.0
     if cell.shared_prefix:
-        arrivals.append((0.0, EngineRequest("warm", [*shared, 1], [1])))
+        arrivals.append((frontend.admit(0.0), EngineRequest("warm", [*shared, 1], [1])))
         offset = 10.0  # long after the warm-up finished
-    for i in range(cell.batch):
+    sends = sorted(
+        (offset + (cell.arrivals[i] if cell.arrivals else 0.0), i) for i in range(cell.batch)
+    )
+    for at, i in sends:  # in arrival order: the API server is a FIFO
         own = base + (i + 1) * 100_000
         prompt = shared + list(range(own, own + cell.prompt - cell.shared_prefix))
-        at = offset + (cell.arrivals[i] if cell.arrivals else 0.0)
-        arrivals.append((at, EngineRequest(f"r{i}", prompt, [1] * cell.output)))
+        sent[f"r{i}"] = at
+        arrivals.append((frontend.admit(at), EngineRequest(f"r{i}", prompt, [1] * cell.output)))
     run = run_offline(core, arrivals)
-    # Requests reach the engine request_ms after they were sent.
-    ttfts = [t.ttft + cost.request_ms * 1e-3 for k, t in run.timings.items() if k != "warm"]
+    # TTFT from when the request was sent (the engine saw it after the API server let it in).
+    ttfts = [t.token_times[0] - sent[k] for k, t in run.timings.items() if k != "warm"]
     itls = [x for k, t in run.timings.items() if k != "warm" for x in t.itls]
     return statistics.median(ttfts), statistics.fmean(itls) if itls else float("nan")
 
@@ -88,6 +94,15 @@ def _first_guess(targets: list[tuple[Cell, float, float]]) -> dict[str, float]:
         per_token = (ones[-1][1] - ones[0][1]) * 1e3 / (ones[-1][0] - ones[0][0])
         guess["token_ms"] = max(per_token, 1e-5)
         guess["request_ms"] = max(ones[0][1] * 1e3 - itl1 - per_token * ones[0][0], 0.01)
+    lone = {c.prompt: t for c, t, _ in targets if c.batch == 1 and not c.shared_prefix}
+    bursts = [(c, t) for c, t, _ in targets if c.batch > 1 and not c.arrivals and c.prompt in lone]
+    if bursts:
+        # Half of the biggest burst's extra median TTFT over a lone request's, as the API
+        # server's FIFO (the median request of B waits (B + 1) / 2 turns); the engine's batch
+        # has the other half.
+        c, t = max(bursts, key=lambda b: b[0].batch)
+        turns = (c.batch + 1) / 2
+        guess["serial_request_ms"] = max(0.5 * (t - lone[c.prompt]) * 1e3 / turns, 0.01)
     big = max((c for c, _, _ in targets), key=lambda c: c.batch)
     itl_big = next(i for c, _, i in targets if c == big) * 1e3
     if big.batch > 1:

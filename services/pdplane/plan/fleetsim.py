@@ -6,7 +6,9 @@ discrete-event loop (a heap of timed events, nothing sleeps), so a fleet serving
 traffic runs in seconds of CPU. What it models around the engines, after the gateway's
 sequential dispatch (docs/gateway.md) and the connector's pull mode (docs/connector.md):
 
-- a request enters an engine `cost.request_ms` after it is sent (API server, tokenization);
+- a request enters an engine when that instance's API server lets it in
+  (`pdplane.sim.frontend`: `cost.serial_request_ms` on one FIFO per instance, then
+  `cost.request_ms`), both on the prefill and on the decode;
 - disaggregated: the prefill computes the prompt and one token and keeps its KV blocks; the
   request then goes to a decode, which allocates blocks for the prompt, waits for the pull
   (`transfer_latency_ms + prompt KV bytes / transfer_gbps`), recomputes the last prompt token
@@ -30,6 +32,7 @@ from typing import Any
 
 from pdplane.plan.workload import RequestSpec
 from pdplane.sim.engine import EngineCore, EngineLimits, EngineRequest, Phase, Step
+from pdplane.sim.frontend import Frontend
 from pdplane.sim.profiles import Profile
 from pdplane.sim.stats import LogHistogram
 
@@ -103,11 +106,21 @@ class FleetResult:
 
 
 class _Node:
-    __slots__ = ("busy", "busy_s", "core", "loading_bytes", "outstanding", "peak_loading", "role")
+    __slots__ = (
+        "busy",
+        "busy_s",
+        "core",
+        "frontend",
+        "loading_bytes",
+        "outstanding",
+        "peak_loading",
+        "role",
+    )
 
     def __init__(self, role: str, core: EngineCore) -> None:
         self.role = role
         self.core = core
+        self.frontend = Frontend(core.cost)
         self.busy = False
         self.busy_s = 0.0
         self.outstanding = 0  # routing load: prompt tokens (prefill) or requests
@@ -162,7 +175,6 @@ class _FleetRun:
         self.profile = profile
         self.config = config
         cost = profile.cost
-        self.hop = cost.request_ms * 1e-3
         self.kv_per_token = profile.kv_bytes_per_token
         self.gbps = profile.transfer_gbps
         self.latency = profile.transfer_latency_ms * 1e-3
@@ -204,7 +216,7 @@ class _FleetRun:
                 str(i), prompt, _tokens(base + spec.prompt_tokens, spec.output_tokens)
             )
         er.waiter = r
-        self.push(spec.at + self.hop, _ADD, (node, er))
+        self.push(node.frontend.admit(spec.at), _ADD, (node, er))
 
     def kick(self, node: _Node, now: float) -> None:
         """Starts the node's next step if it is idle and has work."""
@@ -242,7 +254,7 @@ class _FleetRun:
             out = _tokens((int(er.request_id) << 20) + spec.prompt_tokens, spec.output_tokens)
             der = EngineRequest(er.request_id, er.prompt, out, remote_tokens=spec.prompt_tokens)
             der.waiter = r
-            self.push(now + self.hop, _ADD, (d, der))
+            self.push(d.frontend.admit(now), _ADD, (d, der))
         self.kick(node, now)
 
     def add(self, node: _Node, er: EngineRequest, now: float) -> None:
@@ -358,7 +370,8 @@ def simulate_fleet(
     warmup_s = min(warmup_s, end)
     stop = end + (2 * ttft_slo_s if tail_s is None else tail_s)
     window: list[_Req] = []
-    for i, spec in enumerate(requests):
+    # In arrival order: each instance's API server is a FIFO (`Frontend.admit`).
+    for i, spec in sorted(enumerate(requests), key=lambda p: p[1].at):
         r = _Req(spec, warmup_s <= spec.at <= end)
         if r.measured:
             window.append(r)

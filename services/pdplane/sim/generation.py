@@ -122,8 +122,8 @@ class CompletionRoutes:
         started = loop.time()
         held: HeldTransfer | None = None
         try:
-            if s.core.cost.request_ms:
-                await s.runner.sleep(s.core.cost.request_ms * 1e-3)
+            now = s.runner.now()
+            await s.runner.sleep(s.frontend.admit(now) - now)  # the API server's FIFO + hop
             s.runner.submit(ereq)
             while ereq.num_output == 0 and ereq.phase != Phase.DONE:
                 await s.runner.progress(ereq)

@@ -50,8 +50,13 @@ class CostModel:
     kv_read_ms_per_ktok: float = 0.0
     prefill_attn_ms_per_mpair: float = 0.0
     #: not a step cost: from a request's arrival at the HTTP server to its entry into the
-    #: scheduler (API server parsing and tokenization, the hop to the engine core)
+    #: scheduler (API server parsing and tokenization, the hop to the engine core), paid by
+    #: every request in parallel
     request_ms: float = 0.0
+    #: not a step cost: per request, time on the API server's single FIFO before
+    #: `request_ms` (a burst of k requests reaches the engine at 1..k x this; 0 = none);
+    #: `pdplane.sim.frontend`
+    serial_request_ms: float = 0.0
 
     def step_time_ms(
         self, tokens: int, prefill_tokens: int, seqs: int, context: int, pairs: float

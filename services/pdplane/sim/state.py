@@ -11,6 +11,7 @@ from pdplane.core.layout import fingerprint
 from pdplane.sim.config import SimConfig
 from pdplane.sim.engine import EngineCore, EngineLimits
 from pdplane.sim.faults import FaultPlan
+from pdplane.sim.frontend import Frontend
 from pdplane.sim.kv_cache import BlockPool
 from pdplane.sim.metrics import SimMetrics
 from pdplane.sim.push import Pusher, ReceiveBuffer
@@ -37,6 +38,7 @@ class SimState:
     core: EngineCore = field(init=False)
     events: KvEventLog | None = field(init=False)
     runner: EngineRunner = field(init=False)
+    frontend: Frontend = field(init=False)
     transfers: TransferTable = field(init=False)
     peers: KvPeers = field(init=False)
     push_buffer: ReceiveBuffer | None = field(init=False)
@@ -64,6 +66,7 @@ class SimState:
         pool = BlockPool(c.kv_blocks, c.block_size, caching=c.prefix_caching, sink=self.events)
         self.core = EngineCore(limits, c.cost_model(), pool)
         self.runner = EngineRunner(self.core, time_scale=c.time_scale)
+        self.frontend = Frontend(self.core.cost)  # on the runner's clock (modelled s)
         self.transfers = TransferTable(self.runner.release, c.kv_hold_timeout_s)
         self.peers = KvPeers(token=c.kv_token or None)
         self.push_buffer = ReceiveBuffer(c.push_buffer_bytes) if c.kv_mode == "push" else None

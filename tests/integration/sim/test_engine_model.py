@@ -47,6 +47,28 @@ async def test_prompts_queue_behind_each_other_in_the_token_budget() -> None:
         assert stats["steps"] >= 8 and stats["computed_tokens"] == 4000
 
 
+async def test_a_burst_waits_its_turns_on_the_api_servers_fifo() -> None:
+    # 40 ms per request on the API server's one FIFO, 1 ms steps: of 4 requests sent at once
+    # the k-th to get its first token cannot have it before k turns.
+    cost = CostModel(step_ms=1.0, serial_request_ms=40.0)
+    with running_sims("both", cost=cost) as sims:
+        url = sims.urls[0] + "/v1/completions"
+        loop = asyncio.get_running_loop()
+
+        async def first_token_at(client: httpx.AsyncClient, i: int) -> float:
+            body = {"model": MODEL, "prompt": f"burst {i}", "max_tokens": 1}
+            r = await client.post(url, json=body)
+            assert r.status_code == 200
+            return loop.time() - t0
+
+        async with httpx.AsyncClient(timeout=30) as client:
+            t0 = loop.time()
+            done = sorted(await asyncio.gather(*(first_token_at(client, i) for i in range(4))))
+        # Lower bounds only (a busy machine makes everything later).
+        for k, t in enumerate(done, start=1):
+            assert t >= k * 0.040
+
+
 def test_a_repeated_prompt_shows_in_vllms_prefix_cache_counters() -> None:
     with running_sims("both", block_size=4) as sims:
         url = sims.urls[0]

@@ -55,3 +55,19 @@ def test_a_burst_cost_outside_the_model_does_not_move_lone_requests() -> None:
 
     assert worst_lone_error(unbatched_ttft_weight) < 0.03
     assert worst_lone_error(None) > 0.05
+
+
+def test_fit_recovers_the_api_servers_serial_term_from_bursts() -> None:
+    # Serial turns (1.5 ms) shorter than a step (3 ms): the bursts of short prompts tell them
+    # from the engine's batching.
+    truth = dataclasses.replace(TRUTH, serial_request_ms=1.5)
+    cells = [Cell(1, 64, 8), Cell(1, 512, 8), Cell(4, 64, 8), Cell(16, 64, 8), Cell(4, 512, 8)]
+    measured = []
+    for cell in cells:
+        ttft, itl = predict(BASE, truth, cell)
+        measured.append(CellResult(cell, [ttft] * cell.batch, [itl] * (cell.output - 1)))
+    fields = (*FIELDS, "serial_request_ms")
+    cost, score = fit_cost(BASE, measured, fields=fields, iters=300)
+    assert score < 1e-3
+    assert math.isclose(cost.serial_request_ms, 1.5, rel_tol=0.1)
+    assert math.isclose(cost.request_ms, 8.0, rel_tol=0.1)
