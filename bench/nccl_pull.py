@@ -8,8 +8,12 @@ between the same two ranks as one contiguous buffer. Also measured: the control-
 per transfer (a 1-block pull minus raw NCCL of the same bytes) and where it goes (decode's and
 prefill's timestamps of each 1-block pull: both processes read one monotonic clock), the
 pre-connect (the pair set up before any request) and the first pull through the pre-connected
-pair against the later ones. Bytes are verified by per-block checksums (first repeat of each
-variant and size).
+pair against the later ones, two ways: against the 40 later pulls run back to back
+(`first_over_later`), and against later pulls through the same, already used pair that each
+follow the same pause as the first one (`--idle-gap-ms` after the previous command's answer,
+then the same hold command: `first_over_idle_later`). The first ratio mixes first use with
+idleness; the second leaves only first use. Bytes are verified by per-block checksums (first
+repeat of each variant and size).
 
     python bench/nccl_pull.py --out results.json            # one GPU: NCCL socket transport
     python bench/nccl_pull.py --decode-device 1 ...         # two GPUs: NVLink / P2P
@@ -24,6 +28,7 @@ import json
 import random
 import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -120,6 +125,15 @@ def main() -> int:
         default=8192,
         help="measure the grouped strategy up to this prompt length",
     )
+    p.add_argument(
+        "--idle-gap-ms",
+        type=float,
+        default=100.0,
+        help="pause before the first pull (after pre-connect) and before each idle later pull",
+    )
+    p.add_argument(
+        "--idle-pulls", type=int, default=10, help="later 1-block pulls after the same pause"
+    )
     p.add_argument("--out", type=Path)
     p.add_argument("--log-dir", type=Path)
     args = p.parse_args()
@@ -165,9 +179,14 @@ def main() -> int:
         peers = [{"instance_id": prefill.instance_id, "endpoint": prefill.endpoint}]
         pre = _ok(decode.call("preconnect", peers=[{**peers[0], "pulls_from": True}], timeout_s=60))
         results["preconnect_ms"] = pre["elapsed_s"] * 1e3
+        results["idle_gap_ms"] = args.idle_gap_ms
+        answered = time.monotonic()  # both nodes' instants are this host's monotonic clock
+        time.sleep(args.idle_gap_ms / 1e3)
         first = _pull(decode, prefill, "first", [3], [5])
         results["first_pull_ms"] = first["elapsed_s"] * 1e3
         results["first_pull_connect_ms"] = first["connect_s"] * 1e3
+        # the pair's idle time before the first pull: pre-connect's answer to the pull's start
+        results["first_pull_gap_ms"] = (first["started"] - answered) * 1e3
         one: list[dict[str, Any]] = []
         for i in range(40):
             got = _pull(
@@ -178,6 +197,20 @@ def main() -> int:
                 [rng.randrange(num_blocks)],
             )
             one.append({**got, "transfer_id": f"one{i}"})
+        # Later pulls through the same pair, each after the first pull's pause (idle threads,
+        # caches and CPU as the first pull found them, minus first use).
+        idle: list[dict[str, Any]] = []
+        for i in range(args.idle_pulls):
+            answered = time.monotonic()
+            time.sleep(args.idle_gap_ms / 1e3)
+            got = _pull(
+                decode,
+                prefill,
+                f"idle{i}",
+                [rng.randrange(num_blocks)],
+                [rng.randrange(num_blocks)],
+            )
+            idle.append({**got, "transfer_id": f"idle{i}", "gap_s": got["started"] - answered})
         raw_one = _raw(decode, prefill, TOKEN_BYTES * BLOCK, 20)
         pull_one = statistics.median(g["elapsed_s"] for g in one)
         results["one_block_pull_ms"] = pull_one * 1e3
@@ -185,6 +218,13 @@ def main() -> int:
         results["one_block_pull_over_raw"] = pull_one / raw_one
         results["control_overhead_ms"] = (pull_one - raw_one) * 1e3
         results["first_over_later"] = first["elapsed_s"] / pull_one
+        if idle:
+            pull_idle = statistics.median(g["elapsed_s"] for g in idle)
+            results["idle_later_pull_ms"] = pull_idle * 1e3
+            results["idle_later_pulls_ms"] = [round(g["elapsed_s"] * 1e3, 3) for g in idle]
+            results["idle_later_gap_ms"] = statistics.median(g["gap_s"] for g in idle) * 1e3
+            results["first_over_idle_later"] = first["elapsed_s"] / pull_idle
+            results["idle_later_breakdown_ms"] = _breakdown(idle, prefill)
         results["one_block_breakdown_ms"] = _breakdown(one, prefill)
         # the same phases of the first pull, to see which one a first use still pays
         results["first_pull_breakdown_ms"] = _breakdown(
@@ -253,6 +293,15 @@ def main() -> int:
     )
     print("where a 1-block pull's time goes (median ms):", results["one_block_breakdown_ms"])
     print("the first pull through the pre-connected pair (ms):", results["first_pull_breakdown_ms"])
+    if "first_over_idle_later" in results:
+        print(
+            f"first pull {results['first_pull_ms']:.2f} ms after {results['first_pull_gap_ms']:.0f}"
+            f" ms idle: first_over_later {results['first_over_later']:.2f} (back to back, "
+            f"{results['one_block_pull_ms']:.2f} ms), first_over_idle_later "
+            f"{results['first_over_idle_later']:.2f} (later pulls after the same pause, "
+            f"{results['idle_later_pull_ms']:.2f} ms, {results['idle_later_gap_ms']:.0f} ms idle)"
+        )
+        print("a later pull after the same pause (median ms):", results["idle_later_breakdown_ms"])
     print(
         f"{'tokens':>7} {'MiB':>7} {'raw ms':>8} {'raw GB/s':>8}  {'variant':<20}"
         f" {'pull ms':>8} {'GB/s':>6} {'ratio':>6} ok"

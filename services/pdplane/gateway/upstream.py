@@ -3,7 +3,8 @@
 aiohttp was chosen over httpx by measurement: relaying one JSON answer plus one 17-event SSE
 stream per request from a loopback server cost ~230 us of client CPU with aiohttp and ~3000 us
 with httpx (2000 requests, 16 concurrent; see docs/gateway.md). One `ClientSession` is shared
-by all requests; nothing is created per request but the request itself. (A hand-written
+by all requests; nothing is created per request but the request itself (its `ClientTimeout`
+is built once per distinct bound). (A hand-written
 HTTP/1.1 client on httptools measured ~0.2 ms/request cheaper still; the project keeps a
 well-kept library on this path, see docs/benchmarks.md.)
 
@@ -23,6 +24,7 @@ __all__ = ["UpstreamClient", "UpstreamResponse", "UpstreamTimeout", "UpstreamUnr
 #: Below uvicorn's (and so vLLM's) 5 s keep-alive, so that a pooled connection is never reused
 #: just as the server closes it (a POST on such a connection fails and cannot be retried).
 _KEEPALIVE_S = 4.0
+_TIMEOUTS_KEPT = 16
 
 
 class UpstreamUnreachable(Exception):
@@ -103,7 +105,10 @@ class UpstreamResponse:
 
         Raises UpstreamUnreachable (broken off) or UpstreamTimeout (silent) mid-body."""
         content = self._resp.content
-        watchdog = None if idle_timeout_s is None else _IdleWatchdog(idle_timeout_s)
+        watchdog = None
+        if idle_timeout_s is not None:
+            watchdog = _IdleWatchdog(idle_timeout_s)
+            self._watchdog_replaces_read_timeout(idle_timeout_s)
         try:
             while True:
                 if watchdog is None:
@@ -126,6 +131,21 @@ class UpstreamResponse:
         finally:
             if watchdog is not None:
                 watchdog.stop()
+
+    def _watchdog_replaces_read_timeout(self, idle_timeout_s: float) -> None:
+        # aiohttp's `sock_read` re-arms a timer on every packet received (a cancel and a
+        # call_later per chunk). A stream's watchdog bounds each read by `idle_timeout_s`, at
+        # most the request's read timeout (`Attempt`), so it is the same bound or a tighter one:
+        # the connection's read timeout is switched off for the rest of this response (aiohttp
+        # sets it again for the connection's next request). The timer armed by the last packet
+        # lapses at the next one.
+        conn = self._resp.connection
+        protocol = conn.protocol if conn is not None else None
+        if protocol is None:
+            return
+        read_timeout = protocol.read_timeout
+        if read_timeout is not None and idle_timeout_s <= read_timeout:
+            protocol.read_timeout = None
 
     async def read(self) -> bytes:
         """The whole body (raises as `chunks`)."""
@@ -157,6 +177,19 @@ class UpstreamClient:
         self._connect_timeout_s = connect_timeout_s
         self._max_connections = max_connections
         self._session: aiohttp.ClientSession | None = None
+        # (read, total) -> its ClientTimeout: the relay's few configured bounds, built once each
+        # (at most _TIMEOUTS_KEPT of them, so that computed bounds cannot grow it).
+        self._timeouts: dict[tuple[float, float | None], aiohttp.ClientTimeout] = {}
+
+    def _timeout(self, read_s: float, total_s: float | None) -> aiohttp.ClientTimeout:
+        timeout = self._timeouts.get((read_s, total_s))
+        if timeout is None:
+            timeout = aiohttp.ClientTimeout(
+                total=total_s, connect=self._connect_timeout_s, sock_read=read_s
+            )
+            if len(self._timeouts) < _TIMEOUTS_KEPT:
+                self._timeouts[(read_s, total_s)] = timeout
+        return timeout
 
     def _get_session(self) -> aiohttp.ClientSession:
         # Created lazily so that it binds to the running event loop.
@@ -195,9 +228,7 @@ class UpstreamClient:
             UpstreamUnreachable: connection refused/reset or closed before the response headers.
             UpstreamTimeout: no response headers within the timeout.
         """
-        timeout = aiohttp.ClientTimeout(
-            total=total_timeout_s, connect=self._connect_timeout_s, sock_read=read_timeout_s
-        )
+        timeout = self._timeout(read_timeout_s, total_timeout_s)
         try:
             resp = await self._get_session().request(
                 method,

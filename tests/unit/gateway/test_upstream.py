@@ -146,3 +146,59 @@ async def test_a_connection_the_instance_closed_while_idle_is_not_reused(
     resp = await client.open(url, b"{}", JSON, read_timeout_s=5)  # must not fail on the dead one
     assert await client.read(resp) == b"{}"
     assert len(peers) == 2 and peers[0] != peers[1]  # a new connection
+
+
+async def test_a_stream_bounded_by_its_idle_timeout_times_out_when_silent(
+    serve: Serve, client: UpstreamClient
+) -> None:
+    async def stall(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        resp = web.StreamResponse()
+        await resp.prepare(request)
+        await resp.write(b"data: 1\n\n")
+        await asyncio.sleep(30)
+        return resp
+
+    resp = await client.open(await serve(stall) + "/v1/completions", b"{}", JSON, read_timeout_s=5)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    chunks = []
+    with pytest.raises(UpstreamTimeout):
+        async for chunk in resp.chunks(idle_timeout_s=0.2):
+            chunks.append(chunk)
+    resp.close()
+    assert chunks == [b"data: 1\n\n"]
+    assert 0.15 < loop.time() - started < 2.0
+
+
+async def test_the_next_request_on_a_connection_after_a_stream_keeps_its_read_timeout(
+    serve: Serve, client: UpstreamClient
+) -> None:
+    # A stream's idle bound stands in for the connection's read timeout while it lasts; the
+    # connection's next request must be bounded by its own read timeout again.
+    peers: list[object] = []
+
+    async def stream_then_stall(request: web.Request) -> web.StreamResponse:
+        peers.append(request.transport.get_extra_info("peername") if request.transport else None)
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b"data: 1\n\n")
+        if len(peers) > 1:
+            await asyncio.sleep(30)
+        await resp.write_eof()
+        return resp
+
+    url = await serve(stream_then_stall) + "/v1/completions"
+    first = await client.open(url, b"{}", JSON, read_timeout_s=5)
+    assert [c async for c in first.chunks(idle_timeout_s=1.0)] == [b"data: 1\n\n"]
+    first.release()
+    second = await client.open(url, b"{}", JSON, read_timeout_s=0.2)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    with pytest.raises(UpstreamTimeout):
+        async for _ in second.chunks():
+            pass
+    second.close()
+    assert len(peers) == 2 and peers[0] == peers[1]  # the same pooled connection
+    assert 0.15 < loop.time() - started < 2.0
