@@ -6,6 +6,7 @@ ignored); `missing()` says how to install one that is absent.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 import time
@@ -99,8 +100,20 @@ def wait_ready(run: ProxyRun, model: str, timeout_s: float = 90.0) -> None:
 #: index fed by the instances' KV events (`--no-kv-index`); unary = a remote gateway's Schedules
 #: as unary calls instead of on one ScheduleStream (`--no-schedule-stream`); base = the
 #: gateway and scheduler run the code of another checkout, `PDPLANE_BENCH_BASE_TREE` (an A/B
-#: of two trees in one run).
-VARIANTS = ("tok", "kv_aware", "no-kv-index", "unary", "base")
+#: of two trees in one run); granian = the same gateway app served by granian instead of
+#: uvicorn (`bench/_granian_gateway.py`); w2 = two granian worker processes sharing the port
+#: (implies granian; remote scheduler only).
+VARIANTS = ("tok", "kv_aware", "no-kv-index", "unary", "base", "granian", "w2")
+
+
+def _gateway_argv(variants: frozenset[str]) -> list[str]:
+    """The command line that starts a pdplane proxy's gateway, up to its flags."""
+    if not variants & {"granian", "w2"}:
+        return [sys.executable, "-m", "pdplane.cli.main", "gateway"]
+    if importlib.util.find_spec("granian") is None:
+        raise RuntimeError("+granian / +w2 need granian: pip install 'granian>=2.8,<2.9'")
+    workers = ["--granian-workers", "2"] if "w2" in variants else []
+    return [sys.executable, "-m", "bench._granian_gateway", *workers]
 
 
 def _tree_env(variants: frozenset[str]) -> dict[str, str] | None:
@@ -161,10 +174,7 @@ def _pdplane(
     gateway = spawn(
         f"pdplane-gateway-{dispatch}",
         [
-            py,
-            "-m",
-            "pdplane.cli.main",
-            "gateway",
+            *_gateway_argv(variants),
             "--scheduler",
             f"127.0.0.1:{sched_port}",
             "--registry",
@@ -198,10 +208,7 @@ def _pdplane_embedded(
     gateway = spawn(
         "pdplane-gateway-embedded",
         [
-            sys.executable,
-            "-m",
-            "pdplane.cli.main",
-            "gateway",
+            *_gateway_argv(variants),
             "--scheduler",
             "embedded",
             *policy,

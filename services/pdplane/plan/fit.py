@@ -44,7 +44,10 @@ def unbatched_ttft_weight(cell: Cell) -> float:
     and `request_ms` and every lone request is then predicted late (vLLM CPU, tiny model:
     out-of-sample TTFT error 14-42 % with the bursts' TTFT, 2-25 % without; docs/plan.md).
     `bench/sim_calibrate.py` removes the same cost by measuring the served simulator's own
-    (`overhead_s`). The bursts' ITL still counts: it carries the decode batch costs.
+    (`overhead_s`). The bursts' ITL still counts: it carries the decode batch costs. Fitting
+    the FIFO term `serial_request_ms` with the bursts' TTFT instead (pass it in `fields`)
+    fits the bursts but predicted the lone out-of-sample cells worse in 6 of 7 rounds on vLLM
+    CPU (docs/plan.md): vLLM lets a burst in nearly all at once, not first come first served.
     """
     return 0.0 if cell.batch > 1 and not cell.arrivals else 1.0
 
@@ -157,6 +160,8 @@ def fit_cost(
     (HTTP, measured with the zero profile): a cell's predicted TTFT is the model's plus it, so
     the fitted `request_ms` is vLLM's request overhead minus the simulator's.
     `ttft_weight(cell)` scales a cell's TTFT term (default 1; the ITL term keeps weight 1).
+    `fields` may add `serial_request_ms` (not in `FIT_FIELDS`: started from the bursts'
+    extra TTFT over a lone request's).
     """
     weight = ttft_weight or (lambda _cell: 1.0)
     extra = overhead_s or {}

@@ -166,7 +166,6 @@ class NcclPullRequest(_message.Message):
     SEQ_FIELD_NUMBER: _builtins.int
     EARLY_BYTES_FIELD_NUMBER: _builtins.int
     TIMEOUT_MS_FIELD_NUMBER: _builtins.int
-    WARM_UP_FIELD_NUMBER: _builtins.int
     seq: _builtins.int
     """per stream, increasing; the verdict names it"""
     early_bytes: _builtins.int
@@ -175,13 +174,6 @@ class NcclPullRequest(_message.Message):
     """
     timeout_ms: _builtins.int
     """the caller gives up after this long"""
-    warm_up: _builtins.bool
-    """The pair's warm-up, once right after the handshake (caller = decode): a pull of zero
-    blocks that names no transfer. The server looks up no hold and answers an accepted
-    verdict of 0 bytes; nothing is sent. It runs every step of a pull's control path once
-    on both sides (request and verdict encoding, the stream threads, the serving code), so
-    that the first real pull does not pay for their first use.
-    """
     @_builtins.property
     def blocks(self) -> _kv_transfer_pb2.PullBlocksRequest:
         """which blocks, the requester's layout, rank and id"""
@@ -198,11 +190,10 @@ class NcclPullRequest(_message.Message):
         seq: _builtins.int = ...,
         early_bytes: _builtins.int = ...,
         timeout_ms: _builtins.int = ...,
-        warm_up: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "plan", b"plan"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "early_bytes", b"early_bytes", "plan", b"plan", "seq", b"seq", "timeout_ms", b"timeout_ms", "warm_up", b"warm_up"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "early_bytes", b"early_bytes", "plan", b"plan", "seq", b"seq", "timeout_ms", b"timeout_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -55,7 +55,6 @@ class NcclKvTransferServicer:
         caller -> hello (first message; the caller generated the NCCL unique id: rank 0)
         server -> ready (joined as rank 1; both directions warmed up)
         then, in order, on a PULL pair (caller = decode worker, server = prefill worker):
-        caller -> pull {warm_up} once; server -> verdict (0 bytes, accepted; nothing sent).
         caller -> pull; server -> verdict. Accepted: the sends follow. Refused: only
         `early_bytes` of filler follow, so that every receive the caller posted before the
         verdict is matched (an unmatched receive cannot be cancelled, not even by an abort).

@@ -41,7 +41,6 @@ class NcclKvTransferStub:
       caller -> hello (first message; the caller generated the NCCL unique id: rank 0)
       server -> ready (joined as rank 1; both directions warmed up)
       then, in order, on a PULL pair (caller = decode worker, server = prefill worker):
-        caller -> pull {warm_up} once; server -> verdict (0 bytes, accepted; nothing sent).
         caller -> pull; server -> verdict. Accepted: the sends follow. Refused: only
         `early_bytes` of filler follow, so that every receive the caller posted before the
         verdict is matched (an unmatched receive cannot be cancelled, not even by an abort).
@@ -71,7 +70,6 @@ class NcclKvTransferAsyncStub(NcclKvTransferStub):
       caller -> hello (first message; the caller generated the NCCL unique id: rank 0)
       server -> ready (joined as rank 1; both directions warmed up)
       then, in order, on a PULL pair (caller = decode worker, server = prefill worker):
-        caller -> pull {warm_up} once; server -> verdict (0 bytes, accepted; nothing sent).
         caller -> pull; server -> verdict. Accepted: the sends follow. Refused: only
         `early_bytes` of filler follow, so that every receive the caller posted before the
         verdict is matched (an unmatched receive cannot be cancelled, not even by an abort).
@@ -104,7 +102,6 @@ class NcclKvTransferServicer(metaclass=_abc_1.ABCMeta):
           caller -> hello (first message; the caller generated the NCCL unique id: rank 0)
           server -> ready (joined as rank 1; both directions warmed up)
           then, in order, on a PULL pair (caller = decode worker, server = prefill worker):
-            caller -> pull {warm_up} once; server -> verdict (0 bytes, accepted; nothing sent).
             caller -> pull; server -> verdict. Accepted: the sends follow. Refused: only
             `early_bytes` of filler follow, so that every receive the caller posted before the
             verdict is matched (an unmatched receive cannot be cancelled, not even by an abort).

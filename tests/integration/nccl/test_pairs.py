@@ -27,7 +27,6 @@ from pdplane.connector.transports.base import ServiceBinding
 from pdplane.connector.transports.nccl.blocks import BlockMover, layer_byte_view
 from pdplane.connector.transports.nccl.engine import NcclEngine
 from pdplane.connector.transports.nccl.errors import NcclTransferError
-from pdplane.connector.transports.nccl.pairs import PairKey, Purpose
 from pdplane.connector.transports.nccl.plan import Strategy
 from pdplane.connector.transports.nccl.service import SERVICE_NAME, NcclKvTransferServicer
 from pdplane.v1 import (
@@ -287,54 +286,3 @@ def test_shutdown_ends_the_pairs_of_both_sides(start_node: Callable[..., Node]) 
     threading.Thread(target=lambda: (decode.engine.close(), done.set()), daemon=True).start()
     assert done.wait(5)
     _until(lambda: prefill.states() == {})
-
-
-def _key(peer_id: str) -> PairKey:
-    return PairKey(peer_id, 0, Purpose.PULL)
-
-
-def _record_served(node: Node) -> list[kv_transfer_nccl_pb2.NcclPullRequest]:
-    """Wraps `node`'s serving of pull requests: returns the list of those it served."""
-    served: list[kv_transfer_nccl_pb2.NcclPullRequest] = []
-    serve = node.engine._serve_pull
-
-    def recording(pair: Any, request: kv_transfer_nccl_pb2.NcclPullRequest) -> None:
-        served.append(request)
-        serve(pair, request)
-
-    node.engine._serve_pull = recording  # type: ignore[method-assign]
-    return served
-
-
-def test_a_new_pull_pair_runs_one_warm_up_pull_through_the_serving_code(
-    start_node: Callable[..., Node],
-) -> None:
-    decode, prefill = start_node("d0", seed=2), start_node("p0", seed=1)
-    served = _record_served(prefill)
-    sent: list[str] = []
-    prefill.engine.on_send = sent.append
-    assert decode.engine.open(_key("p0"), decode.peers.get(prefill.endpoint), time.monotonic() + 10)
-    # The zero-block pull was answered before the handshake returned: no hold looked up,
-    # nothing sent, no serve timing nor send event (those are a real pull's).
-    assert [(r.warm_up, r.seq, len(r.blocks.block_indices)) for r in served] == [(True, 1, 0)]
-    assert not prefill.engine.serve_timings and not sent
-    t = _pull(decode, prefill, "t0", [1, 2], [3, 4])
-    assert t.connect_s == 0 and _same(decode, [3, 4], prefill, [1, 2])
-    assert [(r.warm_up, r.seq) for r in served] == [(True, 1), (False, 2)]
-    _until(lambda: [s.transfer_id for s in prefill.engine.serve_timings] == ["t0"])
-    assert sent == ["t0"]
-
-
-def test_a_peer_that_refuses_the_warm_up_keeps_the_pair(start_node: Callable[..., Node]) -> None:
-    decode, prefill = start_node("d0", seed=2), start_node("p0", seed=1)
-    serve = prefill.engine._serve_pull
-
-    def predating(pair: Any, request: kv_transfer_nccl_pb2.NcclPullRequest) -> None:
-        request.ClearField("warm_up")  # a peer that does not know the field: no transfer id
-        serve(pair, request)
-
-    prefill.engine._serve_pull = predating  # type: ignore[method-assign]
-    assert decode.engine.open(_key("p0"), decode.peers.get(prefill.endpoint), time.monotonic() + 10)
-    assert decode.states() == {"p0#0/pull": "ready"}
-    t = _pull(decode, prefill, "t0", [5], [6])
-    assert t.connect_s == 0 and _same(decode, [6], prefill, [5])

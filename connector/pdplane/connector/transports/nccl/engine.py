@@ -115,18 +115,6 @@ class PushBegins(Protocol):
     ) -> list[bool]: ...
 
 
-class _NothingPinned:
-    """What a warm-up pull pins: no hold, no blocks."""
-
-    block_ids: Sequence[int] = ()
-
-    def __enter__(self) -> _NothingPinned:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
 class _Refused(Exception):
     """Prefill refused a pull (its verdict)."""
 
@@ -261,9 +249,6 @@ class NcclEngine:
             comm.wait_ready(deadline)
             comm.warm_up(deadline)
             pair.ready.wait(deadline, "ready from the peer")
-            t_ready = time.monotonic()
-            if key.purpose is Purpose.PULL:
-                self._warm_up_pull(pair, deadline)
         except Exception as exc:
             if pair.link is not None:
                 pair.link.cancel("handshake failed")
@@ -277,30 +262,7 @@ class NcclEngine:
                 f"NCCL handshake with {key.peer_id} at {peer.endpoint}: {detail}", code
             ) from None
         self.pairs.add(pair)
-        t1 = time.monotonic()
-        log.info(
-            "communicator %s ready in %.0f ms (control warm-up %.1f ms)",
-            key,
-            (t1 - t0) * 1000,
-            (t1 - t_ready) * 1000,
-        )
-
-    def _warm_up_pull(self, pair: Pair, deadline: float) -> None:
-        """One zero-block pull on a new PULL pair, before anyone else can use it: it takes
-        the path of a real pull on both sides (request and verdict encoded and sent through
-        the stream's queues and threads, the server's serving code, the waiter, the
-        communicator's wait) so that the first real pull does not pay for their first use.
-        Raises NcclTransferError (the handshake then fails)."""
-        request = kv_transfer_pb2.PullBlocksRequest(
-            requester_id=self.instance_id, tp_rank=pair.key.tp_rank
-        )
-        try:
-            self._pull_on(pair, request, [], deadline, PullTiming(), None, None, None, None, True)
-        except NcclTransferError as exc:
-            if not pair.usable:
-                raise
-            # refused (a peer that predates the warm-up): nothing was posted, the pair is fine
-            log.info("pair %s: warm-up refused by the peer (%s); pair kept", pair.key, exc)
+        log.info("communicator %s ready in %.0f ms", key, (time.monotonic() - t0) * 1000)
 
     def _on_caller_message(self, pair: Pair, message: kv_transfer_nccl_pb2.NcclControl) -> None:
         # The caller's stream reader: hand answers over, never block.
@@ -491,16 +453,14 @@ class NcclEngine:
         timing: ServeTiming,
     ) -> None:
         access = self.access
-        pinned: Any = _NothingPinned()  # the warm-up names no hold: zero blocks, accepted
-        if not request.warm_up:
-            if access is None:
-                self._refuse(pair, request, grpc.StatusCode.UNAVAILABLE, "not serving", deadline)
-                return
-            try:
-                pinned = access.pin(request.blocks, deadline - time.monotonic())
-            except AccessDenied as exc:
-                self._refuse(pair, request, exc.code, str(exc), deadline)
-                return
+        if access is None:
+            self._refuse(pair, request, grpc.StatusCode.UNAVAILABLE, "not serving", deadline)
+            return
+        try:
+            pinned = access.pin(request.blocks, deadline - time.monotonic())
+        except AccessDenied as exc:
+            self._refuse(pair, request, exc.code, str(exc), deadline)
+            return
         with pinned:
             ids = pinned.block_ids
             try:
@@ -533,7 +493,7 @@ class NcclEngine:
                         verdict=kv_transfer_nccl_pb2.NcclVerdict(seq=request.seq, bytes=nbytes)
                     )
                 )
-                if self.on_send is not None and not request.warm_up:
+                if self.on_send is not None:
                     self.on_send(timing.transfer_id)
 
             with pair.lock:
@@ -545,8 +505,7 @@ class NcclEngine:
                 timing.enqueued = time.monotonic()
                 pair.comm.wait(deadline, "send")
             timing.done = time.monotonic()
-            if not request.warm_up:
-                self.serve_timings.append(timing)
+            self.serve_timings.append(timing)
 
     def _refuse(
         self,
@@ -682,7 +641,6 @@ class NcclEngine:
         strategy: Strategy | None,
         chunk_bytes: int | None,
         on_posted: Callable[[], None] | None,
-        warm_up: bool = False,
     ) -> None:
         plan = self.make_plan(local_ids, remote_ids, strategy, chunk_bytes)
         strategy, chunk_bytes, runs = self._plan_args(plan, local_ids)
@@ -694,12 +652,7 @@ class NcclEngine:
             seq, waiter = pair.expect()
             timeout_ms = max(int((deadline - time.monotonic()) * 1000), 1)
             call = kv_transfer_nccl_pb2.NcclPullRequest(
-                blocks=request,
-                plan=plan,
-                seq=seq,
-                early_bytes=early,
-                timeout_ms=timeout_ms,
-                warm_up=warm_up,
+                blocks=request, plan=plan, seq=seq, early_bytes=early, timeout_ms=timeout_ms
             )
             pair.link.send(_Control(pull=call))  # type: ignore[union-attr]
             timing.sent_s = time.monotonic() - t0
