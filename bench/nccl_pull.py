@@ -187,30 +187,27 @@ def main() -> int:
         results["first_pull_connect_ms"] = first["connect_s"] * 1e3
         # the pair's idle time before the first pull: pre-connect's answer to the pull's start
         results["first_pull_gap_ms"] = (first["started"] - answered) * 1e3
-        one: list[dict[str, Any]] = []
-        for i in range(40):
+
+        def one_block(transfer_id: str) -> dict[str, Any]:
+            """One pull of a random prefill block into a random decode block."""
             got = _pull(
                 decode,
                 prefill,
-                f"one{i}",
+                transfer_id,
                 [rng.randrange(num_blocks)],
                 [rng.randrange(num_blocks)],
             )
-            one.append({**got, "transfer_id": f"one{i}"})
+            return {**got, "transfer_id": transfer_id}
+
+        one = [one_block(f"one{i}") for i in range(40)]
         # Later pulls through the same pair, each after the first pull's pause (idle threads,
         # caches and CPU as the first pull found them, minus first use).
         idle: list[dict[str, Any]] = []
         for i in range(args.idle_pulls):
             answered = time.monotonic()
             time.sleep(args.idle_gap_ms / 1e3)
-            got = _pull(
-                decode,
-                prefill,
-                f"idle{i}",
-                [rng.randrange(num_blocks)],
-                [rng.randrange(num_blocks)],
-            )
-            idle.append({**got, "transfer_id": f"idle{i}", "gap_s": got["started"] - answered})
+            got = one_block(f"idle{i}")
+            idle.append({**got, "gap_s": got["started"] - answered})
         raw_one = _raw(decode, prefill, TOKEN_BYTES * BLOCK, 20)
         pull_one = statistics.median(g["elapsed_s"] for g in one)
         results["one_block_pull_ms"] = pull_one * 1e3

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import socket
 import subprocess
-import sys
 from collections.abc import Iterator
 
 import pytest
 
 from pdplane.launch.ports import free_port_run
+from tests.integration.launch.cli import run_pdplane
 
 # A registry address nothing answers on: the commands must fail before they dial it.
 _NO_REGISTRY = "127.0.0.1:1"
@@ -24,15 +24,6 @@ def taken() -> Iterator[int]:
         sock.bind(("127.0.0.1", free_port_run()))
         sock.listen()
         yield sock.getsockname()[1]
-
-
-def _run(*argv: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "pdplane.cli.main", *argv],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
 
 
 def _assert_refused(
@@ -49,46 +40,46 @@ def _assert_refused(
 
 
 def test_sim_on_a_taken_http_port(taken: int) -> None:
-    result = _run("sim", "--port", str(taken))
+    result = run_pdplane("sim", "--port", str(taken))
     _assert_refused(result, "pdplane sim", f"127.0.0.1:{taken}", "--port")
 
 
 def test_sim_names_a_taken_port_of_a_later_instance(taken: int) -> None:
-    result = _run("sim", "--port", str(taken - 1), "--instances", "2")
+    result = run_pdplane("sim", "--port", str(taken - 1), "--instances", "2")
     _assert_refused(result, "pdplane sim", f"127.0.0.1:{taken}", "--port")
 
 
 def test_sim_on_a_taken_kv_port(taken: int) -> None:
-    result = _run("sim", "--port", "0", "--kv-port", str(taken))
+    result = run_pdplane("sim", "--port", "0", "--kv-port", str(taken))
     _assert_refused(result, "pdplane sim", f"127.0.0.1:{taken}", "--kv-port")
 
 
 def test_registry_on_a_taken_port(taken: int) -> None:
-    result = _run("registry", "--port", str(taken))
+    result = run_pdplane("registry", "--port", str(taken))
     _assert_refused(result, "pdplane registry", f"127.0.0.1:{taken}", "--port")
 
 
 @pytest.mark.parametrize("flag", ["--port", "--metrics-port"])
 def test_scheduler_on_a_taken_port(taken: int, flag: str) -> None:
     argv = ["scheduler", "--registry", _NO_REGISTRY, "--port", "0", flag, str(taken)]
-    result = _run(*argv)
+    result = run_pdplane(*argv)
     _assert_refused(result, "pdplane scheduler", f"127.0.0.1:{taken}", flag)
 
 
 def test_gateway_on_a_taken_port(taken: int) -> None:
-    result = _run("gateway", "--registry", _NO_REGISTRY, "--port", str(taken))
+    result = run_pdplane("gateway", "--registry", _NO_REGISTRY, "--port", str(taken))
     _assert_refused(result, "pdplane gateway", f"127.0.0.1:{taken}", "--port")
 
 
 def test_gateway_on_a_taken_inflight_port(taken: int) -> None:
     argv = ["gateway", "--registry", _NO_REGISTRY, "--scheduler", "embedded", "--port", "0"]
-    result = _run(*argv, "--inflight-port", str(taken))
+    result = run_pdplane(*argv, "--inflight-port", str(taken))
     _assert_refused(result, "pdplane gateway", f"127.0.0.1:{taken}", "--inflight-port")
 
 
 def test_a_host_that_is_not_this_machine_s_is_named_with_its_reason() -> None:
     # 192.0.2.1 (TEST-NET-1, RFC 5737) is assigned to no interface here.
-    result = _run("sim", "--host", "192.0.2.1", "--port", "8100", "--registry-token", "t")
+    result = run_pdplane("sim", "--host", "192.0.2.1", "--port", "8100", "--registry-token", "t")
     out = result.stdout + result.stderr
     assert result.returncode == 2 and "Traceback" not in out, out
     line = result.stderr.strip()

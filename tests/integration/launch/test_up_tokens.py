@@ -10,10 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import stat
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,6 +24,7 @@ from pdplane.launch.ports import free_port_run
 from pdplane.registry.client import RegistrationClient
 from pdplane.sim.testing import running_sims
 from pdplane.v1 import instance_pb2, registry_pb2, registry_pb2_grpc
+from tests.integration.launch.cli import run_pdplane
 from tests.integration.registry.fixtures import make_spec
 
 
@@ -60,16 +58,6 @@ def fleet(
         fleet_credentials.remove(creds)
 
 
-def _pdplane(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "pdplane.cli.main", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**os.environ},
-    )
-
-
 def test_the_fleet_is_protected_and_its_tools_need_nothing_typed(
     fleet: tuple[Fleet, fleet_credentials.FleetCredentials], cache_dir: Path
 ) -> None:
@@ -96,10 +84,10 @@ def test_the_fleet_is_protected_and_its_tools_need_nothing_typed(
     client.start()
     try:
         assert client.wait_registered(10)
-        listed = _pdplane("ls", "--registry", address, "--json")
+        listed = run_pdplane("ls", "--registry", address, "--json")
         assert listed.returncode == 0, listed.stderr
         assert "decode-5" in listed.stdout
-        drained = _pdplane("drain", "decode-5", "--registry", address)
+        drained = run_pdplane("drain", "decode-5", "--registry", address)
         assert drained.returncode == 0, drained.stderr
         assert drained.stdout.strip() == "decode-5: draining"
     finally:
@@ -119,10 +107,10 @@ def test_grpc_and_live_plan_need_nothing_typed(
 ) -> None:
     # README's next steps after `pdplane up`, exactly as printed there (no token typed).
     address = fleet[0].registry_address
-    called = _pdplane("grpc", address, "pdplane.v1.Registry/ListInstances", "{}")
+    called = run_pdplane("grpc", address, "pdplane.v1.Registry/ListInstances", "{}")
     assert called.returncode == 0, called.stderr
     assert "revision" in json.loads(called.stdout)
-    planned = _pdplane("plan", "--registry", address, "--window", "1s", "--interval-s", "0.2")
+    planned = run_pdplane("plan", "--registry", address, "--window", "1s", "--interval-s", "0.2")
     assert planned.returncode == 0, planned.stderr
     # The window is waited out in silence otherwise: say what it is doing first.
     assert planned.stderr.splitlines()[0] == f"collecting 1s of load reports from {address}"
@@ -136,9 +124,9 @@ def test_plan_reads_a_token_file(
     token_file = tmp_path / "token"
     token_file.write_text(creds.token + "\n")
     argv = ["plan", "--registry", running.registry_address, "--window", "0.5s"]
-    refused = _pdplane(*argv, "--interval-s", "0.2")
+    refused = run_pdplane(*argv, "--interval-s", "0.2")
     assert refused.returncode == 1 and "UNAUTHENTICATED" in refused.stderr
-    planned = _pdplane(*argv, "--interval-s", "0.2", "--token-file", str(token_file))
+    planned = run_pdplane(*argv, "--interval-s", "0.2", "--token-file", str(token_file))
     assert planned.returncode == 0, planned.stderr
 
 
@@ -152,7 +140,7 @@ def test_grpc_reaches_the_scheduler_with_the_fleet_token(
     with grpc_util.channel(address) as chan, pytest.raises(grpc.RpcError) as err:
         chan.unary_unary("/pdplane.v1.Scheduler/ListKvStates")(b"", timeout=10)
     assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED  # auth is on
-    called = _pdplane("grpc", address, "pdplane.v1.Scheduler/ListKvStates", "{}")
+    called = run_pdplane("grpc", address, "pdplane.v1.Scheduler/ListKvStates", "{}")
     assert called.returncode == 0, called.stderr
     assert isinstance(json.loads(called.stdout), dict)
 
@@ -200,14 +188,14 @@ def test_grpc_reaches_a_joined_instance_s_kv_server_with_the_fleet_token(
         assert endpoint not in creds.services
         _wait_registered(running.registry_address, creds.token, endpoint)
         body = '{"transfer_id": "no-such-transfer"}'
-        called = _pdplane("grpc", endpoint, "pdplane.v1.KvTransfer/AbortTransfer", body)
+        called = run_pdplane("grpc", endpoint, "pdplane.v1.KvTransfer/AbortTransfer", body)
         assert "UNAUTHENTICATED" not in called.stderr, called.stderr
         assert called.returncode == 0, called.stderr
     # A server the registry does not list gets no token, even one that would accept it.
     with running_sims(["decode"], kv_token=creds.token) as stranger:
         body = '{"transfer_id": "no-such-transfer"}'
         endpoint = stranger[0].kv_endpoint
-        called = _pdplane("grpc", endpoint, "pdplane.v1.KvTransfer/AbortTransfer", body)
+        called = run_pdplane("grpc", endpoint, "pdplane.v1.KvTransfer/AbortTransfer", body)
         assert called.returncode == 1 and "UNAUTHENTICATED" in called.stderr, called.stderr
 
 
