@@ -12,7 +12,8 @@ of the fit, its ITL kept). Capacity comes from the instance: `vllm:cache_config_
 (`num_gpu_blocks`, `block_size`) and `max_model_len` from `/v1/models`; what the API does not say
 (`--max-num-seqs`, `--max-num-batched-tokens`, the KV layout) is taken from `--base` or the flags.
 The file is the simulator's profile format (`pdplane sim --profile FILE`, `pdplane plan --profile
-FILE`). Exit codes: 0 written, 1 the instance failed, 2 bad flags.
+FILE`). Exit codes: 0 written, 1 the instance failed (or the file could not be written after
+the sweep), 2 bad flags (an --out that cannot be written is found before the sweep).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -34,7 +36,14 @@ from pdplane.plan.fit import fit_cost, predict, unbatched_ttft_weight
 from pdplane.plan.sweep import Cell, CellResult, measure_cells
 from pdplane.sim.profiles import Profile, load_profile
 
-__all__ = ["GRIDS", "ProfileSettings", "instance_capacity", "main", "measure_profile"]
+__all__ = [
+    "GRIDS",
+    "ProfileSettings",
+    "instance_capacity",
+    "main",
+    "measure_profile",
+    "out_problem",
+]
 
 #: the sweep's cells: batch x prompt tokens, a fixed number of outputs
 GRIDS: dict[str, list[Cell]] = {
@@ -137,6 +146,21 @@ def error_table(profile: Profile, real: list[CellResult]) -> tuple[str, float, f
     return "\n".join(lines) + "\n", med[0], med[1]
 
 
+def out_problem(path: Path) -> str | None:
+    """Why `path` cannot take the profile file (None when it can): checked before the sweep so
+    that a typo in --out costs no measurement."""
+    if path.is_dir():
+        return "is a directory"
+    parent = path.parent
+    if not parent.is_dir():
+        return f"directory {parent} does not exist"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"directory {parent} is not writable"
+    if path.exists() and not os.access(path, os.W_OK):
+        return "is not writable"
+    return None
+
+
 def main(argv: list[str]) -> int:
     """Runs `pdplane profile`; see the module docstring for exit codes."""
     s = ProfileSettings.parse(argv, prog="pdplane profile")
@@ -144,6 +168,10 @@ def main(argv: list[str]) -> int:
         base = load_profile(s.base)
     except ValueError as exc:
         sys.stderr.write(f"error: pdplane profile: {exc}\n")
+        return 2
+    problem = out_problem(s.out)
+    if problem:
+        sys.stderr.write(f"error: pdplane profile: --out {s.out}: {problem}\n")
         return 2
     t0 = time.monotonic()
     try:
@@ -169,7 +197,11 @@ def main(argv: list[str]) -> int:
             f"max_model_len {fitted.max_model_len}",
         ),
     )
-    s.out.write_text(json.dumps(fitted.to_dict(), indent=1) + "\n")
+    try:
+        s.out.write_text(json.dumps(fitted.to_dict(), indent=1) + "\n")
+    except OSError as exc:
+        sys.stderr.write(f"pdplane profile: --out {s.out}: {exc}\n")
+        return 1
     table, _, _ = error_table(fitted, real)
     sys.stdout.write(
         f"profile {name} -> {s.out} ({time.monotonic() - t0:.0f} s; fit score {score:.3f})\n"

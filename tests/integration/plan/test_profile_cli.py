@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 
 from pdplane.cli.main import main as pdplane_main
-from pdplane.plan.profile_cli import error_table, instance_capacity, measure_profile
+from pdplane.plan.profile_cli import GRIDS, error_table, instance_capacity, measure_profile
 from pdplane.plan.sweep import Cell
 from pdplane.sim.profiles import PROFILES, load_profile
 from pdplane.sim.testing import running_sims
@@ -42,3 +43,49 @@ def test_cli_writes_a_loadable_profile(tmp_path: Path, capsys: pytest.CaptureFix
 def test_cli_unreachable_instance_exits_1(tmp_path: Path, free_port) -> None:  # type: ignore[no-untyped-def]
     url = f"http://127.0.0.1:{free_port()}"
     assert pdplane_main(["profile", "--url", url, "--out", str(tmp_path / "x.json")]) == 1
+
+
+@pytest.mark.parametrize("kind", ["no-parent", "a-directory", "read-only-parent"])
+def test_cli_unwritable_out_exits_2_before_the_sweep(
+    tmp_path: Path,
+    free_port,  # type: ignore[no-untyped-def]
+    capsys: pytest.CaptureFixture[str],
+    kind: str,
+) -> None:
+    # The URL answers nothing: exit 2 (not 1) shows --out was checked before any request.
+    out = {
+        "no-parent": tmp_path / "missing" / "p.json",
+        "a-directory": tmp_path,
+        "read-only-parent": tmp_path / "ro" / "p.json",
+    }[kind]
+    if kind == "read-only-parent":
+        if os.geteuid() == 0:
+            pytest.skip("root may write into a read-only directory")
+        out.parent.mkdir()
+        out.parent.chmod(0o500)
+    url = f"http://127.0.0.1:{free_port()}"
+    try:
+        assert pdplane_main(["profile", "--url", url, "--out", str(out)]) == 2
+    finally:
+        if kind == "read-only-parent":
+            out.parent.chmod(0o700)
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: pdplane profile: --out {out}: ")
+    assert err.count("\n") == 1
+
+
+def test_cli_write_failure_after_the_sweep_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = tmp_path / "p.json"
+
+    def full_disk(self: Path, *args: object, **kwargs: object) -> int:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", full_disk)
+    monkeypatch.setitem(GRIDS, "cpu", CELLS[:1])  # the sweep only has to finish
+    with running_sims(["both"], profile="tiny-cpu", model="m", kv_blocks=300) as sims:
+        argv = ["profile", "--url", sims[0].url, "--out", str(out), "--repeats", "1"]
+        assert pdplane_main(argv) == 1
+    err = capsys.readouterr().err
+    assert err == f"pdplane profile: --out {out}: [Errno 28] No space left on device\n"
