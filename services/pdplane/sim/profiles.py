@@ -123,19 +123,41 @@ class Profile:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Profile:
-        """Raises ValueError on unknown or missing fields."""
+    def from_dict(cls, d: Any) -> Profile:
+        """The profile of a decoded JSON object (`to_dict()` shape). Raises ValueError saying
+        what is wrong: not an object, a missing or unknown field, a field of the wrong type."""
+        if not isinstance(d, dict):
+            raise ValueError(f"must be a JSON object, not {_json_kind(d)}")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(d) - known
         if unknown:
             raise ValueError(f"unknown profile fields: {', '.join(sorted(unknown))}")
+        if "cost" not in d:
+            raise ValueError("missing key 'cost'")
         data = dict(d)
-        try:
-            data["cost"] = CostModel(**data["cost"])
-            data["sources"] = tuple(data.get("sources", ()))
-            return cls(**data)
-        except (KeyError, TypeError) as exc:
-            raise ValueError(f"bad profile: {exc}") from exc
+        cost = data["cost"]
+        if not isinstance(cost, dict):
+            raise ValueError(f"'cost' must be an object, not {_json_kind(cost)}")
+        for key in ("name", "description"):
+            if key not in d:
+                raise ValueError(f"missing key {key!r}")
+        cost_known = {f.name for f in dataclasses.fields(CostModel)}
+        if set(cost) - cost_known:
+            raise ValueError(f"unknown cost fields: {', '.join(sorted(set(cost) - cost_known))}")
+        sources = data.get("sources", [])
+        if not isinstance(sources, list) or not all(isinstance(x, str) for x in sources):
+            raise ValueError("'sources' must be a list of strings")
+        data["cost"] = CostModel(**cost)
+        data["sources"] = tuple(sources)
+        return cls(**data)
+
+
+def _json_kind(value: Any) -> str:
+    """How JSON names the type of a decoded value ("a list", "a string", ...)."""
+    if isinstance(value, bool):
+        return "a boolean"
+    kinds = {dict: "an object", list: "a list", str: "a string", int: "a number", float: "a number"}
+    return kinds.get(type(value), "null")
 
 
 # --- GPU profiles derived from datasheets ------------------------------------------------
@@ -319,15 +341,33 @@ PROFILES: dict[str, Profile] = {
 def load_profile(name_or_path: str) -> Profile:
     """A profile by name (`PROFILES`) or from a JSON file (`Profile.to_dict()` shape).
 
-    Raises ValueError naming the known profiles when neither exists or the file is malformed.
+    Raises ValueError: "profile file FILE does not exist" / "... is a directory" for a path
+    (it has a "/" or ends in ".json") that is not a file, "profile FILE: <what is wrong>" for a
+    file that is not UTF-8 JSON of a profile, and "unknown profile NAME; known: ..." otherwise.
     """
     profile = PROFILES.get(name_or_path)
     if profile is not None:
         return profile
     path = Path(name_or_path)
-    if path.suffix == ".json" and path.is_file():
+    if path.is_dir():
+        raise ValueError(f"profile file {path} is a directory")
+    if path.is_file():
         try:
-            return Profile.from_dict(json.loads(path.read_text()))
+            text = path.read_bytes().decode()
+        except UnicodeDecodeError as exc:
+            raise ValueError(
+                f"profile {path}: not UTF-8 JSON ({exc.reason} at byte {exc.start})"
+            ) from None
+        except OSError as exc:
+            raise ValueError(f"profile file {path}: {exc.strerror or exc}") from exc
+        try:
+            data = json.loads(text)
         except json.JSONDecodeError as exc:
+            raise ValueError(f"profile {path}: not JSON: {exc}") from exc
+        try:
+            return Profile.from_dict(data)
+        except ValueError as exc:
             raise ValueError(f"profile {path}: {exc}") from exc
+    if path.suffix == ".json" or "/" in name_or_path:
+        raise ValueError(f"profile file {path} does not exist")
     raise ValueError(f"unknown profile {name_or_path!r}; known: {', '.join(PROFILES)} or a .json")
