@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -125,7 +126,8 @@ class Profile:
     @classmethod
     def from_dict(cls, d: Any) -> Profile:
         """The profile of a decoded JSON object (`to_dict()` shape). Raises ValueError saying
-        what is wrong: not an object, a missing or unknown field, a field of the wrong type."""
+        what is wrong: not an object, a missing or unknown field, a field of the wrong type or
+        out of range (`_check_values`)."""
         if not isinstance(d, dict):
             raise ValueError(f"must be a JSON object, not {_json_kind(d)}")
         known = {f.name for f in dataclasses.fields(cls)}
@@ -149,7 +151,50 @@ class Profile:
             raise ValueError("'sources' must be a list of strings")
         data["cost"] = CostModel(**cost)
         data["sources"] = tuple(sources)
-        return cls(**data)
+        profile = cls(**data)
+        _check_values(profile)
+        return profile
+
+
+#: fields counted in whole units that must be at least one (a zero would divide or deadlock)
+_AT_LEAST_ONE = (
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "block_size",
+    "num_blocks",
+    "num_layers",
+    "num_kv_heads",
+    "head_size",
+    "max_model_len",
+    "push_buffer_bytes",
+)
+
+
+def _check_values(p: Profile) -> None:
+    """Raises ValueError naming the first field out of range: every cost term and the transfer
+    speed / latency a finite number >= 0, every capacity an integer >= 1, max_model_len at
+    least one block, names and kv_dtype strings."""
+
+    def number(field_name: str, value: object) -> None:
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+        if not ok or not math.isfinite(value) or value < 0:  # type: ignore[arg-type,operator]
+            raise ValueError(f"{field_name} must be a finite number >= 0 (got {value!r})")
+
+    for f in dataclasses.fields(CostModel):
+        number(f"cost.{f.name}", getattr(p.cost, f.name))
+    number("transfer_gbps", p.transfer_gbps)
+    number("transfer_latency_ms", p.transfer_latency_ms)
+    for name in _AT_LEAST_ONE:
+        value = getattr(p, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1 (got {value!r})")
+    if p.max_model_len < p.block_size:
+        raise ValueError(
+            f"max_model_len ({p.max_model_len}) must be >= block_size ({p.block_size})"
+        )
+    for name in ("name", "description", "kv_dtype"):
+        if not isinstance(getattr(p, name), str):
+            raise ValueError(f"{name} must be a string (got {getattr(p, name)!r})")
 
 
 def _json_kind(value: Any) -> str:

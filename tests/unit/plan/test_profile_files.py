@@ -58,3 +58,37 @@ def test_a_missing_file_or_a_directory_is_said_so(
     # a bare word is a profile name: the known ones are listed
     with pytest.raises(ValueError, match="unknown profile 'no-such'; known: zero, tiny-cpu"):
         load_profile("no-such")
+
+
+@pytest.mark.parametrize(
+    ("change", "says"),
+    [
+        ({"cost": {**GOOD["cost"], "step_ms": -5}}, "cost.step_ms must be a finite number >= 0"),
+        ({"cost": {**GOOD["cost"], "seq_ms": "1"}}, "cost.seq_ms must be a finite number >= 0"),
+        ({"cost": {**GOOD["cost"], "token_ms": 1e999}}, "cost.token_ms must be a finite"),
+        ({"max_num_seqs": 0}, "max_num_seqs must be an integer >= 1 (got 0)"),
+        ({"num_blocks": 2.5}, "num_blocks must be an integer >= 1 (got 2.5)"),
+        ({"block_size": True}, "block_size must be an integer >= 1 (got True)"),
+        ({"max_model_len": 64}, "max_model_len (64) must be >= block_size (128)"),
+        ({"transfer_gbps": -1.0}, "transfer_gbps must be a finite number >= 0 (got -1.0)"),
+        ({"push_buffer_bytes": 0}, "push_buffer_bytes must be an integer >= 1 (got 0)"),
+        ({"kv_dtype": 4}, "kv_dtype must be a string"),
+        ({"name": None}, "name must be a string"),
+    ],
+)
+def test_nonsense_values_are_refused_naming_the_field(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], change: dict[str, object], says: str
+) -> None:
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({**GOOD, **change}))
+    with pytest.raises(ValueError) as exc:
+        load_profile(str(path))
+    assert str(exc.value).startswith(f"profile {path}: {says}"), exc.value
+    assert says in _plan_error(str(path), capsys)
+
+
+def test_every_named_profile_passes_the_checks(tmp_path: Path) -> None:
+    for name, profile in PROFILES.items():
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(profile.to_dict()))
+        assert load_profile(str(path)) == profile
