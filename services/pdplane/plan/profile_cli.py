@@ -33,12 +33,13 @@ from pydantic import Field
 
 from pdplane.core.settings import CommandSettings
 from pdplane.plan.fit import fit_cost, predict, unbatched_ttft_weight
-from pdplane.plan.sweep import Cell, CellResult, measure_cells
+from pdplane.plan.sweep import Cell, CellResult, error_message, measure_cells
 from pdplane.sim.profiles import Profile, load_profile
 
 __all__ = [
     "GRIDS",
     "ProfileSettings",
+    "http_error_line",
     "instance_capacity",
     "main",
     "measure_profile",
@@ -73,14 +74,23 @@ class ProfileSettings(CommandSettings):
 
 
 def instance_capacity(url: str) -> dict[str, Any]:
-    """What the instance says of itself: `model`, `max_model_len` (/v1/models) and vLLM's
-    `vllm:cache_config_info` labels (/metrics; `num_gpu_blocks`, `block_size`, ...; empty when
-    absent). Raises httpx.HTTPError when unreachable."""
+    """What the instance says of itself: `models` (every served id), `model` (the first),
+    `max_model_len` (/v1/models) and vLLM's `vllm:cache_config_info` labels (/metrics;
+    `num_gpu_blocks`, `block_size`, ...; empty when absent). Raises httpx.HTTPError when
+    unreachable or answering an error, RuntimeError when /v1/models is not the OpenAI list."""
     base = url.rstrip("/")
     models = httpx.get(f"{base}/v1/models", timeout=10)
     models.raise_for_status()
-    data = models.json().get("data") or [{}]
-    out: dict[str, Any] = {"model": data[0].get("id", ""), "max_model_len": None}
+    try:
+        listed = models.json()
+        data = [m for m in listed.get("data") or [] if isinstance(m, dict)] or [{}]
+    except (ValueError, AttributeError):
+        raise RuntimeError("/v1/models is not an OpenAI model list") from None
+    out: dict[str, Any] = {
+        "models": [str(m["id"]) for m in data if m.get("id")],
+        "model": data[0].get("id", ""),
+        "max_model_len": None,
+    }
     if data[0].get("max_model_len"):
         out["max_model_len"] = int(data[0]["max_model_len"])
     metrics = httpx.get(f"{base}/metrics", timeout=10).text
@@ -114,12 +124,14 @@ def measure_profile(
     without a burst of arrivals, ITL from all: `pdplane.plan.fit.unbatched_ttft_weight`).
 
     Returns (fitted profile, measured cells, fit score). Raises RuntimeError when a cell got no
-    answer at all.
+    answer at all, naming the cells and the instance's first error.
     """
     real = asyncio.run(measure_cells(url.rstrip("/"), model, cells, repeats=repeats))
-    bad = [r.cell.name for r in real if not r.ttft_s]
+    bad = [r for r in real if not r.ttft_s]
     if bad:
-        raise RuntimeError(f"no answer in cells {', '.join(bad)}")
+        first = next((r.first_error for r in bad if r.first_error), "")
+        why = f" (first error: {first})" if first else ""
+        raise RuntimeError(f"no answer in cells {', '.join(r.cell.name for r in bad)}{why}")
     cost, score = fit_cost(base, real, ttft_weight=unbatched_ttft_weight)
     return dataclasses.replace(base, cost=cost), real, score
 
@@ -161,6 +173,26 @@ def out_problem(path: Path) -> str | None:
     return None
 
 
+def http_error_line(exc: httpx.HTTPError) -> str:
+    """One line for an httpx error: "GET URL: HTTP 404: <message>" for an error answer (without
+    httpx's second, documentation line), the first line of the error otherwise."""
+    if isinstance(exc, httpx.HTTPStatusError):
+        r = exc.response
+        return f"{exc.request.method} {exc.request.url}: {error_message(r.status_code, r.content)}"
+    lines = str(exc).splitlines()
+    return lines[0] if lines else type(exc).__name__
+
+
+def _warn_partial(real: list[CellResult]) -> None:
+    for r in real:
+        if r.errors:
+            sent = r.errors + len(r.ttft_s)
+            sys.stderr.write(
+                f"warning: pdplane profile: cell {r.cell.name}: {r.errors} of {sent} requests "
+                f"failed, fitted on {len(r.ttft_s)} (first error: {r.first_error})\n"
+            )
+
+
 def main(argv: list[str]) -> int:
     """Runs `pdplane profile`; see the module docstring for exit codes."""
     s = ProfileSettings.parse(argv, prog="pdplane profile")
@@ -176,13 +208,23 @@ def main(argv: list[str]) -> int:
     t0 = time.monotonic()
     try:
         info = instance_capacity(s.url)
+        if s.model and s.model not in info["models"]:
+            served = ", ".join(info["models"]) or "no model"
+            sys.stderr.write(
+                f"error: pdplane profile: --model {s.model}: {s.url} serves {served}\n"
+            )
+            return 2
         base = _capacity(s, base, info)
         model = s.model or info["model"]
         cells = [c for c in GRIDS[s.grid] if c.prompt + c.output <= base.max_model_len]
         fitted, real, score = measure_profile(s.url, model, base, cells, repeats=s.repeats)
-    except (httpx.HTTPError, RuntimeError, OSError) as exc:
+    except httpx.HTTPError as exc:
+        sys.stderr.write(f"pdplane profile: {s.url}: {http_error_line(exc)}\n")
+        return 1
+    except (RuntimeError, OSError) as exc:
         sys.stderr.write(f"pdplane profile: {s.url}: {exc}\n")
         return 1
+    _warn_partial(real)
     when = time.strftime("%Y-%m-%d")
     name = s.name or f"{s.base.removesuffix('.json')}-measured"
     fitted = dataclasses.replace(

@@ -20,7 +20,10 @@ from typing import Any
 
 import aiohttp
 
-__all__ = ["Cell", "CellResult", "measure_cells", "mixed_arrivals"]
+__all__ = ["ERROR_CHARS", "Cell", "CellResult", "error_message", "measure_cells", "mixed_arrivals"]
+
+#: most characters of an instance's error message kept per cell
+ERROR_CHARS = 160
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +52,14 @@ class CellResult:
     ttft_s: list[float] = field(default_factory=list)
     itl_s: list[float] = field(default_factory=list)
     errors: int = 0
+    #: the first failed request's reason ("HTTP 404: <the instance's message>", bounded)
+    first_error: str = ""
+
+    def fail(self, reason: str) -> None:
+        """Counts a failed request; keeps the first reason (at most `ERROR_CHARS` characters)."""
+        self.errors += 1
+        if not self.first_error:
+            self.first_error = _bounded(reason)
 
     @property
     def ttft(self) -> float:
@@ -73,6 +84,7 @@ class CellResult:
             "itl_median_s": self.itl_median,
             "requests": len(self.ttft_s),
             "errors": self.errors,
+            "first_error": self.first_error,
             "ttft_s": self.ttft_s,
             "itl_s": self.itl_s,
         }
@@ -88,6 +100,34 @@ def mixed_arrivals(count: int, rate: float, seed: int) -> tuple[float, ...]:
     return tuple(out)
 
 
+def _bounded(text: str) -> str:
+    """`text` on one line, cut to `ERROR_CHARS` characters."""
+    text = " ".join(text.split())
+    return text[: ERROR_CHARS - 3] + "..." if len(text) > ERROR_CHARS else text
+
+
+def error_message(status: int, body: bytes) -> str:
+    """ "HTTP <status>: <message>" of an error answer: the OpenAI shape's `error.message` (vLLM,
+    the simulator), an older flat `message` or FastAPI's `detail`, else the body; one line of
+    at most `ERROR_CHARS` characters."""
+    text = body.decode(errors="replace")
+    try:
+        data = json.loads(text)
+    except ValueError:
+        data = None
+    if isinstance(data, dict):
+        inner = data.get("error")
+        for candidate in (
+            inner.get("message") if isinstance(inner, dict) else inner,
+            data.get("message"),
+            data.get("detail"),
+        ):
+            if isinstance(candidate, str) and candidate:
+                text = candidate
+                break
+    return _bounded(f"HTTP {status}: {text}" if text.strip() else f"HTTP {status}")
+
+
 async def _one(
     session: aiohttp.ClientSession, url: str, body: dict[str, Any], result: CellResult
 ) -> None:
@@ -96,7 +136,8 @@ async def _one(
     try:
         async with session.post(url, json=body) as r:
             if r.status != 200:
-                result.errors += 1
+                # Bounded read: the message is all that is kept.
+                result.fail(error_message(r.status, await r.content.read(8192)))
                 return
             buf = b""
             async for chunk in r.content.iter_any():
@@ -114,11 +155,11 @@ async def _one(
                     ids = choices[0].get("token_ids") or []
                     count = len(ids) or (1 if choices[0].get("text") else 0)
                     times.extend([now] * count)
-    except (aiohttp.ClientError, TimeoutError):
-        result.errors += 1
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        result.fail(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
         return
     if not times:
-        result.errors += 1
+        result.fail("the stream carried no tokens")
         return
     result.ttft_s.append(times[0] - t0)
     result.itl_s.extend(b - a for a, b in itertools.pairwise(times))
@@ -191,6 +232,7 @@ async def measure_cells(
                 merged.ttft_s += r.ttft_s
                 merged.itl_s += r.itl_s
                 merged.errors += r.errors
+                merged.first_error = merged.first_error or r.first_error
                 await asyncio.sleep(pause_s)  # let the engine go idle between runs
             out.append(merged)
     return out
