@@ -1,19 +1,22 @@
 """`pdplane profile --url URL --out FILE`: measure an engine profile from a running instance.
 
-    pdplane profile --url http://127.0.0.1:8000 --out my-profile.json [--base tiny-cpu]
+    pdplane profile --url http://127.0.0.1:8100 --out my-profile.json [--base tiny-cpu]
                     [--grid cpu|gpu] [--repeats 2] [--kv-blocks N --block-size N]
                     [--max-num-seqs N --max-num-batched-tokens N] [--name NAME]
 
-A short sweep through the instance's OpenAI API (`pdplane.plan.sweep`: cells of B concurrent
-streamed requests x L-token prompts x O outputs; TTFT grows with prompt tokens and batch, ITL with
-the decode batch and its context), then the cost model fitted to it (`pdplane.plan.fit`: the engine
-model itself run on the same cells, Nelder-Mead on the log errors; a burst cell's TTFT is left out
-of the fit, its ITL kept). Capacity comes from the instance: `vllm:cache_config_info` in `/metrics`
-(`num_gpu_blocks`, `block_size`) and `max_model_len` from `/v1/models`; what the API does not say
+URL is one vLLM instance (under `pdplane up` from port 8100 on), not the gateway: through the
+gateway the sweep would measure the whole P/D path. A short sweep through the instance's OpenAI
+API (`pdplane.plan.sweep`: cells of B concurrent streamed requests x L-token prompts x O outputs;
+TTFT grows with prompt tokens and batch, ITL with the decode batch and its context), then the
+cost model fitted to it (`pdplane.plan.fit`: the engine model itself run on the same cells,
+Nelder-Mead on the log errors; a burst cell's TTFT is left out of the fit, its ITL kept).
+Capacity comes from the instance: `vllm:cache_config_info` in `/metrics` (`num_gpu_blocks`,
+`block_size`) and `max_model_len` from `/v1/models`; what the API does not say
 (`--max-num-seqs`, `--max-num-batched-tokens`, the KV layout) is taken from `--base` or the flags.
 The file is the simulator's profile format (`pdplane sim --profile FILE`, `pdplane plan --profile
-FILE`). Exit codes: 0 written, 1 the instance failed (or the file could not be written after
-the sweep), 2 bad flags (an --out that cannot be written is found before the sweep).
+FILE`). Exit codes: 0 written, 1 the instance failed (or the file could not be written after the
+sweep), 2 bad flags (an --out that cannot be written or a --model the instance does not serve is
+found before the sweep).
 """
 
 from __future__ import annotations
