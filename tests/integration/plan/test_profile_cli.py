@@ -7,7 +7,6 @@ import http.server
 import itertools
 import json
 import os
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from pdplane.plan.profile_cli import GRIDS, error_table, instance_capacity, meas
 from pdplane.plan.sweep import Cell
 from pdplane.sim.profiles import PROFILES, load_profile
 from pdplane.sim.testing import running_sims
+from tests.loopback_http import serving
 
 CELLS = [Cell(1, 64, 16), Cell(1, 512, 16), Cell(8, 256, 16)]
 
@@ -159,15 +159,8 @@ class _FlakyInstance(http.server.BaseHTTPRequestHandler):
 @pytest.fixture
 def flaky_url() -> Iterator[str]:
     _FlakyInstance.counter = itertools.count()
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _FlakyInstance)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(5)
+    with serving(_FlakyInstance) as url:
+        yield url
 
 
 def test_cli_warns_of_a_cell_fitted_on_fewer_requests(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import http.server
-import threading
 from collections.abc import Iterator
 from concurrent import futures
 from types import ModuleType
@@ -13,6 +12,7 @@ import pytest
 from grpc_health.v1 import health, health_pb2
 
 from pdplane.core import grpc_util
+from tests.loopback_http import serving
 
 
 @pytest.fixture
@@ -42,15 +42,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
 @pytest.fixture
 def http_url() -> Iterator[str]:
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(5)
+    with serving(_Handler) as url:
+        yield url
 
 
 def test_grpc_serving_is_healthy(
