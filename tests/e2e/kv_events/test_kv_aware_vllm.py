@@ -161,18 +161,29 @@ def _settle(stack: Stack) -> None:
     served = [decision.decode.instance_id]
     if decision.prefill is not None:
         served.append(decision.prefill.instance_id)
+    service = stack.scheduler.app.service
+    assert service is not None
     deadline = time.monotonic() + 30
+
+    def at_rest(iid: str) -> bool:
+        # The last request released and a load report after its end: a report sent while it
+        # ran (running 1, KV cache in use) costs a holder more than the pull it would save.
+        c = service.view.candidate(iid)
+        return (
+            c is not None and service.load(c) - c.kv_cache_usage < 0.5 and c.kv_cache_usage < 0.05
+        )
 
     def quiet() -> bool:
         if not all(s.state is KvState.LIVE and s.lag_events == 0 for s in manager.states()):
             return False
         held = manager.index.match(hashes, instances=served)
-        return all(held.get(iid, 0) >= full for iid in served)
+        return all(held.get(iid, 0) >= full and at_rest(iid) for iid in served)
 
     while not quiet():
         held = manager.index.match(hashes, instances=served)
         assert time.monotonic() < deadline, (
-            f"the index never showed {full} blocks on {served}: holds {held}; {manager.states()}"
+            f"the index never showed {full} blocks on {served} at rest: holds {held}; "
+            f"{manager.states()}; loads {[service.view.candidate(i) for i in served]}"
         )
         time.sleep(0.05)
 

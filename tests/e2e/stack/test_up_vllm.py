@@ -150,9 +150,9 @@ def test_up_serves_a_demo_request_and_stops_cleanly_on_sigterm(tmp_path: Path) -
             what="prefill-0 to re-register with the restarted registry",
         )
         assert up.poll() is None, log.read_text()
-        # A second `pdplane up` on the same ports fails at once and says why.
+        # A second `pdplane up` on the same ports fails at once and says why (bad input: 2).
         second = subprocess.run(argv, capture_output=True, text=True, timeout=120)
-        assert second.returncode == 1, second.stdout
+        assert second.returncode == 2, second.stdout
         assert f"{ports['registry']} (registry)" in second.stdout, second.stdout
         assert "healthy" not in second.stdout and " up (" not in second.stdout, second.stdout
         children = _descendants(up.pid)  # the restarted registry and decode included
