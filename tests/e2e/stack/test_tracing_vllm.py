@@ -34,7 +34,14 @@ def test_trace_tree_across_processes(tmp_path: Path) -> None:
 
         def complete(spans: list) -> bool:  # type: ignore[type-arg]
             mine = [s for s in spans if s.trace_id == trace_id]
+            # Every span read below: each process exports on its own schedule, so decode's
+            # kv_pull can arrive after the gateway's first_byte and prefill's kv_serve.
             return sum(s.name == "llm_request" for s in mine) >= 2 and {
+                "pdplane.request",
+                "pdplane.schedule",
+                "pdplane.prefill_leg",
+                "pdplane.decode_leg",
+                "pdplane.kv_pull",
                 "pdplane.kv_serve",
                 "pdplane.scheduler.decision",
                 "pdplane.first_byte",
