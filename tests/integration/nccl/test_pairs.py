@@ -252,6 +252,61 @@ def test_a_new_prefill_asks_decodes_to_connect_first(start_node: Callable[..., N
     assert t.connect_s == 0  # the first request pays no handshake
 
 
+def test_a_preconnected_pair_ran_the_first_pulls_copies_on_the_thread_that_serves_it(
+    start_node: Callable[..., Node], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Pre-connect returns once the side that serves the pair (here prefill) has run the copy
+    path a 1-block pull takes (the batched slice copy) on the thread that then serves the
+    pair's pulls: the first pull launches nothing there that was not launched before."""
+    decode, prefill = start_node("d0", seed=2), start_node("p0", seed=1)
+    ran: list[tuple[int, bool, int, bool, int]] = []
+    real_copy = BlockMover._copy
+
+    def copy(self: BlockMover, is_send: bool, staging: Any, ids: Any, index: Any, chunk: Any):  # type: ignore[no-untyped-def]
+        ran.append((id(self), is_send, len(ids), index is None, threading.get_ident()))
+        return real_copy(self, is_send, staging, ids, index, chunk)
+
+    monkeypatch.setattr(BlockMover, "_copy", copy)
+    stub = kv_transfer_nccl_pb2_grpc.NcclKvTransferStub(prefill.peers.get(decode.endpoint).channel)
+    request = kv_transfer_nccl_pb2.NcclPreconnectRequest(
+        requester_id="p0", tp_rank=0, endpoint=prefill.endpoint
+    )
+    assert stub.Preconnect(request, timeout=10).connected is True
+    d, p = id(decode.engine.mover), id(prefill.engine.mover)
+    assert [r[:4] for r in ran] == [(p, True, 1, True)]  # the serving side, batched
+    warm_thread = ran[0][4]
+    ran.clear()
+    t = _pull(decode, prefill, "t0", [5], [9])
+    assert t.connect_s == 0 and _same(decode, [9], prefill, [5])
+    assert sorted(r[:4] for r in ran) == sorted([(d, False, 1, True), (p, True, 1, True)])
+    assert [r[4] for r in ran if r[0] == p] == [warm_thread]
+
+
+def test_a_pair_whose_warm_up_fails_is_not_left_half_open(
+    start_node: Callable[..., Node], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The serving side's warm-up fails (e.g. a CUDA error): the caller's handshake fails
+    with the reason instead of waiting for `ready`, neither side keeps the pair, and the next
+    handshake (warm-up working again) opens it."""
+    decode, prefill = start_node("d0", seed=2), start_node("p0", seed=1)
+    real = BlockMover.warm_pair
+    monkeypatch.setattr(
+        BlockMover, "warm_pair", lambda *a: (_ for _ in ()).throw(RuntimeError("no device"))
+    )
+    started = time.monotonic()
+    with pytest.raises(NcclTransferError, match="no device"):
+        _pull(decode, prefill, "t0", [1], [2])
+    assert time.monotonic() - started < 4  # not the 5 s connect timeout
+    assert decode.states() == {}
+    until = time.monotonic() + 5  # the server ends its side once the stream is broken
+    while prefill.states() and time.monotonic() < until:
+        time.sleep(0.01)
+    assert prefill.states() == {}
+    monkeypatch.setattr(BlockMover, "warm_pair", real)
+    _pull(decode, prefill, "t1", [3], [4])
+    assert _same(decode, [4], prefill, [3])
+
+
 def test_preconnect_never_evicts(start_node: Callable[..., Node]) -> None:
     decode = start_node("d0", cap=1)
     prefills = [start_node(f"p{i}", seed=i) for i in range(2)]

@@ -34,6 +34,10 @@ class FakeComm:
         self.copy_stream = FakeStream()
         self.ops: list[P2pOp] = []
         self.fail_at = fail_at
+        self.waits: list[str] = []
+
+    def wait(self, deadline: float, what: str = "transfer") -> None:
+        self.waits.append(what)
 
     def enqueue(self, ops: list[P2pOp], deadline: float) -> None:
         if self.fail_at is not None and len(self.ops) == self.fail_at:
@@ -137,3 +141,46 @@ def test_few_blocks_copied_slice_by_slice_keep_the_staging_layout(
         assert torch.equal(d[:, dst], s[:, src])
         others = [b for b in range(NUM_BLOCKS) if b not in dst]
         assert not d[:, others].any()
+
+
+@pytest.mark.parametrize("rows", [True, False], ids=["batched-slices", "per-layer"])
+def test_a_pair_warm_up_runs_the_first_small_transfers_copy_on_the_pairs_streams(
+    recorded: list[int], monkeypatch: pytest.MonkeyPatch, rows: bool
+) -> None:
+    """The pair warm-up takes the copy path a 1-block transfer takes (the batched slice copy,
+    or the per-layer gather with an index), allocates its staging buffers on the pair's
+    stream and hands them to both of its streams, waits for it, and leaves the cache as it
+    was: no bytes sent, none written into the cache."""
+    gen = torch.Generator().manual_seed(4)
+    shape = (2, NUM_BLOCKS, 4, 2, 8)
+    caches = [torch.randint(-999, 999, shape, generator=gen, dtype=torch.int16) for _ in "ab"]
+    before = [t.clone() for t in caches]
+    mover = _mover(caches)
+    monkeypatch.setattr(blocks, "ROW_COPY_MAX_SLICES", 10_000 if rows else 0)
+    copies: list[tuple[bool, int, bool]] = []
+    real_copy = mover._copy
+    monkeypatch.setattr(
+        mover,
+        "_copy",
+        lambda is_send, staging, ids, index, chunk: (
+            copies.append((is_send, len(ids), index is None))
+            or real_copy(is_send, staging, ids, index, chunk)
+        ),
+    )
+    batched: list[int] = []
+    real_foreach = torch._foreach_copy_
+    monkeypatch.setattr(
+        torch,
+        "_foreach_copy_",
+        lambda into, src: batched.append(len(into)) or real_foreach(into, src),
+    )
+    comm = FakeComm(Wire())
+    mover.warm_pair(comm, 1 << 20, 0.0)
+    assert copies == [(True, 1, rows)]  # a 1-block gather, by the path a real one takes
+    assert batched == ([2 * 2, 2 * 2] if rows else [])  # 2 layers x K/V slices, both ways
+    first = mover.first_message_bytes(1, 1 << 20)
+    assert sorted(recorded).count(first) == 4  # two staging buffers, each to both streams
+    assert comm.ops == [] and comm.waits == ["pair warm-up"]
+    assert comm.stream.waited_on and comm.copy_stream.waited_on == [comm.stream]
+    for t, b in zip(caches, before, strict=True):
+        assert torch.equal(t, b)

@@ -134,6 +134,52 @@ class BlockMover:
             torch.cuda.synchronize(self.device)
             del staging
 
+    def warm_pair(self, comm: NcclCommunicator, chunk_bytes: int, deadline: float) -> None:
+        """Runs the local half of a pair's first small transfer on scratch, on the calling
+        thread: a 1-block gather transfer's staging buffer allocated on the pair's stream, the
+        copy path that transfer takes (`_by_rows`: one batched `_foreach_copy_`; else the
+        per-layer kernels with an index) launched on the pair's copy stream between the same
+        events, and the index of a few-block transfer. Called on the thread that will serve
+        the pair's requests (its server-side reader): a first pull there otherwise pays that
+        thread's first CUDA calls on these streams, ~1.3 ms on one H200 (warming on another
+        thread did not help: docs/nccl.md). Leaves at most one 20 MiB allocator segment per
+        pair cached, which the first real pull would cache anyway. Reads block 0 of the cache,
+        writes nothing into it; the caller holds `comm.lock`. Raises as `comm.wait`."""
+        import torch
+
+        chunk = plan_chunks(self.layer_block_bytes, 1, chunk_bytes)[0]
+        with torch.cuda.device(self.device), torch.cuda.stream(comm.stream):
+            index = self._index([0, min(1, self.num_blocks - 1)])  # a few-block transfer's
+            comm.stream.wait_stream(torch.cuda.default_stream(self.device))
+            copies = comm.copy_stream
+            copies.wait_stream(comm.stream)
+            device = self._torch_device
+            sent, received = (
+                torch.empty(chunk.nbytes, dtype=torch.uint8, device=device) for _ in range(2)
+            )
+            ready = torch.cuda.Event()
+            ready.record(comm.stream)
+            with torch.cuda.stream(copies):
+                copies.wait_event(ready)
+                rows = self._by_rows([chunk], 1)
+                self._copy(True, sent, [0], None if rows else index[:1], chunk)  # a gather
+                if rows:  # the receiver's batched copy, into scratch instead of the cache
+                    n = len(self.views) * int(self.wide_views[0].shape[0])
+                    dtype = self.wide_views[0].dtype
+                    into = received[: chunk.nbytes].view(dtype).view(n, -1).unbind(0)
+                    torch._foreach_copy_(
+                        into, sent[: chunk.nbytes].view(dtype).view(n, -1).unbind(0)
+                    )
+                else:
+                    received.copy_(sent)
+                done = torch.cuda.Event()
+                done.record(copies)
+            comm.stream.wait_event(done)
+            for buf in (sent, received, index):
+                buf.record_stream(comm.stream)
+                buf.record_stream(copies)
+        comm.wait(deadline, "pair warm-up")
+
     def send_filler(self, comm: NcclCommunicator, nbytes: int, deadline: float) -> None:
         """Sends `nbytes` of meaningless bytes: the message a refused request's receiver
         already posted a receive for. The caller holds `comm.lock`, then `comm.wait`s."""

@@ -181,15 +181,35 @@ class ServerLink:
                 raise RuntimeError(f"pair closed: {message.reason}")
             yield message
 
-    def start(self, requests: Iterator[kv_transfer_nccl_pb2.NcclControl]) -> None:
-        """Reads the caller's messages (after the hello) on a thread of its own."""
+    def start(
+        self,
+        requests: Iterator[kv_transfer_nccl_pb2.NcclControl],
+        before: Callable[[], None] | None = None,
+    ) -> None:
+        """Reads the caller's messages (after the hello) on a thread of its own, which first
+        runs `before()` (the caller's messages wait for it). If `before` raises, the stream
+        is broken (the caller sees an error status) and the link ends."""
         threading.Thread(
-            target=self._read, args=(requests,), name=f"nccl-link-{self._name}", daemon=True
+            target=self._read,
+            args=(requests, before),
+            name=f"nccl-link-{self._name}",
+            daemon=True,
         ).start()
 
-    def _read(self, requests: Iterator[kv_transfer_nccl_pb2.NcclControl]) -> None:
+    def _read(
+        self,
+        requests: Iterator[kv_transfer_nccl_pb2.NcclControl],
+        before: Callable[[], None] | None,
+    ) -> None:
         reason, clean = "ended by the caller", True
         try:
+            if before is not None:
+                try:
+                    before()
+                except Exception as exc:
+                    reason, clean = _describe(exc), False
+                    self.cancel(reason)
+                    return
             reason, clean = _pump(requests, self._on_message, reason)
         finally:
             self.alive = False

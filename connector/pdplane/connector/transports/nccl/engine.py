@@ -409,8 +409,17 @@ class NcclEngine:
         )
         pair.link = link
         self.pairs.add(pair)
-        link.send(_Control(ready=kv_transfer_nccl_pb2.NcclConnectResponse(ok=True)))
-        link.start(requests)
+
+        def prepare() -> None:
+            # On the thread that will serve the pair's requests: its first CUDA calls (the
+            # runtime's per-thread state, the copy path on the pair's streams) cost a first
+            # pull ~1.3 ms on one H200 when made there by the request (docs/nccl.md). `ready`
+            # follows, so a pre-connected pair is warm.
+            with pair.lock:
+                self.mover.warm_pair(comm, self.chunk_bytes, deadline)
+            link.send(_Control(ready=kv_transfer_nccl_pb2.NcclConnectResponse(ok=True)))
+
+        link.start(requests, prepare)
         context.add_callback(lambda: link.cancel("call ended"))
         log.info("communicator %s joined", key)
         return link.responses()
