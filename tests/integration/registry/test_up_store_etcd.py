@@ -20,13 +20,19 @@ def test_up_store_etcd_starts_etcd_and_a_registry_on_it(
 ) -> None:
     if registry_store != "etcd":
         pytest.skip("etcd store only")
-    port = free_port_run(5)
+    # Every port the fleet checks, its vLLM and KV ports included, from one free run below
+    # the ephemeral range: the defaults (8100, 50100) may be held by another fleet on the
+    # host, and 50100-50101 lie in Linux's ephemeral range, where any outgoing connection can
+    # take them for a moment (busy_ports() then failed the test under load).
+    port = free_port_run(9)
     spec = FleetSpec(
         registry_port=port,
         scheduler_port=port + 1,
         gateway_port=port + 2,
         store="etcd",
-        etcd_port=port + 3,
+        etcd_port=port + 3,  # its peer port is etcd_port + 1
+        vllm_base_port=port + 5,
+        kv_base_port=port + 7,
         log_dir=tmp_path / "logs",
     )
     fleet = Fleet(spec)
