@@ -341,3 +341,46 @@ def test_shutdown_ends_the_pairs_of_both_sides(start_node: Callable[..., Node]) 
     threading.Thread(target=lambda: (decode.engine.close(), done.set()), daemon=True).start()
     assert done.wait(5)
     _until(lambda: prefill.states() == {})
+
+
+class _GatedWarmUp:
+    """Holds the serving side's pair warm-up (`BlockMover.warm_pair`) until `go` is set, then
+    runs the real one: `entered` is set once a warm-up started."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.entered, self.go = threading.Event(), threading.Event()
+        real = BlockMover.warm_pair
+
+        def warm_pair(mover: BlockMover, comm: Any, chunk_bytes: int, deadline: float) -> None:
+            self.entered.set()
+            assert self.go.wait(10)
+            real(mover, comm, chunk_bytes, deadline)
+
+        monkeypatch.setattr(BlockMover, "warm_pair", warm_pair)
+
+
+def _in_thread(fn: Callable[[], Any]) -> futures.Future[Any]:
+    pool = futures.ThreadPoolExecutor(1)
+    try:
+        return pool.submit(fn)
+    finally:
+        pool.shutdown(wait=False)
+
+
+def test_a_pair_warming_up_is_in_use_and_never_evicted(
+    start_node: Callable[..., Node], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Prefill's table is full (cap 1) with a pair whose warm-up still runs: making room for
+    another handshake passes it over (it is in use, as a pair serving a pull is) instead of
+    asking its caller to close before `ready`; its first pull then uses that one pair."""
+    prefill, decode = start_node("p0", seed=1, cap=1), start_node("d0", seed=2)
+    gate = _GatedWarmUp(monkeypatch)
+    pulled = _in_thread(lambda: _pull(decode, prefill, "t0", [1], [2]))
+    assert gate.entered.wait(5)
+    assert prefill.engine.pairs.make_room() is False  # nothing idle: the cap is passed
+    gate.go.set()
+    t = pulled.result(10)
+    assert t.connect_s > 0 and _same(decode, [2], prefill, [1])
+    assert decode.engine.pairs.counters["created"] == 1 and len(decode.engine.comms.made) == 1
+    assert decode.states() == {"p0#0/pull": "ready"}
+    assert prefill.engine.states()["retired"] == {}

@@ -408,6 +408,9 @@ class NcclEngine:
             str(key),
         )
         pair.link = link
+        # In use until `ready` is sent: an idle pair may be evicted, and a `close` sent before
+        # `ready` would end a handshake the caller then counts as done.
+        self.pairs.hold(pair)
         self.pairs.add(pair)
 
         def prepare() -> None:
@@ -415,9 +418,12 @@ class NcclEngine:
             # runtime's per-thread state, the copy path on the pair's streams) cost a first
             # pull ~1.3 ms on one H200 when made there by the request (docs/nccl.md). `ready`
             # follows, so a pre-connected pair is warm.
-            with pair.lock:
-                self.mover.warm_pair(comm, self.chunk_bytes, deadline)
-            link.send(_Control(ready=kv_transfer_nccl_pb2.NcclConnectResponse(ok=True)))
+            try:
+                with pair.lock:
+                    self.mover.warm_pair(comm, self.chunk_bytes, deadline)
+                link.send(_Control(ready=kv_transfer_nccl_pb2.NcclConnectResponse(ok=True)))
+            finally:
+                self.pairs.release(pair)
 
         link.start(requests, prepare)
         context.add_callback(lambda: link.cancel("call ended"))
