@@ -2,7 +2,7 @@
 the same flags, side by side in one run, on real vLLM CPU instances.
 
     .venv/bin/python bench/vllm_bench.py [--num-prompts 32] [--input-len 256] [--output-len 32]
-        [--max-concurrency 1,4] [--url http://127.0.0.1:8000]
+        [--max-concurrency 1,4] [--url http://127.0.0.1:8000] [--ab dispatch-mode]
 
 Starts `pdplane up`'s stack on free ports plus a reference instance (or, with `--url`, measures
 an already running gateway alone), then runs the environment's `vllm bench serve` (random
@@ -10,6 +10,11 @@ dataset, fixed seed: the same prompts for both targets; no `--model`, so vLLM's 
 model and its tokenizer from /v1/models as against `vllm serve`) for every concurrency, first on
 the gateway, then on the single instance. Prints each run's own result table, then one line per
 metric with the ratio pdplane / single instance.
+
+`--ab dispatch-mode` instead runs the stack once per variant of `bench/ttft_breakdown.py`
+(sequential or concurrent dispatch x pull or push KV), one after the other, the same prompts
+each, without a reference instance, and prints per metric a variant x concurrency table with
+the ratio to the first variant (the defaults).
 """
 
 from __future__ import annotations
@@ -21,12 +26,19 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from pdplane.launch.fleet import Fleet, FleetSpec
-from pdplane.launch.ports import free_port_run
-from pdplane.launch.vllm_cpu import VllmCpuInstance, VllmCpuOptions
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench.ttft_breakdown import VARIANTS, Variant  # noqa: E402
+from pdplane.launch.fleet import Fleet, FleetSpec  # noqa: E402
+from pdplane.launch.ports import free_port_run  # noqa: E402
+from pdplane.launch.vllm_cpu import VllmCpuInstance, VllmCpuOptions  # noqa: E402
 
 _METRICS = (
     ("request_throughput", "requests/s"),
@@ -87,6 +99,70 @@ def bench_serve(url: str, args: argparse.Namespace, concurrency: int, out: Path)
     return result
 
 
+def _spec(args: argparse.Namespace, log_dir: Path, connector_extra: dict[str, object]) -> FleetSpec:
+    return FleetSpec(
+        gateway_port=free_port_run(),
+        registry_port=free_port_run(),
+        scheduler_port=free_port_run(),
+        vllm_base_port=free_port_run(2),
+        kv_base_port=free_port_run(2),
+        max_model_len=max(1024, args.input_len + args.output_len + 16),
+        log_dir=log_dir,
+        vllm_options={"connector_extra": connector_extra} if connector_extra else {},
+    )
+
+
+@contextmanager
+def _environ(env: dict[str, str]) -> Iterator[None]:
+    """`env` set for the processes started inside, the previous values restored after."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def ab(args: argparse.Namespace, variants: list[Variant], work: Path) -> None:
+    """Each variant's stack in turn (gateway, 1P1D), `vllm bench serve` at every concurrency
+    on it (the same prompts: same seed), then one table per metric: variant x concurrency,
+    and the ratio to the first variant."""
+    concurrencies = [int(c) for c in args.max_concurrency.split(",")]
+    results: dict[str, dict[int, dict[str, Any]]] = {}
+    for i, v in enumerate(variants):
+        print(f"== {v.label}", flush=True)
+        with _environ(v.env):
+            fleet = Fleet(
+                _spec(args, work / f"logs-{i}", v.connector_extra),
+                say=lambda m: print(f"  {m}", flush=True),
+            )
+            try:
+                fleet.start()
+                results[v.label] = {
+                    c: bench_serve(fleet.gateway_url, args, c, work / f"v{i}")
+                    for c in concurrencies
+                }
+            finally:
+                fleet.stop()
+    base = results[variants[0].label]
+    print(
+        f"\n{args.num_prompts} prompts, random {args.input_len} in / {args.output_len} out "
+        "tokens, pdplane 1P1D; value (ratio to the first variant)"
+    )
+    for key, label in _METRICS:
+        print(f"\n{label:<44}" + "".join(f"{'c=' + str(c):>18}" for c in concurrencies))
+        for v in variants:
+            cells = []
+            for c in concurrencies:
+                a, b = float(results[v.label][c][key]), float(base[c][key])
+                cells.append(f"{a:9.2f} ({a / b:.2f})" if b else f"{a:9.2f}      ")
+            print(f"{v.label:<44}" + "".join(f"{cell:>18}" for cell in cells))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-prompts", type=int, default=32)
@@ -95,6 +171,12 @@ def main() -> None:
     parser.add_argument("--max-concurrency", default="1,4", help="comma-separated")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--url", help="an already running gateway: measure it alone")
+    parser.add_argument(
+        "--ab",
+        choices=["dispatch-mode"],
+        help="the stack once per variant (sequential/concurrent dispatch x pull/push KV), "
+        "the same prompts each, no reference instance; a table per metric",
+    )
     args = parser.parse_args()
     concurrencies = [int(c) for c in args.max_concurrency.split(",")]
     work = Path(tempfile.mkdtemp(prefix="vllm-bench-"))
@@ -103,15 +185,10 @@ def main() -> None:
         for c in concurrencies:
             bench_serve(args.url, args, c, work / "pdplane")
         return
-    spec = FleetSpec(
-        gateway_port=free_port_run(),
-        registry_port=free_port_run(),
-        scheduler_port=free_port_run(),
-        vllm_base_port=free_port_run(2),
-        kv_base_port=free_port_run(2),
-        max_model_len=max(1024, args.input_len + args.output_len + 16),
-        log_dir=work / "logs",
-    )
+    if args.ab:
+        ab(args, VARIANTS[args.ab], work)
+        return
+    spec = _spec(args, work / "logs", {})
     fleet = Fleet(spec, say=lambda m: print(f"  {m}", flush=True))
     reference: VllmCpuInstance | None = None
     try:
