@@ -262,6 +262,11 @@ class NcclEngine:
                 f"NCCL handshake with {key.peer_id} at {peer.endpoint}: {detail}", code
             ) from None
         self.pairs.add(pair)
+        if not pair.usable:
+            # Closed since `ready` (the peer evicted it at once): its stream may have ended
+            # before it was in the table, where `_ended` found nothing to take out.
+            self.pairs.remove(pair, "closed")
+            return
         log.info("communicator %s ready in %.0f ms", key, (time.monotonic() - t0) * 1000)
 
     def _on_caller_message(self, pair: Pair, message: kv_transfer_nccl_pb2.NcclControl) -> None:
@@ -368,10 +373,11 @@ class NcclEngine:
         requests: Iterator[kv_transfer_nccl_pb2.NcclControl],
         context: grpc.ServicerContext,
     ) -> Iterator[kv_transfer_nccl_pb2.NcclControl]:
-        """Serves `NcclKvTransfer.Pair`: joins the caller's communicator as rank 1, then
-        answers its requests in order on a thread of the pair's own. Returns the response
-        stream; aborts the call (INVALID_ARGUMENT, DEADLINE_EXCEEDED, UNAVAILABLE) when the
-        handshake cannot be done."""
+        """Serves `NcclKvTransfer.Pair`: joins the caller's communicator as rank 1, then, on a
+        thread of the pair's own, warms the pair (`BlockMover.warm_pair`), sends `ready` and
+        answers the caller's requests in order (a request sent before `ready` waits). Returns
+        the response stream; aborts the call (INVALID_ARGUMENT, DEADLINE_EXCEEDED,
+        UNAVAILABLE) when the handshake cannot be done; a warm-up that fails breaks it."""
         first = next(requests, None)
         if first is None or first.WhichOneof("kind") != "hello" or not first.hello.requester_id:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a Pair stream starts with a hello")
@@ -408,6 +414,9 @@ class NcclEngine:
             str(key),
         )
         pair.link = link
+        # In use until `ready` is sent: an idle pair may be evicted, and a `close` sent before
+        # `ready` would end a handshake the caller then counts as done.
+        self.pairs.hold(pair)
         self.pairs.add(pair)
 
         def prepare() -> None:
@@ -415,9 +424,12 @@ class NcclEngine:
             # runtime's per-thread state, the copy path on the pair's streams) cost a first
             # pull ~1.3 ms on one H200 when made there by the request (docs/nccl.md). `ready`
             # follows, so a pre-connected pair is warm.
-            with pair.lock:
-                self.mover.warm_pair(comm, self.chunk_bytes, deadline)
-            link.send(_Control(ready=kv_transfer_nccl_pb2.NcclConnectResponse(ok=True)))
+            try:
+                with pair.lock:
+                    self.mover.warm_pair(comm, self.chunk_bytes, deadline)
+                link.send(_Control(ready=kv_transfer_nccl_pb2.NcclConnectResponse(ok=True)))
+            finally:
+                self.pairs.release(pair)
 
         link.start(requests, prepare)
         context.add_callback(lambda: link.cancel("call ended"))
