@@ -8,20 +8,42 @@ and at the end of the window): output tokens per second, prefix cache hit rate (
 decode instances), KV transferred per finished decode request, per-decode time-averaged
 running requests and KV usage (their max/mean across decodes), peaks, preemptions, push
 receive-buffer refusals and the recomputes they caused, engine-side ITL percentiles, and the
-simulator's own lag (its event loop fell behind).
+simulator's own lag (its event loop fell behind). Router side (pdplane rows, one `GET /metrics`
+of the gateway at the end of the point): the prefix index's stale transitions, stream errors
+and snapshots since the router started, so a kv_aware point that missed cached prefixes says
+whether its index had stopped trusting an instance's KV events.
 """
 
 from __future__ import annotations
 
 import math
 import statistics
+import urllib.request
 from collections.abc import Sequence
 from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench._openloop import Outcome
 from pdplane.sim.stats import LogHistogram
 
-__all__ = ["client_numbers", "fleet_hit_rate", "fleet_numbers", "percentile"]
+__all__ = [
+    "ROUTER_KV_COUNTERS",
+    "client_numbers",
+    "fleet_hit_rate",
+    "fleet_numbers",
+    "metric_sums",
+    "percentile",
+    "router_kv_counters",
+]
+
+#: The embedded scheduler's prefix-index counters a pdplane gateway exports: metric family ->
+#: result key (totals since the router started).
+ROUTER_KV_COUNTERS = {
+    "pdplane_scheduler_kv_stale_transitions": "kv_stale_transitions",
+    "pdplane_scheduler_kv_stream_errors": "kv_stream_errors",
+    "pdplane_scheduler_kv_snapshots": "kv_snapshots",
+}
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -149,3 +171,21 @@ def fleet_numbers(before: dict[str, Any], after: dict[str, Any]) -> dict[str, An
         "itl_p99_ms": itl.quantile(0.99) * 1e3,
         "sim_lag_s": sum(_delta(a, b, "lag_s") for a, b in total),
     }
+
+
+def metric_sums(text: str) -> dict[str, float]:
+    """Prometheus exposition `text` -> {family name: sum of its samples} (a counter's
+    `_created` samples left out)."""
+    return {
+        f.name: sum(x.value for x in f.samples if not x.name.endswith("_created"))
+        for f in text_string_to_metric_families(text)
+    }
+
+
+def router_kv_counters(metrics_url: str, timeout_s: float = 5.0) -> dict[str, float]:
+    """The prefix-index counters (`ROUTER_KV_COUNTERS`) from a gateway's Prometheus text at
+    `metrics_url`; those it does not export (no prefix index) are left out. Raises OSError when
+    the gateway does not answer within `timeout_s` seconds."""
+    with urllib.request.urlopen(metrics_url, timeout=timeout_s) as r:
+        sums = metric_sums(r.read().decode())
+    return {key: sums[name] for name, key in ROUTER_KV_COUNTERS.items() if name in sums}

@@ -43,10 +43,11 @@ if str(ROOT) not in sys.path:
 
 from bench import workloads as wl  # noqa: E402
 from bench._openloop import replay  # noqa: E402
+from bench._prewarm import prewarm_decodes  # noqa: E402
 from bench._procs import Proc, free_port, spawn  # noqa: E402
 from bench._proxies import ProxyRun  # noqa: E402
 from bench._routing_proxies import Endpoints, parse_row, start_row  # noqa: E402
-from bench._routing_stats import client_numbers, fleet_numbers  # noqa: E402
+from bench._routing_stats import client_numbers, fleet_numbers, router_kv_counters  # noqa: E402
 
 TOPOLOGIES = {"1P7D": (1, 7), "2P2D": (2, 2), "4P4D": (4, 4), "8P16D": (8, 16)}
 ALL_ROWS = [
@@ -90,6 +91,9 @@ class Point:
     #: the sims' (and a tokenizing gateway's) tokenizer: "" = the sims' word tokenizer,
     #: "tiny" = pdplane.models.tiny's, else a directory
     tokenizer: str = ""
+    #: before the replay, every decode instance computes every tenant's first request and the
+    #: router's prefix index (if any) catches up (bench/_prewarm.py): the steady state only
+    prewarm: bool = False
     workload_args: dict[str, Any] = field(default_factory=dict)
 
 
@@ -191,11 +195,18 @@ def _wait_registered(registry: str, count: int, timeout_s: float = 30.0) -> None
     raise RuntimeError(f"fewer than {count} instances registered after {timeout_s} s")
 
 
-async def _measure(p: Point, url: str, control: str) -> dict[str, Any]:
+async def _measure(p: Point, url: str, line: dict[str, Any]) -> dict[str, Any]:
     work = make_workload(p)
     warm = p.duration_s * p.warmup
     end = work.duration_s
+    control = line["control"]
+    prewarmed: dict[str, Any] = {}
     async with aiohttp.ClientSession() as http:
+        if p.prewarm:
+            indexed = "kv_aware" in p.row
+            prewarmed = await prewarm_decodes(
+                http, work, line["decode"], control, metrics_url=url + "/metrics" if indexed else ""
+            )
 
         async def stats() -> dict[str, Any]:
             async with http.get(control + "/fleet/stats") as r:
@@ -217,7 +228,7 @@ async def _measure(p: Point, url: str, control: str) -> dict[str, Any]:
         after = await stats()
         outcomes = await task
     client = client_numbers(outcomes, warm, end, p.slo_ttft_ms / 1e3, p.slo_tpot_ms / 1e3)
-    return {**client, **fleet_numbers(before, after)}
+    return {**client, **fleet_numbers(before, after), **prewarmed}
 
 
 @contextlib.contextmanager
@@ -254,11 +265,13 @@ def run_point(p: Point, logs: Path, proxy_cpus: str = "", sim_cpus: str = "") ->
     """Measures one point; returns its settings and numbers (see bench/_routing_stats.py)."""
     with started(p, logs, proxy_cpus, sim_cpus) as (proxy, line):
         cpu0, t0 = proxy.cpu_ms(), time.perf_counter()
-        numbers = asyncio.run(_measure(p, proxy.url, line["control"]))
+        numbers = asyncio.run(_measure(p, proxy.url, line))
         numbers["proxy_cpu_ms_per_request"] = (
             (proxy.cpu_ms() - cpu0) / numbers["requests"] if numbers["requests"] else 0.0
         )
         numbers["wall_s"] = time.perf_counter() - t0
+        if p.row.startswith("pdplane:"):
+            numbers.update(router_kv_counters(proxy.url + "/metrics"))
         return {"point": asdict(p), **numbers}
 
 
@@ -415,6 +428,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     # tokens, ~190 blocks, with the tiny model's tokenizer), 900 blocks per prefill instance
     # (half the tenants fit, not all) and 4000 per decode instance (all fit, with room for
     # the running requests: at 700 / 700 round_robin got 503s for lack of decode KV room).
+    # Prewarmed: without it, the one-off pulls of each tenant's first copy on each decode fell
+    # in or before the measured window depending on the machine's load (kv_aware 3.9-6.9 MB
+    # per request against round_robin's 8.75, one CI run 7.84), so the ratio was luck.
     "shared-prefix-mini": {
         "topology": "2P2D",
         "workload": "shared-prefix",
@@ -427,6 +443,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "stream_interval": 16,
         "drain_s": 10.0,
         "tokenizer": "tiny",
+        "prewarm": True,
         "workload_args": {"tenants": 8, "system_tokens": 2000},
         "rows": ["pdplane:kv_aware", "pdplane:round_robin"],
     },
@@ -491,6 +508,14 @@ def main(argv: list[str] | None = None) -> int:
         "a row is kv_aware (exact prompt ids and prefix hashes; every row alike), else the "
         'sims\' word tokenizer; "tiny"; "" (words); or a directory',
     )
+    ap.add_argument(
+        "--prewarm",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="every decode computes each tenant's first request before the replay, and a "
+        "kv_aware router's prefix index catches up (bench/_prewarm.py; default: off, on in "
+        "the preset shared-prefix-mini)",
+    )
     ap.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     ap.add_argument("--slo-tpot-ms", type=float, default=50.0)
     ap.add_argument("--dispatch-study", action="store_true")
@@ -530,6 +555,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.preset:
         base.update(PRESETS[args.preset])
     # Explicit flags override the preset's values.
+    if args.prewarm is not None:
+        base["prewarm"] = args.prewarm
     if args.policies:
         base["rows"] = args.policies.split(",")
     if args.rates:

@@ -128,30 +128,49 @@ def _link_threads(key: str) -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name == f"nccl-link-{key}"]
 
 
-@pytest.mark.parametrize("how", ["drop_peer", "close"])
+@pytest.mark.parametrize("how", ["drop_peer", "close", "server_stop", "caller_gives_up"])
 def test_a_pair_gone_while_it_warms_up_fails_its_handshake_at_once(
     start_node: Callable[..., Node], monkeypatch: pytest.MonkeyPatch, how: str
 ) -> None:
-    """The serving side drops the caller (it left the registry) or shuts down while the pair's
-    warm-up runs: the caller's handshake fails then, not when the warm-up is over nor at the
-    connect timeout; the warm-up, once it runs, fails on the aborted communicator and its
-    thread ends; neither side keeps the pair; after a drop the next handshake works."""
+    """While the pair's warm-up runs, the serving side drops the caller (it left the
+    registry), closes its engine or stops its server, or the caller's deadline passes: the
+    caller's handshake fails then (not when the warm-up is over, nor at the connect timeout);
+    once the warm-up is over (it fails on an aborted communicator, or finds the stream gone)
+    its thread ends and neither side keeps the pair; after a drop or a caller's timeout the
+    next handshake works."""
     prefill, decode = start_node("p0", seed=1), start_node("d0", seed=2)
     gate = _GatedWarmUp(monkeypatch)
-    pulled = _in_thread(lambda: pull(decode, prefill, "t0", [1], [2]))
+    timeout = 0.5 if how == "caller_gives_up" else 10
+    request = kv_transfer_pb2.PullBlocksRequest(
+        transfer_id="t0", block_indices=[0], expected_layout=LAYOUT, requester_id="d0"
+    )
+    peer = decode.peers.get(prefill.endpoint)
+    started = time.monotonic()
+    pulled = _in_thread(
+        lambda: decode.engine.pull("p0", peer, request, [2], time.monotonic() + timeout)
+    )
     assert gate.entered.wait(5)
     (pair,) = prefill.engine.pairs.all()
     if how == "drop_peer":
         assert prefill.engine.drop_peer("d0") == 1
-    else:
+    elif how == "close":
         prefill.engine.close()
+    elif how == "server_stop":
+        prefill.server.stop(0)
     error = pulled.exception(4)  # the warm-up is still held: the stream broke without it
-    assert isinstance(error, NcclTransferError) and error.code == grpc.StatusCode.UNAVAILABLE
-    assert decode.states() == {} and prefill.states() == {}
+    assert isinstance(error, NcclTransferError)
+    if how == "caller_gives_up":
+        assert error.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert time.monotonic() - started < 4  # its own deadline, not the connect timeout
+    else:
+        assert error.code == grpc.StatusCode.UNAVAILABLE
+    assert decode.states() == {}
     gate.go.set()
     wait_until(lambda: not _link_threads("d0#0/pull"))
-    assert pair.comm.state.value == "aborted" and not pair.link.alive  # type: ignore[union-attr]
-    if how == "drop_peer":
+    wait_until(lambda: prefill.states() == {})
+    assert not pair.link.alive  # type: ignore[union-attr]
+    assert pair.comm.state.value == "aborted"
+    if how in ("drop_peer", "caller_gives_up"):
         t = pull(decode, prefill, "t1", [3], [4])
         assert t.connect_s > 0 and same(decode, [4], prefill, [3])
 
@@ -164,8 +183,9 @@ def test_a_request_sent_right_after_the_hello_is_served_after_the_warm_up(
     purpose: str,
 ) -> None:
     """A caller that does not wait for `ready` (its pull, or push_begin on a push pair, sent
-    right behind the hello) is answered in order: the request waits for the warm-up on the
-    thread that serves it, and `ready` comes before its answer."""
+    right behind the hello) is answered in order, `ready` first: a pull waits for the
+    warm-up on the thread that serves it; a push pair is not warmed (its server's receives
+    take another path)."""
     server = start_node("s0", seed=1)
     events: list[tuple[str, int]] = []
     real_warm = BlockMover.warm_pair
@@ -219,8 +239,11 @@ def test_a_request_sent_right_after_the_hello_is_served_after_the_warm_up(
     done.set()
     call.cancel()
     assert kinds == ["ready", "verdict" if purpose == "pull" else "push_ready"]
-    assert [e[0] for e in events] == ["warm", purpose]
-    assert events[0][1] == events[1][1]  # one thread: the pair's server-side reader
+    if purpose == "pull":
+        assert [e[0] for e in events] == ["warm", "pull"]
+        assert events[0][1] == events[1][1]  # one thread: the pair's server-side reader
+    else:  # a push pair's server posts receives into its buffer: nothing to warm
+        assert [e[0] for e in events] == ["push"]
     assert comm.posted == [] and comm.unclaimed == []  # no bytes either way
 
 
@@ -248,3 +271,34 @@ def test_a_pair_closed_by_its_server_before_the_caller_added_it_is_not_kept(
     wait_until(lambda: prefill.states() == {})
     t = pull(decode, prefill, "t0", [1], [2])
     assert t.connect_s > 0 and decode.states() == {"p0#0/pull": "ready"}
+
+
+def test_more_callers_than_the_servers_cap_all_pull_while_warm_ups_take_a_while(
+    start_node: Callable[..., Node], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Three decodes pull from a prefill capped at one communicator, each warm-up taking
+    10 ms (a few ms on a GPU): pairs are evicted as they go idle, and every pull succeeds (a
+    pair evicted while warming up failed its pull with "closed as it opened")."""
+    real = BlockMover.warm_pair
+
+    def slow(mover: BlockMover, comm: Any, chunk_bytes: int, deadline: float) -> None:
+        time.sleep(0.01)  # the warm-up's work, not a wait for anything
+        real(mover, comm, chunk_bytes, deadline)
+
+    monkeypatch.setattr(BlockMover, "warm_pair", slow)
+    prefill = start_node("p0", seed=1, cap=1)
+    decodes = [start_node(f"d{i}", seed=2 + i) for i in range(3)]
+    errors: list[BaseException] = []
+
+    def work(k: int) -> None:
+        try:
+            pull(decodes[k % 3], prefill, f"t{k}", [k % 16], [(k + 1) % 16])
+        except BaseException as exc:  # every transfer must succeed
+            errors.append(exc)
+
+    with futures.ThreadPoolExecutor(3) as pool:
+        list(pool.map(work, range(30)))
+    assert errors == []
+    assert prefill.engine.pairs.counters["evicted"] >= 2
+    assert prefill.engine.pairs.counters["failed"] == 0
+    wait_until(lambda: len(prefill.engine.pairs) <= 1)  # back under the cap once idle

@@ -420,13 +420,16 @@ class NcclEngine:
         self.pairs.add(pair)
 
         def prepare() -> None:
-            # On the thread that will serve the pair's requests: its first CUDA calls (the
+            # On the thread that will serve the pair's pulls: its first CUDA calls (the
             # runtime's per-thread state, the copy path on the pair's streams) cost a first
             # pull ~1.3 ms on one H200 when made there by the request (docs/nccl.md). `ready`
-            # follows, so a pre-connected pair is warm.
+            # follows, so a pre-connected pair is warm. A push pair's server (decode) posts
+            # receives into its buffer instead, a path this warm-up does not take: warming it
+            # would only cache a staging segment on the pair's stream.
             try:
-                with pair.lock:
-                    self.mover.warm_pair(comm, self.chunk_bytes, deadline)
+                if purpose is Purpose.PULL:
+                    with pair.lock:
+                        self.mover.warm_pair(comm, self.chunk_bytes, deadline)
                 link.send(_Control(ready=kv_transfer_nccl_pb2.NcclConnectResponse(ok=True)))
             finally:
                 self.pairs.release(pair)
