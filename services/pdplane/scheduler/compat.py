@@ -119,7 +119,8 @@ def _buffer_room(c: Candidate, tokens: int, pending_blocks: Callable[[Candidate]
     # A push carries the prompt's blocks; what was assigned since the report may be pushed too.
     block_bytes = c.kv_block_bytes
     needed = blocks_for(tokens, c.block_size) * block_bytes
-    return c.recv_headroom_bytes - pending_blocks(c) * block_bytes >= needed
+    # Released blocks free KV room, not necessarily buffer room (a credit counts as none).
+    return c.recv_headroom_bytes - max(pending_blocks(c), 0) * block_bytes >= needed
 
 
 def _common_rejection(c: Candidate, tokens: int, exclude: Collection[str]) -> str:

@@ -70,6 +70,9 @@ class _Pending:
     requests: int = 0
     blocks: int = 0
     tokens: int = 0  # uncached prompt tokens sent to this prefill
+    # KV blocks of assignments made before this report and released since: the report still
+    # shows them in use, but decode has freed them (or will as the request ends).
+    freed: int = 0
 
 
 class InflightTracker:
@@ -122,9 +125,28 @@ class InflightTracker:
         return load + unseen(candidate.instance_id) if unseen is not None else load
 
     def pending_blocks(self, candidate: Candidate) -> int:
-        """KV cache blocks reserved on decode `candidate` since its current load report."""
-        pending = self._pending.get(candidate.instance_id)
-        return pending.blocks if pending and pending.epoch == candidate.epoch else 0
+        """KV cache blocks reserved on decode `candidate` since its current load report, less
+        the blocks of requests counted in that report and released since (so it can be
+        negative, never below `free_kv_blocks - total_kv_blocks`: the report's free blocks plus
+        the credit never exceed the instance's total).
+
+        Without the credit, a report taken while 8 requests of 5 blocks each ran on a 64-block
+        decode left room for 4 assignments until the next report, however many of the 8 had
+        finished: at ~24 requests/s and one report a second the guard turned down 34 of 48
+        requests (docs/benchmarks.md). The credit starts once this tracker saw the report's
+        epoch (here or in `add`), so only releases after the report was taken count."""
+        instance_id = candidate.instance_id
+        pending = self._pending.get(instance_id)
+        if pending is None or pending.epoch != candidate.epoch:
+            with self._lock:
+                pending = self._pending.get(instance_id)
+                if pending is None or pending.epoch != candidate.epoch:
+                    # Earlier assignments are inside this report: count from zero.
+                    pending = self._pending[instance_id] = _Pending(candidate.epoch)
+            return 0
+        net = pending.blocks - pending.freed
+        floor = candidate.free_kv_blocks - candidate.total_kv_blocks
+        return net if net >= floor else floor
 
     def queued_prefill_tokens(self, candidate: Candidate) -> int:
         """Uncached prompt tokens sent to prefill `candidate` since its current load report,
@@ -322,6 +344,9 @@ class InflightTracker:
                 self._total.pop(instance_id, None)
         if record.pending:
             self._unpend(record)
+        pending = self._pending.get(record.decode_id)
+        if pending is not None and pending.epoch != record.decode_epoch:
+            pending.freed += record.decode_blocks  # counted in an older report, freed now
 
     def _unpend(self, record: Assignment) -> None:
         for instance_id, epoch, blocks, tokens in (
@@ -335,5 +360,5 @@ class InflightTracker:
                 pending.requests -= 1
                 pending.blocks -= blocks
                 pending.tokens -= tokens
-                if pending.requests <= 0:
+                if pending.requests <= 0 and not pending.freed:
                     del self._pending[instance_id]

@@ -8,6 +8,7 @@ from collections.abc import Callable
 import pytest
 
 from pdplane.scheduler.candidate import Candidate
+from pdplane.scheduler.compat import split_sides
 from pdplane.scheduler.inflight import InflightTracker
 
 
@@ -88,3 +89,55 @@ def test_unreleased_assignments_expire(pair: tuple[Candidate, Candidate]) -> Non
 def test_timeout_must_be_positive() -> None:
     with pytest.raises(ValueError, match="> 0"):
         InflightTracker(timeout_s=0)
+
+
+def test_requests_released_after_a_report_give_their_kv_blocks_back(
+    pair: tuple[Candidate, Candidate],
+) -> None:
+    # The stack that lost requests: a 64-block decode (128 tokens a block), 544-token requests
+    # (5 blocks), 8 at a time. A report taken while 8 ran says 24 blocks free; once the 8 end,
+    # the guard must not keep turning the next requests down until the next report.
+    p, d = pair
+    tracker = InflightTracker()
+    d0 = dataclasses.replace(d, block_size=128, total_kv_blocks=64, free_kv_blocks=64)
+    for i in range(8):
+        tracker.add(f"r{i}", p, d0, decode_blocks=5)
+    busy = dataclasses.replace(d0, epoch=d0.epoch + 1, free_kv_blocks=24)  # next report
+    assert tracker.pending_blocks(busy) == 0  # the 8 are inside it
+    for i in range(4):
+        tracker.add(f"n{i}", p, busy, decode_blocks=5)
+    assert tracker.pending_blocks(busy) == 20
+
+    def turned_down() -> bool:
+        _, decode = split_sides(
+            [busy], tokens=544, exclude=(), pending_blocks=tracker.pending_blocks
+        )
+        return not decode.eligible
+
+    assert turned_down()  # 24 - 20 = 4 blocks left: no room for 5
+    tracker.release("r0")  # counted in the report, its 5 blocks freed since
+    assert tracker.pending_blocks(busy) == 15 and not turned_down()
+    for i in range(1, 8):
+        tracker.release(f"r{i}")
+    for i in range(4):
+        tracker.release(f"n{i}")
+    # The credit never makes the report's free blocks exceed the decode's total.
+    assert tracker.pending_blocks(busy) == 24 - 64
+    assert tracker.pending_requests(busy) == 0 and len(tracker) == 0
+
+
+def test_releases_before_the_report_was_seen_give_nothing_back(
+    pair: tuple[Candidate, Candidate],
+) -> None:
+    # Released while the view still held the old report: the next report already shows the
+    # blocks free, so they are not credited twice.
+    p, d = pair
+    tracker = InflightTracker()
+    d0 = dataclasses.replace(d, block_size=16, total_kv_blocks=100, free_kv_blocks=100)
+    tracker.add("r1", p, d0, decode_blocks=7)
+    tracker.add("r2", p, d0, decode_blocks=3)
+    tracker.release("r1")
+    later = dataclasses.replace(d0, epoch=d0.epoch + 1, free_kv_blocks=97)
+    assert tracker.pending_blocks(later) == 0
+    tracker.release("r2")  # inside the later report: credited
+    assert tracker.pending_blocks(later) == -3
