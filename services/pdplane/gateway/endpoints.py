@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -37,6 +38,8 @@ from pdplane.gateway.replies import JsonReply
 from pdplane.gateway.validation import CHAT, COMPLETIONS, ClientRequest, Endpoint, parse_request
 
 __all__ = ["RelayEndpoints"]
+
+log = logging.getLogger(__name__)
 
 _JSON = "application/json"
 _ENDPOINTS: dict[str, Endpoint] = {COMPLETIONS: COMPLETIONS, CHAT: CHAT}
@@ -241,6 +244,11 @@ class RelayEndpoints:
             return Response(status_code=_CLIENT_CLOSED, headers=headers)
         except GatewayError as exc:
             status = exc.status
+            if status >= 500:
+                # The gateway's own refusals (no pair, instance failed or silent): the client
+                # gets the error body, the operator this line (per-status counts are in
+                # pdplane_gateway_requests_total).
+                log.warning("request %s: %d %s", request_id, status, exc.message)
             return Response(exc.body(), status, headers=headers, media_type=_JSON)
         except UpstreamReply as exc:
             status = exc.status

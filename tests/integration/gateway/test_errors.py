@@ -4,6 +4,7 @@ unreachable instances retried on another pair."""
 from __future__ import annotations
 
 import json
+import logging
 
 import httpx
 import pytest
@@ -53,15 +54,24 @@ def test_decode_dying_mid_stream_gives_one_error_event_and_closes(
     wait_for(lambda: stack.scheduler_inflight() == 0, what="in-flight count back to 0")
 
 
-def test_only_decode_registered_is_503_naming_prefill_then_200(stack: Stack) -> None:
+def test_only_decode_registered_is_503_naming_prefill_then_200(
+    stack: Stack, caplog: pytest.LogCaptureFixture
+) -> None:
     decode = stack.sims(["decode"])
     wait_for(lambda: stack.health().json()["models"].get(MODEL) is not None)
     body = {"model": MODEL, "prompt": "hello", "max_tokens": 3}
-    r = httpx.post(f"{stack.url}/v1/completions", json=body, timeout=10)
+    with caplog.at_level(logging.WARNING, logger="pdplane.gateway.endpoints"):
+        r = httpx.post(
+            f"{stack.url}/v1/completions", json=body, headers={"X-Request-Id": "r503"}, timeout=10
+        )
     assert r.status_code == 503
     error = r.json()["error"]
     assert error["code"] == 503 and "prefill" in error["message"]
     assert decode[0].records() == []
+    # The refusal is in the gateway's log too, with the request id and the scheduler's reason
+    # (an overloaded stack had answered 503s that no log of the stack showed).
+    [logged] = [rec.getMessage() for rec in caplog.records if "r503" in rec.getMessage()]
+    assert "503" in logged and error["message"] in logged
 
     stack.sims(["prefill"])
     wait_for(
