@@ -41,6 +41,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from unittest import mock
 
 import httpx
 
@@ -104,17 +105,11 @@ def running_stack(
     `kv_connector_extra_config` keys of the P/D instances (e.g. `{"mode": "push"}`); `env`:
     more environment of the stack's processes (e.g. `PDPLANE_DISPATCH` of the gateway),
     restored afterwards."""
-    saved = {k: os.environ.get(k) for k in env or {}}
-    os.environ.update(env or {})
-    try:
-        with _stack(log_dir, max_model_len, single, connector_extra or {}) as stack:
-            yield stack
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    with (
+        mock.patch.dict(os.environ, env or {}),
+        _stack(log_dir, max_model_len, single, connector_extra or {}) as stack,
+    ):
+        yield stack
 
 
 @contextmanager

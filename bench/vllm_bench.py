@@ -30,6 +30,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -115,16 +116,8 @@ def _spec(args: argparse.Namespace, log_dir: Path, connector_extra: dict[str, ob
 @contextmanager
 def _environ(env: dict[str, str]) -> Iterator[None]:
     """`env` set for the processes started inside, the previous values restored after."""
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
+    with mock.patch.dict(os.environ, env):
         yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def ab(args: argparse.Namespace, variants: list[Variant], work: Path) -> None:

@@ -4,7 +4,8 @@
 | --- | --- |
 | `transport.py` | `NcclTransport`: the `KvTransport` (pull, push, pre-connect, peers gone) |
 | `service.py` | `pdplane.v1.NcclKvTransfer` handlers (`Pair`, `Preconnect`) |
-| `engine.py` | pairs with peers: handshake, pull on both sides, serving a push's begin |
+| `engine.py` | `NcclEngine`: pairs (handshake, cap, close, peers gone), the caller's pull |
+| `serving.py` | the server's end of a pair: join, warm its thread, serve pulls and push begins |
 | `pairs.py` | the pair table: one communicator per (peer, rank, purpose), cap, LRU eviction |
 | `control.py` | the two ends of a pair's control stream |
 | `push.py` | push mode: bounded GPU receive buffer (`ReceiveBuffer`), pinned-host spill, sessions |
