@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from pdplane.core.kv_params import DecodeRequestParams
@@ -38,14 +38,21 @@ class Caretaker:
             before a retry's Schedule is applied before that decision).
         aborter: AbortTransfer client for KV held by prefill instances.
         metrics: where cancellations and KV aborts are counted.
+        released: called after every Release (the admission queue's `wake`: room may have
+            come for a waiting request).
     """
 
     def __init__(
-        self, scheduler: SchedulerPort, aborter: KvAborter, metrics: GatewayMetrics
+        self,
+        scheduler: SchedulerPort,
+        aborter: KvAborter,
+        metrics: GatewayMetrics,
+        released: Callable[[], None] | None = None,
     ) -> None:
         self._scheduler = scheduler
         self._aborter = aborter
         self._metrics = metrics
+        self._released = released
         self._background: set[asyncio.Task[Any]] = set()
 
     def begin(self, request_id: str) -> Aftercare:
@@ -59,6 +66,8 @@ class Caretaker:
             self._scheduler.release_nowait(request_id, outcome)
         except Exception as exc:
             log.warning("Release(%s, %s) failed: %s", request_id, outcome, exc)
+        if self._released is not None:
+            self._released()
 
     def abort_kv(self, params: DecodeRequestParams, reason: str) -> None:
         """AbortTransfer, in the background, on the prefill instance holding `params`' KV."""

@@ -97,6 +97,8 @@ def create_app(
         stream_idle_timeout_s=settings.stream_idle_timeout_s,
         max_retries=settings.max_retries,
         upstream_api_key=settings.upstream_api_key,
+        queue_timeout_s=settings.queue_timeout_s,
+        max_queued_requests=settings.max_queued_requests,
     )
     relay = Relay(scheduler, upstream, aborter, metrics, config)
 

@@ -19,3 +19,5 @@ class RelayConfig:
     stream_idle_timeout_s: float = 30.0
     max_retries: int = 1
     upstream_api_key: str | None = None
+    queue_timeout_s: float = 60.0
+    max_queued_requests: int = 1024

@@ -101,6 +101,24 @@ class GatewayMetrics:
             registry=r,
         )
         self.exact_prompts = self.prompts.labels("exact")
+        self.queued = Gauge(
+            "pdplane_gateway_queued_requests",
+            "Requests waiting for room (every compatible instance full; see --queue-timeout-s)",
+            registry=r,
+        )
+        self.queue_wait = Histogram(
+            "pdplane_gateway_queue_wait_seconds",
+            "Time a request waited for room before it was scheduled or refused",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_refusals = Counter(
+            "pdplane_gateway_queue_refusals",
+            "Requests answered 503 by the admission queue: timeout (no room within "
+            "--queue-timeout-s) or queue_full (--max-queued-requests waiting already)",
+            ["reason"],
+            registry=r,
+        )
         self.estimated_prompts = self.prompts.labels("estimated")
 
     def answered(self, endpoint: str, status: int) -> None:

@@ -1,6 +1,8 @@
 """The prefill -> decode relay of one request (no FastAPI here: asyncio + the upstream client).
 
 Per request: Schedule -> prefill leg -> decode leg -> relay decode's answer -> Release.
+A Schedule refused because every compatible instance is full waits in the admission queue
+(`pdplane.gateway.admission`) for room, bounded, before it is a 503.
 `Relay.handle` returns a `JsonReply` (non-streaming answers and upstream errors, passed through
 unchanged) or a `StreamReply` (SSE relayed event by event), or raises `GatewayError`.
 
@@ -23,6 +25,7 @@ import asyncio
 import logging
 
 from pdplane.core import tracing
+from pdplane.gateway.admission import AdmissionQueue
 from pdplane.gateway.aftercare import Aftercare, Caretaker
 from pdplane.gateway.attempt import Attempt, Legs
 from pdplane.gateway.config import RelayConfig
@@ -35,6 +38,7 @@ from pdplane.gateway.validation import ClientRequest
 from pdplane.scheduler import (
     Decision,
     RequestFeatures,
+    SchedulerBusy,
     SchedulerError,
     SchedulerPort,
     SchedulerUnavailable,
@@ -67,7 +71,8 @@ class Relay:
         self.scheduler = scheduler
         self.metrics = metrics
         self.config = config
-        self.caretaker = Caretaker(scheduler, aborter, metrics)
+        self.admission = AdmissionQueue(config.queue_timeout_s, config.max_queued_requests, metrics)
+        self.caretaker = Caretaker(scheduler, aborter, metrics, self.admission.wake)
         self._legs = Legs.of(upstream, metrics, config)
 
     async def handle(
@@ -115,9 +120,18 @@ class Relay:
             exclude_instance_ids=tuple(excluded),
             prefix_hashes=req.prefix_hashes,
         )
+        schedule = self.scheduler.schedule
+        admission = self.admission
         try:
             with tracing.span("pdplane.schedule"):
-                return await self.scheduler.schedule(features)
+                if last is None and admission.has_waiters(req.model):
+                    return await admission.admit(req.model, lambda: schedule(features), None)
+                try:
+                    return await schedule(features)
+                except SchedulerBusy as busy:
+                    if last is not None:
+                        raise  # a retry: the failure below is the answer
+                    return await admission.admit(req.model, lambda: schedule(features), busy)
         except asyncio.CancelledError as exc:
             # The scheduler may have counted the request before the client left; an unknown id
             # is harmless to Release.

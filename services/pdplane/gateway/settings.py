@@ -73,6 +73,17 @@ class GatewaySettings(PolicySettings):
         description="client connections plus running requests at once; past it new requests "
         "get 503 (0 = unlimited)",
     )
+    queue_timeout_s: float = Field(
+        60.0,
+        ge=0,
+        description="a request that finds every compatible instance full (no decode KV room) "
+        "waits this long for room, as vLLM queues it, then gets 503; 0 = 503 at once (s)",
+    )
+    max_queued_requests: int = Field(
+        1024,
+        ge=0,
+        description="requests waiting for room at once; one more gets 503 at once",
+    )
     connect_timeout_s: float = Field(5.0, gt=0, description="TCP connect bound per leg (s)")
     max_retries: int = Field(
         1, ge=0, le=5, description="retries on another pair when an instance is unreachable"

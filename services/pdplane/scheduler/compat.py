@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from pdplane.core.echo import echo
 from pdplane.scheduler.candidate import Candidate, PairKey
-from pdplane.scheduler.errors import NoInstance
+from pdplane.scheduler.errors import NoInstance, NoRoom
 from pdplane.v1 import instance_pb2
 
 __all__ = ["SideCandidates", "blocks_for", "describe_keys", "pair_keys_of", "split_sides"]
@@ -40,6 +40,8 @@ class SideCandidates:
     eligible: list[Candidate] = field(default_factory=list)
     with_role: int = 0
     rejected: dict[str, int] = field(default_factory=dict)  # reason -> instances
+    #: Instances turned down for capacity only (no KV room now; room comes as requests end).
+    full: int = 0
 
     def explain(self, model: str, served: Collection[str]) -> str:
         """The UNAVAILABLE message for this side, e.g. "no decode instance for model m: ...".
@@ -57,12 +59,16 @@ class SideCandidates:
         return f"{head}: {self.with_role} registered, all turned down ({why})"
 
     def require(self, model: str, served: Callable[[], Collection[str]]) -> list[Candidate]:
-        """The eligible candidates; raises NoInstance(side) when there are none.
+        """The eligible candidates; raises NoInstance(side) when there are none, its NoRoom
+        kind when at least one instance was turned down for KV room only (room may come).
 
         `served()` is only called to word the error.
         """
         if not self.eligible:
-            raise NoInstance(self.side, self.explain(model, served()))
+            message = self.explain(model, served())
+            if self.full:
+                raise NoRoom(self.side, message)
+            raise NoInstance(self.side, message)
         return self.eligible
 
 
@@ -104,7 +110,13 @@ def split_sides(
                 and c.block_size
                 and (c.free_kv_blocks - pending_blocks(c)) * c.block_size < tokens
             ):
-                reason = f"no KV room for {tokens} tokens"
+                # Room that can never come (a cache smaller than the request) is no capacity
+                # refusal: waiting for it would only delay the answer.
+                if c.total_kv_blocks * c.block_size < tokens:
+                    reason = f"KV cache smaller than {tokens} tokens"
+                else:
+                    reason = f"no KV room for {tokens} tokens"
+                    decode.full += 1
                 decode.rejected[reason] = decode.rejected.get(reason, 0) + 1
             elif c.recv_capacity_bytes and not _buffer_room(c, pushed, pending_blocks):
                 no_buffer_room.append(c)

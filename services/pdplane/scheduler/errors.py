@@ -1,14 +1,15 @@
 """Errors of a scheduling decision; the servicer maps them onto gRPC status codes.
 
-Both are the port's errors (`pdplane.scheduler.port`), so the local scheduler raises them as
-they are: `InvalidRequest` is a ValueError, `NoInstance` a SchedulerUnavailable.
+All are the port's errors (`pdplane.scheduler.port`), so the local scheduler raises them as
+they are: `InvalidRequest` is a ValueError, `NoInstance` a SchedulerUnavailable and `NoRoom`
+both a NoInstance and a SchedulerBusy.
 """
 
 from __future__ import annotations
 
-from pdplane.scheduler.port import SchedulerUnavailable
+from pdplane.scheduler.port import SchedulerBusy, SchedulerUnavailable
 
-__all__ = ["InvalidRequest", "NoInstance"]
+__all__ = ["InvalidRequest", "NoInstance", "NoRoom"]
 
 
 class InvalidRequest(ValueError):
@@ -25,3 +26,9 @@ class NoInstance(SchedulerUnavailable):
     def __init__(self, side: str, message: str) -> None:
         super().__init__(message)
         self.side = side
+
+
+class NoRoom(NoInstance, SchedulerBusy):
+    """No instance of one side has room now, but at least one would serve the request once
+    its running requests end (gRPC RESOURCE_EXHAUSTED), e.g. "no decode instance for model
+    tiny: 1 registered, all turned down (1 no KV room for 544 tokens)"."""

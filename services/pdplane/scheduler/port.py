@@ -6,7 +6,8 @@ One definition of each thing that crosses the seam between the gateway and the s
 - `Decision`: the chosen instances and the policies' reason;
 - `Outcome`: how a scheduled request ended (`release`);
 - `SchedulerPort`: schedule / release / release_nowait / close;
-- `SchedulerUnavailable` / `SchedulerError` (and `ValueError` for invalid input): its errors.
+- `SchedulerUnavailable` (its `SchedulerBusy` kind: instances exist but are all full now) /
+  `SchedulerError` (and `ValueError` for invalid input): its errors.
 
 Two implementations, built by `pdplane.scheduler.factory.open_scheduler`: remote
 (`pdplane.scheduler.remote.RemoteScheduler`, gRPC to a `pdplane scheduler` process) and local
@@ -45,6 +46,7 @@ __all__ = [
     "PolicyFlags",
     "PortSettings",
     "RequestFeatures",
+    "SchedulerBusy",
     "SchedulerError",
     "SchedulerPort",
     "SchedulerUnavailable",
@@ -175,15 +177,26 @@ class SchedulerUnavailable(SchedulerError):
     """
 
 
+class SchedulerBusy(SchedulerUnavailable):
+    """Compatible instances exist but every one was turned down for capacity (e.g. no decode
+    KV room for the request): a later Schedule may succeed once requests end, so a caller may
+    wait and ask again (the gateway's admission queue) instead of answering 503 at once.
+
+    A remote scheduler answers it as RESOURCE_EXHAUSTED; an older scheduler answers the same
+    refusal as UNAVAILABLE, which reads as a plain `SchedulerUnavailable`.
+    """
+
+
 class SchedulerPort(Protocol):
     """What a caller needs of the scheduler; every implementation raises the same errors."""
 
     async def schedule(self, features: RequestFeatures) -> Decision:
         """Chooses a (prefill, decode) pair and counts it in flight until `release`.
 
-        Raises ValueError (invalid field, unknown policy name), SchedulerUnavailable (no
-        compatible prefill, decode or pair; or the scheduler unreachable or late) and
-        SchedulerError (anything else, e.g. a refused token).
+        Raises ValueError (invalid field, unknown policy name), SchedulerBusy (compatible
+        instances, all full now), SchedulerUnavailable (no compatible prefill, decode or pair;
+        or the scheduler unreachable or late) and SchedulerError (anything else, e.g. a
+        refused token).
         """
         ...
 

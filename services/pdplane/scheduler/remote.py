@@ -32,6 +32,7 @@ from pdplane.scheduler.port import (
     Decision,
     Outcome,
     RequestFeatures,
+    SchedulerBusy,
     SchedulerError,
     SchedulerUnavailable,
 )
@@ -131,8 +132,9 @@ class RemoteScheduler:
         """`SchedulerPort.schedule` over gRPC; Releases queued by `release_nowait` ride along.
 
         Lengths are checked here (they travel as uint32): ValueError when negative or larger.
-        INVALID_ARGUMENT comes back as ValueError; UNAVAILABLE or a missed deadline
-        (`timeout_s`) as SchedulerUnavailable; any other status as SchedulerError (`.code`).
+        INVALID_ARGUMENT comes back as ValueError; RESOURCE_EXHAUSTED (instances, all full) as
+        SchedulerBusy; UNAVAILABLE or a missed deadline (`timeout_s`) as SchedulerUnavailable;
+        any other status as SchedulerError (`.code`).
         """
         _check_length("prompt_tokens", features.prompt_tokens)
         _check_length("max_tokens", features.max_tokens)
@@ -320,6 +322,8 @@ def _translate(exc: grpc.aio.AioRpcError) -> Exception:
     code, details = exc.code(), exc.details() or ""
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         return ValueError(details)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return SchedulerBusy(details or code.name, code)
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
         return SchedulerUnavailable(details or code.name, code)
     return SchedulerError(details, code)

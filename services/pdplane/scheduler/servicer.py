@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 import grpc
 
 from pdplane.core import tracing
-from pdplane.scheduler.errors import InvalidRequest, NoInstance
+from pdplane.scheduler.errors import InvalidRequest, NoInstance, NoRoom
 from pdplane.scheduler.kv_index import KvInstanceStatus
 from pdplane.scheduler.service import SchedulerService
 from pdplane.scheduler.wire import (
@@ -27,12 +27,15 @@ _DECISION = "pdplane.scheduler.decision"
 _OK = grpc.StatusCode.OK.value[0]
 _INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT.value[0]
 _UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
+_RESOURCE_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
 _INTERNAL = grpc.StatusCode.INTERNAL.value[0]
 _MESSAGE_MAX = 1024  # characters of a ScheduleResult's error message
 
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
-    """Schedule -> INVALID_ARGUMENT / UNAVAILABLE on the service's errors; Release never fails
+    """Schedule -> INVALID_ARGUMENT / UNAVAILABLE (no compatible instance) / RESOURCE_EXHAUSTED
+    (compatible instances, all full now: a caller may wait and ask again; gRPC does not retry
+    it) on the service's errors; Release never fails
     for an unknown id (released=false). Releases piggybacked on a Schedule are applied first.
     `kv_states` lists the prefix index's instances (`KvIndexManager.states`; None: no index)."""
 
@@ -60,6 +63,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 decision = self._service.schedule(features_from_pb(request))
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except NoRoom as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except NoInstance as exc:
             # A decision, not a lost scheduler: tells gRPC's client retry (remote.py) not to
             # try again elsewhere (gRPC retry design A6: a negative pushback means no retry).
@@ -99,6 +104,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 decision = self._service.schedule(features_from_pb(request))
         except InvalidRequest as exc:
             _failed(result, _INVALID_ARGUMENT, exc)
+        except NoRoom as exc:
+            _failed(result, _RESOURCE_EXHAUSTED, exc)
         except NoInstance as exc:
             _failed(result, _UNAVAILABLE, exc)
         except Exception as exc:

@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 
 from pdplane.scheduler.candidate import Candidate
-from pdplane.scheduler.errors import InvalidRequest, NoInstance
+from pdplane.scheduler.errors import InvalidRequest, NoInstance, NoRoom
 from pdplane.scheduler.metrics import SchedulerMetrics
 from pdplane.scheduler.policies import POLICIES, Pick, PickContext
-from pdplane.scheduler.port import RequestFeatures
+from pdplane.scheduler.port import RequestFeatures, SchedulerBusy
 from pdplane.scheduler.service import SchedulerService
 from pdplane.scheduler.view import CandidateView
 from pdplane.v1 import instance_pb2
@@ -363,3 +363,31 @@ def test_unreleased_assignments_stop_reserving_kv_room_after_the_reservation_win
     assert service.schedule(req(1001, max_tokens=28)).decode.instance_id == "d"
     assert len(tracker) == 126  # counted in flight still, releasable
     assert tracker.release("r0") is not None
+
+
+def test_no_kv_room_is_a_capacity_refusal(build: Callable, make_instance: MakeInstance) -> None:
+    service, _ = build(
+        make_instance("p", "prefill"),
+        make_instance("d", "decode", free_kv_blocks=1, total_kv_blocks=100),
+        make_instance("d-draining", "decode", draining=True),
+    )
+    with pytest.raises(NoRoom, match=r"1 draining, 1 no KV room for 100 tokens") as info:
+        service.schedule(req())
+    assert isinstance(info.value, SchedulerBusy) and info.value.side == "decode"
+
+
+@pytest.mark.parametrize(
+    ("extra", "why"),
+    [
+        ({"free_kv_blocks": 1, "total_kv_blocks": 6}, "1 KV cache smaller than 100 tokens"),
+        ({"draining": True}, "1 draining"),
+    ],
+)
+def test_room_that_cannot_come_is_no_capacity_refusal(
+    build: Callable, make_instance: MakeInstance, extra: dict[str, Any], why: str
+) -> None:
+    # block_size 16: 100 tokens need 7 blocks; a 6-block cache never holds them.
+    service, _ = build(make_instance("p", "prefill"), make_instance("d", "decode", **extra))
+    with pytest.raises(NoInstance, match=why) as info:
+        service.schedule(req())
+    assert not isinstance(info.value, SchedulerBusy)

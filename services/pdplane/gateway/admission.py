@@ -1,0 +1,158 @@
+"""The admission queue: a request that finds every instance full waits for room, as in vLLM.
+
+`vllm serve` keeps a request its KV cache cannot hold yet in its scheduler's waiting queue and
+runs it once running requests end. A fleet behind the gateway behaves the same: when the
+scheduler refuses a request for capacity only (`SchedulerBusy`: compatible instances exist,
+none has KV room now), the request waits here and is scheduled again, bounded in time
+(`queue_timeout_s`) and in number (`max_queued_requests`); "no compatible instance at all"
+stays an immediate 503.
+
+Waiting costs no polling per request. Waiters form one FIFO per model; only the head asks
+the scheduler again, when this gateway releases a request (`wake`, called on every Release it
+makes) or, for room freed elsewhere (other gateways' requests, load reports), after
+`_POLL_S`. A head that gets a decision wakes the next waiter at once (room may be left for
+it), so a release drains as many waiters as fit, in arrival order. A request arriving while
+its model has waiters queues behind them (no overtaking, as vLLM's FCFS waiting queue).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+from collections.abc import Awaitable, Callable
+
+from pdplane.gateway.errors import GatewayError, unavailable
+from pdplane.gateway.metrics import GatewayMetrics
+from pdplane.scheduler import Decision, SchedulerBusy
+
+__all__ = ["AdmissionQueue"]
+
+log = logging.getLogger(__name__)
+
+#: How long a queue's head waits for a Release of this gateway before it asks the scheduler
+#: again (s): room freed by other gateways or shown by a load report is noticed this late.
+#: One Schedule per model every 25 ms costs the scheduler little (a decision is ~10-50 µs).
+_POLL_S = 0.025
+
+
+class _Waiter:
+    __slots__ = ("woken",)
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.woken: asyncio.Future[None] = loop.create_future()
+
+
+class AdmissionQueue:
+    """Bounded FIFO waits for capacity, one queue per model.
+
+    Args:
+        timeout_s: longest wait of one request (s); 0 = no queueing (503 at once, as before).
+        max_queued: requests waiting at once across models; one more gets 503 at once.
+        metrics: where the queue length, wait times and refusals are recorded.
+    """
+
+    def __init__(self, timeout_s: float, max_queued: int, metrics: GatewayMetrics) -> None:
+        self.timeout_s = timeout_s
+        self.max_queued = max_queued
+        self._metrics = metrics
+        self._queues: dict[str, collections.deque[_Waiter]] = {}
+        #: model -> the latest capacity refusal of its waiters (words the 503 of one that
+        #: queued behind them without asking).
+        self._reasons: dict[str, str] = {}
+        self._waiting = 0
+
+    def __len__(self) -> int:
+        """Requests waiting now."""
+        return self._waiting
+
+    def has_waiters(self, model: str) -> bool:
+        """Whether requests of `model` wait (a new one then queues behind them)."""
+        return bool(self._queues.get(model))
+
+    def wake(self) -> None:
+        """Room may have come (this gateway released a request): each model's head asks the
+        scheduler again. Cheap; call from the event loop."""
+        for queue in self._queues.values():
+            if queue:
+                _wake(queue[0])
+
+    async def admit(
+        self,
+        model: str,
+        schedule: Callable[[], Awaitable[Decision]],
+        refusal: SchedulerBusy | None,
+    ) -> Decision:
+        """Waits in `model`'s queue until `schedule()` returns a decision; returns it.
+
+        `refusal` = the capacity refusal that sent the request here (None: it queued behind
+        earlier waiters without asking). Raises GatewayError 503 when queueing is off, the
+        queue is full (at once) or no room came within `timeout_s` (naming the last refusal
+        and the wait); `schedule()`'s other errors as they are; asyncio.CancelledError when
+        the client left (the request leaves the queue at once).
+        """
+        if refusal is not None:
+            reason = refusal.reason
+        else:
+            reason = self._reasons.get(model, "no instance has room now")
+        if self.timeout_s <= 0:
+            raise unavailable(reason)
+        if self._waiting >= self.max_queued:
+            self._metrics.queue_refusals.labels("queue_full").inc()
+            raise unavailable(
+                f"{reason}; not queued: {self._waiting} requests "
+                f"already wait for room (--max-queued-requests {self.max_queued})"
+            )
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        deadline = started + self.timeout_s
+        queue = self._queues.setdefault(model, collections.deque())
+        waiter = _Waiter(loop)
+        queue.append(waiter)
+        self._reasons[model] = reason
+        self._waiting += 1
+        self._metrics.queued.inc()
+        try:
+            while True:
+                left = deadline - loop.time()
+                if left <= 0:
+                    reason = self._reasons.get(model, reason)
+                    raise self._timed_out(model, reason, loop.time() - started)
+                head = queue[0] is waiter
+                await asyncio.wait((waiter.woken,), timeout=min(left, _POLL_S) if head else left)
+                if waiter.woken.done():
+                    waiter.woken = loop.create_future()
+                if queue[0] is not waiter:
+                    continue  # woken to find out it is not the head yet (a timeout)
+                try:
+                    decision = await schedule()
+                except SchedulerBusy as exc:
+                    reason = self._reasons[model] = exc.reason
+                    continue
+                self._metrics.queue_wait.observe(loop.time() - started)
+                return decision
+        finally:
+            queue.remove(waiter)
+            self._waiting -= 1
+            self._metrics.queued.dec()
+            if queue:
+                _wake(queue[0])  # the next one tries now: room may be left, or it polls
+            else:
+                del self._queues[model]
+                self._reasons.pop(model, None)
+
+    def _timed_out(self, model: str, reason: str, waited_s: float) -> GatewayError:
+        self._metrics.queue_refusals.labels("timeout").inc()
+        self._metrics.queue_wait.observe(waited_s)
+        log.warning(
+            "request for model %r waited %.1f s for room, none came: %s", model, waited_s, reason
+        )
+        return unavailable(
+            f"{reason} (waited {waited_s:.1f} s for room; "
+            f"--queue-timeout-s {self.timeout_s:g})"
+        )
+
+
+def _wake(waiter: _Waiter) -> None:
+    if not waiter.woken.done():
+        waiter.woken.set_result(None)

@@ -1,0 +1,142 @@
+"""Must show: a full fleet queues requests as `vllm serve` does instead of answering 503 at once.
+
+A decode whose KV cache holds 5 requests gets 16 at a time: every request completes (the
+ones without room wait for it). A request whose room never comes gets 503 after
+`--queue-timeout-s`, naming the KV room and the wait; one past `--max-queued-requests` gets
+503 at once; a client that leaves while queued leaves nothing behind in the scheduler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+from urllib.parse import urlsplit
+
+import httpx
+import pytest
+
+from tests.integration.gateway.conftest import MODEL, Stack, wait_for
+from tests.integration.gateway.test_kv_room import _burst
+
+# 401 prompt + 16 output tokens (estimated 516 without a tokenizer): 4-5 blocks of 128.
+_SHORT = {"model": MODEL, "prompt": "word " * 400, "max_tokens": 16, "stream": True}
+# 701 prompt + 199 output tokens, streamed at 50 ms a token (~10 s): its prompt alone holds 6
+# blocks of 128 (what decode's load reports show), 7 once decoded.
+_LONG = {"model": MODEL, "prompt": "word " * 700, "max_tokens": 199, "stream": True}
+
+
+def _open(url: str, body: dict[str, object]) -> socket.socket:
+    """Sends one streamed completion over a fresh connection; the response stays unread."""
+    parts = urlsplit(url)
+    sock = socket.create_connection((parts.hostname, parts.port), timeout=10)
+    data = json.dumps(body).encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: {parts.netloc}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
+    )
+    sock.sendall(head.encode() + data)
+    return sock
+
+
+def _hold(stack: Stack) -> socket.socket:
+    """A long request that holds 6-7 of the decode's 8 blocks; returns once it streams."""
+    sock = _open(stack.url, _LONG)
+    buf = b""
+    while b"data: " not in buf:
+        chunk = sock.recv(65536)
+        assert chunk, f"connection closed early: {buf!r}"
+        buf += chunk
+    return sock
+
+
+def _metric(stack: Stack, name: str) -> float:
+    for line in httpx.get(f"{stack.url}/metrics", timeout=5).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} not exported")
+
+
+def _reported(stack: Stack) -> bool:
+    """Whether every instance's load report reached the scheduler (the KV guard needs it)."""
+    return all(c.total_kv_blocks > 0 for c in stack.service.view.candidates(MODEL))
+
+
+def _small_fleet(stack: Stack) -> None:
+    # 8 blocks: the long request (6-7) leaves no room for a short one (4).
+    sims = stack.sims(
+        ["prefill", "decode"], kv_blocks=8, block_size=128, itl_ms=50, max_model_len=1024
+    )
+    stack.wait_ready(sims)
+    wait_for(lambda: _reported(stack), 5.0, "the first load reports")
+
+
+def test_sixteen_at_a_time_on_a_five_request_decode_all_complete(stack: Stack) -> None:
+    sims = stack.sims(
+        ["prefill", "decode"], kv_blocks=20, block_size=128, itl_ms=10, max_model_len=1024
+    )
+    stack.wait_ready(sims)
+    wait_for(lambda: _reported(stack), 5.0, "the first load reports")
+    statuses = asyncio.run(_burst(stack.url, 48, 16))
+    assert statuses == {200: 48}
+    assert _metric(stack, "pdplane_gateway_queue_wait_seconds_count") > 0  # some waited
+    assert _metric(stack, "pdplane_gateway_queued_requests") == 0
+    wait_for(lambda: stack.scheduler_inflight() == 0, 2.0, "scheduler in-flight count 0")
+
+
+@pytest.mark.parametrize("mode", ["stream", "unary", "embedded"])
+def test_room_that_never_comes_is_a_503_after_the_queue_timeout(stack_factory, mode: str) -> None:  # type: ignore[no-untyped-def]
+    stack: Stack = stack_factory(
+        queue_timeout_s=0.5, schedule_stream=mode == "stream", embedded=mode == "embedded"
+    )
+    _small_fleet(stack)
+    holder = _hold(stack)
+    try:
+        started = time.monotonic()
+        r = httpx.post(f"{stack.url}/v1/completions", json=_SHORT, timeout=10)
+        waited = time.monotonic() - started
+        assert r.status_code == 503
+        message = r.json()["error"]["message"]
+        assert "no KV room for 516 tokens" in message
+        assert "waited" in message and "--queue-timeout-s 0.5" in message
+        assert waited >= 0.5
+        assert _metric(stack, 'pdplane_gateway_queue_refusals_total{reason="timeout"}') == 1
+    finally:
+        holder.close()
+    wait_for(lambda: stack.scheduler_inflight() == 0, 2.0, "scheduler in-flight count 0")
+
+
+def test_a_client_leaving_the_queue_leaves_nothing_behind(stack: Stack) -> None:
+    _small_fleet(stack)
+    holder = _hold(stack)
+    queued = _open(stack.url, _SHORT)
+    wait_for(lambda: _metric(stack, "pdplane_gateway_queued_requests") == 1, 5.0, "1 queued")
+    queued.close()
+    wait_for(lambda: _metric(stack, "pdplane_gateway_queued_requests") == 0, 2.0, "0 queued")
+    assert stack.scheduler_inflight() == 1  # the holder only: the leaver was never scheduled
+    holder.close()
+    wait_for(lambda: stack.scheduler_inflight() == 0, 2.0, "scheduler in-flight count 0")
+    # Room has come: a late Schedule of the leaver would be counted now.
+    r = httpx.post(f"{stack.url}/v1/completions", json=_SHORT, timeout=10)
+    assert r.status_code == 200
+    wait_for(lambda: stack.scheduler_inflight() == 0, 2.0, "scheduler in-flight count 0")
+    assert _metric(stack, "pdplane_gateway_inflight_requests") == 0
+
+
+def test_a_request_past_the_queue_cap_gets_503_at_once(stack_factory) -> None:  # type: ignore[no-untyped-def]
+    stack: Stack = stack_factory(max_queued_requests=1, embedded=True)
+    _small_fleet(stack)
+    holder = _hold(stack)
+    queued = _open(stack.url, _SHORT)
+    try:
+        wait_for(lambda: _metric(stack, "pdplane_gateway_queued_requests") == 1, 5.0, "queued")
+        r = httpx.post(f"{stack.url}/v1/completions", json=_SHORT, timeout=10)
+        assert r.status_code == 503
+        message = r.json()["error"]["message"]
+        assert "no KV room" in message and "not queued: 1 requests already wait" in message
+        assert _metric(stack, 'pdplane_gateway_queue_refusals_total{reason="queue_full"}') == 1
+    finally:
+        queued.close()
+        holder.close()
+    wait_for(lambda: stack.scheduler_inflight() == 0, 2.0, "scheduler in-flight count 0")
