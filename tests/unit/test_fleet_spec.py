@@ -28,3 +28,9 @@ def test_store_etcd_reaches_the_spec() -> None:
     spec = FleetSpec.from_settings(UpSettings.parse(["--store", "etcd", "--etcd-port", "23790"]))
     assert (spec.store, spec.etcd_port) == ("etcd", 23790)
     assert FleetSpec.from_settings(UpSettings.parse([])).store == "memory"
+
+
+def test_queue_timeout_reaches_the_gateway_spec() -> None:
+    spec = FleetSpec.from_settings(UpSettings.parse(["--queue-timeout-s", "5"]))
+    assert spec.queue_timeout_s == 5.0
+    assert FleetSpec.from_settings(UpSettings.parse([])).queue_timeout_s == 60.0

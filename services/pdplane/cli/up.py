@@ -81,6 +81,12 @@ class UpSettings(CommandSettings):
     )
     prefill_policy: str = Field("kv_aware", description="scheduler prefill policy")
     decode_policy: str = Field("kv_aware", description="scheduler decode policy")
+    queue_timeout_s: float = Field(
+        60.0,
+        ge=0,
+        description="gateway: a request finding the fleet full (no decode KV room) waits this "
+        "long for room, as vLLM queues it, then gets 503; 0 = 503 at once (s)",
+    )
     log_dir: Path = Field(Path("logs"), description="folder for every process's log")
     ready_timeout_s: float = Field(600.0, gt=0, description="give up starting after (s)")
     demo: bool = Field(False, description="send one chat request once ready and print it")

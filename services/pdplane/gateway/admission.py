@@ -148,8 +148,7 @@ class AdmissionQueue:
             "request for model %r waited %.1f s for room, none came: %s", model, waited_s, reason
         )
         return unavailable(
-            f"{reason} (waited {waited_s:.1f} s for room; "
-            f"--queue-timeout-s {self.timeout_s:g})"
+            f"{reason} (waited {waited_s:.1f} s for room; --queue-timeout-s {self.timeout_s:g})"
         )
 
 

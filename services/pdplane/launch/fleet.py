@@ -69,6 +69,7 @@ class _UpLike(Protocol):
     max_model_len: int
     prefill_policy: str
     decode_policy: str
+    queue_timeout_s: float
     log_dir: Path
     ready_timeout_s: float
     etcd_port: int
@@ -99,6 +100,8 @@ class FleetSpec:
     max_model_len: int = 1024
     prefill_policy: str = "kv_aware"
     decode_policy: str = "kv_aware"
+    #: The gateway's `--queue-timeout-s`: how long a request waits for room on a full fleet.
+    queue_timeout_s: float = 60.0
     log_dir: Path = Path("logs")
     ready_timeout_s: float = 600.0
     #: Extra `VllmCpuOptions` fields for every instance (e.g. transfer_timeout_s in tests).
@@ -133,6 +136,7 @@ class FleetSpec:
             max_model_len=s.max_model_len,
             prefill_policy=s.prefill_policy,
             decode_policy=s.decode_policy,
+            queue_timeout_s=s.queue_timeout_s,
             log_dir=s.log_dir,
             ready_timeout_s=s.ready_timeout_s,
             store=s.store,
@@ -387,6 +391,8 @@ class Fleet:
                 s.host,
                 "--port",
                 str(s.gateway_port),
+                "--queue-timeout-s",
+                str(s.queue_timeout_s),
                 # The served model's own tokenizer: exact prompt ids and prefix hashes.
                 *(["--tokenizer", str(self.model_dir)] if self.model_dir else []),
             ),
