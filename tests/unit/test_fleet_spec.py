@@ -34,3 +34,4 @@ def test_queue_timeout_reaches_the_gateway_spec() -> None:
     spec = FleetSpec.from_settings(UpSettings.parse(["--queue-timeout-s", "5"]))
     assert spec.queue_timeout_s == 5.0
     assert FleetSpec.from_settings(UpSettings.parse([])).queue_timeout_s == 60.0
+    assert FleetSpec().queue_timeout_s is None  # the gateway's default or its env

@@ -100,8 +100,9 @@ class FleetSpec:
     max_model_len: int = 1024
     prefill_policy: str = "kv_aware"
     decode_policy: str = "kv_aware"
-    #: The gateway's `--queue-timeout-s`: how long a request waits for room on a full fleet.
-    queue_timeout_s: float = 60.0
+    #: The gateway's `--queue-timeout-s` (how long a request waits for room on a full fleet);
+    #: None = the gateway's own default or its PDPLANE_QUEUE_TIMEOUT_S.
+    queue_timeout_s: float | None = None
     log_dir: Path = Path("logs")
     ready_timeout_s: float = 600.0
     #: Extra `VllmCpuOptions` fields for every instance (e.g. transfer_timeout_s in tests).
@@ -391,8 +392,11 @@ class Fleet:
                 s.host,
                 "--port",
                 str(s.gateway_port),
-                "--queue-timeout-s",
-                str(s.queue_timeout_s),
+                *(
+                    []
+                    if s.queue_timeout_s is None
+                    else ["--queue-timeout-s", str(s.queue_timeout_s)]
+                ),
                 # The served model's own tokenizer: exact prompt ids and prefix hashes.
                 *(["--tokenizer", str(self.model_dir)] if self.model_dir else []),
             ),
