@@ -148,7 +148,7 @@ class RemoteScheduler:
             else:
                 response = await self._schedule_streamed(request)
         except grpc.aio.AioRpcError as exc:
-            if releases and exc.code() != grpc.StatusCode.INVALID_ARGUMENT:
+            if releases and exc.code() not in _ANSWERED:
                 # They may not have arrived; an id released twice is harmless (released=false).
                 self._queue(releases)
             raise _translate(exc) from None
@@ -307,6 +307,12 @@ class RemoteScheduler:
         if channel is not None:
             await channel.close()
 
+
+#: Codes of a Schedule the scheduler itself answered, after it applied the Releases riding on
+#: it: those are not sent again. A busy fleet's waiting requests ask again every few ms; had
+#: every refusal re-queued its Releases, a Release could ride on a later Schedule past the
+#: retry of its request (same id) and end that retry's assignment.
+_ANSWERED = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 _CODES: dict[int, grpc.StatusCode] = {code.value[0]: code for code in grpc.StatusCode}
 

@@ -8,10 +8,10 @@ from collections.abc import Callable
 import grpc
 import pytest
 
-from pdplane.scheduler import RequestFeatures
+from pdplane.scheduler import RequestFeatures, SchedulerBusy
 from pdplane.scheduler.remote import RemoteScheduler
 from pdplane.scheduler.server import SchedulerServer
-from pdplane.v1 import scheduler_pb2, scheduler_pb2_grpc
+from pdplane.v1 import instance_pb2, scheduler_pb2, scheduler_pb2_grpc
 from tests.integration.scheduler.conftest import Fleet
 
 
@@ -101,3 +101,32 @@ async def test_release_batch_with_an_invalid_entry_applies_none(
         reply = await stub.ReleaseBatch(scheduler_pb2.ReleaseBatchRequest(releases=[ok, ok]))
         assert reply.released == 1  # the second one was no longer in flight
     assert _inflight(server) == set()
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "unary"])
+async def test_releases_on_a_refused_busy_schedule_are_not_sent_again(
+    fleet: Fleet,
+    scheduler_factory: Callable[..., SchedulerServer],
+    client_factory: Callable[..., RemoteScheduler],
+    stream: bool,
+) -> None:
+    # The scheduler applied them before it refused: sent again, one could ride past the
+    # retry of its request (the same id) and end that retry's assignment.
+    fleet.add("p0", "prefill")
+    fleet.add("d0", "decode")
+    fleet.loads["d0"] = instance_pb2.LoadReport(total_kv_blocks=1000, free_kv_blocks=0)
+    server = scheduler_factory()
+    service = server.app.service
+    assert service is not None
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 5.0
+    while loop.time() < deadline and not any(
+        c.total_kv_blocks for c in service.view.candidates("tiny")
+    ):
+        await asyncio.sleep(0.01)
+    client = client_factory(server.address, release_batch_s=30.0, stream=stream)
+    client.release_nowait("gone", "success")
+    with pytest.raises(SchedulerBusy, match="no KV room"):
+        await client.schedule(RequestFeatures("b", "tiny", 16, 16))
+    assert client._pending == []
+    assert _release_counts(server) == {"success/false": 1.0}
