@@ -9,15 +9,14 @@ ones without room wait for it). A request whose room never comes gets 503 after
 from __future__ import annotations
 
 import asyncio
-import json
 import socket
 import time
-from urllib.parse import urlsplit
 
 import httpx
 import pytest
 
 from tests.integration.gateway.conftest import MODEL, Stack, wait_for
+from tests.integration.gateway.test_cancellation import _open
 from tests.integration.gateway.test_kv_room import _burst
 
 # 401 prompt + 16 output tokens (estimated 516 without a tokenizer): 4-5 blocks of 128.
@@ -27,22 +26,9 @@ _SHORT = {"model": MODEL, "prompt": "word " * 400, "max_tokens": 16, "stream": T
 _LONG = {"model": MODEL, "prompt": "word " * 700, "max_tokens": 199, "stream": True}
 
 
-def _open(url: str, body: dict[str, object]) -> socket.socket:
-    """Sends one streamed completion over a fresh connection; the response stays unread."""
-    parts = urlsplit(url)
-    sock = socket.create_connection((parts.hostname, parts.port), timeout=10)
-    data = json.dumps(body).encode()
-    head = (
-        f"POST /v1/completions HTTP/1.1\r\nHost: {parts.netloc}\r\n"
-        f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
-    )
-    sock.sendall(head.encode() + data)
-    return sock
-
-
 def _hold(stack: Stack) -> socket.socket:
     """A long request that holds 6-7 of the decode's 8 blocks; returns once it streams."""
-    sock = _open(stack.url, _LONG)
+    sock = _open(stack.url, "/v1/completions", _LONG)
     buf = b""
     while b"data: " not in buf:
         chunk = sock.recv(65536)
@@ -110,7 +96,7 @@ def test_room_that_never_comes_is_a_503_after_the_queue_timeout(stack_factory, m
 def test_a_client_leaving_the_queue_leaves_nothing_behind(stack: Stack) -> None:
     _small_fleet(stack)
     holder = _hold(stack)
-    queued = _open(stack.url, _SHORT)
+    queued = _open(stack.url, "/v1/completions", _SHORT)
     wait_for(lambda: _metric(stack, "pdplane_gateway_queued_requests") == 1, 5.0, "1 queued")
     queued.close()
     wait_for(lambda: _metric(stack, "pdplane_gateway_queued_requests") == 0, 2.0, "0 queued")
@@ -128,7 +114,7 @@ def test_a_request_past_the_queue_cap_gets_503_at_once(stack_factory) -> None:  
     stack: Stack = stack_factory(max_queued_requests=1, embedded=True)
     _small_fleet(stack)
     holder = _hold(stack)
-    queued = _open(stack.url, _SHORT)
+    queued = _open(stack.url, "/v1/completions", _SHORT)
     try:
         wait_for(lambda: _metric(stack, "pdplane_gateway_queued_requests") == 1, 5.0, "queued")
         r = httpx.post(f"{stack.url}/v1/completions", json=_SHORT, timeout=10)
