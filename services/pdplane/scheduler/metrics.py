@@ -77,6 +77,14 @@ class SchedulerMetrics:
             ["side"],
             registry=self.registry,
         )
+        self._no_room = Counter(
+            "pdplane_scheduler_no_room",
+            "Schedule calls answered RESOURCE_EXHAUSTED (compatible instances, none with KV "
+            "room now), by side; a gateway's waiting request asks again, so one waits counts "
+            "many",
+            ["side"],
+            registry=self.registry,
+        )
         self._invalid = Counter(
             "pdplane_scheduler_invalid_requests",
             "Schedule calls answered INVALID_ARGUMENT",
@@ -148,6 +156,10 @@ class SchedulerMetrics:
     def unavailable(self, side: str) -> None:
         """Counts one UNAVAILABLE answer; `side` is prefill, decode or pair."""
         self._unavailable.labels(side).inc()
+
+    def no_room(self, side: str) -> None:
+        """Counts one RESOURCE_EXHAUSTED answer (`NoRoom`); `side` is prefill or decode."""
+        self._no_room.labels(side).inc()
 
     def invalid(self) -> None:
         """Counts one INVALID_ARGUMENT answer."""

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from pdplane.core.echo import echo
 from pdplane.scheduler.candidate import Candidate
 from pdplane.scheduler.compat import blocks_for, describe_keys, pair_keys_of, split_sides
-from pdplane.scheduler.errors import InvalidRequest, NoInstance
+from pdplane.scheduler.errors import InvalidRequest, NoInstance, NoRoom
 from pdplane.scheduler.inflight import InflightTracker
 from pdplane.scheduler.kv_index.index import KvState
 from pdplane.scheduler.metrics import SchedulerMetrics
@@ -98,11 +98,16 @@ class SchedulerService:
 
         Re-scheduling an id that is still in flight replaces its earlier assignment (a retry).
         Raises InvalidRequest (bad field, unknown policy) or NoInstance (side "prefill",
-        "decode" or "pair") with a message naming what is missing.
+        "decode" or "pair"; its NoRoom kind when instances are only full) with a message
+        naming what is missing.
         """
         started = time.perf_counter()
         try:
             decision = self._decide(request)
+        except NoRoom as exc:
+            if self.metrics:
+                self.metrics.no_room(exc.side)
+            raise
         except NoInstance as exc:
             if self.metrics:
                 self.metrics.unavailable(exc.side)

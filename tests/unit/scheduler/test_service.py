@@ -366,14 +366,19 @@ def test_unreleased_assignments_stop_reserving_kv_room_after_the_reservation_win
 
 
 def test_no_kv_room_is_a_capacity_refusal(build: Callable, make_instance: MakeInstance) -> None:
+    metrics = SchedulerMetrics()
     service, _ = build(
         make_instance("p", "prefill"),
         make_instance("d", "decode", free_kv_blocks=1, total_kv_blocks=100),
         make_instance("d-draining", "decode", draining=True),
+        metrics=metrics,
     )
     with pytest.raises(NoRoom, match=r"1 draining, 1 no KV room for 100 tokens") as info:
         service.schedule(req())
     assert isinstance(info.value, SchedulerBusy) and info.value.side == "decode"
+    value = metrics.registry.get_sample_value
+    assert value("pdplane_scheduler_no_room_total", {"side": "decode"}) == 1
+    assert value("pdplane_scheduler_unavailable_total", {"side": "decode"}) is None
 
 
 @pytest.mark.parametrize(
