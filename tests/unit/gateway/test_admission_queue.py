@@ -1,0 +1,89 @@
+"""Must show: waiters are admitted in arrival order, only the head asks again, and a release
+admits as many as fit at once (no per-waiter polling)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from pdplane.gateway.admission import AdmissionQueue
+from pdplane.gateway.errors import GatewayError
+from pdplane.gateway.metrics import GatewayMetrics
+from pdplane.scheduler import SchedulerBusy
+
+
+class _Fleet:
+    """A decode with `room` free places; `schedule` takes one or refuses (SchedulerBusy)."""
+
+    def __init__(self) -> None:
+        self.room = 0
+        self.calls: list[str] = []
+
+    def schedule(self, name: str) -> Any:
+        async def call() -> str:
+            self.calls.append(name)
+            if self.room <= 0:
+                raise SchedulerBusy("no KV room")
+            self.room -= 1
+            return name
+
+        return call
+
+
+async def _until(condition: Any) -> None:
+    for _ in range(1000):
+        if condition():
+            return
+        await asyncio.sleep(0.001)
+    raise AssertionError("condition not met")
+
+
+async def test_a_release_admits_waiters_in_arrival_order_as_room_allows() -> None:
+    queue, fleet = AdmissionQueue(30.0, 10, GatewayMetrics()), _Fleet()
+    names = ["a", "b", "c", "d"]
+    tasks = []
+    for n, name in enumerate(names, 1):
+        tasks.append(asyncio.create_task(queue.admit("m", fleet.schedule(name), None)))
+        await _until(lambda n=n: len(queue) == n)
+    fleet.calls.clear()
+    await asyncio.sleep(0.1)  # four poll periods of the head
+    assert set(fleet.calls) == {"a"}  # only the head asks again; the others sleep
+    fleet.room = 2
+    queue.wake()
+    done = [await tasks[0], await tasks[1]]
+    assert done == ["a", "b"]
+    await asyncio.sleep(0.05)
+    assert not tasks[2].done() and len(queue) == 2
+    fleet.room = 2
+    queue.wake()
+    assert [await tasks[2], await tasks[3]] == ["c", "d"]
+    assert len(queue) == 0 and not queue.has_waiters("m")
+
+
+async def test_a_cancelled_waiter_leaves_and_the_next_becomes_head() -> None:
+    queue, fleet = AdmissionQueue(30.0, 10, GatewayMetrics()), _Fleet()
+    first = asyncio.create_task(queue.admit("m", fleet.schedule("a"), None))
+    await _until(lambda: len(queue) == 1)
+    second = asyncio.create_task(queue.admit("m", fleet.schedule("b"), None))
+    await _until(lambda: len(queue) == 2)
+    first.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    assert len(queue) == 1
+    fleet.room = 1  # found by the new head's own poll, without a wake
+    assert await second == "b"
+    assert fleet.calls[-1] == "b"
+
+
+async def test_queueing_off_and_a_full_queue_answer_503_at_once() -> None:
+    fleet = _Fleet()
+    with pytest.raises(GatewayError, match="no KV room") as info:
+        await AdmissionQueue(0.0, 10, GatewayMetrics()).admit(
+            "m", fleet.schedule("a"), SchedulerBusy("no KV room")
+        )
+    assert info.value.status == 503 and fleet.calls == []
+    queue = AdmissionQueue(0.2, 0, GatewayMetrics())
+    with pytest.raises(GatewayError, match="not queued: 0 requests already wait"):
+        await queue.admit("m", fleet.schedule("a"), SchedulerBusy("no KV room"))
