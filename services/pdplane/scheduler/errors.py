@@ -9,7 +9,12 @@ from __future__ import annotations
 
 from pdplane.scheduler.port import SchedulerBusy, SchedulerUnavailable
 
-__all__ = ["InvalidRequest", "NoInstance", "NoRoom"]
+__all__ = ["NO_ROOM_KEY", "InvalidRequest", "NoInstance", "NoRoom"]
+
+#: Trailing metadata key of a unary Schedule refused for capacity (`NoRoom`): gRPC answers
+#: RESOURCE_EXHAUSTED by itself too (a request message over the server's limit), which room
+#: never helps; only a RESOURCE_EXHAUSTED carrying this key is the scheduler's "all full now".
+NO_ROOM_KEY = "pdplane-no-room"
 
 
 class InvalidRequest(ValueError):

@@ -28,6 +28,7 @@ import grpc
 
 from pdplane.core import tracing
 from pdplane.core.grpc_util import FAST_RECONNECT_OPTIONS, aio_channel, token_metadata
+from pdplane.scheduler.errors import NO_ROOM_KEY
 from pdplane.scheduler.port import (
     Decision,
     Outcome,
@@ -132,8 +133,9 @@ class RemoteScheduler:
         """`SchedulerPort.schedule` over gRPC; Releases queued by `release_nowait` ride along.
 
         Lengths are checked here (they travel as uint32): ValueError when negative or larger.
-        INVALID_ARGUMENT comes back as ValueError; RESOURCE_EXHAUSTED (instances, all full) as
-        SchedulerBusy; UNAVAILABLE or a missed deadline (`timeout_s`) as SchedulerUnavailable;
+        INVALID_ARGUMENT comes back as ValueError; the scheduler's RESOURCE_EXHAUSTED (instances,
+        all full: `NO_ROOM_KEY`) as SchedulerBusy, gRPC's own (a message over the limit) as
+        SchedulerError; UNAVAILABLE or a missed deadline (`timeout_s`) as SchedulerUnavailable;
         any other status as SchedulerError (`.code`).
         """
         _check_length("prompt_tokens", features.prompt_tokens)
@@ -148,7 +150,7 @@ class RemoteScheduler:
             else:
                 response = await self._schedule_streamed(request)
         except grpc.aio.AioRpcError as exc:
-            if releases and exc.code() not in _ANSWERED:
+            if releases and not _answered(exc):
                 # They may not have arrived; an id released twice is harmless (released=false).
                 self._queue(releases)
             raise _translate(exc) from None
@@ -200,7 +202,9 @@ class RemoteScheduler:
                 continue
             if result.code:
                 code = _CODES.get(result.code, grpc.StatusCode.UNKNOWN)
-                raise _StreamCallError(code, result.message)
+                # The scheduler's own answer: a RESOURCE_EXHAUSTED here is its capacity refusal.
+                no_room = code == grpc.StatusCode.RESOURCE_EXHAUSTED
+                raise _StreamCallError(code, result.message, _NO_ROOM if no_room else ())
             return result.response
         raise AssertionError("unreachable")
 
@@ -308,11 +312,26 @@ class RemoteScheduler:
             await channel.close()
 
 
-#: Codes of a Schedule the scheduler itself answered, after it applied the Releases riding on
-#: it: those are not sent again. A busy fleet's waiting requests ask again every few ms; had
-#: every refusal re-queued its Releases, a Release could ride on a later Schedule past the
-#: retry of its request (same id) and end that retry's assignment.
-_ANSWERED = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED)
+_NO_ROOM = ((NO_ROOM_KEY, "1"),)
+
+
+def _no_room(exc: grpc.aio.AioRpcError) -> bool:
+    """Whether `exc` is the scheduler's capacity refusal, not gRPC's own RESOURCE_EXHAUSTED
+    (a request over the server's message limit, refused before the scheduler saw it)."""
+    if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return False
+    trailing = exc.trailing_metadata()
+    return trailing is not None and any(key == NO_ROOM_KEY for key, _ in trailing)
+
+
+def _answered(exc: grpc.aio.AioRpcError) -> bool:
+    """Whether the scheduler itself answered the Schedule, after it applied the Releases
+    riding on it: those are not sent again. A busy fleet's waiting requests ask again every
+    few ms; had every refusal re-queued its Releases, a Release could ride on a later
+    Schedule past the retry of its request (same id) and end that retry's assignment. A
+    message gRPC refused for its size carried Releases that were never applied."""
+    return exc.code() == grpc.StatusCode.INVALID_ARGUMENT or _no_room(exc)
+
 
 _CODES: dict[int, grpc.StatusCode] = {code.value[0]: code for code in grpc.StatusCode}
 
@@ -320,15 +339,17 @@ _CODES: dict[int, grpc.StatusCode] = {code.value[0]: code for code in grpc.Statu
 class _StreamCallError(grpc.aio.AioRpcError):
     """A streamed call's failure, shaped as the unary call's error so one mapping serves both."""
 
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+    def __init__(
+        self, code: grpc.StatusCode, details: str, trailing: tuple[tuple[str, str], ...] = ()
+    ) -> None:
+        super().__init__(code, grpc.aio.Metadata(), grpc.aio.Metadata(*trailing), details)
 
 
 def _translate(exc: grpc.aio.AioRpcError) -> Exception:
     code, details = exc.code(), exc.details() or ""
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         return ValueError(details)
-    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+    if _no_room(exc):
         return SchedulerBusy(details or code.name, code)
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
         return SchedulerUnavailable(details or code.name, code)

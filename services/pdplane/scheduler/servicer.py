@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 import grpc
 
 from pdplane.core import tracing
-from pdplane.scheduler.errors import InvalidRequest, NoInstance, NoRoom
+from pdplane.scheduler.errors import NO_ROOM_KEY, InvalidRequest, NoInstance, NoRoom
 from pdplane.scheduler.kv_index import KvInstanceStatus
 from pdplane.scheduler.service import SchedulerService
 from pdplane.scheduler.wire import (
@@ -29,6 +29,8 @@ _INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT.value[0]
 _UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
 _RESOURCE_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
 _INTERNAL = grpc.StatusCode.INTERNAL.value[0]
+#: Marks a capacity refusal apart from gRPC's own RESOURCE_EXHAUSTED (errors.NO_ROOM_KEY).
+_NO_ROOM = ((NO_ROOM_KEY, "1"),)
 _MESSAGE_MAX = 1024  # characters of a ScheduleResult's error message
 
 
@@ -64,7 +66,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except NoRoom as exc:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), trailing_metadata=_NO_ROOM
+            )
         except NoInstance as exc:
             # A decision, not a lost scheduler: tells gRPC's client retry (remote.py) not to
             # try again elsewhere (gRPC retry design A6: a negative pushback means no retry).

@@ -13,7 +13,7 @@ from typing import Any
 import grpc
 import pytest
 
-from pdplane.scheduler.errors import NoInstance, NoRoom
+from pdplane.scheduler.errors import NO_ROOM_KEY, NoInstance, NoRoom
 from pdplane.scheduler.port import SchedulerBusy, SchedulerError, SchedulerUnavailable
 from pdplane.scheduler.remote import _StreamCallError, _translate
 from pdplane.scheduler.servicer import SchedulerServicer
@@ -58,12 +58,14 @@ class _Aborted(Exception):
 class _Context:
     def __init__(self) -> None:
         self.code: grpc.StatusCode | None = None
+        self.trailing: dict[str, str] = {}
 
     def set_trailing_metadata(self, metadata: Any) -> None:
         pass
 
-    async def abort(self, code: grpc.StatusCode, details: str) -> None:
+    async def abort(self, code: grpc.StatusCode, details: str, trailing_metadata: Any = ()) -> None:
         self.code = code
+        self.trailing = dict(trailing_metadata)
         raise _Aborted(details)
 
 
@@ -80,12 +82,14 @@ async def test_the_unary_call_answers_a_refusal_with_its_code(error: Exception, 
     with pytest.raises(_Aborted):
         await servicer.Schedule(_call().request, context)  # type: ignore[arg-type]
     assert context.code == code
+    # gRPC's own RESOURCE_EXHAUSTED (a message over the limit) does not carry it.
+    assert (NO_ROOM_KEY in context.trailing) == isinstance(error, NoRoom)
 
 
 @pytest.mark.parametrize(
     ("code", "kind"),
     [
-        (grpc.StatusCode.RESOURCE_EXHAUSTED, SchedulerBusy),
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, SchedulerError),  # gRPC's own: no key
         (grpc.StatusCode.UNAVAILABLE, SchedulerUnavailable),
         (grpc.StatusCode.DEADLINE_EXCEEDED, SchedulerUnavailable),
         (grpc.StatusCode.UNAUTHENTICATED, SchedulerError),
@@ -95,6 +99,12 @@ def test_the_remote_port_reads_the_code(code: grpc.StatusCode, kind: type) -> No
     error = _translate(_StreamCallError(code, "no decode instance: 1 no KV room"))
     assert type(error) is kind
     assert error.reason == "no decode instance: 1 no KV room"  # type: ignore[attr-defined]
+
+
+def test_the_remote_port_reads_the_schedulers_capacity_refusal_as_busy() -> None:
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    error = _translate(_StreamCallError(code, "1 no KV room", ((NO_ROOM_KEY, "1"),)))
+    assert type(error) is SchedulerBusy
 
 
 def test_no_room_is_a_busy_no_instance() -> None:
