@@ -71,8 +71,13 @@ def test_sixteen_at_a_time_on_a_five_request_decode_all_complete(stack: Stack) -
     wait_for(lambda: stack.scheduler_inflight() == 0, 2.0, "scheduler in-flight count 0")
 
 
-@pytest.mark.parametrize("mode", ["stream", "unary", "embedded"])
-def test_room_that_never_comes_is_a_503_after_the_queue_timeout(stack_factory, mode: str) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize(
+    ("mode", "stream"),
+    [("stream", True), ("unary", True), ("embedded", True), ("stream", False), ("embedded", False)],
+)
+def test_room_that_never_comes_is_a_503_after_the_queue_timeout(  # type: ignore[no-untyped-def]
+    stack_factory, mode: str, stream: bool
+) -> None:
     stack: Stack = stack_factory(
         queue_timeout_s=0.5, schedule_stream=mode == "stream", embedded=mode == "embedded"
     )
@@ -80,7 +85,8 @@ def test_room_that_never_comes_is_a_503_after_the_queue_timeout(stack_factory, m
     holder = _hold(stack)
     try:
         started = time.monotonic()
-        r = httpx.post(f"{stack.url}/v1/completions", json=_SHORT, timeout=10)
+        body = {**_SHORT, "stream": stream}
+        r = httpx.post(f"{stack.url}/v1/completions", json=body, timeout=10)
         waited = time.monotonic() - started
         assert r.status_code == 503
         message = r.json()["error"]["message"]
@@ -93,10 +99,15 @@ def test_room_that_never_comes_is_a_503_after_the_queue_timeout(stack_factory, m
     wait_for(lambda: stack.scheduler_inflight() == 0, 2.0, "scheduler in-flight count 0")
 
 
-def test_a_client_leaving_the_queue_leaves_nothing_behind(stack: Stack) -> None:
+@pytest.mark.parametrize("embedded", [False, True], ids=["remote", "embedded"])
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])
+def test_a_client_leaving_the_queue_leaves_nothing_behind(  # type: ignore[no-untyped-def]
+    stack_factory, embedded: bool, stream: bool
+) -> None:
+    stack: Stack = stack_factory(embedded=embedded)
     _small_fleet(stack)
     holder = _hold(stack)
-    queued = _open(stack.url, "/v1/completions", _SHORT)
+    queued = _open(stack.url, "/v1/completions", {**_SHORT, "stream": stream})
     wait_for(lambda: _metric(stack, "pdplane_gateway_queued_requests") == 1, 5.0, "1 queued")
     queued.close()
     wait_for(lambda: _metric(stack, "pdplane_gateway_queued_requests") == 0, 2.0, "0 queued")
