@@ -11,7 +11,7 @@ import pytest
 from pdplane.gateway.admission import AdmissionQueue
 from pdplane.gateway.errors import GatewayError
 from pdplane.gateway.metrics import GatewayMetrics
-from pdplane.scheduler import SchedulerBusy
+from pdplane.scheduler import SchedulerBusy, SchedulerUnavailable
 
 
 class _Fleet:
@@ -87,3 +87,24 @@ async def test_queueing_off_and_a_full_queue_answer_503_at_once() -> None:
     queue = AdmissionQueue(0.2, 0, GatewayMetrics())
     with pytest.raises(GatewayError, match="not queued: 0 requests already wait"):
         await queue.admit("m", fleet.schedule("a"), SchedulerBusy("no KV room"))
+
+
+async def test_no_model_stays_behind_however_its_waiters_end() -> None:
+    # Model names come from clients: a queue and a reason per name must not outlive its
+    # waiters (timeout, a non-capacity error at the head, a client leaving).
+    queue = AdmissionQueue(0.05, 10, GatewayMetrics())
+
+    async def gone() -> Any:
+        raise SchedulerUnavailable("no decode instance")
+
+    with pytest.raises(GatewayError):
+        await queue.admit("timed-out", _Fleet().schedule("a"), SchedulerBusy("full"))
+    with pytest.raises(SchedulerUnavailable):
+        await queue.admit("vanished", gone, SchedulerBusy("full"))
+    left = asyncio.create_task(queue.admit("left", _Fleet().schedule("b"), None))
+    await _until(lambda: len(queue) == 1)
+    left.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await left
+    assert len(queue) == 0
+    assert not queue._queues and not queue._reasons

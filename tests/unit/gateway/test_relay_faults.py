@@ -12,7 +12,7 @@ import pytest
 from aiohttp import web
 
 from pdplane.gateway.testing import running_gateway
-from pdplane.scheduler import SchedulerUnavailable
+from pdplane.scheduler import Decision, RequestFeatures, SchedulerBusy, SchedulerUnavailable
 from tests.unit.gateway.conftest import (
     MODEL,
     VIEW,
@@ -177,6 +177,32 @@ async def test_client_leaving_during_schedule_still_releases(serve: Serve) -> No
                 break
             await asyncio.sleep(0.01)
     assert sched.log == [("schedule", []), ("release", "cancelled")]
+
+
+class _BusyThenSlow(FakeScheduler):
+    """Refuses the first Schedule for capacity; the queue head's next one takes 5 s (a
+    decision the scheduler may count before the client leaves)."""
+
+    async def schedule(self, features: RequestFeatures) -> Decision:
+        if len(self.log) == 1:
+            self.delay_s = 5
+        return await super().schedule(features)
+
+
+async def test_client_leaving_while_its_queued_schedule_is_asked_still_releases(
+    serve: Serve,
+) -> None:
+    pair = (await serve(good_prefill), await serve(sse_decode))
+    sched = _BusyThenSlow([SchedulerBusy("no KV room"), pair])
+    with running_gateway(scheduler_port=sched, fleet=lambda: VIEW, queue_timeout_s=30) as url:
+        with pytest.raises(httpx.ReadTimeout):
+            async with httpx.AsyncClient(timeout=0.3) as client:
+                await client.post(f"{url}/v1/completions", json=BODY)
+        for _ in range(100):
+            if sched.log[-1] == ("release", "cancelled"):
+                break
+            await asyncio.sleep(0.01)
+    assert sched.log == [("schedule", []), ("schedule", []), ("release", "cancelled")]
 
 
 async def test_unknown_paths_methods_and_huge_request_ids_get_openai_errors() -> None:
