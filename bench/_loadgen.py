@@ -8,6 +8,7 @@ sent -> first token chunk read (ms).
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import json
 import math
@@ -15,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 
 import aiohttp
+import httpx
 
 __all__ = ["LoadResult", "percentile", "run_load"]
 
@@ -165,3 +167,24 @@ async def run_load(
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
     return result
+
+
+async def completion_burst(
+    url: str, body: dict[str, object], total: int, concurrency: int, timeout_s: float = 30.0
+) -> collections.Counter[int]:
+    """Sends `total` streamed requests `body` to `url`/v1/completions, `concurrency` at a time,
+    and counts them by HTTP status: the status when the stream ended with `data: [DONE]`,
+    minus the status when it did not (an error answer or a truncated stream)."""
+    statuses: collections.Counter[int] = collections.Counter()
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(client: httpx.AsyncClient) -> None:
+        async with gate:
+            async with client.stream("POST", url + "/v1/completions", json=body) as r:
+                data = b"".join([chunk async for chunk in r.aiter_bytes()])
+            done = data.endswith(b"data: [DONE]\n\n")
+            statuses[r.status_code if done else -r.status_code] += 1
+
+    async with httpx.AsyncClient(timeout=timeout_s) as client:
+        await asyncio.gather(*(one(client) for _ in range(total)))
+    return statuses

@@ -14,18 +14,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import collections
 import contextlib
 import sys
 import time
 from pathlib import Path
 
-import httpx
-
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench._loadgen import completion_burst  # noqa: E402
 from pdplane.gateway.testing import running_gateway_app  # noqa: E402
 from pdplane.registry.server import RegistryServer  # noqa: E402
 from pdplane.registry.settings import RegistrySettings  # noqa: E402
@@ -33,21 +31,6 @@ from pdplane.sim.testing import running_sims  # noqa: E402
 
 _MODEL = "sim-model"
 _BODY = {"model": _MODEL, "prompt": "word " * 400, "max_tokens": 16, "stream": True}
-
-
-async def _burst(url: str, total: int, concurrency: int) -> collections.Counter[int]:
-    statuses: collections.Counter[int] = collections.Counter()
-    gate = asyncio.Semaphore(concurrency)
-
-    async def one(client: httpx.AsyncClient) -> None:
-        async with gate:
-            async with client.stream("POST", url + "/v1/completions", json=_BODY) as r:
-                body = b"".join([chunk async for chunk in r.aiter_bytes()])
-            statuses[200 if body.endswith(b"data: [DONE]\n\n") else r.status_code] += 1
-
-    async with httpx.AsyncClient(timeout=120) as client:
-        await asyncio.gather(*(one(client) for _ in range(total)))
-    return statuses
 
 
 def _run(args: argparse.Namespace, registry: str, queue_timeout_s: float) -> tuple[int, int, float]:
@@ -64,9 +47,11 @@ def _run(args: argparse.Namespace, registry: str, queue_timeout_s: float) -> tup
                 raise RuntimeError("the sims' load reports did not reach the gateway")
             time.sleep(0.02)
         started = time.perf_counter()
-        statuses = asyncio.run(_burst(url, args.requests, args.concurrency))
+        statuses = asyncio.run(
+            completion_burst(url, _BODY, args.requests, args.concurrency, timeout_s=120)
+        )
         wall = time.perf_counter() - started
-    return statuses[200], statuses[503], wall
+    return statuses[200], statuses[-503], wall
 
 
 def main() -> None:

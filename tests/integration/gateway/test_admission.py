@@ -15,9 +15,10 @@ import time
 import httpx
 import pytest
 
+from bench._loadgen import completion_burst
 from tests.integration.gateway.conftest import MODEL, Stack, wait_for
 from tests.integration.gateway.test_cancellation import _open
-from tests.integration.gateway.test_kv_room import _burst
+from tests.integration.gateway.test_kv_room import _BODY
 
 # 401 prompt + 16 output tokens (estimated 516 without a tokenizer): 4-5 blocks of 128.
 _SHORT = {"model": MODEL, "prompt": "word " * 400, "max_tokens": 16, "stream": True}
@@ -64,7 +65,7 @@ def test_sixteen_at_a_time_on_a_five_request_decode_all_complete(stack: Stack) -
     )
     stack.wait_ready(sims)
     wait_for(lambda: _reported(stack), 5.0, "the first load reports")
-    statuses = asyncio.run(_burst(stack.url, 48, 16))
+    statuses = asyncio.run(completion_burst(stack.url, _BODY, 48, 16))
     assert statuses == {200: 48}
     assert _metric(stack, "pdplane_gateway_queue_wait_seconds_count") > 0  # some waited
     assert _metric(stack, "pdplane_gateway_queued_requests") == 0

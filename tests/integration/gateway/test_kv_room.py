@@ -9,29 +9,13 @@ many of them had ended (34 of 48 requests answered 503 "no KV room" on vLLM CPU)
 from __future__ import annotations
 
 import asyncio
-import collections
 
-import httpx
 import pytest
 
+from bench._loadgen import completion_burst
 from tests.integration.gateway.conftest import MODEL, Stack
 
 _BODY = {"model": MODEL, "prompt": "word " * 400, "max_tokens": 16, "stream": True}
-
-
-async def _burst(url: str, total: int, concurrency: int) -> collections.Counter[int]:
-    statuses: collections.Counter[int] = collections.Counter()
-    gate = asyncio.Semaphore(concurrency)
-
-    async def one(client: httpx.AsyncClient) -> None:
-        async with gate:
-            async with client.stream("POST", url + "/v1/completions", json=_BODY) as r:
-                body = b"".join([chunk async for chunk in r.aiter_bytes()])
-            statuses[r.status_code if body.endswith(b"data: [DONE]\n\n") else -r.status_code] += 1
-
-    async with httpx.AsyncClient(timeout=30) as client:
-        await asyncio.gather(*(one(client) for _ in range(total)))
-    return statuses
 
 
 @pytest.mark.parametrize("dispatch", ["sequential", "concurrent"])
@@ -40,5 +24,5 @@ def test_eight_at_a_time_on_a_small_decode_all_complete(stack_factory, dispatch:
     # 401 prompt + 16 output tokens: 4 blocks of 128 of the decode's 40 (10 requests).
     sims = stack.sims(["prefill", "decode"], kv_blocks=40, block_size=128, itl_ms=2)
     stack.wait_ready(sims)
-    statuses = asyncio.run(_burst(stack.url, 64, 8))
+    statuses = asyncio.run(completion_burst(stack.url, _BODY, 64, 8))
     assert statuses == {200: 64}
