@@ -79,13 +79,18 @@ def split_sides(
     exclude: Collection[str],
     pending_blocks: Callable[[Candidate], int],
     push_tokens: int | None = None,
+    assigned_blocks: Callable[[Candidate], int] | None = None,
 ) -> tuple[SideCandidates, SideCandidates]:
     """One pass over a model's candidates -> (prefill side, decode side).
 
     `tokens` = prompt_tokens + max_tokens; `pending_blocks(c)` = KV blocks the scheduler
-    already assigned to decode candidate `c` since its last load report; `push_tokens` = the
-    prompt tokens a push would carry (None: `tokens`).
+    already assigned to decode candidate `c` since its last load report, less those freed
+    since by requests the report counted (the KV room check); `assigned_blocks(c)` = the same
+    without that credit (the push receive-buffer check; None: `pending_blocks`, floored at 0);
+    `push_tokens` = the prompt tokens a push would carry (None: `tokens`).
     """
+    if assigned_blocks is None:
+        assigned_blocks = lambda c: max(pending_blocks(c), 0)  # noqa: E731
     prefill, decode = SideCandidates("prefill"), SideCandidates("decode")
     pushed = tokens if push_tokens is None else push_tokens
     no_buffer_room: list[Candidate] = []  # decodes whose receive buffer is full
@@ -118,7 +123,7 @@ def split_sides(
                     reason = f"no KV room for {tokens} tokens"
                     decode.full += 1
                 decode.rejected[reason] = decode.rejected.get(reason, 0) + 1
-            elif c.recv_capacity_bytes and not _buffer_room(c, pushed, pending_blocks):
+            elif c.recv_capacity_bytes and not _buffer_room(c, pushed, assigned_blocks):
                 no_buffer_room.append(c)
             else:
                 decode.eligible.append(c)
@@ -127,12 +132,12 @@ def split_sides(
     return prefill, decode
 
 
-def _buffer_room(c: Candidate, tokens: int, pending_blocks: Callable[[Candidate], int]) -> bool:
-    # A push carries the prompt's blocks; what was assigned since the report may be pushed too.
+def _buffer_room(c: Candidate, tokens: int, assigned_blocks: Callable[[Candidate], int]) -> bool:
+    # A push carries the prompt's blocks; what was assigned since the report may be pushed too
+    # (releases of requests the report counted free KV room, not buffer room).
     block_bytes = c.kv_block_bytes
     needed = blocks_for(tokens, c.block_size) * block_bytes
-    # Released blocks free KV room, not necessarily buffer room (a credit counts as none).
-    return c.recv_headroom_bytes - max(pending_blocks(c), 0) * block_bytes >= needed
+    return c.recv_headroom_bytes - assigned_blocks(c) * block_bytes >= needed
 
 
 def _common_rejection(c: Candidate, tokens: int, exclude: Collection[str]) -> str:

@@ -148,6 +148,14 @@ class InflightTracker:
         floor = candidate.free_kv_blocks - candidate.total_kv_blocks
         return net if net >= floor else floor
 
+    def assigned_blocks(self, candidate: Candidate) -> int:
+        """KV cache blocks of unreleased assignments made to decode `candidate` since its
+        current load report, without `pending_blocks`' credit: in push mode these are what
+        may sit in its receive buffer beyond the report's headroom (a request the report
+        counted that ends frees KV blocks, not buffer room)."""
+        pending = self._pending.get(candidate.instance_id)
+        return pending.blocks if pending and pending.epoch == candidate.epoch else 0
+
     def queued_prefill_tokens(self, candidate: Candidate) -> int:
         """Uncached prompt tokens sent to prefill `candidate` since its current load report,
         by unreleased assignments (the prefill work it has queued that its report may not

@@ -137,6 +137,7 @@ class SchedulerService:
             exclude=request.exclude_instance_ids,
             pending_blocks=self.inflight.pending_blocks,
             push_tokens=request.prompt_tokens,
+            assigned_blocks=self.inflight.assigned_blocks,
         )
         prefills = prefill_side.require(model, self.view.models)
         decodes = decode_side.require(model, self.view.models)

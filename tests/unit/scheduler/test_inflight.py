@@ -141,3 +141,47 @@ def test_releases_before_the_report_was_seen_give_nothing_back(
     assert tracker.pending_blocks(later) == 0
     tracker.release("r2")  # inside the later report: credited
     assert tracker.pending_blocks(later) == -3
+
+
+def test_releases_of_requests_a_report_counted_give_no_receive_buffer_back(
+    pair: tuple[Candidate, Candidate],
+) -> None:
+    # Push mode: a report's buffer headroom already excludes what its running requests
+    # pushed; a request it counted that ends frees KV blocks, not buffer room. The pushes of
+    # assignments made since the report sit in the buffer until decode takes them, so they
+    # count against the headroom whatever ended meanwhile (with the KV credit instead, queued
+    # requests admitted as room came overflowed buffers: 3-5 refused pushes in 1,016 requests
+    # of the 1P7D seed case).
+    p, d = pair
+    tracker = InflightTracker()
+    block = 1 << 20
+    d0 = dataclasses.replace(
+        d, block_size=128, total_kv_blocks=64, free_kv_blocks=64, kv_block_bytes=block
+    )
+    for i in range(8):
+        tracker.add(f"r{i}", p, d0, decode_blocks=5)
+    busy = dataclasses.replace(
+        d0,
+        epoch=d0.epoch + 1,
+        free_kv_blocks=24,
+        recv_capacity_bytes=20 * block,
+        recv_headroom_bytes=12 * block,
+    )
+    roomy = dataclasses.replace(
+        busy, instance_id="d-roomy", recv_headroom_bytes=20 * block, free_kv_blocks=64
+    )
+    assert tracker.pending_blocks(busy) == 0
+    for n in ("n0", "n1"):  # 10 blocks pushed since the report: 2 of 12 left
+        tracker.add(n, p, busy, decode_blocks=5)
+    for i in range(8):
+        tracker.release(f"r{i}")  # 40 KV blocks of credit, no buffer room
+    assert tracker.pending_blocks(busy) < 0 and tracker.assigned_blocks(busy) == 10
+    _, decode = split_sides(
+        [busy, roomy],
+        tokens=544,
+        exclude=(),
+        pending_blocks=tracker.pending_blocks,
+        assigned_blocks=tracker.assigned_blocks,
+        push_tokens=544,
+    )
+    assert decode.eligible == [roomy]  # busy has KV room but no buffer room for 5 blocks
