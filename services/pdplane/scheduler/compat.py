@@ -78,19 +78,17 @@ def split_sides(
     tokens: int,
     exclude: Collection[str],
     pending_blocks: Callable[[Candidate], int],
+    assigned_blocks: Callable[[Candidate], int],
     push_tokens: int | None = None,
-    assigned_blocks: Callable[[Candidate], int] | None = None,
 ) -> tuple[SideCandidates, SideCandidates]:
     """One pass over a model's candidates -> (prefill side, decode side).
 
     `tokens` = prompt_tokens + max_tokens; `pending_blocks(c)` = KV blocks the scheduler
     already assigned to decode candidate `c` since its last load report, less those freed
     since by requests the report counted (the KV room check); `assigned_blocks(c)` = the same
-    without that credit (the push receive-buffer check; None: `pending_blocks`, floored at 0);
-    `push_tokens` = the prompt tokens a push would carry (None: `tokens`).
+    without that credit (the push receive-buffer check); `push_tokens` = the prompt tokens a
+    push would carry (None: `tokens`).
     """
-    if assigned_blocks is None:
-        assigned_blocks = lambda c: max(pending_blocks(c), 0)  # noqa: E731
     prefill, decode = SideCandidates("prefill"), SideCandidates("decode")
     pushed = tokens if push_tokens is None else push_tokens
     no_buffer_room: list[Candidate] = []  # decodes whose receive buffer is full

@@ -110,7 +110,11 @@ def test_requests_released_after_a_report_give_their_kv_blocks_back(
 
     def turned_down() -> bool:
         _, decode = split_sides(
-            [busy], tokens=544, exclude=(), pending_blocks=tracker.pending_blocks
+            [busy],
+            tokens=544,
+            exclude=(),
+            pending_blocks=tracker.pending_blocks,
+            assigned_blocks=tracker.assigned_blocks,
         )
         return not decode.eligible
 

@@ -29,6 +29,7 @@ def _eligible(candidates: list[Candidate], push_tokens: int, pending: int = 0) -
         tokens=push_tokens + 64,
         exclude=(),
         pending_blocks=lambda c: pending,
+        assigned_blocks=lambda c: pending,
         push_tokens=push_tokens,
     )
     return [c.instance_id for c in decode.eligible]
