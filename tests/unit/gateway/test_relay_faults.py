@@ -166,16 +166,22 @@ async def test_api_key_guards_v1_but_not_health(serve: Serve) -> None:
     assert sched.log[0] == ("schedule", [])  # only the authorized request was scheduled
 
 
+async def _leave_and_wait_for_the_release(url: str, sched: FakeScheduler) -> None:
+    """Posts a completion, gives up after 0.3 s, then waits (bounded) until the gateway
+    released it as cancelled."""
+    with pytest.raises(httpx.ReadTimeout):
+        async with httpx.AsyncClient(timeout=0.3) as client:
+            await client.post(f"{url}/v1/completions", json=BODY)
+    for _ in range(100):
+        if sched.log[-1] == ("release", "cancelled"):
+            return
+        await asyncio.sleep(0.01)
+
+
 async def test_client_leaving_during_schedule_still_releases(serve: Serve) -> None:
     sched = FakeScheduler([(await serve(good_prefill), await serve(sse_decode))], delay_s=5)
     with running_gateway(scheduler_port=sched, fleet=lambda: VIEW) as url:
-        with pytest.raises(httpx.ReadTimeout):
-            async with httpx.AsyncClient(timeout=0.3) as client:
-                await client.post(f"{url}/v1/completions", json=BODY)
-        for _ in range(100):
-            if sched.log[-1] == ("release", "cancelled"):
-                break
-            await asyncio.sleep(0.01)
+        await _leave_and_wait_for_the_release(url, sched)
     assert sched.log == [("schedule", []), ("release", "cancelled")]
 
 
@@ -195,13 +201,7 @@ async def test_client_leaving_while_its_queued_schedule_is_asked_still_releases(
     pair = (await serve(good_prefill), await serve(sse_decode))
     sched = _BusyThenSlow([SchedulerBusy("no KV room"), pair])
     with running_gateway(scheduler_port=sched, fleet=lambda: VIEW, queue_timeout_s=30) as url:
-        with pytest.raises(httpx.ReadTimeout):
-            async with httpx.AsyncClient(timeout=0.3) as client:
-                await client.post(f"{url}/v1/completions", json=BODY)
-        for _ in range(100):
-            if sched.log[-1] == ("release", "cancelled"):
-                break
-            await asyncio.sleep(0.01)
+        await _leave_and_wait_for_the_release(url, sched)
     assert sched.log == [("schedule", []), ("schedule", []), ("release", "cancelled")]
 
 
