@@ -298,11 +298,15 @@ class SchedulerSide:
             return f"transport {params.transport} != ours {self.config.transport}"
         if params.tp_size != self.tp_size:
             return f"prefill TP size {params.tp_size} != ours {self.tp_size}"
-        if params.num_tokens != prompt_len:
+        # One token more: the gateway streamed prefill's first output token to the client
+        # and appended it to decode's prompt; decode loads prefill's tokens and computes that
+        # one itself (its first step then yields the second output token).
+        if prompt_len not in (params.num_tokens, params.num_tokens + 1):
             return f"prefill computed {params.num_tokens} tokens, prompt has {prompt_len}"
         if len(params.block_ids) < _ceil_div(params.num_tokens, self.block_size):
             return f"{len(params.block_ids)} blocks cannot hold {params.num_tokens} tokens"
-        if params.prompt_hash and params.prompt_hash != prompt_fingerprint(prompt):
+        computed = prompt[: params.num_tokens]
+        if params.prompt_hash and params.prompt_hash != prompt_fingerprint(computed):
             return "the prompt differs from the one prefill computed"
         return ""
 

@@ -99,6 +99,7 @@ def create_app(
         upstream_api_key=settings.upstream_api_key,
         queue_timeout_s=settings.queue_timeout_s,
         max_queued_requests=settings.max_queued_requests,
+        first_token=settings.first_token,
     )
     relay = Relay(scheduler, upstream, aborter, metrics, config)
 

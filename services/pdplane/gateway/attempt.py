@@ -18,6 +18,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 from pdplane.core import tracing
 from pdplane.core.kv_params import DecodeRequestParams, KvParamsError
@@ -25,6 +26,8 @@ from pdplane.gateway.aftercare import Aftercare
 from pdplane.gateway.bodies import decode_body, decode_body_parts, prefill_body
 from pdplane.gateway.config import RelayConfig
 from pdplane.gateway.errors import GatewayError, UpstreamReply, bad_gateway, gateway_timeout
+from pdplane.gateway.first_token import FirstToken, Splice, applies
+from pdplane.gateway.first_token import decode_body as first_token_decode_body
 from pdplane.gateway.metrics import GatewayMetrics
 from pdplane.gateway.replies import SSE_DONE, JsonReply, RetryElsewhere, StreamReply
 from pdplane.gateway.upstream import (
@@ -33,7 +36,7 @@ from pdplane.gateway.upstream import (
     UpstreamTimeout,
     UpstreamUnreachable,
 )
-from pdplane.gateway.validation import ClientRequest
+from pdplane.gateway.validation import COMPLETIONS, ClientRequest
 from pdplane.scheduler import Decision, InstanceRef, Outcome
 
 __all__ = ["Attempt", "Legs"]
@@ -90,6 +93,14 @@ class Attempt:
         self.streaming = False  # set once the stream generator started (it then settles)
         self.decode_answered_ns = 0  # time.time_ns() at decode's response headers
         self.headers = {**legs.headers, "x-request-id": self.request_id}
+        # The first token from prefill (`pdplane.gateway.first_token`): sequential dispatch
+        # only, as decode's prompt then holds it.
+        self.first_token = (
+            legs.config.first_token == "prefill"
+            and self.prefill is not None
+            and self.dispatch == "sequential"
+            and applies(req)
+        )
 
     async def run(self) -> JsonReply | StreamReply:
         """Both legs; the answer, or a stream that settles the attempt when it ends. Raises
@@ -97,14 +108,24 @@ class Attempt:
         error: BaseException | None = None
         handed_off = False
         resp: UpstreamResponse | None = None
+        splice: Splice | None = None
         try:
             if self.prefill is None:
                 resp = await self._open_decode(self.req.raw)
             elif self.dispatch == "concurrent":
                 resp = await self._concurrent_legs()
             else:
-                kv = await self._prefill_leg()
-                resp = await self._open_decode(decode_body(self.req.raw, self.req.body, kv))
+                answer, kv = await self._prefill_leg()
+                first = FirstToken.of(self.req.endpoint, answer) if self.first_token else None
+                if first is not None:
+                    splice = Splice(self.req, first)
+                    if first.ends_request(self.req):
+                        handed_off = True
+                        return self._ended_at_prefill(splice)
+                    body = first_token_decode_body(self.req, first, kv)
+                    resp = await self._open_decode(body, COMPLETIONS)
+                else:
+                    resp = await self._open_decode(decode_body(self.req.raw, self.req.body, kv))
             if resp.status >= 400:
                 await self._decode_error(resp)
             if not self.req.stream:
@@ -113,7 +134,8 @@ class Attempt:
                 self.metrics.e2e.observe(time.perf_counter() - self.started)
                 return JsonReply(200, body, resp.headers.get("content-type", "application/json"))
             handed_off = True
-            return StreamReply(self._stream(resp), _SSE_HEADERS, partial(self._abandon, resp))
+            stream = self._stream(resp, splice)
+            return StreamReply(stream, _SSE_HEADERS, partial(self._abandon, resp))
         except BaseException as exc:
             error = exc
             raise
@@ -125,9 +147,9 @@ class Attempt:
 
     # -- prefill -------------------------------------------------------------------------
 
-    async def _prefill_leg(self) -> bytes:
-        """Sends the prefill leg; returns prefill's kv_transfer_params (JSON bytes, as
-        returned)."""
+    async def _prefill_leg(self) -> tuple[dict[str, Any], bytes]:
+        """Sends the prefill leg; returns prefill's answer (parsed) and its
+        kv_transfer_params (JSON bytes, as returned)."""
         t0 = time.perf_counter()
         p = self.prefill
         assert p is not None, "a prefill leg without a prefill instance"
@@ -138,6 +160,7 @@ class Attempt:
             self.request_id,
             d.instance_id,
             d.kv_endpoint,
+            token_ids=self.first_token,
         )
         with tracing.span("pdplane.prefill_leg"), self._leg_errors("prefill", p):
             resp = await self.upstream.open(
@@ -168,9 +191,10 @@ class Attempt:
                 f"{side} instance {ref.instance_id} did not answer within {self.timeout_s:g} s"
             ) from None
 
-    def _kv_params_of(self, data: bytes) -> bytes:
+    def _kv_params_of(self, data: bytes) -> tuple[dict[str, Any], bytes]:
         try:
-            kv = json.loads(data).get("kv_transfer_params")
+            answer = json.loads(data)
+            kv = answer.get("kv_transfer_params")
             if not isinstance(kv, dict):
                 raise KvParamsError("kv_transfer_params missing or not an object")
             self.care.hold_kv(DecodeRequestParams.from_dict(kv))
@@ -180,16 +204,19 @@ class Attempt:
             raise bad_gateway(
                 f"prefill instance {p} returned no usable kv_transfer_params: {exc}"
             ) from None
-        return json.dumps(kv, separators=(",", ":")).encode()
+        return answer, json.dumps(kv, separators=(",", ":")).encode()
 
     # -- decode --------------------------------------------------------------------------
 
-    async def _open_decode(self, body: bytes | AsyncIterator[bytes]) -> UpstreamResponse:
+    async def _open_decode(
+        self, body: bytes | AsyncIterator[bytes], endpoint: str = ""
+    ) -> UpstreamResponse:
+        """Opens the decode leg on `endpoint` (default: the client's) with `body`."""
         t0 = time.perf_counter()
         d = self.decode
         with tracing.span("pdplane.decode_leg"), self._leg_errors("decode", d):
             resp = await self.upstream.open(
-                d.url + self.req.endpoint,
+                d.url + (endpoint or self.req.endpoint),
                 body,
                 tracing.inject_headers(self.headers),
                 read_timeout_s=self.timeout_s,
@@ -232,7 +259,7 @@ class Attempt:
 
         decode = asyncio.ensure_future(self._open_decode(body()))
         try:
-            kv = await self._prefill_leg()
+            _, kv = await self._prefill_leg()
         except BaseException:
             decode.cancel()
             await asyncio.gather(decode, return_exceptions=True)
@@ -250,16 +277,50 @@ class Attempt:
             resp.close()
             self.care.settle(GeneratorExit())
 
-    async def _stream(self, resp: UpstreamResponse) -> AsyncGenerator[bytes, None]:
-        """Decode's SSE, relayed whole events at a time as they arrive; settles the attempt."""
+    def _ended_at_prefill(self, splice: Splice) -> StreamReply:
+        """The whole stream from prefill's answer (its token ended the request): decode is not
+        asked, prefill's KV is freed."""
+        self.care.free_kv("the request ended at its first token")
+        self.care.succeeded()
+
+        async def events() -> AsyncGenerator[bytes, None]:
+            self.streaming = True
+            error: BaseException | None = None
+            try:
+                self.metrics.ttft.observe(time.perf_counter() - self.started)
+                yield splice.opening() + splice.ending()
+                self.metrics.e2e.observe(time.perf_counter() - self.started)
+            except BaseException as exc:
+                error = exc
+                raise
+            finally:
+                self.care.settle(error)
+
+        return StreamReply(events(), _SSE_HEADERS, self._abandon_before_start)
+
+    def _abandon_before_start(self) -> None:
+        if not self.streaming:
+            self.streaming = True
+            self.care.settle(GeneratorExit())
+
+    async def _stream(
+        self, resp: UpstreamResponse, splice: Splice | None = None
+    ) -> AsyncGenerator[bytes, None]:
+        """Decode's SSE, relayed whole events at a time as they arrive; settles the attempt.
+        With `splice`, the first token's events go first and decode's are rewritten."""
         self.streaming = True
         metrics = self.metrics
         error: BaseException | None = None
         carry = b""
         first = last = 0.0
         events = 0
-        done = False
+        done = from_decode = False
         try:
+            if splice is not None:
+                first = time.perf_counter()
+                metrics.ttft.observe(first - self.started)
+                events = 1
+                yield splice.opening()
             try:
                 async for chunk in resp.chunks(self.idle_timeout_s):
                     data = carry + chunk if carry else chunk
@@ -272,10 +333,12 @@ class Attempt:
                     if not events:
                         first = last
                         metrics.ttft.observe(first - self.started)
+                    if not from_decode:
+                        from_decode = True
                         tracing.record_span("pdplane.first_byte", self.decode_answered_ns)
                     events += out.count(b"\n\n")
                     done = out.endswith(SSE_DONE)
-                    yield out
+                    yield out if splice is None else splice.rewrite(out)
             except UpstreamTimeout:
                 yield gateway_timeout(
                     f"decode instance {self.decode.instance_id} sent nothing for "

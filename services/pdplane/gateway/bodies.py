@@ -27,9 +27,13 @@ def prefill_body(
     request_id: str,
     decode_id: str = "",
     decode_kv_endpoint: str = "",
+    *,
+    token_ids: bool = False,
 ) -> bytes:
     """JSON bytes of the prefill leg for the client `body` (not modified). `decode_id` and
     `decode_kv_endpoint` name the scheduled decode (a push-mode prefill sends the KV there).
+    `token_ids` asks prefill for its prompt and output token ids (`return_token_ids`), which
+    the first token from prefill needs (`pdplane.gateway.first_token`).
 
     With `n` > 1 the decode is not named: vLLM fans such a request out into several engine
     requests on decode, and a pushed transfer serves only the first of them, while pulls serve
@@ -47,6 +51,8 @@ def prefill_body(
         out.pop("max_completion_tokens", None)
     out["stream"] = False
     out["n"] = 1
+    if token_ids:
+        out["return_token_ids"] = True
     out["kv_transfer_params"] = PrefillRequestParams(
         request_id, decode_id or None, decode_kv_endpoint or None
     ).to_dict()

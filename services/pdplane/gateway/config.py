@@ -5,9 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["Dispatch", "RelayConfig"]
+__all__ = ["Dispatch", "FirstTokenFrom", "RelayConfig"]
 
 Dispatch = Literal["sequential", "concurrent"]
+FirstTokenFrom = Literal["prefill", "decode"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,3 +22,4 @@ class RelayConfig:
     upstream_api_key: str | None = None
     queue_timeout_s: float = 60.0
     max_queued_requests: int = 1024
+    first_token: FirstTokenFrom = "prefill"

@@ -46,6 +46,14 @@ class GatewaySettings(PolicySettings):
         description="sequential: decode request after prefill's answer; concurrent: decode "
         "request opened while prefill runs (see docs/gateway.md)",
     )
+    first_token: Literal["prefill", "decode"] = Field(
+        "prefill",
+        description="streamed requests: prefill = the first output token, which prefill "
+        "computes, goes to the client when decode accepted the rest (decode continues from "
+        "it); decode = decode computes it again after the KV transfer. Requests that sample "
+        "differently when split (seed, stop strings, logprobs, tools, ...) always use decode "
+        "(see docs/gateway.md)",
+    )
     upstream_timeout_s: float = Field(
         300.0, gt=0, description="max silence of an instance before 504 / error event (s)"
     )

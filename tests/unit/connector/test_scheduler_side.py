@@ -141,8 +141,27 @@ def test_decode_refuses_a_different_layout_and_computes_locally(layout) -> None:
 
 def test_decode_refuses_a_prompt_length_mismatch(layout) -> None:
     side = _side(layout)
-    req = make_request("d5", 9, _decode_params(layout, 8))
-    assert side.get_num_new_matched_tokens(req, 0) == (0, False)
+    for i, length in enumerate((7, 10, 12)):  # shorter, or more than one token longer
+        req = make_request(f"d5-{i}", length, _decode_params(layout, 8))
+        assert side.get_num_new_matched_tokens(req, 0) == (0, False)
+
+
+def test_decode_prompt_one_token_longer_loads_prefills_tokens_and_computes_the_last(
+    layout,
+) -> None:
+    # The gateway streamed prefill's first output token and appended it to decode's prompt.
+    side = _side(layout)
+    computed = list(range(10, 18))  # make_request's first 8 prompt ids
+    req = make_request("d6", 9, _decode_params(layout, 8, prompt_hash=prompt_fingerprint(computed)))
+    assert side.get_num_new_matched_tokens(req, 0) == (8, True)
+    side.update_state_after_alloc(req, make_blocks([40, 12, 33]), 8)
+    (load,) = side.build_connector_meta(SimpleNamespace(num_scheduled_tokens={})).loads
+    assert load.remote_block_indices == (0, 1) and load.local_block_ids == (40, 12)
+    assert load.num_tokens == 8
+    # the fingerprint covers prefill's tokens only: another prompt of that length is refused
+    other = prompt_fingerprint(list(range(500, 508)))
+    wrong = make_request("d7", 9, _decode_params(layout, 8, prompt_hash=other))
+    assert side.get_num_new_matched_tokens(wrong, 0) == (0, False)
 
 
 def test_prefill_fingerprints_the_prompt_it_computed(layout) -> None:

@@ -1,0 +1,352 @@
+"""The first output token from prefill: a streamed request's first token reaches the client when
+prefill computed it, before the KV transfer and decode's first step.
+
+Prefill computes the logits of the last prompt token anyway: its one output token IS the
+request's first token. With `--first-token prefill` (the default) the gateway asks prefill for
+token ids (`return_token_ids`, vLLM's field), writes that token to the client once decode has
+accepted the rest, and sends decode a `/v1/completions` request whose prompt is prefill's prompt
+token ids plus that token, with one token less to generate. Decode loads the KV of prefill's
+tokens and computes only the appended one (the connector accepts a prompt one token longer
+than prefill's, `pdplane.connector.scheduler_side`): its first step yields the second token.
+This is how DistServe (Zhong et al., OSDI 2024) and Splitwise (Patel et al., ISCA 2024) place the
+first token: TTFT is the prefill phase. What moves is the gap between the first and second
+token, which now holds the transfer and decode's admission.
+
+Only requests whose output is the same either way take this path (`applies`): one streamed
+choice, sampled without a seed, stop strings, penalties on output counts, logprobs, echo,
+min_tokens, tools or structured output. Anything else, or a prefill that returns no token ids
+(an older vLLM), takes the usual path. Decode's chunks are rewritten to what the client's
+endpoint streams (`Splice`): chat chunks from completions chunks, usage counting the first
+token as output, not prompt.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from pdplane.gateway.replies import SSE_DONE
+from pdplane.gateway.validation import CHAT, COMPLETIONS, ClientRequest, Endpoint
+
+__all__ = ["FirstToken", "Splice", "applies", "decode_body"]
+
+#: Fields with which decode, continuing from the first token, samples exactly as one instance
+#: would; a request with any other field takes the usual path. Values are checked in `applies`.
+_COMMON = frozenset(
+    {
+        "model",
+        "max_tokens",
+        "stream",
+        "stream_options",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "repetition_penalty",
+        "ignore_eos",
+        "stop_token_ids",
+        "skip_special_tokens",
+        "spaces_between_special_tokens",
+        "include_stop_str_in_output",
+        "logit_bias",
+        "allowed_token_ids",
+        "user",
+        "priority",
+        "n",
+        "stop",
+        "presence_penalty",
+        "frequency_penalty",
+        "logprobs",
+        "echo",
+        "min_tokens",
+        "seed",
+        "add_special_tokens",
+    }
+)
+_FIELDS: dict[Endpoint, frozenset[str]] = {
+    COMPLETIONS: _COMMON | {"prompt"},
+    CHAT: _COMMON
+    | {
+        "messages",
+        "max_completion_tokens",
+        "chat_template",
+        "chat_template_kwargs",
+        "add_generation_prompt",
+        "continue_final_message",
+    },
+}
+#: Fields that decode receives as the client sent them (sampling of tokens 2..n).
+_TO_DECODE = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "ignore_eos",
+    "stop_token_ids",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "include_stop_str_in_output",
+    "logit_bias",
+    "allowed_token_ids",
+    "user",
+    "priority",
+    "stream_options",
+)
+#: vLLM's `max_tokens` default for /v1/completions (chat has none: up to the model's length).
+_COMPLETIONS_MAX_TOKENS = 16
+
+
+def _falsy(value: object) -> bool:
+    return value is None or value is False or value == 0 or value == [] or value == ""
+
+
+def applies(req: ClientRequest) -> bool:
+    """Whether `req` may take its first token from prefill: streamed, one choice, one prompt,
+    and nothing that makes tokens 2..n depend on token 1 other than through the prompt (seed,
+    stop strings, presence/frequency penalties, min_tokens) or that needs per-token output
+    (logprobs, echo). See the module docstring."""
+    body = req.body
+    if not req.stream or not body.keys() <= _FIELDS[req.endpoint]:
+        return False
+    if body.get("n") not in (None, 1):
+        return False
+    for name in (
+        "stop",
+        "seed",
+        "presence_penalty",
+        "frequency_penalty",
+        "logprobs",
+        "echo",
+        "min_tokens",
+    ):
+        if not _falsy(body.get(name)):
+            return False
+    if req.endpoint == COMPLETIONS:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            return False  # a batch of prompts: several choices
+    return _requested_max(req) != 0
+
+
+def _requested_max(req: ClientRequest) -> int | None:
+    """Output tokens the client asked for (None: up to the model's length)."""
+    body = req.body
+    if req.endpoint == CHAT:
+        value = body.get("max_completion_tokens") or body.get("max_tokens")
+        return value if isinstance(value, int) else None
+    value = body.get("max_tokens", _COMPLETIONS_MAX_TOKENS)
+    return value if isinstance(value, int) else None
+
+
+@dataclass(frozen=True, slots=True)
+class FirstToken:
+    """Prefill's answer as the first token of the client's stream.
+
+    Attributes:
+        response_id: the client's response id (prefill's, e.g. "chatcmpl-<x-request-id>").
+        created: the response's creation time (s since the epoch), prefill's.
+        model: the served model name prefill answered with.
+        prompt_token_ids: the prompt as prefill tokenized it (chat template applied).
+        token_id: the first output token's id.
+        text: its text.
+        finish_reason: prefill's; "length" means only that prefill's one token was reached.
+        stop_reason: prefill's (a stop token id, or None).
+    """
+
+    response_id: str
+    created: int
+    model: str
+    prompt_token_ids: list[int]
+    token_id: int
+    text: str
+    finish_reason: str | None
+    stop_reason: int | str | None
+
+    @classmethod
+    def of(cls, endpoint: Endpoint, answer: dict[str, Any]) -> FirstToken | None:
+        """From prefill's non-streamed answer (parsed); None without usable token ids."""
+        choices = answer.get("choices")
+        if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
+            return None
+        choice = choices[0]
+        prompt = answer.get("prompt_token_ids") if endpoint == CHAT else None
+        if prompt is None:
+            prompt = choice.get("prompt_token_ids")
+        tokens = choice.get("token_ids")
+        if endpoint == CHAT:
+            message = choice.get("message")
+            text = message.get("content") if isinstance(message, dict) else None
+        else:
+            text = choice.get("text")
+        if (
+            not isinstance(prompt, list)
+            or not prompt
+            or not all(type(t) is int for t in prompt)
+            or not isinstance(tokens, list)
+            or len(tokens) != 1
+            or type(tokens[0]) is not int
+            or not isinstance(text, str)
+            or "\ufffd" in text  # part of a character: decode's text would repeat it
+        ):
+            return None
+        return cls(
+            response_id=str(answer.get("id", "")),
+            created=int(answer.get("created") or 0),
+            model=str(answer.get("model", "")),
+            prompt_token_ids=prompt,
+            token_id=tokens[0],
+            text=text,
+            finish_reason=choice.get("finish_reason"),
+            stop_reason=choice.get("stop_reason"),
+        )
+
+    def ends_request(self, req: ClientRequest) -> bool:
+        """Whether the request ends with this token (a stop token, or one token asked for)."""
+        return self.finish_reason not in (None, "length") or _requested_max(req) == 1
+
+
+def decode_body(req: ClientRequest, first: FirstToken, kv_transfer_params: bytes) -> bytes:
+    """The `/v1/completions` body of the decode leg: prefill's prompt ids plus the first token,
+    one token less to generate, the client's sampling fields, prefill's `kv_transfer_params`
+    (JSON bytes) as returned."""
+    body = req.body
+    out: dict[str, Any] = {"prompt": [*first.prompt_token_ids, first.token_id]}
+    if "model" in body:
+        out["model"] = body["model"]
+    wanted = _requested_max(req)
+    # None: up to the model's length, which vLLM computes from decode's (longer) prompt.
+    out["max_tokens"] = None if wanted is None else wanted - 1
+    for name in _TO_DECODE:
+        if name in body:
+            out[name] = body[name]
+    out["stream"] = True
+    text = json.dumps(out, separators=(",", ":")).encode()
+    return text[:-1] + b',"kv_transfer_params":' + kv_transfer_params + b"}"
+
+
+def _sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+class Splice:
+    """The client's stream from the first token on: its events, then decode's rewritten.
+
+    Args:
+        req: the client's request (endpoint, `stream_options`).
+        first: prefill's first token.
+    """
+
+    __slots__ = ("_chat", "_continuous", "_first", "_head", "_usage")
+
+    def __init__(self, req: ClientRequest, first: FirstToken) -> None:
+        self._first = first
+        self._chat = req.endpoint == CHAT
+        options = req.body.get("stream_options")
+        options = options if isinstance(options, dict) else {}
+        self._usage = bool(options.get("include_usage"))
+        self._continuous = self._usage and bool(options.get("continuous_usage_stats"))
+        obj = "chat.completion.chunk" if self._chat else "text_completion"
+        self._head = {"id": first.response_id, "object": obj, "created": first.created}
+
+    def _chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None) -> bytes:
+        obj: dict[str, Any] = {**self._head, "model": self._first.model, "choices": choices}
+        if usage is not None:
+            obj["usage"] = usage
+        return _sse(obj)
+
+    def _usage_of(self, completion_tokens: int) -> dict[str, Any]:
+        prompt = len(self._first.prompt_token_ids)
+        return {
+            "prompt_tokens": prompt,
+            "total_tokens": prompt + completion_tokens,
+            "completion_tokens": completion_tokens,
+        }
+
+    def opening(self) -> bytes:
+        """The first token's events (chat: the role chunk, then the token's content)."""
+        first = self._first
+        usage = self._usage_of(1) if self._continuous else None
+        if self._chat:
+            role = {"role": "assistant", "content": ""}
+            head = self._chunk(
+                [{"index": 0, "delta": role, "logprobs": None, "finish_reason": None}],
+                self._usage_of(0) if self._continuous else None,
+            )
+            if not first.text:
+                return head
+            delta = {"index": 0, "delta": {"content": first.text}, "logprobs": None}
+            return head + self._chunk([{**delta, "finish_reason": None}], usage)
+        choice = {
+            "index": 0,
+            "text": first.text,
+            "logprobs": None,
+            "finish_reason": None,
+            "stop_reason": None,
+        }
+        return self._chunk([choice], usage)
+
+    def ending(self) -> bytes:
+        """The rest of a stream that ends with the first token (`FirstToken.ends_request`)."""
+        first = self._first
+        reason = first.finish_reason or "length"
+        usage = self._usage_of(1) if self._continuous else None
+        if self._chat:
+            choice: dict[str, Any] = {"index": 0, "delta": {}, "logprobs": None}
+        else:
+            choice = {"index": 0, "text": "", "logprobs": None}
+        choice.update(finish_reason=reason, stop_reason=first.stop_reason)
+        out = self._chunk([choice], usage)
+        if self._usage:
+            out += self._chunk([], self._usage_of(1))
+        return out + SSE_DONE
+
+    def rewrite(self, events: bytes) -> bytes:
+        """Decode's whole SSE events (bytes) as the client's stream continues them."""
+        if not self._chat and b'"usage":{' not in events:
+            return events  # completions chunks pass as they are, but for usage
+        out = []
+        for event in events.split(b"\n\n"):
+            if not event:
+                continue
+            if not event.startswith(b"data: {"):
+                out.append(event + b"\n\n")  # [DONE], or an error event as decode sent it
+                continue
+            out.append(self._rewrite_event(event))
+        return b"".join(out)
+
+    def _rewrite_event(self, event: bytes) -> bytes:
+        try:
+            obj = json.loads(event[6:])
+        except ValueError:
+            return event + b"\n\n"
+        if not isinstance(obj, dict) or "error" in obj:
+            return event + b"\n\n"
+        usage = obj.get("usage")
+        if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
+            fixed = self._usage_of(usage["completion_tokens"] + 1)
+            usage = {**usage, **fixed}
+        else:
+            usage = None
+        if not self._chat:
+            if usage is not None:
+                obj["usage"] = usage
+            return _sse(obj)
+        choices = []
+        for c in obj.get("choices") or ():
+            text, reason = c.get("text") or "", c.get("finish_reason")
+            if not text and reason is None:
+                continue  # chat sends no empty delta
+            choice: dict[str, Any] = {
+                "index": 0,
+                "delta": {"content": text} if text else {},
+                "logprobs": None,
+                "finish_reason": reason,
+            }
+            if reason is not None:
+                choice["stop_reason"] = c.get("stop_reason")
+            choices.append(choice)
+        if not choices and (usage is None or obj.get("choices")):
+            return b""
+        return self._chunk(choices, usage)

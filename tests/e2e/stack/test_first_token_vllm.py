@@ -1,0 +1,101 @@
+"""The first token from prefill, on real vLLM CPU: a streamed request through the gateway gives
+the events one plain vLLM instance streams (greedy: same text, token by token, same usage), its
+first token is prefill's (decode generates one token less and loads prefill's KV), and requests
+that would sample differently when split take the usual path."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import pytest
+
+from pdplane.launch.vllm_cpu import VllmCpuInstance
+from tests.e2e.conftest import MODEL_NAME, VllmPair
+from tests.e2e.connector.helpers import EXTERNAL, metric
+from tests.e2e.stack.conftest import fresh_text
+
+pytestmark = pytest.mark.vllm
+
+MAX_TOKENS = 12
+_VOLATILE = ("id", "created", "system_fingerprint")
+
+
+def _events(url: str, path: str, body: dict[str, Any]) -> list[Any]:
+    """The streamed events, parsed, without the fields that differ per response."""
+    out: list[Any] = []
+    with httpx.stream("POST", f"{url}{path}", json=body, timeout=120.0) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            payload = line.removeprefix("data: ")
+            if payload == "[DONE]":
+                out.append(payload)
+                continue
+            event = json.loads(payload)
+            for key in _VOLATILE:
+                event.pop(key, None)
+            out.append(event)
+    return out
+
+
+def _generated(pair: VllmPair) -> tuple[float, float]:
+    name = "vllm:generation_tokens_total"
+    return metric(pair.prefill_url, name), metric(pair.decode_url, name)
+
+
+def _body(path: str, tag: str, **extra: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": MODEL_NAME,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        **extra,
+    }
+    if path == "/v1/chat/completions":
+        body["messages"] = [{"role": "user", "content": fresh_text(tag)}]
+    else:
+        body["prompt"] = fresh_text(tag)
+    return body
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_streamed_events_match_one_instance_and_the_first_token_is_prefills(
+    gateway_url: str, vllm_pair: VllmPair, vllm_reference: VllmCpuInstance, path: str
+) -> None:
+    body = _body(path, "first" + path[-5:])
+    expected = _events(vllm_reference.url, path, body)
+    prefill0, decode0 = _generated(vllm_pair)
+    loaded0 = metric(vllm_pair.decode_url, "vllm:prompt_tokens_by_source_total", **EXTERNAL)
+    got = _events(gateway_url, path, body)
+    assert got == expected
+    prefill1, decode1 = _generated(vllm_pair)
+    assert (prefill1 - prefill0, decode1 - decode0) == (1, MAX_TOKENS - 1)
+    loaded = metric(vllm_pair.decode_url, "vllm:prompt_tokens_by_source_total", **EXTERNAL)
+    assert loaded - loaded0 > 0  # decode loaded prefill's KV, it did not recompute the prompt
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_one_token_is_answered_by_prefill_alone(
+    gateway_url: str, vllm_pair: VllmPair, vllm_reference: VllmCpuInstance, path: str
+) -> None:
+    body = _body(path, "one" + path[-5:], max_tokens=1)
+    expected = _events(vllm_reference.url, path, body)
+    prefill0, decode0 = _generated(vllm_pair)
+    assert _events(gateway_url, path, body) == expected
+    assert _generated(vllm_pair) == (prefill0 + 1, decode0)
+
+
+def test_a_seeded_request_takes_the_usual_path(
+    gateway_url: str, vllm_pair: VllmPair, vllm_reference: VllmCpuInstance
+) -> None:
+    path = "/v1/completions"
+    body = _body(path, "seeded", temperature=1.0, seed=7)
+    expected = _events(vllm_reference.url, path, body)
+    prefill0, decode0 = _generated(vllm_pair)
+    assert _events(gateway_url, path, body) == expected  # the seed's tokens, as one instance
+    assert _generated(vllm_pair) == (prefill0 + 1, decode0 + MAX_TOKENS)
