@@ -132,15 +132,22 @@ class CompletionRoutes:
                 return error_response(
                     SimApiError(500, f"KV load failed: {result}", "InternalServerError")
                 )
-            writer = ResponseWriter(chat=chat, model=c.model, prompt_tokens=req.prompt_tokens)
+            writer = ResponseWriter(
+                chat=chat,
+                model=c.model,
+                prompt_tokens=req.prompt_tokens,
+                prompt_ids=list(req.prompt_ids) if req.return_token_ids else None,
+            )
             kv_out = None
             if producer:
                 assert intent is not None
                 held, kv_out = await self._hold(ereq, req, intent, record)
             if req.stream:
-                response = await self._stream(request, req, writer, ereq, pieces, record)
+                response = await self._stream(request, req, writer, ereq, ids, pieces, record)
             else:
-                response = await self._whole(request, req, writer, ereq, pieces, record, kv_out)
+                response = await self._whole(
+                    request, req, writer, ereq, ids, pieces, record, kv_out
+                )
             s.metrics.e2e.add((loop.time() - started) * c.time_scale)
             return response
         except BaseException:
@@ -202,6 +209,7 @@ class CompletionRoutes:
         req: SimRequest,
         writer: ResponseWriter,
         ereq: EngineRequest,
+        ids: list[int],
         pieces: list[str],
         record: RequestRecord,
         kv_out: dict[str, Any] | None,
@@ -219,7 +227,7 @@ class CompletionRoutes:
         if req.echo_prompt is not None:
             text = req.echo_prompt + text
         record.tokens_sent = n
-        return web.json_response(writer.full(text, n, kv_out))
+        return web.json_response(writer.full(text, n, kv_out, ids[:n]))
 
     async def _stream(
         self,
@@ -227,6 +235,7 @@ class CompletionRoutes:
         req: SimRequest,
         writer: ResponseWriter,
         ereq: EngineRequest,
+        ids: list[int],
         pieces: list[str],
         record: RequestRecord,
     ) -> web.StreamResponse:
@@ -249,7 +258,8 @@ class CompletionRoutes:
                     ready = strike
                 if ready > sent:
                     out = b"".join(
-                        writer.token_chunk(pieces[i], i == total - 1) for i in range(sent, ready)
+                        writer.token_chunk(pieces[i], i == total - 1, ids[i])
+                        for i in range(sent, ready)
                     )
                     await response.write(out)
                     record.tokens_sent = sent = ready

@@ -45,8 +45,11 @@ class SimRequest:
         max_tokens: tokens to generate, already clamped to the context length.
         stream, include_usage: SSE streaming and `stream_options.include_usage`.
         key, seed: determine the output text.
-        echo_prompt: completions `echo` (the prompt text is prefixed to the output).
+        echo_prompt: completions `echo` (the prompt text is prefixed to the output); None
+            with `return_token_ids`, as vLLM then leaves the prompt text out.
         kv_transfer_params: the request's `kv_transfer_params` (None when absent).
+        return_token_ids: vLLM's `return_token_ids`: the response carries the prompt's and
+            the output's token ids.
     """
 
     chat: bool
@@ -59,6 +62,7 @@ class SimRequest:
     seed: int
     echo_prompt: str | None
     kv_transfer_params: dict[str, Any] | None
+    return_token_ids: bool = False
 
 
 def _bad(message: str, param: str | None = None) -> SimApiError:
@@ -158,6 +162,11 @@ def parse_request(
     else:
         prompt_ids, key, text = _completion_prompt(body, tok)
         echo = text if body.get("echo") is True else None
+    return_token_ids = body.get("return_token_ids")
+    if return_token_ids not in (None, True, False):
+        raise _bad("return_token_ids must be a boolean", "return_token_ids")
+    if return_token_ids:
+        echo = None  # vLLM: with token ids, an echoed prompt is returned as ids, not text
     prompt_tokens = len(prompt_ids)
     name = "max_tokens"
     requested = _int_field(body, "max_tokens")
@@ -198,4 +207,5 @@ def parse_request(
         seed=default_seed if seed is None else seed,
         echo_prompt=echo,
         kv_transfer_params=kv,
+        return_token_ids=bool(return_token_ids),
     )
