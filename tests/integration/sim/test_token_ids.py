@@ -106,6 +106,19 @@ def test_non_boolean_return_token_ids_is_400() -> None:
         assert r.json()["error"]["param"] == "return_token_ids"
 
 
+def _prefill(url: str, request_id: str, **extra: Any) -> dict[str, Any]:
+    body = {
+        **COMPLETION,
+        "max_tokens": 1,
+        "kv_transfer_params": PrefillRequestParams(request_id).to_dict(),
+        **extra,
+    }
+    r = httpx.post(url + "/v1/completions", json=body, headers={"X-Request-Id": request_id})
+    assert r.status_code == 200, r.text
+    out: dict[str, Any] = r.json()
+    return out
+
+
 def _free_blocks(url: str) -> tuple[int, int]:
     load = httpx.get(url + "/sim/state").json()["load"]
     return load["free_kv_blocks"], load["total_kv_blocks"]
@@ -114,16 +127,7 @@ def _free_blocks(url: str) -> tuple[int, int]:
 def test_decode_of_prompt_plus_first_token_loads_prefill_kv_and_computes_one_token() -> None:
     with running_sims(["prefill", "decode"], block_size=4) as sims:
         p, d = sims
-        prefill = httpx.post(
-            p.url + "/v1/completions",
-            json={
-                **COMPLETION,
-                "max_tokens": 1,
-                "return_token_ids": True,
-                "kv_transfer_params": PrefillRequestParams("req-1").to_dict(),
-            },
-            headers={"X-Request-Id": "req-1"},
-        ).json()
+        prefill = _prefill(p.url, "req-1", return_token_ids=True)
         kv = prefill["kv_transfer_params"]
         params = DecodeRequestParams.from_dict(kv)
         prompt_ids = prefill["choices"][0]["prompt_token_ids"]
@@ -157,14 +161,7 @@ def test_decode_of_the_exact_prompt_still_recomputes_its_last_token() -> None:
     """Today's path (prompt == num_tokens) is unchanged: the last prompt token is computed."""
     with running_sims(["prefill", "decode"], block_size=4) as sims:
         p, d = sims
-        prefill = httpx.post(
-            p.url + "/v1/completions",
-            json={
-                **COMPLETION,
-                "max_tokens": 1,
-                "kv_transfer_params": PrefillRequestParams("req-2").to_dict(),
-            },
-        ).json()
+        prefill = _prefill(p.url, "req-2")
         body = {**COMPLETION, "max_tokens": 5, "kv_transfer_params": prefill["kv_transfer_params"]}
         out = httpx.post(d.url + "/v1/completions", json=body).json()
         assert out["usage"]["completion_tokens"] == 5
