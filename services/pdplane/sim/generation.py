@@ -25,6 +25,7 @@ from pdplane.sim.protocol import SimApiError, SimRequest, parse_request
 from pdplane.sim.records import RequestRecord
 from pdplane.sim.responses import ResponseWriter
 from pdplane.sim.state import SimState
+from pdplane.sim.tokens import continuation
 from pdplane.sim.transfers import HeldTransfer
 
 __all__ = ["CompletionRoutes", "error_response"]
@@ -107,7 +108,15 @@ class CompletionRoutes:
         producer = intent is not None and intent.role == "producer"
         consumer = intent is not None and intent.role == "consumer"
         assert s.tokenizer is not None
-        ids, pieces = s.tokenizer.sample(req.key, req.seed, 1 if producer else req.max_tokens)
+        answer = None
+        if consumer and intent is not None and intent.decode is not None:
+            # Prefill's prompt + its first token (the gateway streamed that one already).
+            answer = continuation(
+                s.tokenizer, req.prompt_ids, intent.num_tokens, req.seed, req.max_tokens
+            )
+        ids, pieces = answer or s.tokenizer.sample(
+            req.key, req.seed, 1 if producer else req.max_tokens
+        )
         ereq = EngineRequest(
             record.request_id or uuid.uuid4().hex,
             req.prompt_ids,

@@ -98,6 +98,15 @@ def test_chat_returns_prompt_ids_at_the_top_and_output_ids_on_the_choice() -> No
         assert plain.json()["choices"][0]["token_ids"] is None
 
 
+def test_a_text_prompt_and_its_token_ids_get_the_same_answer() -> None:
+    with running_sims("both") as sims:
+        base = sims.urls[0]
+        ids = _tokenize(base, prompt=PROMPT)
+        by_text = httpx.post(base + "/v1/completions", json=COMPLETION).json()
+        by_ids = httpx.post(base + "/v1/completions", json={**COMPLETION, "prompt": ids}).json()
+        assert by_ids["choices"][0]["text"] == by_text["choices"][0]["text"]
+
+
 def test_non_boolean_return_token_ids_is_400() -> None:
     with running_sims("both") as sims:
         body = {**COMPLETION, "return_token_ids": "yes"}
@@ -125,8 +134,8 @@ def _free_blocks(url: str) -> tuple[int, int]:
 
 
 def test_decode_of_prompt_plus_first_token_loads_prefill_kv_and_computes_one_token() -> None:
-    with running_sims(["prefill", "decode"], block_size=4) as sims:
-        p, d = sims
+    with running_sims(["prefill", "decode", "both"], block_size=4) as sims:
+        p, d, single = sims
         prefill = _prefill(p.url, "req-1", return_token_ids=True)
         kv = prefill["kv_transfer_params"]
         params = DecodeRequestParams.from_dict(kv)
@@ -143,6 +152,10 @@ def test_decode_of_prompt_plus_first_token_loads_prefill_kv_and_computes_one_tok
         }
         chunks = _chunks(d.url + "/v1/completions", body)
         assert len(chunks) == 5 and chunks[-1]["choices"][0]["finish_reason"] == "length"
+        # Prefill's token + decode's 5 are the answer one instance gives to the same prompt.
+        direct = httpx.post(single.url + "/v1/completions", json={**COMPLETION, "max_tokens": 6})
+        text = prefill["choices"][0]["text"] + "".join(c["choices"][0]["text"] for c in chunks)
+        assert text == direct.json()["choices"][0]["text"]
 
         after = httpx.get(d.url + "/sim/stats").json()
         assert after["external_hits"] - before["external_hits"] == 7  # loaded, not computed
