@@ -170,6 +170,28 @@ def test_decode_of_prompt_plus_first_token_loads_prefill_kv_and_computes_one_tok
             assert free == total, sim.role
 
 
+def test_chat_prefill_then_completions_decode_of_its_ids_continues_the_chat_answer() -> None:
+    with running_sims(["prefill", "decode", "both"], block_size=4) as sims:
+        p, d, single = sims
+        chat = {
+            **CHAT,
+            "max_tokens": 1,
+            "return_token_ids": True,
+            "kv_transfer_params": PrefillRequestParams("req-3").to_dict(),
+        }
+        prefill = httpx.post(p.url + "/v1/chat/completions", json=chat).json()
+        prompt = prefill["prompt_token_ids"] + prefill["choices"][0]["token_ids"]
+        body = {"model": "sim-model", "prompt": prompt, "max_tokens": 3}
+        out = httpx.post(
+            d.url + "/v1/completions",
+            json={**body, "kv_transfer_params": prefill["kv_transfer_params"]},
+        ).json()
+        direct = httpx.post(single.url + "/v1/chat/completions", json={**CHAT, "max_tokens": 4})
+        text = prefill["choices"][0]["message"]["content"] + out["choices"][0]["text"]
+        assert text == direct.json()["choices"][0]["message"]["content"]
+        assert d.records()[0]["kv"]["result"] == "pulled"
+
+
 def test_decode_of_the_exact_prompt_still_recomputes_its_last_token() -> None:
     """Today's path (prompt == num_tokens) is unchanged: the last prompt token is computed."""
     with running_sims(["prefill", "decode"], block_size=4) as sims:
