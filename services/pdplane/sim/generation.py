@@ -25,6 +25,7 @@ from pdplane.sim.protocol import SimApiError, SimRequest, parse_request
 from pdplane.sim.records import RequestRecord
 from pdplane.sim.responses import ResponseWriter
 from pdplane.sim.state import SimState
+from pdplane.sim.tokens import continuation
 from pdplane.sim.transfers import HeldTransfer
 
 __all__ = ["CompletionRoutes", "error_response"]
@@ -107,7 +108,15 @@ class CompletionRoutes:
         producer = intent is not None and intent.role == "producer"
         consumer = intent is not None and intent.role == "consumer"
         assert s.tokenizer is not None
-        ids, pieces = s.tokenizer.sample(req.key, req.seed, 1 if producer else req.max_tokens)
+        answer = None
+        if consumer and intent is not None and intent.decode is not None:
+            # Prefill's prompt + its first token (the gateway streamed that one already).
+            answer = continuation(
+                s.tokenizer, req.prompt_ids, intent.num_tokens, req.seed, req.max_tokens
+            )
+        ids, pieces = answer or s.tokenizer.sample(
+            req.key, req.seed, 1 if producer else req.max_tokens
+        )
         ereq = EngineRequest(
             record.request_id or uuid.uuid4().hex,
             req.prompt_ids,
@@ -132,15 +141,22 @@ class CompletionRoutes:
                 return error_response(
                     SimApiError(500, f"KV load failed: {result}", "InternalServerError")
                 )
-            writer = ResponseWriter(chat=chat, model=c.model, prompt_tokens=req.prompt_tokens)
+            writer = ResponseWriter(
+                chat=chat,
+                model=c.model,
+                prompt_tokens=req.prompt_tokens,
+                prompt_ids=list(req.prompt_ids) if req.return_token_ids else None,
+            )
             kv_out = None
             if producer:
                 assert intent is not None
                 held, kv_out = await self._hold(ereq, req, intent, record)
             if req.stream:
-                response = await self._stream(request, req, writer, ereq, pieces, record)
+                response = await self._stream(request, req, writer, ereq, ids, pieces, record)
             else:
-                response = await self._whole(request, req, writer, ereq, pieces, record, kv_out)
+                response = await self._whole(
+                    request, req, writer, ereq, ids, pieces, record, kv_out
+                )
             s.metrics.e2e.add((loop.time() - started) * c.time_scale)
             return response
         except BaseException:
@@ -202,6 +218,7 @@ class CompletionRoutes:
         req: SimRequest,
         writer: ResponseWriter,
         ereq: EngineRequest,
+        ids: list[int],
         pieces: list[str],
         record: RequestRecord,
         kv_out: dict[str, Any] | None,
@@ -219,7 +236,7 @@ class CompletionRoutes:
         if req.echo_prompt is not None:
             text = req.echo_prompt + text
         record.tokens_sent = n
-        return web.json_response(writer.full(text, n, kv_out))
+        return web.json_response(writer.full(text, n, kv_out, ids[:n]))
 
     async def _stream(
         self,
@@ -227,6 +244,7 @@ class CompletionRoutes:
         req: SimRequest,
         writer: ResponseWriter,
         ereq: EngineRequest,
+        ids: list[int],
         pieces: list[str],
         record: RequestRecord,
     ) -> web.StreamResponse:
@@ -249,7 +267,8 @@ class CompletionRoutes:
                     ready = strike
                 if ready > sent:
                     out = b"".join(
-                        writer.token_chunk(pieces[i], i == total - 1) for i in range(sent, ready)
+                        writer.token_chunk(pieces[i], i == total - 1, ids[i])
+                        for i in range(sent, ready)
                     )
                     await response.write(out)
                     record.tokens_sent = sent = ready

@@ -44,9 +44,12 @@ class SimRequest:
         prompt_tokens: prompt length (tokens).
         max_tokens: tokens to generate, already clamped to the context length.
         stream, include_usage: SSE streaming and `stream_options.include_usage`.
-        key, seed: determine the output text.
-        echo_prompt: completions `echo` (the prompt text is prefixed to the output).
+        key, seed: determine the output text (`prompt_key` of the prompt's token ids).
+        echo_prompt: completions `echo` (the prompt text is prefixed to the output); None
+            with `return_token_ids`, as vLLM then leaves the prompt text out.
         kv_transfer_params: the request's `kv_transfer_params` (None when absent).
+        return_token_ids: vLLM's `return_token_ids`: the response carries the prompt's and
+            the output's token ids.
     """
 
     chat: bool
@@ -59,6 +62,7 @@ class SimRequest:
     seed: int
     echo_prompt: str | None
     kv_transfer_params: dict[str, Any] | None
+    return_token_ids: bool = False
 
 
 def _bad(message: str, param: str | None = None) -> SimApiError:
@@ -80,12 +84,12 @@ def _int_field(body: dict[str, Any], name: str) -> int | None:
 _TOKEN_ID_LIMIT = 2**32
 
 
-def _completion_prompt(body: dict[str, Any], tok: Tokenizer) -> tuple[list[int], str, str | None]:
+def _completion_prompt(body: dict[str, Any], tok: Tokenizer) -> tuple[list[int], str | None]:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
-        return tok.encode(prompt), prompt_key(prompt), prompt
+        return tok.encode(prompt), prompt
     if (
         isinstance(prompt, list)
         and prompt
@@ -95,11 +99,11 @@ def _completion_prompt(body: dict[str, Any], tok: Tokenizer) -> tuple[list[int],
         # the engine loop, which then served nobody again.
         if not all(0 <= t < _TOKEN_ID_LIMIT for t in prompt):
             raise _bad(f"prompt token ids must be in [0, {_TOKEN_ID_LIMIT})", "prompt")
-        return prompt, prompt_key(prompt), None
+        return prompt, None
     raise _bad("prompt must be a string or a list of token ids (one prompt per request)", "prompt")
 
 
-def _chat_prompt(body: dict[str, Any], tok: Tokenizer) -> tuple[list[int], str]:
+def _chat_prompt(body: dict[str, Any], tok: Tokenizer) -> list[int]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _bad("messages must be a non-empty list", "messages")
@@ -107,7 +111,7 @@ def _chat_prompt(body: dict[str, Any], tok: Tokenizer) -> tuple[list[int], str]:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise _bad("each message needs a string 'role'", "messages")
         _check_content(i, m.get("content"))
-    return tok.encode_chat(messages), prompt_key(messages)
+    return tok.encode_chat(messages)
 
 
 def _check_content(i: int, content: Any) -> None:
@@ -153,11 +157,16 @@ def parse_request(
         raise _bad("only n=1 is supported by this simulator", "n")
     tok = tokenizer or _DEFAULT_TOKENIZER
     if chat:
-        prompt_ids, key = _chat_prompt(body, tok)
+        prompt_ids = _chat_prompt(body, tok)
         echo = None
     else:
-        prompt_ids, key, text = _completion_prompt(body, tok)
+        prompt_ids, text = _completion_prompt(body, tok)
         echo = text if body.get("echo") is True else None
+    return_token_ids = body.get("return_token_ids")
+    if return_token_ids not in (None, True, False):
+        raise _bad("return_token_ids must be a boolean", "return_token_ids")
+    if return_token_ids:
+        echo = None  # vLLM: with token ids, an echoed prompt is returned as ids, not text
     prompt_tokens = len(prompt_ids)
     name = "max_tokens"
     requested = _int_field(body, "max_tokens")
@@ -194,8 +203,9 @@ def parse_request(
         max_tokens=max_tokens,
         stream=stream,
         include_usage=include_usage,
-        key=key,
+        key=prompt_key(prompt_ids),
         seed=default_seed if seed is None else seed,
         echo_prompt=echo,
         kv_transfer_params=kv,
+        return_token_ids=bool(return_token_ids),
     )

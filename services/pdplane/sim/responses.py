@@ -18,14 +18,33 @@ def sse(obj: dict[str, Any]) -> bytes:
 
 
 class ResponseWriter:
-    """Builds the bodies of one request's response: non-streaming JSON or SSE chunks."""
+    """Builds the bodies of one request's response: non-streaming JSON or SSE chunks.
 
-    __slots__ = ("_chat", "_created", "_id", "_model", "_prompt_tokens")
+    With `prompt_ids` (the request set `return_token_ids`) the bodies carry token ids where
+    vLLM 0.32 puts them: completions, on the choice (`prompt_token_ids` and the output's
+    `token_ids`; streamed, `prompt_token_ids` on the first token's chunk only); chat,
+    `prompt_token_ids` at the top level (streamed: on the role chunk) and `token_ids` on the
+    choice (streamed: each chunk's delta tokens). Without it those fields stay null or absent.
+    """
 
-    def __init__(self, *, chat: bool, model: str, prompt_tokens: int) -> None:
+    __slots__ = (
+        "_chat",
+        "_created",
+        "_id",
+        "_model",
+        "_prompt_ids",
+        "_prompt_sent",
+        "_prompt_tokens",
+    )
+
+    def __init__(
+        self, *, chat: bool, model: str, prompt_tokens: int, prompt_ids: list[int] | None = None
+    ) -> None:
         self._chat = chat
         self._model = model
         self._prompt_tokens = prompt_tokens
+        self._prompt_ids = prompt_ids  # None: token ids not asked for
+        self._prompt_sent = False  # streaming: the prompt's ids went out already
         self._created = int(time.time())
         self._id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
 
@@ -39,9 +58,18 @@ class ResponseWriter:
         }
 
     def full(
-        self, text: str, completion_tokens: int, kv_transfer_params: dict[str, Any] | None
+        self,
+        text: str,
+        completion_tokens: int,
+        kv_transfer_params: dict[str, Any] | None,
+        token_ids: list[int] | None = None,
     ) -> dict[str, Any]:
-        """The non-streaming response (finish_reason "length": the sim never samples EOS)."""
+        """The non-streaming response (finish_reason "length": the sim never samples EOS).
+
+        `token_ids`: the output's ids, returned only when the writer has `prompt_ids`.
+        """
+        prompt_ids = self._prompt_ids
+        out_ids = token_ids if prompt_ids is not None else None
         if self._chat:
             choice: dict[str, Any] = {
                 "index": 0,
@@ -58,7 +86,7 @@ class ResponseWriter:
                 "logprobs": None,
                 "finish_reason": "length",
                 "stop_reason": None,
-                "token_ids": None,
+                "token_ids": out_ids,
             }
             obj = "chat.completion"
         else:
@@ -68,9 +96,9 @@ class ResponseWriter:
                 "logprobs": None,
                 "finish_reason": "length",
                 "stop_reason": None,
-                "token_ids": None,
+                "token_ids": out_ids,
                 "prompt_logprobs": None,
-                "prompt_token_ids": None,
+                "prompt_token_ids": prompt_ids,
             }
             obj = "text_completion"
         return {
@@ -83,7 +111,7 @@ class ResponseWriter:
             "system_fingerprint": None,
             "usage": self.usage(completion_tokens),
             "prompt_logprobs": None,
-            "prompt_token_ids": None,
+            "prompt_token_ids": prompt_ids if self._chat else None,
             "kv_transfer_params": kv_transfer_params,
         }
 
@@ -97,24 +125,38 @@ class ResponseWriter:
         }
 
     def role_chunk(self) -> bytes | None:
-        """The chat stream's first event (role, empty content); None for completions."""
+        """The chat stream's first event (role, empty content; the prompt's ids when asked
+        for); None for completions."""
         if not self._chat:
             return None
         delta = {"role": "assistant", "content": ""}
-        return sse(
-            self._chunk([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}])
-        )
+        chunk = self._chunk([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}])
+        if self._prompt_ids is not None:
+            chunk["prompt_token_ids"] = self._prompt_ids
+            chunk["prompt_text"] = None
+            self._prompt_sent = True
+        return sse(chunk)
 
-    def token_chunk(self, text: str, last: bool) -> bytes:
-        """One streamed token; the last one carries finish_reason "length"."""
+    def token_chunk(self, text: str, last: bool, token_id: int | None = None) -> bytes:
+        """One streamed token; the last one carries finish_reason "length".
+
+        `token_id`: the token's id, returned only when the writer has `prompt_ids`.
+        """
         choice: dict[str, Any]
         if self._chat:
             choice = {"index": 0, "delta": {"content": text}, "logprobs": None}
         else:
             choice = {"index": 0, "text": text, "logprobs": None}
         choice["finish_reason"] = "length" if last else None
-        if last:
+        ids = self._prompt_ids is not None
+        completion_ids = ids and not self._chat
+        if last or completion_ids:  # vLLM sets these on every completions chunk with ids
             choice["stop_reason"] = None
+        if completion_ids:
+            choice["prompt_token_ids"] = None if self._prompt_sent else self._prompt_ids
+            self._prompt_sent = True
+        if ids:
+            choice["token_ids"] = [] if token_id is None else [token_id]
         return sse(self._chunk([choice]))
 
     def usage_chunk(self, completion_tokens: int) -> bytes:

@@ -1,4 +1,5 @@
-"""In-process sims for tests: `running_sims(...)` (any test) and `async_running_sims(...)`.
+"""In-process sims for tests: `running_sims(...)` (any test) and `async_running_sims(...)`;
+`expected_text(...)`, what a sim answers to a text prompt.
 
 Example::
 
@@ -20,10 +21,17 @@ from typing import Any
 from pdplane.sim.config import SimConfig, SimRole
 from pdplane.sim.fleet import SimFleet
 from pdplane.sim.instance import SimInstance
+from pdplane.sim.tokens import WordTokenizer, generate, prompt_key
 
-__all__ = ["RunningSims", "async_running_sims", "running_sims"]
+__all__ = ["RunningSims", "async_running_sims", "expected_text", "running_sims"]
 
 _START_TIMEOUT_S = 30.0
+
+
+def expected_text(prompt: str, seed: int, num_tokens: int) -> str:
+    """The text of the first `num_tokens` tokens a sim (default tokenizer) answers to the
+    completions prompt `prompt` with `seed`."""
+    return "".join(generate(prompt_key(WordTokenizer().encode(prompt)), seed, num_tokens))
 
 
 class SimHandle:

@@ -6,8 +6,7 @@ import json
 
 import httpx
 
-from pdplane.sim.testing import RunningSims
-from pdplane.sim.tokens import generate
+from pdplane.sim.testing import RunningSims, expected_text
 from tests.integration.gateway.conftest import MODEL, Stack
 
 
@@ -37,9 +36,7 @@ def test_stream_with_include_usage(pair: tuple[Stack, RunningSims]) -> None:
     # text is decode's deterministic output for this prompt.
     assert len({c["id"] for c in chunks}) == 1
     assert len(content) == 6
-    assert "".join(c["choices"][0]["text"] for c in content) == "".join(
-        generate("The KV cache", 0, 6)
-    )
+    assert "".join(c["choices"][0]["text"] for c in content) == expected_text("The KV cache", 0, 6)
     assert len(sims[0].records()) == len(sims[1].records()) == 1
     assert sims[1].records()[0]["request_id"] == r.headers["x-request-id"]
 

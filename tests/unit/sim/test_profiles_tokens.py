@@ -10,7 +10,14 @@ import pytest
 from pdplane.sim.config import SimConfig
 from pdplane.sim.profiles import PROFILES, Profile, load_profile
 from pdplane.sim.settings import SimSettings
-from pdplane.sim.tokens import VOCAB, WordTokenizer, chat_prompt_tokens, generate
+from pdplane.sim.tokens import (
+    VOCAB,
+    WordTokenizer,
+    chat_prompt_tokens,
+    continuation,
+    generate,
+    prompt_key,
+)
 
 
 def test_every_profile_names_its_sources_and_fits_its_context() -> None:
@@ -84,3 +91,14 @@ def test_a_generated_answer_sent_back_continues_the_same_token_sequence() -> Non
         {"role": "user", "content": "more"},
     ]
     assert tok.encode_chat(turn2)[: len(prompt1) + 12] == prompt1 + out_ids
+
+
+def test_continuation_is_the_answer_after_prefills_first_token() -> None:
+    tok = WordTokenizer()
+    prompt = tok.encode("one two three")
+    ids, pieces = tok.sample(prompt_key(prompt), 0, 5)
+    assert continuation(tok, [*prompt, ids[0]], len(prompt), 0, 4) == (ids[1:], pieces[1:])
+    # Not prefill's first token, or not exactly one token more: an ordinary prompt.
+    assert continuation(tok, [*prompt, ids[0] + 1], len(prompt), 0, 4) is None
+    assert continuation(tok, [*prompt, ids[0]], len(prompt) - 1, 0, 4) is None
+    assert continuation(tok, prompt, len(prompt), 0, 4) is None
