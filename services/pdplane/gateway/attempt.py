@@ -288,7 +288,7 @@ class Attempt:
             error: BaseException | None = None
             try:
                 self.metrics.ttft.observe(time.perf_counter() - self.started)
-                yield splice.opening() + splice.ending()
+                yield splice.ending()
                 self.metrics.e2e.observe(time.perf_counter() - self.started)
             except BaseException as exc:
                 error = exc

@@ -264,40 +264,54 @@ class Splice:
             "completion_tokens": completion_tokens,
         }
 
+    def _token_chunk(
+        self, text: str, reason: str | None, stop_reason: object, usage: dict[str, Any] | None
+    ) -> bytes:
+        """One token's chunk as vLLM streams it on the client's endpoint."""
+        choice: dict[str, Any] = {"index": 0}
+        if self._chat:
+            choice.update(delta={"content": text}, logprobs=None)
+            choice["finish_reason"] = reason
+            if reason is not None:
+                choice["stop_reason"] = stop_reason
+            choice["token_ids"] = None
+        else:
+            choice.update(text=text, logprobs=None, finish_reason=reason, stop_reason=stop_reason)
+            choice.update(prompt_token_ids=None, token_ids=None)
+        return self._chunk([choice], usage)
+
+    def _role_chunk(self) -> bytes:
+        """Chat's first chunk: the assistant role, no content yet."""
+        delta = {"role": "assistant", "content": ""}
+        obj: dict[str, Any] = {
+            **self._head,
+            "model": self._first.model,
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}],
+            "prompt_token_ids": None,
+            "prompt_text": None,
+        }
+        if self._continuous:
+            obj["usage"] = self._usage_of(0)
+        return _sse(obj)
+
     def opening(self) -> bytes:
         """The first token's events (chat: the role chunk, then the token's content)."""
         first = self._first
         usage = self._usage_of(1) if self._continuous else None
+        token = self._token_chunk(first.text, None, None, usage)
         if self._chat:
-            role = {"role": "assistant", "content": ""}
-            head = self._chunk(
-                [{"index": 0, "delta": role, "logprobs": None, "finish_reason": None}],
-                self._usage_of(0) if self._continuous else None,
-            )
-            if not first.text:
-                return head
-            delta = {"index": 0, "delta": {"content": first.text}, "logprobs": None}
-            return head + self._chunk([{**delta, "finish_reason": None}], usage)
-        choice = {
-            "index": 0,
-            "text": first.text,
-            "logprobs": None,
-            "finish_reason": None,
-            "stop_reason": None,
-        }
-        return self._chunk([choice], usage)
+            return self._role_chunk() + token
+        return token
 
     def ending(self) -> bytes:
-        """The rest of a stream that ends with the first token (`FirstToken.ends_request`)."""
+        """The whole stream of a request that ends with the first token
+        (`FirstToken.ends_request`)."""
         first = self._first
-        reason = first.finish_reason or "length"
         usage = self._usage_of(1) if self._continuous else None
+        reason = first.finish_reason or "length"
+        out = self._token_chunk(first.text, reason, first.stop_reason, usage)
         if self._chat:
-            choice: dict[str, Any] = {"index": 0, "delta": {}, "logprobs": None}
-        else:
-            choice = {"index": 0, "text": "", "logprobs": None}
-        choice.update(finish_reason=reason, stop_reason=first.stop_reason)
-        out = self._chunk([choice], usage)
+            out = self._role_chunk() + out
         if self._usage:
             out += self._chunk([], self._usage_of(1))
         return out + SSE_DONE
@@ -336,17 +350,14 @@ class Splice:
         choices = []
         for c in obj.get("choices") or ():
             text, reason = c.get("text") or "", c.get("finish_reason")
-            if not text and reason is None:
-                continue  # chat sends no empty delta
             choice: dict[str, Any] = {
                 "index": 0,
-                "delta": {"content": text} if text else {},
+                "delta": {"content": text},
                 "logprobs": None,
                 "finish_reason": reason,
             }
             if reason is not None:
                 choice["stop_reason"] = c.get("stop_reason")
+            choice["token_ids"] = None
             choices.append(choice)
-        if not choices and (usage is None or obj.get("choices")):
-            return b""
         return self._chunk(choices, usage)

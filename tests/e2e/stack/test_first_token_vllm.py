@@ -41,6 +41,35 @@ def _events(url: str, path: str, body: dict[str, Any]) -> list[Any]:
     return out
 
 
+def _text(events: list[Any]) -> str:
+    out = []
+    for e in events:
+        for c in e["choices"] if isinstance(e, dict) else ():
+            out.append(c["text"] if "text" in c else c["delta"].get("content", ""))
+    return "".join(out)
+
+
+def _shape(event: Any) -> str:
+    """The event with its text blanked: which fields it has, with which values."""
+    if isinstance(event, dict):
+        for c in event.get("choices", ()):
+            if "text" in c:
+                c["text"] = ""
+            elif "content" in c.get("delta", {}):
+                c["delta"]["content"] = ""
+    return json.dumps(event, sort_keys=True)
+
+
+def _assert_same_stream(got: list[Any], expected: list[Any]) -> None:
+    """Same text, same final usage, same kinds of events. (vLLM's API server merges the
+    tokens of several engine steps into one chunk when it runs behind, so the number of
+    chunks is not compared.)"""
+    assert _text(got) == _text(expected)
+    assert got[-2:] == expected[-2:]  # the usage event (or the finishing one), [DONE]
+    assert {_shape(e) for e in got} == {_shape(e) for e in expected}
+    assert _shape(got[0]) == _shape(expected[0])
+
+
 def _generated(pair: VllmPair) -> tuple[float, float]:
     name = "vllm:generation_tokens_total"
     return metric(pair.prefill_url, name), metric(pair.decode_url, name)
@@ -72,7 +101,7 @@ def test_streamed_events_match_one_instance_and_the_first_token_is_prefills(
     prefill0, decode0 = _generated(vllm_pair)
     loaded0 = metric(vllm_pair.decode_url, "vllm:prompt_tokens_by_source_total", **EXTERNAL)
     got = _events(gateway_url, path, body)
-    assert got == expected
+    _assert_same_stream(got, expected)
     prefill1, decode1 = _generated(vllm_pair)
     assert (prefill1 - prefill0, decode1 - decode0) == (1, MAX_TOKENS - 1)
     loaded = metric(vllm_pair.decode_url, "vllm:prompt_tokens_by_source_total", **EXTERNAL)
@@ -86,7 +115,7 @@ def test_one_token_is_answered_by_prefill_alone(
     body = _body(path, "one" + path[-5:], max_tokens=1)
     expected = _events(vllm_reference.url, path, body)
     prefill0, decode0 = _generated(vllm_pair)
-    assert _events(gateway_url, path, body) == expected
+    _assert_same_stream(_events(gateway_url, path, body), expected)
     assert _generated(vllm_pair) == (prefill0 + 1, decode0)
 
 
@@ -97,5 +126,6 @@ def test_a_seeded_request_takes_the_usual_path(
     body = _body(path, "seeded", temperature=1.0, seed=7)
     expected = _events(vllm_reference.url, path, body)
     prefill0, decode0 = _generated(vllm_pair)
-    assert _events(gateway_url, path, body) == expected  # the seed's tokens, as one instance
+    # the seed's tokens, as one instance samples them
+    _assert_same_stream(_events(gateway_url, path, body), expected)
     assert _generated(vllm_pair) == (prefill0 + 1, decode0 + MAX_TOKENS)
