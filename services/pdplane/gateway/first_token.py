@@ -238,10 +238,11 @@ class Splice:
         first: prefill's first token.
     """
 
-    __slots__ = ("_chat", "_continuous", "_first", "_head", "_usage")
+    __slots__ = ("_chat", "_continuous", "_first", "_head", "_ids", "_usage")
 
     def __init__(self, req: ClientRequest, first: FirstToken) -> None:
         self._first = first
+        self._ids: tuple[bytes, bytes] | tuple[()] | None = None  # see _id_swap
         self._chat = req.endpoint == CHAT
         options = req.body.get("stream_options")
         options = options if isinstance(options, dict) else {}
@@ -319,7 +320,11 @@ class Splice:
     def rewrite(self, events: bytes) -> bytes:
         """Decode's whole SSE events (bytes) as the client's stream continues them."""
         if not self._chat and b'"usage":{' not in events:
-            return events  # completions chunks pass as they are, but for usage
+            # Completions chunks pass as they are, with the response's id (vLLM derives both
+            # legs' ids from x-request-id, but need not).
+            if self._ids is None:
+                self._ids = self._id_swap(events)
+            return events.replace(*self._ids) if self._ids else events
         out = []
         for event in events.split(b"\n\n"):
             if not event:
@@ -329,6 +334,21 @@ class Splice:
                 continue
             out.append(self._rewrite_event(event))
         return b"".join(out)
+
+    def _id_swap(self, events: bytes) -> tuple[bytes, bytes] | tuple[()]:
+        """(decode's `"id":...` bytes, the response's) from decode's first event; () when
+        they are the same."""
+        head = events[: events.find(b"\n\n")]
+        try:
+            decode_id = json.loads(head[6:]).get("id") if head.startswith(b"data: {") else None
+        except (ValueError, AttributeError):
+            decode_id = None
+        if not isinstance(decode_id, str) or decode_id == self._first.response_id:
+            return ()
+        field = b'"id":'
+        return field + json.dumps(decode_id).encode(), field + json.dumps(
+            self._first.response_id
+        ).encode()
 
     def _rewrite_event(self, event: bytes) -> bytes:
         try:
@@ -344,6 +364,7 @@ class Splice:
         else:
             usage = None
         if not self._chat:
+            obj["id"] = self._first.response_id
             if usage is not None:
                 obj["usage"] = usage
             return _sse(obj)

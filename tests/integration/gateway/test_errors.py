@@ -50,7 +50,8 @@ def test_decode_dying_mid_stream_gives_one_error_event_and_closes(
     assert errors == [events[-1]]
     error = json.loads(events[-1][len(b"data: ") :])["error"]
     assert error["code"] == 502 and sims[1].instance_id in error["message"]
-    assert len(events) == 3  # two tokens, then the error event
+    # the first token (prefill's, gateway.first_token), decode's two, then the error event
+    assert len(events) == 4
     wait_for(lambda: stack.scheduler_inflight() == 0, what="in-flight count back to 0")
 
 
