@@ -1,7 +1,7 @@
 """Where a disaggregated request's TTFT goes, from its OpenTelemetry spans (real vLLM CPU, 1P1D).
 
     .venv/bin/python bench/ttft_breakdown.py [--runs 10] [--prompt-tokens 128 512 2048]
-        [--ab dispatch-mode] [--plain-prefill] [--fresh-ab]
+        [--ab dispatch-mode|first-token] [--plain-prefill] [--fresh-ab]
 
 Starts `pdplane up`'s stack (registry, scheduler, gateway, prefill, decode) with traces on
 (`OTEL_EXPORTER_OTLP_ENDPOINT` pointed at an OTLP receiver in this process) plus one plain vLLM
@@ -19,7 +19,10 @@ the median of each phase (ms) from the spans of each disaggregated request, and 
 or concurrent dispatch (`PDPLANE_DISPATCH`) x pull or push KV (`"mode"` of both instances'
 `kv_connector_extra_config`), each with its own plain instance, then a summary. A push stack's
 `pdplane.kv_pull` is decode's copy out of its receive buffer, so its ratio is also given
-against the floor with the pull stack's transfer. `--plain-prefill` also times a prefill-shaped
+against the floor with the pull stack's transfer. `--ab first-token` runs the stack with the
+first output token from prefill (the gateway's default, `PDPLANE_FIRST_TOKEN=prefill`) and from
+decode, the same prompts each; "client: 2nd token" shows where the transfer went (the gap
+between the first and second token). `--plain-prefill` also times a prefill-shaped
 request (non-streamed, 1 token) on the plain instance.
 """
 
@@ -60,6 +63,7 @@ VOCAB = 2048
 #: The phases of one request, in order, as printed (ms).
 PHASES = (
     "client TTFT",
+    "client: 2nd token",
     "gateway in (arrival -> Schedule)",
     "schedule",
     "  scheduler decision",
@@ -302,7 +306,7 @@ def measure(
             prompt = [rng.randrange(8, VOCAB) for _ in range(prompt_tokens)]
             trace_id = os.urandom(16).hex()
             tp = {"traceparent": f"00-{trace_id}-{os.urandom(8).hex()}-01"}
-            ttft, _ = timed_stream(stack.gateway, stack.model, prompt, 4, tp, to_gateway)
+            ttft, g_gaps = timed_stream(stack.gateway, stack.model, prompt, 4, tp, to_gateway)
             s_ttft, gaps = timed_stream(stack.single, stack.model, prompt, 8, None, to_single)
             spans = stack.receiver.wait_for(_trace_complete(trace_id, push), timeout_s=30)
             if fresh_ab:
@@ -318,6 +322,7 @@ def measure(
                 continue
             for k, v in breakdown([s for s in spans if s.trace_id == trace_id], ttft).items():
                 phases[k].append(v)
+            phases["client: 2nd token"].append(ttft + g_gaps[0])
             single_ttft.append(s_ttft)
             single_step.extend(gaps)
             if fresh_ab:
@@ -367,6 +372,10 @@ VARIANTS: dict[str, list[Variant]] = {
         Variant("B: concurrent + pull", {}, {"PDPLANE_DISPATCH": "concurrent"}),
         Variant("C: sequential + push", {"mode": "push"}, {"PDPLANE_DISPATCH": "sequential"}),
         Variant("D: concurrent + push", {"mode": "push"}, {"PDPLANE_DISPATCH": "concurrent"}),
+    ],
+    "first-token": [
+        Variant("A: first token from prefill (default)", {}, {"PDPLANE_FIRST_TOKEN": "prefill"}),
+        Variant("B: first token from decode", {}, {"PDPLANE_FIRST_TOKEN": "decode"}),
     ],
 }
 

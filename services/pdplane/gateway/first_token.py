@@ -127,7 +127,7 @@ def applies(req: ClientRequest) -> bool:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             return False  # a batch of prompts: several choices
-    return _requested_max(req) != 0
+    return True
 
 
 def _requested_max(req: ClientRequest) -> int | None:

@@ -38,6 +38,15 @@ def error_response(error: SimApiError) -> web.Response:
     return web.json_response(error.body(), status=error.status)
 
 
+async def _stream_error(stream: web.StreamResponse, error: SimApiError) -> web.StreamResponse:
+    """Ends a started stream as vLLM does when its request fails: one `data: {"error": ...}`
+    event, then `data: [DONE]`."""
+    body = json.dumps(error.body(), separators=(",", ":")).encode()
+    await stream.write(b"data: " + body + b"\n\ndata: [DONE]\n\n")
+    await stream.write_eof()
+    return stream
+
+
 async def _forever() -> None:
     # A stall ends only when the client disconnects (the handler is cancelled) or on shutdown.
     await asyncio.get_running_loop().create_future()
@@ -134,13 +143,22 @@ class CompletionRoutes:
             now = s.runner.now()
             await s.runner.sleep(s.frontend.admit(now) - now)  # the API server's FIFO + hop
             s.runner.submit(ereq)
+            stream: web.StreamResponse | None = None
+            if req.stream:
+                # vLLM (uvicorn) sends a stream's headers once the request is in the engine,
+                # before its first token (on decode: before the KV load).
+                stream = web.StreamResponse(headers=_SSE_HEADERS)
+                headers = await stream.prepare(request)
+                if headers is not None:
+                    headers.send_headers()  # aiohttp would hold them until the first write
             while ereq.num_output == 0 and ereq.phase != Phase.DONE:
                 await s.runner.progress(ereq)
             if ereq.num_output == 0:  # the engine gave up on it: a failed KV load
                 result = str(record.kv.get("result", "")) if record.kv else "failed"
-                return error_response(
-                    SimApiError(500, f"KV load failed: {result}", "InternalServerError")
-                )
+                failure = SimApiError(500, f"KV load failed: {result}", "InternalServerError")
+                if stream is None:
+                    return error_response(failure)
+                return await _stream_error(stream, failure)
             writer = ResponseWriter(
                 chat=chat,
                 model=c.model,
@@ -151,8 +169,10 @@ class CompletionRoutes:
             if producer:
                 assert intent is not None
                 held, kv_out = await self._hold(ereq, req, intent, record)
-            if req.stream:
-                response = await self._stream(request, req, writer, ereq, ids, pieces, record)
+            if stream is not None:
+                response = await self._stream(
+                    request, stream, req, writer, ereq, ids, pieces, record
+                )
             else:
                 response = await self._whole(
                     request, req, writer, ereq, ids, pieces, record, kv_out
@@ -241,6 +261,7 @@ class CompletionRoutes:
     async def _stream(
         self,
         request: web.Request,
+        response: web.StreamResponse,
         req: SimRequest,
         writer: ResponseWriter,
         ereq: EngineRequest,
@@ -248,9 +269,8 @@ class CompletionRoutes:
         pieces: list[str],
         record: RequestRecord,
     ) -> web.StreamResponse:
+        """Streams the tokens on `response` (prepared, its headers sent)."""
         s = self._s
-        response = web.StreamResponse(headers=_SSE_HEADERS)
-        await response.prepare(request)
         total = len(pieces)
         strike = min(s.faults.fail_after_tokens, total) if record.fault else -1
         try:

@@ -1,0 +1,94 @@
+"""The first token from prefill through the gateway, with sims: it reaches the client before
+decode loaded the KV, decode continues from it, a request that would sample differently takes
+the usual path, and a request that ends at its first token never reaches decode."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import pytest
+
+from pdplane.sim.testing import expected_text
+from pdplane.sim.tokens import WordTokenizer
+from tests.integration.gateway.conftest import MODEL, Stack, wait_for
+
+PROMPT = "The prefill instance computes the first token"
+
+
+def _stream(url: str, body: dict[str, Any]) -> tuple[list[float], str]:
+    """(arrival time of each event, s since the request, the joined text) of one stream."""
+    stamps: list[float] = []
+    text: list[str] = []
+    start = time.perf_counter()
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                stamps.append(time.perf_counter() - start)
+                text.append(httpx.Response(200, content=line[6:]).json()["choices"][0]["text"])
+    return stamps, "".join(text)
+
+
+@pytest.mark.parametrize("embedded", [False, True], ids=["remote", "embedded"])
+def test_the_first_token_arrives_before_decode_loaded_the_kv(
+    stack_factory: Callable[..., Stack], embedded: bool
+) -> None:
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 5, "stream": True}
+    ttft: dict[str, float] = {}
+    for mode in ("prefill", "decode"):
+        stack = stack_factory(embedded=embedded, first_token=mode)
+        # a pull takes 300 ms: the transfer dominates everything else on the decode side
+        sims = stack.sims(["prefill", "decode"], itl_ms=1, transfer_latency_ms=300)
+        stack.wait_ready(sims)
+        stamps, text = _stream(stack.url, body)
+        assert text == expected_text(PROMPT, 0, 5)  # the same answer either way
+        assert len(stamps) == 5
+        ttft[mode] = stamps[0]
+        if mode == "prefill":
+            # the transfer sits between the first and the second token
+            assert stamps[1] - stamps[0] > stamps[0]
+            (decode,) = sims[1].records()
+            assert decode["body"]["prompt"][:-1] == WordTokenizer().encode(PROMPT)
+            assert decode["body"]["max_tokens"] == 4
+        running = stack
+        wait_for(lambda: running.scheduler_inflight() == 0, what="in-flight count back to 0")
+        assert sims[0].held_transfers() == []
+        stack.close()
+    assert ttft["prefill"] < ttft["decode"]
+
+
+def test_a_seeded_request_takes_the_usual_path(stack_factory: Callable[..., Stack]) -> None:
+    stack = stack_factory()
+    sims = stack.sims(["prefill", "decode"], itl_ms=1)
+    stack.wait_ready(sims)
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "stream": True, "seed": 5}
+    _, text = _stream(stack.url, body)
+    assert text == expected_text(PROMPT, 5, 4)
+    (decode,) = sims[1].records()
+    assert decode["body"]["prompt"] == PROMPT and decode["body"]["max_tokens"] == 4
+    (prefill,) = sims[0].records()
+    assert "return_token_ids" not in prefill["body"]
+
+
+def test_one_token_asked_is_answered_by_prefill_and_its_kv_freed(
+    stack_factory: Callable[..., Stack],
+) -> None:
+    stack = stack_factory()
+    sims = stack.sims(["prefill", "decode"], itl_ms=1)
+    stack.wait_ready(sims)
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 1, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    with httpx.stream("POST", f"{stack.url}/v1/completions", json=body, timeout=30) as r:
+        assert r.status_code == 200
+        events = [e for e in r.read().split(b"\n\n") if e]
+    chunks = [httpx.Response(200, content=e[6:]).json() for e in events[:-1]]
+    assert events[-1] == b"data: [DONE]"
+    assert chunks[0]["choices"][0]["text"] == expected_text(PROMPT, 0, 1)
+    assert chunks[0]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["usage"]["completion_tokens"] == 1
+    assert sims[1].records() == []  # decode never asked
+    wait_for(lambda: sims[0].held_transfers() == [], what="prefill's KV freed")
+    wait_for(lambda: stack.scheduler_inflight() == 0, what="in-flight count back to 0")
