@@ -235,8 +235,11 @@ def _trace_complete(trace_id: str, push: bool = False) -> Callable[[list[Receive
     return done
 
 
-def breakdown(spans: list[ReceivedSpan], client_ttft_ms: float) -> dict[str, float]:
-    """The phases (ms) of one request's trace (`spans` all of one trace id); NaN for a span
+def breakdown(
+    spans: list[ReceivedSpan], client_ttft_ms: float, client_second_ms: float = math.nan
+) -> dict[str, float]:
+    """The phases (ms) of one request's trace (`spans` all of one trace id; the client's TTFT and
+    time to its second token alongside); NaN for a span
     the mode does not have (no `pdplane.kv_serve` after a push; no gap between the legs with
     concurrent dispatch, where the decode leg opens before prefill answers)."""
     by = {s.name: s for s in spans if s.name != "llm_request"}
@@ -255,6 +258,7 @@ def breakdown(spans: list[ReceivedSpan], client_ttft_ms: float) -> dict[str, flo
 
     return {
         "client TTFT": client_ttft_ms,
+        "client: 2nd token": client_second_ms,
         "gateway in (arrival -> Schedule)": ms(root.start_ns, sched.start_ns),
         "schedule": sched.ms,
         "  scheduler decision": by["pdplane.scheduler.decision"].ms,
@@ -320,9 +324,9 @@ def measure(
                 )
             if i == 0:
                 continue
-            for k, v in breakdown([s for s in spans if s.trace_id == trace_id], ttft).items():
+            mine = [s for s in spans if s.trace_id == trace_id]
+            for k, v in breakdown(mine, ttft, ttft + g_gaps[0]).items():
                 phases[k].append(v)
-            phases["client: 2nd token"].append(ttft + g_gaps[0])
             single_ttft.append(s_ttft)
             single_step.extend(gaps)
             if fresh_ab:

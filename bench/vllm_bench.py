@@ -2,7 +2,7 @@
 the same flags, side by side in one run, on real vLLM CPU instances.
 
     .venv/bin/python bench/vllm_bench.py [--num-prompts 32] [--input-len 256] [--output-len 32]
-        [--max-concurrency 1,4] [--url http://127.0.0.1:8000] [--ab dispatch-mode]
+        [--max-concurrency 1,4] [--url http://127.0.0.1:8000] [--ab dispatch-mode|first-token]
 
 Starts `pdplane up`'s stack on free ports plus a reference instance (or, with `--url`, measures
 an already running gateway alone), then runs the environment's `vllm bench serve` (random
@@ -11,8 +11,9 @@ model and its tokenizer from /v1/models as against `vllm serve`) for every concu
 the gateway, then on the single instance. Prints each run's own result table, then one line per
 metric with the ratio pdplane / single instance.
 
-`--ab dispatch-mode` instead runs the stack once per variant of `bench/ttft_breakdown.py`
-(sequential or concurrent dispatch x pull or push KV), one after the other, the same prompts
+`--ab dispatch-mode` (or `first-token`) instead runs the stack once per variant of
+`bench/ttft_breakdown.py` (sequential or concurrent dispatch x pull or push KV; the first token
+from prefill or from decode), one after the other, the same prompts
 each, without a reference instance, and prints per metric a variant x concurrency table with
 the ratio to the first variant (the defaults).
 """
@@ -166,8 +167,9 @@ def main() -> None:
     parser.add_argument("--url", help="an already running gateway: measure it alone")
     parser.add_argument(
         "--ab",
-        choices=["dispatch-mode"],
-        help="the stack once per variant (sequential/concurrent dispatch x pull/push KV), "
+        choices=sorted(VARIANTS),
+        help="the stack once per variant of bench/ttft_breakdown.py (dispatch-mode: "
+        "sequential/concurrent dispatch x pull/push KV; first-token: from prefill or decode), "
         "the same prompts each, no reference instance; a table per metric",
     )
     args = parser.parse_args()

@@ -53,8 +53,7 @@ def test_the_first_token_arrives_before_decode_loaded_the_kv(
             (decode,) = sims[1].records()
             assert decode["body"]["prompt"][:-1] == WordTokenizer().encode(PROMPT)
             assert decode["body"]["max_tokens"] == 4
-        running = stack
-        wait_for(lambda: running.scheduler_inflight() == 0, what="in-flight count back to 0")
+        wait_for(lambda s=stack: s.scheduler_inflight() == 0, what="in-flight count back to 0")
         assert sims[0].held_transfers() == []
         stack.close()
     assert ttft["prefill"] < ttft["decode"]
