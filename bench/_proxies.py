@@ -102,8 +102,9 @@ def wait_ready(run: ProxyRun, model: str, timeout_s: float = 90.0) -> None:
 #: gateway and scheduler run the code of another checkout, `PDPLANE_BENCH_BASE_TREE` (an A/B
 #: of two trees in one run); granian = the same gateway app served by granian instead of
 #: uvicorn (`bench/_granian_gateway.py`); w2 = two granian worker processes sharing the port
-#: (implies granian; remote scheduler only).
-VARIANTS = ("tok", "kv_aware", "no-kv-index", "unary", "base", "granian", "w2")
+#: (implies granian; remote scheduler only); ft-decode = streamed requests take their first
+#: token from decode (`PDPLANE_FIRST_TOKEN=decode`) instead of prefill, the default.
+VARIANTS = ("tok", "kv_aware", "no-kv-index", "unary", "base", "granian", "w2", "ft-decode")
 
 
 def _gateway_argv(variants: frozenset[str]) -> list[str]:
@@ -117,13 +118,17 @@ def _gateway_argv(variants: frozenset[str]) -> list[str]:
 
 
 def _tree_env(variants: frozenset[str]) -> dict[str, str] | None:
-    """The environment of a "+base" proxy's processes: the base tree's code first."""
-    if "base" not in variants:
-        return None
-    tree = os.environ.get("PDPLANE_BENCH_BASE_TREE", "")
-    if not tree:
-        raise RuntimeError("+base needs PDPLANE_BENCH_BASE_TREE (a checkout to compare with)")
-    return {"PYTHONPATH": f"{tree}/services:{tree}/connector"}
+    """The environment added to a pdplane proxy's processes: "+base", the base tree's code
+    first; "+ft-decode", the first token from decode."""
+    env: dict[str, str] = {}
+    if "ft-decode" in variants:
+        env["PDPLANE_FIRST_TOKEN"] = "decode"
+    if "base" in variants:
+        tree = os.environ.get("PDPLANE_BENCH_BASE_TREE", "")
+        if not tree:
+            raise RuntimeError("+base needs PDPLANE_BENCH_BASE_TREE (a checkout to compare with)")
+        env["PYTHONPATH"] = f"{tree}/services:{tree}/connector"
+    return env or None
 
 
 def _variant_flags(variants: frozenset[str], fleet: Fleet) -> tuple[list[str], list[str]]:

@@ -23,6 +23,7 @@ token as output, not prompt.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -226,6 +227,21 @@ def decode_body(req: ClientRequest, first: FirstToken, kv_transfer_params: bytes
     return text[:-1] + b',"kv_transfer_params":' + kv_transfer_params + b"}"
 
 
+#: A token's chunk of decode's completions stream, as vLLM 0.32 (and the sim) write it: one
+#: choice, no finish_reason, no usage; group 1 is its text (JSON string content). The chat
+#: chunk `Splice` makes of it depends on that text alone, so `Splice.rewrite` builds it from
+#: these bytes instead of a JSON round trip; any other event takes `_rewrite_event`.
+_TOKEN_EVENT = re.compile(
+    rb'data: \{"id":"[^"\\\x00-\x1f]*","object":"text_completion","created":(?:0|[1-9][0-9]*),'
+    rb'"model":"[^"\\\x00-\x1f]*","choices":\[\{"index":0,"text":"((?:[^"\\\x00-\x1f]|\\.)*)",'
+    rb'"logprobs":null,"finish_reason":null(?:,"stop_reason":null)?(?:,"prompt_token_ids":null)?'
+    rb'(?:,"token_ids":(?:null|\[(?:[0-9]+(?:,[0-9]+)*)?\]))?\}\](?:,"usage":null)?\}'
+)
+#: JSON string content that `json.dumps` writes unchanged (printable ASCII, no quote, no
+#: backslash).
+_PLAIN_TEXT = re.compile(rb"[ !#-\[\]-~]*")
+
+
 def _sse(obj: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
@@ -238,7 +254,7 @@ class Splice:
         first: prefill's first token.
     """
 
-    __slots__ = ("_chat", "_continuous", "_first", "_head", "_ids", "_usage")
+    __slots__ = ("_chat", "_continuous", "_first", "_head", "_ids", "_token_frame", "_usage")
 
     def __init__(self, req: ClientRequest, first: FirstToken) -> None:
         self._first = first
@@ -250,6 +266,13 @@ class Splice:
         self._continuous = self._usage and bool(options.get("continuous_usage_stats"))
         obj = "chat.completion.chunk" if self._chat else "text_completion"
         self._head = {"id": first.response_id, "object": obj, "created": first.created}
+        # A chat token chunk around its text's JSON string: what `_rewrite_event` writes for
+        # a `_TOKEN_EVENT` (same builder, so the same bytes).
+        self._token_frame: tuple[bytes, bytes] | None = None
+        if self._chat:
+            parts = self._token_chunk("\x00", None, None, None).split(b'"\\u0000"')
+            if len(parts) == 2:
+                self._token_frame = (parts[0], parts[1])
 
     def _chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None) -> bytes:
         obj: dict[str, Any] = {**self._head, "model": self._first.model, "choices": choices}
@@ -332,8 +355,28 @@ class Splice:
             if not event.startswith(b"data: {"):
                 out.append(event + b"\n\n")  # [DONE], or an error event as decode sent it
                 continue
-            out.append(self._rewrite_event(event))
+            token = self._token_text(event)
+            if token is not None and self._token_frame is not None:
+                out.append(self._token_frame[0] + token + self._token_frame[1])
+            else:
+                out.append(self._rewrite_event(event))
         return b"".join(out)
+
+    def _token_text(self, event: bytes) -> bytes | None:
+        """The text of a chat-bound token event (`_TOKEN_EVENT`) as `json.dumps` writes it
+        (a JSON string, bytes); None for any other event."""
+        if not self._chat:
+            return None
+        match = _TOKEN_EVENT.fullmatch(event)
+        if match is None:
+            return None
+        text = match[1]
+        if _PLAIN_TEXT.fullmatch(text) is not None:
+            return b'"' + text + b'"'
+        try:  # escapes, or non-ASCII: as json.dumps writes the decoded string
+            return json.dumps(json.loads(b'"' + text + b'"')).encode()
+        except ValueError:
+            return None
 
     def _id_swap(self, events: bytes) -> tuple[bytes, bytes] | tuple[()]:
         """(decode's `"id":...` bytes, the response's) from decode's first event; () when

@@ -174,6 +174,71 @@ def test_chat_chunks_are_made_from_decodes_completions_chunks() -> None:
     assert done == "[DONE]"
 
 
+def _token_event(text: str, layout: str) -> bytes:
+    """Decode's completions chunk of one token (no finish_reason) in `layout`: "vllm" as vLLM
+    0.32 writes it (`model_dump_json(exclude_unset=True)`: non-ASCII as UTF-8), "sim" as the
+    sim does, "ids" with token ids, "other" an order no engine writes."""
+    choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None, "finish_reason": None}
+    head: dict[str, Any] = {"id": "cmpl-d", "object": "text_completion", "created": 7}
+    if layout == "vllm":
+        choice.update(stop_reason=None, prompt_token_ids=None, token_ids=None)
+        obj = {**head, "model": "m", "choices": [choice]}
+        return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+    if layout == "ids":
+        choice.update(stop_reason=None, prompt_token_ids=None, token_ids=[17])
+    obj = {**head, "model": "m", "choices": [choice], "usage": None}
+    if layout == "other":
+        obj = {"model": "m", **head, "choices": [choice], "system_fingerprint": None}
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode()
+
+
+@pytest.mark.parametrize("text", [" world", "", 'say "hi"\\', "a\nb\tc", "é ü 日本 \u2028", "\x7f"])
+@pytest.mark.parametrize("layout", ["vllm", "sim", "ids"])
+def test_chat_token_chunks_are_the_same_bytes_whatever_decodes_layout(
+    text: str, layout: str
+) -> None:
+    # Token chunks in the engines' layouts are rebuilt from their text's bytes; the result is
+    # byte for byte the chunk made by parsing the event (a layout that only parsing handles).
+    splice = Splice(_req(CHAT), _first(CHAT))
+    made = splice.rewrite(_token_event(text, layout) + b"\n\n")
+    assert made == splice.rewrite(_token_event(text, "other") + b"\n\n")
+    (chunk,) = _events(made)
+    assert chunk == {
+        "id": "chatcmpl-r1",
+        "object": "chat.completion.chunk",
+        "created": 100,
+        "model": "m",
+        "choices": [
+            {
+                "index": 0,
+                "delta": {"content": text},
+                "logprobs": None,
+                "finish_reason": None,
+                "token_ids": None,
+            }
+        ],
+    }
+
+
+def test_chat_chunks_with_continuous_usage_count_the_first_token() -> None:
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    splice = Splice(_req(CHAT, stream_options=options), _first(CHAT))
+    event = (
+        b'data: {"id":"cmpl-d","object":"text_completion","created":7,"model":"m","choices":'
+        b'[{"index":0,"text":" world","logprobs":null,"finish_reason":null}],"usage":'
+        b'{"prompt_tokens":4,"total_tokens":5,"completion_tokens":1}}\n\n'
+    )
+    (chunk,) = _events(splice.rewrite(event))
+    assert chunk["choices"][0]["delta"] == {"content": " world"}
+    assert chunk["usage"] == {"prompt_tokens": 3, "total_tokens": 5, "completion_tokens": 2}
+
+
+def test_a_malformed_token_event_passes_unchanged() -> None:
+    splice = Splice(_req(CHAT), _first(CHAT))
+    bad = _token_event("x", "sim").replace(b'"x"', b'"\\x"') + b"\n\n"  # invalid escape
+    assert splice.rewrite(bad) == bad
+
+
 def test_an_error_event_from_decode_passes_unchanged() -> None:
     splice = Splice(_req(CHAT), _first(CHAT))
     error = b'data: {"error":{"message":"boom","code":500}}\n\n'
