@@ -69,7 +69,8 @@ class Legs:
 
 
 class Attempt:
-    """One try of a request on one scheduled pair; `care` is its after-care."""
+    """One try of a request on one scheduled pair; `care` is its after-care, `max_model_len`
+    the model's context length (tokens; 0 = unknown)."""
 
     def __init__(
         self,
@@ -78,6 +79,7 @@ class Attempt:
         req: ClientRequest,
         decision: Decision,
         started: float,
+        max_model_len: int = 0,
     ) -> None:
         self.upstream = legs.upstream
         self.metrics = legs.metrics
@@ -90,6 +92,7 @@ class Attempt:
         self.prefill = decision.prefill
         self.decode = decision.decode
         self.started = started
+        self.max_model_len = max_model_len  # the model's (tokens; 0 = unknown)
         self.streaming = False  # set once the stream generator started (it then settles)
         self.decode_answered_ns = 0  # time.time_ns() at decode's response headers
         self.headers = {**legs.headers, "x-request-id": self.request_id}
@@ -119,7 +122,7 @@ class Attempt:
                 first = FirstToken.of(self.req.endpoint, answer) if self.first_token else None
                 if first is not None:
                     splice = Splice(self.req, first)
-                    if first.ends_request(self.req):
+                    if first.ends_request(self.req, self.max_model_len):
                         handed_off = True
                         return self._ended_at_prefill(splice)
                     body = first_token_decode_body(self.req, first, kv)
