@@ -120,3 +120,51 @@ def test_a_prompt_one_token_short_of_the_model_length_ends_at_prefill(
     assert sims[1].records() == []  # decode never asked
     wait_for(lambda: sims[0].held_transfers() == [], what="prefill's KV freed")
     wait_for(lambda: stack.scheduler_inflight() == 0, what="in-flight count back to 0")
+
+
+def _client_stream(url: str, path: str, body: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """(the joined text, the last usage) of one streamed request on `path`."""
+    text: list[str] = []
+    usage: dict[str, Any] = {}
+    with httpx.stream("POST", f"{url}{path}", json=body, timeout=30) as r:
+        assert r.status_code == 200, r.read()
+        events = [e for e in r.read().split(b"\n\n") if e]
+    assert events[-1] == b"data: [DONE]"
+    for event in events[:-1]:
+        chunk = httpx.Response(200, content=event[6:]).json()
+        assert "error" not in chunk, chunk
+        for choice in chunk["choices"]:
+            text.append(
+                choice["delta"].get("content") or "" if "delta" in choice else choice["text"]
+            )
+        usage = chunk.get("usage") or usage
+    return "".join(text), usage
+
+
+@pytest.mark.parametrize("kv_mode", ["pull", "push"])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_text_and_usage_are_those_of_the_usual_path(
+    stack_factory: Callable[..., Stack], kv_mode: str, path: str
+) -> None:
+    body: dict[str, Any] = {"model": MODEL, "max_tokens": 6, "stream": True,
+                            "stream_options": {"include_usage": True}}  # fmt: skip
+    if path == "/v1/completions":
+        body["prompt"] = PROMPT + " \u00e9t\u00e9 \U0001f600"
+    else:
+        body["messages"] = [{"role": "user", "content": PROMPT + " \U0001f600"}]
+    seen = {}
+    for mode in ("prefill", "decode"):
+        stack = stack_factory(first_token=mode)
+        sims = stack.sims(["prefill", "decode"], itl_ms=1, kv_mode=kv_mode)
+        stack.wait_ready(sims)
+        seen[mode] = _client_stream(stack.url, path, body)
+        (decode,) = sims[1].records()
+        assert decode["path"] == ("/v1/completions" if mode == "prefill" else path)
+        wait_for(lambda s=stack: s.scheduler_inflight() == 0, what="in-flight count back to 0")
+        wait_for(lambda p=sims[0]: p.held_transfers() == [], what="prefill's KV freed")
+        if kv_mode == "push":
+            (prefill,) = sims[0].records()
+            assert prefill["kv"].get("pushed")
+        stack.close()
+    assert seen["prefill"] == seen["decode"]
+    assert seen["prefill"][1]["completion_tokens"] == 6
