@@ -42,6 +42,8 @@ from pdplane.scheduler import Decision, InstanceRef, Outcome
 __all__ = ["Attempt", "Legs"]
 
 _SSE_HEADERS = {"content-type": "text/event-stream"}
+#: How an upstream error event starts (vLLM: `data: {"error": {...}}`, spaced or not).
+_ERROR_EVENT = b'data: {"error"'
 
 
 def _status_error(side: str, instance_id: str, status: int, body: bytes) -> GatewayError:
@@ -317,7 +319,7 @@ class Attempt:
         carry = b""
         first = last = 0.0
         events = 0
-        done = from_decode = False
+        done = from_decode = failed = False
         try:
             if splice is not None:
                 first = time.perf_counter()
@@ -341,6 +343,8 @@ class Attempt:
                         tracing.record_span("pdplane.first_byte", self.decode_answered_ns)
                     events += out.count(b"\n\n")
                     done = out.endswith(SSE_DONE)
+                    # vLLM ends a failed request's stream with an error event, then [DONE].
+                    failed = failed or _ERROR_EVENT in out
                     yield out if splice is None else splice.rewrite(out)
             except UpstreamTimeout:
                 yield gateway_timeout(
@@ -357,6 +361,8 @@ class Attempt:
                 yield bad_gateway(
                     f"decode instance {self.decode.instance_id} ended the stream before [DONE]"
                 ).sse_event()
+                return
+            if failed:
                 return
             self.care.succeeded()
             metrics.e2e.observe(time.perf_counter() - self.started)
