@@ -203,9 +203,14 @@ class FirstToken:
             stop_reason=choice.get("stop_reason"),
         )
 
-    def ends_request(self, req: ClientRequest) -> bool:
-        """Whether the request ends with this token (a stop token, or one token asked for)."""
-        return self.finish_reason not in (None, "length") or _requested_max(req) == 1
+    def ends_request(self, req: ClientRequest, max_model_len: int = 0) -> bool:
+        """Whether the request ends with this token: a stop token, one token asked for, or a
+        prompt one token short of `max_model_len` (tokens; 0 = unknown). There vLLM clamps
+        `max_tokens` to the one token left, and would refuse decode's prompt, which is the
+        model's whole length."""
+        if self.finish_reason not in (None, "length") or _requested_max(req) == 1:
+            return True
+        return 0 < max_model_len <= len(self.prompt_token_ids) + 1
 
 
 def decode_body(req: ClientRequest, first: FirstToken, kv_transfer_params: bytes) -> bytes:

@@ -129,6 +129,14 @@ def test_the_request_ends_at_prefill_on_a_stop_token_or_one_token_asked() -> Non
     assert _first().ends_request(_req(COMPLETIONS, max_tokens=1))
 
 
+def test_the_request_ends_at_prefill_when_decodes_prompt_would_fill_the_model() -> None:
+    # prompt of 3 tokens: decode's would be 4, which a max_model_len of 4 refuses
+    assert _first().ends_request(_req(CHAT), max_model_len=4)
+    assert _first().ends_request(_req(COMPLETIONS, max_tokens=5), max_model_len=4)
+    assert not _first().ends_request(_req(CHAT), max_model_len=5)
+    assert not _first().ends_request(_req(CHAT), max_model_len=0)  # unknown
+
+
 def test_completions_chunks_pass_with_the_responses_id_and_usage_counts_the_first_token() -> None:
     req = _req(COMPLETIONS, stream_options={"include_usage": True})
     splice = Splice(req, _first())
