@@ -42,6 +42,8 @@ from pdplane.scheduler import Decision, InstanceRef, Outcome
 __all__ = ["Attempt", "Legs"]
 
 _SSE_HEADERS = {"content-type": "text/event-stream"}
+#: How an upstream error event starts (vLLM: `data: {"error": {...}}`, spaced or not).
+_ERROR_EVENT = b'data: {"error"'
 
 
 def _status_error(side: str, instance_id: str, status: int, body: bytes) -> GatewayError:
@@ -69,7 +71,8 @@ class Legs:
 
 
 class Attempt:
-    """One try of a request on one scheduled pair; `care` is its after-care."""
+    """One try of a request on one scheduled pair; `care` is its after-care, `max_model_len`
+    the model's context length (tokens; 0 = unknown)."""
 
     def __init__(
         self,
@@ -78,6 +81,7 @@ class Attempt:
         req: ClientRequest,
         decision: Decision,
         started: float,
+        max_model_len: int = 0,
     ) -> None:
         self.upstream = legs.upstream
         self.metrics = legs.metrics
@@ -90,15 +94,19 @@ class Attempt:
         self.prefill = decision.prefill
         self.decode = decision.decode
         self.started = started
+        self.max_model_len = max_model_len  # the model's (tokens; 0 = unknown)
         self.streaming = False  # set once the stream generator started (it then settles)
         self.decode_answered_ns = 0  # time.time_ns() at decode's response headers
         self.headers = {**legs.headers, "x-request-id": self.request_id}
         # The first token from prefill (`pdplane.gateway.first_token`): sequential dispatch
-        # only, as decode's prompt then holds it.
+        # only, as decode's prompt then holds it. More tokens asked than the model holds take
+        # the usual path: decode, asked one less, would serve max_model_len + 1 and name the
+        # wrong number when it refuses.
         self.first_token = (
             legs.config.first_token == "prefill"
             and self.prefill is not None
             and self.dispatch == "sequential"
+            and not (max_model_len and req.max_tokens > max_model_len)
             and applies(req)
         )
 
@@ -119,7 +127,7 @@ class Attempt:
                 first = FirstToken.of(self.req.endpoint, answer) if self.first_token else None
                 if first is not None:
                     splice = Splice(self.req, first)
-                    if first.ends_request(self.req):
+                    if first.ends_request(self.req, self.max_model_len):
                         handed_off = True
                         return self._ended_at_prefill(splice)
                     body = first_token_decode_body(self.req, first, kv)
@@ -314,7 +322,7 @@ class Attempt:
         carry = b""
         first = last = 0.0
         events = 0
-        done = from_decode = False
+        done = from_decode = failed = False
         try:
             if splice is not None:
                 first = time.perf_counter()
@@ -338,6 +346,8 @@ class Attempt:
                         tracing.record_span("pdplane.first_byte", self.decode_answered_ns)
                     events += out.count(b"\n\n")
                     done = out.endswith(SSE_DONE)
+                    # vLLM ends a failed request's stream with an error event, then [DONE].
+                    failed = failed or _ERROR_EVENT in out
                     yield out if splice is None else splice.rewrite(out)
             except UpstreamTimeout:
                 yield gateway_timeout(
@@ -354,6 +364,8 @@ class Attempt:
                 yield bad_gateway(
                     f"decode instance {self.decode.instance_id} ended the stream before [DONE]"
                 ).sse_event()
+                return
+            if failed:
                 return
             self.care.succeeded()
             metrics.e2e.observe(time.perf_counter() - self.started)

@@ -15,9 +15,9 @@ token, which now holds the transfer and decode's admission.
 Only requests whose output is the same either way take this path (`applies`): one streamed
 choice, sampled without a seed, stop strings, penalties on output counts, logprobs, echo,
 min_tokens, tools or structured output. Anything else, or a prefill that returns no token ids
-(an older vLLM), takes the usual path. Decode's chunks are rewritten to what the client's
-endpoint streams (`Splice`): chat chunks from completions chunks, usage counting the first
-token as output, not prompt.
+(an older vLLM) or whose token has no text of its own (part of a character), takes the usual
+path. Decode's chunks are rewritten to what the client's endpoint streams (`Splice`): chat
+chunks from completions chunks, usage counting the first token as output, not prompt.
 """
 
 from __future__ import annotations
@@ -170,6 +170,10 @@ class FirstToken:
             or type(tokens[0]) is not int
             or not isinstance(text, str)
             or "\ufffd" in text  # part of a character: decode's text would repeat it
+            # vLLM holds back a token that ends inside a character (text ""); decode's
+            # detokenizer, primed with a prompt that ends there, would emit its prompt's text
+            # again. A token that ends the request ("stop") is not continued.
+            or (not text and choice.get("finish_reason") != "stop")
         ):
             return None
         return cls(
@@ -183,9 +187,14 @@ class FirstToken:
             stop_reason=choice.get("stop_reason"),
         )
 
-    def ends_request(self, req: ClientRequest) -> bool:
-        """Whether the request ends with this token (a stop token, or one token asked for)."""
-        return self.finish_reason not in (None, "length") or _requested_max(req) == 1
+    def ends_request(self, req: ClientRequest, max_model_len: int = 0) -> bool:
+        """Whether the request ends with this token: a stop token, one token asked for, or a
+        prompt one token short of `max_model_len` (tokens; 0 = unknown). There vLLM clamps
+        `max_tokens` to the one token left, and would refuse decode's prompt, which is the
+        model's whole length."""
+        if self.finish_reason not in (None, "length") or _requested_max(req) == 1:
+            return True
+        return 0 < max_model_len <= len(self.prompt_token_ids) + 1
 
 
 def decode_body(req: ClientRequest, first: FirstToken, kv_transfer_params: bytes) -> bytes:

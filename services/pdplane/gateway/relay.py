@@ -90,7 +90,7 @@ class Relay:
             care = self.caretaker.begin(request_id)
             decision = await self._schedule(req, care, excluded, last, max_model_len)
             try:
-                return await Attempt(self._legs, care, req, decision, started).run()
+                return await Attempt(self._legs, care, req, decision, started, max_model_len).run()
             except RetryElsewhere as retry:
                 log.warning("request %s: %s; retrying on another pair", request_id, retry)
                 self.metrics.retries.labels(retry.side).inc()

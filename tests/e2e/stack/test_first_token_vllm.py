@@ -129,3 +129,73 @@ def test_a_seeded_request_takes_the_usual_path(
     # the seed's tokens, as one instance samples them
     _assert_same_stream(_events(gateway_url, path, body), expected)
     assert _generated(vllm_pair) == (prefill0 + 1, decode0 + MAX_TOKENS)
+
+
+def _text_and_usage(events: list[Any]) -> tuple[str, Any, Any]:
+    """The text, the last usage and the finish reason of a stream."""
+    usage = reason = None
+    for e in events:
+        if isinstance(e, dict):
+            usage = e.get("usage") or usage
+            for c in e["choices"]:
+                reason = c.get("finish_reason") or reason
+    return _text(events), usage, reason
+
+
+_CHAT = "/v1/chat/completions"
+_COMPLETIONS = "/v1/completions"
+
+
+@pytest.mark.parametrize(
+    ("path", "extra"),
+    [
+        (_COMPLETIONS, {"max_tokens": None, "stream_options": None}),  # vLLM's default of 16
+        (_COMPLETIONS, {"skip_special_tokens": False, "spaces_between_special_tokens": False}),
+        (_COMPLETIONS, {"ignore_eos": False, "max_tokens": 40}),
+        (_CHAT, {"stream_options": {"include_usage": True, "continuous_usage_stats": True}}),
+        (_CHAT, {"skip_special_tokens": False, "add_generation_prompt": False}),
+        (_CHAT, {"max_tokens": 9, "max_completion_tokens": 5}),
+        (_CHAT, {"stream_options": {"include_usage": False}, "ignore_eos": False}),
+    ],
+    ids=[
+        "completions-default-max-tokens",
+        "completions-special-tokens",
+        "completions-eos",
+        "chat-continuous-usage",
+        "chat-special-tokens-no-generation-prompt",
+        "chat-max-completion-tokens-wins",
+        "chat-no-usage-eos",
+    ],
+)
+def test_odd_requests_give_one_instances_text_and_usage(
+    gateway_url: str, vllm_reference: VllmCpuInstance, path: str, extra: dict[str, Any]
+) -> None:
+    body = _body(path, "odd" + str(len(extra)) + path[-5:])
+    for key, value in extra.items():
+        if value is None:
+            body.pop(key)
+        else:
+            body[key] = value
+    if path == _CHAT:
+        body["messages"][0]["content"] += " été 😀"  # non-ASCII, a character of 4 bytes
+    else:
+        body["prompt"] += " été 😀"
+    expected = _events(vllm_reference.url, path, body)
+    got = _events(gateway_url, path, body)
+    assert _text_and_usage(got) == _text_and_usage(expected)
+    assert got[-1] == expected[-1] == "[DONE]"
+
+
+def test_a_prompt_one_token_short_of_the_model_length_gets_one_token(
+    gateway_url: str, vllm_pair: VllmPair, vllm_reference: VllmCpuInstance
+) -> None:
+    # vLLM clamps max_tokens to the one token left; decode would refuse prefill's prompt plus
+    # the first token (the model's whole length, 1024 here).
+    prompt = [5 + (i * 7919) % 2000 for i in range(1023)]
+    body = {**_body(_COMPLETIONS, "long", max_tokens=5), "prompt": prompt}
+    expected = _events(vllm_reference.url, _COMPLETIONS, body)
+    prefill0, decode0 = _generated(vllm_pair)
+    got = _events(gateway_url, _COMPLETIONS, body)
+    assert _text_and_usage(got) == _text_and_usage(expected)
+    assert _text_and_usage(got)[1]["completion_tokens"] == 1
+    assert _generated(vllm_pair) == (prefill0 + 1, decode0)

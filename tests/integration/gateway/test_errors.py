@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 
 import httpx
 import pytest
@@ -99,3 +100,37 @@ def test_unreachable_prefill_is_retried_on_another_pair(stack: Stack) -> None:
     metrics = httpx.get(f"{stack.url}/metrics").text
     assert 'pdplane_gateway_retries_total{side="prefill"}' in metrics
     wait_for(lambda: stack.scheduler_inflight() == 0, what="in-flight count back to 0")
+
+
+def _releases(stack: Stack) -> dict[str, float]:
+    """The scheduler's Release count by outcome."""
+    out: dict[str, float] = {}
+    for metric in stack.service.metrics.registry.collect():
+        if metric.name == "pdplane_scheduler_releases":
+            for sample in metric.samples:
+                if sample.name.endswith("_total") and sample.value:
+                    out[sample.labels["outcome"]] = sample.value
+    return out
+
+
+@pytest.mark.parametrize("first_token", ["prefill", "decode"])
+def test_decodes_error_event_before_done_is_released_failed(
+    stack_factory: Callable[..., Stack], first_token: str
+) -> None:
+    # vLLM ends a stream whose request failed (here: decode's KV load) with an error event
+    # and then [DONE]: the request failed all the same.
+    stack = stack_factory(first_token=first_token)
+    prefill = stack.sims(["prefill"], itl_ms=1, kv_hold_timeout_s=0.05)
+    decode = stack.sims(
+        ["decode"], itl_ms=1, transfer_latency_ms=400, kv_load_failure_policy="fail"
+    )
+    stack.wait_ready(prefill)
+    stack.wait_ready(decode)
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 5, "stream": True}
+    with httpx.stream("POST", f"{stack.url}/v1/completions", json=body, timeout=10) as r:
+        assert r.status_code == 200
+        events = [e for e in r.read().split(b"\n\n") if e]
+    assert b"KV load failed" in events[-2] and events[-1] == b"data: [DONE]"
+    assert decode[0].records()[0]["kv"]["result"].startswith("failed")
+    wait_for(lambda: stack.scheduler_inflight() == 0, what="in-flight count back to 0")
+    wait_for(lambda: _releases(stack) == {"failed": 1.0}, what="released failed")

@@ -91,3 +91,102 @@ def test_one_token_asked_is_answered_by_prefill_and_its_kv_freed(
     assert sims[1].records() == []  # decode never asked
     wait_for(lambda: sims[0].held_transfers() == [], what="prefill's KV freed")
     wait_for(lambda: stack.scheduler_inflight() == 0, what="in-flight count back to 0")
+
+
+@pytest.mark.parametrize("max_tokens", [None, 5], ids=["no-limit", "clamped"])
+def test_a_prompt_one_token_short_of_the_model_length_ends_at_prefill(
+    stack_factory: Callable[..., Stack], max_tokens: int | None
+) -> None:
+    # One instance answers one token ("length"): vLLM clamps max_tokens to the room left.
+    # Decode's prompt would be prefill's plus the first token, the model's whole length,
+    # which vLLM refuses: the request must end with prefill's token instead.
+    stack = stack_factory()
+    sims = stack.sims(["prefill", "decode"], itl_ms=1, max_model_len=16)
+    stack.wait_ready(sims)
+    prompt = " ".join(f"w{i}" for i in range(15))
+    assert len(WordTokenizer().encode(prompt)) == 15
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    with httpx.stream("POST", f"{stack.url}/v1/completions", json=body, timeout=30) as r:
+        assert r.status_code == 200, r.read()
+        events = [e for e in r.read().split(b"\n\n") if e]
+    assert events[-1] == b"data: [DONE]"
+    chunks = [httpx.Response(200, content=e[6:]).json() for e in events[:-1]]
+    text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+    assert text == expected_text(prompt, 0, 1)
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["usage"] == {"prompt_tokens": 15, "total_tokens": 16,
+                                   "completion_tokens": 1}  # fmt: skip
+    assert sims[1].records() == []  # decode never asked
+    wait_for(lambda: sims[0].held_transfers() == [], what="prefill's KV freed")
+    wait_for(lambda: stack.scheduler_inflight() == 0, what="in-flight count back to 0")
+
+
+def _client_stream(url: str, path: str, body: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """(the joined text, the last usage) of one streamed request on `path`."""
+    text: list[str] = []
+    usage: dict[str, Any] = {}
+    with httpx.stream("POST", f"{url}{path}", json=body, timeout=30) as r:
+        assert r.status_code == 200, r.read()
+        events = [e for e in r.read().split(b"\n\n") if e]
+    assert events[-1] == b"data: [DONE]"
+    for event in events[:-1]:
+        chunk = httpx.Response(200, content=event[6:]).json()
+        assert "error" not in chunk, chunk
+        for choice in chunk["choices"]:
+            text.append(
+                choice["delta"].get("content") or "" if "delta" in choice else choice["text"]
+            )
+        usage = chunk.get("usage") or usage
+    return "".join(text), usage
+
+
+@pytest.mark.parametrize("kv_mode", ["pull", "push"])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_text_and_usage_are_those_of_the_usual_path(
+    stack_factory: Callable[..., Stack], kv_mode: str, path: str
+) -> None:
+    body: dict[str, Any] = {"model": MODEL, "max_tokens": 6, "stream": True,
+                            "stream_options": {"include_usage": True}}  # fmt: skip
+    if path == "/v1/completions":
+        body["prompt"] = PROMPT + " \u00e9t\u00e9 \U0001f600"
+    else:
+        body["messages"] = [{"role": "user", "content": PROMPT + " \U0001f600"}]
+    seen = {}
+    for mode in ("prefill", "decode"):
+        stack = stack_factory(first_token=mode)
+        sims = stack.sims(["prefill", "decode"], itl_ms=1, kv_mode=kv_mode)
+        stack.wait_ready(sims)
+        seen[mode] = _client_stream(stack.url, path, body)
+        (decode,) = sims[1].records()
+        assert decode["path"] == ("/v1/completions" if mode == "prefill" else path)
+        wait_for(lambda s=stack: s.scheduler_inflight() == 0, what="in-flight count back to 0")
+        wait_for(lambda p=sims[0]: p.held_transfers() == [], what="prefill's KV freed")
+        if kv_mode == "push":
+            (prefill,) = sims[0].records()
+            assert prefill["kv"].get("pushed")
+        stack.close()
+    assert seen["prefill"] == seen["decode"]
+    assert seen["prefill"][1]["completion_tokens"] == 6
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_max_tokens_over_the_model_length_gets_decodes_own_400(
+    stack_factory: Callable[..., Stack], path: str
+) -> None:
+    # One token less for decode must not turn a refused request into a served one, nor make
+    # the refusal name a number the client did not send.
+    stack = stack_factory()
+    sims = stack.sims(["prefill", "decode"], itl_ms=1, max_model_len=64)
+    stack.wait_ready(sims)
+    name = "max_tokens" if path == "/v1/completions" else "max_completion_tokens"
+    body: dict[str, Any] = {"model": MODEL, name: 65, "stream": True}
+    if path == "/v1/completions":
+        body["prompt"] = PROMPT
+    else:
+        body["messages"] = [{"role": "user", "content": PROMPT}]
+    r = httpx.post(f"{stack.url}{path}", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    assert f"{name}=65 cannot be greater than max_model_len=64" in r.json()["error"]["message"]
+    wait_for(lambda: sims[0].held_transfers() == [], what="prefill's KV freed")
+    wait_for(lambda: stack.scheduler_inflight() == 0, what="in-flight count back to 0")

@@ -112,6 +112,45 @@ def test_prefills_answer_gives_the_first_token_or_none_without_token_ids() -> No
     assert FirstToken.of(COMPLETIONS, partial) is None  # half a character
 
 
+def _byte_level_tokenizer() -> Any:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(vocab_size=300, initial_alphabet=alphabet, show_progress=False)
+    tok.train_from_iterator(["hello there, hello again"], trainer=trainer)
+    return tok
+
+
+def test_a_first_token_that_starts_a_character_takes_the_usual_path() -> None:
+    # vLLM's detokenizer holds back a token that ends inside a UTF-8 character: prefill's
+    # text is "". Decode's detokenizer, primed with a prompt that ends inside that
+    # character (`DecodeStream(ids=prompt)`, as vLLM 0.32 does), would emit the prompt's
+    # text again with the character: decode's text cannot continue such a first token.
+    from tokenizers.decoders import DecodeStream
+
+    tok = _byte_level_tokenizer()
+    prompt, emoji = tok.encode("hello ").ids, tok.encode("\U0001f600").ids
+    assert len(emoji) > 1
+    single = DecodeStream(ids=prompt, skip_special_tokens=True)
+    assert [single.step(tok, t) for t in emoji][-1] == "\U0001f600"
+    assert DecodeStream(ids=prompt).step(tok, emoji[0]) is None  # prefill's text: ""
+    split = DecodeStream(ids=[*prompt, emoji[0]], skip_special_tokens=True)
+    assert [split.step(tok, t) for t in emoji[1:]][-1] != "\U0001f600"
+
+    answer = {
+        "id": "cmpl-r1",
+        "choices": [{"text": "", "finish_reason": "length", "stop_reason": None,
+                     "prompt_token_ids": prompt, "token_ids": emoji[:1]}],
+    }  # fmt: skip
+    assert FirstToken.of(COMPLETIONS, answer) is None
+    # a first token that ends the request (EOS, skipped) needs no continuation
+    stop = {**answer, "choices": [{**answer["choices"][0], "finish_reason": "stop"}]}
+    assert FirstToken.of(COMPLETIONS, stop) is not None
+
+
 def test_decode_gets_prompt_ids_plus_the_token_and_one_token_less() -> None:
     req = _req(
         CHAT, max_completion_tokens=9, temperature=0.3, stream_options={"include_usage": True}
@@ -135,6 +174,14 @@ def test_the_request_ends_at_prefill_on_a_stop_token_or_one_token_asked() -> Non
     assert not _first().ends_request(_req(COMPLETIONS, max_tokens=5))
     assert _first(finish_reason="stop", stop_reason=2).ends_request(_req(COMPLETIONS))
     assert _first().ends_request(_req(COMPLETIONS, max_tokens=1))
+
+
+def test_the_request_ends_at_prefill_when_decodes_prompt_would_fill_the_model() -> None:
+    # prompt of 3 tokens: decode's would be 4, which a max_model_len of 4 refuses
+    assert _first().ends_request(_req(CHAT), max_model_len=4)
+    assert _first().ends_request(_req(COMPLETIONS, max_tokens=5), max_model_len=4)
+    assert not _first().ends_request(_req(CHAT), max_model_len=5)
+    assert not _first().ends_request(_req(CHAT), max_model_len=0)  # unknown
 
 
 def test_completions_chunks_pass_with_the_responses_id_and_usage_counts_the_first_token() -> None:
