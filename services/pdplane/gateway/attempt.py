@@ -99,11 +99,14 @@ class Attempt:
         self.decode_answered_ns = 0  # time.time_ns() at decode's response headers
         self.headers = {**legs.headers, "x-request-id": self.request_id}
         # The first token from prefill (`pdplane.gateway.first_token`): sequential dispatch
-        # only, as decode's prompt then holds it.
+        # only, as decode's prompt then holds it. More tokens asked than the model holds take
+        # the usual path: decode, asked one less, would serve max_model_len + 1 and name the
+        # wrong number when it refuses.
         self.first_token = (
             legs.config.first_token == "prefill"
             and self.prefill is not None
             and self.dispatch == "sequential"
+            and not (max_model_len and req.max_tokens > max_model_len)
             and applies(req)
         )
 

@@ -168,3 +168,25 @@ def test_text_and_usage_are_those_of_the_usual_path(
         stack.close()
     assert seen["prefill"] == seen["decode"]
     assert seen["prefill"][1]["completion_tokens"] == 6
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_max_tokens_over_the_model_length_gets_decodes_own_400(
+    stack_factory: Callable[..., Stack], path: str
+) -> None:
+    # One token less for decode must not turn a refused request into a served one, nor make
+    # the refusal name a number the client did not send.
+    stack = stack_factory()
+    sims = stack.sims(["prefill", "decode"], itl_ms=1, max_model_len=64)
+    stack.wait_ready(sims)
+    name = "max_tokens" if path == "/v1/completions" else "max_completion_tokens"
+    body: dict[str, Any] = {"model": MODEL, name: 65, "stream": True}
+    if path == "/v1/completions":
+        body["prompt"] = PROMPT
+    else:
+        body["messages"] = [{"role": "user", "content": PROMPT}]
+    r = httpx.post(f"{stack.url}{path}", json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    assert f"{name}=65 cannot be greater than max_model_len=64" in r.json()["error"]["message"]
+    wait_for(lambda: sims[0].held_transfers() == [], what="prefill's KV freed")
+    wait_for(lambda: stack.scheduler_inflight() == 0, what="in-flight count back to 0")

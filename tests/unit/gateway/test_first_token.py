@@ -58,6 +58,9 @@ def test_plain_streamed_requests_apply(endpoint: Endpoint) -> None:
     [
         {"stream": False},
         {"seed": 3},
+        {"seed": 0},  # a seed like any other
+        {"logprobs": 0},  # completions: the sampled tokens' logprobs
+        {"echo": 1},
         {"stop": ["\n"]},
         {"presence_penalty": 0.5},
         {"frequency_penalty": 0.1},
@@ -72,6 +75,11 @@ def test_requests_that_would_sample_differently_when_split_do_not_apply(
     extra: dict[str, Any],
 ) -> None:
     assert not applies(_req(COMPLETIONS, **extra))
+
+
+def test_neutral_values_of_the_checked_fields_apply() -> None:
+    neutral = {"stop": [], "presence_penalty": 0.0, "frequency_penalty": 0, "min_tokens": 0}
+    assert applies(_req(COMPLETIONS, seed=None, logprobs=None, echo=False, **neutral))
 
 
 def test_chat_with_tools_or_logprobs_does_not_apply() -> None:
@@ -102,6 +110,45 @@ def test_prefills_answer_gives_the_first_token_or_none_without_token_ids() -> No
     assert FirstToken.of(COMPLETIONS, older) is None  # an older vLLM: the usual path
     partial = {**answer, "choices": [{**answer["choices"][0], "text": "\ufffd"}]}
     assert FirstToken.of(COMPLETIONS, partial) is None  # half a character
+
+
+def _byte_level_tokenizer() -> Any:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(vocab_size=300, initial_alphabet=alphabet, show_progress=False)
+    tok.train_from_iterator(["hello there, hello again"], trainer=trainer)
+    return tok
+
+
+def test_a_first_token_that_starts_a_character_takes_the_usual_path() -> None:
+    # vLLM's detokenizer holds back a token that ends inside a UTF-8 character: prefill's
+    # text is "". Decode's detokenizer, primed with a prompt that ends inside that
+    # character (`DecodeStream(ids=prompt)`, as vLLM 0.32 does), would emit the prompt's
+    # text again with the character: decode's text cannot continue such a first token.
+    from tokenizers.decoders import DecodeStream
+
+    tok = _byte_level_tokenizer()
+    prompt, emoji = tok.encode("hello ").ids, tok.encode("\U0001f600").ids
+    assert len(emoji) > 1
+    single = DecodeStream(ids=prompt, skip_special_tokens=True)
+    assert [single.step(tok, t) for t in emoji][-1] == "\U0001f600"
+    assert DecodeStream(ids=prompt).step(tok, emoji[0]) is None  # prefill's text: ""
+    split = DecodeStream(ids=[*prompt, emoji[0]], skip_special_tokens=True)
+    assert [split.step(tok, t) for t in emoji[1:]][-1] != "\U0001f600"
+
+    answer = {
+        "id": "cmpl-r1",
+        "choices": [{"text": "", "finish_reason": "length", "stop_reason": None,
+                     "prompt_token_ids": prompt, "token_ids": emoji[:1]}],
+    }  # fmt: skip
+    assert FirstToken.of(COMPLETIONS, answer) is None
+    # a first token that ends the request (EOS, skipped) needs no continuation
+    stop = {**answer, "choices": [{**answer["choices"][0], "finish_reason": "stop"}]}
+    assert FirstToken.of(COMPLETIONS, stop) is not None
 
 
 def test_decode_gets_prompt_ids_plus_the_token_and_one_token_less() -> None:
