@@ -43,6 +43,36 @@ def test_child_dies_with_a_sigkilled_supervisor(tmp_path: Path) -> None:
             parent.kill()
 
 
+def test_die_with_parent_runs_no_python_between_fork_and_exec(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A `preexec_fn` makes subprocess fork without exec'ing at once, and runs Python in the
+    # child, which can crash or deadlock when the parent has threads (gRPC's): a vLLM child
+    # died with "Segmentation fault" in threading._after_fork. The death signal must be set
+    # without it, and still be set in the child.
+    seen: list[dict[str, object]] = []
+    real = subprocess.Popen
+
+    def recording(*args: object, **kwargs: object) -> object:
+        seen.append(kwargs)
+        return real(*args, **kwargs)  # type: ignore[call-overload]
+
+    monkeypatch.setattr(subprocess, "Popen", recording)
+    out = tmp_path / "pdeathsig"
+    probe = (
+        "import ctypes, sys; v = ctypes.c_int(); "
+        "ctypes.CDLL(None).prctl(2, ctypes.byref(v)); open(sys.argv[1], 'w').write(str(v.value))"
+    )
+    proc = ManagedProcess(
+        "probe", [sys.executable, "-c", probe, str(out)], tmp_path / "p.log", die_with_parent=True
+    )
+    proc.start()
+    wait_until(lambda: out.exists() and out.read_text() != "", 30.0, what="probe")
+    assert out.read_text() == str(int(signal.SIGTERM))  # PR_GET_PDEATHSIG in the child
+    assert [k.get("preexec_fn") for k in seen] == [None]
+    proc.stop(grace_s=5)
+
+
 def test_stop_ends_the_whole_process_group(tmp_path: Path) -> None:
     script = (
         "import subprocess, sys, time; "

@@ -31,51 +31,6 @@ from pdplane.gateway.validation import CHAT, COMPLETIONS, ClientRequest, Endpoin
 
 __all__ = ["FirstToken", "Splice", "applies", "decode_body"]
 
-#: Fields with which decode, continuing from the first token, samples exactly as one instance
-#: would; a request with any other field takes the usual path. Values are checked in `applies`.
-_COMMON = frozenset(
-    {
-        "model",
-        "max_tokens",
-        "stream",
-        "stream_options",
-        "temperature",
-        "top_p",
-        "top_k",
-        "min_p",
-        "repetition_penalty",
-        "ignore_eos",
-        "stop_token_ids",
-        "skip_special_tokens",
-        "spaces_between_special_tokens",
-        "include_stop_str_in_output",
-        "logit_bias",
-        "allowed_token_ids",
-        "user",
-        "priority",
-        "n",
-        "stop",
-        "presence_penalty",
-        "frequency_penalty",
-        "logprobs",
-        "echo",
-        "min_tokens",
-        "seed",
-        "add_special_tokens",
-    }
-)
-_FIELDS: dict[Endpoint, frozenset[str]] = {
-    COMPLETIONS: _COMMON | {"prompt"},
-    CHAT: _COMMON
-    | {
-        "messages",
-        "max_completion_tokens",
-        "chat_template",
-        "chat_template_kwargs",
-        "add_generation_prompt",
-        "continue_final_message",
-    },
-}
 #: Fields that decode receives as the client sent them (sampling of tokens 2..n).
 _TO_DECODE = (
     "temperature",
@@ -94,12 +49,44 @@ _TO_DECODE = (
     "priority",
     "stream_options",
 )
+#: Fields that must be absent, null or hold the neutral value given: with other values tokens
+#: 2..n depend on token 1 other than through the prompt (a seed's generator, a stop string
+#: across the two, penalties counting output tokens, min_tokens), or the client wants per-token
+#: output (`logprobs: 0` on completions still returns the sampled tokens' logprobs).
+_UNSET: dict[str, tuple[object, ...]] = {
+    "stop": ("", []),
+    "seed": (),
+    "presence_penalty": (0, 0.0),
+    "frequency_penalty": (0, 0.0),
+    "logprobs": (False,),
+    "echo": (False,),
+    "min_tokens": (0,),
+}
+#: Fields with which decode, continuing from the first token, samples exactly as one instance
+#: would: those it receives, those prefill alone uses (the prompt's), and those whose values
+#: `applies` checks. A request with any other field takes the usual path.
+_COMMON = frozenset(_TO_DECODE) | {
+    "model",
+    "max_tokens",
+    "stream",
+    "add_special_tokens",
+    "n",
+    *_UNSET,
+}
+_FIELDS: dict[Endpoint, frozenset[str]] = {
+    COMPLETIONS: _COMMON | {"prompt"},
+    CHAT: _COMMON
+    | {
+        "messages",
+        "max_completion_tokens",
+        "chat_template",
+        "chat_template_kwargs",
+        "add_generation_prompt",
+        "continue_final_message",
+    },
+}
 #: vLLM's `max_tokens` default for /v1/completions (chat has none: up to the model's length).
 _COMPLETIONS_MAX_TOKENS = 16
-
-
-def _falsy(value: object) -> bool:
-    return value is None or value is False or value == 0 or value == [] or value == ""
 
 
 def applies(req: ClientRequest) -> bool:
@@ -112,16 +99,10 @@ def applies(req: ClientRequest) -> bool:
         return False
     if body.get("n") not in (None, 1):
         return False
-    for name in (
-        "stop",
-        "seed",
-        "presence_penalty",
-        "frequency_penalty",
-        "logprobs",
-        "echo",
-        "min_tokens",
-    ):
-        if not _falsy(body.get(name)):
+    for name, neutral in _UNSET.items():
+        value = body.get(name)
+        # `type(...)` too: True == 1 and 0 == False in Python, and `seed: 0` is a seed
+        if value is not None and not any(value == n and type(value) is type(n) for n in neutral):
             return False
     if req.endpoint == COMPLETIONS:
         prompt = body.get("prompt")

@@ -45,10 +45,9 @@ def run_in_foreground(argv: Sequence[str], env: Mapping[str, str] | None = None)
     before it returns). Raises OSError when `argv` cannot be started.
     """
     proc = subprocess.Popen(
-        list(argv),
+        die_with_parent(argv),
         env=dict(env) if env is not None else None,
         start_new_session=True,
-        preexec_fn=die_with_parent if sys.platform == "linux" else None,
     )
     signals_seen = 0
 

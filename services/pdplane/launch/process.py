@@ -9,7 +9,6 @@ the wait at once with the tail of its log.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import signal
 import subprocess
@@ -46,14 +45,28 @@ class Cancelled(RuntimeError):
     """A wait was cancelled (e.g. Ctrl-C during start-up)."""
 
 
-_PR_SET_PDEATHSIG = 1
+#: Sets the parent-death signal (prctl PR_SET_PDEATHSIG = 1), then execs the command. A
+#: parent already gone before the prctl (its pid is argv[1]) would never send it: exit then.
+_DEATHSIG_EXEC = (
+    "import ctypes, os, signal, sys\n"
+    "ctypes.CDLL(None).prctl(1, signal.SIGTERM)\n"
+    "if os.getppid() != int(sys.argv[1]):\n"
+    "    sys.exit(1)\n"
+    "os.execvp(sys.argv[2], sys.argv[2:])\n"
+)
 
 
-def die_with_parent() -> None:
-    """A `preexec_fn`: asks Linux to SIGTERM the child when the thread that started it dies, so
-    that even a SIGKILLed supervisor leaves nothing behind. Runs between fork and exec."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+def die_with_parent(argv: Sequence[str]) -> list[str]:
+    """`argv` started so that Linux SIGTERMs it when the thread that started it dies: even a
+    SIGKILLed supervisor leaves nothing behind. Elsewhere than on Linux, `argv` unchanged.
+
+    The death signal is set by a short Python (`-S -I`: the standard library only) that then
+    execs `argv` (same pid), not by a `preexec_fn`: that one makes subprocess fork and run
+    Python in the child before exec, which can crash or deadlock when the parent has threads
+    (gRPC's; Python's subprocess documentation says so)."""
+    if sys.platform != "linux":
+        return list(argv)
+    return [sys.executable, "-S", "-I", "-c", _DEATHSIG_EXEC, str(os.getpid()), *argv]
 
 
 def _group_alive(pgid: int) -> bool:
@@ -127,18 +140,16 @@ class ManagedProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.server_id = server_ids.new_server_id()
         env = {**(os.environ if self.env is None else self.env), server_ids.ENV: self.server_id}
+        argv = die_with_parent(self.argv) if self.die_with_parent else self.argv
         with self.log_path.open("ab") as log:
             self._proc = subprocess.Popen(
-                self.argv,
+                argv,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 env=env,
                 cwd=self.cwd,
                 start_new_session=True,
-                preexec_fn=die_with_parent
-                if self.die_with_parent and sys.platform == "linux"
-                else None,
             )
 
     def alive(self) -> bool:

@@ -58,6 +58,9 @@ def test_plain_streamed_requests_apply(endpoint: Endpoint) -> None:
     [
         {"stream": False},
         {"seed": 3},
+        {"seed": 0},  # a seed like any other
+        {"logprobs": 0},  # completions: the sampled tokens' logprobs
+        {"echo": 1},
         {"stop": ["\n"]},
         {"presence_penalty": 0.5},
         {"frequency_penalty": 0.1},
@@ -72,6 +75,11 @@ def test_requests_that_would_sample_differently_when_split_do_not_apply(
     extra: dict[str, Any],
 ) -> None:
     assert not applies(_req(COMPLETIONS, **extra))
+
+
+def test_neutral_values_of_the_checked_fields_apply() -> None:
+    neutral = {"stop": [], "presence_penalty": 0.0, "frequency_penalty": 0, "min_tokens": 0}
+    assert applies(_req(COMPLETIONS, seed=None, logprobs=None, echo=False, **neutral))
 
 
 def test_chat_with_tools_or_logprobs_does_not_apply() -> None:
