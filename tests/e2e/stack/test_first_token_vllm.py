@@ -6,6 +6,7 @@ that would sample differently when split take the usual path."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -75,6 +76,24 @@ def _generated(pair: VllmPair) -> tuple[float, float]:
     return metric(pair.prefill_url, name), metric(pair.decode_url, name)
 
 
+@pytest.fixture(scope="module")
+def whole_tokens(tiny_model: Path) -> list[int]:
+    """Ids of the tiny tokenizer's tokens that are text of their own. The tiny model samples
+    ids its tokenizer lacks (its vocabulary is padded) and byte tokens that are part of a
+    character: their text is "", and such a first token takes the usual path (see
+    `FirstToken.of`). Tests of the prefill path sample only these (`allowed_token_ids`)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_model))
+    special = set(tok.all_special_ids)
+    out = []
+    for i in range(len(tok)):
+        text = tok.decode([i])
+        if i not in special and text and "\ufffd" not in text:
+            out.append(i)
+    return out
+
+
 def _body(path: str, tag: str, **extra: Any) -> dict[str, Any]:
     body: dict[str, Any] = {
         "model": MODEL_NAME,
@@ -94,9 +113,13 @@ def _body(path: str, tag: str, **extra: Any) -> dict[str, Any]:
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_streamed_events_match_one_instance_and_the_first_token_is_prefills(
-    gateway_url: str, vllm_pair: VllmPair, vllm_reference: VllmCpuInstance, path: str
+    gateway_url: str,
+    vllm_pair: VllmPair,
+    vllm_reference: VllmCpuInstance,
+    whole_tokens: list[int],
+    path: str,
 ) -> None:
-    body = _body(path, "first" + path[-5:])
+    body = _body(path, "first" + path[-5:], allowed_token_ids=whole_tokens)
     expected = _events(vllm_reference.url, path, body)
     prefill0, decode0 = _generated(vllm_pair)
     loaded0 = metric(vllm_pair.decode_url, "vllm:prompt_tokens_by_source_total", **EXTERNAL)
@@ -110,9 +133,13 @@ def test_streamed_events_match_one_instance_and_the_first_token_is_prefills(
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_one_token_is_answered_by_prefill_alone(
-    gateway_url: str, vllm_pair: VllmPair, vllm_reference: VllmCpuInstance, path: str
+    gateway_url: str,
+    vllm_pair: VllmPair,
+    vllm_reference: VllmCpuInstance,
+    whole_tokens: list[int],
+    path: str,
 ) -> None:
-    body = _body(path, "one" + path[-5:], max_tokens=1)
+    body = _body(path, "one" + path[-5:], max_tokens=1, allowed_token_ids=whole_tokens)
     expected = _events(vllm_reference.url, path, body)
     prefill0, decode0 = _generated(vllm_pair)
     _assert_same_stream(_events(gateway_url, path, body), expected)
@@ -187,12 +214,18 @@ def test_odd_requests_give_one_instances_text_and_usage(
 
 
 def test_a_prompt_one_token_short_of_the_model_length_gets_one_token(
-    gateway_url: str, vllm_pair: VllmPair, vllm_reference: VllmCpuInstance
+    gateway_url: str,
+    vllm_pair: VllmPair,
+    vllm_reference: VllmCpuInstance,
+    whole_tokens: list[int],
 ) -> None:
     # vLLM clamps max_tokens to the one token left; decode would refuse prefill's prompt plus
     # the first token (the model's whole length, 1024 here).
     prompt = [5 + (i * 7919) % 2000 for i in range(1023)]
-    body = {**_body(_COMPLETIONS, "long", max_tokens=5), "prompt": prompt}
+    body = {
+        **_body(_COMPLETIONS, "long", max_tokens=5, allowed_token_ids=whole_tokens),
+        "prompt": prompt,
+    }
     expected = _events(vllm_reference.url, _COMPLETIONS, body)
     prefill0, decode0 = _generated(vllm_pair)
     got = _events(gateway_url, _COMPLETIONS, body)
