@@ -101,7 +101,7 @@ def create_app(
         max_queued_requests=settings.max_queued_requests,
         first_token=settings.first_token,
     )
-    relay = Relay(scheduler, upstream, aborter, metrics, config)
+    relay = Relay(scheduler, upstream, aborter, metrics, config, tokenizers)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:

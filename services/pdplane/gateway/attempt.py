@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
@@ -29,6 +29,7 @@ from pdplane.gateway.errors import GatewayError, UpstreamReply, bad_gateway, gat
 from pdplane.gateway.first_token import FirstToken, Splice, applies
 from pdplane.gateway.first_token import decode_body as first_token_decode_body
 from pdplane.gateway.metrics import GatewayMetrics
+from pdplane.gateway.prompt_ids import TokenizerSet
 from pdplane.gateway.replies import SSE_DONE, JsonReply, RetryElsewhere, StreamReply
 from pdplane.gateway.upstream import (
     UpstreamClient,
@@ -60,14 +61,23 @@ class Legs:
     metrics: GatewayMetrics
     config: RelayConfig
     headers: dict[str, str]
+    tokenizers: TokenizerSet | None = None
 
     @classmethod
-    def of(cls, upstream: UpstreamClient, metrics: GatewayMetrics, config: RelayConfig) -> Legs:
-        """Legs for `config` (an `upstream_api_key` is sent as a bearer token on every leg)."""
+    def of(
+        cls,
+        upstream: UpstreamClient,
+        metrics: GatewayMetrics,
+        config: RelayConfig,
+        tokenizers: TokenizerSet | None = None,
+    ) -> Legs:
+        """Legs for `config` (an `upstream_api_key` is sent as a bearer token on every leg);
+        `tokenizers`: the served models' (the first token from prefill asks them whether a
+        token without text ends inside a character)."""
         headers = {"content-type": "application/json"}
         if config.upstream_api_key:
             headers["authorization"] = f"Bearer {config.upstream_api_key}"
-        return cls(upstream, metrics, config, headers)
+        return cls(upstream, metrics, config, headers, tokenizers)
 
 
 class Attempt:
@@ -84,6 +94,7 @@ class Attempt:
         max_model_len: int = 0,
     ) -> None:
         self.upstream = legs.upstream
+        self.legs_tokenizers = legs.tokenizers
         self.metrics = legs.metrics
         self.dispatch = legs.config.dispatch
         self.timeout_s = legs.config.upstream_timeout_s
@@ -125,6 +136,8 @@ class Attempt:
             else:
                 answer, kv = await self._prefill_leg()
                 first = FirstToken.of(self.req.endpoint, answer) if self.first_token else None
+                if first is not None and not first.continuable(self._decode_text()):
+                    first = None
                 if first is not None:
                     splice = Splice(self.req, first)
                     if first.ends_request(self.req, self.max_model_len):
@@ -185,6 +198,12 @@ class Attempt:
                 raise UpstreamReply(resp.status, data, resp.headers.get("content-type", ""))
             raise _status_error("prefill", p.instance_id, resp.status, data)
         return self._kv_params_of(data)
+
+    def _decode_text(self) -> Callable[[list[int]], str] | None:
+        """The model's ids -> text, when the gateway has its tokenizer."""
+        tokenizers = self.legs_tokenizers
+        tokenizer = tokenizers.get(self.req.model) if tokenizers is not None else None
+        return tokenizer.decode if tokenizer is not None else None
 
     @contextmanager
     def _leg_errors(self, side: str, ref: InstanceRef) -> Iterator[None]:

@@ -15,8 +15,8 @@ token, which now holds the transfer and decode's admission.
 Only requests whose output is the same either way take this path (`applies`): one streamed
 choice, sampled without a seed, stop strings, penalties on output counts, logprobs, echo,
 min_tokens, tools or structured output. Anything else, or a prefill that returns no token ids
-(an older vLLM) or whose token has no text of its own (part of a character), takes the usual
-path. Decode's chunks are rewritten to what the client's endpoint streams (`Splice`): chat
+(an older vLLM) or whose token ends inside a character (`FirstToken.continuable`), takes the
+usual path. Decode's chunks are rewritten to what the client's endpoint streams (`Splice`): chat
 chunks from completions chunks, usage counting the first token as output, not prompt.
 """
 
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -171,10 +172,6 @@ class FirstToken:
             or type(tokens[0]) is not int
             or not isinstance(text, str)
             or "\ufffd" in text  # part of a character: decode's text would repeat it
-            # vLLM holds back a token that ends inside a character (text ""); decode's
-            # detokenizer, primed with a prompt that ends there, would emit its prompt's text
-            # again. A token that ends the request ("stop") is not continued.
-            or (not text and choice.get("finish_reason") != "stop")
         ):
             return None
         return cls(
@@ -187,6 +184,21 @@ class FirstToken:
             finish_reason=choice.get("finish_reason"),
             stop_reason=choice.get("stop_reason"),
         )
+
+    def continuable(self, decode: Callable[[list[int]], str] | None) -> bool:
+        """Whether decode's text can continue after this token. vLLM holds back a token that
+        ends inside a UTF-8 character (its text is ""), and decode's detokenizer, primed with a
+        prompt that ends there, would emit its prompt's text again. A token with text of its
+        own, or one that ends the request ("stop"), is fine. A token without text may also be
+        one that decodes to nothing (a special token, an id past the tokenizer's vocabulary):
+        `decode` (the model's tokenizer: ids -> text, special tokens kept) tells them apart;
+        without it every such token takes the usual path."""
+        if self.text or self.finish_reason == "stop":
+            return True
+        if decode is None:
+            return False
+        # The prompt's tail gives the token the bytes it may continue.
+        return not decode([*self.prompt_token_ids[-8:], self.token_id]).endswith("\ufffd")
 
     def ends_request(self, req: ClientRequest, max_model_len: int = 0) -> bool:
         """Whether the request ends with this token: a stop token, one token asked for, or a

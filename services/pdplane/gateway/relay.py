@@ -32,6 +32,7 @@ from pdplane.gateway.config import RelayConfig
 from pdplane.gateway.errors import bad_request, unavailable
 from pdplane.gateway.kv_abort import KvAborter
 from pdplane.gateway.metrics import GatewayMetrics
+from pdplane.gateway.prompt_ids import TokenizerSet
 from pdplane.gateway.replies import JsonReply, RetryElsewhere, StreamReply
 from pdplane.gateway.upstream import UpstreamClient
 from pdplane.gateway.validation import ClientRequest
@@ -58,6 +59,7 @@ class Relay:
         aborter: AbortTransfer client for KV held by prefill instances.
         metrics: where latencies, retries and cancellations are recorded.
         config: dispatch mode, timeouts, retries.
+        tokenizers: the served models' tokenizers, if the gateway has them.
     """
 
     def __init__(
@@ -67,13 +69,14 @@ class Relay:
         aborter: KvAborter,
         metrics: GatewayMetrics,
         config: RelayConfig,
+        tokenizers: TokenizerSet | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.metrics = metrics
         self.config = config
         self.admission = AdmissionQueue(config.queue_timeout_s, config.max_queued_requests, metrics)
         self.caretaker = Caretaker(scheduler, aborter, metrics, self.admission.wake)
-        self._legs = Legs.of(upstream, metrics, config)
+        self._legs = Legs.of(upstream, metrics, config, tokenizers)
 
     async def handle(
         self, req: ClientRequest, request_id: str, started: float, max_model_len: int

@@ -232,3 +232,57 @@ def test_a_prompt_one_token_short_of_the_model_length_gets_one_token(
     assert _text_and_usage(got) == _text_and_usage(expected)
     assert _text_and_usage(got)[1]["completion_tokens"] == 1
     assert _generated(vllm_pair) == (prefill0 + 1, decode0)
+
+
+@pytest.fixture(scope="module")
+def tokenizer_gateway_url(registry_address: str, vllm_pair: VllmPair, tiny_model: Path) -> Any:
+    """A gateway with the model's tokenizer (as `pdplane up` starts it): it can tell a first
+    token without text that ends inside a character from one that decodes to nothing."""
+    from pdplane.gateway.testing import running_gateway
+    from pdplane.launch.process import http_ok, wait_until
+    from tests.integration.scheduler.fixtures import running_scheduler
+
+    with (
+        running_scheduler(registry_address) as scheduler,
+        running_gateway(scheduler, registry_address, tokenizer=str(tiny_model)) as url,
+    ):
+        wait_until(lambda: http_ok(f"{url}/health"), 60.0, what="gateway /health 200")
+        yield url
+
+
+def _token_sets(tiny_model: Path) -> tuple[list[int], list[int]]:
+    """(ids past the tokenizer's vocabulary: the model's is padded, they decode to nothing;
+    byte tokens that are part of a character)."""
+    import json as json_
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_model))
+    vocab = json_.loads((tiny_model / "config.json").read_text())["vocab_size"]
+    partial = [i for i in range(len(tok)) if "\ufffd" in tok.decode([i])]
+    return list(range(len(tok), vocab)), partial
+
+
+def test_with_the_tokenizer_a_first_token_without_text_is_continued_unless_inside_a_character(
+    tokenizer_gateway_url: str,
+    vllm_pair: VllmPair,
+    vllm_reference: VllmCpuInstance,
+    tiny_model: Path,
+) -> None:
+    path = "/v1/completions"
+    padded, partial = _token_sets(tiny_model)
+    assert padded and partial
+    # every token past the vocabulary: the first one has no text, and is not a character's part
+    body = _body(path, "padded", allowed_token_ids=padded)
+    expected = _events(vllm_reference.url, path, body)
+    before = _generated(vllm_pair)
+    _assert_same_stream(_events(tokenizer_gateway_url, path, body), expected)
+    after = _generated(vllm_pair)
+    assert (after[0] - before[0], after[1] - before[1]) == (1, MAX_TOKENS - 1)  # prefill's token
+    # a byte token first: inside a character, so decode computes it again (the usual path)
+    body = _body(path, "partial", allowed_token_ids=partial, max_tokens=MAX_TOKENS)
+    expected = _events(vllm_reference.url, path, body)
+    before = _generated(vllm_pair)
+    _assert_same_stream(_events(tokenizer_gateway_url, path, body), expected)
+    after = _generated(vllm_pair)
+    assert (after[0] - before[0], after[1] - before[1]) == (1, MAX_TOKENS)

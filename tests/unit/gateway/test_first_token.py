@@ -145,10 +145,36 @@ def test_a_first_token_that_starts_a_character_takes_the_usual_path() -> None:
         "choices": [{"text": "", "finish_reason": "length", "stop_reason": None,
                      "prompt_token_ids": prompt, "token_ids": emoji[:1]}],
     }  # fmt: skip
-    assert FirstToken.of(COMPLETIONS, answer) is None
+    first = FirstToken.of(COMPLETIONS, answer)
+    assert first is not None
+
+    def decode(ids: list[int]) -> str:
+        text: str = tok.decode(ids, skip_special_tokens=False)
+        return text
+
+    assert not first.continuable(decode)  # the model's tokenizer: inside a character
+    assert not first.continuable(None)  # no tokenizer: no text is taken as that
     # a first token that ends the request (EOS, skipped) needs no continuation
-    stop = {**answer, "choices": [{**answer["choices"][0], "finish_reason": "stop"}]}
-    assert FirstToken.of(COMPLETIONS, stop) is not None
+    ending = {**answer, "choices": [{**answer["choices"][0], "finish_reason": "stop"}]}
+    stop = FirstToken.of(COMPLETIONS, ending)
+    assert stop is not None and stop.continuable(None)
+
+
+def test_a_first_token_that_decodes_to_nothing_is_continued_when_the_tokenizer_says_so() -> None:
+    # An id past the tokenizer's vocabulary (a model padded to a round vocabulary size), or
+    # a skipped special token: text "", but not part of a character.
+    tok = _byte_level_tokenizer()
+    prompt = tok.encode("hello ").ids
+    padded = tok.get_vocab_size() + 5
+    first = _first(prompt_token_ids=prompt, token_id=padded, text="")
+
+    def decode(ids: list[int]) -> str:
+        text: str = tok.decode(ids, skip_special_tokens=False)
+        return text
+
+    assert first.continuable(decode)
+    assert not first.continuable(None)
+    assert _first().continuable(None)  # a token with text of its own
 
 
 def test_decode_gets_prompt_ids_plus_the_token_and_one_token_less() -> None:
