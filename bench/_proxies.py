@@ -1,4 +1,5 @@
-"""The proxies under test, each started over the same sims: pdplane, vllm-router, xpyd-proxy.
+"""The proxies under test, each started over the same sims: pdplane, vllm-router, xpyd-proxy,
+and the floor of pdplane's libraries (`python-floor`, `bench/_floor_proxy.py`).
 
 Peers live in their own virtual environments outside the repository (`.cache/peers/`, git
 ignored); `missing()` says how to install one that is absent.
@@ -291,13 +292,27 @@ def _xpyd(fleet: Fleet, cpus: str, logs: Path) -> ProxyRun:
     return ProxyRun("xpyd-proxy", f"http://127.0.0.1:{port}", [proc])
 
 
+#: The floor relays (`bench/_floor_proxy.py`) by name: the app under uvicorn.
+_FLOOR_APPS = {"python-floor": "asgi", "python-floor-fastapi": "fastapi"}
+
+
+def _floor(fleet: Fleet, cpus: str, logs: Path, name: str) -> ProxyRun:
+    # A fixed 1P1D pair: the first prefill and the first decode of the fleet.
+    port = free_port()
+    argv = [sys.executable, "-m", "bench._floor_proxy", "--app", _FLOOR_APPS[name]]
+    argv += ["--prefill", fleet.prefill[0], "--decode", fleet.decode[0], "--port", str(port)]
+    proc = spawn(name, argv, cpus, logs)
+    return ProxyRun(name, f"http://127.0.0.1:{port}", [proc])
+
+
 def start_proxy(name: str, fleet: Fleet, cpus: str, logs: Path) -> ProxyRun:
     """Starts proxy `name` over `fleet` pinned to `cpus` and waits until it relays a request.
 
     Names: "pdplane" (sequential dispatch, gRPC scheduler), "pdplane-concurrent",
     "pdplane-embedded" (`--scheduler embedded`), "vllm-router", "xpyd-proxy",
-    "direct" (no proxy: the first decode sim); a pdplane name may end in "+variant"s
-    (`VARIANTS`). Raises RuntimeError when it does not come up.
+    "direct" (no proxy: the first decode sim), "python-floor" / "python-floor-fastapi" (a bare
+    uvicorn + aiohttp relay on the first prefill and decode sims); a pdplane name may end in
+    "+variant"s (`VARIANTS`). Raises RuntimeError when it does not come up.
     """
     if name == "direct":
         return ProxyRun("direct", fleet.decode[0])
@@ -315,6 +330,8 @@ def start_proxy(name: str, fleet: Fleet, cpus: str, logs: Path) -> ProxyRun:
         run = _vllm_router(fleet, cpus, logs)
     elif name == "xpyd-proxy":
         run = _xpyd(fleet, cpus, logs)
+    elif name in _FLOOR_APPS:
+        run = _floor(fleet, cpus, logs, name)
     else:
         raise ValueError(f"unknown proxy {name!r}")
     try:

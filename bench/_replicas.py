@@ -109,15 +109,21 @@ async def _hold_stream(
     client: httpx.AsyncClient, url: str, started: asyncio.Event | None, release: asyncio.Event
 ) -> None:
     """Streams one long completion from `url`, reading every chunk, until `release` is set;
-    sets `started` at the first token. Raises httpx errors (refused, 5xx) as they come."""
+    sets `started` at the second token, when decode is streaming it: with the first token from
+    prefill (the gateway's default) the first one comes before decode has the request, which
+    the run's count of where the burst landed would miss. Raises httpx errors (refused, 5xx)
+    as they come."""
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "stream": True}
     async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
         resp.raise_for_status()
 
         async def read() -> None:
+            tokens = 0
             async for line in resp.aiter_lines():
                 if started is not None and line.startswith("data: {"):
-                    started.set()
+                    tokens += 1
+                    if tokens == 2:
+                        started.set()
 
         reader = asyncio.create_task(read())
         releaser = asyncio.create_task(release.wait())

@@ -138,6 +138,7 @@ def fleet_numbers(before: dict[str, Any], after: dict[str, Any]) -> dict[str, An
     finished = sum(_delta(a, b, "finished") for a, b in decodes)
     prefilled = sum(_delta(a, b, "finished") for a, b in prefills)
     total = [(a, b) for _, a, b in pairs]
+    lag_s = sum(_delta(a, b, "lag_s") for a, b in total)
     return {
         "window_s": dt,
         "output_tok_s": sum(_delta(a, b, "generation_tokens") for a, b in decodes) / dt,
@@ -169,7 +170,10 @@ def fleet_numbers(before: dict[str, Any], after: dict[str, Any]) -> dict[str, An
         "overflow_recomputes": sum(_delta(a, b, "push_overflow_recomputes") for a, b in decodes),
         "itl_p50_ms": itl.quantile(0.5) * 1e3,
         "itl_p99_ms": itl.quantile(0.99) * 1e3,
-        "sim_lag_s": sum(_delta(a, b, "lag_s") for a, b in total),
+        "sim_lag_s": lag_s,
+        # Modelled seconds the sims ran late per modelled second and instance: about 1 - the
+        # sims' speed (0 kept up, 0.5 half speed); idle instances dilute it.
+        "sim_lag_fraction": lag_s / (dt * len(total)),
     }
 
 

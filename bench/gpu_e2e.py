@@ -5,7 +5,8 @@ One stack (registry + scheduler + gateway + prefill + decode) per KV mode (`--mo
 all started together next to one plain vLLM instance (no connector). Checks, per mode (exit
 status 1 if one fails):
 * through the gateway, greedy completions equal the single instance's for the same prompts
-  (prompts of about 30 to 760 tokens);
+  (prompts of about 30 to 760 tokens), each sent plain and streamed (a streamed one takes its
+  first token from prefill, and decode continues from prefill's prompt ids + that token);
 * decode loaded each prompt's KV from prefill: its external-KV prompt-token counter
   (`vllm:external_prefix_cache_hits` or its successor) grows by the prompt length, give or take
   one block (vLLM recomputes the last prompt token);
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import subprocess
@@ -96,6 +98,42 @@ def _complete(base: str, model: str, prompt: str, max_tokens: int) -> tuple[dict
     except urllib.error.HTTPError as exc:
         raise RuntimeError(f"{base}: HTTP {exc.code}: {exc.read()[:500]!r}") from exc
     return answer, (time.perf_counter() - start) * 1e3
+
+
+def _stream(base: str, model: str, prompt: str, max_tokens: int) -> tuple[str, float]:
+    """One greedy streamed completion (through the gateway: the first token from prefill);
+    returns its joined text and its TTFT (ms, to the first event with a choice)."""
+    body = json.dumps(
+        {
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "stream": True,
+        }
+    ).encode()
+    req = urllib.request.Request(
+        f"{base}/v1/completions", data=body, headers={"Content-Type": "application/json"}
+    )
+    start = time.perf_counter()
+    ttft = math.nan
+    text: list[str] = []
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            for raw in r:
+                line = raw.decode().strip()
+                if not line.startswith("data: {"):
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    raise RuntimeError(f"{base}: error event {line[:500]}")
+                for choice in event["choices"]:
+                    if math.isnan(ttft):
+                        ttft = (time.perf_counter() - start) * 1e3
+                    text.append(choice["text"])
+    except urllib.error.HTTPError as exc:
+        raise RuntimeError(f"{base}: HTTP {exc.code}: {exc.read()[:500]!r}") from exc
+    return "".join(text), ttft
 
 
 @dataclass
@@ -244,15 +282,29 @@ def _check_mode(stack: Stack, single: VllmCpuOptions, args: argparse.Namespace) 
         got, gateway_ms = _complete(stack.gateway_url, "tiny", prompt, args.max_tokens)
         _, after = _metric(stack.decode.url)
         want, single_ms = _complete(single.url, "tiny", prompt, args.max_tokens)
+        # Streamed, another prompt of the same length (decode has this one's blocks cached
+        # now): decode loads prefill's tokens and computes the first token appended to them.
+        other = "Streamed. " + prompt
+        streamed, stream_ttft_ms = _stream(stack.gateway_url, "tiny", other, args.max_tokens)
+        _, streamed_after = _metric(stack.decode.url)
+        want_streamed, _ = _complete(single.url, "tiny", other, args.max_tokens)
         prompt_tokens = int(want["usage"]["prompt_tokens"])
+        stream_prompt_tokens = int(want_streamed["usage"]["prompt_tokens"])
         external = after - before
+        stream_external = streamed_after - after
         rows.append(
             {
                 "prompt_tokens": prompt_tokens,
                 "external_tokens": external,
+                "stream_external_tokens": stream_external,
                 "metric": name,
                 "text_equal": got["choices"][0]["text"] == want["choices"][0]["text"],
-                "kv_loaded": external > 0 and prompt_tokens - block <= external <= prompt_tokens,
+                "stream_text_equal": streamed == want_streamed["choices"][0]["text"],
+                "stream_ttft_ms": round(stream_ttft_ms, 1),
+                "kv_loaded": all(
+                    e > 0 and n - block <= e <= n
+                    for e, n in ((external, prompt_tokens), (stream_external, stream_prompt_tokens))
+                ),
                 "gateway_ms": round(gateway_ms, 1),
                 "single_ms": round(single_ms, 1),
                 "gateway_text": got["choices"][0]["text"],
@@ -270,8 +322,8 @@ def _check_mode(stack: Stack, single: VllmCpuOptions, args: argparse.Namespace) 
     expected = "took_pushed" if stack.mode == "push" else "pulled"
     ok = (
         transports == [args.transport]
-        and all(r["text_equal"] and r["kv_loaded"] for r in rows)
-        and loads[expected] == len(PROMPTS) * args.tp
+        and all(r["text_equal"] and r["stream_text_equal"] and r["kv_loaded"] for r in rows)
+        and loads[expected] == 2 * len(PROMPTS) * args.tp  # each prompt plain and streamed
     )
     return {
         "ok": ok,

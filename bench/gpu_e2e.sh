@@ -38,6 +38,7 @@ for mode, v in r["modes"].items():
     print(mode, "ok", v.get("ok"), "transports", v.get("transports"), v.get("decode_loads"), str(v.get("error") or "")[:2000])
     for q in v.get("requests", []):
         print("  ", {k: q[k] for k in ("prompt_tokens", "external_tokens", "text_equal",
+                                       "stream_text_equal", "stream_ttft_ms",
                                        "kv_loaded", "gateway_ms", "single_ms")})
 PY
 tar czf "$out/$name-logs.tgz" -C "$work" $(cd "$work" && ls *.log) 2>/dev/null || true

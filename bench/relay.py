@@ -7,6 +7,9 @@ Proxies (and pdplane's scheduler) are pinned to `--proxy-cpus`, the sims, regist
 generator to `--load-cpus`. Reports req/s, latency p50/p99, added latency over the direct floor,
 proxy CPU ms per request and the ratios against each peer.
 
+`python-floor` (and `python-floor-fastapi`) is the cheapest relay on pdplane's own libraries
+(uvicorn + aiohttp, `bench/_floor_proxy.py`): what of pdplane's CPU per request is its stack's.
+
     .venv/bin/python bench/relay.py                      # full run (~10 min)
     .venv/bin/python bench/relay.py --quick              # 1P1D, zero knobs, short windows
 
@@ -239,9 +242,14 @@ def _ratios(cell: list[dict[str, Any]], floor: dict[int, dict[str, Any]]) -> lis
 
     lines = []
     ours_names = sorted(
-        {r["proxy"] for r in cell if r["proxy"].startswith("pdplane")} - {"pdplane-concurrent"}
+        {r["proxy"] for r in cell if r["proxy"].startswith(("pdplane", "python-floor"))}
+        - {"pdplane-concurrent"}
     )
-    for ours, peer in itertools.product(ours_names, ("vllm-router", "xpyd-proxy")):
+    # The floor of pdplane's libraries is a peer of pdplane's proxies too.
+    peers = ("vllm-router", "xpyd-proxy", "python-floor")
+    for ours, peer in itertools.product(ours_names, peers):
+        if ours == peer:
+            continue
         if not rows_of(peer) or not rows_of(ours):
             continue
         lines.append(

@@ -410,7 +410,10 @@ PRESETS: dict[str, dict[str, Any]] = {
         "duration_s": 150.0,
         "warmup": 0.3,
         "drain_s": 20.0,
-        "time_scale": 10.0,
+        # 10 outran the sims on a slower 2-core host (2026-12-02: summed sim lag 510-520 s
+        # in a 108 s window, 0 and 106 of 1,016 requests finished); 5 keeps both rows'
+        # requests finishing (934 / 1,016 random, 1,016 least_loaded) in ~35 s each.
+        "time_scale": 5.0,
         "stream_interval": 64,
         "rows": _SEED_ROWS,
         "workload_args": {"osl_lo": 200, "osl_hi": 300},

@@ -284,6 +284,16 @@ def breakdown(
     }
 
 
+def _first_token_counts(gateway: str) -> dict[str, float]:
+    """The gateway's `pdplane_gateway_first_tokens_total` by source (prefill, decode)."""
+    out: dict[str, float] = {}
+    for line in httpx.get(f"{gateway}/metrics", timeout=10).text.splitlines():
+        m = re.match(r'pdplane_gateway_first_tokens_total\{source="(\w+)"\} (\S+)', line)
+        if m:
+            out[m[1]] = float(m[2])
+    return out
+
+
 def measure(
     stack: Stack,
     prompt_tokens: int,
@@ -305,12 +315,19 @@ def measure(
     single_ttft: list[float] = []
     single_step: list[float] = []
     fresh: dict[str, list[float]] = defaultdict(list)
+    # PDPLANE_BENCH_PER_REQUEST=1: each request's numbers and where its first token came from
+    # (the gateway's pdplane_gateway_first_tokens_total, read between requests)
+    per_request = bool(os.environ.get("PDPLANE_BENCH_PER_REQUEST"))
     with httpx.Client(timeout=300.0) as to_gateway, httpx.Client(timeout=300.0) as to_single:
         for i in range(runs + 1):  # the first of each length warms both paths, not counted
             prompt = [rng.randrange(8, VOCAB) for _ in range(prompt_tokens)]
             trace_id = os.urandom(16).hex()
             tp = {"traceparent": f"00-{trace_id}-{os.urandom(8).hex()}-01"}
+            before = _first_token_counts(stack.gateway) if per_request else {}
             ttft, g_gaps = timed_stream(stack.gateway, stack.model, prompt, 4, tp, to_gateway)
+            if per_request:
+                after = _first_token_counts(stack.gateway)
+                source = next((k for k in after if after[k] > before.get(k, 0.0)), "-")
             s_ttft, gaps = timed_stream(stack.single, stack.model, prompt, 8, None, to_single)
             spans = stack.receiver.wait_for(_trace_complete(trace_id, push), timeout_s=30)
             if fresh_ab:
@@ -325,8 +342,16 @@ def measure(
             if i == 0:
                 continue
             mine = [s for s in spans if s.trace_id == trace_id]
-            for k, v in breakdown(mine, ttft, ttft + g_gaps[0]).items():
+            parts = breakdown(mine, ttft, ttft + g_gaps[0])
+            for k, v in parts.items():
                 phases[k].append(v)
+            if per_request:  # one line per request, to stderr
+                print(
+                    f"  {prompt_tokens} tokens #{i}: client TTFT {ttft:.1f} ms, single "
+                    f"{s_ttft:.1f}, prefill leg {parts['prefill leg']:.1f}, 2nd token "
+                    f"{ttft + g_gaps[0]:.1f}, first token from {source}",
+                    file=sys.stderr,
+                )
             single_ttft.append(s_ttft)
             single_step.extend(gaps)
             if fresh_ab:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import random
 import socket
+from collections.abc import Iterator
 
 import pytest
 
@@ -32,3 +34,27 @@ def test_a_taken_port_is_never_returned(monkeypatch: pytest.MonkeyPatch) -> None
         monkeypatch.setattr("pdplane.launch.ports._rng.randrange", lambda a, b: next(picks))
         monkeypatch.setattr("pdplane.launch.ports.ephemeral_floor", lambda: 65_536)
         assert free_port_run(1) == free
+
+
+def test_ports_handed_out_are_not_handed_out_again_before_they_are_bound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A launcher chooses every port before anything binds: a registry port and an instance's
+    # KV port run must not meet (seen: the registry on the second port of a KV run).
+    with socket.socket() as a:
+        a.bind(("127.0.0.1", 0))
+        first = a.getsockname()[1]
+    rng = random.Random(0)
+
+    def picks() -> Iterator[int]:
+        yield first
+        yield from (first - 1, first)  # both free (nothing bound them), but `first` was given
+        while True:
+            yield rng.randrange(10_000, 60_000)
+
+    it = picks()
+    monkeypatch.setattr("pdplane.launch.ports._rng.randrange", lambda a, b: next(it))
+    monkeypatch.setattr("pdplane.launch.ports.ephemeral_floor", lambda: 65_536)
+    assert free_port_run(1) == first
+    again = free_port_run(2)
+    assert first not in (again, again + 1)

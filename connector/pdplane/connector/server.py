@@ -42,6 +42,9 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = "pdplane.v1.KvTransfer"
 #: server threads beyond the services' long-lived streams
 _BASE_WORKERS = 8
+#: Longest AbortTransfer reason kept, and transfer id quoted in a NOT_FOUND message (both come
+#: from peers; every other end reason is this module's or holds.py's, registry-bounded ids).
+_REASON_CHARS = 200
 
 
 def _serve_span(
@@ -148,8 +151,11 @@ class HoldAccess:
                 request.transfer_id, self.arrival_wait(time_remaining), request.requester_id
             )
         except HoldUnknown:
+            # Why it ended, when this prefill knows (an abort races decode's pull when the
+            # client leaves right after its first token): decode's log then says so.
+            why = self.holds.ended.get(request.transfer_id) or "unknown, expired or freed"
             raise AccessDenied(
-                f"transfer {request.transfer_id} is not held (unknown, expired or freed)",
+                f"transfer {request.transfer_id[:_REASON_CHARS]} is not held: {why}",
                 grpc.StatusCode.NOT_FOUND,
             ) from None
         indices: Sequence[int] = request.block_indices or range(len(hold.block_ids))
@@ -202,7 +208,8 @@ class KvTransferServicer(kv_transfer_pb2_grpc.KvTransferServicer):
     def AbortTransfer(
         self, request: kv_transfer_pb2.AbortTransferRequest, context: grpc.ServicerContext
     ) -> kv_transfer_pb2.AbortTransferResponse:
-        reason = f"aborted: {request.reason or 'no reason given'}"
+        # Bounded where it arrives: it is kept with the ended hold and logged.
+        reason = f"aborted: {(request.reason or 'no reason given')[:_REASON_CHARS]}"
         freed = self._release(request.transfer_id, reason, context)
         return kv_transfer_pb2.AbortTransferResponse(freed=freed)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
@@ -40,7 +40,7 @@ from pdplane.gateway.upstream import (
 from pdplane.gateway.validation import COMPLETIONS, ClientRequest
 from pdplane.scheduler import Decision, InstanceRef, Outcome
 
-__all__ = ["Attempt", "Legs"]
+__all__ = ["Attempt", "Legs", "TakeOver"]
 
 _SSE_HEADERS = {"content-type": "text/event-stream"}
 #: How an upstream error event starts (vLLM: `data: {"error": {...}}`, spaced or not).
@@ -50,6 +50,12 @@ _ERROR_EVENT = b'data: {"error"'
 def _status_error(side: str, instance_id: str, status: int, body: bytes) -> GatewayError:
     excerpt = body[:300].decode(errors="replace")
     return bad_gateway(f"{side} instance {instance_id} answered {status}: {excerpt}")
+
+
+#: Another decode for a stream whose decode could not be reached after the first token went
+#: out, within the request's retries: (its after-care, its decision), or None when no try is
+#: left. Raises GatewayError (no other decode: the failure is the answer) or CancelledError.
+TakeOver = Callable[[RetryElsewhere], Awaitable[tuple[Aftercare, Decision] | None]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +79,7 @@ class Legs:
     ) -> Legs:
         """Legs for `config` (an `upstream_api_key` is sent as a bearer token on every leg);
         `tokenizers`: the served models' (the first token from prefill asks them whether a
-        token without text ends inside a character)."""
+        token without text ends inside a character, and rebuilds that character's text)."""
         headers = {"content-type": "application/json"}
         if config.upstream_api_key:
             headers["authorization"] = f"Bearer {config.upstream_api_key}"
@@ -82,7 +88,8 @@ class Legs:
 
 class Attempt:
     """One try of a request on one scheduled pair; `care` is its after-care, `max_model_len`
-    the model's context length (tokens; 0 = unknown)."""
+    the model's context length (tokens; 0 = unknown), `take_over` where another decode comes
+    from once the first token from prefill went out (None: none is asked for)."""
 
     def __init__(
         self,
@@ -92,6 +99,7 @@ class Attempt:
         decision: Decision,
         started: float,
         max_model_len: int = 0,
+        take_over: TakeOver | None = None,
     ) -> None:
         self.upstream = legs.upstream
         self.legs_tokenizers = legs.tokenizers
@@ -106,6 +114,7 @@ class Attempt:
         self.decode = decision.decode
         self.started = started
         self.max_model_len = max_model_len  # the model's (tokens; 0 = unknown)
+        self.take_over = take_over
         self.streaming = False  # set once the stream generator started (it then settles)
         self.decode_answered_ns = 0  # time.time_ns() at decode's response headers
         self.headers = {**legs.headers, "x-request-id": self.request_id}
@@ -128,6 +137,7 @@ class Attempt:
         handed_off = False
         resp: UpstreamResponse | None = None
         splice: Splice | None = None
+        first_from_decode = False
         try:
             if self.prefill is None:
                 resp = await self._open_decode(self.req.raw)
@@ -136,15 +146,18 @@ class Attempt:
             else:
                 answer, kv = await self._prefill_leg()
                 first = FirstToken.of(self.req.endpoint, answer) if self.first_token else None
-                if first is not None and not first.continuable(self._decode_text()):
-                    first = None
-                if first is not None:
-                    splice = Splice(self.req, first)
+                splice = self._splice(first) if first is not None else None
+                # Counted where the attempt hands its answer back, once per request: an
+                # attempt that raises (a retry on another pair) counts nothing.
+                first_from_decode = self.first_token and splice is None
+                if first is not None and splice is not None:
+                    # The first token goes out now; decode is opened after it (`_stream`).
+                    self.metrics.first_from_prefill.inc()
+                    handed_off = True
                     if first.ends_request(self.req, self.max_model_len):
-                        handed_off = True
                         return self._ended_at_prefill(splice)
-                    body = first_token_decode_body(self.req, first, kv)
-                    resp = await self._open_decode(body, COMPLETIONS)
+                    stream = self._stream(None, splice, (first, kv))
+                    return StreamReply(stream, _SSE_HEADERS, self._abandon_before_start)
                 else:
                     resp = await self._open_decode(decode_body(self.req.raw, self.req.body, kv))
             if resp.status >= 400:
@@ -155,6 +168,8 @@ class Attempt:
                 self.metrics.e2e.observe(time.perf_counter() - self.started)
                 return JsonReply(200, body, resp.headers.get("content-type", "application/json"))
             handed_off = True
+            if first_from_decode:
+                self.metrics.first_from_decode.inc()
             stream = self._stream(resp, splice)
             return StreamReply(stream, _SSE_HEADERS, partial(self._abandon, resp))
         except BaseException as exc:
@@ -199,11 +214,28 @@ class Attempt:
             raise _status_error("prefill", p.instance_id, resp.status, data)
         return self._kv_params_of(data)
 
-    def _decode_text(self) -> Callable[[list[int]], str] | None:
-        """The model's ids -> text, when the gateway has its tokenizer."""
+    def _splice(self, first: FirstToken) -> Splice | None:
+        """The client's stream from prefill's `first` on; None when decode cannot continue it
+        (`FirstToken.continuable`: the usual path). Only a first token without text asks the
+        tokenizer: whether it ends inside a character, which `Splice` then rebuilds with the
+        client's detokenizer settings (special tokens skipped unless the client keeps them)."""
+        kept = client = None
+        if not first.text:
+            kept = self._decode_text()
+            skip = self.req.body.get("skip_special_tokens") is not False
+            client = self._decode_text(skip) if kept is not None else None
+        if not first.continuable(kept, client):
+            return None
+        return Splice(self.req, first, client if first.inside_character(kept) else None)
+
+    def _decode_text(self, skip_special_tokens: bool = False) -> Callable[[list[int]], str] | None:
+        """The model's ids -> text (special tokens kept unless `skip_special_tokens`), when
+        the gateway has its tokenizer."""
         tokenizers = self.legs_tokenizers
         tokenizer = tokenizers.get(self.req.model) if tokenizers is not None else None
-        return tokenizer.decode if tokenizer is not None else None
+        if tokenizer is None:
+            return None
+        return partial(tokenizer.decode, skip_special_tokens=skip_special_tokens)
 
     @contextmanager
     def _leg_errors(self, side: str, ref: InstanceRef) -> Iterator[None]:
@@ -331,10 +363,15 @@ class Attempt:
             self.care.settle(GeneratorExit())
 
     async def _stream(
-        self, resp: UpstreamResponse, splice: Splice | None = None
+        self,
+        resp: UpstreamResponse | None,
+        splice: Splice | None = None,
+        continuation: tuple[FirstToken, bytes] | None = None,
     ) -> AsyncGenerator[bytes, None]:
         """Decode's SSE, relayed whole events at a time as they arrive; settles the attempt.
-        With `splice`, the first token's events go first and decode's are rewritten."""
+        With `splice`, the first token's events go first and decode's are rewritten; with
+        `continuation` (the first token, prefill's kv_transfer_params; `resp` None) decode is
+        opened once the first token went out (`_open_continuation`)."""
         self.streaming = True
         metrics = self.metrics
         error: BaseException | None = None
@@ -348,6 +385,15 @@ class Attempt:
                 metrics.ttft.observe(first - self.started)
                 events = 1
                 yield splice.opening()
+            if resp is None:
+                assert continuation is not None, "no decode response and nothing to open"
+                try:
+                    resp = await self._open_continuation(
+                        *continuation, token_ids=splice is not None and splice.token_ids
+                    )
+                except GatewayError as exc:
+                    yield exc.sse_event()
+                    return
             try:
                 async for chunk in resp.chunks(self.idle_timeout_s):
                     data = carry + chunk if carry else chunk
@@ -394,7 +440,52 @@ class Attempt:
             error = exc
             raise
         finally:
-            if self.care.settle(error) is Outcome.SUCCESS:
-                resp.release()
-            else:
+            outcome = self.care.settle(error)
+            if resp is not None:
+                if outcome is Outcome.SUCCESS:
+                    resp.release()
+                else:
+                    resp.close()
+
+    async def _open_continuation(
+        self, first: FirstToken, kv: bytes, token_ids: bool = False
+    ) -> UpstreamResponse:
+        """Decode's leg of a stream whose first token (prefill's) reached the client: decode
+        continues from prefill's prompt ids + `first`, loading prefill's KV (`kv`: its
+        kv_transfer_params, JSON bytes).
+
+        A decode that cannot be reached is replaced, within the request's retries
+        (`take_over`), by another that computes the whole prompt itself: the attempt is
+        released as failed and prefill's KV freed, as for any retry, and the client's stream
+        goes on. Anything else before decode's first byte (a timeout, an error status) is the
+        answer: raises GatewayError, whose event ends the stream (the status and decode's
+        message for 4xx, 502 for 5xx, 504 for silence). `token_ids`: decode streams its
+        tokens' ids (`Splice.token_ids`).
+        """
+        body = first_token_decode_body(self.req, first, kv, token_ids)
+        while True:
+            try:
+                resp = await self._open_decode(body, COMPLETIONS)
+            except RetryElsewhere as failed:
+                if self.take_over is None:
+                    raise failed.error from None
+                self.care.settle(failed)  # Release first, so the next Schedule excludes it
+                taken = await self.take_over(failed)
+                if taken is None:
+                    raise failed.error from None
+                self.care, decision = taken
+                self.decode = decision.decode
+                body = first_token_decode_body(self.req, first, None, token_ids)
+                continue
+            if resp.status < 400:
+                return resp
+            try:
+                await self._decode_error(resp)
+            except UpstreamReply as reply:
+                excerpt = reply.body[:300].decode(errors="replace")
+                raise GatewayError(
+                    reply.status,
+                    f"decode instance {self.decode.instance_id} answered {reply.status}: {excerpt}",
+                ) from None
+            finally:
                 resp.close()

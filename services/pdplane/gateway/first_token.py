@@ -3,11 +3,13 @@ prefill computed it, before the KV transfer and decode's first step.
 
 Prefill computes the logits of the last prompt token anyway: its one output token IS the
 request's first token. With `--first-token prefill` (the default) the gateway asks prefill for
-token ids (`return_token_ids`, vLLM's field), writes that token to the client once decode has
-accepted the rest, and sends decode a `/v1/completions` request whose prompt is prefill's prompt
-token ids plus that token, with one token less to generate. Decode loads the KV of prefill's
-tokens and computes only the appended one (the connector accepts a prompt one token longer
-than prefill's, `pdplane.connector.scheduler_side`): its first step yields the second token.
+token ids (`return_token_ids`, vLLM's field), writes that token to the client as soon as
+prefill answered, and then sends decode a `/v1/completions` request whose prompt is prefill's
+prompt token ids plus that token, with one token less to generate (a decode that cannot be
+reached is replaced by one computing the whole prompt: `pdplane.gateway.attempt`). Decode
+loads the KV of prefill's tokens and computes only the appended one (the connector accepts a
+prompt one token longer than prefill's, `pdplane.connector.scheduler_side`): its first step
+yields the second token.
 This is how DistServe (Zhong et al., OSDI 2024) and Splitwise (Patel et al., ISCA 2024) place the
 first token: TTFT is the prefill phase. What moves is the gap between the first and second
 token, which now holds the transfer and decode's admission.
@@ -15,9 +17,11 @@ token, which now holds the transfer and decode's admission.
 Only requests whose output is the same either way take this path (`applies`): one streamed
 choice, sampled without a seed, stop strings, penalties on output counts, logprobs, echo,
 min_tokens, tools or structured output. Anything else, or a prefill that returns no token ids
-(an older vLLM) or whose token ends inside a character (`FirstToken.continuable`), takes the
-usual path. Decode's chunks are rewritten to what the client's endpoint streams (`Splice`): chat
-chunks from completions chunks, usage counting the first token as output, not prompt.
+(an older vLLM), or a first token without text when the gateway has no tokenizer
+(`FirstToken.continuable`), takes the usual path. Decode's chunks are rewritten to what the
+client's endpoint streams (`Splice`): chat chunks from completions chunks, usage counting the
+first token as output, not prompt, and, after a first token that ends inside a UTF-8
+character, the text of decode's tokens up to the character's end rebuilt from their ids.
 """
 
 from __future__ import annotations
@@ -185,20 +189,42 @@ class FirstToken:
             stop_reason=choice.get("stop_reason"),
         )
 
-    def continuable(self, decode: Callable[[list[int]], str] | None) -> bool:
-        """Whether decode's text can continue after this token. vLLM holds back a token that
-        ends inside a UTF-8 character (its text is ""), and decode's detokenizer, primed with a
-        prompt that ends there, would emit its prompt's text again. A token with text of its
-        own, or one that ends the request ("stop"), is fine. A token without text may also be
-        one that decodes to nothing (a special token, an id past the tokenizer's vocabulary):
-        `decode` (the model's tokenizer: ids -> text, special tokens kept) tells them apart;
-        without it every such token takes the usual path."""
+    def continuable(
+        self,
+        decode: Callable[[list[int]], str] | None,
+        client_decode: Callable[[list[int]], str] | None = None,
+    ) -> bool:
+        """Whether decode can continue after this token with the client's stream right. A
+        token with text of its own, or one that ends the request ("stop"), is fine. A token
+        without text is either one that ends inside a UTF-8 character (vLLM holds it back:
+        its text comes with the next tokens, which `Splice` then rebuilds from their ids:
+        `inside_character`) or one that decodes to nothing (a special token, an id past the
+        tokenizer's vocabulary). Both need `decode` (the model's tokenizer: ids -> text,
+        special tokens kept) to be told apart; without it such a token takes the usual
+        path. So does one after a prompt (token ids) that itself ends inside a character:
+        one instance's detokenizer then emits the prompt's bytes with the character's end,
+        which decode's, primed further on, would not. `client_decode` is the prompt as the
+        client's detokenizer sees it (special tokens skipped unless the client keeps them;
+        default `decode`): a special token after the bytes hides nothing from it."""
         if self.text or self.finish_reason == "stop":
             return True
         if decode is None:
             return False
+        return not (client_decode or decode)(self.prompt_tail()).endswith("\ufffd")
+
+    def inside_character(self, decode: Callable[[list[int]], str] | None) -> bool:
+        """Whether this token ends inside a UTF-8 character (`decode`: the model's ids ->
+        text; False without it). vLLM streams such a token with text "" and the character
+        with the token that completes it; decode's detokenizer, primed with a prompt that
+        ends inside the character, would emit its prompt's text again with it."""
+        if self.text or decode is None:
+            return False
         # The prompt's tail gives the token the bytes it may continue.
-        return not decode([*self.prompt_token_ids[-8:], self.token_id]).endswith("\ufffd")
+        return decode([*self.prompt_tail(), self.token_id]).endswith("\ufffd")
+
+    def prompt_tail(self) -> list[int]:
+        """The prompt's last ids: enough context for the bytes a token continues."""
+        return self.prompt_token_ids[-8:]
 
     def ends_request(self, req: ClientRequest, max_model_len: int = 0) -> bool:
         """Whether the request ends with this token: a stop token, one token asked for, or a
@@ -210,10 +236,17 @@ class FirstToken:
         return 0 < max_model_len <= len(self.prompt_token_ids) + 1
 
 
-def decode_body(req: ClientRequest, first: FirstToken, kv_transfer_params: bytes) -> bytes:
+def decode_body(
+    req: ClientRequest,
+    first: FirstToken,
+    kv_transfer_params: bytes | None,
+    token_ids: bool = False,
+) -> bytes:
     """The `/v1/completions` body of the decode leg: prefill's prompt ids plus the first token,
     one token less to generate, the client's sampling fields, prefill's `kv_transfer_params`
-    (JSON bytes) as returned."""
+    (JSON bytes) as returned. Without them (None) decode computes the whole prompt itself:
+    the body of a decode that takes over from one that could not be reached. `token_ids`
+    asks decode for its tokens' ids (`return_token_ids`; `Splice.token_ids`)."""
     body = req.body
     out: dict[str, Any] = {"prompt": [*first.prompt_token_ids, first.token_id]}
     if "model" in body:
@@ -225,7 +258,11 @@ def decode_body(req: ClientRequest, first: FirstToken, kv_transfer_params: bytes
         if name in body:
             out[name] = body[name]
     out["stream"] = True
+    if token_ids:
+        out["return_token_ids"] = True
     text = json.dumps(out, separators=(",", ":")).encode()
+    if kv_transfer_params is None:
+        return text
     return text[:-1] + b',"kv_transfer_params":' + kv_transfer_params + b"}"
 
 
@@ -239,6 +276,9 @@ _TOKEN_EVENT = re.compile(
     rb'"logprobs":null,"finish_reason":null(?:,"stop_reason":null)?(?:,"prompt_token_ids":null)?'
     rb'(?:,"token_ids":(?:null|\[(?:[0-9]+(?:,[0-9]+)*)?\]))?\}\](?:,"usage":null)?\}'
 )
+#: Token ids in decode's completions chunks, asked for only after a first token inside a
+#: character (`Splice.token_ids`): the client did not ask for them (vLLM writes null then).
+_TOKEN_IDS = re.compile(rb'("(?:prompt_)?token_ids":)\[[0-9,]*\]')
 #: JSON string content that `json.dumps` writes unchanged (printable ASCII, no quote, no
 #: backslash).
 _PLAIN_TEXT = re.compile(rb"[ !#-\[\]-~]*")
@@ -254,17 +294,48 @@ class Splice:
     Args:
         req: the client's request (endpoint, `stream_options`).
         first: prefill's first token.
+        decode: the model's ids -> text as the client's detokenizer makes it (special tokens
+            skipped unless the client keeps them); given when `first` ends inside a UTF-8
+            character (`FirstToken.inside_character`). Decode then streams its token
+            ids (`token_ids`), and the text of its tokens up to the end of that character is
+            rebuilt from them: vLLM's detokenizer on decode, primed with a prompt that ends
+            inside the character, emits its prompt's text again with the character.
     """
 
-    __slots__ = ("_chat", "_continuous", "_first", "_head", "_ids", "_token_frame", "_usage")
+    __slots__ = (
+        "_base",
+        "_chat",
+        "_continuous",
+        "_decode",
+        "_first",
+        "_head",
+        "_held",
+        "_ids",
+        "_stop_text",
+        "_tail",
+        "_token_frame",
+        "_usage",
+    )
 
-    def __init__(self, req: ClientRequest, first: FirstToken) -> None:
+    def __init__(
+        self,
+        req: ClientRequest,
+        first: FirstToken,
+        decode: Callable[[list[int]], str] | None = None,
+    ) -> None:
         self._first = first
+        self._decode = decode
+        # Ids of the held character so far (the first token's, then decode's); None once
+        # its text went out (or never held).
+        self._held: list[int] | None = [first.token_id] if decode is not None else None
+        self._tail = first.prompt_tail()
+        self._base = decode(self._tail) if decode is not None else ""
         self._ids: tuple[bytes, bytes] | tuple[()] | None = None  # see _id_swap
         self._chat = req.endpoint == CHAT
         options = req.body.get("stream_options")
         options = options if isinstance(options, dict) else {}
         self._usage = bool(options.get("include_usage"))
+        self._stop_text = req.body.get("include_stop_str_in_output") is True
         self._continuous = self._usage and bool(options.get("continuous_usage_stats"))
         obj = "chat.completion.chunk" if self._chat else "text_completion"
         self._head = {"id": first.response_id, "object": obj, "created": first.created}
@@ -342,8 +413,15 @@ class Splice:
             out += self._chunk([], self._usage_of(1))
         return out + SSE_DONE
 
+    @property
+    def token_ids(self) -> bool:
+        """Whether decode's leg must stream its token ids (`return_token_ids`)."""
+        return self._decode is not None
+
     def rewrite(self, events: bytes) -> bytes:
         """Decode's whole SSE events (bytes) as the client's stream continues them."""
+        if self._decode is not None:
+            events = self._unhold(events)
         if not self._chat and b'"usage":{' not in events:
             # Completions chunks pass as they are, with the response's id (vLLM derives both
             # legs' ids from x-request-id, but need not).
@@ -363,6 +441,70 @@ class Splice:
             else:
                 out.append(self._rewrite_event(event))
         return b"".join(out)
+
+    def _unhold(self, events: bytes) -> bytes:
+        """Decode's events with the token ids the client did not ask for taken out, and,
+        while the first token's character is held, each token event's text rebuilt from the
+        ids: "" until the character is complete (as vLLM streams it), then its text."""
+        if self._held is None:
+            return _TOKEN_IDS.sub(rb"\1null", events)
+        out = []
+        for event in events.split(b"\n\n"):
+            if not event:
+                continue
+            if self._held is None or not event.startswith(b"data: {"):
+                out.append(_TOKEN_IDS.sub(rb"\1null", event) + b"\n\n")
+                continue
+            try:
+                obj = json.loads(event[6:])
+            except ValueError:
+                out.append(event + b"\n\n")
+                continue
+            choices = obj.get("choices") if isinstance(obj, dict) else None
+            for c in choices if isinstance(choices, list) else ():
+                if not isinstance(c, dict):
+                    continue
+                ids = c.get("token_ids")
+                if self._held is not None and isinstance(ids, list):
+                    if ids and self._drops_stop_token(c):
+                        ids = ids[:-1]  # vLLM leaves a stop token out of the text
+                    c["text"] = self._held_text(ids)
+                c["token_ids"] = None
+                if "prompt_token_ids" in c:
+                    c["prompt_token_ids"] = None
+            out.append(_sse(obj))
+        return b"".join(out)
+
+    def _drops_stop_token(self, choice: dict[str, Any]) -> bool:
+        """Whether `choice` (decode's last) ended on a stop token (EOS or `stop_token_ids`;
+        stop strings do not take this path) whose text vLLM's detokenizer leaves out."""
+        if choice.get("finish_reason") != "stop" or self._stop_text:
+            return False
+        reason = choice.get("stop_reason")
+        return reason is None or type(reason) is int
+
+    def _held_text(self, ids: list[int]) -> str:
+        """The text of decode's next tokens `ids` (one chunk) while the character is held:
+        what one instance's detokenizer emits stepping through them one at a time. Each step
+        emits the text so far unless it ends inside a character: "" until the character is
+        complete, then its text and that of the tokens after it up to the last complete one
+        (a chunk may hold several engine steps' tokens, and open another character)."""
+        held, decode = self._held, self._decode
+        assert held is not None and decode is not None
+        done = ""  # the text so far at the chunk's last step that emitted
+        for i in ids:
+            if type(i) is not int:
+                continue
+            held.append(i)
+            text = decode([*self._tail, *held])
+            if not text.endswith("\ufffd"):
+                base = self._base
+                # BPE decoders may join the tail's text with the token's (a space added or
+                # dropped): then only the held ids alone say what they hold.
+                done = text[len(base) :] if text.startswith(base) else decode(held)
+        if done:
+            self._held = None  # decode's detokenizer is past the prompt's end from here on
+        return done
 
     def _token_text(self, event: bytes) -> bytes | None:
         """The text of a chat-bound token event (`_TOKEN_EVENT`) as `json.dumps` writes it

@@ -65,6 +65,16 @@ class GatewayMetrics:
             ["side"],
             registry=r,
         )
+        self.first_tokens = Counter(
+            "pdplane_gateway_first_tokens",
+            "Streamed requests eligible for the first token from prefill (--first-token "
+            "prefill), by where their first token came from: prefill, or decode (prefill "
+            "returned no token ids, a token without text and no tokenizer, or the prompt ends "
+            "inside a character); once per request "
+            "whose stream began",
+            ["source"],
+            registry=r,
+        )
         self.cancellations = Counter(
             "pdplane_gateway_cancellations",
             "Requests cancelled by a client disconnect",
@@ -78,6 +88,8 @@ class GatewayMetrics:
         # labels() hashes and locks on every call; the hot path reuses the children instead.
         self.prefill_leg = self.leg.labels("prefill")
         self.decode_leg = self.leg.labels("decode")
+        self.first_from_prefill = self.first_tokens.labels("prefill")
+        self.first_from_decode = self.first_tokens.labels("decode")
         self._request_children: dict[tuple[str, int], Any] = {}
         self.kv_aborts = Counter(
             "pdplane_gateway_kv_aborts",

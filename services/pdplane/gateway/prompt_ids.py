@@ -94,13 +94,14 @@ class PromptTokenizer:
         encoded: list[int] = self._tok.encode(text, add_special_tokens=add_special_tokens)
         return encoded
 
-    def decode(self, ids: list[int]) -> str:
-        """The text of `ids`, special tokens kept; bytes that end inside a UTF-8 character
-        decode to U+FFFD. Ids the vocabulary lacks decode to nothing."""
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        """The text of `ids`, special tokens kept unless `skip_special_tokens`; bytes that end
+        inside a UTF-8 character decode to U+FFFD. Ids the vocabulary lacks decode to
+        nothing."""
         if self._backend is not None:
-            text: str = self._backend.decode(ids, skip_special_tokens=False)
+            text: str = self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
             return text
-        out: str = self._tok.decode(ids, skip_special_tokens=False)
+        out: str = self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
         return out
 
     def _check_chars(self, text_chars: int, max_model_len: int) -> None:

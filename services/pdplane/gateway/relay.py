@@ -13,6 +13,10 @@ at most `max_retries` times, excluding the instance that failed):
 - instance answers 4xx -> that status and body, unchanged; 5xx -> 502 naming the instance;
 - prefill's answer without usable `kv_transfer_params` -> 502 naming the prefill instance;
 - decode fails after streaming began -> one `data: {"error": ...}` event, then close;
+- with the first token from prefill (`pdplane.gateway.first_token`) streaming begins when
+  prefill answers: a decode that cannot be reached then is replaced, within the same retries,
+  by another decode computing the whole prompt itself (prefill's KV is freed), and the stream
+  goes on; any other decode failure before its first byte is an error event, as above;
 - cancellation (client gone) -> upstream requests closed (vLLM aborts them), KV held by
   prefill freed through `KvTransfer.AbortTransfer`, Release with outcome "cancelled".
 Whenever prefill answered but decode did not finish, prefill's KV is freed the same way.
@@ -89,18 +93,28 @@ class Relay:
         """
         excluded: list[str] = []
         last: RetryElsewhere | None = None
-        for _ in range(self.config.max_retries + 1):
+        for tries in range(self.config.max_retries + 1):
             care = self.caretaker.begin(request_id)
             decision = await self._schedule(req, care, excluded, last, max_model_len)
+            take_over = _TakeOver(
+                self, req, request_id, excluded, self.config.max_retries - tries, max_model_len
+            )
+            attempt = Attempt(self._legs, care, req, decision, started, max_model_len, take_over)
             try:
-                return await Attempt(self._legs, care, req, decision, started, max_model_len).run()
+                return await attempt.run()
             except RetryElsewhere as retry:
-                log.warning("request %s: %s; retrying on another pair", request_id, retry)
-                self.metrics.retries.labels(retry.side).inc()
-                excluded.append(retry.instance_id)
+                self._retrying(request_id, retry, excluded, "retrying on another pair")
                 last = retry
         assert last is not None
         raise last.error
+
+    def _retrying(
+        self, request_id: str, failed: RetryElsewhere, excluded: list[str], how: str
+    ) -> None:
+        """Logs and counts a retry of `request_id` after `failed`; excludes the instance."""
+        log.warning("request %s: %s; %s", request_id, failed, how)
+        self.metrics.retries.labels(failed.side).inc()
+        excluded.append(failed.instance_id)
 
     async def _schedule(
         self,
@@ -109,7 +123,16 @@ class Relay:
         excluded: list[str],
         last: RetryElsewhere | None,
         max_model_len: int,
+        queue: bool | None = None,
     ) -> Decision:
+        """The decision for `req` (`last`: the failure a retry follows, None at first).
+
+        `queue`: whether a refusal for room waits in the admission queue; default: only the
+        first try (a retry answers with `last`'s failure instead). A take-over after the
+        first token waits: its stream has no other way to an answer.
+        """
+        if queue is None:
+            queue = last is None
         prompt_tokens, max_tokens = req.prompt_tokens, req.max_tokens
         if max_model_len:
             prompt_tokens = min(prompt_tokens, max_model_len)
@@ -127,12 +150,12 @@ class Relay:
         admission = self.admission
         try:
             with tracing.span("pdplane.schedule"):
-                if last is None and admission.has_waiters(req.model):
+                if queue and admission.has_waiters(req.model):
                     return await admission.admit(req.model, lambda: schedule(features), None)
                 try:
                     return await schedule(features)
                 except SchedulerBusy as busy:
-                    if last is not None:
+                    if not queue:
                         raise  # a retry: the failure below is the answer
                     return await admission.admit(req.model, lambda: schedule(features), busy)
         except asyncio.CancelledError as exc:
@@ -152,3 +175,39 @@ class Relay:
     async def drain(self, timeout_s: float = 5.0) -> None:
         """Waits (bounded) for background AbortTransfer calls; used at shutdown."""
         await self.caretaker.drain(timeout_s)
+
+
+class _TakeOver:
+    """Decodes that take over a stream whose decode could not be reached after the first token
+    went out (`pdplane.gateway.attempt.TakeOver`), within the request's retries left (`tries`),
+    excluding every instance that failed it."""
+
+    __slots__ = ("_excluded", "_max_model_len", "_relay", "_req", "_request_id", "_tries")
+
+    def __init__(
+        self,
+        relay: Relay,
+        req: ClientRequest,
+        request_id: str,
+        excluded: list[str],
+        tries: int,
+        max_model_len: int,
+    ) -> None:
+        self._relay = relay
+        self._req = req
+        self._request_id = request_id
+        self._excluded = excluded
+        self._tries = tries
+        self._max_model_len = max_model_len
+
+    async def __call__(self, failed: RetryElsewhere) -> tuple[Aftercare, Decision] | None:
+        if self._tries <= 0:
+            return None
+        self._tries -= 1
+        relay = self._relay
+        relay._retrying(self._request_id, failed, self._excluded, "another decode takes over")
+        care = relay.caretaker.begin(self._request_id)
+        decision = await relay._schedule(
+            self._req, care, self._excluded, failed, self._max_model_len, queue=True
+        )
+        return care, decision

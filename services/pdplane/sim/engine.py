@@ -61,6 +61,7 @@ class EngineRequest:
         "arrival",
         "blocks",
         "first_token_at",
+        "first_token_step",
         "hold",
         "keys",
         "last_token_at",
@@ -73,6 +74,7 @@ class EngineRequest:
         "phase",
         "preemptions",
         "prompt",
+        "queued_step",
         "remote_tokens",
         "request_id",
         "waiter",
@@ -104,6 +106,11 @@ class EngineRequest:
         self.local_hit = 0
         self.arrival = 0.0
         self.first_token_at = -1.0
+        #: engine steps completed when it was queued, and the number (from 1) of the step
+        #: that sampled its first token (-1 until then): the engine's own clock, which a busy
+        #: machine cannot skew (it only stretches steps)
+        self.queued_step = -1
+        self.first_token_step = -1
         self.last_token_at = 0.0
         self.preemptions = 0
         #: set by the runner: what to wake when this request makes progress
@@ -189,6 +196,7 @@ class EngineCore:
                 f"({pool.num_blocks} blocks of {pool.block_size})"
             )
         req.arrival = now
+        req.queued_step = self.stats.steps
         if pool.caching:
             req.keys = chain_hashes(req.prompt, pool.block_size)
         self.waiting.append(req)
@@ -368,6 +376,7 @@ class EngineCore:
             generated += 1
             if req.first_token_at < 0:
                 req.first_token_at = now
+                req.first_token_step = stats.steps + 1  # this step's number (counted below)
                 ttft.add(now - req.arrival)
             else:
                 itl.add(now - req.last_token_at)

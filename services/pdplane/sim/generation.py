@@ -88,6 +88,13 @@ class CompletionRoutes:
         except asyncio.CancelledError:
             record.cancelled = True
             raise
+        except ConnectionResetError:
+            # The client left before anything was written, and this handler resumed before
+            # aiohttp's cancel reached it: its first write (the stream's headers) found the
+            # closed transport. vLLM aborts such a request; the response below is never sent
+            # (aiohttp drops it).
+            record.cancelled = True
+            return web.StreamResponse()
         finally:
             record.finished = True
 
@@ -123,6 +130,12 @@ class CompletionRoutes:
             answer = continuation(
                 s.tokenizer, req.prompt_ids, intent.num_tokens, req.seed, req.max_tokens
             )
+        elif intent is None and c.role == "decode" and not chat:
+            # The same prompt computed here, without KV (a decode taking over from one that
+            # could not be reached): a model continues its own first token the same way.
+            answer = continuation(
+                s.tokenizer, req.prompt_ids, len(req.prompt_ids) - 1, req.seed, req.max_tokens
+            )
         ids, pieces = answer or s.tokenizer.sample(
             req.key, req.seed, 1 if producer else req.max_tokens
         )
@@ -143,6 +156,7 @@ class CompletionRoutes:
             now = s.runner.now()
             await s.runner.sleep(s.frontend.admit(now) - now)  # the API server's FIFO + hop
             s.runner.submit(ereq)
+            record.queued_step = ereq.queued_step
             stream: web.StreamResponse | None = None
             if req.stream:
                 # vLLM (uvicorn) sends a stream's headers once the request is in the engine,
@@ -153,6 +167,8 @@ class CompletionRoutes:
                     headers.send_headers()  # aiohttp would hold them until the first write
             while ereq.num_output == 0 and ereq.phase != Phase.DONE:
                 await s.runner.progress(ereq)
+            if ereq.first_token_step > 0:
+                record.first_token_step = ereq.first_token_step
             if ereq.num_output == 0:  # the engine gave up on it: a failed KV load
                 result = str(record.kv.get("result", "")) if record.kv else "failed"
                 failure = SimApiError(500, f"KV load failed: {result}", "InternalServerError")

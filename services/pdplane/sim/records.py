@@ -28,6 +28,12 @@ class RequestRecord:
         kv: what happened to KV: {"role": "producer", "transfer_id", "blocks"} or
             {"role": "consumer", "transfer_id", "result": "pulled" | "nixl" | "failed: ..."}.
         tokens_sent: output tokens delivered (streamed or in the body).
+        queued_step: engine steps this sim had completed when the request entered its
+            scheduler queue (None before that, or when it never did: a bad request, a fault).
+        first_token_step: the number (from 1) of the engine step that sampled its first
+            token (None until then). Steps count the engine's own progress, so
+            `first_token_step - queued_step` is the steps it waited and prefilled, whatever
+            the machine's load (which only makes steps last longer).
     """
 
     seq: int
@@ -41,6 +47,8 @@ class RequestRecord:
     fault: str | None = None
     kv: dict[str, Any] | None = None
     tokens_sent: int = 0
+    queued_step: int | None = None
+    first_token_step: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -121,7 +121,8 @@ class Tokenizer(Protocol):
         """Token ids of a chat prompt, template and reply primer included."""
 
     def sample(self, key: str, seed: int, num_tokens: int) -> tuple[list[int], list[str]]:
-        """Output token ids and their text pieces for a prompt key and seed (pure)."""
+        """Output token ids and their text pieces for a prompt key and seed (pure; the first k
+        of n tokens are the k-token answer)."""
 
 
 class WordTokenizer:
@@ -235,9 +236,12 @@ def continuation(
     """
     if len(prompt_ids) != num_computed + 1 or num_computed < 1:
         return None
-    ids, pieces = tok.sample(prompt_key(prompt_ids[:num_computed]), seed, num_tokens + 1)
-    if ids[0] != prompt_ids[-1]:
+    key = prompt_key(prompt_ids[:num_computed])
+    # `sample` draws token after token, so its first token is the 1-token answer's: the
+    # common case (no continuation) costs one draw.
+    if tok.sample(key, seed, 1)[0][0] != prompt_ids[-1]:
         return None
+    ids, pieces = tok.sample(key, seed, num_tokens + 1)
     return ids[1:], pieces[1:]
 
 

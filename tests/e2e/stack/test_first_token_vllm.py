@@ -263,7 +263,7 @@ def _token_sets(tiny_model: Path) -> tuple[list[int], list[int]]:
     return list(range(len(tok), vocab)), partial
 
 
-def test_with_the_tokenizer_a_first_token_without_text_is_continued_unless_inside_a_character(
+def test_with_the_tokenizer_a_first_token_without_text_is_continued(
     tokenizer_gateway_url: str,
     vllm_pair: VllmPair,
     vllm_reference: VllmCpuInstance,
@@ -279,10 +279,60 @@ def test_with_the_tokenizer_a_first_token_without_text_is_continued_unless_insid
     _assert_same_stream(_events(tokenizer_gateway_url, path, body), expected)
     after = _generated(vllm_pair)
     assert (after[0] - before[0], after[1] - before[1]) == (1, MAX_TOKENS - 1)  # prefill's token
-    # a byte token first: inside a character, so decode computes it again (the usual path)
+    # byte tokens only: the first ends inside a character (or is an invalid byte: text ""
+    # too); its text and that of the bytes after it are rebuilt from decode's token ids
     body = _body(path, "partial", allowed_token_ids=partial, max_tokens=MAX_TOKENS)
     expected = _events(vllm_reference.url, path, body)
     before = _generated(vllm_pair)
     _assert_same_stream(_events(tokenizer_gateway_url, path, body), expected)
     after = _generated(vllm_pair)
-    assert (after[0] - before[0], after[1] - before[1]) == (1, MAX_TOKENS)
+    assert (after[0] - before[0], after[1] - before[1]) == (1, MAX_TOKENS - 1)
+
+
+def _inside_character(url: str, path: str, tiny_model: Path) -> dict[str, Any]:
+    """A body whose greedy first token ends inside a UTF-8 character, asked of the plain
+    instance: the tiny model's random weights pick a byte token for about one random prompt
+    in four."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_model))
+    words = [i for i in range(len(tok)) if tok.decode([i]).strip().isalpha()]
+    for i in range(60):
+        body = _body(path, "held")
+        text = tok.decode(random.Random(i).choices(words, k=100))
+        if path == _CHAT:
+            body["messages"] = [{"role": "user", "content": text}]
+        else:
+            body["prompt"] = text
+        probe = {**body, "max_tokens": 1, "stream": False, "return_token_ids": True}
+        probe.pop("stream_options")
+        answer = httpx.post(f"{url}{path}", json=probe, timeout=60.0).json()
+        choice = answer["choices"][0]
+        prompt = answer.get("prompt_token_ids") or choice["prompt_token_ids"]
+        if tok.decode([*prompt[-8:], *choice["token_ids"]]).endswith("\ufffd"):
+            return body
+    raise AssertionError("no prompt of 60 starts with a token inside a character")
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_first_token_inside_a_character_is_prefills_and_the_text_is_one_instances(
+    tokenizer_gateway_url: str,
+    vllm_pair: VllmPair,
+    vllm_reference: VllmCpuInstance,
+    tiny_model: Path,
+    path: str,
+) -> None:
+    body = _inside_character(vllm_reference.url, path, tiny_model)
+    expected = _events(vllm_reference.url, path, body)
+    prefill0, decode0 = _generated(vllm_pair)
+    sources0 = metric(tokenizer_gateway_url, "pdplane_gateway_first_tokens_total", source="prefill")
+    got = _events(tokenizer_gateway_url, path, body)
+    _assert_same_stream(got, expected)
+    first = got[1] if path == _CHAT else got[0]  # chat: after the role chunk
+    assert _text([first]) == ""  # vLLM streams the held token with no text
+    prefill1, decode1 = _generated(vllm_pair)
+    assert (prefill1 - prefill0, decode1 - decode0) == (1, MAX_TOKENS - 1)
+    sources = metric(tokenizer_gateway_url, "pdplane_gateway_first_tokens_total", source="prefill")
+    assert sources - sources0 == 1

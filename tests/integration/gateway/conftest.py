@@ -55,6 +55,8 @@ class Stack:
         self.url = gateway
         self.service = service
         self._exits = contextlib.ExitStack()
+        #: the gateway's FastAPI app (its `state.relay` for what it holds); set by the factory
+        self.app: Any = None
 
     def sims(self, roles: list[str], **knobs: Any) -> RunningSims:
         """Starts registered sims (kept until the test ends); `knobs` are SimConfig fields."""
@@ -79,6 +81,26 @@ class Stack:
 
     def scheduler_inflight(self) -> int:
         return len(self.service.inflight)
+
+    def releases(self) -> dict[str, float]:
+        """The scheduler's Release count by outcome (outcomes never released left out)."""
+        out: dict[str, float] = {}
+        assert self.service.metrics is not None
+        for metric in self.service.metrics.registry.collect():
+            if metric.name == "pdplane_scheduler_releases":
+                for sample in metric.samples:
+                    if sample.name.endswith("_total") and sample.value:
+                        out[sample.labels["outcome"]] = sample.value
+        return out
+
+    def upstream_in_use(self) -> int:
+        """The gateway's upstream connections acquired now (aiohttp keeps no public count)."""
+        session = self.app.state.relay._legs.upstream._session
+        return 0 if session is None else len(session.connector._acquired)
+
+    def background_tasks(self) -> int:
+        """The gateway's background calls (AbortTransfer) still running."""
+        return len(self.app.state.relay.caretaker._background)
 
     def close(self) -> None:
         self._exits.close()
@@ -111,6 +133,7 @@ def stack_factory() -> Iterator[Callable[..., Stack]]:
             assert scheduler.app.service is not None
             service = scheduler.app.service
         stack = Stack(registry, scheduler, url, service)
+        stack.app = app
         exits.callback(stack.close)  # sims stop first (LIFO)
         return stack
 

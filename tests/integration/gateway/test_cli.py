@@ -43,6 +43,8 @@ def test_gateway_command_serves_and_shuts_down_cleanly(
             assert r.status_code == 200
             next(r.iter_raw())
             assert stack.scheduler_inflight() == 1
+            # The first token is prefill's: the stream is open at decode once decode has it.
+            wait_for(lambda: len(sims[1].records()) == 2, 5, "decode to have the stream")
             proc.send_signal(signal.SIGINT)
             assert proc.wait(10) == 0
         wait_for(lambda: stack.scheduler_inflight() == 0, 2, "the open stream to be released")

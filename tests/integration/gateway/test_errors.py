@@ -102,17 +102,6 @@ def test_unreachable_prefill_is_retried_on_another_pair(stack: Stack) -> None:
     wait_for(lambda: stack.scheduler_inflight() == 0, what="in-flight count back to 0")
 
 
-def _releases(stack: Stack) -> dict[str, float]:
-    """The scheduler's Release count by outcome."""
-    out: dict[str, float] = {}
-    for metric in stack.service.metrics.registry.collect():
-        if metric.name == "pdplane_scheduler_releases":
-            for sample in metric.samples:
-                if sample.name.endswith("_total") and sample.value:
-                    out[sample.labels["outcome"]] = sample.value
-    return out
-
-
 @pytest.mark.parametrize("first_token", ["prefill", "decode"])
 def test_decodes_error_event_before_done_is_released_failed(
     stack_factory: Callable[..., Stack], first_token: str
@@ -133,4 +122,4 @@ def test_decodes_error_event_before_done_is_released_failed(
     assert b"KV load failed" in events[-2] and events[-1] == b"data: [DONE]"
     assert decode[0].records()[0]["kv"]["result"].startswith("failed")
     wait_for(lambda: stack.scheduler_inflight() == 0, what="in-flight count back to 0")
-    wait_for(lambda: _releases(stack) == {"failed": 1.0}, what="released failed")
+    wait_for(lambda: stack.releases() == {"failed": 1.0}, what="released failed")

@@ -4,6 +4,7 @@ the usual path, and a request that ends at its first token never reaches decode.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from typing import Any
@@ -11,25 +12,21 @@ from typing import Any
 import httpx
 import pytest
 
+from pdplane.registry.client import RegistrationClient
+from pdplane.sim.profiles import CostModel
 from pdplane.sim.testing import expected_text
 from pdplane.sim.tokens import WordTokenizer
+from pdplane.v1 import instance_pb2
 from tests.integration.gateway.conftest import MODEL, Stack, wait_for
 
 PROMPT = "The prefill instance computes the first token"
 
 
 def _stream(url: str, body: dict[str, Any]) -> tuple[list[float], str]:
-    """(arrival time of each event, s since the request, the joined text) of one stream."""
-    stamps: list[float] = []
-    text: list[str] = []
-    start = time.perf_counter()
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as r:
-        assert r.status_code == 200, r.read()
-        for line in r.iter_lines():
-            if line.startswith("data: {"):
-                stamps.append(time.perf_counter() - start)
-                text.append(httpx.Response(200, content=line[6:]).json()["choices"][0]["text"])
-    return stamps, "".join(text)
+    """(arrival time of each token event, s since the request, the joined text) of one
+    stream."""
+    stamps, events = _events(url, body)
+    return [t for t, e in zip(stamps, events, strict=True) if e != b"data: [DONE]"], _text(events)
 
 
 @pytest.mark.parametrize("embedded", [False, True], ids=["remote", "embedded"])
@@ -190,3 +187,133 @@ def test_max_tokens_over_the_model_length_gets_decodes_own_400(
     assert f"{name}=65 cannot be greater than max_model_len=64" in r.json()["error"]["message"]
     wait_for(lambda: sims[0].held_transfers() == [], what="prefill's KV freed")
     wait_for(lambda: stack.scheduler_inflight() == 0, what="in-flight count back to 0")
+
+
+def _events(url: str, body: dict[str, Any]) -> tuple[list[float], list[bytes]]:
+    """(arrival time of each event, s since the request; the events) of one stream."""
+    stamps: list[float] = []
+    events: list[bytes] = []
+    start = time.perf_counter()
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                stamps.append(time.perf_counter() - start)
+                events.append(line.encode())
+    return stamps, events
+
+
+def _text(events: list[bytes]) -> str:
+    chunks = [json.loads(e[6:]) for e in events if e.startswith(b"data: {")]
+    assert all("error" not in c for c in chunks), chunks
+    return "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+
+
+@pytest.mark.parametrize("embedded", [False, True], ids=["remote", "embedded"])
+def test_the_first_token_does_not_wait_for_decodes_answer(
+    stack_factory: Callable[..., Stack], embedded: bool
+) -> None:
+    # Decode's API server takes 500 ms before the request is in its engine (and its stream's
+    # headers go out): the first token, prefill's, must not wait for them.
+    stack = stack_factory(embedded=embedded)
+    prefill = stack.sims(["prefill"], itl_ms=1)
+    decode = stack.sims(["decode"], cost=CostModel(step_ms=1.0, request_ms=500.0))
+    stack.wait_ready(prefill)
+    stack.wait_ready(decode)
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "stream": True}
+    stamps, events = _events(stack.url, body)
+    assert _text(events) == expected_text(PROMPT, 0, 4) and events[-1] == b"data: [DONE]"
+    # the second token comes from decode, >= 500 ms after its request; the first before it
+    assert stamps[1] - stamps[0] > 0.4
+    wait_for(lambda: stack.scheduler_inflight() == 0, what="in-flight count back to 0")
+    assert prefill[0].held_transfers() == []
+
+
+def test_an_unreachable_decode_is_replaced_after_the_first_token(
+    stack_factory: Callable[..., Stack], free_port: Callable[[], int]
+) -> None:
+    # A decode that is registered but refuses connections (it died; its lease has not run
+    # out): the first token already reached the client, so another decode takes over,
+    # computing the whole prompt itself, and the stream goes on as one instance's would.
+    stack = stack_factory()
+    sims = stack.sims(["prefill", "decode"], itl_ms=1)
+    stack.wait_ready(sims)
+    dead = instance_pb2.InstanceSpec()
+    dead.CopyFrom(sims[1].instance.spec())
+    dead.instance_id, dead.url = "a-dead-decode", f"http://127.0.0.1:{free_port()}"
+    client = RegistrationClient(stack.registry, dead, instance_pb2.LoadReport)
+    client.start()
+    try:
+        assert client.wait_registered(5.0), client.last_error
+        wait_for(
+            lambda: (
+                "a-dead-decode" in {c.instance_id for c in stack.service.view.candidates(MODEL)}
+            ),
+            what="the scheduler to see the dead decode",
+        )
+        # decode is chosen by load, ties in turn: within a few requests the dead one is picked
+        for i in range(6):
+            prompt = f"{PROMPT} {i}"
+            body = {"model": MODEL, "prompt": prompt, "max_tokens": 5, "stream": True}
+            _, events = _events(stack.url, body)
+            assert _text(events) == expected_text(prompt, 0, 5)
+            assert events[-1] == b"data: [DONE]"
+            takeovers = [r for r in sims[1].records() if "kv_transfer_params" not in r["body"]]
+            if takeovers:
+                break
+        else:
+            pytest.fail("the dead decode was never chosen")
+        (taken,) = takeovers
+        prompt_ids = WordTokenizer().encode(prompt)
+        assert taken["body"]["prompt"][:-1] == prompt_ids and taken["body"]["max_tokens"] == 4
+        # prefill's KV of that request was freed, not left for a pull that never comes
+        (held,) = [r for r in sims[0].records() if r["body"]["prompt"] == prompt]
+        transfer_id = held["kv"]["transfer_id"]
+        wait_for(lambda: any(f["transfer_id"] == transfer_id for f in sims[0].freed_transfers()))
+        wait_for(lambda: sims[0].held_transfers() == [], what="prefill's KV freed")
+        wait_for(lambda: stack.scheduler_inflight() == 0, what="in-flight count back to 0")
+        metrics = httpx.get(f"{stack.url}/metrics").text
+        assert 'pdplane_gateway_retries_total{side="decode"} 1.0' in metrics
+        releases = stack.releases()
+        assert releases["failed"] == 1 and releases["success"] == i + 1
+    finally:
+        client.stop()
+
+
+def test_a_decode_error_after_the_first_token_ends_the_stream_with_it(
+    stack_factory: Callable[..., Stack],
+) -> None:
+    stack = stack_factory()
+    sims = stack.sims(["prefill", "decode"], itl_ms=1)
+    stack.wait_ready(sims)
+    sims[1].set_faults(fail_mode="http500", fail_next=1)
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 5, "stream": True}
+    _, events = _events(stack.url, body)
+    assert len(events) == 2 and b"[DONE]" not in events[-1]
+    assert _text(events[:1]) == expected_text(PROMPT, 0, 1)
+    error = json.loads(events[1][6:])["error"]
+    assert error["code"] == 502 and sims[1].instance_id in error["message"]
+    assert "500" in error["message"]
+    wait_for(lambda: sims[0].held_transfers() == [], what="prefill's KV freed")
+    wait_for(lambda: stack.scheduler_inflight() == 0, what="in-flight count back to 0")
+    wait_for(lambda: stack.releases() == {"failed": 1.0}, what="released failed")
+
+
+def test_a_client_leaving_before_decode_answered_frees_everything(
+    stack_factory: Callable[..., Stack],
+) -> None:
+    stack = stack_factory()
+    prefill = stack.sims(["prefill"], itl_ms=1)
+    decode = stack.sims(["decode"], cost=CostModel(step_ms=1.0, request_ms=2000.0))
+    stack.wait_ready(prefill)
+    stack.wait_ready(decode)
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 5, "stream": True}
+    with httpx.stream("POST", f"{stack.url}/v1/completions", json=body, timeout=30) as r:
+        lines = r.iter_lines()  # kept: a dropped iterator closes the response
+        assert next(lines).startswith("data: {")  # the first token
+        # decode was asked (it is 2 s from answering); then the client leaves
+        wait_for(lambda: decode[0].records() != [], what="decode asked")
+    wait_for(lambda: prefill[0].held_transfers() == [], what="prefill's KV freed")
+    wait_for(lambda: stack.scheduler_inflight() == 0, what="in-flight count back to 0")
+    wait_for(lambda: stack.releases() == {"cancelled": 1.0}, what="released cancelled")
+    wait_for(lambda: decode[0].records()[0]["cancelled"], what="decode's request cancelled")

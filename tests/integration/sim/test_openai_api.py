@@ -8,6 +8,8 @@ import time
 
 import httpx
 import pytest
+from aiohttp import web
+from aiohttp.client_exceptions import ClientConnectionResetError
 
 from pdplane.sim.testing import running_sims
 from tests.integration.sim.helpers import wait_for
@@ -143,6 +145,26 @@ def test_client_disconnect_mid_stream_is_recorded() -> None:
             next(r.iter_bytes())
         record = wait_for(lambda: [x for x in sims[0].records() if x["finished"]])[0]
         assert record["cancelled"] and record["tokens_sent"] < 200
+
+
+def test_client_gone_before_the_stream_headers_is_recorded_cancelled(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # aiohttp cancels the handler of a client that left, but a handler that resumed first
+    # finds it at its next write: here the stream's headers (the race CI once lost).
+    async def gone(self: web.StreamResponse, request: web.BaseRequest) -> None:
+        raise ClientConnectionResetError("Cannot write to closing transport")
+
+    with running_sims("decode") as sims:
+        monkeypatch.setattr(web.StreamResponse, "prepare", gone)
+        body = {**CHAT, "max_tokens": 5, "stream": True}
+        with pytest.raises(httpx.HTTPError):
+            httpx.post(sims.urls[0] + "/v1/chat/completions", json=body, timeout=2)
+        monkeypatch.undo()
+        record = wait_for(lambda: [x for x in sims[0].records() if x["finished"]])[0]
+        assert record["cancelled"] and record["tokens_sent"] == 0
+        state = httpx.get(sims.urls[0] + "/sim/state").json()
+        assert state["load"]["num_running"] == 0 and state["load"]["num_waiting"] == 0
 
 
 async def test_queued_request_counts_as_waiting_until_a_slot_frees() -> None:

@@ -14,6 +14,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 from bench.routing import preset_points, run_point
+from tests.integration.sim.helpers import assert_sims_kept_up
 
 
 @pytest.mark.timeout(600)
@@ -23,6 +24,7 @@ def test_random_decode_choice_piles_up_and_least_loaded_stays_balanced(tmp_path:
         p.row: run_point(p, tmp_path / p.row.replace(":", "-"))
         for p in preset_points("seed-1p7d-mini", rows)
     }
+    assert_sims_kept_up(got)
     rnd, ll = got["seed-proxy:random"], got["pdplane:least_loaded"]
     for r in (rnd, ll):
         assert r["ok"] > 0.5 * r["requests"], r

@@ -22,6 +22,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 from bench.routing import preset_points, run_point
+from tests.integration.sim.helpers import assert_sims_kept_up
 
 
 @pytest.mark.timeout(300)
@@ -30,6 +31,7 @@ def test_kv_aware_reuses_cached_prefixes_and_round_robin_does_not(tmp_path: Path
         p.row: run_point(p, tmp_path / p.row.replace(":", "-"))
         for p in preset_points("shared-prefix-mini")
     }
+    assert_sims_kept_up(got)
     kv, rr = got["pdplane:kv_aware"], got["pdplane:round_robin"]
     for r in (kv, rr):
         assert r["ok"] == r["requests"] > 0, r

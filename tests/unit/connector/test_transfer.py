@@ -169,6 +169,40 @@ def test_pull_after_complete_is_refused_and_hold_reported_once(prefill: Prefill,
     pool.close()
 
 
+def test_pull_after_abort_says_why_the_hold_ended(prefill: Prefill, layout) -> None:
+    # A client gone right after its first token: the gateway aborts prefill's hold while
+    # decode is about to pull. Decode's log should say so, not just "not held".
+    prefill.holds.add("req-p", "t1", [6, 3], 60)
+    pool = PeerPool()
+    peer = pool.get(prefill.endpoint)
+    reply = peer.stub(kv_transfer_pb2_grpc.KvTransferStub).AbortTransfer(
+        kv_transfer_pb2.AbortTransferRequest(transfer_id="t1", reason="cancelled" + "x" * 5000),
+        timeout=5,
+    )
+    assert reply.freed
+    transport, _ = _decoder()
+    with pytest.raises(TransferError) as info:
+        transport.pull(peer, _request(layout))
+    pool.close()
+    assert info.value.code == grpc.StatusCode.NOT_FOUND
+    assert "transfer t1 is not held: aborted: cancelledxxx" in str(info.value)
+    assert len(str(info.value)) < 600  # the gateway's reason is bounded in the message
+    assert len(prefill.holds.ended["t1"]) < 300  # and where it is kept
+
+
+def test_pull_of_an_unknown_long_transfer_id_is_answered_bounded(prefill: Prefill, layout) -> None:
+    transport, _ = _decoder()
+    pool = PeerPool()
+    with pytest.raises(TransferError) as info:
+        transport.pull(pool.get(prefill.endpoint), _request(layout, "t" * 5000))
+    pool.close()
+    assert info.value.code == grpc.StatusCode.NOT_FOUND
+    # Prefill's answer (after decode's own "PullBlocks <id> from <endpoint>: <code>: ") quotes
+    # at most 200 characters of the id.
+    answer = str(info.value).split("NOT_FOUND: ", 1)[1]
+    assert answer == f"transfer {'t' * 200} is not held: unknown, expired or freed"
+
+
 def test_token_is_required_when_configured(secured_prefill: Prefill, layout) -> None:
     secured_prefill.holds.add("req-p", "t1", [6, 3, 4], 60)
     transport, caches = _decoder()

@@ -124,11 +124,11 @@ def _byte_level_tokenizer() -> Any:
     return tok
 
 
-def test_a_first_token_that_starts_a_character_takes_the_usual_path() -> None:
+def test_a_first_token_that_starts_a_character_is_held_until_the_character_ends() -> None:
     # vLLM's detokenizer holds back a token that ends inside a UTF-8 character: prefill's
     # text is "". Decode's detokenizer, primed with a prompt that ends inside that
     # character (`DecodeStream(ids=prompt)`, as vLLM 0.32 does), would emit the prompt's
-    # text again with the character: decode's text cannot continue such a first token.
+    # text again with the character: the character's text is rebuilt from token ids.
     from tokenizers.decoders import DecodeStream
 
     tok = _byte_level_tokenizer()
@@ -152,12 +152,112 @@ def test_a_first_token_that_starts_a_character_takes_the_usual_path() -> None:
         text: str = tok.decode(ids, skip_special_tokens=False)
         return text
 
-    assert not first.continuable(decode)  # the model's tokenizer: inside a character
+    assert first.continuable(decode) and first.inside_character(decode)
     assert not first.continuable(None)  # no tokenizer: no text is taken as that
+    assert not first.inside_character(None)
+    assert not _first().inside_character(decode)  # a token with text of its own
     # a first token that ends the request (EOS, skipped) needs no continuation
     ending = {**answer, "choices": [{**answer["choices"][0], "finish_reason": "stop"}]}
     stop = FirstToken.of(COMPLETIONS, ending)
     assert stop is not None and stop.continuable(None)
+
+
+def test_a_textless_first_token_after_a_prompt_inside_a_character_takes_the_usual_path() -> None:
+    # Token-id prompts may end inside a character: one instance's detokenizer then emits the
+    # prompt's bytes with the character's end, which decode's, primed further on, would not.
+    tok = _byte_level_tokenizer()
+    emoji = tok.encode("\U0001f600").ids
+    prompt = [*tok.encode("hello ").ids, emoji[0]]
+
+    def decode(ids: list[int]) -> str:
+        text: str = tok.decode(ids, skip_special_tokens=False)
+        return text
+
+    first = _first(prompt_token_ids=prompt, token_id=emoji[1], text="")
+    assert not first.continuable(decode)
+    assert _first(prompt_token_ids=prompt, text="x").continuable(decode)  # text of its own
+
+
+def _decode_stream(prompt: list[int], out: list[int], per_chunk: int = 1) -> bytes:
+    """What vLLM's decode streams for `out` after `prompt` (`return_token_ids`): its
+    detokenizer primed with the whole prompt, as vLLM 0.32's is; `per_chunk` tokens a chunk
+    (vLLM's API server merges the outputs of engine steps it has not sent yet)."""
+    from tokenizers.decoders import DecodeStream
+
+    tok = _byte_level_tokenizer()
+    stream = DecodeStream(ids=prompt, skip_special_tokens=True)
+    events = []
+    for i in range(0, len(out), per_chunk):
+        ids = out[i : i + per_chunk]
+        text = "".join(stream.step(tok, t) or "" for t in ids)
+        choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None,
+                                  "finish_reason": None, "stop_reason": None,
+                                  "token_ids": ids}  # fmt: skip
+        if i == 0:
+            choice["prompt_token_ids"] = prompt
+        if i + per_chunk >= len(out):
+            choice["finish_reason"] = "length"
+        obj = {"id": "cmpl-d", "object": "text_completion", "created": 1, "model": "m",
+               "choices": [choice], "usage": None}  # fmt: skip
+        events.append(b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n")
+    return b"".join(events) + b"data: [DONE]\n\n"
+
+
+#: A lead byte, a letter (the lead byte is invalid then: "\ufffdt"), two more lead bytes.
+_INVALID = ["\u00c3", "t", "\u00cc", "\u00cc"]
+
+
+@pytest.mark.parametrize("endpoint", [COMPLETIONS, CHAT])
+@pytest.mark.parametrize("per_chunk", [1, 2, 3])
+@pytest.mark.parametrize(
+    "whole", ["\U0001f600 hello", "\u00e9\u00e9 there", "\U0001f600", "invalid"]
+)
+def test_a_held_character_streams_as_one_instance_streams_it(
+    endpoint: Endpoint, per_chunk: int, whole: str
+) -> None:
+    from tokenizers.decoders import DecodeStream
+
+    tok = _byte_level_tokenizer()
+    prompt = tok.encode("hello ").ids
+    # "invalid": byte-level tokens by their symbols
+    out = [tok.token_to_id(t) for t in _INVALID] if whole == "invalid" else tok.encode(whole).ids
+    single = DecodeStream(ids=prompt, skip_special_tokens=True)
+    steps = [single.step(tok, t) or "" for t in out]
+    assert steps[0] == ""  # the first token ends inside a character
+    # the first token's chunk, then decode's chunks of `per_chunk` tokens
+    rest = steps[1:]
+    expected = [""] + ["".join(rest[i : i + per_chunk]) for i in range(0, len(rest), per_chunk)]
+
+    def decode(ids: list[int]) -> str:
+        text: str = tok.decode(ids, skip_special_tokens=False)
+        return text
+
+    first = _first(endpoint, prompt_token_ids=prompt, token_id=out[0], text="")
+    assert first.inside_character(decode)
+    splice = Splice(_req(endpoint), first, decode)
+    assert splice.token_ids
+    body = decode_body(_req(endpoint), first, KV, splice.token_ids)
+    assert json.loads(body)["return_token_ids"] is True
+    events = _events(splice.opening())
+    decode_events = _decode_stream([*prompt, out[0]], out[1:], per_chunk)
+    # one event at a time, or all at once: the same stream
+    cut = decode_events.index(b"\n\n") + 2
+    rewritten = splice.rewrite(decode_events[:cut]) + splice.rewrite(decode_events[cut:])
+    events += _events(rewritten)
+    texts = []
+    for e in events:
+        for c in e["choices"] if isinstance(e, dict) else ():
+            texts.append(c["text"] if endpoint == COMPLETIONS else c["delta"]["content"])
+            assert c.get("token_ids") is None and c.get("prompt_token_ids") is None
+    if endpoint == CHAT:
+        texts = texts[1:]  # the role chunk
+    assert texts == expected
+    assert b'token_ids":[' not in rewritten
+
+
+def test_decode_gets_no_token_ids_unless_a_character_is_held() -> None:
+    assert "return_token_ids" not in json.loads(decode_body(_req(COMPLETIONS), _first(), KV))
+    assert not Splice(_req(COMPLETIONS), _first()).token_ids
 
 
 def test_a_first_token_that_decodes_to_nothing_is_continued_when_the_tokenizer_says_so() -> None:
@@ -194,6 +294,9 @@ def test_decode_gets_prompt_ids_plus_the_token_and_one_token_less() -> None:
     # completions' default of 16, and chat's "up to the model's length"
     assert json.loads(decode_body(_req(COMPLETIONS), _first(), KV))["max_tokens"] == 15
     assert json.loads(decode_body(_req(CHAT), _first(CHAT), KV))["max_tokens"] is None
+    # a decode taking over without prefill's KV: the same body, no kv_transfer_params
+    without = json.loads(decode_body(req, _first(CHAT), None))
+    assert without == {k: v for k, v in body.items() if k != "kv_transfer_params"}
 
 
 def test_the_request_ends_at_prefill_on_a_stop_token_or_one_token_asked() -> None:
@@ -338,3 +441,83 @@ def test_a_request_ended_by_prefill_streams_one_token_then_usage_and_done(
     assert finish["finish_reason"] == "length"
     text = finish["text"] if endpoint == COMPLETIONS else finish["delta"]["content"]
     assert text == " Hello"
+
+
+def test_a_special_token_inside_a_held_character_is_skipped_as_one_instance_skips_it() -> None:
+    from tokenizers.decoders import DecodeStream
+
+    tok = _byte_level_tokenizer()
+    tok.add_special_tokens(["</s>"])
+    eos = tok.token_to_id("</s>")
+    prompt, emoji = tok.encode("hello ").ids, tok.encode("\U0001f600").ids
+    out = [emoji[0], eos]  # decode stops (EOS) with the character still open
+    single = DecodeStream(ids=prompt, skip_special_tokens=True)
+    assert [single.step(tok, t) or "" for t in out] == ["", ""]
+
+    def decode(ids: list[int]) -> str:  # the attempt's, with the client's default skip
+        text: str = tok.decode(ids, skip_special_tokens=True)
+        return text
+
+    first = _first(prompt_token_ids=prompt, token_id=out[0], text="")
+    splice = Splice(_req(COMPLETIONS), first, decode)
+    rewritten = _events(splice.rewrite(_decode_stream([*prompt, out[0]], out[1:])))
+    assert [c["text"] for e in rewritten if isinstance(e, dict) for c in e["choices"]] == [""]
+
+
+@pytest.mark.parametrize("per_chunk", [1, 4])
+@pytest.mark.parametrize("stop", ["eos", "stop_token_ids"])
+def test_a_stop_token_ending_a_held_character_is_left_out_of_its_text(
+    per_chunk: int, stop: str
+) -> None:
+    # vLLM's detokenizer leaves the stop token out of the text (unless
+    # include_stop_str_in_output), also when special tokens are not skipped.
+    tok = _byte_level_tokenizer()
+    tok.add_special_tokens(["</s>"])
+    eos = tok.token_to_id("</s>")
+    prompt, emoji = tok.encode("hello ").ids, tok.encode("\U0001f600").ids
+    out = [*emoji, eos] if per_chunk > 1 else [emoji[0], eos]
+
+    def decode(ids: list[int]) -> str:  # skip_special_tokens: false
+        text: str = tok.decode(ids, skip_special_tokens=False)
+        return text
+
+    extra = {"skip_special_tokens": False}
+    if stop == "stop_token_ids":
+        extra["stop_token_ids"] = [eos]  # type: ignore[assignment]
+    first = _first(prompt_token_ids=prompt, token_id=out[0], text="")
+    events = _decode_stream([*prompt, out[0]], out[1:], per_chunk).replace(
+        b'"finish_reason":"length","stop_reason":null',
+        b'"finish_reason":"stop","stop_reason":'
+        + (b"null" if stop == "eos" else str(eos).encode()),
+    )
+    splice = Splice(_req(COMPLETIONS, **extra), first, decode)
+    got = [c["text"] for e in _events(splice.rewrite(events)) if isinstance(e, dict)
+           for c in e["choices"]]  # fmt: skip
+    assert "".join(got) == ("" if per_chunk == 1 else "\U0001f600")
+    # with include_stop_str_in_output the stop token's text is the client's
+    kept = Splice(_req(COMPLETIONS, include_stop_str_in_output=True, **extra), first, decode)
+    got = [c["text"] for e in _events(kept.rewrite(events)) if isinstance(e, dict)
+           for c in e["choices"]]  # fmt: skip
+    assert "".join(got).endswith("</s>")
+
+
+def test_a_special_token_after_a_prompts_open_character_is_seen_as_the_client_sees_it() -> None:
+    # "hi", the first byte of an emoji, then a special token: kept, the prompt ends on the
+    # special token; skipped (the client's default), it ends inside the character.
+    tok = _byte_level_tokenizer()
+    tok.add_special_tokens(["<|assistant|>"])
+    special = tok.token_to_id("<|assistant|>")
+    emoji = tok.encode("\U0001f600").ids
+    prompt = [*tok.encode("hi").ids, emoji[0], special]
+
+    def kept(ids: list[int]) -> str:
+        text: str = tok.decode(ids, skip_special_tokens=False)
+        return text
+
+    def skipped(ids: list[int]) -> str:
+        text: str = tok.decode(ids, skip_special_tokens=True)
+        return text
+
+    first = _first(prompt_token_ids=prompt, token_id=emoji[1], text="")
+    assert first.continuable(kept)  # special tokens kept by the client too
+    assert not first.continuable(kept, skipped)

@@ -64,3 +64,28 @@ async def test_client_leaving_during_schedule_releases_and_counts_a_cancellation
         await aborter.close()
     assert sched.log == [("schedule", []), ("release", "cancelled")]
     assert metrics.cancellations._value.get() == 1
+
+
+async def test_first_tokens_are_counted_once_per_request_not_per_attempt(serve: Serve) -> None:
+    # Prefill answers without token ids (the first token then comes from decode); the first
+    # decode cannot be reached, so the request is retried on another pair: one request, one
+    # count.
+    prefill, decode = await serve(good_prefill), await serve(sse_decode)
+    sched = FakeScheduler([(prefill, "http://127.0.0.1:1"), (prefill, decode)])
+    upstream, aborter, metrics = UpstreamClient(), KvAborter(timeout_s=0.5), GatewayMetrics()
+    relay = Relay(sched, upstream, aborter, metrics, RelayConfig(first_token="prefill"))
+    raw = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 3, "stream": True}).encode()
+    try:
+        reply = await relay.handle(parse_request(COMPLETIONS, raw), "r1", time.perf_counter(), 0)
+        assert isinstance(reply, StreamReply)
+        assert b"".join([c async for c in reply.chunks]).endswith(b"data: [DONE]\n\n")
+        await relay.drain()
+    finally:
+        await upstream.close()
+        await aborter.close()
+    assert [entry for entry in sched.log if entry[0] == "schedule"] == [
+        ("schedule", []),
+        ("schedule", ["d"]),
+    ]
+    assert metrics.first_from_decode._value.get() == 1
+    assert metrics.first_from_prefill._value.get() == 0

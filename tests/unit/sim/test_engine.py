@@ -54,6 +54,19 @@ def test_a_long_prompt_is_chunked_and_decodes_keep_running_between_chunks() -> N
     assert engine.stats.preemptions == 0
 
 
+def test_requests_record_the_step_they_queued_at_and_the_step_of_their_first_token() -> None:
+    # 512-token budget: a 2000-token prompt takes steps 1-4 (the 4th has 48 tokens to
+    # spare), one queued with it takes those 48 and 1952 more in steps 5-8; one queued after
+    # step 8 starts from the next step.
+    engine = core(max_num_batched_tokens=512, block_size=16, num_blocks=4096)
+    a, b = req("a", 2000, 1), req("b", 2000, 1, base=10_000)
+    c = req("c", 600, 1, base=20_000)
+    run_offline(engine, [(0.0, a), (0.0, b), (1.0, c)])  # 1 s: long after step 8 (~50 ms)
+    assert (a.queued_step, a.first_token_step) == (0, 4)
+    assert (b.queued_step, b.first_token_step) == (0, 8)
+    assert (c.queued_step, c.first_token_step) == (8, 10)
+
+
 def test_max_num_seqs_queues_the_rest_first_come_first_served() -> None:
     engine = core(max_num_seqs=2)
     reqs = [req(f"r{i}", 8, 5, base=100 * i) for i in range(3)]
