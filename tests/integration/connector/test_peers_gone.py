@@ -132,8 +132,10 @@ def test_a_killed_prefill_is_dropped_within_the_lease_ttl(
     _until(lambda: buffer.headroom_bytes < buffer.capacity_bytes, 5, "the pushed KV")
     caplog.set_level(logging.WARNING, logger="pdplane.connector.worker_side")
     beats.kill()
-    took = _until(lambda: decode.peers_gone == 1, TTL_MS / 1000 + 2, "p0 dropped")
-    assert took < TTL_MS / 1000 + 1.0  # the lease TTL, plus the registry's expiry check
+    took = _until(lambda: decode.peers_gone == 1, TTL_MS / 1000 + 3, "p0 dropped")
+    # The lease TTL, plus the registry's expiry check, the watch event and the follower's
+    # reaction, all in this one process on a busy host: not the gRPC timeouts of a next pull.
+    assert took < TTL_MS / 1000 + 1.5
     assert len(decode.peers) == 0  # channel closed
     assert buffer.headroom_bytes == buffer.capacity_bytes  # its push freed
     assert any("peer p0 left the registry" in r.message for r in caplog.records)

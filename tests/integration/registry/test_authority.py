@@ -14,6 +14,7 @@ import pytest
 
 from pdplane.core import grpc_util
 from pdplane.registry.client import RegistrationClient
+from pdplane.registry.registration import _HELD_RETRY_S
 from pdplane.v1 import instance_pb2, registry_pb2, registry_pb2_grpc
 from tests.integration.registry.conftest import WatchRecorder, wait_until
 from tests.integration.registry.fixtures import make_spec, running_registry
@@ -179,11 +180,13 @@ def test_a_restarted_instance_registers_again_by_itself_once_its_lease_expired(
     spec = make_spec("decode-1", instance_pb2.ROLE_DECODE)
     old = registry_pb2.RegisterRequest(spec=spec, lease_ttl_ms=1000)
     stub.Register(old, metadata=_as(TOKEN), timeout=5)
-    # Its restart (same id, same spec, no lease id) is back within ~2 s of the expiry.
+    # Its restart (same id, same spec, no lease id) is refused while the old lease holds
+    # the id and retried every _HELD_RETRY_S: back within a few retries of the expiry (each
+    # retry also pays its own RPC, and on etcd the delete must reach the view first).
     client = RegistrationClient(address, spec, token=TOKEN)
     client.start()
     try:
-        assert client.wait_registered(timeout=1.0 + 2.5), client.last_error
+        assert client.wait_registered(timeout=1.0 + 3 * _HELD_RETRY_S + 0.5), client.last_error
         assert _beat(stub, "decode-1", client.lease_id) > 0
     finally:
         client.stop()
