@@ -27,7 +27,7 @@ async def _first_success_s(client: RemoteScheduler, start: float, limit_s: float
     return float("inf")
 
 
-async def test_reconnects_within_a_second_and_reports_unreachable_meanwhile(
+async def test_reconnects_within_one_capped_backoff_and_reports_unreachable_meanwhile(
     fleet: Fleet, free_port: Callable[[], int]
 ) -> None:
     fleet.add("p0", "prefill")

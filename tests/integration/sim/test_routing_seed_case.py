@@ -36,9 +36,9 @@ def test_random_decode_choice_piles_up_and_least_loaded_stays_balanced(tmp_path:
     # the report was taken. How many depends on the host's timing, not on the policy alone:
     # 0-6 of 1,016 measured here (0 with two CPU hogs beside it), 13 once on a CI host whose
     # sims kept up (lag < 0.1); random's 60-74 quiet, 431 busy. So the bound is against
-    # random's in the same run, not an absolute count.
+    # random's in the same run (half or fewer; 12x fewer quiet), not an absolute count.
     assert ll["decode_kv_max_over_mean"] <= 1.15, ll
-    assert 3 * ll["push_refused"] <= rnd["push_refused"], (rnd, ll)
+    assert 2 * ll["push_refused"] <= rnd["push_refused"], (rnd, ll)
     # random: the pile-up of the seed's report, seen in the waiting queues and in what
     # overflowed or was preempted. Not in KV max/mean: random fills every decode's KV cache to
     # ~90 %+, so the ratio is squeezed towards 1 (1.03-1.08 measured) and its order against
