@@ -50,6 +50,7 @@ from pdplane.registry.store import (
     StoreUnavailableError,
     Subscription,
     check_replace,
+    granted_lease_id,
 )
 from pdplane.v1 import instance_pb2, registry_store_pb2
 
@@ -269,8 +270,9 @@ class EtcdStore:
         ttl_ms: int,
         lease_id: str = "",
         admin: bool = False,
+        request_id: str = "",
     ) -> LeaseGrant:
-        return self._run(self._register(spec, ttl_ms, lease_id, admin))
+        return self._run(self._register(spec, ttl_ms, lease_id, admin, request_id))
 
     async def aregister(
         self,
@@ -278,8 +280,9 @@ class EtcdStore:
         ttl_ms: int,
         lease_id: str = "",
         admin: bool = False,
+        request_id: str = "",
     ) -> LeaseGrant:
-        return await self._hop(self._register(spec, ttl_ms, lease_id, admin))
+        return await self._hop(self._register(spec, ttl_ms, lease_id, admin, request_id))
 
     def _expired_here(self, instance_id: str) -> bool:
         """True when this replica holds `instance_id` and its lease deadline passed (the
@@ -289,16 +292,20 @@ class EtcdStore:
         return owned is not None and owned.deadline <= time.monotonic()
 
     async def _register(
-        self, spec: instance_pb2.InstanceSpec, ttl_ms: int, lease_id: str, admin: bool
+        self,
+        spec: instance_pb2.InstanceSpec,
+        ttl_ms: int,
+        lease_id: str,
+        admin: bool,
+        request_id: str,
     ) -> LeaseGrant:
         ttl_ms, interval_ms = self.policy.grant(ttl_ms)
         key = self._key("instances/", spec.instance_id)
+        granted = granted_lease_id(spec.instance_id, request_id)
         for _ in range(_CAS_TRIES):
             kv = await self._get(key)
             now_ns = time.time_ns()
-            instance = instance_pb2.Instance(
-                spec=spec, state=_SERVING, lease_id=secrets.token_hex(8)
-            )
+            instance = instance_pb2.Instance(spec=spec, state=_SERVING, lease_id=granted)
             instance.last_heartbeat.FromNanoseconds(now_ns)
             if kv is None:
                 instance.registered_at.FromNanoseconds(now_ns)
@@ -307,7 +314,7 @@ class EtcdStore:
                 old = registry_store_pb2.StoredInstance.FromString(kv.value).instance
                 expired = self._expired_here(spec.instance_id)
                 if not expired:
-                    check_replace(old, spec, lease_id, admin)
+                    check_replace(old, spec, lease_id, admin, granted if request_id else "")
                     instance.registered_at.CopyFrom(old.registered_at)
                     instance.load.CopyFrom(old.load)
                 else:

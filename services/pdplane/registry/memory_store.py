@@ -7,7 +7,6 @@ revision is then still larger than anything they hold).
 
 from __future__ import annotations
 
-import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ from pdplane.registry.store import (
     NotFoundError,
     Subscription,
     check_replace,
+    granted_lease_id,
 )
 from pdplane.registry.watch_hub import WatchHub, filter_instances
 from pdplane.v1 import instance_pb2, registry_pb2
@@ -106,16 +106,16 @@ class InMemoryStore:
         ttl_ms: int,
         lease_id: str = "",
         admin: bool = False,
+        request_id: str = "",
     ) -> LeaseGrant:
         ttl_ms, interval_ms = self.policy.grant(ttl_ms)
         now, now_ns = self._clock(), time.time_ns()
+        granted = granted_lease_id(spec.instance_id, request_id)
         with self.lock:
             old = self._live(spec.instance_id, now)
             if old is not None:
-                check_replace(old.instance, spec, lease_id, admin)
-            instance = instance_pb2.Instance(
-                spec=spec, state=_SERVING, lease_id=secrets.token_hex(8)
-            )
+                check_replace(old.instance, spec, lease_id, admin, granted if request_id else "")
+            instance = instance_pb2.Instance(spec=spec, state=_SERVING, lease_id=granted)
             if old is None:
                 instance.registered_at.FromNanoseconds(now_ns)
             else:
@@ -223,8 +223,10 @@ class InMemoryStore:
         ttl_ms: int,
         lease_id: str = "",
         admin: bool = False,
+        request_id: str = "",
     ) -> LeaseGrant:
-        return self.register(spec, ttl_ms, lease_id, admin)  # never blocks: one lock, no I/O
+        # Never blocks: one lock, no I/O.
+        return self.register(spec, ttl_ms, lease_id, admin, request_id)
 
     async def aheartbeat(
         self, instance_id: str, lease_id: str, load: instance_pb2.LoadReport

@@ -10,6 +10,7 @@ instance (one request and one answer a second, no per-call setup); a registry wi
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
 from collections import deque
@@ -61,6 +62,8 @@ class RegistrationClient:
     `start()` returns at once; a daemon thread registers, then heartbeats at the interval the
     registry grants. On NOT_FOUND (lease unknown, e.g. the registry restarted) it registers
     again at once; while the registry is unreachable it retries with backoff (0.1 s .. 0.5 s).
+    A Register retried after its deadline carries the same request id and is granted the lease
+    the registry had granted the call whose answer was lost.
     """
 
     def __init__(
@@ -84,6 +87,7 @@ class RegistrationClient:
         self._call: grpc.Call | None = None
         self._lock = threading.Lock()
         self._lease_id = ""
+        self._request_id = secrets.token_hex(16)  # of the next Register (registry.proto)
         self._interval_s = 1.0
         self._state: instance_pb2.InstanceState.ValueType = instance_pb2.INSTANCE_STATE_UNSPECIFIED
         self._registered = threading.Event()
@@ -288,7 +292,11 @@ class RegistrationClient:
         return self._last_load
 
     def _register(self) -> None:
-        request = registry_pb2.RegisterRequest(spec=self._spec, lease_ttl_ms=self._lease_ttl_ms)
+        # The same request_id until a lease is granted: a retry of a Register whose answer was
+        # lost (its deadline passed) is granted the lease the registry gave the lost one.
+        request = registry_pb2.RegisterRequest(
+            spec=self._spec, lease_ttl_ms=self._lease_ttl_ms, request_id=self._request_id
+        )
         response = self._endpoints.stub.Register(
             request,
             timeout=_RPC_TIMEOUT_S,
@@ -297,6 +305,7 @@ class RegistrationClient:
         )
         with self._lock:
             self._lease_id = response.lease_id
+            self._request_id = secrets.token_hex(16)  # the next registration is a new one
             self._interval_s = max(response.heartbeat_interval_ms, 10) / 1000.0
             self._state = instance_pb2.INSTANCE_STATE_SERVING
             self.registrations += 1

@@ -32,6 +32,9 @@ __all__ = ["SERVICE_NAME", "AioRegistryServicer", "RegistryServicer", "public"]
 SERVICE_NAME = "pdplane.v1.Registry"
 #: Longest lease a client may ask for (ms); anything above is a mistake, not a wish.
 MAX_REQUESTED_TTL_MS = 3_600_000
+#: Bounds of a Register's request_id (characters): long enough to be unguessable when random
+#: (32 hex digits = 128 bits), short enough to bound what the registry hashes.
+MIN_REQUEST_ID, MAX_REQUEST_ID = 16, 128
 
 _R = TypeVar("_R")
 _Event = registry_pb2.WatchEvent
@@ -85,6 +88,12 @@ def _check_register(request: registry_pb2.RegisterRequest) -> None:
     if request.lease_ttl_ms > MAX_REQUESTED_TTL_MS:
         raise ValidationError(
             "lease_ttl_ms", f"must be at most {MAX_REQUESTED_TTL_MS}, got {request.lease_ttl_ms}"
+        )
+    size = len(request.request_id)
+    if size and not MIN_REQUEST_ID <= size <= MAX_REQUEST_ID:
+        raise ValidationError(
+            "request_id",
+            f"must be {MIN_REQUEST_ID}-{MAX_REQUEST_ID} characters (a random id), got {size}",
         )
 
 
@@ -222,7 +231,13 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
             _check_register(request)
             admin = self._policy.is_admin(context)
             return _registered(
-                self._store.register(request.spec, request.lease_ttl_ms, request.lease_id, admin)
+                self._store.register(
+                    request.spec,
+                    request.lease_ttl_ms,
+                    request.lease_id,
+                    admin,
+                    request.request_id,
+                )
             )
 
         return _call(context, registry_pb2.RegisterResponse(), run)
@@ -334,7 +349,7 @@ class AioRegistryServicer(RegistryServicer):
             _check_register(request)
             admin = self._policy.is_admin(context)
             grant = await self._store.aregister(
-                request.spec, request.lease_ttl_ms, request.lease_id, admin
+                request.spec, request.lease_ttl_ms, request.lease_id, admin, request.request_id
             )
             return _registered(grant)
 

@@ -12,7 +12,9 @@ asyncio servicer awaits (never blocks its loop).
 
 from __future__ import annotations
 
+import hashlib
 import hmac
+import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -30,6 +32,7 @@ __all__ = [
     "StoreUnavailableError",
     "Subscription",
     "check_replace",
+    "granted_lease_id",
 ]
 
 
@@ -46,22 +49,42 @@ class AlreadyExistsError(StoreError):
     prove it holds that lease."""
 
 
+def granted_lease_id(instance_id: str, request_id: str) -> str:
+    """The lease id a Register grants (16 hex digits, 64 bits): random without a
+    `request_id`; with one, derived from it (SHA-256 of the instance id and the request id), so
+    that a retry of the same Register is granted the same lease (registry.proto,
+    `RegisterRequest.request_id`; Google AIP-155). The request id is as secret as the lease:
+    only its sender knows either."""
+    if not request_id:
+        return secrets.token_hex(8)
+    digest = hashlib.sha256(f"pdplane-lease\0{instance_id}\0{request_id}".encode())
+    return digest.hexdigest()[:16]
+
+
 def check_replace(
-    old: instance_pb2.Instance, spec: instance_pb2.InstanceSpec, lease_id: str, admin: bool
+    old: instance_pb2.Instance,
+    spec: instance_pb2.InstanceSpec,
+    lease_id: str,
+    admin: bool,
+    granted: str = "",
 ) -> None:
     """Raises AlreadyExistsError unless `spec` may replace `old`, which holds a live lease.
 
     The spec must be identical, and the caller must prove it is the holder: `lease_id` is
-    `old`'s live lease id, or `admin` (the admin token). Without that proof a holder of the
-    shared token could copy a spec from ListInstances and take the instance's lease (and its
-    traffic). A restarted instance re-registers without proof once its old lease expired.
+    `old`'s live lease id, or `granted` (the lease this Register would grant, derived from its
+    request id) is, which makes it a retry of the Register that took `old`'s lease, or `admin`
+    (the admin token). Without that proof a holder of the shared token could copy a spec from
+    ListInstances and take the instance's lease (and its traffic). A restarted instance
+    re-registers without proof once its old lease expired.
     """
     if old.spec != spec:
         raise AlreadyExistsError(
             f"spec.instance_id: {echo(spec.instance_id)} is held by a live lease with a "
             "different spec"
         )
-    if not admin and not hmac.compare_digest(old.lease_id.encode(), lease_id.encode()):
+    held = old.lease_id.encode()
+    retry = bool(granted) and hmac.compare_digest(held, granted.encode())
+    if not admin and not retry and not hmac.compare_digest(held, lease_id.encode()):
         raise AlreadyExistsError(
             f"spec.instance_id: {echo(spec.instance_id)} is held by a live lease: re-registering "
             "it needs that lease_id or the admin token (a restarted instance registers again "
@@ -131,11 +154,13 @@ class InstanceStore(Protocol):
         ttl_ms: int,
         lease_id: str = "",
         admin: bool = False,
+        request_id: str = "",
     ) -> LeaseGrant:
-        """Adds `spec` (already validated) with a new lease. An id whose old lease expired is
-        registered afresh; a live one is replaced only as `check_replace` allows (identical
-        spec, and `lease_id` its live lease id or `admin`). Raises AlreadyExistsError
-        otherwise."""
+        """Adds `spec` (already validated) with the lease `granted_lease_id(spec.instance_id,
+        request_id)`. An id whose old lease expired is registered afresh; a live one is
+        replaced only as `check_replace` allows (identical spec, and `lease_id` its live lease
+        id, or the same `request_id` as the Register that took it, or `admin`). Raises
+        AlreadyExistsError otherwise."""
         ...
 
     def heartbeat(
@@ -180,6 +205,7 @@ class InstanceStore(Protocol):
         ttl_ms: int,
         lease_id: str = "",
         admin: bool = False,
+        request_id: str = "",
     ) -> LeaseGrant:
         """`register` as a coroutine."""
         ...

@@ -29,6 +29,7 @@ class RegisterRequest(_message.Message):
     SPEC_FIELD_NUMBER: _builtins.int
     LEASE_TTL_MS_FIELD_NUMBER: _builtins.int
     LEASE_ID_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
     lease_ttl_ms: _builtins.int
     """Requested lease TTL in ms; 0 = the registry's default (5000). Capped by the registry."""
     lease_id: _builtins.str
@@ -36,6 +37,16 @@ class RegisterRequest(_message.Message):
     call carries the admin token). Empty for a new id, or once the old lease expired or the
     registry forgot it (a restarted instance or registry). A live id re-registered without
     proof is ALREADY_EXISTS, as is a live id with a different spec.
+    """
+    request_id: _builtins.str
+    """Identifies this registration so that a retry is answered as the first call was (as in
+    Google's AIP-155, "Request identification"): a Register whose answer was lost (its
+    deadline passed after the registry granted the lease) is sent again with the same
+    request_id and is granted that same lease, where without it the id would stay held by
+    the lost lease (ALREADY_EXISTS) until that lease expires. 16-128 characters, random (at
+    least 128 bits) and kept as secret as a lease id: it proves the holder as the lease id
+    does. A new registration (after a lease was lost) takes a new one. Empty: no retry is
+    recognised.
     """
     @_builtins.property
     def spec(self) -> _instance_pb2.InstanceSpec: ...
@@ -45,10 +56,11 @@ class RegisterRequest(_message.Message):
         spec: _instance_pb2.InstanceSpec | None = ...,
         lease_ttl_ms: _builtins.int = ...,
         lease_id: _builtins.str = ...,
+        request_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["spec", b"spec"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_id", b"lease_id", "lease_ttl_ms", b"lease_ttl_ms", "spec", b"spec"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_id", b"lease_id", "lease_ttl_ms", b"lease_ttl_ms", "request_id", b"request_id", "spec", b"spec"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,106 @@
+"""A Register whose answer is lost (the client's deadline passed after the registry had
+granted the lease) is retried into that same lease: the instance is not locked out until its
+own first lease expires, and watchers see it added once."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+import pytest
+
+from pdplane.core import grpc_util
+from pdplane.registry import registration
+from pdplane.registry.client import RegistrationClient
+from pdplane.registry.store import LeaseGrant
+from pdplane.v1 import registry_pb2, registry_pb2_grpc
+from tests.integration.registry.conftest import WatchRecorder, wait_until
+from tests.integration.registry.fixtures import make_spec, running_registry_server
+
+Ev = registry_pb2.WatchEvent
+#: The client's RPC deadline in this test (s), and how late the registry answers the first
+#: Register (s): past the deadline, so the client never sees its first grant.
+DEADLINE_S = 0.4
+LATE_S = 1.0
+TTL_MS = 3_000
+#: The shared token every instance holds (not the admin one, which may replace any lease).
+TOKEN = "shared-token"
+
+
+def _answer_first_register_late(store: Any, grants: list[LeaseGrant]) -> None:
+    """Makes `store.aregister` record every grant and answer the first one `LATE_S` late."""
+    original: Callable[..., Any] = store.aregister
+
+    async def aregister(*args: Any, **kwargs: Any) -> LeaseGrant:
+        grant = await original(*args, **kwargs)
+        grants.append(grant)
+        if len(grants) == 1:
+            await asyncio.sleep(LATE_S)
+        return grant
+
+    store.aregister = aregister
+
+
+def test_a_register_answered_after_the_deadline_is_retried_into_the_same_lease(
+    monkeypatch: pytest.MonkeyPatch, recorder_factory: Callable[..., WatchRecorder]
+) -> None:
+    monkeypatch.setattr(registration, "_RPC_TIMEOUT_S", DEADLINE_S)
+    with running_registry_server(lease_ttl_ms=TTL_MS, token=TOKEN) as server:
+        grants: list[LeaseGrant] = []
+        _answer_first_register_late(server.store, grants)
+        watch = recorder_factory(server.address, token=TOKEN)
+        assert wait_until(lambda: watch.of_type(Ev.SNAPSHOT), 5)
+        client = RegistrationClient(server.address, make_spec("late-0"), token=TOKEN)
+        client.start()
+        try:
+            # Without the retry being recognised, the id stays held by the lost grant's lease
+            # (ALREADY_EXISTS) until that lease expires: the client registers one TTL later,
+            # under another lease.
+            assert client.wait_registered(TTL_MS / 1000 + 3)
+            assert grants, "the registry granted no lease"
+            assert client.lease_id == grants[0].lease_id, (client.last_error, grants)
+            assert client.registrations == 1
+            assert wait_until(lambda: client.heartbeats >= 1, 5)
+            # The lease the client holds is the registry's live one.
+            with grpc_util.channel(server.address) as chan:
+                listed = registry_pb2_grpc.RegistryStub(chan).ListInstances(
+                    registry_pb2.ListInstancesRequest(), metadata=grpc_util.token_metadata(TOKEN)
+                )
+            assert [i.spec.instance_id for i in listed.instances] == ["late-0"]
+            added = [e.instance.spec.instance_id for e in watch.of_type(Ev.ADDED)]
+            assert added == ["late-0"]
+            assert not watch.of_type(Ev.REMOVED)
+        finally:
+            client.stop()
+
+
+def test_a_request_id_proves_only_a_retry_of_its_own_register() -> None:
+    # Raw Registers on a shared-token registry: the same request_id is granted the same lease;
+    # another request_id (or the same one with another spec) is refused while the lease lives.
+    metadata = grpc_util.token_metadata(TOKEN)
+    with (
+        running_registry_server(lease_ttl_ms=TTL_MS, token=TOKEN) as server,
+        grpc_util.channel(server.address) as chan,
+    ):
+        stub = registry_pb2_grpc.RegistryStub(chan)
+
+        def register(request_id: str, **spec: Any) -> registry_pb2.RegisterResponse:
+            request = registry_pb2.RegisterRequest(
+                spec=make_spec("r-0", **spec), request_id=request_id
+            )
+            response: registry_pb2.RegisterResponse = stub.Register(
+                request, timeout=5, metadata=metadata
+            )
+            return response
+
+        first = register("a" * 32)
+        assert register("a" * 32).lease_id == first.lease_id
+        for request_id, spec in (("b" * 32, {}), ("", {}), ("a" * 32, {"url": "http://x:1"})):
+            with pytest.raises(grpc.RpcError) as info:
+                register(request_id, **spec)
+            assert info.value.code() == grpc.StatusCode.ALREADY_EXISTS
+        # The retry's lease is the live one: it heartbeats.
+        beat = registry_pb2.HeartbeatRequest(instance_id="r-0", lease_id=first.lease_id)
+        assert stub.Heartbeat(beat, timeout=5, metadata=metadata).lease_ttl_ms == TTL_MS
