@@ -140,18 +140,32 @@ def test_worker_without_kv_caches_fails_loads_instead_of_hanging() -> None:
         side.shutdown()
 
 
-def test_get_finished_is_cheap_when_idle(pair) -> None:
+def test_get_finished_when_idle_costs_the_same_whatever_is_held(pair) -> None:
+    # vLLM calls these every engine step: with nothing finished, their cost must not grow with
+    # the KV held for transfers. Measured against itself in the same run (best of 3 rounds, to
+    # shed a busy host's pauses), not against an absolute time.
     prefill, _, decode, _ = pair
+
+    def per_step_s() -> float:
+        n = 2_000
+        best = float("inf")
+        for _ in range(3):
+            start = time.perf_counter()
+            for _ in range(n):
+                prefill.get_finished()
+                decode.get_finished()
+                decode.get_block_ids_with_load_errors()
+            best = min(best, (time.perf_counter() - start) / n)
+        return best
+
     for i in range(50):
         prefill.holds.add(f"r{i}", f"t{i}", [1], 600)
-    n = 20_000
-    start = time.perf_counter()
-    for _ in range(n):
-        prefill.get_finished()
-        decode.get_finished()
-        decode.get_block_ids_with_load_errors()
-    per_step_us = (time.perf_counter() - start) / n * 1e6
-    assert per_step_us < 50, per_step_us
+    few = per_step_s()
+    for i in range(50, 5_000):
+        prefill.holds.add(f"r{i}", f"t{i}", [1], 600)
+    many = per_step_s()
+    # 100x the holds; a scan of them would cost ~100x.
+    assert many < 4 * few, (many * 1e6, few * 1e6)
 
 
 def _self_signed(folder: Path) -> tuple[Path, Path]:
