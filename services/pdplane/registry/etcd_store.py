@@ -51,6 +51,7 @@ from pdplane.registry.store import (
     Subscription,
     check_replace,
     granted_lease_id,
+    is_replay,
 )
 from pdplane.v1 import instance_pb2, registry_store_pb2
 
@@ -311,10 +312,13 @@ class EtcdStore:
                 instance.registered_at.FromNanoseconds(now_ns)
                 guard = absent(key)
             else:
-                old = registry_store_pb2.StoredInstance.FromString(kv.value).instance
+                stored = registry_store_pb2.StoredInstance.FromString(kv.value)
+                old = stored.instance
                 expired = self._expired_here(spec.instance_id)
+                if not expired and is_replay(old, spec, request_id, granted):
+                    return await self._replayed(granted, stored.lease_ttl_ms, kv.mod_revision)
                 if not expired:
-                    check_replace(old, spec, lease_id, admin, granted if request_id else "")
+                    check_replace(old, spec, lease_id, admin)
                     instance.registered_at.CopyFrom(old.registered_at)
                     instance.load.CopyFrom(old.load)
                 else:
@@ -333,6 +337,13 @@ class EtcdStore:
             self._owned[spec.instance_id] = _Owned(time.monotonic() + ttl_ms / 1000, rev)
         await self._follower.reached(rev, self.config.timeout_s)
         return LeaseGrant(instance.lease_id, ttl_ms, interval_ms, composite(rev, 0))
+
+    async def _replayed(self, lease_id: str, ttl_ms: int, mod_revision: int) -> LeaseGrant:
+        """The answer to a retried Register (`is_replay`): its lease as stored, nothing
+        written; once this replica's view holds that record, as after a grant."""
+        ttl_ms, interval_ms = self.policy.grant(ttl_ms)
+        await self._follower.reached(mod_revision, self.config.timeout_s)
+        return LeaseGrant(lease_id, ttl_ms, interval_ms, composite(mod_revision, 0))
 
     async def _leased(self, instance_id: str, lease_id: str) -> rpc.KeyValue:
         kv = await self._get(self._key("instances/", instance_id))

@@ -19,6 +19,7 @@ from pdplane.registry.store import (
     Subscription,
     check_replace,
     granted_lease_id,
+    is_replay,
 )
 from pdplane.registry.watch_hub import WatchHub, filter_instances
 from pdplane.v1 import instance_pb2, registry_pb2
@@ -113,8 +114,11 @@ class InMemoryStore:
         granted = granted_lease_id(spec.instance_id, request_id)
         with self.lock:
             old = self._live(spec.instance_id, now)
+            if old is not None and is_replay(old.instance, spec, request_id, granted):
+                old_ttl_ms, old_interval_ms = self.policy.grant(round(old.ttl_s * 1000))
+                return LeaseGrant(granted, old_ttl_ms, old_interval_ms, old.instance.revision)
             if old is not None:
-                check_replace(old.instance, spec, lease_id, admin, granted if request_id else "")
+                check_replace(old.instance, spec, lease_id, admin)
             instance = instance_pb2.Instance(spec=spec, state=_SERVING, lease_id=granted)
             if old is None:
                 instance.registered_at.FromNanoseconds(now_ns)

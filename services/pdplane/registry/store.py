@@ -33,6 +33,7 @@ __all__ = [
     "Subscription",
     "check_replace",
     "granted_lease_id",
+    "is_replay",
 ]
 
 
@@ -61,30 +62,37 @@ def granted_lease_id(instance_id: str, request_id: str) -> str:
     return digest.hexdigest()[:16]
 
 
+def is_replay(
+    old: instance_pb2.Instance, spec: instance_pb2.InstanceSpec, request_id: str, granted: str
+) -> bool:
+    """True when a Register is a retry of the one that took `old`'s live lease: it carries a
+    request id, the same spec, and the lease it would grant (`granted`) is `old`'s. Such a
+    call is answered as the first one was and writes nothing (AIP-155): a drain made since,
+    or a later load report, stays."""
+    return (
+        bool(request_id)
+        and old.spec == spec
+        and hmac.compare_digest(old.lease_id.encode(), granted.encode())
+    )
+
+
 def check_replace(
-    old: instance_pb2.Instance,
-    spec: instance_pb2.InstanceSpec,
-    lease_id: str,
-    admin: bool,
-    granted: str = "",
+    old: instance_pb2.Instance, spec: instance_pb2.InstanceSpec, lease_id: str, admin: bool
 ) -> None:
     """Raises AlreadyExistsError unless `spec` may replace `old`, which holds a live lease.
 
     The spec must be identical, and the caller must prove it is the holder: `lease_id` is
-    `old`'s live lease id, or `granted` (the lease this Register would grant, derived from its
-    request id) is, which makes it a retry of the Register that took `old`'s lease, or `admin`
-    (the admin token). Without that proof a holder of the shared token could copy a spec from
-    ListInstances and take the instance's lease (and its traffic). A restarted instance
-    re-registers without proof once its old lease expired.
+    `old`'s live lease id, or `admin` (the admin token). Without that proof a holder of the
+    shared token could copy a spec from ListInstances and take the instance's lease (and its
+    traffic). A restarted instance re-registers without proof once its old lease expired.
+    (A retry of the Register that took the lease is answered before this, see `is_replay`.)
     """
     if old.spec != spec:
         raise AlreadyExistsError(
             f"spec.instance_id: {echo(spec.instance_id)} is held by a live lease with a "
             "different spec"
         )
-    held = old.lease_id.encode()
-    retry = bool(granted) and hmac.compare_digest(held, granted.encode())
-    if not admin and not retry and not hmac.compare_digest(held, lease_id.encode()):
+    if not admin and not hmac.compare_digest(old.lease_id.encode(), lease_id.encode()):
         raise AlreadyExistsError(
             f"spec.instance_id: {echo(spec.instance_id)} is held by a live lease: re-registering "
             "it needs that lease_id or the admin token (a restarted instance registers again "
@@ -157,10 +165,10 @@ class InstanceStore(Protocol):
         request_id: str = "",
     ) -> LeaseGrant:
         """Adds `spec` (already validated) with the lease `granted_lease_id(spec.instance_id,
-        request_id)`. An id whose old lease expired is registered afresh; a live one is
-        replaced only as `check_replace` allows (identical spec, and `lease_id` its live lease
-        id, or the same `request_id` as the Register that took it, or `admin`). Raises
-        AlreadyExistsError otherwise."""
+        request_id)`. An id whose old lease expired is registered afresh. A live one is
+        answered with its lease, unchanged, when this is a retry of the Register that took it
+        (`is_replay`), else replaced only as `check_replace` allows (identical spec, and
+        `lease_id` its live lease id or `admin`). Raises AlreadyExistsError otherwise."""
         ...
 
     def heartbeat(

@@ -42,7 +42,8 @@ class RegisterRequest(_message.Message):
     """Identifies this registration so that a retry is answered as the first call was (as in
     Google's AIP-155, "Request identification"): a Register whose answer was lost (its
     deadline passed after the registry granted the lease) is sent again with the same
-    request_id and is granted that same lease, where without it the id would stay held by
+    request_id and is answered with that same lease, changing nothing (a drain made since
+    stays), where without it the id would stay held by
     the lost lease (ALREADY_EXISTS) until that lease expires. 16-128 characters, random (at
     least 128 bits) and kept as secret as a lease id: it proves the holder as the lease id
     does. A new registration (after a lease was lost) takes a new one. Empty: no retry is

@@ -15,7 +15,7 @@ from pdplane.core import grpc_util
 from pdplane.registry import registration
 from pdplane.registry.client import RegistrationClient
 from pdplane.registry.store import LeaseGrant
-from pdplane.v1 import registry_pb2, registry_pb2_grpc
+from pdplane.v1 import instance_pb2, registry_pb2, registry_pb2_grpc
 from tests.integration.registry.conftest import WatchRecorder, wait_until
 from tests.integration.registry.fixtures import make_spec, running_registry_server
 
@@ -27,6 +27,7 @@ LATE_S = 1.0
 TTL_MS = 3_000
 #: The shared token every instance holds (not the admin one, which may replace any lease).
 TOKEN = "shared-token"
+DRAINING = instance_pb2.INSTANCE_STATE_DRAINING
 
 
 def _answer_first_register_late(store: Any, grants: list[LeaseGrant]) -> None:
@@ -104,3 +105,29 @@ def test_a_request_id_proves_only_a_retry_of_its_own_register() -> None:
         # The retry's lease is the live one: it heartbeats.
         beat = registry_pb2.HeartbeatRequest(instance_id="r-0", lease_id=first.lease_id)
         assert stub.Heartbeat(beat, timeout=5, metadata=metadata).lease_ttl_ms == TTL_MS
+
+
+def test_a_replayed_register_changes_nothing_a_drain_stays() -> None:
+    # A delayed duplicate of the first Register (it stalled past the client's deadline while
+    # the retry got the lease) arrives after the instance was drained: it is answered with
+    # the lease and writes nothing, so the instance stays DRAINING.
+    metadata = grpc_util.token_metadata(TOKEN)
+    with (
+        running_registry_server(lease_ttl_ms=TTL_MS, token=TOKEN) as server,
+        grpc_util.channel(server.address) as chan,
+    ):
+        stub = registry_pb2_grpc.RegistryStub(chan)
+        request = registry_pb2.RegisterRequest(spec=make_spec("d-0"), request_id="c" * 32)
+        first = stub.Register(request, timeout=5, metadata=metadata)
+        drain = registry_pb2.DeregisterRequest(
+            instance_id="d-0", lease_id=first.lease_id, drain=True
+        )
+        assert stub.Deregister(drain, timeout=5, metadata=metadata).state == DRAINING
+        before = server.store.revision
+        replayed = stub.Register(request, timeout=5, metadata=metadata)
+        assert replayed.lease_id == first.lease_id
+        assert server.store.revision == before  # nothing written, no event
+        got = stub.GetInstance(
+            registry_pb2.GetInstanceRequest(instance_id="d-0"), timeout=5, metadata=metadata
+        )
+        assert got.state == DRAINING
