@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 from collections.abc import Iterable
 from typing import Any, Literal, TextIO
 
@@ -187,19 +188,76 @@ def _event_line(event: registry_pb2.WatchEvent) -> str:
     return f"{event.revision} {kind} {d['id']} {d['role']} {d['model']} {d['state']}{reason}\n"
 
 
+class _Stream:
+    """The watch stream in use, cancellable from another thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._call: Any = None
+        self.cancelled = False
+
+    def open(self, call: Any) -> Any:
+        """Makes `call` the current stream (cancelled at once after `cancel`); returns it."""
+        with self._lock:
+            self._call = call
+            if self.cancelled:
+                call.cancel()
+        return call
+
+    def cancel(self) -> None:
+        """Cancels the current stream and any opened later."""
+        with self._lock:
+            self.cancelled = True
+            if self._call is not None:
+                self._call.cancel()
+
+
 def _watch(
     endpoints: RegistryEndpoints,
     s: LsSettings,
     role: instance_pb2.Role.ValueType,
     out: TextIO,
 ) -> None:
+    """Follows the watch on a thread of its own; Ctrl-C cancels the stream and raises
+    KeyboardInterrupt here. The main thread only waits: a KeyboardInterrupt raised inside
+    gRPC's own code while a call is open can deadlock the channel's close (grpc/grpc#19973;
+    `pdplane ls --watch` once did not exit within 60 s of SIGINT on a busy host)."""
+    stream = _Stream()
+    failed: list[BaseException] = []
+
+    def follow() -> None:
+        try:
+            _follow(endpoints, s, role, out, stream)
+        except BaseException as exc:  # handed to the main thread
+            failed.append(exc)
+
+    thread = threading.Thread(target=follow, name="pdplane-ls-watch", daemon=True)
+    thread.start()
+    try:
+        while thread.is_alive():
+            thread.join(0.5)
+    except KeyboardInterrupt:
+        stream.cancel()
+        thread.join(5.0)
+        raise
+    if failed:
+        raise failed[0]
+
+
+def _follow(
+    endpoints: RegistryEndpoints,
+    s: LsSettings,
+    role: instance_pb2.Role.ValueType,
+    out: TextIO,
+    stream: _Stream,
+) -> None:
     revision = 0
     failures = 0  # replicas in a row that broke without sending anything
-    while True:
+    while not stream.cancelled:
         request = registry_pb2.WatchInstancesRequest(from_revision=revision)
         try:
-            for event in endpoints.stub.WatchInstances(
-                request, metadata=grpc_util.token_metadata(s.token)
+            for event in stream.open(
+                endpoints.stub.WatchInstances(request, metadata=grpc_util.token_metadata(s.token))
             ):
                 failures = 0
                 if event.revision <= revision and event.type != registry_pb2.WatchEvent.SNAPSHOT:
@@ -217,6 +275,8 @@ def _watch(
                 out.flush()
             return
         except grpc.RpcError as exc:
+            if stream.cancelled:
+                return
             code = exc.code() if isinstance(exc, grpc.Call) else None
             failures += 1
             if code not in FAILOVER_CODES or failures >= len(endpoints.addresses):
