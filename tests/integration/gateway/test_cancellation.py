@@ -44,7 +44,7 @@ def _cancelled(sims: RunningSims, index: int) -> bool:
 
 
 def _assert_cleaned_up(stack: Stack) -> None:
-    wait_for(lambda: stack.scheduler_inflight() == 0, 5.0, "scheduler in-flight count 0")
+    wait_for(lambda: stack.scheduler_inflight() == 0, 2.0, "scheduler in-flight count 0")
     wait_for(
         lambda: "pdplane_gateway_cancellations_total 1.0" in _metrics(stack),
         2.0,
@@ -68,10 +68,8 @@ def test_disconnect_mid_stream_cancels_decode(stack: Stack) -> None:
     assert stack.scheduler_inflight() == 1
     sock.close()
     closed = time.monotonic()
-    # Left alone, the stream would run 400 x 50 ms = 20 s and finish, not be cancelled: a
-    # quarter of that tells a cancellation from a busy host's pauses.
-    wait_for(lambda: _cancelled(sims, 1), 5.0, "decode to see its request cancelled")
-    assert time.monotonic() - closed < 5.0
+    wait_for(lambda: _cancelled(sims, 1), 1.0, "decode to see its request cancelled")
+    assert time.monotonic() - closed < 1.0
     # Prefill's part ended normally: it answered, and decode pulled (completed) its KV.
     [prefill] = sims[0].records()
     assert prefill["finished"] and not prefill["cancelled"]
@@ -88,8 +86,7 @@ def test_disconnect_during_prefill_cancels_prefill(stack_factory, dispatch: str)
     sock = _open(stack.url, "/v1/completions", body)
     wait_for(lambda: len(sims[0].records()) == 1, 2.0, "prefill to receive the request")
     sock.close()
-    # Uncancelled, prefill would finish (not cancel) its >= 20 x 200 ms = 4 s prompt.
-    wait_for(lambda: _cancelled(sims, 0), 3.0, "prefill to see its request cancelled")
+    wait_for(lambda: _cancelled(sims, 0), 1.0, "prefill to see its request cancelled")
     # Decode never got a complete request (concurrent dispatch had only sent part of it).
     assert sims[1].records() == []
     _assert_cleaned_up(stack)
@@ -105,9 +102,8 @@ def test_disconnect_while_decode_pulls_frees_prefill_kv(stack: Stack) -> None:
     transfer_id = prefill["kv"]["transfer_id"]
     assert sims[0].held_transfers() == [transfer_id]
     sock.close()
-    # An uncancelled request finishes instead: the bounds only stop a hang.
-    wait_for(lambda: _cancelled(sims, 1), 5.0, "decode to see its request cancelled")
-    wait_for(lambda: sims[0].held_transfers() == [], 5.0, "prefill to free the KV")
+    wait_for(lambda: _cancelled(sims, 1), 1.0, "decode to see its request cancelled")
+    wait_for(lambda: sims[0].held_transfers() == [], 1.0, "prefill to free the KV")
     [freed] = sims[0].freed_transfers()
     assert freed["transfer_id"] == transfer_id
     assert freed["reason"].startswith("aborted")
