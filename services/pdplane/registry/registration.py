@@ -218,7 +218,9 @@ class RegistrationClient:
             if draining:  # a draining instance that lost its lease must not come back
                 return self._interval_s
             self._register()
-            return self._interval_s
+            # The first heartbeat at once: a replayed Register (its first answer was lost) is
+            # granted a lease that has run since that first call, up to a deadline ago.
+            return 0.0
         if self._stream:
             self._heartbeat_stream(lease)
             return 0.0

@@ -32,9 +32,10 @@ __all__ = ["SERVICE_NAME", "AioRegistryServicer", "RegistryServicer", "public"]
 SERVICE_NAME = "pdplane.v1.Registry"
 #: Longest lease a client may ask for (ms); anything above is a mistake, not a wish.
 MAX_REQUESTED_TTL_MS = 3_600_000
-#: Bounds of a Register's request_id (characters): long enough to be unguessable when random
-#: (32 hex digits = 128 bits), short enough to bound what the registry hashes.
-MIN_REQUEST_ID, MAX_REQUEST_ID = 16, 128
+#: Bounds of a Register's request_id (characters): at least 32 (128 bits as hex digits; the
+#: lease id derived from it is only as hard to guess as it is), at most 128 (bounds what the
+#: registry hashes).
+MIN_REQUEST_ID, MAX_REQUEST_ID = 32, 128
 
 _R = TypeVar("_R")
 _Event = registry_pb2.WatchEvent

@@ -44,7 +44,7 @@ class RegisterRequest(_message.Message):
     deadline passed after the registry granted the lease) is sent again with the same
     request_id and is answered with that same lease, changing nothing (a drain made since
     stays), where without it the id would stay held by
-    the lost lease (ALREADY_EXISTS) until that lease expires. 16-128 characters, random (at
+    the lost lease (ALREADY_EXISTS) until that lease expires. 32-128 characters, random (at
     least 128 bits) and kept as secret as a lease id: it proves the holder as the lease id
     does. A new registration (after a lease was lost) takes a new one. Empty: no retry is
     recognised.
@@ -81,6 +81,9 @@ class RegisterResponse(_message.Message):
     heartbeat_interval_ms: _builtins.int
     """how often the client should heartbeat"""
     revision: _builtins.int
+    """The revision of the registration; for a replayed Register (the same request_id), the
+    revision the instance's record stands at (e.g. a drain made since).
+    """
     def __init__(
         self,
         *,

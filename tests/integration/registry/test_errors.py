@@ -40,7 +40,7 @@ def test_register_invalid_spec(
             registry_pb2.RegisterRequest(spec=make_spec(), lease_ttl_ms=4_000_000_000),
             "lease_ttl_ms",
         ),
-        (registry_pb2.RegisterRequest(spec=make_spec(), request_id="short"), "request_id"),
+        (registry_pb2.RegisterRequest(spec=make_spec(), request_id="r" * 31), "request_id"),
         (registry_pb2.RegisterRequest(spec=make_spec(), request_id="r" * 129), "request_id"),
     ],
 )

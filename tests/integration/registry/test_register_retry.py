@@ -5,6 +5,7 @@ own first lease expires, and watchers see it added once."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -33,24 +34,35 @@ DRAINING = instance_pb2.INSTANCE_STATE_DRAINING
 
 
 def _answer_first_register_late(store: Any, grants: list[LeaseGrant]) -> None:
-    """Makes `store.aregister` record every grant and answer the first one `LATE_S` late."""
-    original: Callable[..., Any] = store.aregister
+    """Makes the store's `aregister` (aio servicer) and `register` (sync servicer) record every
+    grant and answer the first one `LATE_S` late."""
+    asynchronous: Callable[..., Any] = store.aregister
+    synchronous: Callable[..., LeaseGrant] = store.register
 
     async def aregister(*args: Any, **kwargs: Any) -> LeaseGrant:
-        grant = await original(*args, **kwargs)
+        grant = await asynchronous(*args, **kwargs)
         grants.append(grant)
         if len(grants) == 1:
             await asyncio.sleep(LATE_S)
         return grant
 
+    def register(*args: Any, **kwargs: Any) -> LeaseGrant:
+        grant = synchronous(*args, **kwargs)
+        grants.append(grant)
+        if len(grants) == 1:
+            time.sleep(LATE_S)
+        return grant
+
     store.aregister = aregister
+    store.register = register
 
 
+@pytest.mark.parametrize("flavour", ["aio", "sync"])
 def test_a_register_answered_after_the_deadline_is_retried_into_the_same_lease(
-    monkeypatch: pytest.MonkeyPatch, recorder_factory: Callable[..., WatchRecorder]
+    monkeypatch: pytest.MonkeyPatch, recorder_factory: Callable[..., WatchRecorder], flavour: str
 ) -> None:
     monkeypatch.setattr(registration, "_RPC_TIMEOUT_S", DEADLINE_S)
-    with running_registry_server(lease_ttl_ms=TTL_MS, token=TOKEN) as server:
+    with running_registry_server(lease_ttl_ms=TTL_MS, token=TOKEN, flavour=flavour) as server:
         grants: list[LeaseGrant] = []
         _answer_first_register_late(server.store, grants)
         watch = recorder_factory(server.address, token=TOKEN)
