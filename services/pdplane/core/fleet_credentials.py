@@ -21,6 +21,7 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from pdplane.core import defaults
 from pdplane.core.token_file import new_token
 
 __all__ = [
@@ -40,8 +41,7 @@ _FILE = "fleet-credentials.json"
 
 def credentials_path() -> Path:
     """$PDPLANE_CACHE_DIR/fleet-credentials.json, else ~/.cache/pdplane/fleet-credentials.json."""
-    base = os.environ.get("PDPLANE_CACHE_DIR") or Path.home() / ".cache" / "pdplane"
-    return Path(base) / _FILE
+    return defaults.cache_root() / _FILE
 
 
 @dataclass(frozen=True)

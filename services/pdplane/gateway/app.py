@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import tempfile
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -14,11 +17,13 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp
 
+from pdplane.core import defaults
 from pdplane.gateway.auth import ApiKeys
 from pdplane.gateway.config import RelayConfig
 from pdplane.gateway.endpoints import RelayEndpoints
 from pdplane.gateway.errors import error_body
 from pdplane.gateway.fleet import FleetTracker, FleetView
+from pdplane.gateway.fleet_tokenizers import FleetTokenizers
 from pdplane.gateway.kv_abort import KvAborter
 from pdplane.gateway.metrics import GatewayMetrics
 from pdplane.gateway.passthrough import Passthrough
@@ -65,17 +70,25 @@ def create_app(
     `pdplane.scheduler.open_scheduler` (with `--scheduler embedded`, a local scheduler deciding
     over the registry view, its metrics on the gateway's /metrics) and watches
     `settings.registry` from its lifespan's startup (waiting up to `registry_wait_s` for the
-    first snapshot) and closes everything at shutdown. `tokenizers` replaces those loaded from
-    `settings.tokenizer` (`pdplane.gateway.prompt_ids.load_tokenizers`, which logs once whether
-    prompt ids are exact). Raises ValueError for an embedded scheduler with a `fleet` override.
+    first snapshot) and closes everything at shutdown. Each model's tokenizer comes from its
+    instances (`pdplane.gateway.fleet_tokenizers`); `tokenizers` replaces the overrides loaded
+    from `settings.tokenizer`. Raises ValueError for an embedded scheduler with a `fleet`
+    override.
     """
     metrics = GatewayMetrics()
     if tokenizers is None:
-        tokenizers = load_tokenizers(settings.tokenizer)
-    for name in tokenizers.describe() or {"": ""}:
-        metrics.tokenizers.labels(name).set(1 if name else 0)
+        tokenizers = load_tokenizers(settings.tokenizer, settings.trust_remote_code)
     upstream = UpstreamClient(
         connect_timeout_s=settings.connect_timeout_s, max_connections=settings.max_connections
+    )
+    fleet_tokenizers = FleetTokenizers(
+        tokenizers,
+        cache_dir=tokenizer_cache(settings.tokenizer_cache_dir),
+        upstream=upstream,
+        metrics=metrics,
+        token=settings.token,
+        tls_ca=settings.tls_ca,
+        upstream_api_key=settings.upstream_api_key,
     )
     aborter = KvAborter(
         token=settings.token, tls_ca=settings.tls_ca, timeout_s=settings.abort_timeout_s
@@ -101,19 +114,31 @@ def create_app(
         max_queued_requests=settings.max_queued_requests,
         first_token=settings.first_token,
     )
-    relay = Relay(scheduler, upstream, aborter, metrics, config, tokenizers)
+    relay = Relay(scheduler, upstream, aborter, metrics, config, fleet_tokenizers)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        changed = asyncio.Event()
         if tracker is not None:
+            loop = asyncio.get_running_loop()
+
+            def on_change() -> None:
+                loop.call_soon_threadsafe(changed.set)
+
+            tracker.add_listener(on_change)
             ready = await asyncio.to_thread(tracker.start, settings.registry_wait_s)
             if not ready:
                 log.warning("registry %s not reachable yet; /health answers 503", settings.registry)
+        following = asyncio.create_task(
+            fleet_tokenizers.follow(fleet, changed), name="pdplane-fleet-tokenizers"
+        )
         if owned_scheduler is not None:
             await owned_scheduler.start()  # embedded: the in-flight exchange with --peers
         try:
             yield
         finally:
+            following.cancel()
+            await fleet_tokenizers.close()
             await relay.drain()
             await upstream.close()
             await aborter.close()
@@ -131,7 +156,7 @@ def create_app(
             metrics=metrics,
             api_keys=keys,
             body_timeout_s=settings.body_timeout_s,
-            tokenizers=tokenizers,
+            tokenizers=fleet_tokenizers,
         ),
         title="pdplane gateway",
         lifespan=lifespan,
@@ -139,17 +164,32 @@ def create_app(
         redoc_url=None,
     )
     passthrough = Passthrough(fleet, upstream, settings.upstream_api_key)
-    details = {
-        "prompt_tokens": "exact" if tokenizers.exact else "estimated",
-        "tokenizer": tokenizers.describe(),
-    }
     app.include_router(schema_router())
-    app.include_router(build_router(fleet, metrics, keys, passthrough, details, scheduler.problem))
+    app.include_router(
+        build_router(fleet, metrics, keys, passthrough, fleet_tokenizers.states, scheduler.problem)
+    )
     app.add_exception_handler(HTTPException, _http_error)
     app.state.relay = relay
     app.state.scheduler = scheduler
     app.state.metrics = metrics
+    app.state.tokenizers = fleet_tokenizers
     return app
+
+
+def tokenizer_cache(configured: str | None) -> Path:
+    """Where fetched tokenizers are kept: `configured`, else $PDPLANE_CACHE_DIR/tokenizers or
+    ~/.cache/pdplane/tokenizers; a fresh temporary folder when that cannot be written (a
+    container with a read-only home)."""
+    path = Path(configured) if configured else defaults.cache_root() / "tokenizers"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        if os.access(path, os.W_OK):
+            return path
+    except OSError:
+        pass
+    fallback = Path(tempfile.mkdtemp(prefix="pdplane-tokenizers-"))
+    log.info("tokenizer cache %s is not writable; using %s", path, fallback)
+    return fallback
 
 
 async def _http_error(_request: Request, exc: Exception) -> Response:

@@ -29,7 +29,7 @@ from pdplane.gateway.errors import GatewayError, UpstreamReply, bad_gateway, gat
 from pdplane.gateway.first_token import FirstToken, Splice, applies
 from pdplane.gateway.first_token import decode_body as first_token_decode_body
 from pdplane.gateway.metrics import GatewayMetrics
-from pdplane.gateway.prompt_ids import TokenizerSet
+from pdplane.gateway.prompt_ids import Tokenizers
 from pdplane.gateway.replies import SSE_DONE, JsonReply, RetryElsewhere, StreamReply
 from pdplane.gateway.upstream import (
     UpstreamClient,
@@ -67,7 +67,7 @@ class Legs:
     metrics: GatewayMetrics
     config: RelayConfig
     headers: dict[str, str]
-    tokenizers: TokenizerSet | None = None
+    tokenizers: Tokenizers | None = None
 
     @classmethod
     def of(
@@ -75,7 +75,7 @@ class Legs:
         upstream: UpstreamClient,
         metrics: GatewayMetrics,
         config: RelayConfig,
-        tokenizers: TokenizerSet | None = None,
+        tokenizers: Tokenizers | None = None,
     ) -> Legs:
         """Legs for `config` (an `upstream_api_key` is sent as a bearer token on every leg);
         `tokenizers`: the served models' (the first token from prefill asks them whether a

@@ -32,7 +32,7 @@ from pdplane.gateway.errors import (
 )
 from pdplane.gateway.fleet import FleetView
 from pdplane.gateway.metrics import GatewayMetrics
-from pdplane.gateway.prompt_ids import TokenizerSet, exact_prompt_async
+from pdplane.gateway.prompt_ids import Tokenizers, TokenizerSet, exact_prompt_async
 from pdplane.gateway.relay import Relay
 from pdplane.gateway.replies import JsonReply
 from pdplane.gateway.validation import CHAT, COMPLETIONS, ClientRequest, Endpoint, parse_request
@@ -146,7 +146,7 @@ class RelayEndpoints:
         metrics: GatewayMetrics,
         api_keys: ApiKeys,
         body_timeout_s: float = 60.0,
-        tokenizers: TokenizerSet | None = None,
+        tokenizers: Tokenizers | None = None,
     ) -> None:
         self.app = app
         self.relay = relay
@@ -154,7 +154,7 @@ class RelayEndpoints:
         self.metrics = metrics
         self.api_keys = api_keys
         self.body_timeout_s = body_timeout_s
-        self.tokenizers = tokenizers or TokenizerSet({})
+        self.tokenizers: Tokenizers = tokenizers or TokenizerSet({})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         endpoint = _ENDPOINTS.get(scope["path"]) if scope["type"] == "http" else None
@@ -218,11 +218,9 @@ class RelayEndpoints:
                 if not view.ready:
                     raise unavailable("registry not reachable yet; cannot resolve the model")
                 raise not_found(req.model)
-            tokenizer = self.tokenizers.get(req.model)
-            if tokenizer is not None:
-                req = await exact_prompt_async(
-                    tokenizer, req, model.max_model_len, model.block_sizes
-                )
+            req = await exact_prompt_async(
+                self.tokenizers.get(req.model), req, model.max_model_len, model.block_sizes
+            )
             if req.prefix_hashes:
                 metrics.exact_prompts.inc()
             else:

@@ -7,14 +7,25 @@ usable pair is the scheduler's rule, read from `pdplane.core.pairing` like the s
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from pdplane.core.pairing import can_decode, can_prefill, pair_key
 from pdplane.v1 import instance_pb2
 
-__all__ = ["FleetTracker", "FleetView", "ModelState", "build_view"]
+__all__ = ["FleetTracker", "FleetView", "ModelState", "Publication", "build_view"]
+
+
+@dataclass(frozen=True, slots=True)
+class Publication:
+    """The SERVING instances of a model that publish one tokenizer (`content_hash`; "" = the
+    instances that publish none), in instance id order, with where to fetch it from."""
+
+    content_hash: str
+    instances: tuple[str, ...]
+    kv_endpoints: tuple[str, ...]
+    urls: tuple[str, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +41,8 @@ class ModelState:
         urls: OpenAI base URLs of its SERVING instances (any role), for the read-only routes.
         block_sizes: the KV cache block sizes (tokens) of its SERVING instances, ascending:
             the sizes its prompts' prefix block hashes are computed at.
+        tokenizers: the tokenizers its SERVING instances publish, by content hash ascending
+            ("" first: those that publish none).
     """
 
     prefill: int
@@ -39,6 +52,7 @@ class ModelState:
     created: int
     urls: tuple[str, ...] = ()
     block_sizes: tuple[int, ...] = ()
+    tokenizers: tuple[Publication, ...] = ()
 
     def problem(self) -> str:
         """Why no request of this model can be served now; "" when a usable pair exists."""
@@ -118,7 +132,26 @@ def _model_state(instances: list[instance_pb2.Instance], created: int) -> ModelS
         created=created,
         urls=tuple(sorted({spec.url for spec in serving})),
         block_sizes=tuple(sorted({s.kv_layout.block_size for s in serving} - {0})),
+        tokenizers=_publications(serving),
     )
+
+
+def _publications(serving: list[instance_pb2.InstanceSpec]) -> tuple[Publication, ...]:
+    by_hash: dict[str, list[instance_pb2.InstanceSpec]] = {}
+    for spec in serving:
+        by_hash.setdefault(spec.tokenizer_hash, []).append(spec)
+    out = []
+    for content_hash, specs in sorted(by_hash.items()):
+        specs.sort(key=lambda spec: spec.instance_id)
+        out.append(
+            Publication(
+                content_hash,
+                tuple(spec.instance_id for spec in specs),
+                tuple(spec.kv_endpoint for spec in specs),
+                tuple(spec.url for spec in specs),
+            )
+        )
+    return tuple(out)
 
 
 def build_view(instances: Iterable[instance_pb2.Instance]) -> FleetView:
@@ -153,6 +186,7 @@ class FleetTracker:
         from pdplane.registry.client import InstanceWatcher
 
         self.view = FleetView()
+        self._listeners: list[Callable[[], None]] = []
         self._instances: Mapping[str, instance_pb2.Instance] = {}
         self._changes = 0
         self._watcher = InstanceWatcher(
@@ -173,6 +207,13 @@ class FleetTracker:
         self._instances = instances
         self._changes += 1
         self.view = build_view(instances.values())
+        for listener in self._listeners:
+            listener()
+
+    def add_listener(self, listener: Callable[[], None]) -> None:
+        """Calls `listener()` after each change of `view` (on the watcher's thread: it must
+        return at once, e.g. `loop.call_soon_threadsafe(event.set)`). Add before `start`."""
+        self._listeners.append(listener)
 
     def start(self, wait_s: float) -> bool:
         """Starts watching; blocks up to `wait_s` s for the first snapshot (True once it came)."""

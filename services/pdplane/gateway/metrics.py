@@ -98,10 +98,11 @@ class GatewayMetrics:
             registry=r,
         )
 
-        self.tokenizers = Gauge(
-            "pdplane_gateway_tokenizer_loaded",
-            "1 per model with a loaded tokenizer (model '*' = every model); one series "
-            "model='' = 0 when there is none (prompt lengths estimated, no prefix hashes)",
+        self.routing_precise = Gauge(
+            "pdplane_gateway_routing_precise",
+            "1 when the model's requests are routed with exact prompt token ids and prefix "
+            "block hashes (the gateway has its tokenizer), 0 when by load only (/health says "
+            "why)",
             ["model"],
             registry=r,
         )

@@ -31,7 +31,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from pdplane.core.prefix_hash import block_hashes
 from pdplane.gateway.errors import bad_request
@@ -41,8 +41,10 @@ __all__ = [
     "OFFLOAD_CHARS",
     "PromptTokenizer",
     "TokenizerSet",
+    "Tokenizers",
     "exact_prompt",
     "exact_prompt_async",
+    "given_ids",
     "load_tokenizers",
     "prompt_ids",
 ]
@@ -66,19 +68,42 @@ class PromptTokenizer:
     """One model's Hugging Face tokenizer, loaded from a local directory.
 
     Args:
-        path: directory with `tokenizer.json` / `tokenizer_config.json` (the model folder).
+        path: directory with `tokenizer.json` / `tokenizer_config.json` (the model folder, or
+            a tokenizer an instance published, `pdplane.gateway.fleet_tokenizers`).
+        chat_template: the chat template the instances render with when it overrides the
+            tokenizer's own (Jinja text; `vllm serve --chat-template`); None = the tokenizer's.
+        chat_template_kwargs: variables every chat render gets (`vllm serve
+            --default-chat-template-kwargs`).
+        use_fast: False loads the slow tokenizer (vLLM's `--tokenizer-mode slow`).
+        trust_remote_code: lets the directory's own tokenizer code run (only for a folder the
+            operator names; never for one an instance published).
+
+    A chat template renders in transformers' sandboxed Jinja environment.
 
     Raises:
         OSError / ValueError: the directory is missing or holds no loadable tokenizer.
     """
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        chat_template: str | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        use_fast: bool = True,
+        trust_remote_code: bool = False,
+    ) -> None:
         from transformers import AutoTokenizer  # heavy import: only when a tokenizer is used
 
         self.path = str(path)
         if not Path(path).is_dir():
             raise OSError(f"tokenizer directory {self.path!r} does not exist")
-        self._tok: Any = AutoTokenizer.from_pretrained(self.path)
+        self._tok: Any = AutoTokenizer.from_pretrained(
+            self.path, trust_remote_code=trust_remote_code, use_fast=use_fast
+        )
+        if chat_template:
+            self._tok.chat_template = chat_template
+        self._template_kwargs = dict(chat_template_kwargs or {})
         #: Characters of the vocabulary's longest token: a text of n characters has at least
         #: n / this many tokens (vLLM's `max_chars_per_token`).
         self.max_chars_per_token = max(1, max(len(t) for t in self._tok.get_vocab()))
@@ -121,11 +146,9 @@ class PromptTokenizer:
         `max_model_len` tokens (0 = no bound)."""
         if any(body.get(k) is not None for k in _COMPLETION_UNKNOWN_FIELDS):
             return None
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-            prompt = prompt[0]
+        prompt = _single_prompt(body)
         if isinstance(prompt, list):
-            return prompt if all(isinstance(t, int) for t in prompt) else None
+            return given_ids(body)
         if not isinstance(prompt, str):
             return None
         self._check_chars(len(prompt), max_model_len)
@@ -158,8 +181,17 @@ class PromptTokenizer:
             add_generation_prompt=body.get("add_generation_prompt", True) is not False,
             continue_final_message=body.get("continue_final_message") is True,
             tokenize=False,
+            **self._template_kwargs,
         )
         return self._encode(text, False)
+
+
+class Tokenizers(Protocol):
+    """Where the request path finds a model's tokenizer (`TokenizerSet`, or the fleet's:
+    `pdplane.gateway.fleet_tokenizers.FleetTokenizers`)."""
+
+    def get(self, model: str) -> PromptTokenizer | None:
+        """The tokenizer of `model`; None = its prompts' ids are not known."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,20 +232,22 @@ def _parse(spec: str) -> list[tuple[str, str]]:
     return entries
 
 
-def load_tokenizers(spec: str | None) -> TokenizerSet:
-    """The tokenizers named by `--tokenizer`: "DIR" (every model) or "MODEL=DIR,..." (several).
+def load_tokenizers(spec: str | None, trust_remote_code: bool = False) -> TokenizerSet:
+    """The tokenizers named by `--tokenizer`: "DIR" (every model) or "MODEL=DIR,..." (several);
+    `trust_remote_code` lets them run the tokenizer code of their folders (vLLM's
+    `--trust-remote-code`).
 
-    A directory that does not load is logged (once, here) and left out: the gateway still
-    routes those models, by estimated prompt length. Never raises.
+    A directory that does not load is logged (once, here) and left out: the gateway then
+    takes that model's tokenizer from the fleet. Never raises.
     """
     by_model: dict[str, PromptTokenizer] = {}
     default: PromptTokenizer | None = None
     for name, path in _parse(spec or ""):
         try:
-            tok = PromptTokenizer(path)
+            tok = PromptTokenizer(path, trust_remote_code=trust_remote_code)
         except Exception as exc:  # any load failure means "no tokenizer"
             log.warning(
-                "tokenizer %r%s not loaded (%s): routing by load with estimated prompt lengths",
+                "tokenizer %r%s not loaded (%s): the fleet's is used",
                 path,
                 f" for model {name!r}" if name else "",
                 exc,
@@ -225,19 +259,36 @@ def load_tokenizers(spec: str | None) -> TokenizerSet:
             default = tok
     tokenizers = TokenizerSet(by_model, default)
     if tokenizers.exact:
-        log.info("exact prompt token ids with tokenizer(s) %s", tokenizers.describe())
-    else:
-        log.warning(
-            "no tokenizer (--tokenizer): prompt lengths are estimated and no prefix block "
-            "hashes are sent; kv-aware routing falls back to load"
-        )
+        log.info("--tokenizer: %s", tokenizers.describe())
     return tokenizers
 
 
+def _single_prompt(body: Mapping[str, Any]) -> Any:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        return prompt[0]
+    return prompt
+
+
+def given_ids(body: Mapping[str, Any]) -> list[int] | None:
+    """The token ids a validated completions `body` gives as its prompt (`[1, 2]` or
+    `[[1, 2]]`), which vLLM uses as they are: no tokenizer needed. None for a text prompt,
+    several prompts, or fields that change the ids (module doc)."""
+    if any(body.get(k) is not None for k in _COMPLETION_UNKNOWN_FIELDS):
+        return None
+    prompt = _single_prompt(body)
+    if isinstance(prompt, list) and all(type(t) is int for t in prompt):
+        return prompt
+    return None
+
+
 def prompt_ids(
-    tokenizer: PromptTokenizer, chat: bool, body: Mapping[str, Any], max_model_len: int
+    tokenizer: PromptTokenizer | None, chat: bool, body: Mapping[str, Any], max_model_len: int
 ) -> Sequence[int] | None:
-    """`chat_ids` or `completion_ids` of `body`."""
+    """`chat_ids` or `completion_ids` of `body`; without a tokenizer, the ids a completions
+    prompt gives (`given_ids`), None otherwise."""
+    if tokenizer is None:
+        return None if chat else given_ids(body)
     if chat:
         return tokenizer.chat_ids(body, max_model_len)
     return tokenizer.completion_ids(body, max_model_len)
@@ -266,13 +317,14 @@ def _chars(body: Mapping[str, Any]) -> int:
 
 
 def exact_prompt(
-    tokenizer: PromptTokenizer,
+    tokenizer: PromptTokenizer | None,
     req: ClientRequest,
     max_model_len: int,
     block_sizes: Sequence[int],
 ) -> ClientRequest:
     """`req` with its exact `prompt_tokens` and `prefix_hashes` (one entry per block size, from
-    `pdplane.core.prefix_hash.block_hashes`); `req` unchanged when its ids are not reproduced.
+    `pdplane.core.prefix_hash.block_hashes`); `req` unchanged when its ids are not reproduced
+    (without `tokenizer`: unless its prompt is token ids).
 
     Raises GatewayError(400): the prompt has `max_model_len` tokens or more (vLLM's message),
     or cannot fit by its length in characters.
@@ -295,7 +347,7 @@ def exact_prompt(
 
 
 async def exact_prompt_async(
-    tokenizer: PromptTokenizer,
+    tokenizer: PromptTokenizer | None,
     req: ClientRequest,
     max_model_len: int,
     block_sizes: Sequence[int],

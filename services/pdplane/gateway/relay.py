@@ -36,7 +36,7 @@ from pdplane.gateway.config import RelayConfig
 from pdplane.gateway.errors import bad_request, unavailable
 from pdplane.gateway.kv_abort import KvAborter
 from pdplane.gateway.metrics import GatewayMetrics
-from pdplane.gateway.prompt_ids import TokenizerSet
+from pdplane.gateway.prompt_ids import Tokenizers
 from pdplane.gateway.replies import JsonReply, RetryElsewhere, StreamReply
 from pdplane.gateway.upstream import UpstreamClient
 from pdplane.gateway.validation import ClientRequest
@@ -73,7 +73,7 @@ class Relay:
         aborter: KvAborter,
         metrics: GatewayMetrics,
         config: RelayConfig,
-        tokenizers: TokenizerSet | None = None,
+        tokenizers: Tokenizers | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.metrics = metrics

@@ -14,6 +14,7 @@ from pdplane.core.server_id import server_id
 from pdplane.gateway.auth import CONFLICT, ApiKeys
 from pdplane.gateway.errors import GatewayError, unauthorized
 from pdplane.gateway.fleet import FleetView
+from pdplane.gateway.fleet_tokenizers import RoutingState
 from pdplane.gateway.metrics import GatewayMetrics
 from pdplane.gateway.passthrough import Passthrough
 
@@ -31,13 +32,12 @@ def build_router(
     metrics: GatewayMetrics,
     api_keys: ApiKeys,
     passthrough: Passthrough,
-    health_details: Mapping[str, object] | None = None,
+    routing: Callable[[], Mapping[str, RoutingState]] = dict,
     scheduler_problem: Callable[[], str | None] = lambda: None,
 ) -> APIRouter:
-    """The gateway's read-only routes; `fleet()` returns the current FleetView,
-    `health_details` is added to every /health body (e.g. the tokenizer state) and
-    `scheduler_problem()` (e.g. "scheduler unreachable at ...", else None) makes /health 503."""
-    details = dict(health_details or {})
+    """The gateway's read-only routes; `fleet()` returns the current FleetView, `routing()`
+    each model's routing state (added to its /health entry), and `scheduler_problem()` (e.g.
+    "scheduler unreachable at ...", else None) makes /health 503."""
     router = APIRouter()
 
     def refused(request: Request) -> Response | None:
@@ -60,6 +60,13 @@ def build_router(
 
     def checked_health() -> tuple[bool, dict[str, object]]:
         healthy, body = fleet().health()
+        states = routing()
+        models = body.get("models")
+        if isinstance(models, dict):
+            for name, entry in models.items():
+                state = states.get(name)
+                if state is not None:
+                    entry.update(state.as_json())
         problem = scheduler_problem()
         if problem is None:
             return healthy, body
@@ -98,7 +105,7 @@ def build_router(
         """200 when every served model has a usable prefill/decode pair, else 503 + reason;
         `server_id` says which gateway process answered (`pdplane.core.server_id`)."""
         healthy, body = checked_health()
-        return _json({**body, **details, "server_id": server_id()}, 200 if healthy else 503)
+        return _json({**body, "server_id": server_id()}, 200 if healthy else 503)
 
     @router.get("/metrics")
     async def prometheus() -> Response:

@@ -125,9 +125,20 @@ class GatewaySettings(PolicySettings):
     )
     tokenizer: str | None = Field(
         None,
-        description="the model's tokenizer directory (the model folder) for exact prompt "
-        "token ids and prefix block hashes (kv-aware routing); 'MODEL=DIR,...' for several "
-        "models; none = estimated prompt lengths, routing by load",
+        description="override: the model's tokenizer directory (the model folder) instead of "
+        "the one its instances publish; 'MODEL=DIR,...' for several models. Not needed: "
+        "every instance publishes its tokenizer and chat template (see docs/gateway.md)",
+    )
+    trust_remote_code: bool = Field(
+        False,
+        description="let the --tokenizer folders run their own tokenizer code (as vLLM's "
+        "--trust-remote-code); never applies to tokenizers fetched from instances",
+    )
+    tokenizer_cache_dir: str | None = Field(
+        None,
+        description="where tokenizers fetched from the instances are kept, one folder per "
+        "content hash; default $PDPLANE_CACHE_DIR/tokenizers or ~/.cache/pdplane/tokenizers "
+        "(a temporary folder when that is not writable)",
     )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info")
     inflight_port: int = Field(

@@ -26,7 +26,7 @@ from typing import Any, Protocol
 import grpc
 import httpx
 
-from pdplane.core import grpc_util
+from pdplane.core import defaults, grpc_util
 from pdplane.core.listen import port_taken
 from pdplane.launch.etcd import etcd_binary, member_argv
 from pdplane.launch.process import (
@@ -46,8 +46,7 @@ _TINY_MODEL_NAME = "tiny-llama"
 
 def default_model_cache() -> Path:
     """Where the tiny model is built: $PDPLANE_CACHE_DIR or ~/.cache/pdplane."""
-    base = os.environ.get("PDPLANE_CACHE_DIR") or Path.home() / ".cache" / "pdplane"
-    return Path(base) / "models"
+    return defaults.cache_root() / "models"
 
 
 class PortsInUse(RuntimeError):

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19pdplane/v1/instance.proto\x12\npdplane.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"j\n\x08KvLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x02 \x01(\r\x12\x11\n\thead_size\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\"\xe5\x02\n\x0cInstanceSpec\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x1e\n\x04role\x18\x02 \x01(\x0e\x32\x10.pdplane.v1.Role\x12\r\n\x05model\x18\x03 \x01(\t\x12\x0b\n\x03url\x18\x04 \x01(\t\x12\x13\n\x0bkv_endpoint\x18\x05 \x01(\t\x12(\n\ttransport\x18\x06 \x01(\x0e\x32\x15.pdplane.v1.Transport\x12\x0f\n\x07tp_size\x18\x07 \x01(\r\x12\'\n\tkv_layout\x18\x08 \x01(\x0b\x32\x14.pdplane.v1.KvLayout\x12\x15\n\rmax_model_len\x18\t \x01(\r\x12\x0f\n\x07version\x18\n \x01(\t\x12\x34\n\x06labels\x18\x0b \x03(\x0b\x32$.pdplane.v1.InstanceSpec.LabelsEntry\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xfb\x01\n\nLoadReport\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x03 \x01(\x01\x12\x16\n\x0e\x66ree_kv_blocks\x18\x04 \x01(\x04\x12\x17\n\x0ftotal_kv_blocks\x18\x05 \x01(\x04\x12\x1a\n\x12inflight_transfers\x18\x06 \x01(\r\x12\"\n\x1arecv_buffer_headroom_bytes\x18\x07 \x01(\x04\x12\"\n\x1arecv_buffer_capacity_bytes\x18\x08 \x01(\x04\x12\x16\n\x0ekv_block_bytes\x18\t \x01(\x04\"\x8d\x02\n\x08Instance\x12&\n\x04spec\x18\x01 \x01(\x0b\x32\x18.pdplane.v1.InstanceSpec\x12(\n\x05state\x18\x02 \x01(\x0e\x32\x19.pdplane.v1.InstanceState\x12$\n\x04load\x18\x03 \x01(\x0b\x32\x16.pdplane.v1.LoadReport\x12\x10\n\x08lease_id\x18\x04 \x01(\t\x12\x31\n\rregistered_at\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x32\n\x0elast_heartbeat\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x10\n\x08revision\x18\x07 \x01(\x04*N\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x10\n\x0cROLE_PREFILL\x10\x01\x12\x0f\n\x0bROLE_DECODE\x10\x02\x12\r\n\tROLE_BOTH\x10\x03*M\n\tTransport\x12\x19\n\x15TRANSPORT_UNSPECIFIED\x10\x00\x12\x11\n\rTRANSPORT_TCP\x10\x01\x12\x12\n\x0eTRANSPORT_NCCL\x10\x02*h\n\rInstanceState\x12\x1e\n\x1aINSTANCE_STATE_UNSPECIFIED\x10\x00\x12\x1a\n\x16INSTANCE_STATE_SERVING\x10\x01\x12\x1b\n\x17INSTANCE_STATE_DRAINING\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19pdplane/v1/instance.proto\x12\npdplane.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"j\n\x08KvLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x02 \x01(\r\x12\x11\n\thead_size\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\"\xfd\x02\n\x0cInstanceSpec\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x1e\n\x04role\x18\x02 \x01(\x0e\x32\x10.pdplane.v1.Role\x12\r\n\x05model\x18\x03 \x01(\t\x12\x0b\n\x03url\x18\x04 \x01(\t\x12\x13\n\x0bkv_endpoint\x18\x05 \x01(\t\x12(\n\ttransport\x18\x06 \x01(\x0e\x32\x15.pdplane.v1.Transport\x12\x0f\n\x07tp_size\x18\x07 \x01(\r\x12\'\n\tkv_layout\x18\x08 \x01(\x0b\x32\x14.pdplane.v1.KvLayout\x12\x15\n\rmax_model_len\x18\t \x01(\r\x12\x0f\n\x07version\x18\n \x01(\t\x12\x34\n\x06labels\x18\x0b \x03(\x0b\x32$.pdplane.v1.InstanceSpec.LabelsEntry\x12\x16\n\x0etokenizer_hash\x18\x0c \x01(\t\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xfb\x01\n\nLoadReport\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x03 \x01(\x01\x12\x16\n\x0e\x66ree_kv_blocks\x18\x04 \x01(\x04\x12\x17\n\x0ftotal_kv_blocks\x18\x05 \x01(\x04\x12\x1a\n\x12inflight_transfers\x18\x06 \x01(\r\x12\"\n\x1arecv_buffer_headroom_bytes\x18\x07 \x01(\x04\x12\"\n\x1arecv_buffer_capacity_bytes\x18\x08 \x01(\x04\x12\x16\n\x0ekv_block_bytes\x18\t \x01(\x04\"\x8d\x02\n\x08Instance\x12&\n\x04spec\x18\x01 \x01(\x0b\x32\x18.pdplane.v1.InstanceSpec\x12(\n\x05state\x18\x02 \x01(\x0e\x32\x19.pdplane.v1.InstanceState\x12$\n\x04load\x18\x03 \x01(\x0b\x32\x16.pdplane.v1.LoadReport\x12\x10\n\x08lease_id\x18\x04 \x01(\t\x12\x31\n\rregistered_at\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x32\n\x0elast_heartbeat\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x10\n\x08revision\x18\x07 \x01(\x04*N\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x10\n\x0cROLE_PREFILL\x10\x01\x12\x0f\n\x0bROLE_DECODE\x10\x02\x12\r\n\tROLE_BOTH\x10\x03*M\n\tTransport\x12\x19\n\x15TRANSPORT_UNSPECIFIED\x10\x00\x12\x11\n\rTRANSPORT_TCP\x10\x01\x12\x12\n\x0eTRANSPORT_NCCL\x10\x02*h\n\rInstanceState\x12\x1e\n\x1aINSTANCE_STATE_UNSPECIFIED\x10\x00\x12\x1a\n\x16INSTANCE_STATE_SERVING\x10\x01\x12\x1b\n\x17INSTANCE_STATE_DRAINING\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,20 +34,20 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_INSTANCESPEC_LABELSENTRY']._loaded_options = None
   _globals['_INSTANCESPEC_LABELSENTRY']._serialized_options = b'8\001'
-  _globals['_ROLE']._serialized_start=1068
-  _globals['_ROLE']._serialized_end=1146
-  _globals['_TRANSPORT']._serialized_start=1148
-  _globals['_TRANSPORT']._serialized_end=1225
-  _globals['_INSTANCESTATE']._serialized_start=1227
-  _globals['_INSTANCESTATE']._serialized_end=1331
+  _globals['_ROLE']._serialized_start=1092
+  _globals['_ROLE']._serialized_end=1170
+  _globals['_TRANSPORT']._serialized_start=1172
+  _globals['_TRANSPORT']._serialized_end=1249
+  _globals['_INSTANCESTATE']._serialized_start=1251
+  _globals['_INSTANCESTATE']._serialized_end=1355
   _globals['_KVLAYOUT']._serialized_start=74
   _globals['_KVLAYOUT']._serialized_end=180
   _globals['_INSTANCESPEC']._serialized_start=183
-  _globals['_INSTANCESPEC']._serialized_end=540
-  _globals['_INSTANCESPEC_LABELSENTRY']._serialized_start=495
-  _globals['_INSTANCESPEC_LABELSENTRY']._serialized_end=540
-  _globals['_LOADREPORT']._serialized_start=543
-  _globals['_LOADREPORT']._serialized_end=794
-  _globals['_INSTANCE']._serialized_start=797
-  _globals['_INSTANCE']._serialized_end=1066
+  _globals['_INSTANCESPEC']._serialized_end=564
+  _globals['_INSTANCESPEC_LABELSENTRY']._serialized_start=519
+  _globals['_INSTANCESPEC_LABELSENTRY']._serialized_end=564
+  _globals['_LOADREPORT']._serialized_start=567
+  _globals['_LOADREPORT']._serialized_end=818
+  _globals['_INSTANCE']._serialized_start=821
+  _globals['_INSTANCE']._serialized_end=1090
 # @@protoc_insertion_point(module_scope)

@@ -168,6 +168,7 @@ class InstanceSpec(_message.Message):
     MAX_MODEL_LEN_FIELD_NUMBER: _builtins.int
     VERSION_FIELD_NUMBER: _builtins.int
     LABELS_FIELD_NUMBER: _builtins.int
+    TOKENIZER_HASH_FIELD_NUMBER: _builtins.int
     instance_id: _builtins.str
     """unique in the registry; [A-Za-z0-9._:-]{1,128}"""
     role: Global___Role.ValueType
@@ -184,6 +185,12 @@ class InstanceSpec(_message.Message):
     """tokens"""
     version: _builtins.str
     """software version, e.g. "vllm 0.32.0 / pdplane 0.1.0" """
+    tokenizer_hash: _builtins.str
+    """Content hash of the tokenizer this instance serves its model with, as
+    "sha256:<64 hex digits>" (`pdplane.v1.TokenizerFiles` on kv_endpoint serves it, with its
+    chat template); "" = it publishes none. Instances of one model that publish different
+    hashes make a gateway route that model by load only until they agree.
+    """
     @_builtins.property
     def kv_layout(self) -> Global___KvLayout: ...
     @_builtins.property
@@ -202,10 +209,11 @@ class InstanceSpec(_message.Message):
         max_model_len: _builtins.int = ...,
         version: _builtins.str = ...,
         labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        tokenizer_hash: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["kv_layout", b"kv_layout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["instance_id", b"instance_id", "kv_endpoint", b"kv_endpoint", "kv_layout", b"kv_layout", "labels", b"labels", "max_model_len", b"max_model_len", "model", b"model", "role", b"role", "tp_size", b"tp_size", "transport", b"transport", "url", b"url", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["instance_id", b"instance_id", "kv_endpoint", b"kv_endpoint", "kv_layout", b"kv_layout", "labels", b"labels", "max_model_len", b"max_model_len", "model", b"model", "role", b"role", "tokenizer_hash", b"tokenizer_hash", "tp_size", b"tp_size", "transport", b"transport", "url", b"url", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

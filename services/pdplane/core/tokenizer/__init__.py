@@ -1,0 +1,1 @@
+"""Tokenizers that instances publish and gateways fetch (`pdplane.v1.TokenizerFiles`)."""
