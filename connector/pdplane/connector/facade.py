@@ -24,6 +24,7 @@ from pdplane.connector.metadata import PdPlaneConnectorMetadata
 from pdplane.connector.registration import InstanceRegistration, build_spec
 from pdplane.connector.scheduler_side import SchedulerSide
 from pdplane.connector.stats import PdPlaneKvStats, PdPlanePromMetrics
+from pdplane.connector.tokenizer import published_tokenizer
 from pdplane.connector.vllm_info import (
     ROLES,
     data_parallel_rank,
@@ -121,6 +122,7 @@ class PdPlaneConnector(KVConnectorBase_V1):
                 role=self.kv_role,
                 model=served_model_name(vllm_config),
                 tp_size=self.tp_size,
+                tokenizer=published_tokenizer(vllm_config) if tp_rank() == 0 else None,
             )
         # No engine process outlives its API server (an orphan would keep the KV port and
         # heartbeat for a dead HTTP server); deregistering first tells the gateway at once.
@@ -138,6 +140,7 @@ class PdPlaneConnector(KVConnectorBase_V1):
             int(vllm_config.model_config.max_model_len),
             self.tp_size,
             software_version(),
+            tokenizer_hash=getattr(published_tokenizer(vllm_config), "content_hash", ""),
         )
         self._registration = InstanceRegistration(self.config, spec, self._load)
         self._registration.start()

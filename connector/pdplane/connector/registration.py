@@ -57,8 +57,10 @@ def build_spec(
     max_model_len: int,
     tp_size: int,
     version: str,
+    tokenizer_hash: str = "",
 ) -> instance_pb2.InstanceSpec:
-    """The InstanceSpec this instance registers with."""
+    """The InstanceSpec this instance registers with (`tokenizer_hash`: of the tokenizer it
+    publishes, "" = none)."""
     return instance_pb2.InstanceSpec(
         instance_id=instance_id,
         role=role,
@@ -71,6 +73,7 @@ def build_spec(
         max_model_len=max_model_len,
         version=version,
         labels=config.labels,
+        tokenizer_hash=tokenizer_hash,
     )
 
 

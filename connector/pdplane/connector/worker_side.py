@@ -32,6 +32,8 @@ from pdplane.core.kv_events import KvEventLog
 from pdplane.core.kv_events_server import SERVICE_NAME as KV_EVENTS_SERVICE
 from pdplane.core.kv_events_server import add_kv_events_servicer
 from pdplane.core.layout import fingerprint
+from pdplane.core.tokenizer.service import SERVICE_NAME as TOKENIZER_SERVICE
+from pdplane.core.tokenizer.service import Published, add_tokenizer_servicer
 from pdplane.registry.client import InstanceWatcher
 from pdplane.v1 import instance_pb2
 
@@ -41,6 +43,7 @@ log = logging.getLogger(__name__)
 
 _SERVER_GRACE_S = 2.0
 _KV_EVENTS_STREAMS = 8  # threads for KvEvents subscribers (StreamOptions.max_subscribers)
+_TOKENIZER_FETCHES = 4  # threads for TokenizerFiles fetches (the service's own bound)
 
 
 class WorkerSide:
@@ -58,6 +61,8 @@ class WorkerSide:
             KvTransfer. None = no events.
         role: vLLM's kv_role; model: the served model name; tp_size: the instance's TP size
             (which registered instances are this worker's peers, see peer_watch.py).
+        tokenizer: what the instance publishes of its tokenizer (`pdplane.connector.tokenizer`;
+            rank 0 serves `pdplane.v1.TokenizerFiles`); None = the service is not offered.
     """
 
     def __init__(
@@ -73,8 +78,10 @@ class WorkerSide:
         role: str = "kv_both",
         model: str = "",
         tp_size: int = 1,
+        tokenizer: Published | None = None,
     ) -> None:
         self.config = config
+        self.tokenizer = tokenizer if tp_rank == 0 else None
         self.instance_id = instance_id
         self.identity = WorkerIdentity(
             instance_id,
@@ -138,6 +145,15 @@ class WorkerSide:
                     KV_EVENTS_SERVICE,
                     lambda server: add_kv_events_servicer(server, events.log),
                     threads=_KV_EVENTS_STREAMS,
+                )
+            )
+        published = self.tokenizer
+        if published is not None:
+            services.append(
+                ServiceBinding(
+                    TOKENIZER_SERVICE,
+                    lambda server: add_tokenizer_servicer(server, published),
+                    threads=_TOKENIZER_FETCHES,
                 )
             )
         self.server = start_kv_server(

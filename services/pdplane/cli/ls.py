@@ -7,6 +7,10 @@
 With several registry replicas, the first that answers is used; a broken watch moves to the
 next one and continues from its last revision.
 
+TOKENIZER is the content hash of the tokenizer and chat template the instance publishes to
+gateways (`-` = none; JSON: `tokenizer_hash`): instances of one model that show different
+hashes make the gateway route that model by load only (its /health says so).
+
 The KV_INDEX column (JSON: `kv_index`) is the scheduler's prefix index's state of each instance
 (`Scheduler.ListKvStates`, docs/kv_events.md): `live` (its cache is used for routing), `syncing`
 (no snapshot yet), `stale` (stream down or lagging: routed by load), `-` (not followed: no
@@ -71,7 +75,21 @@ class LsSettings(CommandSettings):
     timeout_s: float = Field(5.0, gt=0, description="deadline of the list call (s)")
 
 
-_COLUMNS = ("ID", "ROLE", "MODEL", "STATE", "URL", "KV_ENDPOINT", "RUN", "WAIT", "KV%", "FREE")
+_COLUMNS = (
+    "ID",
+    "ROLE",
+    "MODEL",
+    "STATE",
+    "URL",
+    "KV_ENDPOINT",
+    "RUN",
+    "WAIT",
+    "KV%",
+    "FREE",
+    "TOKENIZER",
+)
+#: Hex digits of a tokenizer's content hash shown (enough to tell tokenizers apart).
+_HASH_DIGITS = 12
 _KV_COLUMN = 4  # KV_INDEX goes after STATE
 
 
@@ -93,6 +111,7 @@ def _row(d: dict[str, Any], kv_column: bool) -> tuple[str, ...]:
         str(load["num_waiting"]),
         f"{100 * load['kv_cache_usage']:.0f}",
         str(load["free_kv_blocks"]),
+        d["tokenizer_hash"][: len("sha256:") + _HASH_DIGITS] or "-",
     )
 
 

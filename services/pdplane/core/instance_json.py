@@ -60,6 +60,7 @@ def instance_to_dict(instance: instance_pb2.Instance) -> dict[str, Any]:
         "max_model_len": spec.max_model_len,
         "version": spec.version,
         "labels": dict(spec.labels),
+        "tokenizer_hash": spec.tokenizer_hash,
         "state": enum_word(instance_pb2.InstanceState.Name(instance.state)),
         "load": load_to_dict(instance.load),
         "lease_id": instance.lease_id,

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from urllib.parse import urlsplit
 
 from pdplane.core.echo import echo
+from pdplane.core.tokenizer.bundle import valid_hash
 from pdplane.v1 import instance_pb2
 
 __all__ = [
@@ -152,8 +153,9 @@ def validate_spec(spec: instance_pb2.InstanceSpec) -> None:
     Rules: instance_id matches [A-Za-z0-9._:-]{1,128}; role and transport are known, non-zero
     enum values; model is 1..256 printable characters; url is an http(s) base URL with host and
     port; kv_endpoint is host:port; tp_size 1..1024; max_model_len 1..2^24 tokens; kv_layout is
-    set with every number in range and a known torch dtype; at most 64 labels; the whole spec
-    at most `MAX_SPEC_BYTES` (8 KiB) serialized.
+    set with every number in range and a known torch dtype; at most 64 labels; tokenizer_hash
+    empty or "sha256:" + 64 hex digits; the whole spec at most `MAX_SPEC_BYTES` (8 KiB)
+    serialized.
     """
     if not _ID.fullmatch(spec.instance_id):
         raise ValidationError(
@@ -176,6 +178,11 @@ def validate_spec(spec: instance_pb2.InstanceSpec) -> None:
     _check_range("spec.max_model_len", spec.max_model_len, "max_model_len")
     _check_text("spec.version", spec.version, required=False, spaces=True)
     _check_labels(spec.labels)
+    if spec.tokenizer_hash and not valid_hash(spec.tokenizer_hash):
+        raise ValidationError(
+            "spec.tokenizer_hash",
+            f'must be "" or "sha256:" + 64 hex digits, got {echo(spec.tokenizer_hash)}',
+        )
     size = spec.ByteSize()
     if size > MAX_SPEC_BYTES:
         raise ValidationError("spec", f"at most {MAX_SPEC_BYTES} bytes serialized, got {size}")

@@ -396,8 +396,6 @@ class Fleet:
                     if s.queue_timeout_s is None
                     else ["--queue-timeout-s", str(s.queue_timeout_s)]
                 ),
-                # The served model's own tokenizer: exact prompt ids and prefix hashes.
-                *(["--tokenizer", str(self.model_dir)] if self.model_dir else []),
             ),
         )
         # /health answers (503 until a pair registers) once the HTTP server is up.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 
 import grpc
@@ -10,6 +11,8 @@ from aiohttp import web
 
 from pdplane.core import grpc_util
 from pdplane.core.kv_events_server import add_kv_events_servicer
+from pdplane.core.tokenizer.bundle import TokenizerBundle, TokenizerUnpublishable, collect
+from pdplane.core.tokenizer.service import Published, add_tokenizer_servicer
 from pdplane.sim.app import build_app
 from pdplane.sim.config import SimConfig
 from pdplane.sim.state import SimState
@@ -28,6 +31,18 @@ _ROLES = {
 }
 _KV_SERVICE = "pdplane.v1.KvTransfer"
 _TCP_SERVICE = "pdplane.v1.TcpKvTransfer"
+
+
+@functools.lru_cache(maxsize=8)
+def _published(tokenizer_dir: str) -> Published:
+    """What a sim with `--tokenizer tokenizer_dir` publishes (sims of one fleet share it)."""
+    if not tokenizer_dir:
+        return "the simulator runs without --tokenizer (its word tokenizer is not published)"
+    try:
+        return collect(tokenizer_dir)
+    except TokenizerUnpublishable as exc:
+        log.warning("tokenizer %s not published: %s", tokenizer_dir, exc)
+        return str(exc)
 
 
 class SimInstance:
@@ -49,6 +64,7 @@ class SimInstance:
     ) -> None:
         self.config = config
         self.state = SimState(config, tokenizer)
+        self.published = _published(config.tokenizer)
         self._registry = registry
         self._registry_token = registry_token
         self._lease_ttl_ms = lease_ttl_ms
@@ -85,6 +101,9 @@ class SimInstance:
             max_model_len=c.max_model_len,
             version="pdplane-sim 0.1.0 (vllm 0.32.0 API)",
             labels={"sim": "true", **c.labels},
+            tokenizer_hash=(
+                self.published.content_hash if isinstance(self.published, TokenizerBundle) else ""
+            ),
         )
 
     async def start(self) -> None:
@@ -109,7 +128,7 @@ class SimInstance:
         kv_transfer_tcp_pb2_grpc.add_TcpKvTransferServicer_to_server(
             TcpDataServicer(state.push_buffer, state.kv_layout, state.block_bytes), self._grpc
         )
-        services = [_KV_SERVICE, _TCP_SERVICE]
+        services = [_KV_SERVICE, _TCP_SERVICE, add_tokenizer_servicer(self._grpc, self.published)]
         if state.events is not None:
             services.append(add_kv_events_servicer(self._grpc, state.events))
         await grpc_util.aio_add_health_and_reflection(self._grpc, services)

@@ -25,20 +25,30 @@ def test_models_and_health_with_zero_one_and_two_instances(stack: Stack) -> None
     r = stack.health()
     assert r.status_code == 503
     assert r.json()["reason"] == f"model '{MODEL}': no prefill instance"
-    assert r.json()["models"][MODEL] == {"prefill": 0, "decode": 1, "paired": False}
+    entry = r.json()["models"][MODEL]
+    assert {k: entry[k] for k in ("prefill", "decode", "paired")} == {
+        "prefill": 0,
+        "decode": 1,
+        "paired": False,
+    }
 
     stack.sims(["prefill"])
     wait_for(lambda: stack.health().status_code == 200, what="/health 200 with a pair")
     assert _models(stack) == [MODEL]  # deduplicated across prefill and decode
+    wait_for(
+        lambda: "routing" in stack.health().json()["models"][MODEL], what="the routing state"
+    )
     body = stack.health().json()
     assert body.pop("server_id") == server_id()  # which gateway process answered
+    reason = body["models"][MODEL].pop("routing_reason")
     assert body == {
         "status": "ok",
-        "models": {MODEL: {"prefill": 1, "decode": 1, "paired": True}},
-        # No --tokenizer: the gateway says it routes on estimated prompt lengths.
-        "prompt_tokens": "estimated",
-        "tokenizer": {},
+        # Sims without --tokenizer publish none: the gateway says it routes by load.
+        "models": {
+            MODEL: {"prefill": 1, "decode": 1, "paired": True, "routing": "load", "tokenizer": ""}
+        },
     }
+    assert reason.startswith("no instance publishes its tokenizer")
 
 
 def test_unknown_model_is_404_without_touching_an_instance(stack: Stack) -> None:

@@ -105,7 +105,7 @@ def test_too_long_prompts_are_refused_as_vllm_refuses_them(tok: PromptTokenizer)
         exact_prompt(tok, _req(CHAT, messages=[{"role": "user", "content": text}]), 8, (4,))
 
 
-def test_no_tokenizer_says_so_once_and_a_missing_folder_is_no_tokenizer(
+def test_a_missing_tokenizer_folder_is_no_override_and_says_so(
     caplog: pytest.LogCaptureFixture, tiny_dir: Path
 ) -> None:
     with caplog.at_level(logging.INFO, "pdplane.gateway.prompt_ids"):
@@ -116,6 +116,6 @@ def test_no_tokenizer_says_so_once_and_a_missing_folder_is_no_tokenizer(
     assert mixed.exact and mixed.get("tiny") is not None and mixed.get("other") is None
     assert mixed.describe() == {"tiny": str(tiny_dir)}
     text = caplog.text
-    assert text.count("no tokenizer (--tokenizer)") == 2
+    assert text.count("the fleet's is used") == 2
     assert "'/nonexistent/model' not loaded" in text
     assert TokenizerSet({}).describe() == {}
