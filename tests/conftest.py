@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import socket
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
+
+from pdplane.models.tiny import build_tiny_model
 
 
 def _free_port() -> int:
@@ -18,3 +22,11 @@ def _free_port() -> int:
 def free_port() -> Callable[[], int]:
     """Returns a function giving a currently free TCP port on 127.0.0.1."""
     return _free_port
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> Path:
+    """Directory of the tiny local Llama model, tokenizer and chat template included (built
+    once, then cached)."""
+    cache = Path(os.environ.get("PDPLANE_MODEL_CACHE", Path.home() / ".cache/pdplane/models"))
+    return build_tiny_model(cache)

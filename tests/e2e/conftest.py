@@ -20,7 +20,6 @@ test when a transfer must happen.
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -32,7 +31,6 @@ from pdplane.core import grpc_util
 from pdplane.launch.ports import free_port_run
 from pdplane.launch.process import wait_until
 from pdplane.launch.vllm_cpu import VllmCpuInstance, VllmCpuOptions
-from pdplane.models.tiny import build_tiny_model
 from pdplane.registry.server import RegistryServer
 from pdplane.registry.settings import RegistrySettings
 from pdplane.v1 import instance_pb2, registry_pb2, registry_pb2_grpc
@@ -121,13 +119,6 @@ class VllmPair:
 class _Fleet:
     pair: VllmPair
     reference: VllmCpuInstance
-
-
-@pytest.fixture(scope="session")
-def tiny_model() -> Path:
-    """Directory of the tiny local Llama model (built once, then cached)."""
-    cache = Path(os.environ.get("PDPLANE_MODEL_CACHE", Path.home() / ".cache/pdplane/models"))
-    return build_tiny_model(cache)
 
 
 @pytest.fixture(scope="session")

@@ -36,7 +36,8 @@ def main(argv: list[str]) -> int:
         loop="auto",
         **server_options(settings),
         log_level=settings.log_level,
-        # No access log, so nothing reads the X-Forwarded-* rewriting; it costs every request.
+        # uvicorn's access log is off: the gateway writes its own (--access-log), which says
+        # where each request went; nothing then reads the X-Forwarded-* rewriting.
         access_log=False,
         proxy_headers=False,
         timeout_graceful_shutdown=settings.shutdown_timeout_s,

@@ -157,6 +157,7 @@ def create_app(
             api_keys=keys,
             body_timeout_s=settings.body_timeout_s,
             tokenizers=fleet_tokenizers,
+            access_log=settings.access_log,
         ),
         title="pdplane gateway",
         lifespan=lifespan,

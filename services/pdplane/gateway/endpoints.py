@@ -35,6 +35,7 @@ from pdplane.gateway.metrics import GatewayMetrics
 from pdplane.gateway.prompt_ids import Tokenizers, TokenizerSet, exact_prompt_async
 from pdplane.gateway.relay import Relay
 from pdplane.gateway.replies import JsonReply
+from pdplane.gateway.route_note import ROUTE_HEADER, RouteNote
 from pdplane.gateway.validation import CHAT, COMPLETIONS, ClientRequest, Endpoint, parse_request
 
 __all__ = ["RelayEndpoints"]
@@ -86,9 +87,10 @@ async def _receive_body(receive: Receive) -> bytes:
             return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
-def _headers(scope: Scope) -> tuple[bytes | None, str, str]:
-    """(authorization, x-request-id, x-routing-key) from the raw ASGI headers."""
-    auth, request_id, routing_key = None, "", ""
+def _headers(scope: Scope) -> tuple[bytes | None, str, str, bool]:
+    """(authorization, x-request-id, x-routing-key, whether x-pdplane-route asks for the
+    routing headers) from the raw ASGI headers."""
+    auth, request_id, routing_key, show_route = None, "", "", False
     for key, value in scope["headers"]:
         if key == b"authorization":
             # Two Authorization headers are refused (`ApiKeys.allows(CONFLICT)`), whatever
@@ -98,7 +100,9 @@ def _headers(scope: Scope) -> tuple[bytes | None, str, str]:
             request_id = value.decode("latin-1")
         elif key == b"x-routing-key":
             routing_key = value.decode("latin-1")
-    return auth, request_id, routing_key
+        elif key == ROUTE_HEADER:
+            show_route = value.strip().lower() in (b"1", b"true")
+    return auth, request_id, routing_key, show_route
 
 
 def _client_traceparent(scope: Scope) -> str | None:
@@ -136,6 +140,8 @@ class RelayEndpoints:
         body_timeout_s: longest read of one request body (s); then 408.
         tokenizers: the models' tokenizers (exact prompt ids and prefix hashes); none = the
             estimated prompt lengths of `pdplane.gateway.tokens`.
+        access_log: write one line per request to `pdplane.gateway.access`
+            (`pdplane.gateway.route_note`).
     """
 
     def __init__(
@@ -147,7 +153,9 @@ class RelayEndpoints:
         api_keys: ApiKeys,
         body_timeout_s: float = 60.0,
         tokenizers: Tokenizers | None = None,
+        access_log: bool = False,
     ) -> None:
+        self.access_log = access_log
         self.app = app
         self.relay = relay
         self.fleet = fleet
@@ -175,7 +183,7 @@ class RelayEndpoints:
     async def _relay(self, endpoint: Endpoint, scope: Scope, receive: Receive) -> Response:
         started = time.perf_counter()
         metrics = self.metrics
-        auth, request_id, routing_key = _headers(scope)
+        auth, request_id, routing_key, show_route = _headers(scope)
         error: GatewayError | None = None
         if len(request_id) > _MAX_REQUEST_ID:
             request_id = ""
@@ -193,11 +201,24 @@ class RelayEndpoints:
         status = 500
         streaming = False
         watch: DisconnectWatch | None = None
+        note = RouteNote()
+        model_name = ""
         metrics.inflight.inc()
 
         def done() -> None:
             metrics.answered(endpoint, status)
             metrics.inflight.dec()
+            if self.access_log:
+                client = scope.get("client")
+                note.log_line(
+                    client[0] if client else "-",
+                    "POST",
+                    endpoint,
+                    status,
+                    request_id,
+                    model_name,
+                    (time.perf_counter() - started) * 1000.0,
+                )
 
         try:
             if error is not None:
@@ -218,20 +239,24 @@ class RelayEndpoints:
                 if not view.ready:
                     raise unavailable("registry not reachable yet; cannot resolve the model")
                 raise not_found(req.model)
+            model_name = req.model
             req = await exact_prompt_async(
                 self.tokenizers.get(req.model), req, model.max_model_len, model.block_sizes
             )
+            note.prompt_tokens, note.exact = req.prompt_tokens, bool(req.prefix_hashes)
             if req.prefix_hashes:
                 metrics.exact_prompts.inc()
             else:
                 metrics.estimated_prompts.inc()
             watch = DisconnectWatch(receive)
             answered, reply = await watch.run(
-                self.relay.handle(req, request_id, started, model.max_model_len)
+                self.relay.handle(req, request_id, started, model.max_model_len, note)
             )
             if not answered or reply is None:
                 status = _CLIENT_CLOSED
                 return Response(status_code=_CLIENT_CLOSED, headers=headers)
+            if show_route:
+                headers.update(note.headers())
             if isinstance(reply, JsonReply):
                 status = reply.status
                 return Response(reply.body, status, headers=headers, media_type=reply.content_type)

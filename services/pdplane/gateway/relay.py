@@ -38,6 +38,7 @@ from pdplane.gateway.kv_abort import KvAborter
 from pdplane.gateway.metrics import GatewayMetrics
 from pdplane.gateway.prompt_ids import Tokenizers
 from pdplane.gateway.replies import JsonReply, RetryElsewhere, StreamReply
+from pdplane.gateway.route_note import RouteNote
 from pdplane.gateway.upstream import UpstreamClient
 from pdplane.gateway.validation import ClientRequest
 from pdplane.scheduler import (
@@ -83,9 +84,15 @@ class Relay:
         self._legs = Legs.of(upstream, metrics, config, tokenizers)
 
     async def handle(
-        self, req: ClientRequest, request_id: str, started: float, max_model_len: int
+        self,
+        req: ClientRequest,
+        request_id: str,
+        started: float,
+        max_model_len: int,
+        note: RouteNote | None = None,
     ) -> JsonReply | StreamReply:
-        """Relays `req` under `request_id`; `started` = arrival (time.perf_counter()).
+        """Relays `req` under `request_id`; `started` = arrival (time.perf_counter()); `note`
+        gets every decision taken for it (the last one stays).
 
         `max_model_len` (tokens) caps the lengths sent to Schedule so that a request too long
         for the model still reaches an instance, whose own 400 is the authoritative answer.
@@ -96,8 +103,16 @@ class Relay:
         for tries in range(self.config.max_retries + 1):
             care = self.caretaker.begin(request_id)
             decision = await self._schedule(req, care, excluded, last, max_model_len)
+            if note is not None:
+                note.decision = decision
             take_over = _TakeOver(
-                self, req, request_id, excluded, self.config.max_retries - tries, max_model_len
+                self,
+                req,
+                request_id,
+                excluded,
+                self.config.max_retries - tries,
+                max_model_len,
+                note,
             )
             attempt = Attempt(self._legs, care, req, decision, started, max_model_len, take_over)
             try:
@@ -182,7 +197,15 @@ class _TakeOver:
     went out (`pdplane.gateway.attempt.TakeOver`), within the request's retries left (`tries`),
     excluding every instance that failed it."""
 
-    __slots__ = ("_excluded", "_max_model_len", "_relay", "_req", "_request_id", "_tries")
+    __slots__ = (
+        "_excluded",
+        "_max_model_len",
+        "_note",
+        "_relay",
+        "_req",
+        "_request_id",
+        "_tries",
+    )
 
     def __init__(
         self,
@@ -192,7 +215,9 @@ class _TakeOver:
         excluded: list[str],
         tries: int,
         max_model_len: int,
+        note: RouteNote | None,
     ) -> None:
+        self._note = note
         self._relay = relay
         self._req = req
         self._request_id = request_id
@@ -210,4 +235,6 @@ class _TakeOver:
         decision = await relay._schedule(
             self._req, care, self._excluded, failed, self._max_model_len, queue=True
         )
+        if self._note is not None:
+            self._note.decision = decision
         return care, decision

@@ -141,6 +141,12 @@ class GatewaySettings(PolicySettings):
         "(a temporary folder when that is not writable)",
     )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info")
+    access_log: bool = Field(
+        True,
+        description="one log line per request: client, status, model, prompt tokens, the "
+        "prefill and decode it went to with their predicted prefix cache hits, the "
+        "scheduler's reason, latency (--no-access-log: none)",
+    )
     inflight_port: int = Field(
         0,
         ge=0,

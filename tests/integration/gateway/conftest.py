@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from pdplane.gateway.testing import running_gateway_app
+from pdplane.scheduler.kv_index import KvIndexManager
 from pdplane.scheduler.local import LocalScheduler
 from pdplane.scheduler.server import SchedulerServer
 from pdplane.scheduler.service import SchedulerService
@@ -78,6 +79,15 @@ class Stack:
             10,
             "the scheduler to see the sims",
         )
+
+    def kv_index(self) -> KvIndexManager:
+        """The prefix index the deciding scheduler reads (remote process or embedded)."""
+        if self.scheduler is not None:
+            manager = self.scheduler.app.kv_index
+        else:
+            manager = self.app.state.scheduler.kv_index
+        assert manager is not None, "the scheduler runs without a prefix index"
+        return manager
 
     def scheduler_inflight(self) -> int:
         return len(self.service.inflight)

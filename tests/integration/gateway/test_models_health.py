@@ -35,9 +35,7 @@ def test_models_and_health_with_zero_one_and_two_instances(stack: Stack) -> None
     stack.sims(["prefill"])
     wait_for(lambda: stack.health().status_code == 200, what="/health 200 with a pair")
     assert _models(stack) == [MODEL]  # deduplicated across prefill and decode
-    wait_for(
-        lambda: "routing" in stack.health().json()["models"][MODEL], what="the routing state"
-    )
+    wait_for(lambda: "routing" in stack.health().json()["models"][MODEL], what="the routing state")
     body = stack.health().json()
     assert body.pop("server_id") == server_id()  # which gateway process answered
     reason = body["models"][MODEL].pop("routing_reason")
