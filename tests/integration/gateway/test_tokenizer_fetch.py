@@ -101,7 +101,7 @@ async def test_refusals_are_errors_that_say_why(
     with pytest.raises(FetchError, match="FAILED_PRECONDITION"):
         await _fetch(address, "sha256:" + "0" * 64, tmp_path)
     none = await aio_server("vLLM runs with --skip-tokenizer-init")
-    with pytest.raises(FetchError, match="NOT_FOUND.*skip-tokenizer-init"):
+    with pytest.raises(FetchError, match=r"NOT_FOUND.*skip-tokenizer-init"):
         await _fetch(none, bundle.content_hash, tmp_path)
     with pytest.raises(FetchError, match="not a tokenizer content hash"):
         await _fetch(address, "../../etc", tmp_path)
