@@ -1,9 +1,10 @@
 """Real vLLM CPU, 2 prefill + 2 decode: kv_aware routes by what the engines' caches hold.
 
-Its own registry, scheduler (kv_aware both sides, the prefix index on) and gateway (the tiny
-model's tokenizer: exact prompt ids and prefix hashes), plus one plain vLLM instance for the
-expected greedy text. The gateway's scheduler port records every decision, so the tests read
-the `reason` and the predicted cached tokens the gateway acted on; vLLM's own
+Its own registry, scheduler (kv_aware both sides, the prefix index on) and gateway, plus one
+plain vLLM instance for the expected greedy text. The gateway gets no tokenizer flag: it takes
+the tokenizer and chat template the instances' connectors publish, so text and chat prompts
+get exact ids and prefix hashes. The gateway's scheduler port records every decision, so the
+tests read the `reason` and the predicted cached tokens the gateway acted on; vLLM's own
 `vllm:prefix_cache_hits` says what each engine really reused.
 """
 
@@ -123,14 +124,24 @@ def stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
             with running_gateway(
                 scheduler_port=port,  # type: ignore[arg-type]
                 registry=registry.address,
-                tokenizer=str(tiny_model),
+                tokenizer_cache_dir=str(logs / "tokenizers"),
             ) as url:
                 wait_until(lambda: http_ok(f"{url}/health"), 60.0, what="gateway /health 200")
+                wait_until(
+                    lambda: _routing(url) == "precise",
+                    60.0,
+                    what="precise routing from the fleet's tokenizer",
+                )
                 yield Stack(url, instances, reference, scheduler, port)
     finally:
         for inst in everything:
             inst.stop()
         registry.stop()
+
+
+def _routing(url: str) -> str:
+    entry = httpx.get(f"{url}/health", timeout=10.0).json()["models"].get(MODEL_NAME, {})
+    return str(entry.get("routing", ""))
 
 
 def _hits(inst: VllmCpuInstance) -> float:
@@ -193,37 +204,61 @@ def _ids(seed: int, n: int) -> list[int]:
     return [rng.randrange(10, 2000) for _ in range(n)]
 
 
-def test_shared_prefix_lands_where_it_is_cached_and_vllm_agrees(stack: Stack) -> None:
-    shared = _ids(1, 6 * BS)  # 768 tokens, 6 full blocks
-    # Suffixes longer than --local-prefill-max-tokens: disaggregated even where decode holds
-    # the prefix, so the prefill choice is what is tested here.
-    first = shared + _ids(100, 300)
+def _common(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def test_shared_text_prefix_lands_where_it_is_cached_and_vllm_agrees(stack: Stack) -> None:
+    # A long shared text prefix (a tenant's system prompt, ~6 blocks) and suffixes longer than
+    # --local-prefill-max-tokens: disaggregated even where decode holds the prefix, so the
+    # prefill choice is what is tested here.
+    shared = " ".join(f"rule {i}: keep the answer short and exact." for i in range(34))
+
+    def prompt(n: int) -> str:
+        return shared + " " + " ".join(f"question {n} asks about item {i}" for i in range(20))
+
     body: dict[str, Any] = {"model": MODEL_NAME, "max_tokens": 8, "temperature": 0}
-    out = _post(stack.url, "/v1/completions", {**body, "prompt": first})
-    ref = _post(stack.reference.url, "/v1/completions", {**body, "prompt": first})
+    out = _post(stack.url, "/v1/completions", {**body, "prompt": prompt(0)})
+    ref = _post(stack.reference.url, "/v1/completions", {**body, "prompt": prompt(0)})
     assert out["choices"][0]["text"] == ref["choices"][0]["text"]
-    _, d0 = stack.port.decisions[-1]
+    first, d0 = stack.port.decisions[-1]
     assert d0.prefill is not None
     holder = d0.prefill.instance_id
+    first_ids = _tokenize(stack, prompt(0))
+    assert first.prompt_tokens == len(first_ids)  # exact ids from the fleet's tokenizer
     _settle(stack)
 
-    for i in range(3):
-        prompt = shared + _ids(200 + i, 300)
+    for i in range(1, 4):
         before = {n: _hits(inst) for n, inst in stack.instances.items()}
-        out = _post(stack.url, "/v1/completions", {**body, "prompt": prompt})
-        ref = _post(stack.reference.url, "/v1/completions", {**body, "prompt": prompt})
+        out = _post(stack.url, "/v1/completions", {**body, "prompt": prompt(i)})
+        ref = _post(stack.reference.url, "/v1/completions", {**body, "prompt": prompt(i)})
         assert out["choices"][0]["text"] == ref["choices"][0]["text"]  # greedy, same text
         features, decision = stack.port.decisions[-1]
         assert features.prefix_hashes, "the gateway sent no prefix hashes"
+        cached = _common(first_ids, _tokenize(stack, prompt(i))) // BS * BS
+        assert cached >= 5 * BS
         assert decision.prefill is not None
         assert decision.prefill.instance_id == holder, decision.reason
-        assert decision.prefill_cached_tokens == len(shared), decision.reason
-        assert f"prefill kv_aware: cached={len(shared)}/{len(prompt)} tokens" in decision.reason
+        assert decision.prefill_cached_tokens == cached, decision.reason
+        assert f"prefill kv_aware: cached={cached}/{features.prompt_tokens} tokens" in (
+            decision.reason
+        )
         grew = _hits(stack.instances[holder]) - before[holder]
         assert abs(grew - decision.prefill_cached_tokens) <= BS, (grew, decision.reason)
         # The decode that took the first request holds the prefix too and is preferred.
-        assert decision.decode_cached_tokens >= len(shared), decision.reason
+        assert decision.decode_cached_tokens >= cached, decision.reason
         _settle(stack)
+
+
+def _tokenize(stack: Stack, text: str) -> list[int]:
+    """The ids vLLM itself computes for `text` (the reference instance's /tokenize)."""
+    out = _post(stack.reference.url, "/tokenize", {"model": MODEL_NAME, "prompt": text})
+    return list(out["tokens"])
 
 
 def test_second_chat_turn_goes_to_turn_ones_decode_without_prefill(stack: Stack) -> None:
