@@ -10,7 +10,9 @@
 # 5. runs the host-side checks in tests/docker (pytest -m docker) with the token the stack
 #    generated (read out of its volume, as an operator would): registry gRPC health, a wrong
 #    token is refused, `pdplane ls --json` lists one prefill and one decode, a completion and a streaming chat
-#    through the gateway's published port, `docker compose restart registry`; then re-creates
+#    through the gateway's published port, two prompts sharing a long prefix (the gateway has no
+#    tokenizer setting: the second is routed as a predicted prefix cache hit and hits vLLM's
+#    cache), `docker compose restart registry`; then re-creates
 #    the stack with deploy/docker-compose.tls.yml (test certificates, shared token) and checks
 #    it again (tests/docker/test_compose_tls.py);
 # 6. `docker compose down` and asserts no container is left;
@@ -128,6 +130,7 @@ if [[ $stages == *" cpu "* ]]; then
 
   export PDPLANE_COMPOSE_GATEWAY="http://127.0.0.1:$gw_port"
   export PDPLANE_COMPOSE_REGISTRY="127.0.0.1:$reg_port"
+  export PDPLANE_COMPOSE_SCHEDULER="127.0.0.1:$sch_port"
   # The generated token, as docs/deploy.md tells operators to read it; `pdplane ls` in the
   # tests takes it from PDPLANE_TOKEN.
   PDPLANE_TOKEN=$(compose_token) \

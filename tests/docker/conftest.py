@@ -38,6 +38,12 @@ def registry_addr() -> str:
 
 
 @pytest.fixture(scope="session")
+def scheduler_addr() -> str:
+    """host:port of the scheduler's published gRPC port."""
+    return _stack_env("PDPLANE_COMPOSE_SCHEDULER")
+
+
+@pytest.fixture(scope="session")
 def http(gateway_url: str) -> Iterator[httpx.Client]:
     """An HTTP client on the gateway (tiny model on 2 CPU cores: generous read timeout)."""
     with httpx.Client(base_url=gateway_url, timeout=httpx.Timeout(120.0, connect=5.0)) as c:

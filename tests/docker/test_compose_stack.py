@@ -16,6 +16,7 @@ import grpc
 import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from pdplane.cli import ls
 
@@ -25,10 +26,12 @@ pytestmark = pytest.mark.docker
 RELIST_DEADLINE_S = 5.0
 
 
-def _ls_json(registry_addr: str) -> list[dict[str, Any]]:
-    """`pdplane ls --registry ADDR --json`, in-process (the real command, no interpreter start)."""
+def _ls_json(registry_addr: str, scheduler_addr: str = "") -> list[dict[str, Any]]:
+    """`pdplane ls --registry ADDR --json`, in-process (the real command, no interpreter start);
+    with `scheduler_addr`, each instance's `kv_index` as that scheduler's prefix index has it."""
     out = io.StringIO()
-    rc = ls.main(["--registry", registry_addr, "--json", "--timeout-s", "1"], out=out)
+    argv = ["--registry", registry_addr, "--json", "--timeout-s", "1"]
+    rc = ls.main([*argv, "--scheduler", scheduler_addr], out=out)
     if rc != 0:
         return []
     return list(json.loads(out.getvalue()))
@@ -116,6 +119,60 @@ def test_streaming_chat_through_gateway_returns_text(http: httpx.Client, model: 
                 pieces.append(choice["delta"].get("content") or "")
     assert events and events[-1] == "[DONE]", events[-3:]
     assert "".join(pieces), events
+
+
+def _prefix_cache_hits(docker: Any, service: str) -> float:
+    """vLLM's `vllm:prefix_cache_hits_total` of the instance in `service` (its port is not
+    published: read from inside its container)."""
+    read = "import urllib.request as u; print(u.urlopen('http://127.0.0.1:8100/metrics').read().decode())"
+    text = docker("compose", "exec", "-T", service, "python3", "-c", read)
+    return sum(
+        s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "vllm:prefix_cache_hits_total"
+    )
+
+
+def test_a_shared_prefix_is_routed_as_a_predicted_hit_and_hits_vllms_cache(
+    http: httpx.Client, model: str, docker: Any, registry_addr: str, scheduler_addr: str
+) -> None:
+    # The gateway has no tokenizer setting: it takes the one the connectors publish.
+    deadline = time.monotonic() + 60
+    entry: dict[str, Any] = {}
+    while time.monotonic() < deadline and entry.get("routing") != "precise":
+        entry = http.get("/health").json()["models"].get(model, {})
+        time.sleep(0.2)
+    assert entry.get("routing") == "precise", entry
+    shared = " ".join(f"rule {i}: keep the answer short and exact." for i in range(24))
+    route = {"X-Pdplane-Route": "1"}
+
+    def ask(n: int) -> httpx.Response:
+        body = {"model": model, "prompt": f"{shared} question {n}?", "max_tokens": 4}
+        r = http.post("/v1/completions", json=body, headers=route)
+        assert r.status_code == 200, r.text
+        return r
+
+    first = ask(1)
+    prefill = first.headers["x-pdplane-prefill"].partition(";")[0]
+    assert prefill and prefill != "none", first.headers
+    # The scheduler's prefix index holds the prompt's blocks on the prefill before the next.
+    deadline = time.monotonic() + 30
+    index: Any = None
+    while time.monotonic() < deadline:
+        rows = {i["id"]: i for i in _ls_json(registry_addr, scheduler_addr)}
+        index = rows.get(prefill, {}).get("kv_index")
+        if isinstance(index, dict) and index["blocks"] >= 4 and index["lag_events"] == 0:
+            break
+        time.sleep(0.2)
+    assert isinstance(index, dict) and index["blocks"] >= 4, index
+    service = "prefill"
+    before = _prefix_cache_hits(docker, service)
+    second = ask(2)
+    instance, _, cached = second.headers["x-pdplane-prefill"].partition("; cached_tokens=")
+    assert instance == prefill, second.headers
+    assert int(cached) >= 4 * 128, second.headers  # a predicted hit of the shared blocks
+    assert _prefix_cache_hits(docker, service) - before == int(cached)
 
 
 @pytest.mark.parametrize("service", ["registry", "scheduler", "gateway", "prefill", "decode"])
