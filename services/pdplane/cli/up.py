@@ -56,6 +56,12 @@ class UpSettings(CommandSettings):
     scheduler_port: int = Field(
         defaults.SCHEDULER_PORT, ge=1, le=65535, description="scheduler gRPC"
     )
+    scheduler_metrics_port: int = Field(
+        defaults.SCHEDULER_METRICS_PORT,
+        ge=1,
+        le=65535,
+        description="scheduler Prometheus /metrics HTTP (decisions, predicted prefix cache hits)",
+    )
     vllm_base_port: int = Field(
         defaults.VLLM_BASE_PORT, ge=1, le=65000, description="first vLLM HTTP port"
     )
@@ -186,6 +192,7 @@ def main(argv: list[str]) -> int:
         _say(f"  gateway (OpenAI API): {fleet.gateway_url}/v1   model: {fleet.model_name}")
         _say(f"  registry (gRPC):      {fleet.registry_address}   try: pdplane ls")
         _say(f"  scheduler (gRPC):     {fleet.scheduler_address}")
+        _say(f"  scheduler metrics:    {fleet.scheduler_metrics_url}")
         _say(f"  logs:                 {spec.log_dir.resolve()}")
         _say(f"  tokens:               {path} (read by pdplane ls, drain, vllm)")
         if settings.demo:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 REGISTRY_PORT = 50051  #: pdplane registry gRPC
 SCHEDULER_PORT = 50052  #: pdplane scheduler gRPC
+SCHEDULER_METRICS_PORT = 8090  #: the scheduler's Prometheus /metrics under `pdplane up`
 GATEWAY_PORT = 8000  #: OpenAI-compatible HTTP, like `vllm serve`
 VLLM_BASE_PORT = 8100  #: first port `pdplane up` gives a vLLM instance
 KV_BASE_PORT = 50100  #: first port `pdplane up` gives a connector's KvTransfer server

@@ -99,7 +99,10 @@ class PromptTokenizer:
         if not Path(path).is_dir():
             raise OSError(f"tokenizer directory {self.path!r} does not exist")
         self._tok: Any = AutoTokenizer.from_pretrained(
-            self.path, trust_remote_code=trust_remote_code, use_fast=use_fast
+            self.path,
+            trust_remote_code=trust_remote_code,
+            use_fast=use_fast,
+            local_files_only=True,  # a folder: never a download
         )
         if chat_template:
             self._tok.chat_template = chat_template

@@ -60,6 +60,7 @@ class _UpLike(Protocol):
     gateway_port: int
     registry_port: int
     scheduler_port: int
+    scheduler_metrics_port: int
     vllm_base_port: int
     kv_base_port: int
     model: Path | None
@@ -90,6 +91,8 @@ class FleetSpec:
     gateway_port: int = 8000
     registry_port: int = 50051
     scheduler_port: int = 50052
+    #: The scheduler's Prometheus /metrics port; 0 = not served.
+    scheduler_metrics_port: int = 0
     vllm_base_port: int = 8100
     kv_base_port: int = 50100
     model: Path | None = None
@@ -128,6 +131,7 @@ class FleetSpec:
             gateway_port=s.gateway_port,
             registry_port=s.registry_port,
             scheduler_port=s.scheduler_port,
+            scheduler_metrics_port=s.scheduler_metrics_port,
             vllm_base_port=s.vllm_base_port,
             kv_base_port=s.kv_base_port,
             model=s.model,
@@ -193,6 +197,12 @@ class Fleet:
     def gateway_url(self) -> str:
         return f"http://{self.spec.host}:{self.spec.gateway_port}"
 
+    @property
+    def scheduler_metrics_url(self) -> str:
+        """The scheduler's Prometheus endpoint; "off" when not served."""
+        port = self.spec.scheduler_metrics_port
+        return f"http://{self.spec.host}:{port}/metrics" if port else "off"
+
     # -- lifecycle --------------------------------------------------------------------------
     def start(self, cancel: threading.Event | None = None) -> None:
         """Starts everything and waits until the gateway serves a usable pair.
@@ -243,6 +253,8 @@ class Fleet:
             (s.scheduler_port, "scheduler"),
             (s.gateway_port, "gateway"),
         ]
+        if s.scheduler_metrics_port:
+            wanted.append((s.scheduler_metrics_port, "scheduler metrics"))
         if s.store == "etcd":
             wanted += [(s.etcd_port, "etcd client"), (s.etcd_port + 1, "etcd peer")]
         names = [f"prefill-{i}" for i in range(s.prefill)]
@@ -371,6 +383,8 @@ class Fleet:
                 s.prefill_policy,
                 "--decode-policy",
                 s.decode_policy,
+                "--metrics-port",
+                str(s.scheduler_metrics_port),
             ),
         )
         wait_until(

@@ -56,7 +56,10 @@ def _ls(registry_port: str) -> str:
 
 
 def test_up_serves_a_demo_request_and_stops_cleanly_on_sigterm(tmp_path: Path) -> None:
-    ports = {name: str(free_port_run()) for name in ("gateway", "registry", "scheduler")}
+    ports = {
+        name: str(free_port_run())
+        for name in ("gateway", "registry", "scheduler", "scheduler-metrics")
+    }
     vllm_base = free_port_run(_PORT_BLOCK)
     kv_base = free_port_run(_PORT_BLOCK)
     log = tmp_path / "up.out"
@@ -72,6 +75,8 @@ def test_up_serves_a_demo_request_and_stops_cleanly_on_sigterm(tmp_path: Path) -
         ports["registry"],
         "--scheduler-port",
         ports["scheduler"],
+        "--scheduler-metrics-port",
+        ports["scheduler-metrics"],
         "--vllm-base-port",
         str(vllm_base),
         "--kv-base-port",
@@ -98,6 +103,17 @@ def test_up_serves_a_demo_request_and_stops_cleanly_on_sigterm(tmp_path: Path) -
         assert f"http://127.0.0.1:{ports['gateway']}/v1" in text
         answer = re.search(r"answer: '(.*)'", text)
         assert answer and answer.group(1).strip(), text
+        # The scheduler's metrics are served, at the address the banner gives.
+        metrics = f"http://127.0.0.1:{ports['scheduler-metrics']}/metrics"
+        assert f"scheduler metrics:    {metrics}" in text, text
+        assert "pdplane_scheduler_decisions" in httpx.get(metrics, timeout=5).text
+
+        # No tokenizer flag anywhere: the gateway routes precisely with the instances' own.
+        def routing() -> str:
+            health = httpx.get(f"http://127.0.0.1:{ports['gateway']}/health", timeout=5).json()
+            return str(health["models"].get("tiny-llama", {}).get("routing"))
+
+        wait_until(lambda: routing() == "precise", 30.0, what="precise routing")
         children = _descendants(up.pid)
         assert len(children) >= 5  # registry, scheduler, gateway, prefill, decode
         gateway = f"http://127.0.0.1:{ports['gateway']}"

@@ -22,6 +22,7 @@ from pdplane.gateway.settings import GatewaySettings
 from pdplane.registry.settings import RegistrySettings
 from pdplane.scheduler.settings import SchedulerSettings
 from tests.unit.deploy.helm_chart import (
+    CHART_DIR,
     NAMESPACE,
     PRESETS,
     RELEASE,
@@ -536,3 +537,20 @@ def test_the_admin_token_reaches_only_the_registry_and_the_engines_drain(
         else:
             assert admin is None, c.where
     assert seen == {"engine", "registry"}
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_the_gateway_needs_no_tokenizer_value(name: str) -> None:
+    # Each model's tokenizer comes from its instances: no chart value, flag or env names one,
+    # and the fetched files go to a writable volume (the root file system is read-only).
+    r = Rendered(render(*VARIANTS[name]))
+    gateways = [c for c in r.containers() if c.spec["name"] == "gateway"]
+    assert gateways, name
+    for c in gateways:
+        assert "--tokenizer" not in c.args() and "PDPLANE_TOKENIZER" not in c.env(), c.where
+        cache = c.env()["PDPLANE_TOKENIZER_CACHE_DIR"]["value"]
+        mounted = [path for path in c.mounts() if cache.startswith(path + "/")]
+        assert mounted and "emptyDir" in c.mounts()[mounted[0]], c.where
+        assert c.spec["securityContext"]["readOnlyRootFilesystem"] is True
+    for values in (CHART_DIR / "values.yaml", *sorted((CHART_DIR / "presets").glob("*.yaml"))):
+        assert "tokenizer" not in values.read_text().lower(), values
