@@ -18,6 +18,8 @@ tokenizer mode other than auto/hf/slow (e.g. mistral), or a tokenizer that needs
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import logging
 import sys
@@ -33,9 +35,13 @@ log = logging.getLogger(__name__)
 
 
 def _server_args(argv: list[str]) -> list[str]:
-    """The API server's arguments in `argv`: after `serve` for `vllm serve`, else all."""
+    """The API server's arguments in `argv`: after `serve` for `vllm serve` (its positional
+    model as `--model`), else all."""
     if len(argv) > 1 and argv[1] == "serve":
-        return argv[2:]
+        args = argv[2:]
+        if args and not args[0].startswith("-"):
+            args = ["--model", *args]
+        return args
     return argv[1:]
 
 
@@ -58,7 +64,14 @@ def server_chat_options(argv: list[str] | None = None) -> tuple[str, str]:
             from vllm.entrypoints.openai.cli_args import (  # type: ignore[import-not-found,no-redef]
                 make_arg_parser,
             )
-        parsed, _ = make_arg_parser(FlexibleArgumentParser()).parse_known_args(args)
+        parser = make_arg_parser(FlexibleArgumentParser())
+        try:
+            # parse_args: vLLM's own spellings (`--chat_template`, `--config` YAML) apply. Its
+            # usage message on a refusal is not for this process's log.
+            with contextlib.redirect_stderr(io.StringIO()):
+                parsed = parser.parse_args(args)
+        except SystemExit:  # a flag this vLLM's parser lacks: the known ones still count
+            parsed, _ = parser.parse_known_args(args)
     except (Exception, SystemExit) as exc:  # argparse exits on what it cannot parse
         log.warning("cannot read the server's chat options from its command line: %s", exc)
         return "", ""
