@@ -39,6 +39,7 @@ __all__ = [
     "current_traceparent",
     "enabled",
     "env_enabled",
+    "flush",
     "grpc_metadata",
     "grpc_parent",
     "inject_headers",
@@ -142,6 +143,13 @@ def configure(default_service_name: str, exporter: SpanExporter | None = None) -
 def enabled() -> bool:
     """Whether spans are recorded in this process."""
     return _tracer is not None
+
+
+def flush(timeout_ms: int = 1000) -> None:
+    """Exports the spans that ended so far (bounded by `timeout_ms`); tracing stays on."""
+    provider = _provider
+    if provider is not None:
+        provider.force_flush(timeout_ms)
 
 
 def shutdown() -> None:

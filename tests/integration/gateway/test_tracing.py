@@ -8,6 +8,7 @@ in-process receiver, switched on by `OTEL_EXPORTER_OTLP_ENDPOINT` alone.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 
 import httpx
@@ -63,8 +64,17 @@ def test_one_tree_from_client_to_prefill(
     ) as r:
         assert r.status_code == 200
         r.read()
-    tracing.shutdown()  # flushes the batch
-    spans = receiver.wait_for(_complete)
+    # The root span ends once the gateway has sent the last byte, which can be a moment after
+    # the client read it: flush until every span arrived.
+    deadline = time.monotonic() + 10.0
+    while True:
+        tracing.flush()
+        try:
+            spans = receiver.wait_for(_complete, timeout_s=0.2)
+            break
+        except AssertionError:
+            if time.monotonic() > deadline:
+                raise
 
     by_name = {s.name: s for s in spans}
     assert {s.trace_id for s in spans} == {CLIENT_TRACE}
