@@ -1,8 +1,8 @@
 """`pdplane grpc`: a small grpcurl for any gRPC server with reflection (every pdplane server).
 
-    pdplane grpc 127.0.0.1:50051 list                                  # services, by reflection
-    pdplane grpc 127.0.0.1:50051 pdplane.v1.Registry/ListInstances '{}'
-    pdplane grpc 127.0.0.1:50051 grpc.health.v1.Health/Check '{"service": ""}'
+    pdplane grpc 127.0.0.1:8051 list                                  # services, by reflection
+    pdplane grpc 127.0.0.1:8051 pdplane.v1.Registry/ListInstances '{}'
+    pdplane grpc 127.0.0.1:8051 grpc.health.v1.Health/Check '{"service": ""}'
 
 The request is JSON (protobuf's JSON mapping, default `{}`), the answer is printed as JSON (one
 object per message for a server stream). Types come from the server's reflection service, so

@@ -26,7 +26,7 @@ from typing import Any, Protocol
 import grpc
 import httpx
 
-from pdplane.core import grpc_util
+from pdplane.core import defaults, grpc_util
 from pdplane.core.listen import port_taken
 from pdplane.launch.etcd import etcd_binary, member_argv
 from pdplane.launch.process import (
@@ -88,11 +88,11 @@ class FleetSpec:
     prefill: int = 1
     decode: int = 1
     host: str = "127.0.0.1"
-    gateway_port: int = 8000
-    registry_port: int = 50051
-    scheduler_port: int = 50052
-    vllm_base_port: int = 8100
-    kv_base_port: int = 50100
+    gateway_port: int = defaults.GATEWAY_PORT
+    registry_port: int = defaults.REGISTRY_PORT
+    scheduler_port: int = defaults.SCHEDULER_PORT
+    vllm_base_port: int = defaults.VLLM_BASE_PORT
+    kv_base_port: int = defaults.KV_BASE_PORT
     model: Path | None = None
     served_model_name: str | None = None
     vllm_args: list[str] = field(default_factory=list)

@@ -6,7 +6,7 @@ use identical settings (layouts and numerics must match). Used by `pdplane up`, 
 tests and the docker image::
 
     inst = VllmCpuInstance(VllmCpuOptions(model=path, port=8100, role="kv_producer",
-                                          kv_port=50100, registry="127.0.0.1:50051"),
+                                          kv_port=8200, registry="127.0.0.1:8051"),
                            log_path=Path("prefill.log"))
     inst.start(); inst.wait_healthy(180); ...; inst.stop()
 """
