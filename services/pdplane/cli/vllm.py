@@ -135,6 +135,8 @@ def main(argv: list[str], settings_cls: type[InstanceSettings] = InstanceSetting
     if refuse_taken("pdplane vllm", settings.host, wanted):
         return 2
     command, env = build(settings)
-    sys.stderr.write(f"pdplane vllm: starting {' '.join(command[:3])} ({settings.role})\n")
+    launcher = "vllm serve" if command[2:4] == ["pdplane.cli.vllm_console", "serve"] else command[2]
+    where = f"HTTP {settings.host}:{settings.port}, KvTransfer :{settings.kv_port}"
+    sys.stderr.write(f"pdplane vllm: starting {launcher} ({settings.role}; {where})\n")
     sys.stderr.flush()
     return run_in_foreground(command, env)

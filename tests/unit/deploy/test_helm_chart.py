@@ -536,3 +536,17 @@ def test_the_admin_token_reaches_only_the_registry_and_the_engines_drain(
         else:
             assert admin is None, c.where
     assert seen == {"engine", "registry"}
+
+
+def test_gateway_readiness_probes_the_gateway_s_own_health_or_one_model_s() -> None:
+    # /health stays 200 while any model has a pair (one model's trouble must not take the
+    # others' traffic away); /health?model=NAME is one model's readiness.
+    name = f"{RELEASE}-pdplane-gateway"
+
+    def probe_path(*values: dict[str, Any]) -> str:
+        pod = Rendered(render(*values)).one("Deployment", name)["spec"]["template"]["spec"]
+        return str(pod["containers"][0]["readinessProbe"]["httpGet"]["path"])
+
+    assert probe_path(preset("cpu-demo")) == "/health"
+    one = {"gateway": {"readinessModel": "llama 3/8b"}}
+    assert probe_path(preset("cpu-demo"), one) == "/health?model=llama+3%2F8b"

@@ -20,9 +20,9 @@ def test_prefill_advertises_its_service_name_and_binds_all_interfaces(
         ["--role", "prefill", "--registry", "registry:8051", "--advertise-host", "prefill"]
     )
     argv, env = vllm_instance.build(settings)
-    assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    assert argv[1:4] == ["-m", "pdplane.cli.vllm_console", "serve"]  # as `vllm serve` runs
     assert argv[argv.index("--host") + 1] == "0.0.0.0"
-    assert argv[argv.index("--model") + 1] == "/models/tiny"
+    assert argv[4] == "/models/tiny"  # the model, positional as `vllm serve MODEL`
     assert argv[argv.index("--served-model-name") + 1] == "tiny-llama"
     kv = _kv_config(argv)
     assert kv["kv_role"] == "kv_producer"
