@@ -21,7 +21,8 @@ say() { printf '==> [%3d s] %s\n' $((SECONDS - started)) "$*"; }
 with_ticker() {
     local what=$1
     shift
-    (while sleep 20; do say "... still $what"; done) &
+    # The sleep holds no copy of our output (a pipe reading it, `| tee`, would wait for it).
+    (while sleep 20 </dev/null >/dev/null 2>&1; do say "... still $what"; done) &
     local ticker=$! rc=0
     "$@" || rc=$?
     kill "$ticker" 2>/dev/null || true
