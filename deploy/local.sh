@@ -57,7 +57,7 @@ install() {
     if [[ -f $stamp && $(cat "$stamp") == "$want" ]]; then
         return 0
     fi
-    say "installing pdplane with vLLM CPU into $venv: 4 steps, ~3.5 GB, 5-10 min on 2 cores the first time"
+    say "installing pdplane with vLLM CPU into $venv: 4 steps, ~3 GB, 3-10 min the first time (download speed, disk, busy cores)"
     say "step 1/4: virtual environment and an up-to-date pip"
     [[ -x $venv/bin/python ]] || "$py" -m venv "$venv"
     with_ticker "upgrading pip" "$venv/bin/python" -m pip install -q --upgrade pip
@@ -110,7 +110,7 @@ install) install ;;
 compose-plugin) compose_plugin ;;
 up)
     install
-    say "starting: pdplane up --demo (its own lines follow; ready in 1-3 min on 2 cores)"
+    say "starting: pdplane up --demo (its own lines follow; ready in 50 s to 3 min on 2 cores)"
     exec "$venv/bin/pdplane" up --demo "$@"
     ;;
 test)
