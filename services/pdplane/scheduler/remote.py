@@ -1,6 +1,6 @@
 """The remote `SchedulerPort`: asyncio gRPC client of a `pdplane scheduler` process.
 
-scheduler = RemoteScheduler("127.0.0.1:8052")
+scheduler = RemoteScheduler("127.0.0.1:50052")
 decision = await scheduler.schedule(RequestFeatures("req-1", "tiny", 42, 16))
 ...  # decision.prefill.url, decision.decode.url, decision.reason
 await scheduler.release("req-1", Outcome.SUCCESS)   # or, batched: release_nowait(...)
@@ -50,7 +50,7 @@ _STREAM_BACKOFF_S = 0.01  # doubled per attempt
 #: on a new stream, which the channel opens on the next scheduler address.
 _STREAM_GONE = (grpc.StatusCode.OK, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 
-#: With several scheduler addresses (`ipv4:10.0.0.1:8052,10.0.0.2:8052`, or a DNS name with
+#: With several scheduler addresses (`ipv4:10.0.0.1:50052,10.0.0.2:50052`, or a DNS name with
 #: several records, such as a headless Service) gRPC's pick_first moves to the next one when
 #: its scheduler goes away; a call that found it gone (UNAVAILABLE) is retried there by gRPC
 #: itself, within the call's deadline. Scheduler replicas sharing in-flight state (`--peers`)

@@ -2,7 +2,7 @@
 
 For processes that are not asyncio themselves (tests, `pdplane up`, benchmarks):
 
-    server = SchedulerServer(SchedulerSettings(registry="127.0.0.1:8051", port=0))
+    server = SchedulerServer(SchedulerSettings(registry="127.0.0.1:50051", port=0))
     address = server.start()   # "127.0.0.1:<port>"
     ...
     server.stop()
