@@ -1,6 +1,6 @@
 """A whole XpYd fleet of sims in one process, plus a control endpoint and the oracle router.
 
-    python bench/_simfleet.py --prefill 8 --decode 16 --registry 127.0.0.1:50051 \
+    python bench/_simfleet.py --prefill 8 --decode 16 --registry 127.0.0.1:8051 \
         --profile llama3-8b-h200 --time-scale 1 --stream-interval 16 [--router oracle]
 
 Prints one JSON line `{"prefill": [urls], "decode": [urls], "control": url, "oracle": url}`

@@ -3,10 +3,13 @@
 #
 #   bash deploy/ci/compose-check.sh
 #
-# 1. starts a private Docker engine (deploy/ci/engine.sh) and provides compose v2;
+# 1. starts a private Docker engine (deploy/ci/engine.sh) and provides compose v2 the way the
+#    README does (`deploy/local.sh compose-plugin`);
 # 2. builds `python:3.11-slim` locally (no image registry is reachable here);
 # 3. validates every profile with `docker compose config -q`;
-# 4. `docker compose --profile cpu up -d --build --wait` on free host ports;
+# 4. runs the README's compose block ("Or with docker compose") as written, on free host ports
+#    (PDPLANE_*_PUBLISH_PORT): its lines up to its `down` line (plugin, `up --build --wait`,
+#    a completion); its `down` line runs in step 6;
 # 5. runs the host-side checks in tests/docker (pytest -m docker) with the token the stack
 #    generated (read out of its volume, as an operator would): registry gRPC health, a wrong
 #    token is refused, `pdplane ls --json` lists one prefill and one decode, a completion and a streaming chat
@@ -15,7 +18,7 @@
 #    cache), `docker compose restart registry`; then re-creates
 #    the stack with deploy/docker-compose.tls.yml (test certificates, shared token) and checks
 #    it again (tests/docker/test_compose_tls.py);
-# 6. `docker compose down` and asserts no container is left;
+# 6. the README's `down` line, and asserts no container is left;
 # 7. the HA variant (deploy/ha.env, profiles `ha` and `sim`): 3 etcd members, two registry
 #    replicas, two schedulers, two gateways and a simulated prefill/decode, up with --wait;
 #    tests/docker/test_compose_ha.py (both replicas list both instances, both gateways serve,
@@ -93,6 +96,22 @@ prepare_build_context() {
   fi
 }
 
+# The README's compose block (the fenced block after its "compose-check" marker), exactly as
+# written: `up` prints its lines before the first `docker compose ... down` line, `down` that
+# line and the rest.
+readme_compose_lines() {
+  local part=$1 lines
+  lines=$(awk -v part="$part" '
+    /<!-- compose-check: CI runs the next block as written -->/ { marked = 1; next }
+    marked && !inside && /^```/ { inside = 1; next }
+    inside && /^```/ { exit }
+    inside && /^docker compose .* down( |$)/ { down = 1 }
+    inside && ((part == "up") != down) { print }
+  ' README.md)
+  [[ -n "$lines" ]] || die "README.md has no compose block ($part part) after its compose-check marker"
+  printf '%s\n' "$lines"
+}
+
 # The shared token the stack's `tokens` service generated into its volume.
 compose_token() {
   docker compose exec -T registry cat /run/pdplane/fleet/token
@@ -125,8 +144,9 @@ if [[ $stages == *" cpu "* ]]; then
   docker image ls --format '{{.Repository}}:{{.Tag}} {{.Size}}' | grep -E '^pdplane' >&2
 
   t=$SECONDS
-  docker compose --profile cpu up -d --build --wait --wait-timeout 900
-  log "stack up and healthy: $((SECONDS - t)) s"
+  # The README's lines, as a user pastes them (bash -x shows each one in the log).
+  timeout 1800 bash -xeuo pipefail -c "$(readme_compose_lines up)"
+  log "README compose lines: stack up and healthy, a completion answered: $((SECONDS - t)) s"
 
   export PDPLANE_COMPOSE_GATEWAY="http://127.0.0.1:$gw_port"
   export PDPLANE_COMPOSE_REGISTRY="127.0.0.1:$reg_port"
@@ -149,7 +169,7 @@ if [[ $stages == *" cpu "* ]]; then
   "$PYTHON" -m pytest -m docker tests/docker/test_compose_tls.py -p no:cacheprovider -v
 
   t=$SECONDS
-  docker compose --profile cpu down --volumes --timeout 20
+  timeout 300 bash -xeuo pipefail -c "$(readme_compose_lines down)"
   left=$(docker ps -aq --filter "label=com.docker.compose.project=$COMPOSE_PROJECT_NAME")
   [[ -z "$left" ]] || die "containers left after down: $left"
   log "compose down: no container left ($((SECONDS - t)) s)"

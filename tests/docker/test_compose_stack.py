@@ -78,7 +78,7 @@ def test_pdplane_ls_lists_one_prefill_and_one_decode(registry_addr: str) -> None
     # Instances advertise their compose service names: reachable from the other containers.
     assert by_role["prefill"]["url"] == "http://prefill:8100"
     assert by_role["decode"]["url"] == "http://decode:8100"
-    assert by_role["prefill"]["kv_endpoint"] == "prefill:50100"
+    assert by_role["prefill"]["kv_endpoint"] == "prefill:8200"
     assert {i["state"] for i in instances} == {"serving"}
 
 

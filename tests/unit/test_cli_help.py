@@ -5,6 +5,9 @@ from __future__ import annotations
 import pytest
 
 from pdplane.cli import drain, grpc
+from pdplane.plan import __main__ as plan
+from pdplane.plan.workload import SHAPES
+from pdplane.sim.profiles import PROFILES
 
 
 def _help(main: object, capsys: pytest.CaptureFixture[str]) -> str:
@@ -31,3 +34,11 @@ def test_drain_help_shows_the_positional_id(capsys: pytest.CaptureFixture[str]) 
 def test_drain_without_an_id_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
     assert drain.main([]) == 2
     assert "instance id" in capsys.readouterr().err
+
+
+def test_plan_help_lists_the_built_in_profiles_and_workloads(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    text = " ".join(_help(plan.main, capsys).split())  # argparse wraps the lines
+    for name in [*PROFILES, *SHAPES]:
+        assert name in text, name

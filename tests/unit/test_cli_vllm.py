@@ -26,7 +26,7 @@ def test_local_decode_joins_the_default_registry_with_up_s_lean_flags(tmp_path: 
             "--port",
             "8102",
             "--kv-port",
-            "50110",
+            "8202",
             "--instance-id",
             "decode-extra",
         ]
@@ -38,9 +38,9 @@ def test_local_decode_joins_the_default_registry_with_up_s_lean_flags(tmp_path: 
     kv = _kv(argv)
     assert kv["kv_role"] == "kv_consumer"
     extra = kv["kv_connector_extra_config"]
-    assert extra["registry"] == "127.0.0.1:50051"
+    assert extra["registry"] == "127.0.0.1:8051"
     assert extra["url"] == "http://127.0.0.1:8102"
-    assert extra["kv_port"] == 50110
+    assert extra["kv_port"] == 8202
     assert extra["instance_id"] == "decode-extra"
     assert "mode" not in extra  # pull: the connector's default
     assert all(env[k] == v for k, v in LEAN_ENV.items())

@@ -3,8 +3,8 @@
 Every key is optional except where noted; unknown keys are rejected (a typo must not silently
 fall back to a default). Example::
 
-    {"registry": "127.0.0.1:50051", "url": "http://127.0.0.1:8100",
-     "kv_port": 50100, "transport": "tcp", "transfer_timeout_s": 60, "mode": "pull"}
+    {"registry": "127.0.0.1:8051", "url": "http://127.0.0.1:8100",
+     "kv_port": 8200, "transport": "tcp", "transfer_timeout_s": 60, "mode": "pull"}
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """`pdplane grpc`: a small grpcurl for any gRPC server with reflection (every pdplane server).
 
-    pdplane grpc 127.0.0.1:50051 list                                  # services, by reflection
-    pdplane grpc 127.0.0.1:50051 pdplane.v1.Registry/ListInstances '{}'
-    pdplane grpc 127.0.0.1:50051 grpc.health.v1.Health/Check '{"service": ""}'
+    pdplane grpc 127.0.0.1:8051 list                                  # services, by reflection
+    pdplane grpc 127.0.0.1:8051 list pdplane.v1.Registry              # its methods
+    pdplane grpc 127.0.0.1:8051 pdplane.v1.Registry/ListInstances '{}'
+    pdplane grpc 127.0.0.1:8051 grpc.health.v1.Health/Check '{"service": ""}'
 
 The request is JSON (protobuf's JSON mapping, default `{}`), the answer is printed as JSON (one
 object per message for a server stream). Types come from the server's reflection service, so
@@ -31,16 +32,21 @@ from pdplane.v1 import registry_pb2, registry_pb2_grpc
 
 __all__ = ["GrpcSettings", "main"]
 
+_NO_BODY = "{}"
+
 
 class GrpcSettings(CommandSettings):
-    """`pdplane grpc ADDRESS list|SERVICE/METHOD [BODY] [flags]`: a call by reflection."""
+    """`pdplane grpc ADDRESS list [SERVICE] | SERVICE/METHOD [BODY] [flags]`: a call by
+    reflection."""
 
     address: CliPositionalArg[str] = Field(description="the server's gRPC address host:port")
     method: CliPositionalArg[str] = Field(
-        description="`list` (its services), or Service/Method, e.g. "
-        "pdplane.v1.Registry/ListInstances"
+        description="`list` (its services; `list SERVICE`: that service's methods), or "
+        "Service/Method (or grpcurl's Service.Method), e.g. pdplane.v1.Registry/ListInstances"
     )
-    body: CliPositionalArg[str] = Field("{}", description="the request as JSON")
+    body: CliPositionalArg[str] = Field(
+        _NO_BODY, description="the request as JSON; after `list`, a service"
+    )
     token: str | None = Field(
         None,
         description="bearer token sent as call metadata (default: the local `pdplane up` "
@@ -52,8 +58,25 @@ class GrpcSettings(CommandSettings):
     timeout_s: float = Field(10.0, gt=0, description="deadline of the call (s)")
 
 
+def _split(method: str) -> tuple[str, str]:
+    """("pdplane.v1.Registry", "ListInstances") of "pdplane.v1.Registry/ListInstances" or of
+    grpcurl's "pdplane.v1.Registry.ListInstances"."""
+    service, _, name = method.rpartition("/" if "/" in method else ".")
+    return service, name
+
+
+def _list(channel: grpc.Channel, service: str | None) -> list[str]:
+    """The server's services, sorted; with `service`, its methods as grpcurl lists them
+    ("pdplane.v1.Registry.ListInstances"). Raises KeyError for a service it does not know."""
+    db = ProtoReflectionDescriptorDatabase(channel)
+    if service is None:
+        return sorted(db.get_services())
+    found = descriptor_pool.DescriptorPool(db).FindServiceByName(service)
+    return [f"{found.full_name}.{method.name}" for method in found.methods]
+
+
 def _call(channel: grpc.Channel, s: GrpcSettings) -> None:
-    service, _, name = s.method.rpartition("/")
+    service, name = _split(s.method)
     pool = descriptor_pool.DescriptorPool(ProtoReflectionDescriptorDatabase(channel))
     descriptor = pool.FindServiceByName(service).FindMethodByName(name)
     request_cls = message_factory.GetMessageClass(descriptor.input_type)
@@ -104,7 +127,7 @@ def _joined_instance_token(address: str) -> str | None:
 def main(argv: list[str]) -> int:
     """Runs `pdplane grpc ADDRESS list|SERVICE/METHOD [BODY] [flags]`."""
     s = GrpcSettings.parse(argv, prog="pdplane grpc")
-    if s.method != "list" and "/" not in s.method:
+    if s.method != "list" and not all(_split(s.method)):
         sys.stderr.write(
             f"error: pdplane grpc: expected `list` or Service/Method, got {s.method!r}\n"
         )
@@ -114,8 +137,7 @@ def main(argv: list[str]) -> int:
     with grpc_util.channel(s.address, s.tls_ca) as channel:
         try:
             if s.method == "list":
-                db = ProtoReflectionDescriptorDatabase(channel)
-                print("\n".join(sorted(db.get_services())))
+                print("\n".join(_list(channel, None if s.body == _NO_BODY else s.body)))
             else:
                 _call(channel, s)
         except grpc.RpcError as exc:

@@ -17,7 +17,8 @@ It refuses to start (status 2, naming them) when any port it needs is taken, e.g
 process it started (each child's health carries its own server id).
 
 Any child that exits while serving is restarted on its ports: a registry, scheduler or gateway
-(instances re-register and watchers re-watch by themselves) and a vLLM instance alike (same
+(instances re-register and watchers re-watch by themselves; "serving again" is logged once it
+answers) and a vLLM instance alike (same
 id and flags; what its process group left behind is ended first, so its ports are free; while
 it is down the gateway's /health already says so, since its connector deregisters as its API
 server goes). `pdplane up` gives up with status 1 only when one child crashes more than three
@@ -160,7 +161,9 @@ def _supervise(fleet: Fleet, stop: threading.Event) -> int:
                 _say(f"{failed.name} keeps failing; giving up:\n{failed.tail()}")
                 return 1
             # The instances re-register and the scheduler/gateway re-watch by themselves.
-            failed.start()
+            fleet.restart_service(failed)
+        for name, address in fleet.services_back():
+            _say(f"{name} serving again at {address}")
     return 0
 
 

@@ -7,7 +7,7 @@ go to the API server alone, which stops its engine cleanly; no process of the in
 the one above it (a SIGKILLed `pdplane vllm` or API server takes the rest along); the exit
 status is the server's.
 
-    pdplane vllm --role decode --port 8102 --kv-port 50110      # joins 127.0.0.1:50051
+    pdplane vllm --role decode --port 8102 --kv-port 8202      # joins 127.0.0.1:8051
 
 The docker image's `pdplane-vllm-cpu` entry is this command with container defaults.
 """
@@ -22,6 +22,7 @@ from typing import Literal
 from pydantic import Field
 
 from pdplane.core import defaults, fleet_credentials
+from pdplane.core.listen import refuse_taken
 from pdplane.core.settings import CommandSettings
 from pdplane.core.token_file import token_file_field
 from pdplane.launch.foreground import run_in_foreground
@@ -125,9 +126,17 @@ def build(settings: InstanceSettings) -> tuple[list[str], dict[str, str]]:
 
 
 def main(argv: list[str], settings_cls: type[InstanceSettings] = InstanceSettings) -> int:
-    """Parses the settings, runs vLLM until it exits and returns its exit status."""
+    """Parses the settings, runs vLLM until it exits and returns its exit status; 2 at once,
+    with one line naming the address and the flag, when `--port` or `--kv-port` is taken
+    (before the model is built or vLLM starts: vLLM would fail on it only after loading,
+    tens of seconds later, with tracebacks)."""
     settings = settings_cls.parse(argv, prog="pdplane vllm")
+    wanted = [(settings.port, "--port"), (settings.kv_port, "--kv-port")]
+    if refuse_taken("pdplane vllm", settings.host, wanted):
+        return 2
     command, env = build(settings)
-    sys.stderr.write(f"pdplane vllm: starting {' '.join(command[:3])} ({settings.role})\n")
+    launcher = "vllm serve" if command[2:4] == ["pdplane.cli.vllm_console", "serve"] else command[2]
+    where = f"HTTP {settings.host}:{settings.port}, KvTransfer :{settings.kv_port}"
+    sys.stderr.write(f"pdplane vllm: starting {launcher} ({settings.role}; {where})\n")
     sys.stderr.flush()
     return run_in_foreground(command, env)

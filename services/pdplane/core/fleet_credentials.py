@@ -10,8 +10,8 @@ it lists (the scheduler, the instances' KvTransfer endpoints), and were not give
 nothing has to be typed. The admin token goes to the registry alone, the only service that
 checks it.
 
-File format (JSON): {"registry": "127.0.0.1:50051", "token": "...", "admin_token": "...",
-"services": ["127.0.0.1:50052", ...]} ("services" absent in files of older versions: none).
+File format (JSON): {"registry": "127.0.0.1:8051", "token": "...", "admin_token": "...",
+"services": ["127.0.0.1:8052", ...]} ("services" absent in files of older versions: none).
 """
 
 from __future__ import annotations

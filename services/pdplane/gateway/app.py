@@ -113,6 +113,7 @@ def create_app(
         queue_timeout_s=settings.queue_timeout_s,
         max_queued_requests=settings.max_queued_requests,
         first_token=settings.first_token,
+        prompt_tokens_details=settings.enable_prompt_tokens_details,
     )
     relay = Relay(scheduler, upstream, aborter, metrics, config, fleet_tokenizers)
 

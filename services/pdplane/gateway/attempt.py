@@ -22,6 +22,7 @@ from typing import Any
 
 from pdplane.core import tracing
 from pdplane.core.kv_params import DecodeRequestParams, KvParamsError
+from pdplane.gateway import usage_details
 from pdplane.gateway.aftercare import Aftercare
 from pdplane.gateway.bodies import decode_body, decode_body_parts, prefill_body
 from pdplane.gateway.config import RelayConfig
@@ -117,6 +118,9 @@ class Attempt:
         self.take_over = take_over
         self.streaming = False  # set once the stream generator started (it then settles)
         self.decode_answered_ns = 0  # time.time_ns() at decode's response headers
+        self.prefilled_at = 0.0  # time.perf_counter() at prefill's answer (its first token)
+        self.details = legs.config.prompt_tokens_details  # usage reports the fleet's cache hit
+        self.cached: int | None = None  # prefill's prefix cache hit, when `details` asks
         self.headers = {**legs.headers, "x-request-id": self.request_id}
         # The first token from prefill (`pdplane.gateway.first_token`): sequential dispatch
         # only, as decode's prompt then holds it. More tokens asked than the model holds take
@@ -165,6 +169,9 @@ class Attempt:
             if not self.req.stream:
                 body = await self._read_decode(resp)
                 self.care.succeeded()
+                if self.prefilled_at:  # prefill computed the first token (vLLM counts it then)
+                    self.metrics.ttft.observe(self.prefilled_at - self.started)
+                body = usage_details.rewrite_json(body, self.cached)
                 self.metrics.e2e.observe(time.perf_counter() - self.started)
                 return JsonReply(200, body, resp.headers.get("content-type", "application/json"))
             handed_off = True
@@ -207,7 +214,8 @@ class Attempt:
                 total_timeout_s=self.timeout_s,
             )
             data = await self.upstream.read(resp)
-        self.metrics.prefill_leg.observe(time.perf_counter() - t0)
+        self.prefilled_at = time.perf_counter()
+        self.metrics.prefill_leg.observe(self.prefilled_at - t0)
         if resp.status >= 400:
             if resp.status < 500:
                 raise UpstreamReply(resp.status, data, resp.headers.get("content-type", ""))
@@ -226,7 +234,8 @@ class Attempt:
             client = self._decode_text(skip) if kept is not None else None
         if not first.continuable(kept, client):
             return None
-        return Splice(self.req, first, client if first.inside_character(kept) else None)
+        decode = client if first.inside_character(kept) else None
+        return Splice(self.req, first, decode, self.cached)
 
     def _decode_text(self, skip_special_tokens: bool = False) -> Callable[[list[int]], str] | None:
         """The model's ids -> text (special tokens kept unless `skip_special_tokens`), when
@@ -253,6 +262,8 @@ class Attempt:
     def _kv_params_of(self, data: bytes) -> tuple[dict[str, Any], bytes]:
         try:
             answer = json.loads(data)
+            if self.details:
+                self.cached = usage_details.cached_tokens_of(answer)
             kv = answer.get("kv_transfer_params")
             if not isinstance(kv, dict):
                 raise KvParamsError("kv_transfer_params missing or not an object")
@@ -413,7 +424,10 @@ class Attempt:
                     done = out.endswith(SSE_DONE)
                     # vLLM ends a failed request's stream with an error event, then [DONE].
                     failed = failed or _ERROR_EVENT in out
-                    yield out if splice is None else splice.rewrite(out)
+                    if splice is None:
+                        yield usage_details.rewrite_events(out, self.cached)
+                    else:
+                        yield splice.rewrite(out)
             except UpstreamTimeout:
                 yield gateway_timeout(
                     f"decode instance {self.decode.instance_id} sent nothing for "

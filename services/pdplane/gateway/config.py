@@ -23,3 +23,4 @@ class RelayConfig:
     queue_timeout_s: float = 60.0
     max_queued_requests: int = 1024
     first_token: FirstTokenFrom = "prefill"
+    prompt_tokens_details: bool = False

@@ -32,7 +32,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pdplane.gateway.replies import SSE_DONE
+from pdplane.gateway.replies import SSE_DONE, sse_event
+from pdplane.gateway.usage_details import with_cached_tokens
 from pdplane.gateway.validation import CHAT, COMPLETIONS, ClientRequest, Endpoint
 
 __all__ = ["FirstToken", "Splice", "applies", "decode_body"]
@@ -284,10 +285,6 @@ _TOKEN_IDS = re.compile(rb'("(?:prompt_)?token_ids":)\[[0-9,]*\]')
 _PLAIN_TEXT = re.compile(rb"[ !#-\[\]-~]*")
 
 
-def _sse(obj: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
-
-
 class Splice:
     """The client's stream from the first token on: its events, then decode's rewritten.
 
@@ -304,6 +301,7 @@ class Splice:
 
     __slots__ = (
         "_base",
+        "_cached",
         "_chat",
         "_continuous",
         "_decode",
@@ -322,8 +320,10 @@ class Splice:
         req: ClientRequest,
         first: FirstToken,
         decode: Callable[[list[int]], str] | None = None,
+        cached_tokens: int | None = None,
     ) -> None:
         self._first = first
+        self._cached = cached_tokens  # usage's prompt_tokens_details.cached_tokens, if asked
         self._decode = decode
         # Ids of the held character so far (the first token's, then decode's); None once
         # its text went out (or never held).
@@ -351,15 +351,16 @@ class Splice:
         obj: dict[str, Any] = {**self._head, "model": self._first.model, "choices": choices}
         if usage is not None:
             obj["usage"] = usage
-        return _sse(obj)
+        return sse_event(obj)
 
     def _usage_of(self, completion_tokens: int) -> dict[str, Any]:
         prompt = len(self._first.prompt_token_ids)
-        return {
+        usage = {
             "prompt_tokens": prompt,
             "total_tokens": prompt + completion_tokens,
             "completion_tokens": completion_tokens,
         }
+        return usage if self._cached is None else with_cached_tokens(usage, self._cached)
 
     def _token_chunk(
         self, text: str, reason: str | None, stop_reason: object, usage: dict[str, Any] | None
@@ -389,7 +390,7 @@ class Splice:
         }
         if self._continuous:
             obj["usage"] = self._usage_of(0)
-        return _sse(obj)
+        return sse_event(obj)
 
     def opening(self) -> bytes:
         """The first token's events (chat: the role chunk, then the token's content)."""
@@ -472,7 +473,7 @@ class Splice:
                 c["token_ids"] = None
                 if "prompt_token_ids" in c:
                     c["prompt_token_ids"] = None
-            out.append(_sse(obj))
+            out.append(sse_event(obj))
         return b"".join(out)
 
     def _drops_stop_token(self, choice: dict[str, Any]) -> bool:
@@ -554,7 +555,7 @@ class Splice:
             obj["id"] = self._first.response_id
             if usage is not None:
                 obj["usage"] = usage
-            return _sse(obj)
+            return sse_event(obj)
         choices = []
         for c in obj.get("choices") or ():
             text, reason = c.get("text") or "", c.get("finish_reason")

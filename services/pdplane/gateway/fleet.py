@@ -97,27 +97,42 @@ class FleetView:
         ]
         return {"object": "list", "data": data}
 
-    def health(self) -> tuple[bool, dict[str, Any]]:
-        """(healthy, body) for `GET /health`: healthy when every model has a usable pair.
+    def health(self, model: str | None = None) -> tuple[bool, dict[str, Any]]:
+        """(ready, body) for `GET /health` (`model` None) and `GET /health?model=NAME`.
 
-        The body lists per model its prefill/decode counts; when unhealthy, `reason` says why.
+        The gateway is ready when at least one model has a usable pair: a model that lost its
+        pair must not make a readiness probe or a load balancer stop the traffic of the models
+        that serve. `status` is "ok" when every model has a pair, "degraded" (still ready) when
+        some lack one, "unavailable" when none has. With `model`, the answer is that model's
+        alone: ready when it has a usable pair (an unknown model has none). The body lists per
+        model its prefill/decode counts (only `model`'s when given); `reason` names every
+        model that cannot be served and why.
         """
         models = {
             name: {"prefill": s.prefill, "decode": s.decode, "paired": s.paired}
             for name, s in sorted(self.models.items())
         }
+        states = self.models if model is None else {model: self.models.get(model)}
+        if model is not None:
+            models = {name: entry for name, entry in models.items() if name == model}
+        problems = {
+            name: "no instance registered" if s is None else s.problem()
+            for name, s in states.items()
+        }
         if not self.ready:
             reason = "registry not reachable yet (no snapshot of the instances)"
-        elif not self.models:
+        elif not states:
             reason = "no instances registered"
         else:
-            reason = "; ".join(
-                f"model {name!r}: {s.problem()}" for name, s in self.models.items() if s.problem()
-            )
-        body: dict[str, Any] = {"status": "unavailable" if reason else "ok", "models": models}
+            reason = "; ".join(f"model {n!r}: {why}" for n, why in problems.items() if why)
+        ready = self.ready and not all(problems.values()) and bool(states)
+        status = "unavailable" if not ready else "degraded" if reason else "ok"
+        body: dict[str, Any] = {"status": status, "models": models}
+        if model is not None:
+            body = {"status": status, "model": model, "models": models}
         if reason:
             body["reason"] = reason
-        return not reason, body
+        return ready, body
 
 
 def _model_state(instances: list[instance_pb2.Instance], created: int) -> ModelState:

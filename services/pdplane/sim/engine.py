@@ -320,6 +320,8 @@ class EngineCore:
                 req.blocks = hit
                 req.num_cached = len(hit)
                 req.num_computed = hit_tokens
+                if req.preemptions == 0:  # its prefix cache hit, as vLLM's prefill stats
+                    req.local_hit = hit_tokens
             if new > 0:
                 req.blocks.extend(pool.allocate(new))
             req.phase = Phase.RUNNING

@@ -246,6 +246,8 @@ class CompletionRoutes:
             kv_layout=s.layout_fingerprint,
             pushed=s.config.kv_mode == "push" and bool(intent.push_to),
         )
+        # vLLM (0.32) adds prefill's prefix cache hit to the params its connector returns.
+        kv_out["remote_prefill_cached_tokens"] = ereq.local_hit
         return held, kv_out
 
     async def _whole(

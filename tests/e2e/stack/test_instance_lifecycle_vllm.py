@@ -68,7 +68,8 @@ def _name(p: psutil.Process) -> str:
 
 
 def _is_api_server(p: psutil.Process) -> bool:
-    return "vllm.entrypoints.openai.api_server" in _name(p)
+    # Launched as `vllm serve` launches it (`pdplane.launch.vllm_cpu.serve_argv`).
+    return "pdplane.cli.vllm_console serve" in _name(p)
 
 
 def _alive(procs: list[psutil.Process]) -> list[psutil.Process]:

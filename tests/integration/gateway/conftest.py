@@ -59,15 +59,18 @@ class Stack:
         #: the gateway's FastAPI app (its `state.relay` for what it holds); set by the factory
         self.app: Any = None
 
-    def sims(self, roles: list[str], **knobs: Any) -> RunningSims:
-        """Starts registered sims (kept until the test ends); `knobs` are SimConfig fields."""
+    def sims(self, roles: list[str], model: str = MODEL, **knobs: Any) -> RunningSims:
+        """Starts registered sims of `model` (kept until the test ends); `knobs` are SimConfig
+        fields."""
         sims = self._exits.enter_context(
-            running_sims(roles, registry=self.registry, model=MODEL, **knobs)  # type: ignore[arg-type]
+            running_sims(roles, registry=self.registry, model=model, **knobs)  # type: ignore[arg-type]
         )
         return sims
 
-    def health(self) -> httpx.Response:
-        return httpx.get(f"{self.url}/health", timeout=5)
+    def health(self, model: str | None = None) -> httpx.Response:
+        """GET /health, or /health?model=`model` (per-model readiness)."""
+        params = {} if model is None else {"model": model}
+        return httpx.get(f"{self.url}/health", params=params, timeout=5)
 
     def wait_ready(self, sims: RunningSims) -> None:
         """Waits until the gateway is healthy and the scheduler sees every sim of `sims`."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 import socket
 import subprocess
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -75,6 +76,21 @@ def test_gateway_on_a_taken_inflight_port(taken: int) -> None:
     argv = ["gateway", "--registry", _NO_REGISTRY, "--scheduler", "embedded", "--port", "0"]
     result = run_pdplane(*argv, "--inflight-port", str(taken))
     _assert_refused(result, "pdplane gateway", f"127.0.0.1:{taken}", "--inflight-port")
+
+
+@pytest.mark.parametrize("flag", ["--port", "--kv-port"])
+def test_vllm_on_a_taken_port_fails_before_building_or_starting_anything(
+    taken: int, flag: str, tmp_path: Path
+) -> None:
+    # No model given: the tiny one would be built under PDPLANE_CACHE_DIR before vLLM starts,
+    # and neither may happen on a taken port.
+    other = "--kv-port" if flag == "--port" else "--port"
+    argv = ["vllm", "--role", "decode", "--registry", _NO_REGISTRY, flag, str(taken)]
+    result = run_pdplane(
+        *argv, other, str(free_port_run()), env={"PDPLANE_CACHE_DIR": str(tmp_path)}
+    )
+    _assert_refused(result, "pdplane vllm", f"127.0.0.1:{taken}", flag)
+    assert list(tmp_path.iterdir()) == []  # no model built
 
 
 def test_a_host_that_is_not_this_machine_s_is_named_with_its_reason() -> None:

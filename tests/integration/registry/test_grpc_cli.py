@@ -30,3 +30,18 @@ def test_list_and_call_by_reflection(registry: RegistryServer) -> None:
 def test_a_bad_method_is_a_clear_error(registry: RegistryServer) -> None:
     result = _grpc(registry.address, "pdplane.v1.Registry/NoSuchMethod", "{}")
     assert result.returncode == 2 and "NoSuchMethod" in result.stderr
+
+
+def test_list_of_a_service_lists_its_methods_as_grpcurl_does(registry: RegistryServer) -> None:
+    listed = _grpc(registry.address, "list", "grpc.health.v1.Health")
+    assert listed.returncode == 0, listed.stderr
+    methods = listed.stdout.split()
+    assert {"grpc.health.v1.Health.Check", "grpc.health.v1.Health.Watch"} <= set(methods)
+    assert all(m.startswith("grpc.health.v1.Health.") for m in methods), methods
+    methods = _grpc(registry.address, "list", "pdplane.v1.Registry").stdout.split()
+    assert {"pdplane.v1.Registry.Register", "pdplane.v1.Registry.ListInstances"} <= set(methods)
+    # grpcurl's dotted form calls too, as it does there.
+    health = _grpc(registry.address, "grpc.health.v1.Health.Check", "{}")
+    assert health.returncode == 0 and json.loads(health.stdout) == {"status": "SERVING"}
+    unknown = _grpc(registry.address, "list", "pdplane.v1.NoSuchService")
+    assert unknown.returncode == 2 and "NoSuchService" in unknown.stderr

@@ -21,9 +21,8 @@ def test_up_store_etcd_starts_etcd_and_a_registry_on_it(
     if registry_store != "etcd":
         pytest.skip("etcd store only")
     # Every port the fleet checks, its vLLM and KV ports included, from one free run below
-    # the ephemeral range: the defaults (8100, 50100) may be held by another fleet on the
-    # host, and 50100-50101 lie in Linux's ephemeral range, where any outgoing connection can
-    # take them for a moment (busy_ports() then failed the test under load).
+    # the ephemeral range: the defaults (8100, 8200) may be held by another fleet on the host
+    # (busy_ports() then failed the test under load).
     port = free_port_run(9)
     spec = FleetSpec(
         registry_port=port,

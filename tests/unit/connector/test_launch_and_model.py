@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from pdplane.connector.config import ConnectorConfig
+from pdplane.launch import vllm_cpu
 from pdplane.launch.vllm_cpu import LEAN_ENV, VllmCpuInstance, VllmCpuOptions
 from pdplane.models.tiny import build_tiny_model
 
@@ -33,7 +34,8 @@ def test_connector_instance_command_carries_role_and_settings(tmp_path: Path) ->
         base_env={"PATH": "/usr/bin"},
     )
     argv = inst.command()
-    assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    assert argv[1:4] == ["-m", "pdplane.cli.vllm_console", "serve"]  # as `vllm serve` runs
+    assert argv[4] == str(tmp_path) and "--model" not in argv  # positional, as `vllm serve M`
     assert _flag(argv, "--dtype") == "float32" and "--enforce-eager" in argv
     assert _flag(argv, "--num-gpu-blocks-override") == "64"
     kv = json.loads(_flag(argv, "--kv-transfer-config"))
@@ -109,3 +111,17 @@ def test_connector_reads_its_tokens_from_the_environment(monkeypatch: pytest.Mon
     config = ConnectorConfig.from_extra_config({})
     assert config.token == "kv-tok" and config.registry_token == "reg-tok"
     assert ConnectorConfig.from_extra_config({"token": "explicit"}).token == "explicit"
+
+
+def test_a_vllm_without_the_serve_command_gets_the_api_server_module(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(vllm_cpu, "_has_serve_command", lambda: False)
+    argv = VllmCpuInstance(VllmCpuOptions(model=tmp_path, port=8101), tmp_path / "v.log").command()
+    assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    assert _flag(argv, "--model") == str(tmp_path)
+
+
+def test_the_installed_vllm_has_the_serve_command() -> None:
+    # vLLM CPU 0.32 here (and 0.26 on GPU machines): launched as `vllm serve`, no deprecation.
+    assert vllm_cpu._has_serve_command()

@@ -472,7 +472,7 @@ def test_embedded_mode_has_no_scheduler_and_gateways_share_in_flight_state() -> 
     assert _flag(args, "--scheduler") == "embedded"
     assert _flag(args, "--decode-policy") == "kv_aware"
     # Each gateway follows the others through a headless Service of every gateway pod.
-    assert _flag(args, "--peers") == f"{RELEASE}-pdplane-gateway-peers:50053"
+    assert _flag(args, "--peers") == f"{RELEASE}-pdplane-gateway-peers:8053"
     assert _flag(args, "--replica-id") == "$(POD_NAME)"
     peers = r.one("Service", f"{RELEASE}-pdplane-gateway-peers")
     assert peers["spec"]["clusterIP"] == "None"
@@ -482,12 +482,12 @@ def test_scheduler_replicas_follow_each_other() -> None:
     r = Rendered(render(preset("gpu-xpyd")))
     scheduler = r.one("Deployment", f"{RELEASE}-pdplane-scheduler")
     args = scheduler["spec"]["template"]["spec"]["containers"][0]["args"]
-    assert _flag(args, "--peers") == f"{RELEASE}-pdplane-scheduler-peers:50052"
+    assert _flag(args, "--peers") == f"{RELEASE}-pdplane-scheduler-peers:8052"
     assert r.one("Service", f"{RELEASE}-pdplane-scheduler-peers")["spec"]["clusterIP"] == "None"
     # ...and the gateways reach all of them by it (failover without waiting for kube-proxy).
     gateway = r.one("Deployment", f"{RELEASE}-pdplane-gateway")
     target = _flag(gateway["spec"]["template"]["spec"]["containers"][0]["args"], "--scheduler")
-    assert target == f"dns:///{RELEASE}-pdplane-scheduler-peers:50052"
+    assert target == f"dns:///{RELEASE}-pdplane-scheduler-peers:8052"
     single = Rendered(render(preset("cpu-demo")))
     one = single.one("Deployment", f"{RELEASE}-pdplane-scheduler")
     assert "--peers" not in one["spec"]["template"]["spec"]["containers"][0]["args"]
@@ -498,10 +498,10 @@ def test_tls_switches_grpc_probes_to_exec_with_the_ca() -> None:
     tls = Rendered(render(preset("cpu-demo"), TLS))
     name = f"{RELEASE}-pdplane-registry"
     probe = plain.one("Deployment", name)["spec"]["template"]["spec"]["containers"][0]
-    assert probe["readinessProbe"]["grpc"] == {"port": 50051}
+    assert probe["readinessProbe"]["grpc"] == {"port": 8051}
     probe = tls.one("Deployment", name)["spec"]["template"]["spec"]["containers"][0]
     command = probe["readinessProbe"]["exec"]["command"]
-    assert command[:3] == ["pdplane-healthcheck", "grpc", "127.0.0.1:50051"]
+    assert command[:3] == ["pdplane-healthcheck", "grpc", "127.0.0.1:8051"]
     assert _flag(command, "--tls-server-name") == name
 
 
@@ -554,3 +554,17 @@ def test_the_gateway_needs_no_tokenizer_value(name: str) -> None:
         assert c.spec["securityContext"]["readOnlyRootFilesystem"] is True
     for values in (CHART_DIR / "values.yaml", *sorted((CHART_DIR / "presets").glob("*.yaml"))):
         assert "tokenizer" not in values.read_text().lower(), values
+
+
+def test_gateway_readiness_probes_the_gateway_s_own_health_or_one_model_s() -> None:
+    # /health stays 200 while any model has a pair (one model's trouble must not take the
+    # others' traffic away); /health?model=NAME is one model's readiness.
+    name = f"{RELEASE}-pdplane-gateway"
+
+    def probe_path(*values: dict[str, Any]) -> str:
+        pod = Rendered(render(*values)).one("Deployment", name)["spec"]["template"]["spec"]
+        return str(pod["containers"][0]["readinessProbe"]["httpGet"]["path"])
+
+    assert probe_path(preset("cpu-demo")) == "/health"
+    one = {"gateway": {"readinessModel": "llama 3/8b"}}
+    assert probe_path(preset("cpu-demo"), one) == "/health?model=llama+3%2F8b"

@@ -17,22 +17,22 @@ def test_prefill_advertises_its_service_name_and_binds_all_interfaces(
     vllm_instance: ModuleType,
 ) -> None:
     settings = vllm_instance.InstanceSettings.parse(
-        ["--role", "prefill", "--registry", "registry:50051", "--advertise-host", "prefill"]
+        ["--role", "prefill", "--registry", "registry:8051", "--advertise-host", "prefill"]
     )
     argv, env = vllm_instance.build(settings)
-    assert argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    assert argv[1:4] == ["-m", "pdplane.cli.vllm_console", "serve"]  # as `vllm serve` runs
     assert argv[argv.index("--host") + 1] == "0.0.0.0"
-    assert argv[argv.index("--model") + 1] == "/models/tiny"
+    assert argv[4] == "/models/tiny"  # the model, positional as `vllm serve MODEL`
     assert argv[argv.index("--served-model-name") + 1] == "tiny-llama"
     kv = _kv_config(argv)
     assert kv["kv_role"] == "kv_producer"
     assert kv["kv_connector_module_path"] == "pdplane.connector"
     extra = kv["kv_connector_extra_config"]
-    assert extra["registry"] == "registry:50051"
+    assert extra["registry"] == "registry:8051"
     assert extra["url"] == "http://prefill:8100"
     assert extra["advertise_host"] == "prefill"
     assert extra["kv_host"] == "0.0.0.0"
-    assert extra["kv_port"] == 50100
+    assert extra["kv_port"] == 8200
     assert "token" not in extra and "registry_token" not in extra
     assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
 
@@ -41,7 +41,7 @@ def test_environment_settings_roles_tokens_and_tls(
     vllm_instance: ModuleType, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("PDPLANE_ROLE", "decode")
-    monkeypatch.setenv("PDPLANE_REGISTRY", "10.0.0.1:50051")
+    monkeypatch.setenv("PDPLANE_REGISTRY", "10.0.0.1:8051")
     monkeypatch.setenv("PDPLANE_ADVERTISE_HOST", "decode-7")
     monkeypatch.setenv("PDPLANE_PORT", "9100")
     monkeypatch.setenv("PDPLANE_TOKEN", "s3cret")

@@ -70,10 +70,42 @@ def test_incompatible_or_draining_instances_do_not_make_a_pair() -> None:
     assert not healthy and "no prefill instance" in body["reason"]
 
 
-def test_one_model_without_a_pair_makes_the_gateway_unhealthy() -> None:
+def test_one_model_without_a_pair_leaves_the_gateway_ready_for_the_others() -> None:
+    # A readiness probe or load balancer reads /health: one model's trouble must not stop
+    # traffic for a model that serves.
     view = build_view([_inst("p0", instance_pb2.ROLE_BOTH),
                        _inst("d1", instance_pb2.ROLE_DECODE, model="other")])  # fmt: skip
-    healthy, body = view.health()
-    assert not healthy
+    ready, body = view.health()
+    assert ready and body["status"] == "degraded"
     assert body["reason"] == "model 'other': no prefill instance"
-    assert body["models"]["m"]["paired"] is True
+    assert body["models"]["m"]["paired"] is True and body["models"]["other"]["paired"] is False
+
+
+def test_no_servable_model_at_all_is_unavailable() -> None:
+    view = build_view([_inst("d0", instance_pb2.ROLE_DECODE),
+                       _inst("d1", instance_pb2.ROLE_DECODE, model="other")])  # fmt: skip
+    ready, body = view.health()
+    assert not ready and body["status"] == "unavailable"
+    assert body["reason"] == "model 'm': no prefill instance; model 'other': no prefill instance"
+
+
+def test_per_model_readiness_answers_for_that_model_alone() -> None:
+    view = build_view([_inst("p0", instance_pb2.ROLE_BOTH),
+                       _inst("d1", instance_pb2.ROLE_DECODE, model="other")])  # fmt: skip
+    assert view.health("m") == (
+        True,
+        {
+            "status": "ok",
+            "model": "m",
+            "models": {"m": {"prefill": 1, "decode": 1, "paired": True}},
+        },
+    )
+    ready, body = view.health("other")
+    assert not ready and body["status"] == "unavailable" and body["model"] == "other"
+    assert body["reason"] == "model 'other': no prefill instance"
+    assert list(body["models"]) == ["other"]
+    ready, body = view.health("nope")
+    assert not ready and body["reason"] == "model 'nope': no instance registered"
+    assert body["models"] == {}
+    ready, body = FleetView().health("m")
+    assert not ready and "registry not reachable" in body["reason"]

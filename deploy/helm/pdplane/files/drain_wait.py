@@ -142,7 +142,7 @@ def main() -> int:
         _log("drain call failed; waiting for running requests anyway")
     done = wait_idle(
         instance_id,
-        os.environ.get("PDPLANE_REGISTRY", "127.0.0.1:50051"),
+        os.environ.get("PDPLANE_REGISTRY", "127.0.0.1:8051"),
         token=os.environ.get("PDPLANE_TOKEN") or None,
         tls_ca=os.environ.get("PDPLANE_TLS_CA") or None,
         metrics_url=os.environ.get("PDPLANE_DRAIN_METRICS_URL", "http://127.0.0.1:8100/metrics"),
