@@ -92,11 +92,12 @@ class TrafficWindow:
         span = self.span_s
         if span <= 0:
             return Traffic(0.0, 0.0, 0.0)
-        (_, old), (_, new) = self.samples[0], self.samples[-1]
+        new = self.samples[-1][1]
         done = prompt = queue = gen = dec_done = 0.0
         for iid, s in new.items():
-            o = old.get(iid)
-            base = o or InstanceSample(s.role, 0.0, 0.0, 0.0)  # started inside the window
+            # The instance's oldest sample in the window (one that started inside the window,
+            # or whose earlier scrapes failed, counts from its first one).
+            base = next(rows[iid] for _, rows in self.samples if iid in rows)
             if s.role == "prefill":
                 done += s.finished - base.finished
                 prompt += s.prompt_tokens - base.prompt_tokens
