@@ -5,6 +5,10 @@ Each call (`Controller.decide`, every `interval_s` of the caller) reads one `Obs
 1. **Plan**: the planner's fleet simulation (`Predictor.plan`) on the measured traffic with a
    margin: the fewest instances meeting the SLO at the measured rate x (1 + `up_margin`) is
    the scale-out line; at rate x (1 + `down_margin`), a larger margin, the scale-in line.
+   Scaling out reacts fast, scaling in slowly: the scale-out line takes the higher rate of
+   the whole window and of its last quarter (and the last quarter's prompt and output
+   lengths), plus the prefill queue drained over `backlog_s` (requests that wait now must be
+   served on top of the arrivals); the scale-in line uses the whole window.
 2. **Hysteresis**: a role below its scale-out line grows to it at once; a role above its
    scale-in line shrinks to it only after it stayed above for `scale_in_after_s` and at least
    `cooldown_s` after that role last grew; in between nothing moves. When the budget is full
@@ -43,6 +47,8 @@ class ControllerSettings:
     cooldown_s: float = 120.0
     #: no decision before the window spans this long (s): a short one measures noise
     min_span_s: float = 30.0
+    #: a prefill queue is planned to be served within this long, on top of the arrivals (s)
+    backlog_s: float = 60.0
 
 
 @dataclass(slots=True)
@@ -106,7 +112,7 @@ class Controller:
         if not traffic.known or obs.span_s < self.settings.min_span_s:
             return Decision(now, traffic, current, None, "no traffic measured yet")
         s, p = self.settings, self.predictor
-        up = p.plan(traffic.scaled(1 + s.up_margin), self.bounds)
+        up = p.plan(self._rising(obs), self.bounds)
         down = up
         if any(current[role] > n for role, n in (("prefill", up.prefill), ("decode", up.decode))):
             # Only a role above the scale-out line can shrink: plan the scale-in line then.
@@ -161,6 +167,15 @@ class Controller:
         )
         self.decisions.append(decision)
         return decision
+
+    def _rising(self, obs: Observation) -> Traffic:
+        """The traffic the scale-out line is planned for (see the module docstring)."""
+        t, r = obs.traffic, obs.recent
+        pre = obs.loads.get("prefill")
+        backlog = pre.waiting * pre.instances if pre is not None else 0.0
+        base = Traffic(max(r.rate, t.rate), r.isl, r.osl) if r.known else t
+        rate = base.rate * (1 + self.settings.up_margin) + backlog / self.settings.backlog_s
+        return Traffic(rate, base.isl, base.osl)
 
     def _observed_check(
         self,

@@ -228,6 +228,7 @@ class _ElasticRun(FleetRun):
             self.recent_ttft_p90(now),
             itl.quantile(0.9) if itl.total else math.nan,
             self.window.span_s,
+            self.window.traffic(self.settings.window_s / 4),
         )
 
     def recent_ttft_p90(self, now: float) -> float:

@@ -67,6 +67,8 @@ class Observation:
     ttft_p90_s: float = math.nan
     itl_p90_s: float = math.nan
     span_s: float = 0.0
+    #: the traffic of the window's last quarter: a rise shows here first
+    recent: Traffic = Traffic(0.0, 0.0, 0.0)
 
 
 @dataclass(slots=True)
@@ -87,17 +89,23 @@ class TrafficWindow:
     def span_s(self) -> float:
         return self.samples[-1][0] - self.samples[0][0] if len(self.samples) > 1 else 0.0
 
-    def traffic(self) -> Traffic:
-        """The window's traffic (zeros before two samples or with nothing finished)."""
-        span = self.span_s
+    def traffic(self, last_s: float | None = None) -> Traffic:
+        """The window's traffic, or that of its last `last_s` seconds (zeros before two
+        samples or with nothing finished)."""
+        samples = list(self.samples)
+        if last_s is not None:
+            now = samples[-1][0] if samples else 0.0
+            older = [i for i, (t, _) in enumerate(samples) if t <= now - last_s]
+            samples = samples[older[-1] :] if older else samples
+        span = samples[-1][0] - samples[0][0] if len(samples) > 1 else 0.0
         if span <= 0:
             return Traffic(0.0, 0.0, 0.0)
-        new = self.samples[-1][1]
+        new = samples[-1][1]
         done = prompt = queue = gen = dec_done = 0.0
         for iid, s in new.items():
             # The instance's oldest sample in the window (one that started inside the window,
             # or whose earlier scrapes failed, counts from its first one).
-            base = next(rows[iid] for _, rows in self.samples if iid in rows)
+            base = next(rows[iid] for _, rows in samples if iid in rows)
             if s.role == "prefill":
                 done += s.finished - base.finished
                 prompt += s.prompt_tokens - base.prompt_tokens

@@ -91,7 +91,7 @@ class Predictor:
         slo: Slo,
         *,
         rate_step: float = 0.15,
-        length_step: float = 0.2,
+        length_step: float = 0.3,
         measure_s: float = 30.0,
         seed: int = 0,
     ) -> None:

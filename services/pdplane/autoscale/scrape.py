@@ -123,7 +123,12 @@ class FleetScraper:
             ttft = self.gateway.p90("pdplane_gateway_ttft_seconds")
             itl = self.gateway.p90("pdplane_gateway_tpot_seconds")
         return Observation(
-            self.window.traffic(), self.window.loads(), ttft, itl, self.window.span_s
+            self.window.traffic(),
+            self.window.loads(),
+            ttft,
+            itl,
+            self.window.span_s,
+            self.window.traffic(self.window.window_s / 4),
         )
 
     def close(self) -> None:
