@@ -4,6 +4,9 @@ modelled hour (virtual time: `pdplane.autoscale.proof`, docs/autoscale.md).
     python bench/autoscale_hour.py --gpus 8 16 --seeds 0 1 [--profile llama3-8b-h100] \
         [--out logs/autoscale-hour]
 
+The traffic is sized to the budget: rates x gpus / 16 (`pdplane.autoscale.proof.hour`'s
+scale), so the 8-GPU fleet sees half the 16-GPU fleet's requests.
+
 Prints one Markdown table (per budget and policy: SLO attainment over 1-minute windows,
 goodput, GPU-hours, moves, unfinished requests) and writes it with each run's moves and failed
 windows to OUT/autoscale-hour.md and OUT/autoscale-hour.json.
@@ -65,7 +68,7 @@ def main() -> int:
                 rows += run_policies(
                     profile,
                     slo,
-                    hour(),
+                    hour(scale=gpus / 16),
                     ElasticSettings(gpus=gpus),
                     seed=seed,
                     predictor=predictor,
