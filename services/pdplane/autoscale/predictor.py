@@ -1,11 +1,15 @@
 """The controller's model of the fleet: the planner's fleet simulation on the measured traffic.
 
 `Predictor.plan(traffic, bounds)` answers the fewest prefill and decode instances whose
-simulated fleet (`pdplane.plan.search.plan_fleet`, `compare=False`) meets the SLO for Poisson
-arrivals at the traffic's rate with its mean prompt and output lengths (uniform +-20 %
-around them), within the bounds; when no fleet within the budget meets it, the split of the
-whole budget with the highest simulated goodput (the search around the closed-form estimate's
-ratio). `Predictor.predict(fleet, traffic)` is one simulated fleet: the before/after of a move.
+simulated fleet (`pdplane.plan.fleetsim`, judged by `Slo.met` as `pdplane plan` judges) meets
+the SLO for Poisson arrivals at the traffic's rate with its mean prompt and output lengths
+(uniform +-20 % around them), within the bounds. It starts from `pdplane plan`'s closed-form
+estimate, grows the failing side until the fleet meets the SLO (decode when ITL or the KV
+cache fails, else prefill), then gives back what is not needed, one side then the other: a
+few simulated fleets per answer, where `pdplane plan`'s two binary searches take more (the
+controller answers many traffics). When no fleet within the budget meets it: the split of
+the whole budget with the highest simulated goodput, around the estimate's ratio.
+`Predictor.predict(fleet, traffic)` is one simulated fleet: the before/after of a move.
 
 Each simulated fleet serves `measure_s` of traffic after one request lifetime of warm-up.
 Answers are cached on the traffic rounded to buckets (rate: `rate_step`, lengths:
@@ -22,7 +26,7 @@ from dataclasses import dataclass
 
 from pdplane.autoscale.observe import Traffic
 from pdplane.plan.fleetsim import FleetConfig, FleetResult, simulate_fleet
-from pdplane.plan.search import Slo, estimate, plan_fleet, window
+from pdplane.plan.search import Slo, estimate, window
 from pdplane.plan.workload import Lengths, RequestSpec, Shape
 from pdplane.sim.profiles import Profile
 
@@ -168,26 +172,30 @@ class Predictor:
         return self._plans[pk]
 
     def _plan(self, key: tuple[int, int, int], bounds: Bounds) -> FleetPlan:
-        requests, warmup = self.workload(key)
-        runs = self._runs.setdefault(key, {})
-        before = len(runs)
-        found = plan_fleet(
-            self.profile,
-            requests,
-            self.slo,
-            gpus=bounds.max_instances,
-            max_prefill=bounds.max_prefill,
-            max_decode=bounds.max_decode,
-            warmup_s=warmup,
-            compare=False,
-            runs=runs,
-        )
-        self.simulations += len(runs) - before
-        if found.best is not None:
-            x, y = bounds.clamp(found.best.config.prefill, found.best.config.decode)
-            return FleetPlan(x, y, True, self._simulate(key, x, y))
-        # Nothing meets the SLO within the budget: the best split of all of it.
+        requests, _ = self.workload(key)
         ex, ey = estimate(self.profile, requests, self.slo)
+        x, y = bounds.clamp(ex, ey)
+        # Grow from the estimate until the simulated fleet meets the SLO, the failing side
+        # first: a decode that breaks ITL or fills its KV cache, else the prefill (TTFT).
+        while not self.slo.met(r := self._simulate(key, x, y)):
+            decode_side = not self.slo.kv_ok(r) or r.itl_q(0.9) > self.slo.bound("itl")
+            grown = bounds.clamp(x, y + 1) if decode_side else bounds.clamp(x + 1, y)
+            if grown == (x, y):  # that side is at its bound: the other one
+                grown = bounds.clamp(x + 1, y) if decode_side else bounds.clamp(x, y + 1)
+            if grown == (x, y):
+                return self._best_split(key, bounds, ex, ey)
+            x, y = grown
+        # Then give back what is not needed (each side is monotone in its count).
+        for dx, dy in ((1, 0), (0, 1)):
+            while (x - dx, y - dy) == bounds.clamp(x - dx, y - dy) and self.slo.met(
+                self._simulate(key, x - dx, y - dy)
+            ):
+                x, y = x - dx, y - dy
+        return FleetPlan(x, y, True, self._simulate(key, x, y))
+
+    def _best_split(self, key: tuple[int, int, int], bounds: Bounds, ex: int, ey: int) -> FleetPlan:
+        """Nothing meets the SLO within the budget: the split of all of it (around the
+        estimate's ratio) with the highest simulated goodput."""
         n = bounds.max_instances
         x0 = round(n * ex / (ex + ey))
         options = {bounds.clamp(x, n - x) for x in (x0 - 1, x0, x0 + 1)}

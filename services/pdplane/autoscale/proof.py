@@ -68,17 +68,19 @@ class Phase:
         return Traffic(self.rate, self.shape.isl.expected, self.shape.osl.expected)
 
 
-def hour(scale: float = 1.0, phase_s: float = 600.0) -> list[Phase]:
+def hour(
+    scale: float = 1.0, phase_s: float = 600.0, chat: Shape = CHAT, summarise: Shape = SUMMARISE
+) -> list[Phase]:
     """The modelled hour: chat x1, x2, x1, summarisation x1, x2, chat x1 (`phase_s` each;
-    rates x `scale`)."""
-    c, s = CHAT.rate * scale, SUMMARISE.rate * scale
+    the shapes' rates x `scale`)."""
+    c, s = chat.rate * scale, summarise.rate * scale
     return [
-        Phase(phase_s, CHAT, c),
-        Phase(phase_s, CHAT, 2 * c),
-        Phase(phase_s, CHAT, c),
-        Phase(phase_s, SUMMARISE, s),
-        Phase(phase_s, SUMMARISE, 2 * s),
-        Phase(phase_s, CHAT, c),
+        Phase(phase_s, chat, c),
+        Phase(phase_s, chat, 2 * c),
+        Phase(phase_s, chat, c),
+        Phase(phase_s, summarise, s),
+        Phase(phase_s, summarise, 2 * s),
+        Phase(phase_s, chat, c),
     ]
 
 

@@ -171,19 +171,17 @@ def plan_fleet(
     warmup_s: float = 0.0,
     decode_max_num_seqs: int | None = None,
     compare: bool = True,
-    runs: dict[FleetConfig, FleetResult] | None = None,
 ) -> Plan:
     """Searches XpYd fleets (X + Y <= `gpus` when given) for the fewest instances meeting `slo`.
 
     Each candidate is one `simulate_fleet` run over `requests` (window from `warmup_s`).
     `compare` False skips the neighbours and the plain fleets (the recommendation only: what
-    the autoscaling controller asks for). `runs` caches the simulated fleets of these
-    `requests` across calls (filled in place).
+    the autoscaling controller asks for).
     """
     t0 = time.process_time()
     ttft_b = slo.bound("ttft")
     tail = 2 * ttft_b if math.isfinite(ttft_b) else 10.0
-    runs = {} if runs is None else runs
+    runs: dict[FleetConfig, FleetResult] = {}
 
     def run(cfg: FleetConfig) -> FleetResult:
         if cfg not in runs:
