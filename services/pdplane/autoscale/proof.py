@@ -208,8 +208,10 @@ def run_policies(
     predictor: Predictor | None = None,
     controller: ControllerSettings | None = None,
     policies: Sequence[str] = POLICIES,
+    start: tuple[int, int] | None = None,
 ) -> list[Row]:
-    """Runs each of `policies` on the same requests (`seed`) within `settings.gpus`.
+    """Runs each of `policies` on the same requests (`seed`) within `settings.gpus`, from
+    `start` (default: `static_split`, which every policy starts from and static keeps).
 
     `predictor` may be shared between calls (its answers depend on the traffic bucket only).
     """
@@ -219,7 +221,7 @@ def run_policies(
     ctl = controller or ControllerSettings()
     requests = requests_of(phases, seed)
     span = sum(ph.duration_s for ph in phases)
-    start = static_split(profile, slo, requests, bounds, seed)
+    start = start or static_split(profile, slo, requests, bounds, seed)
     rows = []
     for name in policies:
         policy: Policy | None = None
