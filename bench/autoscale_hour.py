@@ -5,8 +5,8 @@ simulator").
     python bench/autoscale_hour.py --gpus 8 16 --seeds 0 1 [--profile llama3-8b-h100] \\
         [--jobs 3] [--out logs/autoscale-hour]
 
-The traffic is sized to the budget: the hour's rates x gpus / 16, so the 8-GPU fleet sees half
-the 16-GPU fleet's requests. Every policy of one (budget, seed) serves the same requests from
+Every budget serves the same hour (the 8-GPU cap binds where the traffic needs more). Every
+policy of one (budget, seed) serves the same requests from
 the same start (the static split, `pdplane plan`'s recommendation for the hour's average).
 Runs are independent processes (`--jobs`); the result does not depend on how many. Prints one
 Markdown table (per budget and policy: SLO attainment over 1-minute windows, goodput,
@@ -33,7 +33,7 @@ from pdplane.sim.profiles import load_profile
 
 def _start(profile: str, slo: str, gpus: int, seed: int) -> tuple[int, int]:
     bounds = Bounds(max_prefill=gpus - 1, max_decode=gpus - 1, gpus=gpus)
-    reqs = requests_of(hour(scale=gpus / 16), seed)
+    reqs = requests_of(hour(), seed)
     return static_split(load_profile(profile), parse_slo(slo), reqs, bounds, seed)
 
 
@@ -42,7 +42,7 @@ def _run(profile: str, slo: str, gpus: int, seed: int, policy: str, start: tuple
     (row,) = run_policies(
         load_profile(profile),
         parse_slo(slo),
-        hour(scale=gpus / 16),
+        hour(),
         ElasticSettings(gpus=gpus),
         seed=seed,
         policies=[policy],
