@@ -474,14 +474,20 @@ class Fleet:
 
     def _launch(self, role: KvRole, **overrides: Any) -> Engine:
         """Starts one more engine instance of `role` (returns at once; see wait_healthy), on
-        the ports of the lowest index free (a removed instance's are reused)."""
+        the ports of the lowest index free (a removed instance's are reused; once the fleet
+        runs, an index whose ports another process took is skipped)."""
         with self._lock:
-            if self._free_indices:
-                index = min(self._free_indices)
-                self._free_indices.remove(index)
-            else:
-                index = self._next_index
-                self._next_index += 1
+            while True:
+                if self._free_indices:
+                    index = min(self._free_indices)
+                    self._free_indices.remove(index)
+                else:
+                    index = self._next_index
+                    self._next_index += 1
+                # Ports beyond the initial fleet's were not checked at start: skip taken ones.
+                ports = (self.spec.vllm_base_port + index, self.spec.kv_base_port + index)
+                if not self.instances or not any(port_taken(self.spec.host, p) for p in ports):
+                    break
         kind = "prefill" if role == "kv_producer" else "decode" if role == "kv_consumer" else "both"
         name = f"{kind}-{index}"
         log = self.spec.log_dir / f"{name}.log"
