@@ -173,7 +173,7 @@ def test_a_shared_prefix_is_routed_as_a_predicted_hit_and_hits_vllms_cache(
     prefill_id, _, prefill_cached = second.headers["x-pdplane-prefill"].partition(
         "; cached_tokens="
     )
-    decode_id, _, decode_cached = second.headers["x-pdplane-decode"].partition("; cached_tokens=")
+    _, _, decode_cached = second.headers["x-pdplane-decode"].partition("; cached_tokens=")
     if prefill_id == "none":
         side, cached = "decode", int(decode_cached)
     else:
