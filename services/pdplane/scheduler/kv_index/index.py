@@ -314,6 +314,10 @@ class PrefixIndex:
         self._free_slots: list[int] = []
         self._next_slot = 0
         self._live = 0  # bitmask of LIVE instances
+        #: 1 per LIVE slot (the decision tables read it: `pdplane.scheduler.table` KV_SLOT).
+        self.live_slots = np.zeros(64, np.uint8)
+        #: Bumped whenever an instance gets or gives up its slot.
+        self.slots_version = 0
 
     # -- instances -----------------------------------------------------------------------------
 
@@ -330,6 +334,7 @@ class PrefixIndex:
         inst = InstanceBlocks(self, instance_id, slot)
         self._instances[instance_id] = inst
         self._by_slot[slot] = inst
+        self.slots_version += 1
         return inst
 
     def remove_instance(self, instance_id: str) -> None:
@@ -341,6 +346,7 @@ class PrefixIndex:
         inst.clear()
         del self._by_slot[inst.slot]
         self._free_slots.append(inst.slot)
+        self.slots_version += 1
 
     def instance(self, instance_id: str) -> InstanceBlocks | None:
         return self._instances.get(instance_id)
@@ -352,10 +358,18 @@ class PrefixIndex:
         """Marks an instance SYNCING / LIVE / STALE; only LIVE ones are matched."""
         inst.state = state
         inst.state_reason = reason
+        live = self.live_slots
+        if inst.slot >= len(live):
+            # Grown whole and then swapped in: a reader sees the old array or the new one.
+            grown = np.zeros(max(2 * len(live), inst.slot + 1), np.uint8)
+            grown[: len(live)] = live
+            self.live_slots = live = grown
         if state is KvState.LIVE:
             self._live |= inst.bit
+            live[inst.slot] = 1
         else:
             self._live &= ~inst.bit
+            live[inst.slot] = 0
 
     # -- lookup --------------------------------------------------------------------------------
 
