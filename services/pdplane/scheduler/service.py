@@ -167,17 +167,20 @@ class SchedulerService:
                     f"[{describe_keys(_keys(tables, decode_table, decodes))}] "
                     "(layout/transport/max_model_len differ)",
                 )
-        cached = self._cached(request, tables)
+        cached, per_block = self._cached(request)
         live = index.live_slots if index is not None else _NO_LIVE
         features = (
             request.request_id,
             request.routing_key,
-            request.prefix_block_hashes or _smallest_block_hashes(request.prefix_hashes),
+            request.prefix_block_hashes
+            if len(request.prefix_block_hashes)
+            else _smallest_block_hashes(request.prefix_hashes),
             request.prefix_hashes,
             request.prompt_tokens,
         )
         prefill = prefill_policy.pick(
-            Pool(prefill_table, pairable, cached[0], live), PickContext(*features, "prefill")
+            Pool(prefill_table, pairable, cached, live, per_block),
+            PickContext(*features, "prefill"),
         )
         p = prefill.candidate
         matching = decodes
@@ -190,7 +193,7 @@ class SchedulerService:
             others = matching[matching != own] if own is not None else matching
             matching = others if len(others) else matching
         decode = decode_policy.pick(
-            Pool(decode_table, matching, cached[1], live), PickContext(*features, "decode")
+            Pool(decode_table, matching, cached, live, per_block), PickContext(*features, "decode")
         )
         d = decode.candidate
         blocks = blocks_for(tokens, d.block_size)
@@ -218,36 +221,23 @@ class SchedulerService:
             p, d, f"prefill {prefill.reason}; decode {decode.reason}", p_cached, d_cached
         )
 
-    def _cached(
-        self, request: RequestFeatures, tables: ModelTables
-    ) -> tuple[F64s | None, F64s | None]:
-        """The prompt's predicted prefix hits per row of each side (tokens; None: none at all)
-        from the prefix index: one lookup per block size the request has hashes for (a hash
-        chain of one block size never matches another's), which returns only the LIVE
-        instances that hold a prefix; every other row is 0."""
+    def _cached(self, request: RequestFeatures) -> tuple[F64s | None, bool]:
+        """The prompt's predicted prefix hits per prefix index slot (tokens, or blocks when the
+        request's hashes say no block size: then times each instance's own; None: no
+        instance holds any), from one lookup per block size the request has hashes for (a
+        hash chain of one block size never matches another's). The lookup writes only the
+        LIVE instances that hold a prefix (`PrefixIndex.match_slots`)."""
         index = self.kv_index
-        if index is None or not (request.prefix_hashes or request.prefix_block_hashes):
-            return None, None
-        tokens: dict[str, int] = {}  # instance id -> cached tokens
-        blocks: dict[str, int] = {}  # instance id -> cached blocks of its own block size
+        if index is None or not (request.prefix_hashes or len(request.prefix_block_hashes)):
+            return None, False
+        cached = np.zeros(len(index.live_slots))
+        held = False
         if request.prefix_hashes:
             for block_size, hashes in request.prefix_hashes.items():
-                for iid, n in index.match(hashes).items():
-                    tokens[iid] = max(tokens.get(iid, 0), n * block_size)
-        else:  # block size unsaid: the instance's own
-            blocks = index.match(request.prefix_block_hashes)
-        if not tokens and not blocks:
-            return None, None
-        sides: list[F64s] = []
-        for table in tables.sides():
-            column = np.zeros(len(table))
-            row_of = table.row_of
-            for iid, n in (tokens or blocks).items():
-                row = row_of.get(iid)
-                if row is not None:
-                    column[row] = n if tokens else n * table.candidates[row].block_size
-            sides.append(column)
-        return sides[0], sides[1]
+                held = index.match_slots(hashes, cached, block_size) or held
+            return (cached if held else None), False
+        held = index.match_slots(request.prefix_block_hashes, cached)
+        return (cached if held else None), True
 
     def release(self, request_id: str, outcome: Outcome) -> bool:
         """Ends the in-flight accounting of `request_id`; False when it was not in flight.

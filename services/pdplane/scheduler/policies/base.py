@@ -23,7 +23,7 @@ import numpy as np
 import numpy.typing as npt
 
 from pdplane.scheduler.candidate import Candidate
-from pdplane.scheduler.table import KV_SLOT, LOAD, UNSEEN, SideTable
+from pdplane.scheduler.table import BLOCK_SIZE, KV_SLOT, LOAD, UNSEEN, SideTable
 
 __all__ = ["Pick", "PickContext", "Policy", "PolicyFactory", "Pool"]
 
@@ -63,14 +63,15 @@ class Pool:
     """The candidates of one side a policy chooses from: rows `rows` (int64, ascending, never
     empty) of `table`, whose columns `cols` hold their state (`pdplane.scheduler.table`).
 
-    `cached` (float64, one per table row, or None) is the prefix index's predicted prefix
-    cache hit of the prompt on each instance (tokens, whole blocks; 0 where the instance holds
-    nothing or is not LIVE in the index): the KV lookup returns only the instances holding a
-    prefix, so this is zeros plus those few. `live_slots` (uint8 per index slot, 1 = LIVE;
-    empty without an index) says whose index entries are trusted.
+    The prefix index's predicted prefix cache hit of the prompt on a candidate is
+    `cached[slot]` for its index slot (the KV_SLOT column; float64 per slot, tokens, times
+    the row's block size when `cached_per_block`; None: no hit anywhere): the lookup writes
+    only the instances that hold a prefix, a group of equal depth at a time, every other slot
+    is 0. `live_slots` (uint8 per index slot, 1 = LIVE; empty without an index) says whose
+    index entries are trusted.
     """
 
-    __slots__ = ("cached", "cols", "live_slots", "rows", "table")
+    __slots__ = ("cached", "cached_per_block", "cols", "live_slots", "rows", "table")
 
     def __init__(
         self,
@@ -78,11 +79,13 @@ class Pool:
         rows: I64s,
         cached: F64s | None = None,
         live_slots: U8s = _NO_LIVE,
+        cached_per_block: bool = False,
     ) -> None:
         self.table = table
         self.cols = table.cols
         self.rows = rows
         self.cached = cached
+        self.cached_per_block = cached_per_block
         self.live_slots = live_slots
 
     def __len__(self) -> int:
@@ -93,17 +96,25 @@ class Pool:
 
     def candidate(self, i: int) -> Candidate:
         """The candidate at position `i` of the pool."""
-        return self.table.candidates[int(self.rows[i])]
+        return self.table.candidates[self.rows.item(i)]
 
     def cached_tokens(self, i: int) -> int:
         """Predicted prefix cache hit (tokens) on the candidate at position `i`."""
         cached = self.cached
-        return int(cached[self.rows[i]]) if cached is not None else 0
+        if cached is None:
+            return 0
+        row = self.rows.item(i)
+        slot = int(self.cols.item(row, KV_SLOT))
+        if not 0 <= slot < len(cached):
+            return 0
+        scale = self.cols.item(row, BLOCK_SIZE) if self.cached_per_block else 1.0
+        return int(cached.item(slot) * scale)
 
     def load(self, i: int) -> float:
         """Effective load of the candidate at position `i` (`InflightTracker.effective_load`)."""
-        row = self.rows[i]
-        return float(self.cols[row, LOAD] + self.cols[row, UNSEEN])
+        row = self.rows.item(i)
+        cols = self.cols
+        return cols.item(row, LOAD) + cols.item(row, UNSEEN)  # type: ignore[no-any-return]
 
     def live_count(self) -> int:
         """How many of the pool's instances are LIVE in the prefix index."""

@@ -84,9 +84,9 @@ class ConsistentHash:
     def _key(self, ctx: PickContext) -> tuple[str, bytes] | None:
         if ctx.routing_key:
             return "routing key", ctx.routing_key.encode()
-        if ctx.prefix_block_hashes:
+        if len(ctx.prefix_block_hashes):  # ints, or a uint64 array (a received request's)
             head = ctx.prefix_block_hashes[: self._prefix_blocks]
-            return "prefix", b"".join(h.to_bytes(8, "big") for h in head)
+            return "prefix", b"".join(int(h).to_bytes(8, "big") for h in head)
         return None
 
     def _ring(self, table: SideTable) -> _Ring:

@@ -44,7 +44,7 @@ import numpy as np
 import numpy.typing as npt
 
 from pdplane.scheduler.policies.base import Pick, PickContext, Pool
-from pdplane.scheduler.table import KV_SLOT, QUEUED_TOKENS, REQUESTS, UNSEEN, USAGE
+from pdplane.scheduler.table import BLOCK_SIZE, KV_SLOT, QUEUED_TOKENS, REQUESTS, UNSEEN, USAGE
 
 __all__ = ["LOCAL_PREFILL_MAX_TOKENS", "NAME", "KvAware", "KvAwareWeights", "create"]
 
@@ -53,6 +53,8 @@ NAME = "kv_aware"
 F64s = npt.NDArray[np.float64]
 I64s = npt.NDArray[np.int64]
 U8s = npt.NDArray[np.uint8]
+
+_NO_HITS = np.zeros(0)
 
 #: Default of --local-prefill-max-tokens (conditional disaggregation): under both the break-even
 #: of a prefill leg's fixed cost and the ITL bound of the CPU cost model fitted to real vLLM
@@ -106,7 +108,8 @@ class KvAware:
         _score(
             np.zeros((1, 17)),
             one,
-            np.zeros(1),
+            _NO_HITS,
+            False,
             np.zeros(0, np.uint8),
             1,
             1.0,
@@ -120,11 +123,12 @@ class KvAware:
     def pick(self, pool: Pool, ctx: PickContext) -> Pick:
         w = self.weights
         prefill = ctx.side == "prefill"
-        cached = pool.cached if pool.cached is not None else np.zeros(len(pool.table))
+        cached = pool.cached if pool.cached is not None else _NO_HITS
         i, cost, requests, cap, skipped, live, cached_tokens = _score(
             pool.cols,
             pool.rows,
             cached,
+            pool.cached_per_block,
             pool.live_slots,
             ctx.prompt_tokens,
             1.0 if prefill else w.decode_hit_weight,
@@ -151,12 +155,14 @@ def _compile(  # the columns are closure cells: part of numba's cache key
     kv_slot_col: int = KV_SLOT,
     queued_col: int = QUEUED_TOKENS,
     usage_col: int = USAGE,
+    block_size_col: int = BLOCK_SIZE,
 ) -> Callable[..., tuple[int, float, float, int, int, int, int]]:
     @numba.njit(cache=True, nogil=True)
     def score(
         cols: F64s,
         rows: I64s,
         cached: F64s,
+        cached_per_block: bool,
         live_slots: U8s,
         prompt_tokens: int,
         hit_weight: float,
@@ -190,12 +196,19 @@ def _compile(  # the columns are closure cells: part of numba's cache key
         best = np.inf
         ties = 0
         costs = np.empty(n)
+        hits = np.zeros(n)
         for i in range(n):
             if fitting and requests[i] + 1.0 > cap:
                 costs[i] = np.inf
                 continue
             row = rows[i]
-            hit = min(cached[row], prompt_tokens) if live else 0.0
+            hit = 0.0
+            slot = np.int64(cols[row, kv_slot_col])
+            if live and 0 <= slot < cached.shape[0]:
+                # The lookup's value for the row's index slot, capped at the prompt.
+                hit = cached[slot] * (cols[row, block_size_col] if cached_per_block else 1.0)
+                hit = min(hit, prompt_tokens)
+            hits[i] = hit
             cost = (
                 hit_weight * (prompt_tokens - hit)
                 + (cols[row, queued_col] if with_queued else 0.0)
@@ -216,7 +229,7 @@ def _compile(  # the columns are closure cells: part of numba's cache key
                     chosen = i
                     break
                 nth -= 1
-        hit = min(cached[rows[chosen]], prompt_tokens) if live else 0.0
+        hit = hits[chosen]
         skipped = n - fitting if fitting else 0
         return chosen, best, float(requests[chosen]), int(cap), skipped, live, int(hit)
 
