@@ -69,8 +69,9 @@ def _process(
     yields (address, pid)."""
     port = port or _free_port()
     env = dict(os.environ)
-    if tree is not None:
-        env["PYTHONPATH"] = os.pathsep.join(str(tree / d) for d in ("services", "connector"))
+    if tree is not None:  # its sources first, then whatever this process was given
+        paths = [str(tree / d) for d in ("services", "connector")]
+        env["PYTHONPATH"] = os.pathsep.join([*paths, *filter(None, [env.get("PYTHONPATH")])])
     command = [sys.executable, "-m", "pdplane.cli.main", *args, "--port", str(port)]
     proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     address = f"127.0.0.1:{port}"
