@@ -104,6 +104,12 @@ class KvAware:
     def __init__(self, weights: KvAwareWeights) -> None:
         self.weights = weights
         self._turn = itertools.count()
+        w = weights
+        # The kernel's weights per side: hit weight, request tokens, KV usage tokens, c.
+        self._prefill = np.array([1.0, w.request_tokens, w.kv_usage_tokens, w.load_factor])
+        self._decode = np.array(
+            [w.decode_hit_weight, w.request_tokens, w.kv_usage_tokens, w.load_factor]
+        )
         one = np.zeros(1, np.int64)
         _score(
             np.zeros((1, 17)),
@@ -112,16 +118,12 @@ class KvAware:
             False,
             np.zeros(0, np.uint8),
             1,
-            1.0,
             True,
-            1.0,
-            1.0,
-            1.0,
+            self._prefill,
             0,
         )
 
     def pick(self, pool: Pool, ctx: PickContext) -> Pick:
-        w = self.weights
         prefill = ctx.side == "prefill"
         cached = pool.cached if pool.cached is not None else _NO_HITS
         i, cost, requests, cap, skipped, live, cached_tokens = _score(
@@ -131,11 +133,8 @@ class KvAware:
             pool.cached_per_block,
             pool.live_slots,
             ctx.prompt_tokens,
-            1.0 if prefill else w.decode_hit_weight,
             prefill,
-            w.request_tokens,
-            w.kv_usage_tokens,
-            w.load_factor,
+            self._prefill if prefill else self._decode,
             next(self._turn),
         )
         n = len(pool)
@@ -165,15 +164,15 @@ def _compile(  # the columns are closure cells: part of numba's cache key
         cached_per_block: bool,
         live_slots: U8s,
         prompt_tokens: int,
-        hit_weight: float,
         with_queued: bool,
-        request_tokens: float,
-        kv_usage_tokens: float,
-        load_factor: float,
+        weights: F64s,
         turn: int,
     ) -> tuple[int, float, float, int, int, int, int]:  # pragma: no cover - compiled
         """(position chosen, its cost, its requests, load cap, candidates over the cap, LIVE
-        candidates, its cached tokens counted) over `rows` of `cols` (module doc)."""
+        candidates, its cached tokens counted) over `rows` of `cols` (module doc); `weights`
+        = (hit weight, request tokens, KV usage tokens, load factor)."""
+        hit_weight, request_tokens, kv_usage_tokens = weights[0], weights[1], weights[2]
+        load_factor = weights[3]
         n = rows.shape[0]
         requests = np.empty(n)
         total = 0.0
