@@ -57,12 +57,15 @@ _LAYOUT = instance_pb2.KvLayout(
 )
 
 
-def _spec(index: int, role: instance_pb2.Role.ValueType) -> instance_pb2.InstanceSpec:
+def spec(
+    index: int, role: instance_pb2.Role.ValueType, model: str = "tiny"
+) -> instance_pb2.InstanceSpec:
+    """The spec of bench instance `index` of `role` serving `model` (block size 16, TCP)."""
     kind = "p" if role == instance_pb2.ROLE_PREFILL else "d"
     return instance_pb2.InstanceSpec(
-        instance_id=f"tiny-{kind}{index:05d}",
+        instance_id=f"{model}-{kind}{index:05d}",
         role=role,
-        model="tiny",
+        model=model,
         url=f"http://127.0.0.1:{20000 + index % 20000}",
         kv_endpoint=f"127.0.0.1:{40000 + index % 20000}",
         transport=instance_pb2.TRANSPORT_TCP,
@@ -84,7 +87,7 @@ def _instance(
         total_kv_blocks=20_000,
     )
     return instance_pb2.Instance(
-        spec=_spec(index, role),
+        spec=spec(index, role),
         state=instance_pb2.INSTANCE_STATE_SERVING,
         load=load,
         revision=revision,

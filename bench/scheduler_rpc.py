@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from scheduler_decision import spec  # this folder's: the same bench instances
 
 from pdplane.scheduler.port import Outcome, RequestFeatures, SchedulerUnavailable
 from pdplane.scheduler.remote import RemoteScheduler
@@ -50,9 +51,6 @@ from pdplane.v1 import instance_pb2, registry_pb2, registry_pb2_grpc
 _LEASE_MS = 600_000
 _MODEL = "large"
 _TICKS_PER_S = os.sysconf("SC_CLK_TCK")
-_LAYOUT = instance_pb2.KvLayout(
-    num_layers=2, num_kv_heads=2, head_size=32, block_size=16, dtype="float32"
-)
 
 
 def _free_port() -> int:
@@ -94,20 +92,10 @@ def _register(registry: str, instances: int) -> None:
         stub = registry_pb2_grpc.RegistryStub(channel)
         for i in range(instances):
             role = instance_pb2.ROLE_PREFILL if i < half else instance_pb2.ROLE_DECODE
-            spec = instance_pb2.InstanceSpec(
-                instance_id=f"{_MODEL}-{'p' if i < half else 'd'}{i:05d}",
-                role=role,
-                model=_MODEL,
-                url=f"http://127.0.0.1:{20000 + i % 20000}",
-                kv_endpoint=f"127.0.0.1:{40000 + i % 20000}",
-                transport=instance_pb2.TRANSPORT_TCP,
-                tp_size=1,
-                kv_layout=_LAYOUT,
-                max_model_len=4096,
-                version="bench",
-            )
             request = registry_pb2.RegisterRequest(
-                spec=spec, lease_ttl_ms=_LEASE_MS, request_id=f"bench-register-{i:08d}" * 2
+                spec=spec(i, role, _MODEL),
+                lease_ttl_ms=_LEASE_MS,
+                request_id=f"bench-register-{i:08d}" * 2,
             )
             stub.Register(request, timeout=10)
 

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import deque
 from collections.abc import Callable, Hashable
 
 import grpc
 
 from pdplane.core import grpc_util
+from pdplane.core.change_log import ChangeLog
 from pdplane.registry._backoff import Backoff
 from pdplane.registry.endpoints import FAILOVER_CODES, RegistryEndpoints
 from pdplane.v1 import instance_pb2, registry_pb2
@@ -27,8 +27,6 @@ _Event = registry_pb2.WatchEvent
 OnChange = Callable[[dict[str, instance_pb2.Instance]], None]
 #: Events per message the watcher accepts: a busy registry then sends fewer, larger messages.
 _MAX_BATCH = 256
-#: Changes remembered for `changes_since` (a reader further behind re-reads the snapshot).
-_LOG_MAX = 65_536
 
 
 class InstanceWatcher:
@@ -68,9 +66,7 @@ class InstanceWatcher:
         self.reconnects = 0  # streams re-opened after an error
         self._misses = 0  # replicas that failed since the last event
         self._parts: list[registry_pb2.WatchEvent] = []  # parts of a snapshot, last one pending
-        # (revision, instance id) of every change after `_log_from` since the last snapshot.
-        self._log: deque[tuple[int, str]] = deque()
-        self._log_from = 0
+        self._log = ChangeLog()  # the changes since the last snapshot
 
     @property
     def revision(self) -> int:
@@ -88,20 +84,13 @@ class InstanceWatcher:
     ) -> tuple[Hashable, dict[str, instance_pb2.Instance | None] | None]:
         """(cursor of now, instance id -> its message or None when removed, for every instance
         changed since `cursor`); the changes are None when this cannot tell (no cursor, one
-        from before the last snapshot, or older than the last `_LOG_MAX` changes): then
-        re-read `snapshot()`. A reader of heartbeats pays per change, not per instance."""
+        from before the last snapshot, or older than the log): then re-read `snapshot()`.
+        A reader of heartbeats pays per change, not per instance."""
         with self._lock:
             now = (self.snapshots, self._revision)
-            if not isinstance(cursor, tuple) or cursor[0] != now[0] or cursor[1] < self._log_from:
+            if not isinstance(cursor, tuple) or cursor[0] != now[0]:
                 return now, None
-            since = cursor[1]
-            changed: dict[str, instance_pb2.Instance | None] = {}
-            for revision, instance_id in reversed(self._log):
-                if revision <= since:
-                    break
-                if instance_id not in changed:
-                    changed[instance_id] = self._view.get(instance_id)
-            return now, changed
+            return now, self._log.since(cursor[1], self._view)
 
     def start(self) -> None:
         """Starts the watch thread; returns immediately."""
@@ -196,8 +185,7 @@ class InstanceWatcher:
         if event.type == _Event.SNAPSHOT:
             self._view = {i.spec.instance_id: i for i in event.instances}
             self.snapshots += 1
-            self._log.clear()
-            self._log_from = event.revision
+            self._log.reset(event.revision)
         elif event.revision <= self._revision:
             return  # already reflected (replayed after a reconnect)
         elif event.type in (_Event.ADDED, _Event.UPDATED):
@@ -208,9 +196,7 @@ class InstanceWatcher:
             log.warning("ignoring watch event of unknown type %s", event.type)
             return
         if event.type != _Event.SNAPSHOT:
-            self._log.append((event.revision, event.instance.spec.instance_id))
-            if len(self._log) > _LOG_MAX:
-                self._log_from = self._log.popleft()[0]
+            self._log.append(event.revision, event.instance.spec.instance_id)
         self._revision = event.revision
 
     def _notify_loop(self) -> None:

@@ -20,6 +20,7 @@ import threading
 from collections.abc import Hashable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
+from pdplane.core.change_log import ChangeLog
 from pdplane.scheduler.candidate import Candidate
 from pdplane.scheduler.port import InstanceSource
 from pdplane.scheduler.table import ModelTables, SideTable
@@ -29,14 +30,13 @@ if TYPE_CHECKING:
     from pdplane.scheduler.inflight import InflightTracker
     from pdplane.scheduler.kv_index import PrefixIndex
 
-__all__ = ["CandidateView", "ChangeLog", "StaticSource"]
+__all__ = ["CandidateView", "ChangeSource", "Changes", "StaticSource"]
 
 #: Changed instances since a cursor: instance id -> its message, None when it was removed.
 Changes = Mapping[str, instance_pb2.Instance | None]
-_LOG_MAX = 65_536  # changes a StaticSource remembers
 
 
-class ChangeLog(Protocol):
+class ChangeSource(Protocol):
     """A source that can say what changed since a cursor (optional part of an InstanceSource).
 
     `changes_since(cursor)` -> (the cursor of now, the changes since `cursor`); the changes are
@@ -56,8 +56,7 @@ class StaticSource:
     def __init__(self, *instances: instance_pb2.Instance) -> None:
         self.revision = 0
         self._view: dict[str, instance_pb2.Instance] = {}
-        self._log: list[tuple[int, str]] = []  # (revision, instance id), oldest first
-        self._log_from = 0  # the log holds every change after this revision
+        self._log = ChangeLog()
         self.put(*instances)
 
     def put(self, *instances: instance_pb2.Instance) -> None:
@@ -65,36 +64,23 @@ class StaticSource:
         for instance in instances:
             self.revision += 1
             self._view[instance.spec.instance_id] = instance
-            self._logged(instance.spec.instance_id)
+            self._log.append(self.revision, instance.spec.instance_id)
 
     def remove(self, instance_id: str) -> None:
         """Removes an instance; KeyError when it is unknown."""
         del self._view[instance_id]
         self.revision += 1
-        self._logged(instance_id)
-
-    def _logged(self, instance_id: str) -> None:
-        self._log.append((self.revision, instance_id))
-        if len(self._log) > _LOG_MAX:
-            drop = len(self._log) - _LOG_MAX // 2
-            self._log_from = self._log[drop - 1][0]
-            del self._log[:drop]
+        self._log.append(self.revision, instance_id)
 
     def snapshot(self) -> dict[str, instance_pb2.Instance]:
         """A copy of the instances by id."""
         return dict(self._view)
 
     def changes_since(self, cursor: Hashable | None) -> tuple[Hashable, Changes | None]:
-        """`ChangeLog.changes_since`; the cursor is a revision."""
-        if not isinstance(cursor, int) or cursor < self._log_from:
+        """`ChangeSource.changes_since`; the cursor is a revision."""
+        if not isinstance(cursor, int):
             return self.revision, None
-        changed: dict[str, instance_pb2.Instance | None] = {}
-        for revision, instance_id in reversed(self._log):
-            if revision <= cursor:
-                break
-            if instance_id not in changed:
-                changed[instance_id] = self._view.get(instance_id)
-        return self.revision, changed
+        return self.revision, self._log.since(cursor, self._view)
 
 
 class CandidateView:

@@ -1,24 +1,21 @@
 """Guard: a decision at 1,000 instances costs about what one at 10 does (orderings, not times).
 
 The decision scores the candidates' state as arrays (`pdplane.scheduler.table`) and reads only
-the prefix index's holders, so its cost barely grows with the fleet. A scan of the fleet in
-Python per decision (what the scheduler did before) makes a decision at 1,000 instances cost
-15-30 times one at 10, and reintroducing one fails this test.
+the prefix index's holders, so its cost barely grows with the fleet; a scan of the fleet in
+Python per decision fails this test.
 
 The bound: the median thread-CPU time of a decision at 1,000 instances (500 prefill + 500
-decode) is at most `K` = 4 times that of a trivial baseline measured in the same run, the
-rows taking turns so that all see the same machine:
+decode) is at most `K` = 4 times that of a baseline measured in the same run, the rows taking
+turns so that all see the same machine:
 
-* least_loaded at 1,000 vs round_robin at 10: ~1.5x now; 16-17x at 3be411a, 20-25x at
-  babdc11 (which made the Python scan ~20 % slower: the plain policies' slowdown), 20-22x at
-  d188c7a: this test fails at every commit that scanned the fleet in Python;
+* least_loaded at 1,000 vs round_robin at 10 (the trivial decision): ~1.5x; a Python scan of
+  the fleet per decision measured 16-25x;
 * kv_aware at 1,000 vs kv_aware at 10, both with a LIVE prefix index in which every instance
-  holds a shared system prefix and 3 hold the whole 2,048-token prompt: ~1.5-1.7x now, 37-45x
-  at those commits.
+  holds a shared system prefix and 3 hold the whole 2,048-token prompt: ~1.5-1.7x; with a
+  scan, 37-45x.
 
 Medians of thread CPU time are what preemption on a busy CI host does not move; K leaves room
-for the noise they still have. Self-contained on purpose (no fixtures): the same file runs
-against an older tree to show where it would have failed.
+for the noise they still have.
 """
 
 from __future__ import annotations
@@ -32,44 +29,15 @@ from pdplane.scheduler.kv_index import KvState, PrefixIndex
 from pdplane.scheduler.port import RequestFeatures
 from pdplane.scheduler.service import SchedulerService
 from pdplane.scheduler.view import CandidateView, StaticSource
-from pdplane.v1 import instance_pb2, kv_events_pb2
+from pdplane.v1 import kv_events_pb2
+from tests.unit.scheduler.conftest import instance
 
 K = 4.0
-BLOCK = 16
+BLOCK = 16  # the conftest instances' block size
 PROMPT = 2048  # tokens of the kv_aware requests' prompt
 SHARED = 512  # tokens of the system prefix every instance holds
 TURNS, PER_TURN = 12, 25  # 300 timed decisions per row, after a warm-up turn
 WINDOW = 64  # requests kept in flight (each decision releases the one 64 before)
-
-
-def _instance(
-    i: int, role: instance_pb2.Role.ValueType, rng: random.Random
-) -> instance_pb2.Instance:
-    side = "p" if role == instance_pb2.ROLE_PREFILL else "d"
-    spec = instance_pb2.InstanceSpec(
-        instance_id=f"{side}{i:04d}",
-        role=role,
-        model="m",
-        url=f"http://127.0.0.1:{20000 + i}",
-        kv_endpoint=f"127.0.0.1:{40000 + i}",
-        transport=instance_pb2.TRANSPORT_TCP,
-        tp_size=1,
-        kv_layout=instance_pb2.KvLayout(
-            num_layers=2, num_kv_heads=2, head_size=32, block_size=BLOCK, dtype="float32"
-        ),
-        max_model_len=8192,
-        version="guard",
-    )
-    load = instance_pb2.LoadReport(
-        num_running=rng.randrange(8),
-        num_waiting=rng.randrange(4),
-        kv_cache_usage=rng.random(),
-        free_kv_blocks=10_000,
-        total_kv_blocks=20_000,
-    )
-    return instance_pb2.Instance(
-        spec=spec, state=instance_pb2.INSTANCE_STATE_SERVING, load=load, revision=i + 1
-    )
 
 
 def _hold(index: PrefixIndex, instance_id: str, tokens: list[int], engine: int) -> None:
@@ -89,8 +57,22 @@ class _Row:
     def __init__(self, size: int, policy: str) -> None:
         rng = random.Random(size)
         half = size // 2
-        fleet = [_instance(i, instance_pb2.ROLE_PREFILL, rng) for i in range(half)]
-        fleet += [_instance(i, instance_pb2.ROLE_DECODE, rng) for i in range(half)]
+        fleet = [
+            instance(
+                f"{role[0]}{i:04d}",
+                role,
+                max_model_len=8192,
+                revision=n + 1,
+                num_running=rng.randrange(8),
+                num_waiting=rng.randrange(4),
+                kv_cache_usage=rng.random(),
+                free_kv_blocks=10_000,
+                total_kv_blocks=20_000,
+            )
+            for n, (role, i) in enumerate(
+                [("prefill", i) for i in range(half)] + [("decode", i) for i in range(half)]
+            )
+        ]
         self.service = SchedulerService(
             CandidateView(StaticSource(*fleet)), prefill_policy=policy, decode_policy=policy
         )
@@ -99,14 +81,14 @@ class _Row:
         if policy == "kv_aware":
             prompt = [random.Random(7).randrange(50_000) for _ in range(PROMPT)]
             index = self.service.kv_index = PrefixIndex()
-            for n, instance in enumerate(fleet):
+            for n, member in enumerate(fleet):
                 whole = n in (0, 1, half)
                 held = prompt if whole else prompt[:SHARED]
-                _hold(index, instance.spec.instance_id, held, engine=n << 20)
+                _hold(index, member.spec.instance_id, held, engine=n << 20)
             hashes = {BLOCK: block_hashes(prompt, BLOCK)}
             prompt_tokens = PROMPT
         self.requests = [
-            RequestFeatures(f"r{i}", "m", prompt_tokens, 128, prefix_hashes=hashes)
+            RequestFeatures(f"r{i}", "tiny", prompt_tokens, 128, prefix_hashes=hashes)
             for i in range((TURNS + 1) * PER_TURN)
         ]
         self.next = 0

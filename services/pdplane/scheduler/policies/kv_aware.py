@@ -194,11 +194,10 @@ def _compile(  # the columns are closure cells: part of numba's cache key
                 live += 1
         best = np.inf
         ties = 0
-        costs = np.empty(n)
+        tied = np.empty(n, np.int64)  # positions of the lowest cost so far, in order
         hits = np.zeros(n)
         for i in range(n):
             if fitting and requests[i] + 1.0 > cap:
-                costs[i] = np.inf
                 continue
             row = rows[i]
             hit = 0.0
@@ -214,20 +213,13 @@ def _compile(  # the columns are closure cells: part of numba's cache key
                 + request_tokens * requests[i]
                 + kv_usage_tokens * cols[row, usage_col]
             )
-            costs[i] = cost
             if cost < best:
                 best = cost
-                ties = 1
-            elif cost == best:
+                ties = 0
+            if cost == best:
+                tied[ties] = i
                 ties += 1
-        nth = turn % ties
-        chosen = 0
-        for i in range(n):
-            if costs[i] == best:
-                if nth == 0:
-                    chosen = i
-                    break
-                nth -= 1
+        chosen = tied[turn % ties]
         hit = hits[chosen]
         skipped = n - fitting if fitting else 0
         return chosen, best, float(requests[chosen]), int(cap), skipped, live, int(hit)
