@@ -16,14 +16,14 @@ import numpy as np
 import numpy.typing as npt
 
 from pdplane.core.echo import echo
-from pdplane.scheduler import compat
 from pdplane.scheduler.candidate import Candidate, PairKey
 from pdplane.scheduler.compat import blocks_for, describe_keys, split_sides
+from pdplane.scheduler.compat import warm_up as warm_up_filter
 from pdplane.scheduler.errors import InvalidRequest, NoInstance, NoRoom
 from pdplane.scheduler.inflight import InflightTracker
 from pdplane.scheduler.metrics import SchedulerMetrics
 from pdplane.scheduler.policies import POLICIES, PickContext, Policy, Pool, kv_aware, make_policy
-from pdplane.scheduler.policies import base as policy_base
+from pdplane.scheduler.policies.base import warm_up as warm_up_pool
 from pdplane.scheduler.port import Decision, Outcome, RequestFeatures
 from pdplane.scheduler.table import PAIR, ModelTables, SideTable
 from pdplane.scheduler.view import CandidateView
@@ -82,8 +82,8 @@ class SchedulerService:
         #: The prefix index of the instances' KV caches (set by the wiring when enabled).
         self.kv_index: PrefixIndex | None = None
         # The kernels compile (or load from numba's cache) now, not on the first request.
-        compat.warm_up()
-        policy_base.warm_up()
+        warm_up_filter()
+        warm_up_pool()
         self._policy("prefill", "")
         self._policy("decode", "")
 
