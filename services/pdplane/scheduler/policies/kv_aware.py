@@ -176,22 +176,21 @@ def _compile(  # the columns are closure cells: part of numba's cache key
         n = rows.shape[0]
         requests = np.empty(n)
         total = 0.0
-        for i in range(n):
+        live = 0
+        slots = live_slots.shape[0]
+        for i in range(n):  # first pass: requests (for the cap) and LIVE candidates
             row = rows[i]
             r = cols[row, requests_col] + cols[row, unseen_col]
             requests[i] = r if r > 0.0 else 0.0
             total += requests[i]
+            slot = np.int64(cols[row, kv_slot_col])
+            if 0 <= slot < slots and live_slots[slot]:
+                live += 1
         cap = np.int64(math.ceil(load_factor * (total + 1.0) / n))
         fitting = 0
         for i in range(n):
             if requests[i] + 1.0 <= cap:
                 fitting += 1
-        live = 0
-        slots = live_slots.shape[0]
-        for i in range(n):
-            slot = np.int64(cols[rows[i], kv_slot_col])
-            if 0 <= slot < slots and live_slots[slot]:
-                live += 1
         best = np.inf
         ties = 0
         tied = np.empty(n, np.int64)  # positions of the lowest cost so far, in order
