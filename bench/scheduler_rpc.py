@@ -8,10 +8,11 @@ decode, 10-minute leases: no heartbeat traffic); a `pdplane scheduler` process w
 its default policies. `--clients` load-generator processes (each a gateway's
 `RemoteScheduler`: one `ScheduleStream`, Releases riding on the next Schedule) run `--callers`
 concurrent callers in all, each calling Schedule and then `release_nowait`, for `--duration-s`
-seconds after a warm-up. Printed per row: Schedule/s over all clients, the round trip's p50 /
-p99 (ms), and the schedulers' CPU per Schedule (us, all replicas, from /proc) and in % of one
-core: when the load generators and schedulers share few cores, CPU per Schedule is the
-scheduler's own cost and Schedule/s what this machine sustained.
+seconds after a warm-up. Printed per row: Schedule/s over all clients in that window, the
+round trip's p50 / p99 (ms), and the schedulers' CPU (all replicas, from /proc, over the whole
+client run) per Schedule of the run (us) and in % of one core: when the load generators and
+schedulers share few cores, CPU per Schedule is the scheduler's own cost and Schedule/s what
+this machine sustained.
 
 The schedulers run with `--no-kv-index` unless `--kv-index`: the bench instances' KV event
 endpoints do not exist, and a prefix index retrying 1,000 of them cost an idle scheduler ~35 %
@@ -35,7 +36,6 @@ import socket
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -125,16 +125,17 @@ async def _ready(address: str, instances: int) -> None:
 
 
 async def _callers(address: str, callers: int, tag: str, warm_s: float, duration_s: float) -> dict:
-    """`callers` concurrent Schedule + release_nowait loops on one RemoteScheduler."""
+    """`callers` concurrent Schedule + release_nowait loops on one RemoteScheduler: the
+    Schedules of the measured window (count, round-trip seconds) and of the whole run."""
     client = RemoteScheduler(address, timeout_s=30)
     latencies: list[float] = []
     started = time.monotonic()
     measure_from = started + warm_s
     stop_at = measure_from + duration_s
-    done = 0
+    done = total = 0
 
     async def loop(k: int) -> None:
-        nonlocal done
+        nonlocal done, total
         n = 0
         while True:
             now = time.monotonic()
@@ -146,6 +147,7 @@ async def _callers(address: str, callers: int, tag: str, warm_s: float, duration
             await client.schedule(RequestFeatures(request_id, _MODEL, 512, 128))
             elapsed = time.perf_counter() - t0
             client.release_nowait(request_id, Outcome.SUCCESS)
+            total += 1
             if now >= measure_from and time.monotonic() <= stop_at:
                 latencies.append(elapsed)
                 done += 1
@@ -154,7 +156,7 @@ async def _callers(address: str, callers: int, tag: str, warm_s: float, duration
         await asyncio.gather(*(loop(k) for k in range(callers)))
     finally:
         await client.close()
-    return {"done": done, "latencies": latencies}
+    return {"done": done, "total": total, "latencies": latencies}
 
 
 def _client_main(args: argparse.Namespace) -> None:
@@ -166,7 +168,8 @@ def _client_main(args: argparse.Namespace) -> None:
 
 def _run_clients(
     addresses: list[str], callers: int, clients: int, warm_s: float, duration_s: float
-) -> tuple[int, list[float]]:
+) -> tuple[int, int, list[float]]:
+    """(Schedules in the measured window, in the whole run, round trips of the window)."""
     procs = []
     for c in range(clients):
         share = callers // clients + (1 if c < callers % clients else 0)
@@ -188,14 +191,15 @@ def _run_clients(
             str(duration_s),
         ]
         procs.append(subprocess.Popen(command, stdout=subprocess.PIPE))
-    done = 0
+    done = total = 0
     latencies: list[float] = []
     for proc in procs:
         out, _ = proc.communicate(timeout=warm_s + duration_s + 120)
         result = json.loads(out)
         done += result["done"]
+        total += result["total"]
         latencies += result["latencies"]
-    return done, latencies
+    return done, total, latencies
 
 
 def _row(
@@ -205,21 +209,15 @@ def _row(
     callers: int,
     args: argparse.Namespace,
 ) -> dict[str, Any]:
-    # Client processes start and warm up first; the CPU window is the measured one.
-    start_cpu = [0.0] * len(pids)
-
-    def sample_later() -> None:
-        time.sleep(args.warm_s + 0.5)  # after the clients' start (~0.5 s) and warm-up
-        for i, pid in enumerate(pids):
-            start_cpu[i] = _cpu_s(pid)
-
-    sampler = threading.Thread(target=sample_later)
-    sampler.start()
+    # The schedulers' CPU over the whole client run (warm-up included) per Schedule of it; an
+    # idle scheduler costs ~2 % of a core, which the clients' start adds.
+    cpu0 = sum(_cpu_s(pid) for pid in pids)
     t0 = time.monotonic()
-    done, latencies = _run_clients(addresses, callers, args.clients, args.warm_s, args.duration_s)
-    sampler.join()
-    cpu = sum(_cpu_s(pid) for pid in pids) - sum(start_cpu)
-    window = max(time.monotonic() - t0 - args.warm_s - 0.5, 1e-9)
+    done, total, latencies = _run_clients(
+        addresses, callers, args.clients, args.warm_s, args.duration_s
+    )
+    cpu = sum(_cpu_s(pid) for pid in pids) - cpu0
+    wall = time.monotonic() - t0
     cuts = statistics.quantiles(latencies, n=100) if len(latencies) > 1 else [float("nan")] * 99
     return {
         "scheduler": name,
@@ -228,8 +226,8 @@ def _row(
         "schedule_per_s": done / args.duration_s,
         "p50_ms": cuts[49] * 1e3,
         "p99_ms": cuts[98] * 1e3,
-        "scheduler_cpu_us_per_schedule": cpu / done * 1e6 if done else float("nan"),
-        "scheduler_cpu_pct": 100 * cpu / window,
+        "scheduler_cpu_us_per_schedule": cpu / total * 1e6 if total else float("nan"),
+        "scheduler_cpu_pct": 100 * cpu / wall,
     }
 
 
