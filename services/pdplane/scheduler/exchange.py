@@ -153,7 +153,7 @@ class InflightExchange:
         self.tracker.listener = None
         self.tracker.unseen = None
         self._unseen.touch = None
-        self.tracker.touch(self.tracker.inflight_by_instance())  # their rows lose the estimate
+        self.tracker.touch(self._unseen.counted())  # their table rows lose the estimate
         tasks = [
             t for t in (self._resolver, self._ticker, *self._followers.values()) if t is not None
         ]

@@ -232,7 +232,10 @@ class InstanceSource(Protocol):
     """The registry as a local scheduler reads it: a revision and the instances at it.
 
     `revision` must change whenever `snapshot()` may have (a decision re-reads only then), and
-    sources replace a changed instance's message instead of mutating it.
+    sources replace a changed instance's message instead of mutating it. A source may also say
+    what changed since a cursor (`changes_since`, `pdplane.scheduler.view.ChangeSource`, as
+    the registry client's `InstanceWatcher` does): a heartbeat then costs a decision one
+    instance, not a pass over the view.
     """
 
     @property

@@ -68,6 +68,10 @@ class UnseenPeers:
         """Estimated peer assignments to `instance_id` (as of the last `refresh`)."""
         return self._counts.get(instance_id, 0)
 
+    def counted(self) -> list[str]:
+        """The instances with a non-zero estimate now."""
+        return list(self._counts)
+
     def assigned(self, instance_ids: Iterable[str]) -> None:
         """An own assignment to these instances was made now (counted only while a peer is
         followed, as the estimate stands for peers' decisions)."""
