@@ -148,10 +148,12 @@ class Launcher:
     procs: list[ManagedProcess] = field(default_factory=list)
     fleets: list[Fleet] = field(default_factory=list)
     logs: list[Path] = field(default_factory=list)
-    vllms: list[tuple[str, ManagedProcess, str]] = field(default_factory=list)
+    #: (row, name, process, base URL) of every vLLM instance
+    vllms: list[tuple[str, str, ManagedProcess, str]] = field(default_factory=list)
 
     def vllm(
         self,
+        row: str,
         name: str,
         gpu: int,
         opts: VllmCpuOptions | None = None,
@@ -204,7 +206,7 @@ class Launcher:
         self.procs.append(proc)
         self.logs.append(log)
         url = f"http://127.0.0.1:{port}"
-        self.vllms.append((name, proc, url))
+        self.vllms.append((row, name, proc, url))
         return proc, url
 
     def pdplane(self, name: str, mode: str, gpus: tuple[int, int]) -> tuple[Fleet, Target]:
@@ -238,8 +240,8 @@ class Launcher:
         decode = VllmCpuOptions(
             port=free_port_run(), role="kv_consumer", kv_port=free_port_run(), **common
         )
-        self.vllm(f"{name}-prefill", gpus[0], prefill, token)
-        self.vllm(f"{name}-decode", gpus[1], decode, token)
+        self.vllm(name, f"{name}-prefill", gpus[0], prefill, token)
+        self.vllm(name, f"{name}-decode", gpus[1], decode, token)
         return fleet, Target(
             name, fleet.gateway_url, a.work / f"{name}-decode.log", fleet.gateway_url
         )
@@ -341,6 +343,18 @@ class Bench:
 
         self.serve = serve
         self.args = args
+        # vLLM's client loads the tokenizer in every run (seconds for a 128k-entry vocabulary):
+        # once is enough, the same tokenizer serves every cell.
+        load = serve.get_tokenizer
+        loaded: dict[str, Any] = {}
+
+        def cached(name: Any, *a: Any, **kw: Any) -> Any:
+            key = repr((name, a, sorted(kw.items())))
+            if key not in loaded:
+                loaded[key] = load(name, *a, **kw)
+            return loaded[key]
+
+        serve.get_tokenizer = cached  # type: ignore[assignment]
         self.dir = args.work / "bench"
         self.dir.mkdir(parents=True, exist_ok=True)
 
@@ -557,25 +571,43 @@ def main() -> int:
             print("nothing to run: every cell is in --resume", flush=True)
             return 0
         decode_gpu = 1 if args.gpus > 1 else 0
+        failed: dict[str, str] = {}  # row -> why it cannot run
         if "plain" in rows_needed:
-            _, url = launcher.vllm("plain", 0, None)
+            _, url = launcher.vllm("plain", "plain", 0, None)
             targets["plain"] = Target("plain", url)
-        if rows_needed & {"pdplane", "pdplane-ft-decode"}:
-            fleet, t = launcher.pdplane("pdplane", "pull", (0, decode_gpu))
-            targets["pdplane"] = t
-            if "pdplane-ft-decode" in rows_needed:
-                ft = launcher.gateway(fleet, "pdplane-ft-decode", "--first-token", "decode")
-                targets["pdplane-ft-decode"] = Target(ft.row, ft.url, t.decode_log, ft.url)
-        if "pdplane-push" in rows_needed:
-            _, t = launcher.pdplane("pdplane-push", "push", (0, decode_gpu))
-            targets["pdplane-push"] = t
-        for name, proc, url in launcher.vllms:
-            wait_until(
-                functools.partial(http_ok, f"{url}/health"),
-                args.startup_timeout_s,
-                watch=[proc],
-                what=f"vLLM {name}",
-            )
+        for row, mode in (("pdplane", "pull"), ("pdplane-push", "push")):
+            wanted = {row} | ({"pdplane-ft-decode"} if row == "pdplane" else set())
+            if not rows_needed & wanted:
+                continue
+            try:
+                fleet, t = launcher.pdplane(row, mode, (0, decode_gpu))
+                targets[row] = t
+                if "pdplane-ft-decode" in rows_needed & wanted:
+                    ft = launcher.gateway(fleet, "pdplane-ft-decode", "--first-token", "decode")
+                    targets[ft.row] = Target(ft.row, ft.url, t.decode_log, ft.url)
+            except Exception as exc:  # the other rows still run
+                for r in wanted:
+                    failed[r] = f"{type(exc).__name__}: {exc}"
+        for row, name, proc, url in launcher.vllms:
+            try:
+                wait_until(
+                    functools.partial(http_ok, f"{url}/health"),
+                    args.startup_timeout_s,
+                    watch=[proc],
+                    what=f"vLLM {name}",
+                )
+            except Exception as exc:  # this row cannot run; the others still do
+                why = f"{type(exc).__name__}: {exc}"
+                for r in [
+                    r
+                    for r in targets
+                    if r == row or (row == "pdplane" and r.startswith("pdplane-ft"))
+                ]:
+                    failed[r] = why
+                print(f"{name} did not start: {why}\n{proc.tail(40)}", flush=True)
+        for r in failed:
+            targets.pop(r, None)
+        results["failed_rows"] = failed
         results["startup_s"] = round(time.monotonic() - started, 1)
         print(f"every instance healthy after {results['startup_s']} s", flush=True)
         gateways = [t for t in targets.values() if t.gateway_url]
@@ -602,6 +634,9 @@ def main() -> int:
         offsets: dict[Path, int] = {}
         for n, c, row in todo:
             if args.deadline_s and time.monotonic() - started > args.deadline_s:
+                results["skipped"].append(_cell_key(row, n, c))
+                continue
+            if row not in targets:
                 results["skipped"].append(_cell_key(row, n, c))
                 continue
             target = targets[row]
