@@ -20,19 +20,20 @@ bytes of KV (the same budget per instance), `--gpu-memory-utilization`, `--enfor
 unless `--cuda-graphs`, its own `NCCL_HOSTID` when instances share a GPU (NCCL then uses its
 socket transport between them).
 
-The load: for each input length (`--input-lens`), concurrency (`--concurrency`) and row, one
-`vllm bench serve --backend vllm --dataset-name random --random-input-len L
---random-output-len 256 --ignore-eos --max-concurrency C --num-prompts N --num-warmups W
---goodput ttft:1000 --percentile-metrics ttft,tpot,itl --metric-percentiles 50,99`, run in this
-process (vLLM's own `vllm.benchmarks.serve`, imported once). N = `--prompts-per-concurrency` x C
-and W = C, capped by `--max-prompts` / `--max-warmups`. The seed of a cell is `--seed` + L + C
-(+ 7 for pdplane-ft-decode, which shares pdplane's pair): every row on its own instances gets
-the same prompts, and no cell's prompts are in the prefix cache an earlier cell left. Cells run
-in the order of `--order` (default: every concurrency 1 cell first).
+The load: for each input length (`--input-lens`), concurrency (`--concurrency`) and row, one `vllm
+bench serve --backend vllm --dataset-name random --random-input-len L --random-output-len 256
+--ignore-eos --max-concurrency C --num-prompts N --num-warmups W --goodput ttft:1000
+--percentile-metrics ttft,tpot,itl --metric-percentiles 50,99 --save-detailed`, run in this process
+(vLLM's own `vllm.benchmarks.serve`, imported once). N = `--prompts-per-concurrency` x C and W = C,
+capped by `--max-prompts` / `--max-warmups`. The seed of a cell is `--seed` + L + C (+ 7 for
+pdplane-ft-decode, which shares pdplane's pair): every row on its own instances gets the same
+prompts, and no cell's prompts are in the prefix cache an earlier cell left. Cells run in the order
+of `--order` (default: every concurrency 1 cell first).
 
 Written to `--out` after every cell, so a run cut short keeps what it measured:
-`results.json` (every cell's vLLM result, the startup, the gateways' `/health`, decode's KV
-pulls per cell), `table.md` (the table in the seed's format: Req/s, goodput, output tok/s, TTFT,
+`results.json` (every cell's vLLM result with each request's TTFT, the startup, the gateways'
+`/health`, per cell decode's KV transfers and how many requests the gateway sent to decode
+alone), `table.md` (the table in the seed's format: Req/s, goodput, output tok/s, TTFT,
 TPOT and ITL p50/p99 per row and concurrency, and ratios to `plain`), `tokenizer.txt` (the
 gateway's routing state and the instances' log lines about the tokenizer); at the end
 `logs.tgz`. `--resume results.json` skips the cells already in that file. `--deadline-s` stops
@@ -62,7 +63,7 @@ import tarfile
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -70,7 +71,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench._calib_servers import LLAMA3_8B_CONFIG, _dummy_model  # noqa: E402
+from bench._calib_servers import LLAMA3_8B_CONFIG, SMALL_SHAPE, _dummy_model  # noqa: E402
 from pdplane.launch.fleet import Fleet, FleetSpec  # noqa: E402
 from pdplane.launch.ports import free_port_run  # noqa: E402
 from pdplane.launch.process import ManagedProcess, http_ok, wait_until  # noqa: E402
@@ -99,16 +100,7 @@ LLAMA31_8B_CONFIG: dict[str, Any] = {
     },
 }
 #: A 2-layer stand-in: the same code path on vLLM CPU in seconds.
-SMALL_CONFIG: dict[str, Any] = {
-    **LLAMA31_8B_CONFIG,
-    "hidden_size": 256,
-    "intermediate_size": 512,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 4096,
-    "torch_dtype": "float32",
-}
+SMALL_CONFIG: dict[str, Any] = {**LLAMA31_8B_CONFIG, **SMALL_SHAPE}
 #: decode's connector, one line per pull (pdplane.connector.pulls)
 _PULL_LINE = re.compile(
     r"transfer \S+: (pulled|took pushed) (\d+) blocks, (\d+) bytes in ([\d.]+) ms"
@@ -137,6 +129,7 @@ class Target:
     url: str
     decode_log: Path | None = None
     gateway_url: str | None = None
+    gateway_log: Path | None = None
 
 
 @dataclass
@@ -243,7 +236,11 @@ class Launcher:
         self.vllm(name, f"{name}-prefill", gpus[0], prefill, token)
         self.vllm(name, f"{name}-decode", gpus[1], decode, token)
         return fleet, Target(
-            name, fleet.gateway_url, a.work / f"{name}-decode.log", fleet.gateway_url
+            name,
+            fleet.gateway_url,
+            a.work / f"{name}-decode.log",
+            fleet.gateway_url,
+            spec.log_dir / "gateway.log",
         )
 
     def gateway(self, fleet: Fleet, name: str, *flags: str) -> Target:
@@ -260,7 +257,7 @@ class Launcher:
         self.logs.append(log)
         url = f"http://127.0.0.1:{port}"
         wait_until(lambda: _answers(f"{url}/health"), 60, watch=[proc], what=f"{name} gateway")
-        return Target(name, url, None, url)
+        return Target(name, url, None, url, log)
 
     def stop(self) -> None:
         for proc in reversed(self.procs):
@@ -305,28 +302,41 @@ def _precise(url: str) -> bool:
     return _routing(_health(url)) == "precise"
 
 
-def _pulls(log: Path, start: int) -> tuple[list[dict[str, float]], int]:
-    """Decode's pulls logged after byte `start` of `log`; returns them and the new offset."""
-    if not log.exists():
-        return [], start
+def _new_text(log: Path | None, offsets: dict[Path, int]) -> str:
+    """What `log` gained since the previous call for it ("" without a log)."""
+    if log is None or not log.exists():
+        return ""
     with log.open("rb") as f:
-        f.seek(start)
+        f.seek(offsets.get(log, 0))
         text = f.read().decode(errors="replace")
-        end = f.tell()
-    pulls = [
+        offsets[log] = f.tell()
+    return text
+
+
+def _pulls(text: str) -> list[dict[str, float]]:
+    """The KV transfers decode's connector logged in `text`: blocks, bytes, ms, and whether
+    prefill had pushed them (then ms is decode taking the pushed blocks, not the wire)."""
+    return [
         {"blocks": int(b), "bytes": int(n), "ms": float(ms), "pushed": kind != "pulled"}
         for kind, b, n, ms in _PULL_LINE.findall(text)
     ]
-    return pulls, end
+
+
+def _routes(text: str) -> dict[str, int]:
+    """The gateway's access lines in `text`: requests, and those decode computed alone
+    (`prefill=none`: the scheduler found the prompt in decode's prefix cache)."""
+    lines = [ln for ln in text.splitlines() if "pdplane.gateway.access" in ln]
+    return {"requests": len(lines), "decode_alone": sum("prefill=none" in ln for ln in lines)}
 
 
 def _pull_summary(pulls: list[dict[str, float]], block_size: int) -> dict[str, Any]:
-    """Count, medians and ms per 10k tokens (median over pulls) of a cell's pulls."""
+    """Count, medians and ms per 10k tokens (median over transfers) of a cell's transfers."""
     if not pulls:
         return {"count": 0}
     per_10k = [p["ms"] * 1e4 / (p["blocks"] * block_size) for p in pulls if p["blocks"]]
     return {
         "count": len(pulls),
+        "pushed": sum(bool(p["pushed"]) for p in pulls),
         "median_blocks": statistics.median(p["blocks"] for p in pulls),
         "median_bytes": statistics.median(p["bytes"] for p in pulls),
         "median_ms": round(statistics.median(p["ms"] for p in pulls), 2),
@@ -372,7 +382,7 @@ class Bench:
             "--goodput", f"ttft:{a.goodput_ttft_ms:g}",
             "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99",
             "--seed", str(_seed(a.seed, target.row, input_len, concurrency)), "--disable-tqdm",
-            "--save-result", "--result-dir", str(self.dir),
+            "--save-result", "--save-detailed", "--result-dir", str(self.dir),
             "--result-filename", f"{target.row}-in{input_len}-c{concurrency}.json",
             "--label", target.row,
         ]  # fmt: skip
@@ -385,7 +395,9 @@ class Bench:
         parser = FlexibleArgumentParser()
         self.serve.add_cli_args(parser)
         result = self.serve.main(parser.parse_args(argv))
+        # Per-request lists are long (ITLs: prompts x output tokens); TTFTs are kept.
         keep = {k: v for k, v in dict(result).items() if not isinstance(v, list)}
+        keep["ttfts_ms"] = [round(float(t) * 1e3, 2) for t in result.get("ttfts", [])]
         keep["argv"] = argv
         return keep
 
@@ -471,14 +483,25 @@ def table(results: dict[str, Any]) -> str:
         out += ["", *ratios]
     pulls = [(k, v["pulls"]) for k, v in cells.items() if v.get("pulls", {}).get("count", 0) > 0]
     if pulls:
-        out += ["", "KV transfers (decode's connector log, per cell):"]
+        out += [
+            "",
+            "KV transfers (decode's connector log, per cell; pushed: ms is decode taking the "
+            "blocks prefill pushed during its forward, not the wire):",
+        ]
         for k, p in pulls:
             row, n, c = k.split("|")
             out.append(
-                f"- {row} {n} in c={c}: {p['count']} transfers, median {p['median_blocks']:g} "
+                f"- {row} {n} in c={c}: {p['count']} transfers ({p.get('pushed', 0)} pushed), "
+                f"median {p['median_blocks']:g} "
                 f"blocks / {p['median_bytes'] / 1e6:.1f} MB in {p['median_ms']} ms, "
                 f"{p['median_ms_per_10k_tokens']} ms per 10k tokens, {p['gb_per_s']} GB/s"
             )
+    alone = [(k, v["routes"]) for k, v in cells.items() if v.get("routes", {}).get("decode_alone")]
+    if alone:
+        out += ["", "Requests decode served alone (the prompt was in its prefix cache):"]
+        out += [
+            f"- {k.replace('|', ' ')}: {r['decode_alone']} of {r['requests']}" for k, r in alone
+        ]
     return "\n".join(out) + "\n"
 
 
@@ -500,7 +523,10 @@ def _tokenizer_report(launcher: Launcher, targets: list[Target]) -> str:
         if not log.exists():
             continue
         lines = [
-            ln for ln in log.read_text(errors="replace").splitlines() if _TOKENIZER_LINE.search(ln)
+            ln[:500]
+            for ln in log.read_text(errors="replace").splitlines()
+            # vLLM's engine config line names the tokenizer too: not that one
+            if _TOKENIZER_LINE.search(ln) and "with config:" not in ln
         ]
         out.append(f"== {log.name}: {len(lines)} lines about the tokenizer")
         out += lines[:40]
@@ -509,7 +535,13 @@ def _tokenizer_report(launcher: Launcher, targets: list[Target]) -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, required=True, help="results folder (written as it goes)")
+    p.add_argument("--out", type=Path, help="results folder (written as it goes)")
+    p.add_argument(
+        "--table",
+        type=Path,
+        nargs="+",
+        help="only print the table of these results.json files (cells merged, later ones win)",
+    )
     p.add_argument("--work", type=Path, default=Path("/tmp/xpyd-gpu"))
     p.add_argument("--rows", default="plain,pdplane", help=f"comma separated, of {ROWS}")
     p.add_argument("--input-lens", default="1000,8000")
@@ -540,6 +572,15 @@ def main() -> int:
     p.add_argument("--startup-timeout-s", type=float, default=600.0)
     p.add_argument("--precise-timeout-s", type=float, default=120.0)
     args = p.parse_args()
+    if args.table:
+        merged: dict[str, Any] = {}
+        for path in args.table:
+            run = json.loads(path.read_text())
+            merged = {**run, "cells": {**merged.get("cells", {}), **run["cells"]}}
+        print(table(merged), end="")
+        return 0
+    if args.out is None:
+        p.error("--out is required")
     started = time.monotonic()
     args.row_list = [r for r in args.rows.split(",") if r]
     unknown = set(args.row_list) - set(ROWS)
@@ -584,7 +625,7 @@ def main() -> int:
                 targets[row] = t
                 if "pdplane-ft-decode" in rows_needed & wanted:
                     ft = launcher.gateway(fleet, "pdplane-ft-decode", "--first-token", "decode")
-                    targets[ft.row] = Target(ft.row, ft.url, t.decode_log, ft.url)
+                    targets[ft.row] = replace(ft, decode_log=t.decode_log)
             except Exception as exc:  # the other rows still run
                 for r in wanted:
                     failed[r] = f"{type(exc).__name__}: {exc}"
@@ -640,9 +681,8 @@ def main() -> int:
                 results["skipped"].append(_cell_key(row, n, c))
                 continue
             target = targets[row]
-            log = target.decode_log
-            if log is not None:
-                _, offsets[log] = _pulls(log, offsets.get(log, 0))
+            for log in (target.decode_log, target.gateway_log):  # skip what came before
+                _new_text(log, offsets)
             t0 = time.monotonic()
             try:
                 cell = bench.run(target, n, c)
@@ -650,9 +690,11 @@ def main() -> int:
                 cell = {"error": f"{type(exc).__name__}: {exc}"}
                 print(f"cell {row} {n} c={c} failed: {cell['error']}", flush=True)
             cell["wall_s"] = round(time.monotonic() - t0, 1)
-            if log is not None:
-                pulls, offsets[log] = _pulls(log, offsets.get(log, 0))
+            if target.decode_log is not None:
+                pulls = _pulls(_new_text(target.decode_log, offsets))
                 cell["pulls"] = _pull_summary(pulls, block)
+            if target.gateway_log is not None:
+                cell["routes"] = _routes(_new_text(target.gateway_log, offsets))
             results["cells"][_cell_key(row, n, c)] = cell
             _save(args, results)
             print(table(results), flush=True)
