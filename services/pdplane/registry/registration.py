@@ -158,6 +158,19 @@ class RegistrationClient:
             self._deregister(lease, drain=False)
         self._endpoints.close()
 
+    def abandon(self) -> None:
+        """Stops heartbeating without deregistering, as a killed process would: the
+        registry removes the instance when its lease lapses (fault injection). Joins the
+        thread; never raises."""
+        self._stopping.set()
+        with self._lock:
+            call = self._call
+        if call is not None:
+            call.cancel()
+        if self._thread is not None:
+            self._thread.join(timeout=_RPC_TIMEOUT_S + 1.0)
+        self._endpoints.close()
+
     def _drain(self, timeout: float) -> None:
         with self._lock:
             self._draining = True
