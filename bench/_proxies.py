@@ -96,8 +96,11 @@ def wait_ready(run: ProxyRun, model: str, timeout_s: float = 90.0) -> None:
 
 
 #: Variants of a pdplane proxy, appended to its name with "+" (e.g. "pdplane-embedded+tok"):
-#: tok = the gateway tokenizes prompts (`--tokenizer`, the fleet's tokenizer); kv_aware = the
-#: kv_aware policy on both sides instead of round_robin (implies tok); no-kv-index = no prefix
+#: tok = the gateway is handed the sims' tokenizer folder itself (`--tokenizer`, which overrides
+#: the one the fleet publishes; with the sims publishing one, every gateway takes it from the
+#: fleet anyway); kv_aware = the kv_aware policy on both sides instead of round_robin (the
+#: gateway's default; precise only with a tokenizer); access-log = the gateway logs at INFO, so
+#: that its access log (on by default, one line per request) is written; no-kv-index = no prefix
 #: index fed by the instances' KV events (`--no-kv-index`); unary = a remote gateway's Schedules
 #: as unary calls instead of on one ScheduleStream (`--no-schedule-stream`); base = the
 #: gateway and scheduler run the code of another checkout, `PDPLANE_BENCH_BASE_TREE` (an A/B
@@ -105,7 +108,17 @@ def wait_ready(run: ProxyRun, model: str, timeout_s: float = 90.0) -> None:
 #: uvicorn (`bench/_granian_gateway.py`); w2 = two granian worker processes sharing the port
 #: (implies granian; remote scheduler only); ft-decode = streamed requests take their first
 #: token from decode (`PDPLANE_FIRST_TOKEN=decode`) instead of prefill, the default.
-VARIANTS = ("tok", "kv_aware", "no-kv-index", "unary", "base", "granian", "w2", "ft-decode")
+VARIANTS = (
+    "tok",
+    "kv_aware",
+    "access-log",
+    "no-kv-index",
+    "unary",
+    "base",
+    "granian",
+    "w2",
+    "ft-decode",
+)
 
 
 def _gateway_argv(variants: frozenset[str]) -> list[str]:
@@ -142,11 +155,16 @@ def _variant_flags(variants: frozenset[str], fleet: Fleet) -> tuple[list[str], l
     if "no-kv-index" in variants:
         flags.append("--no-kv-index")
     tok: list[str] = []
-    if variants & {"tok", "kv_aware"}:
+    if "tok" in variants:
         if not fleet.tokenizer:
-            raise RuntimeError("+tok / +kv_aware need the sims' tokenizer (--tokenizer)")
+            raise RuntimeError("+tok needs the sims' tokenizer (--tokenizer)")
         tok = ["--tokenizer", fleet.tokenizer]
     return flags, tok
+
+
+def _log_level(variants: frozenset[str]) -> list[str]:
+    """The gateway's log level: INFO writes its access log (`+access-log`), WARNING does not."""
+    return ["--log-level", "info" if "access-log" in variants else "warning"]
 
 
 def _pdplane(
@@ -160,8 +178,10 @@ def _pdplane(
     sched_port, gw_port = free_port(), free_port()
     py = sys.executable
     policy, tok = _variant_flags(variants, fleet)
+    # Each variant's logs in files of their own ("+access-log" has its access log there).
+    tail = "".join(f"+{v}" for v in sorted(variants))
     scheduler = spawn(
-        "pdplane-scheduler",
+        f"pdplane-scheduler{tail}",
         [
             py,
             "-m",
@@ -178,7 +198,7 @@ def _pdplane(
         env=_tree_env(variants),
     )
     gateway = spawn(
-        f"pdplane-gateway-{dispatch}",
+        f"pdplane-gateway-{dispatch}{tail}",
         [
             *_gateway_argv(variants),
             "--scheduler",
@@ -192,8 +212,7 @@ def _pdplane(
             *(["--no-kv-index"] if "no-kv-index" in variants else []),
             *(["--no-schedule-stream"] if "unary" in variants else []),
             *tok,
-            "--log-level",
-            "warning",
+            *_log_level(variants),
         ],
         cpus,
         logs,
@@ -212,7 +231,7 @@ def _pdplane_embedded(
         raise ValueError("+unary is for a remote scheduler (pdplane, pdplane-concurrent)")
     policy, tok = _variant_flags(variants, fleet)
     gateway = spawn(
-        "pdplane-gateway-embedded",
+        "pdplane-gateway-embedded" + "".join(f"+{v}" for v in sorted(variants)),
         [
             *_gateway_argv(variants),
             "--scheduler",
@@ -223,8 +242,7 @@ def _pdplane_embedded(
             fleet.registry,
             "--port",
             str(gw_port),
-            "--log-level",
-            "warning",
+            *_log_level(variants),
         ],
         cpus,
         logs,
