@@ -166,7 +166,8 @@ class _Request:
     (prefill's prefix cache hit for `--enable-prompt-tokens-details`), `prefilled_at`.
     """
 
-    decode: InstanceRef  # set by each `_schedule`
+    care: Aftercare  # set by each `_schedule`, with:
+    decode: InstanceRef
 
     __slots__ = (
         "cached",
@@ -220,7 +221,6 @@ class _Request:
             and not (max_model_len and req.max_tokens > max_model_len)
             and takes_first_token(req)
         )
-        self.care: Aftercare = relay.caretaker.begin(request_id)
         self.prefill: InstanceRef | None = None  # None: decode computes the prompt itself
         self.cached: int | None = None
         self.prefilled_at = 0.0  # time.perf_counter() at prefill's answer (its first token)
