@@ -28,6 +28,7 @@ import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from json.encoder import encode_basestring_ascii
 from typing import Any
 
 from pydantic_core import from_json
@@ -38,6 +39,13 @@ from pdplane.gateway.usage_details import with_cached_tokens
 from pdplane.gateway.validation import CHAT, ClientRequest, Endpoint
 
 __all__ = ["FirstToken", "Splice"]
+
+
+def _json_string(text: object) -> bytes:
+    """`text` as `json.dumps` writes it (bytes): the JSON encoder's own string escaper."""
+    if isinstance(text, str):
+        return encode_basestring_ascii(text).encode()
+    return json.dumps(text).encode()
 
 
 def _parsed(data: bytes) -> Any:
@@ -317,7 +325,9 @@ class Splice:
             if self._ids is None:
                 self._ids = self._id_swap(events)
             return events.replace(*self._ids) if self._ids else events
-        return b"".join(self._rewrite_event(e) for e in events.split(b"\n\n") if e)
+        if events.count(b"\n\n") == 1:  # one event, as a token's chunk mostly comes
+            return self._rewrite_event(events[:-2])
+        return b"".join([self._rewrite_event(e) for e in events.split(b"\n\n") if e])
 
     def _unhold(self, events: bytes) -> bytes:
         """Decode's events with the token ids the client did not ask for taken out, and,
@@ -422,7 +432,7 @@ class Splice:
             if c.get("finish_reason") is None:
                 # A token's chunk: its text between the frame's two halves (the bytes
                 # `_chunk` would write for it).
-                token = json.dumps(c.get("text") or "").encode()
+                token = _json_string(c.get("text") or "")
                 return self._token_frame[0] + token + self._token_frame[1]
         out = []
         for c in choices:
