@@ -70,8 +70,12 @@ class ProxyRun:
             p.stop()
 
 
-def wait_ready(run: ProxyRun, model: str, timeout_s: float = 90.0) -> None:
-    """Waits until `run` relays a small chat request; RuntimeError after `timeout_s`."""
+def wait_ready(run: ProxyRun, model: str, timeout_s: float = 90.0, precise: bool = False) -> None:
+    """Waits until `run` relays a small chat request and, with `precise` (a pdplane gateway
+    over sims that publish a tokenizer), until its /health says `model` is routed precisely:
+    the gateway has fetched and checked the fleet's tokenizer (seconds after it starts, with
+    its CPU), so that no measured window holds the fetch or estimated prompts. RuntimeError
+    after `timeout_s`."""
     body = {
         "model": model,
         "messages": [{"role": "user", "content": "warm up"}],
@@ -87,8 +91,14 @@ def wait_ready(run: ProxyRun, model: str, timeout_s: float = 90.0) -> None:
         try:
             r = httpx.post(run.url + "/v1/chat/completions", json=body, timeout=5)
             if r.status_code == 200 and r.json()["choices"][0]["message"]["content"]:
-                return
-            last = f"HTTP {r.status_code}: {r.text[:200]}"
+                if not precise:
+                    return
+                state = httpx.get(run.url + "/health", timeout=5).json()["models"][model]
+                if state.get("routing") == "precise":
+                    return
+                last = f"routing {state.get('routing')}: {state.get('routing_reason')}"
+            else:
+                last = f"HTTP {r.status_code}: {r.text[:200]}"
         except (httpx.HTTPError, ValueError, KeyError) as exc:
             last = repr(exc)
         time.sleep(0.25)
@@ -353,7 +363,7 @@ def start_proxy(name: str, fleet: Fleet, cpus: str, logs: Path) -> ProxyRun:
     else:
         raise ValueError(f"unknown proxy {name!r}")
     try:
-        wait_ready(run, fleet.model)
+        wait_ready(run, fleet.model, precise=bool(fleet.tokenizer) and base.startswith("pdplane"))
     except BaseException:
         run.stop()
         raise
