@@ -9,7 +9,7 @@ line each on stdout:
   hold       {transfer_id, block_ids[, peer_id]}      -> prefill: hold blocks for a pull
   checksums  {block_ids}                              -> per-block checksums (all layers)
   pull       {endpoint, peer_id, transfer_id, block_indices, local_ids, timeout_s
-              [, remote_ids, strategy, chunk_bytes]}  -> decode: one pull, with its timing
+              [, chunk_bytes]}  -> decode: one pull, with its timing
   pulls      {pulls: [pull args...], concurrency}     -> decode: pulls at once, each answered
   push       {endpoint, peer_id, items: [{transfer_id, block_ids}], timeout_s}
   take       {transfer_id, local_ids, timeout_s}      -> decode: copy a pushed transfer in
@@ -59,7 +59,6 @@ from pdplane.connector.transports.base import (
 from pdplane.connector.transports.nccl import NcclTransport
 from pdplane.connector.transports.nccl.communicator import P2pOp
 from pdplane.connector.transports.nccl.pairs import PairKey, Purpose
-from pdplane.connector.transports.nccl.plan import Strategy
 from pdplane.core.layout import fingerprint
 from pdplane.v1 import instance_pb2
 
@@ -104,7 +103,6 @@ class Node:
             dtype=args.dtype,
         )
         self.transport = NcclTransport(
-            nccl_strategy=args.strategy,
             nccl_chunk_bytes=args.chunk_bytes,
             max_peer_communicators=args.max_peer_communicators,
             push_buffer_bytes=args.push_gpu_bytes,
@@ -205,8 +203,6 @@ class Node:
         block_indices: list[int],
         local_ids: list[int],
         timeout_s: float,
-        remote_ids: list[int] | None = None,
-        strategy: str | None = None,
         chunk_bytes: int | None = None,
     ) -> dict[str, Any]:
         request = PullRequest(
@@ -223,8 +219,6 @@ class Node:
             t = self.transport.pull_timed(
                 self.peers.get(endpoint),
                 request,
-                remote_ids,
-                Strategy.parse(strategy) if strategy else None,
                 chunk_bytes,
                 lambda: emit({"event": "recv_posted", "transfer_id": transfer_id}),
             )
@@ -345,7 +339,6 @@ def main() -> int:
     p.add_argument("--num-blocks", type=int, default=256)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--strategy", default="gather")
     p.add_argument("--chunk-bytes", type=int, default=64 << 20)
     p.add_argument("--push-gpu-bytes", type=int, default=64 << 20)
     p.add_argument("--push-host-bytes", type=int, default=64 << 20)

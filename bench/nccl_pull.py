@@ -120,12 +120,6 @@ def main() -> int:
     p.add_argument("--decode-device", type=int, default=0)
     p.add_argument("--chunk-mib", default="64,256", help="gather staging sizes to compare")
     p.add_argument(
-        "--grouped-max-tokens",
-        type=int,
-        default=8192,
-        help="measure the grouped strategy up to this prompt length",
-    )
-    p.add_argument(
         "--idle-gap-ms",
         type=float,
         default=100.0,
@@ -239,28 +233,11 @@ def main() -> int:
                 "raw_gbps": nbytes / raw / 1e9,
                 "variants": {},
             }
-            variants: list[tuple[str, dict[str, Any], bool]] = [
-                (f"gather-{c >> 20}MiB", {"strategy": "gather", "chunk_bytes": c}, False)
-                for c in chunk_sizes
-            ]
-            if n_tokens <= args.grouped_max_tokens:
-                variants += [
-                    ("grouped-random", {"strategy": "grouped"}, False),
-                    ("grouped-contiguous", {"strategy": "grouped"}, True),
-                ]
-            for name, extra, contiguous in variants:
+            variants = [(f"gather-{c >> 20}MiB", {"chunk_bytes": c}) for c in chunk_sizes]
+            for name, extra in variants:
                 times, verified = [], True
                 for r in range(args.repeats):
-                    if contiguous:
-                        s0, d0 = rng.randrange(num_blocks - n), rng.randrange(num_blocks - n)
-                        src, dst = list(range(s0, s0 + n)), list(range(d0, d0 + n))
-                    else:
-                        src, dst = (
-                            rng.sample(range(num_blocks), n),
-                            rng.sample(range(num_blocks), n),
-                        )
-                    if extra.get("strategy") == "grouped":
-                        extra = {**extra, "remote_ids": src}
+                    src, dst = rng.sample(range(num_blocks), n), rng.sample(range(num_blocks), n)
                     got = _pull(decode, prefill, f"{name}-{n_tokens}-{r}", src, dst, **extra)
                     if got["bytes"] != nbytes:
                         raise RuntimeError(f"{name}: {got['bytes']} bytes, expected {nbytes}")

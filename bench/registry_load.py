@@ -3,6 +3,7 @@
     .venv/bin/python bench/registry_load.py                           # N = 1000, 10000; both stores
     .venv/bin/python bench/registry_load.py --n 1000 --store etcd --mode stream,unary
     .venv/bin/python bench/registry_load.py --n 10000 --store etcd --replicas 2 --etcd-members 3
+    python3 bench/registry_load.py --n 10000 --store memory --registry-cpus 0,1 --clients 12
 
 For each store, heartbeat mode and N it starts `pdplane registry` as its own process (or
 `--replicas` of them over one etcd cluster of `--etcd-members` members on loopback, data on
@@ -11,7 +12,9 @@ instance one `HeartbeatStream`, or unary `Heartbeat` calls with `--mode unary`),
 every instance's heartbeat once a second, evenly spread. Every heartbeat carries a changed load
 report whose `recv_buffer_headroom_bytes` is its send time (us), so every heartbeat is an
 UPDATED event and a watcher process (one WatchInstances stream, batches of 256, on the first
-replica) measures the fan-out latency: heartbeat sent -> event received.
+replica) measures the fan-out latency: heartbeat sent -> event received. `--registry-cpus`
+pins the registry processes to those CPUs and the generators and the watcher to the others (a
+registry on 2 cores driven by load generators that do not compete with it).
 
 Printed per run: heartbeats/s achieved vs. target; p50/p99 heartbeat latency (ms, client side,
 send to answer); the registry's CPU (% of one core, all replicas, from /proc) and per heartbeat
@@ -242,6 +245,19 @@ def _child(command: list[str]) -> subprocess.Popen[str]:
     return subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
 
+def _pinned(argv: list[str], cpus: set[int] | None) -> list[str]:
+    """`argv` (a Python command) run on `cpus` only, every thread of it (the affinity is set
+    before its interpreter starts and is inherited); None: anywhere."""
+    if not cpus:
+        return argv
+    cpu_set = ", ".join(map(str, sorted(cpus)))
+    pin = (
+        f"import os, sys; os.sched_setaffinity(0, {{{cpu_set}}}); "
+        "os.execv(sys.executable, sys.argv[1:])"
+    )
+    return [sys.executable, "-c", pin, *argv]
+
+
 def _run_one(store: str, mode: str, n: int, args: argparse.Namespace, root: Path) -> dict[str, Any]:
     head = {"store": store, "mode": mode, "n": n, "replicas": args.replicas}
     cluster: EtcdCluster | None = None
@@ -257,7 +273,8 @@ def _run_one(store: str, mode: str, n: int, args: argparse.Namespace, root: Path
         for r in range(args.replicas if store == "etcd" else 1):
             port = free_port_run()
             argv = [sys.executable, "-m", "pdplane.cli.main", "registry", "--port", str(port)]
-            registries.append(ManagedProcess(f"registry-{r}", argv + flags, root / f"reg{r}.log"))
+            argv = _pinned(argv + flags, args.registry_cpus)
+            registries.append(ManagedProcess(f"registry-{r}", argv, root / f"reg{r}.log"))
             registries[-1].start()
             addresses.append(f"127.0.0.1:{port}")
         for address, proc in zip(addresses, registries, strict=True):
@@ -271,7 +288,7 @@ def _run_one(store: str, mode: str, n: int, args: argparse.Namespace, root: Path
             "--duration-s",
             str(args.duration_s),
         ]
-        watcher = _child([*common, "--watch-child"])
+        watcher = _child(_pinned([*common, "--watch-child"], args.load_cpus))
         assert watcher.stdout is not None
         if watcher.stdout.readline().strip() != "watching":
             return {**head, "failed": "watcher did not start"}
@@ -279,7 +296,7 @@ def _run_one(store: str, mode: str, n: int, args: argparse.Namespace, root: Path
         for first in range(0, n, share):
             count = min(share, n - first)
             command = [*common, "--generate", "--first", str(first), "--count", str(count)]
-            children.append(_child([*command, "--mode", mode]))
+            children.append(_child(_pinned([*command, "--mode", mode], args.load_cpus)))
         for gen in children:
             assert gen.stdout is not None
             if gen.stdout.readline().strip() != "registered":
@@ -369,6 +386,11 @@ def main() -> int:
     parser.add_argument("--replicas", type=int, default=1, help="registry replicas (etcd store)")
     parser.add_argument("--etcd-members", type=int, default=1, help="etcd cluster size")
     parser.add_argument("--lease-ttl-ms", type=int, default=5000, help="instances' lease TTL")
+    parser.add_argument(
+        "--registry-cpus",
+        help="pin the registry processes to these CPUs, e.g. 0,1; the load generators and "
+        "the watcher then run on the others",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object per run")
     parser.add_argument("--generate", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--watch-child", action="store_true", help=argparse.SUPPRESS)
@@ -376,6 +398,10 @@ def main() -> int:
     parser.add_argument("--first", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--count", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    args.load_cpus = None
+    if args.registry_cpus:
+        args.registry_cpus = {int(c) for c in args.registry_cpus.split(",")}
+        args.load_cpus = os.sched_getaffinity(0) - args.registry_cpus
     if args.generate:
         print(json.dumps(asyncio.run(_generate(args))), flush=True)
         return 0
@@ -384,9 +410,14 @@ def main() -> int:
         return 0
     shm = Path("/dev/shm")
     root = Path(tempfile.mkdtemp(prefix="pdplane-bench-", dir=shm if shm.is_dir() else None))
+    pinned = (
+        f", registry on CPUs {sorted(args.registry_cpus)}, load on {len(args.load_cpus)} others"
+        if args.registry_cpus
+        else ""
+    )
     print(
         f"cores: {os.cpu_count()}, window {args.duration_s:.0f} s, {args.clients} generator(s), "
-        f"etcd members: {args.etcd_members}"
+        f"etcd members: {args.etcd_members}{pinned}"
     )
     print(_HEADER)
     try:

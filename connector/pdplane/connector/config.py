@@ -93,9 +93,6 @@ class ConnectorConfig(BaseModel):
     pull_workers: int = Field(4, ge=1, le=64, description="Concurrent pulls per decode worker.")
 
     # NCCL transport options (see transports/nccl/transport.py); unset = the transport's defaults.
-    nccl_strategy: Literal["gather", "grouped"] | None = Field(
-        None, description="NCCL: how blocks are batched per send."
-    )
     nccl_chunk_bytes: int | None = Field(None, gt=0, description="NCCL: bytes per send.")
     nccl_connect_timeout_s: float | None = Field(
         None, gt=0, description="NCCL: communicator set-up bound (s)."
@@ -181,7 +178,6 @@ class ConnectorConfig(BaseModel):
                     options["push_ttl_s"] = self.push_ttl_s
             return options
         names = (
-            "nccl_strategy",
             "nccl_chunk_bytes",
             "nccl_connect_timeout_s",
             "max_peer_communicators",

@@ -16,6 +16,7 @@ __all__ = ["COMMANDS", "main"]
 COMMANDS: dict[str, tuple[str, str]] = {
     "registry": ("pdplane.registry.__main__", "run the registry gRPC service"),
     "ls": ("pdplane.cli.ls", "list (or --watch) the instances in a registry"),
+    "status": ("pdplane.cli.status", "how a gateway serves each model: pairs, precise routing"),
     "drain": ("pdplane.cli.drain", "stop scheduling onto an instance before removing it"),
     "tokens": ("pdplane.cli.tokens", "write random bearer tokens into files once (init step)"),
     "grpc": ("pdplane.cli.grpc", "call any gRPC method by reflection (list, Service/Method JSON)"),

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 
 import grpc
 
 from pdplane.core import grpc_util
+from pdplane.core.change_log import ChangeLog
 from pdplane.registry._backoff import Backoff
 from pdplane.registry.endpoints import FAILOVER_CODES, RegistryEndpoints
 from pdplane.v1 import instance_pb2, registry_pb2
@@ -65,6 +66,7 @@ class InstanceWatcher:
         self.reconnects = 0  # streams re-opened after an error
         self._misses = 0  # replicas that failed since the last event
         self._parts: list[registry_pb2.WatchEvent] = []  # parts of a snapshot, last one pending
+        self._log = ChangeLog()  # the changes since the last snapshot
 
     @property
     def revision(self) -> int:
@@ -76,6 +78,19 @@ class InstanceWatcher:
         """A copy of the view: instance id -> Instance (messages shared, never mutated)."""
         with self._lock:
             return dict(self._view)
+
+    def changes_since(
+        self, cursor: Hashable | None
+    ) -> tuple[Hashable, dict[str, instance_pb2.Instance | None] | None]:
+        """(cursor of now, instance id -> its message or None when removed, for every instance
+        changed since `cursor`); the changes are None when this cannot tell (no cursor, one
+        from before the last snapshot, or older than the log): then re-read `snapshot()`.
+        A reader of heartbeats pays per change, not per instance."""
+        with self._lock:
+            now = (self.snapshots, self._revision)
+            if not isinstance(cursor, tuple) or cursor[0] != now[0]:
+                return now, None
+            return now, self._log.since(cursor[1], self._view)
 
     def start(self) -> None:
         """Starts the watch thread; returns immediately."""
@@ -170,6 +185,7 @@ class InstanceWatcher:
         if event.type == _Event.SNAPSHOT:
             self._view = {i.spec.instance_id: i for i in event.instances}
             self.snapshots += 1
+            self._log.reset(event.revision)
         elif event.revision <= self._revision:
             return  # already reflected (replayed after a reconnect)
         elif event.type in (_Event.ADDED, _Event.UPDATED):
@@ -179,6 +195,8 @@ class InstanceWatcher:
         else:
             log.warning("ignoring watch event of unknown type %s", event.type)
             return
+        if event.type != _Event.SNAPSHOT:
+            self._log.append(event.revision, event.instance.spec.instance_id)
         self._revision = event.revision
 
     def _notify_loop(self) -> None:

@@ -31,14 +31,12 @@ Kubernetes Service of the replicas) counts as one peer per address, re-resolved 
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import logging
 import os
 import secrets
 import socket
 import threading
-import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -47,6 +45,7 @@ from prometheus_client import CollectorRegistry, Gauge
 
 from pdplane.core import grpc_util
 from pdplane.scheduler.inflight import Assignment, InflightTracker
+from pdplane.scheduler.unseen import UnseenPeers
 from pdplane.scheduler.view import CandidateView
 from pdplane.v1 import inflight_pb2, inflight_pb2_grpc
 
@@ -122,10 +121,8 @@ class InflightExchange:
         self._lag_s = lag_s
         self._tick_s = tick_s
         self._ticker: asyncio.Task[None] | None = None
-        # instance id -> own assignments still standing for unseen peer decisions, oldest
-        # first: (clock time, {peer replica id: updates received from it by then})
-        self._recent: dict[str, collections.deque[tuple[float, dict[str, int]]]] = {}
-        self._received: dict[str, int] = {}  # peer replica id -> updates received from it
+        # Own recent assignments standing for the peers' decisions not received yet.
+        self._unseen = UnseenPeers(self.connected.values, lag_s)
 
     def register_metrics(self, registry: CollectorRegistry) -> None:
         """Adds `pdplane_scheduler_peers` (peer replicas followed now, read at scrape time) and
@@ -145,7 +142,8 @@ class InflightExchange:
         """Starts publishing own changes and following the peers (on the running loop)."""
         self._loop = asyncio.get_running_loop()
         self.tracker.listener = self._on_change
-        self.tracker.unseen = self.unseen
+        self._unseen.touch = self.tracker.touch
+        self.tracker.unseen = self._unseen
         if self.peers:
             self._resolver = asyncio.create_task(self._resolve_forever())
         self._ticker = asyncio.create_task(self._tick_forever())
@@ -154,6 +152,8 @@ class InflightExchange:
         """Stops following peers (their assignments are dropped) and ends subscriptions."""
         self.tracker.listener = None
         self.tracker.unseen = None
+        self._unseen.touch = None
+        self.tracker.touch(self._unseen.counted())  # their table rows lose the estimate
         tasks = [
             t for t in (self._resolver, self._ticker, *self._followers.values()) if t is not None
         ]
@@ -175,25 +175,14 @@ class InflightExchange:
         """Peers' assignments to `instance_id` estimated but not received yet: each own one
         counts once per followed peer until the second update from that peer since it was made
         has arrived (the first may have left before it), at most `lag_s` seconds (module
-        docstring). Zero without peers."""
-        recent = self._recent.get(instance_id)
-        if not recent or not self.connected:
-            return 0.0
-        horizon = time.monotonic() - self._lag_s
-        while recent and recent[0][0] <= horizon:
-            recent.popleft()
-        total = 0
-        for origin in self.connected.values():
-            received = self._received.get(origin, 0)
-            total += sum(1 for _t, marks in recent if received - marks.get(origin, received) < 2)
-        return float(total)
+        docstring, `pdplane.scheduler.unseen`). Zero without peers."""
+        self._unseen.refresh()
+        return float(self._unseen.count(instance_id))
 
     def _on_change(self, assigned: list[Assignment], released: list[Assignment]) -> None:
-        if self.connected and assigned:
-            mark = (time.monotonic(), dict(self._received))
+        if self.connected:
             for a in assigned:
-                for instance_id in (a.prefill_id, a.decode_id):
-                    self._recent.setdefault(instance_id, collections.deque()).append(mark)
+                self._unseen.assigned((a.prefill_id, a.decode_id))
         if not self._subscribers:
             return  # a later subscriber starts from a snapshot
         # Releases first: a retry replaces an id by releasing, then assigning it again.
@@ -315,7 +304,7 @@ class InflightExchange:
             delay = min(delay * 2, _BACKOFF_S[1])
 
     def _apply(self, origin: str, update: inflight_pb2.InflightUpdate) -> None:
-        self._received[origin] = self._received.get(origin, 0) + 1
+        self._unseen.received(origin)
         for event in update.events:
             if event.kind == _RELEASED:
                 self.tracker.release_peer(origin, event.request_id)

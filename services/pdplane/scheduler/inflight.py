@@ -29,10 +29,11 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
 from pdplane.scheduler.candidate import Candidate
 
-__all__ = ["Assignment", "InflightListener", "InflightTracker"]
+__all__ = ["Assignment", "InflightListener", "InflightTracker", "UnseenEstimate"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +62,21 @@ class Assignment:
 
 #: Told of own changes, outside the tracker's lock: (assigned, released) assignments.
 InflightListener = Callable[[list[Assignment], list[Assignment]], None]
+
+
+class UnseenEstimate(Protocol):
+    """Peers' assignments estimated but not received yet (`pdplane.scheduler.exchange`)."""
+
+    def count(self, instance_id: str) -> int:
+        """Estimated assignments to `instance_id` (>= 0)."""
+        ...
+
+    def refresh(self) -> None:
+        """Brings the estimate up to date (the clock moved); it tells the tracker which
+        instances changed (`InflightTracker.touch`). Called before every decision."""
+        ...
+
+
 _Key = str | tuple[str, str]  # own request id, or (peer replica id, its request id)
 
 
@@ -97,8 +113,10 @@ class InflightTracker:
         self._clock = clock
         self._lock = threading.Lock()
         self.listener: InflightListener | None = None
-        #: instance id -> peers' assignments estimated but not visible yet (see exchange.py).
-        self.unseen: Callable[[str], float] | None = None
+        #: Peers' assignments estimated but not visible yet (see exchange.py); None: no peers.
+        self.unseen: UnseenEstimate | None = None
+        # Instances whose counters changed since `take_dirty` (the decision tables' rows).
+        self._dirty: set[str] = set()
         # Insertion order == start order, so expired assignments sit at the front.
         self._requests: OrderedDict[_Key, Assignment] = OrderedDict()
         # Pending assignments in start order, to end their reservation (stale entries skipped).
@@ -114,6 +132,25 @@ class InflightTracker:
         pending = self._pending.get(candidate.instance_id)
         return pending.requests if pending and pending.epoch == candidate.epoch else 0
 
+    def counts(self, candidate: Candidate, decode: bool) -> tuple[int, int, int, int]:
+        """(`pending_requests`, `pending_blocks`, `assigned_blocks`, `queued_prefill_tokens`)
+        of `candidate` in one lookup; the block counts only for a `decode` side (0 on
+        prefill), and `pending_blocks` only when its report says how many blocks it has,
+        reading it then as `pending_blocks` does (its KV credit starts)."""
+        pending = self._pending.get(candidate.instance_id)
+        if pending is None or pending.epoch != candidate.epoch:
+            if decode and candidate.total_kv_blocks and candidate.block_size:
+                self.pending_blocks(candidate)  # the report's credit starts now
+            return 0, 0, 0, 0
+        if not decode:
+            return pending.requests, 0, 0, pending.tokens
+        blocks = 0
+        if candidate.total_kv_blocks and candidate.block_size:
+            net = pending.blocks - pending.freed
+            floor = candidate.free_kv_blocks - candidate.total_kv_blocks
+            blocks = net if net >= floor else floor
+        return pending.requests, blocks, pending.blocks, pending.tokens
+
     def effective_load(self, candidate: Candidate) -> float:
         """The candidate's reported load plus its pending requests (see `Candidate`), plus the
         peers' assignments estimated but not received yet (`unseen`, with peers only)."""
@@ -122,7 +159,26 @@ class InflightTracker:
         if pending is not None and pending.epoch == candidate.epoch:
             load += pending.requests
         unseen = self.unseen
-        return load + unseen(candidate.instance_id) if unseen is not None else load
+        return load + unseen.count(candidate.instance_id) if unseen is not None else load
+
+    def unseen_count(self, instance_id: str) -> int:
+        """Peers' assignments to `instance_id` estimated but not received yet (0: no peers)."""
+        unseen = self.unseen
+        return unseen.count(instance_id) if unseen is not None else 0
+
+    def touch(self, instance_ids: Iterable[str]) -> None:
+        """Marks instances whose counts changed outside the tracker (the unseen estimate)."""
+        with self._lock:
+            self._dirty.update(instance_ids)
+
+    def take_dirty(self) -> set[str]:
+        """The instances whose counts may have changed since the last call (and forgets
+        them): what a decision table must rewrite before it is read."""
+        if not self._dirty:
+            return set()  # nothing to take: skip the lock (the common case)
+        with self._lock:
+            dirty, self._dirty = self._dirty, set()
+        return dirty
 
     def pending_blocks(self, candidate: Candidate) -> int:
         """KV cache blocks reserved on decode `candidate` since its current load report, less
@@ -334,6 +390,7 @@ class InflightTracker:
         self._total[instance_id] = self._total.get(instance_id, 0) + 1
         if not pending_too:
             return
+        self._dirty.add(instance_id)
         pending = self._pending.get(instance_id)
         if pending is None or pending.epoch != epoch:
             pending = self._pending[instance_id] = _Pending(epoch)
@@ -355,6 +412,7 @@ class InflightTracker:
         pending = self._pending.get(record.decode_id)
         if pending is not None and pending.epoch != record.decode_epoch:
             pending.freed += record.decode_blocks  # counted in an older report, freed now
+            self._dirty.add(record.decode_id)
 
     def _unpend(self, record: Assignment) -> None:
         for instance_id, epoch, blocks, tokens in (
@@ -365,6 +423,7 @@ class InflightTracker:
                 continue  # no prefill leg
             pending = self._pending.get(instance_id)
             if pending is not None and pending.epoch == epoch:
+                self._dirty.add(instance_id)
                 pending.requests -= 1
                 pending.blocks -= blocks
                 pending.tokens -= tokens

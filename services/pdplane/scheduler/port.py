@@ -74,9 +74,10 @@ class RequestFeatures:
         prefill_policy / decode_policy: per-request policy names; "" = the scheduler's default.
         prefix_hashes: block size (tokens per KV cache block) -> the prompt's exact chained
             block hashes at that size (`pdplane.core.prefix_hash.block_hashes` of the token ids
-            the engine will compute, one uint64 per full block, in order); one entry per block
-            size among the model's instances, empty when the token ids are unknown. What
-            `kv_aware` matches against the prefix index.
+            the engine will compute, one uint64 per full block, in order: ints, or a uint64
+            numpy array, as a scheduler process receives them); one entry per block size among
+            the model's instances, empty when the token ids are unknown. What `kv_aware`
+            matches against the prefix index.
     """
 
     request_id: str
@@ -231,7 +232,10 @@ class InstanceSource(Protocol):
     """The registry as a local scheduler reads it: a revision and the instances at it.
 
     `revision` must change whenever `snapshot()` may have (a decision re-reads only then), and
-    sources replace a changed instance's message instead of mutating it.
+    sources replace a changed instance's message instead of mutating it. A source may also say
+    what changed since a cursor (`changes_since`, `pdplane.scheduler.view.ChangeSource`, as
+    the registry client's `InstanceWatcher` does): a heartbeat then costs a decision one
+    instance, not a pass over the view.
     """
 
     @property

@@ -8,20 +8,24 @@ class directly.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
+import numpy as np
+import numpy.typing as npt
+
 from pdplane.core.echo import echo
-from pdplane.scheduler.candidate import Candidate
-from pdplane.scheduler.compat import blocks_for, describe_keys, pair_keys_of, split_sides
+from pdplane.scheduler.candidate import Candidate, PairKey
+from pdplane.scheduler.compat import blocks_for, describe_keys, split_sides
+from pdplane.scheduler.compat import warm_up as warm_up_filter
 from pdplane.scheduler.errors import InvalidRequest, NoInstance, NoRoom
 from pdplane.scheduler.inflight import InflightTracker
-from pdplane.scheduler.kv_index.index import KvState
 from pdplane.scheduler.metrics import SchedulerMetrics
-from pdplane.scheduler.policies import POLICIES, PickContext, Policy, kv_aware, make_policy
+from pdplane.scheduler.policies import POLICIES, PickContext, Policy, Pool, kv_aware, make_policy
+from pdplane.scheduler.policies.base import warm_up as warm_up_pool
 from pdplane.scheduler.port import Decision, Outcome, RequestFeatures
+from pdplane.scheduler.table import PAIR, ModelTables, SideTable
 from pdplane.scheduler.view import CandidateView
 
 if TYPE_CHECKING:
@@ -30,6 +34,9 @@ if TYPE_CHECKING:
 __all__ = ["SchedulerService"]
 
 _MAX_ID_LEN = 1024  # characters; bounds what one in-flight entry may hold
+_NO_LIVE = np.zeros(0, np.uint8)
+
+F64s = npt.NDArray[np.float64]
 
 
 class SchedulerService:
@@ -74,6 +81,11 @@ class SchedulerService:
         self._policies: dict[tuple[str, str], Policy] = {}
         #: The prefix index of the instances' KV caches (set by the wiring when enabled).
         self.kv_index: PrefixIndex | None = None
+        # The kernels compile (or load from numba's cache) now, not on the first request.
+        warm_up_filter()
+        warm_up_pool()
+        self._policy("prefill", "")
+        self._policy("decode", "")
 
     def _policy(self, side: str, requested: str) -> Policy:
         name = requested or self._defaults[side]
@@ -131,42 +143,61 @@ class SchedulerService:
         tokens = request.prompt_tokens + request.max_tokens
         model = request.model
         self.inflight.age()  # unreleased assignments reserve KV room for a bounded time only
+        index = self.kv_index
+        tables = self.view.tables(model, self.inflight, index)
         prefill_side, decode_side = split_sides(
-            self.view.candidates(model),
+            tables,
             tokens=tokens,
             exclude=request.exclude_instance_ids,
-            pending_blocks=self.inflight.pending_blocks,
             push_tokens=request.prompt_tokens,
-            assigned_blocks=self.inflight.assigned_blocks,
         )
         prefills = prefill_side.require(model, self.view.models)
         decodes = decode_side.require(model, self.view.models)
-        # Usual fleet: one layout everywhere, nothing to pair up.
-        uniform = self.view.is_uniform(model)
+        assert tables is not None  # both sides have rows
+        prefill_table, decode_table = tables.prefill, tables.decode
         pairable = prefills
-        if not uniform:
-            decode_keys = pair_keys_of(decodes)
-            pairable = [p for p in prefills if p.pair_key in decode_keys]
-        if not pairable:
-            raise NoInstance(
-                "pair",
-                f"no compatible prefill/decode pair for model {echo(model)}: prefill "
-                f"[{describe_keys(pair_keys_of(prefills))}] vs decode "
-                f"[{describe_keys(decode_keys)}] (layout/transport/max_model_len differ)",
-            )
-        ctx = self._context(request)
-        prefill = prefill_policy.pick(pairable, ctx)
+        if not tables.uniform:
+            decode_codes = decode_table.cols[decodes, PAIR]
+            pairable = prefills[np.isin(prefill_table.cols[prefills, PAIR], decode_codes)]
+            if not len(pairable):
+                raise NoInstance(
+                    "pair",
+                    f"no compatible prefill/decode pair for model {echo(model)}: prefill "
+                    f"[{describe_keys(_keys(tables, prefill_table, prefills))}] vs decode "
+                    f"[{describe_keys(_keys(tables, decode_table, decodes))}] "
+                    "(layout/transport/max_model_len differ)",
+                )
+        cached, per_block = self._cached(request)
+        live = index.live_slots if index is not None else _NO_LIVE
+        features = (
+            request.request_id,
+            request.routing_key,
+            request.prefix_block_hashes
+            if len(request.prefix_block_hashes)
+            else _smallest_block_hashes(request.prefix_hashes),
+            request.prefix_hashes,
+            request.prompt_tokens,
+        )
+        prefill = prefill_policy.pick(
+            Pool(prefill_table, pairable, cached, live, per_block),
+            PickContext(*features, "prefill"),
+        )
         p = prefill.candidate
-        matching = decodes if uniform else [d for d in decodes if d.pair_key == p.pair_key]
+        matching = decodes
+        if not tables.uniform:
+            code = prefill_table.cols[prefill_table.row_of[p.instance_id], PAIR]
+            matching = decodes[decode_table.cols[decodes, PAIR] == code]
         if p.can_decode:
             # A BOTH instance may serve both halves, but only when no other decode fits.
-            matching = [d for d in matching if d.instance_id != p.instance_id] or matching
+            own = decode_table.row_of.get(p.instance_id)
+            others = matching[matching != own] if own is not None else matching
+            matching = others if len(others) else matching
         decode = decode_policy.pick(
-            matching, dataclasses.replace(ctx, side="decode", queued_prefill_tokens=_none)
+            Pool(decode_table, matching, cached, live, per_block), PickContext(*features, "decode")
         )
         d = decode.candidate
         blocks = blocks_for(tokens, d.block_size)
-        d_cached = ctx.cached_tokens(d) if ctx.kv_live(d) else 0
+        d_cached = decode.cached_tokens
         rest = request.prompt_tokens - d_cached
         if d_cached > 0 and rest <= self.local_prefill_max_tokens:
             self.inflight.add(request.request_id, None, d, blocks)
@@ -180,7 +211,7 @@ class SchedulerService:
                 0,
                 d_cached,
             )
-        p_cached = ctx.cached_tokens(p) if ctx.kv_live(p) else 0
+        p_cached = prefill.cached_tokens
         self.inflight.add(
             request.request_id, p, d, blocks, max(request.prompt_tokens - p_cached, 0)
         )
@@ -190,41 +221,23 @@ class SchedulerService:
             p, d, f"prefill {prefill.reason}; decode {decode.reason}", p_cached, d_cached
         )
 
-    def _context(self, request: RequestFeatures) -> PickContext:
-        """The policies' context: load, and the prompt's predicted prefix hits per instance
-        from the prefix index (one lookup over every LIVE instance per block size the
-        request has hashes for; a hash chain of one block size never matches another's)."""
+    def _cached(self, request: RequestFeatures) -> tuple[F64s | None, bool]:
+        """The prompt's predicted prefix hits per prefix index slot (tokens, or blocks when the
+        request's hashes say no block size: then times each instance's own; None: no
+        instance holds any), from one lookup per block size the request has hashes for (a
+        hash chain of one block size never matches another's). The lookup writes only the
+        LIVE instances that hold a prefix (`PrefixIndex.match_slots`)."""
         index = self.kv_index
-        tokens: dict[str, int] = {}  # instance id -> cached tokens
-        blocks: dict[str, int] = {}  # instance id -> cached blocks of its own block size
-        if index is not None:
-            if request.prefix_hashes:
-                for block_size, hashes in request.prefix_hashes.items():
-                    for iid, n in index.match(hashes).items():
-                        tokens[iid] = max(tokens.get(iid, 0), n * block_size)
-            elif request.prefix_block_hashes:  # block size unsaid: the instance's own
-                blocks = index.match(request.prefix_block_hashes)
-
-        def cached_tokens(c: Candidate) -> int:
-            if blocks:
-                return blocks.get(c.instance_id, 0) * c.block_size
-            return tokens.get(c.instance_id, 0)
-
-        def kv_live(c: Candidate) -> bool:
-            inst = index.instance(c.instance_id) if index is not None else None
-            return inst is not None and inst.state is KvState.LIVE
-
-        return PickContext(
-            request.request_id,
-            request.routing_key,
-            request.prefix_block_hashes or _smallest_block_hashes(request.prefix_hashes),
-            self.inflight.effective_load,
-            prefix_hashes=request.prefix_hashes,
-            prompt_tokens=request.prompt_tokens,
-            cached_tokens=cached_tokens,
-            kv_live=kv_live,
-            queued_prefill_tokens=self.inflight.queued_prefill_tokens,
-        )
+        if index is None or not (request.prefix_hashes or len(request.prefix_block_hashes)):
+            return None, False
+        cached = np.zeros(len(index.live_slots))
+        held = False
+        if request.prefix_hashes:
+            for block_size, hashes in request.prefix_hashes.items():
+                held = index.match_slots(hashes, cached, block_size) or held
+            return (cached if held else None), False
+        held = index.match_slots(request.prefix_block_hashes, cached)
+        return (cached if held else None), True
 
     def release(self, request_id: str, outcome: Outcome) -> bool:
         """Ends the in-flight accounting of `request_id`; False when it was not in flight.
@@ -240,8 +253,8 @@ class SchedulerService:
         return released
 
 
-def _none(candidate: Candidate) -> int:
-    return 0
+def _keys(tables: ModelTables, table: SideTable, rows: npt.NDArray[np.int64]) -> set[PairKey]:
+    return {tables.pair_keys[int(code)] for code in table.cols[rows, PAIR]}
 
 
 def _validate(request: RequestFeatures) -> None:

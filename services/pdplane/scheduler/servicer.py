@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 
@@ -32,6 +33,9 @@ _INTERNAL = grpc.StatusCode.INTERNAL.value[0]
 #: Marks a capacity refusal apart from gRPC's own RESOURCE_EXHAUSTED (errors.NO_ROOM_KEY).
 _NO_ROOM = ((NO_ROOM_KEY, "1"),)
 _MESSAGE_MAX = 1024  # characters of a ScheduleResult's error message
+#: Calls of one ScheduleStream message decided before the event loop runs other work (at
+#: ~0.1 ms a call, about 2 ms).
+_TURN_CALLS = 16
 
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
@@ -81,9 +85,12 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         request_iterator: AsyncIterator[scheduler_pb2.ScheduleCalls],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[scheduler_pb2.ScheduleResults]:
-        # Decisions are synchronous: a message's calls are answered together, in one message
-        # (one write), in call order. A call's error is its result's code (the stream carries
-        # the other calls on).
+        # A message's calls (those the gateway queued while its last message was written) are
+        # decided as one batch and answered together, in one message (one write), in call
+        # order. A call's error is its result's code (the stream carries the other calls on).
+        # Decisions take tens of microseconds, but a batch of hundreds would hold the event
+        # loop for milliseconds: every `_TURN_CALLS` calls the loop serves the other streams
+        # and calls first.
         async for batch in request_iterator:
             if batch.releases:
                 try:
@@ -93,8 +100,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             if batch.calls:
                 answers = scheduler_pb2.ScheduleResults()
                 add = answers.results.add
-                for call in batch.calls:
+                for n, call in enumerate(batch.calls, 1):
                     self._decide(call, add(call_id=call.call_id))
+                    if n % _TURN_CALLS == 0:
+                        await asyncio.sleep(0)
                 yield answers
 
     def _decide(

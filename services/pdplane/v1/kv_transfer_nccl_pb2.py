@@ -26,41 +26,39 @@ from pdplane.v1 import instance_pb2 as pdplane_dot_v1_dot_instance__pb2
 from pdplane.v1 import kv_transfer_pb2 as pdplane_dot_v1_dot_kv__transfer__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!pdplane/v1/kv_transfer_nccl.proto\x12\npdplane.v1\x1a\x19pdplane/v1/instance.proto\x1a\x1cpdplane/v1/kv_transfer.proto\"\xea\x02\n\x0bNcclControl\x12/\n\x05hello\x18\x01 \x01(\x0b\x32\x1e.pdplane.v1.NcclConnectRequestH\x00\x12\x30\n\x05ready\x18\x02 \x01(\x0b\x32\x1f.pdplane.v1.NcclConnectResponseH\x00\x12+\n\x04pull\x18\x03 \x01(\x0b\x32\x1b.pdplane.v1.NcclPullRequestH\x00\x12*\n\x07verdict\x18\x04 \x01(\x0b\x32\x17.pdplane.v1.NcclVerdictH\x00\x12\x36\n\npush_begin\x18\x05 \x01(\x0b\x32 .pdplane.v1.NcclPushBeginRequestH\x00\x12\x37\n\npush_ready\x18\x06 \x01(\x0b\x32!.pdplane.v1.NcclPushBeginResponseH\x00\x12&\n\x05\x63lose\x18\x07 \x01(\x0b\x32\x15.pdplane.v1.NcclCloseH\x00\x42\x06\n\x04kind\"\xb6\x01\n\x08NcclPlan\x12/\n\x08strategy\x18\x01 \x01(\x0e\x32\x1d.pdplane.v1.NcclPlan.Strategy\x12\x13\n\x0b\x63hunk_bytes\x18\x02 \x01(\x04\x12\x13\n\x0brun_lengths\x18\x03 \x03(\r\"O\n\x08Strategy\x12\x18\n\x14STRATEGY_UNSPECIFIED\x10\x00\x12\x13\n\x0fSTRATEGY_GATHER\x10\x01\x12\x14\n\x10STRATEGY_GROUPED\x10\x02\"\x9a\x01\n\x0fNcclPullRequest\x12-\n\x06\x62locks\x18\x01 \x01(\x0b\x32\x1d.pdplane.v1.PullBlocksRequest\x12\"\n\x04plan\x18\x02 \x01(\x0b\x32\x14.pdplane.v1.NcclPlan\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12\x13\n\x0b\x65\x61rly_bytes\x18\x04 \x01(\x04\x12\x12\n\ntimeout_ms\x18\x05 \x01(\r\"H\n\x0bNcclVerdict\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x0c\n\x04\x63ode\x18\x02 \x01(\r\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\r\n\x05\x62ytes\x18\x04 \x01(\x04\"x\n\x12NcclConnectRequest\x12\x14\n\x0crequester_id\x18\x01 \x01(\t\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\x12\x11\n\tunique_id\x18\x03 \x01(\x0c\x12(\n\x07purpose\x18\x04 \x01(\x0e\x32\x17.pdplane.v1.NcclPurpose\"!\n\x13NcclConnectResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\"7\n\x0cNcclPushItem\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\"\xad\x01\n\x14NcclPushBeginRequest\x12\x14\n\x0crequester_id\x18\x01 \x01(\t\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\x12$\n\x06layout\x18\x03 \x01(\x0b\x32\x14.pdplane.v1.KvLayout\x12\'\n\x05items\x18\x04 \x03(\x0b\x32\x18.pdplane.v1.NcclPushItem\x12\x0b\n\x03seq\x18\x05 \x01(\x04\x12\x12\n\ntimeout_ms\x18\x06 \x01(\r\"T\n\x15NcclPushBeginResponse\x12\x0f\n\x07spilled\x18\x01 \x03(\x08\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x0c\n\x04\x63ode\x18\x03 \x01(\r\x12\x0f\n\x07message\x18\x04 \x01(\t\"\x1b\n\tNcclClose\x12\x0e\n\x06reason\x18\x01 \x01(\t\"P\n\x15NcclPreconnectRequest\x12\x14\n\x0crequester_id\x18\x01 \x01(\t\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\x12\x10\n\x08\x65ndpoint\x18\x03 \x01(\t\"+\n\x16NcclPreconnectResponse\x12\x11\n\tconnected\x18\x01 \x01(\x08*Y\n\x0bNcclPurpose\x12\x1c\n\x18NCCL_PURPOSE_UNSPECIFIED\x10\x00\x12\x15\n\x11NCCL_PURPOSE_PULL\x10\x01\x12\x15\n\x11NCCL_PURPOSE_PUSH\x10\x02\x32\xa3\x01\n\x0eNcclKvTransfer\x12<\n\x04Pair\x12\x17.pdplane.v1.NcclControl\x1a\x17.pdplane.v1.NcclControl(\x01\x30\x01\x12S\n\nPreconnect\x12!.pdplane.v1.NcclPreconnectRequest\x1a\".pdplane.v1.NcclPreconnectResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!pdplane/v1/kv_transfer_nccl.proto\x12\npdplane.v1\x1a\x19pdplane/v1/instance.proto\x1a\x1cpdplane/v1/kv_transfer.proto\"\xea\x02\n\x0bNcclControl\x12/\n\x05hello\x18\x01 \x01(\x0b\x32\x1e.pdplane.v1.NcclConnectRequestH\x00\x12\x30\n\x05ready\x18\x02 \x01(\x0b\x32\x1f.pdplane.v1.NcclConnectResponseH\x00\x12+\n\x04pull\x18\x03 \x01(\x0b\x32\x1b.pdplane.v1.NcclPullRequestH\x00\x12*\n\x07verdict\x18\x04 \x01(\x0b\x32\x17.pdplane.v1.NcclVerdictH\x00\x12\x36\n\npush_begin\x18\x05 \x01(\x0b\x32 .pdplane.v1.NcclPushBeginRequestH\x00\x12\x37\n\npush_ready\x18\x06 \x01(\x0b\x32!.pdplane.v1.NcclPushBeginResponseH\x00\x12&\n\x05\x63lose\x18\x07 \x01(\x0b\x32\x15.pdplane.v1.NcclCloseH\x00\x42\x06\n\x04kind\"B\n\x08NcclPlan\x12\x13\n\x0b\x63hunk_bytes\x18\x02 \x01(\x04J\x04\x08\x01\x10\x02J\x04\x08\x03\x10\x04R\x08strategyR\x0brun_lengths\"\x9a\x01\n\x0fNcclPullRequest\x12-\n\x06\x62locks\x18\x01 \x01(\x0b\x32\x1d.pdplane.v1.PullBlocksRequest\x12\"\n\x04plan\x18\x02 \x01(\x0b\x32\x14.pdplane.v1.NcclPlan\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12\x13\n\x0b\x65\x61rly_bytes\x18\x04 \x01(\x04\x12\x12\n\ntimeout_ms\x18\x05 \x01(\r\"H\n\x0bNcclVerdict\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x0c\n\x04\x63ode\x18\x02 \x01(\r\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\r\n\x05\x62ytes\x18\x04 \x01(\x04\"x\n\x12NcclConnectRequest\x12\x14\n\x0crequester_id\x18\x01 \x01(\t\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\x12\x11\n\tunique_id\x18\x03 \x01(\x0c\x12(\n\x07purpose\x18\x04 \x01(\x0e\x32\x17.pdplane.v1.NcclPurpose\"!\n\x13NcclConnectResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\"7\n\x0cNcclPushItem\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\"\xad\x01\n\x14NcclPushBeginRequest\x12\x14\n\x0crequester_id\x18\x01 \x01(\t\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\x12$\n\x06layout\x18\x03 \x01(\x0b\x32\x14.pdplane.v1.KvLayout\x12\'\n\x05items\x18\x04 \x03(\x0b\x32\x18.pdplane.v1.NcclPushItem\x12\x0b\n\x03seq\x18\x05 \x01(\x04\x12\x12\n\ntimeout_ms\x18\x06 \x01(\r\"T\n\x15NcclPushBeginResponse\x12\x0f\n\x07spilled\x18\x01 \x03(\x08\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x0c\n\x04\x63ode\x18\x03 \x01(\r\x12\x0f\n\x07message\x18\x04 \x01(\t\"\x1b\n\tNcclClose\x12\x0e\n\x06reason\x18\x01 \x01(\t\"P\n\x15NcclPreconnectRequest\x12\x14\n\x0crequester_id\x18\x01 \x01(\t\x12\x0f\n\x07tp_rank\x18\x02 \x01(\r\x12\x10\n\x08\x65ndpoint\x18\x03 \x01(\t\"+\n\x16NcclPreconnectResponse\x12\x11\n\tconnected\x18\x01 \x01(\x08*Y\n\x0bNcclPurpose\x12\x1c\n\x18NCCL_PURPOSE_UNSPECIFIED\x10\x00\x12\x15\n\x11NCCL_PURPOSE_PULL\x10\x01\x12\x15\n\x11NCCL_PURPOSE_PUSH\x10\x02\x32\xa3\x01\n\x0eNcclKvTransfer\x12<\n\x04Pair\x12\x17.pdplane.v1.NcclControl\x1a\x17.pdplane.v1.NcclControl(\x01\x30\x01\x12S\n\nPreconnect\x12!.pdplane.v1.NcclPreconnectRequest\x1a\".pdplane.v1.NcclPreconnectResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdplane.v1.kv_transfer_nccl_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_NCCLPURPOSE']._serialized_start=1519
-  _globals['_NCCLPURPOSE']._serialized_end=1608
+  _globals['_NCCLPURPOSE']._serialized_start=1402
+  _globals['_NCCLPURPOSE']._serialized_end=1491
   _globals['_NCCLCONTROL']._serialized_start=107
   _globals['_NCCLCONTROL']._serialized_end=469
-  _globals['_NCCLPLAN']._serialized_start=472
-  _globals['_NCCLPLAN']._serialized_end=654
-  _globals['_NCCLPLAN_STRATEGY']._serialized_start=575
-  _globals['_NCCLPLAN_STRATEGY']._serialized_end=654
-  _globals['_NCCLPULLREQUEST']._serialized_start=657
-  _globals['_NCCLPULLREQUEST']._serialized_end=811
-  _globals['_NCCLVERDICT']._serialized_start=813
-  _globals['_NCCLVERDICT']._serialized_end=885
-  _globals['_NCCLCONNECTREQUEST']._serialized_start=887
-  _globals['_NCCLCONNECTREQUEST']._serialized_end=1007
-  _globals['_NCCLCONNECTRESPONSE']._serialized_start=1009
-  _globals['_NCCLCONNECTRESPONSE']._serialized_end=1042
-  _globals['_NCCLPUSHITEM']._serialized_start=1044
-  _globals['_NCCLPUSHITEM']._serialized_end=1099
-  _globals['_NCCLPUSHBEGINREQUEST']._serialized_start=1102
-  _globals['_NCCLPUSHBEGINREQUEST']._serialized_end=1275
-  _globals['_NCCLPUSHBEGINRESPONSE']._serialized_start=1277
-  _globals['_NCCLPUSHBEGINRESPONSE']._serialized_end=1361
-  _globals['_NCCLCLOSE']._serialized_start=1363
-  _globals['_NCCLCLOSE']._serialized_end=1390
-  _globals['_NCCLPRECONNECTREQUEST']._serialized_start=1392
-  _globals['_NCCLPRECONNECTREQUEST']._serialized_end=1472
-  _globals['_NCCLPRECONNECTRESPONSE']._serialized_start=1474
-  _globals['_NCCLPRECONNECTRESPONSE']._serialized_end=1517
-  _globals['_NCCLKVTRANSFER']._serialized_start=1611
-  _globals['_NCCLKVTRANSFER']._serialized_end=1774
+  _globals['_NCCLPLAN']._serialized_start=471
+  _globals['_NCCLPLAN']._serialized_end=537
+  _globals['_NCCLPULLREQUEST']._serialized_start=540
+  _globals['_NCCLPULLREQUEST']._serialized_end=694
+  _globals['_NCCLVERDICT']._serialized_start=696
+  _globals['_NCCLVERDICT']._serialized_end=768
+  _globals['_NCCLCONNECTREQUEST']._serialized_start=770
+  _globals['_NCCLCONNECTREQUEST']._serialized_end=890
+  _globals['_NCCLCONNECTRESPONSE']._serialized_start=892
+  _globals['_NCCLCONNECTRESPONSE']._serialized_end=925
+  _globals['_NCCLPUSHITEM']._serialized_start=927
+  _globals['_NCCLPUSHITEM']._serialized_end=982
+  _globals['_NCCLPUSHBEGINREQUEST']._serialized_start=985
+  _globals['_NCCLPUSHBEGINREQUEST']._serialized_end=1158
+  _globals['_NCCLPUSHBEGINRESPONSE']._serialized_start=1160
+  _globals['_NCCLPUSHBEGINRESPONSE']._serialized_end=1244
+  _globals['_NCCLCLOSE']._serialized_start=1246
+  _globals['_NCCLCLOSE']._serialized_end=1273
+  _globals['_NCCLPRECONNECTREQUEST']._serialized_start=1275
+  _globals['_NCCLPRECONNECTREQUEST']._serialized_end=1355
+  _globals['_NCCLPRECONNECTRESPONSE']._serialized_start=1357
+  _globals['_NCCLPRECONNECTRESPONSE']._serialized_end=1400
+  _globals['_NCCLKVTRANSFER']._serialized_start=1494
+  _globals['_NCCLKVTRANSFER']._serialized_end=1657
 # @@protoc_insertion_point(module_scope)

@@ -103,55 +103,19 @@ class NcclPlan(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
-    class _Strategy:
-        ValueType = _typing.NewType("ValueType", _builtins.int)
-        V: _TypeAlias = ValueType  # noqa: Y015
-
-    class _StrategyEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[NcclPlan._Strategy.ValueType], _builtins.type):
-        DESCRIPTOR: _descriptor.EnumDescriptor
-        STRATEGY_UNSPECIFIED: NcclPlan._Strategy.ValueType  # 0
-        """= GATHER"""
-        STRATEGY_GATHER: NcclPlan._Strategy.ValueType  # 1
-        """The requested blocks of consecutive layers are copied on the GPU into staging chunks of
-        at most chunk_bytes and sent one message per chunk.
-        """
-        STRATEGY_GROUPED: NcclPlan._Strategy.ValueType  # 2
-        """One message per run of blocks consecutive on both sides, per layer and per leading
-        slice (K, V), straight from/into the paged cache.
-        """
-
-    class Strategy(_Strategy, metaclass=_StrategyEnumTypeWrapper): ...
-    STRATEGY_UNSPECIFIED: NcclPlan.Strategy.ValueType  # 0
-    """= GATHER"""
-    STRATEGY_GATHER: NcclPlan.Strategy.ValueType  # 1
-    """The requested blocks of consecutive layers are copied on the GPU into staging chunks of
-    at most chunk_bytes and sent one message per chunk.
-    """
-    STRATEGY_GROUPED: NcclPlan.Strategy.ValueType  # 2
-    """One message per run of blocks consecutive on both sides, per layer and per leading
-    slice (K, V), straight from/into the paged cache.
-    """
-
-    STRATEGY_FIELD_NUMBER: _builtins.int
     CHUNK_BYTES_FIELD_NUMBER: _builtins.int
-    RUN_LENGTHS_FIELD_NUMBER: _builtins.int
-    strategy: Global___NcclPlan.Strategy.ValueType
     chunk_bytes: _builtins.int
-    """GATHER: staging chunk size (bytes); 0 = sender default"""
-    @_builtins.property
-    def run_lengths(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """GROUPED: run lengths (blocks), in request order"""
-
+    """The requested blocks of consecutive layers are copied on the GPU into staging chunks of at
+    most chunk_bytes and sent one message per chunk. 0 = the sender's default.
+    """
     def __init__(
         self,
         *,
-        strategy: Global___NcclPlan.Strategy.ValueType = ...,
         chunk_bytes: _builtins.int = ...,
-        run_lengths: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_bytes", b"chunk_bytes", "run_lengths", b"run_lengths", "strategy", b"strategy"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_bytes", b"chunk_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -49,7 +49,6 @@ def _check_pull(
     transfer_id: str,
     rng: random.Random,
     consecutive: bool = False,
-    grouped: bool = False,
 ) -> None:
     """Pulls 40 of 48 held blocks into random decode blocks; checksums must match."""
     if consecutive:
@@ -64,8 +63,7 @@ def _check_pull(
         local = rng.sample(range(NUM_BLOCKS), 40)
     src = [held[p] for p in positions]
     before = _sums(decode, local)
-    extra = {"strategy": "grouped", "remote_ids": src} if grouped else {}
-    answer = _ok(_pull(decode, prefill, transfer_id, held, positions, local, **extra))
+    answer = _ok(_pull(decode, prefill, transfer_id, held, positions, local))
     assert answer["bytes"] == 40 * BLOCK_BYTES
     expected = _sums(prefill, src)
     assert before != expected  # the destination did not hold these bytes already

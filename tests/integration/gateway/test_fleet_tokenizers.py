@@ -11,6 +11,7 @@ different tokenizers routes by load, says why in /health, in one log line and in
 
 from __future__ import annotations
 
+import io
 import logging
 import shutil
 from collections.abc import Callable
@@ -21,6 +22,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from pdplane.cli import status
 from pdplane.core.prefix_hash import block_hashes
 from pdplane.gateway.prompt_ids import PromptTokenizer
 from pdplane.sim.testing import RunningSims, running_sims
@@ -105,6 +107,57 @@ def test_health_and_the_gauge_say_routing_is_precise_and_why(
     assert entry["routing_reason"].startswith("tokenizer published by ")
     assert _gauge(stack, "pdplane_gateway_routing_precise", model=MODEL) == 1.0
     assert sorted(h.instance_id for h in sims.handles)[0] in entry["routing_reason"]
+    # `pdplane status` shows the same, one line per model.
+    out = io.StringIO()
+    assert status.main(["--gateway", stack.url], out=out) == 0
+    line = next(li for li in out.getvalue().splitlines() if li.startswith(MODEL))
+    assert line.split()[1:5] == ["2", "2", "yes", "precise"], line
+    assert "tokenizer published by" in line
+
+
+def test_each_model_gets_its_own_tokenizer(
+    stack_factory: Callable[..., Stack], tiny_model: Path, tmp_path: Path
+) -> None:
+    other = tmp_path / "other"
+    shutil.copytree(tiny_model, other)
+    (other / "chat_template.jinja").write_text(
+        "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    )
+    stack = stack_factory(tokenizer_cache_dir=str(tmp_path / "tokenizers"))
+    a = stack.sims(["prefill", "decode"], tokenizer=str(tiny_model), itl_ms=1)
+    with running_sims(
+        ["prefill", "decode"], registry=stack.registry, model="second", tokenizer=str(other)
+    ):
+        stack.wait_ready(a)
+        _two_models_each_with_its_tokenizer(stack, tiny_model, other)
+
+
+def _two_models_each_with_its_tokenizer(stack: Stack, tiny_model: Path, other: Path) -> None:
+
+    def routing() -> dict[str, tuple[str, str]]:
+        models = stack.health().json()["models"]
+        return {m: (e.get("routing", ""), e.get("tokenizer", "")) for m, e in models.items()}
+
+    wait_for(
+        lambda: [r for r, _ in routing().values()] == ["precise", "precise"],
+        30,
+        "both models routed precisely",
+    )
+    hashes = {model: h for model, (_, h) in routing().items()}
+    assert hashes[MODEL] != hashes["second"] and len(hashes) == 2
+    chat = {"messages": [{"role": "user", "content": "hi there"}]}
+    ids = {
+        model: _post(stack, "/v1/chat/completions", {**chat, "model": model}).headers[
+            "x-pdplane-prompt-tokens"
+        ]
+        for model in (MODEL, "second")
+    }
+    own = {
+        MODEL: PromptTokenizer(tiny_model).chat_ids(chat, 0),
+        "second": PromptTokenizer(other).chat_ids(chat, 0),
+    }
+    assert ids == {m: f"{len(v or [])}; exact" for m, v in own.items()}
+    assert len(own[MODEL] or []) != len(own["second"] or [])
 
 
 @pytest.mark.parametrize("kind", ["text", "chat"])

@@ -14,7 +14,6 @@ from pdplane.connector.server import HoldAccess, start_kv_server
 from pdplane.connector.transports.base import ServiceBinding
 from pdplane.connector.transports.nccl.blocks import BlockMover, layer_byte_view
 from pdplane.connector.transports.nccl.engine import NcclEngine
-from pdplane.connector.transports.nccl.plan import Strategy
 from pdplane.connector.transports.nccl.service import SERVICE_NAME, NcclKvTransferServicer
 from pdplane.v1 import kv_transfer_nccl_pb2_grpc
 from tests.integration.nccl.nodes import LAYOUT, NUM_BLOCKS, Node
@@ -40,7 +39,6 @@ def start_node(fabric: Fabric) -> Iterator[Callable[..., Node]]:
         engine = NcclEngine(
             0,
             views,
-            Strategy.GATHER,
             chunk_bytes,
             connect_timeout_s=5.0,
             max_pairs=cap,

@@ -89,3 +89,32 @@ def test_batched_watch_keeps_every_event_in_order(
     if registry_store == "memory":
         assert revisions == list(range(first.revision + 1, first.revision + 201))
     assert [e.instance.spec.instance_id for e in events] == [f"q{i}" for i in range(200)]
+
+
+def test_changes_since_names_only_what_changed(registry: RegistryServer) -> None:
+    """A reader of the watcher's change log (the scheduler's view) pays per change: after a
+    heartbeat only that instance is named; a cursor from before the last snapshot (or none)
+    answers None (re-read the whole view)."""
+    leases = {f"c{i}": registry.store.register(make_spec(f"c{i}"), 60_000) for i in range(5)}
+    watcher = InstanceWatcher(registry.address)
+    watcher.start()
+    try:
+        assert watcher.wait_ready(5)
+        assert wait_until(lambda: len(watcher.snapshot()) == 5, 5)
+        cursor, changes = watcher.changes_since(None)
+        assert changes is None
+        load = instance_pb2.LoadReport(num_running=3)
+        registry.store.heartbeat("c2", leases["c2"].lease_id, load)
+        assert wait_until(lambda: watcher.snapshot()["c2"].load.num_running == 3, 5)
+        cursor, changes = watcher.changes_since(cursor)
+        assert changes is not None and list(changes) == ["c2"]
+        assert changes["c2"] is watcher.snapshot()["c2"]
+        registry.store.deregister("c4", leases["c4"].lease_id, drain=False)
+        assert wait_until(lambda: "c4" not in watcher.snapshot(), 5)
+        cursor, changes = watcher.changes_since(cursor)
+        assert changes == {"c4": None}
+        assert watcher.changes_since(cursor) == (cursor, {})
+        stale = (cursor[0] - 1, cursor[1])  # type: ignore[index]
+        assert watcher.changes_since(stale)[1] is None
+    finally:
+        watcher.stop()

@@ -55,14 +55,14 @@ def test_invalid_config_names_the_key(extra: dict, named: str) -> None:
 def test_transport_options_follow_the_transport() -> None:
     assert ConnectorConfig(chunk_bytes=1024).transport_options() == {"chunk_bytes": 1024}
     nccl = ConnectorConfig.from_extra_config(
-        {"transport": "nccl", "nccl_strategy": "grouped", "push_ttl_s": 5}
+        {"transport": "nccl", "nccl_chunk_bytes": 1 << 20, "push_ttl_s": 5}
     )
-    assert nccl.transport_options() == {"nccl_strategy": "grouped", "push_ttl_s": 5}
+    assert nccl.transport_options() == {"nccl_chunk_bytes": 1 << 20, "push_ttl_s": 5}
     # tls_ca is the connector's channels' (every transport's stubs share them), not an option
     tls = ConnectorConfig.from_extra_config({"transport": "nccl", "tls_ca": "/etc/pdplane/ca.pem"})
     assert tls.transport_options() == {}
-    with pytest.raises(ConnectorConfigError, match="nccl_strategy"):
-        ConnectorConfig.from_extra_config({"nccl_strategy": "scatter"})
+    with pytest.raises(ConnectorConfigError, match="nccl_strategy"):  # not an option
+        ConnectorConfig.from_extra_config({"nccl_strategy": "gather"})
 
 
 def test_tokens_come_from_files_when_the_environment_has_none(

@@ -14,7 +14,6 @@ import torch
 from pdplane.connector.transports.nccl import blocks
 from pdplane.connector.transports.nccl.blocks import BlockMover, layer_byte_view
 from pdplane.connector.transports.nccl.communicator import P2pOp
-from pdplane.connector.transports.nccl.plan import Strategy
 from tests.unit.nccl.fabric import FakeStream, cpu_cuda  # noqa: F401 - a fixture
 
 NUM_BLOCKS = 12
@@ -81,8 +80,8 @@ def test_gathered_blocks_land_in_the_requested_blocks(
     chunk_bytes = chunk_blocks * max(sender.layer_block_bytes)
     src, dst = [7, 2, 9, 0, 11], [1, 10, 4, 5, 3]
     wire = Wire()
-    sent = sender.enqueue(FakeComm(wire), True, src, Strategy.GATHER, 0.0, chunk_bytes)
-    got = receiver.enqueue(FakeComm(wire), False, dst, Strategy.GATHER, 0.0, chunk_bytes)
+    sent = sender.enqueue(FakeComm(wire), True, src, 0.0, chunk_bytes)
+    got = receiver.enqueue(FakeComm(wire), False, dst, 0.0, chunk_bytes)
     assert sent == got == len(src) * sum(sender.layer_block_bytes)
     assert wire.messages == []
     for s_cache, d_cache in zip(src_caches, dst_caches, strict=True):
@@ -94,7 +93,7 @@ def test_gathered_blocks_land_in_the_requested_blocks(
 def test_many_chunks_use_two_staging_buffers(recorded: list[int]) -> None:
     sender = _mover(_caches(2))
     comm = FakeComm(Wire())
-    sender.enqueue(comm, True, list(range(8)), Strategy.GATHER, 0.0, max(sender.layer_block_bytes))
+    sender.enqueue(comm, True, list(range(8)), 0.0, max(sender.layer_block_bytes))
     assert len(comm.ops) > 2
     assert len({op.ptr for op in comm.ops}) == 2  # alternating between two buffers
     assert comm.stream.waited_on[-1] is comm.copy_stream  # comm.wait covers the last copies
@@ -104,7 +103,7 @@ def test_a_failed_enqueue_still_hands_the_memory_to_both_streams(recorded: list[
     sender = _mover(_caches(3))
     comm = FakeComm(Wire(), fail_at=1)  # the second message fails (an abort meanwhile)
     with pytest.raises(RuntimeError, match="aborted"):
-        sender.enqueue(comm, True, [0, 1, 2, 3], Strategy.GATHER, 0.0, 256)
+        sender.enqueue(comm, True, [0, 1, 2, 3], 0.0, 256)
     assert comm.stream.waited_on[-1] is comm.copy_stream
     # two staging buffers and the index, each recorded on both streams
     assert len(recorded) == 6
@@ -133,10 +132,10 @@ def test_few_blocks_copied_slice_by_slice_keep_the_staging_layout(
     monkeypatch.setattr(blocks, "ROW_COPY_MAX_SLICES", limit[rows_on in ("both", "sender")])
     built: list[int] = []
     monkeypatch.setattr(sender, "_index", lambda ids: built.append(len(ids)) or torch.tensor(ids))
-    sender.enqueue(FakeComm(wire), True, src, Strategy.GATHER, 0.0, chunk_bytes)
+    sender.enqueue(FakeComm(wire), True, src, 0.0, chunk_bytes)
     assert built == ([] if rows_on in ("both", "sender") else [len(src)])
     monkeypatch.setattr(blocks, "ROW_COPY_MAX_SLICES", limit[rows_on in ("both", "receiver")])
-    receiver.enqueue(FakeComm(wire), False, dst, Strategy.GATHER, 0.0, chunk_bytes)
+    receiver.enqueue(FakeComm(wire), False, dst, 0.0, chunk_bytes)
     for s, d in zip(src_caches, dst_caches, strict=True):
         assert torch.equal(d[:, dst], s[:, src])
         others = [b for b in range(NUM_BLOCKS) if b not in dst]

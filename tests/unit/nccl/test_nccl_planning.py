@@ -9,15 +9,7 @@ import torch
 
 from pdplane.connector.transports.nccl.binding import UniqueId, _Config, nccl_version_code
 from pdplane.connector.transports.nccl.blocks import layer_byte_view, physical_order
-from pdplane.connector.transports.nccl.plan import (
-    Chunk,
-    Piece,
-    Run,
-    Strategy,
-    contiguous_runs,
-    plan_chunks,
-    split_runs,
-)
+from pdplane.connector.transports.nccl.plan import Chunk, Piece, plan_chunks
 
 
 def test_plan_chunks_packs_whole_layers_while_they_fit() -> None:
@@ -48,29 +40,6 @@ def test_plan_chunks_rejects_a_chunk_smaller_than_a_block() -> None:
     with pytest.raises(ValueError, match="cannot hold one"):
         plan_chunks([100], num_blocks=1, chunk_bytes=99)
     assert plan_chunks([100], num_blocks=0, chunk_bytes=100) == []
-
-
-def test_contiguous_runs_break_where_either_side_jumps() -> None:
-    src = [4, 5, 6, 9, 10, 11]
-    dst = [0, 1, 7, 8, 9, 20]
-    assert contiguous_runs(src, dst) == [Run(0, 2), Run(2, 1), Run(3, 2), Run(5, 1)]
-    assert contiguous_runs([], []) == []
-    with pytest.raises(ValueError):
-        contiguous_runs([1], [1, 2])
-
-
-def test_split_runs_checks_the_senders_side() -> None:
-    assert split_runs([2, 1], [3, 4, 9]) == [Run(0, 2), Run(2, 1)]
-    with pytest.raises(ValueError, match="not consecutive"):
-        split_runs([3], [3, 4, 9])
-    with pytest.raises(ValueError, match="do not cover"):
-        split_runs([1], [3, 4])
-
-
-def test_strategy_parse_names_the_choices() -> None:
-    assert Strategy.parse("grouped") is Strategy.GROUPED
-    with pytest.raises(ValueError, match="gather"):
-        Strategy.parse("scatter")
 
 
 def test_physical_order_follows_strides() -> None:
@@ -122,10 +91,10 @@ def test_nccl_ctypes_layouts_match_the_c_api() -> None:
 def test_transport_options_are_validated_without_a_gpu() -> None:
     from pdplane.connector.transports import create_transport
 
-    t = create_transport("nccl", nccl_strategy="grouped", nccl_chunk_bytes=1 << 20)
+    t = create_transport("nccl", nccl_chunk_bytes=1 << 20)
     assert t.name == "nccl"
-    with pytest.raises(ValueError, match="unknown NCCL strategy"):
-        create_transport("nccl", nccl_strategy="fast")
+    with pytest.raises(TypeError, match="nccl_strategy"):  # a removed option is refused
+        create_transport("nccl", nccl_strategy="gather")
     with pytest.raises(ValueError):
         create_transport("nccl", nccl_chunk_bytes=0)
     with pytest.raises(RuntimeError, match="before bind"):

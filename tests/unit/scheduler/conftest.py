@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import pytest
 
 from pdplane.scheduler.candidate import Candidate
-from pdplane.scheduler.view import StaticSource
+from pdplane.scheduler.view import Changes, StaticSource
 from pdplane.v1 import instance_pb2
 from tests.integration.registry.fixtures import make_spec
 from tests.integration.scheduler.fixtures import ROLES
@@ -51,15 +51,21 @@ def instance(
 
 
 class FakeSource(StaticSource):
-    """A StaticSource that counts how often the view re-read it."""
+    """A StaticSource that counts how often the view re-read it: whole (`snapshots`) or by
+    its change log (`log_reads`)."""
 
     def __init__(self, *instances: instance_pb2.Instance) -> None:
         super().__init__(*instances)
         self.snapshots = 0
+        self.log_reads = 0
 
     def snapshot(self) -> dict[str, instance_pb2.Instance]:
         self.snapshots += 1
         return super().snapshot()
+
+    def changes_since(self, cursor: Hashable | None) -> tuple[Hashable, Changes | None]:
+        self.log_reads += 1
+        return super().changes_since(cursor)
 
 
 @pytest.fixture

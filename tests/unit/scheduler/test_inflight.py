@@ -10,6 +10,18 @@ import pytest
 from pdplane.scheduler.candidate import Candidate
 from pdplane.scheduler.compat import split_sides
 from pdplane.scheduler.inflight import InflightTracker
+from pdplane.scheduler.table import ModelTables
+
+
+def eligible_decodes(
+    candidates: list[Candidate], tracker: InflightTracker, tokens: int, push_tokens: int | None
+) -> list[Candidate]:
+    """The decodes the filter lets through, their tables' in-flight columns read from
+    `tracker` (its pending blocks for the KV room check, its assigned ones for the buffer)."""
+    tables = ModelTables(candidates)
+    tables.decode.write_all(tracker)
+    _, decode = split_sides(tables, tokens=tokens, exclude=(), push_tokens=push_tokens)
+    return [tables.decode.candidates[row] for row in decode.rows]
 
 
 class Clock:
@@ -109,14 +121,7 @@ def test_requests_released_after_a_report_give_their_kv_blocks_back(
     assert tracker.pending_blocks(busy) == 20
 
     def turned_down() -> bool:
-        _, decode = split_sides(
-            [busy],
-            tokens=544,
-            exclude=(),
-            pending_blocks=tracker.pending_blocks,
-            assigned_blocks=tracker.assigned_blocks,
-        )
-        return not decode.eligible
+        return not eligible_decodes([busy], tracker, tokens=544, push_tokens=None)
 
     assert turned_down()  # 24 - 20 = 4 blocks left: no room for 5
     tracker.release("r0")  # counted in the report, its 5 blocks freed since
@@ -180,12 +185,5 @@ def test_releases_of_requests_a_report_counted_give_no_receive_buffer_back(
     for i in range(8):
         tracker.release(f"r{i}")  # 40 KV blocks of credit, no buffer room
     assert tracker.pending_blocks(busy) < 0 and tracker.assigned_blocks(busy) == 10
-    _, decode = split_sides(
-        [busy, roomy],
-        tokens=544,
-        exclude=(),
-        pending_blocks=tracker.pending_blocks,
-        assigned_blocks=tracker.assigned_blocks,
-        push_tokens=544,
-    )
-    assert decode.eligible == [roomy]  # busy has KV room but no buffer room for 5 blocks
+    eligible = eligible_decodes([busy, roomy], tracker, tokens=544, push_tokens=544)
+    assert eligible == [roomy]  # busy has KV room but no buffer room for 5 blocks

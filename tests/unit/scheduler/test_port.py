@@ -68,9 +68,12 @@ def test_every_feature_is_a_schedule_request_field_and_nothing_else() -> None:
 
 def test_features_and_decisions_survive_the_wire() -> None:
     back = features_from_pb(features_to_pb(FEATURES))
-    assert dataclasses.replace(back, prefix_block_hashes=tuple(back.prefix_block_hashes)) == (
-        FEATURES
-    )
+    # Repeated fields come back as the message's container and uint64 arrays (no copy into
+    # Python ints): compared by value.
+    as_tuples = {size: tuple(int(h) for h in hashes) for size, hashes in back.prefix_hashes.items()}
+    assert dataclasses.replace(
+        back, prefix_block_hashes=tuple(back.prefix_block_hashes), prefix_hashes=as_tuples
+    ) == (FEATURES)
     assert features_to_pb(FEATURES).prefix_hashes[0].hash_version == HASH_VERSION
     ref = scheduler_pb2.InstanceRef(
         instance_id="d0", url="http://d0", kv_endpoint="d0:1", transport=instance_pb2.TRANSPORT_NCCL
@@ -82,7 +85,10 @@ def test_features_and_decisions_survive_the_wire() -> None:
 def test_prefix_hashes_of_another_hash_version_are_dropped_and_a_repeated_size_refused() -> None:
     request = features_to_pb(FEATURES)
     request.prefix_hashes[1].hash_version = HASH_VERSION + 1
-    assert features_from_pb(request).prefix_hashes == {16: (5, 2**64 - 1, 7)}
+    kept = features_from_pb(request).prefix_hashes
+    assert {size: [int(h) for h in hashes] for size, hashes in kept.items()} == {
+        16: [5, 2**64 - 1, 7]
+    }
     request.prefix_hashes.add(block_size=16, block_hashes=[1], hash_version=HASH_VERSION)
     with pytest.raises(InvalidRequest, match="block_size 16 given twice"):
         features_from_pb(request)

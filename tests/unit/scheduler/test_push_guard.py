@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 from pdplane.scheduler.candidate import Candidate
 from pdplane.scheduler.compat import split_sides
+from pdplane.scheduler.table import ModelTables
 
 BLOCK = 1 << 20  # bytes of one KV cache block (all layers), as the load report says
 MakeCandidate = Callable[..., Candidate]
@@ -23,16 +24,25 @@ def _decode(make_candidate: MakeCandidate, name: str, headroom_blocks: int) -> C
     )
 
 
+class _Assigned:
+    """In-flight counts of a tracker that assigned `blocks` KV blocks to every decode since
+    its report (pending and assigned alike)."""
+
+    def __init__(self, blocks: int) -> None:
+        self.blocks = blocks
+
+    def counts(self, candidate: Candidate, decode: bool) -> tuple[int, int, int, int]:
+        return 0, self.blocks, self.blocks, 0
+
+    def unseen_count(self, instance_id: str) -> int:
+        return 0
+
+
 def _eligible(candidates: list[Candidate], push_tokens: int, pending: int = 0) -> list[str]:
-    _, decode = split_sides(
-        candidates,
-        tokens=push_tokens + 64,
-        exclude=(),
-        pending_blocks=lambda c: pending,
-        assigned_blocks=lambda c: pending,
-        push_tokens=push_tokens,
-    )
-    return [c.instance_id for c in decode.eligible]
+    tables = ModelTables(candidates)
+    tables.decode.write_all(_Assigned(pending))  # type: ignore[arg-type]
+    _, decode = split_sides(tables, tokens=push_tokens + 64, exclude=(), push_tokens=push_tokens)
+    return [tables.decode.candidates[row].instance_id for row in decode.rows]
 
 
 def test_a_full_receive_buffer_is_set_aside(make_candidate: MakeCandidate) -> None:

@@ -22,21 +22,42 @@ def test_groups_by_model_sorted_by_id(
     assert view.candidates("nope") == ()
 
 
-def test_rereads_only_when_the_revision_moves(
+def test_rereads_only_when_the_revision_moves_and_a_heartbeat_by_its_change_alone(
     fake_source: type, make_instance: Callable[..., instance_pb2.Instance]
 ) -> None:
     source = fake_source(make_instance("a", revision=1), make_instance("b", revision=1))
     view = CandidateView(source)
     first = view.candidates("tiny")
     view.candidates("tiny")
-    assert source.snapshots == 1
+    assert (source.snapshots, source.log_reads) == (1, 1)
     source.put(make_instance("b", revision=2, num_running=4))
     second = view.candidates("tiny")
-    assert source.snapshots == 2
+    # The change log says what moved: no copy of the whole view.
+    assert (source.snapshots, source.log_reads) == (1, 2)
     assert second[0] is first[0]  # unchanged instance: same Candidate object
     assert second[1].num_running == 4
-    source.remove("a")
+    source.remove("a")  # instances came or went: regrouped from a snapshot
     assert [c.instance_id for c in view.candidates("tiny")] == ["b"]
+    assert source.snapshots == 2
+
+
+def test_a_source_without_a_change_log_is_reread_whole(
+    make_instance: Callable[..., instance_pb2.Instance],
+) -> None:
+    class Plain:
+        def __init__(self) -> None:
+            self.revision = 1
+            self.instances = {"a": make_instance("a"), "b": make_instance("b", "decode")}
+
+        def snapshot(self) -> dict[str, instance_pb2.Instance]:
+            return dict(self.instances)
+
+    source = Plain()
+    view = CandidateView(source)
+    assert [c.num_running for c in view.candidates("tiny")] == [0, 0]
+    source.instances["b"] = make_instance("b", "decode", num_running=2)
+    source.revision = 2
+    assert [c.num_running for c in view.candidates("tiny")] == [0, 2]
 
 
 def test_mark_dirty_forces_a_reread(
@@ -47,7 +68,7 @@ def test_mark_dirty_forces_a_reread(
     view.candidates("tiny")
     view.mark_dirty({})
     view.candidates("tiny")
-    assert source.snapshots == 2
+    assert source.log_reads == 2
 
 
 def test_knows_when_a_model_has_a_single_pair_key(

@@ -32,6 +32,7 @@ from collections.abc import Collection, Iterable, Sequence
 from enum import StrEnum
 
 import numpy as np
+import numpy.typing as npt
 
 from pdplane.core.kv_events import DEFAULT_MEDIUM
 from pdplane.core.prefix_hash import HASH_VERSION, block_hashes
@@ -46,6 +47,7 @@ __all__ = ["InstanceBlocks", "KvState", "PrefixIndex"]
 log = logging.getLogger(__name__)
 
 _FIRST_CHUNK = 64  # blocks probed by match's first step (1k tokens at block size 16)
+_FEW_HOLDERS = 16  # holders of one depth written one by one; more: from the bitmask in bulk
 
 
 class KvState(StrEnum):
@@ -314,6 +316,10 @@ class PrefixIndex:
         self._free_slots: list[int] = []
         self._next_slot = 0
         self._live = 0  # bitmask of LIVE instances
+        #: 1 per LIVE slot (the decision tables read it: `pdplane.scheduler.table` KV_SLOT).
+        self.live_slots = np.zeros(64, np.uint8)
+        #: Bumped whenever an instance gets or gives up its slot.
+        self.slots_version = 0
 
     # -- instances -----------------------------------------------------------------------------
 
@@ -330,6 +336,7 @@ class PrefixIndex:
         inst = InstanceBlocks(self, instance_id, slot)
         self._instances[instance_id] = inst
         self._by_slot[slot] = inst
+        self.slots_version += 1
         return inst
 
     def remove_instance(self, instance_id: str) -> None:
@@ -341,6 +348,7 @@ class PrefixIndex:
         inst.clear()
         del self._by_slot[inst.slot]
         self._free_slots.append(inst.slot)
+        self.slots_version += 1
 
     def instance(self, instance_id: str) -> InstanceBlocks | None:
         return self._instances.get(instance_id)
@@ -352,10 +360,18 @@ class PrefixIndex:
         """Marks an instance SYNCING / LIVE / STALE; only LIVE ones are matched."""
         inst.state = state
         inst.state_reason = reason
+        live = self.live_slots
+        if inst.slot >= len(live):
+            # Grown whole and then swapped in: a reader sees the old array or the new one.
+            grown = np.zeros(max(2 * len(live), inst.slot + 1), np.uint8)
+            grown[: len(live)] = live
+            self.live_slots = live = grown
         if state is KvState.LIVE:
             self._live |= inst.bit
+            live[inst.slot] = 1
         else:
             self._live &= ~inst.bit
+            live[inst.slot] = 0
 
     # -- lookup --------------------------------------------------------------------------------
 
@@ -370,7 +386,8 @@ class PrefixIndex:
 
         Args:
             hashes: the prompt's own block hashes (`pdplane.core.prefix_hash.block_hashes`
-                of its token ids with the instances' block size), in order.
+                of its token ids with the instances' block size), in order: ints, or a
+                contiguous uint64 array (probed without a copy).
             medium: which cache tier to look in ("GPU" = the engine's device cache).
             instances: only these instance ids (e.g. the compatible candidates); None = all.
 
@@ -378,7 +395,6 @@ class PrefixIndex:
             instance id -> number of leading blocks of `hashes` it holds (>= 1); instances
             holding none are absent. Cached tokens = blocks * block size.
         """
-        table = self.tables.get(medium)
         alive = self._live
         if instances is not None:
             mask = 0
@@ -387,10 +403,47 @@ class PrefixIndex:
                 if inst is not None:
                     mask |= inst.bit
             alive &= mask
-        if not table or not alive or not len(hashes):
-            return {}
         found: dict[str, int] = {}
-        by_slot = self._by_slot
+        for bits, depth in self.match_groups(hashes, medium=medium, among=alive):
+            _report(bits, depth, self._by_slot, found)
+        return found
+
+    def match_slots(
+        self, hashes: Sequence[int], out: npt.NDArray[np.float64], scale: int = 1
+    ) -> bool:
+        """`match` for the decision tables, per index slot and in bulk: out[slot] becomes at
+        least `scale` x the leading blocks of `hashes` the LIVE instance in `slot` holds
+        (`out` float64, at least `len(live_slots)` long, left as it is elsewhere). With a
+        shared system prompt every instance holds a prefix: the holders are then written a
+        group (same depth) at a time from the group's bitmask, not one by one. Returns
+        whether any instance holds one."""
+        groups = self.match_groups(hashes)
+        n = len(out)
+        for bits, depth in groups:
+            value = float(depth * scale)
+            if bits.bit_count() <= _FEW_HOLDERS:
+                while bits:
+                    low = bits & -bits
+                    slot = low.bit_length() - 1
+                    if slot < n and out.item(slot) < value:
+                        out[slot] = value
+                    bits ^= low
+            else:
+                held = _slots_of(bits, n)
+                np.maximum(out, held * value, out=out)
+        return bool(groups)
+
+    def match_groups(
+        self, hashes: Sequence[int], *, medium: str = DEFAULT_MEDIUM, among: int | None = None
+    ) -> list[tuple[int, int]]:
+        """The walk behind `match`: [(bitmask of instance slots, blocks)] — the LIVE instances
+        (of `among`, a slot bitmask; None = all) whose cached prefix of `hashes` ends after
+        that many blocks, deepest last; one entry per distinct depth."""
+        table = self.tables.get(medium)
+        alive = self._live if among is None else among
+        if not table or not alive or not len(hashes):
+            return []
+        groups: list[tuple[int, int]] = []
         masks = self.holder_sets.masks
         ids = table.ids
         special = ids.special
@@ -398,29 +451,42 @@ class PrefixIndex:
         depth = 0
         start = 0
         chunk = _FIRST_CHUNK
+        if isinstance(hashes, np.ndarray):
+            # uint64 already (a received request's): probed whole, the kernel stops at the
+            # first block no instance holds.
+            chunk = len(hashes)
         while start < len(hashes):
-            # Probe a chunk of blocks at a time (64, then doubling): most walks end early.
-            keys = np.fromiter(hashes[start : start + chunk], np.uint64)
+            # Probe a chunk of blocks at a time (64, then doubling): most walks end early, and
+            # hashes given as ints are converted only as far as they are probed.
+            part = hashes[start : start + chunk]
+            keys = part if isinstance(part, np.ndarray) else np.fromiter(part, np.uint64)
             hkeys, hvals, hbits = ids.arrays  # one read: a table growing meanwhile is new
-            out = match_runs(hkeys, hvals, hbits, keys, sid0, sid1).tolist()
-            held, runs = out[0], out[1]
+            found = match_runs(hkeys, hvals, hbits, keys, sid0, sid1)
+            held, runs = int(found[0]), int(found[1])
+            out = found[: 2 + 2 * runs].tolist()
             # Walk runs of blocks with the same holder set: one step per run, not per block.
             for r in range(2, 2 + 2 * runs, 2):
                 held_by = masks[out[r]] & alive
                 if held_by != alive:
                     if depth:
-                        _report(alive & ~held_by, depth, by_slot, found)
+                        groups.append((alive & ~held_by, depth))
                     alive = held_by
                     if not alive:
-                        return found
+                        return groups
                 depth += out[r + 1]
             if held < len(keys):
                 break
             start += len(keys)
             chunk *= 2
         if depth:
-            _report(alive, depth, by_slot, found)
-        return found
+            groups.append((alive, depth))
+        return groups
+
+
+def _slots_of(bits: int, n: int) -> npt.NDArray[np.bool_]:
+    """Bitmask of slots -> bool per slot (n of them), in one pass over its bytes."""
+    raw = np.frombuffer(bits.to_bytes((max(n, bits.bit_length()) + 7) // 8, "little"), np.uint8)
+    return np.unpackbits(raw, bitorder="little")[:n].astype(np.bool_)
 
 
 def _given_own(msg: kv_events_pb2.BlockStored) -> Sequence[int] | None:

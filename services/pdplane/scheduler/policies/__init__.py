@@ -1,7 +1,7 @@
 """Scheduling policies: one per module; adding one is a new module plus one line below.
 
 Each module defines `NAME`, a factory `create(*, seed=None, ...)` and the policy class
-(interface in `base`).
+(interface in `base`: a policy scores a `Pool`, the candidates' state as arrays).
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from pdplane.scheduler.policies import (
     random,
     round_robin,
 )
-from pdplane.scheduler.policies.base import Pick, PickContext, Policy, PolicyFactory
+from pdplane.scheduler.policies.base import Pick, PickContext, Policy, PolicyFactory, Pool
 
-__all__ = ["POLICIES", "Pick", "PickContext", "Policy", "PolicyFactory", "make_policy"]
+__all__ = ["POLICIES", "Pick", "PickContext", "Policy", "PolicyFactory", "Pool", "make_policy"]
 
 #: policy name -> factory; the names are the values of --prefill-policy / --decode-policy.
 POLICIES: dict[str, PolicyFactory] = {

@@ -36,15 +36,25 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from pdplane.scheduler.candidate import Candidate
-from pdplane.scheduler.policies.base import Pick, PickContext
+import numba
+import numpy as np
+import numpy.typing as npt
+
+from pdplane.scheduler.policies.base import Pick, PickContext, Pool
+from pdplane.scheduler.table import BLOCK_SIZE, KV_SLOT, QUEUED_TOKENS, REQUESTS, UNSEEN, USAGE
 
 __all__ = ["LOCAL_PREFILL_MAX_TOKENS", "NAME", "KvAware", "KvAwareWeights", "create"]
 
 NAME = "kv_aware"
+
+F64s = npt.NDArray[np.float64]
+I64s = npt.NDArray[np.int64]
+U8s = npt.NDArray[np.uint8]
+
+_NO_HITS = np.zeros(0)
 
 #: Default of --local-prefill-max-tokens (conditional disaggregation): under both the break-even
 #: of a prefill leg's fixed cost and the ITL bound of the CPU cost model fitted to real vLLM
@@ -82,50 +92,138 @@ def create(*, seed: int | None = None, weights: KvAwareWeights | None = None) ->
 
 
 class KvAware:
-    """Lowest cost among the candidates within the load bound; equal costs taken in turn."""
+    """Lowest cost among the candidates within the load bound; equal costs taken in turn.
+
+    The cost of every candidate is computed in one compiled pass over the pool's columns;
+    the prefix hits come in as the pool's `cached` column (zeros except the few holders the
+    KV lookup returned).
+    """
 
     name = NAME
 
     def __init__(self, weights: KvAwareWeights) -> None:
         self.weights = weights
         self._turn = itertools.count()
+        w = weights
+        # The kernel's weights per side: hit weight, request tokens, KV usage tokens, c.
+        self._prefill = np.array([1.0, w.request_tokens, w.kv_usage_tokens, w.load_factor])
+        self._decode = np.array(
+            [w.decode_hit_weight, w.request_tokens, w.kv_usage_tokens, w.load_factor]
+        )
+        one = np.zeros(1, np.int64)
+        _score(
+            np.zeros((1, 17)),
+            one,
+            _NO_HITS,
+            False,
+            np.zeros(0, np.uint8),
+            1,
+            True,
+            self._prefill,
+            0,
+        )
 
-    def pick(self, candidates: Sequence[Candidate], ctx: PickContext) -> Pick:
-        w = self.weights
-        hit_weight = 1.0 if ctx.side == "prefill" else w.decode_hit_weight
-        requests = [max(ctx.load(c) - c.kv_cache_usage, 0.0) for c in candidates]
-        cap = math.ceil(w.load_factor * (sum(requests) + 1) / len(candidates))
-        fits = [i for i, r in enumerate(requests) if r + 1 <= cap] or range(len(candidates))
-        live = sum(1 for c in candidates if ctx.kv_live(c))
-        best: list[int] = []
-        best_cost = math.inf
-        cached_of: dict[int, int] = {}
-        for i in fits:
-            c = candidates[i]
-            cached = cached_of[i] = (
-                min(ctx.cached_tokens(c), ctx.prompt_tokens) if live and ctx.kv_live(c) else 0
-            )
-            cost = (
-                hit_weight * (ctx.prompt_tokens - cached)
-                + ctx.queued_prefill_tokens(c)
-                + w.request_tokens * requests[i]
-                + w.kv_usage_tokens * c.kv_cache_usage
-            )
-            if cost < best_cost:
-                best, best_cost = [i], cost
-            elif cost == best_cost:
-                best.append(i)
-        chosen = best[next(self._turn) % len(best)]
-        skipped = len(candidates) - len(fits)
+    def pick(self, pool: Pool, ctx: PickContext) -> Pick:
+        prefill = ctx.side == "prefill"
+        cached = pool.cached if pool.cached is not None else _NO_HITS
+        i, cost, requests, cap, skipped, live, cached_tokens = _score(
+            pool.cols,
+            pool.rows,
+            cached,
+            pool.cached_per_block,
+            pool.live_slots,
+            ctx.prompt_tokens,
+            prefill,
+            self._prefill if prefill else self._decode,
+            next(self._turn),
+        )
+        n = len(pool)
         bound = f", {skipped} over load cap {cap}" if skipped else ""
         if not live:
-            return Pick(
-                candidates[chosen],
-                f"{NAME}: no live KV index, load={requests[chosen]:.0f} of "
-                f"{len(candidates)}{bound}",
-            )
-        return Pick(
-            candidates[chosen],
-            f"{NAME}: cached={cached_of[chosen]}/{ctx.prompt_tokens} tokens, cost={best_cost:.0f} "
-            f"of {len(candidates)} ({live} live){bound}",
+            return pool.pick(i, f"{NAME}: no live KV index, load={requests:.0f} of {n}{bound}")
+        return pool.pick(
+            i,
+            f"{NAME}: cached={cached_tokens}/{ctx.prompt_tokens} tokens, cost={cost:.0f} "
+            f"of {n} ({live} live){bound}",
         )
+
+
+def _compile(  # the columns are closure cells: part of numba's cache key
+    requests_col: int = REQUESTS,
+    unseen_col: int = UNSEEN,
+    kv_slot_col: int = KV_SLOT,
+    queued_col: int = QUEUED_TOKENS,
+    usage_col: int = USAGE,
+    block_size_col: int = BLOCK_SIZE,
+) -> Callable[..., tuple[int, float, float, int, int, int, int]]:
+    @numba.njit(cache=True, nogil=True)
+    def score(
+        cols: F64s,
+        rows: I64s,
+        cached: F64s,
+        cached_per_block: bool,
+        live_slots: U8s,
+        prompt_tokens: int,
+        with_queued: bool,
+        weights: F64s,
+        turn: int,
+    ) -> tuple[int, float, float, int, int, int, int]:  # pragma: no cover - compiled
+        """(position chosen, its cost, its requests, load cap, candidates over the cap, LIVE
+        candidates, its cached tokens counted) over `rows` of `cols` (module doc); `weights`
+        = (hit weight, request tokens, KV usage tokens, load factor)."""
+        hit_weight, request_tokens, kv_usage_tokens = weights[0], weights[1], weights[2]
+        load_factor = weights[3]
+        n = rows.shape[0]
+        requests = np.empty(n)
+        total = 0.0
+        live = 0
+        slots = live_slots.shape[0]
+        for i in range(n):  # first pass: requests (for the cap) and LIVE candidates
+            row = rows[i]
+            r = cols[row, requests_col] + cols[row, unseen_col]
+            requests[i] = r if r > 0.0 else 0.0
+            total += requests[i]
+            slot = np.int64(cols[row, kv_slot_col])
+            if 0 <= slot < slots and live_slots[slot]:
+                live += 1
+        cap = np.int64(math.ceil(load_factor * (total + 1.0) / n))
+        fitting = 0
+        for i in range(n):
+            if requests[i] + 1.0 <= cap:
+                fitting += 1
+        best = np.inf
+        ties = 0
+        tied = np.empty(n, np.int64)  # positions of the lowest cost so far, in order
+        hits = np.zeros(n)
+        for i in range(n):
+            if fitting and requests[i] + 1.0 > cap:
+                continue
+            row = rows[i]
+            hit = 0.0
+            slot = np.int64(cols[row, kv_slot_col])
+            if live and 0 <= slot < cached.shape[0]:
+                # The lookup's value for the row's index slot, capped at the prompt.
+                hit = cached[slot] * (cols[row, block_size_col] if cached_per_block else 1.0)
+                hit = min(hit, prompt_tokens)
+            hits[i] = hit
+            cost = (
+                hit_weight * (prompt_tokens - hit)
+                + (cols[row, queued_col] if with_queued else 0.0)
+                + request_tokens * requests[i]
+                + kv_usage_tokens * cols[row, usage_col]
+            )
+            if cost < best:
+                best = cost
+                ties = 0
+            if cost == best:
+                tied[ties] = i
+                ties += 1
+        chosen = tied[turn % ties]
+        hit = hits[chosen]
+        skipped = n - fitting if fitting else 0
+        return chosen, best, float(requests[chosen]), int(cap), skipped, live, int(hit)
+
+    return score  # type: ignore[no-any-return]
+
+
+_score = _compile()

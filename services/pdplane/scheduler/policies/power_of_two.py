@@ -6,10 +6,8 @@ Cheaper than a full scan and avoids every scheduler replica herding onto the sam
 from __future__ import annotations
 
 import random as _random
-from collections.abc import Sequence
 
-from pdplane.scheduler.candidate import Candidate
-from pdplane.scheduler.policies.base import Pick, PickContext
+from pdplane.scheduler.policies.base import Pick, PickContext, Pool
 
 NAME = "power_of_two"
 
@@ -27,13 +25,11 @@ class PowerOfTwo:
     def __init__(self, seed: int | None = None) -> None:
         self._rng = _random.Random(seed)
 
-    def pick(self, candidates: Sequence[Candidate], ctx: PickContext) -> Pick:
-        if len(candidates) == 1:
-            only = candidates[0]
-            return Pick(only, f"{NAME}: only candidate, load={ctx.load(only):.2f}")
-        first, second = self._rng.sample(range(len(candidates)), 2)
-        a, b = candidates[first], candidates[second]
-        load_a, load_b = ctx.load(a), ctx.load(b)
+    def pick(self, pool: Pool, ctx: PickContext) -> Pick:
+        if len(pool) == 1:
+            return pool.pick(0, f"{NAME}: only candidate, load={pool.load(0):.2f}")
+        first, second = self._rng.sample(range(len(pool)), 2)
+        load_a, load_b = pool.load(first), pool.load(second)
         if load_b < load_a:
-            a, load_a, load_b = b, load_b, load_a
-        return Pick(a, f"{NAME}: load={load_a:.2f} vs {load_b:.2f}")
+            first, load_a, load_b = second, load_b, load_a
+        return pool.pick(first, f"{NAME}: load={load_a:.2f} vs {load_b:.2f}")

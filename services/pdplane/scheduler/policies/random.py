@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import random as _random
-from collections.abc import Sequence
 
-from pdplane.scheduler.candidate import Candidate
-from pdplane.scheduler.policies.base import Pick, PickContext
+from pdplane.scheduler.policies.base import Pick, PickContext, Pool
 
 NAME = "random"
 
@@ -24,6 +22,7 @@ class RandomPick:
     def __init__(self, seed: int | None = None) -> None:
         self._rng = _random.Random(seed)
 
-    def pick(self, candidates: Sequence[Candidate], ctx: PickContext) -> Pick:
-        index = self._rng.randrange(len(candidates))
-        return Pick(candidates[index], f"{NAME}: {index + 1}/{len(candidates)}")
+    def pick(self, pool: Pool, ctx: PickContext) -> Pick:
+        n = len(pool)
+        index = self._rng.randrange(n)
+        return pool.pick(index, f"{NAME}: {index + 1}/{n}")

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
-from pdplane.scheduler.candidate import Candidate
-from pdplane.scheduler.policies.base import Pick, PickContext
+from pdplane.scheduler.policies.base import Pick, PickContext, Pool
 
 NAME = "round_robin"
 
@@ -23,7 +20,8 @@ class RoundRobin:
     def __init__(self) -> None:
         self._next = 0
 
-    def pick(self, candidates: Sequence[Candidate], ctx: PickContext) -> Pick:
-        index = self._next % len(candidates)
+    def pick(self, pool: Pool, ctx: PickContext) -> Pick:
+        n = len(pool)
+        index = self._next % n
         self._next = index + 1
-        return Pick(candidates[index], f"{NAME}: {index + 1}/{len(candidates)}")
+        return pool.pick(index, f"{NAME}: {index + 1}/{n}")

@@ -11,7 +11,7 @@
 | `push.py` | push mode: bounded GPU receive buffer (`ReceiveBuffer`), pinned-host spill, sessions |
 | `communicator.py` | one rank of a 2-rank communicator: non-blocking init, bounded waits, abort |
 | `errors.py` | `NcclTransferError` |
-| `blocks.py` | physical byte view of any backend's KV tensor; gather/scatter and grouped sends |
+| `blocks.py` | physical byte view of any backend's KV tensor; gather, send, receive, scatter |
 | `plan.py` | how requested blocks become messages (pure Python) |
 | `binding.py` | ctypes binding of the few libnccl calls used |
 
@@ -29,7 +29,6 @@ from pdplane.connector.transports.nccl.communicator import (
 )
 from pdplane.connector.transports.nccl.engine import NcclEngine, PullTiming
 from pdplane.connector.transports.nccl.errors import NcclTransferError
-from pdplane.connector.transports.nccl.plan import Strategy
 from pdplane.connector.transports.nccl.transport import NcclTransport
 
 __all__ = [
@@ -43,5 +42,4 @@ __all__ = [
     "NcclTransport",
     "NcclUnavailableError",
     "PullTiming",
-    "Strategy",
 ]

@@ -18,13 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from pdplane.connector.transports.nccl.communicator import NcclCommunicator, P2pOp
-from pdplane.connector.transports.nccl.plan import (
-    MAX_GROUP_OPS,
-    Chunk,
-    Run,
-    Strategy,
-    plan_chunks,
-)
+from pdplane.connector.transports.nccl.plan import Chunk, plan_chunks
 
 if TYPE_CHECKING:
     import torch
@@ -107,7 +101,7 @@ class BlockMover:
         return num_blocks * sum(self.layer_block_bytes)
 
     def first_message_bytes(self, num_blocks: int, chunk_bytes: int) -> int:
-        """Bytes of the first message of a gather-strategy transfer of `num_blocks` blocks
+        """Bytes of the first message of a transfer of `num_blocks` blocks
         (what a receiver may post before the sender accepted). Raises ValueError."""
         chunks = plan_chunks(self.layer_block_bytes, num_blocks, chunk_bytes)
         return chunks[0].nbytes if chunks else 0
@@ -215,16 +209,13 @@ class BlockMover:
         comm: NcclCommunicator,
         is_send: bool,
         ids: Sequence[int],
-        strategy: Strategy,
         deadline: float,
-        chunk_bytes: int = 0,
-        runs: Sequence[Run] = (),
+        chunk_bytes: int,
         gate: Callable[[], None] | None = None,
     ) -> int:
-        """Enqueues one transfer of blocks `ids` (in request order) on `comm`'s stream: sends
-        when `is_send`, else receives into `ids`. Returns the bytes it moves.
-
-        GATHER needs `chunk_bytes`; GROUPED needs `runs` (see plan.py). `gate()` runs once,
+        """Enqueues one transfer of blocks `ids` (in request order) on `comm`'s stream, in
+        messages of at most `chunk_bytes` (plan.py): sends when `is_send`, else receives into
+        `ids`. Returns the bytes it moves. `gate()` runs once,
         right after the first message's operation is enqueued (a receiver's before its
         scatter; a sender's before the next gather), whatever it raises ends the enqueue;
         not called when `ids` is empty. The caller holds
@@ -236,16 +227,12 @@ class BlockMover:
         if not ids:
             return 0
         with torch.cuda.device(self.device), torch.cuda.stream(comm.stream):
-            if strategy is Strategy.GATHER:
-                chunks = plan_chunks(self.layer_block_bytes, len(ids), chunk_bytes)
-                # Uploaded first, before the stream waits for the compute stream.
-                index = None if self._by_rows(chunks, len(ids)) else self._index(ids)
+            chunks = plan_chunks(self.layer_block_bytes, len(ids), chunk_bytes)
+            # Uploaded first, before the stream waits for the compute stream.
+            index = None if self._by_rows(chunks, len(ids)) else self._index(ids)
             # The blocks were written by the compute stream; order our reads/writes after it.
             comm.stream.wait_stream(torch.cuda.default_stream(self.device))
-            if strategy is Strategy.GATHER:
-                self._gather_chunks(comm, is_send, ids, index, chunks, deadline, gate)
-            else:
-                self._grouped(comm, is_send, ids, runs, deadline, gate)
+            self._gather_chunks(comm, is_send, ids, index, chunks, deadline, gate)
         return self.transfer_bytes(len(ids))
 
     def _gather_chunks(
@@ -401,34 +388,3 @@ class BlockMover:
                 return None
         stacked = staging[: chunk.nbytes].view(dtype).view(len(pieces), shape[0], n, shape[2])
         return [(self.wide_views[p.layer], stacked[i], index) for i, p in enumerate(pieces)]
-
-    def _grouped(
-        self,
-        comm: NcclCommunicator,
-        is_send: bool,
-        ids: Sequence[int],
-        runs: Sequence[Run],
-        deadline: float,
-        gate: Callable[[], None] | None = None,
-    ) -> None:
-        ops: list[P2pOp] = []
-        pending = [gate] if gate is not None else []
-
-        def flush() -> None:
-            nonlocal ops
-            comm.enqueue(ops, deadline)
-            ops = []
-            if pending:
-                pending.pop()()
-
-        for view in self.views:
-            outer, num_blocks, inner = (int(s) for s in view.shape)
-            base = view.data_ptr()
-            for run in runs:
-                for o in range(outer):
-                    ptr = base + (o * num_blocks + ids[run.first]) * inner
-                    ops.append(P2pOp(is_send, ptr, run.length * inner))
-                    if len(ops) == MAX_GROUP_OPS:
-                        flush()
-        if ops:
-            flush()

@@ -10,7 +10,7 @@ breaks or the peer leaves (`drop_peer`).
 
 A pull costs one message each way on the pair's stream, and decode does not wait for the
 answer before posting its first receive: it sends the request, posts the receive of the first
-message (gather strategy) and only then waits for prefill's verdict. Prefill answers every
+message and only then waits for prefill's verdict. Prefill answers every
 request: the first send, the verdict (accepted), the other sends; or refused, then exactly
 `early_bytes` of filler, so that the receive decode posted early is always matched (NCCL
 cannot cancel a posted receive, and `ncclCommAbort` did not stop one nobody matched). The
@@ -39,11 +39,7 @@ from pdplane.connector.transports.nccl.communicator import CommFactory, NcclComm
 from pdplane.connector.transports.nccl.control import CallerLink
 from pdplane.connector.transports.nccl.errors import NcclTransferError, status_of
 from pdplane.connector.transports.nccl.pairs import Pair, PairKey, PairTable, Purpose
-from pdplane.connector.transports.nccl.plan import (
-    DEFAULT_CHUNK_BYTES,
-    Strategy,
-    contiguous_runs,
-)
+from pdplane.connector.transports.nccl.plan import DEFAULT_CHUNK_BYTES
 from pdplane.connector.transports.nccl.serving import PairServing, PushBegins, ServeTiming
 from pdplane.v1 import kv_transfer_nccl_pb2, kv_transfer_nccl_pb2_grpc, kv_transfer_pb2
 
@@ -101,8 +97,8 @@ class NcclEngine(PairServing):
     Args:
         device: CUDA device index of this worker's KV cache.
         views: the KV cache layers' byte views (`blocks.layer_byte_view`), model order.
-        strategy: how blocks travel (`plan.Strategy`); receivers decide, senders follow.
-        chunk_bytes: gather staging size (bytes).
+        chunk_bytes: staging size (bytes) of the messages this receiver asks for (plan.py);
+            senders follow the receiver's plan.
         connect_timeout_s: bound on creating a communicator (s).
         max_pairs: communicators at most (`max_peer_communicators`).
         comms: makes communicators (default: libnccl); tests pass a stand-in.
@@ -113,7 +109,6 @@ class NcclEngine(PairServing):
         self,
         device: int,
         views: Sequence[torch.Tensor],
-        strategy: Strategy = Strategy.GATHER,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         connect_timeout_s: float = 30.0,
         max_pairs: int = DEFAULT_MAX_PEER_COMMUNICATORS,
@@ -122,7 +117,6 @@ class NcclEngine(PairServing):
     ) -> None:
         self.device = device
         self.mover = mover or BlockMover(views, device)
-        self.strategy = strategy
         self.chunk_bytes = chunk_bytes
         self.connect_timeout_s = connect_timeout_s
         self.comms: CommFactory = comms or NcclComms(device)
@@ -340,27 +334,10 @@ class NcclEngine(PairServing):
 
     # -- pull: caller side (decode) -------------------------------------------------------------
 
-    def make_plan(
-        self,
-        local_ids: Sequence[int],
-        remote_ids: Sequence[int] | None = None,
-        strategy: Strategy | None = None,
-        chunk_bytes: int | None = None,
-    ) -> kv_transfer_nccl_pb2.NcclPlan:
-        """The plan this receiver asks for (engine defaults unless `strategy`/`chunk_bytes`
-        are given): GROUPED needs the sender's ids (`remote_ids`) to find the runs consecutive
-        on both sides; without them GATHER is used."""
-        strategy = strategy or self.strategy
-        if strategy is Strategy.GROUPED and remote_ids is not None:
-            runs = contiguous_runs(remote_ids, local_ids)
-            return kv_transfer_nccl_pb2.NcclPlan(
-                strategy=kv_transfer_nccl_pb2.NcclPlan.STRATEGY_GROUPED,
-                run_lengths=[r.length for r in runs],
-            )
-        return kv_transfer_nccl_pb2.NcclPlan(
-            strategy=kv_transfer_nccl_pb2.NcclPlan.STRATEGY_GATHER,
-            chunk_bytes=chunk_bytes or self.chunk_bytes,
-        )
+    def make_plan(self, chunk_bytes: int | None = None) -> kv_transfer_nccl_pb2.NcclPlan:
+        """The plan this receiver asks for: messages of at most `chunk_bytes` (default the
+        engine's)."""
+        return kv_transfer_nccl_pb2.NcclPlan(chunk_bytes=chunk_bytes or self.chunk_bytes)
 
     def pull(
         self,
@@ -369,14 +346,12 @@ class NcclEngine(PairServing):
         request: kv_transfer_pb2.PullBlocksRequest,
         local_ids: Sequence[int],
         deadline: float,
-        remote_ids: Sequence[int] | None = None,
-        strategy: Strategy | None = None,
         chunk_bytes: int | None = None,
         on_posted: Callable[[], None] | None = None,
     ) -> PullTiming:
         """Pulls the blocks `request` names from instance `peer_id` (reached at `peer`) into
-        `local_ids` of this cache. The plan is made here (see `make_plan` for `remote_ids`,
-        `strategy`, `chunk_bytes`); `on_posted()` runs once all receives are posted.
+        `local_ids` of this cache, in messages of at most `chunk_bytes` (default the engine's);
+        `on_posted()` runs once all receives are posted.
         Returns the timing; raises NcclTransferError (the pair is aborted and dropped on NCCL
         failures; a refusal keeps it)."""
         timing = PullTiming(started=time.monotonic())
@@ -394,8 +369,6 @@ class NcclEngine(PairServing):
                 local_ids,
                 deadline,
                 timing,
-                remote_ids,
-                strategy,
                 chunk_bytes,
                 on_posted,
             )
@@ -411,15 +384,13 @@ class NcclEngine(PairServing):
         local_ids: Sequence[int],
         deadline: float,
         timing: PullTiming,
-        remote_ids: Sequence[int] | None,
-        strategy: Strategy | None,
         chunk_bytes: int | None,
         on_posted: Callable[[], None] | None,
     ) -> None:
-        plan = self.make_plan(local_ids, remote_ids, strategy, chunk_bytes)
-        strategy, chunk_bytes, runs = self._plan_args(plan, local_ids)
+        plan = self.make_plan(chunk_bytes)
+        chunk_bytes = self._plan_chunk_bytes(plan)
         early = 0
-        if strategy is Strategy.GATHER and local_ids:
+        if local_ids:
             early = self.mover.first_message_bytes(len(local_ids), chunk_bytes)
         comm, t0 = pair.comm, timing.started
         with pair.lock:
@@ -444,12 +415,12 @@ class NcclEngine(PairServing):
             try:
                 if early:
                     timing.nbytes = self.mover.enqueue(
-                        comm, False, local_ids, strategy, deadline, chunk_bytes, runs, gate
+                        comm, False, local_ids, deadline, chunk_bytes, gate
                     )
                 else:
                     gate()
                     timing.nbytes = self.mover.enqueue(
-                        comm, False, local_ids, strategy, deadline, chunk_bytes, runs
+                        comm, False, local_ids, deadline, chunk_bytes
                     )
                 timing.post_s = time.monotonic() - t0
                 if on_posted is not None:

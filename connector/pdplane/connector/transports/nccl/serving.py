@@ -22,7 +22,6 @@ from pdplane.connector.transports.nccl.communicator import CommFactory
 from pdplane.connector.transports.nccl.control import ServerLink
 from pdplane.connector.transports.nccl.errors import NcclTransferError, code_of
 from pdplane.connector.transports.nccl.pairs import Pair, PairKey, PairTable, Purpose
-from pdplane.connector.transports.nccl.plan import Strategy, split_runs
 from pdplane.v1 import kv_transfer_nccl_pb2
 
 __all__ = ["PairServing", "PushBegins", "ServeTiming"]
@@ -164,12 +163,9 @@ class PairServing:
         else:
             log.warning("pair %s: unexpected %s from the caller", pair.key, kind)
 
-    def _plan_args(
-        self, plan: kv_transfer_nccl_pb2.NcclPlan, ids: Sequence[int]
-    ) -> tuple[Strategy, int, list[Any]]:
-        if plan.strategy == kv_transfer_nccl_pb2.NcclPlan.STRATEGY_GROUPED:
-            return Strategy.GROUPED, 0, split_runs(list(plan.run_lengths), ids)
-        return Strategy.GATHER, int(plan.chunk_bytes) or self.chunk_bytes, []
+    def _plan_chunk_bytes(self, plan: kv_transfer_nccl_pb2.NcclPlan) -> int:
+        """The message size `plan` asks for (bytes; 0 = this side's default)."""
+        return int(plan.chunk_bytes) or self.chunk_bytes
 
     def _serve_pull(self, pair: Pair, request: kv_transfer_nccl_pb2.NcclPullRequest) -> None:
         timing = ServeTiming(request.blocks.transfer_id, time.monotonic())
@@ -203,11 +199,11 @@ class PairServing:
         with pinned:
             ids = pinned.block_ids
             try:
-                strategy, chunk_bytes, runs = self._plan_args(request.plan, ids)
+                chunk_bytes = self._plan_chunk_bytes(request.plan)
                 self.mover.check_ids(ids)
                 if request.early_bytes:
                     first = self.mover.first_message_bytes(len(ids), chunk_bytes)
-                    if strategy is not Strategy.GATHER or first != request.early_bytes:
+                    if first != request.early_bytes:
                         raise ValueError(
                             f"plans differ: the caller posted {request.early_bytes} bytes first, "
                             f"this side would send {first}"
@@ -236,9 +232,7 @@ class PairServing:
                     self.on_send(timing.transfer_id)
 
             with pair.lock:
-                self.mover.enqueue(
-                    pair.comm, True, ids, strategy, deadline, chunk_bytes, runs, accept
-                )
+                self.mover.enqueue(pair.comm, True, ids, deadline, chunk_bytes, accept)
                 if not answered:  # nothing to send
                     accept()
                 timing.enqueued = time.monotonic()

@@ -9,9 +9,8 @@ buffer (push.py) takes them. Pairs are set up in the background where they will 
 leaves (`peer_gone`). This class adapts the engine to `KvTransport` and maps its errors to
 `TransferError`.
 
-Options (from `kv_connector_extra_config`): `nccl_strategy` ("gather" | "grouped"),
-`nccl_chunk_bytes`, `nccl_connect_timeout_s`, `max_peer_communicators`, `push_buffer_bytes`,
-`push_spill_bytes`, `push_ttl_s`.
+Options (from `kv_connector_extra_config`): `nccl_chunk_bytes`, `nccl_connect_timeout_s`,
+`max_peer_communicators`, `push_buffer_bytes`, `push_spill_bytes`, `push_ttl_s`.
 """
 
 from __future__ import annotations
@@ -45,7 +44,7 @@ from pdplane.connector.transports.nccl.engine import (
     PullTiming,
 )
 from pdplane.connector.transports.nccl.pairs import PairKey, Purpose
-from pdplane.connector.transports.nccl.plan import DEFAULT_CHUNK_BYTES, Strategy
+from pdplane.connector.transports.nccl.plan import DEFAULT_CHUNK_BYTES
 from pdplane.connector.transports.nccl.push import PushReceiver, PushSession
 from pdplane.connector.transports.nccl.service import SERVICE_NAME, NcclKvTransferServicer
 from pdplane.connector.transports.receive_buffer import ReceiveBuffer
@@ -64,14 +63,13 @@ _SPARE_THREADS = 8
 class NcclTransport(KvTransport):
     """NCCL data path of one worker (TP rank). See the module docstring for the options.
 
-    Raises ValueError for an unknown strategy or a non-positive size.
+    Raises ValueError for a non-positive size.
     """
 
     name: ClassVar[str] = "nccl"
 
     def __init__(
         self,
-        nccl_strategy: str = Strategy.GATHER.value,
         nccl_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         nccl_connect_timeout_s: float = 30.0,
         max_peer_communicators: int = DEFAULT_MAX_PEER_COMMUNICATORS,
@@ -80,7 +78,6 @@ class NcclTransport(KvTransport):
         push_ttl_s: float = 60.0,
     ) -> None:
         super().__init__()
-        self.strategy = Strategy.parse(nccl_strategy)
         if nccl_chunk_bytes <= 0 or nccl_connect_timeout_s <= 0 or max_peer_communicators < 1:
             raise ValueError(
                 "nccl_chunk_bytes and nccl_connect_timeout_s must be > 0, "
@@ -113,7 +110,6 @@ class NcclTransport(KvTransport):
         engine = NcclEngine(
             device,
             views,
-            self.strategy,
             self.chunk_bytes,
             self.connect_timeout_s,
             self.max_peer_communicators,
@@ -167,15 +163,12 @@ class NcclTransport(KvTransport):
         self,
         peer: Peer,
         request: PullRequest,
-        remote_block_ids: Sequence[int] | None = None,
-        strategy: Strategy | None = None,
         chunk_bytes: int | None = None,
         on_posted: Callable[[], None] | None = None,
     ) -> PullTiming:
-        """`pull` with the engine's full timing of this transfer. `remote_block_ids` (prefill
-        ids at the requested positions, optional) lets the grouped strategy find the runs
-        consecutive on both sides; `strategy` / `chunk_bytes` override the configured ones;
-        `on_posted()` runs once all receives are posted. Raises TransferError."""
+        """`pull` with the engine's full timing of this transfer. `chunk_bytes` overrides the
+        configured message size; `on_posted()` runs once all receives are posted. Raises
+        TransferError."""
         request.remaining()
         try:
             return self.engine.pull(
@@ -184,8 +177,6 @@ class NcclTransport(KvTransport):
                 request.to_proto(),
                 list(request.local_block_ids),
                 request.deadline,
-                remote_block_ids,
-                strategy,
                 chunk_bytes,
                 on_posted,
             )
