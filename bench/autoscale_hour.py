@@ -11,7 +11,8 @@ the same start (the static split, `pdplane plan`'s recommendation for the hour's
 Runs are independent processes (`--jobs`); the result does not depend on how many. Prints one
 Markdown table (per budget and policy: SLO attainment over 1-minute windows, goodput,
 GPU-hours, moves, unfinished requests) and writes it with each run's moves and failed windows
-to OUT/autoscale-hour.md and OUT/autoscale-hour.json.
+to OUT/autoscale-hour.md and OUT/autoscale-hour.json; each run's details also go to
+OUT/run-GPUS-SEED-POLICY.json as soon as it ends.
 """
 
 from __future__ import annotations
@@ -37,7 +38,9 @@ def _start(profile: str, slo: str, gpus: int, seed: int) -> tuple[int, int]:
     return static_split(load_profile(profile), parse_slo(slo), reqs, bounds, seed)
 
 
-def _run(profile: str, slo: str, gpus: int, seed: int, policy: str, start: tuple[int, int]) -> Row:
+def _run(
+    profile: str, slo: str, gpus: int, seed: int, policy: str, start: tuple[int, int], out: Path
+) -> Row:
     t0 = time.process_time()
     (row,) = run_policies(
         load_profile(profile),
@@ -50,9 +53,12 @@ def _run(profile: str, slo: str, gpus: int, seed: int, policy: str, start: tuple
     )
     r = row.result
     sys.stderr.write(
-        f"gpus {gpus} seed {seed} {policy}: attainment {r.attainment:.0%}, "
-        f"{r.gpu_hours:.2f} GPU-h, {len(r.moves)} moves ({time.process_time() - t0:.0f} s CPU)\n"
+        f"gpus {gpus} seed {seed} {policy}: attainment {r.attainment:.0%}, goodput "
+        f"{r.goodput:.2f} req/s, {r.gpu_hours:.2f} GPU-h, {len(r.moves)} moves, "
+        f"{r.unfinished} unfinished ({time.process_time() - t0:.0f} s CPU)\n"
     )
+    # Each run is kept as it ends: a long sitting cut short keeps what it finished.
+    (out / f"run-{gpus}-{seed}-{policy}.json").write_text(json.dumps(_details(row), indent=1))
     return row
 
 
@@ -88,19 +94,19 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=Path("logs/autoscale-hour"))
     args = ap.parse_args()
     cells = [(g, s) for g in args.gpus for s in args.seeds]
+    args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     with ProcessPoolExecutor(args.jobs) as pool:
         found = [pool.submit(_start, args.profile, args.slo, g, s) for g, s in cells]
         starts = {cell: f.result() for cell, f in zip(cells, found, strict=True)}
         jobs = [
-            pool.submit(_run, args.profile, args.slo, g, s, p, starts[g, s])
+            pool.submit(_run, args.profile, args.slo, g, s, p, starts[g, s], args.out)
             for g, s in cells
             for p in args.policies
         ]
         rows = [j.result() for j in jobs]
     text = render_table(rows)
     sys.stdout.write(text)
-    args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "autoscale-hour.md").write_text(text)
     data = {"profile": args.profile, "slo": args.slo, "runs": [_details(r) for r in rows]}
     (args.out / "autoscale-hour.json").write_text(json.dumps(data, indent=1))
