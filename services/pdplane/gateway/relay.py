@@ -4,8 +4,8 @@ bottom (no FastAPI here: asyncio, the upstream client and the scheduler port).
 `Relay.handle(req, ...)` runs `_Request.run`:
 
 1. **schedule** (`_schedule`): `Schedule` through the scheduler port. A refusal because every
-   compatible instance is full waits in the admission queue (`pdplane.gateway.admission`),
-   bounded, before it is a 503.
+   compatible instance is full, or the model has no usable pair for a moment, waits in the
+   admission queue (`pdplane.gateway.admission`), bounded, before it is a 503.
 2. **one attempt on the pair** (`_attempt`), by mode:
    - *decode only*: the decision has no prefill (decode holds all but a few prompt tokens):
      the client's body goes to decode as it came, and decode computes the rest;
@@ -38,10 +38,11 @@ KV freed, Release "cancelled".
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
-from collections.abc import AsyncGenerator, Iterator
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from functools import partial
 from typing import Any
@@ -69,6 +70,7 @@ from pdplane.gateway.errors import (
     gateway_timeout,
     unavailable,
 )
+from pdplane.gateway.fleet import FleetView
 from pdplane.gateway.metrics import GatewayMetrics
 from pdplane.gateway.prompt_ids import Tokenizers
 from pdplane.gateway.replies import SSE_DONE, JsonReply, RetryElsewhere, StreamReply
@@ -82,10 +84,10 @@ from pdplane.gateway.upstream import (
 )
 from pdplane.gateway.validation import COMPLETIONS, ClientRequest
 from pdplane.scheduler import (
+    Decision,
     InstanceRef,
     Outcome,
     RequestFeatures,
-    SchedulerBusy,
     SchedulerError,
     SchedulerPort,
     SchedulerUnavailable,
@@ -111,6 +113,8 @@ class Relay:
         config: dispatch mode, timeouts, retries.
         tokenizers: the served models' tokenizers, if the gateway has them (the first token
             from prefill asks them whether a token without text ends inside a character).
+        fleet: the registry's view: a model without a usable pair waits in the admission
+            queue (None: only refusals for room wait).
     """
 
     def __init__(
@@ -121,6 +125,7 @@ class Relay:
         metrics: GatewayMetrics,
         config: RelayConfig,
         tokenizers: Tokenizers | None = None,
+        fleet: Callable[[], FleetView] | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.upstream = upstream
@@ -128,7 +133,9 @@ class Relay:
         self.metrics = metrics
         self.config = config
         self.tokenizers = tokenizers
-        self.admission = AdmissionQueue(config.queue_timeout_s, config.max_queued_requests, metrics)
+        self.admission = AdmissionQueue(
+            config.queue_timeout_s, config.max_queued_requests, metrics, fleet
+        )
         self.caretaker = Caretaker(scheduler, aborter, metrics, self.admission.wake)
         #: Headers of every leg but `x-request-id` (a bearer token for `--upstream-api-key`).
         self.headers = {"content-type": "application/json"}
@@ -270,19 +277,26 @@ class _Request:
             prefix_hashes=req.prefix_hashes,
         )
         schedule, admission = relay.scheduler.schedule, relay.admission
+
+        def again() -> Awaitable[Decision]:
+            # Excluded instances that left the registry are no longer excluded (restarted).
+            still = admission.serving(req.model, self.excluded)
+            return schedule(dataclasses.replace(features, exclude_instance_ids=still))
+
         try:
             with tracing.span("pdplane.schedule"):
                 if queue and admission.has_waiters(req.model):
-                    decision = await admission.admit(req.model, lambda: schedule(features), None)
+                    decision = await admission.admit(req.model, again, None)
                 else:
                     try:
                         decision = await schedule(features)
-                    except SchedulerBusy as busy:
-                        if not queue:
-                            raise  # a retry: the failure it follows is the answer (below)
-                        decision = await admission.admit(
-                            req.model, lambda: schedule(features), busy
-                        )
+                    except SchedulerUnavailable as refused:
+                        # A retry waits only when no instance is left but those that failed
+                        # it; else the failure it follows is the answer (below).
+                        excluded = () if queue else self.excluded
+                        if not admission.waits_on(req.model, refused, excluded):
+                            raise
+                        decision = await admission.admit(req.model, again, refused, excluded)
         except asyncio.CancelledError as exc:
             # The scheduler may have counted the request before the client left; an unknown id
             # is harmless to Release.
