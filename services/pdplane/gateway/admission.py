@@ -85,21 +85,24 @@ class AdmissionQueue:
         return bool(self._queues.get(model))
 
     def waits_on(
-        self, model: str, refusal: SchedulerUnavailable, excluded: Collection[str] = ()
+        self,
+        model: str,
+        refusal: SchedulerUnavailable,
+        excluded: Collection[str] = (),
+        room: bool = True,
     ) -> bool:
         """Whether a request of `model` refused with `refusal` waits here: a capacity refusal
-        (none `excluded`: a retry's failure is its answer), or no usable pair in the fleet
+        when `room` (a retry's failure is its answer instead), or no usable pair in the fleet
         now, the `excluded` instances (which failed this request) not counted."""
         if isinstance(refusal, SchedulerBusy):
-            return not excluded
+            return room
         state = self._fleet().models.get(model) if self._fleet is not None else None
         if state is None:
             return False
         if state.problem():
             return True
-        return bool(excluded) and not (
-            state.prefill_ids - set(excluded) and state.decode_ids - set(excluded)
-        )
+        left = set(excluded)
+        return bool(left) and not (state.prefill_ids - left and state.decode_ids - left)
 
     def serving(self, model: str, ids: Collection[str]) -> tuple[str, ...]:
         """Those of `ids` the fleet still lists as SERVING instances of `model` (an excluded

@@ -279,9 +279,11 @@ class _Request:
         schedule, admission = relay.scheduler.schedule, relay.admission
 
         def again() -> Awaitable[Decision]:
-            # Excluded instances that left the registry are no longer excluded (restarted).
-            still = admission.serving(req.model, self.excluded)
-            return schedule(dataclasses.replace(features, exclude_instance_ids=still))
+            # An excluded instance that left the registry is excluded no more: when its id
+            # comes back, it is a new process (a restart).
+            self.excluded[:] = admission.serving(req.model, self.excluded)
+            excluded = tuple(self.excluded)
+            return schedule(dataclasses.replace(features, exclude_instance_ids=excluded))
 
         try:
             with tracing.span("pdplane.schedule"):
@@ -293,10 +295,9 @@ class _Request:
                     except SchedulerUnavailable as refused:
                         # A retry waits only when no instance is left but those that failed
                         # it; else the failure it follows is the answer (below).
-                        excluded = () if queue else self.excluded
-                        if not admission.waits_on(req.model, refused, excluded):
+                        if not admission.waits_on(req.model, refused, self.excluded, queue):
                             raise
-                        decision = await admission.admit(req.model, again, refused, excluded)
+                        decision = await admission.admit(req.model, again, refused, self.excluded)
         except asyncio.CancelledError as exc:
             # The scheduler may have counted the request before the client left; an unknown id
             # is harmless to Release.
