@@ -109,7 +109,7 @@ class _Band:
 
 
 class _ModelFlow:
-    __slots__ = ("bands", "drained", "drained_sum", "first_drain", "inflight", "waiting")
+    __slots__ = ("bands", "drained", "drained_sum", "inflight", "started", "waiting")
 
     def __init__(self) -> None:
         self.bands: dict[int, _Band] = {}
@@ -117,7 +117,7 @@ class _ModelFlow:
         self.waiting = 0
         self.drained: collections.deque[tuple[float, int]] = collections.deque()
         self.drained_sum = 0
-        self.first_drain = 0.0
+        self.started: float | None = None  # the first admission (the rate's earliest start)
 
 
 class FlowControl:
@@ -218,8 +218,6 @@ class FlowControl:
         flow = self._flows[ticket.model]
         flow.inflight -= ticket.cost
         now = self._clock()
-        if not flow.drained:
-            flow.first_drain = now
         flow.drained.append((now, ticket.cost))
         flow.drained_sum += ticket.cost
         self._per_model(self._metrics.flow_inflight_tokens, ticket.model).set(flow.inflight)
@@ -246,6 +244,8 @@ class FlowControl:
 
     def _grant(self, flow: _ModelFlow, ticket: FlowTicket, now: float) -> None:
         ticket.state = _ADMITTED
+        if flow.started is None:
+            flow.started = now
         flow.inflight += ticket.cost
         self._per_model(self._metrics.flow_inflight_tokens, ticket.model).set(flow.inflight)
         self._child(self._metrics.flow_wait, ticket).observe(now - ticket.arrived)
@@ -314,9 +314,9 @@ class FlowControl:
         `_RATE_MIN_SPAN_S` of it was seen)."""
         while flow.drained and flow.drained[0][0] < now - _RATE_WINDOW_S:
             flow.drained_sum -= flow.drained.popleft()[1]
-        if not flow.drained:
+        if not flow.drained or flow.started is None:
             return None
-        span = min(_RATE_WINDOW_S, now - flow.first_drain)
+        span = min(_RATE_WINDOW_S, now - flow.started)
         if span < _RATE_MIN_SPAN_S:
             return None
         return flow.drained_sum / span
