@@ -17,7 +17,15 @@ need) from its admission until its answer ends. While the budget is full, reques
   queue; a 32k-token prompt weighs 320 times a 100-token one. `policy="fifo"` is one band in
   arrival order (the behaviour without flow control, kept for comparison).
 - only the head of the best band is admitted, when its tokens fit the budget (or nothing is
-  in flight: a request larger than the whole budget goes alone), so big requests never starve.
+  in flight: a request larger than the whole budget goes alone), so big requests never starve;
+- **a tenant within its share needs no turn**: every tenant with requests in flight or
+  waiting is guaranteed its weighted share of the budget (budget x w / the active tenants'
+  weights); a request that keeps its tenant within that share, with no better priority
+  waiting, is admitted at once even when the budget is full. So a quiet tenant beside a
+  flooding one is not held behind the flood's completions; the flood, over its share, waits.
+  The budget may then be exceeded by the quiet tenants' shares (at most twice the budget, in
+  the worst case), which is why `--inflight-budget` below 1 leaves that room in the engines'
+  KV cache.
 
 Under overload, requests are shed with 429 and `Retry-After` (never a hang), the lowest
 priority first: a request whose projected wait (tokens queued ahead of it / the tokens per
@@ -108,11 +116,33 @@ class _Band:
         return sorted(t for t in self.heap if t.state == _WAITING)
 
 
+class _Use:
+    """A tenant's requests of one model: tokens admitted, requests not ended, its weight."""
+
+    __slots__ = ("inflight", "requests", "weight")
+
+    def __init__(self, weight: float) -> None:
+        self.inflight = 0
+        self.requests = 0
+        self.weight = weight
+
+
 class _ModelFlow:
-    __slots__ = ("bands", "drained", "drained_sum", "inflight", "started", "waiting")
+    __slots__ = (
+        "active_weight",
+        "bands",
+        "drained",
+        "drained_sum",
+        "inflight",
+        "started",
+        "use",
+        "waiting",
+    )
 
     def __init__(self) -> None:
         self.bands: dict[int, _Band] = {}
+        self.use: dict[str, _Use] = {}  # tenants with requests admitted or waiting
+        self.active_weight = 0.0
         self.inflight = 0  # tokens admitted and not ended
         self.waiting = 0
         self.drained: collections.deque[tuple[float, int]] = collections.deque()
@@ -172,10 +202,19 @@ class FlowControl:
         flow = self._flows.get(model)
         if flow is None:
             flow = self._flows[model] = _ModelFlow()
-        if self.timeout_s <= 0 or (flow.waiting == 0 and self._fits(flow, model, ticket.cost)):
+        self._use(flow, ticket, weight)
+        if (
+            self.timeout_s <= 0
+            or (flow.waiting == 0 and self._fits(flow, model, ticket.cost))
+            or self._within_share(flow, model, ticket, weight)
+        ):
             self._grant(flow, ticket, now)
             return ticket
-        self._refuse_if_overloaded(flow, ticket, tenant_key, weight)
+        try:
+            self._refuse_if_overloaded(flow, ticket, tenant_key, weight)
+        except GatewayError:
+            self._unuse(flow, ticket)
+            raise
         self._enqueue(flow, ticket, tenant_key, weight)
         loop = asyncio.get_running_loop()
         ticket.future = future = loop.create_future()
@@ -185,13 +224,17 @@ class FlowControl:
         except asyncio.CancelledError:
             if ticket.state == _WAITING:
                 self._remove(flow, ticket)
+                self._unuse(flow, ticket)
             elif ticket.state == _ADMITTED:
                 self.release(ticket)  # admitted just as the client left
             raise
         if done:
+            if future.exception() is not None:
+                self._unuse(flow, ticket)
             future.result()  # raises the 429 of a shed waiter
             return ticket
         self._remove(flow, ticket)
+        self._unuse(flow, ticket)
         waited = self._clock() - now
         self._child(self._metrics.flow_timeouts, ticket).inc()
         self._child(self._metrics.flow_wait, ticket).observe(waited)
@@ -217,6 +260,9 @@ class FlowControl:
         ticket.state = _GONE
         flow = self._flows[ticket.model]
         flow.inflight -= ticket.cost
+        use = flow.use[ticket.tenant]
+        use.inflight -= ticket.cost
+        self._unuse(flow, ticket)
         now = self._clock()
         flow.drained.append((now, ticket.cost))
         flow.drained_sum += ticket.cost
@@ -242,11 +288,44 @@ class FlowControl:
             self._per_model(self._metrics.flow_budget_tokens, model).set(budget)
         return budget is None or flow.inflight == 0 or flow.inflight + cost <= budget
 
+    def _within_share(
+        self, flow: _ModelFlow, model: str, ticket: FlowTicket, weight: float
+    ) -> bool:
+        """Whether the ticket's tenant stays within its weighted share of the budget among the
+        tenants with requests in flight or waiting, and no better priority waits (fair
+        policy): then it needs no turn, even when the budget is full."""
+        if self.policy != "fair" or (flow.bands and min(flow.bands) < ticket.priority):
+            return False
+        budget = self._budget(model)
+        if budget is None:
+            return True
+        share = budget * weight / flow.active_weight
+        return flow.use[ticket.tenant].inflight + ticket.cost <= share
+
+    def _use(self, flow: _ModelFlow, ticket: FlowTicket, weight: float) -> None:
+        """Counts the ticket's tenant active (its weight in the shares) until `_unuse`."""
+        use = flow.use.get(ticket.tenant)
+        if use is None:
+            use = flow.use[ticket.tenant] = _Use(weight)
+            flow.active_weight += weight
+        use.requests += 1
+
+    def _unuse(self, flow: _ModelFlow, ticket: FlowTicket) -> None:
+        """The ticket's request ended (or never ran); a tenant with none left is inactive."""
+        use = flow.use[ticket.tenant]
+        use.requests -= 1
+        if use.requests == 0:
+            del flow.use[ticket.tenant]
+            flow.active_weight -= use.weight
+            if not flow.use:
+                flow.active_weight = 0.0  # no float drift left behind
+
     def _grant(self, flow: _ModelFlow, ticket: FlowTicket, now: float) -> None:
         ticket.state = _ADMITTED
         if flow.started is None:
             flow.started = now
         flow.inflight += ticket.cost
+        flow.use[ticket.tenant].inflight += ticket.cost
         self._per_model(self._metrics.flow_inflight_tokens, ticket.model).set(flow.inflight)
         self._child(self._metrics.flow_wait, ticket).observe(now - ticket.arrived)
 

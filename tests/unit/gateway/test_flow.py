@@ -23,8 +23,8 @@ def _flow(
 async def _order(flow: FlowControl, entries: list[tuple[str, int, int]]) -> list[int]:
     """Fills the budget with one request, queues `entries` (tenant, priority, cost) in order,
     then releases one admitted request at a time; returns the entries' indexes in the order
-    they were admitted."""
-    holder = await flow.admit(M, "holder", 0, 100)
+    they were admitted. (The holder's weight leaves the others no share to be admitted on.)"""
+    holder = await flow.admit(M, "holder", 0, 100, 1e6)
     admitted: list[int] = []
     tickets: dict[int, FlowTicket] = {}
 
@@ -46,7 +46,7 @@ async def _order(flow: FlowControl, entries: list[tuple[str, int, int]]) -> list
 
 
 async def test_within_the_budget_admits_at_once_and_past_it_waits() -> None:
-    flow = _flow(budget=100)
+    flow = _flow(budget=100)  # one tenant: its share is the whole budget
     a = await flow.admit(M, "t", 0, 60)
     b = await flow.admit(M, "t", 0, 40)
     assert flow.inflight_tokens(M) == 100
@@ -90,9 +90,38 @@ async def test_fairness_is_by_tokens_not_requests() -> None:
     assert len(between) == 4 and all(i >= 3 for i in between)
 
 
+async def test_a_tenant_within_its_share_is_admitted_at_once_even_over_the_budget() -> None:
+    flow = _flow(budget=1000)
+    noisy = [await flow.admit(M, "noisy", 0, 100) for _ in range(10)]  # the whole budget
+    queued = [asyncio.create_task(flow.admit(M, "noisy", 0, 100)) for _ in range(5)]
+    await asyncio.sleep(0.01)
+    assert flow.queued(M) == 5
+    # Two active tenants: quiet's share is 500 tokens; within it, no wait.
+    quiet = [await asyncio.wait_for(flow.admit(M, "quiet", 0, 100), 0.1) for _ in range(5)]
+    assert flow.inflight_tokens(M) == 1500
+    # Past its share it waits its turn like anyone (after noisy's earlier requests: fair).
+    late = asyncio.create_task(flow.admit(M, "quiet", 0, 100))
+    await asyncio.sleep(0.01)
+    assert not late.done()
+    # FIFO gives no share.
+    fifo = _flow(budget=1000, policy="fifo")
+    held = [await fifo.admit(M, "noisy", 0, 100) for _ in range(10)]
+    waiting = asyncio.create_task(fifo.admit(M, "quiet", 0, 100))
+    await asyncio.sleep(0.01)
+    assert not waiting.done()
+    for t in held:
+        fifo.release(t)
+    fifo.release(await waiting)
+    for t in noisy + quiet:
+        flow.release(t)
+    for task in [*queued, late]:
+        flow.release(await task)
+    assert flow.inflight_tokens(M) == 0 and flow.queued(M) == 0
+
+
 async def test_weights_share_in_proportion() -> None:
     flow = _flow()
-    holder = await flow.admit(M, "h", 0, 100)
+    holder = await flow.admit(M, "h", 0, 100, 1e6)
     admitted: list[str] = []
 
     async def one(tenant: str, weight: float) -> None:
@@ -110,7 +139,7 @@ async def test_weights_share_in_proportion() -> None:
 
 async def test_queue_full_sheds_the_lowest_priority_with_429_and_retry_after() -> None:
     flow = _flow(max_queued=2)
-    holder = await flow.admit(M, "h", 0, 100)
+    holder = await flow.admit(M, "h", 0, 100, 1e6)
     low1 = asyncio.create_task(flow.admit(M, "t", 5, 10))
     low2 = asyncio.create_task(flow.admit(M, "t", 5, 10))
     await asyncio.sleep(0.01)
@@ -130,7 +159,7 @@ async def test_queue_full_sheds_the_lowest_priority_with_429_and_retry_after() -
 
 async def test_no_turn_within_the_timeout_is_a_503() -> None:
     flow = _flow(timeout_s=0.05)
-    holder = await flow.admit(M, "h", 0, 100)
+    holder = await flow.admit(M, "h", 0, 100, 1e6)
     with pytest.raises(GatewayError) as timed_out:
         await flow.admit(M, "t", 0, 10)
     assert timed_out.value.status == 503 and "--queue-timeout-s 0.05" in timed_out.value.message
@@ -140,7 +169,7 @@ async def test_no_turn_within_the_timeout_is_a_503() -> None:
 
 async def test_a_client_leaving_leaves_the_queue_and_takes_nothing() -> None:
     flow = _flow()
-    holder = await flow.admit(M, "h", 0, 100)
+    holder = await flow.admit(M, "h", 0, 100, 1e6)
     waiter = asyncio.create_task(flow.admit(M, "t", 0, 10))
     await asyncio.sleep(0.01)
     waiter.cancel()
@@ -167,7 +196,7 @@ async def test_projected_wait_past_the_timeout_is_shed_lowest_priority_first() -
         t = await flow.admit(M, "t", 0, 100)
         now[0] += 1.0
         flow.release(t)
-    holder = await flow.admit(M, "h", 0, 100)
+    holder = await flow.admit(M, "h", 0, 100, 1e6)
     high = [asyncio.create_task(flow.admit(M, "hi", 0, 50)) for _ in range(2)]  # ~1 s of work
     await asyncio.sleep(0.01)
     # Behind 1 s of high-priority work, a low-priority request of 150 tokens projects 2.5 s.
