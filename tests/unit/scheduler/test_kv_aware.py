@@ -315,6 +315,7 @@ def test_a_holder_one_request_above_a_light_fleet_keeps_its_prefix(
 
 
 def test_the_default_load_factor_is_2() -> None:
-    # Shared prefix at 8P16D, 25 req/s (docs/benchmarks.md, "Without the simulator's lag"):
+    # Shared prefix at 8P16D, 25 req/s (`git show a4bcc95:docs/benchmarks.md`, "Without the
+    # simulator's lag"):
     # 1.25 skipped busy holders on the lightly loaded prefill side (prefill hit 59 % vs 73 %).
     assert KvAwareWeights().load_factor == 2.0
