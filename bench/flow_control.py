@@ -6,7 +6,8 @@ two priorities under 2x overload. Sims, the real registry and gateways, on loopb
 
 Fleet (separate processes): a registry, 8 prefill sims (`--ttft-per-token-ms 0.1`: a
 1000-token prompt takes 100 ms), 1 decode sim (25 ms per step, a KV cache of `--kv-blocks`
-blocks of 16 tokens) and two gateways with the scheduler embedded over the same fleet:
+blocks of 16 tokens, 8 tokens per write) and two gateways with the scheduler embedded over the
+same fleet:
 `--flow-policy fair` and `--flow-policy fifo`, both `--inflight-budget 0.75 --queue-timeout-s
 10` with the same tenants file. Only one gateway carries load at a time. Requests: streamed
 completions of 1000 random token ids (no prefix cache hit), `max_tokens` 64.
@@ -36,12 +37,8 @@ from pathlib import Path
 
 import aiohttp
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from bench._loadgen import percentile  # noqa: E402
-from bench._procs import Proc, free_port, spawn  # noqa: E402
+from bench._loadgen import percentile
+from bench._procs import Proc, free_port, spawn
 
 _PDPLANE = str(Path(sys.executable).parent / "pdplane")
 _MODEL = "sim-model"
@@ -49,6 +46,8 @@ _PROMPT = 1000
 _MAX_TOKENS = 64
 _PREFILLS = 8
 _CLIENT_TIMEOUT_S = 60.0
+#: The quiet tenant's requests the gateway admitted within 5 ms (its flow wait histogram).
+_QUIET_WAIT = 'pdplane_gateway_flow_wait_seconds_bucket{le="0.005",priority="0",tenant="quiet"}'
 _TENANTS = """
 tenants:
   interactive: {priority: 0}
@@ -209,6 +208,7 @@ def _start(
         spawn(
             "decode",
             [_PDPLANE, "sim", "--role", "decode", "--port", str(free_port()), "--itl-ms", "25",
+             "--stream-interval", "8",
              "--kv-blocks", str(args.kv_blocks), *common],
             "",
             logs,
@@ -276,6 +276,9 @@ async def _main(args: argparse.Namespace) -> None:
                 url = urls[policy]
                 alone = await _phase(url, args.alone_s, {"sk-quiet": quiet_rate})
                 await _idle(url)
+                quiet_wait = _QUIET_WAIT
+                quiet_all = 'pdplane_gateway_flow_wait_seconds_count{priority="0",tenant="quiet"}'
+                before = (await _metric(url, quiet_wait), await _metric(url, quiet_all))
                 t0 = time.perf_counter()
                 mixed = await _phase(
                     url, args.mix_s, {"sk-quiet": quiet_rate, "sk-noisy": noisy_rate}
@@ -283,6 +286,8 @@ async def _main(args: argparse.Namespace) -> None:
                 await _idle(url)
                 a = _ttfts(alone["sk-quiet"])
                 m = _ttfts(mixed["sk-quiet"], t0 + args.warmup_s)
+                prompt = (await _metric(url, quiet_wait)) - before[0]
+                admitted = (await _metric(url, quiet_all)) - before[1]
                 pooled.setdefault((policy, "alone"), []).extend(a)
                 pooled.setdefault((policy, "mixed"), []).extend(m)
                 for key in ("sk-quiet", "sk-noisy"):
@@ -293,7 +298,8 @@ async def _main(args: argparse.Namespace) -> None:
                 print(
                     f"round {rnd + 1} {policy}: quiet alone p50/p90 {_p(a, 0.5):.0f}/"
                     f"{_p(a, 0.9):.0f} ms (n={len(a)}); beside noisy p50/p90 {_p(m, 0.5):.0f}/"
-                    f"{_p(m, 0.9):.0f} ms (n={len(m)}); p90 ratio {_p(m, 0.9) / _p(a, 0.9):.2f}",
+                    f"{_p(m, 0.9):.0f} ms (n={len(m)}); p90 ratio {_p(m, 0.9) / _p(a, 0.9):.2f}; "
+                    f"quiet admitted by the gateway within 5 ms: {prompt:.0f}/{admitted:.0f}",
                     flush=True,
                 )
         for policy in ("fair", "fifo"):
