@@ -200,14 +200,16 @@ def create_app(
     return app
 
 
-def _budget(fleet: Callable[[], FleetView], fraction: float, model: str) -> int | None:
-    """`model`'s in-flight budget (tokens): `fraction` x its decode instances' KV cache;
-    None (unlimited) while that is unknown or no decode serves it (requests then reach the
-    scheduler, whose refusal makes them wait in the admission queue)."""
+def _budget(fleet: Callable[[], FleetView], fraction: float, model: str) -> tuple[int, int] | None:
+    """`model`'s in-flight budget and ceiling (tokens): `fraction` x its decode instances' KV
+    cache, and that KV cache (the most tenants within their shares may reach); None
+    (unlimited) while it is unknown or no decode serves it (requests then reach the scheduler,
+    whose refusal makes them wait in the admission queue)."""
     state = fleet().models.get(model)
     if state is None or state.decode_kv_tokens <= 0:
         return None
-    return max(1, int(state.decode_kv_tokens * fraction))
+    budget = max(1, int(state.decode_kv_tokens * fraction))
+    return budget, max(budget, state.decode_kv_tokens)
 
 
 def tokenizer_cache(configured: str | None) -> Path:

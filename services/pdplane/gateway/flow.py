@@ -23,9 +23,9 @@ need) from its admission until its answer ends. While the budget is full, reques
   weights); a request that keeps its tenant within that share, with no better priority
   waiting, is admitted at once even when the budget is full. So a quiet tenant beside a
   flooding one is not held behind the flood's completions; the flood, over its share, waits.
-  The budget may then be exceeded by the quiet tenants' shares (at most twice the budget, in
-  the worst case), which is why `--inflight-budget` below 1 leaves that room in the engines'
-  KV cache.
+  The budget may then be exceeded by those shares, never past the ceiling (the decode
+  instances' KV cache): `--inflight-budget` below 1 leaves that room (at 1 there is none,
+  and every request waits for its turn).
 
 Under overload, requests are shed with 429 and `Retry-After` (never a hang), the lowest
 priority first: a request whose projected wait (tokens queued ahead of it / the tokens per
@@ -154,7 +154,9 @@ class FlowControl:
     """The flow control of all models (one per gateway).
 
     Args:
-        budget: model -> its in-flight budget (tokens), None = unlimited (capacity unknown).
+        budget: model -> (its in-flight budget, the ceiling its tenants' shares may reach)
+            in tokens (the ceiling: its decode instances' KV cache), None = unlimited
+            (capacity unknown).
         timeout_s: longest wait (s) before 503; 0 = flow control off.
         max_queued: waiters per model at most (then 429, lowest priority first).
         metrics: queue length, waits, sheds and timeouts by tenant and priority.
@@ -164,7 +166,7 @@ class FlowControl:
 
     def __init__(
         self,
-        budget: Callable[[str], int | None],
+        budget: Callable[[str], tuple[int, int] | None],
         timeout_s: float,
         max_queued: int,
         metrics: GatewayMetrics,
@@ -206,7 +208,7 @@ class FlowControl:
         if (
             self.timeout_s <= 0
             or (flow.waiting == 0 and self._fits(flow, model, ticket.cost))
-            or self._within_share(flow, model, ticket, weight)
+            or self._within_share(flow, model, ticket)
         ):
             self._grant(flow, ticket, now)
             return ticket
@@ -283,24 +285,27 @@ class FlowControl:
     # -- the queue -----------------------------------------------------------------------
 
     def _fits(self, flow: _ModelFlow, model: str, cost: int) -> bool:
-        budget = self._budget(model)
-        if budget is not None:
-            self._per_model(self._metrics.flow_budget_tokens, model).set(budget)
-        return budget is None or flow.inflight == 0 or flow.inflight + cost <= budget
+        limits = self._budget(model)
+        if limits is None:
+            return True
+        self._per_model(self._metrics.flow_budget_tokens, model).set(limits[0])
+        return flow.inflight == 0 or flow.inflight + cost <= limits[0]
 
-    def _within_share(
-        self, flow: _ModelFlow, model: str, ticket: FlowTicket, weight: float
-    ) -> bool:
+    def _within_share(self, flow: _ModelFlow, model: str, ticket: FlowTicket) -> bool:
         """Whether the ticket's tenant stays within its weighted share of the budget among the
-        tenants with requests in flight or waiting, and no better priority waits (fair
-        policy): then it needs no turn, even when the budget is full."""
+        tenants with requests in flight or waiting, no better priority waits, and the model's
+        ceiling (its KV cache) holds it (fair policy): then it needs no turn, even when the
+        budget is full."""
         if self.policy != "fair" or (flow.bands and min(flow.bands) < ticket.priority):
             return False
-        budget = self._budget(model)
-        if budget is None:
+        limits = self._budget(model)
+        if limits is None:
             return True
-        share = budget * weight / flow.active_weight
-        return flow.use[ticket.tenant].inflight + ticket.cost <= share
+        budget, ceiling = limits
+        if flow.inflight + ticket.cost > ceiling:
+            return False
+        use = flow.use[ticket.tenant]
+        return use.inflight + ticket.cost <= budget * use.weight / flow.active_weight
 
     def _use(self, flow: _ModelFlow, ticket: FlowTicket, weight: float) -> None:
         """Counts the ticket's tenant active (its weight in the shares) until `_unuse`."""
@@ -370,7 +375,7 @@ class FlowControl:
             band = flow.bands[min(flow.bands)]
             head = band.head()
             assert head is not None
-            if not self._fits(flow, model, head.cost):
+            if not (self._fits(flow, model, head.cost) or self._within_share(flow, model, head)):
                 return
             heapq.heappop(band.heap)
             band.vclock = head.finish

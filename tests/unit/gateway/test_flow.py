@@ -14,10 +14,12 @@ from pdplane.gateway.metrics import GatewayMetrics
 M = "m"
 
 
-def _flow(
-    budget: int | None = 100, timeout_s: float = 5.0, max_queued: int = 100, **kw
-) -> FlowControl:  # type: ignore[no-untyped-def]
-    return FlowControl(lambda _m: budget, timeout_s, max_queued, GatewayMetrics(), **kw)
+def _flow(  # type: ignore[no-untyped-def]
+    budget: int | None = 100, timeout_s: float = 5.0, max_queued: int = 100, ceiling: int = 0, **kw
+) -> FlowControl:
+    """Flow control with a fixed budget; `ceiling` (default twice the budget) bounds shares."""
+    limits = None if budget is None else (budget, ceiling or 2 * budget)
+    return FlowControl(lambda _m: limits, timeout_s, max_queued, GatewayMetrics(), **kw)
 
 
 async def _order(flow: FlowControl, entries: list[tuple[str, int, int]]) -> list[int]:
@@ -103,6 +105,16 @@ async def test_a_tenant_within_its_share_is_admitted_at_once_even_over_the_budge
     late = asyncio.create_task(flow.admit(M, "quiet", 0, 100))
     await asyncio.sleep(0.01)
     assert not late.done()
+    # Within its share but past the ceiling (the KV cache): it waits too.
+    capped = _flow(budget=1000, ceiling=1050)
+    held = [await capped.admit(M, "noisy", 0, 100) for _ in range(10)]
+    over = asyncio.create_task(capped.admit(M, "quiet", 0, 100))
+    await asyncio.sleep(0.01)
+    assert not over.done()
+    capped.release(held.pop())
+    capped.release(await asyncio.wait_for(over, 1))
+    for t in held:
+        capped.release(t)
     # FIFO gives no share.
     fifo = _flow(budget=1000, policy="fifo")
     held = [await fifo.admit(M, "noisy", 0, 100) for _ in range(10)]
