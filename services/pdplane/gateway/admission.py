@@ -101,8 +101,10 @@ class AdmissionQueue:
             return False
         if state.problem():
             return True
-        left = set(excluded)
-        return bool(left) and not (state.prefill_ids - left and state.decode_ids - left)
+        failed = set(excluded)
+        prefills = state.prefill - len(state.prefill_ids & failed)
+        decodes = state.decode - len(state.decode_ids & failed)
+        return bool(failed) and not (prefills > 0 and decodes > 0)
 
     def serving(self, model: str, ids: Collection[str]) -> tuple[str, ...]:
         """Those of `ids` the fleet still lists as SERVING instances of `model` (an excluded
