@@ -106,13 +106,16 @@ class AdmissionQueue:
         decodes = state.decode - len(state.decode_ids & failed)
         return bool(failed) and not (prefills > 0 and decodes > 0)
 
-    def serving(self, model: str, ids: Collection[str]) -> tuple[str, ...]:
-        """Those of `ids` the fleet still lists as SERVING instances of `model` (an excluded
-        instance that left the registry and came back is a new process, not excluded)."""
+    def failed(self, model: str, ids: Collection[str], since_ns: int) -> tuple[str, ...]:
+        """Those of `ids` (instances that failed a request) still registered as the processes
+        that failed it: SERVING instances of `model` registered before `since_ns` (Unix ns,
+        the request's arrival). One that left the registry and registered again since is a
+        new process (a restart), no longer excluded."""
         state = self._fleet().models.get(model) if self._fleet is not None else None
         if state is None:
             return ()
-        return tuple(i for i in ids if i in state.prefill_ids or i in state.decode_ids)
+        registered = state.registered_ns
+        return tuple(i for i in ids if registered.get(i, since_ns + 1) <= since_ns)
 
     def wake(self) -> None:
         """Room may have come (this gateway released a request): each model's head asks the
@@ -126,13 +129,13 @@ class AdmissionQueue:
         model: str,
         schedule: Callable[[], Awaitable[Decision]],
         refusal: SchedulerUnavailable | None,
-        excluded: Collection[str] = (),
+        excluded: Callable[[], Collection[str]] = tuple,
     ) -> Decision:
         """Waits in `model`'s queue until `schedule()` returns a decision; returns it.
 
         `refusal` = the refusal that sent the request here (capacity, or no usable pair: see
-        `waits_on`; None: it queued behind earlier waiters without asking); `excluded` = the
-        instances that failed a retrying request, not counted while the fleet lists them.
+        `waits_on`; None: it queued behind earlier waiters without asking); `excluded()` = the
+        instances that failed a retrying request (`failed`), not counted as usable.
         Raises GatewayError 503 when queueing is off, the
         queue is full (at once) or no room came within `timeout_s` (naming the last refusal
         and the wait); `schedule()`'s other errors as they are; asyncio.CancelledError when
@@ -174,7 +177,7 @@ class AdmissionQueue:
                 try:
                     decision = await schedule()
                 except SchedulerUnavailable as exc:
-                    if not self.waits_on(model, exc, self.serving(model, excluded)):
+                    if not self.waits_on(model, exc, excluded()):
                         raise
                     reason = self._reasons[model] = exc.reason
                     continue

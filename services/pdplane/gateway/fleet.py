@@ -46,6 +46,8 @@ class ModelState:
         decode_kv_tokens: the KV cache of its SERVING decode instances, in tokens (their
             load reports' total blocks x block size; 0 = not reported yet).
         prefill_ids, decode_ids: the ids of the instances counted in `prefill` / `decode`.
+        registered_ns: their registration times (Unix ns), by id: an id registered again
+            (a restarted instance) is a new process.
     """
 
     prefill: int
@@ -59,6 +61,7 @@ class ModelState:
     decode_kv_tokens: int = 0
     prefill_ids: frozenset[str] = frozenset()
     decode_ids: frozenset[str] = frozenset()
+    registered_ns: Mapping[str, int] = field(default_factory=dict)
 
     def problem(self) -> str:
         """Why no request of this model can be served now; "" when a usable pair exists."""
@@ -163,6 +166,7 @@ def _model_state(instances: list[instance_pb2.Instance], created: int) -> ModelS
         decode_kv_tokens=kv_tokens,
         prefill_ids=frozenset(spec.instance_id for spec in prefills),
         decode_ids=frozenset(spec.instance_id for spec in decodes),
+        registered_ns={i.spec.instance_id: i.registered_at.ToNanoseconds() for i in live},
     )
 
 

@@ -179,6 +179,7 @@ class _Request:
     decode: InstanceRef
 
     __slots__ = (
+        "arrived_ns",
         "cached",
         "care",
         "decode",
@@ -213,6 +214,7 @@ class _Request:
     ) -> None:
         self.relay = relay
         self.req = req
+        self.arrived_ns = time.time_ns()  # wall clock: compared with registration times
         self.id = request_id
         self.started = started
         self.max_model_len = max_model_len  # the model's (tokens; 0 = unknown)
@@ -282,12 +284,12 @@ class _Request:
         )
         schedule, admission = relay.scheduler.schedule, relay.admission
 
+        def failed() -> tuple[str, ...]:
+            # A failed instance registered again since the request came is a new process.
+            return admission.failed(req.model, self.excluded, self.arrived_ns)
+
         def again() -> Awaitable[Decision]:
-            # An excluded instance that left the registry is excluded no more: when its id
-            # comes back, it is a new process (a restart).
-            self.excluded[:] = admission.serving(req.model, self.excluded)
-            excluded = tuple(self.excluded)
-            return schedule(dataclasses.replace(features, exclude_instance_ids=excluded))
+            return schedule(dataclasses.replace(features, exclude_instance_ids=failed()))
 
         try:
             with tracing.span("pdplane.schedule"):
@@ -299,9 +301,12 @@ class _Request:
                     except SchedulerUnavailable as refused:
                         # A retry waits only when no instance is left but those that failed
                         # it; else the failure it follows is the answer (below).
-                        if not admission.waits_on(req.model, refused, self.excluded, queue):
+                        gone = () if queue else failed()
+                        if not admission.waits_on(req.model, refused, gone, queue):
                             raise
-                        decision = await admission.admit(req.model, again, refused, self.excluded)
+                        decision = await admission.admit(
+                            req.model, again, refused, failed if not queue else tuple
+                        )
         except asyncio.CancelledError as exc:
             # The scheduler may have counted the request before the client left; an unknown id
             # is harmless to Release.
