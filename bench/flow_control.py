@@ -302,7 +302,7 @@ async def _main(args: argparse.Namespace) -> None:
                     f"quiet admitted by the gateway within 5 ms: {prompt:.0f}/{admitted:.0f}",
                     flush=True,
                 )
-        for policy in ("fair", "fifo"):
+        for policy in ("fair", "fifo") if args.rounds else ():
             a, m = pooled[(policy, "alone")], pooled[(policy, "mixed")]
             print(
                 f"all rounds {policy}: quiet p90 TTFT alone {_p(a, 0.9):.0f} ms, beside noisy "
@@ -341,7 +341,7 @@ async def _main(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=2, help="0 = the priorities only")
     parser.add_argument("--alone-s", type=float, default=30.0)
     parser.add_argument("--mix-s", type=float, default=50.0)
     parser.add_argument("--warmup-s", type=float, default=15.0)

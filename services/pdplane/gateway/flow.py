@@ -8,7 +8,10 @@ tokens, times `--inflight-budget`); a request weighs `prompt + max_tokens` token
 need) from its admission until its answer ends. While the budget is full, requests wait:
 
 - **priority first** (vLLM's meaning: the lower `priority` value is served first): each
-  priority is a band, and a band is served only when every better band is empty;
+  priority is a band, and a band is served only when every better band is empty; a request
+  fits when the tokens in flight of its priority and better ones leave room for it in the
+  budget (worse priorities' work in flight does not count against it) and everything in
+  flight stays within the ceiling (the decode instances' KV cache);
 - **fair between tenants within a band, by tokens**: self-clocked fair queueing (Golestani,
   "A Self-Clocked Fair Queueing Scheme for Broadband Applications", INFOCOM 1994): a request
   of tenant t with weight w gets the finish tag `max(V, last_t) + tokens / w`, where V is the
@@ -131,6 +134,7 @@ class _ModelFlow:
     __slots__ = (
         "active_weight",
         "bands",
+        "by_priority",
         "drained",
         "drained_sum",
         "inflight",
@@ -144,6 +148,7 @@ class _ModelFlow:
         self.use: dict[str, _Use] = {}  # tenants with requests admitted or waiting
         self.active_weight = 0.0
         self.inflight = 0  # tokens admitted and not ended
+        self.by_priority: dict[int, int] = {}  # the same by priority
         self.waiting = 0
         self.drained: collections.deque[tuple[float, int]] = collections.deque()
         self.drained_sum = 0
@@ -207,7 +212,7 @@ class FlowControl:
         self._use(flow, ticket, weight)
         if (
             self.timeout_s <= 0
-            or (flow.waiting == 0 and self._fits(flow, model, ticket.cost))
+            or (flow.waiting == 0 and self._fits(flow, model, ticket))
             or self._within_share(flow, model, ticket)
         ):
             self._grant(flow, ticket, now)
@@ -262,6 +267,7 @@ class FlowControl:
         ticket.state = _GONE
         flow = self._flows[ticket.model]
         flow.inflight -= ticket.cost
+        flow.by_priority[ticket.priority] -= ticket.cost
         use = flow.use[ticket.tenant]
         use.inflight -= ticket.cost
         self._unuse(flow, ticket)
@@ -284,12 +290,20 @@ class FlowControl:
 
     # -- the queue -----------------------------------------------------------------------
 
-    def _fits(self, flow: _ModelFlow, model: str, cost: int) -> bool:
+    def _fits(self, flow: _ModelFlow, model: str, ticket: FlowTicket) -> bool:
+        """Whether the ticket fits the budget: the tokens in flight of its priority and better
+        ones plus its own within the budget (worse priorities do not count against it), and
+        everything in flight plus its own within the ceiling; or nothing is in flight."""
         limits = self._budget(model)
         if limits is None:
             return True
-        self._per_model(self._metrics.flow_budget_tokens, model).set(limits[0])
-        return flow.inflight == 0 or flow.inflight + cost <= limits[0]
+        budget, ceiling = limits
+        self._per_model(self._metrics.flow_budget_tokens, model).set(budget)
+        if flow.inflight == 0:
+            return True
+        better = sum(t for p, t in flow.by_priority.items() if p <= ticket.priority)
+        cost = ticket.cost
+        return better + cost <= budget and flow.inflight + cost <= ceiling
 
     def _within_share(self, flow: _ModelFlow, model: str, ticket: FlowTicket) -> bool:
         """Whether the ticket's tenant stays within its weighted share of the budget among the
@@ -330,6 +344,7 @@ class FlowControl:
         if flow.started is None:
             flow.started = now
         flow.inflight += ticket.cost
+        flow.by_priority[ticket.priority] = flow.by_priority.get(ticket.priority, 0) + ticket.cost
         flow.use[ticket.tenant].inflight += ticket.cost
         self._per_model(self._metrics.flow_inflight_tokens, ticket.model).set(flow.inflight)
         self._child(self._metrics.flow_wait, ticket).observe(now - ticket.arrived)
@@ -375,7 +390,7 @@ class FlowControl:
             band = flow.bands[min(flow.bands)]
             head = band.head()
             assert head is not None
-            if not (self._fits(flow, model, head.cost) or self._within_share(flow, model, head)):
+            if not (self._fits(flow, model, head) or self._within_share(flow, model, head)):
                 return
             heapq.heappop(band.heap)
             band.vclock = head.finish

@@ -222,3 +222,18 @@ async def test_projected_wait_past_the_timeout_is_shed_lowest_priority_first() -
     flow.release(holder)
     for task in [*high, more]:
         flow.release(await task)
+
+
+async def test_worse_priorities_in_flight_do_not_count_against_a_better_one() -> None:
+    flow = _flow(budget=1000, ceiling=1200)
+    low = [await flow.admit(M, "batch", 10, 100) for _ in range(10)]  # the whole budget
+    # Priority 0 has the budget to itself, within the ceiling (the KV cache): 2 more fit.
+    high = [await asyncio.wait_for(flow.admit(M, "chat", 0, 100, 1e-6), 0.1) for _ in range(2)]
+    third = asyncio.create_task(flow.admit(M, "chat", 0, 100, 1e-6))
+    await asyncio.sleep(0.01)
+    assert not third.done()  # past the ceiling
+    flow.release(low.pop())
+    flow.release(await asyncio.wait_for(third, 1))
+    for t in low + high:
+        flow.release(t)
+    assert flow.inflight_tokens(M) == 0
