@@ -3,10 +3,11 @@
 
     python deploy/grafana/build_dashboard.py          # rewrite the JSON after editing PANELS
 
-Rows: gateway (`pdplane_gateway_*`), its flow control (per tenant and priority), scheduler (`pdplane_scheduler_*`, also on the gateway's
-/metrics with `--scheduler embedded`), the registry as the scheduler sees it (instances by role
-and state), and the vLLM instances (`vllm:*`, one series per scraped instance). Every
-expression uses one Prometheus datasource chosen at import (`DS_PROMETHEUS`).
+Rows: gateway (`pdplane_gateway_*`), its flow control (per tenant and priority), scheduler
+(`pdplane_scheduler_*`, also on the gateway's /metrics with `--scheduler embedded`), the
+registry as the scheduler sees it (instances by role and state), and the vLLM instances
+(`vllm:*`, one series per scraped instance). Every expression uses one Prometheus datasource
+chosen at import (`DS_PROMETHEUS`).
 """
 
 from __future__ import annotations
