@@ -136,6 +136,9 @@ class InflightTracker:
         # Prefill queues in time: instance id -> [busy until (clock s), mean queue s per
         # assignment (for reports of requests not predicted), epoch of the last report read].
         self._busy: dict[str, list[float]] = {}
+        # assignment -> (its prefill, when its prompt is predicted computed): a release before
+        # then ends it early (the request is done, so is its prefill)
+        self._until: dict[_Key, tuple[str, float]] = {}
         #: Predicted queue time (s) of a peer's assignment of N uncached prompt tokens
         #: (kv_aware's latency model; None: peers' assignments move no queue).
         self.queue_seconds: Callable[[int], float] | None = None
@@ -387,7 +390,8 @@ class InflightTracker:
                 record.prefill_id, record.prefill_epoch, 0, record.pending, record.prefill_tokens
             )
             if record.prefill_s > 0:
-                self._queue(record.prefill_id, record.started_at, record.prefill_s)
+                until = self._queue(record.prefill_id, record.started_at, record.prefill_s)
+                self._until[key] = (record.prefill_id, until)
         self._count(record.decode_id, record.decode_epoch, record.decode_blocks, record.pending)
         return replaced
 
@@ -395,15 +399,24 @@ class InflightTracker:
         record = self._requests.pop(key, None)
         if record is not None:
             self._uncount(record)
+        until = self._until.pop(key, None)
+        if until is not None:
+            busy = self._busy.get(until[0])
+            now = self._clock()
+            if busy is not None and until[1] > now:
+                busy[0] = max(now, busy[0] - (until[1] - now))
+                self._dirty.add(until[0])
         return record
 
-    def _queue(self, instance_id: str, now: float, seconds: float) -> None:
+    def _queue(self, instance_id: str, now: float, seconds: float) -> float:
+        """Adds `seconds` of predicted work to a prefill's queue; returns when it is done."""
         busy = self._busy.get(instance_id)
         if busy is None:
             busy = self._busy[instance_id] = [0.0, seconds, 0.0]
         busy[0] = max(busy[0], now) + seconds
         busy[1] += 0.1 * (seconds - busy[1])  # mean of the recent ones (EWMA)
         self._dirty.add(instance_id)
+        return busy[0]
 
     def _tell(self, assigned: list[Assignment], released: Iterable[Assignment]) -> None:
         listener = self.listener

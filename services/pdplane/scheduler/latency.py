@@ -14,7 +14,8 @@ float64 array (order: `COEFFICIENTS`); the kernels here evaluate the formula per
 one compiled pass over a side's table (`pdplane.scheduler.table`), for `kv_aware`:
 
 * prefill (`score_prefill`): the predicted time until the prompt's KV is computed = the API
-  server (`request_ms`) + the instance's queue (BUSY_UNTIL - now) + a step of the uncached
+  server (`request_ms`) + the instance's queue (BUSY_UNTIL - now; each prompt sent there adds
+  the parts of a step that grow with it, `LatencyModel.queue_s`) + a step of the uncached
   tokens after the cached ones (a prompt longer than the token budget takes several);
 * decode (`score_decode`): after that prefill, the pull of the tokens decode does not hold
   (`transfer_latency_ms` + bytes / `transfer_gbps`) and admission (half a step to wait, one to
@@ -121,10 +122,12 @@ class LatencyModel:
         return float(_step(self.coefficients, seqs, context, new, cached))
 
     def queue_s(self, new: float, cached: float = 0.0) -> float:
-        """What a prompt of `new` uncached tokens adds to a busy prefill's queue (s): its
-        step(s) less the fixed part that queued prompts share."""
+        """What a prompt of `new` uncached tokens after `cached` ones adds to a busy prefill's
+        queue (s): the parts of a step that grow with it (queued prompts share a step's fixed
+        part and its weight reads)."""
         k = self.coefficients
-        return float(_step(k, 0.0, 0.0, new, cached) - k[0] - k[4]) * 1e-3
+        pairs = new * (cached + new / 2.0)
+        return float((k[2] + k[3]) * new + k[4] + k[6] * pairs * 1e-6) * 1e-3
 
     def transfer_ms(self, tokens: float) -> float:
         """A KV pull of `tokens` tokens between two instances (ms)."""

@@ -119,7 +119,7 @@ class KvAware:
                 pool.candidate(i),
                 f"{NAME}: cached={hit}/{ctx.prompt_tokens} tokens, KV in {ttft:.0f} ms "
                 f"(queue {wait:.0f}) of {n} ({live} live)",
-                hit,
+                pool.cached_tokens(i),
                 ttft,
                 self.model.queue_s(ctx.prompt_tokens - hit, hit),
             )
@@ -144,7 +144,7 @@ class KvAware:
             pool.candidate(i),
             f"{NAME}: cached={hit}/{ctx.prompt_tokens} tokens, {how}, first token in "
             f"{ttft:.0f} ms, score {score:.0f} of {n} ({live} live)",
-            hit,
+            pool.cached_tokens(i),
             ttft,
             skip_prefill=bool(local),
         )
