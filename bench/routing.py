@@ -26,10 +26,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -251,7 +253,13 @@ def started(
             line.get("oracle"),
             tokenizer=_tokenizer_dir(p.tokenizer),
         )
-        proxy = start_row(parse_row(p.row), ep, proxy_cpus, logs, dispatch=p.dispatch)
+        row = parse_row(p.row)
+        if "kv_aware" in (row.prefill, row.decode) and "--kv-profile" not in row.flags:
+            # kv_aware predicts with the engines' own profile, as a deployment configures it
+            row = dataclasses.replace(row, flags=(*row.flags, "--kv-profile", p.profile))
+        proxy = start_row(row, ep, proxy_cpus, logs, dispatch=p.dispatch)
+        if p.tokenizer and p.row.startswith("pdplane:"):
+            _wait_precise(proxy.url, ep.model)
         yield proxy, line
     finally:
         if proxy is not None:
@@ -259,6 +267,24 @@ def started(
         if fleet is not None:
             fleet.stop()
         registry.stop()
+
+
+def _wait_precise(url: str, model: str, timeout_s: float = 300.0) -> None:
+    """Waits until the gateway routes `model` precisely (it has loaded the tokenizer the fleet
+    publishes: a one-time cost, tens of seconds of CPU for transformers' import, that must not
+    fall in the measured window). RuntimeError after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    state: Any = None
+    while time.monotonic() < deadline:
+        with (
+            contextlib.suppress(OSError, ValueError),
+            urllib.request.urlopen(f"{url}/health", timeout=5) as r,
+        ):
+            state = json.loads(r.read()).get("models", {}).get(model, {})
+            if state.get("routing") == "precise":
+                return
+        time.sleep(0.5)
+    raise RuntimeError(f"{url}: routing of {model} not precise after {timeout_s} s: {state}")
 
 
 def run_point(p: Point, logs: Path, proxy_cpus: str = "", sim_cpus: str = "") -> dict[str, Any]:

@@ -49,8 +49,8 @@ _NO_HITS = np.zeros(0)
 #: (the latency model decides below it; 0 = always disaggregate).
 LOCAL_PREFILL_MAX_TOKENS = 2048
 #: Defaults of `KvAwareWeights` (--kv-itl-weight, --kv-local-slack).
-ITL_WEIGHT = 1.0
-LOCAL_SLACK = 0.05
+ITL_WEIGHT = 10.0
+LOCAL_SLACK = 0.02
 
 
 @dataclass(frozen=True, slots=True)
