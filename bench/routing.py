@@ -100,9 +100,13 @@ class Point:
 
 
 def make_workload(p: Point) -> wl.Workload:
-    """The point's workload: `rate` requests (or sessions) per second for `duration_s`."""
+    """The point's workload: `rate` requests (or sessions) per second for `duration_s`;
+    "family:NAME" is the routing scorecard's workload NAME (`bench/workloads.py` FAMILY, `rate`
+    in requests per second)."""
     n = max(1, int(p.rate * p.duration_s))
     a = p.workload_args
+    if p.workload.startswith("family:"):
+        return wl.FAMILY[p.workload.removeprefix("family:")](p.rate, p.duration_s, p.seed)
     if p.workload == "shared-prefix":
         return wl.shared_prefix(
             p.rate,
@@ -165,8 +169,6 @@ def _fleet(p: Point, registry: str, cpus: str, logs: Path) -> tuple[Proc, dict[s
             argv += [flag, str(value)]
     if p.row in ("oracle", "seed-proxy:random"):
         argv += ["--router", "oracle" if p.row == "oracle" else "random"]
-    if "kv_aware" not in p.row:
-        argv.append("--no-kv-events")  # nobody subscribes; saves the sims' CPU
     tokenizer = _tokenizer_dir(p.tokenizer)
     if tokenizer:
         argv += ["--tokenizer", tokenizer]
@@ -176,6 +178,15 @@ def _fleet(p: Point, registry: str, cpus: str, logs: Path) -> tuple[Proc, dict[s
     except BaseException:
         proc.stop()
         raise
+
+
+def _kv_subscriber(registry: str, cpus: str, logs: Path) -> Proc:
+    """A `pdplane scheduler` whose prefix index follows every instance's KV events stream, for
+    rows whose router subscribes to none: every row then gives the sims the same work (a
+    pdplane gateway's embedded index subscribes whatever its policy)."""
+    argv = [sys.executable, "-m", "pdplane.cli.main", "scheduler", "--registry", registry]
+    argv += ["--port", str(free_port()), "--log-level", "WARNING"]
+    return spawn("kv-subscriber", argv, cpus, logs)
 
 
 def _wait_registered(registry: str, count: int, timeout_s: float = 30.0) -> None:
@@ -243,9 +254,12 @@ def started(
     registry, address = _registry(p, proxy_cpus, logs)
     fleet: Proc | None = None
     proxy: ProxyRun | None = None
+    subscriber: Proc | None = None
     try:
         fleet, line = _fleet(p, address, sim_cpus, logs)
         _wait_registered(address, sum(TOPOLOGIES[p.topology]))
+        if not p.row.startswith("pdplane:"):
+            subscriber = _kv_subscriber(address, proxy_cpus, logs)
         ep = Endpoints(
             address,
             line["prefill"],
@@ -264,6 +278,8 @@ def started(
     finally:
         if proxy is not None:
             proxy.stop()
+        if subscriber is not None:
+            subscriber.stop()
         if fleet is not None:
             fleet.stop()
         registry.stop()
@@ -298,7 +314,13 @@ def run_point(p: Point, logs: Path, proxy_cpus: str = "", sim_cpus: str = "") ->
         numbers["wall_s"] = time.perf_counter() - t0
         if p.row.startswith("pdplane:"):
             numbers.update(router_kv_counters(proxy.url + "/metrics"))
+        # The sims fell behind the clock by more than MAX_LAG: latencies are the machine's.
+        numbers["valid"] = numbers.get("sim_lag_fraction", 1.0) <= MAX_LAG
         return {"point": asdict(p), **numbers}
+
+
+#: Largest sim lag (modelled s late per modelled s and instance) of a valid point.
+MAX_LAG = 0.05
 
 
 _COLUMNS = [
@@ -326,6 +348,8 @@ _COLUMNS = [
     ("unfinished", "unfinished", "{}"),
     ("proxy_cpu_ms_per_request", "proxy CPU ms/req", "{:.2f}"),
     ("sim_lag_s", "sim lag s", "{:.0f}"),
+    ("sim_lag_fraction", "lag", "{:.1%}"),
+    ("valid", "valid", "{}"),
 ]
 
 
@@ -497,7 +521,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--workload",
         default="shared-prefix",
-        choices=("shared-prefix", "multi-turn", "seed", "fixed", "trace"),
+        choices=(
+            "shared-prefix",
+            "multi-turn",
+            "seed",
+            "fixed",
+            "trace",
+            *(f"family:{name}" for name in wl.FAMILY),
+        ),
     )
     ap.add_argument(
         "--wl",

@@ -15,11 +15,20 @@ workload's mean prompt and answer lengths (every turn counted); load 1.0 is that
     python bench/scorecard.py --topologies 4P4D --workloads cold,tenant-mix --loads 0.6 \
         --seeds 0 --routers kv_aware,least_loaded
     python bench/scorecard.py --report results.jsonl   # tables of an earlier run
+    python bench/scorecard.py --served --topologies 4P4D --workloads tenant-mix --loads 0.6 \
+        --seeds 0 --virtual results.jsonl --time-scale 0.5  # the same points on served sims
 
 Results: one JSON line per point in `--out` (a rerun skips the points already there), then the
 report on stdout: per topology, one row per workload and load, kv_aware's ratio to the best
 load-only policy (the lowest seed mean of the three, per metric) and to the oracle, as the
 mean over seeds of the paired (same workload draw) ratios with their range.
+
+`--served` runs the same points through `bench/routing.py` instead: served sims (one process,
+`pdplane sim`'s real-time runner at `--time-scale`), a registry, the pdplane gateway with its
+embedded scheduler (every row tokenizes with the tiny model's tokenizer, every row's sims serve
+KV events streams to a subscriber) or the sims' own oracle; a point whose sims lag the clock by
+more than 5 % is marked invalid. With `--virtual FILE` (the grid's results) each served number
+is shown beside the virtual one of the same point and seed.
 """
 
 from __future__ import annotations
@@ -263,6 +272,80 @@ def _run_safe(p: Point) -> dict[str, Any]:
         return {"point": asdict(p), "error": repr(exc)}
 
 
+#: scorecard router -> bench/routing.py row
+SERVED_ROWS = {
+    "kv_aware": "pdplane:kv_aware",
+    "least_loaded": "pdplane:least_loaded",
+    "power_of_two": "pdplane:power_of_two",
+    "round_robin": "pdplane:round_robin",
+    "oracle": "oracle",
+}
+_SERVED_METRICS = (*METRICS, "fleet_hit", "prefill_legs_per_request")
+_SERVED_FORMATS = {"fleet_hit": "{:.0%}", "prefill_legs_per_request": "{:.2f}"}
+
+
+def run_served(p: Point, time_scale: float, logs: Path) -> dict[str, Any]:
+    """The point on served sims (module doc), as `run_point`'s result plus the sims' lag,
+    whether the point is valid, and the gateway's CPU per request."""
+    from bench import routing
+
+    rate = p.load * fleet_capacity(p)
+    point = routing.Point(
+        topology=p.topology,
+        workload=f"family:{p.workload}",
+        rate=rate,
+        row=SERVED_ROWS[p.router],
+        duration_s=p.duration_s,
+        warmup=p.warmup_s / p.duration_s,
+        drain_s=10.0,
+        profile=p.profile,
+        time_scale=time_scale,
+        seed=p.seed,
+        tokenizer="tiny",
+    )
+    r = routing.run_point(point, logs / f"{p.workload}-{p.load:g}-{p.router}-s{p.seed}")
+    return {
+        "point": asdict(p),
+        "served": True,
+        "rate": rate,
+        "time_scale": time_scale,
+        **{k: r[k] for k in ("ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "itl_p99_ms")},
+        "fleet_hit": r["fleet_hit_rate"],
+        "prefill_legs_per_request": r["prefill_legs_per_request"],
+        "requests": r["requests"],
+        "sim_lag_fraction": r["sim_lag_fraction"],
+        "valid": r["valid"],
+        "proxy_cpu_ms_per_request": r["proxy_cpu_ms_per_request"],
+    }
+
+
+def served_report(served: list[dict[str, Any]], virtual: list[dict[str, Any]]) -> str:
+    """Markdown: per served point, each router's served numbers / the virtual ones (same
+    point and seed), and kv_aware's ratio to the best load-only row in each."""
+    by_key = {Point(**r["point"]).key: r for r in virtual}
+    out = [
+        "| point | router | TTFT p50 | p90 | p99 | ITL p99 | fleet hit | P legs/req | lag "
+        "| valid |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in served:
+        p = Point(**r["point"])
+        v = by_key.get(p.key)
+        cells = []
+        for m in _SERVED_METRICS:
+            fmt = _SERVED_FORMATS.get(m, "{:.0f}")
+            cell = fmt.format(r[m])
+            if v is not None:
+                cell += " / " + fmt.format(v[m])
+            cells.append(cell)
+        out.append(
+            f"| {p.topology} {p.workload} {p.load:g} s{p.seed} | {p.router} | "
+            + " | ".join(cells)
+            + f" | {r['sim_lag_fraction']:.1%} | {'yes' if r['valid'] else 'NO'} |"
+        )
+    return "\n".join(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     ap.add_argument("--topologies", default=",".join(TOPOLOGIES))
@@ -282,6 +365,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jobs", type=int, default=1, help="processes")
     ap.add_argument("--out", type=Path, default=None, help="results JSONL (appended)")
     ap.add_argument("--report", type=Path, default=None, help="only print the tables of FILE")
+    ap.add_argument("--served", action="store_true", help="run the points on served sims")
+    ap.add_argument("--time-scale", type=float, default=0.5, help="--served: modelled s per s")
+    ap.add_argument("--virtual", type=Path, default=None, help="--served: the grid's results")
     args = ap.parse_args(argv)
     if args.report:
         results = [json.loads(line) for line in args.report.read_text().splitlines() if line]
@@ -315,6 +401,20 @@ def main(argv: list[str] | None = None) -> int:
     ]
     todo = [p for p in points if p.key not in done]
     print(f"{len(points)} points, {len(todo)} to run -> {out}", file=sys.stderr, flush=True)
+    if args.served:
+        served = [done[p.key] for p in points if p.key in done]
+        with out.open("a") as f:
+            for p in todo:
+                r = run_served(p, args.time_scale, out.parent / f"{out.stem}-logs")
+                f.write(json.dumps(r) + "\n")
+                f.flush()
+                _progress(r)
+                served.append(r)
+        virtual = []
+        if args.virtual:
+            virtual = [json.loads(x) for x in args.virtual.read_text().splitlines() if x]
+        print(served_report(served, [v for v in virtual if "error" not in v]))
+        return 0
     with out.open("a") as f:
         if args.jobs > 1:
             ctx = multiprocessing.get_context("fork")
@@ -341,7 +441,8 @@ def _progress(r: dict[str, Any]) -> None:
     p = r["point"]
     what = r.get("error") or (
         f"p50/p90/p99 {r['ttft_p50_ms']:.0f}/{r['ttft_p90_ms']:.0f}/{r['ttft_p99_ms']:.0f} ms "
-        f"ITL p99 {r['itl_p99_ms']:.1f} hit {r['fleet_hit']:.0%} cpu {r['cpu_s']:.0f}s"
+        f"ITL p99 {r['itl_p99_ms']:.1f} hit {r['fleet_hit']:.0%}"
+        + (f" lag {r['sim_lag_fraction']:.1%}" if "served" in r else f" cpu {r['cpu_s']:.0f}s")
     )
     print(
         f"[{p['topology']} {p['workload']} {p['load']:g} s{p['seed']}] {p['router']}: {what}",

@@ -436,13 +436,16 @@ def hot_prefix(
     return w
 
 
-def _per_session(turns: Lengths, make: Callable[[float, int], Workload]) -> Callable[..., Workload]:
-    """A session workload as `(rate, duration_s, seed)` with `rate` in requests per second."""
+def _per_session(
+    turns: Lengths, make: Callable[[float, int, int], Workload]
+) -> Callable[[float, float, int], Workload]:
+    """A session workload as `(rate, duration_s, seed)` with `rate` in requests per second:
+    `make(sessions per second, sessions, seed)`."""
     per = turns.expected
 
     def build(rate: float, duration_s: float, seed: int) -> Workload:
         sessions = rate / per
-        return make(sessions, max(1, round(sessions * duration_s)), seed)  # type: ignore[call-arg]
+        return make(sessions, max(1, round(sessions * duration_s)), seed)
 
     return build
 

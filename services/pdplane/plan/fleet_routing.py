@@ -43,16 +43,18 @@ class FleetRouter(Protocol):
     """Chooses both legs of each request of a disaggregated `simulate_fleet` run.
 
     Called on the run's virtual clock (s): `start` once before the first request, `route` when
-    a request arrives, `prefill_done` when its prefill leg finished, `finished` when its decode
-    leg did (returning follow-up requests, `at` on the same clock), and `tick` every `tick_s`
-    (0: never) for load reports.
+    a request arrives (None: no room now, ask again `retry_s` later, as a gateway waits for
+    room), `prefill_done` when its prefill leg finished, `finished` when its decode leg did
+    (returning follow-up requests, `at` on the same clock), and `tick` every `tick_s` (0:
+    never) for load reports.
     """
 
     tick_s: float
+    retry_s: float
 
     def start(self, engines: FleetEngines) -> None: ...
 
-    def route(self, request: int, spec: RequestSpec, now: float) -> Routed: ...
+    def route(self, request: int, spec: RequestSpec, now: float) -> Routed | None: ...
 
     def prefill_done(self, request: int, prefill: EngineRequest, now: float) -> None: ...
 

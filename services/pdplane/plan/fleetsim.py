@@ -257,6 +257,9 @@ class _FleetRun:
         """A routed request arrives: the router picks its legs and it goes to the first."""
         assert self.router is not None
         routed = self.router.route(r.index, r.spec, now)
+        if routed is None:  # no room now: the request waits (its TTFT counts from arrival)
+            self.push(now + self.router.retry_s, _ARRIVE, r)
+            return
         r.outputs = routed.outputs
         d = self.dec[routed.decode]
         d.outstanding += 1

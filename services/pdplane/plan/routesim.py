@@ -33,6 +33,7 @@ from pdplane.core.kv_events import DEFAULT_MEDIUM
 from pdplane.plan.fleet_routing import FleetEngines, Routed
 from pdplane.plan.fleetsim import FleetConfig, FleetResult, simulate_fleet
 from pdplane.plan.workload import RequestSpec
+from pdplane.scheduler.errors import NoRoom
 from pdplane.scheduler.inflight import InflightTracker
 from pdplane.scheduler.kv_index import InstanceBlocks, KvState, PrefixIndex
 from pdplane.scheduler.local import decision_options
@@ -163,6 +164,8 @@ class _Router:
     """What both routers share: the traffic, follow-ups and the window's stats."""
 
     tick_s = 0.0
+    #: how often a request without room asks again (s; the gateway's wait, docs/gateway.md)
+    retry_s = 0.025
 
     def __init__(self, traffic: ChatTraffic, window: tuple[float, float]) -> None:
         self.traffic = traffic
@@ -181,9 +184,10 @@ class _Router:
     def tick(self, now: float) -> None:
         return None
 
-    def _tokens(self, request: int, spec: RequestSpec, now: float) -> tuple[list[int], list[int]]:
-        self._arrived[request] = now
-        return self.traffic.prompt(request), self.traffic.outputs(request, spec.output_tokens)
+    def _outputs(self, request: int, spec: RequestSpec) -> list[int]:
+        """The answer's ids of a request routed now (it arrived at `spec.at`)."""
+        self._arrived[request] = spec.at
+        return self.traffic.outputs(request, spec.output_tokens)
 
     def finished(
         self, request: int, served: EngineRequest, prefill: EngineRequest | None, now: float
@@ -354,10 +358,10 @@ class SchedulerRouter(_Router):
                 due[k] += self._heartbeat_s
                 self._report(k)
 
-    def route(self, request: int, spec: RequestSpec, now: float) -> Routed:
+    def route(self, request: int, spec: RequestSpec, now: float) -> Routed | None:
         self.clock = now
         assert self.service is not None
-        prompt, outputs = self._tokens(request, spec, now)
+        prompt = self.traffic.prompt(request)
         bs = self.profile.block_size
         features = RequestFeatures(
             str(request),
@@ -366,12 +370,15 @@ class SchedulerRouter(_Router):
             spec.output_tokens,
             prefix_hashes={bs: chain_hashes(prompt, bs)} if self._kv_index else {},
         )
-        decision = self.service.schedule(features)
+        try:
+            decision = self.service.schedule(features)
+        except NoRoom:
+            return None  # every decode is full now: ask again (`retry_s`)
         decode = self._ids[decision.decode.instance_id][1]
         prefill = None
         if decision.prefill is not None:
             prefill = self._ids[decision.prefill.instance_id][1]
-        return Routed(prompt, outputs, prefill, decode)
+        return Routed(prompt, self._outputs(request, spec), prefill, decode)
 
     def released(self, request: int, now: float) -> None:
         self.clock = now
@@ -395,7 +402,8 @@ class OracleRouter(_Router):
         self._decode_requests = [0] * len(engines.decode)
 
     def route(self, request: int, spec: RequestSpec, now: float) -> Routed:
-        prompt, outputs = self._tokens(request, spec, now)
+        prompt = self.traffic.prompt(request)
+        outputs = self._outputs(request, spec)
         bs = self.block_size
         keys = chain_hashes(prompt, bs)
         most = (len(prompt) - 1) // bs
