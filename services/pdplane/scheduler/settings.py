@@ -93,7 +93,8 @@ class PolicySettings(CommandSettings):
     kv_profile: str = Field(
         default=DEFAULT_PROFILE,
         description="kv_aware: the engine profile it predicts latencies with, a built-in name "
-        "(pdplane sim --list-profiles) or a JSON file from pdplane profile",
+        "(llama3-8b-h100, llama3-8b-h200, qwen2-7b-a100, tiny-cpu, ...) or a JSON file from "
+        "pdplane profile",
     )
     kv_itl_weight: float = Field(
         default=ITL_WEIGHT,
