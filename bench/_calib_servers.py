@@ -23,7 +23,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-__all__ = ["LLAMA3_8B_CONFIG", "cache_config", "start_sim", "start_vllm", "stop"]
+__all__ = ["LLAMA3_8B_CONFIG", "SMALL_SHAPE", "cache_config", "start_sim", "start_vllm", "stop"]
 
 MODEL = "calib"
 
@@ -46,9 +46,8 @@ LLAMA3_8B_CONFIG: dict[str, Any] = {
     "bos_token_id": 1,
     "eos_token_id": 2,
 }
-#: A small stand-in for the dry run on CPU (same code path, seconds instead of minutes).
-_SMALL_CONFIG = {
-    **LLAMA3_8B_CONFIG,
+#: A small architecture for dry runs on CPU (same code path, seconds instead of minutes).
+SMALL_SHAPE: dict[str, Any] = {
     "hidden_size": 256,
     "intermediate_size": 512,
     "num_hidden_layers": 2,
@@ -57,6 +56,7 @@ _SMALL_CONFIG = {
     "vocab_size": 4096,
     "torch_dtype": "float32",
 }
+_SMALL_CONFIG = {**LLAMA3_8B_CONFIG, **SMALL_SHAPE}
 
 
 def _free_port() -> int:

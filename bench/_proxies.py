@@ -70,8 +70,12 @@ class ProxyRun:
             p.stop()
 
 
-def wait_ready(run: ProxyRun, model: str, timeout_s: float = 90.0) -> None:
-    """Waits until `run` relays a small chat request; RuntimeError after `timeout_s`."""
+def wait_ready(run: ProxyRun, model: str, timeout_s: float = 90.0, precise: bool = False) -> None:
+    """Waits until `run` relays a small chat request and, with `precise` (a pdplane gateway
+    over sims that publish a tokenizer), until its /health says `model` is routed precisely:
+    the gateway has fetched and checked the fleet's tokenizer (seconds after it starts, with
+    its CPU), so that no measured window holds the fetch or estimated prompts. RuntimeError
+    after `timeout_s`."""
     body = {
         "model": model,
         "messages": [{"role": "user", "content": "warm up"}],
@@ -87,8 +91,14 @@ def wait_ready(run: ProxyRun, model: str, timeout_s: float = 90.0) -> None:
         try:
             r = httpx.post(run.url + "/v1/chat/completions", json=body, timeout=5)
             if r.status_code == 200 and r.json()["choices"][0]["message"]["content"]:
-                return
-            last = f"HTTP {r.status_code}: {r.text[:200]}"
+                if not precise:
+                    return
+                state = httpx.get(run.url + "/health", timeout=5).json()["models"][model]
+                if state.get("routing") == "precise":
+                    return
+                last = f"routing {state.get('routing')}: {state.get('routing_reason')}"
+            else:
+                last = f"HTTP {r.status_code}: {r.text[:200]}"
         except (httpx.HTTPError, ValueError, KeyError) as exc:
             last = repr(exc)
         time.sleep(0.25)
@@ -96,8 +106,11 @@ def wait_ready(run: ProxyRun, model: str, timeout_s: float = 90.0) -> None:
 
 
 #: Variants of a pdplane proxy, appended to its name with "+" (e.g. "pdplane-embedded+tok"):
-#: tok = the gateway tokenizes prompts (`--tokenizer`, the fleet's tokenizer); kv_aware = the
-#: kv_aware policy on both sides instead of round_robin (implies tok); no-kv-index = no prefix
+#: tok = the gateway is handed the sims' tokenizer folder itself (`--tokenizer`, which overrides
+#: the one the fleet publishes; with the sims publishing one, every gateway takes it from the
+#: fleet anyway); kv_aware = the kv_aware policy on both sides instead of round_robin (the
+#: gateway's default; precise only with a tokenizer); access-log = the gateway logs at INFO, so
+#: that its access log (on by default, one line per request) is written; no-kv-index = no prefix
 #: index fed by the instances' KV events (`--no-kv-index`); unary = a remote gateway's Schedules
 #: as unary calls instead of on one ScheduleStream (`--no-schedule-stream`); base = the
 #: gateway and scheduler run the code of another checkout, `PDPLANE_BENCH_BASE_TREE` (an A/B
@@ -105,7 +118,17 @@ def wait_ready(run: ProxyRun, model: str, timeout_s: float = 90.0) -> None:
 #: uvicorn (`bench/_granian_gateway.py`); w2 = two granian worker processes sharing the port
 #: (implies granian; remote scheduler only); ft-decode = streamed requests take their first
 #: token from decode (`PDPLANE_FIRST_TOKEN=decode`) instead of prefill, the default.
-VARIANTS = ("tok", "kv_aware", "no-kv-index", "unary", "base", "granian", "w2", "ft-decode")
+VARIANTS = (
+    "tok",
+    "kv_aware",
+    "access-log",
+    "no-kv-index",
+    "unary",
+    "base",
+    "granian",
+    "w2",
+    "ft-decode",
+)
 
 
 def _gateway_argv(variants: frozenset[str]) -> list[str]:
@@ -142,11 +165,16 @@ def _variant_flags(variants: frozenset[str], fleet: Fleet) -> tuple[list[str], l
     if "no-kv-index" in variants:
         flags.append("--no-kv-index")
     tok: list[str] = []
-    if variants & {"tok", "kv_aware"}:
+    if "tok" in variants:
         if not fleet.tokenizer:
-            raise RuntimeError("+tok / +kv_aware need the sims' tokenizer (--tokenizer)")
+            raise RuntimeError("+tok needs the sims' tokenizer (--tokenizer)")
         tok = ["--tokenizer", fleet.tokenizer]
     return flags, tok
+
+
+def _log_level(variants: frozenset[str]) -> list[str]:
+    """The gateway's log level: INFO writes its access log (`+access-log`), WARNING does not."""
+    return ["--log-level", "info" if "access-log" in variants else "warning"]
 
 
 def _pdplane(
@@ -160,8 +188,10 @@ def _pdplane(
     sched_port, gw_port = free_port(), free_port()
     py = sys.executable
     policy, tok = _variant_flags(variants, fleet)
+    # Each variant's logs in files of their own ("+access-log" has its access log there).
+    tail = "".join(f"+{v}" for v in sorted(variants))
     scheduler = spawn(
-        "pdplane-scheduler",
+        f"pdplane-scheduler{tail}",
         [
             py,
             "-m",
@@ -178,7 +208,7 @@ def _pdplane(
         env=_tree_env(variants),
     )
     gateway = spawn(
-        f"pdplane-gateway-{dispatch}",
+        f"pdplane-gateway-{dispatch}{tail}",
         [
             *_gateway_argv(variants),
             "--scheduler",
@@ -192,8 +222,7 @@ def _pdplane(
             *(["--no-kv-index"] if "no-kv-index" in variants else []),
             *(["--no-schedule-stream"] if "unary" in variants else []),
             *tok,
-            "--log-level",
-            "warning",
+            *_log_level(variants),
         ],
         cpus,
         logs,
@@ -212,7 +241,7 @@ def _pdplane_embedded(
         raise ValueError("+unary is for a remote scheduler (pdplane, pdplane-concurrent)")
     policy, tok = _variant_flags(variants, fleet)
     gateway = spawn(
-        "pdplane-gateway-embedded",
+        "pdplane-gateway-embedded" + "".join(f"+{v}" for v in sorted(variants)),
         [
             *_gateway_argv(variants),
             "--scheduler",
@@ -223,8 +252,7 @@ def _pdplane_embedded(
             fleet.registry,
             "--port",
             str(gw_port),
-            "--log-level",
-            "warning",
+            *_log_level(variants),
         ],
         cpus,
         logs,
@@ -335,7 +363,7 @@ def start_proxy(name: str, fleet: Fleet, cpus: str, logs: Path) -> ProxyRun:
     else:
         raise ValueError(f"unknown proxy {name!r}")
     try:
-        wait_ready(run, fleet.model)
+        wait_ready(run, fleet.model, precise=bool(fleet.tokenizer) and base.startswith("pdplane"))
     except BaseException:
         run.stop()
         raise

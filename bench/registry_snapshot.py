@@ -3,7 +3,7 @@ every lease expired.
 
     python bench/registry_snapshot.py [--instances 5000] [--spec-bytes 7800]
 
-Starts `python -m pdplane.registry` (memory store, asyncio flavour) on a free loopback port,
+Starts `python -m pdplane.registry` (memory store) on a free loopback port,
 registers `--instances` specs of about `--spec-bytes` serialized bytes (labels fill them up)
 with a 5 s lease and no heartbeats, then reads one chunked WatchInstances snapshot, one
 ListInstancesStream and one ListInstances, and prints the registry's RSS (VmRSS, MB) before,

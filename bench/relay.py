@@ -10,6 +10,14 @@ proxy CPU ms per request and the ratios against each peer.
 `python-floor` (and `python-floor-fastapi`) is the cheapest relay on pdplane's own libraries
 (uvicorn + aiohttp, `bench/_floor_proxy.py`): what of pdplane's CPU per request is its stack's.
 
+Tokenizer: off by default: the sims publish none, so pdplane's gateways have no tokenizer and
+estimate prompt lengths. `--tokenizer DIR|auto` makes the sims publish that tokenizer, and every
+pdplane gateway then takes it from the fleet (as deployed: exact prompt ids and prefix hashes).
+The report says which, and each pdplane row counts the prompts its gateway scheduled with exact
+ids (`pdplane_gateway_prompts_total`) so that "on" and "off" are checked, not assumed.
+`--repeat N` measures every point N times (the proxies in alternating order) and reports the
+medians.
+
     .venv/bin/python bench/relay.py                      # full run (~10 min)
     .venv/bin/python bench/relay.py --quick              # 1P1D, zero knobs, short windows
 
@@ -26,10 +34,13 @@ import itertools
 import json
 import math
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -94,6 +105,21 @@ def _start_sims(
         raise
 
 
+def _prompt_counts(run: Any) -> dict[str, float] | None:
+    """A pdplane gateway's scheduled prompts so far by how their ids were known ("exact",
+    "estimated"; `pdplane_gateway_prompts_total`); None for other proxies."""
+    if not run.name.startswith("pdplane"):
+        return None
+    text = httpx.get(run.url + "/metrics", timeout=10).text
+    counts = {"exact": 0.0, "estimated": 0.0}
+    for line in text.splitlines():
+        if line.startswith("pdplane_gateway_prompts_total{"):
+            for ids in counts:
+                if f'ids="{ids}"' in line:
+                    counts[ids] = float(line.rsplit(" ", 1)[1])
+    return counts
+
+
 def _measure(run: Any, args: argparse.Namespace, concurrency: int) -> dict[str, Any]:
     url = run.url + "/v1/chat/completions"
     # Warm-up at this concurrency (connections, caches), not counted; it also sizes the
@@ -105,6 +131,7 @@ def _measure(run: Any, args: argparse.Namespace, concurrency: int) -> dict[str, 
         )
     )
     duration = max(args.duration, min(5 * warm.max_latency_ms / 1000, 4 * args.duration))
+    prompts0 = _prompt_counts(run)
     split0, t0 = run.cpu_split(), time.perf_counter()
     result = asyncio.run(
         run_load(
@@ -116,6 +143,11 @@ def _measure(run: Any, args: argparse.Namespace, concurrency: int) -> dict[str, 
         )
     )
     split = {k: v - split0[k] for k, v in run.cpu_split().items()}
+    prompts1 = _prompt_counts(run)
+    exact = None
+    if prompts0 is not None and prompts1 is not None:
+        n = {k: prompts1[k] - prompts0[k] for k in prompts1}
+        exact = round(n["exact"] / (n["exact"] + n["estimated"]), 3) if sum(n.values()) else None
     cpu = sum(split.values())
     per_req = {k: round(v / result.ok, 3) for k, v in split.items()} if result.ok else {}
     return {
@@ -130,6 +162,8 @@ def _measure(run: Any, args: argparse.Namespace, concurrency: int) -> dict[str, 
         "ttft_p50_ms": round(percentile(result.ttfts_ms, 50), 2),
         "proxy_cpu_ms_per_req": round(cpu / result.ok, 3) if result.ok and run.procs else 0.0,
         "cpu_ms_per_req_by_process": per_req,
+        # pdplane: share of the window's prompts scheduled with exact ids (the tokenizer).
+        "exact_prompts": exact,
         "wall_s": round(time.perf_counter() - t0, 2),
     }
 
@@ -152,29 +186,36 @@ def _bench_cell(
         raise
     fleet = Fleet(registry, p_urls, d_urls, tokenizer=args.tokenizer)
     rows: list[dict[str, Any]] = []
+    skipped: set[str] = set()
     try:
-        for name in proxies:
-            print(f"[{topology} {knobs}] {name}", file=sys.stderr, flush=True)
-            try:
-                run = start_proxy(name, fleet, args.proxy_cpus, logs)
-            except RuntimeError as exc:
-                print(f"  skipped: {exc}", file=sys.stderr)
-                rows.append(
-                    {"topology": topology, "knobs": knobs, "proxy": name, "skipped": str(exc)}
-                )
-                continue
-            try:
-                for c in args.concurrency:
-                    row = {
-                        "topology": topology,
-                        "knobs": knobs,
-                        "proxy": name,
-                        **_measure(run, args, c),
-                    }
-                    print(f"  {json.dumps(row)}", file=sys.stderr, flush=True)
-                    rows.append(row)
-            finally:
-                run.stop()
+        for rep in range(args.repeat):
+            # Alternating order: a drift of the shared machine's load favours no proxy.
+            for name in proxies if rep % 2 == 0 else proxies[::-1]:
+                if name in skipped:
+                    continue
+                print(f"[{topology} {knobs} #{rep + 1}] {name}", file=sys.stderr, flush=True)
+                try:
+                    run = start_proxy(name, fleet, args.proxy_cpus, logs)
+                except RuntimeError as exc:
+                    print(f"  skipped: {exc}", file=sys.stderr)
+                    skipped.add(name)
+                    rows.append(
+                        {"topology": topology, "knobs": knobs, "proxy": name, "skipped": str(exc)}
+                    )
+                    continue
+                try:
+                    for c in args.concurrency:
+                        row = {
+                            "topology": topology,
+                            "knobs": knobs,
+                            "proxy": name,
+                            "rep": rep,
+                            **_measure(run, args, c),
+                        }
+                        print(f"  {json.dumps(row)}", file=sys.stderr, flush=True)
+                        rows.append(row)
+                finally:
+                    run.stop()
     finally:
         decode.stop()
         prefill.stop()
@@ -194,29 +235,64 @@ def _cpu_cell(row: dict[str, Any]) -> str:
     return f"{total} ({parts})"
 
 
-def report(rows: list[dict[str, Any]]) -> str:
-    """Markdown tables: per cell, per proxy and concurrency; then the ratios against the peers."""
-    out: list[str] = []
+def _median_rows(cell: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (proxy, concurrency): the medians over its repetitions (errors summed)."""
+    out: list[dict[str, Any]] = []
+    keys: list[tuple[str, int]] = []
+    for r in cell:
+        if "rps" in r and (r["proxy"], r["concurrency"]) not in keys:
+            keys.append((r["proxy"], r["concurrency"]))
+    for proxy, c in keys:
+        reps = [r for r in cell if r["proxy"] == proxy and r.get("concurrency") == c]
+        row = dict(reps[0])
+        for k in ("rps", "p50_ms", "p99_ms", "ttft_p50_ms", "proxy_cpu_ms_per_req", "ok"):
+            row[k] = round(statistics.median(r[k] for r in reps), 3)
+        exact = [r["exact_prompts"] for r in reps if r.get("exact_prompts") is not None]
+        row["exact_prompts"] = statistics.median(exact) if exact else None
+        row["errors"] = sum(r["errors"] for r in reps)
+        row["reps"] = len(reps)
+        row["cpu_ms_per_req_all"] = [r["proxy_cpu_ms_per_req"] for r in reps]
+        split = reps[0].get("cpu_ms_per_req_by_process") or {}
+        row["cpu_ms_per_req_by_process"] = {
+            k: round(statistics.median(r["cpu_ms_per_req_by_process"].get(k, 0.0) for r in reps), 3)
+            for k in split
+        }
+        out.append(row)
+    out += [r for r in cell if "skipped" in r]
+    return out
+
+
+def report(rows: list[dict[str, Any]], tokenizer: str = "") -> str:
+    """Markdown tables: per cell, per proxy and concurrency (medians over repetitions); then
+    the ratios against the peers and against a "+base" run of the same proxy."""
+    out: list[str] = [
+        f"tokenizer: on (the sims publish {tokenizer}; pdplane gateways take it from the fleet)"
+        if tokenizer
+        else "tokenizer: off (the sims publish none; pdplane gateways estimate prompt lengths)"
+    ]
     cells = sorted({(r["topology"], r["knobs"]) for r in rows}, key=str)
     for topology, knobs in cells:
-        cell = [r for r in rows if (r["topology"], r["knobs"]) == (topology, knobs)]
+        cell = _median_rows([r for r in rows if (r["topology"], r["knobs"]) == (topology, knobs)])
         floor = {r["concurrency"]: r for r in cell if r["proxy"] == "direct" and "rps" in r}
+        reps = max((r.get("reps", 1) for r in cell), default=1)
         out += [
-            f"\n### {topology}, {knobs} knobs\n",
+            f"\n### {topology}, {knobs} knobs (medians of {reps} runs)\n",
             "| proxy | streams | req/s | p50 ms | p99 ms | added p50 | added p99 "
-            "| proxy CPU ms/req | errors |",
-            "|---|---|---|---|---|---|---|---|---|",
+            "| proxy CPU ms/req | CPU ms/req, each run | prompts exact | errors |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in cell:
             if "skipped" in r:
-                out.append(f"| {r['proxy']} | skipped: {r['skipped'][:80]} |||||||")
+                out.append(f"| {r['proxy']} | skipped: {r['skipped'][:80]} |||||||||")
                 continue
             f = floor.get(r["concurrency"])
             add50 = r["p50_ms"] - f["p50_ms"] if f else math.nan
             add99 = r["p99_ms"] - f["p99_ms"] if f else math.nan
+            exact = "" if r.get("exact_prompts") is None else f"{r['exact_prompts']:.0%}"
             out.append(
                 f"| {r['proxy']} | {r['concurrency']} | {r['rps']} | {r['p50_ms']} | "
                 f"{r['p99_ms']} | {add50:.2f} | {add99:.2f} | {_cpu_cell(r)} | "
+                f"{' / '.join(f'{v:g}' for v in r.get('cpu_ms_per_req_all', []))} | {exact} | "
                 f"{r['errors']} |"
             )
         out.append("")
@@ -228,6 +304,9 @@ def _ratios(cell: list[dict[str, Any]], floor: dict[int, dict[str, Any]]) -> lis
     def rows_of(name: str) -> list[dict[str, Any]]:
         return [r for r in cell if r["proxy"] == name and "rps" in r]
 
+    def at(name: str, c: int) -> dict[str, Any] | None:
+        return next((r for r in rows_of(name) if r["concurrency"] == c), None)
+
     def max_rps(name: str) -> float:
         return max((r["rps"] for r in rows_of(name) if r["errors"] == 0), default=math.nan)
 
@@ -237,8 +316,16 @@ def _ratios(cell: list[dict[str, Any]], floor: dict[int, dict[str, Any]]) -> lis
         return sum(vals) / len(vals) if vals else math.nan
 
     def added99(name: str, c: int) -> float:
-        r = next((r for r in rows_of(name) if r["concurrency"] == c), None)
+        r = at(name, c)
         return r["p99_ms"] - floor[c]["p99_ms"] if r and c in floor else math.nan
+
+    def by_streams(ours: str, peer: str, key: str) -> str:
+        parts = []
+        for c in sorted({r["concurrency"] for r in rows_of(ours)}):
+            a, b = at(ours, c), at(peer, c)
+            if a and b and b[key]:
+                parts.append(f"x{a[key] / b[key]:.2f} at {c}")
+        return ", ".join(parts) or "n/a"
 
     lines = []
     ours_names = sorted(
@@ -255,14 +342,24 @@ def _ratios(cell: list[dict[str, Any]], floor: dict[int, dict[str, Any]]) -> lis
         lines.append(
             f"- {ours} vs {peer}: max req/s {max_rps(ours):g} vs {max_rps(peer):g} "
             f"(x{max_rps(ours) / max_rps(peer):.2f}); proxy CPU ms/req (mean over streams) "
-            f"{cpu(ours):.3f} vs {cpu(peer):.3f} (x{cpu(ours) / cpu(peer):.2f}); added p99 at "
+            f"{cpu(ours):.3f} vs {cpu(peer):.3f} (x{cpu(ours) / cpu(peer):.2f}; "
+            f"{by_streams(ours, peer, 'proxy_cpu_ms_per_req')} streams); added p99 at "
             f"64 streams {_fmt(round(added99(ours, 64), 2))} vs "
             f"{_fmt(round(added99(peer, 64), 2))} ms"
         )
+    for ours in ours_names:
+        base = ours.replace("+base", "") if "+base" in ours else None
+        if base is None or not rows_of(base):
+            continue
+        lines.append(
+            f"- {base} vs {ours} (same run): req/s {by_streams(base, ours, 'rps')} streams; "
+            f"p99 {by_streams(base, ours, 'p99_ms')}; CPU ms/req "
+            f"{by_streams(base, ours, 'proxy_cpu_ms_per_req')}"
+        )
     if rows_of("pdplane-concurrent"):
         for c in sorted(floor):
-            seq = next((r for r in rows_of("pdplane") if r["concurrency"] == c), None)
-            con = next((r for r in rows_of("pdplane-concurrent") if r["concurrency"] == c), None)
+            seq = at("pdplane", c)
+            con = at("pdplane-concurrent", c)
             if seq and con:
                 lines.append(
                     f"- dispatch at {c} streams: sequential p50 {seq['p50_ms']} ms / "
@@ -295,6 +392,9 @@ def main(argv: list[str] | None = None) -> int:
         help='tokenizer directory of the sims, and of pdplane gateways named "+tok" or '
         '"+kv_aware" (e.g. pdplane-embedded+tok); "auto" = the tiny model\'s, built locally; '
         '"" = the sims\' word tokenizer',
+    )
+    parser.add_argument(
+        "--repeat", type=int, default=1, help="runs of every point (medians are reported)"
     )
     parser.add_argument("--quick", action="store_true", help="1P1D, zero knobs, 1 s windows")
     parser.add_argument(
@@ -350,13 +450,14 @@ def main(argv: list[str] | None = None) -> int:
         registry.stop()
     meta = {
         "argv": sys.argv,
+        "tokenizer": args.tokenizer or "off",
         "load_avg_before_after": os.getloadavg(),
         "cpus": os.cpu_count(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     print(f"results: {out}", file=sys.stderr)
-    print(report(rows))
+    print(report(rows, args.tokenizer))
     return 0
 
 

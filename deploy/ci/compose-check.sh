@@ -50,6 +50,11 @@ cleanup() {
   if [[ -n "${ENGINE_PID:-}" ]]; then
     if ((rc != 0)); then
       docker compose --profile cpu --profile ha --profile sim ps -a >&2 || true
+      # What the gateway answers its own healthcheck (its 503 body says why).
+      docker compose exec -T gateway python3 -c "import urllib.request as u, urllib.error as e
+try: print(u.urlopen('http://127.0.0.1:8000/health', timeout=5).read().decode())
+except e.HTTPError as x: print(x.code, x.read().decode())
+except Exception as x: print('no answer:', x)" >&2 || true
       docker compose --profile cpu --profile ha --profile sim logs --no-color --tail 80 >&2 || true
     fi
     docker compose --profile cpu --profile ha --profile sim down --volumes --timeout 20 \

@@ -1,6 +1,6 @@
 """Every pdplane gRPC server answers bad messages with INVALID_ARGUMENT and a bounded detail.
 
-Garbage bytes (not the RPC's protobuf message) on each RPC of the registry (both flavours), the
+Garbage bytes (not the RPC's protobuf message) on each RPC of the registry, the
 scheduler, the connector's KvTransfer + KvEvents server and the sim; a 10,000-character label
 key at Register and a 1 MB model name at Schedule, whose details must fit gRPC's trailers.
 """
@@ -55,9 +55,9 @@ def _garbage_everywhere(
             _assert_invalid(err.value, method)
 
 
-@pytest.fixture(params=["aio", "sync"])
-def registry(request: pytest.FixtureRequest) -> Iterator[str]:
-    with running_registry(flavour=request.param) as address:
+@pytest.fixture
+def registry() -> Iterator[str]:
+    with running_registry() as address:
         yield address
 
 

@@ -53,11 +53,9 @@ def _register_bytes(payload_len: int) -> bytes:
     return b"\x0a" + bytes(length) + b"A" * payload_len
 
 
-@pytest.fixture(params=["aio", "sync"])
-def registry_process(
-    request: pytest.FixtureRequest, free_port: Callable[[], int], tmp_path: Path
-) -> Iterator[tuple[str, int]]:
-    """`pdplane registry` (flavour from the param) with a token file; yields (address, pid)."""
+@pytest.fixture
+def registry_process(free_port: Callable[[], int], tmp_path: Path) -> Iterator[tuple[str, int]]:
+    """`pdplane registry` with a token file; yields (address, pid)."""
     if not Path("/proc/self/status").exists():
         pytest.skip("needs Linux /proc for the peak RSS")
     token_file = tmp_path / "token"
@@ -73,8 +71,6 @@ def registry_process(
             str(port),
             "--token-file",
             str(token_file),
-            "--flavour",
-            request.param,
         ],
         stderr=subprocess.DEVNULL,
         env=dict(os.environ),

@@ -1,6 +1,6 @@
 """The OpenAI-compatible gateway: schedules a (prefill, decode) pair per request and relays.
 
-`pdplane.gateway.app.create_app` builds the FastAPI app; `pdplane.gateway.relay` (retries,
-scheduling) and `pdplane.gateway.attempt` (one pair: both legs, the stream) hold the
-prefill -> decode orchestration with no FastAPI imports; `pdplane gateway` runs it under uvicorn.
+`pdplane.gateway.app.create_app` builds the FastAPI app; `pdplane.gateway.relay` holds one
+request's path top to bottom (schedule, both legs, the reply, after-care) with no FastAPI
+imports; `pdplane gateway` runs it under uvicorn.
 """

@@ -18,19 +18,18 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp
 
 from pdplane.core import defaults
+from pdplane.gateway.aftercare import KvAborter
 from pdplane.gateway.auth import ApiKeys
 from pdplane.gateway.config import RelayConfig
 from pdplane.gateway.endpoints import RelayEndpoints
 from pdplane.gateway.errors import error_body
 from pdplane.gateway.fleet import FleetTracker, FleetView
 from pdplane.gateway.fleet_tokenizers import FleetTokenizers
-from pdplane.gateway.kv_abort import KvAborter
 from pdplane.gateway.metrics import GatewayMetrics
 from pdplane.gateway.passthrough import Passthrough
 from pdplane.gateway.prompt_ids import TokenizerSet, load_tokenizers
 from pdplane.gateway.relay import Relay
 from pdplane.gateway.routes import build_router
-from pdplane.gateway.schema_routes import schema_router
 from pdplane.gateway.settings import GatewaySettings
 from pdplane.gateway.upstream import UpstreamClient
 from pdplane.scheduler import SchedulerPort, open_scheduler
@@ -166,7 +165,6 @@ def create_app(
         redoc_url=None,
     )
     passthrough = Passthrough(fleet, upstream, settings.upstream_api_key)
-    app.include_router(schema_router())
     app.include_router(
         build_router(fleet, metrics, keys, passthrough, fleet_tokenizers.states, scheduler.problem)
     )

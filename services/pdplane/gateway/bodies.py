@@ -1,11 +1,16 @@
-"""The two upstream bodies of a disaggregated request: the prefill leg and the decode leg.
+"""Every upstream body of a disaggregated request, built in one place.
 
-Prefill computes the prompt's KV cache and keeps it for decode, so its body is the client's
-with one output token and nothing that would make vLLM reject that: `max_tokens=1` (and
-`max_completion_tokens=1` on chat, the only endpoint whose model has it), `stream=false`, no
-`stream_options` (vLLM refuses them without `stream`), `n=1`, no `min_tokens` (vLLM refuses
-`min_tokens > max_tokens`). Decode gets the client's ORIGINAL body plus the
-`kv_transfer_params` prefill returned, as returned (spliced into the client's own bytes).
+- The prefill leg: the client's body with one output token and nothing that would make vLLM
+  reject that: `max_tokens=1` (and `max_completion_tokens=1` on chat, the only endpoint whose
+  model has it), `stream=false`, no `stream_options` (vLLM refuses them without `stream`),
+  `n=1`, no `min_tokens` (vLLM refuses `min_tokens > max_tokens`), plus
+  `kv_transfer_params = PrefillRequestParams(...)`.
+- The decode leg: the client's ORIGINAL body plus the `kv_transfer_params` prefill returned, as
+  returned (spliced into the client's own bytes: a long prompt is not re-encoded).
+- The decode leg after the first token from prefill (`continuation_body`): a `/v1/completions`
+  body, prefill's prompt ids plus the first token, one token less to generate, the client's
+  sampling fields. `takes_first_token` says which requests may take that path: those whose
+  tokens 2..n decode samples exactly as one instance would.
 """
 
 from __future__ import annotations
@@ -14,11 +19,78 @@ import json
 from typing import Any
 
 from pdplane.core.kv_params import PrefillRequestParams
-from pdplane.gateway.validation import CHAT, Endpoint
+from pdplane.gateway.validation import CHAT, COMPLETIONS, ClientRequest, Endpoint
 
-__all__ = ["decode_body", "decode_body_parts", "prefill_body"]
+__all__ = [
+    "continuation_body",
+    "decode_body",
+    "decode_body_parts",
+    "prefill_body",
+    "requested_max",
+    "takes_first_token",
+]
 
 _DROPPED_ON_PREFILL = ("stream_options", "min_tokens")
+#: Fields that decode receives as the client sent them (sampling of tokens 2..n).
+_TO_DECODE = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "ignore_eos",
+    "stop_token_ids",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "include_stop_str_in_output",
+    "logit_bias",
+    "allowed_token_ids",
+    "user",
+    "priority",
+    "stream_options",
+)
+#: Fields that must be absent, null or hold the neutral value given: with other values tokens
+#: 2..n depend on token 1 other than through the prompt (a seed's generator, a stop string
+#: across the two, penalties counting output tokens, min_tokens), or the client wants per-token
+#: output (`logprobs: 0` on completions still returns the sampled tokens' logprobs).
+_UNSET: dict[str, tuple[object, ...]] = {
+    "stop": ("", []),
+    "seed": (),
+    "presence_penalty": (0, 0.0),
+    "frequency_penalty": (0, 0.0),
+    "logprobs": (False,),
+    "echo": (False,),
+    "min_tokens": (0,),
+}
+#: Fields with which decode, continuing from the first token, samples exactly as one instance
+#: would: those it receives, those prefill alone uses (the prompt's), and those whose values
+#: `takes_first_token` checks. A request with any other field takes the usual path.
+_COMMON = frozenset(_TO_DECODE) | {
+    "model",
+    "max_tokens",
+    "stream",
+    "add_special_tokens",
+    "n",
+    *_UNSET,
+}
+_FIELDS: dict[Endpoint, frozenset[str]] = {
+    COMPLETIONS: _COMMON | {"prompt"},
+    CHAT: _COMMON
+    | {
+        "messages",
+        "max_completion_tokens",
+        "chat_template",
+        "chat_template_kwargs",
+        "add_generation_prompt",
+        "continue_final_message",
+    },
+}
+#: vLLM's `max_tokens` default for /v1/completions (chat has none: up to the model's length).
+_COMPLETIONS_MAX_TOKENS = 16
+
+
+def _json(obj: dict[str, Any]) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()
 
 
 def prefill_body(
@@ -33,7 +105,7 @@ def prefill_body(
     """JSON bytes of the prefill leg for the client `body` (not modified). `decode_id` and
     `decode_kv_endpoint` name the scheduled decode (a push-mode prefill sends the KV there).
     `token_ids` asks prefill for its prompt and output token ids (`return_token_ids`), which
-    the first token from prefill needs (`pdplane.gateway.first_token`).
+    the first token from prefill needs.
 
     With `n` > 1 the decode is not named: vLLM fans such a request out into several engine
     requests on decode, and a pushed transfer serves only the first of them, while pulls serve
@@ -56,7 +128,7 @@ def prefill_body(
     out["kv_transfer_params"] = PrefillRequestParams(
         request_id, decode_id or None, decode_kv_endpoint or None
     ).to_dict()
-    return json.dumps(out, separators=(",", ":")).encode()
+    return _json(out)
 
 
 def decode_body(raw: bytes, body: dict[str, Any], kv_transfer_params: bytes) -> bytes:
@@ -81,6 +153,68 @@ def decode_body_parts(raw: bytes, body: dict[str, Any]) -> tuple[bytes, bytes]:
     if text[:1] == b"{" and text[-1:] == b"}" and "kv_transfer_params" not in body and body:
         return text[:-1] + b',"kv_transfer_params":', b"}"
     rest = {k: v for k, v in body.items() if k != "kv_transfer_params"}
-    fields = json.dumps(rest, separators=(",", ":")).encode()[:-1]
     sep = b"," if rest else b""
-    return fields + sep + b'"kv_transfer_params":', b"}"
+    return _json(rest)[:-1] + sep + b'"kv_transfer_params":', b"}"
+
+
+def takes_first_token(req: ClientRequest) -> bool:
+    """Whether `req` may take its first token from prefill: streamed, one choice, one prompt,
+    and nothing that makes tokens 2..n depend on token 1 other than through the prompt (seed,
+    stop strings, presence/frequency penalties, min_tokens) or that needs per-token output
+    (logprobs, echo)."""
+    body = req.body
+    if not req.stream or not body.keys() <= _FIELDS[req.endpoint]:
+        return False
+    if body.get("n") not in (None, 1):
+        return False
+    for name, neutral in _UNSET.items():
+        value = body.get(name)
+        # `type(...)` too: True == 1 and 0 == False in Python, and `seed: 0` is a seed
+        if value is not None and not any(value == n and type(value) is type(n) for n in neutral):
+            return False
+    if req.endpoint == COMPLETIONS:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            return False  # a batch of prompts: several choices
+    return True
+
+
+def requested_max(req: ClientRequest) -> int | None:
+    """Output tokens the client asked for (None: up to the model's length)."""
+    body = req.body
+    if req.endpoint == CHAT:
+        value = body.get("max_completion_tokens") or body.get("max_tokens")
+        return value if isinstance(value, int) else None
+    value = body.get("max_tokens", _COMPLETIONS_MAX_TOKENS)
+    return value if isinstance(value, int) else None
+
+
+def continuation_body(
+    req: ClientRequest,
+    prompt_token_ids: list[int],
+    kv_transfer_params: bytes | None,
+    token_ids: bool = False,
+) -> bytes:
+    """The `/v1/completions` body of the decode leg after the first token from prefill:
+    `prompt_token_ids` (prefill's prompt ids plus the first token), one token less to generate,
+    the client's sampling fields, prefill's `kv_transfer_params` (JSON bytes) as returned.
+    Without them (None) decode computes the whole prompt itself: the body of a decode that
+    takes over from one that could not be reached. `token_ids` asks decode for its tokens'
+    ids (`return_token_ids`; `pdplane.gateway.splice.Splice.token_ids`)."""
+    body = req.body
+    out: dict[str, Any] = {"prompt": prompt_token_ids}
+    if "model" in body:
+        out["model"] = body["model"]
+    wanted = requested_max(req)
+    # None: up to the model's length, which vLLM computes from decode's (longer) prompt.
+    out["max_tokens"] = None if wanted is None else wanted - 1
+    for name in _TO_DECODE:
+        if name in body:
+            out[name] = body[name]
+    out["stream"] = True
+    if token_ids:
+        out["return_token_ids"] = True
+    text = _json(out)
+    if kv_transfer_params is None:
+        return text
+    return text[:-1] + b',"kv_transfer_params":' + kv_transfer_params + b"}"

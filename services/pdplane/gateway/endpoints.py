@@ -36,14 +36,14 @@ from pdplane.gateway.prompt_ids import Tokenizers, TokenizerSet, exact_prompt_as
 from pdplane.gateway.relay import Relay
 from pdplane.gateway.replies import JsonReply
 from pdplane.gateway.route_note import ROUTE_HEADER, RouteNote
-from pdplane.gateway.validation import CHAT, COMPLETIONS, ClientRequest, Endpoint, parse_request
+from pdplane.gateway.routes import RELAY_PATHS
+from pdplane.gateway.validation import ClientRequest, Endpoint, parse_request
 
 __all__ = ["RelayEndpoints"]
 
 log = logging.getLogger(__name__)
 
 _JSON = "application/json"
-_ENDPOINTS: dict[str, Endpoint] = {COMPLETIONS: COMPLETIONS, CHAT: CHAT}
 #: Longest accepted client X-Request-Id (characters); it travels in headers and KV params.
 _MAX_REQUEST_ID = 256
 #: Largest accepted request body (bytes).
@@ -165,7 +165,7 @@ class RelayEndpoints:
         self.tokenizers: Tokenizers = tokenizers or TokenizerSet({})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        endpoint = _ENDPOINTS.get(scope["path"]) if scope["type"] == "http" else None
+        endpoint = RELAY_PATHS.get(scope["path"]) if scope["type"] == "http" else None
         if endpoint is None:
             await self.app(scope, receive, send)
             return

@@ -86,6 +86,14 @@ def _short(content_hash: str) -> str:
     return content_hash[: len("sha256:") + 12]
 
 
+_RETRY_NOTE = " (retrying in "
+
+
+def _settled_reason(reason: str) -> str:
+    """`reason` without its retry countdown (which changes on every retry)."""
+    return reason.split(_RETRY_NOTE, 1)[0]
+
+
 def _named(instances: tuple[str, ...]) -> str:
     more = len(instances) - _NAMED
     return ", ".join(instances[:_NAMED]) + (f" and {more} more" if more > 0 else "")
@@ -137,6 +145,7 @@ class FleetTokenizers:
         self._view: FleetView | None = None
         self._published: dict[str, tuple[Publication, ...]] = {}
         self._states: dict[str, RoutingState] = {}
+        self._said: dict[str, tuple[bool, str]] = {}  # what the log said last, per model
         self._by_model: dict[str, PromptTokenizer] = {}
         self._loaded: dict[str, PromptTokenizer] = {}  # content hash -> tokenizer
         self._failures: dict[str, _Failure] = {}  # content hash -> last failure
@@ -163,6 +172,7 @@ class FleetTokenizers:
                 self._decide(model)
         for model in [m for m in self._states if m not in view.models]:
             del self._states[model]
+            self._said.pop(model, None)
             self._published.pop(model, None)
             self._by_model.pop(model, None)
             self._metrics.routing_precise.remove(model)
@@ -240,11 +250,12 @@ class FleetTokenizers:
             self._by_model.pop(model, None)
         else:
             self._by_model[model] = tokenizer
-        previous = self._states.get(model)
         self._states[model] = state
         self._metrics.routing_precise.labels(model).set(1 if state.precise else 0)
-        if state == previous or state.reason.startswith("fetching"):
-            return
+        said = (state.precise, _settled_reason(state.reason))
+        if state.reason.startswith("fetching") or self._said.get(model) == said:
+            return  # one line per change: not per fetch, nor per retry of the same failure
+        self._said[model] = said
         if state.precise:
             log.info("model %s: routing is precise (KV-aware): %s", model, state.reason)
         else:
@@ -280,7 +291,7 @@ class FleetTokenizers:
                 _RETRY_FIRST_S if previous is None else min(previous.backoff_s * 2, _RETRY_MAX_S)
             )
             self._failures[content_hash] = _Failure(
-                f"tokenizer {_short(content_hash)}: {exc} (retrying in {backoff:g} s)",
+                f"tokenizer {_short(content_hash)}: {exc}{_RETRY_NOTE}{backoff:g} s)",
                 time.monotonic() + backoff,
                 backoff,
             )

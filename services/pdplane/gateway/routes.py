@@ -1,10 +1,20 @@
-"""FastAPI routes besides the relay endpoints: /v1/models, /health, /ping, /metrics, and vLLM's
-read-only routes answered by an instance (/tokenize, /detokenize, /version)."""
+"""Every route of the gateway, declared here.
+
+- The relay endpoints, POST /v1/completions and /v1/chat/completions (`RELAY_PATHS`), are the
+  hot path: the ASGI front (`pdplane.gateway.endpoints`) answers them before FastAPI's routing
+  and dependency machinery, which costs a measurable share of a request's CPU. FastAPI routes
+  of the same paths only document their bodies in /openapi.json (the models `parse_request`
+  validates against), so clients and schema-driven fuzzers see the real shapes; FastAPI never
+  reaches them.
+- FastAPI serves the rest: /v1/models, /health, /ping, /metrics, and vLLM's read-only routes
+  answered by an instance (/tokenize, /detokenize, /version).
+"""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
@@ -17,10 +27,36 @@ from pdplane.gateway.fleet import FleetView
 from pdplane.gateway.fleet_tokenizers import RoutingState
 from pdplane.gateway.metrics import GatewayMetrics
 from pdplane.gateway.passthrough import Passthrough
+from pdplane.gateway.validation import CHAT, COMPLETIONS, REQUEST_SCHEMAS, Endpoint
 
-__all__ = ["build_router"]
+__all__ = ["RELAY_PATHS", "build_router"]
 
 _JSON = "application/json"
+
+#: The relay endpoints by path, answered by `pdplane.gateway.endpoints` in front of FastAPI.
+RELAY_PATHS: dict[str, Endpoint] = {COMPLETIONS: COMPLETIONS, CHAT: CHAT}
+
+_RELAY_ANSWERS: dict[int | str, dict[str, Any]] = {
+    200: {"description": "the decode instance's answer (JSON, or SSE when `stream` is true)"},
+    400: {"description": "invalid body (OpenAI error shape)"},
+    401: {"description": "missing or invalid API key"},
+    404: {"description": "unknown model"},
+    503: {"description": "no usable prefill/decode pair"},
+}
+
+
+def _relay_schema_routes(router: APIRouter) -> None:
+    """Routes that only document the relay endpoints' request bodies (see module docstring)."""
+    for path, model in REQUEST_SCHEMAS.items():
+
+        async def relay(body: Any) -> Response:
+            raise AssertionError("relay endpoints are served by pdplane.gateway.endpoints")
+
+        # A pydantic model parameter is FastAPI's JSON body.
+        relay.__annotations__["body"] = model
+        router.add_api_route(
+            path, relay, methods=["POST"], responses=_RELAY_ANSWERS, name=path.rsplit("/", 1)[-1]
+        )
 
 
 def _json(data: object, status: int = 200) -> Response:
@@ -35,10 +71,12 @@ def build_router(
     routing: Callable[[], Mapping[str, RoutingState]] = dict,
     scheduler_problem: Callable[[], str | None] = lambda: None,
 ) -> APIRouter:
-    """The gateway's read-only routes; `fleet()` returns the current FleetView, `routing()`
-    each model's routing state (added to its /health entry), and `scheduler_problem()` (e.g.
-    "scheduler unreachable at ...", else None) makes /health 503."""
+    """The gateway's FastAPI routes (the relay endpoints' only for /openapi.json);
+    `fleet()` returns the current FleetView, `routing()` each model's routing state (added to
+    its /health entry), and `scheduler_problem()` (e.g. "scheduler unreachable at ...", else
+    None) makes /health 503."""
     router = APIRouter()
+    _relay_schema_routes(router)
 
     def refused(request: Request) -> Response | None:
         values = request.headers.getlist("authorization")

@@ -146,6 +146,21 @@ class RegistrationClient:
         """
         if drain and self._registered.is_set():
             self._drain(drain_timeout)
+        self._halt()
+        lease = self.lease_id
+        if lease:
+            self._deregister(lease, drain=False)
+        self._endpoints.close()
+
+    def abandon(self) -> None:
+        """Stops heartbeating without deregistering, as a killed process would: the
+        registry removes the instance when its lease lapses (fault injection). Joins the
+        thread; never raises."""
+        self._halt()
+        self._endpoints.close()
+
+    def _halt(self) -> None:
+        """Stops the heartbeat thread (its open call cancelled) and joins it."""
         self._stopping.set()
         with self._lock:
             call = self._call
@@ -153,10 +168,6 @@ class RegistrationClient:
             call.cancel()
         if self._thread is not None:
             self._thread.join(timeout=_RPC_TIMEOUT_S + 1.0)
-        lease = self.lease_id
-        if lease:
-            self._deregister(lease, drain=False)
-        self._endpoints.close()
 
     def _drain(self, timeout: float) -> None:
         with self._lock:

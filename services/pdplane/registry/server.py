@@ -10,14 +10,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from concurrent import futures
 
 import grpc
 
 from pdplane.core import grpc_util
 from pdplane.core.grpc_auth import AuthPolicy
 from pdplane.registry.memory_store import InMemoryStore
-from pdplane.registry.servicer import SERVICE_NAME, AioRegistryServicer, RegistryServicer
+from pdplane.registry.servicer import SERVICE_NAME, RegistryServicer
 from pdplane.registry.settings import RegistrySettings
 from pdplane.registry.store import InstanceStore, LeasePolicy
 from pdplane.v1 import registry_pb2_grpc
@@ -103,8 +102,6 @@ class RegistryServer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._shutdown: asyncio.Event | None = None
         self._grace = 0.5
-        self._sync_server: grpc.Server | None = None
-        self._pool: futures.ThreadPoolExecutor | None = None
         self._started = threading.Event()
         self._start_error: BaseException | None = None
         self.port = 0
@@ -115,7 +112,7 @@ class RegistryServer:
         host = self.settings.host
         return f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
 
-    def _bind(self, server: grpc.Server | grpc.aio.Server) -> int:
+    def _bind(self, server: grpc.aio.Server) -> int:
         s = self.settings
         return grpc_util.add_port(server, f"{s.host}:{s.port}", s.tls_cert, s.tls_key)
 
@@ -130,35 +127,15 @@ class RegistryServer:
             raise
 
     def _start_serving(self) -> int:
-        if self.settings.flavour == "sync":
-            self._start_sync()
-        else:
-            self._thread = threading.Thread(
-                target=self._run_aio, name="pdplane-registry", daemon=True
-            )
-            self._thread.start()
-            self._started.wait()
-            if self._start_error is not None:
-                self._thread.join()
-                raise self._start_error
+        self._thread = threading.Thread(target=self._run_aio, name="pdplane-registry", daemon=True)
+        self._thread.start()
+        self._started.wait()
+        if self._start_error is not None:
+            self._thread.join()
+            raise self._start_error
         self._reaper.start()
-        log.info("registry serving on %s (%s)", self.address, self.settings.flavour)
+        log.info("registry serving on %s", self.address)
         return self.port
-
-    def _start_sync(self) -> None:
-        s = self.settings
-        self._pool = futures.ThreadPoolExecutor(self.settings.max_workers, "pdplane-registry")
-        server = grpc.server(
-            self._pool,
-            interceptors=grpc_util.server_interceptors(s.token, s.admin_token),
-            options=grpc_util.SERVER_OPTIONS,
-        )
-        servicer = RegistryServicer(self.store, AuthPolicy(s.token, s.admin_token))
-        registry_pb2_grpc.add_RegistryServicer_to_server(servicer, server)
-        grpc_util.add_health_and_reflection(server, [SERVICE_NAME])
-        self.port = self._bind(server)
-        server.start()
-        self._sync_server = server
 
     def _run_aio(self) -> None:
         try:
@@ -176,7 +153,7 @@ class RegistryServer:
             interceptors=grpc_util.aio_server_interceptors(s.token, s.admin_token),
             options=grpc_util.SERVER_OPTIONS,
         )
-        servicer = AioRegistryServicer(self.store, AuthPolicy(s.token, s.admin_token))
+        servicer = RegistryServicer(self.store, AuthPolicy(s.token, s.admin_token))
         registry_pb2_grpc.add_RegistryServicer_to_server(servicer, server)
         await grpc_util.aio_add_health_and_reflection(server, [SERVICE_NAME])
         self.port = self._bind(server)
@@ -189,12 +166,6 @@ class RegistryServer:
     def stop(self, grace: float = 0.5) -> None:
         """Stops serving (open watch streams are cancelled) and joins the threads."""
         self._reaper.stop()
-        if self._sync_server is not None:
-            self._sync_server.stop(grace).wait()
-            self._sync_server = None
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
         if self._shutdown is not None and self._loop is not None:
             self._grace = grace
             self._loop.call_soon_threadsafe(self._shutdown.set)

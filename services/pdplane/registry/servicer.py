@@ -1,8 +1,8 @@
-"""`pdplane.v1.Registry` servicers: protobuf in, validate, call the store, protobuf out.
+"""`pdplane.v1.Registry`'s servicer: protobuf in, validate, call the store, protobuf out.
 
-`RegistryServicer` serves a sync `grpc.server`; `AioRegistryServicer` serves `grpc.aio` (the
-default, see docs/registry.md for the measurement behind that choice). Errors are reported by
-setting the status on the context (which both flavours support) rather than `abort`.
+It serves a `grpc.aio` server (`pdplane.registry.server`). Errors are reported by setting the
+status on the context rather than `abort`, so that one RPC's refusal never raises through the
+handler.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from pdplane.registry.store import (
 )
 from pdplane.v1 import instance_pb2, registry_pb2, registry_pb2_grpc
 
-__all__ = ["SERVICE_NAME", "AioRegistryServicer", "RegistryServicer", "public"]
+__all__ = ["SERVICE_NAME", "RegistryServicer", "public"]
 
 SERVICE_NAME = "pdplane.v1.Registry"
 #: Longest lease a client may ask for (ms); anything above is a mistake, not a wish.
@@ -64,7 +64,7 @@ def _fail(context: Any, exc: Exception) -> None:
     context.set_details(str(exc)[:_MAX_DETAILS])
 
 
-def _call(context: grpc.ServicerContext, empty: _R, fn: Callable[[], _R]) -> _R:
+def _call(context: Any, empty: _R, fn: Callable[[], _R]) -> _R:
     """Runs `fn`, turning the registry's errors into a gRPC status on `context`."""
     try:
         return fn()
@@ -207,7 +207,9 @@ def _require(field: str, value: str) -> None:
 
 
 class RegistryServicer(registry_pb2_grpc.RegistryServicer):
-    """Sync servicer over an `InstanceStore` (validated input only reaches the store)."""
+    """The registry's asyncio servicer over an `InstanceStore` (validated input only reaches
+    the store): reads run on the loop (they never block); mutations await the store's
+    coroutines."""
 
     def __init__(self, store: InstanceStore, policy: AuthPolicy | None = None) -> None:
         self._store = store
@@ -223,66 +225,66 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
             raise _AdminRequired
         return self._store.get(request.instance_id).lease_id
 
-    def Register(
-        self, request: registry_pb2.RegisterRequest, context: grpc.ServicerContext
+    async def Register(  # type: ignore[override]
+        self, request: registry_pb2.RegisterRequest, context: grpc.aio.ServicerContext
     ) -> registry_pb2.RegisterResponse:
         """Registers `request.spec`; see registry.proto for the errors."""
 
-        def run() -> registry_pb2.RegisterResponse:
+        async def run() -> registry_pb2.RegisterResponse:
             _check_register(request)
             admin = self._policy.is_admin(context)
-            return _registered(
-                self._store.register(
-                    request.spec,
-                    request.lease_ttl_ms,
-                    request.lease_id,
-                    admin,
-                    request.request_id,
-                )
+            grant = await self._store.aregister(
+                request.spec, request.lease_ttl_ms, request.lease_id, admin, request.request_id
             )
+            return _registered(grant)
 
-        return _call(context, registry_pb2.RegisterResponse(), run)
+        return await _acall(context, registry_pb2.RegisterResponse(), run)
 
-    def _beat(self, request: registry_pb2.HeartbeatRequest) -> registry_pb2.HeartbeatResponse:
+    async def _beat(self, request: registry_pb2.HeartbeatRequest) -> registry_pb2.HeartbeatResponse:
         _check_heartbeat(request)
-        ttl_ms, state = self._store.heartbeat(request.instance_id, request.lease_id, request.load)
+        ttl_ms, state = await self._store.aheartbeat(
+            request.instance_id, request.lease_id, request.load
+        )
         return registry_pb2.HeartbeatResponse(lease_ttl_ms=ttl_ms, state=state)
 
-    def Heartbeat(
-        self, request: registry_pb2.HeartbeatRequest, context: grpc.ServicerContext
+    async def Heartbeat(  # type: ignore[override]
+        self, request: registry_pb2.HeartbeatRequest, context: grpc.aio.ServicerContext
     ) -> registry_pb2.HeartbeatResponse:
         """Renews a lease with the load report; NOT_FOUND for an unknown lease."""
-        return _call(context, registry_pb2.HeartbeatResponse(), lambda: self._beat(request))
+        return await _acall(context, registry_pb2.HeartbeatResponse(), lambda: self._beat(request))
 
-    def HeartbeatStream(
-        self, request_iterator: Iterator[registry_pb2.HeartbeatRequest], context: Any
-    ) -> Iterator[registry_pb2.HeartbeatResponse]:
-        """One response per heartbeat; the first refusal ends the stream with its status."""
+    async def HeartbeatStream(  # type: ignore[override]
+        self,
+        request_iterator: AsyncIterator[registry_pb2.HeartbeatRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[registry_pb2.HeartbeatResponse]:
+        """One response per heartbeat; the first refusal ends the stream with its status (one
+        suspended coroutine per open stream)."""
         try:
-            for request in request_iterator:
-                yield self._beat(request)
+            async for request in request_iterator:
+                yield await self._beat(request)
         except _ERRORS as exc:
             _fail(context, exc)
 
-    def Deregister(
-        self, request: registry_pb2.DeregisterRequest, context: grpc.ServicerContext
+    async def Deregister(  # type: ignore[override]
+        self, request: registry_pb2.DeregisterRequest, context: grpc.aio.ServicerContext
     ) -> registry_pb2.DeregisterResponse:
         """Removes (or with drain marks DRAINING) an instance; NOT_FOUND for a stale lease."""
 
-        def run() -> registry_pb2.DeregisterResponse:
+        async def run() -> registry_pb2.DeregisterResponse:
             lease = self._lease_for(request, context)
-            state = self._store.deregister(request.instance_id, lease, request.drain)
+            state = await self._store.aderegister(request.instance_id, lease, request.drain)
             return registry_pb2.DeregisterResponse(state=state)
 
         try:
-            return _call(context, registry_pb2.DeregisterResponse(), run)
+            return await _acall(context, registry_pb2.DeregisterResponse(), run)
         except _AdminRequired:
             context.set_code(ADMIN_REQUIRED[0])
             context.set_details(ADMIN_REQUIRED[1])
             return registry_pb2.DeregisterResponse()
 
-    def ListInstances(
-        self, request: registry_pb2.ListInstancesRequest, context: grpc.ServicerContext
+    async def ListInstances(  # type: ignore[override]
+        self, request: registry_pb2.ListInstancesRequest, context: grpc.aio.ServicerContext
     ) -> registry_pb2.ListInstancesResponse:
         """Instances matching role (BOTH matches either), model and state; zero = any."""
 
@@ -302,9 +304,9 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
         instances, revision = self._store.list(request.role, request.model, request.state)
         return [public(i) for i in instances], revision
 
-    def ListInstancesStream(
-        self, request: registry_pb2.ListInstancesRequest, context: grpc.ServicerContext
-    ) -> Iterator[registry_pb2.ListInstancesResponse]:
+    async def ListInstancesStream(  # type: ignore[override]
+        self, request: registry_pb2.ListInstancesRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[registry_pb2.ListInstancesResponse]:
         """ListInstances' list in messages of about `SNAPSHOT_PART_BYTES`, one revision."""
         try:
             instances, revision = self._listed(request)
@@ -314,8 +316,8 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
         for part in _parts(instances):
             yield registry_pb2.ListInstancesResponse(instances=part, revision=revision)
 
-    def GetInstance(
-        self, request: registry_pb2.GetInstanceRequest, context: grpc.ServicerContext
+    async def GetInstance(  # type: ignore[override]
+        self, request: registry_pb2.GetInstanceRequest, context: grpc.aio.ServicerContext
     ) -> instance_pb2.Instance:
         """One instance by id; NOT_FOUND for an unknown id."""
 
@@ -325,91 +327,11 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
 
         return _call(context, instance_pb2.Instance(), run)
 
-    def WatchInstances(
-        self, request: registry_pb2.WatchInstancesRequest, context: grpc.ServicerContext
-    ) -> Iterator[registry_pb2.WatchEvent]:
-        """SNAPSHOT (or replay), then every change; holds one server thread while open."""
-        wake = threading.Event()
-        sub = self._store.watch(request.from_revision, wake.set)
-        context.add_callback(wake.set)
-        try:
-            while context.is_active():
-                wake.clear()
-                yield from _outgoing(sub.poll(), request)
-                wake.wait(1.0)
-        finally:
-            sub.close()
-
-
-class AioRegistryServicer(RegistryServicer):
-    """The asyncio flavour: reads run on the loop (they never block); mutations await the
-    store's coroutines."""
-
-    async def Register(self, request: Any, context: Any) -> registry_pb2.RegisterResponse:  # type: ignore[override]
-        async def run() -> registry_pb2.RegisterResponse:
-            _check_register(request)
-            admin = self._policy.is_admin(context)
-            grant = await self._store.aregister(
-                request.spec, request.lease_ttl_ms, request.lease_id, admin, request.request_id
-            )
-            return _registered(grant)
-
-        return await _acall(context, registry_pb2.RegisterResponse(), run)
-
-    async def _abeat(
-        self, request: registry_pb2.HeartbeatRequest
-    ) -> registry_pb2.HeartbeatResponse:
-        _check_heartbeat(request)
-        ttl_ms, state = await self._store.aheartbeat(
-            request.instance_id, request.lease_id, request.load
-        )
-        return registry_pb2.HeartbeatResponse(lease_ttl_ms=ttl_ms, state=state)
-
-    async def Heartbeat(self, request: Any, context: Any) -> registry_pb2.HeartbeatResponse:  # type: ignore[override]
-        return await _acall(context, registry_pb2.HeartbeatResponse(), lambda: self._abeat(request))
-
-    async def HeartbeatStream(  # type: ignore[override]
-        self, request_iterator: AsyncIterator[registry_pb2.HeartbeatRequest], context: Any
-    ) -> AsyncIterator[registry_pb2.HeartbeatResponse]:
-        """As the sync version; one suspended coroutine per open stream."""
-        try:
-            async for request in request_iterator:
-                yield await self._abeat(request)
-        except _ERRORS as exc:
-            _fail(context, exc)
-
-    async def Deregister(self, request: Any, context: Any) -> registry_pb2.DeregisterResponse:  # type: ignore[override]
-        async def run() -> registry_pb2.DeregisterResponse:
-            lease = self._lease_for(request, context)
-            state = await self._store.aderegister(request.instance_id, lease, request.drain)
-            return registry_pb2.DeregisterResponse(state=state)
-
-        try:
-            return await _acall(context, registry_pb2.DeregisterResponse(), run)
-        except _AdminRequired:
-            context.set_code(ADMIN_REQUIRED[0])
-            context.set_details(ADMIN_REQUIRED[1])
-            return registry_pb2.DeregisterResponse()
-
-    async def ListInstances(  # type: ignore[override]
-        self, request: Any, context: Any
-    ) -> registry_pb2.ListInstancesResponse:
-        return super().ListInstances(request, context)
-
-    async def ListInstancesStream(  # type: ignore[override]
-        self, request: Any, context: Any
-    ) -> AsyncIterator[registry_pb2.ListInstancesResponse]:
-        for response in super().ListInstancesStream(request, context):
-            yield response
-
-    async def GetInstance(self, request: Any, context: Any) -> instance_pb2.Instance:  # type: ignore[override]
-        return super().GetInstance(request, context)
-
     async def WatchInstances(  # type: ignore[override]
         self, request: registry_pb2.WatchInstancesRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[registry_pb2.WatchEvent]:
-        """As the sync version; a slow stream's writes wait on flow control while its queue in
-        the store fills up and turns into a fresh SNAPSHOT."""
+        """SNAPSHOT (or replay), then every change; a slow stream's writes wait on flow
+        control while its queue in the store fills up and turns into a fresh SNAPSHOT."""
         loop = asyncio.get_running_loop()
         wake = asyncio.Event()
 

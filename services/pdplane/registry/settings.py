@@ -52,10 +52,6 @@ class RegistrySettings(CommandSettings):
     event_history: int = Field(
         10_000, ge=0, description="events kept to replay to re-watching clients"
     )
-    flavour: Literal["aio", "sync"] = Field(
-        "aio", description="gRPC server flavour: asyncio (default) or a sync thread pool"
-    )
-    max_workers: int = Field(32, ge=1, description="thread pool size of the sync flavour")
     log_level: str = Field("INFO", description="logging level")
     store: Literal["memory", "etcd"] = Field(
         "memory", description="where instances live: memory (one node) or etcd (replicated)"

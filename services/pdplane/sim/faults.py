@@ -1,4 +1,9 @@
-"""Failure injection: which requests fail, and how."""
+"""Failure injection: which requests fail, and how; and the instance's own death.
+
+Every fault is reproducible: by count (`fail_next`), by the request's id (`fail_request_prefix`,
+matched against the `X-Request-Id` a gateway sends), or by seed (`failure_rate`). A
+`kill_after_tokens` kills the whole instance as a SIGKILL would (`pdplane.sim.instance`).
+"""
 
 from __future__ import annotations
 
@@ -23,20 +28,29 @@ class FaultPlan:
             `fail_after_tokens` streamed tokens, or before a non-streamed body) or "stall" (no
             more bytes after `fail_after_tokens` tokens, until the client gives up).
         fail_next: the next N requests fail regardless of the rate (deterministic tests).
+        fail_request_prefix: requests whose id starts with this fail ("" = none), whatever the
+            rate: one chosen stream of many.
+        kill_after_tokens: once any stream of this instance has streamed this many tokens, the
+            instance dies (0 = never): every open connection is cut, nothing more answers, and
+            it does not deregister (its lease lapses), as with a SIGKILLed engine.
     """
 
     failure_rate: float = 0.0
     fail_mode: FailMode = "http500"
     fail_after_tokens: int = 1
     fail_next: int = 0
+    fail_request_prefix: str = ""
+    kill_after_tokens: int = 0
     seed: int = 0
     _rng: random.Random = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self._rng = random.Random(self.seed)
 
-    def draw(self) -> FailMode | None:
-        """The fault for the next request, or None."""
+    def draw(self, request_id: str = "") -> FailMode | None:
+        """The fault for the next request (`request_id`: its X-Request-Id), or None."""
+        if self.fail_request_prefix and request_id.startswith(self.fail_request_prefix):
+            return self.fail_mode
         if self.fail_next > 0:
             self.fail_next -= 1
             return self.fail_mode
@@ -55,7 +69,11 @@ class FaultPlan:
                 if value not in _MODES:
                     raise ValueError(f"fail_mode must be one of {', '.join(_MODES)}")
                 self.fail_mode = value
-            elif key in ("fail_after_tokens", "fail_next"):
+            elif key == "fail_request_prefix":
+                if not isinstance(value, str) or len(value) > 256:
+                    raise ValueError("fail_request_prefix must be a string of <= 256 characters")
+                self.fail_request_prefix = value
+            elif key in ("fail_after_tokens", "fail_next", "kill_after_tokens"):
                 if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                     raise ValueError(f"{key} must be a non-negative integer")
                 setattr(self, key, value)
@@ -68,4 +86,6 @@ class FaultPlan:
             "fail_mode": self.fail_mode,
             "fail_after_tokens": self.fail_after_tokens,
             "fail_next": self.fail_next,
+            "fail_request_prefix": self.fail_request_prefix,
+            "kill_after_tokens": self.kill_after_tokens,
         }

@@ -116,7 +116,7 @@ class CompletionRoutes:
             return error_response(exc)
         except KvParamsError as exc:
             return error_response(SimApiError(400, str(exc), param="kv_transfer_params"))
-        record.fault = s.faults.draw()
+        record.fault = s.faults.draw(record.request_id)
         if record.fault == "http500":
             return error_response(
                 SimApiError(500, "simulated engine failure", "InternalServerError")
@@ -310,6 +310,10 @@ class CompletionRoutes:
                     )
                     await response.write(out)
                     record.tokens_sent = sent = ready
+                    kill_at = s.faults.kill_after_tokens
+                    if kill_at and sent >= kill_at and s.kill is not None:
+                        s.kill()  # the instance dies: this connection is cut with the rest
+                        await _forever()
                 if sent == strike:
                     return await self._strike(request, response, record)
                 if sent >= total or ereq.phase == Phase.DONE:

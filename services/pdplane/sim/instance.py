@@ -71,6 +71,8 @@ class SimInstance:
         self._runner: web.AppRunner | None = None
         self._grpc: grpc.aio.Server | None = None
         self.registration: object | None = None
+        self._killing: asyncio.Task[None] | None = None
+        self.state.kill = self._kill_soon
 
     @property
     def url(self) -> str:
@@ -169,6 +171,25 @@ class SimInstance:
         )
         client.start()
         self.registration = client
+
+    def _kill_soon(self) -> None:
+        if self._killing is None:
+            self._killing = asyncio.get_running_loop().create_task(self.kill())
+
+    async def kill(self) -> None:
+        """Dies as a SIGKILLed engine would (fault injection, `FaultPlan.kill_after_tokens`):
+        every open connection is cut mid-answer, the ports close, nothing is deregistered (the
+        registry drops the instance when its lease lapses) and held KV is gone."""
+        client, self.registration = self.registration, None
+        if client is not None:
+            await asyncio.to_thread(client.abandon)  # type: ignore[attr-defined]
+        runner = self._runner
+        if runner is not None and runner.server is not None:
+            for handler in list(runner.server.connections):
+                if handler.transport is not None:
+                    handler.transport.abort()
+        log.warning("sim %s killed (fault injection)", self.instance_id)
+        await self.stop()
 
     async def stop(self) -> None:
         """Deregisters, stops serving (open requests are cancelled) and frees held KV."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +50,8 @@ class SimState:
     instance_id: str = ""
     url: str = ""
     kv_endpoint: str = ""
+    #: Kills the instance (`FaultPlan.kill_after_tokens`); set by the instance that serves it.
+    kill: Callable[[], None] | None = None
 
     def __post_init__(self) -> None:
         c = self.config

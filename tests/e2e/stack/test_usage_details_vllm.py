@@ -46,8 +46,10 @@ def _usage(url: str, body: dict[str, Any]) -> dict[str, Any]:
 
 
 def test_usage_reports_prefill_s_prefix_cache_hit(detailed_url: str) -> None:
+    # Twice a fresh text: over one KV cache block whatever the run's prompt counter reached
+    # (its words grow with it: three copies passed 1,024 tokens late in a run).
     text = fresh_text("usage")
-    body = {"model": MODEL_NAME, "prompt": " ".join([text] * 3), "max_tokens": 4}
+    body = {"model": MODEL_NAME, "prompt": f"{text} {text}", "max_tokens": 4}
     cold = _usage(detailed_url, body)
     assert cold["prompt_tokens_details"] == {"cached_tokens": 0}, cold
     hit = (cold["prompt_tokens"] - 1) // _BLOCK * _BLOCK  # whole blocks; never the last token

@@ -108,7 +108,7 @@ class Stack:
 
     def upstream_in_use(self) -> int:
         """The gateway's upstream connections acquired now (aiohttp keeps no public count)."""
-        session = self.app.state.relay._legs.upstream._session
+        session = self.app.state.relay.upstream._session
         return 0 if session is None else len(session.connector._acquired)
 
     def background_tasks(self) -> int:

@@ -8,6 +8,7 @@ chat template is another (what a processor's or a fallback template would give).
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -75,9 +76,22 @@ async def _settled(tokenizers: FleetTokenizers) -> RoutingState:
     raise AssertionError(f"no routing state: {tokenizers.states()}")
 
 
+async def _retried(tokenizers: FleetTokenizers) -> None:
+    for _ in range(600):
+        state = tokenizers.states().get(MODEL)
+        if state is not None and "retrying in 2 s" in state.reason:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"no retry: {tokenizers.states()}")
+
+
 @pytest.mark.parametrize("agrees", [True, False])
 async def test_a_tokenizer_is_used_only_when_the_instances_tokenize_agrees(
-    tiny_model: Path, tmp_path: Path, kv_server: str, agrees: bool
+    tiny_model: Path,
+    tmp_path: Path,
+    kv_server: str,
+    agrees: bool,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     tok = PromptTokenizer(tiny_model)
 
@@ -95,8 +109,11 @@ async def test_a_tokenizer_is_used_only_when_the_instances_tokenize_agrees(
         TokenizerSet({}), cache_dir=tmp_path, upstream=upstream, metrics=metrics
     )
     try:
-        tokenizers.observe(_view(kv_server, url, collect(tiny_model).content_hash))
-        state = await _settled(tokenizers)
+        with caplog.at_level(logging.INFO, "pdplane.gateway.fleet_tokenizers"):
+            tokenizers.observe(_view(kv_server, url, collect(tiny_model).content_hash))
+            state = await _settled(tokenizers)
+            if not agrees:  # the same failure again after its retry: no second log line
+                await _retried(tokenizers)
     finally:
         await tokenizers.close()
         await upstream.close()
@@ -107,5 +124,7 @@ async def test_a_tokenizer_is_used_only_when_the_instances_tokenize_agrees(
         assert not state.precise and tokenizers.get(MODEL) is None
         assert "/tokenize disagrees with it: the ids of a chat" in state.reason, state
         assert "retrying in 1 s" in state.reason
+        lines = [r for r in caplog.records if "routing by load only" in r.getMessage()]
+        assert len(lines) == 1, [r.getMessage() for r in lines]
     gauge = metrics.routing_precise.labels(MODEL)._value.get()
     assert gauge == (1.0 if agrees else 0.0)

@@ -2,7 +2,7 @@
 its own lease (nor takes one by re-registering a copied spec), lease ids are never listed, an
 operator's admin token drains anyone.
 
-Runs on both stores (the registry suite's autouse fixture) and both server flavours.
+Runs on both stores (the registry suite's autouse fixture).
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ ADMIN = "admin-secret"
 _Event = registry_pb2.WatchEvent
 
 
-@pytest.fixture(params=["aio", "sync"])
-def address(request: pytest.FixtureRequest) -> Iterator[str]:
-    with running_registry(token=TOKEN, admin_token=ADMIN, flavour=request.param) as addr:
+@pytest.fixture
+def address() -> Iterator[str]:
+    with running_registry(token=TOKEN, admin_token=ADMIN) as addr:
         yield addr
 
 

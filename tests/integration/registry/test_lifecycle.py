@@ -1,13 +1,11 @@
 """register -> list -> heartbeat updates load -> heartbeats stop -> removed within TTL + 1 s,
-with a REMOVED event on an open watch. Runs on both server flavours."""
+with a REMOVED event on an open watch."""
 
 from __future__ import annotations
 
 import threading
 import time
 from collections.abc import Callable
-
-import pytest
 
 from pdplane.core import grpc_util
 from pdplane.registry.client import RegistrationClient
@@ -19,10 +17,9 @@ Ev = registry_pb2.WatchEvent
 TTL_MS = 1000
 
 
-@pytest.mark.parametrize("flavour", ["aio", "sync"])
-def test_lease_lifecycle(flavour: str, recorder_factory: Callable[..., WatchRecorder]) -> None:
+def test_lease_lifecycle(recorder_factory: Callable[..., WatchRecorder]) -> None:
     with (
-        running_registry(lease_ttl_ms=TTL_MS, heartbeat_interval_ms=200, flavour=flavour) as addr,
+        running_registry(lease_ttl_ms=TTL_MS, heartbeat_interval_ms=200) as addr,
         grpc_util.channel(addr) as chan,
     ):
         stub = registry_pb2_grpc.RegistryStub(chan)

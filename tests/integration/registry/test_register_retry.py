@@ -57,12 +57,11 @@ def _answer_first_register_late(store: Any, grants: list[LeaseGrant]) -> None:
     store.register = register
 
 
-@pytest.mark.parametrize("flavour", ["aio", "sync"])
 def test_a_register_answered_after_the_deadline_is_retried_into_the_same_lease(
-    monkeypatch: pytest.MonkeyPatch, recorder_factory: Callable[..., WatchRecorder], flavour: str
+    monkeypatch: pytest.MonkeyPatch, recorder_factory: Callable[..., WatchRecorder]
 ) -> None:
     monkeypatch.setattr(registration, "_RPC_TIMEOUT_S", DEADLINE_S)
-    with running_registry_server(lease_ttl_ms=TTL_MS, token=TOKEN, flavour=flavour) as server:
+    with running_registry_server(lease_ttl_ms=TTL_MS, token=TOKEN) as server:
         grants: list[LeaseGrant] = []
         _answer_first_register_late(server.store, grants)
         watch = recorder_factory(server.address, token=TOKEN)

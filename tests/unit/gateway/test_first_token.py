@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from pdplane.gateway.first_token import FirstToken, Splice, applies, decode_body
+from pdplane.gateway.bodies import continuation_body, takes_first_token
+from pdplane.gateway.splice import FirstToken, Splice
 from pdplane.gateway.validation import CHAT, COMPLETIONS, Endpoint, parse_request
 
 KV = b'{"pdplane_transfer_id":"t"}'
@@ -49,8 +50,10 @@ def _events(data: bytes) -> list[Any]:
 
 @pytest.mark.parametrize("endpoint", [COMPLETIONS, CHAT])
 def test_plain_streamed_requests_apply(endpoint: Endpoint) -> None:
-    assert applies(_req(endpoint, max_tokens=8, temperature=0.7, top_p=0.9, ignore_eos=True))
-    assert applies(_req(endpoint, stream_options={"include_usage": True}, n=1, stop=[]))
+    assert takes_first_token(
+        _req(endpoint, max_tokens=8, temperature=0.7, top_p=0.9, ignore_eos=True)
+    )
+    assert takes_first_token(_req(endpoint, stream_options={"include_usage": True}, n=1, stop=[]))
 
 
 @pytest.mark.parametrize(
@@ -74,19 +77,19 @@ def test_plain_streamed_requests_apply(endpoint: Endpoint) -> None:
 def test_requests_that_would_sample_differently_when_split_do_not_apply(
     extra: dict[str, Any],
 ) -> None:
-    assert not applies(_req(COMPLETIONS, **extra))
+    assert not takes_first_token(_req(COMPLETIONS, **extra))
 
 
 def test_neutral_values_of_the_checked_fields_apply() -> None:
     neutral = {"stop": [], "presence_penalty": 0.0, "frequency_penalty": 0, "min_tokens": 0}
-    assert applies(_req(COMPLETIONS, seed=None, logprobs=None, echo=False, **neutral))
+    assert takes_first_token(_req(COMPLETIONS, seed=None, logprobs=None, echo=False, **neutral))
 
 
 def test_chat_with_tools_or_logprobs_does_not_apply() -> None:
     tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
-    assert not applies(_req(CHAT, tools=tools))
-    assert not applies(_req(CHAT, logprobs=True))
-    assert applies(_req(CHAT, logprobs=False))
+    assert not takes_first_token(_req(CHAT, tools=tools))
+    assert not takes_first_token(_req(CHAT, logprobs=True))
+    assert takes_first_token(_req(CHAT, logprobs=False))
 
 
 def test_prefills_answer_gives_the_first_token_or_none_without_token_ids() -> None:
@@ -236,7 +239,7 @@ def test_a_held_character_streams_as_one_instance_streams_it(
     assert first.inside_character(decode)
     splice = Splice(_req(endpoint), first, decode)
     assert splice.token_ids
-    body = decode_body(_req(endpoint), first, KV, splice.token_ids)
+    body = continuation_body(_req(endpoint), first.decode_prompt, KV, splice.token_ids)
     assert json.loads(body)["return_token_ids"] is True
     events = _events(splice.opening())
     decode_events = _decode_stream([*prompt, out[0]], out[1:], per_chunk)
@@ -256,7 +259,9 @@ def test_a_held_character_streams_as_one_instance_streams_it(
 
 
 def test_decode_gets_no_token_ids_unless_a_character_is_held() -> None:
-    assert "return_token_ids" not in json.loads(decode_body(_req(COMPLETIONS), _first(), KV))
+    assert "return_token_ids" not in json.loads(
+        continuation_body(_req(COMPLETIONS), _first().decode_prompt, KV)
+    )
     assert not Splice(_req(COMPLETIONS), _first()).token_ids
 
 
@@ -281,7 +286,7 @@ def test_decode_gets_prompt_ids_plus_the_token_and_one_token_less() -> None:
     req = _req(
         CHAT, max_completion_tokens=9, temperature=0.3, stream_options={"include_usage": True}
     )
-    body = json.loads(decode_body(req, _first(CHAT), KV))
+    body = json.loads(continuation_body(req, _first(CHAT).decode_prompt, KV))
     assert body == {
         "prompt": [5, 6, 7, 42],
         "model": "m",
@@ -292,10 +297,16 @@ def test_decode_gets_prompt_ids_plus_the_token_and_one_token_less() -> None:
         "kv_transfer_params": {"pdplane_transfer_id": "t"},
     }
     # completions' default of 16, and chat's "up to the model's length"
-    assert json.loads(decode_body(_req(COMPLETIONS), _first(), KV))["max_tokens"] == 15
-    assert json.loads(decode_body(_req(CHAT), _first(CHAT), KV))["max_tokens"] is None
+    assert (
+        json.loads(continuation_body(_req(COMPLETIONS), _first().decode_prompt, KV))["max_tokens"]
+        == 15
+    )
+    assert (
+        json.loads(continuation_body(_req(CHAT), _first(CHAT).decode_prompt, KV))["max_tokens"]
+        is None
+    )
     # a decode taking over without prefill's KV: the same body, no kv_transfer_params
-    without = json.loads(decode_body(req, _first(CHAT), None))
+    without = json.loads(continuation_body(req, _first(CHAT).decode_prompt, None))
     assert without == {k: v for k, v in body.items() if k != "kv_transfer_params"}
 
 

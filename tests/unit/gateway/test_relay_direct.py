@@ -9,8 +9,8 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
+from pdplane.gateway.aftercare import KvAborter
 from pdplane.gateway.config import RelayConfig
-from pdplane.gateway.kv_abort import KvAborter
 from pdplane.gateway.metrics import GatewayMetrics
 from pdplane.gateway.relay import Relay
 from pdplane.gateway.replies import StreamReply

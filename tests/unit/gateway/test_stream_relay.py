@@ -11,8 +11,8 @@ from collections.abc import Awaitable, Callable
 import aiohttp
 from aiohttp import web
 
+from pdplane.gateway.aftercare import KvAborter
 from pdplane.gateway.config import RelayConfig
-from pdplane.gateway.kv_abort import KvAborter
 from pdplane.gateway.metrics import GatewayMetrics
 from pdplane.gateway.relay import Relay
 from pdplane.gateway.replies import StreamReply

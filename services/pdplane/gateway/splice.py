@@ -1,27 +1,25 @@
-"""The first output token from prefill: a streamed request's first token reaches the client when
-prefill computed it, before the KV transfer and decode's first step.
+"""The SSE splice: a streamed request's first token from prefill, then decode's events.
 
 Prefill computes the logits of the last prompt token anyway: its one output token IS the
 request's first token. With `--first-token prefill` (the default) the gateway asks prefill for
 token ids (`return_token_ids`, vLLM's field), writes that token to the client as soon as
-prefill answered, and then sends decode a `/v1/completions` request whose prompt is prefill's
-prompt token ids plus that token, with one token less to generate (a decode that cannot be
-reached is replaced by one computing the whole prompt: `pdplane.gateway.attempt`). Decode
-loads the KV of prefill's tokens and computes only the appended one (the connector accepts a
-prompt one token longer than prefill's, `pdplane.connector.scheduler_side`): its first step
-yields the second token.
+prefill answered (`Splice.opening`), and then sends decode a `/v1/completions` request whose
+prompt is prefill's prompt token ids plus that token, with one token less to generate
+(`pdplane.gateway.bodies.continuation_body`). Decode loads the KV of prefill's tokens and
+computes only the appended one (the connector accepts a prompt one token longer than
+prefill's, `pdplane.connector.scheduler_side`): its first step yields the second token.
 This is how DistServe (Zhong et al., OSDI 2024) and Splitwise (Patel et al., ISCA 2024) place the
 first token: TTFT is the prefill phase. What moves is the gap between the first and second
 token, which now holds the transfer and decode's admission.
 
-Only requests whose output is the same either way take this path (`applies`): one streamed
-choice, sampled without a seed, stop strings, penalties on output counts, logprobs, echo,
-min_tokens, tools or structured output. Anything else, or a prefill that returns no token ids
-(an older vLLM), or a first token without text when the gateway has no tokenizer
-(`FirstToken.continuable`), takes the usual path. Decode's chunks are rewritten to what the
-client's endpoint streams (`Splice`): chat chunks from completions chunks, usage counting the
-first token as output, not prompt, and, after a first token that ends inside a UTF-8
-character, the text of decode's tokens up to the character's end rebuilt from their ids.
+Which requests take this path is `pdplane.gateway.bodies.takes_first_token`; a prefill that
+returns no token ids (an older vLLM), or a first token without text when the gateway has no
+tokenizer (`FirstToken.continuable`), takes the usual path. Decode's chunks are rewritten to
+what the client's endpoint streams (`Splice.rewrite`): completions chunks pass as they are with
+the response's id; chat chunks are built from decode's completions chunks (each event parsed:
+any field order or spacing an engine writes); usage counts the first token as output, not
+prompt; after a first token that ends inside a UTF-8 character, the text of decode's tokens up
+to the character's end is rebuilt from their ids.
 """
 
 from __future__ import annotations
@@ -30,102 +28,37 @@ import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from json.encoder import encode_basestring_ascii
 from typing import Any
 
+from pydantic_core import from_json
+
+from pdplane.gateway.bodies import requested_max
 from pdplane.gateway.replies import SSE_DONE, sse_event
 from pdplane.gateway.usage_details import with_cached_tokens
-from pdplane.gateway.validation import CHAT, COMPLETIONS, ClientRequest, Endpoint
+from pdplane.gateway.validation import CHAT, ClientRequest, Endpoint
 
-__all__ = ["FirstToken", "Splice", "applies", "decode_body"]
-
-#: Fields that decode receives as the client sent them (sampling of tokens 2..n).
-_TO_DECODE = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "repetition_penalty",
-    "ignore_eos",
-    "stop_token_ids",
-    "skip_special_tokens",
-    "spaces_between_special_tokens",
-    "include_stop_str_in_output",
-    "logit_bias",
-    "allowed_token_ids",
-    "user",
-    "priority",
-    "stream_options",
-)
-#: Fields that must be absent, null or hold the neutral value given: with other values tokens
-#: 2..n depend on token 1 other than through the prompt (a seed's generator, a stop string
-#: across the two, penalties counting output tokens, min_tokens), or the client wants per-token
-#: output (`logprobs: 0` on completions still returns the sampled tokens' logprobs).
-_UNSET: dict[str, tuple[object, ...]] = {
-    "stop": ("", []),
-    "seed": (),
-    "presence_penalty": (0, 0.0),
-    "frequency_penalty": (0, 0.0),
-    "logprobs": (False,),
-    "echo": (False,),
-    "min_tokens": (0,),
-}
-#: Fields with which decode, continuing from the first token, samples exactly as one instance
-#: would: those it receives, those prefill alone uses (the prompt's), and those whose values
-#: `applies` checks. A request with any other field takes the usual path.
-_COMMON = frozenset(_TO_DECODE) | {
-    "model",
-    "max_tokens",
-    "stream",
-    "add_special_tokens",
-    "n",
-    *_UNSET,
-}
-_FIELDS: dict[Endpoint, frozenset[str]] = {
-    COMPLETIONS: _COMMON | {"prompt"},
-    CHAT: _COMMON
-    | {
-        "messages",
-        "max_completion_tokens",
-        "chat_template",
-        "chat_template_kwargs",
-        "add_generation_prompt",
-        "continue_final_message",
-    },
-}
-#: vLLM's `max_tokens` default for /v1/completions (chat has none: up to the model's length).
-_COMPLETIONS_MAX_TOKENS = 16
+__all__ = ["FirstToken", "Splice"]
 
 
-def applies(req: ClientRequest) -> bool:
-    """Whether `req` may take its first token from prefill: streamed, one choice, one prompt,
-    and nothing that makes tokens 2..n depend on token 1 other than through the prompt (seed,
-    stop strings, presence/frequency penalties, min_tokens) or that needs per-token output
-    (logprobs, echo). See the module docstring."""
-    body = req.body
-    if not req.stream or not body.keys() <= _FIELDS[req.endpoint]:
-        return False
-    if body.get("n") not in (None, 1):
-        return False
-    for name, neutral in _UNSET.items():
-        value = body.get(name)
-        # `type(...)` too: True == 1 and 0 == False in Python, and `seed: 0` is a seed
-        if value is not None and not any(value == n and type(value) is type(n) for n in neutral):
-            return False
-    if req.endpoint == COMPLETIONS:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-            return False  # a batch of prompts: several choices
-    return True
+def _json_string(text: object) -> bytes:
+    """`text` as `json.dumps` writes it (bytes): the JSON encoder's own string escaper."""
+    if isinstance(text, str):
+        return encode_basestring_ascii(text).encode()
+    return json.dumps(text).encode()
 
 
-def _requested_max(req: ClientRequest) -> int | None:
-    """Output tokens the client asked for (None: up to the model's length)."""
-    body = req.body
-    if req.endpoint == CHAT:
-        value = body.get("max_completion_tokens") or body.get("max_tokens")
-        return value if isinstance(value, int) else None
-    value = body.get("max_tokens", _COMPLETIONS_MAX_TOKENS)
-    return value if isinstance(value, int) else None
+def _parsed(data: bytes) -> Any:
+    """`data` (JSON bytes) parsed; None when it is not JSON. pydantic-core's parser (Rust)
+    takes ~2 us for a token chunk where `json.loads` takes ~8; `json.loads` is the fallback
+    for what only it reads (a lone UTF-16 surrogate escape)."""
+    try:
+        return from_json(data)
+    except ValueError:
+        try:
+            return json.loads(data)
+        except ValueError:
+            return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,6 +156,12 @@ class FirstToken:
         # The prompt's tail gives the token the bytes it may continue.
         return decode([*self.prompt_tail(), self.token_id]).endswith("\ufffd")
 
+    @property
+    def decode_prompt(self) -> list[int]:
+        """Decode's prompt when it continues after this token: prefill's prompt ids plus it
+        (`pdplane.gateway.bodies.continuation_body`)."""
+        return [*self.prompt_token_ids, self.token_id]
+
     def prompt_tail(self) -> list[int]:
         """The prompt's last ids: enough context for the bytes a token continues."""
         return self.prompt_token_ids[-8:]
@@ -232,57 +171,14 @@ class FirstToken:
         prompt one token short of `max_model_len` (tokens; 0 = unknown). There vLLM clamps
         `max_tokens` to the one token left, and would refuse decode's prompt, which is the
         model's whole length."""
-        if self.finish_reason not in (None, "length") or _requested_max(req) == 1:
+        if self.finish_reason not in (None, "length") or requested_max(req) == 1:
             return True
         return 0 < max_model_len <= len(self.prompt_token_ids) + 1
 
 
-def decode_body(
-    req: ClientRequest,
-    first: FirstToken,
-    kv_transfer_params: bytes | None,
-    token_ids: bool = False,
-) -> bytes:
-    """The `/v1/completions` body of the decode leg: prefill's prompt ids plus the first token,
-    one token less to generate, the client's sampling fields, prefill's `kv_transfer_params`
-    (JSON bytes) as returned. Without them (None) decode computes the whole prompt itself:
-    the body of a decode that takes over from one that could not be reached. `token_ids`
-    asks decode for its tokens' ids (`return_token_ids`; `Splice.token_ids`)."""
-    body = req.body
-    out: dict[str, Any] = {"prompt": [*first.prompt_token_ids, first.token_id]}
-    if "model" in body:
-        out["model"] = body["model"]
-    wanted = _requested_max(req)
-    # None: up to the model's length, which vLLM computes from decode's (longer) prompt.
-    out["max_tokens"] = None if wanted is None else wanted - 1
-    for name in _TO_DECODE:
-        if name in body:
-            out[name] = body[name]
-    out["stream"] = True
-    if token_ids:
-        out["return_token_ids"] = True
-    text = json.dumps(out, separators=(",", ":")).encode()
-    if kv_transfer_params is None:
-        return text
-    return text[:-1] + b',"kv_transfer_params":' + kv_transfer_params + b"}"
-
-
-#: A token's chunk of decode's completions stream, as vLLM 0.32 (and the sim) write it: one
-#: choice, no finish_reason, no usage; group 1 is its text (JSON string content). The chat
-#: chunk `Splice` makes of it depends on that text alone, so `Splice.rewrite` builds it from
-#: these bytes instead of a JSON round trip; any other event takes `_rewrite_event`.
-_TOKEN_EVENT = re.compile(
-    rb'data: \{"id":"[^"\\\x00-\x1f]*","object":"text_completion","created":(?:0|[1-9][0-9]*),'
-    rb'"model":"[^"\\\x00-\x1f]*","choices":\[\{"index":0,"text":"((?:[^"\\\x00-\x1f]|\\.)*)",'
-    rb'"logprobs":null,"finish_reason":null(?:,"stop_reason":null)?(?:,"prompt_token_ids":null)?'
-    rb'(?:,"token_ids":(?:null|\[(?:[0-9]+(?:,[0-9]+)*)?\]))?\}\](?:,"usage":null)?\}'
-)
 #: Token ids in decode's completions chunks, asked for only after a first token inside a
 #: character (`Splice.token_ids`): the client did not ask for them (vLLM writes null then).
 _TOKEN_IDS = re.compile(rb'("(?:prompt_)?token_ids":)\[[0-9,]*\]')
-#: JSON string content that `json.dumps` writes unchanged (printable ASCII, no quote, no
-#: backslash).
-_PLAIN_TEXT = re.compile(rb"[ !#-\[\]-~]*")
 
 
 class Splice:
@@ -340,7 +236,7 @@ class Splice:
         obj = "chat.completion.chunk" if self._chat else "text_completion"
         self._head = {"id": first.response_id, "object": obj, "created": first.created}
         # A chat token chunk around its text's JSON string: what `_rewrite_event` writes for
-        # a `_TOKEN_EVENT` (same builder, so the same bytes).
+        # a token's chunk (the same builder, so the same bytes).
         self._token_frame: tuple[bytes, bytes] | None = None
         if self._chat:
             parts = self._token_chunk("\x00", None, None, None).split(b'"\\u0000"')
@@ -429,19 +325,9 @@ class Splice:
             if self._ids is None:
                 self._ids = self._id_swap(events)
             return events.replace(*self._ids) if self._ids else events
-        out = []
-        for event in events.split(b"\n\n"):
-            if not event:
-                continue
-            if not event.startswith(b"data: {"):
-                out.append(event + b"\n\n")  # [DONE], or an error event as decode sent it
-                continue
-            token = self._token_text(event)
-            if token is not None and self._token_frame is not None:
-                out.append(self._token_frame[0] + token + self._token_frame[1])
-            else:
-                out.append(self._rewrite_event(event))
-        return b"".join(out)
+        if events.count(b"\n\n") == 1:  # one event, as a token's chunk mostly comes
+            return self._rewrite_event(events[:-2])
+        return b"".join([self._rewrite_event(e) for e in events.split(b"\n\n") if e])
 
     def _unhold(self, events: bytes) -> bytes:
         """Decode's events with the token ids the client did not ask for taken out, and,
@@ -507,22 +393,6 @@ class Splice:
             self._held = None  # decode's detokenizer is past the prompt's end from here on
         return done
 
-    def _token_text(self, event: bytes) -> bytes | None:
-        """The text of a chat-bound token event (`_TOKEN_EVENT`) as `json.dumps` writes it
-        (a JSON string, bytes); None for any other event."""
-        if not self._chat:
-            return None
-        match = _TOKEN_EVENT.fullmatch(event)
-        if match is None:
-            return None
-        text = match[1]
-        if _PLAIN_TEXT.fullmatch(text) is not None:
-            return b'"' + text + b'"'
-        try:  # escapes, or non-ASCII: as json.dumps writes the decoded string
-            return json.dumps(json.loads(b'"' + text + b'"')).encode()
-        except ValueError:
-            return None
-
     def _id_swap(self, events: bytes) -> tuple[bytes, bytes] | tuple[()]:
         """(decode's `"id":...` bytes, the response's) from decode's first event; () when
         they are the same."""
@@ -539,10 +409,9 @@ class Splice:
         ).encode()
 
     def _rewrite_event(self, event: bytes) -> bytes:
-        try:
-            obj = json.loads(event[6:])
-        except ValueError:
-            return event + b"\n\n"
+        """One whole event of decode's as the client's stream continues it; `[DONE]`, error
+        events and what does not parse pass as decode sent them."""
+        obj = _parsed(event[6:]) if event.startswith(b"data: {") else None
         if not isinstance(obj, dict) or "error" in obj:
             return event + b"\n\n"
         usage = obj.get("usage")
@@ -556,8 +425,17 @@ class Splice:
             if usage is not None:
                 obj["usage"] = usage
             return sse_event(obj)
-        choices = []
-        for c in obj.get("choices") or ():
+        choices = obj.get("choices")
+        choices = [c for c in choices if isinstance(c, dict)] if isinstance(choices, list) else []
+        if usage is None and len(choices) == 1 and self._token_frame is not None:
+            c = choices[0]
+            if c.get("finish_reason") is None:
+                # A token's chunk: its text between the frame's two halves (the bytes
+                # `_chunk` would write for it).
+                token = _json_string(c.get("text") or "")
+                return self._token_frame[0] + token + self._token_frame[1]
+        out = []
+        for c in choices:
             text, reason = c.get("text") or "", c.get("finish_reason")
             choice: dict[str, Any] = {
                 "index": 0,
@@ -568,5 +446,5 @@ class Splice:
             if reason is not None:
                 choice["stop_reason"] = c.get("stop_reason")
             choice["token_ids"] = None
-            choices.append(choice)
-        return self._chunk(choices, usage)
+            out.append(choice)
+        return self._chunk(out, usage)
