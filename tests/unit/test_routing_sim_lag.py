@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from bench._routing_stats import fleet_numbers
 from pdplane.sim.stats import EngineStats
-from tests.integration.sim.helpers import assert_sims_kept_up
+from tests.integration.sim.helpers import assert_sims_kept_up, run_kept_up
 
 
 def _fleet(clock_s: float, lag_s: tuple[float, float]) -> dict[str, Any]:
@@ -36,3 +38,28 @@ def test_guard_names_the_rows_whose_sims_fell_behind() -> None:
             {"fine": {"sim_lag_fraction": 0.002}, "slow": {"sim_lag_fraction": 0.59}}
         )
     assert "fine" not in str(info.value)
+
+
+@dataclass(frozen=True)
+class _Point:
+    row: str
+    time_scale: float
+
+
+def test_a_comparison_whose_sims_fell_behind_runs_again_slower_every_row(
+    tmp_path: Path,
+) -> None:
+    ran: list[tuple[str, float]] = []
+
+    def run(p: _Point, logs: Path) -> dict[str, Any]:
+        ran.append((p.row, p.time_scale))
+        # "b" lags at time scale 4, keeps up at 2.
+        lag = 0.3 if p.row == "b" and p.time_scale > 2 else 0.01
+        return {"sim_lag_fraction": lag}
+
+    got = run_kept_up([_Point("a", 4.0), _Point("b", 4.0)], tmp_path, run)
+    assert ran == [("a", 4.0), ("b", 4.0), ("a", 2.0), ("b", 2.0)]
+    assert got == {"a": {"sim_lag_fraction": 0.01}, "b": {"sim_lag_fraction": 0.01}}
+    ran.clear()
+    with pytest.raises(AssertionError, match="fell behind"):  # lags however slow: fails
+        run_kept_up([_Point("a", 4.0)], tmp_path, lambda p, _: {"sim_lag_fraction": 0.5})

@@ -163,7 +163,9 @@ class _Request:
     """One request through the relay: its tries on scheduled pairs, its reply, its stream.
 
     Per try: `care` (the try's after-care), `prefill` / `decode` (its pair), `cached`
-    (prefill's prefix cache hit for `--enable-prompt-tokens-details`), `prefilled_at`.
+    (prefill's prefix cache hit for `--enable-prompt-tokens-details`; with no prefill leg the
+    scheduler's count of decode's, `decode_cached`, which decode's own report overrides),
+    `prefilled_at`.
     """
 
     care: Aftercare  # set by each `_schedule`, with:
@@ -174,6 +176,7 @@ class _Request:
         "care",
         "decode",
         "decode_answered_ns",
+        "decode_cached",
         "excluded",
         "failed",
         "first_token",
@@ -223,6 +226,7 @@ class _Request:
         )
         self.prefill: InstanceRef | None = None  # None: decode computes the prompt itself
         self.cached: int | None = None
+        self.decode_cached = 0  # the decision's decode_cached_tokens (tokens)
         self.prefilled_at = 0.0  # time.perf_counter() at prefill's answer (its first token)
         self.decode_answered_ns = 0  # time.time_ns() at decode's response headers
         self.resp: UpstreamResponse | None = None  # decode's, once a stream has it
@@ -297,6 +301,7 @@ class _Request:
         except SchedulerError as exc:
             raise unavailable(f"scheduler error: {exc}") from None
         self.prefill, self.decode = decision.prefill, decision.decode
+        self.decode_cached = decision.decode_cached_tokens
         if self.note is not None:
             self.note.decision = decision
 
@@ -312,6 +317,10 @@ class _Request:
         self.prefilled_at, self.cached = 0.0, None
         try:
             if self.prefill is None:  # decode only
+                if self.relay.config.prompt_tokens_details:
+                    self.cached = usage_details.decode_hit(
+                        self.decode_cached, self.req.prompt_tokens, self.req.prefix_hashes
+                    )
                 resp = await self._open_decode(self.req.raw)
             elif self.relay.config.dispatch == "concurrent":
                 resp = await self._concurrent()
@@ -465,7 +474,7 @@ class _Request:
         metrics = self.relay.metrics
         if self.prefilled_at:  # prefill computed the first token (vLLM counts it then)
             metrics.ttft.observe(self.prefilled_at - self.started)
-        body = usage_details.rewrite_json(body, self.cached)
+        body = usage_details.rewrite_json(body, self.cached, self.prefill is None)
         metrics.e2e.observe(time.perf_counter() - self.started)
         return JsonReply(200, body, resp.headers.get("content-type", "application/json"))
 
@@ -557,7 +566,7 @@ class _Request:
                     # vLLM ends a failed request's stream with an error event, then [DONE].
                     failed = failed or _ERROR_EVENT in out
                     if splice is None:
-                        yield usage_details.rewrite_events(out, self.cached)
+                        yield usage_details.rewrite_events(out, self.cached, self.prefill is None)
                     else:
                         yield splice.rewrite(out)
             except (UpstreamTimeout, UpstreamUnreachable) as exc:

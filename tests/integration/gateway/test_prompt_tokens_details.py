@@ -59,3 +59,27 @@ def test_without_the_flag_usage_is_relayed_as_the_instances_write_it(stack: Stac
     stack.wait_ready(stack.sims(["prefill", "decode"], itl_ms=1))
     for _ in range(2):  # vLLM's usage without --enable-prompt-tokens-details: null details
         assert _usage(stack, {}).get("prompt_tokens_details") is None
+
+
+def test_a_request_decode_prefills_alone_reports_decode_s_hit(detailed: Stack) -> None:
+    """Decode holding all but a few prompt tokens computes the rest itself (no prefill leg):
+    the usage then carries the hit that let it, decode's cached tokens (the sim, like a vLLM
+    without the flag, reports none itself). Token ids: routed by prefix with no tokenizer."""
+    prompt = [(7 * i) % 500 + 1 for i in range(48)]
+    routed: list[tuple[str, dict[str, Any]]] = []
+    for _ in range(4):
+        r = httpx.post(
+            f"{detailed.url}/v1/completions",
+            json={"model": MODEL, "prompt": prompt, "max_tokens": 4},
+            headers={"X-Pdplane-Route": "1"},
+            timeout=30,
+        )
+        assert r.status_code == 200, r.text
+        routed.append((r.headers["x-pdplane-prefill"], r.json()["usage"]))
+        if r.headers["x-pdplane-prefill"] == "none":
+            held = int(r.headers["x-pdplane-decode"].split("cached_tokens=")[1])
+            assert held == 48, r.headers  # the whole prompt: three 16-token blocks
+            # As vLLM counts a hit: whole blocks, never the last token (computed for logits).
+            assert r.json()["usage"]["prompt_tokens_details"] == {"cached_tokens": 32}
+            return
+    pytest.fail(f"no request was served by decode alone: {routed}")

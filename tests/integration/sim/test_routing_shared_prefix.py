@@ -24,18 +24,14 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 from bench.routing import preset_points, run_point
-from tests.integration.sim.helpers import assert_sims_kept_up
+from tests.integration.sim.helpers import run_kept_up
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)  # with the slower reruns (helpers.run_kept_up)
 def test_kv_aware_prefills_where_the_prefix_is_cached_and_round_robin_does_not(
     tmp_path: Path,
 ) -> None:
-    got = {
-        p.row: run_point(p, tmp_path / p.row.replace(":", "-"))
-        for p in preset_points("shared-prefix-mini")
-    }
-    assert_sims_kept_up(got)
+    got = run_kept_up(preset_points("shared-prefix-mini"), tmp_path, run_point)
     kv, rr = got["pdplane:kv_aware"], got["pdplane:round_robin"]
     for r in (kv, rr):
         assert r["ok"] == r["requests"] > 0, r
