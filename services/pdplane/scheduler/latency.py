@@ -175,15 +175,19 @@ def _compile(  # the columns are closure cells: part of numba's cache key
     Callable[..., tuple[int, float, float, int, bool, int]],
 ]:
     @numba.njit(cache=True, nogil=True)
+    def is_live(cols: F64s, row: int, live_slots: U8s) -> bool:  # pragma: no cover - compiled
+        """Whether the row's instance is LIVE in the prefix index."""
+        slot = np.int64(cols[row, kv_slot_col])
+        return 0 <= slot < live_slots.shape[0] and live_slots[slot] != 0
+
+    @numba.njit(cache=True, nogil=True)
     def hit_of(
         cols: F64s, row: int, cached: F64s, per_block: bool, live_slots: U8s, prompt: int
     ) -> float:  # pragma: no cover - compiled
         """Predicted prefix cache hit (tokens) of a LIVE row; an engine computes at least the
         prompt's last token."""
         slot = np.int64(cols[row, kv_slot_col])
-        if slot < 0 or slot >= cached.shape[0] or slot >= live_slots.shape[0]:
-            return 0.0
-        if not live_slots[slot]:
+        if slot >= cached.shape[0] or not is_live(cols, row, live_slots):
             return 0.0
         hit = cached[slot] * (cols[row, block_size_col] if per_block else 1.0)
         return min(hit, prompt - 1.0) if hit > 0 else 0.0
@@ -211,9 +215,7 @@ def _compile(  # the columns are closure cells: part of numba's cache key
         live = 0
         for i in range(n):
             row = rows[i]
-            slot = np.int64(cols[row, kv_slot_col])
-            if 0 <= slot < live_slots.shape[0] and live_slots[slot]:
-                live += 1
+            live += is_live(cols, row, live_slots)
             hit = hit_of(cols, row, cached, per_block, live_slots, prompt)
             wait = max(cols[row, busy_col] - now, 0.0) * 1e3
             t = k[7] + wait + _step(k, 0.0, 0.0, prompt - hit, hit)
@@ -256,9 +258,7 @@ def _compile(  # the columns are closure cells: part of numba's cache key
         live = 0
         for i in range(n):
             row = rows[i]
-            slot = np.int64(cols[row, kv_slot_col])
-            if 0 <= slot < live_slots.shape[0] and live_slots[slot]:
-                live += 1
+            live += is_live(cols, row, live_slots)
             hit = hit_of(cols, row, cached, per_block, live_slots, prompt)
             seqs = cols[row, requests_col] - cols[row, released_col] + cols[row, unseen_col]
             seqs = max(seqs, 0.0)
