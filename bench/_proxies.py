@@ -7,7 +7,6 @@ ignored); `missing()` says how to install one that is absent.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 import time
@@ -21,6 +20,8 @@ from bench._procs import Proc, free_port, spawn
 __all__ = ["PEERS_DIR", "Fleet", "ProxyRun", "install_hint", "start_proxy", "wait_ready"]
 
 ROOT = Path(__file__).resolve().parents[1]
+#: The command line that starts a pdplane proxy's gateway, up to its flags.
+_GATEWAY_ARGV = (sys.executable, "-m", "pdplane.cli.main", "gateway")
 PEERS_DIR = ROOT / ".cache" / "peers"
 _PEER_BIN = {
     "vllm-router": PEERS_DIR / "vllm-router" / "bin" / "vllm-router",
@@ -114,10 +115,8 @@ def wait_ready(run: ProxyRun, model: str, timeout_s: float = 90.0, precise: bool
 #: index fed by the instances' KV events (`--no-kv-index`); unary = a remote gateway's Schedules
 #: as unary calls instead of on one ScheduleStream (`--no-schedule-stream`); base = the
 #: gateway and scheduler run the code of another checkout, `PDPLANE_BENCH_BASE_TREE` (an A/B
-#: of two trees in one run); granian = the same gateway app served by granian instead of
-#: uvicorn (`bench/_granian_gateway.py`); w2 = two granian worker processes sharing the port
-#: (implies granian; remote scheduler only); ft-decode = streamed requests take their first
-#: token from decode (`PDPLANE_FIRST_TOKEN=decode`) instead of prefill, the default.
+#: of two trees in one run); ft-decode = streamed requests take their first token from decode
+#: (`PDPLANE_FIRST_TOKEN=decode`) instead of prefill, the default.
 VARIANTS = (
     "tok",
     "kv_aware",
@@ -125,20 +124,8 @@ VARIANTS = (
     "no-kv-index",
     "unary",
     "base",
-    "granian",
-    "w2",
     "ft-decode",
 )
-
-
-def _gateway_argv(variants: frozenset[str]) -> list[str]:
-    """The command line that starts a pdplane proxy's gateway, up to its flags."""
-    if not variants & {"granian", "w2"}:
-        return [sys.executable, "-m", "pdplane.cli.main", "gateway"]
-    if importlib.util.find_spec("granian") is None:
-        raise RuntimeError("+granian / +w2 need granian: pip install 'granian>=2.8,<2.9'")
-    workers = ["--granian-workers", "2"] if "w2" in variants else []
-    return [sys.executable, "-m", "bench._granian_gateway", *workers]
 
 
 def _tree_env(variants: frozenset[str]) -> dict[str, str] | None:
@@ -210,7 +197,7 @@ def _pdplane(
     gateway = spawn(
         f"pdplane-gateway-{dispatch}{tail}",
         [
-            *_gateway_argv(variants),
+            *_GATEWAY_ARGV,
             "--scheduler",
             f"127.0.0.1:{sched_port}",
             "--registry",
@@ -243,7 +230,7 @@ def _pdplane_embedded(
     gateway = spawn(
         "pdplane-gateway-embedded" + "".join(f"+{v}" for v in sorted(variants)),
         [
-            *_gateway_argv(variants),
+            *_GATEWAY_ARGV,
             "--scheduler",
             "embedded",
             *policy,

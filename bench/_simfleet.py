@@ -21,19 +21,14 @@ import json
 import signal
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from bench._oracle import ROUTERS, build_oracle_app  # noqa: E402
-from pdplane.sim.config import SimConfig  # noqa: E402
-from pdplane.sim.fleet import SimFleet  # noqa: E402
-from pdplane.sim.profiles import load_profile  # noqa: E402
+from bench._oracle import ROUTERS, build_oracle_app
+from pdplane.sim.config import SimConfig
+from pdplane.sim.fleet import SimFleet
+from pdplane.sim.profiles import load_profile
 
 __all__ = ["main"]
 

@@ -15,19 +15,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from bench._loadgen import completion_burst  # noqa: E402
-from pdplane.gateway.testing import running_gateway_app  # noqa: E402
-from pdplane.registry.server import RegistryServer  # noqa: E402
-from pdplane.registry.settings import RegistrySettings  # noqa: E402
-from pdplane.sim.testing import running_sims  # noqa: E402
+from bench._loadgen import completion_burst
+from pdplane.gateway.testing import running_gateway_app
+from pdplane.registry.server import RegistryServer
+from pdplane.registry.settings import RegistrySettings
+from pdplane.sim.testing import running_sims
 
 _MODEL = "sim-model"
 _BODY = {"model": _MODEL, "prompt": "word " * 400, "max_tokens": 16, "stream": True}

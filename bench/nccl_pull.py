@@ -32,9 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from nccl_cluster import NodeProcess
+from bench.nccl_cluster import NodeProcess
 
 TOKEN_BYTES = 32 * 2 * 8 * 128 * 2  # layers x (K, V) x heads x head size x bf16
 BLOCK = 16

@@ -29,17 +29,16 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from bench.sim_calibrate import CPU_HOLDOUT
+from pdplane.launch.vllm_cpu import VllmCpuInstance, VllmCpuOptions
+from pdplane.models.tiny import build_tiny_model
+from pdplane.plan import profile_cli
+from pdplane.plan.fit import FIT_FIELDS, fit_cost, predict, unbatched_ttft_weight
+from pdplane.plan.sweep import Cell, CellResult, measure_cells
+from pdplane.sim.profiles import PROFILES, Profile, load_profile
 
-from bench.sim_calibrate import CPU_HOLDOUT  # noqa: E402
-from pdplane.launch.vllm_cpu import VllmCpuInstance, VllmCpuOptions  # noqa: E402
-from pdplane.models.tiny import build_tiny_model  # noqa: E402
-from pdplane.plan import profile_cli  # noqa: E402
-from pdplane.plan.fit import FIT_FIELDS, fit_cost, predict, unbatched_ttft_weight  # noqa: E402
-from pdplane.plan.sweep import Cell, CellResult, measure_cells  # noqa: E402
-from pdplane.sim.profiles import PROFILES, Profile, load_profile  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
+
 
 MODEL = "tiny"
 

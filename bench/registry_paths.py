@@ -21,14 +21,12 @@ from pathlib import Path
 
 from aetcd import rpc
 
+from bench.registry_load import _spec  # the load benchmark's instance specs
 from pdplane.launch.etcd import EtcdCluster
 from pdplane.registry.etcd_store import EtcdStore, EtcdStoreConfig
 from pdplane.registry.memory_store import InMemoryStore
 from pdplane.registry.servicer import MAX_BATCH, _pack
 from pdplane.v1 import instance_pb2, registry_store_pb2
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from registry_load import _spec  # the load benchmark's instance specs
 
 
 def _rounds(fn: object, ops: int, rounds: int = 5) -> float:

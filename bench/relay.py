@@ -42,13 +42,12 @@ from typing import Any
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from bench._loadgen import percentile, run_load
+from bench._procs import Proc, free_port, spawn
+from bench._proxies import Fleet, install_hint, start_proxy
 
-from bench._loadgen import percentile, run_load  # noqa: E402
-from bench._procs import Proc, free_port, spawn  # noqa: E402
-from bench._proxies import Fleet, install_hint, start_proxy  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
+
 
 KNOBS: dict[str, list[str]] = {
     "zero": [],

@@ -17,14 +17,9 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from bench import _replicas  # noqa: E402
+from bench import _replicas
 
 #: name -> run() keywords
 VARIANTS: dict[str, dict[str, Any]] = {

@@ -39,17 +39,16 @@ from typing import Any
 
 import aiohttp
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from bench import workloads as wl
+from bench._openloop import replay
+from bench._prewarm import prewarm_decodes
+from bench._procs import Proc, free_port, spawn
+from bench._proxies import ProxyRun
+from bench._routing_proxies import Endpoints, parse_row, start_row
+from bench._routing_stats import client_numbers, fleet_numbers, router_kv_counters
 
-from bench import workloads as wl  # noqa: E402
-from bench._openloop import replay  # noqa: E402
-from bench._prewarm import prewarm_decodes  # noqa: E402
-from bench._procs import Proc, free_port, spawn  # noqa: E402
-from bench._proxies import ProxyRun  # noqa: E402
-from bench._routing_proxies import Endpoints, parse_row, start_row  # noqa: E402
-from bench._routing_stats import client_numbers, fleet_numbers, router_kv_counters  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
+
 
 TOPOLOGIES = {"1P7D": (1, 7), "2P2D": (2, 2), "4P4D": (4, 4), "8P16D": (8, 16)}
 ALL_ROWS = [

@@ -44,16 +44,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from bench import workloads as wl
+from pdplane.plan.fleetsim import FleetConfig
+from pdplane.plan.routesim import ChatTraffic, ChatTurn, run_routed
+from pdplane.plan.search import capacity
+from pdplane.scheduler.policies.kv_aware import KvAwareWeights
+from pdplane.sim.profiles import load_profile
 
-from bench import workloads as wl  # noqa: E402
-from pdplane.plan.fleetsim import FleetConfig  # noqa: E402
-from pdplane.plan.routesim import ChatTraffic, ChatTurn, run_routed  # noqa: E402
-from pdplane.plan.search import capacity  # noqa: E402
-from pdplane.scheduler.policies.kv_aware import KvAwareWeights  # noqa: E402
-from pdplane.sim.profiles import load_profile  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 TOPOLOGIES = {"4P4D": (4, 4), "8P16D": (8, 16)}
 LOADS = (0.3, 0.6, 0.9, 1.2)

@@ -34,14 +34,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from bench._calib_servers import MODEL, cache_config, start_sim, start_vllm, stop
+from pdplane.plan.fit import fit_cost, predict
+from pdplane.plan.sweep import Cell, CellResult, measure_cells, mixed_arrivals
+from pdplane.sim.profiles import PROFILES, CostModel, Profile, load_profile
 
-from bench._calib_servers import MODEL, cache_config, start_sim, start_vllm, stop  # noqa: E402
-from pdplane.plan.fit import fit_cost, predict  # noqa: E402
-from pdplane.plan.sweep import Cell, CellResult, measure_cells, mixed_arrivals  # noqa: E402
-from pdplane.sim.profiles import PROFILES, CostModel, Profile, load_profile  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
+
 
 CPU_GRID = [Cell(b, n, 32) for b in (1, 4, 16) for n in (64, 256, 768)]
 CPU_HOLDOUT = [

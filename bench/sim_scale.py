@@ -25,17 +25,15 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from bench import workloads as wl
+from bench._openloop import replay
+from bench._procs import spawn
+from bench._routing_stats import percentile
+from pdplane.sim.config import SimConfig
+from pdplane.sim.fleet import SimFleet, expand
+from pdplane.sim.stats import LogHistogram
 
-from bench import workloads as wl  # noqa: E402
-from bench._openloop import replay  # noqa: E402
-from bench._procs import spawn  # noqa: E402
-from bench._routing_stats import percentile  # noqa: E402
-from pdplane.sim.config import SimConfig  # noqa: E402
-from pdplane.sim.fleet import SimFleet, expand  # noqa: E402
-from pdplane.sim.stats import LogHistogram  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 async def _startup_in_process(n: int, profile: str) -> float:

@@ -48,14 +48,10 @@ from unittest import mock
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from bench._otlp import OtlpReceiver, ReceivedSpan, otlp_receiver  # noqa: E402
-from pdplane.launch.fleet import Fleet, FleetSpec  # noqa: E402
-from pdplane.launch.ports import free_port_run  # noqa: E402
-from pdplane.launch.vllm_cpu import VllmCpuInstance, VllmCpuOptions  # noqa: E402
+from bench._otlp import OtlpReceiver, ReceivedSpan, otlp_receiver
+from pdplane.launch.fleet import Fleet, FleetSpec
+from pdplane.launch.ports import free_port_run
+from pdplane.launch.vllm_cpu import VllmCpuInstance, VllmCpuOptions
 
 __all__ = ["PHASES", "Stack", "breakdown", "running_stack", "timed_stream"]
 

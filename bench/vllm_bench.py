@@ -33,14 +33,10 @@ from pathlib import Path
 from typing import Any
 from unittest import mock
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from bench.ttft_breakdown import VARIANTS, Variant  # noqa: E402
-from pdplane.launch.fleet import Fleet, FleetSpec  # noqa: E402
-from pdplane.launch.ports import free_port_run  # noqa: E402
-from pdplane.launch.vllm_cpu import VllmCpuInstance, VllmCpuOptions  # noqa: E402
+from bench.ttft_breakdown import VARIANTS, Variant
+from pdplane.launch.fleet import Fleet, FleetSpec
+from pdplane.launch.ports import free_port_run
+from pdplane.launch.vllm_cpu import VllmCpuInstance, VllmCpuOptions
 
 _METRICS = (
     ("request_throughput", "requests/s"),

@@ -67,22 +67,18 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from bench._calib_servers import LLAMA3_8B_CONFIG, SMALL_SHAPE, _dummy_model  # noqa: E402
-from pdplane.launch.fleet import Fleet, FleetSpec  # noqa: E402
-from pdplane.launch.ports import free_port_run  # noqa: E402
-from pdplane.launch.process import ManagedProcess, http_ok, wait_until  # noqa: E402
-from pdplane.launch.vllm_cpu import (  # noqa: E402
+from bench._calib_servers import LLAMA3_8B_CONFIG, SMALL_SHAPE, _dummy_model
+from pdplane.launch.fleet import Fleet, FleetSpec
+from pdplane.launch.ports import free_port_run
+from pdplane.launch.process import ManagedProcess, http_ok, wait_until
+from pdplane.launch.vllm_cpu import (
     LEAN_ENV,
     VllmCpuOptions,
     connector_config,
     kv_events_config,
     serve_argv,
 )
-from pdplane.models.tiny import build_tiny_model  # noqa: E402
+from pdplane.models.tiny import build_tiny_model
 
 MODEL = "llama-3.1-8b-dummy"
 ROWS = ("plain", "pdplane", "pdplane-ft-decode", "pdplane-push")

@@ -35,6 +35,20 @@ def test_only_the_kv_event_reader_touches_zmq_or_msgspec() -> None:
     assert not re.search(r"\.(bind|send|send_multipart)\(", reader)  # it only reads
 
 
+# bench/ is a package: its scripts and the tests import `bench.<module>` with the checkout root
+# on the path (pyproject.toml: the editable install's dev-mode-dirs, pytest's pythonpath), never
+# by editing sys.path at import time.
+_PATH_EDIT = re.compile(r"\bsys\.path\.(insert|append|extend)\(|\bsys\.path\s*(\+=|=[^=])")
+
+
+def test_no_python_file_edits_sys_path() -> None:
+    files = [p for p in _project_python_files() if p != Path(__file__).resolve()]
+    assert [str(p) for p in files if _PATH_EDIT.search(p.read_text())] == []
+    for line in ("sys.path.insert(0, ROOT)", "sys.path.append(x)", "sys.path = [x]"):
+        assert _PATH_EDIT.search(line), line
+    assert not _PATH_EDIT.search("if str(ROOT) not in sys.path:")
+
+
 def test_forbidden_import_pattern_catches_offenders() -> None:
     # Guards the guard: the pattern must match the forms it is meant to forbid.
     for line in ("import pickle", "from msgpack import packb", "  import marshal"):

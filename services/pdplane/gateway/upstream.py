@@ -6,7 +6,7 @@ with httpx (2000 requests, 16 concurrent; see docs/gateway.md). One `ClientSessi
 by all requests; nothing is created per request but the request itself (its `ClientTimeout`
 is built once per distinct bound). (A hand-written
 HTTP/1.1 client on httptools measured ~0.2 ms/request cheaper still; the project keeps a
-well-kept library on this path, see docs/benchmarks.md.)
+well-kept library on this path; docs/benchmarks/relay.md has what the two legs cost now.)
 
 Errors: `UpstreamUnreachable` (connection refused/reset/closed before or while answering),
 `UpstreamTimeout` (no bytes for `read_timeout_s`, or the whole exchange past `total_timeout_s`).

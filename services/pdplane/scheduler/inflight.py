@@ -235,8 +235,9 @@ class InflightTracker:
         Without the credit, a report taken while 8 requests of 5 blocks each ran on a 64-block
         decode left room for 4 assignments until the next report, however many of the 8 had
         finished: at ~24 requests/s and one report a second the guard turned down 34 of 48
-        requests (docs/benchmarks.md). The credit starts once this tracker saw the report's
-        epoch (here or in `add`), so only releases after the report was taken count."""
+        requests (`git show a4bcc95:docs/benchmarks.md`, "Lost requests"). The credit starts
+        once this tracker saw the report's epoch (here or in `add`), so only releases after the
+        report was taken count."""
         instance_id = candidate.instance_id
         pending = self._pending.get(instance_id)
         if pending is None or pending.epoch != candidate.epoch:

@@ -95,7 +95,7 @@ def chat_prompt_tokens(messages: list[dict[str, Any]]) -> int:
 
 def prompt_key(prompt_ids: Sequence[int]) -> str:
     """The sampling key of a prompt: `prompt_fingerprint` of its token ids (~20 us per 1,000
-    tokens, an eighth of `WordTokenizer.encode`'s time; docs/benchmarks.md)."""
+    tokens, an eighth of `WordTokenizer.encode`'s time; `git show a4bcc95:docs/benchmarks.md`)."""
     return prompt_fingerprint(prompt_ids)
 
 

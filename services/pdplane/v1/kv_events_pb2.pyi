@@ -178,7 +178,7 @@ class BlockStoredColumns(_message.Message):
     fields: a subscriber reads one as an array in one copy (numpy.frombuffer), and the source
     writes one from an array in one copy; measured on 1,000 uint64 values, ~1.1 us to decode
     and ~0.7 us to encode, against ~7.7 us and ~53 us for a packed repeated field
-    (docs/benchmarks.md, "Columnar stores"). A column of the wrong length makes the batch
+    (docs/benchmarks/scheduler.md, "Columnar stores"). A column of the wrong length makes the batch
     invalid (the subscriber reconnects).
     """
 

@@ -1,5 +1,5 @@
 """The serving side's pair warm-up (`BlockMover.warm_pair` on the pair's server-side reader
-thread, before `ready`; docs/nccl.md, state H) against what can happen meanwhile: eviction, the
+thread, before `ready`; docs/nccl.md, "Pairs") against what can happen meanwhile: eviction, the
 peer dropped, shutdown, a caller that does not wait for `ready`, a warm-up that fails. On the
 CPU stand-ins, over real gRPC (see test_pairs.py).
 """

@@ -7,16 +7,9 @@ balances request counts (kv_aware, the default, balances predicted step time, in
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[3]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from bench import _replicas  # noqa: E402
+from bench import _replicas
 
 BOUND = 1.2  # max/mean of the total decode load
 

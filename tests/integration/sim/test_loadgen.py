@@ -2,16 +2,10 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-from pdplane.sim.testing import async_running_sims
-
-# bench/ is a folder of scripts, not an installed package.
-sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 from bench._loadgen import percentile, run_load
+from pdplane.sim.testing import async_running_sims
 
 
 def test_percentile_nearest_rank() -> None:

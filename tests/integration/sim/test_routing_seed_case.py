@@ -7,12 +7,10 @@ the real gateway, registry and sims. Orderings only, never absolute times.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 from bench.routing import preset_points, run_point
 from tests.integration.sim.helpers import run_kept_up
 

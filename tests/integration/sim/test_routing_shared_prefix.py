@@ -17,12 +17,10 @@ before or inside the window depending on the machine's load, and the KV ratio wa
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 from bench.routing import preset_points, run_point
 from tests.integration.sim.helpers import run_kept_up
 

@@ -8,18 +8,14 @@ that where a prefix is cached depends on the routing. Each run is deterministic 
 from __future__ import annotations
 
 import dataclasses
-import sys
-from pathlib import Path
 
 import pytest
 
+from bench import workloads as wl
+from bench.scorecard import sessions
 from pdplane.plan.fleetsim import FleetConfig, simulate_fleet
 from pdplane.plan.routesim import ChatTraffic, ChatTurn, SchedulerRouter, run_routed
 from pdplane.sim.profiles import PROFILES, Profile
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
-from bench import workloads as wl
-from bench.scorecard import sessions
 
 PROFILE = dataclasses.replace(PROFILES["llama3-8b-h100"], num_blocks=2000)
 FLEET = FleetConfig(prefill=2, decode=2)

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import statistics
-import sys
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
-import itertools
 
 from bench import workloads as wl
 from pdplane.sim.tokens import WordTokenizer

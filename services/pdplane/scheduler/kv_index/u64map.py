@@ -2,8 +2,9 @@
 
 Why not a dict: a dict entry holding two Python ints costs ~90-110 bytes (two 32-36 byte int
 objects plus the slot); here a slot is the key (8 bytes) plus the value (8 bytes for uint64,
-4 for int32), at a load factor of 0.4-0.8 (the prefix index's 100M entries: ~2-3.5 GiB
-instead of 8.5-22.7 GiB, docs/benchmarks.md).
+4 for int32), at a load factor of 0.4-0.8 (the prefix index's 100M entries: 2.3-3.6 GiB
+measured, docs/benchmarks/scheduler.md, instead of 8.5-22.7 GiB projected for dicts, `git show
+a4bcc95:docs/benchmarks.md`).
 
 Layout: open addressing over a power-of-two capacity, Fibonacci hashing of the key (so
 sequential keys spread), triangular probing (`pos + i*(i+1)/2`, visits every slot of a
