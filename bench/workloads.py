@@ -387,22 +387,31 @@ def agent(
     tool_result: Lengths = _TOOL_RESULT,
     osl: Lengths = _OSL_AGENT,
     think_s: float = 1.0,
+    max_context: int = 7500,
     seed: int = 0,
 ) -> Workload:
     """Agent sessions starting at `rate`/s: a shared tool-definition prefix (one of
-    `toolsets`), a task, then turns each appending a tool result after a short pause."""
+    `toolsets`), a task, then turns each appending a tool result after a short pause. A
+    session ends early rather than grow past `max_context` tokens (prompt + answers so far +
+    the next answer): the default leaves an 8192-token model room for the chat template."""
     rng = random.Random(seed)
     tools = _texts("agent-tools", seed, [tools_tokens] * toolsets)
     out = []
     for s, at in enumerate(_arrivals(rng, rate, sessions)):
         sid = f"a{s}"
         system = {"role": "system", "content": tools[rng.randrange(toolsets)]}
-        msg = {"role": "user", "content": _words(rng, task.draw(rng))}
-        out.append(Turn(at, [system, msg], osl.draw(rng), session=sid, user=sid))
+        first, answer = task.draw(rng), osl.draw(rng)
+        msg = {"role": "user", "content": _words(rng, first)}
+        out.append(Turn(at, [system, msg], answer, session=sid, user=sid))
+        context = tools_tokens + first + answer
         for k in range(1, turns.draw(rng)):
-            msg = {"role": "tool", "content": _words(rng, tool_result.draw(rng))}
+            result, answer = tool_result.draw(rng), osl.draw(rng)
+            if context + result + answer > max_context:
+                break
+            context += result + answer
+            msg = {"role": "tool", "content": _words(rng, result)}
             pause = rng.expovariate(1 / think_s)
-            out.append(Turn(pause, [msg], osl.draw(rng), session=sid, user=sid, turn=k))
+            out.append(Turn(pause, [msg], answer, session=sid, user=sid, turn=k))
     return Workload(
         "agent",
         out,
