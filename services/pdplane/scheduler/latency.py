@@ -193,6 +193,13 @@ def _compile(  # the columns are closure cells: part of numba's cache key
         return min(hit, prompt - 1.0) if hit > 0 else 0.0
 
     @numba.njit(cache=True, nogil=True)
+    def lowest(scores: F64s, turn: int) -> int:  # pragma: no cover - compiled
+        """Position of the lowest score; equal lowest ones taken in turn."""
+        best = scores.min()
+        tied = np.flatnonzero(scores == best)
+        return tied[turn % tied.shape[0]]  # type: ignore[no-any-return]
+
+    @numba.njit(cache=True, nogil=True)
     def prefill(
         cols: F64s,
         rows: I64s,
@@ -207,9 +214,7 @@ def _compile(  # the columns are closure cells: part of numba's cache key
         """(position chosen, its predicted time to KV (ms), its queue wait (ms), its cached
         tokens, LIVE candidates); equal predictions taken in turn."""
         n = rows.shape[0]
-        best = np.inf
-        ties = 0
-        tied = np.empty(n, np.int64)
+        scores = np.empty(n)
         waits = np.empty(n)
         hits = np.empty(n)
         live = 0
@@ -219,16 +224,11 @@ def _compile(  # the columns are closure cells: part of numba's cache key
             hit = hit_of(cols, row, cached, per_block, live_slots, prompt)
             wait = max(cols[row, busy_col] - now, 0.0) * 1e3
             t = k[7] + wait + _step(k, 0.0, 0.0, prompt - hit, hit)
+            scores[i] = t
             waits[i] = wait
             hits[i] = hit
-            if t < best:
-                best = t
-                ties = 0
-            if t == best:
-                tied[ties] = i
-                ties += 1
-        chosen = tied[turn % ties]
-        return chosen, best, waits[chosen], int(hits[chosen]), live
+        chosen = lowest(scores, turn)
+        return chosen, scores[chosen], waits[chosen], int(hits[chosen]), live
 
     @numba.njit(cache=True, nogil=True)
     def decode(
@@ -249,9 +249,7 @@ def _compile(  # the columns are closure cells: part of numba's cache key
         """(position chosen, its score (ms), its predicted time to first token (ms), its
         cached tokens, whether it computes the prompt itself, LIVE candidates)."""
         n = rows.shape[0]
-        best = np.inf
-        ties = 0
-        tied = np.empty(n, np.int64)
+        scores = np.empty(n)
         ttfts = np.empty(n)
         hits = np.empty(n)
         local = np.zeros(n, np.bool_)
@@ -282,17 +280,11 @@ def _compile(  # the columns are closure cells: part of numba's cache key
                     if own < ttft:
                         ttft = own
                         local[i] = True
-            score = ttft + itl_weight * after
+            scores[i] = ttft + itl_weight * after
             ttfts[i] = ttft
             hits[i] = hit
-            if score < best:
-                best = score
-                ties = 0
-            if score == best:
-                tied[ties] = i
-                ties += 1
-        chosen = tied[turn % ties]
-        return chosen, best, ttfts[chosen], int(hits[chosen]), local[chosen], live
+        chosen = lowest(scores, turn)
+        return chosen, scores[chosen], ttfts[chosen], int(hits[chosen]), local[chosen], live
 
     return prefill, decode  # type: ignore[return-value]
 
