@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Callable
 
 import grpc
 
@@ -58,19 +57,6 @@ def build_store(settings: RegistrySettings) -> InstanceStore:
     return InMemoryStore(
         policy, history=settings.event_history, max_queue=settings.watch_queue_size
     )
-
-
-def _loop_factory(use_uvloop: bool) -> Callable[[], asyncio.AbstractEventLoop] | None:
-    """uvloop's loop when asked for and installed (None: asyncio's own). The event loop's own
-    work (scheduling callbacks, futures, epoll) is a share of every gRPC message's cost that
-    uvloop does in C."""
-    if use_uvloop:
-        try:
-            import uvloop
-        except ImportError:
-            return None
-        return uvloop.new_event_loop  # type: ignore[no-any-return]
-    return None
 
 
 class LeaseReaper:
@@ -153,9 +139,8 @@ class RegistryServer:
 
     def _run_aio(self) -> None:
         try:
-            # asyncio.Runner also cancels and awaits the RPC tasks left after the server stopped.
-            with asyncio.Runner(loop_factory=_loop_factory(self.settings.uvloop)) as runner:
-                runner.run(self._serve_aio())
+            # asyncio.run also cancels and awaits the RPC tasks left after the server stopped.
+            asyncio.run(self._serve_aio())
         except BaseException as exc:  # reported to start() in the caller's thread
             self._start_error = exc
         finally:

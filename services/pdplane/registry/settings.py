@@ -59,7 +59,6 @@ class RegistrySettings(CommandSettings):
     event_history: int = Field(
         10_000, ge=0, description="events kept to replay to re-watching clients"
     )
-    uvloop: bool = Field(True, description="serve on uvloop when installed (else asyncio's loop)")
     log_level: str = Field("INFO", description="logging level")
     store: Literal["memory", "etcd"] = Field(
         "memory", description="where instances live: memory (one node) or etcd (replicated)"
