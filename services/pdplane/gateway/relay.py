@@ -29,8 +29,11 @@ be computing); an instance's 4xx -> that status and body unchanged; 5xx -> 502 n
 prefill's answer without usable `kv_transfer_params` -> 502. Once the first token from prefill
 went out, a decode that cannot be reached is replaced, within the same retries, by another
 decode computing the whole prompt (`_open_continuation`); any other failure before decode's
-first byte is one SSE error event. A decode that fails after its first byte ends the stream
-with one error event (`_decode_lost`: the one place where a stream's decode is lost).
+first byte is one SSE error event. A decode lost after its first byte (`_decode_lost` says
+why) is replaced by another that continues from the prompt plus the tokens sent (`_migrate`,
+`pdplane.gateway.migration`), within `--migration-limit` and `--migration-timeout-s`; then one
+error event ends the stream. A non-streamed request whose decode died while computing it runs
+again on another pair, within the same limit.
 Cancellation (client gone): upstream connections closed (vLLM aborts the request), prefill's
 KV freed, Release "cancelled".
 """
