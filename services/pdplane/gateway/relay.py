@@ -770,6 +770,7 @@ class _Request:
         lost = self.decode.instance_id
         prompt = transcript.resumed_prompt()
         sent = len(transcript.sent)
+        cached = self.cached  # the client's prompt's, not the resumed prompt's
         while True:
             if self.resp is not None:
                 self.resp.close()
@@ -817,7 +818,8 @@ class _Request:
                 prefill,
                 len(prompt),
             )
-            return Splice(self.req, transcript.as_first_token(), None, self.cached, sent)
+            self.cached = cached
+            return Splice(self.req, transcript.as_first_token(), None, cached, sent)
 
     async def _resume(self, body: dict[str, Any]) -> UpstreamResponse:
         """The new legs of a resumed stream (`body`: `resumed_body`'s): Schedule, prefill's
@@ -848,8 +850,10 @@ class _Request:
             finally:
                 resp.close()
             raise AssertionError("unreachable: _decode_error raises")
-        except RetryElsewhere:
-            raise  # `_migrate` settles the attempt with it and tries the next decode
+        except (RetryElsewhere, asyncio.CancelledError):
+            # `_migrate` settles the attempt: with the failure (and tries the next decode),
+            # its time budget spent, or the client gone.
+            raise
         except BaseException as exc:
             self.care.settle(exc)
             raise
