@@ -26,7 +26,10 @@ def _req(endpoint: Endpoint, **body: Any) -> Any:
 
 def test_which_streams_are_migratable() -> None:
     assert migratable(_req(COMPLETIONS))
-    assert migratable(_req(CHAT, temperature=0, stop=["x"], seed=3))
+    assert migratable(_req(CHAT, temperature=0, stop=[], seed=3))
+    # vLLM holds back text that may start a stop string: not restorable at a seam
+    assert not migratable(_req(CHAT, stop=["x"]))
+    assert not migratable(_req(COMPLETIONS, stop="x", include_stop_str_in_output=True))
     assert migratable(_req(COMPLETIONS, logprobs=2))  # completions logprobs continue
     assert not migratable(_req(COMPLETIONS, stream=False))  # run again instead
     assert not migratable(_req(COMPLETIONS, n=2))
@@ -37,7 +40,7 @@ def test_which_streams_are_migratable() -> None:
 
 
 def test_the_resumed_leg_asks_for_what_is_left_with_the_clients_sampling() -> None:
-    req = _req(CHAT, max_completion_tokens=20, min_tokens=8, temperature=0.5, stop=["."],
+    req = _req(CHAT, max_completion_tokens=20, min_tokens=8, temperature=0.5,
                stream_options={"include_usage": True}, seed=1)  # fmt: skip
     body = resumed_body(req, [1, 2, 3, 40, 41, 42], 3)
     assert body == {
@@ -47,7 +50,6 @@ def test_the_resumed_leg_asks_for_what_is_left_with_the_clients_sampling() -> No
         "min_tokens": 5,
         "temperature": 0.5,
         "stream_options": {"include_usage": True},
-        "stop": ["."],
         "seed": 1,
         "stream": True,
         "return_token_ids": True,
