@@ -672,7 +672,7 @@ class _Request:
                 if loss is None:
                     break
                 if transcript is None or not transcript.resumable():
-                    yield loss.event or bad_gateway(loss.message).sse_event()
+                    yield loss.event or GatewayError(loss.status, loss.message).sse_event()
                     return
                 if transcript.finished and not loss.event:
                     # The last token went out: the stream only misses its usage and [DONE].
