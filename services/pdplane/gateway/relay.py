@@ -47,7 +47,7 @@ import time
 from collections.abc import AsyncGenerator, Iterator
 from contextlib import contextmanager
 from functools import partial
-from typing import Any
+from typing import Any, NoReturn
 
 from pydantic_core import from_json
 
@@ -832,24 +832,13 @@ class _Request:
             kv = None
             if self.prefill is not None:
                 _, kv = await self._prefill_leg(COMPLETIONS, body)
-            out = dict(body)
-            data = json.dumps(out, separators=(",", ":")).encode()
+            data = json.dumps(body, separators=(",", ":")).encode()
             if kv is not None:
                 data = data[:-1] + b',"kv_transfer_params":' + kv + b"}"
             resp = await self._open_decode(data, COMPLETIONS)
             if resp.status < 400:
                 return resp
-            try:
-                await self._decode_error(resp)
-            except UpstreamReply as reply:
-                excerpt = reply.body[:300].decode(errors="replace")
-                raise GatewayError(
-                    reply.status,
-                    f"decode instance {self.decode.instance_id} answered {reply.status}: {excerpt}",
-                ) from None
-            finally:
-                resp.close()
-            raise AssertionError("unreachable: _decode_error raises")
+            await self._refused_mid_stream(resp)
         except (RetryElsewhere, asyncio.CancelledError):
             # `_migrate` settles the attempt: with the failure (and tries the next decode),
             # its time budget spent, or the client gone.
@@ -891,16 +880,23 @@ class _Request:
                 continue
             if resp.status < 400:
                 return resp
-            try:
-                await self._decode_error(resp)
-            except UpstreamReply as reply:
-                excerpt = reply.body[:300].decode(errors="replace")
-                raise GatewayError(
-                    reply.status,
-                    f"decode instance {self.decode.instance_id} answered {reply.status}: {excerpt}",
-                ) from None
-            finally:
-                resp.close()
+            await self._refused_mid_stream(resp)
+
+    async def _refused_mid_stream(self, resp: UpstreamResponse) -> NoReturn:
+        """Decode refused a leg of a stream under way (`resp`: its error status): prefill's
+        KV is freed; raises GatewayError (decode's status and message for 4xx, 502 for 5xx),
+        whose event ends the stream."""
+        try:
+            await self._decode_error(resp)
+        except UpstreamReply as reply:
+            excerpt = reply.body[:300].decode(errors="replace")
+            raise GatewayError(
+                reply.status,
+                f"decode instance {self.decode.instance_id} answered {reply.status}: {excerpt}",
+            ) from None
+        finally:
+            resp.close()
+        raise AssertionError("unreachable: _decode_error raises")
 
     def _abandon(self) -> None:
         # The reply was closed before its stream started (the client left first), so the

@@ -11,17 +11,9 @@ from pdplane.gateway.bodies import migratable, resumed_body, with_token_ids
 from pdplane.gateway.departures import Departures
 from pdplane.gateway.migration import Transcript
 from pdplane.gateway.splice import FirstToken
-from pdplane.gateway.validation import CHAT, COMPLETIONS, Endpoint, parse_request
+from pdplane.gateway.validation import CHAT, COMPLETIONS
 from pdplane.v1 import instance_pb2
-
-
-def _req(endpoint: Endpoint, **body: Any) -> Any:
-    base: dict[str, Any] = {"model": "m", "stream": True}
-    if endpoint == CHAT:
-        base["messages"] = [{"role": "user", "content": "hi"}]
-    else:
-        base["prompt"] = "hi"
-    return parse_request(endpoint, json.dumps({**base, **body}).encode())
+from tests.unit.gateway.test_first_token import _req
 
 
 def test_which_streams_are_migratable() -> None:
