@@ -431,7 +431,8 @@ class _Request:
             self.id,
             d.instance_id,
             d.kv_endpoint,
-            token_ids=self.first_token and client_body is None,
+            # a resumed prompt's prefill too: its answer continues the stream's own
+            token_ids=self.first_token or client_body is not None,
         )
         upstream = self.relay.upstream
         with tracing.span("pdplane.prefill_leg"), self._leg_errors("prefill", p):

@@ -136,8 +136,11 @@ class CompletionRoutes:
             answer = continuation(
                 s.tokenizer, req.prompt_ids, len(req.prompt_ids) - 1, req.seed, req.max_tokens
             )
-        if answer is None and req.prompt_as_ids:
-            # A prompt that ends in part of its own answer (a stream resumed elsewhere).
+        if answer is None and req.prompt_as_ids and req.return_token_ids:
+            # A prompt that ends in part of its own answer (a stream resumed elsewhere: the
+            # gateway asks for token ids on those legs). Other prompts are not searched: a
+            # prompt whose last id merely equals its own first sampled token (1 in
+            # len(VOCAB)) keeps its own answer.
             answer = resumed(
                 s.tokenizer, req.prompt_ids, req.seed, 1 if producer else req.max_tokens
             )
