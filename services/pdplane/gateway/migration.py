@@ -18,13 +18,17 @@ Every event is scanned with a few regular expressions (no JSON parse but the fir
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pydantic_core import from_json
 
 from pdplane.gateway.splice import FirstToken
 
-__all__ = ["Loss", "Transcript"]
+__all__ = ["Loss", "Transcript", "whole_characters"]
+
+#: A UTF-8 character spans at most 4 bytes, so at most 4 byte tokens.
+_MAX_CHARACTER_TOKENS = 4
 
 #: A token event's output ids (`"token_ids":[...]`; not `prompt_token_ids`, whose quote is
 #: before `prompt_`).
@@ -122,6 +126,11 @@ class Transcript:
         known."""
         return self.prompt_ids is not None and bool(self.response_id)
 
+    def rewind(self, keep: int) -> None:
+        """Forgets the tokens sent after the first `keep` (their text never reached the
+        client: `whole_characters`); a resumed leg generates them again."""
+        del self.sent[keep:]
+
     def resumed_prompt(self) -> list[int]:
         """The new decode's prompt: the prompt's ids plus the tokens sent."""
         assert self.prompt_ids is not None
@@ -140,3 +149,22 @@ class Transcript:
             finish_reason=None,
             stop_reason=None,
         )
+
+
+def whole_characters(
+    context: list[int], sent: list[int], decode: Callable[[list[int]], str]
+) -> int:
+    """How many of the `sent` token ids end on a character boundary: all of them, less the
+    last ones (at most 4) that end inside a UTF-8 character. vLLM holds such tokens' text back
+    until the character completes, so the client never got it; a resumed leg primed with a
+    prompt ending inside the character would not write it either (its detokenizer starts at
+    the prompt's end). Resuming after the whole characters only, the new leg generates those
+    tokens again, text and all. `context`: the prompt's ids (its last ones give the first
+    tokens the bytes they may continue); `decode`: the model's ids -> text, special tokens
+    kept."""
+    ids = [*context[-8:], *sent]
+    for drop in range(min(_MAX_CHARACTER_TOKENS, len(sent)) + 1):
+        end = len(ids) - drop
+        if not decode(ids[max(0, end - 12) : end]).endswith("\ufffd"):
+            return len(sent) - drop
+    return len(sent)  # not a character held open: keep everything

@@ -77,7 +77,7 @@ from pdplane.gateway.errors import (
     unavailable,
 )
 from pdplane.gateway.metrics import GatewayMetrics
-from pdplane.gateway.migration import Loss, Transcript
+from pdplane.gateway.migration import Loss, Transcript, whole_characters
 from pdplane.gateway.prompt_ids import Tokenizers
 from pdplane.gateway.replies import SSE_DONE, JsonReply, RetryElsewhere, StreamReply
 from pdplane.gateway.route_note import RouteNote
@@ -769,6 +769,10 @@ class _Request:
         left, or when the new leg is refused."""
         metrics, config = self.relay.metrics, self.relay.config
         lost = self.decode.instance_id
+        tokenizer = self.relay.tokenizers.get(self.req.model) if self.relay.tokenizers else None
+        if tokenizer is not None and transcript.prompt_ids is not None:
+            decode = partial(tokenizer.decode, skip_special_tokens=False)
+            transcript.rewind(whole_characters(transcript.prompt_ids, transcript.sent, decode))
         prompt = transcript.resumed_prompt()
         sent = len(transcript.sent)
         cached = self.cached  # the client's prompt's, not the resumed prompt's

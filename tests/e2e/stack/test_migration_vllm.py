@@ -101,8 +101,8 @@ def test_a_decode_sigkilled_mid_stream_the_stream_continues_on_the_other(
         "model": MODEL_NAME,
         "temperature": 0,
         "ignore_eos": True,
-        # Tokens with text of their own: the seam never falls inside a character (a
-        # resumed leg after a token that ends inside one is not rebuilt; docs/gateway.md).
+        # Tokens with text of their own: the seam never falls inside a character (the
+        # seam's token count below is then the tokens the client has).
         "allowed_token_ids": whole_tokens,
     }
     # One plain instance's greedy answer, with its ids.

@@ -9,7 +9,7 @@ from typing import Any
 
 from pdplane.gateway.bodies import migratable, resumed_body, with_token_ids
 from pdplane.gateway.departures import Departures
-from pdplane.gateway.migration import Transcript
+from pdplane.gateway.migration import Transcript, whole_characters
 from pdplane.gateway.splice import FirstToken
 from pdplane.gateway.validation import CHAT, COMPLETIONS
 from pdplane.v1 import instance_pb2
@@ -132,3 +132,21 @@ async def test_a_decode_serving_again_keeps_its_streams() -> None:
     await asyncio.sleep(0.15)
     assert stream.evicted == []
     departures.close()
+
+
+def _bytes_decode(ids: list[int]) -> str:
+    """A byte-level tokenizer: each id is one byte."""
+    return bytes(ids).decode("utf-8", errors="replace")
+
+
+def test_a_seam_inside_a_character_resumes_after_the_last_whole_one() -> None:
+    prompt = list(b"say: ")
+    euro = list("€".encode())  # 3 bytes, 3 tokens
+    assert whole_characters(prompt, [*b"ab", *euro], _bytes_decode) == 5  # all whole
+    assert whole_characters(prompt, [*b"ab", *euro[:2]], _bytes_decode) == 2  # held open
+    assert whole_characters(prompt, [*b"ab", *euro[:1]], _bytes_decode) == 2
+    assert whole_characters(prompt, euro[:2], _bytes_decode) == 0
+    t = Transcript(FirstToken("cmpl-1", 1, "m", prompt, ord("a"), "a", None, None))
+    t.sent += euro[:2]
+    t.rewind(whole_characters(prompt, t.sent, _bytes_decode))
+    assert t.resumed_prompt() == [*prompt, ord("a")]
