@@ -791,7 +791,7 @@ class _Request:
             }
             try:
                 async with asyncio.timeout(max(left, 0.001)):
-                    with tracing.span("pdplane.migration", attributes=attributes, current=False):
+                    with tracing.span("pdplane.migration", attributes=attributes):
                         self.resp = await self._resume(body)
             except RetryElsewhere as failed:
                 lost, loss = failed.instance_id, Loss("lost", 502, failed.error.message)

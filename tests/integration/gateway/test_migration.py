@@ -8,6 +8,7 @@ stays held. Sims answer a prompt that ends in part of their own answer with the 
 from __future__ import annotations
 
 import json
+import logging
 import statistics
 import threading
 import time
@@ -17,11 +18,14 @@ from typing import Any
 import httpx
 import pytest
 
+from bench._otlp import OtlpReceiver
 from pdplane.cli import drain
+from pdplane.core import tracing
 from pdplane.sim.testing import RunningSims, SimHandle, expected_text
 from pdplane.sim.tokens import WordTokenizer, generate, prompt_key
 from tests.integration.gateway.conftest import MODEL, Stack, wait_for
 from tests.integration.gateway.test_first_token_takeover import _metric
+from tests.integration.gateway.test_tracing import receiver  # noqa: F401 (a fixture)
 
 PROMPT = "A decode instance may die in the middle of a stream"
 
@@ -283,3 +287,33 @@ def test_a_drain_moves_open_streams_after_the_grace_with_no_client_error(
     assert _migrations(stack, "drain") >= 1
     wait_for(lambda: _used_blocks(victim) == 0, what="the drained decode idle")
     _nothing_held(stack, [*prefill.handles, *decodes.handles])
+
+
+def test_a_migration_is_a_span_with_the_new_legs_and_a_log_line_naming_both_decodes(
+    receiver: OtlpReceiver,  # noqa: F811 (the fixture)
+    stack_factory: Callable[..., Stack],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    stack = stack_factory()
+    _, decodes = _fleet(stack, 2, itl_ms=2)
+    for d in decodes.handles:
+        d.set_faults(fail_request_prefix="traced-", fail_mode="drop", fail_after_tokens=4)
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 7, "stream": True}
+    with caplog.at_level(logging.WARNING, logger="pdplane.gateway.relay"):
+        events, done = _stream(stack.url, "/v1/completions", body, "traced-1")
+    assert done and _text(events) == expected_text(PROMPT, 0, 7)
+    (line,) = [r.getMessage() for r in caplog.records if "continued on decode" in r.getMessage()]
+    names = [d.instance_id for d in decodes.handles]
+    first, second = sorted(names, key=line.index)  # both named: the lost one first
+    assert f"decode instance {first} " in line and f"continued on decode {second}" in line
+    assert "after 5 tokens (lost)" in line, line
+    tracing.shutdown()  # flushes the batch
+    spans = receiver.wait_for(lambda s: any(x.name == "pdplane.migration" for x in s))
+    (migration,) = [s for s in spans if s.name == "pdplane.migration"]
+    assert migration.attributes["pdplane.lost_decode"] == first
+    assert migration.attributes["pdplane.reason"] == "lost"
+    assert migration.attributes["pdplane.tokens_sent"] == 5
+    children = [s.name for s in spans if s.parent_id == migration.span_id]
+    assert "pdplane.schedule" in children and "pdplane.decode_leg" in children
+    request = next(s for s in spans if s.span_id == migration.parent_id)
+    assert request.name == "pdplane.request"
