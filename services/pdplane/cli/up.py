@@ -36,12 +36,13 @@ from pathlib import Path
 from types import FrameType
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from pdplane.core import defaults, fleet_credentials
 from pdplane.core.settings import CommandSettings
 from pdplane.launch.fleet import Fleet, FleetSpec, PortsInUse
 from pdplane.launch.process import Cancelled
+from pdplane.sim.profiles import load_profile
 
 __all__ = ["UpSettings", "main"]
 
@@ -88,6 +89,12 @@ class UpSettings(CommandSettings):
     )
     prefill_policy: str = Field("kv_aware", description="scheduler prefill policy")
     decode_policy: str = Field("kv_aware", description="scheduler decode policy")
+    kv_profile: str = Field(
+        "tiny-cpu",
+        description="engine profile kv_aware predicts latencies with: a built-in name or a "
+        "`pdplane profile` JSON (default: the tiny model on vLLM CPU, what up serves without "
+        "--model)",
+    )
     queue_timeout_s: float = Field(
         60.0,
         ge=0,
@@ -108,6 +115,12 @@ class UpSettings(CommandSettings):
         "memory", description="registry store; etcd also starts a local etcd (etcd-server)"
     )
     etcd_port: int = Field(2379, ge=1, le=65534, description="with --store etcd: client port")
+
+    @field_validator("kv_profile")
+    @classmethod
+    def _known_profile(cls, name: str) -> str:
+        load_profile(name)  # ValueError names the known profiles or what is wrong with the file
+        return name
 
 
 class _Stop:

@@ -116,6 +116,9 @@ def create_app(
         max_queued_requests=settings.max_queued_requests,
         first_token=settings.first_token,
         prompt_tokens_details=settings.enable_prompt_tokens_details,
+        migration_limit=settings.migration_limit,
+        migration_timeout_s=settings.migration_timeout_s,
+        drain_grace_s=settings.drain_grace_s,
     )
     relay = Relay(scheduler, upstream, aborter, metrics, config, fleet_tokenizers, fleet)
     book = TenantBook(
@@ -135,13 +138,19 @@ def create_app(
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         changed = asyncio.Event()
+        departed = asyncio.Event()  # decodes that leave or drain: their streams move
+        moving = None
         if tracker is not None:
             loop = asyncio.get_running_loop()
 
             def on_change() -> None:
                 loop.call_soon_threadsafe(changed.set)
+                loop.call_soon_threadsafe(departed.set)
 
             tracker.add_listener(on_change)
+            moving = asyncio.create_task(
+                relay.departures.follow(tracker.snapshot, departed), name="pdplane-departures"
+            )
             ready = await asyncio.to_thread(tracker.start, settings.registry_wait_s)
             if not ready:
                 log.warning("registry %s not reachable yet; /health answers 503", settings.registry)
@@ -158,6 +167,9 @@ def create_app(
         finally:
             watching.cancel()
             following.cancel()
+            if moving is not None:
+                moving.cancel()
+            relay.departures.close()
             await fleet_tokenizers.close()
             await relay.drain()
             await upstream.close()

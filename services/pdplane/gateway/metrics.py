@@ -134,6 +134,35 @@ class GatewayMetrics:
             registry=r,
         )
         self.estimated_prompts = self.prompts.labels("estimated")
+        self.migrations = Counter(
+            "pdplane_gateway_migrations",
+            "Requests continued on another decode after theirs was lost mid-way, by why: lost "
+            "(connection reset or closed), idle (silent past --stream-idle-timeout-s), "
+            "error_event (vLLM's error event), deregistered (left the registry), drain "
+            "(draining past --drain-grace-s)",
+            ["reason"],
+            registry=r,
+        )
+        self.migration_recomputed = Counter(
+            "pdplane_gateway_migration_recomputed_tokens",
+            "Tokens the new leg of a migrated request computes again: the prompt plus the "
+            "tokens already sent (streams), or the whole request (non-streamed)",
+            registry=r,
+        )
+        self.migration_failures = Counter(
+            "pdplane_gateway_migration_failures",
+            "Requests whose decode was lost and that could not continue: limit "
+            "(--migration-limit spent), timeout (--migration-timeout-s), unavailable (no "
+            "decode to continue on, or the new leg refused)",
+            ["why"],
+            registry=r,
+        )
+        self.migration_seconds = Histogram(
+            "pdplane_gateway_migration_seconds",
+            "Loss of a stream's decode to the new decode's response headers",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self._flow_metrics(r)
 
     def _flow_metrics(self, r: CollectorRegistry) -> None:

@@ -120,6 +120,25 @@ class GatewaySettings(PolicySettings):
     tenants_reload_s: float = Field(
         1.0, gt=0, description="how often the --tenants file is checked for changes (s)"
     )
+    migration_limit: int = Field(
+        3,
+        ge=0,
+        le=20,
+        description="a request whose decode is lost mid-way continues on another decode from "
+        "the tokens already sent, at most this many times; then one error event (0 = never)",
+    )
+    migration_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="total time a request may spend continuing on other decodes (scheduling, "
+        "waiting for room, opening the new leg) before one error event ends it (s)",
+    )
+    drain_grace_s: float = Field(
+        30.0,
+        ge=0,
+        description="streams on a draining decode may finish there this long; then they "
+        "continue on another decode (s)",
+    )
     connect_timeout_s: float = Field(5.0, gt=0, description="TCP connect bound per leg (s)")
     max_retries: int = Field(
         1, ge=0, le=5, description="retries on another pair when an instance is unreachable"

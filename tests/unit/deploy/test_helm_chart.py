@@ -471,6 +471,7 @@ def test_embedded_mode_has_no_scheduler_and_gateways_share_in_flight_state() -> 
     args = gateway["spec"]["template"]["spec"]["containers"][0]["args"]
     assert _flag(args, "--scheduler") == "embedded"
     assert _flag(args, "--decode-policy") == "kv_aware"
+    assert _flag(args, "--kv-profile") == "llama3-8b-h100"  # what kv_aware predicts with
     # Each gateway follows the others through a headless Service of every gateway pod.
     assert _flag(args, "--peers") == f"{RELEASE}-pdplane-gateway-peers:8053"
     assert _flag(args, "--replica-id") == "$(POD_NAME)"
@@ -483,6 +484,7 @@ def test_scheduler_replicas_follow_each_other() -> None:
     scheduler = r.one("Deployment", f"{RELEASE}-pdplane-scheduler")
     args = scheduler["spec"]["template"]["spec"]["containers"][0]["args"]
     assert _flag(args, "--peers") == f"{RELEASE}-pdplane-scheduler-peers:8052"
+    assert _flag(args, "--kv-profile") == "llama3-8b-h100"
     assert r.one("Service", f"{RELEASE}-pdplane-scheduler-peers")["spec"]["clusterIP"] == "None"
     # ...and the gateways reach all of them by it (failover without waiting for kube-proxy).
     gateway = r.one("Deployment", f"{RELEASE}-pdplane-gateway")
