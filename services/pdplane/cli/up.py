@@ -98,8 +98,14 @@ class UpSettings(CommandSettings):
     queue_timeout_s: float = Field(
         60.0,
         ge=0,
-        description="gateway: a request finding the fleet full (no decode KV room) waits this "
-        "long for room, as vLLM queues it, then gets 503; 0 = 503 at once (s)",
+        description="gateway: a request finding the fleet full (no decode KV room), or no "
+        "decode serving for a moment (one restarting), waits this long, as vLLM queues it, "
+        "then gets 503; 0 = 503 at once (s)",
+    )
+    tenants: Path | None = Field(
+        None,
+        description="gateway: tenants file (API keys, tenants, priorities, rate limits; "
+        "reread when it changes; see docs/gateway.md)",
     )
     log_dir: Path = Field(Path("logs"), description="folder for every process's log")
     ready_timeout_s: float = Field(600.0, gt=0, description="give up starting after (s)")

@@ -25,12 +25,15 @@ from pdplane.gateway.endpoints import RelayEndpoints
 from pdplane.gateway.errors import error_body
 from pdplane.gateway.fleet import FleetTracker, FleetView
 from pdplane.gateway.fleet_tokenizers import FleetTokenizers
+from pdplane.gateway.flow import FlowControl
 from pdplane.gateway.metrics import GatewayMetrics
 from pdplane.gateway.passthrough import Passthrough
 from pdplane.gateway.prompt_ids import TokenizerSet, load_tokenizers
+from pdplane.gateway.ratelimit import RateLimiter
 from pdplane.gateway.relay import Relay
 from pdplane.gateway.routes import build_router
 from pdplane.gateway.settings import GatewaySettings
+from pdplane.gateway.tenants import TenantBook
 from pdplane.gateway.upstream import UpstreamClient
 from pdplane.scheduler import SchedulerPort, open_scheduler
 
@@ -117,7 +120,20 @@ def create_app(
         migration_timeout_s=settings.migration_timeout_s,
         drain_grace_s=settings.drain_grace_s,
     )
-    relay = Relay(scheduler, upstream, aborter, metrics, config, fleet_tokenizers)
+    relay = Relay(scheduler, upstream, aborter, metrics, config, fleet_tokenizers, fleet)
+    book = TenantBook(
+        settings.tenants,
+        settings.api_keys(),
+        on_reload=lambda result: metrics.tenants_reloads.labels(result).inc(),
+    )
+    flow = FlowControl(
+        partial(_budget, fleet, settings.inflight_budget),
+        settings.queue_timeout_s if settings.inflight_budget > 0 else 0.0,
+        settings.max_queued_requests,
+        metrics,
+        settings.flow_policy,
+    )
+    limiter = RateLimiter(lambda tenant, kind: metrics.rate_limited.labels(tenant, kind).inc())
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -141,11 +157,15 @@ def create_app(
         following = asyncio.create_task(
             fleet_tokenizers.follow(fleet, changed), name="pdplane-fleet-tokenizers"
         )
+        watching = asyncio.create_task(
+            book.watch(settings.tenants_reload_s), name="pdplane-tenants-file"
+        )
         if owned_scheduler is not None:
             await owned_scheduler.start()  # embedded: the in-flight exchange with --peers
         try:
             yield
         finally:
+            watching.cancel()
             following.cancel()
             if moving is not None:
                 moving.cancel()
@@ -159,7 +179,7 @@ def create_app(
             if tracker is not None:
                 await asyncio.to_thread(tracker.stop)
 
-    keys = ApiKeys(settings.api_keys())
+    keys = ApiKeys(book)
     app = _GatewayApi(
         partial(
             RelayEndpoints,
@@ -167,6 +187,8 @@ def create_app(
             fleet=fleet,
             metrics=metrics,
             api_keys=keys,
+            flow=flow,
+            limiter=limiter,
             body_timeout_s=settings.body_timeout_s,
             tokenizers=fleet_tokenizers,
             access_log=settings.access_log,
@@ -182,10 +204,24 @@ def create_app(
     )
     app.add_exception_handler(HTTPException, _http_error)
     app.state.relay = relay
+    app.state.flow = flow
+    app.state.tenants = book
     app.state.scheduler = scheduler
     app.state.metrics = metrics
     app.state.tokenizers = fleet_tokenizers
     return app
+
+
+def _budget(fleet: Callable[[], FleetView], fraction: float, model: str) -> tuple[int, int] | None:
+    """`model`'s in-flight budget and ceiling (tokens): `fraction` x its decode instances' KV
+    cache, and that KV cache (the most tenants within their shares may reach); None
+    (unlimited) while it is unknown or no decode serves it (requests then reach the scheduler,
+    whose refusal makes them wait in the admission queue)."""
+    state = fleet().models.get(model)
+    if state is None or state.decode_kv_tokens <= 0:
+        return None
+    budget = max(1, int(state.decode_kv_tokens * fraction))
+    return budget, max(budget, state.decode_kv_tokens)
 
 
 def tokenizer_cache(configured: str | None) -> Path:

@@ -4,8 +4,8 @@ bottom (no FastAPI here: asyncio, the upstream client and the scheduler port).
 `Relay.handle(req, ...)` runs `_Request.run`:
 
 1. **schedule** (`_schedule`): `Schedule` through the scheduler port. A refusal because every
-   compatible instance is full waits in the admission queue (`pdplane.gateway.admission`),
-   bounded, before it is a 503.
+   compatible instance is full, or the model has no usable pair for a moment, waits in the
+   admission queue (`pdplane.gateway.admission`), bounded, before it is a 503.
 2. **one attempt on the pair** (`_attempt`), by mode:
    - *decode only*: the decision has no prefill (decode holds all but a few prompt tokens):
      the client's body goes to decode as it came, and decode computes the rest;
@@ -41,10 +41,11 @@ KV freed, Release "cancelled".
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
-from collections.abc import AsyncGenerator, Iterator
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from functools import partial
 from typing import Any, NoReturn
@@ -76,6 +77,7 @@ from pdplane.gateway.errors import (
     gateway_timeout,
     unavailable,
 )
+from pdplane.gateway.fleet import FleetView
 from pdplane.gateway.metrics import GatewayMetrics
 from pdplane.gateway.migration import Loss, Transcript, whole_characters
 from pdplane.gateway.prompt_ids import Tokenizers
@@ -90,10 +92,10 @@ from pdplane.gateway.upstream import (
 )
 from pdplane.gateway.validation import COMPLETIONS, ClientRequest
 from pdplane.scheduler import (
+    Decision,
     InstanceRef,
     Outcome,
     RequestFeatures,
-    SchedulerBusy,
     SchedulerError,
     SchedulerPort,
     SchedulerUnavailable,
@@ -119,6 +121,8 @@ class Relay:
         config: dispatch mode, timeouts, retries.
         tokenizers: the served models' tokenizers, if the gateway has them (the first token
             from prefill asks them whether a token without text ends inside a character).
+        fleet: the registry's view: a model without a usable pair waits in the admission
+            queue (None: only refusals for room wait).
     """
 
     def __init__(
@@ -129,6 +133,7 @@ class Relay:
         metrics: GatewayMetrics,
         config: RelayConfig,
         tokenizers: Tokenizers | None = None,
+        fleet: Callable[[], FleetView] | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.upstream = upstream
@@ -136,7 +141,9 @@ class Relay:
         self.metrics = metrics
         self.config = config
         self.tokenizers = tokenizers
-        self.admission = AdmissionQueue(config.queue_timeout_s, config.max_queued_requests, metrics)
+        self.admission = AdmissionQueue(
+            config.queue_timeout_s, config.max_queued_requests, metrics, fleet
+        )
         self.caretaker = Caretaker(scheduler, aborter, metrics, self.admission.wake)
         #: streams by decode, moved off decodes that leave the registry or drain
         self.departures = Departures(config.drain_grace_s)
@@ -182,6 +189,7 @@ class _Request:
     decode: InstanceRef
 
     __slots__ = (
+        "arrived_ns",
         "cached",
         "care",
         "decode",
@@ -220,6 +228,7 @@ class _Request:
     ) -> None:
         self.relay = relay
         self.req = req
+        self.arrived_ns = time.time_ns()  # wall clock: compared with registration times
         self.id = request_id
         self.started = started
         self.max_model_len = max_model_len  # the model's (tokens; 0 = unknown)
@@ -317,18 +326,29 @@ class _Request:
             prefix_hashes=req.prefix_hashes,
         )
         schedule, admission = relay.scheduler.schedule, relay.admission
+
+        def failed() -> tuple[str, ...]:
+            # A failed instance registered again since the request came is a new process.
+            return admission.failed(req.model, self.excluded, self.arrived_ns)
+
+        def again() -> Awaitable[Decision]:
+            return schedule(dataclasses.replace(features, exclude_instance_ids=failed()))
+
         try:
             with tracing.span("pdplane.schedule"):
                 if queue and admission.has_waiters(req.model):
-                    decision = await admission.admit(req.model, lambda: schedule(features), None)
+                    decision = await admission.admit(req.model, again, None)
                 else:
                     try:
                         decision = await schedule(features)
-                    except SchedulerBusy as busy:
-                        if not queue:
-                            raise  # a retry: the failure it follows is the answer (below)
+                    except SchedulerUnavailable as refused:
+                        # A retry waits only when no instance is left but those that failed
+                        # it; else the failure it follows is the answer (below).
+                        gone = () if queue else failed()
+                        if not admission.waits_on(req.model, refused, gone, queue):
+                            raise
                         decision = await admission.admit(
-                            req.model, lambda: schedule(features), busy
+                            req.model, again, refused, failed if not queue else tuple
                         )
         except asyncio.CancelledError as exc:
             # The scheduler may have counted the request before the client left; an unknown id

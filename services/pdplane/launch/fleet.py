@@ -73,6 +73,7 @@ class _UpLike(Protocol):
     decode_policy: str
     kv_profile: str
     queue_timeout_s: float
+    tenants: Path | None
     log_dir: Path
     ready_timeout_s: float
     etcd_port: int
@@ -111,6 +112,8 @@ class FleetSpec:
     #: The gateway's `--queue-timeout-s` (how long a request waits for room on a full fleet);
     #: None = the gateway's own default or its PDPLANE_QUEUE_TIMEOUT_S.
     queue_timeout_s: float | None = None
+    #: The gateway's `--tenants` file; None = none.
+    tenants: Path | None = None
     log_dir: Path = Path("logs")
     ready_timeout_s: float = 600.0
     #: Extra `VllmCpuOptions` fields for every instance (e.g. transfer_timeout_s in tests).
@@ -148,6 +151,7 @@ class FleetSpec:
             decode_policy=s.decode_policy,
             kv_profile=s.kv_profile,
             queue_timeout_s=s.queue_timeout_s,
+            tenants=s.tenants,
             log_dir=s.log_dir,
             ready_timeout_s=s.ready_timeout_s,
             store=s.store,
@@ -443,6 +447,7 @@ class Fleet:
                     if s.queue_timeout_s is None
                     else ["--queue-timeout-s", str(s.queue_timeout_s)]
                 ),
+                *([] if s.tenants is None else ["--tenants", str(s.tenants)]),
             ),
         )
         # /health answers (503 until a pair registers) once the HTTP server is up.

@@ -570,3 +570,19 @@ def test_gateway_readiness_probes_the_gateway_s_own_health_or_one_model_s() -> N
     assert probe_path(preset("cpu-demo")) == "/health"
     one = {"gateway": {"readinessModel": "llama 3/8b"}}
     assert probe_path(preset("cpu-demo"), one) == "/health?model=llama+3%2F8b"
+
+
+def test_the_tenants_secret_is_mounted_as_a_directory_and_passed_to_the_gateway() -> None:
+    # A directory mount (no subPath): the kubelet's updates of the Secret reach the file, which
+    # the gateway rereads without a restart.
+    r = Rendered(render(preset("cpu-demo"), {"gateway": {"tenantsSecret": "my-tenants"}}))
+    (gateway,) = [c for c in r.containers() if c.spec["name"] == "gateway"]
+    args = gateway.args()
+    path = args[args.index("--tenants") + 1]
+    mounts = gateway.mounts()
+    (directory,) = [m for m in mounts if path.startswith(m + "/")]
+    assert mounts[directory]["secret"]["secretName"] == "my-tenants"
+    assert not any("subPath" in m for m in gateway.spec["volumeMounts"])
+    plain = Rendered(render(preset("cpu-demo")))
+    (gateway,) = [c for c in plain.containers() if c.spec["name"] == "gateway"]
+    assert "--tenants" not in gateway.args()
