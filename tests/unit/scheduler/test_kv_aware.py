@@ -353,6 +353,21 @@ def test_a_local_prefill_that_would_slow_a_busy_decode_is_disaggregated(
         assert (decision.prefill is None) is local, (slack, decision.reason)
 
 
+def test_an_idle_decode_computes_the_rest_itself_whatever_the_slack(
+    fleet: Callable[..., SchedulerService],
+) -> None:
+    # No stream runs on d0: a local prefill stalls nobody, so it is chosen when it predicts the
+    # earlier first token (the rest is cheaper to compute than the prefix is to pull), even
+    # where it would grow an idle step by far more than the 2 % slack.
+    turn1 = tokens(14, 100 * BS)
+    turn2 = turn1 + tokens(15, 200)
+    service = fleet(local_prefill_max_tokens=2048)
+    hold(service.kv_index, "d0", turn1)  # type: ignore[arg-type]
+    decision = service.schedule(req(0, turn2))
+    assert decision.prefill is None, decision.reason
+    assert decision.decode.instance_id == "d0"
+
+
 def test_a_short_prompt_decode_holds_nothing_of_is_still_disaggregated(
     fleet: Callable[..., SchedulerService],
 ) -> None:
