@@ -3,12 +3,11 @@ system prompt once, and the router's prefix index (when it has one) learns of it
 
 A fresh fleet starts with empty caches, so a shared-prefix point's first minutes are a
 transient: each tenant's first request, and later one copy of its prefix per decode instance
-(kv_aware replicates a prefix to a second decode when the holder carries about one request more
-than it, `KvAwareWeights`), pull the whole system prompt. When those one-off pulls land depends
-on the machine's speed: on a loaded machine more of them fall after the warmup fraction and
-inflate the measured KV per request. Prewarmed, the point measures the steady state, where
-every decode already holds every prefix: round_robin still prefills and pulls every prompt's
-uncached rest, kv_aware sends the request to a decode that holds the prefix.
+(kv_aware balances decodes by their predicted step time, so a prefix spreads to the decodes
+too), pull the whole system prompt. When those one-off pulls land depends on the machine's
+speed: on a loaded machine more of them fall after the warmup fraction and inflate the measured
+KV per request. Prewarmed, the point measures the steady state, where every decode already
+holds every prefix and pulls only each prompt's uncached rest.
 
 Waits on observable state only: each prewarm request's answer (the sim caches the prompt's
 blocks when it computes them), then the router's `pdplane_scheduler_kv_index_blocks` equal to

@@ -5,7 +5,7 @@ Row names:
   (`--scheduler embedded`), prefill policy P and decode policy D (default D = P); any name the
   gateway accepts (`round_robin`, `random`, `least_loaded`, `power_of_two`, `consistent_hash`,
   `kv_aware`, ...); `POLICY_FLAGS` adds the flags a policy needs; each `+flag=value` adds the
-  gateway flag `--flag value` (e.g. `pdplane:kv_aware+kv-load-factor=2`);
+  gateway flag `--flag value` (e.g. `pdplane:kv_aware+kv-local-slack=0`);
 - `vllm-router:P[/D]`: vllm-router in `--vllm-pd-disaggregation` mode with `--prefill-policy
   P --decode-policy D` (`cache_aware`, `power_of_two`, `round_robin`, `random`, ...);
 - `xpyd:S`: xpyd-proxy with `scheduling: S` (`cache_aware`, `roundrobin`, `loadbalanced`, ...);

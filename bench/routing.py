@@ -26,10 +26,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -97,9 +99,13 @@ class Point:
 
 
 def make_workload(p: Point) -> wl.Workload:
-    """The point's workload: `rate` requests (or sessions) per second for `duration_s`."""
+    """The point's workload: `rate` requests (or sessions) per second for `duration_s`;
+    "family:NAME" is the routing scorecard's workload NAME (`bench/workloads.py` FAMILY, `rate`
+    in requests per second)."""
     n = max(1, int(p.rate * p.duration_s))
     a = p.workload_args
+    if p.workload.startswith("family:"):
+        return wl.FAMILY[p.workload.removeprefix("family:")](p.rate, p.duration_s, p.seed)
     if p.workload == "shared-prefix":
         return wl.shared_prefix(
             p.rate,
@@ -162,8 +168,6 @@ def _fleet(p: Point, registry: str, cpus: str, logs: Path) -> tuple[Proc, dict[s
             argv += [flag, str(value)]
     if p.row in ("oracle", "seed-proxy:random"):
         argv += ["--router", "oracle" if p.row == "oracle" else "random"]
-    if "kv_aware" not in p.row:
-        argv.append("--no-kv-events")  # nobody subscribes; saves the sims' CPU
     tokenizer = _tokenizer_dir(p.tokenizer)
     if tokenizer:
         argv += ["--tokenizer", tokenizer]
@@ -173,6 +177,15 @@ def _fleet(p: Point, registry: str, cpus: str, logs: Path) -> tuple[Proc, dict[s
     except BaseException:
         proc.stop()
         raise
+
+
+def _kv_subscriber(registry: str, cpus: str, logs: Path) -> Proc:
+    """A `pdplane scheduler` whose prefix index follows every instance's KV events stream, for
+    rows whose router subscribes to none: every row then gives the sims the same work (a
+    pdplane gateway's embedded index subscribes whatever its policy)."""
+    argv = [sys.executable, "-m", "pdplane.cli.main", "scheduler", "--registry", registry]
+    argv += ["--port", str(free_port()), "--log-level", "WARNING"]
+    return spawn("kv-subscriber", argv, cpus, logs)
 
 
 def _wait_registered(registry: str, count: int, timeout_s: float = 30.0) -> None:
@@ -240,9 +253,12 @@ def started(
     registry, address = _registry(p, proxy_cpus, logs)
     fleet: Proc | None = None
     proxy: ProxyRun | None = None
+    subscriber: Proc | None = None
     try:
         fleet, line = _fleet(p, address, sim_cpus, logs)
         _wait_registered(address, sum(TOPOLOGIES[p.topology]))
+        if not p.row.startswith("pdplane:"):
+            subscriber = _kv_subscriber(address, proxy_cpus, logs)
         ep = Endpoints(
             address,
             line["prefill"],
@@ -250,14 +266,40 @@ def started(
             line.get("oracle"),
             tokenizer=_tokenizer_dir(p.tokenizer),
         )
-        proxy = start_row(parse_row(p.row), ep, proxy_cpus, logs, dispatch=p.dispatch)
+        row = parse_row(p.row)
+        if "kv_aware" in (row.prefill, row.decode) and "--kv-profile" not in row.flags:
+            # kv_aware predicts with the engines' own profile, as a deployment configures it
+            row = dataclasses.replace(row, flags=(*row.flags, "--kv-profile", p.profile))
+        proxy = start_row(row, ep, proxy_cpus, logs, dispatch=p.dispatch)
+        if p.tokenizer and p.row.startswith("pdplane:"):
+            _wait_precise(proxy.url, ep.model)
         yield proxy, line
     finally:
         if proxy is not None:
             proxy.stop()
+        if subscriber is not None:
+            subscriber.stop()
         if fleet is not None:
             fleet.stop()
         registry.stop()
+
+
+def _wait_precise(url: str, model: str, timeout_s: float = 300.0) -> None:
+    """Waits until the gateway routes `model` precisely (it has loaded the tokenizer the fleet
+    publishes: a one-time cost, tens of seconds of CPU for transformers' import, that must not
+    fall in the measured window). RuntimeError after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    state: Any = None
+    while time.monotonic() < deadline:
+        with (
+            contextlib.suppress(OSError, ValueError),
+            urllib.request.urlopen(f"{url}/health", timeout=5) as r,
+        ):
+            state = json.loads(r.read()).get("models", {}).get(model, {})
+            if state.get("routing") == "precise":
+                return
+        time.sleep(0.5)
+    raise RuntimeError(f"{url}: routing of {model} not precise after {timeout_s} s: {state}")
 
 
 def run_point(p: Point, logs: Path, proxy_cpus: str = "", sim_cpus: str = "") -> dict[str, Any]:
@@ -271,7 +313,13 @@ def run_point(p: Point, logs: Path, proxy_cpus: str = "", sim_cpus: str = "") ->
         numbers["wall_s"] = time.perf_counter() - t0
         if p.row.startswith("pdplane:"):
             numbers.update(router_kv_counters(proxy.url + "/metrics"))
+        # The sims fell behind the clock by more than MAX_LAG: latencies are the machine's.
+        numbers["valid"] = numbers.get("sim_lag_fraction", 1.0) <= MAX_LAG
         return {"point": asdict(p), **numbers}
+
+
+#: Largest sim lag (modelled s late per modelled s and instance) of a valid point.
+MAX_LAG = 0.05
 
 
 _COLUMNS = [
@@ -299,6 +347,8 @@ _COLUMNS = [
     ("unfinished", "unfinished", "{}"),
     ("proxy_cpu_ms_per_request", "proxy CPU ms/req", "{:.2f}"),
     ("sim_lag_s", "sim lag s", "{:.0f}"),
+    ("sim_lag_fraction", "lag", "{:.1%}"),
+    ("valid", "valid", "{}"),
 ]
 
 
@@ -470,7 +520,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--workload",
         default="shared-prefix",
-        choices=("shared-prefix", "multi-turn", "seed", "fixed", "trace"),
+        choices=(
+            "shared-prefix",
+            "multi-turn",
+            "seed",
+            "fixed",
+            "trace",
+            *(f"family:{name}" for name in wl.FAMILY),
+        ),
     )
     ap.add_argument(
         "--wl",

@@ -15,15 +15,29 @@ Generators (every one takes a `seed`; the same arguments give the same workload)
 - `shared_prefix`: T tenants, each with a long system prompt and many users asking short
   questions (multi-tenant shared prefixes);
 - `multi_turn`: sessions of several turns, each turn appending the previous answer;
+- `tenant_mix`: tenants whose system prompts differ in length, Zipf-skewed popularity, with
+  a share of requests over shared documents and a share of cold unique prompts (the mix
+  `kv_aware` was not tuned on);
+- `rag`: a short system prompt, then one to three documents of a shared set (Zipf-skewed)
+  and a question: prefixes shared as far as the first document;
+- `cold`: unique prompts only (caching cannot help);
+- `long_output`: few tenants with shared system prompts and long answers (decode-bound);
+- `agent`: agent sessions over shared tool-definition prefixes, each turn appending a tool
+  result (contexts grow fast, think times short);
+- `hot_prefix`: one long system prompt shared by every request;
 - `load_trace`: replay of a JSONL trace (`{"at": s, "prompt": text | "messages": [...] |
   "prompt_tokens": N, "output_tokens" | "max_tokens": N, "session": id}` per line).
+
+`FAMILY` names the routing scorecard's workloads (`bench/scorecard.py`): a training set the
+`kv_aware` policy's parameters were chosen on and a held-out set checked last, each a factory
+`(rate, duration_s, seed) -> Workload` where `rate` is requests per second (sessions x turns).
 """
 
 from __future__ import annotations
 
 import json
 import random
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,15 +46,24 @@ from pdplane.models import tiny
 from pdplane.plan.workload import Lengths, arrival_times
 
 __all__ = [
+    "FAMILY",
+    "HELD_OUT",
+    "TRAIN",
     "Lengths",
     "Turn",
     "Workload",
+    "agent",
     "bursty",
+    "cold",
+    "hot_prefix",
     "load_trace",
+    "long_output",
     "multi_turn",
     "poisson",
+    "rag",
     "seed_long_output",
     "shared_prefix",
+    "tenant_mix",
 ]
 
 _QUESTION = Lengths(100, "uniform", 50, 150)
@@ -48,6 +71,18 @@ _FIRST = Lengths(400, "uniform", 300, 500)
 _FOLLOW = Lengths(80, "uniform", 40, 120)
 _OSL_SHORT = Lengths(150, "uniform", 100, 200)
 _OSL_SEED = Lengths(2500, "uniform", 2000, 3000)
+_MIX_SYSTEM = Lengths(1500, "lognormal", 200, 5000, 0.8)
+_MIX_DOC = Lengths(1500, "uniform", 1000, 2000)
+_COLD = Lengths(2000, "uniform", 1000, 3000)
+_MIX_QUESTION = Lengths(120, "uniform", 50, 200)
+_OSL_CHAT = Lengths(170, "uniform", 50, 300)
+_RAG_DOC = Lengths(1200, "uniform", 800, 1600)
+_RAG_QUESTION = Lengths(60, "uniform", 30, 100)
+_AGENT_TURNS = Lengths(6, "uniform", 4, 8)
+_LONG_ANSWER = Lengths(1200, "uniform", 800, 1600)
+_TASK = Lengths(300, "uniform", 100, 500)
+_TOOL_RESULT = Lengths(500, "uniform", 200, 800)
+_OSL_AGENT = Lengths(200, "uniform", 100, 300)
 
 # The tiny model's corpus words: each is one token for its tokenizer (with the leading space)
 # and for the simulator's word tokenizer, so both count a prompt of N words as N tokens.
@@ -217,6 +252,244 @@ def multi_turn(
         f"{sessions} sessions x {turns} turns, {rate} sessions/s",
         {"rate": rate, "sessions": sessions, "turns": turns},
     )
+
+
+def _zipf(rng: random.Random, n: int, s: float) -> Callable[[], int]:
+    """A draw of 0..n-1 with P(k) proportional to 1 / (k + 1) ** s (rank 0 the most popular)."""
+    weights = [1.0 / (k + 1) ** s for k in range(n)]
+    ranks = list(range(n))
+    return lambda: rng.choices(ranks, weights)[0]
+
+
+def _texts(tag: str, seed: int, lengths: list[int]) -> list[str]:
+    """Shared texts (system prompts, documents) of the given lengths, seeded by `tag`."""
+    return [_words(random.Random(f"{tag}-{seed}-{k}"), n) for k, n in enumerate(lengths)]
+
+
+def tenant_mix(
+    rate: float,
+    count: int,
+    *,
+    tenants: int = 100,
+    zipf: float = 1.1,
+    system: Lengths = _MIX_SYSTEM,
+    documents: int = 200,
+    document: Lengths = _MIX_DOC,
+    rag_share: float = 0.3,
+    cold_share: float = 0.2,
+    cold: Lengths = _COLD,
+    question: Lengths = _MIX_QUESTION,
+    osl: Lengths = _OSL_CHAT,
+    cv: float = 1.0,
+    seed: int = 0,
+) -> Workload:
+    """Tenants' system prompts of mixed lengths (lognormal) picked by Zipf popularity, a
+    `rag_share` of requests adding a shared document (Zipf too) after the tenant's prompt,
+    and a `cold_share` of unique prompts; `cv` > 1 makes arrivals bursty."""
+    rng = random.Random(seed)
+    srng = random.Random(f"mix-sizes-{seed}")
+    systems = _texts("mix-tenant", seed, [system.draw(srng) for _ in range(tenants)])
+    docs = _texts("mix-doc", seed, [document.draw(srng) for _ in range(documents)])
+    tenant, doc = _zipf(rng, tenants, zipf), _zipf(rng, documents, zipf)
+    turns = []
+    for at in _arrivals(rng, rate, count, cv):
+        u = rng.random()
+        if u < cold_share:
+            messages = [{"role": "user", "content": _words(rng, cold.draw(rng))}]
+            turns.append(Turn(at, messages, osl.draw(rng)))
+            continue
+        t = tenant()
+        content = _words(rng, question.draw(rng))
+        if u < cold_share + rag_share:
+            content = docs[doc()] + " " + content
+        messages = [{"role": "system", "content": systems[t]}, {"role": "user", "content": content}]
+        turns.append(Turn(at, messages, osl.draw(rng), user=f"t{t}", tenant=f"t{t}"))
+    return Workload(
+        "tenant-mix",
+        turns,
+        f"{tenants} tenants (Zipf {zipf}), {rag_share:.0%} with a document, {cold_share:.0%} cold",
+        {"rate": rate, "count": count, "tenants": tenants, "cv": cv},
+    )
+
+
+def rag(
+    rate: float,
+    count: int,
+    *,
+    documents: int = 400,
+    zipf: float = 0.9,
+    document: Lengths = _RAG_DOC,
+    system_tokens: int = 200,
+    question: Lengths = _RAG_QUESTION,
+    osl: Lengths = _OSL_CHAT,
+    seed: int = 0,
+) -> Workload:
+    """A shared short system prompt, one to three documents of a shared set (Zipf) and a
+    question: requests share a prefix as far as their first document."""
+    rng = random.Random(seed)
+    (system,) = _texts("rag-system", seed, [system_tokens])
+    srng = random.Random(f"rag-sizes-{seed}")
+    docs = _texts("rag-doc", seed, [document.draw(srng) for _ in range(documents)])
+    pick = _zipf(rng, documents, zipf)
+    turns = []
+    for at in _arrivals(rng, rate, count):
+        chosen = [docs[pick()] for _ in range(rng.randint(1, 3))]
+        content = " ".join([*chosen, _words(rng, question.draw(rng))])
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": content}]
+        turns.append(Turn(at, messages, osl.draw(rng)))
+    return Workload(
+        "rag",
+        turns,
+        f"{documents} documents (Zipf {zipf}), 1-3 per request",
+        {"rate": rate, "count": count, "documents": documents},
+    )
+
+
+def cold(
+    rate: float,
+    count: int,
+    *,
+    isl: Lengths = _COLD,
+    osl: Lengths = _OSL_CHAT,
+    seed: int = 0,
+) -> Workload:
+    """Unique prompts only: no request shares a prefix with another."""
+    w = poisson(rate, count, isl, osl, seed=seed)
+    w.name = "cold"
+    w.description = f"unique {isl.lo}-{isl.hi}-token prompts"
+    return w
+
+
+def long_output(
+    rate: float,
+    count: int,
+    *,
+    tenants: int = 16,
+    system_tokens: int = 2000,
+    osl: Lengths = _LONG_ANSWER,
+    seed: int = 0,
+) -> Workload:
+    """`shared_prefix` with few tenants and long answers (decode-bound)."""
+    w = shared_prefix(rate, count, tenants=tenants, system_tokens=system_tokens, osl=osl, seed=seed)
+    w.name = "long-output"
+    w.description = f"{tenants} tenants x {system_tokens}-token system prompts, long answers"
+    return w
+
+
+def agent(
+    rate: float,
+    sessions: int,
+    *,
+    toolsets: int = 20,
+    tools_tokens: int = 3000,
+    turns: Lengths = _AGENT_TURNS,
+    task: Lengths = _TASK,
+    tool_result: Lengths = _TOOL_RESULT,
+    osl: Lengths = _OSL_AGENT,
+    think_s: float = 1.0,
+    max_context: int = 7500,
+    seed: int = 0,
+) -> Workload:
+    """Agent sessions starting at `rate`/s: a shared tool-definition prefix (one of
+    `toolsets`), a task, then turns each appending a tool result after a short pause. A
+    session ends early rather than grow past `max_context` tokens (prompt + answers so far +
+    the next answer): the default leaves an 8192-token model room for the chat template."""
+    rng = random.Random(seed)
+    tools = _texts("agent-tools", seed, [tools_tokens] * toolsets)
+    out = []
+    for s, at in enumerate(_arrivals(rng, rate, sessions)):
+        sid = f"a{s}"
+        system = {"role": "system", "content": tools[rng.randrange(toolsets)]}
+        first, answer = task.draw(rng), osl.draw(rng)
+        msg = {"role": "user", "content": _words(rng, first)}
+        out.append(Turn(at, [system, msg], answer, session=sid, user=sid))
+        context = tools_tokens + first + answer
+        for k in range(1, turns.draw(rng)):
+            result, answer = tool_result.draw(rng), osl.draw(rng)
+            if context + result + answer > max_context:
+                break
+            context += result + answer
+            msg = {"role": "tool", "content": _words(rng, result)}
+            pause = rng.expovariate(1 / think_s)
+            out.append(Turn(pause, [msg], answer, session=sid, user=sid, turn=k))
+    return Workload(
+        "agent",
+        out,
+        f"{sessions} agent sessions over {toolsets} tool sets, {rate} sessions/s",
+        {"rate": rate, "sessions": sessions, "toolsets": toolsets},
+    )
+
+
+def hot_prefix(
+    rate: float,
+    count: int,
+    *,
+    system_tokens: int = 5000,
+    question: Lengths = _TASK,
+    osl: Lengths = _OSL_CHAT,
+    seed: int = 0,
+) -> Workload:
+    """One long system prompt shared by every request (every instance ends up holding it)."""
+    w = shared_prefix(
+        rate,
+        count,
+        tenants=1,
+        system_tokens=system_tokens,
+        users_per_tenant=1000,
+        question=question,
+        osl=osl,
+        seed=seed,
+    )
+    w.name = "hot-prefix"
+    w.description = f"one {system_tokens}-token system prompt shared by every request"
+    return w
+
+
+def _per_session(
+    turns: Lengths, make: Callable[[float, int, int], Workload]
+) -> Callable[[float, float, int], Workload]:
+    """A session workload as `(rate, duration_s, seed)` with `rate` in requests per second:
+    `make(sessions per second, sessions, seed)`."""
+    per = turns.expected
+
+    def build(rate: float, duration_s: float, seed: int) -> Workload:
+        sessions = rate / per
+        return make(sessions, max(1, round(sessions * duration_s)), seed)
+
+    return build
+
+
+def _per_request(make: Callable[..., Workload]) -> Callable[[float, float, int], Workload]:
+    return lambda rate, duration_s, seed: make(rate, max(1, round(rate * duration_s)), seed=seed)
+
+
+_MULTI_TURNS = Lengths(5)
+
+#: The routing scorecard's training set: (rate req/s, duration s, seed) -> Workload.
+TRAIN: dict[str, Callable[[float, float, int], Workload]] = {
+    "shared-prefix": _per_request(
+        lambda rate, n, seed: shared_prefix(rate, n, tenants=200, system_tokens=3000, seed=seed)
+    ),
+    "multi-turn": _per_session(
+        _MULTI_TURNS,
+        lambda rate, n, seed: multi_turn(
+            rate, n, turns=5, system_tokens=1000, think_s=5.0, seed=seed
+        ),
+    ),
+    "tenant-mix": _per_request(tenant_mix),
+    "rag": _per_request(rag),
+    "cold": _per_request(cold),
+    "long-output": _per_request(long_output),
+}
+#: Held out: never used to choose a parameter; checked last.
+HELD_OUT: dict[str, Callable[[float, float, int], Workload]] = {
+    "bursty-mix": _per_request(
+        lambda rate, n, seed: tenant_mix(rate, n, tenants=50, zipf=1.3, cv=3.0, seed=seed)
+    ),
+    "agent": _per_session(_AGENT_TURNS, lambda rate, n, seed: agent(rate, n, seed=seed)),
+    "hot-prefix": _per_request(hot_prefix),
+}
+FAMILY = {**TRAIN, **HELD_OUT}
 
 
 def load_trace(path: str | Path, *, limit: int = 0, seed: int = 0) -> Workload:

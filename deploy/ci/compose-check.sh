@@ -153,9 +153,9 @@ if [[ $stages == *" cpu "* ]]; then
   timeout 1800 bash -xeuo pipefail -c "$(readme_compose_lines up)"
   log "README compose lines: stack up and healthy, a completion answered: $((SECONDS - t)) s"
 
-  export PDPLANE_COMPOSE_GATEWAY="http://127.0.0.1:$gw_port"
-  export PDPLANE_COMPOSE_REGISTRY="127.0.0.1:$reg_port"
-  export PDPLANE_COMPOSE_SCHEDULER="127.0.0.1:$sch_port"
+  export PDPLANE_STACK_GATEWAY="http://127.0.0.1:$gw_port"
+  export PDPLANE_STACK_REGISTRY="127.0.0.1:$reg_port"
+  export PDPLANE_STACK_SCHEDULER="127.0.0.1:$sch_port"
   # The generated token, as docs/deploy.md tells operators to read it; `pdplane ls` in the
   # tests takes it from PDPLANE_TOKEN.
   PDPLANE_TOKEN=$(compose_token) \
@@ -165,9 +165,9 @@ if [[ $stages == *" cpu "* ]]; then
   t=$SECONDS
   export PDPLANE_TLS_DIR="$PDPLANE_DOCKER_DIR/tls" PDPLANE_ENV_FILE="$PDPLANE_DOCKER_DIR/tls.env"
   bash deploy/ci/tls-certs.sh "$PDPLANE_TLS_DIR"
-  PDPLANE_COMPOSE_TOKEN=$(openssl rand -hex 16)
-  printf 'PDPLANE_TOKEN=%s\n' "$PDPLANE_COMPOSE_TOKEN" >"$PDPLANE_ENV_FILE"
-  export PDPLANE_COMPOSE_TOKEN PDPLANE_COMPOSE_TLS_CA="$PDPLANE_TLS_DIR/ca.pem"
+  PDPLANE_STACK_TOKEN=$(openssl rand -hex 16)
+  printf 'PDPLANE_TOKEN=%s\n' "$PDPLANE_STACK_TOKEN" >"$PDPLANE_ENV_FILE"
+  export PDPLANE_STACK_TOKEN PDPLANE_STACK_TLS_CA="$PDPLANE_TLS_DIR/ca.pem"
   docker compose -f "$COMPOSE_FILE" -f deploy/docker-compose.tls.yml --profile cpu \
     up -d --wait --wait-timeout 900
   log "stack re-created with TLS and token, healthy: $((SECONDS - t)) s"
@@ -183,15 +183,15 @@ fi
 if [[ $stages == *" ha "* ]]; then
   # Plain HA stack (no TLS; the generated token): deploy/ha.env turns the registry onto etcd and points
   # every client at both replicas; COMPOSE_* reach the tests' `docker compose` calls too.
-  unset PDPLANE_ENV_FILE PDPLANE_TLS_DIR PDPLANE_COMPOSE_TOKEN PDPLANE_COMPOSE_TLS_CA
+  unset PDPLANE_ENV_FILE PDPLANE_TLS_DIR PDPLANE_STACK_TOKEN PDPLANE_STACK_TLS_CA
   export COMPOSE_ENV_FILES="$root/deploy/ha.env" COMPOSE_PROFILES=ha,sim
   t=$SECONDS
   docker compose up -d --build --wait --wait-timeout 600
   log "HA stack (etcd x3, 2 registries, 2 schedulers, 2 gateways, 2 sims) healthy: $((SECONDS - t)) s"
-  export PDPLANE_COMPOSE_GATEWAY="http://127.0.0.1:$gw_port"
-  export PDPLANE_COMPOSE_REGISTRY="127.0.0.1:$reg_port"
-  export PDPLANE_COMPOSE_GATEWAY_2="http://127.0.0.1:$gw2_port"
-  export PDPLANE_COMPOSE_REGISTRY_2="127.0.0.1:$reg2_port"
+  export PDPLANE_STACK_GATEWAY="http://127.0.0.1:$gw_port"
+  export PDPLANE_STACK_REGISTRY="127.0.0.1:$reg_port"
+  export PDPLANE_STACK_GATEWAY_2="http://127.0.0.1:$gw2_port"
+  export PDPLANE_STACK_REGISTRY_2="127.0.0.1:$reg2_port"
   PDPLANE_TOKEN=$(compose_token) \
     "$PYTHON" -m pytest -m docker tests/docker/test_compose_ha.py -p no:cacheprovider -v
   t=$SECONDS

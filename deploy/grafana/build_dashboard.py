@@ -3,10 +3,11 @@
 
     python deploy/grafana/build_dashboard.py          # rewrite the JSON after editing PANELS
 
-Rows: gateway (`pdplane_gateway_*`), scheduler (`pdplane_scheduler_*`, also on the gateway's
-/metrics with `--scheduler embedded`), the registry as the scheduler sees it (instances by role
-and state), and the vLLM instances (`vllm:*`, one series per scraped instance). Every
-expression uses one Prometheus datasource chosen at import (`DS_PROMETHEUS`).
+Rows: gateway (`pdplane_gateway_*`), its flow control (per tenant and priority), scheduler
+(`pdplane_scheduler_*`, also on the gateway's /metrics with `--scheduler embedded`), the
+registry as the scheduler sees it (instances by role and state), and the vLLM instances
+(`vllm:*`, one series per scraped instance). Every expression uses one Prometheus datasource
+chosen at import (`DS_PROMETHEUS`).
 """
 
 from __future__ import annotations
@@ -43,6 +44,28 @@ PANELS: list[tuple[str, str, str, list[tuple[str, str]]]] = [
          "KV abort {{result}}"),
     ]),
     ("Gateway", "In flight", "short", [("sum(pdplane_gateway_inflight_requests)", "requests")]),
+    ("Flow control", "Waiting for a turn by tenant, priority", "short", [
+        ("sum by (tenant, priority) (pdplane_gateway_flow_queued_requests)",
+         "{{tenant}} p{{priority}}"),
+    ]),
+    ("Flow control", "Wait for a turn (p90) by tenant, priority", "s", [
+        ("histogram_quantile(0.9, sum by (le, tenant, priority) "
+         "(rate(pdplane_gateway_flow_wait_seconds_bucket[$__rate_interval])))",
+         "{{tenant}} p{{priority}}"),
+    ]),
+    ("Flow control", "Shed, timed out, rate limited", "ops", [
+        ("sum by (tenant, priority, reason) "
+         "(rate(pdplane_gateway_flow_shed_total[$__rate_interval]))",
+         "shed {{tenant}} p{{priority}} {{reason}}"),
+        ("sum by (tenant, priority) (rate(pdplane_gateway_flow_timeouts_total[$__rate_interval]))",
+         "503 {{tenant}} p{{priority}}"),
+        ("sum by (tenant, limit) (rate(pdplane_gateway_rate_limited_total[$__rate_interval]))",
+         "limited {{tenant}} {{limit}}"),
+    ]),
+    ("Flow control", "In-flight tokens and budget", "short", [
+        ("sum by (model) (pdplane_gateway_flow_inflight_tokens)", "in flight {{model}}"),
+        ("sum by (model) (pdplane_gateway_flow_budget_tokens)", "budget {{model}}"),
+    ]),
     ("Scheduler", "Decisions", "ops", [
         ("sum by (prefill_policy, decode_policy) "
          "(rate(pdplane_scheduler_decisions_total[$__rate_interval]))",

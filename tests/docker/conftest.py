@@ -1,7 +1,7 @@
 """Fixtures for the checks against a running docker compose stack (`deploy/ci/compose-check.sh`).
 
 The stage script starts the engine, brings the `cpu` profile up and exports where it is:
-PDPLANE_COMPOSE_GATEWAY (http://127.0.0.1:PORT) and PDPLANE_COMPOSE_REGISTRY (127.0.0.1:PORT),
+PDPLANE_STACK_GATEWAY (http://127.0.0.1:PORT) and PDPLANE_STACK_REGISTRY (127.0.0.1:PORT),
 plus DOCKER_HOST / COMPOSE_FILE / COMPOSE_PROJECT_NAME for the `docker compose` CLI. Without
 them these tests are skipped: they never start an engine by themselves.
 """
@@ -28,19 +28,19 @@ def _stack_env(name: str) -> str:
 @pytest.fixture(scope="session")
 def gateway_url() -> str:
     """Base URL of the gateway's published port."""
-    return _stack_env("PDPLANE_COMPOSE_GATEWAY")
+    return _stack_env("PDPLANE_STACK_GATEWAY")
 
 
 @pytest.fixture(scope="session")
 def registry_addr() -> str:
     """host:port of the registry's published gRPC port."""
-    return _stack_env("PDPLANE_COMPOSE_REGISTRY")
+    return _stack_env("PDPLANE_STACK_REGISTRY")
 
 
 @pytest.fixture(scope="session")
 def scheduler_addr() -> str:
     """host:port of the scheduler's published gRPC port."""
-    return _stack_env("PDPLANE_COMPOSE_SCHEDULER")
+    return _stack_env("PDPLANE_STACK_SCHEDULER")
 
 
 @pytest.fixture(scope="session")

@@ -32,8 +32,8 @@ FAILOVER_DEADLINE_S = 5.0
 def second() -> tuple[str, str]:
     """(gateway-2 URL, registry-2 host:port) on their published ports."""
     gateway, registry = (
-        os.environ.get("PDPLANE_COMPOSE_GATEWAY_2"),
-        os.environ.get("PDPLANE_COMPOSE_REGISTRY_2"),
+        os.environ.get("PDPLANE_STACK_GATEWAY_2"),
+        os.environ.get("PDPLANE_STACK_REGISTRY_2"),
     )
     if not gateway or not registry:
         pytest.skip("no HA compose stack (run deploy/ci/compose-check.sh)")

@@ -1,8 +1,8 @@
 """Host-side checks of the compose stack with deploy/docker-compose.tls.yml and a shared token.
 
 Run by `deploy/ci/compose-check.sh` after it re-creates the `cpu` profile with TLS on every gRPC
-hop (registry, scheduler, KvTransfer) and PDPLANE_TOKEN set; it exports PDPLANE_COMPOSE_TLS_CA
-(the CA of the test certificates) and PDPLANE_COMPOSE_TOKEN. Skipped without them.
+hop (registry, scheduler, KvTransfer) and PDPLANE_TOKEN set; it exports PDPLANE_STACK_TLS_CA
+(the CA of the test certificates) and PDPLANE_STACK_TOKEN. Skipped without them.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.docker
 @pytest.fixture(scope="module")
 def tls() -> tuple[str, str]:
     """(CA PEM path, token) of the TLS stack."""
-    ca, token = os.environ.get("PDPLANE_COMPOSE_TLS_CA"), os.environ.get("PDPLANE_COMPOSE_TOKEN")
+    ca, token = os.environ.get("PDPLANE_STACK_TLS_CA"), os.environ.get("PDPLANE_STACK_TOKEN")
     if not ca or not token:
         pytest.skip("no TLS compose stack (run deploy/ci/compose-check.sh)")
     return ca, token

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from pdplane.cli.up import UpSettings
 from pdplane.launch.fleet import FleetSpec
 
@@ -35,3 +37,20 @@ def test_queue_timeout_reaches_the_gateway_spec() -> None:
     assert spec.queue_timeout_s == 5.0
     assert FleetSpec.from_settings(UpSettings.parse([])).queue_timeout_s == 60.0
     assert FleetSpec().queue_timeout_s is None  # the gateway's default or its env
+
+
+def test_kv_profile_reaches_the_scheduler_spec() -> None:
+    # up serves the tiny model on vLLM CPU unless told otherwise: kv_aware predicts with its fit
+    assert FleetSpec.from_settings(UpSettings.parse([])).kv_profile == "tiny-cpu"
+    spec = FleetSpec.from_settings(UpSettings.parse(["--kv-profile", "qwen2-7b-a100"]))
+    assert spec.kv_profile == "qwen2-7b-a100"
+    assert FleetSpec().kv_profile is None  # the scheduler's default or its env
+
+
+def test_an_unknown_kv_profile_is_refused_before_anything_starts(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        UpSettings.parse(["--kv-profile", "no-such-profile"])
+    assert exited.value.code == 2
+    assert "--kv-profile" in capsys.readouterr().err

@@ -119,7 +119,7 @@ class _ElasticRun(FleetRun):
         self.draining: set[Node] = set()
         self.requests: list[Req] = []
         self.arrivals: list[float] = []
-        self.window = TrafficWindow(settings.window_s)
+        self.traffic_window = TrafficWindow(settings.window_s)
         self.itl_snaps: deque[tuple[float, LogHistogram]] = deque()
         self.minute_itl: list[LogHistogram] = []
         self.moves: list[tuple[float, Move]] = []
@@ -216,19 +216,19 @@ class _ElasticRun(FleetRun):
                 node.core.num_waiting,
                 node.core.pool.usage,
             )
-        self.window.add(now, samples)
+        self.traffic_window.add(now, samples)
         itl_now = self.itl_total()
         self.itl_snaps.append((now, itl_now))
         while len(self.itl_snaps) > 2 and self.itl_snaps[1][0] <= now - self.settings.window_s:
             self.itl_snaps.popleft()
         itl = itl_now.minus(self.itl_snaps[0][1])
         return Observation(
-            self.window.traffic(),
-            self.window.loads(),
+            self.traffic_window.traffic(),
+            self.traffic_window.loads(),
             self.recent_ttft_p90(now),
             itl.quantile(0.9) if itl.total else math.nan,
-            self.window.span_s,
-            self.window.traffic(self.settings.window_s / 4),
+            self.traffic_window.span_s,
+            self.traffic_window.traffic(self.settings.window_s / 4),
         )
 
     def recent_ttft_p90(self, now: float) -> float:

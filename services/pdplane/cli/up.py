@@ -37,7 +37,7 @@ from types import FrameType
 from typing import Literal
 
 import grpc
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from pdplane.autoscale.local import LocalActuator
 from pdplane.autoscale.loop import Autoscaler
@@ -46,6 +46,7 @@ from pdplane.autoscale.settings import AutoscaleOptions
 from pdplane.core import defaults, fleet_credentials
 from pdplane.launch.fleet import Fleet, FleetSpec, PortsInUse
 from pdplane.launch.process import Cancelled
+from pdplane.sim.profiles import load_profile
 
 __all__ = ["UpSettings", "main"]
 
@@ -92,11 +93,23 @@ class UpSettings(AutoscaleOptions):
     )
     prefill_policy: str = Field("kv_aware", description="scheduler prefill policy")
     decode_policy: str = Field("kv_aware", description="scheduler decode policy")
+    kv_profile: str = Field(
+        "tiny-cpu",
+        description="engine profile kv_aware predicts latencies with: a built-in name or a "
+        "`pdplane profile` JSON (default: the tiny model on vLLM CPU, what up serves without "
+        "--model)",
+    )
     queue_timeout_s: float = Field(
         60.0,
         ge=0,
-        description="gateway: a request finding the fleet full (no decode KV room) waits this "
-        "long for room, as vLLM queues it, then gets 503; 0 = 503 at once (s)",
+        description="gateway: a request finding the fleet full (no decode KV room), or no "
+        "decode serving for a moment (one restarting), waits this long, as vLLM queues it, "
+        "then gets 503; 0 = 503 at once (s)",
+    )
+    tenants: Path | None = Field(
+        None,
+        description="gateway: tenants file (API keys, tenants, priorities, rate limits; "
+        "reread when it changes; see docs/gateway.md)",
     )
     log_dir: Path = Field(Path("logs"), description="folder for every process's log")
     ready_timeout_s: float = Field(600.0, gt=0, description="give up starting after (s)")
@@ -117,6 +130,12 @@ class UpSettings(AutoscaleOptions):
         description="resize the fleet while serving: the controller (docs/autoscale.md) starts "
         "and drains instances within --min/--max-prefill, --min/--max-decode and --gpus",
     )
+
+    @field_validator("kv_profile")
+    @classmethod
+    def _known_profile(cls, name: str) -> str:
+        load_profile(name)  # ValueError names the known profiles or what is wrong with the file
+        return name
 
 
 class _Stop:

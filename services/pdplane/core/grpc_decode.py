@@ -128,6 +128,27 @@ async def _answer(result: Any) -> Any:
     return await result if inspect.isawaitable(result) else result
 
 
+class _CheckedReads:
+    """A servicer context whose `read()` ends the call with INVALID_ARGUMENT on an undecodable
+    request: what `_aio_checked` does for handlers that iterate their requests, for handlers
+    that read them with `context.read()` (gRPC's reader/writer API). Everything else is the
+    wrapped context's."""
+
+    __slots__ = ("_context",)
+
+    def __init__(self, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        self._context = context
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._context, name)
+
+    async def read(self) -> Any:
+        request = await self._context.read()
+        if isinstance(request, _Undecodable):
+            await self._context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+        return request
+
+
 def _aio_guard(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     behaviour = _behaviour(handler)
 
@@ -155,12 +176,20 @@ def _aio_guard(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         async for response in _responses(behaviour(_aio_checked(requests, context), context)):
             yield response
 
+    async def stream_stream_rw(
+        requests: AsyncIterator[Any], context: grpc.aio.ServicerContext[Any, Any]
+    ) -> None:
+        # A reader/writer handler stays a coroutine: gRPC then lets it read and write the
+        # stream itself, with no async generator per message between gRPC and the handler.
+        await behaviour(_aio_checked(requests, context), _CheckedReads(context))
+
+    reader_writer = inspect.iscoroutinefunction(behaviour)
     return _rebuilt(
         handler,
         unary_unary=unary_unary,
         unary_stream=unary_stream,
         stream_unary=stream_unary,
-        stream_stream=stream_stream,
+        stream_stream=stream_stream_rw if reader_writer else stream_stream,
     )
 
 

@@ -1,11 +1,15 @@
-"""The admission queue: a request that finds every instance full waits for room, as in vLLM.
+"""The admission queue: a request that finds every instance full, or its model without a usable
+instance for a moment, waits for room, as in vLLM.
 
 `vllm serve` keeps a request its KV cache cannot hold yet in its scheduler's waiting queue and
 runs it once running requests end. A fleet behind the gateway behaves the same: when the
 scheduler refuses a request for capacity only (`SchedulerBusy`: compatible instances exist,
 none has KV room now), the request waits here and is scheduled again, bounded in time
-(`queue_timeout_s`) and in number (`max_queued_requests`); "no compatible instance at all"
-stays an immediate 503.
+(`queue_timeout_s`) and in number (`max_queued_requests`). So does a request of a model that
+has no usable prefill/decode pair right now (its only decode restarting after a crash, a
+scale-out in progress: `waits_on`); a model nobody serves never gets here (404), and a
+refusal while the fleet view shows a usable pair (a remote scheduler unreachable,
+incompatible instances, a request larger than every KV cache) stays an immediate 503.
 
 Waiting costs no polling per request. Waiters form one FIFO per model; only the head asks
 the scheduler again, when this gateway releases a request (`wake`, called on every Release it
@@ -20,11 +24,12 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 
 from pdplane.gateway.errors import GatewayError, unavailable
+from pdplane.gateway.fleet import FleetView
 from pdplane.gateway.metrics import GatewayMetrics
-from pdplane.scheduler import Decision, SchedulerBusy
+from pdplane.scheduler import Decision, SchedulerBusy, SchedulerUnavailable
 
 __all__ = ["AdmissionQueue"]
 
@@ -50,12 +55,21 @@ class AdmissionQueue:
         timeout_s: longest wait of one request (s); 0 = no queueing (503 at once, as before).
         max_queued: requests waiting at once across models; one more gets 503 at once.
         metrics: where the queue length, wait times and refusals are recorded.
+        fleet: the registry's view (which models lack a usable pair); None = only capacity
+            refusals wait.
     """
 
-    def __init__(self, timeout_s: float, max_queued: int, metrics: GatewayMetrics) -> None:
+    def __init__(
+        self,
+        timeout_s: float,
+        max_queued: int,
+        metrics: GatewayMetrics,
+        fleet: Callable[[], FleetView] | None = None,
+    ) -> None:
         self.timeout_s = timeout_s
         self.max_queued = max_queued
         self._metrics = metrics
+        self._fleet = fleet
         self._queues: dict[str, collections.deque[_Waiter]] = {}
         #: model -> the latest capacity refusal of its waiters (words the 503 of one that
         #: queued behind them without asking).
@@ -70,6 +84,39 @@ class AdmissionQueue:
         """Whether requests of `model` wait (a new one then queues behind them)."""
         return bool(self._queues.get(model))
 
+    def waits_on(
+        self,
+        model: str,
+        refusal: SchedulerUnavailable,
+        excluded: Collection[str] = (),
+        room: bool = True,
+    ) -> bool:
+        """Whether a request of `model` refused with `refusal` waits here: a capacity refusal
+        when `room` (a retry's failure is its answer instead), or no usable pair in the fleet
+        now, the `excluded` instances (which failed this request) not counted."""
+        if isinstance(refusal, SchedulerBusy):
+            return room
+        state = self._fleet().models.get(model) if self._fleet is not None else None
+        if state is None:
+            return False
+        if state.problem():
+            return True
+        failed = set(excluded)
+        prefills = state.prefill - len(state.prefill_ids & failed)
+        decodes = state.decode - len(state.decode_ids & failed)
+        return bool(failed) and not (prefills > 0 and decodes > 0)
+
+    def failed(self, model: str, ids: Collection[str], since_ns: int) -> tuple[str, ...]:
+        """Those of `ids` (instances that failed a request) still registered as the processes
+        that failed it: SERVING instances of `model` registered before `since_ns` (Unix ns,
+        the request's arrival). One that left the registry and registered again since is a
+        new process (a restart), no longer excluded."""
+        state = self._fleet().models.get(model) if self._fleet is not None else None
+        if state is None:
+            return ()
+        registered = state.registered_ns
+        return tuple(i for i in ids if registered.get(i, since_ns + 1) <= since_ns)
+
     def wake(self) -> None:
         """Room may have come (this gateway released a request): each model's head asks the
         scheduler again. Cheap; call from the event loop."""
@@ -81,12 +128,15 @@ class AdmissionQueue:
         self,
         model: str,
         schedule: Callable[[], Awaitable[Decision]],
-        refusal: SchedulerBusy | None,
+        refusal: SchedulerUnavailable | None,
+        excluded: Callable[[], Collection[str]] = tuple,
     ) -> Decision:
         """Waits in `model`'s queue until `schedule()` returns a decision; returns it.
 
-        `refusal` = the capacity refusal that sent the request here (None: it queued behind
-        earlier waiters without asking). Raises GatewayError 503 when queueing is off, the
+        `refusal` = the refusal that sent the request here (capacity, or no usable pair: see
+        `waits_on`; None: it queued behind earlier waiters without asking); `excluded()` = the
+        instances that failed a retrying request (`failed`), not counted as usable.
+        Raises GatewayError 503 when queueing is off, the
         queue is full (at once) or no room came within `timeout_s` (naming the last refusal
         and the wait); `schedule()`'s other errors as they are; asyncio.CancelledError when
         the client left (the request leaves the queue at once).
@@ -126,7 +176,9 @@ class AdmissionQueue:
                     continue  # woken to find out it is not the head yet (a timeout)
                 try:
                     decision = await schedule()
-                except SchedulerBusy as exc:
+                except SchedulerUnavailable as exc:
+                    if not self.waits_on(model, exc, excluded()):
+                        raise
                     reason = self._reasons[model] = exc.reason
                     continue
                 self._metrics.queue_wait.observe(loop.time() - started)

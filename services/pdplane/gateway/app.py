@@ -25,12 +25,15 @@ from pdplane.gateway.endpoints import RelayEndpoints
 from pdplane.gateway.errors import error_body
 from pdplane.gateway.fleet import FleetTracker, FleetView
 from pdplane.gateway.fleet_tokenizers import FleetTokenizers
+from pdplane.gateway.flow import FlowControl
 from pdplane.gateway.metrics import GatewayMetrics
 from pdplane.gateway.passthrough import Passthrough
 from pdplane.gateway.prompt_ids import TokenizerSet, load_tokenizers
+from pdplane.gateway.ratelimit import RateLimiter
 from pdplane.gateway.relay import Relay
 from pdplane.gateway.routes import build_router
 from pdplane.gateway.settings import GatewaySettings
+from pdplane.gateway.tenants import TenantBook
 from pdplane.gateway.upstream import UpstreamClient
 from pdplane.scheduler import SchedulerPort, open_scheduler
 
@@ -113,31 +116,60 @@ def create_app(
         max_queued_requests=settings.max_queued_requests,
         first_token=settings.first_token,
         prompt_tokens_details=settings.enable_prompt_tokens_details,
+        migration_limit=settings.migration_limit,
+        migration_timeout_s=settings.migration_timeout_s,
+        drain_grace_s=settings.drain_grace_s,
     )
-    relay = Relay(scheduler, upstream, aborter, metrics, config, fleet_tokenizers)
+    relay = Relay(scheduler, upstream, aborter, metrics, config, fleet_tokenizers, fleet)
+    book = TenantBook(
+        settings.tenants,
+        settings.api_keys(),
+        on_reload=lambda result: metrics.tenants_reloads.labels(result).inc(),
+    )
+    flow = FlowControl(
+        partial(_budget, fleet, settings.inflight_budget),
+        settings.queue_timeout_s if settings.inflight_budget > 0 else 0.0,
+        settings.max_queued_requests,
+        metrics,
+        settings.flow_policy,
+    )
+    limiter = RateLimiter(lambda tenant, kind: metrics.rate_limited.labels(tenant, kind).inc())
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         changed = asyncio.Event()
+        departed = asyncio.Event()  # decodes that leave or drain: their streams move
+        moving = None
         if tracker is not None:
             loop = asyncio.get_running_loop()
 
             def on_change() -> None:
                 loop.call_soon_threadsafe(changed.set)
+                loop.call_soon_threadsafe(departed.set)
 
             tracker.add_listener(on_change)
+            moving = asyncio.create_task(
+                relay.departures.follow(tracker.snapshot, departed), name="pdplane-departures"
+            )
             ready = await asyncio.to_thread(tracker.start, settings.registry_wait_s)
             if not ready:
                 log.warning("registry %s not reachable yet; /health answers 503", settings.registry)
         following = asyncio.create_task(
             fleet_tokenizers.follow(fleet, changed), name="pdplane-fleet-tokenizers"
         )
+        watching = asyncio.create_task(
+            book.watch(settings.tenants_reload_s), name="pdplane-tenants-file"
+        )
         if owned_scheduler is not None:
             await owned_scheduler.start()  # embedded: the in-flight exchange with --peers
         try:
             yield
         finally:
+            watching.cancel()
             following.cancel()
+            if moving is not None:
+                moving.cancel()
+            relay.departures.close()
             await fleet_tokenizers.close()
             await relay.drain()
             await upstream.close()
@@ -147,7 +179,7 @@ def create_app(
             if tracker is not None:
                 await asyncio.to_thread(tracker.stop)
 
-    keys = ApiKeys(settings.api_keys())
+    keys = ApiKeys(book)
     app = _GatewayApi(
         partial(
             RelayEndpoints,
@@ -155,6 +187,8 @@ def create_app(
             fleet=fleet,
             metrics=metrics,
             api_keys=keys,
+            flow=flow,
+            limiter=limiter,
             body_timeout_s=settings.body_timeout_s,
             tokenizers=fleet_tokenizers,
             access_log=settings.access_log,
@@ -170,10 +204,24 @@ def create_app(
     )
     app.add_exception_handler(HTTPException, _http_error)
     app.state.relay = relay
+    app.state.flow = flow
+    app.state.tenants = book
     app.state.scheduler = scheduler
     app.state.metrics = metrics
     app.state.tokenizers = fleet_tokenizers
     return app
+
+
+def _budget(fleet: Callable[[], FleetView], fraction: float, model: str) -> tuple[int, int] | None:
+    """`model`'s in-flight budget and ceiling (tokens): `fraction` x its decode instances' KV
+    cache, and that KV cache (the most tenants within their shares may reach); None
+    (unlimited) while it is unknown or no decode serves it (requests then reach the scheduler,
+    whose refusal makes them wait in the admission queue)."""
+    state = fleet().models.get(model)
+    if state is None or state.decode_kv_tokens <= 0:
+        return None
+    budget = max(1, int(state.decode_kv_tokens * fraction))
+    return budget, max(budget, state.decode_kv_tokens)
 
 
 def tokenizer_cache(configured: str | None) -> Path:

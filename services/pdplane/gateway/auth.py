@@ -1,8 +1,9 @@
-"""Optional API keys: `Authorization: Bearer <key>` on /v1/* (`--api-key`)."""
+"""API keys: `Authorization: Bearer <key>` on /v1/* (`--api-key`, `--tenants`), and who a key
+speaks for (`pdplane.gateway.tenants`)."""
 
 from __future__ import annotations
 
-import hmac
+from pdplane.gateway.tenants import ANONYMOUS, Identity, TenantBook
 
 __all__ = ["CONFLICT", "ApiKeys"]
 
@@ -11,17 +12,19 @@ CONFLICT = b"\x00conflicting authorization headers"
 
 
 class ApiKeys:
-    """The accepted keys; no keys = every request is allowed."""
+    """The accepted keys (those of `--api-key` and of the tenants file); none = every request
+    is allowed, as tenant "default"."""
 
-    def __init__(self, keys: tuple[str, ...]) -> None:
-        self._expected = tuple(f"Bearer {k}".encode() for k in keys)
+    def __init__(self, book: TenantBook) -> None:
+        self.book = book
+
+    def identify(self, authorization: bytes | None, named: str = "") -> Identity | None:
+        """Who the raw `Authorization` header value speaks for (`named`: the tenant header's
+        value, read for a trusted proxy's key); None = refused (401)."""
+        if authorization is CONFLICT:
+            return None if self.book.required else ANONYMOUS
+        return self.book.identify(authorization, named)
 
     def allows(self, authorization: bytes | None) -> bool:
-        """Whether the raw `Authorization` header value carries one of the keys."""
-        if not self._expected:
-            return True
-        if authorization is CONFLICT:
-            return False
-        got = authorization or b""
-        # Compare against every key (constant time per key) so timing says nothing of which.
-        return any([hmac.compare_digest(got, e) for e in self._expected])
+        """Whether the raw `Authorization` header value carries an accepted key."""
+        return self.identify(authorization) is not None

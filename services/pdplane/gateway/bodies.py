@@ -11,6 +11,10 @@
   body, prefill's prompt ids plus the first token, one token less to generate, the client's
   sampling fields. `takes_first_token` says which requests may take that path: those whose
   tokens 2..n decode samples exactly as one instance would.
+- A stream resumed on another decode after its decode was lost (`resumed_body`): a
+  `/v1/completions` body, the prompt ids plus the tokens already sent, what is left to
+  generate, the client's sampling fields; `migratable` says which streams can be resumed, and
+  `with_token_ids` asks a stream's decode for the token ids that resuming needs.
 """
 
 from __future__ import annotations
@@ -25,9 +29,12 @@ __all__ = [
     "continuation_body",
     "decode_body",
     "decode_body_parts",
+    "migratable",
     "prefill_body",
     "requested_max",
+    "resumed_body",
     "takes_first_token",
+    "with_token_ids",
 ]
 
 _DROPPED_ON_PREFILL = ("stream_options", "min_tokens")
@@ -218,3 +225,63 @@ def continuation_body(
     if kv_transfer_params is None:
         return text
     return text[:-1] + b',"kv_transfer_params":' + kv_transfer_params + b"}"
+
+
+#: Fields a resumed stream's leg gets besides `_TO_DECODE` (their effect across the seam is in
+#: docs/gateway.md, "Migration": a seed restarts its generator, penalties count only the
+#: new leg's output).
+_RESUMED = ("seed", "presence_penalty", "frequency_penalty", "logprobs")
+
+
+def migratable(req: ClientRequest) -> bool:
+    """Whether a stream of `req` can continue on another decode from the tokens it sent:
+    streamed, one choice, one prompt, no `echo`, and only fields whose meaning a
+    `/v1/completions` leg on the prompt's token ids keeps (chat's `logprobs` are not converted:
+    such a stream is not resumed; neither are tools, structured outputs and the like).
+
+    No `stop` strings either: vLLM holds back the last (longest stop string - 1) characters
+    of a stream with stop strings until it can tell they start none, so the tokens sent
+    before a seam may hold text the client never got, which a resumed leg would not write."""
+    body = req.body
+    if not req.stream or not body.keys() <= _FIELDS[req.endpoint]:
+        return False
+    if body.get("n") not in (None, 1) or body.get("echo") not in (None, False):
+        return False
+    if body.get("stop") not in (None, "", []):
+        return False
+    if req.endpoint == CHAT:
+        return body.get("logprobs") in (None, False)
+    prompt = body.get("prompt")
+    return not (isinstance(prompt, list) and prompt and not isinstance(prompt[0], int))
+
+
+def with_token_ids(raw: bytes, body: dict[str, Any], kv_transfer_params: bytes | None) -> bytes:
+    """The client's body (`raw`, parsed `body`) asking for token ids (`return_token_ids`), with
+    prefill's `kv_transfer_params` (JSON bytes) when given: a migratable stream's decode leg."""
+    head, tail = decode_body_parts(raw, body)
+    head = head[: -len(b'"kv_transfer_params":')] + b'"return_token_ids":true'
+    if kv_transfer_params is None:
+        return head + tail
+    return head + b',"kv_transfer_params":' + kv_transfer_params + tail
+
+
+def resumed_body(req: ClientRequest, prompt_token_ids: list[int], sent: int) -> dict[str, Any]:
+    """The `/v1/completions` request that continues a stream after `sent` output tokens:
+    `prompt_token_ids` (the prompt's ids plus the `sent` tokens'), the client's limit less
+    `sent` (None: up to the model's length), `min_tokens` less `sent`, the client's sampling
+    fields. Streamed with token ids (a later loss resumes from them again)."""
+    body = req.body
+    out: dict[str, Any] = {"prompt": prompt_token_ids}
+    if "model" in body:
+        out["model"] = body["model"]
+    wanted = requested_max(req)
+    out["max_tokens"] = None if wanted is None else max(1, wanted - sent)
+    for name in (*_TO_DECODE, *_RESUMED):
+        if name in body:
+            out[name] = body[name]
+    min_tokens = body.get("min_tokens")
+    if isinstance(min_tokens, int) and min_tokens > sent:
+        out["min_tokens"] = min_tokens - sent
+    out["stream"] = True
+    out["return_token_ids"] = True
+    return out

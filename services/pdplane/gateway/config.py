@@ -24,3 +24,6 @@ class RelayConfig:
     max_queued_requests: int = 1024
     first_token: FirstTokenFrom = "prefill"
     prompt_tokens_details: bool = False
+    migration_limit: int = 3
+    migration_timeout_s: float = 60.0
+    drain_grace_s: float = 30.0

@@ -13,8 +13,9 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import AsyncGenerator, Callable
 
+from pydantic_core import from_json
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -31,12 +32,15 @@ from pdplane.gateway.errors import (
     unavailable,
 )
 from pdplane.gateway.fleet import FleetView
+from pdplane.gateway.flow import FlowControl, FlowTicket
 from pdplane.gateway.metrics import GatewayMetrics
 from pdplane.gateway.prompt_ids import Tokenizers, TokenizerSet, exact_prompt_async
+from pdplane.gateway.ratelimit import RateLimiter
 from pdplane.gateway.relay import Relay
-from pdplane.gateway.replies import JsonReply
+from pdplane.gateway.replies import JsonReply, StreamReply
 from pdplane.gateway.route_note import ROUTE_HEADER, RouteNote
 from pdplane.gateway.routes import RELAY_PATHS
+from pdplane.gateway.tenants import ANONYMOUS, Identity
 from pdplane.gateway.validation import ClientRequest, Endpoint, parse_request
 
 __all__ = ["RelayEndpoints"]
@@ -87,10 +91,10 @@ async def _receive_body(receive: Receive) -> bytes:
             return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
-def _headers(scope: Scope) -> tuple[bytes | None, str, str, bool]:
+def _headers(scope: Scope, tenant_header: bytes) -> tuple[bytes | None, str, str, bool, str]:
     """(authorization, x-request-id, x-routing-key, whether x-pdplane-route asks for the
-    routing headers) from the raw ASGI headers."""
-    auth, request_id, routing_key, show_route = None, "", "", False
+    routing headers, the tenant header's value) from the raw ASGI headers."""
+    auth, request_id, routing_key, show_route, tenant = None, "", "", False, ""
     for key, value in scope["headers"]:
         if key == b"authorization":
             # Two Authorization headers are refused (`ApiKeys.allows(CONFLICT)`), whatever
@@ -102,7 +106,9 @@ def _headers(scope: Scope) -> tuple[bytes | None, str, str, bool]:
             routing_key = value.decode("latin-1")
         elif key == ROUTE_HEADER:
             show_route = value.strip().lower() in (b"1", b"true")
-    return auth, request_id, routing_key, show_route
+        elif key == tenant_header:
+            tenant = value.decode("latin-1").strip()[:128]
+    return auth, request_id, routing_key, show_route, tenant
 
 
 def _client_traceparent(scope: Scope) -> str | None:
@@ -136,7 +142,9 @@ class RelayEndpoints:
         relay: the prefill -> decode relay.
         fleet: returns the current FleetView (model lookup: 404 for an unknown model).
         metrics: request counters, in-flight gauge.
-        api_keys: accepted bearer tokens.
+        api_keys: accepted bearer tokens and who they speak for (tenants).
+        flow: the in-flight budget and its fair queue (`pdplane.gateway.flow`).
+        limiter: the keys' rate limits (`pdplane.gateway.ratelimit`).
         body_timeout_s: longest read of one request body (s); then 408.
         tokenizers: the models' tokenizers (exact prompt ids and prefix hashes); none = the
             estimated prompt lengths of `pdplane.gateway.tokens`.
@@ -151,6 +159,8 @@ class RelayEndpoints:
         fleet: Callable[[], FleetView],
         metrics: GatewayMetrics,
         api_keys: ApiKeys,
+        flow: FlowControl,
+        limiter: RateLimiter,
         body_timeout_s: float = 60.0,
         tokenizers: Tokenizers | None = None,
         access_log: bool = False,
@@ -161,6 +171,8 @@ class RelayEndpoints:
         self.fleet = fleet
         self.metrics = metrics
         self.api_keys = api_keys
+        self.flow = flow
+        self.limiter = limiter
         self.body_timeout_s = body_timeout_s
         self.tokenizers: Tokenizers = tokenizers or TokenizerSet({})
 
@@ -183,7 +195,9 @@ class RelayEndpoints:
     async def _relay(self, endpoint: Endpoint, scope: Scope, receive: Receive) -> Response:
         started = time.perf_counter()
         metrics = self.metrics
-        auth, request_id, routing_key, show_route = _headers(scope)
+        auth, request_id, routing_key, show_route, named = _headers(
+            scope, self.api_keys.book.header
+        )
         error: GatewayError | None = None
         if len(request_id) > _MAX_REQUEST_ID:
             request_id = ""
@@ -203,11 +217,13 @@ class RelayEndpoints:
         watch: DisconnectWatch | None = None
         note = RouteNote()
         model_name = ""
+        turn = _Turn()
         metrics.inflight.inc()
 
         def done() -> None:
             metrics.answered(endpoint, status)
             metrics.inflight.dec()
+            turn.end(self.flow, self.limiter, status)
             if self.access_log:
                 client = scope.get("client")
                 note.log_line(
@@ -223,7 +239,8 @@ class RelayEndpoints:
         try:
             if error is not None:
                 raise error
-            if not self.api_keys.allows(auth):
+            who = self.api_keys.identify(auth, named)
+            if who is None:
                 raise unauthorized()
             view = self.fleet()
             req = parse_request(
@@ -248,9 +265,10 @@ class RelayEndpoints:
                 metrics.exact_prompts.inc()
             else:
                 metrics.estimated_prompts.inc()
+            turn.charge(self.limiter, who, req, model.max_model_len)
             watch = DisconnectWatch(receive)
             answered, reply = await watch.run(
-                self.relay.handle(req, request_id, started, model.max_model_len, note)
+                self._in_turn(turn, req, request_id, started, model.max_model_len, note)
             )
             if not answered or reply is None:
                 status = _CLIENT_CLOSED
@@ -259,9 +277,10 @@ class RelayEndpoints:
                 headers.update(note.headers())
             if isinstance(reply, JsonReply):
                 status = reply.status
+                turn.answered(reply)
                 return Response(reply.body, status, headers=headers, media_type=reply.content_type)
             status, streaming = 200, True
-            return SSEResponse(reply, watch, headers, done)
+            return SSEResponse(turn.counted(reply), watch, headers, done)
         except _ClientGone:
             status = _CLIENT_CLOSED
             return Response(status_code=_CLIENT_CLOSED, headers=headers)
@@ -272,7 +291,9 @@ class RelayEndpoints:
                 # gets the error body, the operator this line (per-status counts are in
                 # pdplane_gateway_requests_total).
                 log.warning("request %s: %d %s", request_id, status, exc.message)
-            return Response(exc.body(), status, headers=headers, media_type=_JSON)
+            return Response(
+                exc.body(), status, headers={**headers, **exc.headers}, media_type=_JSON
+            )
         except UpstreamReply as exc:
             status = exc.status
             return Response(exc.body, status, headers=headers, media_type=exc.content_type or _JSON)
@@ -281,3 +302,83 @@ class RelayEndpoints:
                 if watch is not None:
                     watch.close()
                 done()
+
+    async def _in_turn(
+        self,
+        turn: _Turn,
+        req: ClientRequest,
+        request_id: str,
+        started: float,
+        max_model_len: int,
+        note: RouteNote,
+    ) -> JsonReply | StreamReply:
+        """Waits for the request's turn in its model's in-flight budget, then relays it."""
+        who = turn.who
+        priority = req.priority if req.priority is not None else who.priority
+        turn.ticket = await self.flow.admit(req.model, who.tenant, priority, turn.cost, who.weight)
+        return await self.relay.handle(req, request_id, started, max_model_len, note)
+
+
+class _Turn:
+    """One request's place in flow control and its rate-limit charge, ended once (`end`).
+
+    Its weight (`cost`, tokens) is its KV need: prompt + max_tokens, or the rest of the model
+    length when the client set no max_tokens (vLLM's default)."""
+
+    __slots__ = ("charged", "completion", "cost", "prompt", "ticket", "who")
+
+    def __init__(self) -> None:
+        self.who: Identity = ANONYMOUS
+        self.cost = 0
+        self.prompt = 0
+        self.charged = 0
+        self.completion = 0  # completion tokens seen (events of a stream, or usage)
+        self.ticket: FlowTicket | None = None
+
+    def charge(
+        self, limiter: RateLimiter, who: Identity, req: ClientRequest, max_model_len: int
+    ) -> None:
+        """Takes the request from its key's rate limits (GatewayError 429 when over)."""
+        self.who = who
+        new = req.max_tokens or max(0, max_model_len - req.prompt_tokens)
+        self.prompt = req.prompt_tokens
+        self.cost = max(1, req.prompt_tokens + new)
+        limiter.take(who, self.cost)
+        self.charged = self.cost if who.tokens_per_min else 0
+        self.completion = 0
+
+    def answered(self, reply: JsonReply) -> None:
+        """Reads the completion tokens of a JSON answer (only for a key with a token limit)."""
+        if not self.charged or reply.status != 200:
+            return
+        try:
+            usage = from_json(reply.body).get("usage") or {}
+            self.completion = int(usage.get("completion_tokens") or 0)
+        except (ValueError, AttributeError, TypeError):
+            self.completion = 0
+
+    def counted(self, reply: StreamReply) -> StreamReply:
+        """`reply`, counting its token events when the key has a token limit."""
+        if not self.charged:
+            return reply
+        return StreamReply(self._count(reply.chunks), reply.headers, reply.abandon)
+
+    async def _count(self, chunks: AsyncGenerator[bytes, None]) -> AsyncGenerator[bytes, None]:
+        try:
+            async for chunk in chunks:
+                # One event per token (vLLM, n=1; every choice's tokens for n>1); [DONE] is not.
+                self.completion += chunk.count(b"data: ") - chunk.count(b"data: [DONE]")
+                yield chunk
+        finally:
+            await chunks.aclose()
+
+    def end(self, flow: FlowControl, limiter: RateLimiter, status: int) -> None:
+        """The answer ended with `status`: the turn's tokens leave the budget, and the tokens
+        the request did not use go back to its key (all of them when it failed)."""
+        if self.ticket is not None:
+            flow.release(self.ticket)
+            self.ticket = None
+        if self.charged:
+            used = self.prompt + self.completion if status == 200 else 0
+            limiter.settle(self.who, self.charged, used)
+            self.charged = 0

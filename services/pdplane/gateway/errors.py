@@ -7,6 +7,7 @@ Body: `{"error": {"message": str, "type": str, "param": str | null, "code": int}
 from __future__ import annotations
 
 import json
+import math
 
 __all__ = [
     "GatewayError",
@@ -16,6 +17,7 @@ __all__ = [
     "error_body",
     "gateway_timeout",
     "not_found",
+    "too_many_requests",
     "unauthorized",
     "unavailable",
 ]
@@ -26,19 +28,29 @@ _TYPES = {
     404: "NotFoundError",
     405: "MethodNotAllowedError",
     408: "RequestTimeoutError",
+    429: "RateLimitError",
     502: "BadGatewayError",
     503: "ServiceUnavailableError",
     504: "GatewayTimeoutError",
 }
 
 
-def error_body(status: int, message: str, param: str | None = None) -> bytes:
-    """The JSON bytes of an OpenAI-style error for HTTP `status`."""
+def error_body(
+    status: int,
+    message: str,
+    param: str | None = None,
+    *,
+    type_: str | None = None,
+    code: str | int | None = None,
+) -> bytes:
+    """The JSON bytes of an OpenAI-style error for HTTP `status` (`type_` and `code` replace
+    the defaults: the status's class name and the status)."""
+    default_type = _TYPES.get(status, "BadRequestError" if status < 500 else "InternalServerError")
     err = {
         "message": message,
-        "type": _TYPES.get(status, "BadRequestError" if status < 500 else "InternalServerError"),
+        "type": type_ or default_type,
         "param": param,
-        "code": status,
+        "code": status if code is None else code,
     }
     return json.dumps({"error": err}).encode()
 
@@ -50,17 +62,31 @@ class GatewayError(Exception):
         status: HTTP status code.
         message: human-readable reason (goes into `error.message`).
         param: the offending request field, if any.
+        headers: extra response headers (e.g. `Retry-After` of a 429).
+        type_, code: `error.type` / `error.code` when not the defaults (see `error_body`).
     """
 
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        *,
+        headers: dict[str, str] | None = None,
+        type_: str | None = None,
+        code: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
+        self.headers = headers or {}
+        self.type_ = type_
+        self.code = code
 
     def body(self) -> bytes:
         """OpenAI-style JSON error body (bytes)."""
-        return error_body(self.status, self.message, self.param)
+        return error_body(self.status, self.message, self.param, type_=self.type_, code=self.code)
 
     def sse_event(self) -> bytes:
         """The error as one SSE event `data: {"error": {...}}\\n\\n` (after streaming began)."""
@@ -111,3 +137,17 @@ def bad_gateway(message: str) -> GatewayError:
 def gateway_timeout(message: str) -> GatewayError:
     """504: an instance did not answer within `--upstream-timeout-s`."""
     return GatewayError(504, message)
+
+
+def too_many_requests(message: str, retry_after_s: float, type_: str) -> GatewayError:
+    """429 with `Retry-After` (whole seconds, rounded up, at least 1) and OpenAI's rate-limit
+    body: `error.type` = `type_` ("requests", "tokens" for a key's rate limit; "overloaded"
+    for a request shed from the queue), `error.code` = "rate_limit_exceeded"."""
+    seconds = max(1, math.ceil(retry_after_s))
+    return GatewayError(
+        429,
+        f"{message} Please try again in {seconds}s.",
+        headers={"retry-after": str(seconds)},
+        type_=type_,
+        code="rate_limit_exceeded",
+    )

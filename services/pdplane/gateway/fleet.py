@@ -43,6 +43,11 @@ class ModelState:
             the sizes its prompts' prefix block hashes are computed at.
         tokenizers: the tokenizers its SERVING instances publish, by content hash ascending
             ("" first: those that publish none).
+        decode_kv_tokens: the KV cache of its SERVING decode instances, in tokens (their
+            load reports' total blocks x block size; 0 = not reported yet).
+        prefill_ids, decode_ids: the ids of the instances counted in `prefill` / `decode`.
+        registered_ns: their registration times (Unix ns), by id: an id registered again
+            (a restarted instance) is a new process.
     """
 
     prefill: int
@@ -53,6 +58,10 @@ class ModelState:
     urls: tuple[str, ...] = ()
     block_sizes: tuple[int, ...] = ()
     tokenizers: tuple[Publication, ...] = ()
+    decode_kv_tokens: int = 0
+    prefill_ids: frozenset[str] = frozenset()
+    decode_ids: frozenset[str] = frozenset()
+    registered_ns: Mapping[str, int] = field(default_factory=dict)
 
     def problem(self) -> str:
         """Why no request of this model can be served now; "" when a usable pair exists."""
@@ -136,9 +145,15 @@ class FleetView:
 
 
 def _model_state(instances: list[instance_pb2.Instance], created: int) -> ModelState:
-    serving = [i.spec for i in instances if i.state == instance_pb2.INSTANCE_STATE_SERVING]
+    live = [i for i in instances if i.state == instance_pb2.INSTANCE_STATE_SERVING]
+    serving = [i.spec for i in live]
     prefills = [spec for spec in serving if can_prefill(spec.role)]
     decodes = [spec for spec in serving if can_decode(spec.role)]
+    kv_tokens = sum(
+        i.load.total_kv_blocks * i.spec.kv_layout.block_size
+        for i in live
+        if can_decode(i.spec.role)
+    )
     return ModelState(
         prefill=len(prefills),
         decode=len(decodes),
@@ -148,6 +163,10 @@ def _model_state(instances: list[instance_pb2.Instance], created: int) -> ModelS
         urls=tuple(sorted({spec.url for spec in serving})),
         block_sizes=tuple(sorted({s.kv_layout.block_size for s in serving} - {0})),
         tokenizers=_publications(serving),
+        decode_kv_tokens=kv_tokens,
+        prefill_ids=frozenset(spec.instance_id for spec in prefills),
+        decode_ids=frozenset(spec.instance_id for spec in decodes),
+        registered_ns={i.spec.instance_id: i.registered_at.ToNanoseconds() for i in live},
     )
 
 

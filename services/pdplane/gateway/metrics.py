@@ -134,6 +134,90 @@ class GatewayMetrics:
             registry=r,
         )
         self.estimated_prompts = self.prompts.labels("estimated")
+        self.migrations = Counter(
+            "pdplane_gateway_migrations",
+            "Requests continued on another decode after theirs was lost mid-way, by why: lost "
+            "(connection reset or closed), idle (silent past --stream-idle-timeout-s), "
+            "error_event (vLLM's error event), deregistered (left the registry), drain "
+            "(draining past --drain-grace-s)",
+            ["reason"],
+            registry=r,
+        )
+        self.migration_recomputed = Counter(
+            "pdplane_gateway_migration_recomputed_tokens",
+            "Tokens the new leg of a migrated request computes again: the prompt plus the "
+            "tokens already sent (streams), or the whole request (non-streamed)",
+            registry=r,
+        )
+        self.migration_failures = Counter(
+            "pdplane_gateway_migration_failures",
+            "Requests whose decode was lost and that could not continue: limit "
+            "(--migration-limit spent), timeout (--migration-timeout-s), unavailable (no "
+            "decode to continue on, or the new leg refused)",
+            ["why"],
+            registry=r,
+        )
+        self.migration_seconds = Histogram(
+            "pdplane_gateway_migration_seconds",
+            "Loss of a stream's decode to the new decode's response headers",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self._flow_metrics(r)
+
+    def _flow_metrics(self, r: CollectorRegistry) -> None:
+        """Flow control (`pdplane.gateway.flow`) and rate limits, by tenant and priority."""
+        self.flow_queued = Gauge(
+            "pdplane_gateway_flow_queued_requests",
+            "Requests waiting for their turn in the in-flight budget, by tenant and priority",
+            ["tenant", "priority"],
+            registry=r,
+        )
+        self.flow_wait = Histogram(
+            "pdplane_gateway_flow_wait_seconds",
+            "Time a request waited for its turn (admitted requests and timeouts)",
+            ["tenant", "priority"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.flow_shed = Counter(
+            "pdplane_gateway_flow_shed",
+            "Requests shed with 429 under overload: overload (projected wait past "
+            "--queue-timeout-s) or queue_full (--max-queued-requests)",
+            ["tenant", "priority", "reason"],
+            registry=r,
+        )
+        self.flow_timeouts = Counter(
+            "pdplane_gateway_flow_timeouts",
+            "Requests answered 503: no turn within --queue-timeout-s",
+            ["tenant", "priority"],
+            registry=r,
+        )
+        self.flow_inflight_tokens = Gauge(
+            "pdplane_gateway_flow_inflight_tokens",
+            "Tokens (prompt + max_tokens) of the admitted requests not ended, by model",
+            ["model"],
+            registry=r,
+        )
+        self.flow_budget_tokens = Gauge(
+            "pdplane_gateway_flow_budget_tokens",
+            "The model's in-flight budget (tokens): its decode instances' KV cache times "
+            "--inflight-budget",
+            ["model"],
+            registry=r,
+        )
+        self.rate_limited = Counter(
+            "pdplane_gateway_rate_limited",
+            "Requests refused with 429 by their key's rate limit (requests or tokens)",
+            ["tenant", "limit"],
+            registry=r,
+        )
+        self.tenants_reloads = Counter(
+            "pdplane_gateway_tenants_reloads",
+            "Reads of a changed --tenants file: ok, or error (the previous one stays)",
+            ["result"],
+            registry=r,
+        )
 
     def answered(self, endpoint: str, status: int) -> None:
         """Counts one answered request of `endpoint` with HTTP `status`."""

@@ -4,8 +4,8 @@ bottom (no FastAPI here: asyncio, the upstream client and the scheduler port).
 `Relay.handle(req, ...)` runs `_Request.run`:
 
 1. **schedule** (`_schedule`): `Schedule` through the scheduler port. A refusal because every
-   compatible instance is full waits in the admission queue (`pdplane.gateway.admission`),
-   bounded, before it is a 503.
+   compatible instance is full, or the model has no usable pair for a moment, waits in the
+   admission queue (`pdplane.gateway.admission`), bounded, before it is a 503.
 2. **one attempt on the pair** (`_attempt`), by mode:
    - *decode only*: the decision has no prefill (decode holds all but a few prompt tokens):
      the client's body goes to decode as it came, and decode computes the rest;
@@ -29,8 +29,11 @@ be computing); an instance's 4xx -> that status and body unchanged; 5xx -> 502 n
 prefill's answer without usable `kv_transfer_params` -> 502. Once the first token from prefill
 went out, a decode that cannot be reached is replaced, within the same retries, by another
 decode computing the whole prompt (`_open_continuation`); any other failure before decode's
-first byte is one SSE error event. A decode that fails after its first byte ends the stream
-with one error event (`_decode_lost`: the one place where a stream's decode is lost).
+first byte is one SSE error event. A decode lost after its first byte (`_decode_lost` says
+why) is replaced by another that continues from the prompt plus the tokens sent (`_migrate`,
+`pdplane.gateway.migration`), within `--migration-limit` and `--migration-timeout-s`; then one
+error event ends the stream. A non-streamed request whose decode died while computing it runs
+again on another pair, within the same limit.
 Cancellation (client gone): upstream connections closed (vLLM aborts the request), prefill's
 KV freed, Release "cancelled".
 """
@@ -38,13 +41,14 @@ KV freed, Release "cancelled".
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
-from collections.abc import AsyncGenerator, Iterator
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from functools import partial
-from typing import Any
+from typing import Any, NoReturn
 
 from pydantic_core import from_json
 
@@ -57,10 +61,14 @@ from pdplane.gateway.bodies import (
     continuation_body,
     decode_body,
     decode_body_parts,
+    migratable,
     prefill_body,
+    resumed_body,
     takes_first_token,
+    with_token_ids,
 )
 from pdplane.gateway.config import RelayConfig
+from pdplane.gateway.departures import Departures
 from pdplane.gateway.errors import (
     GatewayError,
     UpstreamReply,
@@ -69,7 +77,9 @@ from pdplane.gateway.errors import (
     gateway_timeout,
     unavailable,
 )
+from pdplane.gateway.fleet import FleetView
 from pdplane.gateway.metrics import GatewayMetrics
+from pdplane.gateway.migration import Loss, Transcript, whole_characters
 from pdplane.gateway.prompt_ids import Tokenizers
 from pdplane.gateway.replies import SSE_DONE, JsonReply, RetryElsewhere, StreamReply
 from pdplane.gateway.route_note import RouteNote
@@ -82,10 +92,10 @@ from pdplane.gateway.upstream import (
 )
 from pdplane.gateway.validation import COMPLETIONS, ClientRequest
 from pdplane.scheduler import (
+    Decision,
     InstanceRef,
     Outcome,
     RequestFeatures,
-    SchedulerBusy,
     SchedulerError,
     SchedulerPort,
     SchedulerUnavailable,
@@ -111,6 +121,8 @@ class Relay:
         config: dispatch mode, timeouts, retries.
         tokenizers: the served models' tokenizers, if the gateway has them (the first token
             from prefill asks them whether a token without text ends inside a character).
+        fleet: the registry's view: a model without a usable pair waits in the admission
+            queue (None: only refusals for room wait).
     """
 
     def __init__(
@@ -121,6 +133,7 @@ class Relay:
         metrics: GatewayMetrics,
         config: RelayConfig,
         tokenizers: Tokenizers | None = None,
+        fleet: Callable[[], FleetView] | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.upstream = upstream
@@ -128,8 +141,12 @@ class Relay:
         self.metrics = metrics
         self.config = config
         self.tokenizers = tokenizers
-        self.admission = AdmissionQueue(config.queue_timeout_s, config.max_queued_requests, metrics)
+        self.admission = AdmissionQueue(
+            config.queue_timeout_s, config.max_queued_requests, metrics, fleet
+        )
         self.caretaker = Caretaker(scheduler, aborter, metrics, self.admission.wake)
+        #: streams by decode, moved off decodes that leave the registry or drain
+        self.departures = Departures(config.drain_grace_s)
         #: Headers of every leg but `x-request-id` (a bearer token for `--upstream-api-key`).
         self.headers = {"content-type": "application/json"}
         if config.upstream_api_key:
@@ -172,17 +189,21 @@ class _Request:
     decode: InstanceRef
 
     __slots__ = (
+        "arrived_ns",
         "cached",
         "care",
         "decode",
         "decode_answered_ns",
         "decode_cached",
+        "evicted",
         "excluded",
         "failed",
         "first_token",
         "headers",
         "id",
         "max_model_len",
+        "migrated_at",
+        "migrations",
         "note",
         "prefill",
         "prefilled_at",
@@ -192,6 +213,7 @@ class _Request:
         "started",
         "streaming",
         "timeout_s",
+        "transcript",
         "tries_left",
     )
 
@@ -206,6 +228,7 @@ class _Request:
     ) -> None:
         self.relay = relay
         self.req = req
+        self.arrived_ns = time.time_ns()  # wall clock: compared with registration times
         self.id = request_id
         self.started = started
         self.max_model_len = max_model_len  # the model's (tokens; 0 = unknown)
@@ -231,6 +254,18 @@ class _Request:
         self.decode_answered_ns = 0  # time.time_ns() at decode's response headers
         self.resp: UpstreamResponse | None = None  # decode's, once a stream has it
         self.streaming = False  # set once the stream generator started (it then settles)
+        # Migration: the client's stream so far (None: this request is not resumed
+        # elsewhere), resumes so far, when the first loss happened, why the leg was closed.
+        self.transcript = (
+            Transcript()
+            if relay.config.migration_limit
+            and relay.config.dispatch == "sequential"
+            and migratable(req)
+            else None
+        )
+        self.migrations = 0
+        self.migrated_at = 0.0
+        self.evicted = ""
 
     async def run(self) -> JsonReply | StreamReply:
         """Schedule and attempt, again on another pair after an instance could not be
@@ -239,6 +274,17 @@ class _Request:
             await self._schedule(queue=self.failed is None)
             try:
                 return await self._attempt()
+            except _DecodeLost as lost:
+                # A non-streamed answer lost with its decode: the client saw nothing, so the
+                # whole request runs again on another pair (exact, seeded sampling included).
+                self._count_migration(lost.loss, lost.instance_id)
+                log.warning("request %s: %s; running it again on another pair", self.id, lost)
+                self.relay.metrics.migration_recomputed.inc(self.req.prompt_tokens)
+                self.excluded.append(lost.instance_id)
+                # No other decode: the loss is the answer (502), not the scheduler's 503.
+                self.failed = RetryElsewhere(
+                    "decode", lost.instance_id, bad_gateway(lost.loss.message)
+                )
             except RetryElsewhere as failed:
                 self._retrying(failed, "retrying on another pair")
                 if self.tries_left <= 0:
@@ -253,14 +299,20 @@ class _Request:
 
     # -- 1. schedule ---------------------------------------------------------------------
 
-    async def _schedule(self, queue: bool) -> None:
+    async def _schedule(
+        self, queue: bool, prompt_tokens: int | None = None, max_tokens: int | None = None
+    ) -> None:
         """A new decision for this request (and a new after-care for it). `queue`: whether a
         refusal for room waits in the admission queue; a retry answers with the failure it
         follows instead, a take-over after the first token waits (its stream has no other
-        way to an answer)."""
+        way to an answer). `prompt_tokens`, `max_tokens`: a resumed stream's (default the
+        request's)."""
         req, relay = self.req, self.relay
         self.care = care = relay.caretaker.begin(self.id)
-        prompt_tokens, max_tokens = req.prompt_tokens, req.max_tokens
+        if prompt_tokens is None:
+            prompt_tokens = req.prompt_tokens
+        if max_tokens is None:
+            max_tokens = req.max_tokens
         if self.max_model_len:
             prompt_tokens = min(prompt_tokens, self.max_model_len)
             max_tokens = min(max_tokens, self.max_model_len - prompt_tokens)
@@ -274,18 +326,29 @@ class _Request:
             prefix_hashes=req.prefix_hashes,
         )
         schedule, admission = relay.scheduler.schedule, relay.admission
+
+        def failed() -> tuple[str, ...]:
+            # A failed instance registered again since the request came is a new process.
+            return admission.failed(req.model, self.excluded, self.arrived_ns)
+
+        def again() -> Awaitable[Decision]:
+            return schedule(dataclasses.replace(features, exclude_instance_ids=failed()))
+
         try:
             with tracing.span("pdplane.schedule"):
                 if queue and admission.has_waiters(req.model):
-                    decision = await admission.admit(req.model, lambda: schedule(features), None)
+                    decision = await admission.admit(req.model, again, None)
                 else:
                     try:
                         decision = await schedule(features)
-                    except SchedulerBusy as busy:
-                        if not queue:
-                            raise  # a retry: the failure it follows is the answer (below)
+                    except SchedulerUnavailable as refused:
+                        # A retry waits only when no instance is left but those that failed
+                        # it; else the failure it follows is the answer (below).
+                        gone = () if queue else failed()
+                        if not admission.waits_on(req.model, refused, gone, queue):
+                            raise
                         decision = await admission.admit(
-                            req.model, lambda: schedule(features), busy
+                            req.model, again, refused, failed if not queue else tuple
                         )
         except asyncio.CancelledError as exc:
             # The scheduler may have counted the request before the client left; an unknown id
@@ -321,7 +384,10 @@ class _Request:
                     self.cached = usage_details.decode_hit(
                         self.decode_cached, self.req.prompt_tokens, self.req.prefix_hashes
                     )
-                resp = await self._open_decode(self.req.raw)
+                raw = self.req.raw
+                if self.transcript is not None:
+                    raw = with_token_ids(raw, self.req.body, None)
+                resp = await self._open_decode(raw)
             elif self.relay.config.dispatch == "concurrent":
                 resp = await self._concurrent()
             else:  # sequential
@@ -331,7 +397,11 @@ class _Request:
                     if reply is not None:
                         handed_off = True
                         return reply
-                resp = await self._open_decode(decode_body(self.req.raw, self.req.body, kv))
+                if self.transcript is not None:
+                    body = with_token_ids(self.req.raw, self.req.body, kv)
+                else:
+                    body = decode_body(self.req.raw, self.req.body, kv)
+                resp = await self._open_decode(body)
             if resp.status >= 400:
                 await self._decode_error(resp)
             if not self.req.stream:
@@ -352,12 +422,21 @@ class _Request:
                     resp.close()
                 self.care.settle(error)
 
+    def _restartable(self) -> bool:
+        """Whether a non-streamed request whose decode is lost runs again on another pair
+        (within `--migration-limit`): the client has seen nothing of it."""
+        return not self.req.stream and self.relay.config.migration_limit > 0
+
     @contextmanager
     def _leg_errors(self, side: str, ref: InstanceRef) -> Iterator[None]:
         """Unreachable -> RetryElsewhere (the retry frees prefill's KV); silent -> 504."""
         try:
             yield
         except UpstreamUnreachable as exc:
+            if exc.accepted and side == "decode" and self._restartable():
+                # A non-streamed request's decode died while computing it: run it again.
+                message = f"decode instance {ref.instance_id} failed before answering: {exc}"
+                raise _DecodeLost(ref.instance_id, Loss("lost", 502, message)) from None
             err = bad_gateway(f"{side} instance {ref.instance_id} unreachable: {exc}")
             raise RetryElsewhere(side, ref.instance_id, err) from None
         except UpstreamTimeout:
@@ -365,24 +444,29 @@ class _Request:
                 f"{side} instance {ref.instance_id} did not answer within {self.timeout_s:g} s"
             ) from None
 
-    async def _prefill_leg(self) -> tuple[dict[str, Any], bytes]:
+    async def _prefill_leg(
+        self, endpoint: str = "", client_body: dict[str, Any] | None = None
+    ) -> tuple[dict[str, Any], bytes]:
         """The prefill leg: prefill's answer (parsed) and its kv_transfer_params (JSON bytes,
-        as returned); prefill then holds the prompt's KV for decode (`care.hold_kv`)."""
+        as returned); prefill then holds the prompt's KV for decode (`care.hold_kv`).
+        `endpoint`, `client_body`: a resumed stream's (default the client's)."""
         t0 = time.perf_counter()
         p, d = self.prefill, self.decode
         assert p is not None, "a prefill leg without a prefill instance"
+        endpoint = endpoint or self.req.endpoint
         body = prefill_body(
-            self.req.endpoint,
-            self.req.body,
+            endpoint,  # type: ignore[arg-type]
+            self.req.body if client_body is None else client_body,
             self.id,
             d.instance_id,
             d.kv_endpoint,
-            token_ids=self.first_token,
+            # a resumed prompt's prefill too: its answer continues the stream's own
+            token_ids=self.first_token or client_body is not None,
         )
         upstream = self.relay.upstream
         with tracing.span("pdplane.prefill_leg"), self._leg_errors("prefill", p):
             resp = await upstream.open(
-                p.url + self.req.endpoint,
+                p.url + endpoint,
                 body,
                 tracing.inject_headers(self.headers),
                 read_timeout_s=self.timeout_s,
@@ -465,7 +549,10 @@ class _Request:
         try:
             body = await self.relay.upstream.read(resp)
         except UpstreamUnreachable as exc:
-            raise bad_gateway(f"decode instance {name} failed before answering: {exc}") from None
+            message = f"decode instance {name} failed before answering: {exc}"
+            if self._restartable():
+                raise _DecodeLost(name, Loss("lost", 502, message)) from None
+            raise bad_gateway(message) from None
         except UpstreamTimeout:
             raise gateway_timeout(
                 f"decode instance {name} went silent for {self.timeout_s:g} s"
@@ -486,6 +573,8 @@ class _Request:
         if first is None or splice is None:
             return None
         self.relay.metrics.first_from_prefill.inc()
+        if self.transcript is not None:
+            self.transcript = Transcript(first)
         if first.ends_request(self.req, self.max_model_len):
             # Decode is not asked: prefill's KV is freed now.
             self.care.free_kv("the request ended at its first token")
@@ -519,13 +608,17 @@ class _Request:
         are relayed whole events at a time as they arrive. With `splice`, the first token's
         events go first and decode's are rewritten; with `continuation` (the first token,
         prefill's kv_transfer_params) decode is opened once the first token went out; with
-        `splice` alone the first token ended the request (its whole stream is the splice's)."""
+        `splice` alone the first token ended the request (its whole stream is the splice's).
+        A decode lost before its `[DONE]` is replaced by another that continues from the
+        tokens sent (`_migrate`), within `--migration-limit`."""
         self.streaming = True
         metrics = self.relay.metrics
         error: BaseException | None = None
         first_at = last_at = 0.0
         events = 0
         done = failed = from_decode = False
+        transcript = self.transcript
+        resumed = False  # the current leg is a resumed one
         try:
             if splice is not None:
                 first_at = time.perf_counter()
@@ -537,46 +630,96 @@ class _Request:
                 events = 1
                 yield splice.opening()
                 try:
-                    self.resp = await self._open_continuation(*continuation, splice.token_ids)
+                    self.resp = await self._open_continuation(
+                        *continuation, splice.token_ids or transcript is not None
+                    )
                 except GatewayError as exc:
                     yield exc.sse_event()
                     return
-            resp = self.resp
-            assert resp is not None
-            name = self.decode.instance_id
             idle_s = min(self.relay.config.stream_idle_timeout_s, self.timeout_s)
-            carry = b""
-            try:
-                async for chunk in resp.chunks(idle_s):
-                    data = carry + chunk if carry else chunk
-                    cut = data.rfind(b"\n\n") + 2
-                    if cut == 1:  # no complete event yet
-                        carry = data
-                        continue
-                    out, carry = data[:cut], data[cut:]
-                    last_at = time.perf_counter()
-                    if not events:
-                        first_at = last_at
-                        metrics.ttft.observe(first_at - self.started)
-                    if not from_decode:
-                        from_decode = True
-                        tracing.record_span("pdplane.first_byte", self.decode_answered_ns)
-                    events += out.count(b"\n\n")
-                    done = out.endswith(SSE_DONE)
-                    # vLLM ends a failed request's stream with an error event, then [DONE].
-                    failed = failed or _ERROR_EVENT in out
-                    if splice is None:
-                        yield usage_details.rewrite_events(out, self.cached, self.prefill is None)
-                    else:
-                        yield splice.rewrite(out)
-            except (UpstreamTimeout, UpstreamUnreachable) as exc:
-                yield self._decode_lost(name, exc, idle_s)
-                return
-            if not done:
-                yield bad_gateway(
-                    f"decode instance {name} ended the stream before [DONE]"
-                ).sse_event()
-                return
+            while True:
+                resp = self.resp
+                assert resp is not None
+                name = self.decode.instance_id
+                loss: Loss | None = None
+                carry = b""
+                self.evicted = ""
+                if transcript is not None:
+                    self.relay.departures.add(name, self)
+                chunks = resp.chunks(idle_s)
+                try:
+                    async for chunk in chunks:
+                        data = carry + chunk if carry else chunk
+                        cut = data.rfind(b"\n\n") + 2
+                        if cut == 1:  # no complete event yet
+                            carry = data
+                            continue
+                        out, carry = data[:cut], data[cut:]
+                        last_at = time.perf_counter()
+                        if not events:
+                            first_at = last_at
+                            metrics.ttft.observe(first_at - self.started)
+                        if not from_decode:
+                            from_decode = True
+                            tracing.record_span("pdplane.first_byte", self.decode_answered_ns)
+                        if transcript is not None:
+                            at = out.find(_ERROR_EVENT)
+                            if at >= 0:
+                                # vLLM's error event (then [DONE]): held back, the stream
+                                # continues elsewhere; relayed only if it cannot.
+                                event = out[at:]  # and [DONE], relayed as sent
+                                if not event.endswith(SSE_DONE):
+                                    event += SSE_DONE
+                                loss = Loss(
+                                    "error_event",
+                                    502,
+                                    f"decode {name} sent an error event mid-stream",
+                                    event,
+                                )
+                                out = out[:at]
+                            transcript.observe(out, resumed)
+                            if splice is None or not splice.token_ids:
+                                out = transcript.strip(out)
+                        events += out.count(b"\n\n")
+                        done = out.endswith(SSE_DONE)
+                        # vLLM ends a failed request's stream with an error event, then [DONE].
+                        failed = failed or _ERROR_EVENT in out
+                        if out:
+                            if splice is None:
+                                yield usage_details.rewrite_events(
+                                    out, self.cached, self.prefill is None
+                                )
+                            else:
+                                yield splice.rewrite(out)
+                        if loss is not None:
+                            break
+                except (UpstreamTimeout, UpstreamUnreachable) as exc:
+                    loss = self._decode_lost(name, exc, idle_s)
+                finally:
+                    await chunks.aclose()
+                    if transcript is not None:
+                        self.relay.departures.discard(name, self)
+                if loss is None and not done:
+                    loss = self._decode_lost(name, None, idle_s)
+                if loss is None:
+                    break
+                if transcript is None or not transcript.resumable():
+                    yield loss.event or GatewayError(loss.status, loss.message).sse_event()
+                    return
+                if transcript.finished and not loss.event:
+                    # The last token went out: the stream only misses its usage and [DONE].
+                    first = transcript.as_first_token()
+                    yield Splice(self.req, first, None, self.cached, len(transcript.sent)).closing()
+                    done = True
+                    break
+                lost_at = time.perf_counter()
+                try:
+                    splice = await self._migrate(transcript, loss)
+                except GatewayError as exc:
+                    yield loss.event or exc.sse_event()
+                    return
+                metrics.migration_seconds.observe(time.perf_counter() - lost_at)
+                resumed = True
             if failed:
                 return
             self.care.succeeded()
@@ -594,15 +737,151 @@ class _Request:
                 else:
                     self.resp.close()
 
-    def _decode_lost(self, name: str, exc: Exception, idle_s: float) -> bytes:
-        """A stream's decode failed after its first byte (connection lost, or silent past
-        `--stream-idle-timeout-s`): the event that ends the client's stream. (Continuing on
-        another decode from the prompt plus the tokens already sent would start here.)"""
+    def _decode_lost(self, name: str, exc: Exception | None, idle_s: float) -> Loss:
+        """Why a stream's decode leg ended before its `[DONE]`: `exc` (connection lost,
+        silent past `--stream-idle-timeout-s`; None: closed before `[DONE]`), or the reason
+        its leg was closed (`evict`)."""
+        if self.evicted == "drain":
+            return Loss("drain", 502, f"decode instance {name} drained past its grace")
+        if self.evicted:
+            return Loss(self.evicted, 502, f"decode instance {name} left the registry")
         if isinstance(exc, UpstreamTimeout):
-            return gateway_timeout(
-                f"decode instance {name} sent nothing for {idle_s:g} s"
-            ).sse_event()
-        return bad_gateway(f"decode instance {name} failed mid-stream: {exc}").sse_event()
+            return Loss("idle", 504, f"decode instance {name} sent nothing for {idle_s:g} s")
+        if exc is None:
+            return Loss("lost", 502, f"decode instance {name} ended the stream before [DONE]")
+        return Loss("lost", 502, f"decode instance {name} failed mid-stream: {exc}")
+
+    def evict(self, reason: str) -> None:
+        """Closes the stream's decode leg because its instance left (`deregistered`) or
+        drained past its grace (`drain`): the stream continues on another decode
+        (`pdplane.gateway.departures`)."""
+        self.evicted = reason
+        if self.resp is not None:
+            self.resp.close()
+
+    def _count_migration(self, loss: Loss, instance_id: str) -> None:
+        """One more resume of this request after `loss` of `instance_id`; raises GatewayError
+        (the client's one error) when `--migration-limit` or `--migration-timeout-s` is
+        spent."""
+        config, metrics = self.relay.config, self.relay.metrics
+        now = time.perf_counter()
+        if not self.migrated_at:
+            self.migrated_at = now
+        if self.migrations >= config.migration_limit:
+            metrics.migration_failures.labels("limit").inc()
+            log.warning(
+                "request %s: %s; not continued (--migration-limit %d spent)",
+                self.id,
+                loss.message,
+                config.migration_limit,
+            )
+            raise GatewayError(
+                loss.status,
+                f"{loss.message}; not continued on another decode: "
+                f"--migration-limit {config.migration_limit} spent",
+            )
+        if now - self.migrated_at > config.migration_timeout_s:
+            metrics.migration_failures.labels("timeout").inc()
+            raise gateway_timeout(
+                f"{loss.message}; not continued on another decode within "
+                f"--migration-timeout-s {config.migration_timeout_s:g}"
+            )
+        self.migrations += 1
+        metrics.migrations.labels(loss.reason).inc()
+
+    async def _migrate(self, transcript: Transcript, loss: Loss) -> Splice:
+        """Continues a stream whose decode leg was lost (`loss`) on another decode: the lost
+        attempt is released failed; a new decision for the prompt plus the tokens sent
+        (`transcript`), its prefill leg if it has one (the resumed prompt's KV), and the new
+        decode leg on `/v1/completions` (`pdplane.gateway.bodies.resumed_body`). Returns the
+        splice that continues the client's stream with its events (`self.resp`). Tries again
+        on another decode when the new one fails too, within `--migration-limit` and
+        `--migration-timeout-s`; raises GatewayError when either is spent, when no decode is
+        left, or when the new leg is refused."""
+        metrics, config = self.relay.metrics, self.relay.config
+        lost = self.decode.instance_id
+        tokenizer = self.relay.tokenizers.get(self.req.model) if self.relay.tokenizers else None
+        if tokenizer is not None and transcript.prompt_ids is not None:
+            decode = partial(tokenizer.decode, skip_special_tokens=False)
+            transcript.rewind(whole_characters(transcript.prompt_ids, transcript.sent, decode))
+        prompt = transcript.resumed_prompt()
+        sent = len(transcript.sent)
+        cached = self.cached  # the client's prompt's, not the resumed prompt's
+        while True:
+            if self.resp is not None:
+                self.resp.close()
+            self.care.settle(RuntimeError(loss.message))  # Release failed, before Schedule
+            self._count_migration(loss, lost)
+            self.excluded.append(lost)
+            body = resumed_body(self.req, prompt, sent)
+            left = config.migration_timeout_s - (time.perf_counter() - self.migrated_at)
+            attributes = {
+                "pdplane.lost_decode": lost,
+                "pdplane.reason": loss.reason,
+                "pdplane.tokens_sent": sent,
+            }
+            try:
+                async with asyncio.timeout(max(left, 0.001)):
+                    with tracing.span("pdplane.migration", attributes=attributes):
+                        self.resp = await self._resume(body)
+            except RetryElsewhere as failed:
+                lost, loss = failed.instance_id, Loss("lost", 502, failed.error.message)
+                continue
+            except TimeoutError:
+                self.care.settle(TimeoutError())
+                metrics.migration_failures.labels("timeout").inc()
+                raise gateway_timeout(
+                    f"{loss.message}; not continued on another decode within "
+                    f"--migration-timeout-s {config.migration_timeout_s:g}"
+                ) from None
+            except GatewayError as exc:
+                metrics.migration_failures.labels("unavailable").inc()
+                log.warning("request %s: %s; not continued: %s", self.id, loss.message, exc)
+                raise GatewayError(
+                    exc.status if exc.status < 500 else loss.status,
+                    f"{loss.message}; not continued on another decode: {exc.message}",
+                ) from None
+            metrics.migration_recomputed.inc(len(prompt))
+            prefill = self.prefill.instance_id if self.prefill is not None else "none"
+            log.warning(
+                "request %s: %s after %d tokens (%s); continued on decode %s (prefill %s), "
+                "%d tokens recomputed",
+                self.id,
+                loss.message,
+                sent,
+                loss.reason,
+                self.decode.instance_id,
+                prefill,
+                len(prompt),
+            )
+            self.cached = cached
+            return Splice(self.req, transcript.as_first_token(), None, cached, sent)
+
+    async def _resume(self, body: dict[str, Any]) -> UpstreamResponse:
+        """The new legs of a resumed stream (`body`: `resumed_body`'s): Schedule, prefill's
+        leg when the decision has one, decode's response headers. Raises RetryElsewhere
+        (an instance unreachable: the next decode is tried), GatewayError."""
+        try:
+            await self._schedule(
+                queue=True, prompt_tokens=len(body["prompt"]), max_tokens=body["max_tokens"] or 0
+            )
+            kv = None
+            if self.prefill is not None:
+                _, kv = await self._prefill_leg(COMPLETIONS, body)
+            data = json.dumps(body, separators=(",", ":")).encode()
+            if kv is not None:
+                data = data[:-1] + b',"kv_transfer_params":' + kv + b"}"
+            resp = await self._open_decode(data, COMPLETIONS)
+            if resp.status < 400:
+                return resp
+            await self._refused_mid_stream(resp)
+        except (RetryElsewhere, asyncio.CancelledError):
+            # `_migrate` settles the attempt: with the failure (and tries the next decode),
+            # its time budget spent, or the client gone.
+            raise
+        except BaseException as exc:
+            self.care.settle(exc)
+            raise
 
     async def _open_continuation(
         self, first: FirstToken, kv: bytes, token_ids: bool
@@ -637,16 +916,23 @@ class _Request:
                 continue
             if resp.status < 400:
                 return resp
-            try:
-                await self._decode_error(resp)
-            except UpstreamReply as reply:
-                excerpt = reply.body[:300].decode(errors="replace")
-                raise GatewayError(
-                    reply.status,
-                    f"decode instance {self.decode.instance_id} answered {reply.status}: {excerpt}",
-                ) from None
-            finally:
-                resp.close()
+            await self._refused_mid_stream(resp)
+
+    async def _refused_mid_stream(self, resp: UpstreamResponse) -> NoReturn:
+        """Decode refused a leg of a stream under way (`resp`: its error status): prefill's
+        KV is freed; raises GatewayError (decode's status and message for 4xx, 502 for 5xx),
+        whose event ends the stream."""
+        try:
+            await self._decode_error(resp)
+        except UpstreamReply as reply:
+            excerpt = reply.body[:300].decode(errors="replace")
+            raise GatewayError(
+                reply.status,
+                f"decode instance {self.decode.instance_id} answered {reply.status}: {excerpt}",
+            ) from None
+        finally:
+            resp.close()
+        raise AssertionError("unreachable: _decode_error raises")
 
     def _abandon(self) -> None:
         # The reply was closed before its stream started (the client left first), so the
@@ -661,3 +947,13 @@ class _Request:
 def _status_error(side: str, instance_id: str, status: int, body: bytes) -> GatewayError:
     excerpt = body[:300].decode(errors="replace")
     return bad_gateway(f"{side} instance {instance_id} answered {status}: {excerpt}")
+
+
+class _DecodeLost(Exception):
+    """A non-streamed request's decode was lost before its answer (`loss`): the request runs
+    again on another pair, within `--migration-limit`."""
+
+    def __init__(self, instance_id: str, loss: Loss) -> None:
+        super().__init__(loss.message)
+        self.instance_id = instance_id
+        self.loss = loss

@@ -96,7 +96,48 @@ class GatewaySettings(PolicySettings):
     max_queued_requests: int = Field(
         1024,
         ge=0,
-        description="requests waiting for room at once; one more gets 503 at once",
+        description="requests waiting for room at once, and per model for their turn in the "
+        "in-flight budget; one more gets 503 (room) or 429 (turn; the lowest priority shed "
+        "first)",
+    )
+    inflight_budget: float = Field(
+        1.0,
+        ge=0,
+        description="flow control: tokens (prompt + max_tokens) in flight per model at most, "
+        "as a multiple of its decode instances' KV cache (tokens); beyond it requests wait at "
+        "the gateway by priority, fair between tenants; 0 = no budget (see docs/gateway.md)",
+    )
+    flow_policy: Literal["fair", "fifo"] = Field(
+        "fair",
+        description="order of the requests waiting for the in-flight budget: fair = by "
+        "priority, then fair between tenants by tokens; fifo = arrival order",
+    )
+    tenants: str | None = Field(
+        None,
+        description="tenants file (YAML, TOML or JSON): API keys, their tenant, priority, "
+        "weight and rate limits; reread when it changes (see docs/gateway.md)",
+    )
+    tenants_reload_s: float = Field(
+        1.0, gt=0, description="how often the --tenants file is checked for changes (s)"
+    )
+    migration_limit: int = Field(
+        3,
+        ge=0,
+        le=20,
+        description="a request whose decode is lost mid-way continues on another decode from "
+        "the tokens already sent, at most this many times; then one error event (0 = never)",
+    )
+    migration_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="total time a request may spend continuing on other decodes (scheduling, "
+        "waiting for room, opening the new leg) before one error event ends it (s)",
+    )
+    drain_grace_s: float = Field(
+        30.0,
+        ge=0,
+        description="streams on a draining decode may finish there this long; then they "
+        "continue on another decode (s)",
     )
     connect_timeout_s: float = Field(5.0, gt=0, description="TCP connect bound per leg (s)")
     max_retries: int = Field(

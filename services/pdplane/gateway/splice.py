@@ -193,6 +193,9 @@ class Splice:
             ids (`token_ids`), and the text of its tokens up to the end of that character is
             rebuilt from them: vLLM's detokenizer on decode, primed with a prompt that ends
             inside the character, emits its prompt's text again with the character.
+        cached_tokens: usage's `prompt_tokens_details.cached_tokens`, if asked.
+        sent: output tokens the client had before decode's first (1: the first token; more
+            for a stream resumed on another decode, `pdplane.gateway.migration`).
     """
 
     __slots__ = (
@@ -205,6 +208,7 @@ class Splice:
         "_head",
         "_held",
         "_ids",
+        "_sent",
         "_stop_text",
         "_tail",
         "_token_frame",
@@ -217,8 +221,10 @@ class Splice:
         first: FirstToken,
         decode: Callable[[list[int]], str] | None = None,
         cached_tokens: int | None = None,
+        sent: int = 1,
     ) -> None:
         self._first = first
+        self._sent = sent
         self._cached = cached_tokens  # usage's prompt_tokens_details.cached_tokens, if asked
         self._decode = decode
         # Ids of the held character so far (the first token's, then decode's); None once
@@ -309,6 +315,12 @@ class Splice:
         if self._usage:
             out += self._chunk([], self._usage_of(1))
         return out + SSE_DONE
+
+    def closing(self) -> bytes:
+        """The end of a stream whose last token already went out (its decode was lost after
+        it, before its usage and `[DONE]`): the usage chunk if asked, then `[DONE]`."""
+        usage = self._chunk([], self._usage_of(self._sent)) if self._usage else b""
+        return usage + SSE_DONE
 
     @property
     def token_ids(self) -> bool:
@@ -416,7 +428,7 @@ class Splice:
             return event + b"\n\n"
         usage = obj.get("usage")
         if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
-            fixed = self._usage_of(usage["completion_tokens"] + 1)
+            fixed = self._usage_of(usage["completion_tokens"] + self._sent)
             usage = {**usage, **fixed}
         else:
             usage = None

@@ -15,7 +15,7 @@ Errors: `UpstreamUnreachable` (connection refused/reset/closed before or while a
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 
 import aiohttp
 
@@ -28,7 +28,17 @@ _TIMEOUTS_KEPT = 16
 
 
 class UpstreamUnreachable(Exception):
-    """The instance could not be reached or closed the connection before answering."""
+    """The instance could not be reached or closed the connection before answering.
+
+    Attributes:
+        accepted: the instance took the request and then went away before its headers (the
+            server disconnected; vLLM sends a non-streamed answer's headers with its body), as
+            opposed to a connection refused or reset on the way in.
+    """
+
+    def __init__(self, message: str, accepted: bool = False) -> None:
+        super().__init__(message)
+        self.accepted = accepted
 
 
 class UpstreamTimeout(Exception):
@@ -97,7 +107,7 @@ class UpstreamResponse:
         self.status = resp.status
         self.headers: Mapping[str, str] = resp.headers
 
-    async def chunks(self, idle_timeout_s: float | None = None) -> AsyncIterator[bytes]:
+    async def chunks(self, idle_timeout_s: float | None = None) -> AsyncGenerator[bytes, None]:
         """The body as it arrives: each item is everything received since the last one.
 
         `idle_timeout_s` bounds each wait for the next bytes (s), below the request's own read
@@ -240,7 +250,8 @@ class UpstreamClient:
         except TimeoutError as exc:
             raise UpstreamTimeout(f"no answer from {url} within {read_timeout_s:g} s") from exc
         except aiohttp.ClientError as exc:
-            raise UpstreamUnreachable(f"{url}: {exc or type(exc).__name__}") from exc
+            accepted = isinstance(exc, aiohttp.ServerDisconnectedError)
+            raise UpstreamUnreachable(f"{url}: {exc or type(exc).__name__}", accepted) from exc
         return UpstreamResponse(resp)
 
     @staticmethod

@@ -68,6 +68,7 @@ class _Common(BaseModel):
     min_tokens: StrictInt | None = None
     n: StrictInt | None = None
     user: StrictStr | None = None
+    priority: Annotated[StrictInt, Field(ge=-(2**31), lt=2**31)] | None = None
     use_beam_search: StrictBool | None = None
 
 
@@ -101,6 +102,7 @@ class ClientRequest:
         routing_key: consistent-hash key (`X-Routing-Key` header, else the `user` field).
         prefix_hashes: block size -> the prompt's exact block hashes, set with the exact
             `prompt_tokens` by `pdplane.gateway.prompt_ids` when the model's tokenizer is known.
+        priority: vLLM's `priority` field (lower is served first), None when absent.
     """
 
     endpoint: Endpoint
@@ -112,6 +114,7 @@ class ClientRequest:
     max_tokens: int
     routing_key: str
     prefix_hashes: Mapping[int, Sequence[int]] = field(default_factory=dict)
+    priority: int | None = None
 
 
 _UNION_TAGS = frozenset({"str", "int", "bool", "float"})
@@ -216,4 +219,5 @@ def parse_request(
         prompt_tokens=prompt_tokens,
         max_tokens=max(0, max_tokens),
         routing_key=routing_key or (req.user or ""),
+        priority=req.priority,
     )

@@ -75,7 +75,9 @@ class _UpLike(Protocol):
     max_model_len: int
     prefill_policy: str
     decode_policy: str
+    kv_profile: str
     queue_timeout_s: float
+    tenants: Path | None
     log_dir: Path
     ready_timeout_s: float
     etcd_port: int
@@ -112,9 +114,14 @@ class FleetSpec:
     max_model_len: int = 1024
     prefill_policy: str = "kv_aware"
     decode_policy: str = "kv_aware"
+    #: The engine profile the scheduler's kv_aware predicts latencies with (--kv-profile);
+    #: None = the scheduler's default or its PDPLANE_KV_PROFILE.
+    kv_profile: str | None = None
     #: The gateway's `--queue-timeout-s` (how long a request waits for room on a full fleet);
     #: None = the gateway's own default or its PDPLANE_QUEUE_TIMEOUT_S.
     queue_timeout_s: float | None = None
+    #: The gateway's `--tenants` file; None = none.
+    tenants: Path | None = None
     log_dir: Path = Path("logs")
     ready_timeout_s: float = 600.0
     #: Extra `VllmCpuOptions` fields for every instance (e.g. transfer_timeout_s in tests).
@@ -153,7 +160,9 @@ class FleetSpec:
             max_model_len=s.max_model_len,
             prefill_policy=s.prefill_policy,
             decode_policy=s.decode_policy,
+            kv_profile=s.kv_profile,
             queue_timeout_s=s.queue_timeout_s,
+            tenants=s.tenants,
             log_dir=s.log_dir,
             ready_timeout_s=s.ready_timeout_s,
             store=s.store,
@@ -428,6 +437,7 @@ class Fleet:
                 s.decode_policy,
                 "--metrics-port",
                 str(s.scheduler_metrics_port),
+                *(["--kv-profile", s.kv_profile] if s.kv_profile else []),
             ),
         )
         self._answers[sch] = (
@@ -457,6 +467,7 @@ class Fleet:
                     if s.queue_timeout_s is None
                     else ["--queue-timeout-s", str(s.queue_timeout_s)]
                 ),
+                *([] if s.tenants is None else ["--tenants", str(s.tenants)]),
             ),
         )
         # /health answers (503 until a pair registers) once the HTTP server is up.

@@ -16,7 +16,11 @@ sequential dispatch (docs/gateway.md) and the connector's pull mode (docs/connec
   the decode's first token (TTFT counts prefill queue + prefill + pull + decode admission);
 - plain: every instance serves whole requests (role `both`);
 - routing: least outstanding work — prefill by unfinished prompt tokens, decode and plain by
-  unfinished requests (the scheduler's `least_loaded` in spirit, without heartbeat lag).
+  unfinished requests (the scheduler's `least_loaded` in spirit, without heartbeat lag); or,
+  with a `FleetRouter` (disaggregated fleets), the router's choice of both legs when the request
+  arrives (the scheduler's real policies: `pdplane.plan.routesim`), with the prompt's token ids,
+  so prefix caches hit, a request may skip prefill (its decode computes the prompt) and a
+  finished request may send follow-ups (multi-turn).
 
 Measured window: requests arriving in [warmup_s, last arrival]; ITL counts token gaps inside
 that window (all requests); the run stops `tail_s` after the last arrival, so a request of the
@@ -30,6 +34,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdplane.plan.fleet_routing import FleetEngines, FleetRouter, Routed
 from pdplane.plan.workload import RequestSpec
 from pdplane.sim.engine import EngineCore, EngineLimits, EngineRequest, Phase, Step
 from pdplane.sim.frontend import Frontend
@@ -39,17 +44,20 @@ from pdplane.sim.stats import LogHistogram
 __all__ = [
     "FIRST_FREE_EVENT",
     "FleetConfig",
+    "FleetEngines",
     "FleetResult",
+    "FleetRouter",
     "FleetRun",
     "Node",
     "Req",
     "RoleStats",
+    "Routed",
     "simulate_fleet",
 ]
 
 #: event kinds; a subclass numbers its own from `FIRST_FREE_EVENT` on (see `FleetRun.other`)
-_ADD, _STEP_END, _LOAD_DONE, _SNAPSHOT = 0, 1, 2, 3
-FIRST_FREE_EVENT = 4
+_ADD, _STEP_END, _LOAD_DONE, _SNAPSHOT, _ARRIVE, _TICK = 0, 1, 2, 3, 4, 5
+FIRST_FREE_EVENT = 6
 _NO_STREAM = 1 << 30  # the waiters are ours: wake only on the first and the last token
 
 
@@ -144,15 +152,30 @@ class Node:
 class Req:
     """The caller's side of a request (the engines' `EngineRequest.waiter`)."""
 
-    __slots__ = ("arrival", "measured", "node", "prefill", "prefill_node", "served", "spec")
+    __slots__ = (
+        "arrival",
+        "decode_node",
+        "index",
+        "measured",
+        "node",
+        "outputs",
+        "prefill",
+        "prefill_node",
+        "served",
+        "spec",
+    )
 
-    def __init__(self, spec: RequestSpec, measured: bool) -> None:
+    def __init__(self, spec: RequestSpec, measured: bool, index: int = 0) -> None:
         self.spec = spec
         self.arrival = spec.at
         self.measured = measured
+        self.index = index
         self.node: Node | None = None
         self.prefill: EngineRequest | None = None
         self.prefill_node: Node | None = None
+        #: routed runs: the decode chosen on arrival and the output token ids
+        self.decode_node: Node | None = None
+        self.outputs: Sequence[int] = ()
         #: the engine request whose tokens the client sees (decode's or plain's)
         self.served: EngineRequest | None = None
 
@@ -190,9 +213,12 @@ class FleetRun:
     after each event that may leave an instance without work, `other` handles the event kinds
     the subclass pushes."""
 
-    def __init__(self, profile: Profile, config: FleetConfig) -> None:
+    def __init__(
+        self, profile: Profile, config: FleetConfig, router: FleetRouter | None = None
+    ) -> None:
         self.profile = profile
         self.config = config
+        self.router = router
         self.kv_per_token = profile.kv_bytes_per_token
         self.gbps = profile.transfer_gbps
         self.latency = profile.transfer_latency_ms * 1e-3
@@ -204,6 +230,10 @@ class FleetRun:
         self.events: list[tuple[float, int, int, Any]] = []
         self.seq = 0
         self.snaps: dict[int, _Snapshot] = {}
+        # Routed runs: follow-ups join the window when they arrive in [warmup, end].
+        self.window: list[Req] = []
+        self.bounds = (0.0, 0.0)
+        self.next_index = 0
 
     def new_node(self, role: str) -> Node:
         """A fresh instance of `role` (prefill | decode | plain) with the config's flags."""
@@ -238,6 +268,37 @@ class FleetRun:
         er.waiter = r
         self.push(node.frontend.admit(spec.at), _ADD, (node, er))
 
+    def arrive(self, r: Req, now: float) -> None:
+        """A routed request arrives: the router picks its legs and it goes to the first."""
+        assert self.router is not None
+        routed = self.router.route(r.index, r.spec, now)
+        if routed is None:  # no room now: the request waits (its TTFT counts from arrival)
+            self.push(now + self.router.retry_s, _ARRIVE, r)
+            return
+        r.outputs = routed.outputs
+        d = self.dec[routed.decode]
+        d.outstanding += 1
+        if routed.prefill is None:  # the decode computes the prompt itself
+            er = EngineRequest(str(r.index), routed.prompt, routed.outputs)
+            er.waiter = r
+            self.push(d.frontend.admit(now), _ADD, (d, er))
+            return
+        r.decode_node = d
+        node = r.prefill_node = self.pre[routed.prefill]
+        node.outstanding += len(routed.prompt)
+        er = EngineRequest(str(r.index), routed.prompt, range(1), hold=True)
+        er.waiter = r
+        self.push(node.frontend.admit(now), _ADD, (node, er))
+
+    def follow_up(self, spec: RequestSpec) -> None:
+        """Schedules a request a router sent after another finished."""
+        warmup, end = self.bounds
+        r = Req(spec, warmup <= spec.at <= end, self.next_index)
+        self.next_index += 1
+        if r.measured:
+            self.window.append(r)
+        self.push(spec.at, _ARRIVE, r)
+
     def kick(self, node: Node, now: float) -> None:
         """Starts the node's next step if it is idle and has work."""
         if node.busy or not node.core.has_work:
@@ -260,20 +321,27 @@ class FleetRun:
         for er in node.core.complete(step, now):
             if er.phase != Phase.DONE:
                 continue
-            if node.role != "prefill":
-                node.outstanding -= 1
-                continue
-            # The prefill is done: the request goes to the least loaded decode.
             r = er.waiter
             assert isinstance(r, Req)
+            if node.role != "prefill":
+                node.outstanding -= 1
+                if self.router is not None:
+                    for spec in self.router.finished(r.index, er, r.prefill, now):
+                        self.follow_up(spec)
+                continue
             node.outstanding -= len(er.prompt)
             node.held += 1
             r.prefill = er
-            d = min(self.dec, key=lambda n: n.outstanding)
-            d.outstanding += 1
             spec = r.spec
-            out = _tokens((int(er.request_id) << 20) + spec.prompt_tokens, spec.output_tokens)
-            der = EngineRequest(er.request_id, er.prompt, out, remote_tokens=spec.prompt_tokens)
+            if r.decode_node is not None:  # routed: the decode chosen on arrival
+                assert self.router is not None
+                self.router.prefill_done(r.index, er, now)
+                d, out = r.decode_node, r.outputs
+            else:  # the prefill is done: the request goes to the least loaded decode
+                d = min(self.dec, key=lambda n: n.outstanding)
+                d.outstanding += 1
+                out = _tokens((int(er.request_id) << 20) + spec.prompt_tokens, spec.output_tokens)
+            der = EngineRequest(er.request_id, er.prompt, out, remote_tokens=len(er.prompt))
             der.waiter = r
             self.push(d.frontend.admit(now), _ADD, (d, der))
         self.kick(node, now)
@@ -326,6 +394,12 @@ class FleetRun:
                 self.add(obj[0], obj[1], now)
             elif kind == _LOAD_DONE:
                 self.load_done(obj[0], obj[1], obj[2], now)
+            elif kind == _ARRIVE:
+                self.arrive(obj, now)
+            elif kind == _TICK:
+                assert self.router is not None
+                self.router.tick(now)
+                self.push(now + self.router.tick_s, _TICK, None)
             elif kind == _SNAPSHOT:
                 self.snapshot(obj, now)
             else:
@@ -380,35 +454,49 @@ def simulate_fleet(
     itl_slo_s: float,
     warmup_s: float = 0.0,
     tail_s: float | None = None,
+    router: FleetRouter | None = None,
 ) -> FleetResult:
     """Runs `requests` on the fleet `config` in modelled time and measures the window.
 
     Goodput counts window requests whose TTFT <= `ttft_slo_s` and mean ITL (TPOT, over the
     tokens they got before the stop) <= `itl_slo_s`. `tail_s` (default 2 x `ttft_slo_s`):
-    how long after the last arrival the run goes on. Raises ValueError for an empty fleet or a
-    request longer than the profile's context.
+    how long after the last arrival the run goes on. `router` (disaggregated fleets): chooses
+    each request's legs and token ids (`FleetRouter`); its follow-ups arriving in the window
+    count in it. Raises ValueError for an empty fleet, a router on a plain fleet, or a request
+    longer than the profile's context.
     """
     if config.disaggregated and (config.prefill < 1 or config.decode < 1):
         raise ValueError("a disaggregated fleet needs at least one prefill and one decode")
     if config.instances < 1:
         raise ValueError("an empty fleet")
+    if router is not None and not config.disaggregated:
+        raise ValueError("a router routes disaggregated fleets only")
     for spec in requests:
         if spec.prompt_tokens + spec.output_tokens > profile.max_model_len:
             raise ValueError(
                 f"request of {spec.prompt_tokens}+{spec.output_tokens} tokens exceeds "
                 f"max_model_len {profile.max_model_len} of profile {profile.name}"
             )
-    fleet = FleetRun(profile, config)
+    fleet = FleetRun(profile, config, router)
     end = max((r.at for r in requests), default=0.0)
     warmup_s = min(warmup_s, end)
     stop = end + (2 * ttft_slo_s if tail_s is None else tail_s)
-    window: list[Req] = []
+    window = fleet.window
+    fleet.bounds = (warmup_s, end)
+    fleet.next_index = len(requests)
+    if router is not None:
+        router.start(FleetEngines([n.core for n in fleet.pre], [n.core for n in fleet.dec]))
+        if router.tick_s > 0:
+            fleet.push(0.0, _TICK, None)
     # In arrival order: each instance's API server is a FIFO (`Frontend.admit`).
     for i, spec in sorted(enumerate(requests), key=lambda p: p[1].at):
-        r = Req(spec, warmup_s <= spec.at <= end)
+        r = Req(spec, warmup_s <= spec.at <= end, i)
         if r.measured:
             window.append(r)
-        fleet.send(i, r)
+        if router is None:
+            fleet.send(i, r)
+        else:  # routed on arrival, in time order with everything else
+            fleet.push(spec.at, _ARRIVE, r)
     fleet.push(warmup_s, _SNAPSHOT, 0)
     fleet.push(end, _SNAPSHOT, 1)
     stopped_at = fleet.run(stop)

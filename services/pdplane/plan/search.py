@@ -26,7 +26,7 @@ from pdplane.plan.fleetsim import FleetConfig, FleetResult, simulate_fleet
 from pdplane.plan.workload import RequestSpec, Shape
 from pdplane.sim.profiles import Profile
 
-__all__ = ["Plan", "Slo", "estimate", "parse_slo", "plan_fleet", "window"]
+__all__ = ["Plan", "Slo", "capacity", "estimate", "parse_slo", "plan_fleet", "window"]
 
 _SLO_RE = re.compile(r"^\s*(ttft|itl)_p(\d{1,2}(?:\.\d+)?)\s*<=\s*([\d.]+)\s*(ms|s)\s*$")
 
@@ -88,8 +88,29 @@ def estimate(profile: Profile, requests: Sequence[RequestSpec], slo: Slo) -> tup
     rate = len(requests) / span
     isl = sum(r.prompt_tokens for r in requests) / len(requests)
     osl = sum(r.output_tokens for r in requests) / len(requests)
+    prefill_tps, decode_tps = _throughputs(profile, isl, osl, slo.bound("itl"))
+    y = math.ceil(rate * osl / decode_tps) if decode_tps else 1
+    x = math.ceil(rate * isl / (0.7 * prefill_tps)) if prefill_tps else 1
+    return max(1, x), max(1, y)
+
+
+def capacity(
+    profile: Profile, isl: float, osl: float, itl_s: float, prefill: int, decode: int
+) -> float:
+    """Requests per second an XpYd fleet sustains by `estimate`'s closed form with both roles
+    fully busy (no prefix cache hits): the lesser of `prefill` x prompt tokens per second of
+    a full-budget step / `isl` and `decode` x output tokens per second of the largest batch
+    within `itl_s` (0.8 of it, as `estimate`) / `osl`. `isl`, `osl` in tokens."""
+    prefill_tps, decode_tps = _throughputs(profile, isl, osl, itl_s)
+    rates = [prefill * prefill_tps / isl, decode * decode_tps / osl]
+    return min(r for r in rates if r > 0) if any(r > 0 for r in rates) else math.inf
+
+
+def _throughputs(profile: Profile, isl: float, osl: float, itl: float) -> tuple[float, float]:
+    """(prompt tokens/s of one prefill instance at full token budget, output tokens/s of one
+    decode instance at the largest batch whose step fits 0.8 x `itl` s and its KV cache);
+    inf where a step takes no time."""
     c = profile.cost
-    itl = slo.bound("itl")
     ctx = isl + osl / 2
     kv_cap = profile.num_blocks * profile.block_size / ctx
 
@@ -102,11 +123,9 @@ def estimate(profile: Profile, requests: Sequence[RequestSpec], slo: Slo) -> tup
         if t > 0.8 * itl:
             break
         best = max(best, b / t if t else float(b) * 1e9)
-    y = math.ceil(rate * osl / best) if best else 1
     chunk = profile.max_num_batched_tokens
     step = c.step_time_ms(chunk, chunk, max(1, round(chunk / isl)), 0, chunk * isl / 2) * 1e-3
-    x = math.ceil(rate * isl / (0.7 * chunk / step)) if step else 1
-    return max(1, x), max(1, y)
+    return (chunk / step if step else math.inf), best
 
 
 @dataclass(slots=True)

@@ -24,7 +24,7 @@ from aetcd import rpc
 
 from pdplane.core.echo import echo
 from pdplane.registry.store import NotFoundError
-from pdplane.registry.watch_hub import WatchHub, filter_instances
+from pdplane.registry.watch_hub import WatchHub, change_event, filter_instances
 from pdplane.v1 import instance_pb2, registry_pb2, registry_store_pb2
 
 __all__ = ["SHIFT", "EtcdView", "Record", "composite", "etcd_revision"]
@@ -220,9 +220,7 @@ class EtcdView:
         self, kind: _Event.Type.ValueType, instance: instance_pb2.Instance, reason: str = ""
     ) -> None:
         self.revision = instance.revision
-        self.hub.emit(
-            _Event(type=kind, revision=instance.revision, instance=instance, reason=reason)
-        )
+        self.hub.emit(change_event(kind, instance.revision, instance, reason))
 
     # ------------------------------------------------------------------------------ reading
 

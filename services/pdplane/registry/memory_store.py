@@ -21,7 +21,7 @@ from pdplane.registry.store import (
     granted_lease_id,
     is_replay,
 )
-from pdplane.registry.watch_hub import WatchHub, filter_instances
+from pdplane.registry.watch_hub import WatchHub, change_event, filter_instances
 from pdplane.v1 import instance_pb2, registry_pb2
 
 __all__ = ["InMemoryStore"]
@@ -75,7 +75,7 @@ class InMemoryStore:
     def _emit(
         self, kind: _Event.Type.ValueType, instance: instance_pb2.Instance, reason: str = ""
     ) -> None:
-        self._hub.emit(_Event(type=kind, revision=self._revision, instance=instance, reason=reason))
+        self._hub.emit(change_event(kind, self._revision, instance, reason))
 
     def _store(self, entry: _Entry, kind: _Event.Type.ValueType) -> int:
         """Bumps the revision, stamps it on the entry's new instance and emits `kind`."""

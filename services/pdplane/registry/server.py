@@ -153,7 +153,9 @@ class RegistryServer:
             interceptors=grpc_util.aio_server_interceptors(s.token, s.admin_token),
             options=grpc_util.SERVER_OPTIONS,
         )
-        servicer = RegistryServicer(self.store, AuthPolicy(s.token, s.admin_token))
+        servicer = RegistryServicer(
+            self.store, AuthPolicy(s.token, s.admin_token), s.watch_coalesce_ms
+        )
         registry_pb2_grpc.add_RegistryServicer_to_server(servicer, server)
         await grpc_util.aio_add_health_and_reflection(server, [SERVICE_NAME])
         self.port = self._bind(server)

@@ -49,6 +49,13 @@ class RegistrySettings(CommandSettings):
     watch_queue_size: int = Field(
         4_096, ge=1, description="events a watcher may lag before it gets a fresh snapshot"
     )
+    watch_coalesce_ms: int = Field(
+        20,
+        ge=0,
+        le=1_000,
+        description="a watcher taking batches gets the changes of this long as one message (ms; "
+        "0: one message per wake-up)",
+    )
     event_history: int = Field(
         10_000, ge=0, description="events kept to replay to re-watching clients"
     )

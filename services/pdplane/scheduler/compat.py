@@ -34,6 +34,7 @@ from pdplane.scheduler.table import (
     ASSIGNED_BLOCKS,
     BLOCK_BYTES,
     BLOCK_SIZE,
+    COLUMNS,
     FREE_BLOCKS,
     MAX_LEN,
     PENDING_BLOCKS,
@@ -145,7 +146,13 @@ _qualify = _compile_qualify()
 def warm_up() -> None:
     """Compiles (or loads from numba's cache) the filter's kernel now, not on a request."""
     _qualify(
-        np.zeros((1, 17)), 1, 1, True, _NO_EXCLUSION, np.zeros(2, np.int64), np.zeros(6, np.int64)
+        np.zeros((1, COLUMNS)),
+        1,
+        1,
+        True,
+        _NO_EXCLUSION,
+        np.zeros(2, np.int64),
+        np.zeros(6, np.int64),
     )
 
 

@@ -15,6 +15,13 @@ trust any longer (counted in flight until released or expired, but no longer as 
 or KV room). 512 Schedule calls never released had kept every decode "no KV room" for the
 whole 600 s timeout. Thread-safe: the gRPC loop and the metrics scrape thread both read it.
 
+A prefill's queue is also predicted in time: each assignment with a predicted prefill duration
+(`add(..., prefill_s=...)`, kv_aware's latency model) moves the instance's `busy_until` (when
+its queued prompts will have been computed) to `max(now, busy_until) + prefill_s`. Load
+reports correct it: a report with no request running or waiting brings it down to now, one
+with requests it did not predict (a slower engine than the model, or a scheduler it does not
+hear from) up to their expected work.
+
 Several replicas deciding over one fleet share their assignments (`pdplane.scheduler.exchange`):
 a peer's assignment is counted here exactly like an own one made at the moment it arrives (in
 the epoch of the report this replica's view holds then), keyed by (peer, request id). Own
@@ -43,6 +50,7 @@ class Assignment:
 
     `prefill_id` is "" when decode computes the prompt itself (no prefill leg).
 
+    `prefill_s`: the predicted time it adds to its prefill's queue (s; 0 = not predicted).
     `origin` is "" for this replica's own assignments, else the peer replica's id. `pending`
     False: counted in flight but not as load since the current reports (a peer's assignments
     received in a snapshot, made before an unknown number of reports).
@@ -58,6 +66,7 @@ class Assignment:
     origin: str = ""
     pending: bool = True
     prefill_tokens: int = 0
+    prefill_s: float = 0.0
 
 
 #: Told of own changes, outside the tracker's lock: (assigned, released) assignments.
@@ -89,6 +98,7 @@ class _Pending:
     # KV blocks of assignments made before this report and released since: the report still
     # shows them in use, but decode has freed them (or will as the request ends).
     freed: int = 0
+    released: int = 0  # those requests (the report counts them running or waiting)
 
 
 class InflightTracker:
@@ -123,6 +133,15 @@ class InflightTracker:
         self._reserving: deque[tuple[_Key, float]] = deque()
         self._pending: dict[str, _Pending] = {}
         self._total: dict[str, int] = {}
+        # Prefill queues in time: instance id -> [busy until (clock s), mean queue s per
+        # assignment (for reports of requests not predicted), epoch of the last report read].
+        self._busy: dict[str, list[float]] = {}
+        # assignment -> (its prefill, when its prompt is predicted computed): a release before
+        # then ends it early (the request is done, so is its prefill)
+        self._until: dict[_Key, tuple[str, float]] = {}
+        #: Predicted queue time (s) of a peer's assignment of N uncached prompt tokens
+        #: (kv_aware's latency model; None: peers' assignments move no queue).
+        self.queue_seconds: Callable[[int], float] | None = None
 
     def __len__(self) -> int:
         return len(self._requests)
@@ -132,24 +151,51 @@ class InflightTracker:
         pending = self._pending.get(candidate.instance_id)
         return pending.requests if pending and pending.epoch == candidate.epoch else 0
 
-    def counts(self, candidate: Candidate, decode: bool) -> tuple[int, int, int, int]:
-        """(`pending_requests`, `pending_blocks`, `assigned_blocks`, `queued_prefill_tokens`)
-        of `candidate` in one lookup; the block counts only for a `decode` side (0 on
-        prefill), and `pending_blocks` only when its report says how many blocks it has,
-        reading it then as `pending_blocks` does (its KV credit starts)."""
+    def counts(self, candidate: Candidate, decode: bool) -> tuple[int, int, int, int, int]:
+        """(`pending_requests`, `pending_blocks`, `assigned_blocks`, `queued_prefill_tokens`,
+        released) of `candidate` in one lookup; the block counts only for a `decode` side (0
+        on prefill), and `pending_blocks` only when its report says how many blocks it has,
+        reading it then as `pending_blocks` does (its KV credit starts). `released`: on
+        decode, requests assigned before its report (so counted in it) and released since."""
         pending = self._pending.get(candidate.instance_id)
         if pending is None or pending.epoch != candidate.epoch:
             if decode and candidate.total_kv_blocks and candidate.block_size:
                 self.pending_blocks(candidate)  # the report's credit starts now
-            return 0, 0, 0, 0
+            elif not decode:
+                self._reported(candidate)
+            return 0, 0, 0, 0, 0
         if not decode:
-            return pending.requests, 0, 0, pending.tokens
+            return pending.requests, 0, 0, pending.tokens, 0
         blocks = 0
         if candidate.total_kv_blocks and candidate.block_size:
             net = pending.blocks - pending.freed
             floor = candidate.free_kv_blocks - candidate.total_kv_blocks
             blocks = net if net >= floor else floor
-        return pending.requests, blocks, pending.blocks, pending.tokens
+        return pending.requests, blocks, pending.blocks, pending.tokens, pending.released
+
+    def busy_until(self, instance_id: str) -> float:
+        """When prefill `instance_id`'s queued prompts are predicted to be computed (clock
+        seconds; 0 = never predicted busy)."""
+        busy = self._busy.get(instance_id)
+        return busy[0] if busy is not None else 0.0
+
+    def now(self) -> float:
+        """The tracker's clock (s)."""
+        return self._clock()
+
+    def _reported(self, candidate: Candidate) -> None:
+        """A prefill report with nothing assigned since: it says how busy the instance is."""
+        busy = self._busy.get(candidate.instance_id)
+        if busy is None or busy[2] == candidate.epoch:
+            return
+        busy[2] = candidate.epoch
+        now = self._clock()
+        if candidate.num_running + candidate.num_waiting == 0:
+            busy[0] = min(busy[0], now)
+        else:
+            # Running prompts are half done on average, waiting ones not started.
+            left = (0.5 * candidate.num_running + candidate.num_waiting) * busy[1]
+            busy[0] = max(busy[0], now + left)
 
     def effective_load(self, candidate: Candidate) -> float:
         """The candidate's reported load plus its pending requests (see `Candidate`), plus the
@@ -227,10 +273,12 @@ class InflightTracker:
         decode: Candidate,
         decode_blocks: int,
         prefill_tokens: int = 0,
+        prefill_s: float = 0.0,
     ) -> Assignment | None:
         """Counts a new assignment (`prefill` None: decode computes the prompt itself, and
-        `prefill_tokens` uncached prompt tokens go to the prefill); returns the one it
-        replaced when the id was in flight."""
+        `prefill_tokens` uncached prompt tokens go to the prefill, adding a predicted
+        `prefill_s` seconds to its queue); returns the one it replaced when the id was in
+        flight."""
         record = Assignment(
             request_id=request_id,
             prefill_id=prefill.instance_id if prefill is not None else "",
@@ -240,6 +288,7 @@ class InflightTracker:
             decode_blocks=decode_blocks,
             started_at=self._clock(),
             prefill_tokens=prefill_tokens if prefill is not None else 0,
+            prefill_s=prefill_s if prefill is not None else 0.0,
         )
         with self._lock:
             replaced = self._put_locked(request_id, record)
@@ -312,6 +361,9 @@ class InflightTracker:
             origin=origin,
             pending=pending and (prefill is not None or not prefill_id) and decode is not None,
             prefill_tokens=prefill_tokens,
+            prefill_s=self.queue_seconds(prefill_tokens)
+            if self.queue_seconds is not None and prefill_tokens
+            else 0.0,
         )
         with self._lock:
             self._put_locked((origin, request_id), record)
@@ -338,6 +390,9 @@ class InflightTracker:
             self._count(
                 record.prefill_id, record.prefill_epoch, 0, record.pending, record.prefill_tokens
             )
+            if record.prefill_s > 0:
+                until = self._queue(record.prefill_id, record.started_at, record.prefill_s)
+                self._until[key] = (record.prefill_id, until)
         self._count(record.decode_id, record.decode_epoch, record.decode_blocks, record.pending)
         return replaced
 
@@ -345,7 +400,24 @@ class InflightTracker:
         record = self._requests.pop(key, None)
         if record is not None:
             self._uncount(record)
+        until = self._until.pop(key, None)
+        if until is not None:
+            busy = self._busy.get(until[0])
+            now = self._clock()
+            if busy is not None and until[1] > now:
+                busy[0] = max(now, busy[0] - (until[1] - now))
+                self._dirty.add(until[0])
         return record
+
+    def _queue(self, instance_id: str, now: float, seconds: float) -> float:
+        """Adds `seconds` of predicted work to a prefill's queue; returns when it is done."""
+        busy = self._busy.get(instance_id)
+        if busy is None:
+            busy = self._busy[instance_id] = [0.0, seconds, 0.0]
+        busy[0] = max(busy[0], now) + seconds
+        busy[1] += 0.1 * (seconds - busy[1])  # mean of the recent ones (EWMA)
+        self._dirty.add(instance_id)
+        return busy[0]
 
     def _tell(self, assigned: list[Assignment], released: Iterable[Assignment]) -> None:
         listener = self.listener
@@ -413,6 +485,7 @@ class InflightTracker:
         pending = self._pending.get(record.decode_id)
         if pending is not None and pending.epoch != record.decode_epoch:
             pending.freed += record.decode_blocks  # counted in an older report, freed now
+            pending.released += 1
             self._dirty.add(record.decode_id)
 
     def _unpend(self, record: Assignment) -> None:

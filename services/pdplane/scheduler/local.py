@@ -17,6 +17,7 @@ share their in-flight assignments with the peers named in `--peers`
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from pdplane.core import tracing
 from pdplane.scheduler.exchange import EmbeddedExchange, InflightExchange
@@ -29,7 +30,7 @@ from pdplane.scheduler.port import Decision, InstanceSource, Outcome, PolicyFlag
 from pdplane.scheduler.service import SchedulerService
 from pdplane.scheduler.view import CandidateView
 
-__all__ = ["LocalScheduler", "open_local"]
+__all__ = ["LocalScheduler", "decision_options", "open_local"]
 
 
 class LocalScheduler:
@@ -85,6 +86,18 @@ class LocalScheduler:
             await asyncio.to_thread(kv_index.stop)
 
 
+def decision_options(flags: PolicyFlags) -> dict[str, Any]:
+    """`SchedulerService` keyword arguments of kv_aware's flags (its engine profile, knobs and
+    conditional disaggregation's bound): one reading for every user of the flags."""
+    return {
+        "kv_weights": KvAwareWeights(
+            itl_weight=flags.kv_itl_weight, local_slack=flags.kv_local_slack
+        ),
+        "kv_profile": flags.kv_profile,
+        "local_prefill_max_tokens": flags.local_prefill_max_tokens,
+    }
+
+
 def open_local(
     source: InstanceSource,
     flags: PolicyFlags,
@@ -119,13 +132,7 @@ def open_local(
         ),
         metrics=metrics,
         seed=flags.seed,
-        kv_weights=KvAwareWeights(
-            request_tokens=flags.kv_request_tokens,
-            kv_usage_tokens=flags.kv_usage_tokens,
-            decode_hit_weight=flags.kv_decode_hit_weight,
-            load_factor=flags.kv_load_factor,
-        ),
-        local_prefill_max_tokens=flags.local_prefill_max_tokens,
+        **decision_options(flags),
     )
     metrics.watch(service.inflight.inflight_by_instance, view.all)
     kv_index = start_kv_index(

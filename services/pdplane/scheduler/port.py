@@ -248,9 +248,8 @@ class PolicyFlags(Protocol):
     """The decision flags of a local scheduler (`pdplane.scheduler.settings.PolicySettings`):
     default policy names per side, in-flight expiry (seconds), seed of randomised policies,
     the prefix index's (on/off, staleness after seconds or events behind, events batching
-    interval in ms, size bound), the
-    kv_aware cost weights and conditional disaggregation's threshold
-    (tokens)."""
+    interval in ms, size bound), kv_aware's engine profile (name or JSON file) and knobs, and
+    conditional disaggregation's bound (tokens)."""
 
     prefill_policy: str
     decode_policy: str
@@ -262,10 +261,9 @@ class PolicyFlags(Protocol):
     kv_max_lag_events: int
     kv_events_interval_ms: int
     kv_index_max_blocks: int
-    kv_request_tokens: float
-    kv_usage_tokens: float
-    kv_decode_hit_weight: float
-    kv_load_factor: float
+    kv_profile: str
+    kv_itl_weight: float
+    kv_local_slack: float
     local_prefill_max_tokens: int
     peers: str
     peer_lag_ms: float

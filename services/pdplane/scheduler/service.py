@@ -21,6 +21,7 @@ from pdplane.scheduler.compat import blocks_for, describe_keys, split_sides
 from pdplane.scheduler.compat import warm_up as warm_up_filter
 from pdplane.scheduler.errors import InvalidRequest, NoInstance, NoRoom
 from pdplane.scheduler.inflight import InflightTracker
+from pdplane.scheduler.latency import DEFAULT_PROFILE, LatencyModel
 from pdplane.scheduler.metrics import SchedulerMetrics
 from pdplane.scheduler.policies import POLICIES, PickContext, Policy, Pool, kv_aware, make_policy
 from pdplane.scheduler.policies.base import warm_up as warm_up_pool
@@ -46,9 +47,12 @@ class SchedulerService:
     the prefill side never interfere with the decode side. `seed` seeds randomised policies,
     `kv_weights` the `kv_aware` cost.
 
-    Conditional disaggregation: when the chosen decode is LIVE in the prefix index, holds at
-    least one block of the prompt and all but at most `local_prefill_max_tokens` of it (0 =
-    never), the decision has no prefill: decode computes the rest itself.
+    `kv_aware` predicts latencies with `kv_profile` (a `LatencyModel`, or a profile name or
+    JSON file for one; None: the default profile). Conditional disaggregation: when the decode
+    policy says so (`Pick.skip_prefill`: `kv_aware`, for a decode LIVE in the prefix index
+    that holds at least one block of the prompt and all but at most
+    `local_prefill_max_tokens` of it, 0 = never), the decision has no prefill: decode computes
+    the rest itself.
     """
 
     def __init__(
@@ -62,6 +66,7 @@ class SchedulerService:
         seed: int | None = None,
         kv_weights: kv_aware.KvAwareWeights | None = None,
         local_prefill_max_tokens: int = 0,
+        kv_profile: LatencyModel | str | None = None,
     ) -> None:
         if local_prefill_max_tokens < 0:
             raise ValueError("local_prefill_max_tokens must be >= 0")
@@ -74,8 +79,18 @@ class SchedulerService:
         self.metrics = metrics
         self._defaults = {"prefill": prefill_policy, "decode": decode_policy}
         self._seed = seed
+        if isinstance(kv_profile, LatencyModel):
+            model = kv_profile
+        else:
+            model = LatencyModel(kv_profile or DEFAULT_PROFILE)
+        #: What kv_aware predicts latencies with.
+        self.latency = model
         self._options: dict[str, dict[str, object]] = {
-            kv_aware.NAME: {"weights": kv_weights or kv_aware.KvAwareWeights()}
+            kv_aware.NAME: {
+                "weights": kv_weights or kv_aware.KvAwareWeights(),
+                "model": model,
+                "local_max_tokens": local_prefill_max_tokens,
+            }
         }
         self.local_prefill_max_tokens = local_prefill_max_tokens
         self._policies: dict[tuple[str, str], Policy] = {}
@@ -84,6 +99,8 @@ class SchedulerService:
         # The kernels compile (or load from numba's cache) now, not on the first request.
         warm_up_filter()
         warm_up_pool()
+        # A peer's assignment moves its prefill's predicted queue as an own one does.
+        self.inflight.queue_seconds = model.queue_s
         self._policy("prefill", "")
         self._policy("decode", "")
 
@@ -178,9 +195,10 @@ class SchedulerService:
             request.prefix_hashes,
             request.prompt_tokens,
         )
+        now = self.inflight.now()
         prefill = prefill_policy.pick(
             Pool(prefill_table, pairable, cached, live, per_block),
-            PickContext(*features, "prefill"),
+            PickContext(*features, "prefill", request.max_tokens, now),
         )
         p = prefill.candidate
         matching = decodes
@@ -193,13 +211,14 @@ class SchedulerService:
             others = matching[matching != own] if own is not None else matching
             matching = others if len(others) else matching
         decode = decode_policy.pick(
-            Pool(decode_table, matching, cached, live, per_block), PickContext(*features, "decode")
+            Pool(decode_table, matching, cached, live, per_block),
+            PickContext(*features, "decode", request.max_tokens, now, prefill.predicted_ms),
         )
         d = decode.candidate
         blocks = blocks_for(tokens, d.block_size)
         d_cached = decode.cached_tokens
         rest = request.prompt_tokens - d_cached
-        if d_cached > 0 and rest <= self.local_prefill_max_tokens:
+        if decode.skip_prefill and d_cached > 0 and rest <= self.local_prefill_max_tokens:
             self.inflight.add(request.request_id, None, d, blocks)
             if self.metrics:
                 self.metrics.prefill_skipped(d.instance_id, d_cached)
@@ -207,13 +226,18 @@ class SchedulerService:
                 None,
                 d,
                 f"no prefill: decode holds {d_cached}/{request.prompt_tokens} tokens, computes "
-                f"{rest} itself (<= {self.local_prefill_max_tokens}); decode {decode.reason}",
+                f"{rest} itself; decode {decode.reason}",
                 0,
                 d_cached,
             )
         p_cached = prefill.cached_tokens
         self.inflight.add(
-            request.request_id, p, d, blocks, max(request.prompt_tokens - p_cached, 0)
+            request.request_id,
+            p,
+            d,
+            blocks,
+            max(request.prompt_tokens - p_cached, 0),
+            prefill.queue_s,
         )
         if self.metrics and p_cached:
             self.metrics.predicted_hit(p.instance_id, p_cached)

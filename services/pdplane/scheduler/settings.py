@@ -8,8 +8,9 @@ from pdplane.core import defaults
 from pdplane.core.grpc_auth import check_bind
 from pdplane.core.settings import CommandSettings
 from pdplane.core.token_file import token_file_field
+from pdplane.scheduler.latency import DEFAULT_PROFILE, LatencyModel
 from pdplane.scheduler.policies import POLICIES
-from pdplane.scheduler.policies.kv_aware import LOCAL_PREFILL_MAX_TOKENS
+from pdplane.scheduler.policies.kv_aware import ITL_WEIGHT, LOCAL_PREFILL_MAX_TOKENS, LOCAL_SLACK
 
 __all__ = ["PolicySettings", "SchedulerSettings"]
 
@@ -89,31 +90,39 @@ class PolicySettings(CommandSettings):
         default=100_000_000, gt=0, description="bound on (instance, block) entries of the index"
     )
 
-    kv_request_tokens: float = Field(
-        default=512.0, ge=0, description="kv_aware: tokens one running/waiting request weighs"
+    kv_profile: str = Field(
+        default=DEFAULT_PROFILE,
+        description="kv_aware: the engine profile it predicts latencies with, a built-in name "
+        "(llama3-8b-h100, llama3-8b-h200, qwen2-7b-a100, tiny-cpu, ...) or a JSON file from "
+        "pdplane profile",
     )
-    kv_usage_tokens: float = Field(
-        default=1024.0, ge=0, description="kv_aware: tokens a full KV cache (usage 1.0) weighs"
-    )
-    kv_decode_hit_weight: float = Field(
-        default=0.25,
+    kv_itl_weight: float = Field(
+        default=ITL_WEIGHT,
         ge=0,
-        description="kv_aware decode: weight of an uncached (pulled) token vs a prefilled one",
+        description="kv_aware decode: ms of predicted TTFT one ms of predicted step time is worth",
     )
-    kv_load_factor: float = Field(
-        default=2.0,
-        ge=1,
-        description="kv_aware: bounded loads, no instance above this times the mean requests",
+    kv_local_slack: float = Field(
+        default=LOCAL_SLACK,
+        ge=0,
+        description="kv_aware: a decode computes a prompt's rest itself only if its step grows "
+        "by at most this fraction",
     )
     local_prefill_max_tokens: int = Field(
         default=LOCAL_PREFILL_MAX_TOKENS,
         ge=0,
-        description="skip prefill when the chosen decode holds all but this many prompt "
-        "tokens (and at least one block of it); 0 = always disaggregate",
+        description="kv_aware: at most this many prompt tokens computed on decode without a "
+        "prefill leg (when it holds the rest and the model predicts it faster without hurting "
+        "its streams); 0 = always disaggregate",
     )
 
     _check_prefill = field_validator("prefill_policy")(_known_policy)
     _check_decode = field_validator("decode_policy")(_known_policy)
+
+    @field_validator("kv_profile")
+    @classmethod
+    def _known_profile(cls, name: str) -> str:
+        LatencyModel(name)  # ValueError names the known profiles or what is wrong with the file
+        return name
 
 
 class SchedulerSettings(PolicySettings):

@@ -31,6 +31,10 @@ RECV_CAPACITY      push receive buffer (bytes; 0 = takes no pushes)
 RECV_HEADROOM      the largest push the buffer takes now (bytes)
 BLOCK_BYTES        bytes of one KV cache block (all layers)
 UNSEEN             peers' assignments estimated but not received yet (`exchange`)
+RELEASED           decode: requests its report counts that were released since (so
+                   REQUESTS - RELEASED is what it runs, as far as this scheduler knows)
+BUSY_UNTIL         prefill: when its queued prompts are predicted to be computed (the
+                   in-flight tracker's clock, s; `InflightTracker.busy_until`; 0 = idle)
 PAIR               code of the pair key (layout, transport, length) within the model
 KV_SLOT            the instance's slot in the prefix index (-1: not in it)
 =================  ======================================================================
@@ -56,6 +60,8 @@ __all__ = [
     "ASSIGNED_BLOCKS",
     "BLOCK_BYTES",
     "BLOCK_SIZE",
+    "BUSY_UNTIL",
+    "COLUMNS",
     "FREE_BLOCKS",
     "KV_SLOT",
     "LOAD",
@@ -65,6 +71,7 @@ __all__ = [
     "QUEUED_TOKENS",
     "RECV_CAPACITY",
     "RECV_HEADROOM",
+    "RELEASED",
     "REQUESTS",
     "SERVING",
     "TOTAL_BLOCKS",
@@ -84,17 +91,20 @@ __all__ = [
     RECV_CAPACITY,
     RECV_HEADROOM,
     BLOCK_BYTES,
-    # What in-flight changes move (written alone then): LOAD .. UNSEEN, in this order.
+    # What in-flight changes move (written alone then): LOAD .. BUSY_UNTIL, in this order.
     LOAD,
     REQUESTS,
     PENDING_BLOCKS,
     ASSIGNED_BLOCKS,
     QUEUED_TOKENS,
     UNSEEN,
+    RELEASED,
+    BUSY_UNTIL,
     PAIR,
     KV_SLOT,
-) = range(17)
-_COLUMNS = 17
+) = range(19)
+#: Number of columns.
+COLUMNS = 19
 
 F64s = npt.NDArray[np.float64]
 
@@ -124,7 +134,7 @@ class SideTable:
         self.side = side
         self.candidates = list(candidates)
         self.row_of = {c.instance_id: row for row, c in enumerate(self.candidates)}
-        self.cols: F64s = np.zeros((len(self.candidates), _COLUMNS))
+        self.cols: F64s = np.zeros((len(self.candidates), COLUMNS))
         self.cols[:, KV_SLOT] = -1
         self.kv_version = -1  # PrefixIndex.slots_version the KV_SLOT column was read at
         for row, c in enumerate(self.candidates):
@@ -151,11 +161,11 @@ class SideTable:
         self.write_counts(row, inflight)
 
     def write_counts(self, row: int, inflight: InflightTracker) -> None:
-        """Rewrites the in-flight columns (LOAD .. UNSEEN) of `row` from `inflight`. On
+        """Rewrites the in-flight columns (LOAD .. BUSY_UNTIL) of `row` from `inflight`. On
         decode, reading the pending blocks also starts the report's KV credit
         (`InflightTracker.counts`), as a scan of every decode did."""
         c = self.candidates[row]
-        requests, pending_blocks, assigned_blocks, queued = inflight.counts(
+        requests, pending_blocks, assigned_blocks, queued, released = inflight.counts(
             c, self.side == "decode"
         )
         # One slice assignment: a numpy item write costs ~100 ns each.
@@ -166,6 +176,8 @@ class SideTable:
             assigned_blocks,
             queued,
             inflight.unseen_count(c.instance_id),
+            released,
+            inflight.busy_until(c.instance_id),
         )
 
     def write_all(self, inflight: InflightTracker) -> None:

@@ -25,7 +25,7 @@ from pdplane.sim.protocol import SimApiError, SimRequest, parse_request
 from pdplane.sim.records import RequestRecord
 from pdplane.sim.responses import ResponseWriter
 from pdplane.sim.state import SimState
-from pdplane.sim.tokens import continuation
+from pdplane.sim.tokens import continuation, resumed
 from pdplane.sim.transfers import HeldTransfer
 
 __all__ = ["CompletionRoutes", "error_response"]
@@ -135,6 +135,14 @@ class CompletionRoutes:
             # could not be reached): a model continues its own first token the same way.
             answer = continuation(
                 s.tokenizer, req.prompt_ids, len(req.prompt_ids) - 1, req.seed, req.max_tokens
+            )
+        if answer is None and req.prompt_as_ids and req.return_token_ids:
+            # A prompt that ends in part of its own answer (a stream resumed elsewhere: the
+            # gateway asks for token ids on those legs). Other prompts are not searched: a
+            # prompt whose last id merely equals its own first sampled token (1 in
+            # len(VOCAB)) keeps its own answer.
+            answer = resumed(
+                s.tokenizer, req.prompt_ids, req.seed, 1 if producer else req.max_tokens
             )
         ids, pieces = answer or s.tokenizer.sample(
             req.key, req.seed, 1 if producer else req.max_tokens

@@ -50,6 +50,7 @@ class SimRequest:
         kv_transfer_params: the request's `kv_transfer_params` (None when absent).
         return_token_ids: vLLM's `return_token_ids`: the response carries the prompt's and
             the output's token ids.
+        prompt_as_ids: a completions prompt given as token ids.
     """
 
     chat: bool
@@ -63,6 +64,7 @@ class SimRequest:
     echo_prompt: str | None
     kv_transfer_params: dict[str, Any] | None
     return_token_ids: bool = False
+    prompt_as_ids: bool = False
 
 
 def _bad(message: str, param: str | None = None) -> SimApiError:
@@ -156,12 +158,14 @@ def parse_request(
     if n not in (None, 1):
         raise _bad("only n=1 is supported by this simulator", "n")
     tok = tokenizer or _DEFAULT_TOKENIZER
+    as_ids = False
     if chat:
         prompt_ids = _chat_prompt(body, tok)
         echo = None
     else:
         prompt_ids, text = _completion_prompt(body, tok)
         echo = text if body.get("echo") is True else None
+        as_ids = text is None
     return_token_ids = body.get("return_token_ids")
     if return_token_ids not in (None, True, False):
         raise _bad("return_token_ids must be a boolean", "return_token_ids")
@@ -208,4 +212,5 @@ def parse_request(
         echo_prompt=echo,
         kv_transfer_params=kv,
         return_token_ids=bool(return_token_ids),
+        prompt_as_ids=as_ids,
     )

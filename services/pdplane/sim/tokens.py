@@ -28,7 +28,9 @@ import hashlib
 import json
 import random
 import re
+import sys
 import zlib
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any, Protocol
@@ -46,6 +48,7 @@ __all__ = [
     "generate",
     "load_tokenizer",
     "prompt_key",
+    "resumed",
 ]
 
 _TOKEN_RE = re.compile(r"\w+|[^\w\s]")
@@ -113,6 +116,8 @@ class Tokenizer(Protocol):
     """What the simulator needs of a tokenizer."""
 
     name: str
+    #: the ids `sample` draws from
+    output_ids: frozenset[int]
 
     def encode(self, text: str) -> list[int]:
         """Token ids of a completions prompt (at least one)."""
@@ -133,6 +138,7 @@ class WordTokenizer:
     def __init__(self) -> None:
         self._ids: dict[str, int] = {}
         self._vocab_ids = [self._word_id(w[1:]) for w in VOCAB]
+        self.output_ids = frozenset(self._vocab_ids)
 
     def _word_id(self, word: str) -> int:
         wid = self._ids.get(word)
@@ -193,6 +199,7 @@ class HfTokenizer:
                 words.append(i)
                 self._pieces[i] = piece
         self._choices = words or [i for i in range(len(self._tok)) if i not in special]
+        self.output_ids = frozenset(self._choices)
 
     def encode(self, text: str) -> list[int]:
         return list(self._tok.encode(text)) or [self._tok.bos_token_id or 0]
@@ -243,6 +250,50 @@ def continuation(
         return None
     ids, pieces = tok.sample(key, seed, num_tokens + 1)
     return ids[1:], pieces[1:]
+
+
+#: How far back from a token-id prompt's end `resumed` looks for where its answer began
+#: (tokens): the longest stream a gateway continues elsewhere with a sim's own continuation.
+RESUME_WINDOW = 2048
+
+
+def resumed(
+    tok: Tokenizer, prompt_ids: Sequence[int], seed: int, num_tokens: int
+) -> tuple[list[int], list[str]] | None:
+    """The rest of an answer whose start is the end of the prompt: for `prompt_ids` = Q + the
+    first m tokens a sim answers to Q (with `seed`), that answer's tokens m+1 .. m+`num_tokens`
+    (ids, text), as a model continues greedy output fed back as its prompt (a gateway resuming
+    a stream on another decode sends the prompt plus the tokens already sent). The longest such
+    answer wins (the smallest Q); None when the prompt ends in no answer of its last
+    `RESUME_WINDOW` tokens' prefixes.
+
+    Only the prompt's tail of ids `sample` can draw is searched: one BLAKE2b digest and one
+    seeded draw (~10 us) per position there, none for a prompt ending in other ids.
+    """
+    n = len(prompt_ids)
+    lo = max(1, n - RESUME_WINDOW)
+    drawn = tok.output_ids
+    start = n
+    while start > lo and prompt_ids[start - 1] in drawn:
+        start -= 1
+    if start == n:
+        return None
+    lo = max(start, 1)
+    ids = array("q", prompt_ids)
+    if sys.byteorder == "big":
+        ids.byteswap()
+    raw = ids.tobytes()
+    # `prompt_key` of each prefix, incrementally (the same digest as prompt_fingerprint's).
+    digest = hashlib.blake2b(raw[: lo * 8], digest_size=8)
+    for j in range(lo, n):
+        key = digest.hexdigest()
+        digest.update(raw[j * 8 : j * 8 + 8])
+        if tok.sample(key, seed, 1)[0][0] != prompt_ids[j]:
+            continue
+        out, pieces = tok.sample(key, seed, n - j + num_tokens)
+        if out[: n - j] == list(prompt_ids[j:]):
+            return out[n - j :], pieces[n - j :]
+    return None
 
 
 def load_tokenizer(path: str | None) -> Tokenizer:

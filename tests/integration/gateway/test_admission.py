@@ -1,7 +1,8 @@
 """Must show: a full fleet queues requests as `vllm serve` does instead of answering 503 at once.
 
 A decode whose KV cache holds 5 requests gets 16 at a time: every request completes (the
-ones without room wait for it). A request whose room never comes gets 503 after
+ones without room wait for it, in the flow control's in-flight budget by default, else in the
+admission queue for KV room). A request whose room never comes gets 503 after
 `--queue-timeout-s`, naming the KV room and the wait; one past `--max-queued-requests` gets
 503 at once; a client that leaves while queued leaves nothing behind in the scheduler.
 """
@@ -59,7 +60,13 @@ def _small_fleet(stack: Stack) -> None:
     wait_for(lambda: _reported(stack), 5.0, "the first load reports")
 
 
-def test_sixteen_at_a_time_on_a_five_request_decode_all_complete(stack: Stack) -> None:
+@pytest.mark.parametrize("budget", [1.0, 0.0], ids=["flow-budget", "kv-room-queue"])
+def test_sixteen_at_a_time_on_a_five_request_decode_all_complete(  # type: ignore[no-untyped-def]
+    stack_factory, budget: float
+) -> None:
+    # With the in-flight budget (the default) requests wait for their turn at the gateway;
+    # without it (--inflight-budget 0) the scheduler's KV-room refusals make them wait.
+    stack: Stack = stack_factory(embedded=True, inflight_budget=budget)
     sims = stack.sims(
         ["prefill", "decode"], kv_blocks=20, block_size=128, itl_ms=10, max_model_len=1024
     )
@@ -67,7 +74,15 @@ def test_sixteen_at_a_time_on_a_five_request_decode_all_complete(stack: Stack) -
     wait_for(lambda: _reported(stack), 5.0, "the first load reports")
     statuses = asyncio.run(completion_burst(stack.url, _BODY, 48, 16))
     assert statuses == {200: 48}
-    assert _metric(stack, "pdplane_gateway_queue_wait_seconds_count") > 0  # some waited
+    if budget:
+        waits = _metric(
+            stack,
+            'pdplane_gateway_flow_wait_seconds_bucket{le="0.005",priority="0",tenant="default"}',
+        )
+        assert waits < 48  # some waited for their turn
+        assert _metric(stack, 'pdplane_gateway_flow_inflight_tokens{model="sim-model"}') == 0
+    else:
+        assert _metric(stack, "pdplane_gateway_queue_wait_seconds_count") > 0  # some waited
     assert _metric(stack, "pdplane_gateway_queued_requests") == 0
     wait_for(lambda: stack.scheduler_inflight() == 0, 2.0, "scheduler in-flight count 0")
 
@@ -80,7 +95,10 @@ def test_room_that_never_comes_is_a_503_after_the_queue_timeout(  # type: ignore
     stack_factory, mode: str, stream: bool
 ) -> None:
     stack: Stack = stack_factory(
-        queue_timeout_s=0.5, schedule_stream=mode == "stream", embedded=mode == "embedded"
+        queue_timeout_s=0.5,
+        schedule_stream=mode == "stream",
+        embedded=mode == "embedded",
+        inflight_budget=0,  # the scheduler's KV-room refusal, not the gateway's budget
     )
     _small_fleet(stack)
     holder = _hold(stack)
@@ -105,7 +123,7 @@ def test_room_that_never_comes_is_a_503_after_the_queue_timeout(  # type: ignore
 def test_a_client_leaving_the_queue_leaves_nothing_behind(  # type: ignore[no-untyped-def]
     stack_factory, embedded: bool, stream: bool
 ) -> None:
-    stack: Stack = stack_factory(embedded=embedded)
+    stack: Stack = stack_factory(embedded=embedded, inflight_budget=0)
     _small_fleet(stack)
     holder = _hold(stack)
     queued = _open(stack.url, "/v1/completions", {**_SHORT, "stream": stream})
@@ -123,7 +141,7 @@ def test_a_client_leaving_the_queue_leaves_nothing_behind(  # type: ignore[no-un
 
 
 def test_a_request_past_the_queue_cap_gets_503_at_once(stack_factory) -> None:  # type: ignore[no-untyped-def]
-    stack: Stack = stack_factory(max_queued_requests=1, embedded=True)
+    stack: Stack = stack_factory(max_queued_requests=1, embedded=True, inflight_budget=0)
     _small_fleet(stack)
     holder = _hold(stack)
     queued = _open(stack.url, "/v1/completions", _SHORT)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
+import time
 from collections.abc import Callable
 
 import httpx
@@ -56,30 +58,46 @@ def test_decode_dying_mid_stream_gives_one_error_event_and_closes(
     wait_for(lambda: stack.scheduler_inflight() == 0, what="in-flight count back to 0")
 
 
-def test_only_decode_registered_is_503_naming_prefill_then_200(
-    stack: Stack, caplog: pytest.LogCaptureFixture
-) -> None:
+@pytest.mark.parametrize("embedded", [False, True], ids=["remote", "embedded"])
+def test_only_decode_registered_waits_then_503_naming_prefill_or_200_once_it_comes(
+    stack_factory, embedded: bool, caplog: pytest.LogCaptureFixture
+) -> None:  # type: ignore[no-untyped-def]
+    # A model without a usable pair waits in the admission queue (--queue-timeout-s), then
+    # gets 503 naming the missing side; a prefill registering meanwhile serves the request.
+    stack: Stack = stack_factory(embedded=embedded, queue_timeout_s=0.5)
     decode = stack.sims(["decode"])
     wait_for(lambda: stack.health().json()["models"].get(MODEL) is not None)
     body = {"model": MODEL, "prompt": "hello", "max_tokens": 3}
     with caplog.at_level(logging.WARNING, logger="pdplane.gateway.endpoints"):
+        started = time.monotonic()
         r = httpx.post(
             f"{stack.url}/v1/completions", json=body, headers={"X-Request-Id": "r503"}, timeout=10
         )
-    assert r.status_code == 503
+    assert r.status_code == 503 and time.monotonic() - started >= 0.5
     error = r.json()["error"]
     assert error["code"] == 503 and "prefill" in error["message"]
+    assert "--queue-timeout-s 0.5" in error["message"]
     assert decode[0].records() == []
     # The refusal is in the gateway's log too, with the request id and the scheduler's reason
     # (an overloaded stack had answered 503s that no log of the stack showed).
     [logged] = [rec.getMessage() for rec in caplog.records if "r503" in rec.getMessage()]
     assert "503" in logged and error["message"] in logged
 
-    stack.sims(["prefill"])
-    wait_for(
-        lambda: httpx.post(f"{stack.url}/v1/completions", json=body, timeout=10).status_code == 200,
-        what="200 once prefill registered",
+    patient: Stack = stack_factory(embedded=embedded, queue_timeout_s=30)
+    patient.sims(["decode"])
+    wait_for(lambda: patient.health().json()["models"].get(MODEL) is not None)
+    answers: list[int] = []
+    sender = threading.Thread(
+        target=lambda: answers.append(
+            httpx.post(f"{patient.url}/v1/completions", json=body, timeout=30).status_code
+        )
     )
+    sender.start()
+    time.sleep(0.5)  # it waits: no prefill yet
+    assert not answers
+    patient.sims(["prefill"])
+    sender.join(30)
+    assert answers == [200]
 
 
 def test_unreachable_prefill_is_retried_on_another_pair(stack: Stack) -> None:

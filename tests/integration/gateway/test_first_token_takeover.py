@@ -244,7 +244,7 @@ def test_a_take_over_waits_for_room_when_every_other_decode_is_full(
 ) -> None:
     # The dead decode is the only one with room; the live one is full: the take-over's
     # Schedule is refused for room, as a new request's would be, and waits for it.
-    stack = stack_factory(queue_timeout_s=30)
+    stack = stack_factory(queue_timeout_s=30, inflight_budget=0)  # the KV-room queue
     exits, sims = _full_fleet(stack, free_port)
     with exits:
         sock = _open(stack.url, "/v1/completions", _SHORT)
@@ -270,7 +270,7 @@ def test_a_take_over_waits_for_room_when_every_other_decode_is_full(
 def test_a_take_over_whose_room_never_comes_ends_with_a_503_event(
     stack_factory: Callable[..., Stack], free_port: Callable[[], int]
 ) -> None:
-    stack = stack_factory(queue_timeout_s=0.5)
+    stack = stack_factory(queue_timeout_s=0.5, inflight_budget=0)  # the KV-room queue
     exits, sims = _full_fleet(stack, free_port)
     with exits:
         body = {**_SHORT, "prompt": _SHORT["prompt"] + "short"}
@@ -291,7 +291,7 @@ def test_a_take_over_whose_room_never_comes_ends_with_a_503_event(
 def test_a_client_leaving_while_the_take_over_waits_leaves_nothing(
     stack_factory: Callable[..., Stack], free_port: Callable[[], int], embedded: bool
 ) -> None:
-    stack = stack_factory(queue_timeout_s=30, embedded=embedded)
+    stack = stack_factory(queue_timeout_s=30, embedded=embedded, inflight_budget=0)
     exits, sims = _full_fleet(stack, free_port)
     with exits:
         sock = _open(stack.url, "/v1/completions", _SHORT)

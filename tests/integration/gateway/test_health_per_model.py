@@ -4,6 +4,7 @@ serving) for the first; per-model readiness answers for each model alone."""
 from __future__ import annotations
 
 import httpx
+import pytest
 
 from pdplane.sim.testing import running_sims
 from tests.integration.gateway.conftest import MODEL, Stack, wait_for
@@ -16,9 +17,12 @@ def _complete(stack: Stack, model: str) -> httpx.Response:
     return httpx.post(f"{stack.url}/v1/completions", json=body, timeout=10)
 
 
+@pytest.mark.parametrize("embedded", [False, True], ids=["remote", "embedded"])
 def test_a_model_that_loses_its_prefill_leaves_the_gateway_ready_for_the_other(
-    stack: Stack,
-) -> None:
+    stack_factory, embedded: bool
+) -> None:  # type: ignore[no-untyped-def]
+    # The model without a prefill waits for one (--queue-timeout-s), then 503.
+    stack: Stack = stack_factory(embedded=embedded, queue_timeout_s=0.5)
     first = stack.sims(["prefill", "decode"], itl_ms=1)
     stack.wait_ready(first)
     stack.sims(["decode"], model=OTHER, itl_ms=1)

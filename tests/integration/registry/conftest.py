@@ -34,14 +34,16 @@ def wait_until(predicate: Callable[[], object], timeout: float, interval: float 
 
 
 class WatchRecorder:
-    """Reads one WatchInstances stream on a thread and records every event with its arrival
-    time (monotonic s)."""
+    """Reads one WatchInstances stream on a thread and records every message (an event, or with
+    `max_batch` > 1 a BATCH of them) with its arrival time (monotonic s)."""
 
-    def __init__(self, address: str, from_revision: int = 0, token: str | None = None) -> None:
+    def __init__(
+        self, address: str, from_revision: int = 0, token: str | None = None, max_batch: int = 0
+    ) -> None:
         self._channel = grpc_util.channel(address)
         stub = registry_pb2_grpc.RegistryStub(self._channel)
         self._call = stub.WatchInstances(
-            registry_pb2.WatchInstancesRequest(from_revision=from_revision),
+            registry_pb2.WatchInstancesRequest(from_revision=from_revision, max_batch=max_batch),
             metadata=grpc_util.token_metadata(token),
         )
         self.events: list[tuple[float, registry_pb2.WatchEvent]] = []
@@ -134,8 +136,10 @@ def stub(registry: RegistryServer) -> Iterator[registry_pb2_grpc.RegistryStub]:
 def recorder_factory() -> Iterator[Callable[..., WatchRecorder]]:
     made: list[WatchRecorder] = []
 
-    def make(address: str, from_revision: int = 0, token: str | None = None) -> WatchRecorder:
-        made.append(WatchRecorder(address, from_revision, token))
+    def make(
+        address: str, from_revision: int = 0, token: str | None = None, max_batch: int = 0
+    ) -> WatchRecorder:
+        made.append(WatchRecorder(address, from_revision, token, max_batch))
         return made[-1]
 
     yield make

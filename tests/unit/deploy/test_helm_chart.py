@@ -482,6 +482,7 @@ def test_embedded_mode_has_no_scheduler_and_gateways_share_in_flight_state() -> 
     args = gateway["spec"]["template"]["spec"]["containers"][0]["args"]
     assert _flag(args, "--scheduler") == "embedded"
     assert _flag(args, "--decode-policy") == "kv_aware"
+    assert _flag(args, "--kv-profile") == "llama3-8b-h100"  # what kv_aware predicts with
     # Each gateway follows the others through a headless Service of every gateway pod.
     assert _flag(args, "--peers") == f"{RELEASE}-pdplane-gateway-peers:8053"
     assert _flag(args, "--replica-id") == "$(POD_NAME)"
@@ -494,6 +495,7 @@ def test_scheduler_replicas_follow_each_other() -> None:
     scheduler = r.one("Deployment", f"{RELEASE}-pdplane-scheduler")
     args = scheduler["spec"]["template"]["spec"]["containers"][0]["args"]
     assert _flag(args, "--peers") == f"{RELEASE}-pdplane-scheduler-peers:8052"
+    assert _flag(args, "--kv-profile") == "llama3-8b-h100"
     assert r.one("Service", f"{RELEASE}-pdplane-scheduler-peers")["spec"]["clusterIP"] == "None"
     # ...and the gateways reach all of them by it (failover without waiting for kube-proxy).
     gateway = r.one("Deployment", f"{RELEASE}-pdplane-gateway")
@@ -579,3 +581,19 @@ def test_gateway_readiness_probes_the_gateway_s_own_health_or_one_model_s() -> N
     assert probe_path(preset("cpu-demo")) == "/health"
     one = {"gateway": {"readinessModel": "llama 3/8b"}}
     assert probe_path(preset("cpu-demo"), one) == "/health?model=llama+3%2F8b"
+
+
+def test_the_tenants_secret_is_mounted_as_a_directory_and_passed_to_the_gateway() -> None:
+    # A directory mount (no subPath): the kubelet's updates of the Secret reach the file, which
+    # the gateway rereads without a restart.
+    r = Rendered(render(preset("cpu-demo"), {"gateway": {"tenantsSecret": "my-tenants"}}))
+    (gateway,) = [c for c in r.containers() if c.spec["name"] == "gateway"]
+    args = gateway.args()
+    path = args[args.index("--tenants") + 1]
+    mounts = gateway.mounts()
+    (directory,) = [m for m in mounts if path.startswith(m + "/")]
+    assert mounts[directory]["secret"]["secretName"] == "my-tenants"
+    assert not any("subPath" in m for m in gateway.spec["volumeMounts"])
+    plain = Rendered(render(preset("cpu-demo")))
+    (gateway,) = [c for c in plain.containers() if c.spec["name"] == "gateway"]
+    assert "--tenants" not in gateway.args()

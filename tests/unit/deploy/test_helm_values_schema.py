@@ -36,6 +36,7 @@ BAD_VALUES: dict[str, tuple[dict[str, Any], str]] = {
     "engine-port-zero": ({"engineDefaults": {"kvPort": 0}}, "/engineDefaults/kvPort"),
     "unknown-policy": ({"scheduler": {"decodePolicy": "fastest"}}, "/scheduler/decodePolicy"),
     "engine-without-role": ({"engines": [{"name": "p"}]}, "/engines/0"),
+    "empty-kv-profile": ({"scheduler": {"kvProfile": ""}}, "/scheduler/kvProfile"),
 }
 
 

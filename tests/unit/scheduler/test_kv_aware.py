@@ -1,4 +1,5 @@
-"""kv_aware's choices over a prefix index filled by hand, and conditional disaggregation."""
+"""kv_aware's choices over a prefix index filled by hand, its predicted queues, and conditional
+disaggregation (on a clock the tests move)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ from typing import Any
 import pytest
 
 from pdplane.core.prefix_hash import block_hashes
+from pdplane.scheduler.inflight import InflightTracker
 from pdplane.scheduler.kv_index import KvState, PrefixIndex
+from pdplane.scheduler.latency import LatencyModel
 from pdplane.scheduler.metrics import SchedulerMetrics
 from pdplane.scheduler.policies.kv_aware import KvAwareWeights
 from pdplane.scheduler.port import Decision, RequestFeatures
@@ -54,9 +57,27 @@ def req(n: int, prompt: list[int], **kwargs: Any) -> RequestFeatures:
     )
 
 
+class Clock:
+    """The in-flight tracker's clock (s), moved by the test."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 @pytest.fixture
-def fleet(fake_source: type, make_instance: MakeInstance) -> Callable[..., SchedulerService]:
-    """2 prefill + 2 decode, kv_aware both sides, an empty prefix index."""
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def fleet(
+    fake_source: type, make_instance: MakeInstance, clock: Clock
+) -> Callable[..., SchedulerService]:
+    """2 prefill + 2 decode, kv_aware both sides (the default profile), an empty prefix index,
+    the tracker on `clock`."""
 
     def make(loads: dict[str, dict[str, Any]] | None = None, **kwargs: Any) -> SchedulerService:
         loads = loads or {}
@@ -70,6 +91,7 @@ def fleet(fake_source: type, make_instance: MakeInstance) -> Callable[..., Sched
             )
         ]
         kwargs.setdefault("local_prefill_max_tokens", 0)
+        kwargs.setdefault("inflight", InflightTracker(clock=clock))
         service = SchedulerService(
             CandidateView(fake_source(*instances)),
             prefill_policy="kv_aware",
@@ -88,7 +110,7 @@ def test_prefill_goes_where_the_prefix_is_cached(fleet: Callable[..., SchedulerS
     hold(service.kv_index, "p1", shared)  # type: ignore[arg-type]
     for i in range(4):
         decision = service.schedule(req(i, shared + tokens(100 + i, 40)))
-        service.release(f"r{i}", "success")
+        service.release(f"r{i}", "success")  # done: so is its prefill, p1's queue is empty
         assert decision.prefill is not None and decision.prefill.instance_id == "p1"
         assert decision.prefill_cached_tokens == 20 * BS
         assert f"prefill kv_aware: cached={20 * BS}/{20 * BS + 40} tokens" in decision.reason
@@ -104,63 +126,86 @@ def test_the_longest_prefix_wins(fleet: Callable[..., SchedulerService]) -> None
     assert decision.prefill_cached_tokens == 12 * BS
 
 
-def test_a_loaded_holder_loses_to_an_idle_instance_when_the_hit_is_small(
-    fleet: Callable[..., SchedulerService],
+def test_a_holder_whose_queue_outlasts_the_saving_loses_to_an_idle_instance(
+    fleet: Callable[..., SchedulerService], clock: Clock
 ) -> None:
-    # 2 blocks cached (32 tokens) vs 1 running request (512 token equivalents).
-    service = fleet({"p1": {"num_running": 1}})
-    prompt = tokens(2, 10 * BS)
-    hold(service.kv_index, "p1", prompt[: 2 * BS])  # type: ignore[arg-type]
-    decision = service.schedule(req(0, prompt))
-    assert decision.prefill is not None and decision.prefill.instance_id == "p0"
-    assert decision.prefill_cached_tokens == 0
-
-
-def test_the_weights_are_settable(fleet: Callable[..., SchedulerService]) -> None:
-    # Same fleet as above, but a request weighs only 1 token: the 32 cached tokens win.
-    service = fleet({"p1": {"num_running": 1}}, kv_weights=KvAwareWeights(request_tokens=1.0))
-    prompt = tokens(2, 10 * BS)
-    hold(service.kv_index, "p1", prompt[: 2 * BS])  # type: ignore[arg-type]
-    decision = service.schedule(req(0, prompt))
-    assert decision.prefill is not None and decision.prefill.instance_id == "p1"
-
-
-@pytest.mark.parametrize(("load_factor", "expected"), [(1.25, {"p0": 8, "p1": 4}), (100.0, None)])
-def test_a_burst_on_a_shared_prefix_is_bounded_not_herded(
-    fleet: Callable[..., SchedulerService], load_factor: float, expected: dict[str, int] | None
-) -> None:
-    # A 1,600-token shared prefix: the cache outweighs a few queued requests, so without a
-    # bound most of the burst would go to its holder.
-    service = fleet(kv_weights=KvAwareWeights(load_factor=load_factor))
+    # A 1,600-token shared prefix saves ~48 ms of prefill (default profile); the holder
+    # takes the burst until its predicted queue is longer than that, then the idle one gets
+    # the next prompt whole.
+    service = fleet()
     shared = tokens(3, 100 * BS)
     hold(service.kv_index, "p0", shared)  # type: ignore[arg-type]
     picks = []
-    reasons = []
-    for i in range(12):  # no release, no new load report: only in-flight accounting sees it
-        decision = service.schedule(req(i, shared + tokens(200 + i, 8)))
+    for i in range(40):  # no release, no new load report: only the predicted queue sees it
+        decision = service.schedule(req(i, shared + tokens(200 + i, 160)))
         assert decision.prefill is not None
         picks.append(decision.prefill.instance_id)
-        reasons.append(decision.reason)
     counts = Counter(picks)
-    if expected is None:  # no effective bound: the holder's cache outweighs its queue
-        assert counts["p0"] >= 10, counts
-        return
-    # ceil(1.25 * (m + 1) / 2) caps the holder at 1.25x its fair share of the burst.
-    assert counts == expected, counts
-    assert picks[:2] == ["p0", "p0"]  # the holder takes the first ones
-    assert any("1 over load cap" in r for r in reasons)
+    assert picks[:3] == ["p0"] * 3  # the holder takes the first ones
+    assert counts["p1"] > 0 and counts["p0"] > counts["p1"], counts
+    model = service.latency
+    busy = service.inflight.busy_until
+    # What each has queued matches what the model says its prompts take.
+    p0_work = counts["p0"] * model.queue_s(160, 100 * BS)
+    assert busy("p0") == pytest.approx(clock.now + p0_work)
+    # Time passes: both queues drain, and the holder gets the next prompt again.
+    clock.now += 10.0
+    decision = service.schedule(req(99, shared + tokens(300, 160)))
+    assert decision.prefill is not None and decision.prefill.instance_id == "p0"
 
 
-def test_queued_prefill_tokens_count_until_release(fleet: Callable[..., SchedulerService]) -> None:
+def test_without_hits_prompts_go_to_the_shortest_predicted_queue(
+    fleet: Callable[..., SchedulerService],
+) -> None:
+    # No index entries: prefill by predicted queue, so a long prompt's instance is avoided
+    # until the other has as much work queued.
     service = fleet()
-    shared = tokens(4, 8 * BS)
-    hold(service.kv_index, "p0", shared)  # type: ignore[arg-type]
-    service.schedule(req(0, shared + tokens(5, 50)))
-    p0 = service.view.candidate("p0")
-    assert p0 is not None
-    assert service.inflight.queued_prefill_tokens(p0) == 50  # only the uncached tokens
-    service.release("r0", "success")
-    assert service.inflight.queued_prefill_tokens(p0) == 0
+    first = service.schedule(req(0, tokens(20, 1500)))
+    assert first.prefill is not None
+    followers = [service.schedule(req(i, tokens(20 + i, 100))) for i in range(1, 6)]
+    other = {"p0": "p1", "p1": "p0"}[first.prefill.instance_id]
+    assert all(d.prefill is not None and d.prefill.instance_id == other for d in followers)
+
+
+def test_an_idle_report_clears_a_predicted_queue_and_a_busy_one_raises_it(
+    fake_source: type, make_instance: MakeInstance, clock: Clock
+) -> None:
+    source = fake_source(make_instance("p0", "prefill"), make_instance("d0", "decode"))
+    service = SchedulerService(
+        CandidateView(source),
+        prefill_policy="kv_aware",
+        decode_policy="kv_aware",
+        inflight=InflightTracker(clock=clock),
+    )
+    for i in range(3):
+        service.schedule(req(i, tokens(30 + i, 1000)))
+    queued = service.inflight.busy_until("p0") - clock.now
+    assert queued == pytest.approx(3 * service.latency.queue_s(1000))
+    clock.now += 0.001
+    source.put(make_instance("p0", "prefill", revision=2))  # nothing running or waiting
+    service.schedule(req(3, tokens(40, 10)))  # reads the report
+    assert service.inflight.busy_until("p0") < clock.now + queued / 2
+    # A report of 4 waiting prompts the scheduler never sent (another scheduler's).
+    clock.now += 1.0
+    source.put(make_instance("p0", "prefill", revision=3, num_waiting=4))
+    service.schedule(req(4, tokens(41, 10)))
+    assert service.inflight.busy_until("p0") > clock.now + 3 * service.latency.queue_s(10)
+
+
+def test_the_profile_sets_the_predictions(fleet: Callable[..., SchedulerService]) -> None:
+    gpu = fleet()
+    cpu = fleet(kv_profile="tiny-cpu")
+    assert isinstance(cpu.latency, LatencyModel) and cpu.latency.name == "tiny-cpu"
+    prompt = tokens(5, 300)
+    fast, slow = gpu.schedule(req(0, prompt)), cpu.schedule(req(0, prompt))
+    # Each as its model predicts: one step of 300 tokens, after the API server's time.
+    for service, decision in ((gpu, fast), (cpu, slow)):
+        model = service.latency
+        ms = model.profile.cost.request_ms + model.step_ms(0, 0, 300)
+        assert f"KV in {ms:.0f} ms" in decision.reason, decision.reason
+    assert cpu.latency.step_ms(0, 0, 300) != gpu.latency.step_ms(0, 0, 300)
+    with pytest.raises(ValueError, match="unknown profile"):
+        fleet(kv_profile="no-such-profile")
 
 
 def test_stale_instances_are_routed_by_load_only(fleet: Callable[..., SchedulerService]) -> None:
@@ -174,27 +219,63 @@ def test_stale_instances_are_routed_by_load_only(fleet: Callable[..., SchedulerS
         assert decision.prefill is not None
         picks[decision.prefill.instance_id] += 1
         assert decision.prefill_cached_tokens == 0
-        assert "prefill kv_aware: no live KV index" in decision.reason
-    assert picks == {"p0": 2, "p1": 2}  # equal load: taken in turn, the stale cache ignored
+        assert "(0 live)" in decision.reason
+    assert picks == {"p0": 2, "p1": 2}  # equal predictions: taken in turn, the cache ignored
 
 
-def test_without_an_index_it_is_least_loaded(
-    fake_source: type, make_instance: MakeInstance
+def test_without_an_index_it_routes_by_predicted_queue_and_step(
+    fake_source: type, make_instance: MakeInstance, clock: Clock
 ) -> None:
     service = SchedulerService(
         CandidateView(
             fake_source(
-                make_instance("p0", "prefill", num_running=3),
+                make_instance("p0", "prefill"),
                 make_instance("p1", "prefill"),
-                make_instance("d0", "decode"),
+                make_instance("d0", "decode", num_running=30),
+                make_instance("d1", "decode", num_running=2),
             )
         ),
         prefill_policy="kv_aware",
         decode_policy="kv_aware",
+        inflight=InflightTracker(clock=clock),
     )
-    decision = service.schedule(RequestFeatures("r", "tiny", 100))
-    assert decision.prefill is not None and decision.prefill.instance_id == "p1"
-    assert decision.reason.startswith("prefill kv_aware: no live KV index, load=0 of 2")
+    first = service.schedule(RequestFeatures("r0", "tiny", 1000, 100))
+    second = service.schedule(RequestFeatures("r1", "tiny", 1000, 100))
+    assert first.prefill is not None and second.prefill is not None
+    assert first.prefill.instance_id != second.prefill.instance_id  # the other's queue is empty
+    assert first.decode.instance_id == second.decode.instance_id == "d1"  # shorter steps
+
+
+def test_decode_load_counts_releases_since_its_report(
+    fake_source: type, make_instance: MakeInstance, clock: Clock
+) -> None:
+    # d0's report counts the 3 requests the scheduler sent it; all 3 ended since, so d0 is
+    # empty though its report says 3, and d1 (2 running, not this scheduler's) is the busier.
+    kv = {"free_kv_blocks": 1000, "total_kv_blocks": 1000}
+    source = fake_source(
+        make_instance("p0", "prefill"),
+        make_instance("d0", "decode", **kv),
+        make_instance("d1", "decode", num_running=2, **kv),
+    )
+    service = SchedulerService(
+        CandidateView(source),
+        prefill_policy="kv_aware",
+        decode_policy="kv_aware",
+        inflight=InflightTracker(clock=clock),
+    )
+    for i in range(3):
+        decision = service.schedule(
+            RequestFeatures(f"r{i}", "tiny", 64, 16, exclude_instance_ids=("d1",))
+        )
+        assert decision.decode.instance_id == "d0"
+    report = {"num_running": 3, "free_kv_blocks": 985, "total_kv_blocks": 1000}
+    source.put(make_instance("d0", "decode", revision=5, **report))
+    assert service.schedule(RequestFeatures("r3", "tiny", 64, 16)).decode.instance_id == "d1"
+    service.release("r3", "success")
+    for i in range(3):
+        service.release(f"r{i}", "success")
+    # Without the credit d0 would count 3 and lose to d1's 2.
+    assert service.schedule(RequestFeatures("r4", "tiny", 64, 16)).decode.instance_id == "d0"
 
 
 def test_decode_prefers_the_decode_holding_the_prefix(
@@ -206,9 +287,9 @@ def test_decode_prefers_the_decode_holding_the_prefix(
     for i in range(3):
         decision = service.schedule(req(i, prompt))
         service.release(f"r{i}", "success")
-        assert decision.decode.instance_id == "d1"
+        assert decision.decode.instance_id == "d1"  # a shorter pull
         assert decision.decode_cached_tokens == 24 * BS
-        assert decision.prefill is not None  # 96 tokens to compute, local prefill is off
+        assert decision.prefill is not None  # local prefill is off
 
 
 def test_decode_guard_still_applies_to_the_holder(
@@ -234,8 +315,10 @@ def test_conditional_disaggregation_skips_prefill(
     assert decision.decode.instance_id == "d0"
     assert decision.decode_cached_tokens == 20 * BS
     assert decision.reason.startswith(f"no prefill: decode holds {20 * BS}/{20 * BS + 40} tokens")
+    assert "computes the rest" in decision.reason
     # Counted on decode only; nothing queued on either prefill.
     assert service.inflight.inflight_by_instance() == {"d0": 1}
+    assert service.inflight.busy_until("p0") == service.inflight.busy_until("p1") == 0
     assert metrics.registry.get_sample_value("pdplane_scheduler_prefills_skipped_total") == 1
     assert (
         metrics.registry.get_sample_value(
@@ -248,6 +331,41 @@ def test_conditional_disaggregation_skips_prefill(
     # More than 64 tokens beyond decode's prefix: disaggregated as usual.
     longer = service.schedule(req(1, turn1 + tokens(11, 100)))
     assert longer.prefill is not None and longer.decode_cached_tokens == 20 * BS
+
+
+def test_a_local_prefill_that_would_slow_a_busy_decode_is_disaggregated(
+    fleet: Callable[..., SchedulerService],
+) -> None:
+    # Both decodes run 200 streams over long contexts; d0 holds the prefix. 120 more tokens
+    # in its step would lengthen it by ~9 % (past the default profile's memory-bound floor),
+    # so the rest is prefilled and pulled; with a large slack it is computed there.
+    load = {"num_running": 200, "kv_cache_usage": 0.9, "free_kv_blocks": 5_000}
+    busy = {d: {**load, "total_kv_blocks": 50_000} for d in ("d0", "d1")}
+    turn1 = tokens(12, 100 * BS)
+    turn2 = turn1 + tokens(13, 120)
+    for slack, local in ((0.02, False), (1.0, True)):
+        service = fleet(
+            busy, local_prefill_max_tokens=2048, kv_weights=KvAwareWeights(local_slack=slack)
+        )
+        hold(service.kv_index, "d0", turn1)  # type: ignore[arg-type]
+        hold(service.kv_index, "d1", turn1[: 4 * BS])  # type: ignore[arg-type]
+        decision = service.schedule(req(0, turn2))
+        assert (decision.prefill is None) is local, (slack, decision.reason)
+
+
+def test_an_idle_decode_computes_the_rest_itself_whatever_the_slack(
+    fleet: Callable[..., SchedulerService],
+) -> None:
+    # No stream runs on d0: a local prefill stalls nobody, so it is chosen when it predicts the
+    # earlier first token (the rest is cheaper to compute than the prefix is to pull), even
+    # where it would grow an idle step by far more than the 2 % slack.
+    turn1 = tokens(14, 100 * BS)
+    turn2 = turn1 + tokens(15, 200)
+    service = fleet(local_prefill_max_tokens=2048)
+    hold(service.kv_index, "d0", turn1)  # type: ignore[arg-type]
+    decision = service.schedule(req(0, turn2))
+    assert decision.prefill is None, decision.reason
+    assert decision.decode.instance_id == "d0"
 
 
 def test_a_short_prompt_decode_holds_nothing_of_is_still_disaggregated(
@@ -289,33 +407,8 @@ def test_hashes_of_another_block_size_never_match(fleet: Callable[..., Scheduler
     assert service.schedule(legacy).prefill_cached_tokens == 16 * BS
 
 
-@pytest.mark.parametrize(("load_factor", "expected"), [(1.25, "p4"), (2.0, "p0")])
-def test_a_holder_one_request_above_a_light_fleet_keeps_its_prefix(
-    fake_source: type, make_instance: MakeInstance, load_factor: float, expected: str
-) -> None:
-    # 8 prefill instances, 4 requests on them, one of those on the holder p0. With 1.25 the
-    # cap is ceil(1.25 x 5 / 8) = 1: any busy holder is skipped while an idle instance is left,
-    # so the prompt is prefilled from scratch elsewhere; with 2.0 the cap is 2 and p0 keeps it.
-    busy = {"p0", "p1", "p2", "p3"}
-    prefills = [
-        make_instance(f"p{i}", "prefill", num_running=int(f"p{i}" in busy)) for i in range(8)
-    ]
-    service = SchedulerService(
-        CandidateView(fake_source(*prefills, make_instance("d0", "decode"))),
-        prefill_policy="kv_aware",
-        decode_policy="kv_aware",
-        kv_weights=KvAwareWeights(load_factor=load_factor),
-    )
-    service.kv_index = PrefixIndex()
-    shared = tokens(9, 100 * BS)
-    hold(service.kv_index, "p0", shared)
-    decision = service.schedule(req(0, shared + tokens(10, 8)))
-    assert decision.prefill is not None and decision.prefill.instance_id == expected
-    assert decision.prefill_cached_tokens == (100 * BS if expected == "p0" else 0)
-
-
-def test_the_default_load_factor_is_2() -> None:
-    # Shared prefix at 8P16D, 25 req/s (`git show a4bcc95:docs/benchmarks.md`, "Without the
-    # simulator's lag"):
-    # 1.25 skipped busy holders on the lightly loaded prefill side (prefill hit 59 % vs 73 %).
-    assert KvAwareWeights().load_factor == 2.0
+def test_the_weights_are_checked() -> None:
+    with pytest.raises(ValueError):
+        KvAwareWeights(itl_weight=-1)
+    with pytest.raises(ValueError):
+        KvAwareWeights(local_slack=-0.1)

@@ -111,7 +111,8 @@ async def test_local_port_decides_counts_and_raises_the_ports_errors() -> None:
     assert isinstance(port, LocalScheduler)
     decision = await port.schedule(RequestFeatures("r1", "tiny", 10))
     assert (decision.prefill.instance_id, decision.decode.instance_id) == ("p0", "d0")
-    assert decision.reason.startswith("prefill kv_aware: no live KV index")  # the default
+    assert decision.reason.startswith("prefill kv_aware: cached=0/10 tokens")  # the default
+    assert "(0 live)" in decision.reason
     assert await port.release("r1", Outcome.SUCCESS) is True
     assert await port.release("r1", Outcome.SUCCESS) is False
     with pytest.raises(SchedulerUnavailable, match="no prefill instance for model 'llama'"):

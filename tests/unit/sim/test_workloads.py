@@ -79,3 +79,15 @@ def test_a_trace_replays_its_times_and_sizes(tmp_path: Path) -> None:
     path.write_text('{"at": 1}\n')
     with pytest.raises(ValueError, match=r"trace\.jsonl:1"):
         wl.load_trace(path)
+
+
+def test_agent_sessions_end_before_outgrowing_the_context() -> None:
+    # Each session's whole context (tool definitions, task, tool results, every answer) stays
+    # within max_context words, so a model of 8192 tokens fits every turn with its template.
+    w = wl.agent(2.0, 60, max_context=7500, seed=3)
+    context: dict[str | None, int] = {}
+    for t in w.turns:
+        words = sum(len(m["content"].split()) for m in t.messages)
+        context[t.session] = context.get(t.session, 0) + words + t.max_tokens
+    assert max(context.values()) <= 7500
+    assert len(w.turns) > len(context)  # sessions still run several turns

@@ -23,7 +23,7 @@ import numpy as np
 import numpy.typing as npt
 
 from pdplane.scheduler.candidate import Candidate
-from pdplane.scheduler.table import BLOCK_SIZE, KV_SLOT, LOAD, UNSEEN, SideTable
+from pdplane.scheduler.table import BLOCK_SIZE, COLUMNS, KV_SLOT, LOAD, UNSEEN, SideTable
 
 __all__ = ["Pick", "PickContext", "Policy", "PolicyFactory", "Pool"]
 
@@ -44,7 +44,9 @@ class PickContext:
     (`pdplane.core.prefix_hash`), empty when the gateway did not know the token ids; use
     `block_hashes(candidate.block_size)`. `prompt_tokens` is the prompt's length in tokens
     (exact when `prefix_hashes` is given, else an estimate). `side` is "prefill" or "decode"
-    (the half picked now).
+    (the half picked now). `max_tokens`: tokens to generate (0 = unknown). `now`: the
+    in-flight tracker's clock (s; the table's BUSY_UNTIL is on it). `prefill_ms`: on decode,
+    the prefill pick's predicted time to its prompt's KV (`Pick.predicted_ms`, 0 = unknown).
     """
 
     request_id: str
@@ -53,6 +55,9 @@ class PickContext:
     prefix_hashes: Mapping[int, Sequence[int]] = field(default_factory=dict)
     prompt_tokens: int = 0
     side: str = "prefill"
+    max_tokens: int = 0
+    now: float = 0.0
+    prefill_ms: float = 0.0
 
     def block_hashes(self, block_size: int) -> Sequence[int]:
         """The prompt's block hashes at `block_size` tokens per block; () when unknown."""
@@ -128,11 +133,20 @@ class Pool:
 @dataclass(slots=True)
 class Pick:
     """The chosen candidate, a short human-readable reason ("least_loaded: load=1.20") and
-    the predicted prefix cache hit of the prompt on it (tokens; 0 = none or unknown)."""
+    the predicted prefix cache hit of the prompt on it (tokens; 0 = none or unknown).
+
+    A policy that predicts latency also says (0 / False otherwise): on prefill, the predicted
+    time until the prompt's KV is computed (`predicted_ms`) and how long the prompt adds to
+    the instance's queue (`queue_s`, seconds, `InflightTracker.add`); on decode,
+    `skip_prefill`: decode computes the prompt itself (conditional disaggregation).
+    """
 
     candidate: Candidate
     reason: str
     cached_tokens: int = 0
+    predicted_ms: float = 0.0
+    queue_s: float = 0.0
+    skip_prefill: bool = False
 
 
 class Policy(Protocol):
@@ -171,4 +185,4 @@ _live_count = _compile_live_count()
 
 def warm_up() -> None:
     """Compiles (or loads from numba's cache) the shared kernels now, not on a request."""
-    _live_count(np.zeros((1, 17)), np.zeros(1, np.int64), np.ones(1, np.uint8))
+    _live_count(np.zeros((1, COLUMNS)), np.zeros(1, np.int64), np.ones(1, np.uint8))

@@ -1,229 +1,150 @@
-"""kv_aware: the cheapest instance for this prompt, from what its KV cache already holds.
+"""kv_aware: the instance predicted fastest for this prompt, from what its KV cache holds.
 
-Cost of a candidate, in prompt-token equivalents (lower is better)::
+Each candidate is scored by the latency it predicts from an engine profile's step-time model
+(`pdplane.scheduler.latency`; a built-in profile name or a `pdplane profile` fit):
 
-    cost = hit_weight * uncached + queued + request_tokens * requests + kv_usage_tokens * usage
+* prefill: the time until the prompt's KV is computed there = its queue (when the prompts the
+  scheduler sent it are predicted done, `InflightTracker.busy_until`, corrected by its load
+  reports) + a step of the prompt tokens it does not hold (the prefix index's predicted hit);
+* decode, given that prefill: the pull of the tokens it does not hold and admission, or (when
+  it holds a prefix of the prompt) computing the rest itself in its next step, if that lengthens
+  the step its running streams would have had by at most `local_slack` (conditional
+  disaggregation; at most `local_max_tokens` tokens); plus `itl_weight` x its step time with
+  this request added (the request's ITL there, and its streams').
 
-* `uncached` = prompt tokens - the predicted prefix cache hit on that instance (the prefix
-  index, `PickContext.cached_tokens`, whole KV cache blocks). On prefill it is the prefill
-  work; on decode it is what the connector must pull (it pulls only the blocks beyond
-  decode's own prefix hits), so `hit_weight` is 1 on prefill and `decode_hit_weight` on decode.
-* `queued` = uncached prompt tokens this scheduler sent the instance since its last load
-  report (prefill only; `PickContext.queued_prefill_tokens`).
-* `requests` = running + waiting requests (reported) plus own unreleased assignments since
-  that report; `usage` = reported KV cache usage (0..1).
+The lowest wins, equal predictions taken in turn. Instances not LIVE in the prefix index count
+as holding nothing: with no LIVE instance the choice is by predicted queue (prefill) and step
+time (decode) alone, so kv_aware is a safe default when KV events do not flow.
 
-The shape is Dynamo's KV router cost (`overlap_score_weight * potential prefill blocks +
-potential active blocks`, default weight 1.0, docs.nvidia.com/dynamo "Router Design"): new
-prefill work plus the load already on the worker, in the same unit. pdplane counts the load
-in requests (what the registry's load report carries) converted to tokens by
-`request_tokens`, since a prefill instance's report does not say how long its queued prompts
-are; all weights are settable (`KvAwareWeights`, flags `--kv-*` of the scheduler).
-
-Bounded loads: a shared-prefix burst would otherwise all land on the one instance holding the
-prefix (its uncached work is ~0), however long its queue. As in consistent hashing with
-bounded loads (Mirrokni, Thorup, Zadimoghaddam, SODA 2018) a candidate whose requests would
-exceed `ceil(load_factor * (total requests + 1) / candidates)` is skipped while any other
-fits, so no instance takes more than `load_factor` times its fair share of a burst; the
-scheduler's own in-flight accounting makes the burst visible between load reports.
-
-Instances whose index entries are not LIVE (stale or syncing stream) count as holding
-nothing: they compete by load only. With no LIVE candidate the policy is least-loaded (ties in
-turn), so `kv_aware` is a safe default when KV events do not flow.
+Source of the approach: llm-d's predicted-latency scheduler scores endpoints by TTFT and TPOT
+predicted from their state (a learned model there; the simulator's calibrated cost model here).
 """
 
 from __future__ import annotations
 
 import itertools
-import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
-import numba
 import numpy as np
-import numpy.typing as npt
 
+from pdplane.scheduler.latency import LatencyModel, score_decode, score_prefill
+from pdplane.scheduler.latency import warm_up as warm_up_kernels
 from pdplane.scheduler.policies.base import Pick, PickContext, Pool
-from pdplane.scheduler.table import BLOCK_SIZE, KV_SLOT, QUEUED_TOKENS, REQUESTS, UNSEEN, USAGE
 
-__all__ = ["LOCAL_PREFILL_MAX_TOKENS", "NAME", "KvAware", "KvAwareWeights", "create"]
+__all__ = [
+    "ITL_WEIGHT",
+    "LOCAL_PREFILL_MAX_TOKENS",
+    "LOCAL_SLACK",
+    "NAME",
+    "KvAware",
+    "KvAwareWeights",
+    "create",
+]
 
 NAME = "kv_aware"
 
-F64s = npt.NDArray[np.float64]
-I64s = npt.NDArray[np.int64]
-U8s = npt.NDArray[np.uint8]
-
 _NO_HITS = np.zeros(0)
 
-#: Default of --local-prefill-max-tokens (conditional disaggregation): under both the break-even
-#: of a prefill leg's fixed cost and the ITL bound of the CPU cost model fitted to real vLLM
-#: (docs/scheduler.md, "Why 256").
-LOCAL_PREFILL_MAX_TOKENS = 256
+#: Default of --local-prefill-max-tokens: the most prompt tokens a decode computes itself
+#: (the latency model decides below it; 0 = always disaggregate).
+LOCAL_PREFILL_MAX_TOKENS = 2048
+#: Defaults of `KvAwareWeights` (--kv-itl-weight, --kv-local-slack).
+ITL_WEIGHT = 10.0
+LOCAL_SLACK = 0.02
 
 
 @dataclass(frozen=True, slots=True)
 class KvAwareWeights:
-    """The cost's weights (module doc); token equivalents unless said otherwise.
+    """The policy's knobs (docs/scheduler.md says how they were chosen).
 
     Attributes:
-        request_tokens: one running, waiting or pending request (> 0 spreads load).
-        kv_usage_tokens: a full KV cache (usage 1.0): a fuller cache evicts sooner.
-        decode_hit_weight: on decode, one uncached token to pull, relative to one to compute
-            on prefill (0..1: a pull is cheaper than a prefill, but not free).
-        load_factor: bounded loads' c (>= 1); how far above the mean a holder may be loaded.
+        itl_weight: on decode, ms of predicted TTFT one ms of the decode's predicted step time
+            (the request's ITL and its streams') is worth.
+        local_slack: a decode computes a prompt's rest itself only if its step grows by at most
+            this fraction of the step its running streams would have had.
     """
 
-    request_tokens: float = 512.0
-    kv_usage_tokens: float = 1024.0
-    decode_hit_weight: float = 0.25
-    load_factor: float = 2.0
+    itl_weight: float = ITL_WEIGHT
+    local_slack: float = LOCAL_SLACK
 
     def __post_init__(self) -> None:
-        if self.request_tokens < 0 or self.kv_usage_tokens < 0 or self.decode_hit_weight < 0:
+        if self.itl_weight < 0 or self.local_slack < 0:
             raise ValueError("kv_aware weights must be >= 0")
-        if self.load_factor < 1:
-            raise ValueError(f"kv_aware load_factor must be >= 1, got {self.load_factor}")
 
 
-def create(*, seed: int | None = None, weights: KvAwareWeights | None = None) -> KvAware:
-    """A kv_aware policy with `weights` (default `KvAwareWeights()`); `seed` is ignored."""
-    return KvAware(weights or KvAwareWeights())
+def create(
+    *,
+    seed: int | None = None,
+    weights: KvAwareWeights | None = None,
+    model: LatencyModel | None = None,
+    local_max_tokens: int = LOCAL_PREFILL_MAX_TOKENS,
+) -> KvAware:
+    """A kv_aware policy with `weights` (default `KvAwareWeights()`) predicting with `model`
+    (default: `LatencyModel()`, the default profile); a decode computes at most
+    `local_max_tokens` of a prompt itself (0 = never); `seed` is ignored."""
+    return KvAware(weights or KvAwareWeights(), model or LatencyModel(), local_max_tokens)
 
 
 class KvAware:
-    """Lowest cost among the candidates within the load bound; equal costs taken in turn.
-
-    The cost of every candidate is computed in one compiled pass over the pool's columns;
-    the prefix hits come in as the pool's `cached` column (zeros except the few holders the
-    KV lookup returned).
-    """
+    """Lowest predicted latency (module doc), one compiled pass over the pool's columns."""
 
     name = NAME
 
-    def __init__(self, weights: KvAwareWeights) -> None:
+    def __init__(self, weights: KvAwareWeights, model: LatencyModel, local_max_tokens: int) -> None:
+        if local_max_tokens < 0:
+            raise ValueError("local_max_tokens must be >= 0")
         self.weights = weights
+        self.model = model
+        self.local_max_tokens = local_max_tokens
         self._turn = itertools.count()
-        w = weights
-        # The kernel's weights per side: hit weight, request tokens, KV usage tokens, c.
-        self._prefill = np.array([1.0, w.request_tokens, w.kv_usage_tokens, w.load_factor])
-        self._decode = np.array(
-            [w.decode_hit_weight, w.request_tokens, w.kv_usage_tokens, w.load_factor]
-        )
-        one = np.zeros(1, np.int64)
-        _score(
-            np.zeros((1, 17)),
-            one,
-            _NO_HITS,
-            False,
-            np.zeros(0, np.uint8),
-            1,
-            True,
-            self._prefill,
-            0,
-        )
+        warm_up_kernels()
 
     def pick(self, pool: Pool, ctx: PickContext) -> Pick:
-        prefill = ctx.side == "prefill"
         cached = pool.cached if pool.cached is not None else _NO_HITS
-        i, cost, requests, cap, skipped, live, cached_tokens = _score(
+        k = self.model.coefficients
+        n = len(pool)
+        if ctx.side == "prefill":
+            i, ttft, wait, hit, live = score_prefill(
+                pool.cols,
+                pool.rows,
+                cached,
+                pool.cached_per_block,
+                pool.live_slots,
+                ctx.prompt_tokens,
+                k,
+                ctx.now,
+                next(self._turn),
+            )
+            return Pick(
+                pool.candidate(i),
+                f"{NAME}: cached={hit}/{ctx.prompt_tokens} tokens, KV in {ttft:.0f} ms "
+                f"(queue {wait:.0f}) of {n} ({live} live)",
+                pool.cached_tokens(i),
+                ttft,
+                self.model.queue_s(ctx.prompt_tokens - hit, hit),
+            )
+        w = self.weights
+        i, score, ttft, hit, local, live = score_decode(
             pool.cols,
             pool.rows,
             cached,
             pool.cached_per_block,
             pool.live_slots,
             ctx.prompt_tokens,
-            prefill,
-            self._prefill if prefill else self._decode,
+            ctx.max_tokens,
+            k,
+            ctx.prefill_ms,
+            self.local_max_tokens,
+            w.local_slack,
+            w.itl_weight,
             next(self._turn),
         )
-        n = len(pool)
-        bound = f", {skipped} over load cap {cap}" if skipped else ""
-        if not live:
-            return pool.pick(i, f"{NAME}: no live KV index, load={requests:.0f} of {n}{bound}")
-        return pool.pick(
-            i,
-            f"{NAME}: cached={cached_tokens}/{ctx.prompt_tokens} tokens, cost={cost:.0f} "
-            f"of {n} ({live} live){bound}",
+        how = "computes the rest" if local else "pulls"
+        return Pick(
+            pool.candidate(i),
+            f"{NAME}: cached={hit}/{ctx.prompt_tokens} tokens, {how}, first token in "
+            f"{ttft:.0f} ms, score {score:.0f} of {n} ({live} live)",
+            pool.cached_tokens(i),
+            ttft,
+            skip_prefill=bool(local),
         )
-
-
-def _compile(  # the columns are closure cells: part of numba's cache key
-    requests_col: int = REQUESTS,
-    unseen_col: int = UNSEEN,
-    kv_slot_col: int = KV_SLOT,
-    queued_col: int = QUEUED_TOKENS,
-    usage_col: int = USAGE,
-    block_size_col: int = BLOCK_SIZE,
-) -> Callable[..., tuple[int, float, float, int, int, int, int]]:
-    @numba.njit(cache=True, nogil=True)
-    def score(
-        cols: F64s,
-        rows: I64s,
-        cached: F64s,
-        cached_per_block: bool,
-        live_slots: U8s,
-        prompt_tokens: int,
-        with_queued: bool,
-        weights: F64s,
-        turn: int,
-    ) -> tuple[int, float, float, int, int, int, int]:  # pragma: no cover - compiled
-        """(position chosen, its cost, its requests, load cap, candidates over the cap, LIVE
-        candidates, its cached tokens counted) over `rows` of `cols` (module doc); `weights`
-        = (hit weight, request tokens, KV usage tokens, load factor)."""
-        hit_weight, request_tokens, kv_usage_tokens = weights[0], weights[1], weights[2]
-        load_factor = weights[3]
-        n = rows.shape[0]
-        requests = np.empty(n)
-        total = 0.0
-        live = 0
-        slots = live_slots.shape[0]
-        for i in range(n):  # first pass: requests (for the cap) and LIVE candidates
-            row = rows[i]
-            r = cols[row, requests_col] + cols[row, unseen_col]
-            requests[i] = r if r > 0.0 else 0.0
-            total += requests[i]
-            slot = np.int64(cols[row, kv_slot_col])
-            if 0 <= slot < slots and live_slots[slot]:
-                live += 1
-        cap = np.int64(math.ceil(load_factor * (total + 1.0) / n))
-        fitting = 0
-        for i in range(n):
-            if requests[i] + 1.0 <= cap:
-                fitting += 1
-        best = np.inf
-        ties = 0
-        tied = np.empty(n, np.int64)  # positions of the lowest cost so far, in order
-        hits = np.zeros(n)
-        for i in range(n):
-            if fitting and requests[i] + 1.0 > cap:
-                continue
-            row = rows[i]
-            hit = 0.0
-            slot = np.int64(cols[row, kv_slot_col])
-            if live and 0 <= slot < cached.shape[0]:
-                # The lookup's value for the row's index slot, capped at the prompt.
-                hit = cached[slot] * (cols[row, block_size_col] if cached_per_block else 1.0)
-                hit = min(hit, prompt_tokens)
-            hits[i] = hit
-            cost = (
-                hit_weight * (prompt_tokens - hit)
-                + (cols[row, queued_col] if with_queued else 0.0)
-                + request_tokens * requests[i]
-                + kv_usage_tokens * cols[row, usage_col]
-            )
-            if cost < best:
-                best = cost
-                ties = 0
-            if cost == best:
-                tied[ties] = i
-                ties += 1
-        chosen = tied[turn % ties]
-        hit = hits[chosen]
-        skipped = n - fitting if fitting else 0
-        return chosen, best, float(requests[chosen]), int(cap), skipped, live, int(hit)
-
-    return score  # type: ignore[no-any-return]
-
-
-_score = _compile()

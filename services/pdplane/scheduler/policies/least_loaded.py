@@ -10,7 +10,7 @@ import numpy as np
 import numpy.typing as npt
 
 from pdplane.scheduler.policies.base import Pick, PickContext, Pool
-from pdplane.scheduler.table import LOAD, UNSEEN
+from pdplane.scheduler.table import COLUMNS, LOAD, UNSEEN
 
 NAME = "least_loaded"
 
@@ -36,7 +36,7 @@ class LeastLoaded:
 
     def __init__(self) -> None:
         self._turn = itertools.count()
-        least_loaded_row(np.zeros((1, 17)), np.zeros(1, np.int64), 0)  # compile now
+        least_loaded_row(np.zeros((1, COLUMNS)), np.zeros(1, np.int64), 0)  # compile now
 
     def pick(self, pool: Pool, ctx: PickContext) -> Pick:
         i, best_load = least_loaded_row(pool.cols, pool.rows, next(self._turn))

@@ -1,0 +1,170 @@
+"""What a stream needs to continue on another decode: the tokens the client already has.
+
+A stream whose decode is lost mid-way (connection reset or closed before `[DONE]`, vLLM's
+error event, silence past `--stream-idle-timeout-s`, the instance leaving the registry or
+draining past `--drain-grace-s`) is resumed by the relay (`pdplane.gateway.relay`) on a new
+decode: a `/v1/completions` request on the prompt's token ids plus the tokens already sent,
+for what is left to generate (`pdplane.gateway.bodies.resumed_body`). Its events continue the
+client's stream through a `pdplane.gateway.splice.Splice` that counts the tokens sent before.
+
+`Transcript` follows the client's stream: the prompt's token ids, the ids of every token
+relayed, whether a choice finished, the response's id / created / model. Decode legs of a
+migratable stream ask for token ids (`return_token_ids`, vLLM's field), which the client did
+not (`pdplane.gateway.bodies.migratable`): `Transcript.strip` takes them out again (vLLM
+writes `null` then).
+Every event is scanned with a few regular expressions (no JSON parse but the first event's).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pydantic_core import from_json
+
+from pdplane.gateway.splice import FirstToken
+
+__all__ = ["Loss", "Transcript", "whole_characters"]
+
+#: A UTF-8 character spans at most 4 bytes, so at most 4 byte tokens.
+_MAX_CHARACTER_TOKENS = 4
+
+#: A token event's output ids (`"token_ids":[...]`; not `prompt_token_ids`, whose quote is
+#: before `prompt_`).
+_IDS = re.compile(rb'"token_ids":\[([0-9,]*)\]')
+_PROMPT_IDS = re.compile(rb'"prompt_token_ids":\[([0-9,]*)\]')
+_ANY_IDS = re.compile(rb'("(?:prompt_)?token_ids":)\[[0-9,]*\]')
+_FINISHED = re.compile(rb'"finish_reason":"')
+
+
+def _ints(data: bytes) -> list[int]:
+    return [int(x) for x in data.split(b",")] if data else []
+
+
+@dataclass(frozen=True, slots=True)
+class Loss:
+    """Why a stream's decode leg ended before its `[DONE]`.
+
+    Attributes:
+        reason: the `pdplane_gateway_migrations_total` label: `lost` (connection reset or
+            closed), `idle` (silent past `--stream-idle-timeout-s`), `error_event` (decode
+            sent vLLM's error event), `deregistered` (the instance left the registry),
+            `drain` (the instance was draining past `--drain-grace-s`).
+        status: the HTTP status of the error event the client gets if the stream cannot
+            continue (502, 504, or decode's own event's).
+        message: what happened, naming the instance.
+        event: decode's own error event (bytes), relayed as is when the stream cannot continue.
+    """
+
+    reason: str
+    status: int
+    message: str
+    event: bytes = b""
+
+
+class Transcript:
+    """The client's stream so far, as a resumed leg needs it (see the module docstring).
+
+    Args:
+        first: prefill's first token when the stream began with it (its prompt ids, the
+            response's id, and one token sent).
+    """
+
+    __slots__ = ("created", "finished", "model", "prompt_ids", "response_id", "sent")
+
+    def __init__(self, first: FirstToken | None = None) -> None:
+        self.prompt_ids: list[int] | None = None
+        self.sent: list[int] = []  # ids of the output tokens relayed, in order
+        self.finished = False  # a finish_reason went out: nothing left to generate
+        self.response_id = ""
+        self.created = 0
+        self.model = ""
+        if first is not None:
+            self.prompt_ids = list(first.prompt_token_ids)
+            self.sent.append(first.token_id)
+            self.response_id, self.created, self.model = (
+                first.response_id,
+                first.created,
+                first.model,
+            )
+
+    def observe(self, events: bytes, resumed: bool = False) -> None:
+        """Reads decode's whole SSE `events` (bytes) before they are relayed. `resumed`: a
+        resumed leg's events (their prompt ids are the resumed prompt's, not the client's)."""
+        if not self.response_id and events.startswith(b"data: {"):
+            self._head(events[6 : events.find(b"\n\n")])
+        if self.prompt_ids is None and not resumed:
+            found = _PROMPT_IDS.search(events)
+            if found is not None:
+                self.prompt_ids = _ints(found.group(1))
+        for found in _IDS.finditer(events):
+            self.sent += _ints(found.group(1))
+        if not self.finished and _FINISHED.search(events) is not None:
+            self.finished = True
+
+    @staticmethod
+    def strip(events: bytes) -> bytes:
+        """`events` with the token ids that only the gateway asked for set to null, as vLLM
+        writes them when not asked."""
+        return _ANY_IDS.sub(rb"\1null", events)
+
+    def _head(self, event: bytes) -> None:
+        try:
+            obj = from_json(event)
+        except ValueError:
+            return
+        if isinstance(obj, dict) and isinstance(obj.get("id"), str):
+            self.response_id = obj["id"]
+            created = obj.get("created")
+            self.created = created if isinstance(created, int) else 0
+            model = obj.get("model")
+            self.model = model if isinstance(model, str) else ""
+
+    def resumable(self) -> bool:
+        """Whether the stream can continue elsewhere: its prompt's ids and response id are
+        known."""
+        return self.prompt_ids is not None and bool(self.response_id)
+
+    def rewind(self, keep: int) -> None:
+        """Forgets the tokens sent after the first `keep` (their text never reached the
+        client: `whole_characters`); a resumed leg generates them again."""
+        del self.sent[keep:]
+
+    def resumed_prompt(self) -> list[int]:
+        """The new decode's prompt: the prompt's ids plus the tokens sent."""
+        assert self.prompt_ids is not None
+        return [*self.prompt_ids, *self.sent]
+
+    def as_first_token(self) -> FirstToken:
+        """The stream so far in the shape `Splice` continues (its last token as the first)."""
+        assert self.prompt_ids is not None
+        return FirstToken(
+            response_id=self.response_id,
+            created=self.created,
+            model=self.model,
+            prompt_token_ids=self.prompt_ids,
+            token_id=self.sent[-1] if self.sent else 0,
+            text="",
+            finish_reason=None,
+            stop_reason=None,
+        )
+
+
+def whole_characters(
+    context: list[int], sent: list[int], decode: Callable[[list[int]], str]
+) -> int:
+    """How many of the `sent` token ids end on a character boundary: all of them, less the
+    last ones (at most 4) that end inside a UTF-8 character. vLLM holds such tokens' text back
+    until the character completes, so the client never got it; a resumed leg primed with a
+    prompt ending inside the character would not write it either (its detokenizer starts at
+    the prompt's end). Resuming after the whole characters only, the new leg generates those
+    tokens again, text and all. `context`: the prompt's ids (its last ones give the first
+    tokens the bytes they may continue); `decode`: the model's ids -> text, special tokens
+    kept."""
+    ids = [*context[-8:], *sent]
+    for drop in range(min(_MAX_CHARACTER_TOKENS, len(sent)) + 1):
+        end = len(ids) - drop
+        if not decode(ids[max(0, end - 12) : end]).endswith("\ufffd"):
+            return len(sent) - drop
+    return len(sent)  # not a character held open: keep everything

@@ -1,0 +1,239 @@
+"""Flow control (`pdplane.gateway.flow`): the in-flight budget, priority bands, fairness between
+tenants by tokens, shedding with 429 and the 503 of a wait past the timeout."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from pdplane.gateway.errors import GatewayError
+from pdplane.gateway.flow import FlowControl, FlowTicket
+from pdplane.gateway.metrics import GatewayMetrics
+
+M = "m"
+
+
+def _flow(  # type: ignore[no-untyped-def]
+    budget: int | None = 100, timeout_s: float = 5.0, max_queued: int = 100, ceiling: int = 0, **kw
+) -> FlowControl:
+    """Flow control with a fixed budget; `ceiling` (default twice the budget) bounds shares."""
+    limits = None if budget is None else (budget, ceiling or 2 * budget)
+    return FlowControl(lambda _m: limits, timeout_s, max_queued, GatewayMetrics(), **kw)
+
+
+async def _order(flow: FlowControl, entries: list[tuple[str, int, int]]) -> list[int]:
+    """Fills the budget with one request, queues `entries` (tenant, priority, cost) in order,
+    then releases one admitted request at a time; returns the entries' indexes in the order
+    they were admitted. (The holder's weight leaves the others no share to be admitted on.)"""
+    holder = await flow.admit(M, "holder", 0, 100, 1e6)
+    admitted: list[int] = []
+    tickets: dict[int, FlowTicket] = {}
+
+    async def one(i: int, tenant: str, priority: int, cost: int) -> None:
+        tickets[i] = await flow.admit(M, tenant, priority, cost)
+        admitted.append(i)
+
+    tasks = [asyncio.create_task(one(i, *e)) for i, e in enumerate(entries)]
+    await asyncio.sleep(0.01)
+    assert admitted == []
+    flow.release(holder)
+    while len(admitted) < len(entries):
+        await asyncio.sleep(0.001)
+        for i in list(admitted):
+            if i in tickets:
+                flow.release(tickets.pop(i))
+    await asyncio.gather(*tasks)
+    return admitted
+
+
+async def test_within_the_budget_admits_at_once_and_past_it_waits() -> None:
+    flow = _flow(budget=100)  # one tenant: its share is the whole budget
+    a = await flow.admit(M, "t", 0, 60)
+    b = await flow.admit(M, "t", 0, 40)
+    assert flow.inflight_tokens(M) == 100
+    waiter = asyncio.create_task(flow.admit(M, "t", 0, 10))
+    await asyncio.sleep(0.01)
+    assert not waiter.done() and flow.queued(M) == 1
+    flow.release(a)
+    c = await asyncio.wait_for(waiter, 1)
+    assert flow.inflight_tokens(M) == 50
+    for t in (b, c, c):  # idempotent
+        flow.release(t)
+    assert flow.inflight_tokens(M) == 0
+
+
+async def test_a_request_larger_than_the_budget_goes_alone() -> None:
+    flow = _flow(budget=100)
+    big = await flow.admit(M, "t", 0, 500)
+    assert flow.inflight_tokens(M) == 500
+    flow.release(big)
+
+
+async def test_higher_priority_first_whatever_the_arrival_order() -> None:
+    order = await _order(_flow(), [("a", 5, 100), ("b", 5, 100), ("c", 0, 100), ("d", -1, 100)])
+    assert order == [3, 2, 0, 1]
+
+
+async def test_fair_between_tenants_a_flood_does_not_delay_the_quiet_one() -> None:
+    # Tenant "noisy" queued 10 requests before "quiet" sent one: quiet goes second, not 11th.
+    entries = [("noisy", 0, 100)] * 10 + [("quiet", 0, 100)]
+    assert (await _order(_flow(), entries)).index(10) <= 1
+    # FIFO: in arrival order.
+    assert await _order(_flow(policy="fifo"), entries) == list(range(11))
+
+
+async def test_fairness_is_by_tokens_not_requests() -> None:
+    # "big" sends 3 prompts of 400 tokens, "small" 12 of 100: each gets the same tokens, so
+    # 4 of small's requests go between two of big's (by requests it would be 1).
+    entries = [("big", 0, 400)] * 3 + [("small", 0, 100)] * 12
+    order = await _order(_flow(budget=400), entries)
+    between = order[order.index(0) + 1 : order.index(1)]
+    assert len(between) == 4 and all(i >= 3 for i in between)
+
+
+async def test_a_tenant_within_its_share_is_admitted_at_once_even_over_the_budget() -> None:
+    flow = _flow(budget=1000)
+    noisy = [await flow.admit(M, "noisy", 0, 100) for _ in range(10)]  # the whole budget
+    queued = [asyncio.create_task(flow.admit(M, "noisy", 0, 100)) for _ in range(5)]
+    await asyncio.sleep(0.01)
+    assert flow.queued(M) == 5
+    # Two active tenants: quiet's share is 500 tokens; within it, no wait.
+    quiet = [await asyncio.wait_for(flow.admit(M, "quiet", 0, 100), 0.1) for _ in range(5)]
+    assert flow.inflight_tokens(M) == 1500
+    # Past its share it waits its turn like anyone (after noisy's earlier requests: fair).
+    late = asyncio.create_task(flow.admit(M, "quiet", 0, 100))
+    await asyncio.sleep(0.01)
+    assert not late.done()
+    # Within its share but past the ceiling (the KV cache): it waits too.
+    capped = _flow(budget=1000, ceiling=1050)
+    held = [await capped.admit(M, "noisy", 0, 100) for _ in range(10)]
+    over = asyncio.create_task(capped.admit(M, "quiet", 0, 100))
+    await asyncio.sleep(0.01)
+    assert not over.done()
+    capped.release(held.pop())
+    capped.release(await asyncio.wait_for(over, 1))
+    for t in held:
+        capped.release(t)
+    # FIFO gives no share.
+    fifo = _flow(budget=1000, policy="fifo")
+    held = [await fifo.admit(M, "noisy", 0, 100) for _ in range(10)]
+    waiting = asyncio.create_task(fifo.admit(M, "quiet", 0, 100))
+    await asyncio.sleep(0.01)
+    assert not waiting.done()
+    for t in held:
+        fifo.release(t)
+    fifo.release(await waiting)
+    for t in noisy + quiet:
+        flow.release(t)
+    for task in [*queued, late]:
+        flow.release(await task)
+    assert flow.inflight_tokens(M) == 0 and flow.queued(M) == 0
+
+
+async def test_weights_share_in_proportion() -> None:
+    flow = _flow()
+    holder = await flow.admit(M, "h", 0, 100, 1e6)
+    admitted: list[str] = []
+
+    async def one(tenant: str, weight: float) -> None:
+        t = await flow.admit(M, tenant, 0, 100, weight)
+        admitted.append(tenant)
+        flow.release(t)
+
+    tasks = [asyncio.create_task(one("heavy", 3.0)) for _ in range(30)]
+    tasks += [asyncio.create_task(one("light", 1.0)) for _ in range(30)]
+    await asyncio.sleep(0.01)
+    flow.release(holder)
+    await asyncio.gather(*tasks)
+    assert admitted[:20].count("heavy") == 15
+
+
+async def test_queue_full_sheds_the_lowest_priority_with_429_and_retry_after() -> None:
+    flow = _flow(max_queued=2)
+    holder = await flow.admit(M, "h", 0, 100, 1e6)
+    low1 = asyncio.create_task(flow.admit(M, "t", 5, 10))
+    low2 = asyncio.create_task(flow.admit(M, "t", 5, 10))
+    await asyncio.sleep(0.01)
+    # Full: another low-priority request is refused at once...
+    with pytest.raises(GatewayError) as refused:
+        await flow.admit(M, "t", 5, 10)
+    assert refused.value.status == 429 and int(refused.value.headers["retry-after"]) >= 1
+    # ...a high-priority one takes the place of the last low one, which gets 429.
+    high = asyncio.create_task(flow.admit(M, "t", 0, 10))
+    await asyncio.sleep(0.01)
+    assert low2.done() and isinstance(low2.exception(), GatewayError)
+    assert low2.exception().status == 429  # type: ignore[union-attr]
+    flow.release(holder)
+    assert (await high).priority == 0
+    await low1
+
+
+async def test_no_turn_within_the_timeout_is_a_503() -> None:
+    flow = _flow(timeout_s=0.05)
+    holder = await flow.admit(M, "h", 0, 100, 1e6)
+    with pytest.raises(GatewayError) as timed_out:
+        await flow.admit(M, "t", 0, 10)
+    assert timed_out.value.status == 503 and "--queue-timeout-s 0.05" in timed_out.value.message
+    assert flow.queued(M) == 0
+    flow.release(holder)
+
+
+async def test_a_client_leaving_leaves_the_queue_and_takes_nothing() -> None:
+    flow = _flow()
+    holder = await flow.admit(M, "h", 0, 100, 1e6)
+    waiter = asyncio.create_task(flow.admit(M, "t", 0, 10))
+    await asyncio.sleep(0.01)
+    waiter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    assert flow.queued(M) == 0
+    flow.release(holder)
+    assert flow.inflight_tokens(M) == 0
+
+
+async def test_unknown_capacity_and_timeout_zero_admit_everything() -> None:
+    for flow in (_flow(budget=None), _flow(timeout_s=0)):
+        tickets = [await flow.admit(M, "t", 0, 1000) for _ in range(10)]
+        assert flow.inflight_tokens(M) == 10_000
+        for t in tickets:
+            flow.release(t)
+
+
+async def test_projected_wait_past_the_timeout_is_shed_lowest_priority_first() -> None:
+    now = [0.0]
+    flow = _flow(budget=100, timeout_s=2.0, max_queued=1000, clock=lambda: now[0])
+    # Drain 100 tokens per second for 3 s: the rate the projection uses.
+    for _ in range(3):
+        t = await flow.admit(M, "t", 0, 100)
+        now[0] += 1.0
+        flow.release(t)
+    holder = await flow.admit(M, "h", 0, 100, 1e6)
+    high = [asyncio.create_task(flow.admit(M, "hi", 0, 50)) for _ in range(2)]  # ~1 s of work
+    await asyncio.sleep(0.01)
+    # Behind 1 s of high-priority work, a low-priority request of 150 tokens projects 2.5 s.
+    with pytest.raises(GatewayError) as shed:
+        await flow.admit(M, "lo", 5, 150)
+    assert shed.value.status == 429 and shed.value.type_ == "overloaded"
+    # A high-priority one of 50 tokens projects 1.5 s: it waits.
+    more = asyncio.create_task(flow.admit(M, "hi", 0, 50))
+    await asyncio.sleep(0.01)
+    assert not more.done()
+    flow.release(holder)
+    for task in [*high, more]:
+        flow.release(await task)
+
+
+async def test_worse_priorities_in_flight_do_not_count_against_a_better_one() -> None:
+    flow = _flow(budget=1000, ceiling=1200)
+    low = [await flow.admit(M, "batch", 10, 100) for _ in range(10)]  # the whole budget
+    # Priority 0 has the budget to itself, within the ceiling (the KV cache): 2 more fit.
+    high = [await asyncio.wait_for(flow.admit(M, "chat", 0, 100, 1e-6), 0.1) for _ in range(2)]
+    third = asyncio.create_task(flow.admit(M, "chat", 0, 100, 1e-6))
+    await asyncio.sleep(0.01)
+    assert not third.done()  # past the ceiling
+    flow.release(low.pop())
+    flow.release(await asyncio.wait_for(third, 1))
+    for t in low + high:
+        flow.release(t)
+    assert flow.inflight_tokens(M) == 0

@@ -1,0 +1,152 @@
+"""Request migration's parts: which streams are migratable, the resumed leg's body, the
+transcript read from decode's events, and the departures that move streams off decodes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+from pdplane.gateway.bodies import migratable, resumed_body, with_token_ids
+from pdplane.gateway.departures import Departures
+from pdplane.gateway.migration import Transcript, whole_characters
+from pdplane.gateway.splice import FirstToken
+from pdplane.gateway.validation import CHAT, COMPLETIONS
+from pdplane.v1 import instance_pb2
+from tests.unit.gateway.test_first_token import _req
+
+
+def test_which_streams_are_migratable() -> None:
+    assert migratable(_req(COMPLETIONS))
+    assert migratable(_req(CHAT, temperature=0, stop=[], seed=3))
+    # vLLM holds back text that may start a stop string: not restorable at a seam
+    assert not migratable(_req(CHAT, stop=["x"]))
+    assert not migratable(_req(COMPLETIONS, stop="x", include_stop_str_in_output=True))
+    assert migratable(_req(COMPLETIONS, logprobs=2))  # completions logprobs continue
+    assert not migratable(_req(COMPLETIONS, stream=False))  # run again instead
+    assert not migratable(_req(COMPLETIONS, n=2))
+    assert not migratable(_req(COMPLETIONS, echo=True))
+    assert not migratable(_req(CHAT, logprobs=True))
+    assert not migratable(_req(CHAT, tools=[{"type": "function"}]))
+    assert not migratable(_req(COMPLETIONS, return_token_ids=True))
+
+
+def test_the_resumed_leg_asks_for_what_is_left_with_the_clients_sampling() -> None:
+    req = _req(CHAT, max_completion_tokens=20, min_tokens=8, temperature=0.5,
+               stream_options={"include_usage": True}, seed=1)  # fmt: skip
+    body = resumed_body(req, [1, 2, 3, 40, 41, 42], 3)
+    assert body == {
+        "prompt": [1, 2, 3, 40, 41, 42],
+        "model": "m",
+        "max_tokens": 17,
+        "min_tokens": 5,
+        "temperature": 0.5,
+        "stream_options": {"include_usage": True},
+        "seed": 1,
+        "stream": True,
+        "return_token_ids": True,
+    }
+    # chat without a limit: up to the model's length; min_tokens already met is dropped
+    body = resumed_body(_req(CHAT, min_tokens=2), [1, 2], 3)
+    assert body["max_tokens"] is None and "min_tokens" not in body
+
+
+def test_decode_legs_of_migratable_streams_ask_for_token_ids() -> None:
+    raw = b'{"model":"m","prompt":"hi","stream":true}'
+    body = json.loads(raw)
+    assert json.loads(with_token_ids(raw, body, None)) == {**body, "return_token_ids": True}
+    out = json.loads(with_token_ids(raw, body, b'{"t":1}'))
+    assert out == {**body, "return_token_ids": True, "kv_transfer_params": {"t": 1}}
+
+
+def _event(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+def test_the_transcript_reads_ids_and_strips_what_the_client_did_not_ask_for() -> None:
+    t = Transcript()
+    first = _event({"id": "cmpl-1", "created": 7, "model": "m", "choices": [
+        {"index": 0, "text": " a", "finish_reason": None, "prompt_token_ids": [1, 2, 3],
+         "token_ids": [10]}]})  # fmt: skip
+    more = _event({"id": "cmpl-1", "choices": [
+        {"index": 0, "text": " b c", "finish_reason": None, "prompt_token_ids": None,
+         "token_ids": [11, 12]}]})  # fmt: skip
+    t.observe(first + more)
+    assert t.prompt_ids == [1, 2, 3] and t.sent == [10, 11, 12] and not t.finished
+    assert (t.response_id, t.created, t.model) == ("cmpl-1", 7, "m")
+    assert t.resumable() and t.resumed_prompt() == [1, 2, 3, 10, 11, 12]
+    stripped = t.strip(first)
+    assert b'"prompt_token_ids":null' in stripped and b'"token_ids":null' in stripped
+    last = _event({"id": "cmpl-1", "choices": [
+        {"index": 0, "text": " d", "finish_reason": "length", "token_ids": [13]}]})  # fmt: skip
+    t.observe(last, resumed=True)
+    assert t.sent == [10, 11, 12, 13] and t.finished
+
+
+def test_a_resumed_legs_prompt_ids_are_not_the_clients() -> None:
+    t = Transcript(FirstToken("cmpl-1", 1, "m", [1, 2], 9, " x", "length", None))
+    assert t.prompt_ids == [1, 2] and t.sent == [9]
+    t.observe(_event({"id": "cmpl-x", "choices": [
+        {"text": " y", "finish_reason": None, "prompt_token_ids": [1, 2, 9],
+         "token_ids": [8]}]}), resumed=True)  # fmt: skip
+    assert t.prompt_ids == [1, 2] and t.sent == [9, 8] and t.response_id == "cmpl-1"
+
+
+class _Stream:
+    def __init__(self) -> None:
+        self.evicted: list[str] = []
+
+    def evict(self, reason: str) -> None:
+        self.evicted.append(reason)
+
+
+def _instance(instance_id: str, state: int) -> instance_pb2.Instance:
+    inst = instance_pb2.Instance(state=state)
+    inst.spec.instance_id = instance_id
+    return inst
+
+
+async def test_departures_move_streams_off_decodes_that_leave_or_drain() -> None:
+    serving, draining = instance_pb2.INSTANCE_STATE_SERVING, instance_pb2.INSTANCE_STATE_DRAINING
+    departures = Departures(grace_s=0.05)
+    gone, drained, kept, finished = _Stream(), _Stream(), _Stream(), _Stream()
+    departures.add("d1", gone)
+    departures.add("d2", drained)
+    departures.add("d2", finished)
+    departures.add("d3", kept)
+    departures.update({"d2": _instance("d2", draining), "d3": _instance("d3", serving)})
+    assert gone.evicted == ["deregistered"]  # at once
+    assert drained.evicted == []  # within the grace
+    departures.discard("d2", finished)  # finished on the draining decode in time
+    await asyncio.sleep(0.15)
+    assert drained.evicted == ["drain"] and finished.evicted == [] and kept.evicted == []
+    assert departures.open_streams("d2") == 0 and departures.open_streams("d3") == 1
+
+
+async def test_a_decode_serving_again_keeps_its_streams() -> None:
+    departures = Departures(grace_s=0.05)
+    stream = _Stream()
+    departures.add("d1", stream)
+    departures.update({"d1": _instance("d1", instance_pb2.INSTANCE_STATE_DRAINING)})
+    departures.update({"d1": _instance("d1", instance_pb2.INSTANCE_STATE_SERVING)})
+    await asyncio.sleep(0.15)
+    assert stream.evicted == []
+    departures.close()
+
+
+def _bytes_decode(ids: list[int]) -> str:
+    """A byte-level tokenizer: each id is one byte."""
+    return bytes(ids).decode("utf-8", errors="replace")
+
+
+def test_a_seam_inside_a_character_resumes_after_the_last_whole_one() -> None:
+    prompt = list(b"say: ")
+    euro = list("€".encode())  # 3 bytes, 3 tokens
+    assert whole_characters(prompt, [*b"ab", *euro], _bytes_decode) == 5  # all whole
+    assert whole_characters(prompt, [*b"ab", *euro[:2]], _bytes_decode) == 2  # held open
+    assert whole_characters(prompt, [*b"ab", *euro[:1]], _bytes_decode) == 2
+    assert whole_characters(prompt, euro[:2], _bytes_decode) == 0
+    t = Transcript(FirstToken("cmpl-1", 1, "m", prompt, ord("a"), "a", None, None))
+    t.sent += euro[:2]
+    t.rewind(whole_characters(prompt, t.sent, _bytes_decode))
+    assert t.resumed_prompt() == [*prompt, ord("a")]

@@ -1,0 +1,135 @@
+"""The tenants file (`pdplane.gateway.tenants`) and the keys' rate limits
+(`pdplane.gateway.ratelimit`)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from pdplane.gateway.errors import GatewayError
+from pdplane.gateway.ratelimit import RateLimiter
+from pdplane.gateway.tenants import DEFAULT_TENANT, Identity, TenantBook, load_tenants
+
+_YAML = """
+tenants:
+  chat: {weight: 2, priority: 0}
+  batch: {priority: 10}
+keys:
+  - {key: sk-chat, tenant: chat, requests_per_s: 5, tokens_per_min: 6000}
+  - {key: sk-batch, tenant: batch}
+  - {key: sk-edge, tenant: edge, trusted_proxy: true, tokens_per_min: 100}
+"""
+
+
+def _bearer(key: str) -> bytes:
+    return f"Bearer {key}".encode()
+
+
+def test_the_three_formats_read_the_same(tmp_path: Path) -> None:
+    y = tmp_path / "t.yaml"
+    y.write_text(_YAML)
+    config = load_tenants(y)
+    j = tmp_path / "t.json"
+    j.write_text(json.dumps(config.model_dump()))
+    t = tmp_path / "t.toml"
+    t.write_text(
+        "[tenants.chat]\nweight = 2.0\npriority = 0\n[tenants.batch]\npriority = 10\n"
+        '[[keys]]\nkey = "sk-chat"\ntenant = "chat"\nrequests_per_s = 5\ntokens_per_min = 6000\n'
+        '[[keys]]\nkey = "sk-batch"\ntenant = "batch"\n'
+        '[[keys]]\nkey = "sk-edge"\ntenant = "edge"\ntrusted_proxy = true\ntokens_per_min = 100\n'
+    )
+    assert load_tenants(j) == config == load_tenants(t)
+
+
+@pytest.mark.parametrize(
+    ("text", "words"),
+    [
+        ("keys: [{key: a, tenant: x}, {key: a, tenant: y}]", "listed twice"),
+        ("keys: [{key: a}]", "tenant"),
+        ("keys: [{key: a, tenant: x, tokens_per_min: -1}]", "tokens_per_min"),
+        ("nonsense: 1", "nonsense"),
+        ("keys: [", "t.yaml"),
+    ],
+)
+def test_a_bad_file_is_a_clear_error(tmp_path: Path, text: str, words: str) -> None:
+    p = tmp_path / "t.yaml"
+    p.write_text(text)
+    with pytest.raises(ValueError, match=words):
+        load_tenants(p)
+
+
+def test_identify_by_key_class_and_trusted_proxy(tmp_path: Path) -> None:
+    p = tmp_path / "t.yaml"
+    p.write_text(_YAML)
+    book = TenantBook(str(p), flag_keys=("sk-flag",))
+    chat = book.identify(_bearer("sk-chat"))
+    assert chat is not None and (chat.tenant, chat.weight, chat.priority) == ("chat", 2.0, 0)
+    assert chat.requests_per_s == 5 and chat.bucket
+    batch = book.identify(_bearer("sk-batch"))
+    assert batch is not None and batch.priority == 10 and not batch.bucket
+    flag = book.identify(_bearer("sk-flag"))
+    assert flag is not None and flag.tenant == DEFAULT_TENANT
+    assert book.identify(_bearer("nope")) is None and book.identify(None) is None
+    # Only a trusted proxy's key names its tenant; each named tenant has its own bucket.
+    assert book.identify(_bearer("sk-chat"), "batch").tenant == "chat"  # type: ignore[union-attr]
+    a, b = book.identify(_bearer("sk-edge"), "a"), book.identify(_bearer("sk-edge"), "b")
+    assert a is not None and b is not None and a.tenant == "a" and a.bucket != b.bucket
+    assert TenantBook(None).identify(None) == Identity()
+
+
+def test_reload_on_change_and_a_bad_file_keeps_the_previous(tmp_path: Path) -> None:
+    p = tmp_path / "t.yaml"
+    p.write_text(_YAML)
+    results: list[str] = []
+    book = TenantBook(str(p), on_reload=results.append)
+    assert not book.reload_if_changed()
+    p.write_text(_YAML + "  - {key: sk-new, tenant: new}\n")
+    os.utime(p, ns=(1, 1))  # a change even within the file system's time resolution
+    assert book.reload_if_changed()
+    assert book.identify(_bearer("sk-new")) is not None
+    p.write_text("keys: [")
+    assert not book.reload_if_changed()
+    assert book.identify(_bearer("sk-new")) is not None  # the previous configuration stays
+    p.unlink()
+    assert not book.reload_if_changed()
+    assert results == ["ok", "error", "error"]
+
+
+def test_tokens_per_min_429_has_the_right_retry_after_and_usage_gives_back() -> None:
+    now = [0.0]
+    limits = RateLimiter(clock=lambda: now[0])
+    who = Identity(tenant="t", bucket="k/t", tokens_per_min=600)  # 10 tokens/s
+    limits.take(who, 500)
+    with pytest.raises(GatewayError) as refused:
+        limits.take(who, 200)  # 100 left: 100 more come in 10 s
+    assert refused.value.status == 429 and refused.value.headers["retry-after"] == "10"
+    assert refused.value.type_ == "tokens" and refused.value.code == "rate_limit_exceeded"
+    now[0] = 9.0
+    with pytest.raises(GatewayError):
+        limits.take(who, 200)
+    now[0] = 10.0
+    limits.take(who, 200)  # after Retry-After it passes
+    limits.settle(who, 200, 50)  # used 50 of 200: 150 back
+    limits.take(who, 150)
+    with pytest.raises(GatewayError):
+        limits.take(who, 1)
+
+
+def test_requests_per_s_and_a_request_larger_than_the_bucket() -> None:
+    now = [0.0]
+    limits = RateLimiter(clock=lambda: now[0])
+    who = Identity(tenant="t", bucket="k", requests_per_s=2, tokens_per_min=60)
+    limits.take(who, 1000)  # larger than the bucket: let through when full, leaves a debt
+    with pytest.raises(GatewayError) as refused:
+        limits.take(who, 1)
+    assert refused.value.type_ == "tokens"
+    assert int(refused.value.headers["retry-after"]) == 1000 - 60 + 1
+    rps = Identity(tenant="t", bucket="r", requests_per_s=2)
+    limits.take(rps, 1)
+    limits.take(rps, 1)
+    with pytest.raises(GatewayError) as refused:
+        limits.take(rps, 1)
+    assert refused.value.type_ == "requests" and refused.value.headers["retry-after"] == "1"
