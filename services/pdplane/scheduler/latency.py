@@ -21,8 +21,8 @@ one compiled pass over a side's table (`pdplane.scheduler.table`), for `kv_aware
   (`transfer_latency_ms` + bytes / `transfer_gbps`) and admission (half a step to wait, one to
   recompute the last prompt token), or, when decode holds a prefix, computing the rest itself
   in its next step (conditional disaggregation) if that step grows by at most `slack` of the
-  step its running streams would have had (any step, when it runs none); plus `itl_weight` x the step time its streams will
-  see with this request added (its ITL, and theirs).
+  step its running streams would have had (any step, when it runs none); plus `itl_weight` x
+  the step time its streams will see with this request added (its ITL, and theirs).
 """
 
 from __future__ import annotations
