@@ -28,7 +28,7 @@ from pdplane.core.token_file import token_file_field
 from pdplane.registry.endpoints import RegistryEndpoints, call_any
 from pdplane.v1 import instance_pb2, registry_pb2
 
-__all__ = ["DrainSettings", "main"]
+__all__ = ["DrainSettings", "drain_instance", "main"]
 
 
 class DrainSettings(CommandSettings):
@@ -51,6 +51,23 @@ class DrainSettings(CommandSettings):
     timeout_s: float = Field(5.0, gt=0, description="deadline of each call (s)")
 
 
+def drain_instance(
+    endpoints: RegistryEndpoints,
+    instance_id: str,
+    metadata: tuple[tuple[str, str], ...],
+    timeout_s: float = 5.0,
+) -> str:
+    """Marks `instance_id` DRAINING (Deregister with drain, the admin credential in
+    `metadata`); returns its state name after the call ("draining"). Raises grpc.RpcError
+    (NOT_FOUND for an unknown id, PERMISSION_DENIED without the admin token)."""
+    # No lease id: the admin credential, not a lease, authorizes an operator's drain.
+    request = registry_pb2.DeregisterRequest(instance_id=instance_id, drain=True)
+    reply = call_any(
+        endpoints, lambda stub: stub.Deregister(request, timeout=timeout_s, metadata=metadata)
+    )
+    return instance_pb2.InstanceState.Name(reply.state).removeprefix("INSTANCE_STATE_").lower()
+
+
 def main(argv: list[str]) -> int:
     """Runs `pdplane drain`; see the module docstring for exit codes."""
     s = DrainSettings.parse(argv, prog="pdplane drain")
@@ -60,18 +77,12 @@ def main(argv: list[str]) -> int:
     admin_token = fleet_credentials.token_for(s.registry, s.admin_token, admin=True)
     metadata = grpc_util.token_metadata(admin_token)
     endpoints = RegistryEndpoints(s.registry, s.tls_ca)
-    # No lease id: the admin credential, not a lease, authorizes an operator's drain.
-    request = registry_pb2.DeregisterRequest(instance_id=s.instance_id, drain=True)
     try:
-        reply = call_any(
-            endpoints,
-            lambda stub: stub.Deregister(request, timeout=s.timeout_s, metadata=metadata),
-        )
+        state = drain_instance(endpoints, s.instance_id, metadata, s.timeout_s)
     except grpc.RpcError as exc:
         sys.stderr.write(f"pdplane drain: {exc.code().name}: {exc.details()}\n")
         return 1
     finally:
         endpoints.close()
-    state = instance_pb2.InstanceState.Name(reply.state).removeprefix("INSTANCE_STATE_").lower()
     sys.stdout.write(f"{s.instance_id}: {state}\n")
     return 0

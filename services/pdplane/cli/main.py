@@ -27,6 +27,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "vllm": ("pdplane.cli.vllm", "start one vLLM CPU instance that joins a running system"),
     "plan": ("pdplane.plan.__main__", "how many prefill and decode instances meet an SLO"),
     "profile": ("pdplane.plan.profile_cli", "measure an engine profile from a running instance"),
+    "autoscale": ("pdplane.autoscale.__main__", "resize a Kubernetes XpYd fleet while it serves"),
 }
 
 

@@ -36,10 +36,14 @@ from pathlib import Path
 from types import FrameType
 from typing import Literal
 
+import grpc
 from pydantic import Field, field_validator
 
+from pdplane.autoscale.local import LocalActuator
+from pdplane.autoscale.loop import Autoscaler
+from pdplane.autoscale.scrape import FleetScraper
+from pdplane.autoscale.settings import AutoscaleOptions
 from pdplane.core import defaults, fleet_credentials
-from pdplane.core.settings import CommandSettings
 from pdplane.launch.fleet import Fleet, FleetSpec, PortsInUse
 from pdplane.launch.process import Cancelled
 from pdplane.sim.profiles import load_profile
@@ -47,7 +51,7 @@ from pdplane.sim.profiles import load_profile
 __all__ = ["UpSettings", "main"]
 
 
-class UpSettings(CommandSettings):
+class UpSettings(AutoscaleOptions):
     """Start registry, scheduler, gateway and a vLLM CPU XpYd fleet on this machine."""
 
     prefill: int = Field(1, ge=1, le=16, description="prefill (kv_producer) vLLM instances")
@@ -115,6 +119,17 @@ class UpSettings(CommandSettings):
         "memory", description="registry store; etcd also starts a local etcd (etcd-server)"
     )
     etcd_port: int = Field(2379, ge=1, le=65534, description="with --store etcd: client port")
+    engine: Literal["vllm", "sim"] = Field(
+        "vllm", description="instances: vLLM CPU, or `pdplane sim` (no model, starts in seconds)"
+    )
+    sim_profile: str = Field(
+        "tiny-cpu", description="with --engine sim: the sims' engine profile (name or JSON file)"
+    )
+    autoscale: bool = Field(
+        False,
+        description="resize the fleet while serving: the controller (docs/autoscale.md) starts "
+        "and drains instances within --min/--max-prefill, --min/--max-decode and --gpus",
+    )
 
     @field_validator("kv_profile")
     @classmethod
@@ -167,10 +182,40 @@ def _restart_instances(fleet: Fleet, restarts: _RestartBudget) -> bool:
     return True
 
 
-def _supervise(fleet: Fleet, stop: threading.Event) -> int:
-    """Serves until `stop` is set (returns 0) or a child crash-loops (returns 1)."""
+def _autoscaler(settings: UpSettings, fleet: Fleet) -> Autoscaler:
+    """The controller acting on `fleet` through the local actuator (`--autoscale`)."""
+    profile = settings.sim_profile if settings.engine == "sim" else "tiny-cpu"
+    scraper = FleetScraper(
+        fleet.registry_address,
+        window_s=settings.autoscale_window_s,
+        model=fleet.model_name,
+        token=fleet.spec.token,
+        gateway=fleet.gateway_url,
+    )
+    actuator = LocalActuator(fleet, say=_say, drain_timeout_s=settings.drain_timeout_s)
+    return Autoscaler(settings.controller(profile), scraper, actuator, say=_say)
+
+
+def _autoscale_step(autoscaler: Autoscaler) -> None:
+    """One control step; a registry or gateway that does not answer skips it (said once)."""
+    try:
+        autoscaler.step()
+    except grpc.RpcError as exc:
+        code = exc.code().name if isinstance(exc, grpc.Call) else "ERROR"
+        _say(f"autoscale: registry {code}; step skipped")
+
+
+def _supervise(
+    fleet: Fleet, stop: threading.Event, autoscaler: Autoscaler | None = None, every_s: float = 5.0
+) -> int:
+    """Serves until `stop` is set (returns 0) or a child crash-loops (returns 1); with an
+    `autoscaler`, runs a control step every `every_s` seconds."""
     restarts = _RestartBudget(per_minute=3)
+    last_step = time.monotonic()
     while not stop.wait(1.0):
+        if autoscaler is not None and time.monotonic() - last_step >= every_s:
+            last_step = time.monotonic()
+            _autoscale_step(autoscaler)
         if not _restart_instances(fleet, restarts):
             return 1
         failed = fleet.dead_service()
@@ -222,8 +267,17 @@ def main(argv: list[str]) -> int:
             _say(f"  answer: {fleet.demo_request()!r}")
             if settings.exit_after_demo:
                 return 0
+        autoscaler = None
+        if settings.autoscale:
+            autoscaler = _autoscaler(settings, fleet)
+            b = settings.bounds()
+            _say(
+                f"autoscale: every {settings.autoscale_interval_s:g} s, prefill "
+                f"{b.min_prefill}..{b.max_prefill}, decode {b.min_decode}..{b.max_decode}, "
+                f"SLO {settings.slo}"
+            )
         _say("serving; Ctrl-C stops everything")
-        status = _supervise(fleet, stop.event)
+        status = _supervise(fleet, stop.event, autoscaler, settings.autoscale_interval_s)
     except Cancelled:
         _say("interrupted during start-up")
     except PortsInUse as exc:  # bad input, as for a bad flag: nothing was started

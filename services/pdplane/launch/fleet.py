@@ -36,10 +36,14 @@ from pdplane.launch.process import (
     http_server_id,
     wait_until,
 )
+from pdplane.launch.sim_process import SimOptions, SimProcess
 from pdplane.launch.vllm_cpu import KvRole, VllmCpuInstance, VllmCpuOptions
 from pdplane.v1 import instance_pb2, registry_pb2, registry_pb2_grpc
 
-__all__ = ["Fleet", "FleetSpec", "PortsInUse", "default_model_cache"]
+__all__ = ["Engine", "Fleet", "FleetSpec", "PortsInUse", "default_model_cache"]
+
+#: One engine instance of the fleet: vLLM CPU, or the simulator standing in for it.
+Engine = VllmCpuInstance | SimProcess
 
 _TINY_MODEL_NAME = "tiny-llama"
 #: Longest silence while waiting for a child to be ready (s).
@@ -77,6 +81,10 @@ class _UpLike(Protocol):
     log_dir: Path
     ready_timeout_s: float
     etcd_port: int
+    sim_profile: str
+
+    @property
+    def engine(self) -> str: ...
 
     @property
     def kv_mode(self) -> str: ...
@@ -126,6 +134,9 @@ class FleetSpec:
     #: token; None = an open fleet. Children get them through their environment, never argv.
     token: str | None = None
     admin_token: str | None = None
+    #: "vllm": vLLM CPU instances; "sim": `pdplane sim` instances of `sim_profile` (no model)
+    engine: str = "vllm"
+    sim_profile: str = "tiny-cpu"
 
     @classmethod
     def from_settings(
@@ -159,6 +170,8 @@ class FleetSpec:
             vllm_options={"connector_extra": {"mode": s.kv_mode}} if s.kv_mode != "pull" else {},
             token=token,
             admin_token=admin_token,
+            engine=s.engine,
+            sim_profile=s.sim_profile,
         )
 
 
@@ -173,16 +186,18 @@ class Fleet:
         self.spec = spec
         self._say = say
         self._services: list[ManagedProcess] = []
-        self.instances: list[VllmCpuInstance] = []
+        self.instances: list[Engine] = []
+        self._free_indices: list[int] = []  # of instances removed (their ports are free)
         self._next_index = 0
         self._cores = max(1, os.cpu_count() or 1)
         self.model_dir: Path | None = None
         self.model_name = ""
         self.ready_after_s = 0.0
         self._lock = threading.Lock()
-        self._names: dict[VllmCpuInstance, str] = {}
-        self._reported_dead: set[VllmCpuInstance] = set()
-        self._restarting: set[VllmCpuInstance] = set()
+        self._names: dict[Engine, str] = {}
+        self._indices: dict[Engine, int] = {}
+        self._reported_dead: set[Engine] = set()
+        self._restarting: set[Engine] = set()
         #: registry, scheduler, gateway (etcd): where each answers and whether the answer comes
         #: from the process started last (its server id)
         self._answers: dict[ManagedProcess, tuple[str, Callable[[], bool]]] = {}
@@ -281,10 +296,11 @@ class Fleet:
             ]
         return [(port, what) for port, what in wanted if port_taken(s.host, port)]
 
-    def instance_ready(self, inst: VllmCpuInstance) -> bool:
+    def instance_ready(self, inst: Engine) -> bool:
         """True when `inst` answers /health and the engine answering is the one it started
-        (its KvTransfer health carries the server id that `inst`'s process was given)."""
-        endpoint = inst.kv_endpoint
+        (a vLLM's KvTransfer health carries the server id that `inst`'s process was given;
+        a sim's ports were free when it started)."""
+        endpoint = inst.kv_endpoint if isinstance(inst, VllmCpuInstance) else None
         return inst.healthy() and (
             endpoint is None or grpc_serving(endpoint, server_id=inst.process.server_id)
         )
@@ -317,6 +333,10 @@ class Fleet:
 
     def _resolve_model(self) -> None:
         spec = self.spec
+        if spec.engine == "sim":
+            self.model_name = spec.served_model_name or _TINY_MODEL_NAME
+            self._say(f"engines: pdplane sim, profile {spec.sim_profile} (no model)")
+            return
         if spec.model is not None:
             self.model_dir = spec.model
             self.model_name = spec.served_model_name or spec.model.name
@@ -463,41 +483,94 @@ class Fleet:
         )
         self._say(f"registry, scheduler and gateway up ({self.gateway_url})")
 
-    def _launch(self, role: KvRole, **overrides: Any) -> VllmCpuInstance:
-        """Starts one more vLLM instance of `role` (returns at once; see wait_healthy)."""
-        assert self.model_dir is not None, "start() resolves the model first"
+    def _launch(self, role: KvRole, **overrides: Any) -> Engine:
+        """Starts one more engine instance of `role` (returns at once; see wait_healthy), on
+        the ports of the lowest index free (a removed instance's are reused; once the fleet
+        runs, an index whose ports another process took is skipped)."""
         with self._lock:
-            index = self._next_index
-            self._next_index += 1
+            while True:
+                if self._free_indices:
+                    index = min(self._free_indices)
+                    self._free_indices.remove(index)
+                else:
+                    index = self._next_index
+                    self._next_index += 1
+                # Ports beyond the initial fleet's were not checked at start: skip taken ones.
+                ports = (self.spec.vllm_base_port + index, self.spec.kv_base_port + index)
+                if not self.instances or not any(port_taken(self.spec.host, p) for p in ports):
+                    break
         kind = "prefill" if role == "kv_producer" else "decode" if role == "kv_consumer" else "both"
-        options = VllmCpuOptions(
-            model=self.model_dir,
-            port=self.spec.vllm_base_port + index,
-            host=self.spec.host,
-            role=role,
-            served_model_name=self.model_name,
-            kv_port=self.spec.kv_base_port + index,
-            registry=self.registry_address,
-            instance_id=f"{kind}-{index}",
-            # Spread instances over the cores so that two engines don't fight for one.
-            omp_threads_bind=str(index % self._cores),
-            max_model_len=self.spec.max_model_len,
-            extra_args=list(self.spec.vllm_args),
-            token=self.spec.token,
-            registry_token=self.spec.token,
-            **{**self.spec.vllm_options, **overrides},
-        )
-        inst = VllmCpuInstance(options, self.spec.log_dir / f"{kind}-{index}.log")
+        name = f"{kind}-{index}"
+        log = self.spec.log_dir / f"{name}.log"
+        inst: Engine
+        if self.spec.engine == "sim":
+            inst = SimProcess(
+                SimOptions(
+                    role=role,
+                    port=self.spec.vllm_base_port + index,
+                    kv_port=self.spec.kv_base_port + index,
+                    registry=self.registry_address,
+                    instance_id=name,
+                    model=self.model_name,
+                    host=self.spec.host,
+                    profile=self.spec.sim_profile,
+                    token=self.spec.token,
+                    extra_args=list(self.spec.vllm_args),
+                ),
+                log,
+            )
+        else:
+            assert self.model_dir is not None, "start() resolves the model first"
+            options = VllmCpuOptions(
+                model=self.model_dir,
+                port=self.spec.vllm_base_port + index,
+                host=self.spec.host,
+                role=role,
+                served_model_name=self.model_name,
+                kv_port=self.spec.kv_base_port + index,
+                registry=self.registry_address,
+                instance_id=name,
+                # Spread instances over the cores so that two engines don't fight for one.
+                omp_threads_bind=str(index % self._cores),
+                max_model_len=self.spec.max_model_len,
+                extra_args=list(self.spec.vllm_args),
+                token=self.spec.token,
+                registry_token=self.spec.token,
+                **{**self.spec.vllm_options, **overrides},
+            )
+            inst = VllmCpuInstance(options, log)
         inst.process.die_with_parent = self.die_with_parent
         inst.start()
         self.instances.append(inst)
-        self._names[inst] = f"{kind}-{index}"
-        self._say(f"{kind}-{index} starting: vLLM on {inst.url}, KV on {inst.kv_endpoint}")
+        self._names[inst] = name
+        self._indices[inst] = index
+        self._say(f"{name} starting: engine on {inst.url}, KV on {inst.kv_endpoint}")
         return inst
 
-    def add_instance(
-        self, role: KvRole, timeout_s: float = 300.0, **overrides: Any
-    ) -> VllmCpuInstance:
+    def launch_instance(self, role: KvRole) -> Engine:
+        """Scales out while serving without waiting: starts one instance and returns it;
+        `instance_ready` tells when it serves."""
+        return self._launch(role)
+
+    def name_of(self, inst: Engine) -> str:
+        """The instance's name, which is also its registry id (e.g. decode-3)."""
+        return self._names[inst]
+
+    def remove_instance(self, inst: Engine) -> None:
+        """Stops `inst` (SIGTERM: it deregisters) and forgets it; its index and ports are
+        reused by the next instance started."""
+        inst.stop()
+        with self._lock:
+            if inst in self.instances:
+                self.instances.remove(inst)
+            self._names.pop(inst, None)
+            self._reported_dead.discard(inst)
+            self._restarting.discard(inst)
+            index = self._indices.pop(inst, None)
+            if index is not None:
+                self._free_indices.append(index)
+
+    def add_instance(self, role: KvRole, timeout_s: float = 300.0, **overrides: Any) -> Engine:
         """Scales out while serving: starts one instance and waits until it is registered."""
         inst = self._launch(role, **overrides)
         self._wait(
@@ -509,7 +582,7 @@ class Fleet:
         self.wait_registered(len(self.instances), timeout_s)
         return inst
 
-    def restart_instance(self, inst: VllmCpuInstance) -> None:
+    def restart_instance(self, inst: Engine) -> None:
         """Starts a dead instance again with its ports, id and flags (returns at once): what
         is left of its process group is ended first, so its ports are free. The instance
         registers again by itself; `newly_healthy_instances` reports when it serves."""
@@ -518,7 +591,7 @@ class Fleet:
         self._reported_dead.discard(inst)
         self._restarting.add(inst)
 
-    def newly_healthy_instances(self) -> list[tuple[str, VllmCpuInstance]]:
+    def newly_healthy_instances(self) -> list[tuple[str, Engine]]:
         """Restarted instances that serve again since the last call, with their names."""
         back = [(self._names[i], i) for i in list(self._restarting) if self.instance_ready(i)]
         self._restarting.difference_update(inst for _, inst in back)
@@ -569,7 +642,7 @@ class Fleet:
         self._restarting_services.difference_update(back)
         return [(p.name, self._answers[p][0]) for p in back]
 
-    def newly_dead_instances(self) -> list[tuple[str, VllmCpuInstance]]:
+    def newly_dead_instances(self) -> list[tuple[str, Engine]]:
         """vLLM instances that exited since the last call, with their names (each once)."""
         dead = [
             (name, inst)

@@ -27,7 +27,7 @@ from pdplane.core.settings import CommandSettings
 from pdplane.core.token_file import token_file_field
 from pdplane.plan.live_cli import parse_duration, run_live
 from pdplane.plan.report import plan_json, plan_text, verify_text
-from pdplane.plan.search import Slo, parse_slo, plan_fleet
+from pdplane.plan.search import parse_slo, plan_fleet, window
 from pdplane.plan.workload import SHAPES, RequestSpec, Shape, load_workload
 from pdplane.sim.profiles import PROFILES, load_profile
 
@@ -84,18 +84,6 @@ class PlanSettings(CommandSettings):
     serve_metrics: int | None = Field(
         None, ge=0, le=65535, description="live advice: keep going, export gauges on this port"
     )
-
-
-def window(shape: Shape, slo: Slo, duration_s: float = 0.0) -> tuple[float, float]:
-    """(traffic duration, warm-up) in s. A request of a fleet that meets the SLO lives at most
-    about osl x ITL target + TTFT target; the decode population (and its KV use) is steady only
-    after one such lifetime, so that is the warm-up; then measure half a lifetime, >= 60 s."""
-    itl = slo.bound("itl")
-    ttft = slo.bound("ttft")
-    life = shape.osl.expected * (itl if itl < 1e9 else 0.05) + (ttft if ttft < 1e9 else 2)
-    if duration_s:
-        return duration_s, min(life, duration_s / 3)
-    return life + max(life / 2, 60.0), life
 
 
 def _live(s: PlanSettings) -> int:

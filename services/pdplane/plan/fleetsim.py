@@ -42,16 +42,22 @@ from pdplane.sim.profiles import Profile
 from pdplane.sim.stats import LogHistogram
 
 __all__ = [
+    "FIRST_FREE_EVENT",
     "FleetConfig",
     "FleetEngines",
     "FleetResult",
     "FleetRouter",
+    "FleetRun",
+    "Node",
+    "Req",
     "RoleStats",
     "Routed",
     "simulate_fleet",
 ]
 
+#: event kinds; a subclass numbers its own from `FIRST_FREE_EVENT` on (see `FleetRun.other`)
 _ADD, _STEP_END, _LOAD_DONE, _SNAPSHOT, _ARRIVE, _TICK = 0, 1, 2, 3, 4, 5
+FIRST_FREE_EVENT = 6
 _NO_STREAM = 1 << 30  # the waiters are ours: wake only on the first and the last token
 
 
@@ -118,12 +124,13 @@ class FleetResult:
         return self.good / self.window_s if self.window_s > 0 else 0.0
 
 
-class _Node:
+class Node:
     __slots__ = (
         "busy",
         "busy_s",
         "core",
         "frontend",
+        "held",
         "loading_bytes",
         "outstanding",
         "peak_loading",
@@ -139,9 +146,10 @@ class _Node:
         self.outstanding = 0  # routing load: prompt tokens (prefill) or requests
         self.loading_bytes = 0
         self.peak_loading = 0
+        self.held = 0  # a prefill's finished requests whose KV blocks wait for a pull
 
 
-class _Req:
+class Req:
     """The caller's side of a request (the engines' `EngineRequest.waiter`)."""
 
     __slots__ = (
@@ -162,11 +170,11 @@ class _Req:
         self.arrival = spec.at
         self.measured = measured
         self.index = index
-        self.node: _Node | None = None
+        self.node: Node | None = None
         self.prefill: EngineRequest | None = None
-        self.prefill_node: _Node | None = None
+        self.prefill_node: Node | None = None
         #: routed runs: the decode chosen on arrival and the output token ids
-        self.decode_node: _Node | None = None
+        self.decode_node: Node | None = None
         self.outputs: Sequence[int] = ()
         #: the engine request whose tokens the client sees (decode's or plain's)
         self.served: EngineRequest | None = None
@@ -196,8 +204,14 @@ class _Snapshot:
     preemptions: list[int]
 
 
-class _FleetRun:
-    """The event loop of one `simulate_fleet` call (state shared by the event handlers)."""
+class FleetRun:
+    """The event loop of one fleet (state shared by the event handlers).
+
+    `simulate_fleet` runs a fixed fleet with it; a subclass changes the fleet while it runs
+    (`pdplane.autoscale.elastic`): `pre` / `dec` / `plain` hold the instances that take new requests
+    (routing picks among them only), `every` each instance that ever ran, `settled` is called
+    after each event that may leave an instance without work, `other` handles the event kinds
+    the subclass pushes."""
 
     def __init__(
         self, profile: Profile, config: FleetConfig, router: FleetRouter | None = None
@@ -205,36 +219,37 @@ class _FleetRun:
         self.profile = profile
         self.config = config
         self.router = router
-        cost = profile.cost
         self.kv_per_token = profile.kv_bytes_per_token
         self.gbps = profile.transfer_gbps
         self.latency = profile.transfer_latency_ms * 1e-3
-
-        def nodes(role: str, n: int, seqs: int | None, toks: int | None) -> list[_Node]:
-            limits = _limits(profile, seqs, toks)
-            return [_Node(role, EngineCore(limits, cost)) for _ in range(n)]
-
-        c = config
-        self.pre = nodes(
-            "prefill", c.prefill, c.prefill_max_num_seqs, c.prefill_max_num_batched_tokens
-        )
-        self.dec = nodes("decode", c.decode, c.decode_max_num_seqs, c.decode_max_num_batched_tokens)
-        self.plain = nodes("plain", c.plain, c.decode_max_num_seqs, None)
-        self.serving = self.dec if c.disaggregated else self.plain
+        self.pre = [self.new_node("prefill") for _ in range(config.prefill)]
+        self.dec = [self.new_node("decode") for _ in range(config.decode)]
+        self.plain = [self.new_node("plain") for _ in range(config.plain)]
+        self.serving = self.dec if config.disaggregated else self.plain
         self.every = self.pre + self.dec + self.plain
         self.events: list[tuple[float, int, int, Any]] = []
         self.seq = 0
         self.snaps: dict[int, _Snapshot] = {}
         # Routed runs: follow-ups join the window when they arrive in [warmup, end].
-        self.window: list[_Req] = []
+        self.window: list[Req] = []
         self.bounds = (0.0, 0.0)
         self.next_index = 0
+
+    def new_node(self, role: str) -> Node:
+        """A fresh instance of `role` (prefill | decode | plain) with the config's flags."""
+        c = self.config
+        seqs, toks = {
+            "prefill": (c.prefill_max_num_seqs, c.prefill_max_num_batched_tokens),
+            "decode": (c.decode_max_num_seqs, c.decode_max_num_batched_tokens),
+            "plain": (c.decode_max_num_seqs, None),
+        }[role]
+        return Node(role, EngineCore(_limits(self.profile, seqs, toks), self.profile.cost))
 
     def push(self, t: float, kind: int, obj: Any) -> None:
         self.seq += 1
         heapq.heappush(self.events, (t, self.seq, kind, obj))
 
-    def send(self, i: int, r: _Req) -> None:
+    def send(self, i: int, r: Req) -> None:
         """Routes a new request to its first engine (prefill, or a plain instance)."""
         spec = r.spec
         base = i << 20
@@ -253,7 +268,7 @@ class _FleetRun:
         er.waiter = r
         self.push(node.frontend.admit(spec.at), _ADD, (node, er))
 
-    def arrive(self, r: _Req, now: float) -> None:
+    def arrive(self, r: Req, now: float) -> None:
         """A routed request arrives: the router picks its legs and it goes to the first."""
         assert self.router is not None
         routed = self.router.route(r.index, r.spec, now)
@@ -278,13 +293,13 @@ class _FleetRun:
     def follow_up(self, spec: RequestSpec) -> None:
         """Schedules a request a router sent after another finished."""
         warmup, end = self.bounds
-        r = _Req(spec, warmup <= spec.at <= end, self.next_index)
+        r = Req(spec, warmup <= spec.at <= end, self.next_index)
         self.next_index += 1
         if r.measured:
             self.window.append(r)
         self.push(spec.at, _ARRIVE, r)
 
-    def kick(self, node: _Node, now: float) -> None:
+    def kick(self, node: Node, now: float) -> None:
         """Starts the node's next step if it is idle and has work."""
         if node.busy or not node.core.has_work:
             return
@@ -301,13 +316,13 @@ class _FleetRun:
             node.busy_s += dt
             self.push(now + dt, _STEP_END, (node, step))
 
-    def step_end(self, node: _Node, step: Step, now: float) -> None:
+    def step_end(self, node: Node, step: Step, now: float) -> None:
         node.busy = False
         for er in node.core.complete(step, now):
             if er.phase != Phase.DONE:
                 continue
             r = er.waiter
-            assert isinstance(r, _Req)
+            assert isinstance(r, Req)
             if node.role != "prefill":
                 node.outstanding -= 1
                 if self.router is not None:
@@ -315,6 +330,7 @@ class _FleetRun:
                         self.follow_up(spec)
                 continue
             node.outstanding -= len(er.prompt)
+            node.held += 1
             r.prefill = er
             spec = r.spec
             if r.decode_node is not None:  # routed: the decode chosen on arrival
@@ -329,23 +345,26 @@ class _FleetRun:
             der.waiter = r
             self.push(d.frontend.admit(now), _ADD, (d, der))
         self.kick(node, now)
+        self.settled(node, now)
 
-    def add(self, node: _Node, er: EngineRequest, now: float) -> None:
+    def add(self, node: Node, er: EngineRequest, now: float) -> None:
         node.core.add(er, now)
         if node.role != "prefill":
             r = er.waiter
-            assert isinstance(r, _Req)
+            assert isinstance(r, Req)
             r.served = er
         self.kick(node, now)
 
-    def load_done(self, node: _Node, er: EngineRequest, nbytes: int, now: float) -> None:
+    def load_done(self, node: Node, er: EngineRequest, nbytes: int, now: float) -> None:
         node.loading_bytes -= nbytes
         node.core.load_done(er, True, now)
         r = er.waiter
-        assert isinstance(r, _Req)
+        assert isinstance(r, Req)
         if r.prefill is not None and r.prefill_node is not None:
             r.prefill_node.core.release(r.prefill.blocks)  # the pull ended: prefill frees
             r.prefill.blocks = []
+            r.prefill_node.held -= 1
+            self.settled(r.prefill_node, now)
         self.kick(node, now)
 
     def snapshot(self, which: int, now: float) -> None:
@@ -381,9 +400,18 @@ class _FleetRun:
                 assert self.router is not None
                 self.router.tick(now)
                 self.push(now + self.router.tick_s, _TICK, None)
-            else:
+            elif kind == _SNAPSHOT:
                 self.snapshot(obj, now)
+            else:
+                self.other(kind, obj, now)
         return now
+
+    def settled(self, node: Node, now: float) -> None:
+        """Called after an event that may have left `node` without work (here: nothing)."""
+
+    def other(self, kind: int, obj: Any, now: float) -> None:
+        """Handles an event kind >= `FIRST_FREE_EVENT` (a subclass's)."""
+        raise ValueError(f"unknown event kind {kind}")
 
     def roles(self, span: float) -> dict[str, RoleStats]:
         s0, s1 = self.snaps.get(0), self.snaps.get(1)
@@ -449,7 +477,7 @@ def simulate_fleet(
                 f"request of {spec.prompt_tokens}+{spec.output_tokens} tokens exceeds "
                 f"max_model_len {profile.max_model_len} of profile {profile.name}"
             )
-    fleet = _FleetRun(profile, config, router)
+    fleet = FleetRun(profile, config, router)
     end = max((r.at for r in requests), default=0.0)
     warmup_s = min(warmup_s, end)
     stop = end + (2 * ttft_slo_s if tail_s is None else tail_s)
@@ -462,7 +490,7 @@ def simulate_fleet(
             fleet.push(0.0, _TICK, None)
     # In arrival order: each instance's API server is a FIFO (`Frontend.admit`).
     for i, spec in sorted(enumerate(requests), key=lambda p: p[1].at):
-        r = _Req(spec, warmup_s <= spec.at <= end, i)
+        r = Req(spec, warmup_s <= spec.at <= end, i)
         if r.measured:
             window.append(r)
         if router is None:

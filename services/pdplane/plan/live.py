@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from pdplane.v1 import instance_pb2
 
-__all__ = ["Advice", "LoadWindow", "RoleLoad", "advise", "histogram_quantile"]
+__all__ = ["Advice", "LoadWindow", "RoleLoad", "advise", "histogram_quantile", "mean_loads"]
 
 
 @dataclass(slots=True)
@@ -84,31 +84,39 @@ class LoadWindow:
 
     def loads(self) -> dict[str, RoleLoad]:
         """Mean per-instance load of each role (prefill, decode) over the window."""
-        out = {"prefill": RoleLoad(), "decode": RoleLoad()}
-        n = len(self.samples)
-        if not n:
-            return out
-        for _, rows in self.samples:
-            for role, load in rows:
-                sides = ("prefill", "decode") if role == "both" else (role,)
-                for side in sides:
-                    if side not in out:
-                        continue
-                    agg = out[side]
-                    agg.instances += 1
-                    agg.running += load.num_running
-                    agg.waiting += load.num_waiting
-                    agg.kv_usage += load.kv_cache_usage
-        for agg in out.values():
-            k = agg.instances
-            if k:
-                agg.running, agg.waiting, agg.kv_usage = (
-                    agg.running / k,
-                    agg.waiting / k,
-                    agg.kv_usage / k,
-                )
-            agg.instances = k / n
-        return out
+        return mean_loads(
+            [(role, load.num_running, load.num_waiting, load.kv_cache_usage) for role, load in rows]
+            for _, rows in self.samples
+        )
+
+
+def mean_loads(samples: Iterable[Iterable[tuple[str, float, float, float]]]) -> dict[str, RoleLoad]:
+    """Mean load per instance of each role over `samples`: each sample lists its instances as
+    (role, running, waiting, KV usage 0..1); `both` counts on both sides; `instances` is the
+    mean number of instances per sample."""
+    out = {"prefill": RoleLoad(), "decode": RoleLoad()}
+    n = 0
+    for rows in samples:
+        n += 1
+        for role, running, waiting, kv_usage in rows:
+            for side in ("prefill", "decode") if role == "both" else (role,):
+                agg = out.get(side)
+                if agg is None:
+                    continue
+                agg.instances += 1
+                agg.running += running
+                agg.waiting += waiting
+                agg.kv_usage += kv_usage
+    for agg in out.values():
+        k = agg.instances
+        if k:
+            agg.running, agg.waiting, agg.kv_usage = (
+                agg.running / k,
+                agg.waiting / k,
+                agg.kv_usage / k,
+            )
+        agg.instances = k / n if n else 0.0
+    return out
 
 
 def histogram_quantile(buckets: list[tuple[float, float]], q: float) -> float:

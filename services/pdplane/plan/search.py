@@ -23,10 +23,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from pdplane.plan.fleetsim import FleetConfig, FleetResult, simulate_fleet
-from pdplane.plan.workload import RequestSpec
+from pdplane.plan.workload import RequestSpec, Shape
 from pdplane.sim.profiles import Profile
 
-__all__ = ["Plan", "Slo", "capacity", "estimate", "parse_slo", "plan_fleet"]
+__all__ = ["Plan", "Slo", "capacity", "estimate", "parse_slo", "plan_fleet", "window"]
 
 _SLO_RE = re.compile(r"^\s*(ttft|itl)_p(\d{1,2}(?:\.\d+)?)\s*<=\s*([\d.]+)\s*(ms|s)\s*$")
 
@@ -189,10 +189,13 @@ def plan_fleet(
     max_decode: int = 32,
     warmup_s: float = 0.0,
     decode_max_num_seqs: int | None = None,
+    compare: bool = True,
 ) -> Plan:
     """Searches XpYd fleets (X + Y <= `gpus` when given) for the fewest instances meeting `slo`.
 
     Each candidate is one `simulate_fleet` run over `requests` (window from `warmup_s`).
+    `compare` False skips the neighbours and the plain fleets (the recommendation only: what
+    the autoscaling controller asks for).
     """
     t0 = time.process_time()
     ttft_b = slo.bound("ttft")
@@ -236,7 +239,11 @@ def plan_fleet(
         )
     else:
         plan.best = run(disagg(x, y))
-        plan.neighbours = [run(disagg(a, b)) for a, b in ((x - 1, y), (x, y - 1)) if a and b]
+        if compare:
+            plan.neighbours = [run(disagg(a, b)) for a, b in ((x - 1, y), (x, y - 1)) if a and b]
+    if not compare:
+        plan.seconds = time.process_time() - t0
+        return plan
     same = (x + y) if x and y else budget
     plan.plain_same = run(FleetConfig(plain=same, decode_max_num_seqs=decode_max_num_seqs))
     n = _min_ok(
@@ -249,3 +256,15 @@ def plan_fleet(
         plan.plain_min = run(FleetConfig(plain=n, decode_max_num_seqs=decode_max_num_seqs))
     plan.seconds = time.process_time() - t0
     return plan
+
+
+def window(shape: Shape, slo: Slo, duration_s: float = 0.0) -> tuple[float, float]:
+    """(traffic duration, warm-up) in s. A request of a fleet that meets the SLO lives at most
+    about osl x ITL target + TTFT target; the decode population (and its KV use) is steady only
+    after one such lifetime, so that is the warm-up; then measure half a lifetime, >= 60 s."""
+    itl = slo.bound("itl")
+    ttft = slo.bound("ttft")
+    life = shape.osl.expected * (itl if itl < 1e9 else 0.05) + (ttft if ttft < 1e9 else 2)
+    if duration_s:
+        return duration_s, min(life, duration_s / 3)
+    return life + max(life / 2, 60.0), life

@@ -16,6 +16,7 @@ import jsonschema
 import kubernetes_validate
 import pytest
 
+from pdplane.autoscale.__main__ import AutoscaleSettings
 from pdplane.connector.config import ConnectorConfig
 from pdplane.core.settings import CommandSettings
 from pdplane.gateway.settings import GatewaySettings
@@ -53,6 +54,15 @@ VARIANTS: dict[str, list[dict[str, Any]]] = {
         TLS,
         {"engineDefaults": {"workload": "StatefulSet"}, "serviceMonitor": {"enabled": True}},
     ],
+    "cpu-demo+autoscaler": [preset("cpu-demo"), {"autoscaler": {"enabled": True}}],
+    "gpu-xpyd+autoscaler+statefulset+tls": [
+        preset("gpu-xpyd"),
+        TLS,
+        {
+            "autoscaler": {"enabled": True, "replicas": 2, "gpus": 16},
+            "engineDefaults": {"workload": "StatefulSet"},
+        },
+    ],
     "gpu-1p1d+external-etcd+secret+push": [
         preset("gpu-1p1d"),
         {
@@ -80,6 +90,7 @@ PDPLANE_COMMANDS: dict[str, type[CommandSettings]] = {
     "registry": RegistrySettings,
     "scheduler": SchedulerSettings,
     "gateway": GatewaySettings,
+    "autoscale": AutoscaleSettings,
 }
 _VAR = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 
@@ -310,7 +321,7 @@ def test_every_tls_path_is_a_key_of_a_mounted_secret(rendered: Rendered) -> None
 
 
 def _is_pdplane_service(c: Container) -> bool:
-    return bool(c.args()) and c.args()[0] in ("registry", "scheduler", "gateway")
+    return bool(c.args()) and c.args()[0] in PDPLANE_COMMANDS
 
 
 def _is_engine(c: Container) -> bool:

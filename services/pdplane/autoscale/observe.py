@@ -1,0 +1,126 @@
+"""What the controller observes of one model's fleet over a sliding window.
+
+Every instance is sampled as vLLM exposes it (counters of its `/metrics`: finished requests,
+prompt and generated tokens; and the load report every instance heartbeats to the registry:
+running and waiting requests, KV cache usage). Two samples of the same instance give its
+deltas; the window's traffic follows (`TrafficWindow.traffic`):
+
+- arrival rate (req/s) = prefill completions + growth of the prefill queues (running +
+  waiting), over the window's span;
+- mean prompt length (tokens) = prompt tokens / those arrivals (prefill instances);
+- mean output length (tokens) = generated tokens / completions (decode instances; in steady
+  state a decode finishes one request per `osl` tokens it generates).
+
+The same window is fed by the live observer (`pdplane.autoscale.live`) and by the modelled
+fleet (`pdplane.autoscale.elastic`), so the controller sees the same quantities in both.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+from pdplane.plan.live import RoleLoad, mean_loads
+
+__all__ = ["InstanceSample", "Observation", "Traffic", "TrafficWindow"]
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceSample:
+    """One instance at one time: `role` prefill | decode; counters since it started
+    (requests finished, prompt tokens, generated tokens) and its load now."""
+
+    role: str
+    finished: float
+    prompt_tokens: float
+    generation_tokens: float
+    running: float = 0.0
+    waiting: float = 0.0
+    kv_usage: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Traffic:
+    """Arrival rate (req/s) and mean prompt / output lengths (tokens) of a window."""
+
+    rate: float
+    isl: float
+    osl: float
+
+    @property
+    def known(self) -> bool:
+        return self.rate > 0 and self.isl > 0 and self.osl > 0
+
+    def scaled(self, factor: float) -> Traffic:
+        """The same lengths at `factor` x the rate."""
+        return Traffic(self.rate * factor, self.isl, self.osl)
+
+
+@dataclass(slots=True)
+class Observation:
+    """The window the controller decides on: traffic, per-role mean load per instance, and the
+    window's TTFT / ITL p90 (s; NaN when unknown)."""
+
+    traffic: Traffic
+    loads: dict[str, RoleLoad]
+    ttft_p90_s: float = math.nan
+    itl_p90_s: float = math.nan
+    span_s: float = 0.0
+    #: the traffic of the window's last quarter: a rise shows here first
+    recent: Traffic = Traffic(0.0, 0.0, 0.0)
+
+
+@dataclass(slots=True)
+class TrafficWindow:
+    """Instance samples over the last `window_s` seconds (any monotonic clock)."""
+
+    window_s: float
+    samples: deque[tuple[float, dict[str, InstanceSample]]] = field(default_factory=deque)
+
+    def add(self, now: float, instances: dict[str, InstanceSample]) -> None:
+        """Records every serving instance (by id) at `now`; drops samples older than the
+        window (one older sample is kept as the window's start)."""
+        self.samples.append((now, dict(instances)))
+        while len(self.samples) > 2 and self.samples[1][0] <= now - self.window_s:
+            self.samples.popleft()
+
+    @property
+    def span_s(self) -> float:
+        return self.samples[-1][0] - self.samples[0][0] if len(self.samples) > 1 else 0.0
+
+    def traffic(self, last_s: float | None = None) -> Traffic:
+        """The window's traffic, or that of its last `last_s` seconds (zeros before two
+        samples or with nothing finished)."""
+        samples = list(self.samples)
+        if last_s is not None:
+            now = samples[-1][0] if samples else 0.0
+            older = [i for i, (t, _) in enumerate(samples) if t <= now - last_s]
+            samples = samples[older[-1] :] if older else samples
+        span = samples[-1][0] - samples[0][0] if len(samples) > 1 else 0.0
+        if span <= 0:
+            return Traffic(0.0, 0.0, 0.0)
+        new = samples[-1][1]
+        done = prompt = queue = gen = dec_done = 0.0
+        for iid, s in new.items():
+            # The instance's oldest sample in the window (one that started inside the window,
+            # or whose earlier scrapes failed, counts from its first one).
+            base = next(rows[iid] for _, rows in samples if iid in rows)
+            if s.role == "prefill":
+                done += s.finished - base.finished
+                prompt += s.prompt_tokens - base.prompt_tokens
+                queue += s.running + s.waiting - (base.running + base.waiting)
+            elif s.role == "decode":
+                gen += s.generation_tokens - base.generation_tokens
+                dec_done += s.finished - base.finished
+        arrivals = max(done + queue, 0.0)
+        isl = prompt / arrivals if arrivals > 0 else 0.0
+        osl = gen / dec_done if dec_done > 0 else 0.0
+        return Traffic(arrivals / span, isl, osl)
+
+    def loads(self) -> dict[str, RoleLoad]:
+        """Mean load per instance of each role over the window's samples (`RoleLoad`)."""
+        return mean_loads(
+            [(s.role, s.running, s.waiting, s.kv_usage) for s in rows.values()]
+            for _, rows in self.samples
+        )

@@ -1,0 +1,136 @@
+"""Reads a running fleet for the controller: the registry's list (roles, states, load
+reports), each serving instance's Prometheus `/metrics` (vLLM's request and token counters),
+and optionally the gateway's TTFT / TPOT histograms, into `Observation`s.
+
+vLLM (and `pdplane sim`) count on `/metrics`: `vllm:request_success_total` (finished
+requests, by finish reason), `vllm:prompt_tokens_total`, `vllm:generation_tokens_total`;
+the sums over their label sets are what `pdplane.autoscale.observe` needs. An instance whose
+`/metrics` does not answer is left out of that sample (its load still counts).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from pdplane.autoscale.observe import InstanceSample, Observation, TrafficWindow
+from pdplane.core import grpc_util
+from pdplane.plan.live_cli import GatewayWindow
+from pdplane.registry.endpoints import RegistryEndpoints, call_any
+from pdplane.v1 import instance_pb2, registry_pb2
+
+__all__ = ["FleetScraper", "counters", "role_of"]
+
+_COUNTERS = {
+    "vllm:request_success": "finished",
+    "vllm:prompt_tokens": "prompt_tokens",
+    "vllm:generation_tokens": "generation_tokens",
+}
+
+
+def role_of(inst: instance_pb2.Instance) -> str:
+    """'prefill' | 'decode' | 'both' of a listed instance."""
+    return instance_pb2.Role.Name(inst.spec.role).removeprefix("ROLE_").lower()
+
+
+def counters(text: str) -> dict[str, float]:
+    """finished / prompt_tokens / generation_tokens from a Prometheus text page (0 when a
+    family is absent). Raises ValueError on text that is not Prometheus' format."""
+    out = dict.fromkeys(_COUNTERS.values(), 0.0)
+    for family in text_string_to_metric_families(text):
+        key = _COUNTERS.get(family.name)
+        if key is None:
+            continue
+        out[key] += sum(s.value for s in family.samples if s.name.endswith("_total"))
+    return out
+
+
+class FleetScraper:
+    """One model's fleet (`model`; None = every instance) seen through the registry at
+    `registry` and the instances' `/metrics`, over a `window_s` sliding window."""
+
+    def __init__(
+        self,
+        registry: str,
+        *,
+        window_s: float,
+        model: str | None = None,
+        token: str | None = None,
+        tls_ca: str | None = None,
+        gateway: str | None = None,
+        timeout_s: float = 2.0,
+    ) -> None:
+        self.endpoints = RegistryEndpoints(registry, tls_ca)
+        self.metadata = grpc_util.token_metadata(token)
+        self.model = model
+        self.window = TrafficWindow(window_s)
+        self.gateway = GatewayWindow(gateway, window_s) if gateway else None
+        self.timeout_s = timeout_s
+        self._http = httpx.Client(timeout=timeout_s)
+
+    def list_instances(self) -> list[instance_pb2.Instance]:
+        """The registry's instances of the model. Raises grpc.RpcError when it cannot be
+        asked."""
+        reply = call_any(
+            self.endpoints,
+            lambda stub: stub.ListInstances(
+                registry_pb2.ListInstancesRequest(),
+                timeout=self.timeout_s,
+                metadata=self.metadata,
+            ),
+        )
+        return [i for i in reply.instances if self.model is None or i.spec.model == self.model]
+
+    def _sample(self, inst: instance_pb2.Instance) -> InstanceSample | None:
+        try:
+            page = self._http.get(f"{inst.spec.url.rstrip('/')}/metrics")
+            page.raise_for_status()
+            c = counters(page.text)
+        except (httpx.HTTPError, ValueError):
+            return None
+        load = inst.load
+        return InstanceSample(
+            role_of(inst),
+            c["finished"],
+            c["prompt_tokens"],
+            c["generation_tokens"],
+            load.num_running,
+            load.num_waiting,
+            load.kv_cache_usage,
+        )
+
+    def observe(
+        self, instances: Sequence[instance_pb2.Instance], now: float | None = None
+    ) -> Observation:
+        """Samples `instances` (a `list_instances` answer) at `now` (monotonic s) and returns
+        the window's observation."""
+        t = time.monotonic() if now is None else now
+        samples = {}
+        for inst in instances:
+            if role_of(inst) not in ("prefill", "decode"):
+                continue
+            s = self._sample(inst)
+            if s is not None:
+                samples[inst.spec.instance_id] = s
+        self.window.add(t, samples)
+        ttft = itl = math.nan
+        if self.gateway is not None:
+            self.gateway.scrape(t)
+            ttft = self.gateway.p90("pdplane_gateway_ttft_seconds")
+            itl = self.gateway.p90("pdplane_gateway_tpot_seconds")
+        return Observation(
+            self.window.traffic(),
+            self.window.loads(),
+            ttft,
+            itl,
+            self.window.span_s,
+            self.window.traffic(self.window.window_s / 4),
+        )
+
+    def close(self) -> None:
+        self._http.close()
+        self.endpoints.close()
