@@ -2,8 +2,8 @@
 
 Two more decode instances join the session's 1P1D pair (1P3D): each registers and receives
 requests; one is drained and stopped while requests keep flowing (zero failures); then, with
-1P2D, the other is killed mid-stream: the client of that stream gets one error event within the
-lease TTL, and the next requests succeed on the remaining pair.
+1P2D, the other is killed mid-stream: its stream continues on the remaining decode (request
+migration) and ends as asked, with no error event, and the next requests succeed there.
 """
 
 from __future__ import annotations
@@ -195,7 +195,7 @@ def _long_stream(url: str, tag: str, events: list[dict[str, Any]], done: threadi
         done.set()
 
 
-def test_killing_a_decode_mid_stream_gives_one_error_event_then_service_goes_on(
+def test_killing_a_decode_mid_stream_migrates_its_stream_then_service_goes_on(
     scaled: Scaled, registry: RegistryHandle
 ) -> None:
     victim = scaled.extra["decode-3"]
@@ -209,15 +209,17 @@ def test_killing_a_decode_mid_stream_gives_one_error_event_then_service_goes_on(
     for t in threads:
         t.start()
     wait_until(lambda: all(len(ev) >= 5 for ev, _ in streams), 120.0, what="both streams going")
-    killed_at = time.monotonic()
     victim.process.kill()
     for t in threads:
-        t.join(timeout=120.0)
-    errored = [ev for ev, _ in streams if any("error" in e for e in ev)]
-    finished = [ev for ev, _ in streams if ev and ev[-1].get("done")]
-    assert len(errored) == 1 and len(finished) == 1, [ev[-1] for ev, _ in streams]
-    error_events = [e for e in errored[0] if "error" in e]
-    assert len(error_events) == 1 and error_events[0] is errored[0][-1]  # error, then close
-    assert error_events[0]["t"] - killed_at < LEASE_TTL_S
+        t.join(timeout=300.0)
+    for ev, _ in streams:
+        assert ev and ev[-1].get("done"), ev[-2:]  # one [DONE], last
+        assert not [e for e in ev if "error" in e], [e for e in ev if "error" in e]
+        reasons = [
+            c["finish_reason"] for e in ev for c in e.get("choices", ()) if c.get("finish_reason")
+        ]
+        assert reasons == ["length"], reasons  # all 900 tokens asked for
+    # The killed decode's stream moved (one migration: the connection to it was lost).
+    assert metric(scaled.gateway, "pdplane_gateway_migrations_total") >= 1
     replies = [_complete(scaled.gateway, f"afterkill{i}") for i in range(4)]
     assert [r.status_code for r in replies] == [200] * 4
