@@ -21,7 +21,8 @@ one compiled pass over a side's table (`pdplane.scheduler.table`), for `kv_aware
   (`transfer_latency_ms` + bytes / `transfer_gbps`) and admission (half a step to wait, one to
   recompute the last prompt token), or, when decode holds a prefix, computing the rest itself
   in its next step (conditional disaggregation) if that step grows by at most `slack` of the
-  step its running streams would have had (any step, when it runs none); plus `itl_weight` x
+  step its running streams would have had (any step when it runs none and only the prompt's
+  partial last block is left); plus `itl_weight` x
   the step time its streams will see with this request added (its ITL, and theirs).
 """
 
@@ -275,9 +276,11 @@ def _compile(  # the columns are closure cells: part of numba's cache key
             new = prompt - hit
             if local_max > 0 and hit >= bs and new <= local_max:
                 with_local = _step(k, seqs, context, new, hit)
-                # An idle decode stalls no stream: its own first token is all a local
-                # prefill costs, so only the predicted TTFTs decide.
-                if seqs < 1.0 or with_local - now_step <= slack * now_step:
+                # Holding every whole block of the prompt, an idle decode (it stalls no
+                # stream) computes the partial last block itself rather than wait for a
+                # prefill leg to compute and send it, when that predicts the earlier token.
+                tail_only = seqs < 1.0 and new < bs
+                if tail_only or with_local - now_step <= slack * now_step:
                     own = k[7] + 0.5 * now_step + with_local
                     if own < ttft:
                         ttft = own

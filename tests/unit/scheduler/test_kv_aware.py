@@ -353,19 +353,48 @@ def test_a_local_prefill_that_would_slow_a_busy_decode_is_disaggregated(
         assert (decision.prefill is None) is local, (slack, decision.reason)
 
 
-def test_an_idle_decode_computes_the_rest_itself_whatever_the_slack(
-    fleet: Callable[..., SchedulerService],
+def test_an_idle_decode_holding_every_whole_block_computes_the_tail_itself(
+    fake_source: type, make_instance: MakeInstance, clock: Clock
 ) -> None:
-    # No stream runs on d0: a local prefill stalls nobody, so it is chosen when it predicts the
-    # earlier first token (the rest is cheaper to compute than the prefix is to pull), even
-    # where it would grow an idle step by far more than the 2 % slack.
-    turn1 = tokens(14, 100 * BS)
-    turn2 = turn1 + tokens(15, 200)
-    service = fleet(local_prefill_max_tokens=2048)
-    hold(service.kv_index, "d0", turn1)  # type: ignore[arg-type]
-    decision = service.schedule(req(0, turn2))
+    # vLLM CPU's 128-token blocks: a chat's second turn 95 tokens past a 1,920-token prefix that
+    # the idle d0 holds. Computing the partial last block there stalls nobody; a prefill leg
+    # would compute it and send 1,920 tokens of KV. It grows d0's idle step by more than the
+    # 2 % slack, so only "idle and the tail alone" lets it. A longer rest is still disaggregated.
+    bs = 128
+    instances = [
+        make_instance(name, role, block_size=bs)
+        for name, role in (("p0", "prefill"), ("p1", "prefill"), ("d0", "decode"))
+    ]
+    service = SchedulerService(
+        CandidateView(fake_source(*instances)),
+        prefill_policy="kv_aware",
+        decode_policy="kv_aware",
+        local_prefill_max_tokens=2048,
+        inflight=InflightTracker(clock=clock),
+        kv_profile="tiny-cpu",  # vLLM CPU's: a token's compute is large beside a step's floor
+    )
+    index = service.kv_index = PrefixIndex()
+    turn1 = tokens(14, 15 * bs)
+    d0 = index.add_instance("d0")
+    d0.stored(
+        kv_events_pb2.BlockStored(
+            block_hashes=[next(_engine_hashes) for _ in range(15)],
+            token_ids=turn1,
+            block_size=bs,
+        )
+    )
+    index.set_state(d0, KvState.LIVE)
+
+    def features(n: int, prompt: list[int]) -> RequestFeatures:
+        hashes = {bs: block_hashes(prompt, bs)}
+        return RequestFeatures(f"r{n}", "tiny", len(prompt), prefix_hashes=hashes)
+
+    decision = service.schedule(features(0, turn1 + tokens(15, 95)))
     assert decision.prefill is None, decision.reason
     assert decision.decode.instance_id == "d0"
+    service.release("r0", "success")
+    longer = service.schedule(features(1, turn1[: 14 * bs] + tokens(16, 2 * bs)))
+    assert longer.prefill is not None, longer.reason
 
 
 def test_a_short_prompt_decode_holds_nothing_of_is_still_disaggregated(
