@@ -10,7 +10,7 @@ A refusal is a 429 with OpenAI's rate-limit body and `Retry-After` = the seconds
 bucket holds enough again.
 
 Limits are per gateway replica (state in memory): with N gateways behind a load balancer,
-give each key 1/N of the limit (docs/gateway.md, "Flow control").
+give each key 1/N of the limit (docs/flow-control.md).
 """
 
 from __future__ import annotations
