@@ -9,7 +9,13 @@ are measured one after the other, so each row has the GPU's compute to itself wh
   instances publish) and a 1P1D pair of `vllm serve` with the pdplane connector: pull, the
   first token from prefill (the defaults);
 - `pdplane-ft-decode`: a second gateway over the same pair with `--first-token decode`;
-- `pdplane-push`: its own registry, scheduler, gateway and pair with the connector's push mode.
+- `pdplane-push`: its own registry, scheduler, gateway and pair with the connector's push mode;
+- `nixl-router`: vLLM's own P/D, a 1P1D pair of `vllm serve` with `NixlConnector` (`kv_role:
+  kv_both`, each its own `VLLM_NIXL_SIDE_CHANNEL_PORT`; `--nixl-env` sets UCX's environment, e.g.
+  `UCX_TLS`) behind vllm-router's P/D mode (`vllm-router --vllm-pd-disaggregation`, PyPI
+  `vllm-router`);
+- `nixl-proxy`: the same pair behind vLLM's toy proxy for NIXL (`--toy-proxy`: vLLM's
+  `tests/v1/kv_connector/nixl_integration/toy_proxy_server.py`, which is not in vLLM's wheel).
 
 The model (`--shape`): a Llama-3.1-8B-shaped `config.json` (hidden 4096, 32 layers, 32 heads /
 8 KV heads, intermediate 14336, vocabulary 128256, llama3 RoPE scaling) loaded with
@@ -40,7 +46,11 @@ gateway's routing state and the instances' log lines about the tokenizer); at th
 starting cells that late into the run (the summary files still get written).
 
 KV transfer per 10k tokens (`results.json` `pulls`, table footnote): decode's connector logs
-every pull ("transfer T: pulled N blocks, B bytes in X ms"); the script reads them per cell.
+every pull ("transfer T: pulled N blocks, B bytes in X ms"); the script reads them per cell. For
+the NIXL rows it keeps decode's "KV Transfer metrics" lines (vLLM's own transfer statistics).
+Where the time goes (`results.json` `breakdown`, per cell): the mean of each latency histogram
+the row's processes export (the gateway's TTFT and prefill/decode legs, each vLLM instance's
+TTFT, queue and prefill time), from their `/metrics` before and after the cell.
 
     python bench/xpyd_gpu.py --out /tmp/xpyd --rows plain,pdplane --input-lens 1000,8000 \
         --concurrency 1,16,64 --kv-cache-memory 16000000000
@@ -81,7 +91,9 @@ from pdplane.launch.vllm_cpu import (
 from pdplane.models.tiny import build_tiny_model
 
 MODEL = "llama-3.1-8b-dummy"
-ROWS = ("plain", "pdplane", "pdplane-ft-decode", "pdplane-push")
+ROWS = ("plain", "pdplane", "pdplane-ft-decode", "pdplane-push", "nixl-router", "nixl-proxy")
+#: the rows served by vLLM's NixlConnector pair, and the front each puts before it
+NIXL_ROWS = ("nixl-router", "nixl-proxy")
 GPU_BLOCK_SIZE = 16  #: tokens per KV block on GPU
 #: Llama-3.1-8B's architecture (config.json of meta-llama/Llama-3.1-8B), weights left random.
 LLAMA31_8B_CONFIG: dict[str, Any] = {
@@ -103,6 +115,17 @@ _PULL_LINE = re.compile(
 )
 #: log lines about the tokenizer the instances publish and the gateways take
 _TOKENIZER_LINE = re.compile(r"tokenizer|routing is|precise", re.IGNORECASE)
+#: vLLM's NixlConnector statistics, logged by the engine with its other stats
+_NIXL_STATS_LINE = re.compile(r"KV Transfer metrics.*")
+#: the latency histograms whose means make a cell's breakdown (seconds in, ms out)
+_BREAKDOWN = (
+    "pdplane_gateway_ttft_seconds",
+    "pdplane_gateway_leg_latency_seconds",
+    "vllm:time_to_first_token_seconds",
+    "vllm:request_queue_time_seconds",
+    "vllm:request_prefill_time_seconds",
+    "vllm:e2e_request_latency_seconds",
+)
 #: (result key, column) of the table, in the seed's order
 _COLUMNS = (
     ("request_throughput", "Req/s"),
@@ -126,6 +149,8 @@ class Target:
     decode_log: Path | None = None
     gateway_url: str | None = None
     gateway_log: Path | None = None
+    #: role (plain, prefill, decode, gateway) -> base URL whose /metrics the breakdown reads
+    metrics: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -147,9 +172,11 @@ class Launcher:
         gpu: int,
         opts: VllmCpuOptions | None = None,
         token: str | None = None,
+        kv_config: dict[str, Any] | None = None,
+        env_extra: dict[str, str] | None = None,
     ) -> tuple[ManagedProcess, str]:
-        """One `vllm serve` (with the connector when `opts` has a role); returns it and its
-        base URL (returns at once)."""
+        """One `vllm serve` (with pdplane's connector when `opts` has a role, or with the
+        `--kv-transfer-config` `kv_config`); returns it and its base URL (returns at once)."""
         a = self.args
         port = opts.port if opts else free_port_run()
         argv = [
@@ -189,6 +216,9 @@ class Launcher:
             argv += ["--kv-events-config", json.dumps(kv_events_config(endpoint))]
             if token:  # the connector reads its tokens from the environment, not argv
                 env.update(PDPLANE_TOKEN=token, PDPLANE_REGISTRY_TOKEN=token)
+        if kv_config is not None:
+            argv += ["--kv-transfer-config", json.dumps(kv_config)]
+        env.update(env_extra or {})
         log = self.args.work / f"{name}.log"
         proc = ManagedProcess(name, argv, log, env=env)
         proc.start()
@@ -229,15 +259,60 @@ class Launcher:
         decode = VllmCpuOptions(
             port=free_port_run(), role="kv_consumer", kv_port=free_port_run(), **common
         )
-        self.vllm(name, f"{name}-prefill", gpus[0], prefill, token)
-        self.vllm(name, f"{name}-decode", gpus[1], decode, token)
+        _, prefill_url = self.vllm(name, f"{name}-prefill", gpus[0], prefill, token)
+        _, decode_url = self.vllm(name, f"{name}-decode", gpus[1], decode, token)
         return fleet, Target(
             name,
             fleet.gateway_url,
             a.work / f"{name}-decode.log",
             fleet.gateway_url,
             spec.log_dir / "gateway.log",
+            {"gateway": fleet.gateway_url, "prefill": prefill_url, "decode": decode_url},
         )
+
+    def nixl_pair(self, gpus: tuple[int, int]) -> dict[str, str]:
+        """A 1P1D pair of `vllm serve` with vLLM's `NixlConnector` (`kv_both` on both, as
+        vLLM's NIXL P/D examples run it), each its own NIXL side channel; `--nixl-env` (UCX's
+        settings) goes to both. Returns {"prefill": url, "decode": url} (returns at once)."""
+        urls = {}
+        for role, gpu in (("prefill", gpus[0]), ("decode", gpus[1])):
+            env = {
+                "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+                "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port_run()),
+                **self.args.nixl_env_map,
+            }
+            config = {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
+            _, urls[role] = self.vllm("nixl", f"nixl-{role}", gpu, None, None, config, env)
+        return urls
+
+    def front(self, row: str, pair: dict[str, str]) -> Target:
+        """The proxy of a NIXL row before `pair` (started once the pair is healthy): vllm-router
+        in its P/D mode, or vLLM's toy proxy; waits until it answers HTTP."""
+        port = free_port_run()
+        if row == "nixl-router":
+            argv = [sys.executable, "-c", "from vllm_router.launch_router import main; main()"]
+            argv += ["--vllm-pd-disaggregation", "--policy", "round_robin"]
+            argv += ["--prefill", pair["prefill"], "--decode", pair["decode"]]
+            argv += ["--host", "127.0.0.1", "--port", str(port)]
+            argv += ["--intra-node-data-parallel-size", "1"]
+            health = "/health"
+        else:
+            if self.args.toy_proxy is None:
+                raise ValueError("nixl-proxy needs --toy-proxy (vLLM's toy_proxy_server.py)")
+            argv = [sys.executable, str(self.args.toy_proxy), "--host", "127.0.0.1"]
+            argv += ["--port", str(port), "--prefiller-hosts", "127.0.0.1"]
+            argv += ["--prefiller-ports", pair["prefill"].rsplit(":", 1)[1]]
+            argv += ["--decoder-hosts", "127.0.0.1"]
+            argv += ["--decoder-ports", pair["decode"].rsplit(":", 1)[1]]
+            health = "/healthcheck"
+        log = self.args.work / f"{row}.log"
+        proc = ManagedProcess(row, argv, log, env=dict(os.environ))
+        proc.start()
+        self.procs.append(proc)
+        self.logs.append(log)
+        url = f"http://127.0.0.1:{port}"
+        wait_until(lambda: _answers(url + health), 120, watch=[proc], what=f"{row} front")
+        return Target(row, url, self.args.work / "nixl-decode.log", metrics=dict(pair))
 
     def gateway(self, fleet: Fleet, name: str, *flags: str) -> Target:
         """Another gateway over `fleet`'s scheduler and registry, with `flags`."""
@@ -325,6 +400,47 @@ def _routes(text: str) -> dict[str, int]:
     return {"requests": len(lines), "decode_alone": sum("prefill=none" in ln for ln in lines)}
 
 
+def _histogram_sums(urls: dict[str, str]) -> dict[str, float]:
+    """`{"<role> <histogram>{labels} sum|count": value}` of the `_BREAKDOWN` histograms that
+    each of `urls` (role -> base URL) exports on /metrics (Prometheus text format, parsed by
+    prometheus_client); a URL that does not answer adds nothing."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for role, url in urls.items():
+        try:
+            text = urllib.request.urlopen(f"{url}/metrics", timeout=5).read().decode()
+        except (OSError, ValueError):
+            continue
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                base = sample.name.removesuffix("_sum").removesuffix("_count")
+                if base not in _BREAKDOWN or sample.name == base:
+                    continue
+                labels = ",".join(
+                    f"{k}={v}" for k, v in sorted(sample.labels.items()) if k in ("leg",)
+                )
+                kind = "sum" if sample.name.endswith("_sum") else "count"
+                key = f"{role} {base}{{{labels}}} {kind}"
+                out[key] = out.get(key, 0.0) + sample.value
+    return out
+
+
+def _breakdown(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
+    """Mean ms and count per histogram over a cell: (sum after - before) / (count after -
+    before); histograms no request of the cell touched are left out."""
+    out: dict[str, Any] = {}
+    for key, total in after.items():
+        if not key.endswith(" sum"):
+            continue
+        name = key.removesuffix(" sum")
+        n = after.get(f"{name} count", 0.0) - before.get(f"{name} count", 0.0)
+        if n > 0:
+            ms = (total - before.get(key, 0.0)) / n * 1e3
+            out[name] = {"mean_ms": round(ms, 2), "count": int(n)}
+    return out
+
+
 def _pull_summary(pulls: list[dict[str, float]], block_size: int) -> dict[str, Any]:
     """Count, medians and ms per 10k tokens (median over transfers) of a cell's transfers."""
     if not pulls:
@@ -398,10 +514,15 @@ class Bench:
         return keep
 
 
+#: rows measured on a pair an earlier row's cells left their prompts cached in
+_SECOND_ON_PAIR = ("pdplane-ft-decode", "nixl-proxy")
+
+
 def _seed(base: int, row: str, input_len: int, concurrency: int) -> int:
     """A cell's dataset seed: the same prompts for every row on its own instances; other
-    prompts for pdplane-ft-decode, whose pair pdplane's cells left their prompts cached in."""
-    return base + input_len + concurrency + (7 if row == "pdplane-ft-decode" else 0)
+    prompts for a second row on a pair (pdplane-ft-decode, nixl-proxy), which the first row's
+    cells left their prompts cached in."""
+    return base + input_len + concurrency + (7 if row in _SECOND_ON_PAIR else 0)
 
 
 def _cell_key(row: str, input_len: int, concurrency: int) -> str:
@@ -492,6 +613,16 @@ def table(results: dict[str, Any]) -> str:
                 f"blocks / {p['median_bytes'] / 1e6:.1f} MB in {p['median_ms']} ms, "
                 f"{p['median_ms_per_10k_tokens']} ms per 10k tokens, {p['gb_per_s']} GB/s"
             )
+    spent = [(k, v["breakdown"]) for k, v in cells.items() if v.get("breakdown")]
+    if spent:
+        out += ["", "Where the time goes (mean ms per request, from each process's /metrics):"]
+        for k, b in spent:
+            parts = [f"{name.replace('{}', '')} {v['mean_ms']}" for name, v in sorted(b.items())]
+            out.append(f"- {k.replace('|', ' ')}: " + "; ".join(parts))
+    stats = [(k, v["nixl_stats"]) for k, v in cells.items() if v.get("nixl_stats")]
+    if stats:
+        out += ["", "NIXL's transfer statistics (decode's log, the cell's last line):"]
+        out += [f"- {k.replace('|', ' ')}: {s[-1][:400]}" for k, s in stats]
     alone = [(k, v["routes"]) for k, v in cells.items() if v.get("routes", {}).get("decode_alone")]
     if alone:
         out += ["", "Requests decode served alone (the prompt was in its prefix cache):"]
@@ -563,6 +694,18 @@ def main() -> int:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.27)
     p.add_argument("--cpu-blocks", type=int, default=64, help="KV blocks each, --device cpu")
     p.add_argument("--cuda-graphs", action="store_true", help="no --enforce-eager")
+    p.add_argument(
+        "--toy-proxy",
+        type=Path,
+        help="vLLM's tests/v1/kv_connector/nixl_integration/toy_proxy_server.py (nixl-proxy)",
+    )
+    p.add_argument(
+        "--nixl-env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="environment of the NIXL instances (e.g. UCX_TLS=cuda_ipc,cuda_copy,tcp); repeat",
+    )
     p.add_argument("--resume", type=Path, help="a previous results.json: skip its cells")
     p.add_argument("--deadline-s", type=float, default=0.0, help="start no cell after this")
     p.add_argument("--startup-timeout-s", type=float, default=600.0)
@@ -579,6 +722,7 @@ def main() -> int:
         p.error("--out is required")
     started = time.monotonic()
     args.row_list = [r for r in args.rows.split(",") if r]
+    args.nixl_env_map = dict(kv.split("=", 1) for kv in args.nixl_env)
     unknown = set(args.row_list) - set(ROWS)
     if unknown:
         p.error(f"unknown rows {sorted(unknown)}: choose from {ROWS}")
@@ -593,6 +737,7 @@ def main() -> int:
         "output_len": args.output_len,
         "goodput_ttft_ms": args.goodput_ttft_ms,
         "argv": sys.argv[1:],
+        "nixl_env": args.nixl_env_map,
         "cells": {},
         "skipped": [],
     }
@@ -611,7 +756,7 @@ def main() -> int:
         failed: dict[str, str] = {}  # row -> why it cannot run
         if "plain" in rows_needed:
             _, url = launcher.vllm("plain", "plain", 0, None)
-            targets["plain"] = Target("plain", url)
+            targets["plain"] = Target("plain", url, metrics={"plain": url})
         for row, mode in (("pdplane", "pull"), ("pdplane-push", "push")):
             wanted = {row} | ({"pdplane-ft-decode"} if row == "pdplane" else set())
             if not rows_needed & wanted:
@@ -621,10 +766,17 @@ def main() -> int:
                 targets[row] = t
                 if "pdplane-ft-decode" in rows_needed & wanted:
                     ft = launcher.gateway(fleet, "pdplane-ft-decode", "--first-token", "decode")
-                    targets[ft.row] = replace(ft, decode_log=t.decode_log)
+                    targets[ft.row] = replace(
+                        ft,
+                        decode_log=t.decode_log,
+                        metrics={**t.metrics, "gateway": ft.url},
+                    )
             except Exception as exc:  # the other rows still run
                 for r in wanted:
                     failed[r] = f"{type(exc).__name__}: {exc}"
+        nixl_pair = None
+        if rows_needed & set(NIXL_ROWS):
+            nixl_pair = launcher.nixl_pair((0, decode_gpu))
         for row, name, proc, url in launcher.vllms:
             try:
                 wait_until(
@@ -637,11 +789,23 @@ def main() -> int:
                 why = f"{type(exc).__name__}: {exc}"
                 for r in [
                     r
-                    for r in targets
-                    if r == row or (row == "pdplane" and r.startswith("pdplane-ft"))
+                    for r in (*targets, *NIXL_ROWS)
+                    if r == row
+                    or (row == "pdplane" and r.startswith("pdplane-ft"))
+                    or (row == "nixl" and r in NIXL_ROWS and r in rows_needed)
                 ]:
                     failed[r] = why
                 print(f"{name} did not start: {why}\n{proc.tail(40)}", flush=True)
+        for r in NIXL_ROWS:
+            if r in rows_needed and r not in failed and nixl_pair is not None:
+                try:
+                    targets[r] = launcher.front(r, nixl_pair)
+                except Exception as exc:  # the exact error is the row's result
+                    failed[r] = f"{type(exc).__name__}: {exc}"
+                    print(f"{r} did not start: {failed[r]}", flush=True)
+                    for proc in launcher.procs:
+                        if proc.name == r:
+                            print(proc.tail(40), flush=True)
         for r in failed:
             targets.pop(r, None)
         results["failed_rows"] = failed
@@ -679,6 +843,7 @@ def main() -> int:
             target = targets[row]
             for log in (target.decode_log, target.gateway_log):  # skip what came before
                 _new_text(log, offsets)
+            sums = _histogram_sums(target.metrics)
             t0 = time.monotonic()
             try:
                 cell = bench.run(target, n, c)
@@ -686,9 +851,12 @@ def main() -> int:
                 cell = {"error": f"{type(exc).__name__}: {exc}"}
                 print(f"cell {row} {n} c={c} failed: {cell['error']}", flush=True)
             cell["wall_s"] = round(time.monotonic() - t0, 1)
+            cell["breakdown"] = _breakdown(sums, _histogram_sums(target.metrics))
             if target.decode_log is not None:
-                pulls = _pulls(_new_text(target.decode_log, offsets))
-                cell["pulls"] = _pull_summary(pulls, block)
+                text = _new_text(target.decode_log, offsets)
+                cell["pulls"] = _pull_summary(_pulls(text), block)
+                if row in NIXL_ROWS:
+                    cell["nixl_stats"] = _NIXL_STATS_LINE.findall(text)[-6:]
             if target.gateway_log is not None:
                 cell["routes"] = _routes(_new_text(target.gateway_log, offsets))
             results["cells"][_cell_key(row, n, c)] = cell
