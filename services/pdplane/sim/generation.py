@@ -147,6 +147,9 @@ class CompletionRoutes:
         ids, pieces = answer or s.tokenizer.sample(
             req.key, req.seed, 1 if producer else req.max_tokens
         )
+        stopped = req.stop.apply(pieces) if req.stop is not None else None
+        if stopped is not None:  # the engine stops at the token that completes a stop string
+            ids, pieces = ids[: len(stopped.deltas)], stopped.deltas
         ereq = EngineRequest(
             record.request_id or uuid.uuid4().hex,
             req.prompt_ids,
@@ -189,6 +192,8 @@ class CompletionRoutes:
                 prompt_tokens=req.prompt_tokens,
                 prompt_ids=list(req.prompt_ids) if req.return_token_ids else None,
             )
+            if stopped is not None:
+                writer.stopped_by(stopped.stop)
             kv_out = None
             if producer:
                 assert intent is not None
