@@ -230,24 +230,25 @@ def continuation_body(
 #: Fields a resumed stream's leg gets besides `_TO_DECODE` (their effect across the seam is in
 #: docs/gateway.md, "Migration": a seed restarts its generator, penalties count only the
 #: new leg's output).
-_RESUMED = ("seed", "presence_penalty", "frequency_penalty", "logprobs")
+_RESUMED = ("seed", "presence_penalty", "frequency_penalty", "logprobs", "stop")
 
 
-def migratable(req: ClientRequest) -> bool:
+def migratable(req: ClientRequest, detokenizer: bool = False) -> bool:
     """Whether a stream of `req` can continue on another decode from the tokens it sent:
     streamed, one choice, one prompt, no `echo`, and only fields whose meaning a
     `/v1/completions` leg on the prompt's token ids keeps (chat's `logprobs` are not converted:
     such a stream is not resumed; neither are tools, structured outputs and the like).
 
-    No `stop` strings either: vLLM holds back the last (longest stop string - 1) characters
-    of a stream with stop strings until it can tell they start none, so the tokens sent
-    before a seam may hold text the client never got, which a resumed leg would not write."""
+    `stop` strings only with a `detokenizer` (the gateway has the model's tokenizer): vLLM
+    holds back the last (longest stop string - 1) characters of such a stream until it can
+    tell they start none, so the tokens sent before a seam may hold text the client never
+    got; only the tokenizer tells which (`pdplane.gateway.migration.stop_seam`)."""
     body = req.body
     if not req.stream or not body.keys() <= _FIELDS[req.endpoint]:
         return False
     if body.get("n") not in (None, 1) or body.get("echo") not in (None, False):
         return False
-    if body.get("stop") not in (None, "", []):
+    if body.get("stop") not in (None, "", []) and not detokenizer:
         return False
     if req.endpoint == CHAT:
         return body.get("logprobs") in (None, False)

@@ -79,7 +79,13 @@ from pdplane.gateway.errors import (
 )
 from pdplane.gateway.fleet import FleetView
 from pdplane.gateway.metrics import GatewayMetrics
-from pdplane.gateway.migration import Loss, Transcript, whole_characters
+from pdplane.gateway.migration import (
+    Loss,
+    Transcript,
+    stop_lookback,
+    stop_seam,
+    whole_characters,
+)
 from pdplane.gateway.prompt_ids import Tokenizers
 from pdplane.gateway.replies import SSE_DONE, JsonReply, RetryElsewhere, StreamReply
 from pdplane.gateway.route_note import RouteNote
@@ -256,11 +262,12 @@ class _Request:
         self.streaming = False  # set once the stream generator started (it then settles)
         # Migration: the client's stream so far (None: this request is not resumed
         # elsewhere), resumes so far, when the first loss happened, why the leg was closed.
+        tokenizers = relay.tokenizers
         self.transcript = (
-            Transcript()
+            Transcript(lookback=stop_lookback(req.body))
             if relay.config.migration_limit
             and relay.config.dispatch == "sequential"
-            and migratable(req)
+            and migratable(req, tokenizers is not None and tokenizers.get(req.model) is not None)
             else None
         )
         self.migrations = 0
@@ -686,11 +693,14 @@ class _Request:
                         failed = failed or _ERROR_EVENT in out
                         if out:
                             if splice is None:
-                                yield usage_details.rewrite_events(
+                                out = usage_details.rewrite_events(
                                     out, self.cached, self.prefill is None
                                 )
                             else:
-                                yield splice.rewrite(out)
+                                out = splice.rewrite(out)
+                            if transcript is not None and transcript.lookback is not None:
+                                transcript.deliver(out)
+                            yield out
                         if loss is not None:
                             break
                 except (UpstreamTimeout, UpstreamUnreachable) as exc:
@@ -801,9 +811,29 @@ class _Request:
         metrics, config = self.relay.metrics, self.relay.config
         lost = self.decode.instance_id
         tokenizer = self.relay.tokenizers.get(self.req.model) if self.relay.tokenizers else None
+        overlap = repeated = 0
         if tokenizer is not None and transcript.prompt_ids is not None:
             decode = partial(tokenizer.decode, skip_special_tokens=False)
-            transcript.rewind(whole_characters(transcript.prompt_ids, transcript.sent, decode))
+            context, sent_ids = transcript.prompt_ids, transcript.sent
+            if transcript.lookback is not None:
+                # Resume before the text vLLM held back (or that may start a stop string).
+                keep, overlap = stop_seam(
+                    context, sent_ids, transcript.delivered, transcript.lookback, decode
+                )
+                if self.req.body.get("logprobs") not in (None, False):
+                    repeated = len(sent_ids) - keep
+            else:
+                keep = whole_characters(context, sent_ids, decode)
+            transcript.rewind(keep)
+        elif transcript.lookback is not None:
+            # No tokenizer (any more): which text the client lacks cannot be told.
+            metrics.migration_failures.labels("unavailable").inc()
+            self.care.settle(RuntimeError(loss.message))
+            raise GatewayError(
+                loss.status,
+                f"{loss.message}; not continued on another decode: the stream has stop "
+                "strings and the gateway has no tokenizer for its model",
+            )
         prompt = transcript.resumed_prompt()
         sent = len(transcript.sent)
         cached = self.cached  # the client's prompt's, not the resumed prompt's
@@ -855,7 +885,8 @@ class _Request:
                 len(prompt),
             )
             self.cached = cached
-            return Splice(self.req, transcript.as_first_token(), None, cached, sent)
+            first = transcript.as_first_token()
+            return Splice(self.req, first, None, cached, sent, overlap, repeated)
 
     async def _resume(self, body: dict[str, Any]) -> UpstreamResponse:
         """The new legs of a resumed stream (`body`: `resumed_body`'s): Schedule, prefill's

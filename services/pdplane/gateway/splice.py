@@ -196,6 +196,11 @@ class Splice:
         cached_tokens: usage's `prompt_tokens_details.cached_tokens`, if asked.
         sent: output tokens the client had before decode's first (1: the first token; more
             for a stream resumed on another decode, `pdplane.gateway.migration`).
+        overlap: characters at the start of decode's text the client already has, dropped
+            (a stream with stop strings resumed before text vLLM had held back,
+            `pdplane.gateway.migration.stop_seam`).
+        repeated: decode's first tokens whose logprobs the client already has (the same
+            resume), dropped from completions `logprobs`.
     """
 
     __slots__ = (
@@ -208,6 +213,8 @@ class Splice:
         "_head",
         "_held",
         "_ids",
+        "_overlap",
+        "_repeated",
         "_sent",
         "_stop_text",
         "_tail",
@@ -222,9 +229,13 @@ class Splice:
         decode: Callable[[list[int]], str] | None = None,
         cached_tokens: int | None = None,
         sent: int = 1,
+        overlap: int = 0,
+        repeated: int = 0,
     ) -> None:
         self._first = first
         self._sent = sent
+        self._overlap = overlap
+        self._repeated = repeated
         self._cached = cached_tokens  # usage's prompt_tokens_details.cached_tokens, if asked
         self._decode = decode
         # Ids of the held character so far (the first token's, then decode's); None once
@@ -331,6 +342,8 @@ class Splice:
         """Decode's whole SSE events (bytes) as the client's stream continues them."""
         if self._decode is not None:
             events = self._unhold(events)
+        if self._overlap or self._repeated:
+            events = self._trim(events)
         if not self._chat and b'"usage":{' not in events:
             # Completions chunks pass as they are, with the response's id (vLLM derives both
             # legs' ids from x-request-id, but need not).
@@ -371,6 +384,40 @@ class Splice:
                 c["token_ids"] = None
                 if "prompt_token_ids" in c:
                     c["prompt_token_ids"] = None
+            out.append(sse_event(obj))
+        return b"".join(out)
+
+    def _trim(self, events: bytes) -> bytes:
+        """Decode's completions events without what the client already has: the first
+        `overlap` characters of their text, the first `repeated` tokens' logprobs."""
+        out = []
+        for event in events.split(b"\n\n"):
+            if not event:
+                continue
+            obj = _parsed(event[6:]) if event.startswith(b"data: {") else None
+            choices = obj.get("choices") if isinstance(obj, dict) else None
+            if (
+                not isinstance(obj, dict)
+                or not isinstance(choices, list)
+                or not (self._overlap or self._repeated)
+            ):
+                out.append(event + b"\n\n")
+                continue
+            for c in choices:
+                if not isinstance(c, dict):
+                    continue
+                text = c.get("text")
+                if isinstance(text, str) and self._overlap:
+                    cut = min(self._overlap, len(text))
+                    c["text"], self._overlap = text[cut:], self._overlap - cut
+                logprobs = c.get("logprobs")
+                if isinstance(logprobs, dict) and self._repeated:
+                    tokens = logprobs.get("tokens")
+                    cut = min(self._repeated, len(tokens) if isinstance(tokens, list) else 0)
+                    for key, value in logprobs.items():
+                        if isinstance(value, list):
+                            logprobs[key] = value[cut:]
+                    self._repeated -= cut
             out.append(sse_event(obj))
         return b"".join(out)
 

@@ -74,7 +74,7 @@ class StopStrings:
         return None
 
 
-def parse_stop(body: dict[str, Any]) -> StopStrings | None | str:
+def parse_stop(body: dict[str, Any]) -> StopStrings | str | None:
     """The request's stop strings (None: none), or the 400 message for a bad `stop`."""
     stop = body.get("stop")
     if stop is None or stop == []:

@@ -9,8 +9,8 @@ from typing import Any
 
 from pdplane.gateway.bodies import migratable, resumed_body, with_token_ids
 from pdplane.gateway.departures import Departures
-from pdplane.gateway.migration import Transcript, whole_characters
-from pdplane.gateway.splice import FirstToken
+from pdplane.gateway.migration import Transcript, stop_lookback, stop_seam, whole_characters
+from pdplane.gateway.splice import FirstToken, Splice
 from pdplane.gateway.validation import CHAT, COMPLETIONS
 from pdplane.v1 import instance_pb2
 from tests.unit.gateway.test_first_token import _req
@@ -19,9 +19,11 @@ from tests.unit.gateway.test_first_token import _req
 def test_which_streams_are_migratable() -> None:
     assert migratable(_req(COMPLETIONS))
     assert migratable(_req(CHAT, temperature=0, stop=[], seed=3))
-    # vLLM holds back text that may start a stop string: not restorable at a seam
+    # vLLM holds back text that may start a stop string: only the tokenizer tells which
     assert not migratable(_req(CHAT, stop=["x"]))
     assert not migratable(_req(COMPLETIONS, stop="x", include_stop_str_in_output=True))
+    assert migratable(_req(CHAT, stop=["x"]), detokenizer=True)
+    assert migratable(_req(COMPLETIONS, stop="x", include_stop_str_in_output=True), True)
     assert migratable(_req(COMPLETIONS, logprobs=2))  # completions logprobs continue
     assert not migratable(_req(COMPLETIONS, stream=False))  # run again instead
     assert not migratable(_req(COMPLETIONS, n=2))
@@ -150,3 +152,44 @@ def test_a_seam_inside_a_character_resumes_after_the_last_whole_one() -> None:
     t.sent += euro[:2]
     t.rewind(whole_characters(prompt, t.sent, _bytes_decode))
     assert t.resumed_prompt() == [*prompt, ord("a")]
+
+
+def test_a_stream_with_stop_strings_resumes_before_the_text_held_back() -> None:
+    assert stop_lookback({"stop": ["ab", "wxyz"]}) == 3 and stop_lookback({"stop": "q"}) == 0
+    assert stop_lookback({}) is None and stop_lookback({"stop": []}) is None
+    prompt = list(b"say: ")
+    sent = list(b"hello world")
+    # 3 characters held back ("rld"): resume after "hello wo", nothing to drop
+    assert stop_seam(prompt, sent, 8, 3, _bytes_decode) == (8, 0)
+    # included stop strings hold nothing back, but a stop string may start in the last 3
+    # characters: they are generated again, and dropped from the new leg's text
+    assert stop_seam(prompt, sent, 11, 3, _bytes_decode) == (8, 3)
+    # a character still open at the seam is not text yet
+    euro = list("€".encode())
+    assert stop_seam(prompt, [*b"ab", *euro[:2]], 2, 0, _bytes_decode) == (2, 0)
+    assert stop_seam(prompt, sent, 0, 30, _bytes_decode) == (0, 0)
+
+
+def test_the_transcript_counts_the_characters_the_client_got() -> None:
+    t = Transcript(lookback=2)
+    t.deliver(_event({"choices": [{"index": 0, "delta": {"content": 'h\u00e9 "x"'}}]}))
+    raw = '{"choices":[{"index":0,"text":"€!","prompt_text":null}]}'.encode()  # unescaped
+    t.deliver(b"data: " + raw + b"\n\n")
+    assert t.delivered == 8
+
+
+def test_a_resumed_leg_drops_the_text_and_logprobs_the_client_has() -> None:
+    req = _req(COMPLETIONS, logprobs=1)
+    first = FirstToken("cmpl-1", 1, "m", [1, 2], 9, "", None, None)
+    splice = Splice(req, first, None, None, 5, overlap=4, repeated=2)
+
+    def chunk(text: str, tokens: list[str]) -> bytes:
+        logprobs = {"tokens": tokens, "token_logprobs": [-1.0] * len(tokens)}
+        return _event({"id": "cmpl-2", "choices": [
+            {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": None}]})  # fmt: skip
+
+    out = splice.rewrite(chunk(" wo", [" wo"]) + chunk("rld", ["rld"]) + chunk(" x", [" x"]))
+    choices = [json.loads(e[6:])["choices"][0] for e in out.split(b"\n\n") if e]
+    assert [c["text"] for c in choices] == ["", "ld", " x"]
+    assert [c["logprobs"]["tokens"] for c in choices] == [[], [], [" x"]]
+    assert splice.rewrite(chunk(" y", [" y"])) == chunk(" y", [" y"]).replace(b"cmpl-2", b"cmpl-1")
