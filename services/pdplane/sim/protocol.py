@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from pdplane.sim.logprobs import Logprobs, parse_logprobs
 from pdplane.sim.stops import StopStrings, parse_stop
 from pdplane.sim.tokens import Tokenizer, WordTokenizer, prompt_key
 
@@ -53,6 +54,7 @@ class SimRequest:
             the output's token ids.
         prompt_as_ids: a completions prompt given as token ids.
         stop: the `stop` strings (`pdplane.sim.stops`); None: none.
+        logprobs: the logprobs asked for (`pdplane.sim.logprobs`); None: none.
     """
 
     chat: bool
@@ -68,6 +70,7 @@ class SimRequest:
     return_token_ids: bool = False
     prompt_as_ids: bool = False
     stop: StopStrings | None = None
+    logprobs: Logprobs | None = None
 
 
 def _bad(message: str, param: str | None = None) -> SimApiError:
@@ -206,6 +209,9 @@ def parse_request(
     stop = parse_stop(body)
     if isinstance(stop, str):
         raise _bad(stop, "stop")
+    logprobs = parse_logprobs(body, chat)
+    if isinstance(logprobs, str):
+        raise _bad(logprobs, "logprobs")
     return SimRequest(
         chat=chat,
         prompt_ids=prompt_ids,
@@ -220,4 +226,5 @@ def parse_request(
         return_token_ids=bool(return_token_ids),
         prompt_as_ids=as_ids,
         stop=stop,
+        logprobs=logprobs,
     )

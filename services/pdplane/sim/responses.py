@@ -70,11 +70,13 @@ class ResponseWriter:
         completion_tokens: int,
         kv_transfer_params: dict[str, Any] | None,
         token_ids: list[int] | None = None,
+        logprobs: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         """The non-streaming response (finish_reason "length": the sim never samples EOS;
         "stop" after `stopped_by`).
 
-        `token_ids`: the output's ids, returned only when the writer has `prompt_ids`.
+        `token_ids`: the output's ids, returned only when the writer has `prompt_ids`;
+        `logprobs`: the output's (`pdplane.sim.logprobs`), if asked.
         """
         prompt_ids = self._prompt_ids
         out_ids = token_ids if prompt_ids is not None else None
@@ -91,7 +93,7 @@ class ResponseWriter:
                     "tool_calls": [],
                     "reasoning": None,
                 },
-                "logprobs": None,
+                "logprobs": logprobs,
                 "finish_reason": self._finish[0],
                 "stop_reason": self._finish[1],
                 "token_ids": out_ids,
@@ -101,7 +103,7 @@ class ResponseWriter:
             choice = {
                 "index": 0,
                 "text": text,
-                "logprobs": None,
+                "logprobs": logprobs,
                 "finish_reason": self._finish[0],
                 "stop_reason": self._finish[1],
                 "token_ids": out_ids,
@@ -145,17 +147,24 @@ class ResponseWriter:
             self._prompt_sent = True
         return sse(chunk)
 
-    def token_chunk(self, text: str, last: bool, token_id: int | None = None) -> bytes:
+    def token_chunk(
+        self,
+        text: str,
+        last: bool,
+        token_id: int | None = None,
+        logprobs: dict[str, Any] | None = None,
+    ) -> bytes:
         """One streamed token; the last one carries the finish_reason ("length", or "stop"
         after `stopped_by`).
 
-        `token_id`: the token's id, returned only when the writer has `prompt_ids`.
+        `token_id`: the token's id, returned only when the writer has `prompt_ids`;
+        `logprobs`: the token's (`pdplane.sim.logprobs`), if asked.
         """
         choice: dict[str, Any]
         if self._chat:
-            choice = {"index": 0, "delta": {"content": text}, "logprobs": None}
+            choice = {"index": 0, "delta": {"content": text}, "logprobs": logprobs}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None}
+            choice = {"index": 0, "text": text, "logprobs": logprobs}
         choice["finish_reason"] = self._finish[0] if last else None
         ids = self._prompt_ids is not None
         completion_ids = ids and not self._chat
