@@ -90,6 +90,7 @@ _FIELDS: dict[Endpoint, frozenset[str]] = {
         "chat_template_kwargs",
         "add_generation_prompt",
         "continue_final_message",
+        "top_logprobs",
     },
 }
 #: vLLM's `max_tokens` default for /v1/completions (chat has none: up to the model's length).
@@ -251,7 +252,7 @@ def migratable(req: ClientRequest, detokenizer: bool = False) -> bool:
     if body.get("stop") not in (None, "", []) and not detokenizer:
         return False
     if req.endpoint == CHAT:
-        return body.get("logprobs") in (None, False)
+        return True
     prompt = body.get("prompt")
     return not (isinstance(prompt, list) and prompt and not isinstance(prompt[0], int))
 
@@ -280,6 +281,13 @@ def resumed_body(req: ClientRequest, prompt_token_ids: list[int], sent: int) -> 
     for name in (*_TO_DECODE, *_RESUMED):
         if name in body:
             out[name] = body[name]
+    if req.endpoint == CHAT:
+        # chat's logprobs (`logprobs: true`, `top_logprobs: k`) are completions' `logprobs: k`
+        if body.get("logprobs") is True:
+            top = body.get("top_logprobs")
+            out["logprobs"] = top if isinstance(top, int) and not isinstance(top, bool) else 0
+        else:
+            out.pop("logprobs", None)
     min_tokens = body.get("min_tokens")
     if isinstance(min_tokens, int) and min_tokens > sent:
         out["min_tokens"] = min_tokens - sent

@@ -91,11 +91,13 @@ class Transcript:
     Args:
         first: prefill's first token when the stream began with it (its prompt ids, the
             response's id, and one token sent).
-        lookback: `stop_lookback` of the request (None: no stop strings; the client's
-            characters are then not counted).
+        lookback: `stop_lookback` of the request (None: no stop strings).
+        count_text: count the characters of text the client gets (`deliver`): with stop
+            strings, and for completions' `text_offset`.
     """
 
     __slots__ = (
+        "count_text",
         "created",
         "delivered",
         "finished",
@@ -106,8 +108,11 @@ class Transcript:
         "sent",
     )
 
-    def __init__(self, first: FirstToken | None = None, lookback: int | None = None) -> None:
+    def __init__(
+        self, first: FirstToken | None = None, lookback: int | None = None, count_text: bool = False
+    ) -> None:
         self.lookback = lookback
+        self.count_text = count_text or lookback is not None
         self.delivered = 0  # characters of text the client got (counted with stop strings)
         self.prompt_ids: list[int] | None = None
         self.sent: list[int] = []  # ids of the output tokens relayed, in order

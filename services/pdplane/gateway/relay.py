@@ -89,6 +89,7 @@ from pdplane.gateway.migration import (
 from pdplane.gateway.prompt_ids import Tokenizers
 from pdplane.gateway.replies import SSE_DONE, JsonReply, RetryElsewhere, StreamReply
 from pdplane.gateway.route_note import RouteNote
+from pdplane.gateway.seam import Seam
 from pdplane.gateway.splice import FirstToken, Splice
 from pdplane.gateway.upstream import (
     UpstreamClient,
@@ -264,7 +265,10 @@ class _Request:
         # elsewhere), resumes so far, when the first loss happened, why the leg was closed.
         tokenizers = relay.tokenizers
         self.transcript = (
-            Transcript(lookback=stop_lookback(req.body))
+            Transcript(
+                lookback=stop_lookback(req.body),
+                count_text=req.endpoint == COMPLETIONS and req.body.get("logprobs") is not None,
+            )
             if relay.config.migration_limit
             and relay.config.dispatch == "sequential"
             and migratable(req, tokenizers is not None and tokenizers.get(req.model) is not None)
@@ -698,7 +702,7 @@ class _Request:
                                 )
                             else:
                                 out = splice.rewrite(out)
-                            if transcript is not None and transcript.lookback is not None:
+                            if transcript is not None and transcript.count_text:
                                 transcript.deliver(out)
                             yield out
                         if loss is not None:
@@ -885,8 +889,10 @@ class _Request:
                 len(prompt),
             )
             self.cached = cached
-            first = transcript.as_first_token()
-            return Splice(self.req, first, None, cached, sent, overlap, repeated)
+            # completions' text_offset goes on from the text the client had before the leg's
+            offset = transcript.delivered - overlap if transcript.count_text else None
+            seam = Seam(overlap, repeated, offset)
+            return Splice(self.req, transcript.as_first_token(), None, cached, sent, seam)
 
     async def _resume(self, body: dict[str, Any]) -> UpstreamResponse:
         """The new legs of a resumed stream (`body`: `resumed_body`'s): Schedule, prefill's

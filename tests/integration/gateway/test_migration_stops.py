@@ -3,8 +3,9 @@
 vLLM holds back a stream's last (longest stop string - 1) characters until it can tell they
 start no stop string, so when a decode dies the client may lack the text of the last tokens
 relayed. The gateway (with the model's tokenizer) resumes after the last token whose text
-the client has, and drops from the new leg's text what the client already got; a stop string
-spanning the seam still ends the stream, where one instance would have ended it. The sims
+the client has, and drops from the new leg's text (and logprobs) what the client already
+got; a stop string spanning the seam still ends the stream, where one instance would have
+ended it. The sims
 apply stop strings as vLLM does (`pdplane.sim.stops`) and use the tiny model's tokenizer,
 which the gateway loads too.
 """
@@ -29,6 +30,7 @@ from tests.integration.gateway.test_migration import (
     _stream,
     _text,
 )
+from tests.integration.gateway.test_migration_logprobs import logprobs_of
 
 KILL_AT = 12  # the decode dies after relaying this many tokens
 
@@ -41,8 +43,6 @@ def test_a_stop_string_spanning_the_seam_ends_the_stream_as_one_instance_would(
     tokenizer = str(tiny_model)
     stack = stack_factory(tokenizer=tokenizer)
     prefill, decodes = _fleet(stack, 2, itl_ms=2, tokenizer=tokenizer)
-    for d in decodes.handles:
-        d.set_faults(kill_after_tokens=KILL_AT)
     hf = HfTokenizer(tokenizer)
     chat = path == "/v1/chat/completions"
     messages = [{"role": "user", "content": PROMPT}]
@@ -64,10 +64,18 @@ def test_a_stop_string_spanning_the_seam_ends_the_stream_as_one_instance_would(
     }
     if include:
         body["include_stop_str_in_output"] = True
-    body.update({"messages": messages} if chat else {"prompt": PROMPT})
+    # logprobs too: those of tokens generated again at the seam are not repeated
+    logprobs = {"logprobs": True, "top_logprobs": 1} if chat else {"logprobs": 1}
+    body.update({"messages": messages, **logprobs} if chat else {"prompt": PROMPT, **logprobs})
+    unbroken, _ = _stream(stack.url, path, body)
+    assert _text(unbroken) == want
+    for d in decodes.handles:
+        d.set_faults(kill_after_tokens=KILL_AT)
     events, done = _stream(stack.url, path, body)
     assert done and not _errors(events), events
     assert _text(events) == want
+    assert logprobs_of(events) == logprobs_of(unbroken)
+    assert len(logprobs_of(events)) == 14
     finishes = [
         (c["finish_reason"], c.get("stop_reason"))
         for e in events
@@ -78,7 +86,7 @@ def test_a_stop_string_spanning_the_seam_ends_the_stream_as_one_instance_would(
     usage = events[-1]["usage"]
     assert usage["completion_tokens"] == 14 and usage["prompt_tokens"] == len(prompt_ids)
     assert _migrations(stack, "lost") == 1
-    wait_for(lambda: stack.releases() == {"failed": 1.0, "success": 1.0}, what="releases")
+    wait_for(lambda: stack.releases() == {"failed": 1.0, "success": 2.0}, what="releases")
     alive = [d for d in decodes.handles if not _killed(d)]
     assert len(alive) == 1
     _nothing_held(stack, [*prefill.handles, *alive])

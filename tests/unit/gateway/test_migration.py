@@ -10,6 +10,7 @@ from typing import Any
 from pdplane.gateway.bodies import migratable, resumed_body, with_token_ids
 from pdplane.gateway.departures import Departures
 from pdplane.gateway.migration import Transcript, stop_lookback, stop_seam, whole_characters
+from pdplane.gateway.seam import Seam, chat_logprobs, chat_top_logprobs
 from pdplane.gateway.splice import FirstToken, Splice
 from pdplane.gateway.validation import CHAT, COMPLETIONS
 from pdplane.v1 import instance_pb2
@@ -28,7 +29,7 @@ def test_which_streams_are_migratable() -> None:
     assert not migratable(_req(COMPLETIONS, stream=False))  # run again instead
     assert not migratable(_req(COMPLETIONS, n=2))
     assert not migratable(_req(COMPLETIONS, echo=True))
-    assert not migratable(_req(CHAT, logprobs=True))
+    assert migratable(_req(CHAT, logprobs=True, top_logprobs=2))  # continued as chat's
     assert not migratable(_req(CHAT, tools=[{"type": "function"}]))
     assert not migratable(_req(COMPLETIONS, return_token_ids=True))
 
@@ -181,15 +182,39 @@ def test_the_transcript_counts_the_characters_the_client_got() -> None:
 def test_a_resumed_leg_drops_the_text_and_logprobs_the_client_has() -> None:
     req = _req(COMPLETIONS, logprobs=1)
     first = FirstToken("cmpl-1", 1, "m", [1, 2], 9, "", None, None)
-    splice = Splice(req, first, None, None, 5, overlap=4, repeated=2)
+    splice = Splice(req, first, None, None, 5, Seam(overlap=4, repeated=2, text_offset=10))
 
-    def chunk(text: str, tokens: list[str]) -> bytes:
-        logprobs = {"tokens": tokens, "token_logprobs": [-1.0] * len(tokens)}
+    def chunk(text: str, tokens: list[str], offset: int = 0) -> bytes:
+        logprobs = {"tokens": tokens, "token_logprobs": [-1.0], "text_offset": [offset]}
         return _event({"id": "cmpl-2", "choices": [
             {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": None}]})  # fmt: skip
 
-    out = splice.rewrite(chunk(" wo", [" wo"]) + chunk("rld", ["rld"]) + chunk(" x", [" x"]))
+    out = splice.rewrite(chunk(" wo", [" wo"]) + chunk("rld", ["rld"], 3) + chunk(" x", [" x"], 6))
     choices = [json.loads(e[6:])["choices"][0] for e in out.split(b"\n\n") if e]
     assert [c["text"] for c in choices] == ["", "ld", " x"]
     assert [c["logprobs"]["tokens"] for c in choices] == [[], [], [" x"]]
-    assert splice.rewrite(chunk(" y", [" y"])) == chunk(" y", [" y"]).replace(b"cmpl-2", b"cmpl-1")
+    assert choices[2]["logprobs"]["text_offset"] == [16]  # counted from the answer's start
+    assert b'"text_offset":[18]' in splice.rewrite(chunk(" y", [" y"], 8))
+
+
+def test_chat_logprobs_are_built_from_the_completions_legs() -> None:
+    completions = {
+        "tokens": [" é", " b"],
+        "token_logprobs": [-0.5, -0.25],
+        "top_logprobs": [{" é": -0.5, " a": -1.0}, {" b": -0.25, " c": -2.0}],
+        "text_offset": [0, 2],
+    }
+    assert chat_logprobs(completions, 1) == {
+        "content": [
+            {"token": " é", "logprob": -0.5, "bytes": [32, 195, 169],
+             "top_logprobs": [{"token": " é", "logprob": -0.5, "bytes": [32, 195, 169]}]},
+            {"token": " b", "logprob": -0.25, "bytes": [32, 98],
+             "top_logprobs": [{"token": " b", "logprob": -0.25, "bytes": [32, 98]}]},
+        ]
+    }  # fmt: skip
+    assert chat_logprobs(completions, 0)["content"][0]["top_logprobs"] == []
+    assert chat_top_logprobs({"logprobs": True}) == 0
+    assert chat_top_logprobs({"logprobs": False, "top_logprobs": 2}) is None
+    body = resumed_body(_req(CHAT, logprobs=True, top_logprobs=3), [1, 2], 1)
+    assert body["logprobs"] == 3 and "top_logprobs" not in body
+    assert "logprobs" not in resumed_body(_req(CHAT, logprobs=False), [1, 2], 1)
