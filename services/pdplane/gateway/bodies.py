@@ -148,21 +148,27 @@ def decode_body(raw: bytes, body: dict[str, Any], kv_transfer_params: bytes) -> 
     return head + kv_transfer_params + tail
 
 
-def decode_body_parts(raw: bytes, body: dict[str, Any]) -> tuple[bytes, bytes]:
+def decode_body_parts(
+    raw: bytes, body: dict[str, Any], token_ids: bool = False
+) -> tuple[bytes, bytes]:
     """The decode leg split around prefill's answer (concurrent dispatch sends `head` early).
 
     Returns (head, tail) such that `head + json(kv_transfer_params) + tail` is the decode body.
     The client's bytes are reused as they are (no re-encoding of a possibly long prompt): the
     closing brace of `raw` becomes `,"kv_transfer_params":` + ... + `}`. A body that already
     holds `kv_transfer_params` (it would then appear twice), or that is not plain UTF-8 JSON
-    text starting with `{`, is re-encoded without that key instead.
+    text starting with `{`, is re-encoded without that key instead. `token_ids` asks decode
+    for token ids too (`"return_token_ids":true`, a migratable stream's leg).
     """
+    key = (
+        b'"return_token_ids":true,"kv_transfer_params":' if token_ids else b'"kv_transfer_params":'
+    )
     text = raw.strip()
     if text[:1] == b"{" and text[-1:] == b"}" and "kv_transfer_params" not in body and body:
-        return text[:-1] + b',"kv_transfer_params":', b"}"
+        return text[:-1] + b"," + key, b"}"
     rest = {k: v for k, v in body.items() if k != "kv_transfer_params"}
     sep = b"," if rest else b""
-    return _json(rest)[:-1] + sep + b'"kv_transfer_params":', b"}"
+    return _json(rest)[:-1] + sep + key, b"}"
 
 
 def takes_first_token(req: ClientRequest) -> bool:
@@ -260,11 +266,10 @@ def migratable(req: ClientRequest, detokenizer: bool = False) -> bool:
 def with_token_ids(raw: bytes, body: dict[str, Any], kv_transfer_params: bytes | None) -> bytes:
     """The client's body (`raw`, parsed `body`) asking for token ids (`return_token_ids`), with
     prefill's `kv_transfer_params` (JSON bytes) when given: a migratable stream's decode leg."""
-    head, tail = decode_body_parts(raw, body)
-    head = head[: -len(b'"kv_transfer_params":')] + b'"return_token_ids":true'
+    head, tail = decode_body_parts(raw, body, token_ids=True)
     if kv_transfer_params is None:
-        return head + tail
-    return head + b',"kv_transfer_params":' + kv_transfer_params + tail
+        return head[: -len(b',"kv_transfer_params":')] + tail
+    return head + kv_transfer_params + tail
 
 
 def resumed_body(req: ClientRequest, prompt_token_ids: list[int], sent: int) -> dict[str, Any]:

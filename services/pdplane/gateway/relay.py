@@ -270,7 +270,6 @@ class _Request:
                 count_text=req.endpoint == COMPLETIONS and req.body.get("logprobs") is not None,
             )
             if relay.config.migration_limit
-            and relay.config.dispatch == "sequential"
             and migratable(req, tokenizers is not None and tokenizers.get(req.model) is not None)
             else None
         )
@@ -524,7 +523,7 @@ class _Request:
     async def _concurrent(self) -> UpstreamResponse:
         """Opens the decode request while prefill runs: headers and the body without
         kv_transfer_params go out at once, the rest when prefill answers (chunked)."""
-        head, tail = decode_body_parts(self.req.raw, self.req.body)
+        head, tail = decode_body_parts(self.req.raw, self.req.body, self.transcript is not None)
         params: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
 
         async def body() -> AsyncGenerator[bytes, None]:
