@@ -220,6 +220,7 @@ class _Request:
         "started",
         "streaming",
         "timeout_s",
+        "tokenizer",
         "transcript",
         "tries_left",
     )
@@ -263,14 +264,18 @@ class _Request:
         self.streaming = False  # set once the stream generator started (it then settles)
         # Migration: the client's stream so far (None: this request is not resumed
         # elsewhere), resumes so far, when the first loss happened, why the leg was closed.
-        tokenizers = relay.tokenizers
+        # The model's tokenizer when the stream may migrate (kept: the fleet's may change).
+        self.tokenizer = (
+            relay.tokenizers.get(req.model)
+            if relay.config.migration_limit and req.stream and relay.tokenizers is not None
+            else None
+        )
         self.transcript = (
             Transcript(
                 lookback=stop_lookback(req.body),
                 count_text=req.endpoint == COMPLETIONS and req.body.get("logprobs") is not None,
             )
-            if relay.config.migration_limit
-            and migratable(req, tokenizers is not None and tokenizers.get(req.model) is not None)
+            if relay.config.migration_limit and migratable(req, self.tokenizer is not None)
             else None
         )
         self.migrations = 0
@@ -813,7 +818,7 @@ class _Request:
         left, or when the new leg is refused."""
         metrics, config = self.relay.metrics, self.relay.config
         lost = self.decode.instance_id
-        tokenizer = self.relay.tokenizers.get(self.req.model) if self.relay.tokenizers else None
+        tokenizer = self.tokenizer
         overlap = repeated = 0
         if tokenizer is not None and transcript.prompt_ids is not None:
             decode = partial(tokenizer.decode, skip_special_tokens=False)
@@ -828,15 +833,6 @@ class _Request:
             else:
                 keep = whole_characters(context, sent_ids, decode)
             transcript.rewind(keep)
-        elif transcript.lookback is not None:
-            # No tokenizer (any more): which text the client lacks cannot be told.
-            metrics.migration_failures.labels("unavailable").inc()
-            self.care.settle(RuntimeError(loss.message))
-            raise GatewayError(
-                loss.status,
-                f"{loss.message}; not continued on another decode: the stream has stop "
-                "strings and the gateway has no tokenizer for its model",
-            )
         prompt = transcript.resumed_prompt()
         sent = len(transcript.sent)
         cached = self.cached  # the client's prompt's, not the resumed prompt's
