@@ -34,6 +34,7 @@ from typing import Any
 
 from pydantic_core import from_json
 
+from pdplane.gateway.seam import parsed
 from pdplane.gateway.splice import FirstToken
 
 __all__ = ["Loss", "Transcript", "stop_lookback", "stop_seam", "whole_characters"]
@@ -91,28 +92,36 @@ class Transcript:
     Args:
         first: prefill's first token when the stream began with it (its prompt ids, the
             response's id, and one token sent).
-        lookback: `stop_lookback` of the request (None: no stop strings).
-        count_text: count the characters of text the client gets (`deliver`): with stop
-            strings, and for completions' `text_offset`.
+        lookback: `stop_lookback` of the request (None: no stop strings); with stop strings
+            the characters of text the client gets are counted (`deliver`).
+        text_offsets: follow completions' `text_offset` as the client gets it (`deliver`),
+            so that a resumed leg's, counted from its own start, go on from it.
     """
 
     __slots__ = (
-        "count_text",
         "created",
         "delivered",
         "finished",
         "lookback",
         "model",
+        "next_offset",
+        "offsets",
         "prompt_ids",
         "response_id",
         "sent",
     )
 
     def __init__(
-        self, first: FirstToken | None = None, lookback: int | None = None, count_text: bool = False
+        self,
+        first: FirstToken | None = None,
+        lookback: int | None = None,
+        text_offsets: bool = False,
     ) -> None:
         self.lookback = lookback
-        self.count_text = count_text or lookback is not None
+        # each token's text_offset as the client got it, and the next token's (None: not
+        # followed); vLLM advances it by each token's text, not by the text streamed
+        self.offsets: list[int] | None = [] if text_offsets else None
+        self.next_offset = 0
         self.delivered = 0  # characters of text the client got (counted with stop strings)
         self.prompt_ids: list[int] | None = None
         self.sent: list[int] = []  # ids of the output tokens relayed, in order
@@ -143,12 +152,36 @@ class Transcript:
         if not self.finished and _FINISHED.search(events) is not None:
             self.finished = True
 
+    @property
+    def reads_text(self) -> bool:
+        """Whether `deliver` must see the client's events."""
+        return self.lookback is not None or self.offsets is not None
+
     def deliver(self, events: bytes) -> None:
-        """Counts the characters of text in `events` (SSE bytes, as the client gets them)."""
-        for found in _TEXT.finditer(events):
-            text = found.group(1)
-            # escapes (a lone surrogate's too) as the client's JSON parser reads them
-            self.delivered += len(json.loads(text)) if b"\\" in text else len(text.decode()) - 2
+        """Reads `events` (SSE bytes, as the client gets them): counts the characters of
+        their text (with stop strings), follows completions' `text_offset`."""
+        if self.lookback is not None:
+            for found in _TEXT.finditer(events):
+                text = found.group(1)
+                # escapes (a lone surrogate's too) as the client's JSON parser reads them
+                n = len(json.loads(text)) if b"\\" in text else len(text.decode()) - 2
+                self.delivered += n
+        if self.offsets is not None and b'"text_offset":[' in events:
+            for event in events.split(b"\n\n"):
+                if event.startswith(b"data: {"):
+                    self._offsets(parsed(event[6:]))
+
+    def _offsets(self, obj: Any) -> None:
+        choices = obj.get("choices") if isinstance(obj, dict) else None
+        for choice in choices if isinstance(choices, list) else ():
+            logprobs = choice.get("logprobs") if isinstance(choice, dict) else None
+            if not isinstance(logprobs, dict):
+                continue
+            offsets, tokens = logprobs.get("text_offset"), logprobs.get("tokens")
+            if isinstance(offsets, list) and offsets and isinstance(tokens, list) and tokens:
+                assert self.offsets is not None
+                self.offsets += offsets
+                self.next_offset = offsets[-1] + len(str(tokens[-1]))
 
     @staticmethod
     def strip(events: bytes) -> bytes:
@@ -176,6 +209,9 @@ class Transcript:
     def rewind(self, keep: int) -> None:
         """Forgets the tokens sent after the first `keep` (their text never reached the
         client: `whole_characters`); a resumed leg generates them again."""
+        if self.offsets is not None and keep < len(self.offsets):
+            self.next_offset = self.offsets[keep]
+            del self.offsets[keep:]
         del self.sent[keep:]
 
     def resumed_prompt(self) -> list[int]:

@@ -273,7 +273,7 @@ class _Request:
         self.transcript = (
             Transcript(
                 lookback=stop_lookback(req.body),
-                count_text=req.endpoint == COMPLETIONS and req.body.get("logprobs") is not None,
+                text_offsets=req.endpoint == COMPLETIONS and req.body.get("logprobs") is not None,
             )
             if relay.config.migration_limit and migratable(req, self.tokenizer is not None)
             else None
@@ -706,7 +706,7 @@ class _Request:
                                 )
                             else:
                                 out = splice.rewrite(out)
-                            if transcript is not None and transcript.count_text:
+                            if transcript is not None and transcript.reads_text:
                                 transcript.deliver(out)
                             yield out
                         if loss is not None:
@@ -884,8 +884,8 @@ class _Request:
                 len(prompt),
             )
             self.cached = cached
-            # completions' text_offset goes on from the text the client had before the leg's
-            offset = transcript.delivered - overlap if transcript.count_text else None
+            # completions' text_offset goes on from the client's (the leg counts from 0)
+            offset = transcript.next_offset if transcript.offsets is not None else None
             seam = Seam(overlap, repeated, offset)
             return Splice(self.req, transcript.as_first_token(), None, cached, sent, seam)
 

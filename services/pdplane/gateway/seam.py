@@ -6,8 +6,8 @@ rewriting:
 
 - `Seam`: what the client already has dropped (a stream with stop strings resumes before text
   vLLM had held back: the first characters of the new leg's text, and, with completions
-  `logprobs`, its first tokens' logprobs), and completions' `text_offset` moved by the text
-  the client had before the new leg's (vLLM counts it from the leg's own start);
+  `logprobs`, its first tokens' logprobs), and completions' `text_offset` moved on from the
+  client's (vLLM counts it from the leg's own start, by each token's text);
 - `chat_logprobs`: chat's `logprobs` object built from the completions leg's, as vLLM 0.32's
   chat server writes it (`vllm/entrypoints/openai/serving_chat.py`, `_create_chat_logprobs`):
   per token `{"token", "logprob", "bytes", "top_logprobs"}`, `bytes` the token's UTF-8 (bad
@@ -77,8 +77,8 @@ class Seam:
     Args:
         overlap: characters at the start of the leg's text the client already has.
         repeated: the leg's first tokens whose logprobs the client already has.
-        text_offset: characters of text the client had before the leg's own (added to
-            completions' `text_offset`; None: the client did not ask for them).
+        text_offset: the `text_offset` the client's stream has reached (added to the leg's
+            completions `text_offset`; None: the client did not ask for them).
     """
 
     __slots__ = ("_offset", "_overlap", "_repeated")

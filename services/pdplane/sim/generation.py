@@ -312,7 +312,9 @@ class CompletionRoutes:
         text each token's chunk carries, `tokens` each token's own (logprobs name them)."""
         s = self._s
         total = len(pieces)
-        offsets = list(accumulate(map(len, pieces), initial=0))  # text streamed before each
+        # completions' text_offset: vLLM advances it by the tokens' own text, not by the
+        # text streamed (which lags the tokens while stop strings hold some back)
+        offsets = list(accumulate(map(len, tokens), initial=0))
 
         def logprobs(i: int) -> dict[str, Any] | None:
             if req.logprobs is None or s.tokenizer is None:

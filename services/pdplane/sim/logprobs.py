@@ -51,7 +51,8 @@ class Logprobs:
 
     def of(self, tok: Tokenizer, ids: list[int], pieces: list[str], offset: int) -> dict[str, Any]:
         """The `logprobs` object of tokens `ids` (`pieces`: their text); `offset`: the
-        characters of output text streamed before them (completions' `text_offset`)."""
+        characters of the tokens' text before them (completions' `text_offset`, which vLLM
+        0.32 advances by each token's text)."""
         if self.chat:
             content = []
             for i, text in zip(ids, pieces, strict=True):

@@ -218,3 +218,14 @@ def test_chat_logprobs_are_built_from_the_completions_legs() -> None:
     body = resumed_body(_req(CHAT, logprobs=True, top_logprobs=3), [1, 2], 1)
     assert body["logprobs"] == 3 and "top_logprobs" not in body
     assert "logprobs" not in resumed_body(_req(CHAT, logprobs=False), [1, 2], 1)
+
+
+def test_the_transcript_follows_text_offset_as_vllm_advances_it() -> None:
+    t = Transcript(text_offsets=True)
+    assert t.reads_text and not Transcript().reads_text
+    for offset, token in ((0, " ab"), (3, " c"), (5, " def")):
+        logprobs = {"text_offset": [offset], "tokens": [token], "token_logprobs": [-1.0]}
+        t.deliver(_event({"choices": [{"index": 0, "text": "", "logprobs": logprobs}]}))
+    assert t.offsets == [0, 3, 5] and t.next_offset == 9  # by the tokens, not the text sent
+    t.rewind(1)
+    assert t.next_offset == 3 and t.offsets == [0]
