@@ -90,3 +90,18 @@ def test_a_stop_string_spanning_the_seam_ends_the_stream_as_one_instance_would(
     alive = [d for d in decodes.handles if not _killed(d)]
     assert len(alive) == 1
     _nothing_held(stack, [*prefill.handles, *alive])
+
+
+def test_without_the_models_tokenizer_a_stream_with_stop_strings_ends_with_one_error(
+    stack_factory: Callable[..., Stack],
+) -> None:
+    stack = stack_factory()  # the sims' word tokenizer is nowhere for the gateway
+    prefill, decodes = _fleet(stack, 2, itl_ms=2)
+    for d in decodes.handles:
+        d.set_faults(kill_after_tokens=KILL_AT)
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 30, "stream": True, "stop": ["zz"]}
+    events, done = _stream(stack.url, "/v1/completions", body)
+    assert not done and len(_errors(events)) == 1 and "error" in events[-1]
+    assert _migrations(stack, "lost") == 0
+    alive = [d for d in decodes.handles if not _killed(d)]
+    _nothing_held(stack, [*prefill.handles, *alive])
