@@ -90,6 +90,7 @@ _FIELDS: dict[Endpoint, frozenset[str]] = {
         "chat_template_kwargs",
         "add_generation_prompt",
         "continue_final_message",
+        "top_logprobs",
     },
 }
 #: vLLM's `max_tokens` default for /v1/completions (chat has none: up to the model's length).
@@ -147,21 +148,27 @@ def decode_body(raw: bytes, body: dict[str, Any], kv_transfer_params: bytes) -> 
     return head + kv_transfer_params + tail
 
 
-def decode_body_parts(raw: bytes, body: dict[str, Any]) -> tuple[bytes, bytes]:
+def decode_body_parts(
+    raw: bytes, body: dict[str, Any], token_ids: bool = False
+) -> tuple[bytes, bytes]:
     """The decode leg split around prefill's answer (concurrent dispatch sends `head` early).
 
     Returns (head, tail) such that `head + json(kv_transfer_params) + tail` is the decode body.
     The client's bytes are reused as they are (no re-encoding of a possibly long prompt): the
     closing brace of `raw` becomes `,"kv_transfer_params":` + ... + `}`. A body that already
     holds `kv_transfer_params` (it would then appear twice), or that is not plain UTF-8 JSON
-    text starting with `{`, is re-encoded without that key instead.
+    text starting with `{`, is re-encoded without that key instead. `token_ids` asks decode
+    for token ids too (`"return_token_ids":true`, a migratable stream's leg).
     """
+    key = (
+        b'"return_token_ids":true,"kv_transfer_params":' if token_ids else b'"kv_transfer_params":'
+    )
     text = raw.strip()
     if text[:1] == b"{" and text[-1:] == b"}" and "kv_transfer_params" not in body and body:
-        return text[:-1] + b',"kv_transfer_params":', b"}"
+        return text[:-1] + b"," + key, b"}"
     rest = {k: v for k, v in body.items() if k != "kv_transfer_params"}
     sep = b"," if rest else b""
-    return _json(rest)[:-1] + sep + b'"kv_transfer_params":', b"}"
+    return _json(rest)[:-1] + sep + key, b"}"
 
 
 def takes_first_token(req: ClientRequest) -> bool:
@@ -230,27 +237,28 @@ def continuation_body(
 #: Fields a resumed stream's leg gets besides `_TO_DECODE` (their effect across the seam is in
 #: docs/gateway.md, "Migration": a seed restarts its generator, penalties count only the
 #: new leg's output).
-_RESUMED = ("seed", "presence_penalty", "frequency_penalty", "logprobs")
+_RESUMED = ("seed", "presence_penalty", "frequency_penalty", "logprobs", "stop")
 
 
-def migratable(req: ClientRequest) -> bool:
+def migratable(req: ClientRequest, detokenizer: bool = False) -> bool:
     """Whether a stream of `req` can continue on another decode from the tokens it sent:
     streamed, one choice, one prompt, no `echo`, and only fields whose meaning a
     `/v1/completions` leg on the prompt's token ids keeps (chat's `logprobs` are not converted:
     such a stream is not resumed; neither are tools, structured outputs and the like).
 
-    No `stop` strings either: vLLM holds back the last (longest stop string - 1) characters
-    of a stream with stop strings until it can tell they start none, so the tokens sent
-    before a seam may hold text the client never got, which a resumed leg would not write."""
+    `stop` strings only with a `detokenizer` (the gateway has the model's tokenizer): vLLM
+    holds back the last (longest stop string - 1) characters of such a stream until it can
+    tell they start none, so the tokens sent before a seam may hold text the client never
+    got; only the tokenizer tells which (`pdplane.gateway.migration.stop_seam`)."""
     body = req.body
     if not req.stream or not body.keys() <= _FIELDS[req.endpoint]:
         return False
     if body.get("n") not in (None, 1) or body.get("echo") not in (None, False):
         return False
-    if body.get("stop") not in (None, "", []):
+    if body.get("stop") not in (None, "", []) and not detokenizer:
         return False
     if req.endpoint == CHAT:
-        return body.get("logprobs") in (None, False)
+        return True
     prompt = body.get("prompt")
     return not (isinstance(prompt, list) and prompt and not isinstance(prompt[0], int))
 
@@ -258,11 +266,10 @@ def migratable(req: ClientRequest) -> bool:
 def with_token_ids(raw: bytes, body: dict[str, Any], kv_transfer_params: bytes | None) -> bytes:
     """The client's body (`raw`, parsed `body`) asking for token ids (`return_token_ids`), with
     prefill's `kv_transfer_params` (JSON bytes) when given: a migratable stream's decode leg."""
-    head, tail = decode_body_parts(raw, body)
-    head = head[: -len(b'"kv_transfer_params":')] + b'"return_token_ids":true'
+    head, tail = decode_body_parts(raw, body, token_ids=True)
     if kv_transfer_params is None:
-        return head + tail
-    return head + b',"kv_transfer_params":' + kv_transfer_params + tail
+        return head[: -len(b',"kv_transfer_params":')] + tail
+    return head + kv_transfer_params + tail
 
 
 def resumed_body(req: ClientRequest, prompt_token_ids: list[int], sent: int) -> dict[str, Any]:
@@ -279,6 +286,13 @@ def resumed_body(req: ClientRequest, prompt_token_ids: list[int], sent: int) -> 
     for name in (*_TO_DECODE, *_RESUMED):
         if name in body:
             out[name] = body[name]
+    if req.endpoint == CHAT:
+        # chat's logprobs (`logprobs: true`, `top_logprobs: k`) are completions' `logprobs: k`
+        if body.get("logprobs") is True:
+            top = body.get("top_logprobs")
+            out["logprobs"] = top if isinstance(top, int) and not isinstance(top, bool) else 0
+        else:
+            out.pop("logprobs", None)
     min_tokens = body.get("min_tokens")
     if isinstance(min_tokens, int) and min_tokens > sent:
         out["min_tokens"] = min_tokens - sent

@@ -13,19 +13,31 @@ migratable stream ask for token ids (`return_token_ids`, vLLM's field), which th
 not (`pdplane.gateway.bodies.migratable`): `Transcript.strip` takes them out again (vLLM
 writes `null` then).
 Every event is scanned with a few regular expressions (no JSON parse but the first event's).
+
+Stop strings: vLLM holds back a stream's last (longest stop string - 1) characters until it
+can tell they start none, so the tokens relayed before a seam may hold text the client never
+got. A stream with stop strings (migratable only where the gateway has the model's tokenizer)
+also counts the characters the client got (`Transcript.deliver`); `stop_seam` then finds the
+last token whose text the client has in full and at least (longest stop string - 1)
+characters before the end, the new leg generates from there, and the characters of its text
+the client already has are dropped (`pdplane.gateway.splice.Splice`'s `overlap`). A stop
+string spanning the seam lies wholly in the new leg's text, where vLLM finds it.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from pydantic_core import from_json
 
+from pdplane.gateway.seam import parsed
 from pdplane.gateway.splice import FirstToken
 
-__all__ = ["Loss", "Transcript", "whole_characters"]
+__all__ = ["Loss", "Transcript", "stop_lookback", "stop_seam", "whole_characters"]
 
 #: A UTF-8 character spans at most 4 bytes, so at most 4 byte tokens.
 _MAX_CHARACTER_TOKENS = 4
@@ -36,6 +48,8 @@ _IDS = re.compile(rb'"token_ids":\[([0-9,]*)\]')
 _PROMPT_IDS = re.compile(rb'"prompt_token_ids":\[([0-9,]*)\]')
 _ANY_IDS = re.compile(rb'("(?:prompt_)?token_ids":)\[[0-9,]*\]')
 _FINISHED = re.compile(rb'"finish_reason":"')
+#: A token event's text (completions' `text`, chat's `content`) as a JSON string.
+_TEXT = re.compile(rb'"(?:text|content)":("(?:[^"\\]|\\.)*")')
 
 
 def _ints(data: bytes) -> list[int]:
@@ -63,17 +77,52 @@ class Loss:
     event: bytes = b""
 
 
+def stop_lookback(body: dict[str, Any]) -> int | None:
+    """The longest of the request's (`body`, parsed) `stop` strings less one (characters):
+    what vLLM holds back of a stream; None without stop strings."""
+    stop = body.get("stop")
+    stops = [stop] if isinstance(stop, str) else stop if isinstance(stop, list) else []
+    lengths = [len(s) for s in stops if isinstance(s, str) and s]
+    return max(lengths) - 1 if lengths else None
+
+
 class Transcript:
     """The client's stream so far, as a resumed leg needs it (see the module docstring).
 
     Args:
         first: prefill's first token when the stream began with it (its prompt ids, the
             response's id, and one token sent).
+        lookback: `stop_lookback` of the request (None: no stop strings); with stop strings
+            the characters of text the client gets are counted (`deliver`).
+        text_offsets: follow completions' `text_offset` as the client gets it (`deliver`),
+            so that a resumed leg's, counted from its own start, go on from it.
     """
 
-    __slots__ = ("created", "finished", "model", "prompt_ids", "response_id", "sent")
+    __slots__ = (
+        "created",
+        "delivered",
+        "finished",
+        "lookback",
+        "model",
+        "next_offset",
+        "offsets",
+        "prompt_ids",
+        "response_id",
+        "sent",
+    )
 
-    def __init__(self, first: FirstToken | None = None) -> None:
+    def __init__(
+        self,
+        first: FirstToken | None = None,
+        lookback: int | None = None,
+        text_offsets: bool = False,
+    ) -> None:
+        self.lookback = lookback
+        # each token's text_offset as the client got it, and the next token's (None: not
+        # followed); vLLM advances it by each token's text, not by the text streamed
+        self.offsets: list[int] | None = [] if text_offsets else None
+        self.next_offset = 0
+        self.delivered = 0  # characters of text the client got (counted with stop strings)
         self.prompt_ids: list[int] | None = None
         self.sent: list[int] = []  # ids of the output tokens relayed, in order
         self.finished = False  # a finish_reason went out: nothing left to generate
@@ -103,6 +152,37 @@ class Transcript:
         if not self.finished and _FINISHED.search(events) is not None:
             self.finished = True
 
+    @property
+    def reads_text(self) -> bool:
+        """Whether `deliver` must see the client's events."""
+        return self.lookback is not None or self.offsets is not None
+
+    def deliver(self, events: bytes) -> None:
+        """Reads `events` (SSE bytes, as the client gets them): counts the characters of
+        their text (with stop strings), follows completions' `text_offset`."""
+        if self.lookback is not None:
+            for found in _TEXT.finditer(events):
+                text = found.group(1)
+                # escapes (a lone surrogate's too) as the client's JSON parser reads them
+                n = len(json.loads(text)) if b"\\" in text else len(text.decode()) - 2
+                self.delivered += n
+        if self.offsets is not None and b'"text_offset":[' in events:
+            for event in events.split(b"\n\n"):
+                if event.startswith(b"data: {"):
+                    self._offsets(parsed(event[6:]))
+
+    def _offsets(self, obj: Any) -> None:
+        choices = obj.get("choices") if isinstance(obj, dict) else None
+        for choice in choices if isinstance(choices, list) else ():
+            logprobs = choice.get("logprobs") if isinstance(choice, dict) else None
+            if not isinstance(logprobs, dict):
+                continue
+            offsets, tokens = logprobs.get("text_offset"), logprobs.get("tokens")
+            if isinstance(offsets, list) and offsets and isinstance(tokens, list) and tokens:
+                assert self.offsets is not None
+                self.offsets += offsets
+                self.next_offset = offsets[-1] + len(str(tokens[-1]))
+
     @staticmethod
     def strip(events: bytes) -> bytes:
         """`events` with the token ids that only the gateway asked for set to null, as vLLM
@@ -129,6 +209,9 @@ class Transcript:
     def rewind(self, keep: int) -> None:
         """Forgets the tokens sent after the first `keep` (their text never reached the
         client: `whole_characters`); a resumed leg generates them again."""
+        if self.offsets is not None and keep < len(self.offsets):
+            self.next_offset = self.offsets[keep]
+            del self.offsets[keep:]
         del self.sent[keep:]
 
     def resumed_prompt(self) -> list[int]:
@@ -168,3 +251,38 @@ def whole_characters(
         if not decode(ids[max(0, end - 12) : end]).endswith("\ufffd"):
             return len(sent) - drop
     return len(sent)  # not a character held open: keep everything
+
+
+def stop_seam(
+    context: list[int],
+    sent: list[int],
+    delivered: int,
+    lookback: int,
+    decode: Callable[[list[int]], str],
+) -> tuple[int, int]:
+    """Where a stream with stop strings resumes: (k, overlap), the first k of the `sent` ids
+    and the characters of the new leg's text the client already has (to be dropped).
+
+    k is the most tokens whose text (after the prompt `context`'s, as vLLM's detokenizer
+    continues it) ends on a whole character, within the `delivered` characters the client
+    got, and at least `lookback` (longest stop string - 1) characters before the end of the
+    sent tokens' text: a stop string may begin in those last characters (vLLM held them back,
+    or, with `include_stop_str_in_output`, sent them unchecked against what comes next), so
+    the new leg generates them again and checks them. `decode`: the model's ids -> text,
+    special tokens kept. Source: vLLM 0.32 `vllm/v1/engine/detokenizer.py`
+    (`stop_buffer_length`, `check_stop_strings`)."""
+    tail = context[-8:]
+    base = decode(tail)
+
+    def text(k: int) -> str:
+        out = decode([*tail, *sent[:k]])
+        # BPE decoders may join the tail's text with the tokens' (a space added or dropped)
+        return out[len(base) :] if out.startswith(base) else decode(sent[:k])
+
+    # (a character still open at the end is not text yet: vLLM counts none of it)
+    limit = max(0, min(delivered, len(text(len(sent)).rstrip("\ufffd")) - lookback))
+    for k in range(len(sent), 0, -1):
+        got = text(k)
+        if len(got) <= limit and not got.endswith("\ufffd"):
+            return k, delivered - len(got)
+    return 0, delivered

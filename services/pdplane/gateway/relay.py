@@ -79,10 +79,17 @@ from pdplane.gateway.errors import (
 )
 from pdplane.gateway.fleet import FleetView
 from pdplane.gateway.metrics import GatewayMetrics
-from pdplane.gateway.migration import Loss, Transcript, whole_characters
+from pdplane.gateway.migration import (
+    Loss,
+    Transcript,
+    stop_lookback,
+    stop_seam,
+    whole_characters,
+)
 from pdplane.gateway.prompt_ids import Tokenizers
 from pdplane.gateway.replies import SSE_DONE, JsonReply, RetryElsewhere, StreamReply
 from pdplane.gateway.route_note import RouteNote
+from pdplane.gateway.seam import Seam
 from pdplane.gateway.splice import FirstToken, Splice
 from pdplane.gateway.upstream import (
     UpstreamClient,
@@ -213,6 +220,7 @@ class _Request:
         "started",
         "streaming",
         "timeout_s",
+        "tokenizer",
         "transcript",
         "tries_left",
     )
@@ -256,11 +264,18 @@ class _Request:
         self.streaming = False  # set once the stream generator started (it then settles)
         # Migration: the client's stream so far (None: this request is not resumed
         # elsewhere), resumes so far, when the first loss happened, why the leg was closed.
+        # The model's tokenizer when the stream may migrate (kept: the fleet's may change).
+        self.tokenizer = (
+            relay.tokenizers.get(req.model)
+            if relay.config.migration_limit and req.stream and relay.tokenizers is not None
+            else None
+        )
         self.transcript = (
-            Transcript()
-            if relay.config.migration_limit
-            and relay.config.dispatch == "sequential"
-            and migratable(req)
+            Transcript(
+                lookback=stop_lookback(req.body),
+                text_offsets=req.endpoint == COMPLETIONS and req.body.get("logprobs") is not None,
+            )
+            if relay.config.migration_limit and migratable(req, self.tokenizer is not None)
             else None
         )
         self.migrations = 0
@@ -513,7 +528,7 @@ class _Request:
     async def _concurrent(self) -> UpstreamResponse:
         """Opens the decode request while prefill runs: headers and the body without
         kv_transfer_params go out at once, the rest when prefill answers (chunked)."""
-        head, tail = decode_body_parts(self.req.raw, self.req.body)
+        head, tail = decode_body_parts(self.req.raw, self.req.body, self.transcript is not None)
         params: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
 
         async def body() -> AsyncGenerator[bytes, None]:
@@ -686,11 +701,14 @@ class _Request:
                         failed = failed or _ERROR_EVENT in out
                         if out:
                             if splice is None:
-                                yield usage_details.rewrite_events(
+                                out = usage_details.rewrite_events(
                                     out, self.cached, self.prefill is None
                                 )
                             else:
-                                yield splice.rewrite(out)
+                                out = splice.rewrite(out)
+                            if transcript is not None and transcript.reads_text:
+                                transcript.deliver(out)
+                            yield out
                         if loss is not None:
                             break
                 except (UpstreamTimeout, UpstreamUnreachable) as exc:
@@ -800,10 +818,21 @@ class _Request:
         left, or when the new leg is refused."""
         metrics, config = self.relay.metrics, self.relay.config
         lost = self.decode.instance_id
-        tokenizer = self.relay.tokenizers.get(self.req.model) if self.relay.tokenizers else None
+        tokenizer = self.tokenizer
+        overlap = repeated = 0
         if tokenizer is not None and transcript.prompt_ids is not None:
             decode = partial(tokenizer.decode, skip_special_tokens=False)
-            transcript.rewind(whole_characters(transcript.prompt_ids, transcript.sent, decode))
+            context, sent_ids = transcript.prompt_ids, transcript.sent
+            if transcript.lookback is not None:
+                # Resume before the text vLLM held back (or that may start a stop string).
+                keep, overlap = stop_seam(
+                    context, sent_ids, transcript.delivered, transcript.lookback, decode
+                )
+                if self.req.body.get("logprobs") not in (None, False):
+                    repeated = len(sent_ids) - keep
+            else:
+                keep = whole_characters(context, sent_ids, decode)
+            transcript.rewind(keep)
         prompt = transcript.resumed_prompt()
         sent = len(transcript.sent)
         cached = self.cached  # the client's prompt's, not the resumed prompt's
@@ -855,7 +884,10 @@ class _Request:
                 len(prompt),
             )
             self.cached = cached
-            return Splice(self.req, transcript.as_first_token(), None, cached, sent)
+            # completions' text_offset goes on from the client's (the leg counts from 0)
+            offset = transcript.next_offset if transcript.offsets is not None else None
+            seam = Seam(overlap, repeated, offset)
+            return Splice(self.req, transcript.as_first_token(), None, cached, sent, seam)
 
     async def _resume(self, body: dict[str, Any]) -> UpstreamResponse:
         """The new legs of a resumed stream (`body`: `resumed_body`'s): Schedule, prefill's

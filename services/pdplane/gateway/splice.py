@@ -31,10 +31,9 @@ from dataclasses import dataclass
 from json.encoder import encode_basestring_ascii
 from typing import Any
 
-from pydantic_core import from_json
-
 from pdplane.gateway.bodies import requested_max
 from pdplane.gateway.replies import SSE_DONE, sse_event
+from pdplane.gateway.seam import Seam, chat_logprobs, chat_top_logprobs, parsed
 from pdplane.gateway.usage_details import with_cached_tokens
 from pdplane.gateway.validation import CHAT, ClientRequest, Endpoint
 
@@ -46,19 +45,6 @@ def _json_string(text: object) -> bytes:
     if isinstance(text, str):
         return encode_basestring_ascii(text).encode()
     return json.dumps(text).encode()
-
-
-def _parsed(data: bytes) -> Any:
-    """`data` (JSON bytes) parsed; None when it is not JSON. pydantic-core's parser (Rust)
-    takes ~2 us for a token chunk where `json.loads` takes ~8; `json.loads` is the fallback
-    for what only it reads (a lone UTF-16 surrogate escape)."""
-    try:
-        return from_json(data)
-    except ValueError:
-        try:
-            return json.loads(data)
-        except ValueError:
-            return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,6 +182,8 @@ class Splice:
         cached_tokens: usage's `prompt_tokens_details.cached_tokens`, if asked.
         sent: output tokens the client had before decode's first (1: the first token; more
             for a stream resumed on another decode, `pdplane.gateway.migration`).
+        seam: a resumed leg's fix-ups of decode's events (`pdplane.gateway.seam.Seam`: what
+            the client already has, completions' `text_offset`).
     """
 
     __slots__ = (
@@ -208,6 +196,8 @@ class Splice:
         "_head",
         "_held",
         "_ids",
+        "_logprobs",
+        "_seam",
         "_sent",
         "_stop_text",
         "_tail",
@@ -222,9 +212,11 @@ class Splice:
         decode: Callable[[list[int]], str] | None = None,
         cached_tokens: int | None = None,
         sent: int = 1,
+        seam: Seam | None = None,
     ) -> None:
         self._first = first
         self._sent = sent
+        self._seam = seam
         self._cached = cached_tokens  # usage's prompt_tokens_details.cached_tokens, if asked
         self._decode = decode
         # Ids of the held character so far (the first token's, then decode's); None once
@@ -244,7 +236,10 @@ class Splice:
         # A chat token chunk around its text's JSON string: what `_rewrite_event` writes for
         # a token's chunk (the same builder, so the same bytes).
         self._token_frame: tuple[bytes, bytes] | None = None
-        if self._chat:
+        #: chat's `top_logprobs` when the client asked for logprobs (chat's shape is built
+        #: from decode's completions logprobs, `pdplane.gateway.seam.chat_logprobs`)
+        self._logprobs = chat_top_logprobs(req.body) if self._chat else None
+        if self._chat and self._logprobs is None:
             parts = self._token_chunk("\x00", None, None, None).split(b'"\\u0000"')
             if len(parts) == 2:
                 self._token_frame = (parts[0], parts[1])
@@ -331,6 +326,8 @@ class Splice:
         """Decode's whole SSE events (bytes) as the client's stream continues them."""
         if self._decode is not None:
             events = self._unhold(events)
+        if self._seam is not None and self._seam.active:
+            events = self._seam.rewrite(events)
         if not self._chat and b'"usage":{' not in events:
             # Completions chunks pass as they are, with the response's id (vLLM derives both
             # legs' ids from x-request-id, but need not).
@@ -423,7 +420,7 @@ class Splice:
     def _rewrite_event(self, event: bytes) -> bytes:
         """One whole event of decode's as the client's stream continues it; `[DONE]`, error
         events and what does not parse pass as decode sent them."""
-        obj = _parsed(event[6:]) if event.startswith(b"data: {") else None
+        obj = parsed(event[6:]) if event.startswith(b"data: {") else None
         if not isinstance(obj, dict) or "error" in obj:
             return event + b"\n\n"
         usage = obj.get("usage")
@@ -449,10 +446,15 @@ class Splice:
         out = []
         for c in choices:
             text, reason = c.get("text") or "", c.get("finish_reason")
+            logprobs = c.get("logprobs")
+            if self._logprobs is not None and isinstance(logprobs, dict):
+                logprobs = chat_logprobs(logprobs, self._logprobs)
+            else:
+                logprobs = None
             choice: dict[str, Any] = {
                 "index": 0,
                 "delta": {"content": text},
-                "logprobs": None,
+                "logprobs": logprobs,
                 "finish_reason": reason,
             }
             if reason is not None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
+from itertools import accumulate
 from typing import Any
 
 from aiohttp import web
@@ -147,6 +148,10 @@ class CompletionRoutes:
         ids, pieces = answer or s.tokenizer.sample(
             req.key, req.seed, 1 if producer else req.max_tokens
         )
+        tokens = pieces  # each token's own text (logprobs name them)
+        stopped = req.stop.apply(pieces) if req.stop is not None else None
+        if stopped is not None:  # the engine stops at the token that completes a stop string
+            ids, pieces = ids[: len(stopped.deltas)], stopped.deltas
         ereq = EngineRequest(
             record.request_id or uuid.uuid4().hex,
             req.prompt_ids,
@@ -189,17 +194,19 @@ class CompletionRoutes:
                 prompt_tokens=req.prompt_tokens,
                 prompt_ids=list(req.prompt_ids) if req.return_token_ids else None,
             )
+            if stopped is not None:
+                writer.stopped_by(stopped.stop)
             kv_out = None
             if producer:
                 assert intent is not None
                 held, kv_out = await self._hold(ereq, req, intent, record)
             if stream is not None:
                 response = await self._stream(
-                    request, stream, req, writer, ereq, ids, pieces, record
+                    request, stream, req, writer, ereq, ids, pieces, record, tokens
                 )
             else:
                 response = await self._whole(
-                    request, req, writer, ereq, ids, pieces, record, kv_out
+                    request, req, writer, ereq, ids, pieces, record, kv_out, tokens
                 )
             s.metrics.e2e.add((loop.time() - started) * c.time_scale)
             return response
@@ -268,6 +275,7 @@ class CompletionRoutes:
         pieces: list[str],
         record: RequestRecord,
         kv_out: dict[str, Any] | None,
+        tokens: list[str],
     ) -> web.StreamResponse:
         s = self._s
         if record.fault == "stall":
@@ -282,7 +290,11 @@ class CompletionRoutes:
         if req.echo_prompt is not None:
             text = req.echo_prompt + text
         record.tokens_sent = n
-        return web.json_response(writer.full(text, n, kv_out, ids[:n]))
+        logprobs = None
+        if req.logprobs is not None:
+            assert s.tokenizer is not None
+            logprobs = req.logprobs.of(s.tokenizer, ids[:n], tokens[:n], 0)
+        return web.json_response(writer.full(text, n, kv_out, ids[:n], logprobs))
 
     async def _stream(
         self,
@@ -294,10 +306,21 @@ class CompletionRoutes:
         ids: list[int],
         pieces: list[str],
         record: RequestRecord,
+        tokens: list[str],
     ) -> web.StreamResponse:
-        """Streams the tokens on `response` (prepared, its headers sent)."""
+        """Streams the tokens on `response` (prepared, its headers sent): `pieces` are the
+        text each token's chunk carries, `tokens` each token's own (logprobs name them)."""
         s = self._s
         total = len(pieces)
+        # completions' text_offset: vLLM advances it by the tokens' own text, not by the
+        # text streamed (which lags the tokens while stop strings hold some back)
+        offsets = list(accumulate(map(len, tokens), initial=0))
+
+        def logprobs(i: int) -> dict[str, Any] | None:
+            if req.logprobs is None or s.tokenizer is None:
+                return None
+            return req.logprobs.of(s.tokenizer, [ids[i]], [tokens[i]], offsets[i])
+
         strike = min(s.faults.fail_after_tokens, total) if record.fault else -1
         try:
             head = writer.role_chunk()
@@ -313,7 +336,7 @@ class CompletionRoutes:
                     ready = strike
                 if ready > sent:
                     out = b"".join(
-                        writer.token_chunk(pieces[i], i == total - 1, ids[i])
+                        writer.token_chunk(pieces[i], i == total - 1, ids[i], logprobs(i))
                         for i in range(sent, ready)
                     )
                     await response.write(out)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from pdplane.sim.logprobs import Logprobs, parse_logprobs
+from pdplane.sim.stops import StopStrings, parse_stop
 from pdplane.sim.tokens import Tokenizer, WordTokenizer, prompt_key
 
 __all__ = ["SimApiError", "SimRequest", "parse_request"]
@@ -51,6 +53,8 @@ class SimRequest:
         return_token_ids: vLLM's `return_token_ids`: the response carries the prompt's and
             the output's token ids.
         prompt_as_ids: a completions prompt given as token ids.
+        stop: the `stop` strings (`pdplane.sim.stops`); None: none.
+        logprobs: the logprobs asked for (`pdplane.sim.logprobs`); None: none.
     """
 
     chat: bool
@@ -65,6 +69,8 @@ class SimRequest:
     kv_transfer_params: dict[str, Any] | None
     return_token_ids: bool = False
     prompt_as_ids: bool = False
+    stop: StopStrings | None = None
+    logprobs: Logprobs | None = None
 
 
 def _bad(message: str, param: str | None = None) -> SimApiError:
@@ -200,6 +206,12 @@ def parse_request(
     if kv is not None and not isinstance(kv, dict):
         raise _bad("kv_transfer_params must be an object", "kv_transfer_params")
     seed = _int_field(body, "seed")
+    stop = parse_stop(body)
+    if isinstance(stop, str):
+        raise _bad(stop, "stop")
+    logprobs = parse_logprobs(body, chat)
+    if isinstance(logprobs, str):
+        raise _bad(logprobs, "logprobs")
     return SimRequest(
         chat=chat,
         prompt_ids=prompt_ids,
@@ -213,4 +225,6 @@ def parse_request(
         kv_transfer_params=kv,
         return_token_ids=bool(return_token_ids),
         prompt_as_ids=as_ids,
+        stop=stop,
+        logprobs=logprobs,
     )

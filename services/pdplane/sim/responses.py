@@ -30,6 +30,7 @@ class ResponseWriter:
     __slots__ = (
         "_chat",
         "_created",
+        "_finish",
         "_id",
         "_model",
         "_prompt_ids",
@@ -47,6 +48,12 @@ class ResponseWriter:
         self._prompt_sent = False  # streaming: the prompt's ids went out already
         self._created = int(time.time())
         self._id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        #: the last token's (finish_reason, stop_reason): a stop string's, else "length"
+        self._finish: tuple[str, str | None] = ("length", None)
+
+    def stopped_by(self, stop: str | None) -> None:
+        """The answer ends on stop string `stop` (finish_reason "stop"); None: on its length."""
+        self._finish = ("length", None) if stop is None else ("stop", stop)
 
     def usage(self, completion_tokens: int) -> dict[str, Any]:
         """OpenAI usage block (tokens)."""
@@ -63,10 +70,13 @@ class ResponseWriter:
         completion_tokens: int,
         kv_transfer_params: dict[str, Any] | None,
         token_ids: list[int] | None = None,
+        logprobs: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        """The non-streaming response (finish_reason "length": the sim never samples EOS).
+        """The non-streaming response (finish_reason "length": the sim never samples EOS;
+        "stop" after `stopped_by`).
 
-        `token_ids`: the output's ids, returned only when the writer has `prompt_ids`.
+        `token_ids`: the output's ids, returned only when the writer has `prompt_ids`;
+        `logprobs`: the output's (`pdplane.sim.logprobs`), if asked.
         """
         prompt_ids = self._prompt_ids
         out_ids = token_ids if prompt_ids is not None else None
@@ -83,9 +93,9 @@ class ResponseWriter:
                     "tool_calls": [],
                     "reasoning": None,
                 },
-                "logprobs": None,
-                "finish_reason": "length",
-                "stop_reason": None,
+                "logprobs": logprobs,
+                "finish_reason": self._finish[0],
+                "stop_reason": self._finish[1],
                 "token_ids": out_ids,
             }
             obj = "chat.completion"
@@ -93,9 +103,9 @@ class ResponseWriter:
             choice = {
                 "index": 0,
                 "text": text,
-                "logprobs": None,
-                "finish_reason": "length",
-                "stop_reason": None,
+                "logprobs": logprobs,
+                "finish_reason": self._finish[0],
+                "stop_reason": self._finish[1],
                 "token_ids": out_ids,
                 "prompt_logprobs": None,
                 "prompt_token_ids": prompt_ids,
@@ -137,21 +147,29 @@ class ResponseWriter:
             self._prompt_sent = True
         return sse(chunk)
 
-    def token_chunk(self, text: str, last: bool, token_id: int | None = None) -> bytes:
-        """One streamed token; the last one carries finish_reason "length".
+    def token_chunk(
+        self,
+        text: str,
+        last: bool,
+        token_id: int | None = None,
+        logprobs: dict[str, Any] | None = None,
+    ) -> bytes:
+        """One streamed token; the last one carries the finish_reason ("length", or "stop"
+        after `stopped_by`).
 
-        `token_id`: the token's id, returned only when the writer has `prompt_ids`.
+        `token_id`: the token's id, returned only when the writer has `prompt_ids`;
+        `logprobs`: the token's (`pdplane.sim.logprobs`), if asked.
         """
         choice: dict[str, Any]
         if self._chat:
-            choice = {"index": 0, "delta": {"content": text}, "logprobs": None}
+            choice = {"index": 0, "delta": {"content": text}, "logprobs": logprobs}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None}
-        choice["finish_reason"] = "length" if last else None
+            choice = {"index": 0, "text": text, "logprobs": logprobs}
+        choice["finish_reason"] = self._finish[0] if last else None
         ids = self._prompt_ids is not None
         completion_ids = ids and not self._chat
         if last or completion_ids:  # vLLM sets these on every completions chunk with ids
-            choice["stop_reason"] = None
+            choice["stop_reason"] = self._finish[1] if last else None
         if completion_ids:
             choice["prompt_token_ids"] = None if self._prompt_sent else self._prompt_ids
             self._prompt_sent = True

@@ -32,7 +32,7 @@ import sys
 import zlib
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from pdplane.core.kv_params import prompt_fingerprint
@@ -129,6 +129,16 @@ class Tokenizer(Protocol):
         """Output token ids and their text pieces for a prompt key and seed (pure; the first k
         of n tokens are the k-token answer)."""
 
+    def alternatives(self, token_id: int, k: int) -> list[tuple[int, str]]:
+        """`k` other output tokens (id, text) ranked after `token_id` (for logprobs; pure)."""
+
+
+def _others(
+    ids: Sequence[int], text: Callable[[int], str], token_id: int, k: int
+) -> list[tuple[int, str]]:
+    """The first `k` of the output ids `ids` other than `token_id`, with their text."""
+    return [(i, text(i)) for i in ids[: k + 1] if i != token_id][:k]
+
 
 class WordTokenizer:
     """The default deterministic tokenizer (see the module docstring)."""
@@ -167,6 +177,9 @@ class WordTokenizer:
         picks = _rng(key, seed).choices(range(len(VOCAB)), k=num_tokens)
         vids = self._vocab_ids
         return [vids[i] for i in picks], [VOCAB[i] for i in picks]
+
+    def alternatives(self, token_id: int, k: int) -> list[tuple[int, str]]:
+        return _others(self._vocab_ids, lambda i: VOCAB[self._vocab_ids.index(i)], token_id, k)
 
 
 class HfTokenizer:
@@ -230,6 +243,11 @@ class HfTokenizer:
                 piece = pieces[i] = self._tok.decode([i])
             out.append(piece)
         return ids, out
+
+    def alternatives(self, token_id: int, k: int) -> list[tuple[int, str]]:
+        return _others(
+            self._choices, lambda i: self._pieces.get(i) or str(self._tok.decode([i])), token_id, k
+        )
 
 
 def continuation(

@@ -105,19 +105,28 @@ def _fleet(stack: Stack, decodes: int, **knobs: Any) -> tuple[RunningSims, Runni
 
 
 @pytest.mark.parametrize(
-    ("path", "first_token"),
+    ("path", "settings"),
     [
-        ("/v1/completions", "prefill"),
-        ("/v1/chat/completions", "prefill"),
-        ("/v1/completions", "decode"),
-        ("/v1/chat/completions", "decode"),
+        ("/v1/completions", {"first_token": "prefill"}),
+        ("/v1/chat/completions", {"first_token": "prefill"}),
+        ("/v1/completions", {"first_token": "decode"}),
+        ("/v1/chat/completions", {"first_token": "decode"}),
+        ("/v1/completions", {"dispatch": "concurrent"}),
+        ("/v1/chat/completions", {"dispatch": "concurrent"}),
     ],
-    ids=["completions", "chat", "completions-first-token-decode", "chat-first-token-decode"],
+    ids=[
+        "completions",
+        "chat",
+        "completions-first-token-decode",
+        "chat-first-token-decode",
+        "completions-concurrent",
+        "chat-concurrent",
+    ],
 )
 def test_a_decode_killed_mid_stream_the_stream_continues_on_another(
-    stack_factory: Callable[..., Stack], path: str, first_token: str
+    stack_factory: Callable[..., Stack], path: str, settings: dict[str, str]
 ) -> None:
-    stack = stack_factory(first_token=first_token)
+    stack = stack_factory(**settings)
     prefill, decodes = _fleet(stack, 2, itl_ms=2)
     # Whichever decode gets the stream dies at its 12th token (as SIGKILL: no deregistration);
     # the other then streams the 9 tokens left, fewer than its own 12.

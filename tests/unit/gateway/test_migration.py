@@ -9,8 +9,9 @@ from typing import Any
 
 from pdplane.gateway.bodies import migratable, resumed_body, with_token_ids
 from pdplane.gateway.departures import Departures
-from pdplane.gateway.migration import Transcript, whole_characters
-from pdplane.gateway.splice import FirstToken
+from pdplane.gateway.migration import Transcript, stop_lookback, stop_seam, whole_characters
+from pdplane.gateway.seam import Seam, chat_logprobs, chat_top_logprobs
+from pdplane.gateway.splice import FirstToken, Splice
 from pdplane.gateway.validation import CHAT, COMPLETIONS
 from pdplane.v1 import instance_pb2
 from tests.unit.gateway.test_first_token import _req
@@ -19,14 +20,16 @@ from tests.unit.gateway.test_first_token import _req
 def test_which_streams_are_migratable() -> None:
     assert migratable(_req(COMPLETIONS))
     assert migratable(_req(CHAT, temperature=0, stop=[], seed=3))
-    # vLLM holds back text that may start a stop string: not restorable at a seam
+    # vLLM holds back text that may start a stop string: only the tokenizer tells which
     assert not migratable(_req(CHAT, stop=["x"]))
     assert not migratable(_req(COMPLETIONS, stop="x", include_stop_str_in_output=True))
+    assert migratable(_req(CHAT, stop=["x"]), detokenizer=True)
+    assert migratable(_req(COMPLETIONS, stop="x", include_stop_str_in_output=True), True)
     assert migratable(_req(COMPLETIONS, logprobs=2))  # completions logprobs continue
     assert not migratable(_req(COMPLETIONS, stream=False))  # run again instead
     assert not migratable(_req(COMPLETIONS, n=2))
     assert not migratable(_req(COMPLETIONS, echo=True))
-    assert not migratable(_req(CHAT, logprobs=True))
+    assert migratable(_req(CHAT, logprobs=True, top_logprobs=2))  # continued as chat's
     assert not migratable(_req(CHAT, tools=[{"type": "function"}]))
     assert not migratable(_req(COMPLETIONS, return_token_ids=True))
 
@@ -150,3 +153,79 @@ def test_a_seam_inside_a_character_resumes_after_the_last_whole_one() -> None:
     t.sent += euro[:2]
     t.rewind(whole_characters(prompt, t.sent, _bytes_decode))
     assert t.resumed_prompt() == [*prompt, ord("a")]
+
+
+def test_a_stream_with_stop_strings_resumes_before_the_text_held_back() -> None:
+    assert stop_lookback({"stop": ["ab", "wxyz"]}) == 3 and stop_lookback({"stop": "q"}) == 0
+    assert stop_lookback({}) is None and stop_lookback({"stop": []}) is None
+    prompt = list(b"say: ")
+    sent = list(b"hello world")
+    # 3 characters held back ("rld"): resume after "hello wo", nothing to drop
+    assert stop_seam(prompt, sent, 8, 3, _bytes_decode) == (8, 0)
+    # included stop strings hold nothing back, but a stop string may start in the last 3
+    # characters: they are generated again, and dropped from the new leg's text
+    assert stop_seam(prompt, sent, 11, 3, _bytes_decode) == (8, 3)
+    # a character still open at the seam is not text yet
+    euro = list("€".encode())
+    assert stop_seam(prompt, [*b"ab", *euro[:2]], 2, 0, _bytes_decode) == (2, 0)
+    assert stop_seam(prompt, sent, 0, 30, _bytes_decode) == (0, 0)
+
+
+def test_the_transcript_counts_the_characters_the_client_got() -> None:
+    t = Transcript(lookback=2)
+    t.deliver(_event({"choices": [{"index": 0, "delta": {"content": 'h\u00e9 "x"'}}]}))
+    raw = '{"choices":[{"index":0,"text":"€!","prompt_text":null}]}'.encode()  # unescaped
+    t.deliver(b"data: " + raw + b"\n\n")
+    assert t.delivered == 8
+
+
+def test_a_resumed_leg_drops_the_text_and_logprobs_the_client_has() -> None:
+    req = _req(COMPLETIONS, logprobs=1)
+    first = FirstToken("cmpl-1", 1, "m", [1, 2], 9, "", None, None)
+    splice = Splice(req, first, None, None, 5, Seam(overlap=4, repeated=2, text_offset=10))
+
+    def chunk(text: str, tokens: list[str], offset: int = 0) -> bytes:
+        logprobs = {"tokens": tokens, "token_logprobs": [-1.0], "text_offset": [offset]}
+        return _event({"id": "cmpl-2", "choices": [
+            {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": None}]})  # fmt: skip
+
+    out = splice.rewrite(chunk(" wo", [" wo"]) + chunk("rld", ["rld"], 3) + chunk(" x", [" x"], 6))
+    choices = [json.loads(e[6:])["choices"][0] for e in out.split(b"\n\n") if e]
+    assert [c["text"] for c in choices] == ["", "ld", " x"]
+    assert [c["logprobs"]["tokens"] for c in choices] == [[], [], [" x"]]
+    assert choices[2]["logprobs"]["text_offset"] == [16]  # counted from the answer's start
+    assert b'"text_offset":[18]' in splice.rewrite(chunk(" y", [" y"], 8))
+
+
+def test_chat_logprobs_are_built_from_the_completions_legs() -> None:
+    completions = {
+        "tokens": [" é", " b"],
+        "token_logprobs": [-0.5, -0.25],
+        "top_logprobs": [{" é": -0.5, " a": -1.0}, {" b": -0.25, " c": -2.0}],
+        "text_offset": [0, 2],
+    }
+    assert chat_logprobs(completions, 1) == {
+        "content": [
+            {"token": " é", "logprob": -0.5, "bytes": [32, 195, 169],
+             "top_logprobs": [{"token": " é", "logprob": -0.5, "bytes": [32, 195, 169]}]},
+            {"token": " b", "logprob": -0.25, "bytes": [32, 98],
+             "top_logprobs": [{"token": " b", "logprob": -0.25, "bytes": [32, 98]}]},
+        ]
+    }  # fmt: skip
+    assert chat_logprobs(completions, 0)["content"][0]["top_logprobs"] == []
+    assert chat_top_logprobs({"logprobs": True}) == 0
+    assert chat_top_logprobs({"logprobs": False, "top_logprobs": 2}) is None
+    body = resumed_body(_req(CHAT, logprobs=True, top_logprobs=3), [1, 2], 1)
+    assert body["logprobs"] == 3 and "top_logprobs" not in body
+    assert "logprobs" not in resumed_body(_req(CHAT, logprobs=False), [1, 2], 1)
+
+
+def test_the_transcript_follows_text_offset_as_vllm_advances_it() -> None:
+    t = Transcript(text_offsets=True)
+    assert t.reads_text and not Transcript().reads_text
+    for offset, token in ((0, " ab"), (3, " c"), (5, " def")):
+        logprobs = {"text_offset": [offset], "tokens": [token], "token_logprobs": [-1.0]}
+        t.deliver(_event({"choices": [{"index": 0, "text": "", "logprobs": logprobs}]}))
+    assert t.offsets == [0, 3, 5] and t.next_offset == 9  # by the tokens, not the text sent
+    t.rewind(1)
+    assert t.next_offset == 3 and t.offsets == [0]

@@ -42,7 +42,7 @@ async def test_no_prefill_sends_the_original_request_to_decode_only(
             )
     assert r.status_code == 200
     assert "local" in r.text
-    if stream and dispatch == "sequential":
+    if stream:
         # a stream's decode also streams its token ids: what continuing it on another decode
         # needs, should this one be lost (docs/gateway.md, "Migration")
         raw = raw[:-1] + b',"return_token_ids":true}'
