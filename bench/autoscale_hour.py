@@ -2,17 +2,22 @@
 modelled hour (virtual time: `pdplane.autoscale.proof`, docs/plan.md "Autoscaling in the
 simulator").
 
-    python bench/autoscale_hour.py --gpus 8 16 --seeds 0 1 [--profile llama3-8b-h100] \\
-        [--jobs 3] [--out logs/autoscale-hour]
+    python bench/autoscale_hour.py --gpus 8 16 --seeds 0 1 2 [--profile llama3-8b-h100] \\
+        [--jobs 16] [--out logs/autoscale-hour]
 
 Every budget serves the same hour (the 8-GPU cap binds where the traffic needs more). Every
-policy of one (budget, seed) serves the same requests from
-the same start (the static split, `pdplane plan`'s recommendation for the hour's average).
-Runs are independent processes (`--jobs`); the result does not depend on how many. Prints one
-Markdown table (per budget and policy: SLO attainment over 1-minute windows, goodput,
-GPU-hours, moves, unfinished requests) and writes it with each run's moves and failed windows
-to OUT/autoscale-hour.md and OUT/autoscale-hour.json; each run's details also go to
-OUT/run-GPUS-SEED-POLICY.json as soon as it ends.
+policy of one (budget, seed) serves the same requests from the same start (the static split,
+`pdplane plan`'s recommendation for the hour's average). Every run (budget x seed x policy)
+is an independent process (`--jobs` at once; a run starts as soon as its budget and seed's
+static split is known); the result does not depend on how many.
+
+Written as it goes, to OUT: each static split to start-GPUS-SEED.json and each run's details
+(summary, moves, fleet timeline, failed windows) to run-GPUS-SEED-POLICY.json as soon as it
+ends, with the table of the runs finished so far in autoscale-hour.md. A second call with the
+same OUT, profile and SLO reuses what is there and runs only what is missing (delete OUT to
+start over). At the end it prints the Markdown table (per budget and policy: SLO attainment
+over 1-minute windows, goodput, GPU-hours, moves, unfinished requests) and writes it to
+OUT/autoscale-hour.md, with every run's details in OUT/autoscale-hour.json.
 """
 
 from __future__ import annotations
@@ -21,15 +26,28 @@ import argparse
 import json
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
+from pdplane.autoscale.controller import ControllerSettings
 from pdplane.autoscale.elastic import ElasticSettings
 from pdplane.autoscale.predictor import Bounds
-from pdplane.autoscale.proof import POLICIES, Row, hour, requests_of, run_policies, static_split
-from pdplane.autoscale.proof import table as render_table
+from pdplane.autoscale.proof import (
+    POLICIES,
+    Row,
+    Summary,
+    hour,
+    requests_of,
+    run_policies,
+    static_split,
+    table,
+)
 from pdplane.plan.search import parse_slo
 from pdplane.sim.profiles import load_profile
+
+Cell = tuple[int, int]  # (GPU budget, seed)
 
 
 def _start(profile: str, slo: str, gpus: int, seed: int) -> tuple[int, int]:
@@ -39,8 +57,8 @@ def _start(profile: str, slo: str, gpus: int, seed: int) -> tuple[int, int]:
 
 
 def _run(
-    profile: str, slo: str, gpus: int, seed: int, policy: str, start: tuple[int, int], out: Path
-) -> Row:
+    profile: str, slo: str, gpus: int, seed: int, policy: str, start: tuple[int, int]
+) -> dict[str, Any]:
     t0 = time.process_time()
     (row,) = run_policies(
         load_profile(profile),
@@ -51,27 +69,15 @@ def _run(
         policies=[policy],
         start=start,
     )
-    r = row.result
-    sys.stderr.write(
-        f"gpus {gpus} seed {seed} {policy}: attainment {r.attainment:.0%}, goodput "
-        f"{r.goodput:.2f} req/s, {r.gpu_hours:.2f} GPU-h, {len(r.moves)} moves, "
-        f"{r.unfinished} unfinished ({time.process_time() - t0:.0f} s CPU)\n"
-    )
-    # Each run is kept as it ends: a long sitting cut short keeps what it finished.
-    (out / f"run-{gpus}-{seed}-{policy}.json").write_text(json.dumps(_details(row), indent=1))
-    return row
+    details = _details(row)
+    details["cpu_s"] = round(time.process_time() - t0)
+    return details
 
 
-def _details(row: Row) -> dict[str, object]:
+def _details(row: Row) -> dict[str, Any]:
     r = row.result
     return {
-        "policy": row.policy,
-        "seed": row.seed,
-        "gpus": row.gpus,
-        "start": f"{row.start[0]}P{row.start[1]}D",
-        "attainment": r.attainment,
-        "goodput_rps": r.goodput,
-        "gpu_hours": r.gpu_hours,
+        "summary": asdict(Summary.of(row)),
         "moves": [(round(t), str(m)) for t, m in r.moves],
         "timeline": [(round(t), label) for t, label in r.timeline],
         "failed_windows": [
@@ -79,36 +85,120 @@ def _details(row: Row) -> dict[str, object]:
             for w in r.windows
             if not w.met
         ],
-        "unfinished": r.unfinished,
     }
+
+
+def _summary(details: dict[str, Any]) -> Summary:
+    s = dict(details["summary"])
+    s["start"] = tuple(s["start"])
+    return Summary(**s)
+
+
+class _Out:
+    """OUT's files: what a run needs to be skipped on the next call, written as it ends."""
+
+    def __init__(self, folder: Path, profile: str, slo: str) -> None:
+        self.folder = folder
+        # A file counts only for the same profile, SLO and controller defaults.
+        self.key = {
+            "profile": profile,
+            "slo": slo,
+            "controller": asdict(ControllerSettings()),
+            "elastic": asdict(ElasticSettings()),
+        }
+        folder.mkdir(parents=True, exist_ok=True)
+
+    def _read(self, name: str) -> dict[str, Any] | None:
+        path = self.folder / name
+        if not path.exists():
+            return None
+        data: dict[str, Any] = json.loads(path.read_text())
+        return data if data.get("key") == self.key else None
+
+    def _write(self, name: str, data: dict[str, Any]) -> None:
+        tmp = self.folder / f".{name}.tmp"
+        tmp.write_text(json.dumps({"key": self.key, **data}, indent=1))
+        tmp.replace(self.folder / name)  # whole or absent, even when the sitting is cut short
+
+    def start(self, cell: Cell) -> tuple[int, int] | None:
+        data = self._read(f"start-{cell[0]}-{cell[1]}.json")
+        return (data["prefill"], data["decode"]) if data else None
+
+    def put_start(self, cell: Cell, split: tuple[int, int]) -> None:
+        self._write(f"start-{cell[0]}-{cell[1]}.json", {"prefill": split[0], "decode": split[1]})
+
+    def run(self, cell: Cell, policy: str) -> dict[str, Any] | None:
+        return self._read(f"run-{cell[0]}-{cell[1]}-{policy}.json")
+
+    def put_run(self, cell: Cell, policy: str, details: dict[str, Any]) -> None:
+        self._write(f"run-{cell[0]}-{cell[1]}-{policy}.json", details)
+
+
+def _report(details: dict[str, Any]) -> None:
+    s = _summary(details)
+    sys.stderr.write(
+        f"gpus {s.gpus} seed {s.seed} {s.policy}: attainment {s.attainment:.0%}, goodput "
+        f"{s.goodput:.2f} req/s, {s.gpu_hours:.2f} GPU-h, {s.moves} moves, "
+        f"{s.unfinished} unfinished ({details['cpu_s']} s CPU)\n"
+    )
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--gpus", type=int, nargs="+", default=[8, 16])
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--profile", default="llama3-8b-h100")
     ap.add_argument("--slo", default="ttft_p90<=1s,itl_p90<=50ms")
     ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
-    ap.add_argument("--jobs", type=int, default=3)
+    ap.add_argument("--jobs", type=int, default=3, help="runs at once (processes)")
     ap.add_argument("--out", type=Path, default=Path("logs/autoscale-hour"))
     args = ap.parse_args()
-    cells = [(g, s) for g in args.gpus for s in args.seeds]
-    args.out.mkdir(parents=True, exist_ok=True)
+    out = _Out(args.out, args.profile, args.slo)
+    cells: list[Cell] = [(g, s) for g in args.gpus for s in args.seeds]
+    done: dict[tuple[Cell, str], dict[str, Any]] = {}
+    for cell in cells:
+        for p in args.policies:
+            if (found := out.run(cell, p)) is not None:
+                done[cell, p] = found
+    if done:
+        sys.stderr.write(f"{len(done)} runs found in {args.out}; running the rest\n")
     t0 = time.monotonic()
     with ProcessPoolExecutor(args.jobs) as pool:
-        found = [pool.submit(_start, args.profile, args.slo, g, s) for g, s in cells]
-        starts = {cell: f.result() for cell, f in zip(cells, found, strict=True)}
-        jobs = [
-            pool.submit(_run, args.profile, args.slo, g, s, p, starts[g, s], args.out)
-            for g, s in cells
-            for p in args.policies
-        ]
-        rows = [j.result() for j in jobs]
-    text = render_table(rows)
+        pending: dict[Future[Any], tuple[Cell, str | None]] = {}
+
+        def submit_runs(cell: Cell, split: tuple[int, int]) -> None:
+            for p in args.policies:
+                if (cell, p) not in done:
+                    f = pool.submit(_run, args.profile, args.slo, *cell, p, split)
+                    pending[f] = (cell, p)
+
+        for cell in cells:
+            if all((cell, p) in done for p in args.policies):
+                continue
+            if (split := out.start(cell)) is not None:
+                submit_runs(cell, split)
+            else:
+                pending[pool.submit(_start, args.profile, args.slo, *cell)] = (cell, None)
+        while pending:
+            finished, _ = wait(pending, return_when=FIRST_COMPLETED)
+            for f in finished:
+                cell, policy = pending.pop(f)
+                if policy is None:
+                    out.put_start(cell, f.result())
+                    submit_runs(cell, f.result())
+                    continue
+                details = f.result()
+                out.put_run(cell, policy, details)
+                done[cell, policy] = details
+                _report(details)
+                (args.out / "autoscale-hour.md").write_text(
+                    table([_summary(d) for d in done.values()])
+                )
+    ordered = [done[cell, p] for cell in cells for p in args.policies]
+    text = table([_summary(d) for d in ordered])
     sys.stdout.write(text)
     (args.out / "autoscale-hour.md").write_text(text)
-    data = {"profile": args.profile, "slo": args.slo, "runs": [_details(r) for r in rows]}
+    data = {"profile": args.profile, "slo": args.slo, "runs": ordered}
     (args.out / "autoscale-hour.json").write_text(json.dumps(data, indent=1))
     sys.stderr.write(f"{time.monotonic() - t0:.0f} s wall\n")
     return 0

@@ -11,7 +11,8 @@ Each call (`Controller.decide`, every `interval_s` of the caller) reads one `Obs
    served on top of the arrivals); the scale-in line uses the whole window.
 2. **Hysteresis**: a role below its scale-out line grows to it at once; a role above its
    scale-in line shrinks to it only after it stayed above for `scale_in_after_s` and at least
-   `cooldown_s` after that role last grew; in between nothing moves. When the budget is full
+   `cooldown_s` after that role last grew, and never while the window's measured TTFT or ITL
+   p90 breaks its target; in between nothing moves. When the budget is full
    and one role must grow, the other gives back at once (a move between roles: vLLM fixes an
    instance's KV role at start-up, `--kv-transfer-config`, so a move is a drain plus a start).
 3. **Observed check**: when the window's TTFT or ITL p90 breaks its target and the live rules
@@ -43,7 +44,12 @@ class ControllerSettings:
 
     up_margin: float = 0.1
     down_margin: float = 0.3
-    scale_in_after_s: float = 120.0
+    #: one measurement window (the callers' default window, 60 s): by then the scale-in line
+    #: has held on a window measured wholly after the traffic fell, and an idle instance
+    #: costs its GPU for no longer. A fleet still working off a queue does not shrink (the
+    #: measured-latency guard, not this wait, covers that), and a role that grew waits the
+    #: longer `cooldown_s`, so a rise is not undone on one quiet window.
+    scale_in_after_s: float = 60.0
     cooldown_s: float = 120.0
     #: no decision before the window spans this long (s): a short one measures noise
     min_span_s: float = 30.0
@@ -118,6 +124,10 @@ class Controller:
             # Only a role above the scale-out line can shrink: plan the scale-in line then.
             down = p.plan(traffic.scaled(1 + s.down_margin), self.bounds)
         lines = {"prefill": (up.prefill, down.prefill), "decode": (up.decode, down.decode)}
+        # While the measured latency breaks a target, nothing shrinks: the simulated scale-in
+        # line is planned for the arrivals, and a fleet still working off a queue (after a
+        # phase it could not keep up with) that gives back instances grows again a minute later.
+        broken = self._broken(obs)
         wanted = dict(current)
         reasons: list[str] = []
         waiting: list[str] = []
@@ -130,7 +140,7 @@ class Controller:
             elif have > shrink:
                 since = self._above_since.setdefault(role, now)
                 cooled = now - self._grew_at.get(role, -math.inf) >= s.cooldown_s
-                if now - since >= s.scale_in_after_s and cooled:
+                if now - since >= s.scale_in_after_s and cooled and not broken:
                     wanted[role] = shrink
                     reasons.append(
                         f"{role} above the plan for +{s.down_margin:.0%} ({down.label}) "
@@ -145,7 +155,8 @@ class Controller:
             for role in waiting:
                 wanted[role] = max(lines[role])
                 reasons.append(f"{role} gives back for the other role (budget full)")
-        self._observed_check(obs, state, current, wanted, reasons)
+        if broken:
+            self._observed_check(obs, state, current, wanted, reasons)
         x, y = self.bounds.clamp(wanted["prefill"], wanted["decode"])
         wanted = {"prefill": x, "decode": y}
         if wanted == current:
@@ -177,6 +188,11 @@ class Controller:
         rate = base.rate * (1 + self.settings.up_margin) + backlog / self.settings.backlog_s
         return Traffic(rate, base.isl, base.osl)
 
+    def _broken(self, obs: Observation) -> bool:
+        """Whether the window's measured TTFT or ITL p90 breaks its target (NaN: unmeasured)."""
+        slo = self.predictor.slo
+        return obs.ttft_p90_s > slo.bound("ttft") or obs.itl_p90_s > slo.bound("itl")
+
     def _observed_check(
         self,
         obs: Observation,
@@ -186,9 +202,6 @@ class Controller:
         reasons: list[str],
     ) -> None:
         ttft_slo, itl_slo = self.predictor.slo.bound("ttft"), self.predictor.slo.bound("itl")
-        broken = obs.ttft_p90_s > ttft_slo or obs.itl_p90_s > itl_slo
-        if not broken:
-            return
         advice = advise(
             obs.loads,
             ttft_p90_s=obs.ttft_p90_s,

@@ -41,6 +41,7 @@ __all__ = [
     "SUMMARISE",
     "Phase",
     "Row",
+    "Summary",
     "hour",
     "requests_of",
     "run_policies",
@@ -239,7 +240,38 @@ def run_policies(
     return rows
 
 
-def table(rows: Sequence[Row]) -> str:
+@dataclass(frozen=True, slots=True)
+class Summary:
+    """What the table shows of one run: SLO attainment (fraction of 1-minute windows),
+    goodput (req/s), GPU-hours, moves (starts + drains), unfinished requests."""
+
+    policy: str
+    seed: int
+    gpus: int
+    start: tuple[int, int]
+    attainment: float
+    goodput: float
+    gpu_hours: float
+    moves: int
+    unfinished: int
+
+    @classmethod
+    def of(cls, row: Row) -> Summary:
+        r = row.result
+        return cls(
+            row.policy,
+            row.seed,
+            row.gpus,
+            row.start,
+            r.attainment,
+            r.goodput,
+            r.gpu_hours,
+            len(r.moves),
+            r.unfinished,
+        )
+
+
+def table(runs: Sequence[Summary]) -> str:
     """A Markdown table: per budget and policy, the mean over seeds of SLO attainment (and
     each seed's), goodput, GPU-hours, moves (starts + drains) and unfinished requests."""
     lines = [
@@ -247,20 +279,24 @@ def table(rows: Sequence[Row]) -> str:
         "unfinished |",
         "|---|---|---|---|---|---|---|",
     ]
-    keys = sorted({(r.gpus, POLICIES.index(r.policy)) for r in rows})
+    keys = sorted({(r.gpus, POLICIES.index(r.policy)) for r in runs})
     for gpus, k in keys:
         name = POLICIES[k]
-        group = [r for r in rows if r.gpus == gpus and r.policy == name]
+        group = sorted((r for r in runs if r.gpus == gpus and r.policy == name), key=_by_seed)
         n = len(group)
-        att = [r.result.attainment for r in group]
+        att = [r.attainment for r in group]
         per_seed = " / ".join(f"{a:.0%}" for a in att)
-        start = group[0].start
-        label = f"{name} ({start[0]}P{start[1]}D)" if name == "static" else name
+        starts = sorted({f"{r.start[0]}P{r.start[1]}D" for r in group})
+        label = f"{name} ({', '.join(starts)})" if name == "static" else name
         lines.append(
             f"| {gpus} | {label} | {sum(att) / n:.0%} ({per_seed}) | "
-            f"{sum(r.result.goodput for r in group) / n:.2f} | "
-            f"{sum(r.result.gpu_hours for r in group) / n:.2f} | "
-            f"{sum(len(r.result.moves) for r in group) / n:.1f} | "
-            f"{sum(r.result.unfinished for r in group) / n:.0f} |"
+            f"{sum(r.goodput for r in group) / n:.2f} | "
+            f"{sum(r.gpu_hours for r in group) / n:.2f} | "
+            f"{sum(r.moves for r in group) / n:.1f} | "
+            f"{sum(r.unfinished for r in group) / n:.0f} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def _by_seed(run: Summary) -> int:
+    return run.seed

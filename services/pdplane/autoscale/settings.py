@@ -48,7 +48,7 @@ class AutoscaleOptions(CommandSettings):
         0.3, ge=0, description="scale in only to the plan for the measured rate x (1 + this)"
     )
     scale_in_after_s: float = Field(
-        120.0, ge=0, description="a role shrinks only after it stayed above its line this long"
+        60.0, ge=0, description="a role shrinks only after it stayed above its line this long"
     )
     cooldown_s: float = Field(
         120.0, ge=0, description="a role does not shrink sooner than this after it grew (s)"

@@ -70,6 +70,20 @@ def test_scales_out_at_once_and_in_only_after_the_wait_and_the_cooldown() -> Non
     assert c.decide(_obs(10), _fleet(3, 2), now=150).wanted == {"prefill": 1, "decode": 1}
 
 
+def test_nothing_shrinks_while_the_measured_latency_breaks_a_target() -> None:
+    # A fleet working off a queue: the arrivals (10 req/s) need 1P1D, the measured TTFT p90
+    # (3 s) says the queue is not gone; the prefill the live rules name is already starting,
+    # so nothing grows either.
+    c = _controller(down_margin=0.0)
+    late = _obs(10, ttft_p90_s=3.0, itl_p90_s=0.02)
+    fleet = _fleet(2, 2, starting=(1, 0))
+    for now in (0, 100, 200, 300):
+        assert c.decide(late, fleet, now=now).wanted is None
+    # Once the window meets the targets again, it shrinks (it stayed above the line long enough).
+    met = _obs(10, ttft_p90_s=0.5, itl_p90_s=0.02)
+    assert c.decide(met, fleet, now=400).wanted == {"prefill": 1, "decode": 1}
+
+
 def test_the_band_between_the_margins_holds_the_fleet() -> None:
     c = _controller(down_margin=0.5)
     # 2P at rate 20; at rate 14 the scale-out line needs 2, the scale-in line (21) needs 3.
