@@ -1,4 +1,4 @@
-"""bench/_routing_stats.py's sim lag per modelled second, and the routing tests' guard on it."""
+"""tests/support/routing_stats.py's sim lag per modelled second, and the routing tests' guard on it."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from bench._routing_stats import fleet_numbers
 from pdplane.sim.stats import EngineStats
 from tests.integration.sim.helpers import assert_sims_kept_up, run_kept_up
+from tests.support.routing_stats import fleet_numbers
 
 
 def _fleet(clock_s: float, lag_s: tuple[float, float]) -> dict[str, Any]:

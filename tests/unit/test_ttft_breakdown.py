@@ -1,11 +1,11 @@
-"""bench/ttft_breakdown.py's phase arithmetic on hand-built traces of each dispatch/KV mode."""
+"""bench/vllm_cpu/ttft_breakdown.py's phase arithmetic on hand-built traces of each dispatch/KV mode."""
 
 from __future__ import annotations
 
 import math
 
-from bench._otlp import ReceivedSpan
-from bench.ttft_breakdown import PHASES, _median, breakdown
+from bench.vllm_cpu.ttft_breakdown import PHASES, median_present, breakdown
+from tests.support.otlp import ReceivedSpan
 
 MS = 1_000_000  # ns
 
@@ -59,5 +59,5 @@ def test_concurrent_push_marks_the_spans_it_has_not() -> None:
 
 
 def test_median_skips_missing_spans() -> None:
-    assert _median([1.0, math.nan, 3.0]) == 2.0
-    assert math.isnan(_median([math.nan]))
+    assert median_present([1.0, math.nan, 3.0]) == 2.0
+    assert math.isnan(median_present([math.nan]))

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import workloads as wl
+from bench.routing import workloads as wl
 from pdplane.sim.tokens import WordTokenizer
 
 
