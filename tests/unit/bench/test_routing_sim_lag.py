@@ -1,4 +1,5 @@
-"""tests/support/routing_stats.py's sim lag per modelled second, and the routing tests' guard on it."""
+"""The sims' lag per modelled second (tests/support/routing_stats.py) and the routing tests'
+guard on it."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 _FORBIDDEN = re.compile(r"^\s*(import|from)\s+(pickle|msgpack|marshal|cloudpickle|dill)\b", re.M)
 
 

@@ -1,10 +1,11 @@
-"""bench/vllm_cpu/ttft_breakdown.py's phase arithmetic on hand-built traces of each dispatch/KV mode."""
+"""bench/vllm_cpu/ttft_breakdown.py's phase arithmetic on hand-built traces of each dispatch/KV
+mode."""
 
 from __future__ import annotations
 
 import math
 
-from bench.vllm_cpu.ttft_breakdown import PHASES, median_present, breakdown
+from bench.vllm_cpu.ttft_breakdown import PHASES, breakdown, median_present
 from tests.support.otlp import ReceivedSpan
 
 MS = 1_000_000  # ns

@@ -5,8 +5,13 @@
   standard library and third-party packages), never FastAPI or the web stack.
 - The gateway talks to the scheduler through its public port only (`pdplane.scheduler`, which
   re-exports `pdplane.scheduler.port`), and to the registry through its public client.
-- No import cycles between the modules of one part (`pdplane.gateway.*`, ...), counting every
-  import: at module level, inside functions and under `TYPE_CHECKING` alike.
+- No import cycles between the modules of one part (`pdplane.gateway.*`, ...), of bench/ (all
+  of it, across subjects) or of `tests.support`, counting every import: at module level, inside
+  functions and under `TYPE_CHECKING` alike.
+- Tests import of bench/ its public modules only (`bench.routing.workloads`,
+  `bench.vllm_cpu.ttft_breakdown`, ...), never an underscore helper (`bench._procs`,
+  `bench.routing._openloop`) nor an underscore name of a module; what tests and bench share lives
+  in `tests.support`, which imports nothing of bench/.
 """
 
 from __future__ import annotations
@@ -15,8 +20,10 @@ import ast
 from collections.abc import Iterator
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 SOURCES = (ROOT / "services", ROOT / "connector")
+#: Packages named from the checkout root: the benchmarks and the tests (with their support).
+ROOT_PACKAGES = ("bench", "tests")
 
 #: The connector's pdplane imports: these modules and everything under them.
 CONNECTOR_MAY_IMPORT = (
@@ -48,7 +55,7 @@ KNOWN_CYCLES = {
 
 
 def _module_name(path: Path) -> str:
-    for source in SOURCES:
+    for source in (*SOURCES, ROOT):
         if path.is_relative_to(source):
             parts = list(path.relative_to(source).with_suffix("").parts)
             if parts[-1] == "__init__":
@@ -58,19 +65,22 @@ def _module_name(path: Path) -> str:
 
 
 def _modules() -> dict[str, Path]:
-    """Every pdplane module by dotted name (generated protobuf code excluded)."""
+    """Every pdplane module (generated protobuf code excluded), every bench/ and tests/ module,
+    by dotted name."""
     found = {}
-    for source in SOURCES:
-        for path in (source / "pdplane").rglob("*.py"):
+    tops = [source / "pdplane" for source in SOURCES] + [ROOT / p for p in ROOT_PACKAGES]
+    for top in tops:
+        for path in top.rglob("*.py"):
             name = _module_name(path)
-            if not name.startswith("pdplane.v1"):
+            if not name.startswith("pdplane.v1") and "__pycache__" not in path.parts:
                 found[name] = path
     return found
 
 
 def _imports(tree: ast.AST, module: str, is_package: bool, known: set[str]) -> Iterator[str]:
     """Every module `tree` imports, as dotted names. `from a import b` yields `a`, and `a.b`
-    too when that is a module of ours; relative imports are resolved against `module`."""
+    too when that is a module of ours or a private name (`_b`); relative imports are resolved
+    against `module`."""
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             yield from (alias.name for alias in node.names)
@@ -82,7 +92,7 @@ def _imports(tree: ast.AST, module: str, is_package: bool, known: set[str]) -> I
                 base = ".".join([*package, base] if base else package)
             yield base
             for alias in node.names:
-                if f"{base}.{alias.name}" in known:
+                if f"{base}.{alias.name}" in known or alias.name.startswith("_"):
                     yield f"{base}.{alias.name}"
 
 
@@ -120,18 +130,31 @@ def _violations(graph: dict[str, set[str]]) -> set[tuple[str, str]]:
                 for part, allowed in GATEWAY_MAY_IMPORT.items():
                     if _under(target, part) and target not in allowed:
                         bad.add((importer, target))
+            if (
+                _under(importer, "tests")
+                and _under(target, "bench")
+                and (_under(importer, "tests.support") or _private(target))
+            ):
+                bad.add((importer, target))
     return bad
 
 
+def _private(name: str) -> bool:
+    """An underscore module or name anywhere in the dotted `name` (`bench._procs`,
+    `bench.routing._openloop`, `bench.vllm_cpu.ttft_breakdown._median`)."""
+    return any(part.startswith("_") for part in name.split("."))
+
+
+def _part(name: str) -> str:
+    """What a cycle may not cross into: `pdplane.<part>`, all of `bench`, `tests.<folder>`."""
+    return "bench" if _under(name, "bench") else ".".join(name.split(".")[:2])
+
+
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """Import cycles among the modules of one part (`pdplane.<part>.*`), as strongly connected
-    components of more than one module (or a module importing itself). Tarjan's algorithm."""
-
-    def part(name: str) -> str:
-        return ".".join(name.split(".")[:2])
-
+    """Import cycles among the modules of one part (`_part`), as strongly connected components
+    of more than one module (or a module importing itself). Tarjan's algorithm."""
     edges = {
-        m: sorted(t for t in targets if t in graph and t != m and part(t) == part(m))
+        m: sorted(t for t in targets if t in graph and t != m and _part(t) == _part(m))
         for m, targets in graph.items()
     }
     index: dict[str, int] = {}
@@ -197,13 +220,27 @@ def test_the_rules_catch_what_they_forbid() -> None:
             "from ..core import layout\nfrom pdplane.registry.client import InstanceWatcher\n",
             "pdplane.sim.cycle_a": "from pdplane.sim import cycle_b\n",
             "pdplane.sim.cycle_b": "def f():\n    from pdplane.sim.cycle_a import x\n",
+            "tests.unit.wrong": "from bench._procs import spawn\nimport bench.routing._openloop\n"
+            "from bench.vllm_cpu.ttft_breakdown import _median, breakdown\n"
+            "from bench.routing import workloads\nfrom tests.support import otlp\n",
+            "tests.support.wrong": "from bench.routing.workloads import Turn\n",
+            "bench.relay.cycle_a": "from bench.routing import cycle_b\n",
+            "bench.routing.cycle_b": "def f():\n    import bench.relay.cycle_a\n",
         }
     )
-    assert {v for v in _violations(graph) if v[0].endswith(".wrong")} == {
+    assert {v for v in _violations(graph) if v[0].startswith("pdplane.")} == {
         ("pdplane.gateway.wrong", "pdplane.scheduler.service"),
         ("pdplane.gateway.wrong", "pdplane.registry"),
         ("pdplane.gateway.wrong", "pdplane.registry.watcher"),
         ("pdplane.connector.wrong", "pdplane.gateway.app"),
         ("pdplane.connector.wrong", "fastapi"),
     }
-    assert ["pdplane.sim.cycle_a", "pdplane.sim.cycle_b"] in _cycles(graph)
+    assert {v for v in _violations(graph) if v[0].startswith("tests.")} == {
+        ("tests.unit.wrong", "bench._procs"),
+        ("tests.unit.wrong", "bench.routing._openloop"),
+        ("tests.unit.wrong", "bench.vllm_cpu.ttft_breakdown._median"),
+        ("tests.support.wrong", "bench.routing.workloads"),
+    }
+    cycles = _cycles(graph)
+    assert ["pdplane.sim.cycle_a", "pdplane.sim.cycle_b"] in cycles
+    assert ["bench.relay.cycle_a", "bench.routing.cycle_b"] in cycles

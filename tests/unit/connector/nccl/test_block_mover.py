@@ -14,7 +14,7 @@ import torch
 from pdplane.connector.transports.nccl import blocks
 from pdplane.connector.transports.nccl.blocks import BlockMover, layer_byte_view
 from pdplane.connector.transports.nccl.communicator import P2pOp
-from tests.unit.nccl.fabric import FakeStream, cpu_cuda  # noqa: F401 - a fixture
+from tests.unit.connector.nccl.fabric import FakeStream, cpu_cuda  # noqa: F401 - a fixture
 
 NUM_BLOCKS = 12
 
