@@ -589,7 +589,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.proxy_cpus:
         os.sched_setaffinity(0, {int(c) for c in args.proxy_cpus.split(",")})
     if args.dispatch_study:
-        base = Point(
+        study_base = Point(
             topology=args.topology,
             workload="fixed",
             rate=0.0,
@@ -599,7 +599,7 @@ def main(argv: list[str] | None = None) -> int:
             time_scale=args.time_scale,
             stream_interval=args.stream_interval,
         )
-        study = run_study(args, out, base, started)
+        study = run_study(args, out, study_base, started)
         (out / "dispatch.json").write_text(json.dumps(study, indent=1))
         return 0
     knobs = dict(x.split("=", 1) for x in args.wl.split(",") if x)
