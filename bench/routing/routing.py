@@ -155,7 +155,7 @@ def _registry(p: Point, cpus: str, logs: Path) -> tuple[Proc, str]:
 
 def _fleet(p: Point, registry: str, cpus: str, logs: Path) -> tuple[Proc, dict[str, Any]]:
     n_p, n_d = TOPOLOGIES[p.topology]
-    argv = [sys.executable, str(ROOT / "bench" / "_simfleet.py"), "--prefill", str(n_p)]
+    argv = [sys.executable, str(Path(__file__).with_name("_simfleet.py")), "--prefill", str(n_p)]
     argv += ["--decode", str(n_d), "--registry", registry, "--profile", p.profile]
     argv += ["--time-scale", str(p.time_scale), "--stream-interval", str(p.stream_interval)]
     argv += ["--kv-mode", p.kv_mode, "--push-overflow", p.push_overflow]
