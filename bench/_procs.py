@@ -8,23 +8,15 @@ import os
 import queue
 import shutil
 import signal
-import socket
 import subprocess
 import threading
 import time
 from pathlib import Path
 from typing import IO, Any
 
-__all__ = ["Proc", "free_port", "spawn"]
+__all__ = ["Proc", "spawn"]
 
 _TICK_MS = 1000.0 / os.sysconf("SC_CLK_TCK")
-
-
-def free_port() -> int:
-    """A currently free TCP port on 127.0.0.1."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _children() -> dict[int, list[int]]:

@@ -118,7 +118,7 @@ def test_connector_kv_server_answers_garbage_with_invalid_argument() -> None:
     from pdplane.connector.transports.nccl.service import NcclKvTransferServicer
     from pdplane.connector.transports.tcp import TcpTransport
     from pdplane.v1 import instance_pb2, kv_transfer_nccl_pb2_grpc
-    from tests.unit.nccl.fabric import Fabric, FakeComms
+    from tests.unit.connector.nccl.fabric import Fabric, FakeComms
 
     layout = instance_pb2.KvLayout(
         num_layers=1, num_kv_heads=1, head_size=8, block_size=4, dtype="float32"

@@ -8,7 +8,7 @@ that endpoint, decoded with vLLM's own typed decoder (`msgspec.msgpack.Decoder(t
 KVEventBatch)` from `vllm.distributed.kv_events`, so each vLLM version decodes its own wire
 form). That msgpack never leaves the instance: everything beyond this module is the typed
 protobuf stream `pdplane.v1.KvEvents` (`pdplane.core.kv_events`). It is the only module of
-the project allowed to import zmq and msgspec (`tests/unit/test_project_rules.py`).
+the project allowed to import zmq and msgspec (`tests/unit/rules/test_project_rules.py`).
 
 vLLM numbers its batches 0, 1, 2, ... A batch lost on the way (the publisher's high-water
 mark, a reader that started late) is a gap: the reader cannot know what it said, so it clears

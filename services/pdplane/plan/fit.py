@@ -43,7 +43,7 @@ def unbatched_ttft_weight(cell: Cell) -> float:
     to the engine core) that the engine model has no term for; fitted, it inflates `token_ms`
     and `request_ms` and every lone request is then predicted late (vLLM CPU, tiny model:
     out-of-sample TTFT error 14-42 % with the bursts' TTFT, 2-25 % without; docs/plan.md).
-    `bench/sim_calibrate.py` removes the same cost by measuring the served simulator's own
+    `bench/sim/calibrate.py` removes the same cost by measuring the served simulator's own
     (`overhead_s`). The bursts' ITL still counts: it carries the decode batch costs. Fitting
     the FIFO term `serial_request_ms` with the bursts' TTFT instead (pass it in `fields`)
     fits the bursts but predicted the lone out-of-sample cells worse in 6 of 7 rounds on vLLM

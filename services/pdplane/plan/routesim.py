@@ -11,7 +11,7 @@ the routers here choose each request's legs:
   cache events as they happen (no stream delay). Keys: the engines' content-chained block keys
   (`pdplane.sim.kv_cache.chain_hashes`) stand for pdplane's own hashes on both sides (the
   request's and the index's), which only renames them. Releases when the decode finishes.
-- `OracleRouter`: the benchmark's cache-knowing oracle (bench/_oracle.py): reads every
+- `OracleRouter`: the benchmark's cache-knowing oracle (bench/routing/_oracle.py): reads every
   engine's prefix cache directly and exactly; prefill where `uncached prompt tokens + uncached
   tokens sent there and not yet prefilled` is lowest (ties: the longest hit), decode with the
   fewest unfinished requests (ties: the longest hit). A heuristic with perfect information,

@@ -2,7 +2,7 @@
 
 The planner needs only the shape of a workload, not its text: when requests arrive and how
 many tokens each prompt and answer has. Named shapes (`SHAPES`) follow the benchmarks'
-workloads (`bench/workloads.py`, same length distributions) plus the prefill-heavy case; a
+workloads (`bench/routing/workloads.py`, same length distributions) plus the prefill-heavy case; a
 JSONL trace file gives one request per line (`{"at": s, "prompt_tokens": N,
 "output_tokens": N}`; `prompt` text counts one token per word, `max_tokens` stands for
 `output_tokens`).

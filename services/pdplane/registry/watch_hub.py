@@ -54,7 +54,7 @@ def change_event(
     """A change event of `kind` holding its own copy of `instance` (a store emits one per
     change: with every heartbeat's load changed, one per heartbeat)."""
     # CopyFrom into the event's field: passing the instance to the constructor copies it
-    # too, at about 3x the cost (3.2 against 0.9 us for a bench/registry_load.py instance).
+    # too, at about 3x the cost (3.2 against 0.9 us for a bench/registry/load.py instance).
     event = _Event(type=kind, revision=revision, reason=reason)
     event.instance.CopyFrom(instance)
     return event

@@ -16,7 +16,7 @@ chunks of chunk x (tokens before it + chunk / 2).
 
 Sources of every number are in each profile's `sources` and in docs/sim.md. GPU profiles are
 derived from datasheet bandwidth and compute with stated efficiency assumptions until a
-measured profile (`bench/sim_calibrate.py --gpu`) replaces them; a measured profile is a JSON
+measured profile (`bench/sim/calibrate.py --gpu`) replaces them; a measured profile is a JSON
 file of this shape (`load_profile(path)`).
 """
 
@@ -310,7 +310,7 @@ PROFILES: dict[str, Profile] = {
         name="tiny-cpu",
         description="pdplane.models.tiny (2 layers, hidden 128, fp32) on vLLM CPU 0.32, "
         "2-core AVX2 host, lean flags (eager, uni executor), one core",
-        # Refitted by bench/sim_calibrate.py --fit on this machine from the 2026-12-01 run of
+        # Refitted by bench/sim/calibrate.py --fit on this machine from the 2026-12-01 run of
         # docs/sim.md ("Calibration"); the earlier fit's ITL was ~2.3x the measured one.
         cost=CostModel(
             step_ms=2.07,
@@ -326,11 +326,11 @@ PROFILES: dict[str, Profile] = {
         block_size=128,
         num_blocks=512,
         max_model_len=1024,
-        sources=("measured: bench/sim_calibrate.py (docs/sim.md, calibration)",),
+        sources=("measured: bench/sim/calibrate.py (docs/sim.md, calibration)",),
     ),
     "llama3-8b-h100": _llama3_8b("h100", "H100 SXM 80 GB", 80, 3.35, _SRC_H100),
     "llama3-8b-h200": _llama3_8b("h200", "H200 SXM 141 GB", 141, 4.8, _SRC_H200),
-    # Fitted by bench/gpu_sim_profile.sh (bench/sim_calibrate.py --target gpu) to vLLM 0.26
+    # Fitted by bench/sim/gpu_profile.sh (bench/sim/calibrate.py --target gpu) to vLLM 0.26
     # serving a Llama-3-8B-shaped model with random weights on one H200, 2026-12-01: median
     # error TTFT 6.1 % / ITL 0.8 % on the 9 fitted cells, 13.8 % / 1.4 % out of sample
     # (docs/sim.md, "Calibration on the GPU"). Limits and transfer terms as the datasheet one.
@@ -350,7 +350,7 @@ PROFILES: dict[str, Profile] = {
         num_blocks=56080,
         sources=(
             _SRC_LLAMA,
-            "measured: bench/gpu_sim_profile.sh on one H200, vLLM 0.26, --load-format dummy, "
+            "measured: bench/sim/gpu_profile.sh on one H200, vLLM 0.26, --load-format dummy, "
             "fit score 0.055 over 9 cells (docs/sim.md, calibration on the GPU)",
             "num_blocks: vLLM's own KV cache size at --gpu-memory-utilization 0.9 in that run",
             _SRC_VLLM,

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.ttft_breakdown import breakdown, running_stack, timed_stream
+from bench.vllm_cpu.ttft_breakdown import breakdown, running_stack, timed_stream
 
 pytestmark = pytest.mark.vllm
 

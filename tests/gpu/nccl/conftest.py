@@ -1,20 +1,17 @@
-"""Fixtures of the NCCL GPU tests: KV node processes (bench/nccl_node.py) on one GPU.
+"""Fixtures of the NCCL GPU tests: KV node processes (tests/support/nccl_node.py) on one GPU.
 
 Every test here is skipped where there is no CUDA GPU or no libnccl (CI).
 """
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[3] / "bench"
+from tests.support.nccl_cluster import NodeProcess
 
 
 def _gpu_reason() -> str | None:
@@ -44,26 +41,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(reason=reason))
 
 
-def _load_cluster() -> ModuleType:
-    spec = importlib.util.spec_from_file_location(
-        "pdplane_bench_nccl_cluster", BENCH / "nccl_cluster.py"
-    )
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture
 def start_node(tmp_path: Path) -> Iterator[Callable[..., Any]]:
     """`start_node(instance_id, **options)` -> a running NodeProcess; all stopped at teardown.
     Node logs (stderr) go to the test's tmp_path."""
-    cluster = _load_cluster()
     nodes: list[Any] = []
 
     def start(instance_id: str, **options: Any) -> Any:
-        node = cluster.NodeProcess(instance_id, log_dir=tmp_path, **options)
+        node = NodeProcess(instance_id, log_dir=tmp_path, **options)
         nodes.append(node)
         return node
 

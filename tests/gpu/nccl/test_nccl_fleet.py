@@ -1,8 +1,8 @@
 """The NCCL path at fleet scale, on the GPU: pairs capped per worker (eviction while transfers
 go on), pre-connected pairs, and peers that leave the registry (killed or drained).
 
-KV node processes as in test_nccl_transfer.py (bench/nccl_node.py, distinct NCCL_HOSTID); the
-registry runs in the test process.
+KV node processes as in test_nccl_transfer.py (tests/support/nccl_node.py, distinct
+NCCL_HOSTID); the registry runs in the test process.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """NCCL data path between two processes on one GPU: pull, push, dead peers.
 
-Each process (bench/nccl_node.py) owns a paged KV cache in FlashAttention layout on the GPU,
+Each process (tests/support/nccl_node.py) owns a paged KV cache in FlashAttention layout on the GPU,
 the `nccl` transport and a KvTransfer gRPC server; bytes move over NCCL, control over gRPC.
 Checksums are position-weighted sums per block over every layer, computed in each process.
 """

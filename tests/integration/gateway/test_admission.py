@@ -16,10 +16,10 @@ import time
 import httpx
 import pytest
 
-from bench._loadgen import completion_burst
 from tests.integration.gateway.conftest import MODEL, Stack, wait_for
 from tests.integration.gateway.test_cancellation import _open
 from tests.integration.gateway.test_kv_room import _BODY
+from tests.support.loadgen import completion_burst
 
 # 401 prompt + 16 output tokens (estimated 516 without a tokenizer): 4-5 blocks of 128.
 _SHORT = {"model": MODEL, "prompt": "word " * 400, "max_tokens": 16, "stream": True}

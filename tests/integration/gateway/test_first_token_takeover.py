@@ -19,7 +19,6 @@ from typing import Any
 import httpx
 import pytest
 
-from bench._otlp import OtlpReceiver
 from pdplane.core import tracing
 from pdplane.registry.client import RegistrationClient
 from pdplane.sim.profiles import CostModel
@@ -35,6 +34,7 @@ from tests.integration.gateway.test_first_token import (
     _text,
 )
 from tests.integration.gateway.test_tracing import receiver  # noqa: F401 (a fixture)
+from tests.support.otlp import OtlpReceiver
 
 DEAD = "a-dead-decode"
 

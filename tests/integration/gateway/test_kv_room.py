@@ -12,8 +12,8 @@ import asyncio
 
 import pytest
 
-from bench._loadgen import completion_burst
 from tests.integration.gateway.conftest import MODEL, Stack
+from tests.support.loadgen import completion_burst
 
 _BODY = {"model": MODEL, "prompt": "word " * 400, "max_tokens": 16, "stream": True}
 

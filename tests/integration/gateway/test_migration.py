@@ -18,7 +18,6 @@ from typing import Any
 import httpx
 import pytest
 
-from bench._otlp import OtlpReceiver
 from pdplane.cli import drain
 from pdplane.core import tracing
 from pdplane.sim.testing import RunningSims, SimHandle, expected_text
@@ -26,6 +25,7 @@ from pdplane.sim.tokens import WordTokenizer, generate, prompt_key
 from tests.integration.gateway.conftest import MODEL, Stack, wait_for
 from tests.integration.gateway.test_first_token_takeover import _metric
 from tests.integration.gateway.test_tracing import receiver  # noqa: F401 (a fixture)
+from tests.support.otlp import OtlpReceiver
 
 PROMPT = "A decode instance may die in the middle of a stream"
 

@@ -14,9 +14,9 @@ from collections.abc import Callable, Iterator
 import httpx
 import pytest
 
-from bench._otlp import OtlpReceiver, ReceivedSpan, otlp_receiver
 from pdplane.core import tracing
 from tests.integration.gateway.conftest import MODEL, Stack
+from tests.support.otlp import OtlpReceiver, ReceivedSpan, otlp_receiver
 
 CLIENT_TRACE = "0af7651916cd43dd8448eb211c80319c"
 CLIENT_SPAN = "b7ad6b7169203331"

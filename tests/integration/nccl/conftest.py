@@ -17,7 +17,7 @@ from pdplane.connector.transports.nccl.engine import NcclEngine
 from pdplane.connector.transports.nccl.service import SERVICE_NAME, NcclKvTransferServicer
 from pdplane.v1 import kv_transfer_nccl_pb2_grpc
 from tests.integration.nccl.nodes import LAYOUT, NUM_BLOCKS, Node
-from tests.unit.nccl.fabric import Fabric, FakeComms, cpu_cuda  # noqa: F401 - a fixture
+from tests.unit.connector.nccl.fabric import Fabric, FakeComms, cpu_cuda  # noqa: F401 - a fixture
 
 
 @pytest.fixture

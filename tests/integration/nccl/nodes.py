@@ -1,6 +1,6 @@
 """Workers of the NCCL control-plane tests on CPU (fixtures in conftest.py): a KV cache, a hold
 table, a KV server with the NCCL service, and an NCCL engine on the CPU stand-ins for NCCL and
-CUDA (tests/unit/nccl/fabric.py); and what the tests do with them.
+CUDA (tests/unit/connector/nccl/fabric.py); and what the tests do with them.
 """
 
 from __future__ import annotations

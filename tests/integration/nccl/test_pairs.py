@@ -1,5 +1,5 @@
 """The NCCL engine's control plane on CPU: pairs over real gRPC servers on loopback, with the
-CPU stand-ins for NCCL and CUDA (tests/unit/nccl/fabric.py).
+CPU stand-ins for NCCL and CUDA (tests/unit/connector/nccl/fabric.py).
 
 What is real: the pair table (cap, eviction), the `NcclKvTransfer.Pair` streams and
 `Preconnect`, the connector's hold access, the message plan and the byte copies. The fake

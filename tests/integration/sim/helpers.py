@@ -31,7 +31,7 @@ SIM_LAG_LIMIT = 0.1
 
 
 def assert_sims_kept_up(rows: dict[str, dict[str, Any]]) -> None:
-    """Fails, naming the rows, when the sims of a bench/routing.py point fell behind their
+    """Fails, naming the rows, when the sims of a bench/routing/routing.py point fell behind their
     modelled clock (`sim_lag_fraction` > `SIM_LAG_LIMIT`): an overloaded machine, not a
     policy, would then decide the orderings the test asserts."""
     behind = {
@@ -53,7 +53,7 @@ def run_kept_up(
     run_point: Callable[[Any, Path], dict[str, Any]],
     reruns: int = SLOWER_RERUNS,
 ) -> dict[str, dict[str, Any]]:
-    """Runs every `bench/routing.py` point (`run_point(point, dir)`), keyed by row. When any
+    """Runs every `bench/routing/routing.py` point (`run_point(point, dir)`), keyed by row. When any
     row's sims fell behind (`assert_sims_kept_up`), every row runs again at half the time
     scale (every row of a comparison gives the sims the same work), at most `reruns` times;
     then the guard decides. Each try's logs under `logs/try-N/`."""

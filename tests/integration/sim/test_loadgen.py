@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from bench._loadgen import percentile, run_load
 from pdplane.sim.testing import async_running_sims
+from tests.support.loadgen import run_load
+from tests.support.stats import percentile
 
 
 def test_percentile_nearest_rank() -> None:

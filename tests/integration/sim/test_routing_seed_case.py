@@ -1,6 +1,6 @@
 """The routing benchmark's seed case, small: random decode choice piles up, pdplane's does not.
 
-The seed's 1P7D failure (bench/routing.py preset `seed-1p7d-mini`: ~1k-token prompts, push
+The seed's 1P7D failure (bench/routing/routing.py preset `seed-1p7d-mini`: ~1k-token prompts, push
 mode into bounded receive buffers with overflow -> recompute, decode KV near full) through
 the real gateway, registry and sims. Orderings only, never absolute times.
 """
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.routing import preset_points, run_point
+from bench.routing.routing import preset_points, run_point
 from tests.integration.sim.helpers import run_kept_up
 
 

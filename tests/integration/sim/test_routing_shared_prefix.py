@@ -1,6 +1,6 @@
 """The routing benchmark's shared-prefix case, small: kv_aware goes where the prefix is cached.
 
-bench/routing.py preset `shared-prefix-mini` (2P2D, 8 tenants whose system prompts all fit a
+bench/routing/routing.py preset `shared-prefix-mini` (2P2D, 8 tenants whose system prompts all fit a
 decode instance's cache but only half of them a prefill's) through the real gateway, registry,
 scheduler with its prefix index from the sims' own KV events, and sims. kv_aware sends each
 prompt to the prefill that holds its tenant's prefix, so its prefills hit far more often than
@@ -9,7 +9,7 @@ every prefill leg: computing the question on a decode would lengthen that decode
 than kv_aware's slack on this profile (docs/scheduler.md). Orderings only, never absolute
 times.
 
-The point is prewarmed (bench/_prewarm.py): every decode instance computes each tenant's
+The point is prewarmed (bench/routing/_prewarm.py): every decode instance computes each tenant's
 system prompt and kv_aware's prefix index holds it before the replay, so the window measures
 the steady state. Cold, the one-off pulls of each tenant's first copy on each decode fell
 before or inside the window depending on the machine's load, and the KV ratio was luck.
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.routing import preset_points, run_point
+from bench.routing.routing import preset_points, run_point
 from tests.integration.sim.helpers import run_kept_up
 
 

@@ -1,6 +1,6 @@
 """Routing on the virtual clock: the scheduler's policies over a fleetsim fleet, orderings only.
 
-Small versions of the routing scorecard's points (bench/scorecard.py): a 2P2D fleet of the
+Small versions of the routing scorecard's points (bench/routing/scorecard.py): a 2P2D fleet of the
 Llama-3-8B H100 profile with its KV cache cut to 2,000 blocks (32k tokens) per instance, so
 that where a prefix is cached depends on the routing. Each run is deterministic for its seed.
 """
@@ -11,8 +11,8 @@ import dataclasses
 
 import pytest
 
-from bench import workloads as wl
-from bench.scorecard import sessions
+from bench.routing import workloads as wl
+from bench.routing.scorecard import sessions
 from pdplane.plan.fleetsim import FleetConfig, simulate_fleet
 from pdplane.plan.routesim import ChatTraffic, ChatTurn, SchedulerRouter, run_routed
 from pdplane.sim.profiles import PROFILES, Profile

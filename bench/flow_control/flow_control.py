@@ -1,0 +1,360 @@
+"""Flow control at the gateway: a quiet tenant beside a noisy one (fair vs FIFO, same run), and
+two priorities under 2x overload. Sims, the real registry and gateways, on loopback.
+
+    .venv/bin/python bench/flow_control/flow_control.py [--rounds 2] [--alone-s 30] [--mix-s 50]
+        [--warmup-s 15] [--prio-s 50] [--slo-ms 1000]
+
+Fleet (separate processes): a registry, 8 prefill sims (`--ttft-per-token-ms 0.1`: a
+1000-token prompt takes 100 ms), 1 decode sim (25 ms per step, a KV cache of `--kv-blocks`
+blocks of 16 tokens, 8 tokens per write) and two gateways with the scheduler embedded over the
+same fleet:
+`--flow-policy fair` and `--flow-policy fifo`, both `--inflight-budget 0.75 --queue-timeout-s
+10` with the same tenants file. Only one gateway carries load at a time. Requests: streamed
+completions of 1000 random token ids (no prefix cache hit), `max_tokens` 64.
+
+1. Capacity: closed loop at twice the budget's requests on the fair gateway, completions/s.
+2. Per round, for each gateway (order alternating between rounds): the quiet tenant alone at
+   capacity/11 req/s (Poisson), then beside the noisy tenant at 10x its rate (1.5x capacity
+   together); the quiet tenant's TTFT after `--warmup-s` of the mixed phase.
+3. Priorities (fair gateway): tenant "interactive" (its key's priority 0) at 0.5x capacity
+   alone, then beside "batch" (priority 10) at 1.5x (2x together): interactive's p90 TTFT
+   against `--slo-ms`; batch's 429s (each checked for Retry-After), 5xx and hangs (no answer
+   within 60 s) of both.
+
+Prints one line per phase and the ratios; the shared 2-core machine inflates absolute times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+
+from bench._procs import Proc, spawn
+from pdplane.launch.ports import free_port_run
+from tests.support.stats import percentile
+
+_PDPLANE = str(Path(sys.executable).parent / "pdplane")
+_MODEL = "sim-model"
+_PROMPT = 1000
+_MAX_TOKENS = 64
+_PREFILLS = 8
+_CLIENT_TIMEOUT_S = 60.0
+#: The quiet tenant's requests the gateway admitted within 5 ms (its flow wait histogram).
+_QUIET_WAIT = 'pdplane_gateway_flow_wait_seconds_bucket{le="0.005",priority="0",tenant="quiet"}'
+_TENANTS = """
+tenants:
+  interactive: {priority: 0}
+  batch: {priority: 10}
+keys:
+  - {key: sk-quiet, tenant: quiet}
+  - {key: sk-noisy, tenant: noisy}
+  - {key: sk-interactive, tenant: interactive}
+  - {key: sk-batch, tenant: batch}
+"""
+
+
+@dataclass
+class Result:
+    sent: float
+    ttft: float = -1.0
+    status: int = 0
+    retry_after: bool = False
+    hung: bool = False
+
+
+@dataclass
+class Load:
+    results: dict[str, list[Result]] = field(default_factory=dict)
+
+
+async def _one(session: aiohttp.ClientSession, url: str, key: str, out: Result) -> None:
+    body = {
+        "model": _MODEL,
+        "prompt": [random.randrange(10, 30000) for _ in range(_PROMPT)],
+        "max_tokens": _MAX_TOKENS,
+        "stream": True,
+    }
+    started = time.perf_counter()
+    try:
+        async with asyncio.timeout(_CLIENT_TIMEOUT_S):
+            async with session.post(
+                f"{url}/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}
+            ) as resp:
+                out.status = resp.status
+                out.retry_after = "retry-after" in resp.headers
+                if resp.status != 200:
+                    await resp.read()
+                    return
+                async for chunk in resp.content.iter_any():
+                    if out.ttft < 0 and b'"text"' in chunk:
+                        out.ttft = time.perf_counter() - started
+                    if b'"error"' in chunk:
+                        out.status = -1
+    except TimeoutError:
+        out.hung = True
+    except aiohttp.ClientError:
+        out.status = -2
+
+
+async def _poisson(
+    session: aiohttp.ClientSession, url: str, key: str, rate: float, until: float, out: list[Result]
+) -> None:
+    tasks = []
+    while (now := time.perf_counter()) < until:
+        r = Result(now)
+        out.append(r)
+        tasks.append(asyncio.create_task(_one(session, url, key, r)))
+        await asyncio.sleep(random.expovariate(rate))
+    await asyncio.gather(*tasks)
+
+
+async def _phase(url: str, seconds: float, rates: dict[str, float]) -> dict[str, list[Result]]:
+    """Open-loop Poisson load of several keys at once; waits for every answer."""
+    out: dict[str, list[Result]] = {k: [] for k in rates}
+    until = time.perf_counter() + seconds
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        await asyncio.gather(
+            *(_poisson(session, url, key, rate, until, out[key]) for key, rate in rates.items())
+        )
+    return out
+
+
+async def _capacity(url: str, concurrency: int, seconds: float) -> float:
+    """Completions per second of a closed loop at `concurrency` (after 5 s of warm-up)."""
+    done: list[float] = []
+    until = time.perf_counter() + seconds + 5
+
+    async def worker(session: aiohttp.ClientSession) -> None:
+        while time.perf_counter() < until:
+            r = Result(time.perf_counter())
+            await _one(session, url, "sk-noisy", r)
+            if r.status == 200:
+                done.append(time.perf_counter())
+
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        await asyncio.gather(*(worker(session) for _ in range(concurrency)))
+    start = until - seconds
+    return sum(1 for t in done if t >= start) / seconds
+
+
+def _ttfts(results: list[Result], after: float = 0.0) -> list[float]:
+    return [r.ttft for r in results if r.status == 200 and r.ttft >= 0 and r.sent >= after]
+
+
+def _p(values: list[float], q: float) -> float:
+    return percentile(values, q * 100) * 1000 if values else float("nan")
+
+
+async def _metric(url: str, prefix: str) -> float:
+    async with aiohttp.ClientSession() as session, session.get(f"{url}/metrics") as resp:
+        text = await resp.text()
+    for line in text.splitlines():
+        if line.startswith(prefix):
+            return float(line.split()[1])
+    return float("nan")
+
+
+async def _idle(url: str) -> None:
+    """Waits (up to 60 s) until the gateway has no request in flight."""
+    for _ in range(600):
+        if await _metric(url, "pdplane_gateway_inflight_requests ") == 0:
+            return
+        await asyncio.sleep(0.1)
+
+
+def _start(
+    args: argparse.Namespace, logs: Path, tenants: Path
+) -> tuple[list[Proc], dict[str, str]]:
+    procs: list[Proc] = []
+    reg = free_port_run()
+    registry = f"127.0.0.1:{reg}"
+    procs.append(
+        spawn(
+            "registry",
+            [_PDPLANE, "registry", "--port", str(reg), "--heartbeat-interval-ms", "200"],
+            "",
+            logs,
+        )
+    )
+    time.sleep(1.0)
+    common = [
+        "--registry",
+        registry,
+        "--block-size",
+        "16",
+        "--max-model-len",
+        "4096",
+        "--no-kv-events",
+    ]
+    procs.append(
+        spawn(
+            "prefill",
+            [_PDPLANE, "sim", "--role", "prefill", "--instances", str(_PREFILLS),
+             "--port", str(free_port_run()), "--ttft-per-token-ms", "0.1", "--itl-ms", "2",
+             "--kv-blocks", "20000", *common],
+            "",
+            logs,
+        )
+    )  # fmt: skip
+    procs.append(
+        spawn(
+            "decode",
+            [_PDPLANE, "sim", "--role", "decode", "--port", str(free_port_run()), "--itl-ms", "25",
+             "--stream-interval", "8",
+             "--kv-blocks", str(args.kv_blocks), *common],
+            "",
+            logs,
+        )
+    )  # fmt: skip
+    urls = {}
+    for policy in ("fair", "fifo"):
+        port = free_port_run()
+        procs.append(
+            spawn(
+                f"gateway-{policy}",
+                [_PDPLANE, "gateway", "--scheduler", "embedded", "--registry", registry,
+                 "--port", str(port), "--flow-policy", policy, "--inflight-budget", "0.75",
+                 "--queue-timeout-s", "10", "--tenants", str(tenants), "--no-access-log",
+                 "--log-level", "warning"],
+                "",
+                logs,
+            )
+        )  # fmt: skip
+        urls[policy] = f"http://127.0.0.1:{port}"
+    return procs, urls
+
+
+async def _ready(urls: dict[str, str]) -> None:
+    async with aiohttp.ClientSession() as session:
+        for url in urls.values():
+            for _ in range(300):
+                try:
+                    async with session.get(f"{url}/health") as resp:
+                        body = await resp.json()
+                        if resp.status == 200 and body["models"][_MODEL]["prefill"] == _PREFILLS:
+                            break
+                except (aiohttp.ClientError, KeyError):
+                    pass
+                await asyncio.sleep(0.1)
+            else:
+                raise RuntimeError(f"{url} not ready")
+    await asyncio.sleep(1.5)  # the decode's load report (its KV cache: the budget) arrives
+
+
+async def _main(args: argparse.Namespace) -> None:
+    logs = Path(tempfile.mkdtemp(prefix="pdplane-flow-bench-"))
+    tenants = logs / "tenants.yaml"
+    tenants.write_text(_TENANTS)
+    procs, urls = _start(args, logs, tenants)
+    try:
+        await _ready(urls)
+        budget_requests = int(args.kv_blocks * 16 * 0.75 // (_PROMPT + _MAX_TOKENS))
+        cap = await _capacity(urls["fair"], 2 * budget_requests, args.capacity_s)
+        budget = await _metric(urls["fair"], "pdplane_gateway_flow_budget_tokens{")
+        print(
+            f"fleet: {_PREFILLS} prefill sims, 1 decode sim ({args.kv_blocks} KV blocks x 16), "
+            f"budget 0.75 x KV = {budget:.0f} tokens ({budget_requests} requests of {_PROMPT}+"
+            f"{_MAX_TOKENS} tokens); "
+            f"measured capacity {cap:.2f} req/s (closed loop, {2 * budget_requests} at a time)",
+            flush=True,
+        )
+        await _idle(urls["fair"])
+        quiet_rate, noisy_rate = 1.5 * cap / 11, 1.5 * cap * 10 / 11
+        pooled: dict[tuple[str, str], list[float]] = {}
+        statuses: dict[str, dict[int, int]] = {}
+        for rnd in range(args.rounds):
+            order = ("fair", "fifo") if rnd % 2 == 0 else ("fifo", "fair")
+            for policy in order:
+                url = urls[policy]
+                alone = await _phase(url, args.alone_s, {"sk-quiet": quiet_rate})
+                await _idle(url)
+                quiet_wait = _QUIET_WAIT
+                quiet_all = 'pdplane_gateway_flow_wait_seconds_count{priority="0",tenant="quiet"}'
+                before = (await _metric(url, quiet_wait), await _metric(url, quiet_all))
+                t0 = time.perf_counter()
+                mixed = await _phase(
+                    url, args.mix_s, {"sk-quiet": quiet_rate, "sk-noisy": noisy_rate}
+                )
+                await _idle(url)
+                a = _ttfts(alone["sk-quiet"])
+                m = _ttfts(mixed["sk-quiet"], t0 + args.warmup_s)
+                prompt = (await _metric(url, quiet_wait)) - before[0]
+                admitted = (await _metric(url, quiet_all)) - before[1]
+                pooled.setdefault((policy, "alone"), []).extend(a)
+                pooled.setdefault((policy, "mixed"), []).extend(m)
+                for key in ("sk-quiet", "sk-noisy"):
+                    counts = statuses.setdefault(f"{policy} {key}", {})
+                    for r in mixed[key]:
+                        s = -3 if r.hung else r.status
+                        counts[s] = counts.get(s, 0) + 1
+                print(
+                    f"round {rnd + 1} {policy}: quiet alone p50/p90 {_p(a, 0.5):.0f}/"
+                    f"{_p(a, 0.9):.0f} ms (n={len(a)}); beside noisy p50/p90 {_p(m, 0.5):.0f}/"
+                    f"{_p(m, 0.9):.0f} ms (n={len(m)}); p90 ratio {_p(m, 0.9) / _p(a, 0.9):.2f}; "
+                    f"quiet admitted by the gateway within 5 ms: {prompt:.0f}/{admitted:.0f}",
+                    flush=True,
+                )
+        for policy in ("fair", "fifo") if args.rounds else ():
+            a, m = pooled[(policy, "alone")], pooled[(policy, "mixed")]
+            print(
+                f"all rounds {policy}: quiet p90 TTFT alone {_p(a, 0.9):.0f} ms, beside noisy "
+                f"{_p(m, 0.9):.0f} ms: ratio {_p(m, 0.9) / _p(a, 0.9):.2f}; statuses "
+                f"quiet {statuses[f'{policy} sk-quiet']} noisy {statuses[f'{policy} sk-noisy']}",
+                flush=True,
+            )
+        # Priorities under 2x overload, fair gateway.
+        url = urls["fair"]
+        alone = await _phase(url, args.alone_s, {"sk-interactive": 0.5 * cap})
+        await _idle(url)
+        t0 = time.perf_counter()
+        mixed = await _phase(url, args.prio_s, {"sk-interactive": 0.5 * cap, "sk-batch": 1.5 * cap})
+        await _idle(url)
+        a = _ttfts(alone["sk-interactive"])
+        m = _ttfts(mixed["sk-interactive"], t0 + args.warmup_s)
+        everything = [r for rs in mixed.values() for r in rs]
+        batch = mixed["sk-batch"]
+        shed = [r for r in batch if r.status == 429]
+        print(
+            f"priorities (2x overload: interactive 0.5x + batch 1.5x capacity, {args.prio_s:g} s): "
+            f"interactive p50/p90 TTFT alone {_p(a, 0.5):.0f}/{_p(a, 0.9):.0f} ms, under "
+            f"overload {_p(m, 0.5):.0f}/{_p(m, 0.9):.0f} ms (SLO p90 {args.slo_ms:g} ms: "
+            f"{'met' if _p(m, 0.9) <= args.slo_ms else 'MISSED'}); interactive 200 "
+            f"{sum(r.status == 200 for r in mixed['sk-interactive'])}/"
+            f"{len(mixed['sk-interactive'])}; batch 200 {sum(r.status == 200 for r in batch)}, "
+            f"429 {len(shed)} (with Retry-After {sum(r.retry_after for r in shed)}); 5xx "
+            f"{sum(r.status >= 500 for r in everything)}, errors "
+            f"{sum(r.status < 0 for r in everything)}, hangs {sum(r.hung for r in everything)}",
+            flush=True,
+        )
+    finally:
+        for p in reversed(procs):
+            p.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=2, help="0 = the priorities only")
+    parser.add_argument("--alone-s", type=float, default=30.0)
+    parser.add_argument("--mix-s", type=float, default=50.0)
+    parser.add_argument("--warmup-s", type=float, default=15.0)
+    parser.add_argument("--prio-s", type=float, default=50.0)
+    parser.add_argument("--capacity-s", type=float, default=15.0)
+    parser.add_argument("--kv-blocks", type=int, default=1300)
+    parser.add_argument("--slo-ms", type=float, default=1000.0)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    random.seed(args.seed)
+    asyncio.run(_main(args))
+
+
+if __name__ == "__main__":
+    main()

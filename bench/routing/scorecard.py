@@ -1,0 +1,452 @@
+"""The routing scorecard: every workload x load x router x seed on the virtual-clock fleet.
+
+Each point runs one workload of the family (`bench/workloads.py` `FAMILY`: a training set and
+a held-out set) at a fraction of the fleet's capacity on an XpYd fleet of simulated engines
+(`pdplane.plan.fleetsim`, virtual time: no wall clock, no simulator lag, deterministic per
+seed), routed by the scheduler's own decision code and prefix index (`pdplane.plan.routesim`:
+`kv_aware` with the shipped defaults, and the load-only policies `least_loaded`,
+`power_of_two`, `round_robin`) or by the cache-knowing oracle.
+
+Capacity: requests per second at which `pdplane plan`'s closed form (`pdplane.plan.search.
+capacity`) has the fleet's bottleneck role fully busy with no prefix cache hits, for the
+workload's mean prompt and answer lengths (every turn counted); load 1.0 is that rate.
+
+    python bench/scorecard.py                       # the whole grid (docs/scheduler.md)
+    python bench/scorecard.py --topologies 4P4D --workloads cold,tenant-mix --loads 0.6 \
+        --seeds 0 --routers kv_aware,least_loaded
+    python bench/scorecard.py --report results.jsonl   # tables of an earlier run
+    python bench/scorecard.py --served --topologies 4P4D --workloads tenant-mix --loads 0.6 \
+        --seeds 0 --virtual results.jsonl --time-scale 0.5  # the same points on served sims
+
+Results: one JSON line per point in `--out` (a rerun skips the points already there), then the
+report on stdout: per topology, one row per workload and load, kv_aware's ratio to the best
+load-only policy (the lowest seed mean of the three, per metric) and to the oracle, as the
+mean over seeds of the paired (same workload draw) ratios with their range.
+
+`--served` runs the same points through `bench/routing.py` instead: served sims (one process,
+`pdplane sim`'s real-time runner at `--time-scale`), a registry, the pdplane gateway with its
+embedded scheduler (every row tokenizes with the tiny model's tokenizer, every row's sims serve
+KV events streams to a subscriber) or the sims' own oracle; a point whose sims lag the clock by
+more than 5 % is marked invalid. With `--virtual FILE` (the grid's results) each served number
+is shown beside the virtual one of the same point and seed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import statistics
+import sys
+import time
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from bench import ROOT
+from bench.routing import workloads as wl
+from pdplane.plan.fleetsim import FleetConfig
+from pdplane.plan.routesim import ChatTraffic, ChatTurn, run_routed
+from pdplane.plan.search import capacity
+from pdplane.scheduler.policies.kv_aware import KvAwareWeights
+from pdplane.sim.profiles import load_profile
+
+TOPOLOGIES = {"4P4D": (4, 4), "8P16D": (8, 16)}
+LOADS = (0.3, 0.6, 0.9, 1.2)
+LOAD_ONLY = ("least_loaded", "power_of_two", "round_robin")
+ROUTERS = ("kv_aware", *LOAD_ONLY, "oracle")
+SEEDS = (0, 1, 2)
+METRICS = ("ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "itl_p99_ms")
+#: template tokens per chat message and for the reply (`pdplane.sim.tokens`)
+_PER_MESSAGE, _PRIMER = 4, 3
+
+
+@dataclass(frozen=True, slots=True)
+class Point:
+    """One run's settings (everything needed to repeat it)."""
+
+    topology: str
+    workload: str
+    load: float
+    router: str
+    seed: int
+    profile: str = "llama3-8b-h100"
+    duration_s: float = 60.0
+    warmup_s: float = 20.0
+    itl_slo_s: float = 0.05
+    ttft_slo_s: float = 2.0
+    #: kv_aware's knobs other than the shipped defaults: "itl_weight=0.5,local_slack=0"
+    kv: str = ""
+
+    @property
+    def key(self) -> tuple[Any, ...]:
+        return (self.topology, self.workload, self.load, self.router, self.seed, self.kv)
+
+
+def sessions(workload: wl.Workload) -> list[list[ChatTurn]]:
+    """The workload's turns grouped into sessions (a one-off request is a session of one),
+    sorted by first arrival."""
+    grouped: dict[object, list[wl.Turn]] = {}
+    for n, t in enumerate(workload.turns):
+        grouped.setdefault(t.session or n, []).append(t)
+    out = [
+        [ChatTurn(t.at, t.messages, t.max_tokens) for t in sorted(g, key=lambda t: t.turn)]
+        for g in grouped.values()
+    ]
+    out.sort(key=lambda s: s[0].at)
+    return out
+
+
+def mean_lengths(workload: wl.Workload) -> tuple[float, float]:
+    """(mean prompt, mean answer) tokens over every turn, a follow-up's prompt counting its
+    history with answers of their full length."""
+    prompts: list[int] = []
+    answers: list[int] = []
+    for session in sessions(workload):
+        history = 0
+        for turn in session:
+            new = sum(len(m["content"].split()) + _PER_MESSAGE for m in turn.messages)
+            prompts.append(history + new + _PRIMER)
+            answers.append(turn.max_tokens)
+            history += new + turn.max_tokens + _PER_MESSAGE
+    return statistics.fmean(prompts), statistics.fmean(answers)
+
+
+def fleet_capacity(p: Point) -> float:
+    """The workload's capacity on the point's fleet (requests/s, module doc), from a draw at
+    an arbitrary rate (lengths do not depend on it)."""
+    isl, osl = mean_lengths(wl.FAMILY[p.workload](10.0, 60.0, p.seed))
+    x, y = TOPOLOGIES[p.topology]
+    return capacity(load_profile(p.profile), isl, osl, p.itl_slo_s, x, y)
+
+
+def run_point(p: Point) -> dict[str, Any]:
+    """Runs one point; returns its settings, rate, numbers and the run's CPU seconds."""
+    started = time.process_time()
+    rate = p.load * fleet_capacity(p)
+    workload = wl.FAMILY[p.workload](rate, p.duration_s, p.seed)
+    x, y = TOPOLOGIES[p.topology]
+    options: dict[str, Any] = {}
+    if p.kv and p.router == "kv_aware":
+        knobs = dict(kv.split("=", 1) for kv in p.kv.split(","))
+        limit = knobs.pop("local_prefill_max_tokens", None)
+        if limit is not None:
+            options["local_prefill_max_tokens"] = int(limit)
+        if knobs:
+            options["kv_weights"] = KvAwareWeights(**{k: float(v) for k, v in knobs.items()})
+    result = run_routed(
+        load_profile(p.profile),
+        FleetConfig(prefill=x, decode=y),
+        ChatTraffic(sessions(workload), p.seed),
+        p.router,
+        warmup_s=p.warmup_s,
+        ttft_slo_s=p.ttft_slo_s,
+        itl_slo_s=p.itl_slo_s,
+        seed=p.seed,
+        **options,
+    )
+    return {
+        "point": asdict(p),
+        "rate": rate,
+        **result.numbers(),
+        "cpu_s": time.process_time() - started,
+    }
+
+
+# -- report --------------------------------------------------------------------------------
+
+
+def _mean(values: Iterable[float]) -> float:
+    v = list(values)
+    return statistics.fmean(v) if v else float("nan")
+
+
+def _ratio_cell(pairs: list[tuple[float, float]]) -> tuple[str, float, float]:
+    """'mean (min-max)' of per-seed ratios a/b, the ratio of the means, and the baseline's
+    seed spread (half its range over its mean)."""
+    ratios = [a / b for a, b in pairs if b > 0]
+    if not ratios:
+        return "n/a", float("nan"), float("nan")
+    base = [b for _, b in pairs]
+    spread = (max(base) - min(base)) / 2 / _mean(base) if _mean(base) > 0 else 0.0
+    overall = _mean(a for a, _ in pairs) / _mean(base)
+    cell = f"{overall:.2f}"
+    if len(ratios) > 1:
+        cell += f" ({min(ratios):.2f}-{max(ratios):.2f})"
+    return cell, overall, spread
+
+
+def verdicts(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (topology, workload, load): kv_aware against the best load-only policy per metric
+    and against the oracle and round_robin, with the seed spreads (the rows of `report`)."""
+    by: dict[tuple[Any, ...], dict[str, list[dict[str, Any]]]] = {}
+    for r in results:
+        p = r["point"]
+        by.setdefault((p["topology"], p["workload"], p["load"]), {}).setdefault(
+            p["router"], []
+        ).append(r)
+    rows = []
+    for (topo, work, load), routers in sorted(by.items(), key=lambda kv: _order(kv[0])):
+        kv = {r["point"]["seed"]: r for r in routers.get("kv_aware", [])}
+        if not kv:
+            continue
+        row: dict[str, Any] = {"topology": topo, "workload": work, "load": load, "cells": {}}
+        ok = True
+        for metric in METRICS:
+            best_name, best_mean = "", float("inf")
+            for name in LOAD_ONLY:
+                m = _mean(r[metric] for r in routers.get(name, []))
+                if m < best_mean:
+                    best_name, best_mean = name, m
+            base = {r["point"]["seed"]: r for r in routers.get(best_name, [])}
+            pairs = [(kv[s][metric], base[s][metric]) for s in kv if s in base]
+            cell, ratio, spread = _ratio_cell(pairs)
+            allowed = 1.0 + min(spread, 0.05)
+            row["cells"][metric] = (cell, best_name, ratio, spread)
+            if load < 1.0 and ratio > allowed:
+                ok = False
+        oracle = {r["point"]["seed"]: r for r in routers.get("oracle", [])}
+        rr = {r["point"]["seed"]: r for r in routers.get("round_robin", [])}
+        hit_gap = _mean(kv[s]["fleet_hit"] - oracle[s]["fleet_hit"] for s in kv if s in oracle)
+        row["hit_gap_points"] = hit_gap * 100
+        row["oracle_p90"] = _ratio_cell(
+            [(kv[s]["ttft_p90_ms"], oracle[s]["ttft_p90_ms"]) for s in kv if s in oracle]
+        )
+        row["rr_p90"] = _ratio_cell(
+            [(rr[s]["ttft_p90_ms"], kv[s]["ttft_p90_ms"]) for s in kv if s in rr]
+        )
+        row["kv_hit"] = _mean(r["fleet_hit"] for r in kv.values())
+        row["legs"] = _mean(r["prefill_legs_per_request"] for r in kv.values())
+        row["ok"] = ok and hit_gap >= -0.03
+        rows.append(row)
+    return rows
+
+
+def _order(key: tuple[Any, ...]) -> tuple[Any, ...]:
+    topo, work, load = key
+    names = list(wl.FAMILY)
+    return (list(TOPOLOGIES).index(topo), names.index(work) if work in names else 99, load)
+
+
+def report(results: list[dict[str, Any]]) -> str:
+    """Markdown: one table per topology (module doc)."""
+    out: list[str] = []
+    rows = verdicts(results)
+    for topo in TOPOLOGIES:
+        mine = [r for r in rows if r["topology"] == topo]
+        if not mine:
+            continue
+        out += [
+            f"\n### {topo}\n",
+            "| workload | load | TTFT p50 | TTFT p90 | TTFT p99 | ITL p99 | fleet hit (vs oracle) "
+            "| P legs/req | p90 / oracle | RR p90 / kv_aware | |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in mine:
+            held = " (held out)" if r["workload"] in wl.HELD_OUT else ""
+            cells = [f"{c[0]} {_short(c[1])}" for c in (r["cells"][m] for m in METRICS)]
+            out.append(
+                f"| {r['workload']}{held} | {r['load']:g} | "
+                + " | ".join(cells)
+                + f" | {r['kv_hit']:.0%} ({r['hit_gap_points']:+.1f}) | {r['legs']:.2f} "
+                f"| {r['oracle_p90'][0]} | {r['rr_p90'][0]} | {'ok' if r['ok'] else 'MISS'} |"
+            )
+    return "\n".join(out)
+
+
+def _short(name: str) -> str:
+    return {"least_loaded": "LL", "power_of_two": "P2", "round_robin": "RR"}.get(name, name)
+
+
+# -- the grid ------------------------------------------------------------------------------
+
+
+def _run_safe(p: Point) -> dict[str, Any]:
+    try:
+        return run_point(p)
+    except Exception as exc:  # one failed point must not lose the grid
+        return {"point": asdict(p), "error": repr(exc)}
+
+
+#: scorecard router -> bench/routing.py row
+SERVED_ROWS = {
+    "kv_aware": "pdplane:kv_aware",
+    "least_loaded": "pdplane:least_loaded",
+    "power_of_two": "pdplane:power_of_two",
+    "round_robin": "pdplane:round_robin",
+    "oracle": "oracle",
+}
+_SERVED_METRICS = (*METRICS, "fleet_hit", "prefill_legs_per_request")
+_SERVED_FORMATS = {"fleet_hit": "{:.0%}", "prefill_legs_per_request": "{:.2f}"}
+
+
+def run_served(p: Point, time_scale: float, logs: Path) -> dict[str, Any]:
+    """The point on served sims (module doc), as `run_point`'s result plus the sims' lag,
+    whether the point is valid, and the gateway's CPU per request."""
+    from bench.routing import routing
+
+    rate = p.load * fleet_capacity(p)
+    point = routing.Point(
+        topology=p.topology,
+        workload=f"family:{p.workload}",
+        rate=rate,
+        row=SERVED_ROWS[p.router],
+        duration_s=p.duration_s,
+        warmup=p.warmup_s / p.duration_s,
+        drain_s=10.0,
+        profile=p.profile,
+        time_scale=time_scale,
+        seed=p.seed,
+        tokenizer="tiny",
+    )
+    r = routing.run_point(point, logs / f"{p.workload}-{p.load:g}-{p.router}-s{p.seed}")
+    return {
+        "point": asdict(p),
+        "served": True,
+        "rate": rate,
+        "time_scale": time_scale,
+        **{k: r[k] for k in ("ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "itl_p99_ms")},
+        "fleet_hit": r["fleet_hit_rate"],
+        "prefill_legs_per_request": r["prefill_legs_per_request"],
+        "requests": r["requests"],
+        "sim_lag_fraction": r["sim_lag_fraction"],
+        "valid": r["valid"],
+        "proxy_cpu_ms_per_request": r["proxy_cpu_ms_per_request"],
+    }
+
+
+def served_report(served: list[dict[str, Any]], virtual: list[dict[str, Any]]) -> str:
+    """Markdown: per served point, each router's served numbers / the virtual ones (same
+    point and seed), and kv_aware's ratio to the best load-only row in each."""
+    by_key = {Point(**r["point"]).key: r for r in virtual}
+    out = [
+        "| point | router | TTFT p50 | p90 | p99 | ITL p99 | fleet hit | P legs/req | lag "
+        "| valid |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in served:
+        p = Point(**r["point"])
+        v = by_key.get(p.key)
+        cells = []
+        for m in _SERVED_METRICS:
+            fmt = _SERVED_FORMATS.get(m, "{:.0f}")
+            cell = fmt.format(r[m])
+            if v is not None:
+                cell += " / " + fmt.format(v[m])
+            cells.append(cell)
+        out.append(
+            f"| {p.topology} {p.workload} {p.load:g} s{p.seed} | {p.router} | "
+            + " | ".join(cells)
+            + f" | {r['sim_lag_fraction']:.1%} | {'yes' if r['valid'] else 'NO'} |"
+        )
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    ap.add_argument("--topologies", default=",".join(TOPOLOGIES))
+    ap.add_argument("--workloads", default=",".join(wl.FAMILY))
+    ap.add_argument("--loads", default=",".join(f"{x:g}" for x in LOADS))
+    ap.add_argument("--routers", default=",".join(ROUTERS))
+    ap.add_argument("--seeds", default=",".join(str(s) for s in SEEDS))
+    ap.add_argument("--profile", default="llama3-8b-h100")
+    ap.add_argument("--duration", type=float, default=60.0, help="modelled s of arrivals")
+    ap.add_argument("--warmup", type=float, default=20.0, help="modelled s left out")
+    ap.add_argument(
+        "--kv",
+        default="",
+        help="kv_aware knobs other than the defaults: itl_weight=X,local_slack=X,"
+        "local_prefill_max_tokens=N",
+    )
+    ap.add_argument("--jobs", type=int, default=1, help="processes")
+    ap.add_argument("--out", type=Path, default=None, help="results JSONL (appended)")
+    ap.add_argument("--report", type=Path, default=None, help="only print the tables of FILE")
+    ap.add_argument("--served", action="store_true", help="run the points on served sims")
+    ap.add_argument("--time-scale", type=float, default=0.5, help="--served: modelled s per s")
+    ap.add_argument("--virtual", type=Path, default=None, help="--served: the grid's results")
+    args = ap.parse_args(argv)
+    if args.report:
+        results = [json.loads(line) for line in args.report.read_text().splitlines() if line]
+        print(report([r for r in results if "error" not in r]))
+        return 0
+    out = args.out or ROOT / "logs" / "bench" / f"scorecard-{time.strftime('%Y%m%dT%H%M%S')}.jsonl"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    done = {}
+    if out.exists():
+        for line in out.read_text().splitlines():
+            r = json.loads(line)
+            if "error" not in r:
+                done[Point(**r["point"]).key] = r
+    points = [
+        Point(
+            topo,
+            work,
+            float(load),
+            router,
+            int(seed),
+            args.profile,
+            args.duration,
+            args.warmup,
+            kv=args.kv if router == "kv_aware" else "",
+        )
+        for topo in args.topologies.split(",")
+        for work in args.workloads.split(",")
+        for load in args.loads.split(",")
+        for seed in args.seeds.split(",")
+        for router in args.routers.split(",")
+    ]
+    todo = [p for p in points if p.key not in done]
+    print(f"{len(points)} points, {len(todo)} to run -> {out}", file=sys.stderr, flush=True)
+    if args.served:
+        served = [done[p.key] for p in points if p.key in done]
+        with out.open("a") as f:
+            for p in todo:
+                r = run_served(p, args.time_scale, out.parent / f"{out.stem}-logs")
+                f.write(json.dumps(r) + "\n")
+                f.flush()
+                _progress(r)
+                served.append(r)
+        virtual = []
+        if args.virtual:
+            virtual = [json.loads(x) for x in args.virtual.read_text().splitlines() if x]
+        print(served_report(served, [v for v in virtual if "error" not in v]))
+        return 0
+    with out.open("a") as f:
+        if args.jobs > 1:
+            ctx = multiprocessing.get_context("fork")
+            with ctx.Pool(args.jobs) as pool:
+                stream: Iterable[dict[str, Any]] = pool.imap_unordered(_run_safe, todo)
+                for r in stream:
+                    f.write(json.dumps(r) + "\n")
+                    f.flush()
+                    _progress(r)
+                    done[Point(**r["point"]).key] = r
+        else:
+            for p in todo:
+                r = _run_safe(p)
+                f.write(json.dumps(r) + "\n")
+                f.flush()
+                _progress(r)
+                done[p.key] = r
+    wanted = {p.key for p in points}
+    print(report([r for k, r in done.items() if k in wanted and "error" not in r]))
+    return 0
+
+
+def _progress(r: dict[str, Any]) -> None:
+    p = r["point"]
+    what = r.get("error") or (
+        f"p50/p90/p99 {r['ttft_p50_ms']:.0f}/{r['ttft_p90_ms']:.0f}/{r['ttft_p99_ms']:.0f} ms "
+        f"ITL p99 {r['itl_p99_ms']:.1f} hit {r['fleet_hit']:.0%}"
+        + (f" lag {r['sim_lag_fraction']:.1%}" if "served" in r else f" cpu {r['cpu_s']:.0f}s")
+    )
+    print(
+        f"[{p['topology']} {p['workload']} {p['load']:g} s{p['seed']}] {p['router']}: {what}",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
