@@ -4,7 +4,7 @@ See docs/sim.md. Public: `SimConfig`, `SimFleet`, `SimInstance`, and `pdplane.si
 
 The three names load on first use (PEP 562): the engine model (`pdplane.sim.engine`) that the
 planner's fleet simulation and the modelled autoscaling hour use needs none of the servers'
-dependencies (aiohttp, prometheus-client, gRPC), so `bench/autoscale_hour.py` runs where only
+dependencies (aiohttp, prometheus-client, gRPC), so `bench/plan/autoscale_hour.py` runs where only
 protobuf is installed.
 """
 

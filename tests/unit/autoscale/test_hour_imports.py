@@ -1,4 +1,4 @@
-"""The modelled hour (bench/autoscale_hour.py) runs where only protobuf is installed beside
+"""The modelled hour (bench/plan/autoscale_hour.py) runs where only protobuf is installed beside
 the standard library (a machine that only runs the table): importing it, the controller and
 the fleet simulation pulls in none of the servers' dependencies."""
 
@@ -17,7 +17,7 @@ def test_the_hour_imports_no_server_dependency() -> None:
         "import sys, runpy\n"
         "sys.argv = ['autoscale_hour.py', '--help']\n"
         "try:\n"
-        "    runpy.run_path('bench/autoscale_hour.py', run_name='__main__')\n"
+        "    runpy.run_path('bench/plan/autoscale_hour.py', run_name='__main__')\n"
         "except SystemExit:\n"
         "    pass\n"
         f"print(sorted(m for m in {SERVERS_ONLY!r} if m in sys.modules))\n"
