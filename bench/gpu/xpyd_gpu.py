@@ -52,7 +52,7 @@ Where the time goes (`results.json` `breakdown`, per cell): the mean of each lat
 the row's processes export (the gateway's TTFT and prefill/decode legs, each vLLM instance's
 TTFT, queue and prefill time), from their `/metrics` before and after the cell.
 
-    python bench/xpyd_gpu.py --out /tmp/xpyd --rows plain,pdplane --input-lens 1000,8000 \
+    python bench/gpu/xpyd_gpu.py --out /tmp/xpyd --rows plain,pdplane --input-lens 1000,8000 \
         --concurrency 1,16,64 --kv-cache-memory 16000000000
 
 Needs vLLM (>= 0.26) and pdplane importable (PYTHONPATH with services/ and connector/).

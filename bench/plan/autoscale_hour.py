@@ -2,7 +2,7 @@
 modelled hour (virtual time: `pdplane.autoscale.proof`, docs/plan.md "Autoscaling in the
 simulator").
 
-    python bench/autoscale_hour.py --gpus 8 16 --seeds 0 1 2 [--profile llama3-8b-h100] \\
+    python bench/plan/autoscale_hour.py --gpus 8 16 --seeds 0 1 2 [--profile llama3-8b-h100] \\
         [--jobs 16] [--out logs/autoscale-hour]
 
 Every budget serves the same hour (the 8-GPU cap binds where the traffic needs more). Every

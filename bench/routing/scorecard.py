@@ -1,6 +1,6 @@
 """The routing scorecard: every workload x load x router x seed on the virtual-clock fleet.
 
-Each point runs one workload of the family (`bench/workloads.py` `FAMILY`: a training set and
+Each point runs one workload of the family (`bench/routing/workloads.py` `FAMILY`: a training set and
 a held-out set) at a fraction of the fleet's capacity on an XpYd fleet of simulated engines
 (`pdplane.plan.fleetsim`, virtual time: no wall clock, no simulator lag, deterministic per
 seed), routed by the scheduler's own decision code and prefix index (`pdplane.plan.routesim`:
@@ -11,11 +11,11 @@ Capacity: requests per second at which `pdplane plan`'s closed form (`pdplane.pl
 capacity`) has the fleet's bottleneck role fully busy with no prefix cache hits, for the
 workload's mean prompt and answer lengths (every turn counted); load 1.0 is that rate.
 
-    python bench/scorecard.py                       # the whole grid (docs/scheduler.md)
-    python bench/scorecard.py --topologies 4P4D --workloads cold,tenant-mix --loads 0.6 \
+    python bench/routing/scorecard.py                       # the whole grid (docs/scheduler.md)
+    python bench/routing/scorecard.py --topologies 4P4D --workloads cold,tenant-mix --loads 0.6 \
         --seeds 0 --routers kv_aware,least_loaded
-    python bench/scorecard.py --report results.jsonl   # tables of an earlier run
-    python bench/scorecard.py --served --topologies 4P4D --workloads tenant-mix --loads 0.6 \
+    python bench/routing/scorecard.py --report results.jsonl   # tables of an earlier run
+    python bench/routing/scorecard.py --served --topologies 4P4D --workloads tenant-mix --loads 0.6 \
         --seeds 0 --virtual results.jsonl --time-scale 0.5  # the same points on served sims
 
 Results: one JSON line per point in `--out` (a rerun skips the points already there), then the
@@ -23,7 +23,7 @@ report on stdout: per topology, one row per workload and load, kv_aware's ratio 
 load-only policy (the lowest seed mean of the three, per metric) and to the oracle, as the
 mean over seeds of the paired (same workload draw) ratios with their range.
 
-`--served` runs the same points through `bench/routing.py` instead: served sims (one process,
+`--served` runs the same points through `bench/routing/routing.py` instead: served sims (one process,
 `pdplane sim`'s real-time runner at `--time-scale`), a registry, the pdplane gateway with its
 embedded scheduler (every row tokenizes with the tiny model's tokenizer, every row's sims serve
 KV events streams to a subscriber) or the sims' own oracle; a point whose sims lag the clock by
@@ -269,7 +269,7 @@ def _run_safe(p: Point) -> dict[str, Any]:
         return {"point": asdict(p), "error": repr(exc)}
 
 
-#: scorecard router -> bench/routing.py row
+#: scorecard router -> bench/routing/routing.py row
 SERVED_ROWS = {
     "kv_aware": "pdplane:kv_aware",
     "least_loaded": "pdplane:least_loaded",

@@ -28,7 +28,7 @@ Generators (every one takes a `seed`; the same arguments give the same workload)
 - `load_trace`: replay of a JSONL trace (`{"at": s, "prompt": text | "messages": [...] |
   "prompt_tokens": N, "output_tokens" | "max_tokens": N, "session": id}` per line).
 
-`FAMILY` names the routing scorecard's workloads (`bench/scorecard.py`): a training set the
+`FAMILY` names the routing scorecard's workloads (`bench/routing/scorecard.py`): a training set the
 `kv_aware` policy's parameters were chosen on and a held-out set checked last, each a factory
 `(rate, duration_s, seed) -> Workload` where `rate` is requests per second (sessions x turns).
 """
