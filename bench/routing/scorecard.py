@@ -1,7 +1,7 @@
 """The routing scorecard: every workload x load x router x seed on the virtual-clock fleet.
 
-Each point runs one workload of the family (`bench/routing/workloads.py` `FAMILY`: a training set and
-a held-out set) at a fraction of the fleet's capacity on an XpYd fleet of simulated engines
+Each point runs one workload of the family (`bench/routing/workloads.py` `FAMILY`: a training set
+and a held-out set) at a fraction of the fleet's capacity on an XpYd fleet of simulated engines
 (`pdplane.plan.fleetsim`, virtual time: no wall clock, no simulator lag, deterministic per
 seed), routed by the scheduler's own decision code and prefix index (`pdplane.plan.routesim`:
 `kv_aware` with the shipped defaults, and the load-only policies `least_loaded`,
@@ -15,17 +15,17 @@ workload's mean prompt and answer lengths (every turn counted); load 1.0 is that
     python bench/routing/scorecard.py --topologies 4P4D --workloads cold,tenant-mix --loads 0.6 \
         --seeds 0 --routers kv_aware,least_loaded
     python bench/routing/scorecard.py --report results.jsonl   # tables of an earlier run
-    python bench/routing/scorecard.py --served --topologies 4P4D --workloads tenant-mix --loads 0.6 \
-        --seeds 0 --virtual results.jsonl --time-scale 0.5  # the same points on served sims
+    python bench/routing/scorecard.py --served --topologies 4P4D --workloads tenant-mix \
+        --loads 0.6 --seeds 0 --virtual results.jsonl --time-scale 0.5  # the points, served
 
 Results: one JSON line per point in `--out` (a rerun skips the points already there), then the
 report on stdout: per topology, one row per workload and load, kv_aware's ratio to the best
 load-only policy (the lowest seed mean of the three, per metric) and to the oracle, as the
 mean over seeds of the paired (same workload draw) ratios with their range.
 
-`--served` runs the same points through `bench/routing/routing.py` instead: served sims (one process,
-`pdplane sim`'s real-time runner at `--time-scale`), a registry, the pdplane gateway with its
-embedded scheduler (every row tokenizes with the tiny model's tokenizer, every row's sims serve
+`--served` runs the same points through `bench/routing/routing.py` instead: served sims (one
+process, `pdplane sim`'s real-time runner at `--time-scale`), a registry, the pdplane gateway with
+its embedded scheduler (every row tokenizes with the tiny model's tokenizer, every row's sims serve
 KV events streams to a subscriber) or the sims' own oracle; a point whose sims lag the clock by
 more than 5 % is marked invalid. With `--virtual FILE` (the grid's results) each served number
 is shown beside the virtual one of the same point and seed.
