@@ -316,7 +316,6 @@ class FlowControl:
         if limits is None:
             return True
         budget, ceiling = limits
-        self._per_model(self._metrics.flow_budget_tokens, model).set(budget)
         if flow.inflight == 0:
             return True
         better = sum(t for p, t in flow.by_priority.items() if p <= ticket.priority)
