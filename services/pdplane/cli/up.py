@@ -27,6 +27,7 @@ times in a minute.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import signal
 import sys
@@ -34,7 +35,7 @@ import threading
 import time
 from pathlib import Path
 from types import FrameType
-from typing import Literal
+from typing import Any, Literal
 
 import grpc
 from pydantic import Field, field_validator
@@ -44,11 +45,21 @@ from pdplane.autoscale.loop import Autoscaler
 from pdplane.autoscale.scrape import FleetScraper
 from pdplane.autoscale.settings import AutoscaleOptions
 from pdplane.core import defaults, fleet_credentials
-from pdplane.launch.fleet import Fleet, FleetSpec, PortsInUse
+from pdplane.gateway.settings import GatewaySettings
+from pdplane.gateway.tenants import load_tenants
+from pdplane.launch.fleet import DemoRequestFailed, Fleet, FleetSpec, PortsInUse
 from pdplane.launch.process import Cancelled
 from pdplane.sim.profiles import load_profile
 
 __all__ = ["UpSettings", "main"]
+
+
+def _gateway_flag(name: str) -> Any:
+    """The gateway's field `name` as a flag of `pdplane up` (same default, bounds and help,
+    marked "gateway:"), which passes it on to its gateway."""
+    field = copy.copy(GatewaySettings.model_fields[name])
+    field.description = f"gateway: {field.description}"
+    return field
 
 
 class UpSettings(AutoscaleOptions):
@@ -109,8 +120,12 @@ class UpSettings(AutoscaleOptions):
     tenants: Path | None = Field(
         None,
         description="gateway: tenants file (API keys, tenants, priorities, rate limits; "
-        "reread when it changes; see docs/gateway.md)",
+        "reread when it changes; see docs/flow-control.md); --demo sends its first key",
     )
+    api_key: str | None = _gateway_flag("api_key")
+    inflight_budget: float = _gateway_flag("inflight_budget")
+    flow_policy: Literal["fair", "fifo"] = _gateway_flag("flow_policy")
+    max_queued_requests: int = _gateway_flag("max_queued_requests")
     log_dir: Path = Field(Path("logs"), description="folder for every process's log")
     ready_timeout_s: float = Field(600.0, gt=0, description="give up starting after (s)")
     demo: bool = Field(False, description="send one chat request once ready and print it")
@@ -136,6 +151,13 @@ class UpSettings(AutoscaleOptions):
     def _known_profile(cls, name: str) -> str:
         load_profile(name)  # ValueError names the known profiles or what is wrong with the file
         return name
+
+    @field_validator("tenants")
+    @classmethod
+    def _valid_tenants(cls, path: Path | None) -> Path | None:
+        if path is not None:
+            load_tenants(path)  # ValueError names the file and what is wrong with it
+        return path
 
 
 class _Stop:
@@ -264,7 +286,13 @@ def main(argv: list[str]) -> int:
         _say(f"  tokens:               {path} (read by pdplane ls, drain, vllm)")
         if settings.demo:
             _say("demo request: POST /v1/chat/completions")
-            _say(f"  answer: {fleet.demo_request()!r}")
+            try:
+                _say(f"  answer: {fleet.demo_request()!r}")
+            except (DemoRequestFailed, ValueError) as exc:
+                # The fleet stays up (a tenants file can be fixed while it serves).
+                _say(f"demo request failed: {exc}")
+                if settings.exit_after_demo:
+                    return 1
             if settings.exit_after_demo:
                 return 0
         autoscaler = None

@@ -6,7 +6,7 @@ import asyncio
 import logging
 import os
 import tempfile
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
@@ -133,6 +133,8 @@ def create_app(
         metrics,
         settings.flow_policy,
     )
+    if flow.timeout_s > 0:
+        metrics.flow_budget_tokens.source = partial(_budgets, fleet, settings.inflight_budget)
     limiter = RateLimiter(lambda tenant, kind: metrics.rate_limited.labels(tenant, kind).inc())
 
     @asynccontextmanager
@@ -222,6 +224,14 @@ def _budget(fleet: Callable[[], FleetView], fraction: float, model: str) -> tupl
         return None
     budget = max(1, int(state.decode_kv_tokens * fraction))
     return budget, max(budget, state.decode_kv_tokens)
+
+
+def _budgets(fleet: Callable[[], FleetView], fraction: float) -> Iterator[tuple[str, float]]:
+    """(model, its in-flight budget in tokens) of every model whose budget is known now."""
+    for model in fleet().models:
+        limits = _budget(fleet, fraction, model)
+        if limits is not None:
+            yield model, float(limits[0])
 
 
 def tokenizer_cache(configured: str | None) -> Path:

@@ -31,13 +31,21 @@ need) from its admission until its answer ends. While the budget is full, reques
   and every request waits for its turn).
 
 Under overload, requests are shed with 429 and `Retry-After` (never a hang), the lowest
-priority first: a request whose projected wait (tokens queued ahead of it / the tokens per
-second the model drained over the last 10 s) exceeds `timeout_s` is refused at arrival or,
+priority first: a request whose projected wait (tokens queued ahead of it / the model's drain
+rate) exceeds `timeout_s` is refused at arrival or,
 once queued, as soon as its projection passes its remaining time (checked every 100 ms);
 with `max_queued` requests waiting, a newcomer of better priority takes the place of the
 last-served waiter of the worst band (429) and any other newcomer is refused. A request
 still waiting after `timeout_s` gets 503 (the shared `--queue-timeout-s`). `timeout_s` 0 =
 no flow control (every request admitted at once).
+
+The drain rate is measured only while requests wait (the model at its budget): the tokens of
+the requests that ended during the last 10 s of such time, over that time. What a model
+drains while nothing waits is what it was given, not what it can do: over an idle window the
+rate would fall towards zero and a burst after a quiet spell would be shed on a false
+projection. Until 2 s of waiting were seen there is no rate, and nobody is shed on a
+projection (a full queue and the timeout still apply). Short waits that end with a
+completion make the rate read high, which errs towards admitting, never towards shedding.
 """
 
 from __future__ import annotations
@@ -59,9 +67,10 @@ log = logging.getLogger(__name__)
 
 #: Period of the queue's check (s): capacity changes (load reports) and projected waits.
 _TICK_S = 0.1
-#: Window of the drain rate (s): tokens of requests that ended in the last 10 s.
+#: Window of the drain rate (s): tokens of requests that ended in the last 10 s during which
+#: requests waited.
 _RATE_WINDOW_S = 10.0
-#: The drain rate is trusted once it covers this long (s).
+#: The drain rate is trusted once it covers this much time with requests waiting (s).
 _RATE_MIN_SPAN_S = 2.0
 
 _WAITING, _ADMITTED, _GONE = 0, 1, 2
@@ -138,7 +147,8 @@ class _ModelFlow:
         "drained",
         "drained_sum",
         "inflight",
-        "started",
+        "saturated_s",
+        "saturated_since",
         "use",
         "waiting",
     )
@@ -150,9 +160,17 @@ class _ModelFlow:
         self.inflight = 0  # tokens admitted and not ended
         self.by_priority: dict[int, int] = {}  # the same by priority
         self.waiting = 0
+        # (the saturated clock when it ended, tokens) of requests that ended while others
+        # waited, and their sum: the drain rate's samples
         self.drained: collections.deque[tuple[float, int]] = collections.deque()
         self.drained_sum = 0
-        self.started: float | None = None  # the first admission (the rate's earliest start)
+        self.saturated_s = 0.0  # seconds with requests waiting, up to saturated_since
+        self.saturated_since: float | None = None  # since when requests wait (None: none do)
+
+    def saturated_clock(self, now: float) -> float:
+        """Seconds during which requests of this model waited, up to `now`."""
+        since = self.saturated_since
+        return self.saturated_s + (now - since if since is not None else 0.0)
 
 
 class FlowControl:
@@ -271,9 +289,9 @@ class FlowControl:
         use = flow.use[ticket.tenant]
         use.inflight -= ticket.cost
         self._unuse(flow, ticket)
-        now = self._clock()
-        flow.drained.append((now, ticket.cost))
-        flow.drained_sum += ticket.cost
+        if flow.waiting:  # a sample of the drain rate: the model is at its budget
+            flow.drained.append((flow.saturated_clock(self._clock()), ticket.cost))
+            flow.drained_sum += ticket.cost
         self._per_model(self._metrics.flow_inflight_tokens, ticket.model).set(flow.inflight)
         if flow.waiting:
             self._dispatch(ticket.model, flow)
@@ -298,7 +316,6 @@ class FlowControl:
         if limits is None:
             return True
         budget, ceiling = limits
-        self._per_model(self._metrics.flow_budget_tokens, model).set(budget)
         if flow.inflight == 0:
             return True
         better = sum(t for p, t in flow.by_priority.items() if p <= ticket.priority)
@@ -341,8 +358,6 @@ class FlowControl:
 
     def _grant(self, flow: _ModelFlow, ticket: FlowTicket, now: float) -> None:
         ticket.state = _ADMITTED
-        if flow.started is None:
-            flow.started = now
         flow.inflight += ticket.cost
         flow.by_priority[ticket.priority] = flow.by_priority.get(ticket.priority, 0) + ticket.cost
         flow.use[ticket.tenant].inflight += ticket.cost
@@ -363,6 +378,8 @@ class FlowControl:
         heapq.heappush(band.heap, ticket)
         band.count += 1
         band.tokens += ticket.cost
+        if flow.waiting == 0:
+            flow.saturated_since = self._clock()
         flow.waiting += 1
         self._child(self._metrics.flow_queued, ticket).inc()
 
@@ -379,6 +396,9 @@ class FlowControl:
         band.count -= 1
         band.tokens -= ticket.cost
         flow.waiting -= 1
+        if flow.waiting == 0:
+            flow.saturated_s = flow.saturated_clock(self._clock())
+            flow.saturated_since = None
         self._child(self._metrics.flow_queued, ticket).dec()
         if band.count == 0:
             del flow.bands[ticket.priority]  # its clock restarts: nobody waits to be fair to
@@ -409,14 +429,14 @@ class FlowControl:
     # -- overload ------------------------------------------------------------------------
 
     def _rate(self, flow: _ModelFlow, now: float) -> float | None:
-        """Tokens per second the model drained over the last `_RATE_WINDOW_S` (None until
-        `_RATE_MIN_SPAN_S` of it was seen)."""
-        while flow.drained and flow.drained[0][0] < now - _RATE_WINDOW_S:
+        """Tokens per second the model drained during the last `_RATE_WINDOW_S` seconds in
+        which requests waited (None until `_RATE_MIN_SPAN_S` of such time was seen); idle
+        time does not dilute it (see the module's docstring)."""
+        saturated = flow.saturated_clock(now)
+        while flow.drained and flow.drained[0][0] < saturated - _RATE_WINDOW_S:
             flow.drained_sum -= flow.drained.popleft()[1]
-        if not flow.drained or flow.started is None:
-            return None
-        span = min(_RATE_WINDOW_S, now - flow.started)
-        if span < _RATE_MIN_SPAN_S:
+        span = min(_RATE_WINDOW_S, saturated)
+        if not flow.drained or span < _RATE_MIN_SPAN_S:
             return None
         return flow.drained_sum / span
 

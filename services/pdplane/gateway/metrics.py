@@ -8,11 +8,14 @@ and per-leg latency.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
-__all__ = ["GatewayMetrics"]
+__all__ = ["GatewayMetrics", "ScrapedGauge"]
 
 _LATENCY_BUCKETS = (
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
@@ -199,11 +202,11 @@ class GatewayMetrics:
             ["model"],
             registry=r,
         )
-        self.flow_budget_tokens = Gauge(
+        self.flow_budget_tokens = ScrapedGauge(
             "pdplane_gateway_flow_budget_tokens",
             "The model's in-flight budget (tokens): its decode instances' KV cache times "
             "--inflight-budget",
-            ["model"],
+            "model",
             registry=r,
         )
         self.rate_limited = Counter(
@@ -226,3 +229,29 @@ class GatewayMetrics:
         if child is None:
             child = self._request_children[key] = self.requests.labels(endpoint, str(status))
         child.inc()
+
+
+class ScrapedGauge(Collector):
+    """A gauge family with one label whose samples are read at each scrape: `source()` yields
+    (label value, value) pairs (none until it is set). For values that follow state rather
+    than events, such as a model's budget from its decode instances: exported from the first
+    scrape on, current after scale-out and scale-in, gone with the model."""
+
+    def __init__(self, name: str, documentation: str, label: str, registry: CollectorRegistry):
+        self._name = name
+        self._documentation = documentation
+        self._label = label
+        self.source: Callable[[], Iterable[tuple[str, float]]] = tuple
+        registry.register(self)
+
+    def _family(self) -> GaugeMetricFamily:
+        return GaugeMetricFamily(self._name, self._documentation, labels=[self._label])
+
+    def describe(self) -> list[GaugeMetricFamily]:
+        return [self._family()]
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = self._family()
+        for value, sample in self.source():
+            family.add_metric([value], sample)
+        yield family

@@ -105,7 +105,7 @@ class GatewaySettings(PolicySettings):
         ge=0,
         description="flow control: tokens (prompt + max_tokens) in flight per model at most, "
         "as a multiple of its decode instances' KV cache (tokens); beyond it requests wait at "
-        "the gateway by priority, fair between tenants; 0 = no budget (see docs/gateway.md)",
+        "the gateway by priority, fair between tenants; 0 = no budget (see docs/flow-control.md)",
     )
     flow_policy: Literal["fair", "fifo"] = Field(
         "fair",
@@ -115,7 +115,7 @@ class GatewaySettings(PolicySettings):
     tenants: str | None = Field(
         None,
         description="tenants file (YAML, TOML or JSON): API keys, their tenant, priority, "
-        "weight and rate limits; reread when it changes (see docs/gateway.md)",
+        "weight and rate limits; reread when it changes (see docs/flow-control.md)",
     )
     tenants_reload_s: float = Field(
         1.0, gt=0, description="how often the --tenants file is checked for changes (s)"

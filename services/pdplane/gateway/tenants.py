@@ -164,6 +164,7 @@ class TenantBook:
     ) -> None:
         self.path = path
         self._flag = {_digest(f"Bearer {k}".encode()) for k in flag_keys}
+        self._flag_count = len(flag_keys)
         self._on_reload = on_reload
         self._stamp: tuple[int, int, int] | None = None
         self.config = TenantsConfig.model_validate({})
@@ -239,23 +240,30 @@ class TenantBook:
             self._reloaded("error")
             return False
         self._apply(config)
-        log.info(
-            "tenants file %s reloaded: %d tenants, %d keys",
-            self.path,
-            len(config.tenants),
-            len(config.keys),
-        )
+        log.info("%s reloaded", self.summary())
         self._reloaded("ok")
         return True
+
+    def summary(self) -> str:
+        """What is in force, for the log: the file, its tenants (listed or named by a key)
+        and keys, and the `--api-key` keys beside them."""
+        config = self.config
+        tenants = set(config.tenants) | {k.tenant for k in config.keys}
+        return (
+            f"tenants file {self.path}: {len(tenants)} tenants, {len(config.keys)} keys "
+            f"(and {self._flag_count} --api-key keys)"
+        )
 
     def _reloaded(self, result: str) -> None:
         if self._on_reload is not None:
             self._on_reload(result)
 
     async def watch(self, every_s: float) -> None:
-        """Checks the file every `every_s` s until cancelled (the app's lifespan runs it)."""
+        """Logs what is in force, then checks the file every `every_s` s until cancelled (the
+        app's lifespan runs it)."""
         if self.path is None:
             return
+        log.info("%s; reread when it changes, checked every %g s", self.summary(), every_s)
         while True:
             await asyncio.sleep(every_s)
             self.reload_if_changed()

@@ -40,7 +40,7 @@ from pdplane.launch.sim_process import SimOptions, SimProcess
 from pdplane.launch.vllm_cpu import KvRole, VllmCpuInstance, VllmCpuOptions
 from pdplane.v1 import instance_pb2, registry_pb2, registry_pb2_grpc
 
-__all__ = ["Engine", "Fleet", "FleetSpec", "PortsInUse", "default_model_cache"]
+__all__ = ["DemoRequestFailed", "Engine", "Fleet", "FleetSpec", "PortsInUse", "default_model_cache"]
 
 #: One engine instance of the fleet: vLLM CPU, or the simulator standing in for it.
 Engine = VllmCpuInstance | SimProcess
@@ -78,6 +78,9 @@ class _UpLike(Protocol):
     kv_profile: str
     queue_timeout_s: float
     tenants: Path | None
+    api_key: str | None
+    inflight_budget: float
+    max_queued_requests: int
     log_dir: Path
     ready_timeout_s: float
     etcd_port: int
@@ -91,6 +94,9 @@ class _UpLike(Protocol):
 
     @property
     def store(self) -> str: ...
+
+    @property
+    def flow_policy(self) -> str: ...
 
 
 @dataclass
@@ -122,6 +128,14 @@ class FleetSpec:
     queue_timeout_s: float | None = None
     #: The gateway's `--tenants` file; None = none.
     tenants: Path | None = None
+    #: The gateway's `--api-key` (comma-separated keys), given to it through its environment
+    #: (never argv, which `ps` shows); None = none.
+    api_key: str | None = None
+    #: The gateway's `--inflight-budget`, `--flow-policy`, `--max-queued-requests`; None = its
+    #: own default or its PDPLANE_* environment variable.
+    inflight_budget: float | None = None
+    flow_policy: str | None = None
+    max_queued_requests: int | None = None
     log_dir: Path = Path("logs")
     ready_timeout_s: float = 600.0
     #: Extra `VllmCpuOptions` fields for every instance (e.g. transfer_timeout_s in tests).
@@ -163,6 +177,10 @@ class FleetSpec:
             kv_profile=s.kv_profile,
             queue_timeout_s=s.queue_timeout_s,
             tenants=s.tenants,
+            api_key=s.api_key,
+            inflight_budget=s.inflight_budget,
+            flow_policy=s.flow_policy,
+            max_queued_requests=s.max_queued_requests,
             log_dir=s.log_dir,
             ready_timeout_s=s.ready_timeout_s,
             store=s.store,
@@ -173,6 +191,40 @@ class FleetSpec:
             engine=s.engine,
             sim_profile=s.sim_profile,
         )
+
+    def gateway_flags(self) -> list[str]:
+        """The flow-control flags the fleet's gateway is started with (those set: not None);
+        the API keys go through its environment instead."""
+        flags: list[str] = []
+        for flag, value in (
+            ("--queue-timeout-s", self.queue_timeout_s),
+            ("--tenants", self.tenants),
+            ("--inflight-budget", self.inflight_budget),
+            ("--flow-policy", self.flow_policy),
+            ("--max-queued-requests", self.max_queued_requests),
+        ):
+            if value is not None:
+                flags += [flag, str(value)]
+        return flags
+
+    def client_key(self) -> str | None:
+        """A key the fleet's gateway accepts (for the demo request): the first of `api_key`,
+        else the first in the `tenants` file; None when it requires none. Raises ValueError
+        naming the tenants file when it cannot be read or is invalid."""
+        keys = [k.strip() for k in (self.api_key or "").split(",") if k.strip()]
+        if keys:
+            return keys[0]
+        if self.tenants is None:
+            return None
+        from pdplane.gateway.tenants import load_tenants  # PyYAML: only with a tenants file
+
+        listed = load_tenants(self.tenants).keys
+        return listed[0].key if listed else None
+
+
+class DemoRequestFailed(RuntimeError):
+    """The demo request got no answer: the gateway's status and error message, or why the
+    connection failed."""
 
 
 def _pdplane(*args: str) -> list[str]:
@@ -348,16 +400,20 @@ class Fleet:
         self.model_name = spec.served_model_name or _TINY_MODEL_NAME
         self._say(f"model ready: {self.model_dir} (served as {self.model_name!r})")
 
-    def _env(self, admin: bool = False) -> dict[str, str]:
+    def _env(self, admin: bool = False, gateway: bool = False) -> dict[str, str]:
         """A child's environment: this one's plus the fleet's token (and, for the registry
-        only, the admin token): `ps` shows argv to every user, the environment to none."""
+        only, the admin token; for the gateway only, its API keys): `ps` shows argv to every
+        user, the environment to none."""
         env = {**os.environ}
-        for name, value in (("PDPLANE_TOKEN", self.spec.token), ("PDPLANE_ADMIN_TOKEN", None)):
+        secrets = (
+            ("PDPLANE_TOKEN", self.spec.token),
+            ("PDPLANE_ADMIN_TOKEN", self.spec.admin_token if admin else None),
+            ("PDPLANE_API_KEY", self.spec.api_key if gateway else None),
+        )
+        for name, value in secrets:
             env.pop(name, None)
             if value:
                 env[name] = value
-        if admin and self.spec.admin_token:
-            env["PDPLANE_ADMIN_TOKEN"] = self.spec.admin_token
         return env
 
     @property
@@ -370,7 +426,7 @@ class Fleet:
             name,
             argv,
             self.spec.log_dir / f"{name}.log",
-            env=self._env(admin),
+            env=self._env(admin, gateway=name == "gateway"),
             die_with_parent=self.die_with_parent,
         )
         self._services.append(proc)
@@ -462,12 +518,7 @@ class Fleet:
                 s.host,
                 "--port",
                 str(s.gateway_port),
-                *(
-                    []
-                    if s.queue_timeout_s is None
-                    else ["--queue-timeout-s", str(s.queue_timeout_s)]
-                ),
-                *([] if s.tenants is None else ["--tenants", str(s.tenants)]),
+                *s.gateway_flags(),
             ),
         )
         # /health answers (503 until a pair registers) once the HTTP server is up.
@@ -663,9 +714,11 @@ class Fleet:
     def demo_request(
         self, prompt: str = "Say hello to the prefill and decode instances.", max_tokens: int = 24
     ) -> str:
-        """One non-streaming chat completion through the gateway; returns the text.
+        """One non-streaming chat completion through the gateway, with the key of
+        `FleetSpec.client_key` when it requires one; returns the text.
 
-        Raises httpx.HTTPStatusError with the gateway's error body on a non-200 answer.
+        Raises DemoRequestFailed with the gateway's status and error message (or why no answer
+        came), ValueError when the tenants file cannot be read.
         """
         body = {
             "model": self.model_name,
@@ -673,6 +726,24 @@ class Fleet:
             "max_tokens": max_tokens,
             "temperature": 0,
         }
-        reply = httpx.post(f"{self.gateway_url}/v1/chat/completions", json=body, timeout=120.0)
-        reply.raise_for_status()
-        return str(reply.json()["choices"][0]["message"]["content"])
+        key = self.spec.client_key()
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        url = f"{self.gateway_url}/v1/chat/completions"
+        try:
+            reply = httpx.post(url, json=body, headers=headers, timeout=120.0)
+        except httpx.HTTPError as exc:
+            raise DemoRequestFailed(f"{url}: {type(exc).__name__}: {exc}") from None
+        if reply.status_code != 200:
+            raise DemoRequestFailed(f"HTTP {reply.status_code}: {_error_message(reply)}")
+        try:
+            return str(reply.json()["choices"][0]["message"]["content"])
+        except (ValueError, LookupError, TypeError):
+            raise DemoRequestFailed(f"unexpected answer: {reply.text[:200]!r}") from None
+
+
+def _error_message(reply: httpx.Response) -> str:
+    """The OpenAI error body's message, else the start of the body."""
+    try:
+        return str(reply.json()["error"]["message"])
+    except (ValueError, LookupError, TypeError):
+        return reply.text[:200] or reply.reason_phrase

@@ -124,3 +124,12 @@ def test_reloading_the_tenants_file_under_load_loses_no_request(
         if line.startswith('pdplane_gateway_tenants_reloads_total{result="ok"}')
     ]
     assert reloads and float(reloads[0].split()[1]) >= 21
+
+
+def test_the_budget_gauge_is_exported_before_the_first_request(stack_factory) -> None:  # type: ignore[no-untyped-def]
+    # One decode of 1000 blocks x 16 tokens, --inflight-budget 0.5: 8000 tokens, from the
+    # first scrape on (the budget follows the decode instances' KV cache, not the traffic).
+    stack: Stack = stack_factory(embedded=True, inflight_budget=0.5)
+    stack.wait_ready(stack.sims(["prefill", "decode"], kv_blocks=1000, block_size=16))
+    line = f'pdplane_gateway_flow_budget_tokens{{model="{MODEL}"}} 8000.0'
+    wait_for(lambda: line in httpx.get(f"{stack.url}/metrics", timeout=5).text, 5, line)

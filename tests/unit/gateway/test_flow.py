@@ -200,15 +200,25 @@ async def test_unknown_capacity_and_timeout_zero_admit_everything() -> None:
             flow.release(t)
 
 
+async def _saturate(flow: FlowControl, now: list[float], seconds: int) -> FlowTicket:
+    """Drains 100 tokens per second for `seconds` s of the fake clock `now` with a request
+    always waiting (the model at its budget of 100); returns the request left in flight (its
+    tenant's weight leaves others no share to be admitted on)."""
+    current = await flow.admit(M, "h", 0, 100, 1e6)
+    for _ in range(seconds):
+        waiting = asyncio.create_task(flow.admit(M, "h", 0, 100, 1e6))
+        await asyncio.sleep(0.01)
+        assert flow.queued(M) == 1
+        now[0] += 1.0
+        flow.release(current)
+        current = await waiting
+    return current
+
+
 async def test_projected_wait_past_the_timeout_is_shed_lowest_priority_first() -> None:
     now = [0.0]
     flow = _flow(budget=100, timeout_s=2.0, max_queued=1000, clock=lambda: now[0])
-    # Drain 100 tokens per second for 3 s: the rate the projection uses.
-    for _ in range(3):
-        t = await flow.admit(M, "t", 0, 100)
-        now[0] += 1.0
-        flow.release(t)
-    holder = await flow.admit(M, "h", 0, 100, 1e6)
+    holder = await _saturate(flow, now, 3)  # the rate the projection uses: 100 tokens/s
     high = [asyncio.create_task(flow.admit(M, "hi", 0, 50)) for _ in range(2)]  # ~1 s of work
     await asyncio.sleep(0.01)
     # Behind 1 s of high-priority work, a low-priority request of 150 tokens projects 2.5 s.
@@ -222,6 +232,46 @@ async def test_projected_wait_past_the_timeout_is_shed_lowest_priority_first() -
     flow.release(holder)
     for task in [*high, more]:
         flow.release(await task)
+
+
+async def _burst(flow: FlowControl, now: list[float], waiting: int) -> list[int]:
+    """Fills the budget of 100 with one request and queues `waiting` more of 100 tokens (each
+    1 s of work at 100 tokens/s); returns the statuses of those shed, then serves the rest at
+    that rate on the fake clock `now`."""
+    holder = await flow.admit(M, "b", 0, 100)
+    tasks = [asyncio.create_task(flow.admit(M, "b", 0, 100)) for _ in range(waiting)]
+    await asyncio.sleep(0.15)  # a check of the queue (every 100 ms) ran
+    shed = [
+        t.exception().status  # type: ignore[union-attr]
+        for t in tasks
+        if t.done() and isinstance(t.exception(), GatewayError)
+    ]
+    for task in [None, *tasks]:
+        if task is not None and task.done() and task.exception() is not None:
+            continue
+        now[0] += 1.0
+        flow.release(holder if task is None else await task)
+    return shed
+
+
+async def test_after_a_quiet_spell_a_burst_is_not_shed_on_an_idle_drain_rate() -> None:
+    # The time nothing waited says nothing about what the model can drain: a burst within
+    # the timeout (3 s of work at 100 tokens/s, timeout 5 s) is queued, not shed.
+    now = [0.0]
+    trickle = _flow(budget=100, timeout_s=5.0, max_queued=1000, clock=lambda: now[0])
+    small = await trickle.admit(M, "t", 0, 10)  # one small request, then quiet
+    now[0] += 0.5
+    trickle.release(small)
+    now[0] += 2.5
+    assert await _burst(trickle, now, 3) == []
+    # A measured rate (100 tokens/s while saturated) survives a quiet spell of 9.5 s.
+    now = [0.0]
+    quiet = _flow(budget=100, timeout_s=5.0, max_queued=1000, clock=lambda: now[0])
+    quiet.release(await _saturate(quiet, now, 3))
+    now[0] += 9.5
+    assert await _burst(quiet, now, 3) == []
+    # Past the timeout it still sheds: 8 s of work queued, the last ones projected past 5 s.
+    assert 429 in await _burst(quiet, now, 8)
 
 
 async def test_worse_priorities_in_flight_do_not_count_against_a_better_one() -> None:

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -133,3 +135,25 @@ def test_requests_per_s_and_a_request_larger_than_the_bucket() -> None:
     with pytest.raises(GatewayError) as refused:
         limits.take(rps, 1)
     assert refused.value.type_ == "requests" and refused.value.headers["retry-after"] == "1"
+
+
+async def test_the_file_in_force_is_logged_at_startup_and_on_each_reload(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="pdplane.gateway.tenants")
+    p = tmp_path / "t.yaml"
+    p.write_text(_YAML)
+    book = TenantBook(str(p), ("sk-flag",))
+    watching = asyncio.create_task(book.watch(30.0))
+    await asyncio.sleep(0)  # the watch's first step: the startup line
+    assert [r.getMessage() for r in caplog.records] == [
+        f"tenants file {p}: 3 tenants, 3 keys (and 1 --api-key keys); reread when it "
+        "changes, checked every 30 s"
+    ]
+    p.write_text("keys: [{key: sk-new, tenant: new}]\n")
+    os.utime(p, ns=(1, 1))  # a new stamp even within the clock's resolution
+    assert book.reload_if_changed()
+    assert caplog.records[-1].getMessage() == (
+        f"tenants file {p}: 1 tenants, 1 keys (and 1 --api-key keys) reloaded"
+    )
+    watching.cancel()

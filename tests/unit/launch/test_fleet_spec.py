@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from pdplane.cli.up import UpSettings
-from pdplane.launch.fleet import FleetSpec
+from pdplane.gateway.settings import GatewaySettings
+from pdplane.launch.fleet import Fleet, FleetSpec
 
 
 def test_defaults_pull_and_split_vllm_args() -> None:
@@ -54,3 +55,51 @@ def test_an_unknown_kv_profile_is_refused_before_anything_starts(
         UpSettings.parse(["--kv-profile", "no-such-profile"])
     assert exited.value.code == 2
     assert "--kv-profile" in capsys.readouterr().err
+
+
+def test_flow_control_flags_reach_the_gateway_with_the_gateway_s_defaults() -> None:
+    spec = FleetSpec.from_settings(
+        UpSettings.parse(
+            ["--inflight-budget", "0.5", "--flow-policy", "fifo", "--max-queued-requests", "7"]
+        )
+    )
+    flags = spec.gateway_flags()
+    for flag, value in (
+        ("--inflight-budget", "0.5"),
+        ("--flow-policy", "fifo"),
+        ("--max-queued-requests", "7"),
+    ):
+        assert flags[flags.index(flag) + 1] == value
+    gateway = GatewaySettings.parse([])
+    defaults = UpSettings.parse([])
+    for name in ("inflight_budget", "flow_policy", "max_queued_requests", "api_key"):
+        assert getattr(defaults, name) == getattr(gateway, name), name
+    assert FleetSpec().gateway_flags() == []  # the gateway's own defaults or its env
+
+
+def test_the_api_key_goes_to_the_gateway_s_environment_only() -> None:
+    spec = FleetSpec.from_settings(UpSettings.parse(["--api-key", "sk-a, sk-b"]))
+    assert "sk-a" not in " ".join(spec.gateway_flags())
+    fleet = Fleet(spec)
+    assert fleet._env(gateway=True)["PDPLANE_API_KEY"] == "sk-a, sk-b"
+    assert "PDPLANE_API_KEY" not in fleet._env()
+
+
+def test_the_demo_key_is_the_first_api_key_else_the_tenants_file_s_first(tmp_path: Path) -> None:
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text('keys = [{key = "sk-t1", tenant = "a"}, {key = "sk-t2", tenant = "b"}]\n')
+    assert FleetSpec(api_key=" sk-a, sk-b", tenants=tenants).client_key() == "sk-a"
+    assert FleetSpec(tenants=tenants).client_key() == "sk-t1"
+    assert FleetSpec().client_key() is None
+
+
+def test_a_bad_tenants_file_is_refused_before_anything_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bad = tmp_path / "tenants.yaml"
+    bad.write_text("keys: [{key: sk-x}]")  # no tenant
+    with pytest.raises(SystemExit) as exited:
+        UpSettings.parse(["--tenants", str(bad)])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "--tenants" in err and str(bad) in err
