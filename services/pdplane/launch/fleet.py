@@ -247,10 +247,10 @@ class Fleet:
         busy = self.busy_ports()
         if busy:
             listed = ", ".join(f"{port} ({what})" for port, what in busy)
+            flags = ", ".join(dict.fromkeys(flag for _, _, flag in self.wanted_ports()))
             raise PortsInUse(
                 f"ports in use on {self.spec.host}: {listed}; is another `pdplane up` running? "
-                "Stop it or choose other ports (--gateway-port, --registry-port, "
-                "--scheduler-port, --vllm-base-port, --kv-base-port)"
+                f"Stop it or choose other ports ({flags})"
             )
         self._resolve_model()
         self._start_services(deadline)
@@ -275,26 +275,37 @@ class Fleet:
         )
         self.ready_after_s = time.monotonic() - started
 
-    def busy_ports(self) -> list[tuple[int, str]]:
-        """(port, what) for every port the fleet would bind that is taken now on its host."""
+    def wanted_ports(self) -> list[tuple[int, str, str]]:
+        """(port, what, flag) for every port the fleet binds: the one list of them, which the
+        port check and its advice (the flags to change) both read. A flag is the `pdplane up`
+        option (`FleetSpec` field) that sets the port."""
         s = self.spec
         wanted = [
-            (s.registry_port, "registry"),
-            (s.scheduler_port, "scheduler"),
-            (s.gateway_port, "gateway"),
+            (s.registry_port, "registry", "--registry-port"),
+            (s.scheduler_port, "scheduler", "--scheduler-port"),
+            (s.gateway_port, "gateway", "--gateway-port"),
         ]
         if s.scheduler_metrics_port:
-            wanted.append((s.scheduler_metrics_port, "scheduler metrics"))
+            metrics = (s.scheduler_metrics_port, "scheduler metrics", "--scheduler-metrics-port")
+            wanted.append(metrics)
         if s.store == "etcd":
-            wanted += [(s.etcd_port, "etcd client"), (s.etcd_port + 1, "etcd peer")]
+            wanted += [
+                (s.etcd_port, "etcd client", "--etcd-port"),
+                (s.etcd_port + 1, "etcd peer", "--etcd-port"),
+            ]
         names = [f"prefill-{i}" for i in range(s.prefill)]
         names += [f"decode-{i}" for i in range(s.prefill, s.prefill + s.decode)]
         for index, name in enumerate(names):
             wanted += [
-                (s.vllm_base_port + index, f"{name} vLLM"),
-                (s.kv_base_port + index, f"{name} KV"),
+                (s.vllm_base_port + index, f"{name} vLLM", "--vllm-base-port"),
+                (s.kv_base_port + index, f"{name} KV", "--kv-base-port"),
             ]
-        return [(port, what) for port, what in wanted if port_taken(s.host, port)]
+        return wanted
+
+    def busy_ports(self) -> list[tuple[int, str]]:
+        """(port, what) for every port the fleet would bind that is taken now on its host."""
+        host = self.spec.host
+        return [(port, what) for port, what, _ in self.wanted_ports() if port_taken(host, port)]
 
     def instance_ready(self, inst: Engine) -> bool:
         """True when `inst` answers /health and the engine answering is the one it started

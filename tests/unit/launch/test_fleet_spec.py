@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from pdplane.cli.up import UpSettings
-from pdplane.launch.fleet import FleetSpec
+from pdplane.launch.fleet import Fleet, FleetSpec
 
 
 def test_defaults_pull_and_split_vllm_args() -> None:
@@ -54,3 +54,12 @@ def test_an_unknown_kv_profile_is_refused_before_anything_starts(
         UpSettings.parse(["--kv-profile", "no-such-profile"])
     assert exited.value.code == 2
     assert "--kv-profile" in capsys.readouterr().err
+
+
+def test_the_port_check_covers_every_port_flag_of_up() -> None:
+    settings = UpSettings.parse(["--store", "etcd"])  # every port in use
+    checked = {flag for _, _, flag in Fleet(FleetSpec.from_settings(settings)).wanted_ports()}
+    port_flags = {
+        "--" + name.replace("_", "-") for name in UpSettings.model_fields if name.endswith("_port")
+    }
+    assert checked == port_flags
