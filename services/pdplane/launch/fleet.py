@@ -4,14 +4,17 @@ vLLM CPU instances with the pdplane connector. Used by `pdplane up` and the end-
 Start order and readiness: every port free (else `PortsInUse` before anything starts) ->
 registry (gRPC health) -> scheduler (gRPC health) -> gateway (HTTP up) -> all vLLM instances in
 parallel (/health) -> every instance listed in the registry -> gateway /health 200 (a usable
-pair per model). A child counts as up only when the process answering is that child: each one
-gets its own server id (`pdplane.core.server_id`), which the services' health answers and the
+pair per model) -> the gateway routes the model precisely (it has fetched the tokenizer the
+instances publish; at most `_PRECISE_WITHIN_S`, and not at all when they publish none). A
+child counts as up only when the process answering is that child: each one gets its own
+server id (`pdplane.core.server_id`), which the services' health answers and the
 connector's KvTransfer health (inside the vLLM engine) carry. Shutdown runs in reverse; every
 child is stopped through its process group, so nothing outlives `stop()`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import shutil
@@ -48,6 +51,10 @@ Engine = VllmCpuInstance | SimProcess
 _TINY_MODEL_NAME = "tiny-llama"
 #: Longest silence while waiting for a child to be ready (s).
 _PROGRESS_EVERY_S = 20.0
+#: Longest wait, once a pair serves, for the gateway to route the model precisely (s): its
+#: fetch and check of the tokenizer the instances publish; past it, routing is by load until
+#: the tokenizer arrives.
+_PRECISE_WITHIN_S = 30.0
 
 
 def default_model_cache() -> Path:
@@ -193,6 +200,11 @@ class Fleet:
         self.model_dir: Path | None = None
         self.model_name = ""
         self.ready_after_s = 0.0
+        #: The gateway's routing of the served model once started: "precise" (KV-aware),
+        #: "pending" (by load until it has the tokenizer the instances publish) or "load"
+        #: (they publish none, or disagree), and why (its /health `routing_reason`).
+        self.routing = "load"
+        self.routing_reason = ""
         self._lock = threading.Lock()
         self._names: dict[Engine, str] = {}
         self._indices: dict[Engine, int] = {}
@@ -273,6 +285,7 @@ class Fleet:
             self._services,
             "the gateway to report a usable prefill/decode pair",
         )
+        self._wait_routing(min(_PRECISE_WITHIN_S, max(0.0, deadline - time.monotonic())))
         self.ready_after_s = time.monotonic() - started
 
     def wanted_ports(self) -> list[tuple[int, str, str]]:
@@ -301,6 +314,42 @@ class Fleet:
                 (s.kv_base_port + index, f"{name} KV", "--kv-base-port"),
             ]
         return wanted
+
+    def _routing(self) -> dict[str, Any]:
+        """The served model's entry of the gateway's /health ({} when it does not answer)."""
+        try:
+            url = f"{self.gateway_url}/health"
+            body = httpx.get(url, params={"model": self.model_name}, timeout=2.0).json()
+        except (httpx.HTTPError, ValueError):
+            return {}
+        entry = body.get("models", {}).get(self.model_name) if isinstance(body, dict) else None
+        return entry if isinstance(entry, dict) else {}
+
+    def _wait_routing(self, timeout_s: float) -> None:
+        """Waits up to `timeout_s` until the gateway routes the served model precisely, and
+        not at all once it says why it cannot (its instances publish no tokenizer, or
+        different ones); sets `routing` and `routing_reason` from its last answer."""
+
+        def settled() -> bool:
+            entry = self._routing()
+            if "routing" not in entry:
+                return False  # the gateway has not looked at the model's tokenizer yet
+            self.routing_reason = str(entry.get("routing_reason", ""))
+            if entry["routing"] == "precise":
+                self.routing = "precise"
+            else:  # a tokenizer hash but routing by load: fetching (or retrying) it
+                self.routing = "pending" if entry.get("tokenizer") else "load"
+            return self.routing != "pending"
+
+        # Past the wait, ready all the same: routing is by load until the tokenizer arrives.
+        with contextlib.suppress(TimeoutError):
+            wait_until(
+                settled,
+                timeout_s,
+                watch=self._services,
+                what="the gateway to route by the fleet's tokenizer",
+                cancel=self._cancel,
+            )
 
     def busy_ports(self) -> list[tuple[int, str]]:
         """(port, what) for every port the fleet would bind that is taken now on its host."""
