@@ -8,8 +8,9 @@ pair per model) -> the gateway routes the model precisely (it has fetched the to
 instances publish; at most `_PRECISE_WITHIN_S`, and not at all when they publish none). A
 child counts as up only when the process answering is that child: each one gets its own
 server id (`pdplane.core.server_id`), which the services' health answers and the
-connector's KvTransfer health (inside the vLLM engine) carry. Shutdown runs in reverse; every
-child is stopped through its process group, so nothing outlives `stop()`.
+connector's KvTransfer health (inside the vLLM engine) carry. Shutdown stops the gateway first
+(open streams finish on the engines, bounded), then the rest in reverse; every child is
+stopped through its process group, so nothing outlives `stop()`.
 """
 
 from __future__ import annotations
@@ -129,6 +130,10 @@ class FleetSpec:
     queue_timeout_s: float | None = None
     #: The gateway's `--tenants` file; None = none.
     tenants: Path | None = None
+    #: The gateway's `--shutdown-timeout-s`: on stop, open requests get this long to finish
+    #: (the engines serve them meanwhile); a stream still open then ends with an error event
+    #: saying the server is shutting down (s).
+    gateway_shutdown_s: int = 10
     log_dir: Path = Path("logs")
     ready_timeout_s: float = 600.0
     #: Extra `VllmCpuOptions` fields for every instance (e.g. transfer_timeout_s in tests).
@@ -528,6 +533,8 @@ class Fleet:
                     else ["--queue-timeout-s", str(s.queue_timeout_s)]
                 ),
                 *([] if s.tenants is None else ["--tenants", str(s.tenants)]),
+                "--shutdown-timeout-s",
+                str(s.gateway_shutdown_s),
             ),
         )
         # /health answers (503 until a pair registers) once the HTTP server is up.
@@ -713,11 +720,18 @@ class Fleet:
         return dead
 
     def stop(self) -> None:
-        """Stops vLLM instances first (they deregister), then gateway, scheduler, registry."""
+        """Stops the gateway first: it takes no new request and lets open ones finish on the
+        engines for `gateway_shutdown_s` (then ends them with an error event saying it shuts
+        down); then the engines (they deregister), then scheduler, registry (and etcd).
+        Bounded: about `gateway_shutdown_s` plus each child's grace."""
+        gateways = [p for p in self._services if p.name == "gateway"]
+        for proc in gateways:
+            proc.stop(grace_s=self.spec.gateway_shutdown_s + 5.0)
         for inst in reversed(self.instances):
             inst.stop()
         for proc in reversed(self._services):
-            proc.stop()
+            if proc not in gateways:
+                proc.stop()
 
     # -- demo -------------------------------------------------------------------------------
     def demo_request(
