@@ -282,6 +282,15 @@ def main(argv: list[str]) -> int:
         _say(f"  registry (gRPC):      {fleet.registry_address}   try: pdplane ls")
         _say(f"  scheduler (gRPC):     {fleet.scheduler_address}")
         _say(f"  scheduler metrics:    {fleet.scheduler_metrics_url}")
+        if fleet.routing == "precise":
+            _say(f"  routing:              precise (KV-aware): {fleet.routing_reason}")
+        elif fleet.routing == "pending":  # still, after a bounded wait
+            _say(
+                "  routing:              by load until the gateway has the model's tokenizer "
+                f"({fleet.routing_reason}; /health says when)"
+            )
+        else:
+            _say(f"  routing:              by load: {fleet.routing_reason}")
         _say(f"  logs:                 {spec.log_dir.resolve()}")
         _say(f"  tokens:               {path} (read by pdplane ls, drain, vllm)")
         if settings.demo:

@@ -5,7 +5,8 @@ The way to add an instance to a running system: it builds the same lean vLLM com
 and runs the vLLM server as its supervised child (`pdplane.launch.foreground`): Ctrl-C / SIGTERM
 go to the API server alone, which stops its engine cleanly; no process of the instance outlives
 the one above it (a SIGKILLed `pdplane vllm` or API server takes the rest along); the exit
-status is the server's.
+status is the server's. It says `ready` once the server answers `/health`, and removes the
+private folder of the server's KV events socket when the server has exited, whatever ended it.
 
     pdplane vllm --role decode --port 8102 --kv-port 8202      # joins 127.0.0.1:8051
 
@@ -16,6 +17,8 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Literal
 
@@ -26,6 +29,7 @@ from pdplane.core.listen import refuse_taken
 from pdplane.core.settings import CommandSettings
 from pdplane.core.token_file import token_file_field
 from pdplane.launch.foreground import run_in_foreground
+from pdplane.launch.process import http_ok
 from pdplane.launch.vllm_cpu import VllmCpuInstance, VllmCpuOptions
 
 __all__ = ["InstanceSettings", "build", "main"]
@@ -91,8 +95,9 @@ def _model_dir(settings: InstanceSettings) -> Path:
     return build_tiny_model(default_model_cache())
 
 
-def build(settings: InstanceSettings) -> tuple[list[str], dict[str, str]]:
-    """The vLLM server's argv and environment for `settings` (nothing is started)."""
+def _instance(settings: InstanceSettings) -> VllmCpuInstance:
+    """The instance `settings` describe (not started; its KV events folder exists: call
+    `remove_events_dir()` once done with it)."""
     host = settings.advertise_host or settings.host
     if host in _ANY_ADDRESS:
         raise SystemExit("error: --advertise-host is required when --host binds every address")
@@ -121,8 +126,28 @@ def build(settings: InstanceSettings) -> tuple[list[str], dict[str, str]]:
         max_model_len=settings.max_model_len,
         extra_args=settings.vllm_args.split(),
     )
-    instance = VllmCpuInstance(options, log_path=Path(os.devnull))
-    return instance.command(), instance.env()
+    return VllmCpuInstance(options, log_path=Path(os.devnull))
+
+
+def build(settings: InstanceSettings) -> tuple[list[str], dict[str, str]]:
+    """The vLLM server's argv and environment for `settings` (nothing is started or left
+    behind: the KV events folder the argv names is made by whoever starts it)."""
+    instance = _instance(settings)
+    try:
+        return instance.command(), instance.env()
+    finally:
+        instance.remove_events_dir()
+
+
+def _say_when_ready(url: str, what: str, started: float, done: threading.Event) -> None:
+    """Writes one `ready` line once `url`/health answers 200 (polled every 0.5 s), unless
+    `done` is set first (the server exited)."""
+    while not done.wait(0.5):
+        if http_ok(f"{url}/health"):
+            took = time.monotonic() - started
+            sys.stderr.write(f"pdplane vllm: ready in {took:.0f} s: {what}\n")
+            sys.stderr.flush()
+            return
 
 
 def main(argv: list[str], settings_cls: type[InstanceSettings] = InstanceSettings) -> int:
@@ -134,9 +159,27 @@ def main(argv: list[str], settings_cls: type[InstanceSettings] = InstanceSetting
     wanted = [(settings.port, "--port"), (settings.kv_port, "--kv-port")]
     if refuse_taken("pdplane vllm", settings.host, wanted):
         return 2
-    command, env = build(settings)
-    launcher = "vllm serve" if command[2:4] == ["pdplane.cli.vllm_console", "serve"] else command[2]
-    where = f"HTTP {settings.host}:{settings.port}, KvTransfer :{settings.kv_port}"
-    sys.stderr.write(f"pdplane vllm: starting {launcher} ({settings.role}; {where})\n")
-    sys.stderr.flush()
-    return run_in_foreground(command, env)
+    started = time.monotonic()
+    instance = _instance(settings)
+    done = threading.Event()
+    try:
+        command = instance.command()
+        serve = command[2:4] == ["pdplane.cli.vllm_console", "serve"]
+        launcher = "vllm serve" if serve else command[2]
+        where = f"HTTP {settings.host}:{settings.port}, KvTransfer :{settings.kv_port}"
+        sys.stderr.write(f"pdplane vllm: starting {launcher} ({settings.role}; {where})\n")
+        sys.stderr.flush()
+        # Polled on the loopback when the server binds every address.
+        local = f"http://127.0.0.1:{settings.port}" if settings.host in _ANY_ADDRESS else None
+        shown = f"{instance.options.connector_extra['url']}/v1"
+        what = f"{shown} ({settings.role}, model {settings.served_model_name})"
+        threading.Thread(
+            target=_say_when_ready,
+            args=(local or instance.url, what, started, done),
+            name="pdplane-vllm-ready",
+            daemon=True,
+        ).start()
+        return run_in_foreground(command, instance.env())
+    finally:
+        done.set()
+        instance.remove_events_dir()

@@ -10,17 +10,35 @@ task and no `asyncio.wait` per stage, which measured as a visible share of a req
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from pdplane.gateway.errors import unavailable
 from pdplane.gateway.replies import SSE_DONE, StreamReply
 
 __all__ = ["DisconnectWatch", "SSEResponse"]
 
 T = TypeVar("T")
+
+#: The end of a stream still open when the server's shutdown bound runs out.
+_SHUTTING_DOWN = (
+    unavailable("the server is shutting down; the stream ended before its last token").sse_event()
+    + SSE_DONE
+)
+#: Longest wait to hand that end to a client that does not read (s).
+_SHUTTING_DOWN_WRITE_S = 1.0
+
+
+async def _say_shutting_down(send: Send) -> None:
+    """Ends the response with `_SHUTTING_DOWN` (bounded); a connection already gone is
+    left alone."""
+    message = {"type": "http.response.body", "body": _SHUTTING_DOWN, "more_body": False}
+    with contextlib.suppress(OSError, RuntimeError, TimeoutError):
+        await asyncio.wait_for(send(message), _SHUTTING_DOWN_WRITE_S)
 
 
 class DisconnectWatch:
@@ -114,7 +132,12 @@ class SSEResponse(Response):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-            await self._watch.run(self._pump(send))
+            try:
+                await self._watch.run(self._pump(send))
+            except asyncio.CancelledError:
+                if not self._watch.gone:  # the server's shutdown bound ran out (uvicorn)
+                    await _say_shutting_down(send)
+                raise
         finally:
             await self._reply.aclose()
             self._watch.close()

@@ -11,6 +11,10 @@ take-over replaces it); the endpoints turn it into
     prefill=prefill-0 cached=512 decode=decode-1 cached=0 ms=84.2
     reason="prefill kv_aware: cached=512/600 tokens; decode ..."
 
+  (`prefill=skipped decode=decode-1 cached=512` when decode computed the prompt's rest
+  itself; `cached=unknown` and no prefill hit when the prompt's ids, hence its prefix
+  hashes, were not known: routing by load, `estimated`)
+
 - with the request header `X-Pdplane-Route: 1`, the response headers `X-Pdplane-Prefill` and
   `X-Pdplane-Decode` (`<instance id>; cached_tokens=<n>`; prefill `none` when decode computed
   the prompt itself), `X-Pdplane-Prompt-Tokens` (`<n>; exact` or `; estimated`) and
@@ -81,10 +85,15 @@ class RouteNote:
         d = self.decision
         if d is None:
             route = "unscheduled"
+        elif not self.exact:
+            # No prompt ids, no prefix hashes: nothing was predicted (the scheduler's 0s).
+            prefill = "skipped" if d.prefill is None else d.prefill.instance_id
+            route = f"prefill={prefill} decode={d.decode.instance_id} cached=unknown"
+        elif d.prefill is None:  # decode computed the prompt's rest itself
+            route = f"prefill=skipped decode={d.decode.instance_id} cached={d.decode_cached_tokens}"
         else:
-            prefill = "none" if d.prefill is None else d.prefill.instance_id
             route = (
-                f"prefill={prefill} cached={d.prefill_cached_tokens} "
+                f"prefill={d.prefill.instance_id} cached={d.prefill_cached_tokens} "
                 f"decode={d.decode.instance_id} cached={d.decode_cached_tokens}"
             )
         access_log.info(

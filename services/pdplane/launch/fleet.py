@@ -4,14 +4,18 @@ vLLM CPU instances with the pdplane connector. Used by `pdplane up` and the end-
 Start order and readiness: every port free (else `PortsInUse` before anything starts) ->
 registry (gRPC health) -> scheduler (gRPC health) -> gateway (HTTP up) -> all vLLM instances in
 parallel (/health) -> every instance listed in the registry -> gateway /health 200 (a usable
-pair per model). A child counts as up only when the process answering is that child: each one
-gets its own server id (`pdplane.core.server_id`), which the services' health answers and the
-connector's KvTransfer health (inside the vLLM engine) carry. Shutdown runs in reverse; every
-child is stopped through its process group, so nothing outlives `stop()`.
+pair per model) -> the gateway routes the model precisely (it has fetched the tokenizer the
+instances publish; at most `_PRECISE_WITHIN_S`, and not at all when they publish none). A
+child counts as up only when the process answering is that child: each one gets its own
+server id (`pdplane.core.server_id`), which the services' health answers and the
+connector's KvTransfer health (inside the vLLM engine) carry. Shutdown stops the gateway first
+(open streams finish on the engines, bounded), then the rest in reverse; every child is
+stopped through its process group, so nothing outlives `stop()`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import shutil
@@ -48,6 +52,10 @@ Engine = VllmCpuInstance | SimProcess
 _TINY_MODEL_NAME = "tiny-llama"
 #: Longest silence while waiting for a child to be ready (s).
 _PROGRESS_EVERY_S = 20.0
+#: Longest wait, once a pair serves, for the gateway to route the model precisely (s): its
+#: fetch and check of the tokenizer the instances publish; past it, routing is by load until
+#: the tokenizer arrives.
+_PRECISE_WITHIN_S = 30.0
 
 
 def default_model_cache() -> Path:
@@ -136,6 +144,10 @@ class FleetSpec:
     inflight_budget: float | None = None
     flow_policy: str | None = None
     max_queued_requests: int | None = None
+    #: The gateway's `--shutdown-timeout-s`: on stop, open requests get this long to finish
+    #: (the engines serve them meanwhile); a stream still open then ends with an error event
+    #: saying the server is shutting down (s).
+    gateway_shutdown_s: int = 10
     log_dir: Path = Path("logs")
     ready_timeout_s: float = 600.0
     #: Extra `VllmCpuOptions` fields for every instance (e.g. transfer_timeout_s in tests).
@@ -245,6 +257,11 @@ class Fleet:
         self.model_dir: Path | None = None
         self.model_name = ""
         self.ready_after_s = 0.0
+        #: The gateway's routing of the served model once started: "precise" (KV-aware),
+        #: "pending" (by load until it has the tokenizer the instances publish) or "load"
+        #: (they publish none, or disagree), and why (its /health `routing_reason`).
+        self.routing = "load"
+        self.routing_reason = ""
         self._lock = threading.Lock()
         self._names: dict[Engine, str] = {}
         self._indices: dict[Engine, int] = {}
@@ -299,10 +316,10 @@ class Fleet:
         busy = self.busy_ports()
         if busy:
             listed = ", ".join(f"{port} ({what})" for port, what in busy)
+            flags = ", ".join(dict.fromkeys(flag for _, _, flag in self.wanted_ports()))
             raise PortsInUse(
                 f"ports in use on {self.spec.host}: {listed}; is another `pdplane up` running? "
-                "Stop it or choose other ports (--gateway-port, --registry-port, "
-                "--scheduler-port, --vllm-base-port, --kv-base-port)"
+                f"Stop it or choose other ports ({flags})"
             )
         self._resolve_model()
         self._start_services(deadline)
@@ -325,28 +342,76 @@ class Fleet:
             self._services,
             "the gateway to report a usable prefill/decode pair",
         )
+        self._wait_routing(min(_PRECISE_WITHIN_S, max(0.0, deadline - time.monotonic())))
         self.ready_after_s = time.monotonic() - started
 
-    def busy_ports(self) -> list[tuple[int, str]]:
-        """(port, what) for every port the fleet would bind that is taken now on its host."""
+    def wanted_ports(self) -> list[tuple[int, str, str]]:
+        """(port, what, flag) for every port the fleet binds: the one list of them, which the
+        port check and its advice (the flags to change) both read. A flag is the `pdplane up`
+        option (`FleetSpec` field) that sets the port."""
         s = self.spec
         wanted = [
-            (s.registry_port, "registry"),
-            (s.scheduler_port, "scheduler"),
-            (s.gateway_port, "gateway"),
+            (s.registry_port, "registry", "--registry-port"),
+            (s.scheduler_port, "scheduler", "--scheduler-port"),
+            (s.gateway_port, "gateway", "--gateway-port"),
         ]
         if s.scheduler_metrics_port:
-            wanted.append((s.scheduler_metrics_port, "scheduler metrics"))
+            metrics = (s.scheduler_metrics_port, "scheduler metrics", "--scheduler-metrics-port")
+            wanted.append(metrics)
         if s.store == "etcd":
-            wanted += [(s.etcd_port, "etcd client"), (s.etcd_port + 1, "etcd peer")]
+            wanted += [
+                (s.etcd_port, "etcd client", "--etcd-port"),
+                (s.etcd_port + 1, "etcd peer", "--etcd-port"),
+            ]
         names = [f"prefill-{i}" for i in range(s.prefill)]
         names += [f"decode-{i}" for i in range(s.prefill, s.prefill + s.decode)]
         for index, name in enumerate(names):
             wanted += [
-                (s.vllm_base_port + index, f"{name} vLLM"),
-                (s.kv_base_port + index, f"{name} KV"),
+                (s.vllm_base_port + index, f"{name} vLLM", "--vllm-base-port"),
+                (s.kv_base_port + index, f"{name} KV", "--kv-base-port"),
             ]
-        return [(port, what) for port, what in wanted if port_taken(s.host, port)]
+        return wanted
+
+    def _routing(self) -> dict[str, Any]:
+        """The served model's entry of the gateway's /health ({} when it does not answer)."""
+        try:
+            url = f"{self.gateway_url}/health"
+            body = httpx.get(url, params={"model": self.model_name}, timeout=2.0).json()
+        except (httpx.HTTPError, ValueError):
+            return {}
+        entry = body.get("models", {}).get(self.model_name) if isinstance(body, dict) else None
+        return entry if isinstance(entry, dict) else {}
+
+    def _wait_routing(self, timeout_s: float) -> None:
+        """Waits up to `timeout_s` until the gateway routes the served model precisely, and
+        not at all once it says why it cannot (its instances publish no tokenizer, or
+        different ones); sets `routing` and `routing_reason` from its last answer."""
+
+        def settled() -> bool:
+            entry = self._routing()
+            if "routing" not in entry:
+                return False  # the gateway has not looked at the model's tokenizer yet
+            self.routing_reason = str(entry.get("routing_reason", ""))
+            if entry["routing"] == "precise":
+                self.routing = "precise"
+            else:  # a tokenizer hash but routing by load: fetching (or retrying) it
+                self.routing = "pending" if entry.get("tokenizer") else "load"
+            return self.routing != "pending"
+
+        # Past the wait, ready all the same: routing is by load until the tokenizer arrives.
+        with contextlib.suppress(TimeoutError):
+            wait_until(
+                settled,
+                timeout_s,
+                watch=self._services,
+                what="the gateway to route by the fleet's tokenizer",
+                cancel=self._cancel,
+            )
+
+    def busy_ports(self) -> list[tuple[int, str]]:
+        """(port, what) for every port the fleet would bind that is taken now on its host."""
+        host = self.spec.host
+        return [(port, what) for port, what, _ in self.wanted_ports() if port_taken(host, port)]
 
     def instance_ready(self, inst: Engine) -> bool:
         """True when `inst` answers /health and the engine answering is the one it started
@@ -519,6 +584,8 @@ class Fleet:
                 "--port",
                 str(s.gateway_port),
                 *s.gateway_flags(),
+                "--shutdown-timeout-s",
+                str(s.gateway_shutdown_s),
             ),
         )
         # /health answers (503 until a pair registers) once the HTTP server is up.
@@ -704,11 +771,18 @@ class Fleet:
         return dead
 
     def stop(self) -> None:
-        """Stops vLLM instances first (they deregister), then gateway, scheduler, registry."""
+        """Stops the gateway first: it takes no new request and lets open ones finish on the
+        engines for `gateway_shutdown_s` (then ends them with an error event saying it shuts
+        down); then the engines (they deregister), then scheduler, registry (and etcd).
+        Bounded: about `gateway_shutdown_s` plus each child's grace."""
+        gateways = [p for p in self._services if p.name == "gateway"]
+        for proc in gateways:
+            proc.stop(grace_s=self.spec.gateway_shutdown_s + 5.0)
         for inst in reversed(self.instances):
             inst.stop()
         for proc in reversed(self._services):
-            proc.stop()
+            if proc not in gateways:
+                proc.stop()
 
     # -- demo -------------------------------------------------------------------------------
     def demo_request(

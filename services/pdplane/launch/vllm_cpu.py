@@ -287,9 +287,14 @@ class VllmCpuInstance:
     def stop(self, grace_s: float = 15.0) -> int | None:
         """SIGTERM, then SIGKILL after `grace_s` seconds, to the whole process group."""
         code = self.process.stop(grace_s)
+        self.remove_events_dir()
+        return code
+
+    def remove_events_dir(self) -> None:
+        """Removes the private folder of the KV events socket (`start()` makes it again): for
+        a caller that runs `command()` itself, once the server has exited."""
         if self._events_dir is not None:
             shutil.rmtree(self._events_dir, ignore_errors=True)
-        return code
 
     def __enter__(self) -> VllmCpuInstance:
         self.start()

@@ -66,3 +66,27 @@ def test_up_names_every_taken_port(tmp_path: Path) -> None:
     ):
         assert expected in out, out
     assert "starting" not in out, out
+
+
+def test_up_names_a_taken_scheduler_metrics_port_and_every_port_flag(tmp_path: Path) -> None:
+    ports = {
+        name: free_port_run()
+        for name in (
+            "gateway-port",
+            "registry-port",
+            "scheduler-port",
+            "vllm-base-port",
+            "kv-base-port",
+        )
+    }
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", free_port_run()))
+        sock.listen()
+        ports["scheduler-metrics-port"] = sock.getsockname()[1]
+        result = _up(tmp_path, ports)
+    out = result.stdout + result.stderr
+    assert result.returncode == 2, out
+    assert f"{ports['scheduler-metrics-port']} (scheduler metrics)" in out, out
+    advice = out.split("choose other ports", 1)[1]
+    for flag in ports:  # every port flag of `pdplane up` that can conflict
+        assert f"--{flag}" in advice, out

@@ -103,3 +103,12 @@ def test_a_bad_tenants_file_is_refused_before_anything_starts(
     assert exited.value.code == 2
     err = capsys.readouterr().err
     assert "--tenants" in err and str(bad) in err
+
+
+def test_the_port_check_covers_every_port_flag_of_up() -> None:
+    settings = UpSettings.parse(["--store", "etcd"])  # every port in use
+    checked = {flag for _, _, flag in Fleet(FleetSpec.from_settings(settings)).wanted_ports()}
+    port_flags = {
+        "--" + name.replace("_", "-") for name in UpSettings.model_fields if name.endswith("_port")
+    }
+    assert checked == port_flags
