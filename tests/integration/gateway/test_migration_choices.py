@@ -64,9 +64,11 @@ def _body(path: str, **fields: Any) -> dict[str, Any]:
 
 
 def _usage(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """The stream's one usage block (its token counts), from its last event."""
     (usage,) = [e["usage"] for e in events if e.get("usage")]
     assert events[-1].get("usage") == usage, "the usage chunk is not the last"
-    return dict(usage)
+    keys = ("prompt_tokens", "completion_tokens", "total_tokens")
+    return {k: usage[k] for k in keys}
 
 
 @pytest.mark.parametrize("logprobs", [False, True], ids=["text", "logprobs"])
@@ -134,9 +136,10 @@ def test_stop_strings_per_choice_and_a_finished_choice_is_not_resumed(
     chat = path == "/v1/chat/completions"
     messages = [{"role": "user", "content": PROMPT}]
     prompt_ids = hf.encode_chat(messages) if chat else hf.encode(PROMPT)
-    seed = 3
-    answers = ["".join(hf.sample(prompt_key(prompt_ids), seed + i, 30)[1]) for i in range(N)]
-    pieces = [hf.sample(prompt_key(prompt_ids), seed + i, 30)[1] for i in range(N)]
+    # 18 tokens: the survivor streams fewer than KILL_AT of any choice (it would die too)
+    seed, most = 3, 18
+    pieces = [hf.sample(prompt_key(prompt_ids), seed + i, most)[1] for i in range(N)]
+    answers = ["".join(p) for p in pieces]
     # choice 0: a stop string spanning the seam (tokens 10..13 around the 12th);
     # choice 1: one that ends it at its 5th token, before the decode dies.
     across, at0 = _stop_inside(pieces[0], 10, 13)
@@ -146,7 +149,7 @@ def test_stop_strings_per_choice_and_a_finished_choice_is_not_resumed(
             assert answer.find(stop) == (at if i == owner else -1), (stop, i)
     body = _body(
         path,
-        max_tokens=30,
+        max_tokens=most,
         seed=seed,
         stop=[across, early],
         **({"logprobs": True, "top_logprobs": 1} if chat else {"logprobs": 1}),
