@@ -114,8 +114,8 @@ class Leg:
         index: the choice's `index` in the client's stream.
         events: its events as a stream of one choice continues them (index 0; its usage and
             `[DONE]` at the end, or one error event when it cannot continue).
-        abandon: called when another choice ended the stream with its error: the leg's
-            attempt is released failed (then `events` is closed).
+        abandon: called when another choice ended the stream with its error, before
+            `events` is closed: the leg's attempt is then released failed, not cancelled.
     """
 
     index: int

@@ -814,6 +814,8 @@ class _Request:
         child.resp = None
         child.evicted = ""
 
+        abandoned: list[bool] = []
+
         async def events() -> AsyncGenerator[bytes, None]:
             tally = _Tally()
             error: BaseException | None = None
@@ -826,12 +828,13 @@ class _Request:
                 error = exc
                 raise
             finally:
+                # closed because another choice failed: released failed, not cancelled (its
+                # attempt may be mid-way: settled here, once it has stopped, its KV is known)
+                if abandoned:
+                    error = RuntimeError("another choice of the stream failed")
                 child._settle_stream(error)
 
-        def abandon() -> None:
-            child.care.settle(RuntimeError("another choice of the stream failed"))
-
-        return Leg(index, events(), abandon)
+        return Leg(index, events(), lambda: abandoned.append(True))
 
     def _decode_lost(self, name: str, exc: Exception | None, idle_s: float) -> Loss:
         """Why a stream's decode leg ended before its `[DONE]`: `exc` (connection lost,
