@@ -242,9 +242,10 @@ _RESUMED = ("seed", "presence_penalty", "frequency_penalty", "logprobs", "stop")
 
 def migratable(req: ClientRequest, detokenizer: bool = False) -> bool:
     """Whether a stream of `req` can continue on another decode from the tokens it sent:
-    streamed, one choice, one prompt, no `echo`, and only fields whose meaning a
-    `/v1/completions` leg on the prompt's token ids keeps (chat's `logprobs` are not converted:
-    such a stream is not resumed; neither are tools, structured outputs and the like).
+    streamed, one prompt, no `echo`, and only fields whose meaning a `/v1/completions` leg on
+    the prompt's token ids keeps (tools, structured outputs and the like are not resumed).
+    With `n` > 1 each unfinished choice continues on its own leg (`resumed_body` with its
+    `choice`; `pdplane.gateway.fanout`).
 
     `stop` strings only with a `detokenizer` (the gateway has the model's tokenizer): vLLM
     holds back the last (longest stop string - 1) characters of such a stream until it can
@@ -253,7 +254,8 @@ def migratable(req: ClientRequest, detokenizer: bool = False) -> bool:
     body = req.body
     if not req.stream or not body.keys() <= _FIELDS[req.endpoint]:
         return False
-    if body.get("n") not in (None, 1) or body.get("echo") not in (None, False):
+    n = body.get("n")
+    if not (n is None or (type(n) is int and n >= 1)) or body.get("echo") not in (None, False):
         return False
     if body.get("stop") not in (None, "", []) and not detokenizer:
         return False
@@ -272,11 +274,15 @@ def with_token_ids(raw: bytes, body: dict[str, Any], kv_transfer_params: bytes |
     return head + kv_transfer_params + tail
 
 
-def resumed_body(req: ClientRequest, prompt_token_ids: list[int], sent: int) -> dict[str, Any]:
-    """The `/v1/completions` request that continues a stream after `sent` output tokens:
-    `prompt_token_ids` (the prompt's ids plus the `sent` tokens'), the client's limit less
-    `sent` (None: up to the model's length), `min_tokens` less `sent`, the client's sampling
-    fields. Streamed with token ids (a later loss resumes from them again)."""
+def resumed_body(
+    req: ClientRequest, prompt_token_ids: list[int], sent: int, choice: int = 0
+) -> dict[str, Any]:
+    """The `/v1/completions` request that continues a stream (or its choice `choice` of
+    `n` > 1) after `sent` output tokens: `prompt_token_ids` (the prompt's ids plus the `sent`
+    tokens'), the client's limit less `sent` (None: up to the model's length), `min_tokens`
+    less `sent`, the client's sampling fields, one choice (`n` is not passed on). A `seed`
+    becomes seed + `choice`: vLLM seeds choice i of `n` > 1 so. Streamed with token ids (a
+    later loss resumes from them again)."""
     body = req.body
     out: dict[str, Any] = {"prompt": prompt_token_ids}
     if "model" in body:
@@ -293,6 +299,9 @@ def resumed_body(req: ClientRequest, prompt_token_ids: list[int], sent: int) -> 
             out["logprobs"] = top if isinstance(top, int) and not isinstance(top, bool) else 0
         else:
             out.pop("logprobs", None)
+    seed = out.get("seed")
+    if choice and type(seed) is int:
+        out["seed"] = seed + choice
     min_tokens = body.get("min_tokens")
     if isinstance(min_tokens, int) and min_tokens > sent:
         out["min_tokens"] = min_tokens - sent

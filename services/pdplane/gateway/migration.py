@@ -37,7 +37,7 @@ from pydantic_core import from_json
 from pdplane.gateway.seam import parsed
 from pdplane.gateway.splice import FirstToken
 
-__all__ = ["Loss", "Transcript", "stop_lookback", "stop_seam", "whole_characters"]
+__all__ = ["Budget", "Loss", "Transcript", "stop_lookback", "stop_seam", "whole_characters"]
 
 #: A UTF-8 character spans at most 4 bytes, so at most 4 byte tokens.
 _MAX_CHARACTER_TOKENS = 4
@@ -75,6 +75,20 @@ class Loss:
     status: int
     message: str
     event: bytes = b""
+
+
+@dataclass(slots=True)
+class Budget:
+    """A request's migrations so far (`--migration-limit`, `--migration-timeout-s`), shared by
+    the choices of a streamed `n` > 1 (`pdplane.gateway.fanout`).
+
+    Attributes:
+        used: decode legs lost and continued elsewhere (resumes counted).
+        since: time.perf_counter() at the first loss (0: none yet).
+    """
+
+    used: int = 0
+    since: float = 0.0
 
 
 def stop_lookback(body: dict[str, Any]) -> int | None:
@@ -151,6 +165,11 @@ class Transcript:
             self.sent += _ints(found.group(1))
         if not self.finished and _FINISHED.search(events) is not None:
             self.finished = True
+
+    @property
+    def tokens(self) -> int:
+        """Output tokens the client got."""
+        return len(self.sent)
 
     @property
     def reads_text(self) -> bool:

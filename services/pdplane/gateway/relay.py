@@ -41,6 +41,7 @@ KV freed, Release "cancelled".
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
 import json
 import logging
@@ -77,9 +78,11 @@ from pdplane.gateway.errors import (
     gateway_timeout,
     unavailable,
 )
+from pdplane.gateway.fanout import Choices, FanOut, Leg
 from pdplane.gateway.fleet import FleetView
 from pdplane.gateway.metrics import GatewayMetrics
 from pdplane.gateway.migration import (
+    Budget,
     Loss,
     Transcript,
     stop_lookback,
@@ -197,8 +200,10 @@ class _Request:
 
     __slots__ = (
         "arrived_ns",
+        "budget",
         "cached",
         "care",
+        "choice",
         "decode",
         "decode_answered_ns",
         "decode_cached",
@@ -209,8 +214,6 @@ class _Request:
         "headers",
         "id",
         "max_model_len",
-        "migrated_at",
-        "migrations",
         "note",
         "prefill",
         "prefilled_at",
@@ -270,16 +273,18 @@ class _Request:
             if relay.config.migration_limit and req.stream and relay.tokenizers is not None
             else None
         )
-        self.transcript = (
-            Transcript(
-                lookback=stop_lookback(req.body),
-                text_offsets=req.endpoint == COMPLETIONS and req.body.get("logprobs") is not None,
+        self.transcript: Transcript | Choices | None = None
+        if relay.config.migration_limit and migratable(req, self.tokenizer is not None):
+            lookback = stop_lookback(req.body)
+            offsets = req.endpoint == COMPLETIONS and req.body.get("logprobs") is not None
+            n = req.body.get("n")
+            self.transcript = (
+                Choices(n, lookback, offsets)
+                if isinstance(n, int) and n > 1
+                else Transcript(lookback=lookback, text_offsets=offsets)
             )
-            if relay.config.migration_limit and migratable(req, self.tokenizer is not None)
-            else None
-        )
-        self.migrations = 0
-        self.migrated_at = 0.0
+        self.budget = Budget()  # shared with the choices of a streamed n > 1
+        self.choice = 0  # the choice this request continues (n > 1, `_choice_leg`)
         self.evicted = ""
 
     async def run(self) -> JsonReply | StreamReply:
@@ -620,43 +625,74 @@ class _Request:
         self, splice: Splice | None, continuation: tuple[FirstToken, bytes] | None = None
     ) -> AsyncGenerator[bytes, None]:
         """The client's SSE; settles the attempt when it ends. Decode's events (`self.resp`)
-        are relayed whole events at a time as they arrive. With `splice`, the first token's
-        events go first and decode's are rewritten; with `continuation` (the first token,
-        prefill's kv_transfer_params) decode is opened once the first token went out; with
-        `splice` alone the first token ended the request (its whole stream is the splice's).
-        A decode lost before its `[DONE]` is replaced by another that continues from the
-        tokens sent (`_migrate`), within `--migration-limit`."""
+        are relayed whole events at a time as they arrive (`_legs`). With `splice`, the first
+        token's events go first and decode's are rewritten; with `continuation` (the first
+        token, prefill's kv_transfer_params) decode is opened once the first token went out;
+        with `splice` alone the first token ended the request (its whole stream is the
+        splice's)."""
         self.streaming = True
         metrics = self.relay.metrics
         error: BaseException | None = None
-        first_at = last_at = 0.0
-        events = 0
-        done = failed = from_decode = False
-        transcript = self.transcript
-        resumed = False  # the current leg is a resumed one
+        tally = _Tally()
         try:
             if splice is not None:
-                first_at = time.perf_counter()
-                metrics.ttft.observe(first_at - self.started)
+                tally.first_at = time.perf_counter()
+                metrics.ttft.observe(tally.first_at - self.started)
                 if continuation is None:
                     yield splice.ending()
                     metrics.e2e.observe(time.perf_counter() - self.started)
                     return
-                events = 1
+                tally.events = 1
                 yield splice.opening()
                 try:
                     self.resp = await self._open_continuation(
-                        *continuation, splice.token_ids or transcript is not None
+                        *continuation, splice.token_ids or self.transcript is not None
                     )
                 except GatewayError as exc:
                     yield exc.sse_event()
                     return
-            idle_s = min(self.relay.config.stream_idle_timeout_s, self.timeout_s)
-            while True:
+            async for out in self._legs(splice, tally):
+                yield out
+            if not tally.ok:
+                return
+            self.care.succeeded()
+            metrics.e2e.observe(time.perf_counter() - self.started)
+            if tally.events > 2:  # ignore [DONE]; one event per token otherwise
+                metrics.tpot.observe((tally.last_at - tally.first_at) / (tally.events - 2))
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            self._settle_stream(error)
+
+    def _settle_stream(self, error: BaseException | None) -> None:
+        """Settles the stream's attempt (`error`: what ended it) and lets its leg go."""
+        outcome = self.care.settle(error)
+        if self.resp is not None:
+            if outcome is Outcome.SUCCESS:
+                self.resp.release()
+            else:
+                self.resp.close()
+
+    async def _legs(
+        self, splice: Splice | None, tally: _Tally, loss: Loss | None = None
+    ) -> AsyncGenerator[bytes, None]:
+        """Decode's legs of the stream, relayed: `self.resp`'s events (rewritten by `splice`
+        if given), and after a leg lost before its `[DONE]` another decode's continuing from
+        the tokens sent (`_migrate`; a streamed n > 1's choices each on their own,
+        `_fan_out`), within `--migration-limit`. A `loss` given first: the leg was lost
+        already (a choice of n > 1 whose loss `_fan_out` counted). `tally.ok` tells whether
+        the stream ended whole; else its last event was the one error event."""
+        metrics = self.relay.metrics
+        transcript = self.transcript
+        resumed = counted = loss is not None
+        done = failed = False
+        idle_s = min(self.relay.config.stream_idle_timeout_s, self.timeout_s)
+        while True:
+            if loss is None:
                 resp = self.resp
                 assert resp is not None
                 name = self.decode.instance_id
-                loss: Loss | None = None
                 carry = b""
                 self.evicted = ""
                 if transcript is not None:
@@ -670,12 +706,12 @@ class _Request:
                             carry = data
                             continue
                         out, carry = data[:cut], data[cut:]
-                        last_at = time.perf_counter()
-                        if not events:
-                            first_at = last_at
-                            metrics.ttft.observe(first_at - self.started)
-                        if not from_decode:
-                            from_decode = True
+                        last_at = tally.last_at = time.perf_counter()
+                        if not tally.events:
+                            tally.first_at = last_at
+                            metrics.ttft.observe(tally.first_at - self.started)
+                        if not tally.from_decode:
+                            tally.from_decode = True
                             tracing.record_span("pdplane.first_byte", self.decode_answered_ns)
                         if transcript is not None:
                             at = out.find(_ERROR_EVENT)
@@ -695,7 +731,7 @@ class _Request:
                             transcript.observe(out, resumed)
                             if splice is None or not splice.token_ids:
                                 out = transcript.strip(out)
-                        events += out.count(b"\n\n")
+                        tally.events += out.count(b"\n\n")
                         done = out.endswith(SSE_DONE)
                         # vLLM ends a failed request's stream with an error event, then [DONE].
                         failed = failed or _ERROR_EVENT in out
@@ -720,40 +756,85 @@ class _Request:
                 if loss is None and not done:
                     loss = self._decode_lost(name, None, idle_s)
                 if loss is None:
-                    break
-                if transcript is None or not transcript.resumable():
-                    yield loss.event or GatewayError(loss.status, loss.message).sse_event()
+                    tally.ok = not failed
                     return
-                if transcript.finished and not loss.event:
-                    # The last token went out: the stream only misses its usage and [DONE].
-                    first = transcript.as_first_token()
-                    yield Splice(self.req, first, None, self.cached, len(transcript.sent)).closing()
-                    done = True
-                    break
-                lost_at = time.perf_counter()
-                try:
-                    splice = await self._migrate(transcript, loss)
-                except GatewayError as exc:
-                    yield loss.event or exc.sse_event()
-                    return
-                metrics.migration_seconds.observe(time.perf_counter() - lost_at)
-                resumed = True
-            if failed:
+            if transcript is None or not transcript.resumable():
+                yield loss.event or GatewayError(loss.status, loss.message).sse_event()
                 return
-            self.care.succeeded()
-            metrics.e2e.observe(time.perf_counter() - self.started)
-            if events > 2:  # ignore [DONE]; one event per token otherwise
-                metrics.tpot.observe((last_at - first_at) / (events - 2))
-        except BaseException as exc:
-            error = exc
-            raise
-        finally:
-            outcome = self.care.settle(error)
-            if self.resp is not None:
-                if outcome is Outcome.SUCCESS:
-                    self.resp.release()
+            if transcript.finished and not loss.event:
+                # The last token went out: the stream only misses its usage and [DONE].
+                first = transcript.as_first_token()
+                yield Splice(self.req, first, None, self.cached, transcript.tokens).closing()
+                tally.ok = True
+                return
+            lost_at = time.perf_counter()
+            try:
+                if isinstance(transcript, Choices):
+                    fan = self._fan_out(transcript, loss)
                 else:
-                    self.resp.close()
+                    splice = await self._migrate(transcript, loss, counted)
+            except GatewayError as exc:
+                yield loss.event or exc.sse_event()
+                return
+            metrics.migration_seconds.observe(time.perf_counter() - lost_at)
+            if isinstance(transcript, Choices):
+                async for out in fan.events():
+                    yield out
+                tally.ok = fan.ok
+                return
+            resumed, counted, loss = True, False, None
+
+    def _fan_out(self, choices: Choices, loss: Loss) -> FanOut:
+        """A streamed n > 1 whose decode leg was lost (`loss`): the lost attempt is released
+        failed and counted as one migration (however many choices it carried), and each
+        unfinished choice continues on its own leg (`_choice_leg`), all at once. Raises
+        GatewayError when `--migration-limit` or `--migration-timeout-s` is spent."""
+        if self.resp is not None:
+            self.resp.close()
+        self.care.settle(RuntimeError(loss.message))
+        self._count_migration(loss, self.decode.instance_id)
+        legs = [self._choice_leg(i, t, loss) for i, t in choices.unfinished()]
+
+        def ending() -> bytes:
+            first = choices.as_first_token()
+            return Splice(self.req, first, None, self.cached, choices.tokens).closing()
+
+        return FanOut(legs, ending)
+
+    def _choice_leg(self, index: int, transcript: Transcript, loss: Loss) -> Leg:
+        """Choice `index` of a streamed n > 1 (`transcript`: its stream so far) continued as a
+        stream of one choice: a copy of this request under its own id (`<id>-<index>`: its
+        own Schedule and Release), sharing the migration budget, resumed at once."""
+        child = copy.copy(self)
+        child.id = f"{self.id}-{index}"
+        child.headers = {**self.headers, "x-request-id": child.id}
+        child.transcript = transcript
+        child.excluded = list(self.excluded)
+        child.choice = index
+        child.resp = None
+        child.evicted = ""
+
+        abandoned: list[bool] = []
+
+        async def events() -> AsyncGenerator[bytes, None]:
+            tally = _Tally()
+            error: BaseException | None = None
+            try:
+                async for out in child._legs(None, tally, loss):
+                    yield out
+                if tally.ok:
+                    child.care.succeeded()
+            except BaseException as exc:
+                error = exc
+                raise
+            finally:
+                # closed because another choice failed: released failed, not cancelled (its
+                # attempt may be mid-way: settled here, once it has stopped, its KV is known)
+                if abandoned:
+                    error = RuntimeError("another choice of the stream failed")
+                child._settle_stream(error)
+
+        return Leg(index, events(), lambda: abandoned.append(True))
 
     def _decode_lost(self, name: str, exc: Exception | None, idle_s: float) -> Loss:
         """Why a stream's decode leg ended before its `[DONE]`: `exc` (connection lost,
@@ -783,9 +864,10 @@ class _Request:
         spent."""
         config, metrics = self.relay.config, self.relay.metrics
         now = time.perf_counter()
-        if not self.migrated_at:
-            self.migrated_at = now
-        if self.migrations >= config.migration_limit:
+        budget = self.budget
+        if not budget.since:
+            budget.since = now
+        if budget.used >= config.migration_limit:
             metrics.migration_failures.labels("limit").inc()
             log.warning(
                 "request %s: %s; not continued (--migration-limit %d spent)",
@@ -798,16 +880,16 @@ class _Request:
                 f"{loss.message}; not continued on another decode: "
                 f"--migration-limit {config.migration_limit} spent",
             )
-        if now - self.migrated_at > config.migration_timeout_s:
+        if now - budget.since > config.migration_timeout_s:
             metrics.migration_failures.labels("timeout").inc()
             raise gateway_timeout(
                 f"{loss.message}; not continued on another decode within "
                 f"--migration-timeout-s {config.migration_timeout_s:g}"
             )
-        self.migrations += 1
+        budget.used += 1
         metrics.migrations.labels(loss.reason).inc()
 
-    async def _migrate(self, transcript: Transcript, loss: Loss) -> Splice:
+    async def _migrate(self, transcript: Transcript, loss: Loss, counted: bool = False) -> Splice:
         """Continues a stream whose decode leg was lost (`loss`) on another decode: the lost
         attempt is released failed; a new decision for the prompt plus the tokens sent
         (`transcript`), its prefill leg if it has one (the resumed prompt's KV), and the new
@@ -815,7 +897,8 @@ class _Request:
         splice that continues the client's stream with its events (`self.resp`). Tries again
         on another decode when the new one fails too, within `--migration-limit` and
         `--migration-timeout-s`; raises GatewayError when either is spent, when no decode is
-        left, or when the new leg is refused."""
+        left, or when the new leg is refused. `counted`: the loss was counted already (the
+        shared decode of a streamed n > 1's choices, `_fan_out`)."""
         metrics, config = self.relay.metrics, self.relay.config
         lost = self.decode.instance_id
         tokenizer = self.tokenizer
@@ -840,10 +923,12 @@ class _Request:
             if self.resp is not None:
                 self.resp.close()
             self.care.settle(RuntimeError(loss.message))  # Release failed, before Schedule
-            self._count_migration(loss, lost)
+            if not counted:
+                self._count_migration(loss, lost)
+            counted = False
             self.excluded.append(lost)
-            body = resumed_body(self.req, prompt, sent)
-            left = config.migration_timeout_s - (time.perf_counter() - self.migrated_at)
+            body = resumed_body(self.req, prompt, sent, self.choice)
+            left = config.migration_timeout_s - (time.perf_counter() - self.budget.since)
             attributes = {
                 "pdplane.lost_decode": lost,
                 "pdplane.reason": loss.reason,
@@ -979,6 +1064,18 @@ class _Request:
 def _status_error(side: str, instance_id: str, status: int, body: bytes) -> GatewayError:
     excerpt = body[:300].decode(errors="replace")
     return bad_gateway(f"{side} instance {instance_id} answered {status}: {excerpt}")
+
+
+@dataclasses.dataclass(slots=True)
+class _Tally:
+    """A stream's progress, for its metrics: events relayed, the first and last one's
+    time.perf_counter(), whether decode sent any; `ok`: it ended whole (with `[DONE]`)."""
+
+    events: int = 0
+    first_at: float = 0.0
+    last_at: float = 0.0
+    from_decode: bool = False
+    ok: bool = False
 
 
 class _DecodeLost(Exception):

@@ -3,9 +3,9 @@
 Timing comes from the engine model (`pdplane.sim.engine`, stepped by `pdplane.sim.runner`):
 the handler waits for the engine's progress notifications (first token, every
 `stream_interval` tokens, the end) and writes what was generated since the last one, one SSE
-event per token. A prefill for a remote decode (`do_remote_decode`) keeps its blocks under a
-new transfer id (and in push mode pushes them to the named decode); a decode with
-`do_remote_prefill` loads them (`pdplane.sim.kvload`).
+event per token and choice (`n` > 1: `pdplane.sim.answers`). A prefill for a remote decode
+(`do_remote_decode`) keeps its blocks under a new transfer id (and in push mode pushes them
+to the named decode); a decode with `do_remote_prefill` loads them (`pdplane.sim.kvload`).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from typing import Any
 from aiohttp import web
 
 from pdplane.core.kv_params import KvParamsError
+from pdplane.sim.answers import Answer, answer_of
 from pdplane.sim.engine import EngineRequest, Phase
 from pdplane.sim.kvflow import KvIntent, classify, producer_params
 from pdplane.sim.kvload import KvLoader, LoadContext
@@ -26,7 +27,6 @@ from pdplane.sim.protocol import SimApiError, SimRequest, parse_request
 from pdplane.sim.records import RequestRecord
 from pdplane.sim.responses import ResponseWriter
 from pdplane.sim.state import SimState
-from pdplane.sim.tokens import continuation, resumed
 from pdplane.sim.transfers import HeldTransfer
 
 __all__ = ["CompletionRoutes", "error_response"]
@@ -125,33 +125,12 @@ class CompletionRoutes:
         producer = intent is not None and intent.role == "producer"
         consumer = intent is not None and intent.role == "consumer"
         assert s.tokenizer is not None
-        answer = None
-        if consumer and intent is not None and intent.decode is not None:
-            # Prefill's prompt + its first token (the gateway streamed that one already).
-            answer = continuation(
-                s.tokenizer, req.prompt_ids, intent.num_tokens, req.seed, req.max_tokens
-            )
-        elif intent is None and c.role == "decode" and not chat:
-            # The same prompt computed here, without KV (a decode taking over from one that
-            # could not be reached): a model continues its own first token the same way.
-            answer = continuation(
-                s.tokenizer, req.prompt_ids, len(req.prompt_ids) - 1, req.seed, req.max_tokens
-            )
-        if answer is None and req.prompt_as_ids and req.return_token_ids:
-            # A prompt that ends in part of its own answer (a stream resumed elsewhere: the
-            # gateway asks for token ids on those legs). Other prompts are not searched: a
-            # prompt whose last id merely equals its own first sampled token (1 in
-            # len(VOCAB)) keeps its own answer.
-            answer = resumed(
-                s.tokenizer, req.prompt_ids, req.seed, 1 if producer else req.max_tokens
-            )
-        ids, pieces = answer or s.tokenizer.sample(
-            req.key, req.seed, 1 if producer else req.max_tokens
-        )
-        tokens = pieces  # each token's own text (logprobs name them)
-        stopped = req.stop.apply(pieces) if req.stop is not None else None
-        if stopped is not None:  # the engine stops at the token that completes a stop string
-            ids, pieces = ids[: len(stopped.deltas)], stopped.deltas
+        answers = [
+            answer_of(s.tokenizer, req, intent, c.role, req.seed_of(i)) for i in range(req.n)
+        ]
+        # One engine request for all choices, as long as the longest (vLLM runs one per
+        # choice, sharing the prompt's blocks; the sim's timing follows the longest).
+        ids = max((a.ids for a in answers), key=len)
         ereq = EngineRequest(
             record.request_id or uuid.uuid4().hex,
             req.prompt_ids,
@@ -194,20 +173,16 @@ class CompletionRoutes:
                 prompt_tokens=req.prompt_tokens,
                 prompt_ids=list(req.prompt_ids) if req.return_token_ids else None,
             )
-            if stopped is not None:
-                writer.stopped_by(stopped.stop)
+            for i, answer in enumerate(answers):
+                writer.stopped_by(answer.stop, i)
             kv_out = None
             if producer:
                 assert intent is not None
                 held, kv_out = await self._hold(ereq, req, intent, record)
             if stream is not None:
-                response = await self._stream(
-                    request, stream, req, writer, ereq, ids, pieces, record, tokens
-                )
+                response = await self._stream(request, stream, req, writer, ereq, answers, record)
             else:
-                response = await self._whole(
-                    request, req, writer, ereq, ids, pieces, record, kv_out, tokens
-                )
+                response = await self._whole(request, req, writer, ereq, answers, record, kv_out)
             s.metrics.e2e.add((loop.time() - started) * c.time_scale)
             return response
         except BaseException:
@@ -271,11 +246,9 @@ class CompletionRoutes:
         req: SimRequest,
         writer: ResponseWriter,
         ereq: EngineRequest,
-        ids: list[int],
-        pieces: list[str],
+        answers: list[Answer],
         record: RequestRecord,
         kv_out: dict[str, Any] | None,
-        tokens: list[str],
     ) -> web.StreamResponse:
         s = self._s
         if record.fault == "stall":
@@ -285,16 +258,19 @@ class CompletionRoutes:
             return web.Response(status=500)
         while ereq.phase != Phase.DONE:
             await s.runner.progress(ereq)
-        n = ereq.num_output
-        text = "".join(pieces[:n])
-        if req.echo_prompt is not None:
-            text = req.echo_prompt + text
-        record.tokens_sent = n
-        logprobs = None
-        if req.logprobs is not None:
-            assert s.tokenizer is not None
-            logprobs = req.logprobs.of(s.tokenizer, ids[:n], tokens[:n], 0)
-        return web.json_response(writer.full(text, n, kv_out, ids[:n], logprobs))
+        choices = []
+        for a in answers:
+            n = min(ereq.num_output, len(a.ids))
+            text = "".join(a.pieces[:n])
+            if req.echo_prompt is not None:
+                text = req.echo_prompt + text
+            logprobs = None
+            if req.logprobs is not None:
+                assert s.tokenizer is not None
+                logprobs = req.logprobs.of(s.tokenizer, a.ids[:n], a.tokens[:n], 0)
+            choices.append((text, a.ids[:n], logprobs))
+        record.tokens_sent = ereq.num_output
+        return web.json_response(writer.full(choices, kv_out))
 
     async def _stream(
         self,
@@ -303,29 +279,32 @@ class CompletionRoutes:
         req: SimRequest,
         writer: ResponseWriter,
         ereq: EngineRequest,
-        ids: list[int],
-        pieces: list[str],
+        answers: list[Answer],
         record: RequestRecord,
-        tokens: list[str],
     ) -> web.StreamResponse:
-        """Streams the tokens on `response` (prepared, its headers sent): `pieces` are the
-        text each token's chunk carries, `tokens` each token's own (logprobs name them)."""
+        """Streams the choices' tokens on `response` (prepared, its headers sent), one chunk
+        per token and choice, the choices of one engine step in index order (as vLLM streams
+        `n` > 1). Faults count tokens per choice."""
         s = self._s
-        total = len(pieces)
+        total = max(len(a.ids) for a in answers)
         # completions' text_offset: vLLM advances it by the tokens' own text, not by the
         # text streamed (which lags the tokens while stop strings hold some back)
-        offsets = list(accumulate(map(len, tokens), initial=0))
+        offsets = [list(accumulate(map(len, a.tokens), initial=0)) for a in answers]
 
-        def logprobs(i: int) -> dict[str, Any] | None:
-            if req.logprobs is None or s.tokenizer is None:
-                return None
-            return req.logprobs.of(s.tokenizer, [ids[i]], [tokens[i]], offsets[i])
+        def chunk(k: int, i: int) -> bytes:
+            a = answers[k]
+            logprobs = None
+            if req.logprobs is not None and s.tokenizer is not None:
+                logprobs = req.logprobs.of(s.tokenizer, [a.ids[i]], [a.tokens[i]], offsets[k][i])
+            return writer.token_chunk(a.pieces[i], i == len(a.ids) - 1, a.ids[i], logprobs, k)
 
         strike = min(s.faults.fail_after_tokens, total) if record.fault else -1
         try:
-            head = writer.role_chunk()
+            head = writer.role_chunk(req.n)
             if req.echo_prompt is not None:
-                echo = writer.token_chunk(req.echo_prompt, False)
+                echo = b"".join(
+                    writer.token_chunk(req.echo_prompt, False, index=k) for k in range(req.n)
+                )
                 head = echo if head is None else head + echo
             if head is not None:
                 await response.write(head)
@@ -336,8 +315,10 @@ class CompletionRoutes:
                     ready = strike
                 if ready > sent:
                     out = b"".join(
-                        writer.token_chunk(pieces[i], i == total - 1, ids[i], logprobs(i))
+                        chunk(k, i)
                         for i in range(sent, ready)
+                        for k in range(len(answers))
+                        if i < len(answers[k].ids)
                     )
                     await response.write(out)
                     record.tokens_sent = sent = ready
@@ -351,7 +332,9 @@ class CompletionRoutes:
                     break
                 await s.runner.progress(ereq)
             if req.include_usage:
-                await response.write(writer.usage_chunk(sent))
+                await response.write(
+                    writer.usage_chunk(sum(min(sent, len(a.ids)) for a in answers))
+                )
             await response.write(writer.done())
             await response.write_eof()
         except ConnectionResetError:

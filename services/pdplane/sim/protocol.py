@@ -55,6 +55,10 @@ class SimRequest:
         prompt_as_ids: a completions prompt given as token ids.
         stop: the `stop` strings (`pdplane.sim.stops`); None: none.
         logprobs: the logprobs asked for (`pdplane.sim.logprobs`); None: none.
+        n: choices per prompt (vLLM's `n`).
+        seeded: the request gave its own `seed`: choice i then samples with `seed` + i (as
+            vLLM seeds a parallel-sampling child); without one every choice samples with
+            the sim's seed (the sim's output is greedy-like: a function of prompt and seed).
     """
 
     chat: bool
@@ -71,6 +75,12 @@ class SimRequest:
     prompt_as_ids: bool = False
     stop: StopStrings | None = None
     logprobs: Logprobs | None = None
+    n: int = 1
+    seeded: bool = False
+
+    def seed_of(self, choice: int) -> int:
+        """The seed choice `choice` samples with (see `seeded`)."""
+        return self.seed + choice if self.seeded else self.seed
 
 
 def _bad(message: str, param: str | None = None) -> SimApiError:
@@ -88,6 +98,8 @@ def _int_field(body: dict[str, Any], name: str) -> int | None:
     return value
 
 
+#: The most choices a sim request may ask for (each is streamed per token).
+_MAX_N = 16
 #: Exclusive bound of a prompt token id (uint32 on the KV events wire).
 _TOKEN_ID_LIMIT = 2**32
 
@@ -160,9 +172,9 @@ def parse_request(
         raise SimApiError(
             404, f"The model `{body.get('model')}` does not exist.", "NotFoundError", "model"
         )
-    n = _int_field(body, "n")
-    if n not in (None, 1):
-        raise _bad("only n=1 is supported by this simulator", "n")
+    n = _int_field(body, "n") or 1
+    if n > _MAX_N:
+        raise _bad(f"n must be at most {_MAX_N}", "n")
     tok = tokenizer or _DEFAULT_TOKENIZER
     as_ids = False
     if chat:
@@ -227,4 +239,6 @@ def parse_request(
         prompt_as_ids=as_ids,
         stop=stop,
         logprobs=logprobs,
+        n=n,
+        seeded=seed is not None,
     )

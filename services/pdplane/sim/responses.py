@@ -25,6 +25,10 @@ class ResponseWriter:
     `token_ids`; streamed, `prompt_token_ids` on the first token's chunk only); chat,
     `prompt_token_ids` at the top level (streamed: on the role chunk) and `token_ids` on the
     choice (streamed: each chunk's delta tokens). Without it those fields stay null or absent.
+
+    `n` > 1 as vLLM 0.32 streams it: each chunk carries one choice with its `index`; chat
+    opens with one role chunk per choice (each with the prompt's ids when asked for);
+    completions give the prompt's ids on each choice's first chunk.
     """
 
     __slots__ = (
@@ -45,15 +49,20 @@ class ResponseWriter:
         self._model = model
         self._prompt_tokens = prompt_tokens
         self._prompt_ids = prompt_ids  # None: token ids not asked for
-        self._prompt_sent = False  # streaming: the prompt's ids went out already
+        self._prompt_sent: set[int] = set()  # streaming: choices whose prompt ids went out
         self._created = int(time.time())
         self._id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        #: the last token's (finish_reason, stop_reason): a stop string's, else "length"
-        self._finish: tuple[str, str | None] = ("length", None)
+        #: per choice, its last token's (finish_reason, stop_reason): a stop string's, else
+        #: "length"
+        self._finish: dict[int, tuple[str, str | None]] = {}
 
-    def stopped_by(self, stop: str | None) -> None:
-        """The answer ends on stop string `stop` (finish_reason "stop"); None: on its length."""
-        self._finish = ("length", None) if stop is None else ("stop", stop)
+    def stopped_by(self, stop: str | None, index: int = 0) -> None:
+        """Choice `index` ends on stop string `stop` (finish_reason "stop"); None: on its
+        length."""
+        self._finish[index] = ("length", None) if stop is None else ("stop", stop)
+
+    def _finish_of(self, index: int) -> tuple[str, str | None]:
+        return self._finish.get(index, ("length", None))
 
     def usage(self, completion_tokens: int) -> dict[str, Any]:
         """OpenAI usage block (tokens)."""
@@ -66,60 +75,57 @@ class ResponseWriter:
 
     def full(
         self,
-        text: str,
-        completion_tokens: int,
+        choices: list[tuple[str, list[int], dict[str, Any] | None]],
         kv_transfer_params: dict[str, Any] | None,
-        token_ids: list[int] | None = None,
-        logprobs: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        """The non-streaming response (finish_reason "length": the sim never samples EOS;
-        "stop" after `stopped_by`).
-
-        `token_ids`: the output's ids, returned only when the writer has `prompt_ids`;
-        `logprobs`: the output's (`pdplane.sim.logprobs`), if asked.
-        """
+        """The non-streaming response: per choice (its text, its output ids, its logprobs
+        (`pdplane.sim.logprobs`) or None), finish_reason "length" (the sim never samples
+        EOS) or "stop" after `stopped_by`. The ids are returned only when the writer has
+        `prompt_ids`; usage counts every choice's tokens, the prompt's once."""
         prompt_ids = self._prompt_ids
-        out_ids = token_ids if prompt_ids is not None else None
-        if self._chat:
-            choice: dict[str, Any] = {
-                "index": 0,
-                "message": {
-                    "role": "assistant",
-                    "content": text,
-                    "refusal": None,
-                    "annotations": None,
-                    "audio": None,
-                    "function_call": None,
-                    "tool_calls": [],
-                    "reasoning": None,
-                },
-                "logprobs": logprobs,
-                "finish_reason": self._finish[0],
-                "stop_reason": self._finish[1],
-                "token_ids": out_ids,
-            }
-            obj = "chat.completion"
-        else:
-            choice = {
-                "index": 0,
-                "text": text,
-                "logprobs": logprobs,
-                "finish_reason": self._finish[0],
-                "stop_reason": self._finish[1],
-                "token_ids": out_ids,
-                "prompt_logprobs": None,
-                "prompt_token_ids": prompt_ids,
-            }
-            obj = "text_completion"
+        out = []
+        for index, (text, token_ids, logprobs) in enumerate(choices):
+            out_ids = token_ids if prompt_ids is not None else None
+            finish, stop = self._finish_of(index)
+            if self._chat:
+                choice: dict[str, Any] = {
+                    "index": index,
+                    "message": {
+                        "role": "assistant",
+                        "content": text,
+                        "refusal": None,
+                        "annotations": None,
+                        "audio": None,
+                        "function_call": None,
+                        "tool_calls": [],
+                        "reasoning": None,
+                    },
+                    "logprobs": logprobs,
+                    "finish_reason": finish,
+                    "stop_reason": stop,
+                    "token_ids": out_ids,
+                }
+            else:
+                choice = {
+                    "index": index,
+                    "text": text,
+                    "logprobs": logprobs,
+                    "finish_reason": finish,
+                    "stop_reason": stop,
+                    "token_ids": out_ids,
+                    "prompt_logprobs": None,
+                    "prompt_token_ids": prompt_ids,
+                }
+            out.append(choice)
         return {
             "id": self._id,
-            "object": obj,
+            "object": "chat.completion" if self._chat else "text_completion",
             "created": self._created,
             "model": self._model,
-            "choices": [choice],
+            "choices": out,
             "service_tier": None,
             "system_fingerprint": None,
-            "usage": self.usage(completion_tokens),
+            "usage": self.usage(sum(len(ids) for _, ids, _ in choices)),
             "prompt_logprobs": None,
             "prompt_token_ids": prompt_ids if self._chat else None,
             "kv_transfer_params": kv_transfer_params,
@@ -134,18 +140,22 @@ class ResponseWriter:
             "choices": choices,
         }
 
-    def role_chunk(self) -> bytes | None:
-        """The chat stream's first event (role, empty content; the prompt's ids when asked
-        for); None for completions."""
+    def role_chunk(self, n: int = 1) -> bytes | None:
+        """The chat stream's first events, one per choice of `n` (role, empty content; the
+        prompt's ids when asked for); None for completions."""
         if not self._chat:
             return None
-        delta = {"role": "assistant", "content": ""}
-        chunk = self._chunk([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}])
-        if self._prompt_ids is not None:
-            chunk["prompt_token_ids"] = self._prompt_ids
-            chunk["prompt_text"] = None
-            self._prompt_sent = True
-        return sse(chunk)
+        out = []
+        for index in range(n):
+            delta = {"role": "assistant", "content": ""}
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
+            chunk = self._chunk([choice])
+            if self._prompt_ids is not None:
+                chunk["prompt_token_ids"] = self._prompt_ids
+                chunk["prompt_text"] = None
+                self._prompt_sent.add(index)
+            out.append(sse(chunk))
+        return b"".join(out)
 
     def token_chunk(
         self,
@@ -153,26 +163,29 @@ class ResponseWriter:
         last: bool,
         token_id: int | None = None,
         logprobs: dict[str, Any] | None = None,
+        index: int = 0,
     ) -> bytes:
-        """One streamed token; the last one carries the finish_reason ("length", or "stop"
-        after `stopped_by`).
+        """One streamed token of choice `index`; the choice's last one carries the
+        finish_reason ("length", or "stop" after `stopped_by`).
 
         `token_id`: the token's id, returned only when the writer has `prompt_ids`;
         `logprobs`: the token's (`pdplane.sim.logprobs`), if asked.
         """
         choice: dict[str, Any]
         if self._chat:
-            choice = {"index": 0, "delta": {"content": text}, "logprobs": logprobs}
+            choice = {"index": index, "delta": {"content": text}, "logprobs": logprobs}
         else:
-            choice = {"index": 0, "text": text, "logprobs": logprobs}
-        choice["finish_reason"] = self._finish[0] if last else None
+            choice = {"index": index, "text": text, "logprobs": logprobs}
+        finish, stop = self._finish_of(index)
+        choice["finish_reason"] = finish if last else None
         ids = self._prompt_ids is not None
         completion_ids = ids and not self._chat
         if last or completion_ids:  # vLLM sets these on every completions chunk with ids
-            choice["stop_reason"] = self._finish[1] if last else None
+            choice["stop_reason"] = stop if last else None
         if completion_ids:
-            choice["prompt_token_ids"] = None if self._prompt_sent else self._prompt_ids
-            self._prompt_sent = True
+            sent = index in self._prompt_sent
+            choice["prompt_token_ids"] = None if sent else self._prompt_ids
+            self._prompt_sent.add(index)
         if ids:
             choice["token_ids"] = [] if token_id is None else [token_id]
         return sse(self._chunk([choice]))

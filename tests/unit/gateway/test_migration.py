@@ -27,7 +27,7 @@ def test_which_streams_are_migratable() -> None:
     assert migratable(_req(COMPLETIONS, stop="x", include_stop_str_in_output=True), True)
     assert migratable(_req(COMPLETIONS, logprobs=2))  # completions logprobs continue
     assert not migratable(_req(COMPLETIONS, stream=False))  # run again instead
-    assert not migratable(_req(COMPLETIONS, n=2))
+    assert migratable(_req(COMPLETIONS, n=2))  # each choice on its own leg
     assert not migratable(_req(COMPLETIONS, echo=True))
     assert migratable(_req(CHAT, logprobs=True, top_logprobs=2))  # continued as chat's
     assert not migratable(_req(CHAT, tools=[{"type": "function"}]))
@@ -229,3 +229,10 @@ def test_the_transcript_follows_text_offset_as_vllm_advances_it() -> None:
     assert t.offsets == [0, 3, 5] and t.next_offset == 9  # by the tokens, not the text sent
     t.rewind(1)
     assert t.next_offset == 3 and t.offsets == [0]
+
+
+def test_a_choice_of_n_above_1_resumes_alone_with_its_own_seed() -> None:
+    req = _req(COMPLETIONS, n=3, max_tokens=20, seed=7)
+    body = resumed_body(req, [1, 2, 3, 40, 41], 2, choice=2)
+    assert "n" not in body and body["max_tokens"] == 18 and body["seed"] == 9
+    assert resumed_body(_req(COMPLETIONS, n=3), [1, 2], 0, choice=1).get("seed") is None

@@ -66,7 +66,8 @@ def test_unknown_model_is_404() -> None:
     "body",
     [
         {"prompt": 3},
-        {"prompt": "x", "n": 2},
+        {"prompt": "x", "n": 17},
+        {"prompt": "x", "n": 0},
         {"prompt": "x", "max_tokens": "5"},
         {"prompt": "x", "max_tokens": 0},
         {"prompt": "x", "stream_options": {"include_usage": True}},
