@@ -235,7 +235,7 @@ def continuation_body(
 
 
 #: Fields a resumed stream's leg gets besides `_TO_DECODE` (their effect across the seam is in
-#: docs/gateway.md, "Migration": a seed restarts its generator, penalties count only the
+#: docs/migration.md: a seed restarts its generator, penalties count only the
 #: new leg's output).
 _RESUMED = ("seed", "presence_penalty", "frequency_penalty", "logprobs", "stop")
 

@@ -44,7 +44,7 @@ async def test_no_prefill_sends_the_original_request_to_decode_only(
     assert "local" in r.text
     if stream:
         # a stream's decode also streams its token ids: what continuing it on another decode
-        # needs, should this one be lost (docs/gateway.md, "Migration")
+        # needs, should this one be lost (docs/migration.md)
         raw = raw[:-1] + b',"return_token_ids":true}'
     assert seen == [raw]  # byte for byte otherwise: no kv_transfer_params, nothing rewritten
     assert sched.log[-1] == ("release", "success")
