@@ -78,7 +78,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.sim._calib_servers import LLAMA3_8B_CONFIG, SMALL_SHAPE, _dummy_model
-from pdplane.launch.fleet import Fleet, FleetSpec
+from pdplane.launch.deployment import Fleet, FleetSpec
 from pdplane.launch.ports import free_port_run
 from pdplane.launch.process import ManagedProcess, http_ok, wait_until
 from pdplane.launch.vllm_cpu import (

@@ -50,7 +50,7 @@ from typing import Any
 
 import grpc
 
-from pdplane.core import grpc_util
+from pdplane.core.grpc import util as grpc_util
 from pdplane.launch.etcd import EtcdCluster
 from pdplane.launch.ports import free_port_run
 from pdplane.launch.process import ManagedProcess, grpc_serving, wait_until

@@ -22,7 +22,7 @@ from concurrent import futures
 
 import grpc
 
-from pdplane.core import grpc_util
+from pdplane.core.grpc import util as grpc_util
 from pdplane.v1 import instance_pb2, registry_pb2, registry_pb2_grpc
 
 

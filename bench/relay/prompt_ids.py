@@ -22,7 +22,7 @@ from typing import Any
 
 from pdplane.gateway.prompt_ids import PromptTokenizer, exact_prompt, exact_prompt_async
 from pdplane.gateway.validation import CHAT, COMPLETIONS, Endpoint, parse_request
-from pdplane.launch.fleet import default_model_cache
+from pdplane.launch.deployment import default_model_cache
 from pdplane.models.tiny import build_tiny_model
 
 _WORDS = [

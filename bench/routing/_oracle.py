@@ -28,9 +28,9 @@ import aiohttp
 from aiohttp import web
 
 from pdplane.core.kv_params import PrefillRequestParams
-from pdplane.sim.fleet import SimFleet
 from pdplane.sim.instance import SimInstance
 from pdplane.sim.kv_cache import chain_hashes
+from pdplane.sim.sim_fleet import SimFleet
 
 __all__ = ["ROUTERS", "build_oracle_app"]
 

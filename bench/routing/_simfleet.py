@@ -27,8 +27,8 @@ from aiohttp import web
 
 from bench.routing._oracle import ROUTERS, build_oracle_app
 from pdplane.sim.config import SimConfig
-from pdplane.sim.fleet import SimFleet
 from pdplane.sim.profiles import load_profile
+from pdplane.sim.sim_fleet import SimFleet
 
 __all__ = ["main"]
 

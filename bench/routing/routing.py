@@ -138,7 +138,7 @@ def make_workload(p: Point) -> wl.Workload:
 
 def _tokenizer_dir(name: str) -> str:
     if name == "tiny":
-        from pdplane.launch.fleet import default_model_cache
+        from pdplane.launch.deployment import default_model_cache
         from pdplane.models.tiny import build_tiny_model
 
         return str(build_tiny_model(default_model_cache()))

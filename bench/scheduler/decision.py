@@ -36,11 +36,11 @@ from typing import Any
 import numpy as np
 
 from pdplane.core.prefix_hash import block_hashes
+from pdplane.scheduler.decision import SchedulerService
 from pdplane.scheduler.kv_index import KvState, PrefixIndex
 from pdplane.scheduler.metrics import SchedulerMetrics
 from pdplane.scheduler.policies import POLICIES
 from pdplane.scheduler.port import Outcome, RequestFeatures
-from pdplane.scheduler.service import SchedulerService
 from pdplane.scheduler.view import CandidateView, StaticSource
 from pdplane.v1 import instance_pb2
 

@@ -38,10 +38,10 @@ import tracemalloc
 
 import numpy as np
 
-from pdplane.core.kv_events import KvEventLog, SubscriptionCursor
-from pdplane.core.kv_stream import KvStreamReader
+from pdplane.core.kv_events.log import KvEventLog, SubscriptionCursor
 from pdplane.core.prefix_hash import HASH_VERSION, block_hashes
 from pdplane.scheduler.kv_index import KvState, PrefixIndex
+from pdplane.scheduler.kv_index.stream import KvStreamReader
 from pdplane.v1 import kv_events_pb2
 
 _U64 = (1 << 64) - 1

@@ -30,7 +30,7 @@ from bench._procs import spawn
 from bench.routing import workloads as wl
 from bench.routing._openloop import replay
 from pdplane.sim.config import SimConfig
-from pdplane.sim.fleet import SimFleet, expand
+from pdplane.sim.sim_fleet import SimFleet, expand
 from pdplane.sim.stats import LogHistogram
 from tests.support.stats import percentile
 

@@ -48,7 +48,7 @@ from unittest import mock
 
 import httpx
 
-from pdplane.launch.fleet import Fleet, FleetSpec
+from pdplane.launch.deployment import Fleet, FleetSpec
 from pdplane.launch.ports import free_port_run
 from pdplane.launch.vllm_cpu import VllmCpuInstance, VllmCpuOptions
 from tests.support.otlp import OtlpReceiver, ReceivedSpan, otlp_receiver

@@ -35,7 +35,7 @@ from typing import Any
 from unittest import mock
 
 from bench.vllm_cpu.ttft_breakdown import VARIANTS, Variant
-from pdplane.launch.fleet import Fleet, FleetSpec
+from pdplane.launch.deployment import Fleet, FleetSpec
 from pdplane.launch.ports import free_port_run
 from pdplane.launch.vllm_cpu import VllmCpuInstance, VllmCpuOptions
 

@@ -32,7 +32,7 @@ def check_grpc(
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from pdplane.core.grpc_util import channel
+    from pdplane.core.grpc.util import channel
 
     options = [("grpc.ssl_target_name_override", tls_server_name)] if tls_server_name else []
     with channel(target, tls_ca=tls_ca, extra_options=options) as ch:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from pdplane.core import grpc_util
+from pdplane.core.grpc import util as grpc_util
 from pdplane.launch.ports import free_port_run
 from pdplane.launch.process import wait_until
 from pdplane.launch.vllm_cpu import VllmCpuInstance, VllmCpuOptions

@@ -12,8 +12,8 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from pdplane.core.kv_events import KvEventLog
-from pdplane.core.kv_events_server import add_kv_events_servicer
+from pdplane.core.kv_events.log import KvEventLog
+from pdplane.core.kv_events.server import add_kv_events_servicer
 from pdplane.v1 import registry_pb2, registry_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from tests.integration.registry.fixtures import make_spec, running_registry
 from tests.integration.scheduler.fixtures import running_scheduler
@@ -115,7 +115,7 @@ def test_connector_kv_server_answers_garbage_with_invalid_argument() -> None:
     from pdplane.connector.transports.base import ServiceBinding
     from pdplane.connector.transports.nccl.blocks import BlockMover, layer_byte_view
     from pdplane.connector.transports.nccl.engine import NcclEngine
-    from pdplane.connector.transports.nccl.service import NcclKvTransferServicer
+    from pdplane.connector.transports.nccl.servicer import NcclKvTransferServicer
     from pdplane.connector.transports.tcp import TcpTransport
     from pdplane.v1 import instance_pb2, kv_transfer_nccl_pb2_grpc
     from tests.unit.connector.nccl.fabric import Fabric, FakeComms

@@ -3,7 +3,7 @@
 Unauthenticated unary calls used to be refused only after their whole request (up to the 64 MiB
 message limit) was received: 8 concurrent 60 MiB Register calls without a token took the
 registry from ~70 MB to ~730 MB of RSS. The refusal now reads no request, and the registry's
-message limit is gRPC's default 4 MiB (`pdplane.core.grpc_util.SERVER_OPTIONS`).
+message limit is gRPC's default 4 MiB (`pdplane.core.grpc.util.SERVER_OPTIONS`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pdplane.core import grpc_util
+from pdplane.core.grpc import util as grpc_util
 from pdplane.v1 import registry_pb2, registry_pb2_grpc
 from tests.integration.registry.conftest import wait_until
 from tests.integration.registry.fixtures import make_spec

@@ -59,7 +59,7 @@ from pdplane.connector.transports.base import (
 from pdplane.connector.transports.nccl import NcclTransport
 from pdplane.connector.transports.nccl.communicator import P2pOp
 from pdplane.connector.transports.nccl.pairs import PairKey, Purpose
-from pdplane.core.layout import fingerprint
+from pdplane.core.instance.layout import fingerprint
 from pdplane.v1 import instance_pb2
 
 _out_lock = threading.Lock()

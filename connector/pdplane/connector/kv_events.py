@@ -7,7 +7,7 @@ only this instance's user can open) and this module is its only reader: a ZMQ SU
 that endpoint, decoded with vLLM's own typed decoder (`msgspec.msgpack.Decoder(type=
 KVEventBatch)` from `vllm.distributed.kv_events`, so each vLLM version decodes its own wire
 form). That msgpack never leaves the instance: everything beyond this module is the typed
-protobuf stream `pdplane.v1.KvEvents` (`pdplane.core.kv_events`). It is the only module of
+protobuf stream `pdplane.v1.KvEvents` (`pdplane.core.kv_events.log`). It is the only module of
 the project allowed to import zmq and msgspec (`tests/unit/rules/test_project_rules.py`).
 
 vLLM numbers its batches 0, 1, 2, ... A batch lost on the way (the publisher's high-water
@@ -26,7 +26,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from pdplane.core.kv_events import KvEventLog, canonical_extra_keys
+from pdplane.core.kv_events.log import KvEventLog, canonical_extra_keys
 
 __all__ = ["KvEventsReader", "reader_endpoint"]
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdplane.connector.transports.base import PeerInstance
-from pdplane.core.layout import fingerprint
+from pdplane.core.instance.layout import fingerprint
 from pdplane.v1 import instance_pb2
 
 __all__ = ["PeerFollower", "PeerWatch", "WorkerIdentity", "rendezvous_order"]

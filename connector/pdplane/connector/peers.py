@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 
 from pdplane.connector.transports.base import Peer
-from pdplane.core import grpc_util
+from pdplane.core.grpc import util as grpc_util
 
 __all__ = ["PeerPool", "rank_endpoint"]
 

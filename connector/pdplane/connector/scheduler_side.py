@@ -36,13 +36,13 @@ from pdplane.connector.metadata import (
     ReleaseSpec,
 )
 from pdplane.connector.stats import PdPlaneKvStats
+from pdplane.core.instance.layout import fingerprint
 from pdplane.core.kv_params import (
     DecodeRequestParams,
     KvParamsError,
     PrefillRequestParams,
     prompt_fingerprint,
 )
-from pdplane.core.layout import fingerprint
 from pdplane.v1 import instance_pb2
 
 if TYPE_CHECKING:

@@ -24,8 +24,9 @@ from grpc_health.v1 import health, health_pb2
 
 from pdplane.connector.holds import HeldTransfer, HoldTable, HoldUnknown
 from pdplane.connector.transports.base import AccessDenied, KvTransport, ServiceBinding
-from pdplane.core import grpc_util, tracing
-from pdplane.core.layout import fingerprint
+from pdplane.core import tracing
+from pdplane.core.grpc import util as grpc_util
+from pdplane.core.instance.layout import fingerprint
 from pdplane.v1 import instance_pb2, kv_transfer_pb2, kv_transfer_pb2_grpc
 
 __all__ = [

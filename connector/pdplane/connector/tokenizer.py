@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from pdplane.core.tokenizer.bundle import TokenizerUnpublishable, collect
-from pdplane.core.tokenizer.service import Published
+from pdplane.core.tokenizer.servicer import Published
 
 __all__ = ["published_tokenizer", "server_chat_options"]
 

@@ -28,12 +28,12 @@ from pdplane.connector.stats import COUNTERS, GAUGES, PdPlaneKvStats, rank_stats
 from pdplane.connector.transports import KvTransport, create_transport
 from pdplane.connector.transports.base import LocalWorker, PeerInstance, ServiceBinding
 from pdplane.connector.vllm_info import ROLES
-from pdplane.core.kv_events import KvEventLog
-from pdplane.core.kv_events_server import SERVICE_NAME as KV_EVENTS_SERVICE
-from pdplane.core.kv_events_server import add_kv_events_servicer
-from pdplane.core.layout import fingerprint
-from pdplane.core.tokenizer.service import SERVICE_NAME as TOKENIZER_SERVICE
-from pdplane.core.tokenizer.service import Published, add_tokenizer_servicer
+from pdplane.core.instance.layout import fingerprint
+from pdplane.core.kv_events.log import KvEventLog
+from pdplane.core.kv_events.server import SERVICE_NAME as KV_EVENTS_SERVICE
+from pdplane.core.kv_events.server import add_kv_events_servicer
+from pdplane.core.tokenizer.servicer import SERVICE_NAME as TOKENIZER_SERVICE
+from pdplane.core.tokenizer.servicer import Published, add_tokenizer_servicer
 from pdplane.registry.client import InstanceWatcher
 from pdplane.v1 import instance_pb2
 

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from pdplane.autoscale.scrape import role_of
 from pdplane.autoscale.state import ROLES, FleetState, RoleCount
 from pdplane.cli.drain import drain_instance
-from pdplane.core import grpc_util
-from pdplane.launch.fleet import Engine, Fleet
+from pdplane.core.grpc import util as grpc_util
+from pdplane.launch.deployment import Engine, Fleet
 from pdplane.launch.vllm_cpu import KvRole
 from pdplane.registry.endpoints import RegistryEndpoints
 from pdplane.v1 import instance_pb2

@@ -6,7 +6,7 @@
 
 Draining another process's instance is an operator's act: it needs the registry's admin token
 (`--admin-token` / `PDPLANE_ADMIN_TOKEN`; for the fleet of a local `pdplane up`, read from its
-credentials file by default, see `pdplane.core.fleet_credentials`) unless the registry runs
+credentials file by default, see `pdplane.cli.fleet_credentials`) unless the registry runs
 without any token. Marks the instance DRAINING in the registry (still listed, never scheduled
 again; requests already on it finish), so that stopping it afterwards loses no request.
 (There is no "remove": a live instance whose lease vanished registers itself again within a
@@ -22,7 +22,9 @@ import grpc
 from pydantic import Field
 from pydantic_settings import CliPositionalArg
 
-from pdplane.core import defaults, fleet_credentials, grpc_util
+from pdplane.cli import fleet_credentials
+from pdplane.core import defaults
+from pdplane.core.grpc import util as grpc_util
 from pdplane.core.settings import CommandSettings
 from pdplane.core.token_file import token_file_field
 from pdplane.registry.endpoints import RegistryEndpoints, call_any

@@ -25,7 +25,8 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 from pydantic import Field
 from pydantic_settings import CliPositionalArg
 
-from pdplane.core import fleet_credentials, grpc_util
+from pdplane.cli import fleet_credentials
+from pdplane.core.grpc import util as grpc_util
 from pdplane.core.settings import CommandSettings
 from pdplane.core.token_file import token_file_field
 from pdplane.v1 import registry_pb2, registry_pb2_grpc

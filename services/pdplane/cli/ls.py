@@ -33,8 +33,10 @@ from typing import Any, Literal, TextIO
 import grpc
 from pydantic import Field
 
-from pdplane.core import defaults, fleet_credentials, grpc_util
-from pdplane.core.instance_json import event_to_dict, instance_to_dict, parse_role
+from pdplane.cli import fleet_credentials
+from pdplane.cli.instance_json import event_to_dict, instance_to_dict, parse_role
+from pdplane.core import defaults
+from pdplane.core.grpc import util as grpc_util
 from pdplane.core.settings import CommandSettings
 from pdplane.core.token_file import token_file_field
 from pdplane.registry.endpoints import FAILOVER_CODES, RegistryEndpoints, call_any

@@ -9,7 +9,7 @@ SIGTERM if `pdplane up` itself is killed.
 
 The fleet is token-protected with nothing to type: `pdplane up` generates a shared token and
 an admin token for each run, gives them to its children through their environment and writes
-them (0600) to `pdplane.core.fleet_credentials.credentials_path()`, where `pdplane ls`,
+them (0600) to `pdplane.cli.fleet_credentials.credentials_path()`, where `pdplane ls`,
 `pdplane drain` and `pdplane vllm` find them when they talk to this registry.
 
 It refuses to start (status 2, naming them) when any port it needs is taken, e.g. by another
@@ -44,10 +44,11 @@ from pdplane.autoscale.local import LocalActuator
 from pdplane.autoscale.loop import Autoscaler
 from pdplane.autoscale.scrape import FleetScraper
 from pdplane.autoscale.settings import AutoscaleOptions
-from pdplane.core import defaults, fleet_credentials
+from pdplane.cli import fleet_credentials
+from pdplane.core import defaults
 from pdplane.gateway.settings import GatewaySettings
 from pdplane.gateway.tenants import load_tenants
-from pdplane.launch.fleet import DemoRequestFailed, Fleet, FleetSpec, PortsInUse
+from pdplane.launch.deployment import DemoRequestFailed, Fleet, FleetSpec, PortsInUse
 from pdplane.launch.process import Cancelled
 from pdplane.sim.profiles import load_profile
 

@@ -24,7 +24,8 @@ from typing import Literal
 
 from pydantic import Field
 
-from pdplane.core import defaults, fleet_credentials
+from pdplane.cli import fleet_credentials
+from pdplane.core import defaults
 from pdplane.core.listen import refuse_taken
 from pdplane.core.settings import CommandSettings
 from pdplane.core.token_file import token_file_field
@@ -89,7 +90,7 @@ class InstanceSettings(CommandSettings):
 def _model_dir(settings: InstanceSettings) -> Path:
     if settings.model is not None:
         return settings.model
-    from pdplane.launch.fleet import default_model_cache
+    from pdplane.launch.deployment import default_model_cache
     from pdplane.models.tiny import build_tiny_model  # transformers: only when needed
 
     return build_tiny_model(default_model_cache())

@@ -103,7 +103,7 @@ class DecodeRequestParams:
         kv_endpoint: host:port of prefill's KvTransfer gRPC server.
         block_ids: prefill's KV cache block ids holding the prompt, in token order.
         num_tokens: prompt tokens whose KV prefill computed (tokens).
-        kv_layout: layout fingerprint (`pdplane.core.layout.fingerprint`); decode refuses a
+        kv_layout: layout fingerprint (`pdplane.core.instance.layout.fingerprint`); decode refuses a
             mismatch.
         transport: "tcp" or "nccl".
         tp_size: prefill's tensor-parallel size.

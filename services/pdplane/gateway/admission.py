@@ -27,7 +27,7 @@ import logging
 from collections.abc import Awaitable, Callable, Collection
 
 from pdplane.gateway.errors import GatewayError, unavailable
-from pdplane.gateway.fleet import FleetView
+from pdplane.gateway.fleet_view import FleetView
 from pdplane.gateway.metrics import GatewayMetrics
 from pdplane.scheduler import Decision, SchedulerBusy, SchedulerUnavailable
 

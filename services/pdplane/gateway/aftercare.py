@@ -27,7 +27,7 @@ from typing import Any
 
 import grpc
 
-from pdplane.core.grpc_util import aio_channel, token_metadata
+from pdplane.core.grpc.util import aio_channel, token_metadata
 from pdplane.core.kv_params import DecodeRequestParams
 from pdplane.gateway.metrics import GatewayMetrics
 from pdplane.gateway.replies import RetryElsewhere

@@ -23,8 +23,8 @@ from pdplane.gateway.auth import ApiKeys
 from pdplane.gateway.config import RelayConfig
 from pdplane.gateway.endpoints import RelayEndpoints
 from pdplane.gateway.errors import error_body
-from pdplane.gateway.fleet import FleetTracker, FleetView
 from pdplane.gateway.fleet_tokenizers import FleetTokenizers
+from pdplane.gateway.fleet_view import FleetTracker, FleetView
 from pdplane.gateway.flow import FlowControl
 from pdplane.gateway.metrics import GatewayMetrics
 from pdplane.gateway.passthrough import Passthrough

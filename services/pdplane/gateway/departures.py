@@ -1,7 +1,7 @@
 """Decodes that leave while streams are open on them: the streams move before they break.
 
 The relay registers each stream's decode leg here while it relays it. On every change of the
-registry's instances (`pdplane.gateway.fleet.FleetTracker`), a decode that left the registry
+registry's instances (`pdplane.gateway.fleet_view.FleetTracker`), a decode that left the registry
 (lease expired, deregistered) has its streams moved at once, and one that turned DRAINING
 (`pdplane drain`, the Helm preStop, scale-in) after `--drain-grace-s`: streams that finish
 within the grace never move. Moving a stream is closing its decode leg with a reason

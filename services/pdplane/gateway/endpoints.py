@@ -31,7 +31,7 @@ from pdplane.gateway.errors import (
     unauthorized,
     unavailable,
 )
-from pdplane.gateway.fleet import FleetView
+from pdplane.gateway.fleet_view import FleetView
 from pdplane.gateway.flow import FlowControl, FlowTicket
 from pdplane.gateway.metrics import GatewayMetrics
 from pdplane.gateway.prompt_ids import Tokenizers, TokenizerSet, exact_prompt_async

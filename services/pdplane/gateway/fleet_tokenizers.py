@@ -31,9 +31,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pdplane.core.grpc_util import aio_channel, token_metadata
+from pdplane.core.grpc.util import aio_channel, token_metadata
 from pdplane.core.tokenizer.fetch import FetchError, fetch_tokenizer
-from pdplane.gateway.fleet import FleetView, Publication
+from pdplane.gateway.fleet_view import FleetView, Publication
 from pdplane.gateway.metrics import GatewayMetrics
 from pdplane.gateway.prompt_ids import PromptTokenizer, TokenizerSet
 from pdplane.gateway.upstream import UpstreamClient, UpstreamTimeout, UpstreamUnreachable

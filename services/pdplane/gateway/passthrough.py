@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pdplane.gateway.errors import GatewayError, bad_gateway, gateway_timeout, not_found
-from pdplane.gateway.fleet import FleetView
+from pdplane.gateway.fleet_view import FleetView
 from pdplane.gateway.upstream import UpstreamClient, UpstreamTimeout, UpstreamUnreachable
 
 __all__ = ["InstanceAnswer", "Passthrough"]

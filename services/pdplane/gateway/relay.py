@@ -79,7 +79,7 @@ from pdplane.gateway.errors import (
     unavailable,
 )
 from pdplane.gateway.fanout import Choices, FanOut, Leg
-from pdplane.gateway.fleet import FleetView
+from pdplane.gateway.fleet_view import FleetView
 from pdplane.gateway.metrics import GatewayMetrics
 from pdplane.gateway.migration import (
     Budget,

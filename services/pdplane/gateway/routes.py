@@ -23,8 +23,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pdplane.core.server_id import server_id
 from pdplane.gateway.auth import CONFLICT, ApiKeys
 from pdplane.gateway.errors import GatewayError, unauthorized
-from pdplane.gateway.fleet import FleetView
 from pdplane.gateway.fleet_tokenizers import RoutingState
+from pdplane.gateway.fleet_view import FleetView
 from pdplane.gateway.metrics import GatewayMetrics
 from pdplane.gateway.passthrough import Passthrough
 from pdplane.gateway.validation import CHAT, COMPLETIONS, REQUEST_SCHEMAS, Endpoint

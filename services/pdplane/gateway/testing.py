@@ -21,7 +21,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from pdplane.gateway.app import create_app
-from pdplane.gateway.fleet import FleetView
+from pdplane.gateway.fleet_view import FleetView
 from pdplane.gateway.http_server import server_options
 from pdplane.gateway.settings import GatewaySettings
 from pdplane.scheduler import SchedulerPort

@@ -22,7 +22,7 @@ import sys
 import grpc
 from pydantic import Field
 
-from pdplane.core import fleet_credentials
+from pdplane.cli import fleet_credentials
 from pdplane.core.settings import CommandSettings
 from pdplane.core.token_file import token_file_field
 from pdplane.plan.live_cli import parse_duration, run_live

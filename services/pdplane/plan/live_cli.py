@@ -20,7 +20,7 @@ import httpx
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdplane.core import grpc_util
+from pdplane.core.grpc import util as grpc_util
 from pdplane.plan.live import Advice, LoadWindow, advise, histogram_quantile
 from pdplane.registry.endpoints import RegistryEndpoints, call_any
 from pdplane.v1 import registry_pb2

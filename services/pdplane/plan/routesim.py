@@ -29,16 +29,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdplane.core.kv_events import DEFAULT_MEDIUM
+from pdplane.core.kv_events.log import DEFAULT_MEDIUM
 from pdplane.plan.fleet_routing import FleetEngines, Routed
 from pdplane.plan.fleetsim import FleetConfig, FleetResult, simulate_fleet
 from pdplane.plan.workload import RequestSpec
+from pdplane.scheduler.decision import SchedulerService
 from pdplane.scheduler.errors import NoRoom
 from pdplane.scheduler.inflight import InflightTracker
 from pdplane.scheduler.kv_index import InstanceBlocks, KvState, PrefixIndex
 from pdplane.scheduler.local import decision_options
 from pdplane.scheduler.port import Outcome, RequestFeatures
-from pdplane.scheduler.service import SchedulerService
 from pdplane.scheduler.settings import PolicySettings
 from pdplane.scheduler.view import CandidateView, StaticSource
 from pdplane.sim.engine import EngineCore, EngineRequest

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from pdplane.core import grpc_util
+from pdplane.core.grpc import util as grpc_util
 from pdplane.v1 import registry_pb2_grpc
 
 __all__ = ["FAILOVER_CODES", "RegistryEndpoints", "call_any", "split_addresses"]

@@ -16,7 +16,7 @@ from typing import Any
 import grpc
 from aetcd import rpc
 
-from pdplane.core import grpc_util
+from pdplane.core.grpc import util as grpc_util
 from pdplane.registry.store import StoreError, StoreUnavailableError
 
 __all__ = [

@@ -36,7 +36,7 @@ from typing import Any, TypeVar
 
 from aetcd import rpc
 
-from pdplane.core.echo import echo
+from pdplane.core.grpc.echo import echo
 from pdplane.registry.etcd_client import EtcdClient, absent, delete_op, put_op, unchanged_since
 from pdplane.registry.etcd_follow import ViewFollower
 from pdplane.registry.etcd_lease import ReplicaLease, describe

@@ -22,7 +22,7 @@ from itertools import groupby
 
 from aetcd import rpc
 
-from pdplane.core.echo import echo
+from pdplane.core.grpc.echo import echo
 from pdplane.registry.store import NotFoundError
 from pdplane.registry.watch_hub import WatchHub, change_event, filter_instances
 from pdplane.v1 import instance_pb2, registry_pb2, registry_store_pb2

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pdplane.core.echo import echo
+from pdplane.core.grpc.echo import echo
 from pdplane.registry.store import (
     LeaseGrant,
     LeasePolicy,

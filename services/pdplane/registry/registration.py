@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 
 import grpc
 
-from pdplane.core import grpc_util
+from pdplane.core.grpc import util as grpc_util
 from pdplane.registry._backoff import Backoff
 from pdplane.registry.endpoints import FAILOVER_CODES, RegistryEndpoints
 from pdplane.v1 import instance_pb2, registry_pb2

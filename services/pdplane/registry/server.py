@@ -13,8 +13,8 @@ import threading
 
 import grpc
 
-from pdplane.core import grpc_util
-from pdplane.core.grpc_auth import AuthPolicy
+from pdplane.core.grpc import util as grpc_util
+from pdplane.core.grpc.auth import AuthPolicy
 from pdplane.registry.memory_store import InMemoryStore
 from pdplane.registry.servicer import SERVICE_NAME, RegistryServicer
 from pdplane.registry.settings import RegistrySettings

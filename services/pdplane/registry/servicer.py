@@ -15,8 +15,8 @@ from typing import Any, TypeVar
 
 import grpc
 
-from pdplane.core.grpc_auth import ADMIN_REQUIRED, AuthPolicy
-from pdplane.core.instance_validation import ValidationError, validate_load, validate_spec
+from pdplane.core.grpc.auth import ADMIN_REQUIRED, AuthPolicy
+from pdplane.core.instance.validation import ValidationError, validate_load, validate_spec
 from pdplane.registry.store import (
     AlreadyExistsError,
     InstanceStore,

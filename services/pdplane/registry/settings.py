@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from pdplane.core import defaults
-from pdplane.core.grpc_auth import check_bind
+from pdplane.core.grpc.auth import check_bind
 from pdplane.core.settings import CommandSettings
 from pdplane.core.token_file import token_file_field
 

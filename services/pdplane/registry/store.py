@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from pdplane.core.echo import echo
+from pdplane.core.grpc.echo import echo
 from pdplane.v1 import instance_pb2, registry_pb2
 
 __all__ = [

@@ -15,14 +15,14 @@ from http.server import HTTPServer
 import grpc
 from prometheus_client import start_http_server
 
-from pdplane.core import grpc_util
+from pdplane.core.grpc import util as grpc_util
 from pdplane.registry.client import InstanceWatcher
-from pdplane.scheduler import exchange
+from pdplane.scheduler import inflight_exchange
+from pdplane.scheduler.decision import SchedulerService
 from pdplane.scheduler.kv_index import KvIndexManager
 from pdplane.scheduler.local import LocalScheduler, open_local
 from pdplane.scheduler.metrics import SchedulerMetrics
 from pdplane.scheduler.port import InstanceSource
-from pdplane.scheduler.service import SchedulerService
 from pdplane.scheduler.servicer import SchedulerServicer
 from pdplane.scheduler.settings import SchedulerSettings
 from pdplane.scheduler.view import CandidateView
@@ -50,7 +50,7 @@ class SchedulerApp:
         self._local: LocalScheduler | None = None
         self.metrics = SchedulerMetrics()
         self.service: SchedulerService | None = None
-        self.exchange: exchange.InflightExchange | None = None
+        self.exchange: inflight_exchange.InflightExchange | None = None
         self._server: grpc.aio.Server | None = None
         self._http: tuple[HTTPServer, threading.Thread] | None = None
         self.kv_index: KvIndexManager | None = None
@@ -131,7 +131,9 @@ class SchedulerApp:
         assert self._local is not None and self._local.exchange is not None
         self.exchange = self._local.exchange.exchange
         inflight_pb2_grpc.add_InflightExchangeServicer_to_server(self.exchange.servicer, server)
-        await grpc_util.aio_add_health_and_reflection(server, [SERVICE_NAME, exchange.SERVICE_NAME])
+        await grpc_util.aio_add_health_and_reflection(
+            server, [SERVICE_NAME, inflight_exchange.SERVICE_NAME]
+        )
         host = f"[{s.host}]" if ":" in s.host else s.host
         port = grpc_util.add_port(server, f"{host}:{s.port}", s.tls_cert, s.tls_key)
         self._server = server

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdplane.core.pairing import PairKey, can_decode, can_prefill, pair_key
+from pdplane.core.instance.pairing import PairKey, can_decode, can_prefill, pair_key
 from pdplane.v1 import instance_pb2
 
 __all__ = ["Candidate", "PairKey"]

@@ -27,7 +27,7 @@ import numba
 import numpy as np
 import numpy.typing as npt
 
-from pdplane.core.echo import echo
+from pdplane.core.grpc.echo import echo
 from pdplane.scheduler.candidate import PairKey
 from pdplane.scheduler.errors import NoInstance, NoRoom
 from pdplane.scheduler.table import (

@@ -22,7 +22,8 @@ reports correct it: a report with no request running or waiting brings it down t
 with requests it did not predict (a slower engine than the model, or a scheduler it does not
 hear from) up to their expected work.
 
-Several replicas deciding over one fleet share their assignments (`pdplane.scheduler.exchange`):
+Several replicas deciding over one fleet share their assignments
+(`pdplane.scheduler.inflight_exchange`):
 a peer's assignment is counted here exactly like an own one made at the moment it arrives (in
 the epoch of the report this replica's view holds then), keyed by (peer, request id). Own
 changes are told to `listener` so that they can be sent to the peers.
@@ -74,7 +75,7 @@ InflightListener = Callable[[list[Assignment], list[Assignment]], None]
 
 
 class UnseenEstimate(Protocol):
-    """Peers' assignments estimated but not received yet (`pdplane.scheduler.exchange`)."""
+    """Peers' assignments estimated but not received yet (`pdplane.scheduler.inflight_exchange`)."""
 
     def count(self, instance_id: str) -> int:
         """Estimated assignments to `instance_id` (>= 0)."""
@@ -123,7 +124,8 @@ class InflightTracker:
         self._clock = clock
         self._lock = threading.Lock()
         self.listener: InflightListener | None = None
-        #: Peers' assignments estimated but not visible yet (see exchange.py); None: no peers.
+        #: Peers' assignments estimated but not visible yet (see inflight_exchange.py); None: no
+        # peers.
         self.unseen: UnseenEstimate | None = None
         # Instances whose counters changed since `take_dirty` (the decision tables' rows).
         self._dirty: set[str] = set()

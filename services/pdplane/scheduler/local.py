@@ -8,7 +8,8 @@ scheduling is a function call.
 
 Several processes deciding over one fleet (scheduler replicas, or gateways deciding locally)
 share their in-flight assignments with the peers named in `--peers`
-(`pdplane.scheduler.exchange`); without peers each counts only its own between two load reports.
+(`pdplane.scheduler.inflight_exchange`); without peers each counts only its own between two load
+reports.
 
 `open_local` is also how a `pdplane scheduler` process wires its service
 (`pdplane.scheduler.app`), so both run the same objects.
@@ -20,14 +21,14 @@ import asyncio
 from typing import Any
 
 from pdplane.core import tracing
-from pdplane.scheduler.exchange import EmbeddedExchange, InflightExchange
+from pdplane.scheduler.decision import SchedulerService
 from pdplane.scheduler.inflight import InflightTracker
+from pdplane.scheduler.inflight_exchange import EmbeddedExchange, InflightExchange
 from pdplane.scheduler.kv_index import KvIndexManager
 from pdplane.scheduler.kv_index.wiring import start_kv_index
 from pdplane.scheduler.metrics import SchedulerMetrics
 from pdplane.scheduler.policies.kv_aware import KvAwareWeights
 from pdplane.scheduler.port import Decision, InstanceSource, Outcome, PolicyFlags, RequestFeatures
-from pdplane.scheduler.service import SchedulerService
 from pdplane.scheduler.view import CandidateView
 
 __all__ = ["LocalScheduler", "decision_options", "open_local"]

@@ -31,7 +31,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from pdplane.core.echo import echo
+from pdplane.core.grpc.echo import echo
 from pdplane.v1 import instance_pb2
 
 if TYPE_CHECKING:

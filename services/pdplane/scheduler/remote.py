@@ -27,7 +27,7 @@ from typing import Any
 import grpc
 
 from pdplane.core import tracing
-from pdplane.core.grpc_util import FAST_RECONNECT_OPTIONS, aio_channel, token_metadata
+from pdplane.core.grpc.util import FAST_RECONNECT_OPTIONS, aio_channel, token_metadata
 from pdplane.scheduler.errors import NO_ROOM_KEY
 from pdplane.scheduler.port import (
     Decision,

@@ -9,9 +9,9 @@ from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 import grpc
 
 from pdplane.core import tracing
+from pdplane.scheduler.decision import SchedulerService
 from pdplane.scheduler.errors import NO_ROOM_KEY, InvalidRequest, NoInstance, NoRoom
 from pdplane.scheduler.kv_index import KvInstanceStatus
-from pdplane.scheduler.service import SchedulerService
 from pdplane.scheduler.wire import (
     decision_to_pb,
     features_from_pb,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pydantic import Field, field_validator, model_validator
 
 from pdplane.core import defaults
-from pdplane.core.grpc_auth import check_bind
+from pdplane.core.grpc.auth import check_bind
 from pdplane.core.settings import CommandSettings
 from pdplane.core.token_file import token_file_field
 from pdplane.scheduler.latency import DEFAULT_PROFILE, LatencyModel

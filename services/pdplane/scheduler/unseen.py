@@ -1,7 +1,7 @@
 """Peers' decisions estimated but not received yet: the "unseen" load of the in-flight exchange.
 
 A burst decides faster than one stream hop, so each replica assumes that its peers decide as
-it does (`pdplane.scheduler.exchange`, module doc): an own assignment also counts once per
+it does (`pdplane.scheduler.inflight_exchange`, module doc): an own assignment also counts once per
 followed peer on its instances, until the second update from that peer since the assignment
 has arrived (the first may have left before it), at most `lag_s` seconds. An assignment made
 before a peer's first update ever counts for that peer until `lag_s` has passed.

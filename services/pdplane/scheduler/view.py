@@ -20,7 +20,7 @@ import threading
 from collections.abc import Hashable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
-from pdplane.core.change_log import ChangeLog
+from pdplane.core.instance.change_log import ChangeLog
 from pdplane.scheduler.candidate import Candidate
 from pdplane.scheduler.port import InstanceSource
 from pdplane.scheduler.table import ModelTables, SideTable

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from pdplane.sim.config import SimConfig
-    from pdplane.sim.fleet import SimFleet
     from pdplane.sim.instance import SimInstance
+    from pdplane.sim.sim_fleet import SimFleet
 
 __all__ = ["SimConfig", "SimFleet", "SimInstance"]
 

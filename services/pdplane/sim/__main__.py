@@ -10,8 +10,8 @@ import sys
 
 from pdplane.core import tracing
 from pdplane.core.listen import refuse_taken
-from pdplane.sim.fleet import SimFleet, expand
 from pdplane.sim.settings import SimSettings
+from pdplane.sim.sim_fleet import SimFleet, expand
 
 __all__ = ["main"]
 

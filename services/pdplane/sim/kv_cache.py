@@ -13,7 +13,7 @@ Modelled on vLLM v1's `BlockPool` / `KVCacheManager` (`vllm/v1/core/block_pool.p
 
 Every change of the cached set goes to a `KvEventSink` (`stored` / `removed` / `cleared`, the
 vLLM KV cache events `BlockStored` / `BlockRemoved` / `AllBlocksCleared`): in a served sim that
-is a `pdplane.core.kv_events.KvEventLog`, the same typed, sequenced stream the connector
+is a `pdplane.core.kv_events.log.KvEventLog`, the same typed, sequenced stream the connector
 publishes (`KvEvents.Subscribe` on the sim's KvTransfer server). The keys here are the
 engine's own hashes (like vLLM's seeded ones); subscribers key their index by
 `pdplane.core.prefix_hash` over the token ids the events carry.

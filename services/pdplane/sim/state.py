@@ -7,8 +7,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdplane.core.kv_events import KvEventLog
-from pdplane.core.layout import fingerprint
+from pdplane.core.instance.layout import fingerprint
+from pdplane.core.kv_events.log import KvEventLog
 from pdplane.sim.config import SimConfig
 from pdplane.sim.engine import EngineCore, EngineLimits
 from pdplane.sim.faults import FaultPlan

@@ -19,8 +19,8 @@ from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
 from pdplane.sim.config import SimConfig, SimRole
-from pdplane.sim.fleet import SimFleet
 from pdplane.sim.instance import SimInstance
+from pdplane.sim.sim_fleet import SimFleet
 from pdplane.sim.tokens import WordTokenizer, generate, prompt_key
 
 __all__ = ["RunningSims", "async_running_sims", "expected_text", "running_sims"]

@@ -161,7 +161,7 @@ class KvPeers:
     """Decode side: one cached KvTransfer stub per prefill endpoint."""
 
     def __init__(self, token: str | None = None, timeout_s: float = 5.0) -> None:
-        from pdplane.core.grpc_util import aio_channel, token_metadata
+        from pdplane.core.grpc.util import aio_channel, token_metadata
 
         self._channel = aio_channel
         self._metadata = token_metadata(token)

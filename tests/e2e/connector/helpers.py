@@ -10,7 +10,7 @@ from typing import Any
 import grpc
 import httpx
 
-from pdplane.core import grpc_util
+from pdplane.core.grpc import util as grpc_util
 from pdplane.core.kv_params import PrefillRequestParams
 from pdplane.launch.process import wait_until
 from pdplane.v1 import instance_pb2, kv_transfer_pb2, kv_transfer_tcp_pb2_grpc

@@ -18,9 +18,9 @@ from pdplane.connector.kv_cache import KvCacheView
 from pdplane.connector.server import HoldAccess, KvServer, start_kv_server, worker_services
 from pdplane.connector.transports.base import Peer, PullRequest, ServiceBinding
 from pdplane.connector.transports.tcp import TcpTransport
-from pdplane.core import grpc_util
+from pdplane.core.grpc import util as grpc_util
+from pdplane.core.instance.layout import fingerprint
 from pdplane.core.kv_params import DecodeRequestParams
-from pdplane.core.layout import fingerprint
 from pdplane.launch.vllm_cpu import VllmCpuInstance
 from pdplane.v1 import instance_pb2, kv_transfer_pb2, kv_transfer_pb2_grpc, kv_transfer_tcp_pb2_grpc
 from tests.e2e.conftest import PULL_TIMEOUT_S, TRANSFER_TIMEOUT_S, RegistryHandle, VllmPair

@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from pdplane.core import defaults
-from pdplane.core.grpc_util import channel
+from pdplane.core.grpc.util import channel
 from pdplane.gateway.testing import running_gateway
 from pdplane.launch.ports import free_port_run
 from pdplane.launch.process import http_ok, wait_until

@@ -15,7 +15,7 @@ import torch
 
 from pdplane.connector.config import ConnectorConfig
 from pdplane.connector.worker_side import WorkerSide
-from pdplane.core import grpc_util
+from pdplane.core.grpc import util as grpc_util
 from pdplane.launch.ports import free_port_run
 from pdplane.registry.client import RegistrationClient
 from pdplane.v1 import instance_pb2, registry_pb2, registry_pb2_grpc

@@ -17,10 +17,10 @@ import httpx
 import pytest
 
 from pdplane.gateway.testing import running_gateway_app
+from pdplane.scheduler.decision import SchedulerService
 from pdplane.scheduler.kv_index import KvIndexManager
 from pdplane.scheduler.local import LocalScheduler
 from pdplane.scheduler.server import SchedulerServer
-from pdplane.scheduler.service import SchedulerService
 from pdplane.sim.testing import RunningSims, running_sims
 from tests.integration.registry.fixtures import running_registry
 from tests.integration.scheduler.fixtures import running_scheduler_server

@@ -18,9 +18,9 @@ import pytest
 from aiohttp import web
 
 from pdplane.core.tokenizer.bundle import collect
-from pdplane.core.tokenizer.service import add_tokenizer_servicer
-from pdplane.gateway.fleet import build_view
+from pdplane.core.tokenizer.servicer import add_tokenizer_servicer
 from pdplane.gateway.fleet_tokenizers import FleetTokenizers, RoutingState
+from pdplane.gateway.fleet_view import build_view
 from pdplane.gateway.metrics import GatewayMetrics
 from pdplane.gateway.prompt_ids import PromptTokenizer, TokenizerSet
 from pdplane.gateway.upstream import UpstreamClient

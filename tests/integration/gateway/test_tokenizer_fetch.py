@@ -18,10 +18,10 @@ from typing import Any
 import grpc
 import pytest
 
-from pdplane.core import grpc_util
+from pdplane.core.grpc import util as grpc_util
 from pdplane.core.tokenizer.bundle import collect, content_hash
 from pdplane.core.tokenizer.fetch import FetchError, fetch_tokenizer
-from pdplane.core.tokenizer.service import add_tokenizer_servicer
+from pdplane.core.tokenizer.servicer import add_tokenizer_servicer
 from pdplane.gateway.prompt_ids import PromptTokenizer
 from pdplane.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 

@@ -10,9 +10,9 @@ from concurrent import futures
 import grpc
 import pytest
 
-from pdplane.core import grpc_util
-from pdplane.core.kv_events import KvEventLog
-from pdplane.core.kv_events_server import StreamOptions, add_kv_events_servicer
+from pdplane.core.grpc import util as grpc_util
+from pdplane.core.kv_events.log import KvEventLog
+from pdplane.core.kv_events.server import StreamOptions, add_kv_events_servicer
 from pdplane.core.prefix_hash import block_hashes
 from pdplane.scheduler.kv_index import KvIndexManager, KvState
 from pdplane.scheduler.view import StaticSource

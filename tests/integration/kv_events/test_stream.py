@@ -11,10 +11,10 @@ from concurrent import futures
 import grpc
 import pytest
 
-from pdplane.core import grpc_util
-from pdplane.core.kv_events import KvEventLog
-from pdplane.core.kv_events_server import StreamOptions, add_kv_events_servicer
-from pdplane.core.kv_stream import KvStreamReader
+from pdplane.core.grpc import util as grpc_util
+from pdplane.core.kv_events.log import KvEventLog
+from pdplane.core.kv_events.server import StreamOptions, add_kv_events_servicer
+from pdplane.scheduler.kv_index.stream import KvStreamReader
 from pdplane.v1 import kv_events_pb2, kv_events_pb2_grpc
 from tests.unit.core.kv_replica import Replica, log_state
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from pdplane.cli import up
-from pdplane.launch.fleet import Fleet, FleetSpec
+from pdplane.launch.deployment import Fleet, FleetSpec
 from pdplane.launch.ports import free_port_run
 from pdplane.launch.process import wait_until
 

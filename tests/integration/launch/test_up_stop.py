@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pdplane.launch.fleet import Fleet, FleetSpec
+from pdplane.launch.deployment import Fleet, FleetSpec
 from pdplane.launch.ports import free_port_run
 
 ITL_MS = 100

@@ -17,9 +17,10 @@ from pathlib import Path
 import grpc
 import pytest
 
+from pdplane.cli import fleet_credentials
 from pdplane.cli.up import UpSettings
-from pdplane.core import fleet_credentials, grpc_util
-from pdplane.launch.fleet import Fleet, FleetSpec
+from pdplane.core.grpc import util as grpc_util
+from pdplane.launch.deployment import Fleet, FleetSpec
 from pdplane.launch.ports import free_port_run
 from pdplane.registry.client import RegistrationClient
 from pdplane.sim.testing import running_sims

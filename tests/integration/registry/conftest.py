@@ -15,7 +15,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from pdplane.core import grpc_util
+from pdplane.core.grpc import util as grpc_util
 from pdplane.launch.etcd import EtcdCluster, etcd_binary
 from pdplane.registry.server import RegistryServer
 from pdplane.v1 import registry_pb2, registry_pb2_grpc

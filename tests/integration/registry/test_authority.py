@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from pdplane.core import grpc_util
+from pdplane.core.grpc import util as grpc_util
 from pdplane.registry.client import RegistrationClient
 from pdplane.registry.registration import _HELD_RETRY_S
 from pdplane.v1 import instance_pb2, registry_pb2, registry_pb2_grpc

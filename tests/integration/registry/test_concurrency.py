@@ -8,7 +8,7 @@ import itertools
 import threading
 from collections.abc import Callable
 
-from pdplane.core import grpc_util
+from pdplane.core.grpc import util as grpc_util
 from pdplane.registry.client import InstanceWatcher, RegistrationClient
 from pdplane.registry.server import RegistryServer
 from pdplane.registry.servicer import public

@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from pdplane.core import grpc_util
+from pdplane.core.grpc import util as grpc_util
 from pdplane.registry.client import RegistrationClient
 from pdplane.v1 import instance_pb2, registry_pb2, registry_pb2_grpc
 from tests.integration.registry.conftest import wait_until

@@ -8,7 +8,7 @@ from typing import Any
 import grpc
 import pytest
 
-from pdplane.core import grpc_util
+from pdplane.core.grpc import util as grpc_util
 from pdplane.registry.client import RegistrationClient
 from pdplane.v1 import instance_pb2, registry_pb2, registry_pb2_grpc
 from tests.integration.registry.fixtures import make_spec, running_registry

@@ -14,7 +14,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from pdplane.core import defaults, grpc_util
+from pdplane.core import defaults
+from pdplane.core.grpc import util as grpc_util
 from pdplane.launch.etcd import EtcdCluster
 from pdplane.launch.ports import free_port_run
 from pdplane.launch.process import ManagedProcess, grpc_serving

@@ -13,7 +13,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
 
-from pdplane.core import grpc_util
+from pdplane.core.grpc import util as grpc_util
 from pdplane.core.server_id import server_id
 from pdplane.launch.process import grpc_serving
 from pdplane.registry.server import RegistryServer

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from pdplane.core import grpc_util
+from pdplane.core.grpc import util as grpc_util
 from pdplane.registry import servicer as registry_servicer
 from pdplane.registry.server import RegistryServer
 from pdplane.registry.watcher import InstanceWatcher

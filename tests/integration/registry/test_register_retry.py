@@ -12,7 +12,7 @@ from typing import Any
 import grpc
 import pytest
 
-from pdplane.core import grpc_util
+from pdplane.core.grpc import util as grpc_util
 from pdplane.registry import registration
 from pdplane.registry.client import RegistrationClient
 from pdplane.registry.server import RegistryServer

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pdplane.launch.fleet import Fleet, FleetSpec
+from pdplane.launch.deployment import Fleet, FleetSpec
 from pdplane.launch.ports import free_port_run
 from pdplane.launch.process import http_ok
 from pdplane.registry.client import RegistrationClient

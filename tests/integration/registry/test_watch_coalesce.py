@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from pdplane.core import grpc_util
+from pdplane.core.grpc import util as grpc_util
 from pdplane.v1 import registry_pb2, registry_pb2_grpc
 from tests.integration.registry.conftest import WatchRecorder, wait_until
 from tests.integration.registry.fixtures import make_spec, running_registry_server

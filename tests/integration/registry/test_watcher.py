@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import threading
 
-from pdplane.core import grpc_util
+from pdplane.core.grpc import util as grpc_util
 from pdplane.registry.client import InstanceWatcher
 from pdplane.registry.server import RegistryServer
 from pdplane.registry.servicer import public

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import pytest
 
-from pdplane.core.grpc_util import CONTROL_MAX_RECEIVE_BYTES
+from pdplane.core.grpc.util import CONTROL_MAX_RECEIVE_BYTES
 from pdplane.scheduler import RequestFeatures, SchedulerBusy, SchedulerError
 from pdplane.scheduler.remote import RemoteScheduler
 from pdplane.scheduler.server import SchedulerServer

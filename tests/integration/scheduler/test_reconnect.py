@@ -7,7 +7,7 @@ import contextlib
 import time
 from collections.abc import Callable
 
-from pdplane.core.grpc_util import FAST_RECONNECT_OPTIONS
+from pdplane.core.grpc.util import FAST_RECONNECT_OPTIONS
 from pdplane.scheduler import RequestFeatures, SchedulerUnavailable
 from pdplane.scheduler.remote import RemoteScheduler
 from tests.integration.scheduler.conftest import Fleet, sees, wait_for

@@ -8,7 +8,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
 
-from pdplane.core.grpc_util import token_metadata
+from pdplane.core.grpc.util import token_metadata
 from pdplane.core.kv_params import PrefillRequestParams
 from pdplane.sim.app import control_guard
 from pdplane.sim.testing import running_sims

@@ -7,8 +7,9 @@ import threading
 import grpc
 import httpx
 
-from pdplane.core import grpc_util, prefix_hash
-from pdplane.core.kv_stream import KvStreamReader
+from pdplane.core import prefix_hash
+from pdplane.core.grpc import util as grpc_util
+from pdplane.scheduler.kv_index.stream import KvStreamReader
 from pdplane.sim.testing import running_sims
 from pdplane.sim.tokens import WordTokenizer
 from pdplane.v1 import kv_events_pb2_grpc

@@ -16,7 +16,7 @@ from vllm.distributed.kv_events import (
 )
 
 from pdplane.connector.kv_events import KvEventsReader, reader_endpoint
-from pdplane.core.kv_events import KvEventLog
+from pdplane.core.kv_events.log import KvEventLog
 from tests.unit.core.kv_replica import log_state
 
 BS = 4

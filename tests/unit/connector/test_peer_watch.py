@@ -6,7 +6,7 @@ from typing import Any
 
 from pdplane.connector.peer_watch import PeerWatch, WorkerIdentity, rendezvous_order
 from pdplane.connector.transports.base import PeerInstance
-from pdplane.core.layout import fingerprint
+from pdplane.core.instance.layout import fingerprint
 from pdplane.v1 import instance_pb2
 from tests.integration.registry.fixtures import make_spec
 

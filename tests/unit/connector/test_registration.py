@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from pdplane.core import grpc_util
+from pdplane.core.grpc import util as grpc_util
 from pdplane.models.tiny import build_tiny_model
 from pdplane.v1 import instance_pb2, registry_pb2, registry_pb2_grpc
 from tests.integration.registry.fixtures import running_registry

@@ -6,8 +6,8 @@ from types import SimpleNamespace
 
 from pdplane.connector.config import ConnectorConfig
 from pdplane.connector.scheduler_side import SchedulerSide, make_transfer_id
+from pdplane.core.instance.layout import fingerprint
 from pdplane.core.kv_params import DecodeRequestParams, PrefillRequestParams, prompt_fingerprint
-from pdplane.core.layout import fingerprint
 from pdplane.v1 import instance_pb2
 from tests.unit.connector.conftest import BLOCK, make_blocks, make_request
 

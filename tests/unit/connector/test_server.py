@@ -12,7 +12,7 @@ from pdplane.connector.kv_cache import KvCacheView
 from pdplane.connector.server import HoldAccess, start_kv_server, worker_services
 from pdplane.connector.transports.base import ServiceBinding
 from pdplane.connector.transports.tcp import TcpTransport
-from pdplane.core import grpc_util
+from pdplane.core.grpc import util as grpc_util
 from pdplane.v1 import instance_pb2, scheduler_pb2, scheduler_pb2_grpc
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pdplane.core.kv_columns import expand_batch
+from pdplane.core.kv_events.columns import expand_batch
 from pdplane.v1 import kv_events_pb2
 
 Key = tuple[str, int]

@@ -9,7 +9,7 @@ import sys
 import pytest
 from pydantic import ValidationError
 
-from pdplane.core.grpc_auth import InsecureBindError, check_bind, is_loopback
+from pdplane.core.grpc.auth import InsecureBindError, check_bind, is_loopback
 from pdplane.registry.settings import RegistrySettings
 from pdplane.scheduler.settings import SchedulerSettings
 

@@ -75,7 +75,7 @@ def test_pdplane_tokens_writes_both_files_once_and_never_prints_them(
 
 def test_generated_tokens_never_start_with_a_dash_and_carry_256_bits() -> None:
     # A token starting with "-" breaks `--token "$T"` (argparse takes it for an option).
-    from pdplane.core.fleet_credentials import generate
+    from pdplane.cli.fleet_credentials import generate
     from pdplane.core.token_file import new_token
 
     tokens = [new_token() for _ in range(2000)]

@@ -11,7 +11,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2
 
-from pdplane.core import grpc_util
+from pdplane.core.grpc import util as grpc_util
 from tests.loopback_http import serving
 
 

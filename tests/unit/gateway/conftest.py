@@ -10,7 +10,7 @@ import pytest
 from aiohttp import web
 
 from pdplane.core.kv_params import DecodeRequestParams, PrefillRequestParams
-from pdplane.gateway.fleet import FleetView, ModelState
+from pdplane.gateway.fleet_view import FleetView, ModelState
 from pdplane.scheduler import Decision, Outcome, RequestFeatures
 from pdplane.v1 import scheduler_pb2
 

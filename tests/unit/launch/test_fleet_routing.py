@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 
 import pytest
 
-from pdplane.launch.fleet import Fleet, FleetSpec
+from pdplane.launch.deployment import Fleet, FleetSpec
 from tests.loopback_http import serving
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from pdplane.cli.up import UpSettings
 from pdplane.gateway.settings import GatewaySettings
-from pdplane.launch.fleet import Fleet, FleetSpec
+from pdplane.launch.deployment import Fleet, FleetSpec
 
 
 def test_defaults_pull_and_split_vllm_args() -> None:

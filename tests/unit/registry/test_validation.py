@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from pdplane.core.instance_validation import (
+from pdplane.core.instance.validation import (
     ValidationError,
     parse_host_port,
     validate_load,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pdplane.core.instance_json import event_to_dict
+from pdplane.cli.instance_json import event_to_dict
 from pdplane.registry.servicer import _pack
 from pdplane.v1 import registry_pb2
 

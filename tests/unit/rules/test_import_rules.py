@@ -46,12 +46,7 @@ KNOWN_VIOLATIONS: dict[tuple[str, str], str] = {}
 
 #: Known cycles (sorted module lists), each with why it is allowed for now; the test fails
 #: when one is gone, so that its entry is deleted with the fix.
-KNOWN_CYCLES = {
-    # `kv_events` re-exports the servicers of `kv_events_server` lazily (a module __getattr__,
-    # to keep grpc out of importers of the log), and the server imports the log. Remove this
-    # entry once callers import the servicers from `kv_events_server` itself.
-    ("pdplane.core.kv_events", "pdplane.core.kv_events_server"): "lazy re-export",
-}
+KNOWN_CYCLES: dict[tuple[str, ...], str] = {}
 
 
 def _module_name(path: Path) -> str:
@@ -214,7 +209,7 @@ def test_the_rules_catch_what_they_forbid() -> None:
     # Guards the guard: a wrong import in each direction, and a cycle, are reported.
     graph = _graph(
         {
-            "pdplane.gateway.wrong": "from pdplane.scheduler.service import SchedulerService\n"
+            "pdplane.gateway.wrong": "from pdplane.scheduler.decision import SchedulerService\n"
             "from pdplane.registry import watcher\nfrom pdplane.scheduler import Outcome\n",
             "pdplane.connector.wrong": "import pdplane.gateway.app\nfrom fastapi import FastAPI\n"
             "from ..core import layout\nfrom pdplane.registry.client import InstanceWatcher\n",
@@ -229,7 +224,7 @@ def test_the_rules_catch_what_they_forbid() -> None:
         }
     )
     assert {v for v in _violations(graph) if v[0].startswith("pdplane.")} == {
-        ("pdplane.gateway.wrong", "pdplane.scheduler.service"),
+        ("pdplane.gateway.wrong", "pdplane.scheduler.decision"),
         ("pdplane.gateway.wrong", "pdplane.registry"),
         ("pdplane.gateway.wrong", "pdplane.registry.watcher"),
         ("pdplane.connector.wrong", "pdplane.gateway.app"),

@@ -25,9 +25,9 @@ import statistics
 import time
 
 from pdplane.core.prefix_hash import block_hashes
+from pdplane.scheduler.decision import SchedulerService
 from pdplane.scheduler.kv_index import KvState, PrefixIndex
 from pdplane.scheduler.port import RequestFeatures
-from pdplane.scheduler.service import SchedulerService
 from pdplane.scheduler.view import CandidateView, StaticSource
 from pdplane.v1 import kv_events_pb2
 from tests.unit.scheduler.conftest import instance

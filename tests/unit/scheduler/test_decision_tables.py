@@ -10,11 +10,11 @@ import numpy as np
 import numpy.typing as npt
 
 from pdplane.core.prefix_hash import block_hashes
+from pdplane.scheduler.decision import SchedulerService
 from pdplane.scheduler.errors import NoInstance
 from pdplane.scheduler.inflight import InflightTracker
 from pdplane.scheduler.kv_index import KvState, PrefixIndex
 from pdplane.scheduler.port import RequestFeatures
-from pdplane.scheduler.service import SchedulerService
 from pdplane.scheduler.table import ModelTables
 from pdplane.scheduler.view import CandidateView
 from pdplane.v1 import instance_pb2, kv_events_pb2

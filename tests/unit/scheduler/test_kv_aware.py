@@ -12,13 +12,13 @@ from typing import Any
 import pytest
 
 from pdplane.core.prefix_hash import block_hashes
+from pdplane.scheduler.decision import SchedulerService
 from pdplane.scheduler.inflight import InflightTracker
 from pdplane.scheduler.kv_index import KvState, PrefixIndex
 from pdplane.scheduler.latency import LatencyModel
 from pdplane.scheduler.metrics import SchedulerMetrics
 from pdplane.scheduler.policies.kv_aware import KvAwareWeights
 from pdplane.scheduler.port import Decision, RequestFeatures
-from pdplane.scheduler.service import SchedulerService
 from pdplane.scheduler.view import CandidateView
 from pdplane.scheduler.wire import decision_from_pb, decision_to_pb
 from pdplane.v1 import instance_pb2, kv_events_pb2, scheduler_pb2

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdplane.core.kv_columns import (
+from pdplane.core.kv_events.columns import (
     ColumnStore,
     batch_span,
     column_arrays,

@@ -34,7 +34,7 @@ import grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdplane.cli import drain
-from pdplane.core import grpc_util
+from pdplane.core.grpc import util as grpc_util
 from pdplane.v1 import registry_pb2, registry_pb2_grpc
 
 __all__ = ["Busy", "main", "registry_busy", "vllm_busy", "wait_idle"]

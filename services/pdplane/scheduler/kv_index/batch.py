@@ -19,7 +19,7 @@ What is merged (order is kept exactly; only consecutive events of one kind are m
 chained on their parent's own hash) end the run and take `InstanceBlocks`' own path.
 
 `apply_batch` takes a batch whose common single-block stores came as columns
-(`KvEventBatch.stored_columns`, `pdplane.core.kv_columns`): the columns are read as arrays in
+(`KvEventBatch.stored_columns`, `pdplane.core.kv_events.columns`): the columns are read as arrays in
 one copy each, and every stretch of column entries between two plain events (in sequence
 order) is one store run as above, without a protobuf read per event.
 """
@@ -31,8 +31,8 @@ from typing import Protocol
 
 import numpy as np
 
-from pdplane.core.kv_columns import expand_batch
-from pdplane.core.kv_events import DEFAULT_MEDIUM
+from pdplane.core.kv_events.columns import expand_batch
+from pdplane.core.kv_events.log import DEFAULT_MEDIUM
 from pdplane.core.prefix_hash import HASH_VERSION
 from pdplane.scheduler.kv_index.holders import HolderTable
 from pdplane.scheduler.kv_index.kernels import store_conflicts

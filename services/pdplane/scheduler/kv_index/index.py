@@ -1,7 +1,8 @@
 """`PrefixIndex`: which KV cache blocks every instance holds, keyed by pdplane's own hashes.
 
 Built from the instances' `KvEvents` streams (one `InstanceBlocks` sink per instance, driven by
-`pdplane.core.kv_stream.KvStreamReader`). Keys are `pdplane.core.prefix_hash.block_hashes` of
+`pdplane.scheduler.kv_index.stream.KvStreamReader`). Keys are
+`pdplane.core.prefix_hash.block_hashes` of
 the token ids the events carry, so instances with different vLLM hash seeds share keys; each
 instance maps its engine hashes to our hashes, so removals find their entries. A source that
 sends our hashes itself (`BlockStored.own_hashes`, same `hash_version`) saves the hashing: the
@@ -34,7 +35,7 @@ from enum import StrEnum
 import numpy as np
 import numpy.typing as npt
 
-from pdplane.core.kv_events import DEFAULT_MEDIUM
+from pdplane.core.kv_events.log import DEFAULT_MEDIUM
 from pdplane.core.prefix_hash import HASH_VERSION, block_hashes
 from pdplane.scheduler.kv_index.batch import apply_batch, apply_events
 from pdplane.scheduler.kv_index.holders import HolderSets, HolderTable

@@ -28,9 +28,9 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from pdplane.core import grpc_util
-from pdplane.core.kv_stream import KvStreamReader, StreamGap
+from pdplane.core.grpc import util as grpc_util
 from pdplane.scheduler.kv_index.index import InstanceBlocks, KvState, PrefixIndex
+from pdplane.scheduler.kv_index.stream import KvStreamReader, StreamGap
 from pdplane.scheduler.port import InstanceSource
 from pdplane.v1 import kv_events_pb2_grpc
 

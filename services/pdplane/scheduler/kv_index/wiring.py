@@ -11,7 +11,7 @@ from pdplane.scheduler.kv_index.manager import KvIndexManager
 from pdplane.scheduler.port import InstanceSource, PolicyFlags
 
 if TYPE_CHECKING:
-    from pdplane.scheduler.service import SchedulerService
+    from pdplane.scheduler.decision import SchedulerService
 
 __all__ = ["start_kv_index"]
 

@@ -46,7 +46,7 @@ from pdplane.connector.transports.nccl.engine import (
 from pdplane.connector.transports.nccl.pairs import PairKey, Purpose
 from pdplane.connector.transports.nccl.plan import DEFAULT_CHUNK_BYTES
 from pdplane.connector.transports.nccl.push import PushReceiver, PushSession
-from pdplane.connector.transports.nccl.service import SERVICE_NAME, NcclKvTransferServicer
+from pdplane.connector.transports.nccl.servicer import SERVICE_NAME, NcclKvTransferServicer
 from pdplane.connector.transports.receive_buffer import ReceiveBuffer
 from pdplane.v1 import instance_pb2, kv_transfer_nccl_pb2, kv_transfer_nccl_pb2_grpc
 

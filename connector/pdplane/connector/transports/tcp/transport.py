@@ -32,7 +32,7 @@ from pdplane.connector.transports.base import (
 from pdplane.connector.transports.receive_buffer import ReceiveBuffer
 from pdplane.connector.transports.tcp.buffer import PushBuffer
 from pdplane.connector.transports.tcp.push import PushResult, TcpPushSession
-from pdplane.connector.transports.tcp.service import SERVICE_NAME, TcpKvTransferServicer
+from pdplane.connector.transports.tcp.servicer import SERVICE_NAME, TcpKvTransferServicer
 from pdplane.v1 import instance_pb2, kv_transfer_tcp_pb2, kv_transfer_tcp_pb2_grpc
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "TcpTransport"]

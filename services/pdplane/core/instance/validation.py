@@ -12,7 +12,7 @@ import re
 from collections.abc import Mapping
 from urllib.parse import urlsplit
 
-from pdplane.core.echo import echo
+from pdplane.core.grpc.echo import echo
 from pdplane.core.tokenizer.bundle import valid_hash
 from pdplane.v1 import instance_pb2
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from pdplane.core.kv_columns import batch_span, column_arrays
+from pdplane.core.kv_events.columns import batch_span, column_arrays
 from pdplane.v1 import kv_events_pb2
 
 __all__ = ["KvEventSink", "KvStreamReader", "StreamGap"]

@@ -15,8 +15,8 @@ from typing import Any
 import grpc
 import pytest
 
-from pdplane.core import grpc_util
-from pdplane.core.grpc_auth import AuthPolicy, CallerRole
+from pdplane.core.grpc import util as grpc_util
+from pdplane.core.grpc.auth import AuthPolicy, CallerRole
 
 _SERVICE = "test.Echo"
 _TOKEN = "s3cret"

@@ -15,7 +15,7 @@ from typing import Any
 
 import grpc
 
-from pdplane.core.echo import echo
+from pdplane.core.grpc.echo import echo
 
 __all__ = ["AioDecodeErrorInterceptor", "DecodeErrorInterceptor"]
 

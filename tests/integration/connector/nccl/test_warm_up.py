@@ -20,7 +20,7 @@ from pdplane.connector.transports.nccl.engine import NcclEngine
 from pdplane.connector.transports.nccl.errors import NcclTransferError
 from pdplane.connector.transports.nccl.pairs import Pair, PairKey, Purpose
 from pdplane.v1 import kv_transfer_nccl_pb2, kv_transfer_nccl_pb2_grpc, kv_transfer_pb2
-from tests.integration.nccl.nodes import LAYOUT, Node, pull, same, wait_until
+from tests.integration.connector.nccl.nodes import LAYOUT, Node, pull, same, wait_until
 from tests.unit.connector.nccl.fabric import Fabric, FakeComms
 
 _Control = kv_transfer_nccl_pb2.NcclControl

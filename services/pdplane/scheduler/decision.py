@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import numpy.typing as npt
 
-from pdplane.core.echo import echo
+from pdplane.core.grpc.echo import echo
 from pdplane.scheduler.candidate import Candidate, PairKey
 from pdplane.scheduler.compat import blocks_for, describe_keys, split_sides
 from pdplane.scheduler.compat import warm_up as warm_up_filter

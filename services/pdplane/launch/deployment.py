@@ -30,7 +30,8 @@ from typing import Any, Protocol
 import grpc
 import httpx
 
-from pdplane.core import defaults, grpc_util
+from pdplane.core import defaults
+from pdplane.core.grpc import util as grpc_util
 from pdplane.core.listen import port_taken
 from pdplane.launch.etcd import etcd_binary, member_argv
 from pdplane.launch.process import (

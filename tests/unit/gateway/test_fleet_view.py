@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdplane.gateway.fleet import FleetView, build_view
+from pdplane.gateway.fleet_view import FleetView, build_view
 from pdplane.v1 import instance_pb2
 
 _LAYOUT = instance_pb2.KvLayout(num_layers=2, num_kv_heads=2, head_size=32, block_size=16,

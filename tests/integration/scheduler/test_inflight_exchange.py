@@ -16,11 +16,11 @@ from pathlib import Path
 import grpc
 import pytest
 
-from pdplane.core import grpc_util
-from pdplane.scheduler.exchange import InflightExchange, serve_exchange
+from pdplane.core.grpc import util as grpc_util
+from pdplane.scheduler.decision import SchedulerService
 from pdplane.scheduler.inflight import InflightTracker
+from pdplane.scheduler.inflight_exchange import InflightExchange, serve_exchange
 from pdplane.scheduler.port import Outcome, RequestFeatures
-from pdplane.scheduler.service import SchedulerService
 from pdplane.scheduler.view import CandidateView, StaticSource
 from pdplane.v1 import inflight_pb2_grpc
 from tests.unit.scheduler.conftest import instance

@@ -2,7 +2,8 @@
 
 Built from the registry watcher's view once per change (on the watcher's thread) and swapped in
 atomically, so the request path only reads a ready-made `FleetView`. Which instances make a
-usable pair is the scheduler's rule, read from `pdplane.core.pairing` like the scheduler does.
+usable pair is the scheduler's rule, read from `pdplane.core.instance.pairing` like the scheduler
+does.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdplane.core.pairing import can_decode, can_prefill, pair_key
+from pdplane.core.instance.pairing import can_decode, can_prefill, pair_key
 from pdplane.v1 import instance_pb2
 
 __all__ = ["FleetTracker", "FleetView", "ModelState", "Publication", "build_view"]

@@ -19,7 +19,7 @@ import pytest
 
 from pdplane.connector.transports.nccl.errors import NcclTransferError
 from pdplane.v1 import kv_transfer_nccl_pb2, kv_transfer_nccl_pb2_grpc, kv_transfer_pb2
-from tests.integration.nccl.nodes import LAYOUT, NUM_BLOCKS, Node, pull, same, wait_until
+from tests.integration.connector.nccl.nodes import LAYOUT, NUM_BLOCKS, Node, pull, same, wait_until
 
 
 def test_pulls_share_one_pair_and_its_stream(start_node: Callable[..., Node]) -> None:

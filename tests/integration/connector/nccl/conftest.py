@@ -14,9 +14,9 @@ from pdplane.connector.server import HoldAccess, start_kv_server
 from pdplane.connector.transports.base import ServiceBinding
 from pdplane.connector.transports.nccl.blocks import BlockMover, layer_byte_view
 from pdplane.connector.transports.nccl.engine import NcclEngine
-from pdplane.connector.transports.nccl.service import SERVICE_NAME, NcclKvTransferServicer
+from pdplane.connector.transports.nccl.servicer import SERVICE_NAME, NcclKvTransferServicer
 from pdplane.v1 import kv_transfer_nccl_pb2_grpc
-from tests.integration.nccl.nodes import LAYOUT, NUM_BLOCKS, Node
+from tests.integration.connector.nccl.nodes import LAYOUT, NUM_BLOCKS, Node
 from tests.unit.connector.nccl.fabric import Fabric, FakeComms, cpu_cuda  # noqa: F401 - a fixture
 
 

@@ -7,7 +7,7 @@ both read them from here.
 
 from __future__ import annotations
 
-from pdplane.core.layout import fingerprint
+from pdplane.core.instance.layout import fingerprint
 from pdplane.v1 import instance_pb2
 
 __all__ = ["PairKey", "can_decode", "can_prefill", "pair_key"]

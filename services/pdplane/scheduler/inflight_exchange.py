@@ -43,7 +43,7 @@ from typing import Any
 import grpc
 from prometheus_client import CollectorRegistry, Gauge
 
-from pdplane.core import grpc_util
+from pdplane.core.grpc import util as grpc_util
 from pdplane.scheduler.inflight import Assignment, InflightTracker
 from pdplane.scheduler.unseen import UnseenPeers
 from pdplane.scheduler.view import CandidateView

@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from pdplane.core.kv_events import KvEventLog, SubscriptionCursor, canonical_extra_keys, engine_hash
-from pdplane.core.kv_stream import KvStreamReader, StreamGap
+from pdplane.core.kv_events.log import (
+    KvEventLog,
+    SubscriptionCursor,
+    canonical_extra_keys,
+    engine_hash,
+)
+from pdplane.scheduler.kv_index.stream import KvStreamReader, StreamGap
 from pdplane.v1 import kv_events_pb2
 from tests.unit.core.kv_replica import Replica, log_state
 

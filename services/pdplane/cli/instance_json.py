@@ -10,7 +10,7 @@ from typing import Any
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from pdplane.core.layout import fingerprint
+from pdplane.core.instance.layout import fingerprint
 from pdplane.v1 import instance_pb2, registry_pb2
 
 __all__ = ["enum_word", "event_to_dict", "instance_to_dict", "load_to_dict", "parse_role"]

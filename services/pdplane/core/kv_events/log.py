@@ -17,7 +17,7 @@ exactly three methods as their cache changes: `stored`, `removed`, `cleared`. Th
 `SubscriptionCursor` turns the log into the message sequence of `KvEvents.Subscribe`
 (protos/pdplane/v1/kv_events.proto): snapshot chunks when needed, then batches of events, and
 a new snapshot whenever the subscriber fell out of the ring. The gRPC servicers that serve it
-are in `pdplane.core.kv_events_server`; both are re-exported here.
+are in `pdplane.core.kv_events.server`; both are re-exported here.
 
 Light: imports only the standard library and the generated protobuf code (no grpc), so the
 connector inside vLLM and the simulator can both use it. Thread-safe: writers and readers may
@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pdplane.core.kv_columns import ColumnStore, encode_batch
+from pdplane.core.kv_events.columns import ColumnStore, encode_batch
 from pdplane.core.prefix_hash import HASH_VERSION, block_hashes
 from pdplane.v1 import kv_events_pb2
 
@@ -481,13 +481,3 @@ class SubscriptionCursor:
         self.snapshots += 1
         self._next = sequence + 1
         self._snapshot = _snapshot_messages(self._log.epoch, sequence, blocks, self._chunk_tokens)
-
-
-def __getattr__(name: str) -> Any:
-    # The servicers need grpc; load them only when asked for (`from pdplane.core.kv_events
-    # import KvEventsServicer`), so that importing the log stays light.
-    if name in ("KvEventsServicer", "AioKvEventsServicer", "add_kv_events_servicer"):
-        from pdplane.core import kv_events_server
-
-        return getattr(kv_events_server, name)
-    raise AttributeError(name)

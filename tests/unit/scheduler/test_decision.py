@@ -9,11 +9,11 @@ from typing import Any
 import pytest
 
 from pdplane.scheduler.candidate import Candidate
+from pdplane.scheduler.decision import SchedulerService
 from pdplane.scheduler.errors import InvalidRequest, NoInstance, NoRoom
 from pdplane.scheduler.metrics import SchedulerMetrics
 from pdplane.scheduler.policies import POLICIES, Pick, PickContext
 from pdplane.scheduler.port import RequestFeatures, SchedulerBusy
-from pdplane.scheduler.service import SchedulerService
 from pdplane.scheduler.view import CandidateView
 from pdplane.v1 import instance_pb2
 

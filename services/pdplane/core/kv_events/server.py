@@ -2,7 +2,7 @@
 
 `add_kv_events_servicer(server, log)` adds the service to any pdplane gRPC server: the
 connector's KvTransfer server (sync `grpc.server`, inside vLLM) or the simulator's
-(`grpc.aio.server`). Authentication and TLS are the server's own (`pdplane.core.grpc_util`
+(`grpc.aio.server`). Authentication and TLS are the server's own (`pdplane.core.grpc.util`
 interceptors and ports), so KvEvents is guarded exactly like the service next to it.
 
 A stream never blocks the log's writer: it waits on a per-stream wake-up (set by the log's
@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator, Iterator
 
 import grpc
 
-from pdplane.core.kv_events import KvEventLog, SubscriptionCursor
+from pdplane.core.kv_events.log import KvEventLog, SubscriptionCursor
 from pdplane.v1 import kv_events_pb2, kv_events_pb2_grpc
 
 __all__ = [

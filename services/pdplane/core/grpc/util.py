@@ -4,7 +4,7 @@ Every pdplane gRPC server exposes `grpc.health.v1.Health` (its answers carry the
 `pdplane.core.server_id` as initial metadata) and server reflection, v1 and v1alpha (so
 `grpcurl`, `pdplane grpc` and `grpc_health_probe` work) and, when a token is configured, rejects
 calls without the gRPC metadata `authorization: Bearer <token>` with UNAUTHENTICATED (who may
-do what: `pdplane.core.grpc_auth`). Both the
+do what: `pdplane.core.grpc.auth`). Both the
 sync (`grpc.server`, used inside vLLM's engine process) and the asyncio (`grpc.aio.server`)
 flavours are covered.
 """
@@ -18,9 +18,9 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from pdplane.core.grpc_auth import AUTH_KEY, AuthPolicy, ConflictingCredentials
-from pdplane.core.grpc_decode import AioDecodeErrorInterceptor, DecodeErrorInterceptor
-from pdplane.core.grpc_reflection import enable_reflection
+from pdplane.core.grpc.auth import AUTH_KEY, AuthPolicy, ConflictingCredentials
+from pdplane.core.grpc.decode import AioDecodeErrorInterceptor, DecodeErrorInterceptor
+from pdplane.core.grpc.reflection import enable_reflection
 from pdplane.core.server_id import METADATA_KEY, server_id
 
 __all__ = [
@@ -142,7 +142,7 @@ def _aio_deny_handler(handler: grpc.RpcMethodHandler, why: str) -> grpc.RpcMetho
 
 class TokenAuthInterceptor(grpc.ServerInterceptor):
     """Sync server interceptor: UNAUTHENTICATED unless the call satisfies `policy`
-    (`pdplane.core.grpc_auth`: a configured credential, never two conflicting ones)."""
+    (`pdplane.core.grpc.auth`: a configured credential, never two conflicting ones)."""
 
     def __init__(self, policy: AuthPolicy | str) -> None:
         # A bare string is the shared token alone.
