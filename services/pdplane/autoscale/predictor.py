@@ -4,17 +4,23 @@
 simulated fleet (`pdplane.plan.fleetsim`, judged by `Slo.met` as `pdplane plan` judges) meets
 the SLO for Poisson arrivals at the traffic's rate with its mean prompt and output lengths
 (uniform +-20 % around them), within the bounds. It starts from `pdplane plan`'s closed-form
-estimate, grows the failing side until the fleet meets the SLO (decode when ITL or the KV
-cache fails, else prefill), then gives back what is not needed, one side then the other: a
-few simulated fleets per answer, where `pdplane plan`'s two binary searches take more (the
-controller answers many traffics). When no fleet within the budget meets it: the split of
-the whole budget with the highest simulated goodput, around the estimate's ratio.
+estimate, grows the failing side until the fleet meets the SLO (decode when it is over its
+capacity, breaks ITL or fills its KV cache, else prefill), then gives back what is not
+needed, one side then the other: a few simulated fleets per answer, where `pdplane plan`'s
+two binary searches take more (the controller answers many traffics). When no fleet within
+the budget meets it: the split of the whole budget with the highest simulated goodput,
+around the estimate's ratio.
 `Predictor.predict(fleet, traffic)` is one simulated fleet: the before/after of a move.
 
 A fleet counts as meeting the SLO when its simulated latencies are within `slack` (0.8) of
 each target: one simulated half-minute is a sample, the fleet then serves many minutes, and a
 fleet planned at the edge fails a good share of them. Each simulated fleet serves `measure_s`
-of traffic after one request lifetime of warm-up.
+of traffic after one request lifetime of warm-up. A fleet must also be stable: the rate at
+most its closed-form capacity per role (`pdplane.plan.search.capacity`, both roles fully
+busy). A fleet slightly over its capacity builds its queue slowly, too slowly for a
+half-minute sample to show it (summarisation-like traffic at 24 req/s passes the sample on
+7P2D and needs 8P3D over minutes: two decodes serve ~23 req/s of 150-token answers), and the
+queue then breaks TTFT with ITL within target, which the live rules read as prefill-bound.
 Answers are cached on the traffic rounded to buckets (rate: `rate_step`, lengths:
 `length_step`, geometric) and the workload is generated from the rounded values with a seed
 derived from them, so an answer depends on the bucket only: runs that share a `Predictor` (a
@@ -30,7 +36,7 @@ from dataclasses import dataclass
 
 from pdplane.autoscale.observe import Traffic
 from pdplane.plan.fleetsim import FleetConfig, FleetResult, simulate_fleet
-from pdplane.plan.search import Slo, estimate, window
+from pdplane.plan.search import Slo, capacity, estimate, window
 from pdplane.plan.workload import Lengths, RequestSpec, Shape
 from pdplane.sim.profiles import Profile
 
@@ -86,7 +92,7 @@ def _bucket(value: float, step: float) -> int:
     return round(math.log(value) / math.log1p(step)) if value > 0 else -(1 << 20)
 
 
-def _unbucket(k: int, step: float) -> float:
+def _unbucket(k: float, step: float) -> float:
     return math.exp(k * math.log1p(step))
 
 
@@ -165,6 +171,39 @@ class Predictor:
             )
         return runs[cfg]
 
+    def capacity(self, prefill: int, decode: int, traffic: Traffic) -> float:
+        """Requests per second `prefill`P`decode`D sustains with both roles fully busy on
+        `traffic`'s lengths (closed form, `pdplane.plan.search.capacity`; decode = 0: the
+        prefills' alone)."""
+        return capacity(
+            self.profile, traffic.isl, traffic.osl, self.slo.bound("itl"), prefill, decode
+        )
+
+    def _stable_side(self, key: tuple[int, int, int], x: int, y: int) -> str | None:
+        """The role whose closed-form capacity is below the rate, or None; the rate at the
+        top of its bucket (the answer is the bucket's, so it must hold for every rate in it),
+        the lengths the bucket's simulated requests have."""
+        rate = _unbucket(key[0] + 0.5, self.rate_step)
+        isl, osl = (_unbucket(k, self.length_step) for k in key[1:])
+        itl = self.slo.bound("itl")
+        if capacity(self.profile, isl, osl, itl, 0, y) < rate:
+            return "decode"
+        if capacity(self.profile, isl, osl, itl, x, 0) < rate:
+            return "prefill"
+        return None
+
+    def _fails(self, key: tuple[int, int, int], x: int, y: int) -> str | None:
+        """The side `x`P`y`D fails on for the bucket (None: it meets the SLO, stable): decode
+        when it is over its capacity, breaks ITL or fills its KV cache, else prefill."""
+        unstable = self._stable_side(key, x, y)
+        if unstable is not None:
+            return unstable
+        judge = self.judge
+        r = self._simulate(key, x, y)
+        if judge.met(r):
+            return None
+        return "decode" if not judge.kv_ok(r) or r.itl_q(0.9) > judge.bound("itl") else "prefill"
+
     def predict(self, prefill: int, decode: int, traffic: Traffic) -> FleetResult:
         """The simulated fleet `prefill`P`decode`D on `traffic` (cached per bucket)."""
         return self._simulate(self.key(traffic), prefill, decode)
@@ -184,11 +223,9 @@ class Predictor:
         requests, _ = self.workload(key)
         ex, ey = estimate(self.profile, requests, self.slo)
         x, y = bounds.clamp(ex, ey)
-        # Grow from the estimate until the simulated fleet meets the SLO, the failing side
-        # first: a decode that breaks ITL or fills its KV cache, else the prefill (TTFT).
-        judge = self.judge
-        while not judge.met(r := self._simulate(key, x, y)):
-            decode_side = not judge.kv_ok(r) or r.itl_q(0.9) > judge.bound("itl")
+        # Grow from the estimate until the fleet meets the SLO, the failing side first.
+        while (side := self._fails(key, x, y)) is not None:
+            decode_side = side == "decode"
             grown = bounds.clamp(x, y + 1) if decode_side else bounds.clamp(x + 1, y)
             if grown == (x, y):  # that side is at its bound: the other one
                 grown = bounds.clamp(x + 1, y) if decode_side else bounds.clamp(x, y + 1)
@@ -197,8 +234,8 @@ class Predictor:
             x, y = grown
         # Then give back what is not needed (each side is monotone in its count).
         for dx, dy in ((1, 0), (0, 1)):
-            while (x - dx, y - dy) == bounds.clamp(x - dx, y - dy) and judge.met(
-                self._simulate(key, x - dx, y - dy)
+            while (x - dx, y - dy) == bounds.clamp(x - dx, y - dy) and (
+                self._fails(key, x - dx, y - dy) is None
             ):
                 x, y = x - dx, y - dy
         return FleetPlan(x, y, True, self._simulate(key, x, y))
@@ -211,4 +248,4 @@ class Predictor:
         options = {bounds.clamp(x, n - x) for x in (x0 - 1, x0, x0 + 1)}
         results = [(self._simulate(key, x, y), x, y) for x, y in sorted(options)]
         best, x, y = max(results, key=lambda t: (t[0].goodput, -t[0].ttft_q(0.9)))
-        return FleetPlan(x, y, self.judge.met(best), best)
+        return FleetPlan(x, y, self._fails(key, x, y) is None, best)
