@@ -7,18 +7,27 @@ Each call (`Controller.decide`, every `interval_s` of the caller) reads one `Obs
    the scale-out line; at rate x (1 + `down_margin`), a larger margin, the scale-in line.
    Scaling out reacts fast, scaling in slowly: the scale-out line takes the higher rate of
    the whole window and of its last quarter (and the last quarter's prompt and output
-   lengths), plus the prefill queue drained over `backlog_s` (requests that wait now must be
-   served on top of the arrivals); the scale-in line uses the whole window.
+   lengths), plus the part of the prefill queue that outlasts a start-up, served within
+   `backlog_s`: requests already queued stay on their instance (the gateway routes on
+   arrival) and an instance started now serves `startup_s` later, so the queue the planned
+   prefills serve by then with their capacity beyond the arrivals needs no start. The
+   scale-in line uses the whole window.
 2. **Hysteresis**: a role below its scale-out line grows to it at once; a role above its
-   scale-in line shrinks to it only after it stayed above for `scale_in_after_s` and at least
-   `cooldown_s` after that role last grew, and never while the window's measured TTFT or ITL
-   p90 breaks its target; in between nothing moves. When the budget is full
-   and one role must grow, the other gives back at once (a move between roles: vLLM fixes an
-   instance's KV role at start-up, `--kv-transfer-config`, so a move is a drain plus a start).
+   scale-in line shrinks only after it stayed above for `scale_in_after_s`, to the highest
+   line of that time, at least `cooldown_s` after that role last grew, and never while the
+   window's measured TTFT or ITL p90 breaks its target; in between nothing moves. A window
+   comfortably within the targets (within what a planned fleet must meet, `Predictor.judge`)
+   with no prefill queue lowers the scale-in line to the scale-out line: the measurement
+   confirms what the wider margin guards against. When the budget is full and one role must
+   grow, the other gives back at once (a move between roles: vLLM fixes an instance's KV role
+   at start-up, `--kv-transfer-config`, so a move is a drain plus a start).
 3. **Observed check**: when the window's TTFT or ITL p90 breaks its target and the live rules
    (`pdplane.plan.live.advise`: queues, KV cache) name a side, that side gets one more instance
-   than it has, unless one of that role is already starting: the simulation's profile may be
-   wrong, the measurement is not.
+   than it has, unless one of that role is starting or became ready since the last call (the
+   window does not show it yet), or (prefill) the breach comes from a prefill queue that is
+   falling or that the planned prefills serve within a start-up: the simulation's profile may
+   be wrong, the measurement is not. What it added stays while the traffic it was added for
+   lasts (the same length buckets, the rate not down by the scale-in margin).
 
 Every change comes with the predicted before/after (the current and the wanted fleet
 simulated on the measured traffic), logged by the caller and exported as metrics.
@@ -53,8 +62,12 @@ class ControllerSettings:
     cooldown_s: float = 120.0
     #: no decision before the window spans this long (s): a short one measures noise
     min_span_s: float = 30.0
-    #: a prefill queue is planned to be served within this long, on top of the arrivals (s)
+    #: the part of the prefill queue the ready prefills do not serve within a start-up is
+    #: planned to be served within this long, on top of the arrivals (s)
     backlog_s: float = 60.0
+    #: from a start until the instance serves (s; vLLM loads the weights and warms up): a
+    #: start helps only with what is still waiting then
+    startup_s: float = 90.0
 
 
 @dataclass(slots=True)
@@ -107,6 +120,13 @@ class Controller:
     decisions: list[Decision] = field(default_factory=list)
     _grew_at: dict[str, float] = field(default_factory=dict)
     _above_since: dict[str, float] = field(default_factory=dict)
+    #: role -> its scale-in lines (time s, count) over the last `scale_in_after_s`
+    _lines: dict[str, list[tuple[float, int]]] = field(default_factory=dict)
+    #: ready instances per role at the last call, and the roles that got one more since
+    _ready: dict[str, int] = field(default_factory=dict)
+    _readied: set[str] = field(default_factory=set)
+    #: role -> (count, window traffic) the observed check last grew it to
+    _observed: dict[str, tuple[int, Traffic]] = field(default_factory=dict)
 
     def __call__(self, obs: Observation, state: FleetState, now: float) -> dict[str, int] | None:
         return self.decide(obs, state, now).wanted
@@ -114,13 +134,22 @@ class Controller:
     def decide(self, obs: Observation, state: FleetState, now: float) -> Decision:
         """The wanted counts for `obs` given the fleet `state` at `now` (s)."""
         current = {role: state.count(role).planned for role in ROLES}
+        ready = {role: state.count(role).ready for role in ROLES}
+        self._readied = {r for r in ROLES if ready[r] > self._ready.get(r, ready[r])}
+        self._ready = ready
         traffic = obs.traffic
         if not traffic.known or obs.span_s < self.settings.min_span_s:
             return Decision(now, traffic, current, None, "no traffic measured yet")
         s, p = self.settings, self.predictor
-        up = p.plan(self._rising(obs), self.bounds)
+        up = p.plan(self._rising(obs, state), self.bounds)
         down = up
-        if any(current[role] > n for role, n in (("prefill", up.prefill), ("decode", up.decode))):
+        # A window comfortably within the targets (those a planned fleet must meet) with no
+        # prefill queue shows the fleet is more than enough: it may shrink to the scale-out
+        # line. Otherwise only to the scale-in line, planned with the wider margin.
+        comfortable = self._comfortable(obs, state)
+        if not comfortable and any(
+            current[role] > n for role, n in (("prefill", up.prefill), ("decode", up.decode))
+        ):
             # Only a role above the scale-out line can shrink: plan the scale-in line then.
             down = p.plan(traffic.scaled(1 + s.down_margin), self.bounds)
         lines = {"prefill": (up.prefill, down.prefill), "decode": (up.decode, down.decode)}
@@ -132,28 +161,37 @@ class Controller:
         reasons: list[str] = []
         waiting: list[str] = []
         for role in ROLES:
-            grow, shrink = lines[role][0], max(lines[role])
+            grow, shrink = lines[role][0], max(*lines[role], self._observed_floor(role, traffic))
             have = current[role]
             if have < grow:
                 wanted[role] = grow
                 reasons.append(f"{role} below the plan for +{s.up_margin:.0%} ({up.label})")
             elif have > shrink:
+                # The role shrinks to the highest line of the last `scale_in_after_s`: a line
+                # that dips for one window's noise would ask for the instance again a tick later.
                 since = self._above_since.setdefault(role, now)
+                recent = self._lines.setdefault(role, [])
+                recent[:] = [(t, n) for t, n in recent if t > now - s.scale_in_after_s]
+                recent.append((now, shrink))
+                peak = max(n for _, n in recent)
                 cooled = now - self._grew_at.get(role, -math.inf) >= s.cooldown_s
                 if now - since >= s.scale_in_after_s and cooled and not broken:
-                    wanted[role] = shrink
-                    reasons.append(
-                        f"{role} above the plan for +{s.down_margin:.0%} ({down.label}) "
-                        f"for {now - since:.0f} s"
+                    wanted[role] = peak
+                    line = (
+                        f"the plan for +{s.up_margin:.0%} ({up.label}), latency comfortable"
+                        if comfortable
+                        else f"the plan for +{s.down_margin:.0%} ({down.label})"
                     )
+                    reasons.append(f"{role} above {line} for {now - since:.0f} s")
                 else:
                     waiting.append(role)
                 continue
             self._above_since.pop(role, None)
+            self._lines.pop(role, None)
         if sum(wanted.values()) > self.bounds.max_instances:
             # A move between roles with the budget full: the role waiting to shrink goes now.
             for role in waiting:
-                wanted[role] = max(lines[role])
+                wanted[role] = max(*lines[role], self._observed_floor(role, traffic))
                 reasons.append(f"{role} gives back for the other role (budget full)")
         if broken:
             self._observed_check(obs, state, current, wanted, reasons)
@@ -164,9 +202,9 @@ class Controller:
         for role in ROLES:
             if wanted[role] > current[role]:
                 self._grew_at[role] = now
+            if wanted[role] != current[role]:
                 self._above_since.pop(role, None)
-            elif wanted[role] < current[role]:
-                self._above_since.pop(role, None)
+                self._lines.pop(role, None)
         decision = Decision(
             now,
             traffic,
@@ -179,14 +217,48 @@ class Controller:
         self.decisions.append(decision)
         return decision
 
-    def _rising(self, obs: Observation) -> Traffic:
+    def _rising(self, obs: Observation, state: FleetState) -> Traffic:
         """The traffic the scale-out line is planned for (see the module docstring)."""
         t, r = obs.traffic, obs.recent
-        pre = obs.loads.get("prefill")
-        backlog = pre.waiting * pre.instances if pre is not None else 0.0
         base = Traffic(max(r.rate, t.rate), r.isl, r.osl) if r.known else t
-        rate = base.rate * (1 + self.settings.up_margin) + backlog / self.settings.backlog_s
-        return Traffic(rate, base.isl, base.osl)
+        rate = base.rate * (1 + self.settings.up_margin)
+        backlog = self._lasting_queue(obs, state, base)
+        return Traffic(rate + backlog / self.settings.backlog_s, base.isl, base.osl)
+
+    def _observed_floor(self, role: str, traffic: Traffic) -> int:
+        """The count the observed check last grew `role` to while the window's traffic is
+        still what it was then (the same length buckets, the rate not below it by the
+        scale-in margin), else 0: the measurement showed the plan short for that traffic,
+        and a comfortable window on the grown fleet does not make it right."""
+        if role not in self._observed:
+            return 0
+        n, then = self._observed[role]
+        key, key_then = self.predictor.key(traffic), self.predictor.key(then)
+        if key[1:] == key_then[1:] and traffic.rate * (1 + self.settings.down_margin) >= then.rate:
+            return n
+        del self._observed[role]
+        return 0
+
+    def _lasting_queue(self, obs: Observation, state: FleetState, traffic: Traffic) -> float:
+        """Requests waiting on the prefills now that the planned prefills (ready and
+        starting: one started now serves after them) do not serve within a start-up
+        (`startup_s`) with their closed-form capacity beyond the arrivals: the part of the
+        queue an instance started now can still help with."""
+        planned = state.count("prefill").planned
+        spare = max(0.0, self.predictor.capacity(planned, 0, traffic) - traffic.rate)
+        return max(0.0, obs.queued - spare * self.settings.startup_s)
+
+    def _comfortable(self, obs: Observation, state: FleetState) -> bool:
+        """Whether the window's TTFT and ITL p90 are within what a planned fleet must meet
+        (`Predictor.judge`: the targets x its slack) with fewer requests waiting on the
+        prefills than there are prefills (the live rules' queue threshold, one per
+        instance). NaN (unmeasured) is not comfortable."""
+        judge = self.predictor.judge
+        return (
+            obs.ttft_p90_s <= judge.bound("ttft")
+            and obs.itl_p90_s <= judge.bound("itl")
+            and obs.queued < max(1, state.count("prefill").ready)
+        )
 
     def _broken(self, obs: Observation) -> bool:
         """Whether the window's measured TTFT or ITL p90 breaks its target (NaN: unmeasured)."""
@@ -209,9 +281,23 @@ class Controller:
             ttft_slo_s=ttft_slo,
             itl_slo_s=itl_slo,
         )
+        queue = obs.loads["prefill"].waiting >= 1.0
+        falling = obs.queued < obs.queued_before
         for role in ROLES:
             if advice.delta[role] > 0 and wanted[role] <= current[role]:
-                if state.count(role).starting:
+                # One is starting, or one just became ready: the window does not show what
+                # it does yet.
+                if state.count(role).starting or role in self._readied:
+                    continue
+                # A prefill queue that is falling, or that the ready prefills serve within a
+                # start-up, explains the breach: a start would serve after it is gone (requests
+                # already queued stay on their instance).
+                if (
+                    role == "prefill"
+                    and queue
+                    and (falling or not self._lasting_queue(obs, state, obs.traffic))
+                ):
                     continue
                 wanted[role] = current[role] + 1
+                self._observed[role] = (wanted[role], obs.traffic)
                 reasons.append(f"observed: {'; '.join(advice.reasons)}")

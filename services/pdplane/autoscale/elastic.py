@@ -222,13 +222,8 @@ class _ElasticRun(FleetRun):
         while len(self.itl_snaps) > 2 and self.itl_snaps[1][0] <= now - self.settings.window_s:
             self.itl_snaps.popleft()
         itl = itl_now.minus(self.itl_snaps[0][1])
-        return Observation(
-            self.traffic_window.traffic(),
-            self.traffic_window.loads(),
-            self.recent_ttft_p90(now),
-            itl.quantile(0.9) if itl.total else math.nan,
-            self.traffic_window.span_s,
-            self.traffic_window.traffic(self.settings.window_s / 4),
+        return self.traffic_window.observation(
+            self.recent_ttft_p90(now), itl.quantile(0.9) if itl.total else math.nan
         )
 
     def recent_ttft_p90(self, now: float) -> float:

@@ -69,6 +69,10 @@ class Observation:
     span_s: float = 0.0
     #: the traffic of the window's last quarter: a rise shows here first
     recent: Traffic = Traffic(0.0, 0.0, 0.0)
+    #: requests waiting on the prefill instances now and a quarter of the window ago (NaN:
+    #: not sampled then)
+    queued: float = 0.0
+    queued_before: float = math.nan
 
 
 @dataclass(slots=True)
@@ -117,6 +121,29 @@ class TrafficWindow:
         isl = prompt / arrivals if arrivals > 0 else 0.0
         osl = gen / dec_done if dec_done > 0 else 0.0
         return Traffic(arrivals / span, isl, osl)
+
+    def waiting(self, role: str, ago_s: float = 0.0) -> float:
+        """Requests waiting on the instances of `role` in the last sample at least `ago_s`
+        old (NaN when there is none)."""
+        now = self.samples[-1][0] if self.samples else 0.0
+        for t, rows in reversed(self.samples):
+            if t <= now - ago_s:
+                return sum(s.waiting for s in rows.values() if s.role == role)
+        return math.nan
+
+    def observation(self, ttft_p90_s: float, itl_p90_s: float) -> Observation:
+        """The window's `Observation` with the gateway's TTFT / ITL p90 (s; NaN: unknown)."""
+        quarter = self.window_s / 4
+        return Observation(
+            self.traffic(),
+            self.loads(),
+            ttft_p90_s,
+            itl_p90_s,
+            self.span_s,
+            self.traffic(quarter),
+            self.waiting("prefill") if self.samples else 0.0,
+            self.waiting("prefill", quarter),
+        )
 
     def loads(self) -> dict[str, RoleLoad]:
         """Mean load per instance of each role over the window's samples (`RoleLoad`)."""

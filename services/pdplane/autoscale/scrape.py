@@ -122,14 +122,7 @@ class FleetScraper:
             self.gateway.scrape(t)
             ttft = self.gateway.p90("pdplane_gateway_ttft_seconds")
             itl = self.gateway.p90("pdplane_gateway_tpot_seconds")
-        return Observation(
-            self.window.traffic(),
-            self.window.loads(),
-            ttft,
-            itl,
-            self.window.span_s,
-            self.window.traffic(self.window.window_s / 4),
-        )
+        return self.window.observation(ttft, itl)
 
     def close(self) -> None:
         self._http.close()

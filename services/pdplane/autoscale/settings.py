@@ -53,6 +53,12 @@ class AutoscaleOptions(CommandSettings):
     cooldown_s: float = Field(
         120.0, ge=0, description="a role does not shrink sooner than this after it grew (s)"
     )
+    instance_startup_s: float = Field(
+        90.0,
+        ge=0,
+        description="time from starting an instance until it serves (s): a prefill queue the "
+        "ready instances serve within it starts nothing",
+    )
     predict_measure_s: float = Field(
         30.0, gt=0, description="traffic each simulated fleet serves after its warm-up (s)"
     )
@@ -89,6 +95,7 @@ class AutoscaleOptions(CommandSettings):
             down_margin=self.down_margin,
             scale_in_after_s=self.scale_in_after_s,
             cooldown_s=self.cooldown_s,
+            startup_s=self.instance_startup_s,
             min_span_s=min(30.0, self.autoscale_window_s / 2),
         )
         return Controller(predictor, self.bounds(), settings)
