@@ -15,9 +15,9 @@ around the estimate's ratio.
 A fleet counts as meeting the SLO when its simulated latencies are within `slack` (0.8) of
 each target: one simulated half-minute is a sample, the fleet then serves many minutes, and a
 fleet planned at the edge fails a good share of them. Each simulated fleet serves `measure_s`
-of traffic after one request lifetime of warm-up. A fleet must also be stable: the rate at
-most its closed-form capacity per role (`pdplane.plan.search.capacity`, both roles fully
-busy). A fleet slightly over its capacity builds its queue slowly, too slowly for a
+of traffic after one request lifetime of warm-up. A fleet must also be stable: each role's
+closed-form capacity (`pdplane.plan.search.capacity`, fully busy) at least the top of the
+traffic's rate bucket. A fleet slightly over its capacity builds its queue slowly, too slowly for a
 half-minute sample to show it (summarisation-like traffic at 24 req/s passes the sample on
 7P2D and needs 8P3D over minutes: two decodes serve ~23 req/s of 150-token answers), and the
 queue then breaks TTFT with ITL within target, which the live rules read as prefill-bound.
