@@ -10,46 +10,27 @@ import queue
 import signal
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import httpx
 
-from pdplane.launch.ports import free_port_run
+from tests.integration.launch.cli import UP_PORT_FLAGS, free_ports, line_queue
 
 
 def _up(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen[str], queue.Queue[str], str]:
-    ports = {
-        name: free_port_run()
-        for name in (
-            "gateway-port",
-            "registry-port",
-            "scheduler-port",
-            "scheduler-metrics-port",
-            "vllm-base-port",
-            "kv-base-port",
-        )
-    }
+    ports = free_ports(*UP_PORT_FLAGS, "scheduler-metrics-port")
     argv = [sys.executable, "-m", "pdplane.cli.main", "up", "--engine", "sim"]
     argv += ["--log-dir", str(tmp_path / "logs"), *extra]
     for name, port in ports.items():
         argv += [f"--{name}", str(port)]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines: queue.Queue[str] = queue.Queue()
-
-    def read() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.put(line)
-        lines.put("")
-
-    threading.Thread(target=read, daemon=True).start()
-    return proc, lines, f"http://127.0.0.1:{ports['gateway-port']}"
+    assert proc.stdout is not None
+    return proc, line_queue(proc.stdout), f"http://127.0.0.1:{ports['gateway-port']}"
 
 
 def _until(lines: queue.Queue[str], needle: str) -> list[str]:
     """Lines up to and including the first holding `needle` (fails at the end of output)."""
-    seen = []
+    seen: list[str] = []
     while True:
         line = lines.get(timeout=180)
         assert line, "".join(seen)

@@ -10,12 +10,12 @@ import signal
 import subprocess
 import sys
 import textwrap
-import threading
 from pathlib import Path
 
 import pytest
 
 from pdplane.launch.ports import free_port_run
+from tests.integration.launch.cli import line_queue
 
 # The stand-in server: binds the --port of its argv, answers GET /health 200, exits 0 on
 # SIGTERM or SIGINT (as vLLM's API server does) and at once on its own with "exit" in its argv.
@@ -61,16 +61,8 @@ def _start(tmp_path: Path, *extra: str) -> subprocess.Popen[str]:
 
 def _lines(proc: subprocess.Popen[str]) -> queue.Queue[str]:
     """`proc`'s stderr lines as they come ("" at its end), so that a wait for one is bounded."""
-    lines: queue.Queue[str] = queue.Queue()
-
-    def read() -> None:
-        assert proc.stderr is not None
-        for line in proc.stderr:
-            lines.put(line)
-        lines.put("")
-
-    threading.Thread(target=read, daemon=True).start()
-    return lines
+    assert proc.stderr is not None
+    return line_queue(proc.stderr)
 
 
 def _events_dirs(tmp_path: Path) -> list[Path]:
