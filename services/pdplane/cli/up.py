@@ -108,7 +108,7 @@ class UpSettings(AutoscaleOptions):
     kv_profile: str = Field(
         "tiny-cpu",
         description="engine profile kv_aware predicts latencies with: a built-in name or a "
-        "`pdplane profile` JSON (default: the tiny model on vLLM CPU, what up serves without "
+        "`pdplane profile` JSON (tiny-cpu: the tiny model on vLLM CPU, what up serves without "
         "--model)",
     )
     queue_timeout_s: float = Field(
