@@ -2,7 +2,7 @@
 instances that publish a tokenizer, precise routing is on when the line is printed, and the
 banner says so; with instances that publish none, it says at once that routing is by load
 and why (no wait for a tokenizer that will not come). Sims stand in for vLLM (`--engine sim`;
-with `--tokenizer` they publish it as the connector does)."""
+with `--model DIR` they publish DIR's tokenizer as the connector does)."""
 
 from __future__ import annotations
 
@@ -48,10 +48,11 @@ def _stop(proc: subprocess.Popen[str]) -> None:
 
 
 def test_ready_comes_once_routing_is_precise(tmp_path: Path, tiny_model: Path) -> None:
-    proc, lines, gateway = _up(tmp_path, "--vllm-args", f"--tokenizer {tiny_model}")
+    # Sims run no weights: `--model` gives them the model's tokenizer, which they publish.
+    proc, lines, gateway = _up(tmp_path, "--model", str(tiny_model))
     try:
         _until(lines, "] ready in ")
-        entry = httpx.get(f"{gateway}/health", timeout=5).json()["models"]["tiny-llama"]
+        entry = httpx.get(f"{gateway}/health", timeout=5).json()["models"][tiny_model.name]
         assert entry["routing"] == "precise", entry
         banner = _until(lines, "serving;")
         assert any("routing:" in line and "precise" in line for line in banner), banner
@@ -65,6 +66,8 @@ def test_without_a_published_tokenizer_ready_says_routing_is_by_load(tmp_path: P
         banner = _until(lines, "serving;")
         (said,) = [line for line in banner if "routing:" in line]
         assert "by load" in said and "publishes its tokenizer" in said, said
+        # ... and how to have it with sims, in a form `pdplane up` takes.
+        assert any("sims publish a tokenizer with --model DIR" in line for line in banner), banner
         entry = httpx.get(f"{gateway}/health", timeout=5).json()["models"]["tiny-llama"]
         assert entry["routing"] == "load", entry
     finally:
