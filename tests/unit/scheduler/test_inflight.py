@@ -187,3 +187,19 @@ def test_releases_of_requests_a_report_counted_give_no_receive_buffer_back(
     assert tracker.pending_blocks(busy) < 0 and tracker.assigned_blocks(busy) == 10
     eligible = eligible_decodes([busy, roomy], tracker, tokens=544, push_tokens=544)
     assert eligible == [roomy]  # busy has KV room but no buffer room for 5 blocks
+
+
+def test_decode_context_is_the_mean_of_the_unreleased_assignments(
+    pair: tuple[Candidate, Candidate],
+) -> None:
+    p, d = pair
+    tracker = InflightTracker()
+    tracker.add("r1", p, d, decode_blocks=4, decode_context=3000)
+    tracker.add("r2", None, d, decode_blocks=2, decode_context=1000)
+    tracker.add("r3", p, d, decode_blocks=2)  # not known: left out of the mean
+    assert tracker.decode_context("d") == 2000
+    assert tracker.counts(d, decode=True)[5] == 2000
+    tracker.release("r1")
+    assert tracker.decode_context("d") == 1000
+    tracker.release("r2")
+    assert tracker.decode_context("d") == 0 and tracker.decode_context("p") == 0
