@@ -3,7 +3,9 @@
 An instance's effective load is its last load report plus the assignments the scheduler made
 since that report and that are not released yet. A report is identified by the candidate's
 `epoch` (its lease and registry revision): when a newer report arrives, earlier assignments
-are assumed to be counted in it, and the pending counters start again from zero. The registry
+are assumed to be counted in it, and the pending counters start again from zero (on a decode,
+but for the assignments whose prompt is predicted still computing on their prefill: they
+cannot be in its report yet, `_new_epoch_locked`). The registry
 publishes a report only when the load changed, so an unchanged report keeps counting the
 assignments made since it (conservative: they are released or expire).
 
@@ -147,6 +149,9 @@ class InflightTracker:
         # assignment -> (its prefill, when its prompt is predicted computed): a release before
         # then ends it early (the request is done, so is its prefill)
         self._until: dict[_Key, tuple[str, float]] = {}
+        # decode id -> its pending assignments whose prompt is predicted still being computed
+        # on their prefill (`_new_epoch_locked`); stale keys are dropped when read
+        self._upstream: dict[str, set[_Key]] = {}
         # decode id -> [unreleased assignments with a known decode_context, their sum]
         self._context: dict[str, list[int]] = {}
         #: Predicted queue time (s) of a peer's assignment of N uncached prompt tokens
@@ -268,9 +273,9 @@ class InflightTracker:
             with self._lock:
                 pending = self._pending.get(instance_id)
                 if pending is None or pending.epoch != candidate.epoch:
-                    # Earlier assignments are inside this report: count from zero.
-                    pending = self._pending[instance_id] = _Pending(candidate.epoch)
-            return 0
+                    pending = self._new_epoch_locked(instance_id, candidate.epoch)
+            if not pending.blocks:
+                return 0
         net = pending.blocks - pending.freed
         floor = candidate.free_kv_blocks - candidate.total_kv_blocks
         return net if net >= floor else floor
@@ -420,6 +425,8 @@ class InflightTracker:
                 until = self._queue(record.prefill_id, record.started_at, record.prefill_s)
                 self._until[key] = (record.prefill_id, until)
         self._count(record.decode_id, record.decode_epoch, record.decode_blocks, record.pending)
+        if record.pending and key in self._until:  # after `_count`: not carried into its own
+            self._upstream.setdefault(record.decode_id, set()).add(key)
         if record.decode_context:
             context = self._context.setdefault(record.decode_id, [0, 0])
             context[0] += 1
@@ -431,6 +438,9 @@ class InflightTracker:
         record = self._requests.pop(key, None)
         if record is not None:
             self._uncount(record)
+            upstream = self._upstream.get(record.decode_id)
+            if upstream is not None:
+                upstream.discard(key)
         until = self._until.pop(key, None)
         if until is not None:
             busy = self._busy.get(until[0])
@@ -497,10 +507,45 @@ class InflightTracker:
         self._dirty.add(instance_id)
         pending = self._pending.get(instance_id)
         if pending is None or pending.epoch != epoch:
-            pending = self._pending[instance_id] = _Pending(epoch)
+            pending = self._new_epoch_locked(instance_id, epoch)
         pending.requests += 1
         pending.blocks += blocks
         pending.tokens += tokens
+
+    def _new_epoch_locked(self, instance_id: str, epoch: int) -> _Pending:
+        """Starts counting `instance_id`'s assignments since its report `epoch`.
+
+        Assignments made before the report are inside it, except a decode's whose prompt is
+        predicted to be still computing on its prefill (`Assignment.prefill_s`): that request
+        has not reached its decode, so the report cannot show it, and it stays pending in the
+        new epoch. Dropping them had made every report of an overloaded fleet (seconds of
+        prefill queue) hide the requests on their way to that decode: the least loaded decode
+        by report took more and more until they arrived, and decodes swung between idle and
+        twice their share (`docs/benchmarks/routing.md`, cold prompts past saturation)."""
+        pending = self._pending[instance_id] = _Pending(epoch)
+        upstream = self._upstream.get(instance_id)
+        if not upstream:
+            return pending
+        now = self._clock()
+        for key in list(upstream):
+            record = self._requests.get(key)
+            until = self._until.get(key)
+            if (
+                record is None
+                or not record.pending
+                or record.decode_id != instance_id
+                or until is None
+                or until[1] <= now
+                or self.busy_until(until[0]) <= now  # its prefill reported its queue empty
+            ):
+                upstream.discard(key)  # released, aged, or its prompt computed: in reports
+                continue
+            pending.requests += 1
+            pending.blocks += record.decode_blocks
+            self._requests[key] = dataclasses.replace(record, decode_epoch=epoch)
+        if not upstream:
+            del self._upstream[instance_id]
+        return pending
 
     def _uncount(self, record: Assignment) -> None:
         for instance_id in (record.prefill_id, record.decode_id):

@@ -268,6 +268,7 @@ def test_decode_load_counts_releases_since_its_report(
             RequestFeatures(f"r{i}", "tiny", 64, 16, exclude_instance_ids=("d1",))
         )
         assert decision.decode.instance_id == "d0"
+    clock.now += 1.0  # their prompts computed on p0: they run on d0 when it reports
     report = {"num_running": 3, "free_kv_blocks": 985, "total_kv_blocks": 1000}
     source.put(make_instance("d0", "decode", revision=5, **report))
     assert service.schedule(RequestFeatures("r3", "tiny", 64, 16)).decode.instance_id == "d1"
