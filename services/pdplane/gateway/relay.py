@@ -54,7 +54,7 @@ from typing import Any, NoReturn
 from pydantic_core import from_json
 
 from pdplane.core import tracing
-from pdplane.core.kv_params import DecodeRequestParams, KvParamsError
+from pdplane.core.kv_params import DecodeRequestParams, KvParamsError, make_transfer_id
 from pdplane.gateway import usage_details
 from pdplane.gateway.admission import AdmissionQueue
 from pdplane.gateway.aftercare import Aftercare, Caretaker, KvAborter
@@ -469,11 +469,19 @@ class _Request:
     ) -> tuple[dict[str, Any], bytes]:
         """The prefill leg: prefill's answer (parsed) and its kv_transfer_params (JSON bytes,
         as returned); prefill then holds the prompt's KV for decode (`care.hold_kv`).
-        `endpoint`, `client_body`: a resumed stream's (default the client's)."""
+        `endpoint`, `client_body`: a resumed stream's (default the client's).
+
+        From the moment the call goes out until its answer is read, the attempt's after-care
+        knows the transfer id prefill is to hold the KV under (`care.expect_kv`): an attempt
+        that gives the call up (cancelled: the client left, a time budget ran out, another
+        choice of the stream failed; or timed out) frees it by that id, whether prefill was
+        still computing (vLLM aborts it when the connection closes; the abort then finds
+        nothing, and ends the hold if it comes later) or had finished and holds the KV."""
         t0 = time.perf_counter()
-        p, d = self.prefill, self.decode
+        p, d, care = self.prefill, self.decode, self.care
         assert p is not None, "a prefill leg without a prefill instance"
         endpoint = endpoint or self.req.endpoint
+        transfer_id = make_transfer_id(self.id)
         body = prefill_body(
             endpoint,  # type: ignore[arg-type]
             self.req.body if client_body is None else client_body,
@@ -482,20 +490,28 @@ class _Request:
             d.kv_endpoint,
             # a resumed prompt's prefill too: its answer continues the stream's own
             token_ids=self.first_token or client_body is not None,
+            transfer_id=transfer_id,
         )
         upstream = self.relay.upstream
+        care.expect_kv(p.kv_endpoint, transfer_id)
         with tracing.span("pdplane.prefill_leg"), self._leg_errors("prefill", p):
-            resp = await upstream.open(
-                p.url + endpoint,
-                body,
-                tracing.inject_headers(self.headers),
-                read_timeout_s=self.timeout_s,
-                total_timeout_s=self.timeout_s,
-            )
+            try:
+                resp = await upstream.open(
+                    p.url + endpoint,
+                    body,
+                    tracing.inject_headers(self.headers),
+                    read_timeout_s=self.timeout_s,
+                    total_timeout_s=self.timeout_s,
+                )
+            except UpstreamUnreachable as exc:
+                if not exc.accepted:  # refused or reset on the way in: prefill never ran it
+                    care.nothing_held()
+                raise
             data = await upstream.read(resp)
         self.prefilled_at = time.perf_counter()
         self.relay.metrics.prefill_leg.observe(self.prefilled_at - t0)
         if resp.status >= 400:
+            care.nothing_held()  # vLLM holds KV only for a request that finished
             if resp.status < 500:
                 raise UpstreamReply(resp.status, data, resp.headers.get("content-type", ""))
             raise _status_error("prefill", p.instance_id, resp.status, data)
@@ -504,7 +520,7 @@ class _Request:
             kv = answer.get("kv_transfer_params")
             if not isinstance(kv, dict):
                 raise KvParamsError("kv_transfer_params missing or not an object")
-            self.care.hold_kv(DecodeRequestParams.from_dict(kv))
+            care.hold_kv(DecodeRequestParams.from_dict(kv))
         except (ValueError, AttributeError) as exc:
             raise bad_gateway(
                 f"prefill instance {p.instance_id} returned no usable kv_transfer_params: {exc}"
