@@ -398,7 +398,7 @@ def test_a_migration_is_a_span_with_the_new_legs_and_a_log_line_naming_both_deco
     for d in decodes.handles:
         d.set_faults(fail_request_prefix="traced-", fail_mode="drop", fail_after_tokens=4)
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 7, "stream": True}
-    with caplog.at_level(logging.WARNING, logger="pdplane.gateway.relay"):
+    with caplog.at_level(logging.WARNING, logger="pdplane.gateway.resume"):
         events, done = _stream(stack.url, "/v1/completions", body, "traced-1")
     assert done and _text(events) == expected_text(PROMPT, 0, 7)
     (line,) = [r.getMessage() for r in caplog.records if "continued on decode" in r.getMessage()]
