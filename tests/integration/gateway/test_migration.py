@@ -406,8 +406,18 @@ def test_a_migration_is_a_span_with_the_new_legs_and_a_log_line_naming_both_deco
     first, second = sorted(names, key=line.index)  # both named: the lost one first
     assert f"decode instance {first} " in line and f"continued on decode {second}" in line
     assert "after 5 tokens (lost)" in line, line
-    tracing.shutdown()  # flushes the batch
-    spans = receiver.wait_for(lambda s: any(x.name == "pdplane.migration" for x in s))
+
+    def exported() -> bool:
+        # The client has [DONE] before the gateway ends the request's span: flush until the
+        # migration's span and the request's span above it were both exported.
+        tracing.flush()
+        spans = list(receiver.spans)
+        ids = {s.span_id for s in spans if s.name == "pdplane.request"}
+        return any(s.name == "pdplane.migration" and s.parent_id in ids for s in spans)
+
+    wait_for(exported, 10, what="the migration's and the request's spans")
+    tracing.shutdown()
+    spans = list(receiver.spans)
     (migration,) = [s for s in spans if s.name == "pdplane.migration"]
     assert migration.attributes["pdplane.lost_decode"] == first
     assert migration.attributes["pdplane.reason"] == "lost"
