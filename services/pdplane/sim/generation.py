@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import uuid
 from itertools import accumulate
 from typing import Any
@@ -161,6 +162,7 @@ class CompletionRoutes:
                 await s.runner.progress(ereq)
             if ereq.first_token_step > 0:
                 record.first_token_step = ereq.first_token_step
+                record.first_token_at = time.time()
             if ereq.num_output == 0:  # the engine gave up on it: a failed KV load
                 result = str(record.kv.get("result", "")) if record.kv else "failed"
                 failure = SimApiError(500, f"KV load failed: {result}", "InternalServerError")
