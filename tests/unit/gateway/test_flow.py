@@ -268,6 +268,35 @@ async def test_projected_wait_past_the_timeout_is_shed_lowest_priority_first() -
         flow.release(await task)
 
 
+async def test_no_shedding_on_a_rate_until_what_is_in_flight_turned_over_once() -> None:
+    # Ten requests of 100 tokens admitted together (the budget); after 3 s with requests
+    # waiting, only two ended: 200 tokens against 1,000 in flight say little of the rate.
+    now = [0.0]
+    flow = _flow(budget=1000, ceiling=1000, timeout_s=5.0, max_queued=1000, clock=lambda: now[0])
+    batch = [await flow.admit(M, "b", 0, 100, 1e6) for _ in range(10)]
+    queue = [asyncio.create_task(flow.admit(M, "b", 0, 100, 1e6)) for _ in range(40)]
+    await asyncio.sleep(0.01)
+    for _ in range(2):
+        now[0] += 1.5
+        flow.release(batch.pop())
+    await asyncio.sleep(0.15)  # a check of the queue ran
+    # 200 tokens in 3 s would project the last of 40 waiters (4,000 tokens) at 60 s: none shed.
+    assert not any(t.done() for t in queue[2:])
+    assert flow.queued(M) == 38
+    # Once what was admitted turned over, the measured rate sheds what cannot make it.
+    for _ in range(8):
+        now[0] += 0.1
+        flow.release(batch.pop())
+    await asyncio.sleep(0.15)
+    shed = [t for t in queue if t.done() and isinstance(t.exception(), GatewayError)]
+    assert shed, "a measured rate past one turnover sheds the waits it projects past 5 s"
+    for t in queue:
+        if t.done() and t.exception() is None:
+            flow.release(t.result())
+        elif not t.done():
+            t.cancel()
+
+
 async def _burst(flow: FlowControl, now: list[float], waiting: int) -> list[int]:
     """Fills the budget of 100 with one request and queues `waiting` more of 100 tokens (each
     1 s of work at 100 tokens/s); returns the statuses of those shed, then serves the rest at
