@@ -2,20 +2,24 @@
 two priorities under 2x overload. Sims, the real registry and gateways, on loopback.
 
     .venv/bin/python bench/flow_control/flow_control.py [--rounds 2] [--alone-s 30] [--mix-s 50]
-        [--warmup-s 15] [--prio-s 50] [--slo-ms 1000] [--seed 0] [--baseline-src DIR]
+        [--warmup-s 15] [--prio-s 50] [--slo-ms 1000] [--seed 0] [--kv-profile sims]
+        [--baseline-src DIR]
 
 Fleet (separate processes): a registry, 8 prefill sims (`--ttft-per-token-ms 0.1`: a
 1000-token prompt takes 100 ms), 1 decode sim (25 ms per step, a KV cache of `--kv-blocks`
 blocks of 16 tokens, 8 tokens per write) and two gateways with the scheduler embedded over the
-same fleet:
-`--flow-policy fair` and `--flow-policy fifo`, both `--inflight-budget 0.75 --queue-timeout-s
-10` with the same tenants file and `--kv-profile` a profile of the prefill sims' step costs
-(kv_aware predicts each prefill's queue with it: with a built-in profile of another engine, a
-prompt three times faster than the sims', about one prompt in twenty was sent to a prefill
-still busy with another) (with `--baseline-src DIR`, a third: `--flow-policy fair` run
-from the source tree DIR, e.g. `git archive <commit> services connector` unpacked, to compare
-two versions in one run). Only one gateway carries load at a time. Requests: streamed
-completions of 1000 random token ids (no prefix cache hit), `max_tokens` 64.
+same fleet: `--flow-policy fair` and `--flow-policy fifo`, both `--inflight-budget 0.75
+--queue-timeout-s 10` with the same tenants file. With `--baseline-src DIR`, a third:
+`--flow-policy fair` run from the source tree DIR (e.g. `git archive <commit> services
+connector` unpacked), to compare two versions in one run. Only one gateway carries load at a
+time. Requests: streamed completions of 1000 random token ids (no prefix cache hit),
+`max_tokens` 64.
+
+The gateways' kv_aware predicts each prefill's queue with `--kv-profile`: by default (`sims`)
+a profile of the prefill sims' own step costs. With the scheduler's default profile
+(`--kv-profile llama3-8b-h100`), which predicts a 1000-token prompt in 33 ms where the sims
+take 102, a prefill is taken for idle while still busy, and a few prompts in a hundred are
+sent behind another one.
 
 1. Capacity: closed loop at twice the budget's requests on the fair gateway, completions/s.
 2. Per round, for each gateway (order rotating between rounds): the quiet tenant alone at
@@ -297,17 +301,21 @@ def _start(
             logs,
         )
     )  # fmt: skip
-    profile = logs / "prefill-sims.json"
-    profile.write_text(
-        json.dumps(
-            {
-                "name": "flow-bench-prefill-sims",
-                "description": "the prefill sims' step costs",
-                "cost": {"weights_ms": _PREFILL_STEP_MS, "prefill_token_ms": _PREFILL_TOKEN_MS},
-                "max_num_batched_tokens": 8192,  # the sims' default
-            }
+    profile = logs / "prefill-sims.json" if args.kv_profile == "sims" else args.kv_profile
+    if isinstance(profile, Path):
+        profile.write_text(
+            json.dumps(
+                {
+                    "name": "flow-bench-prefill-sims",
+                    "description": "the prefill sims' step costs",
+                    "cost": {
+                        "weights_ms": _PREFILL_STEP_MS,
+                        "prefill_token_ms": _PREFILL_TOKEN_MS,
+                    },
+                    "max_num_batched_tokens": 8192,  # the sims' default
+                }
+            )
         )
-    )
     urls = {}
     gateways: list[tuple[str, str, str | None]] = [("fair", "fair", None), ("fifo", "fifo", None)]
     if args.baseline_src:
@@ -462,6 +470,12 @@ def main() -> None:
     parser.add_argument("--kv-blocks", type=int, default=1300)
     parser.add_argument("--slo-ms", type=float, default=1000.0)
     parser.add_argument("--seed", type=int, default=0, help="of the arrival times and prompts")
+    parser.add_argument(
+        "--kv-profile",
+        default="sims",
+        help="the gateways' --kv-profile: 'sims' (default) = a profile of the prefill sims' "
+        "step costs, else a built-in name (the scheduler's default: llama3-8b-h100) or a file",
+    )
     parser.add_argument(
         "--baseline-src",
         help="a source tree (with services/ and connector/) to run a third gateway from, "
