@@ -449,8 +449,10 @@ class RoutedResult:
     extra: dict[str, float] = field(default_factory=dict)
 
     def numbers(self) -> dict[str, float]:
-        """Flat numbers (ms, fractions, counts) for reports."""
+        """Flat numbers (ms, fractions, counts) for reports; `*_busy`: the fraction of the
+        window a role's instances spent in steps (1.0: saturated)."""
         f, s = self.fleet, self.stats
+        busy = {role: r.utilisation for role, r in f.roles.items()}
         return {
             "requests": float(f.requests),
             "ttft_p50_ms": f.ttft_q(0.5) * 1e3,
@@ -463,6 +465,8 @@ class RoutedResult:
             "fleet_hit": s.fleet_hit,
             "prefill_legs_per_request": s.prefill_legs_per_request,
             "decode_hit": s.decode_hit_tokens / s.prompt_tokens if s.prompt_tokens else 0.0,
+            "prefill_busy": busy.get("prefill", 0.0),
+            "decode_busy": busy.get("decode", 0.0),
             **self.extra,
         }
 

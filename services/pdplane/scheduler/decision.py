@@ -218,8 +218,10 @@ class SchedulerService:
         blocks = blocks_for(tokens, d.block_size)
         d_cached = decode.cached_tokens
         rest = request.prompt_tokens - d_cached
+        # What the request attends over on decode, averaged over its answer.
+        context = request.prompt_tokens + request.max_tokens // 2
         if decode.skip_prefill and d_cached > 0 and rest <= self.local_prefill_max_tokens:
-            self.inflight.add(request.request_id, None, d, blocks)
+            self.inflight.add(request.request_id, None, d, blocks, decode_context=context)
             if self.metrics:
                 self.metrics.prefill_skipped(d.instance_id, d_cached)
             return Decision(
@@ -238,6 +240,7 @@ class SchedulerService:
             blocks,
             max(request.prompt_tokens - p_cached, 0),
             prefill.queue_s,
+            context,
         )
         if self.metrics and p_cached:
             self.metrics.predicted_hit(p.instance_id, p_cached)

@@ -268,6 +268,7 @@ def test_decode_load_counts_releases_since_its_report(
             RequestFeatures(f"r{i}", "tiny", 64, 16, exclude_instance_ids=("d1",))
         )
         assert decision.decode.instance_id == "d0"
+    clock.now += 1.0  # their prompts computed on p0: they run on d0 when it reports
     report = {"num_running": 3, "free_kv_blocks": 985, "total_kv_blocks": 1000}
     source.put(make_instance("d0", "decode", revision=5, **report))
     assert service.schedule(RequestFeatures("r3", "tiny", 64, 16)).decode.instance_id == "d1"
@@ -276,6 +277,40 @@ def test_decode_load_counts_releases_since_its_report(
         service.release(f"r{i}", "success")
     # Without the credit d0 would count 3 and lose to d1's 2.
     assert service.schedule(RequestFeatures("r4", "tiny", 64, 16)).decode.instance_id == "d0"
+
+
+def test_streams_sharing_a_prefix_count_at_their_whole_context(
+    fake_source: type, make_instance: MakeInstance, clock: Clock
+) -> None:
+    # d1 runs 5 requests over one 1,500-token prompt, d0 4 over prompts of their own. d1's
+    # KV cache holds that prompt once, so by its usage d1 looked the emptier; but each of its
+    # streams attends over the whole prompt, so its steps are the longer.
+    kv = {"free_kv_blocks": 1000, "total_kv_blocks": 1000}
+    source = fake_source(
+        make_instance("p0", "prefill"),
+        make_instance("d0", "decode", **kv),
+        make_instance("d1", "decode", **kv),
+    )
+    service = SchedulerService(
+        CandidateView(source),
+        prefill_policy="kv_aware",
+        decode_policy="kv_aware",
+        inflight=InflightTracker(clock=clock),
+    )
+    for i in range(9):
+        other = "d1" if i < 4 else "d0"
+        request = RequestFeatures(f"r{i}", "tiny", 1500, 100, exclude_instance_ids=(other,))
+        assert service.schedule(request).decode.instance_id != other
+    clock.now += 1.0  # their prompts computed: they run on their decodes when those report
+    for name, running, used in (("d0", 4, 4 * 95), ("d1", 5, 94 + 5 * 2)):
+        report = {"free_kv_blocks": 1000 - used, "kv_cache_usage": used / 1000}
+        source.put(
+            make_instance(
+                name, "decode", revision=5, num_running=running, total_kv_blocks=1000, **report
+            )
+        )
+    decision = service.schedule(RequestFeatures("r9", "tiny", 1500, 100))
+    assert decision.decode.instance_id == "d0"
 
 
 def test_decode_prefers_the_decode_holding_the_prefix(
