@@ -209,7 +209,7 @@ def test_the_rules_catch_what_they_forbid() -> None:
     # Guards the guard: a wrong import in each direction, and a cycle, are reported.
     graph = _graph(
         {
-            "pdplane.gateway.wrong": "from pdplane.scheduler.decision import SchedulerService\n"
+            "pdplane.gateway.wrong": "from pdplane.scheduler.decision import Decider\n"
             "from pdplane.registry import watcher\nfrom pdplane.scheduler import Outcome\n",
             "pdplane.connector.wrong": "import pdplane.gateway.app\nfrom fastapi import FastAPI\n"
             "from ..core import layout\nfrom pdplane.registry.client import InstanceWatcher\n",
