@@ -10,7 +10,7 @@ Callers (the gateway) use only what this package exports, the port
 Inside: `candidate` (an instance as the scheduler sees it), `view` (live candidates from the
 registry watcher), `compat` (compatibility filter and decode guard), `inflight` (the scheduler's
 own assignments between load reports), `policies/` (one policy per module), `decision`
-(`SchedulerService`: the decision), `kv_index/` (the prefix index and its KV events stream),
+(`Decider`: the decision), `kv_index/` (the prefix index and its KV events stream),
 `inflight_exchange` (in-flight assignments shared between replicas), `local` / `remote` (the
 port's two implementations), `wire` (port <-> protobuf), `servicer` (gRPC translation),
 `server` / `app` (wiring of a scheduler process).

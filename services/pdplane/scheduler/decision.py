@@ -32,7 +32,7 @@ from pdplane.scheduler.view import CandidateView
 if TYPE_CHECKING:
     from pdplane.scheduler.kv_index import PrefixIndex
 
-__all__ = ["SchedulerService"]
+__all__ = ["Decider"]
 
 _MAX_ID_LEN = 1024  # characters; bounds what one in-flight entry may hold
 _NO_LIVE = np.zeros(0, np.uint8)
@@ -40,7 +40,7 @@ _NO_LIVE = np.zeros(0, np.uint8)
 F64s = npt.NDArray[np.float64]
 
 
-class SchedulerService:
+class Decider:
     """Picks (prefill, decode) pairs over a live `CandidateView` and tracks them in flight.
 
     Policies are kept per side and per name, so round-robin counters and random generators of
