@@ -289,7 +289,7 @@ def test_streams_sharing_a_prefix_count_at_their_whole_context(
         make_instance("d0", "decode", **kv),
         make_instance("d1", "decode", **kv),
     )
-    service = SchedulerService(
+    service = Decider(
         CandidateView(source),
         prefill_policy="kv_aware",
         decode_policy="kv_aware",
