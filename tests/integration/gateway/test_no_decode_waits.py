@@ -237,3 +237,51 @@ def test_a_stream_whose_only_decode_stays_dead_ends_with_one_error_at_the_timeou
     sent = _text(reader.events[:-1])
     assert len(sent.split()) >= 4 and expected_text(PROMPT, 0, 60).startswith(sent)
     wait_for(lambda: stack.scheduler_inflight() == 0, what="in-flight count back to 0")
+
+
+def _running(port: int) -> float:
+    """`vllm:num_requests_running` of the sim on `port` (0 when it does not answer)."""
+    try:
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=2).text
+    except httpx.HTTPError:
+        return 0.0
+    for line in text.splitlines():
+        if line.startswith("vllm:num_requests_running"):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_a_non_streamed_request_whose_only_decode_dies_is_answered_by_it_restarted(
+    stack_factory: Callable[..., Stack],
+) -> None:
+    # Bounded by --migration-timeout-s, not --queue-timeout-s (shorter than the outage here).
+    stack = stack_factory(migration_timeout_s=60, queue_timeout_s=0.5)
+    stack.sims(["prefill"], itl_ms=2)
+    port = _free_port()
+    proc = _decode(stack.registry, port, itl_ms=20)
+    try:
+        wait_for(lambda: stack.health().status_code == 200, 20, "1P1D serving")
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 60}
+        got: list[httpx.Response] = []
+        sender = threading.Thread(
+            target=lambda: got.append(
+                httpx.post(f"{stack.url}/v1/completions", json=body, timeout=60)
+            )
+        )
+        sender.start()
+        wait_for(lambda: _running(port) >= 1, 20, "decode computing the answer")
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(5)
+        wait_for(lambda: _decodes(stack) == 0, 10, "the dead decode's lease to expire")
+        assert sender.is_alive(), got  # waiting for a decode, not answered
+        proc = _decode(stack.registry, port, itl_ms=20)  # same id and port: a restart
+        sender.join(60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(10)
+    (r,) = got
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == expected_text(PROMPT, 0, 60)
+    assert r.json()["usage"]["completion_tokens"] == 60
+    assert _migrations(stack, "lost") == 1
