@@ -33,8 +33,9 @@ decode computing the whole prompt (`pdplane.gateway.takeover`); any other failur
 decode's first byte is one SSE error event. A decode lost after its first byte is replaced by
 another that continues from the prompt plus the tokens sent (`pdplane.gateway.resume`; the
 choices of n > 1 each on their own, `pdplane.gateway.choice_legs`), within `--migration-limit`
-and `--migration-timeout-s`; then one error event ends the stream. A non-streamed request
-whose decode died while computing it runs again on another pair, within the same limit.
+and `--migration-timeout-s` (waiting for a decode when no other serves: the only one
+restarting); then one error event ends the stream. A non-streamed request whose decode died
+while computing it runs again on another pair, within the same limits.
 Cancellation (client gone): upstream connections closed (vLLM aborts the request), prefill's
 KV freed (a prefill call in flight by the transfer id the gateway gave it), Release
 "cancelled".
@@ -42,13 +43,16 @@ KV freed (a prefill call in flight by the transfer id the gateway gave it), Rele
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import math
+import time
 from functools import partial
 from typing import Any
 
 from pdplane.gateway import usage_details
 from pdplane.gateway.bodies import decode_body, with_token_ids
-from pdplane.gateway.errors import bad_gateway
+from pdplane.gateway.errors import bad_gateway, gateway_timeout
 from pdplane.gateway.json_reply import json_reply
 from pdplane.gateway.legs import decode_error, open_concurrently, open_decode, prefill_leg
 from pdplane.gateway.migration import Transcript
@@ -101,7 +105,10 @@ async def _run(r: Request) -> JsonReply | StreamReply:
     most `max_retries` times) or a non-streamed answer was lost with its decode (within
     `--migration-limit`); see `Relay.handle`."""
     while True:
-        await schedule(r, queue=r.failed is None)
+        if r.budget.since:
+            await _schedule_again(r)
+        else:
+            await schedule(r, queue=r.failed is None)
         try:
             return await _attempt(r)
         except DecodeLost as lost:
@@ -110,8 +117,8 @@ async def _run(r: Request) -> JsonReply | StreamReply:
             count_migration(r, lost.loss, lost.instance_id)
             log.warning("request %s: %s; running it again on another pair", r.id, lost)
             r.relay.metrics.migration_recomputed.inc(r.req.prompt_tokens)
-            r.excluded.append(lost.instance_id)
-            # No other decode: the loss is the answer (502), not the scheduler's 503.
+            r.exclude(lost.instance_id)
+            # No decode for the time budget: the loss is the answer, not the scheduler's 503.
             r.failed = RetryElsewhere("decode", lost.instance_id, bad_gateway(lost.loss.message))
         except RetryElsewhere as failed:
             r.retrying(failed, "retrying on another pair")
@@ -119,6 +126,25 @@ async def _run(r: Request) -> JsonReply | StreamReply:
                 raise failed.error from None
             r.tries_left -= 1
             r.failed = failed
+
+
+async def _schedule_again(r: Request) -> None:
+    """Schedule for a non-streamed request whose decode was lost (`r.budget.since` set): as a
+    stream continued elsewhere, it waits for room or for a decode (the only one restarting),
+    within what is left of `--migration-timeout-s` from the first loss. Raises GatewayError
+    504 when none came in time (naming the loss), else as `schedule`."""
+    config = r.relay.config
+    left = config.migration_timeout_s - (time.perf_counter() - r.budget.since)
+    try:
+        async with asyncio.timeout(max(left, 0.001)):
+            await schedule(r, queue=True, wait_s=math.inf)
+    except TimeoutError:
+        r.relay.metrics.migration_failures.labels("timeout").inc()
+        lost = r.failed.error.message if r.failed is not None else "decode lost"
+        raise gateway_timeout(
+            f"{lost}; not run again on another decode within "
+            f"--migration-timeout-s {config.migration_timeout_s:g}"
+        ) from None
 
 
 async def _attempt(r: Request) -> JsonReply | StreamReply:

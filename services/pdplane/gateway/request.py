@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -108,7 +107,6 @@ class Request:
     decode: InstanceRef
 
     __slots__ = (
-        "arrived_ns",
         "budget",
         "cached",
         "care",
@@ -148,13 +146,13 @@ class Request:
     ) -> None:
         self.relay = relay
         self.req = req
-        self.arrived_ns = time.time_ns()  # wall clock: compared with registration times
         self.id = request_id
         self.started = started
         self.max_model_len = max_model_len
         self.note = note
         self.tries_left = relay.config.max_retries
-        self.excluded: list[str] = []  # instances that failed this request
+        # instances that failed this request -> which process failed it (`exclude`)
+        self.excluded: dict[str, int] = {}
         self.failed: RetryElsewhere | None = None  # the failure the current try follows
         self.headers = {**relay.headers, "x-request-id": request_id}
         self.timeout_s = relay.config.upstream_timeout_s
@@ -200,7 +198,13 @@ class Request:
         """Logs and counts a try given up on `failed`'s instance, which is then excluded."""
         log.warning("request %s: %s; %s", self.id, failed, how)
         self.relay.metrics.retries.labels(failed.side).inc()
-        self.excluded.append(failed.instance_id)
+        self.exclude(failed.instance_id)
+
+    def exclude(self, instance_id: str) -> None:
+        """Excludes `instance_id`, which failed this request, from its next Schedules as the
+        process it is now (its registration in the fleet view): registered again (restarted
+        under the same id), it may take the request (`AdmissionQueue.failed`)."""
+        self.excluded[instance_id] = self.relay.admission.incarnation(self.req.model, instance_id)
 
     def restartable(self) -> bool:
         """Whether a non-streamed request whose decode is lost runs again on another pair
@@ -215,7 +219,7 @@ class Request:
         child.id = f"{self.id}-{index}"
         child.headers = {**self.headers, "x-request-id": child.id}
         child.transcript = transcript
-        child.excluded = list(self.excluded)
+        child.excluded = dict(self.excluded)
         child.choice = index
         child.resp = None
         child.evicted = ""

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 from functools import partial
 from typing import Any
@@ -104,7 +105,7 @@ async def migrate(r: Request, transcript: Transcript, loss: Loss, counted: bool 
         if not counted:
             count_migration(r, loss, lost)
         counted = False
-        r.excluded.append(lost)
+        r.exclude(lost)
         body = resumed_body(r.req, prompt, sent, r.choice)
         left = config.migration_timeout_s - (time.perf_counter() - r.budget.since)
         attributes = {
@@ -158,8 +159,14 @@ async def _resumed_legs(r: Request, body: dict[str, Any]) -> UpstreamResponse:
     when the decision has one, decode's response headers. Raises RetryElsewhere (an instance
     unreachable: the next decode is tried), GatewayError."""
     try:
+        # No decode but the lost one (the only decode restarting): wait for one, within the
+        # time budget `migrate` holds this to.
         await schedule(
-            r, queue=True, prompt_tokens=len(body["prompt"]), max_tokens=body["max_tokens"] or 0
+            r,
+            queue=True,
+            prompt_tokens=len(body["prompt"]),
+            max_tokens=body["max_tokens"] or 0,
+            wait_s=math.inf,
         )
         kv = None
         if r.prefill is not None:
