@@ -1,4 +1,5 @@
-"""Child processes of the relay benchmark: pinned with taskset, logged, CPU-accounted, stopped."""
+"""Child processes of the benchmarks (relay, flow control, routing, sim scale): pinned with
+taskset, logged, CPU-accounted, stopped."""
 
 from __future__ import annotations
 

@@ -34,7 +34,8 @@ bench serve --backend vllm --dataset-name random --random-input-len L --random-o
 capped by `--max-prompts` / `--max-warmups`. The seed of a cell is `--seed` + L + C (+ 7 for
 pdplane-ft-decode, which shares pdplane's pair): every row on its own instances gets the same
 prompts, and no cell's prompts are in the prefix cache an earlier cell left. Cells run in the order
-of `--order` (default: every concurrency 1 cell first).
+of `--order` (default: every concurrency 1 cell first; `by-row`: one row's cells after another,
+so a run cut short has whole rows).
 
 Written to `--out` after every cell, so a run cut short keeps what it measured:
 `results.json` (every cell's vLLM result with each request's TTFT, the startup, the gateways'
@@ -393,11 +394,13 @@ def _pulls(text: str) -> list[dict[str, float]]:
     ]
 
 
-def _routes(text: str) -> dict[str, int]:
+def route_counts(text: str) -> dict[str, int]:
     """The gateway's access lines in `text`: requests, and those decode computed alone
-    (`prefill=none`: the scheduler found the prompt in decode's prefix cache)."""
+    (`prefill=skipped`: the scheduler found the prompt in decode's prefix cache; gateways
+    before that wording wrote `prefill=none`)."""
     lines = [ln for ln in text.splitlines() if "pdplane.gateway.access" in ln]
-    return {"requests": len(lines), "decode_alone": sum("prefill=none" in ln for ln in lines)}
+    alone = sum("prefill=skipped" in ln or "prefill=none" in ln for ln in lines)
+    return {"requests": len(lines), "decode_alone": alone}
 
 
 def _histogram_sums(urls: dict[str, str]) -> dict[str, float]:
@@ -543,6 +546,8 @@ def _cells(args: argparse.Namespace) -> list[tuple[int, int, str]]:
                 cells.append((n, c, row))
     if args.order == "by-length":
         cells.sort(key=lambda t: (lens.index(t[0]), concs.index(t[1])))
+    elif args.order == "by-row":
+        cells.sort(key=lambda t: (rows.index(t[2]), concs.index(t[1]), lens.index(t[0])))
     else:  # concurrency 1 first (the TTFT comparison), then by length and concurrency
         cells.sort(key=lambda t: (t[1] != min(concs), lens.index(t[0]), concs.index(t[1])))
     return cells
@@ -685,7 +690,7 @@ def main() -> int:
     )
     p.add_argument("--goodput-ttft-ms", type=float, default=1000.0)
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--order", default="c1-first", choices=["c1-first", "by-length"])
+    p.add_argument("--order", default="c1-first", choices=["c1-first", "by-length", "by-row"])
     p.add_argument("--device", default="gpu", choices=["gpu", "cpu"])
     p.add_argument("--shape", default="llama-3.1-8b", choices=["llama-3.1-8b", "small"])
     p.add_argument("--gpus", type=int, default=1, help="1: every instance on GPU 0")
@@ -858,7 +863,7 @@ def main() -> int:
                 if row in NIXL_ROWS:
                     cell["nixl_stats"] = _NIXL_STATS_LINE.findall(text)[-6:]
             if target.gateway_log is not None:
-                cell["routes"] = _routes(_new_text(target.gateway_log, offsets))
+                cell["routes"] = route_counts(_new_text(target.gateway_log, offsets))
             results["cells"][_cell_key(row, n, c)] = cell
             _save(args, results)
             print(table(results), flush=True)

@@ -23,7 +23,7 @@ from aetcd import rpc
 
 from bench.registry.load import _spec  # the load benchmark's instance specs
 from pdplane.launch.etcd import EtcdCluster
-from pdplane.registry.etcd_store import EtcdStore, EtcdStoreConfig
+from pdplane.registry.etcd.store import EtcdStore, EtcdStoreConfig
 from pdplane.registry.memory_store import InMemoryStore
 from pdplane.registry.servicer import MAX_BATCH, _pack
 from pdplane.v1 import instance_pb2, registry_store_pb2

@@ -439,7 +439,11 @@ def _progress(r: dict[str, Any]) -> None:
     what = r.get("error") or (
         f"p50/p90/p99 {r['ttft_p50_ms']:.0f}/{r['ttft_p90_ms']:.0f}/{r['ttft_p99_ms']:.0f} ms "
         f"ITL p99 {r['itl_p99_ms']:.1f} hit {r['fleet_hit']:.0%}"
-        + (f" lag {r['sim_lag_fraction']:.1%}" if "served" in r else f" cpu {r['cpu_s']:.0f}s")
+        + (
+            f" lag {r['sim_lag_fraction']:.1%}"
+            if "served" in r
+            else f" prefill busy {r.get('prefill_busy', 0.0):.0%} cpu {r['cpu_s']:.0f}s"
+        )
     )
     print(
         f"[{p['topology']} {p['workload']} {p['load']:g} s{p['seed']}] {p['router']}: {what}",

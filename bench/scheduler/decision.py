@@ -3,7 +3,7 @@
     .venv/bin/python bench/scheduler/decision.py [--sizes 10,1000,10000] [--decisions 3000]
         [--prompt-tokens 8192] [--json]
 
-`SchedulerService.schedule` over a static view of N instances (N/2 prefill, N/2 decode, random
+`Decider.schedule` over a static view of N instances (N/2 prefill, N/2 decode, random
 loads), same policy on both sides, metrics on, a steady 64 requests in flight (each decision
 releases the one scheduled 64 earlier); wall-clock and thread-CPU percentiles (CPU time
 excludes preemption on a busy machine, so compare the CPU columns). Rows marked "+report"
@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from pdplane.core.prefix_hash import block_hashes
-from pdplane.scheduler.decision import SchedulerService
+from pdplane.scheduler.decision import Decider
 from pdplane.scheduler.kv_index import KvState, PrefixIndex
 from pdplane.scheduler.metrics import SchedulerMetrics
 from pdplane.scheduler.policies import POLICIES
@@ -135,7 +135,7 @@ class _Row:
         self.size, self.policy, self.churn = size, policy, churn
         self.fleet = _fleet(size, rng)
         self.source = StaticSource(*self.fleet)
-        self.service = SchedulerService(
+        self.service = Decider(
             CandidateView(self.source),
             prefill_policy=policy,
             decode_policy=policy,
@@ -193,7 +193,7 @@ class _Row:
 def bench_in_process(
     rows: list[tuple[int, str, bool]], decisions: int, prompt_tokens: int = 8192
 ) -> list[dict[str, Any]]:
-    """Times `decisions` calls of SchedulerService.schedule per (size, policy, +report) row,
+    """Times `decisions` calls of Decider.schedule per (size, policy, +report) row,
     the rows taking turns (`_TURN` decisions each) so that all see the same machine."""
     setups = [_Row(size, policy, decisions, churn, prompt_tokens) for size, policy, churn in rows]
     for start in range(0, decisions + _WARM, _TURN):

@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from pdplane.core.kv_events.log import KvEventLog
-from pdplane.core.kv_events.server import add_kv_events_servicer
+from pdplane.core.kv_events.servicer import add_kv_events_servicer
 from pdplane.v1 import registry_pb2, registry_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from tests.integration.registry.fixtures import make_spec, running_registry
 from tests.integration.scheduler.fixtures import running_scheduler

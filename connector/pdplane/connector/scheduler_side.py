@@ -5,8 +5,9 @@ Lives in vLLM's engine-core process next to the scheduler (one per instance). It
 step's metadata:
 
 * prefill (`do_remote_decode`): when the request finishes normally, keep its prompt blocks
-  (`request_finished` returns True), issue a transfer id derived from the gateway's request id
-  plus a random part, and return the `DecodeRequestParams` for the decode leg;
+  (`request_finished` returns True) under the transfer id the gateway chose, else one derived
+  from the gateway's request id plus a random part, and return the `DecodeRequestParams` for
+  the decode leg;
 * decode (`do_remote_prefill`): report the prompt tokens beyond the local prefix cache as
   loadable asynchronously, and once vLLM allocated blocks for them, ask the workers to pull
   exactly those blocks; if nothing needs pulling (or the request ends before its load),
@@ -21,8 +22,6 @@ step's metadata:
 from __future__ import annotations
 
 import logging
-import re
-import secrets
 import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -41,6 +40,7 @@ from pdplane.core.kv_params import (
     DecodeRequestParams,
     KvParamsError,
     PrefillRequestParams,
+    make_transfer_id,
     prompt_fingerprint,
 )
 from pdplane.v1 import instance_pb2
@@ -49,21 +49,9 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.request import Request
 
-__all__ = ["SchedulerSide", "make_transfer_id"]
+__all__ = ["SchedulerSide"]
 
 log = logging.getLogger(__name__)
-
-_MAX_KEY_LEN = 96
-_UNSAFE = re.compile(r"[^A-Za-z0-9_.:-]")
-
-
-def make_transfer_id(gateway_request_id: str) -> str:
-    """`<gateway request id>.<16 hex>`: traceable to the gateway's id, unguessable.
-
-    The id part keeps at most 96 characters of [A-Za-z0-9_.:-] (others become "_"), so a
-    client-chosen request id can neither forge log lines nor grow without bound."""
-    safe = _UNSAFE.sub("_", gateway_request_id[:_MAX_KEY_LEN]) or "req"
-    return f"{safe}.{secrets.token_hex(8)}"
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -319,7 +307,7 @@ class SchedulerSide:
         except KvParamsError:
             return  # _hold logs it when the request finishes
         if pp.decode_kv_endpoint:
-            tid = make_transfer_id(pp.request_id)
+            tid = pp.transfer_id or make_transfer_id(pp.request_id)
             self._push_candidates[request.request_id] = (
                 tid,
                 pp.decode_kv_endpoint,
@@ -373,7 +361,7 @@ class SchedulerSide:
         if num_tokens == 0 or len(block_ids) < needed:
             return False, None
         held = tuple(int(b) for b in block_ids[:needed])
-        transfer_id, pushed = issued or (make_transfer_id(pp.request_id), False)
+        transfer_id, pushed = issued or (pp.transfer_id or make_transfer_id(pp.request_id), False)
         self._meta.holds.append(
             HoldSpec(
                 request.request_id,

@@ -30,8 +30,8 @@ from pdplane.connector.transports.base import LocalWorker, PeerInstance, Service
 from pdplane.connector.vllm_info import ROLES
 from pdplane.core.instance.layout import fingerprint
 from pdplane.core.kv_events.log import KvEventLog
-from pdplane.core.kv_events.server import SERVICE_NAME as KV_EVENTS_SERVICE
-from pdplane.core.kv_events.server import add_kv_events_servicer
+from pdplane.core.kv_events.servicer import SERVICE_NAME as KV_EVENTS_SERVICE
+from pdplane.core.kv_events.servicer import add_kv_events_servicer
 from pdplane.core.tokenizer.servicer import SERVICE_NAME as TOKENIZER_SERVICE
 from pdplane.core.tokenizer.servicer import Published, add_tokenizer_servicer
 from pdplane.registry.client import InstanceWatcher

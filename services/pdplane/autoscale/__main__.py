@@ -30,7 +30,7 @@ from pdplane.autoscale.loop import AutoscaleMetrics, Autoscaler
 from pdplane.autoscale.scrape import FleetScraper
 from pdplane.autoscale.settings import AutoscaleOptions
 from pdplane.core.token_file import token_file_field
-from pdplane.registry.etcd_client import parse_endpoints
+from pdplane.registry.etcd.client import parse_endpoints
 
 __all__ = ["AutoscaleSettings", "main"]
 

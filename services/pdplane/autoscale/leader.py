@@ -16,8 +16,8 @@ import uuid
 
 from aetcd import rpc
 
-from pdplane.registry.etcd_client import EtcdClient, absent, put_op
-from pdplane.registry.etcd_lease import describe
+from pdplane.registry.etcd.client import EtcdClient, absent, put_op
+from pdplane.registry.etcd.lease import describe
 
 __all__ = ["EtcdLeader"]
 

@@ -1,4 +1,4 @@
-"""Plain-JSON views of registry messages (for `pdplane ls --json`, logs and HTTP endpoints).
+"""Plain-JSON views of registry messages (for `pdplane ls --json`).
 
 Keys are stable snake_case names and enums are lower-case words ("prefill", "serving"), so
 scripts do not depend on protobuf's JSON mapping.

@@ -25,7 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "sim": ("pdplane.sim.__main__", "run simulated vLLM instances (benchmarks, fault injection)"),
     "up": ("pdplane.cli.up", "start registry, scheduler, gateway and a vLLM CPU XpYd fleet"),
     "vllm": ("pdplane.cli.vllm", "start one vLLM CPU instance that joins a running system"),
-    "plan": ("pdplane.plan.__main__", "how many prefill and decode instances meet an SLO"),
+    "plan": ("pdplane.cli.plan", "how many prefill and decode instances meet an SLO"),
     "profile": ("pdplane.plan.profile_cli", "measure an engine profile from a running instance"),
     "autoscale": ("pdplane.autoscale.__main__", "resize a Kubernetes XpYd fleet while it serves"),
 }

@@ -87,7 +87,9 @@ class UpSettings(AutoscaleOptions):
         defaults.KV_BASE_PORT, ge=1, le=65000, description="first connector KvTransfer port"
     )
     model: Path | None = Field(
-        None, description="model directory to serve (default: a tiny Llama built locally)"
+        None,
+        description="model directory to serve (default: a tiny Llama built locally; with "
+        "--engine sim none); sims use only its tokenizer, and publish it for precise routing",
     )
     served_model_name: str | None = Field(
         None, description="model name clients use (default: 'tiny-llama' or the folder name)"
@@ -108,7 +110,7 @@ class UpSettings(AutoscaleOptions):
     kv_profile: str = Field(
         "tiny-cpu",
         description="engine profile kv_aware predicts latencies with: a built-in name or a "
-        "`pdplane profile` JSON (default: the tiny model on vLLM CPU, what up serves without "
+        "`pdplane profile` JSON (tiny-cpu: the tiny model on vLLM CPU, what up serves without "
         "--model)",
     )
     queue_timeout_s: float = Field(
@@ -292,6 +294,8 @@ def main(argv: list[str]) -> int:
             )
         else:
             _say(f"  routing:              by load: {fleet.routing_reason}")
+            if settings.engine == "sim" and settings.model is None:
+                _say(f"  {'':<22}(sims publish a tokenizer with --model DIR: its tokenizer)")
         _say(f"  logs:                 {spec.log_dir.resolve()}")
         _say(f"  tokens:               {path} (read by pdplane ls, drain, vllm)")
         if settings.demo:

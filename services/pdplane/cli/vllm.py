@@ -19,24 +19,30 @@ import os
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+import grpc
 from pydantic import Field
 
 from pdplane.cli import fleet_credentials
 from pdplane.core import defaults
+from pdplane.core.grpc import util as grpc_util
 from pdplane.core.listen import refuse_taken
 from pdplane.core.settings import CommandSettings
 from pdplane.core.token_file import token_file_field
 from pdplane.launch.foreground import run_in_foreground
 from pdplane.launch.process import http_ok
 from pdplane.launch.vllm_cpu import VllmCpuInstance, VllmCpuOptions
+from pdplane.v1 import registry_pb2, registry_pb2_grpc
 
 __all__ = ["InstanceSettings", "build", "main"]
 
 _KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}
 _ANY_ADDRESS = ("0.0.0.0", "::")
+#: Longest wait, once the server answers, for the registry to list it before `ready` (s).
+_REGISTERED_WITHIN_S = 30.0
 
 
 class InstanceSettings(CommandSettings):
@@ -140,15 +146,59 @@ def build(settings: InstanceSettings) -> tuple[list[str], dict[str, str]]:
         instance.remove_events_dir()
 
 
-def _say_when_ready(url: str, what: str, started: float, done: threading.Event) -> None:
-    """Writes one `ready` line once `url`/health answers 200 (polled every 0.5 s), unless
-    `done` is set first (the server exited)."""
+@dataclass(frozen=True)
+class _RegistryView:
+    """Where `pdplane vllm` looks for its instance once it serves (gRPC host:port, token,
+    PEM CA)."""
+
+    address: str
+    token: str | None
+    tls_ca: str | None
+
+
+def _listed(registry: _RegistryView, url: str) -> bool:
+    """True when the registry lists an instance serving `url` (False while it is unreachable
+    or refuses: the ready line then waits for the bound in `_say_when_ready`)."""
+    metadata = grpc_util.token_metadata(registry.token)
+    try:
+        with grpc_util.channel(registry.address, registry.tls_ca) as channel:
+            stub = registry_pb2_grpc.RegistryStub(channel)
+            reply = stub.ListInstances(
+                registry_pb2.ListInstancesRequest(), timeout=5.0, metadata=metadata
+            )
+    except grpc.RpcError:
+        return False
+    return any(i.spec.url == url for i in reply.instances)
+
+
+def _say_when_ready(
+    url: str,
+    advertised: str,
+    what: str,
+    started: float,
+    done: threading.Event,
+    registry: _RegistryView,
+) -> None:
+    """Writes one `ready` line once `url`/health answers 200 and the registry lists an
+    instance at the `advertised` URL (each polled every 0.5 s; the connector registers only
+    once the server answers), unless `done` is set first (the server exited). Past
+    `_REGISTERED_WITHIN_S` after the health check the line says the registry does not list it
+    yet."""
     while not done.wait(0.5):
         if http_ok(f"{url}/health"):
-            took = time.monotonic() - started
-            sys.stderr.write(f"pdplane vllm: ready in {took:.0f} s: {what}\n")
-            sys.stderr.flush()
+            break
+    else:
+        return
+    serving = time.monotonic()
+    while not _listed(registry, advertised):
+        if done.wait(0.5):
             return
+        if time.monotonic() - serving > _REGISTERED_WITHIN_S:
+            what += f" (serving, but not yet listed by the registry at {registry.address})"
+            break
+    took = time.monotonic() - started
+    sys.stderr.write(f"pdplane vllm: ready in {took:.0f} s: {what}\n")
+    sys.stderr.flush()
 
 
 def main(argv: list[str], settings_cls: type[InstanceSettings] = InstanceSettings) -> int:
@@ -172,11 +222,14 @@ def main(argv: list[str], settings_cls: type[InstanceSettings] = InstanceSetting
         sys.stderr.flush()
         # Polled on the loopback when the server binds every address.
         local = f"http://127.0.0.1:{settings.port}" if settings.host in _ANY_ADDRESS else None
-        shown = f"{instance.options.connector_extra['url']}/v1"
+        advertised = str(instance.options.connector_extra["url"])
+        shown = f"{advertised}/v1"
+        o = instance.options
+        registry = _RegistryView(o.registry or settings.registry, o.registry_token, settings.tls_ca)
         what = f"{shown} ({settings.role}, model {settings.served_model_name})"
         threading.Thread(
             target=_say_when_ready,
-            args=(local or instance.url, what, started, done),
+            args=(local or instance.url, advertised, what, started, done, registry),
             name="pdplane-vllm-ready",
             daemon=True,
         ).start()

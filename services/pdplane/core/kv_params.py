@@ -4,7 +4,9 @@ vLLM carries a request's `kv_transfer_params` (a JSON object) into the KV connec
 the connector's `request_finished` dict as `kv_transfer_params` in the non-streaming response.
 pdplane uses that channel, and nothing else, to coordinate a transfer:
 
-1. gateway -> prefill: `PrefillRequestParams` (`do_remote_decode: true` + the gateway's request id).
+1. gateway -> prefill: `PrefillRequestParams` (`do_remote_decode: true` + the gateway's request id
+   and the transfer id prefill is to hold the KV under, so that the gateway can free it even
+   when it never reads prefill's answer).
 2. prefill -> gateway (in its response): `DecodeRequestParams`: where and what to pull.
 3. gateway -> decode: those parameters unchanged, on the client's original request.
 
@@ -18,6 +20,8 @@ serialised).
 from __future__ import annotations
 
 import hashlib
+import re
+import secrets
 import sys
 from array import array
 from collections.abc import Sequence
@@ -29,6 +33,7 @@ __all__ = [
     "DecodeRequestParams",
     "KvParamsError",
     "PrefillRequestParams",
+    "make_transfer_id",
     "prompt_fingerprint",
 ]
 
@@ -36,8 +41,23 @@ __all__ = [
 PROTOCOL_VERSION = 1
 
 
+#: A transfer id as `make_transfer_id` writes it (characters safe in logs, bounded length).
+_TRANSFER_ID = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
+_UNSAFE = re.compile(r"[^A-Za-z0-9_.:-]")
+_MAX_KEY_LEN = 96
+
+
 class KvParamsError(ValueError):
     """Raised when `kv_transfer_params` are missing a field or hold a value of the wrong type."""
+
+
+def make_transfer_id(gateway_request_id: str) -> str:
+    """`<gateway request id>.<16 hex>`: traceable to the gateway's id, unguessable.
+
+    The id part keeps at most 96 characters of [A-Za-z0-9_.:-] (others become "_"), so a
+    client-chosen request id can neither forge log lines nor grow without bound."""
+    safe = _UNSAFE.sub("_", gateway_request_id[:_MAX_KEY_LEN]) or "req"
+    return f"{safe}.{secrets.token_hex(8)}"
 
 
 def _require(d: dict[str, Any], key: str, typ: type | tuple[type, ...]) -> Any:
@@ -54,7 +74,8 @@ class PrefillRequestParams:
     """What the gateway puts on the prefill leg: keep the KV for a remote decode.
 
     `request_id` is the gateway-visible request id (X-Request-Id); the connector derives its
-    transfer id from it (never from vLLM's internal, randomised request id).
+    transfer id from it (never from vLLM's internal, randomised request id) unless the gateway
+    chose the transfer id itself (`transfer_id`).
     """
 
     request_id: str
@@ -62,6 +83,12 @@ class PrefillRequestParams:
     #: its KvTransfer server, where prefill may push the KV during its forward. Absent = pull.
     decode_engine_id: str | None = None
     decode_kv_endpoint: str | None = None
+    #: Optional: the transfer id prefill holds the KV under (`make_transfer_id`'s form). The
+    #: gateway chooses it so that it can free the KV by `AbortTransfer` when it gives up on
+    #: prefill's answer (its client left, its time ran out): prefill may have finished and
+    #: hold the KV under this id although the gateway never read the answer. Absent: prefill
+    #: issues one (and returns it, as always).
+    transfer_id: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -77,18 +104,26 @@ class PrefillRequestParams:
         if self.decode_kv_endpoint:
             d["pdplane_decode_engine_id"] = self.decode_engine_id or ""
             d["pdplane_decode_kv_endpoint"] = self.decode_kv_endpoint
+        if self.transfer_id:
+            d["pdplane_transfer_id"] = self.transfer_id
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> PrefillRequestParams:
         """Raises KvParamsError unless `d` asks for a remote decode with a request id (the
-        optional decode fields, when present, must be strings)."""
+        optional decode fields, when present, must be strings; a transfer id, 1-128 characters
+        of [A-Za-z0-9_.:-])."""
         if d.get("do_remote_decode") is not True:
             raise KvParamsError("kv_transfer_params.do_remote_decode is not true")
         optional = {}
-        for key in ("decode_engine_id", "decode_kv_endpoint"):
+        for key in ("decode_engine_id", "decode_kv_endpoint", "transfer_id"):
             if d.get(f"pdplane_{key}") is not None:
                 optional[key] = _require(d, f"pdplane_{key}", str) or None
+        transfer_id = optional.get("transfer_id")
+        if transfer_id is not None and not _TRANSFER_ID.fullmatch(transfer_id):
+            raise KvParamsError(
+                "kv_transfer_params.pdplane_transfer_id must be 1-128 characters of [A-Za-z0-9_.:-]"
+            )
         return cls(request_id=_require(d, "pdplane_request_id", str), **optional)
 
 

@@ -8,6 +8,7 @@ with a `<name>_file` companion is read from that file when it is empty
 
 from __future__ import annotations
 
+import re
 import sys
 from typing import Any, Self
 
@@ -19,6 +20,32 @@ from pdplane.core.token_file import resolve_token_files
 __all__ = ["CommandSettings"]
 
 
+class _HelpSource(CliSettingsSource[Any]):
+    """pydantic-settings' CLI source, with help that says each default once, in words.
+
+    pydantic-settings appends "(default: X)" to every option's description; where the
+    description already says what the default is ("(default: a tiny Llama built locally)") that
+    is a second default, and for None or "" it reads "(default: null)" or "(default: )"."""
+
+    def _help_format(self, *args: Any, **kwargs: Any) -> str:
+        text = super()._help_format(*args, **kwargs)
+        field_info = kwargs.get("field_info", args[1] if len(args) > 1 else None)
+        said = (getattr(field_info, "description", None) or "").replace("%", "%%")
+        if not text.startswith(said):
+            return text
+        tail = text[len(said) :]
+        if "(default:" in said:
+            tail = _APPENDED_DEFAULT.sub("", tail, count=1)
+        else:
+            tail = tail.replace("(default: null)", "(default: unset)")
+            tail = tail.replace("(default: )", "(default: empty)")
+        return said + tail
+
+
+#: The default pydantic-settings appends to an option's description.
+_APPENDED_DEFAULT = re.compile(r" ?\(default(?: factory)?: [^()]*\)")
+
+
 class CommandSettings(BaseSettings):
     """Base class of every command's settings. Subclasses add fields with descriptions."""
 
@@ -27,6 +54,8 @@ class CommandSettings(BaseSettings):
         cli_kebab_case=True,
         cli_implicit_flags=True,
         cli_exit_on_error=True,
+        # `--model Path`, not `--model {Path,null}`: no flag takes "null" from a user.
+        cli_hide_none_type=True,
         extra="ignore",
     )
 
@@ -45,7 +74,7 @@ class CommandSettings(BaseSettings):
         usage message on unknown flags or invalid values.
         """
         name = prog or f"pdplane {cls.__name__.removesuffix('Settings').lower()}"
-        source: CliSettingsSource[Self] = CliSettingsSource(cls, cli_prog_name=name)
+        source: CliSettingsSource[Self] = _HelpSource(cls, cli_prog_name=name)
         try:
             return CliApp.run(cls, cli_args=argv, cli_settings_source=source)
         except ValidationError as exc:

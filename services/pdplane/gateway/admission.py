@@ -9,7 +9,13 @@ none has KV room now), the request waits here and is scheduled again, bounded in
 has no usable prefill/decode pair right now (its only decode restarting after a crash, a
 scale-out in progress: `waits_on`); a model nobody serves never gets here (404), and a
 refusal while the fleet view shows a usable pair (a remote scheduler unreachable,
-incompatible instances, a request larger than every KV cache) stays an immediate 503.
+incompatible instances, a request larger than every KV cache) stays an immediate 503, but
+for `_SETTLE_S` after the model's instances changed: a remote scheduler watches the registry
+on its own and may not have seen yet the instance this gateway sees (a restarted decode).
+
+A request that an instance failed (a retry, a stream continued elsewhere) excludes it as the
+process that failed it (`incarnation`): one that registers again under the same id (restarted
+by `pdplane up`, which keeps its id and port) is a new process and may take the request.
 
 Waiting costs no polling per request. Waiters form one FIFO per model; only the head asks
 the scheduler again, when this gateway releases a request (`wake`, called on every Release it
@@ -24,7 +30,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-from collections.abc import Awaitable, Callable, Collection
+import time
+from collections.abc import Awaitable, Callable, Collection, Mapping
 
 from pdplane.gateway.errors import GatewayError, unavailable
 from pdplane.gateway.fleet_view import FleetView
@@ -39,6 +46,12 @@ log = logging.getLogger(__name__)
 #: again (s): room freed by other gateways or shown by a load report is noticed this late.
 #: One Schedule per model every 25 ms costs the scheduler little (a decision is ~10-50 µs).
 _POLL_S = 0.025
+
+#: How long after a model's instances changed in this gateway's view (one came, left or
+#: registered again) a refusal that the view contradicts (a usable pair shown) still waits
+#: (s): the time the scheduler's own watch of the registry may take to see the change on a
+#: busy host. A refusal that stays past it is the answer.
+_SETTLE_S = 2.0
 
 
 class _Waiter:
@@ -90,10 +103,13 @@ class AdmissionQueue:
         refusal: SchedulerUnavailable,
         excluded: Collection[str] = (),
         room: bool = True,
+        on_failed: bool = True,
     ) -> bool:
         """Whether a request of `model` refused with `refusal` waits here: a capacity refusal
-        when `room` (a retry's failure is its answer instead), or no usable pair in the fleet
-        now, the `excluded` instances (which failed this request) not counted."""
+        when `room` (a retry's failure is its answer instead); no usable pair in the fleet now;
+        when `on_failed`, no usable pair but with the `excluded` instances (which failed this
+        request); or a refusal the fleet view contradicts, for `_SETTLE_S` after the model's
+        instances changed (the scheduler may not see them yet)."""
         if isinstance(refusal, SchedulerBusy):
             return room
         state = self._fleet().models.get(model) if self._fleet is not None else None
@@ -104,18 +120,26 @@ class AdmissionQueue:
         failed = set(excluded)
         prefills = state.prefill - len(state.prefill_ids & failed)
         decodes = state.decode - len(state.decode_ids & failed)
-        return bool(failed) and not (prefills > 0 and decodes > 0)
+        if not (prefills > 0 and decodes > 0):
+            return on_failed
+        return time.monotonic() - state.changed_at < _SETTLE_S
 
-    def failed(self, model: str, ids: Collection[str], since_ns: int) -> tuple[str, ...]:
-        """Those of `ids` (instances that failed a request) still registered as the processes
-        that failed it: SERVING instances of `model` registered before `since_ns` (Unix ns,
-        the request's arrival). One that left the registry and registered again since is a
-        new process (a restart), no longer excluded."""
+    def incarnation(self, model: str, instance_id: str) -> int:
+        """Which process `instance_id` of `model` is now: its registration time in the fleet
+        view (Unix ns; 0 when the view does not list it as SERVING)."""
+        state = self._fleet().models.get(model) if self._fleet is not None else None
+        return state.registered_ns.get(instance_id, 0) if state is not None else 0
+
+    def failed(self, model: str, excluded: Mapping[str, int]) -> tuple[str, ...]:
+        """The ids of `excluded` (instance id -> the `incarnation` that failed a request) still
+        to exclude: those the fleet view lists as that same process, or not at all (the
+        scheduler may still list it). One registered again since (a restart) is a new process,
+        no longer excluded."""
         state = self._fleet().models.get(model) if self._fleet is not None else None
         if state is None:
-            return ()
+            return tuple(excluded)
         registered = state.registered_ns
-        return tuple(i for i in ids if registered.get(i, since_ns + 1) <= since_ns)
+        return tuple(i for i, was in excluded.items() if registered.get(i, was) == was)
 
     def wake(self) -> None:
         """Room may have come (this gateway released a request): each model's head asks the
@@ -130,14 +154,19 @@ class AdmissionQueue:
         schedule: Callable[[], Awaitable[Decision]],
         refusal: SchedulerUnavailable | None,
         excluded: Callable[[], Collection[str]] = tuple,
+        on_failed: bool = True,
+        timeout_s: float | None = None,
     ) -> Decision:
         """Waits in `model`'s queue until `schedule()` returns a decision; returns it.
 
         `refusal` = the refusal that sent the request here (capacity, or no usable pair: see
         `waits_on`; None: it queued behind earlier waiters without asking); `excluded()` = the
-        instances that failed a retrying request (`failed`), not counted as usable.
+        instances that failed a retrying request (`failed`), not counted as usable, and
+        `on_failed` whether it waits while only they are left (`waits_on`). `timeout_s`: the
+        longest wait (s) instead of the queue's (e.g. math.inf for a caller that bounds the
+        wait itself: a stream continued elsewhere, within its `--migration-timeout-s`).
         Raises GatewayError 503 when queueing is off, the
-        queue is full (at once) or no room came within `timeout_s` (naming the last refusal
+        queue is full (at once) or no room came within the timeout (naming the last refusal
         and the wait); `schedule()`'s other errors as they are; asyncio.CancelledError when
         the client left (the request leaves the queue at once).
         """
@@ -145,7 +174,8 @@ class AdmissionQueue:
             reason = refusal.reason
         else:
             reason = self._reasons.get(model, "no instance has room now")
-        if self.timeout_s <= 0:
+        limit_s = self.timeout_s if timeout_s is None else timeout_s
+        if limit_s <= 0:
             raise unavailable(reason)
         if self._waiting >= self.max_queued:
             self._metrics.queue_refusals.labels("queue_full").inc()
@@ -155,7 +185,7 @@ class AdmissionQueue:
             )
         loop = asyncio.get_running_loop()
         started = loop.time()
-        deadline = started + self.timeout_s
+        deadline = started + limit_s
         queue = self._queues.setdefault(model, collections.deque())
         waiter = _Waiter(loop)
         queue.append(waiter)
@@ -177,7 +207,7 @@ class AdmissionQueue:
                 try:
                     decision = await schedule()
                 except SchedulerUnavailable as exc:
-                    if not self.waits_on(model, exc, excluded()):
+                    if not self.waits_on(model, exc, excluded(), True, on_failed):
                         raise
                     reason = self._reasons[model] = exc.reason
                     continue

@@ -2,16 +2,22 @@
 
 An attempt (one Schedule of a request: a try on one pair, or a decode taking over) leaves:
 - its assignment in the scheduler, ended by `Release(request_id, outcome)`;
-- once prefill answered, the KV blocks prefill holds for decode, freed through
-  `KvTransfer.AbortTransfer` (`KvAborter`) unless decode finished (it pulled them, and prefill
-  freed them): when the client goes away, decode refuses or fails, or another pair takes over,
-  prefill frees the blocks then instead of at its hold timeout;
+- from the moment its prefill call goes out, the KV blocks prefill may hold for decode, freed
+  through `KvTransfer.AbortTransfer` (`KvAborter`) unless decode finished (it pulled them, and
+  prefill freed them): when the client goes away, decode refuses or fails, or another pair
+  takes over, prefill frees the blocks then instead of at its hold timeout. This includes a
+  prefill call given up on before its answer was read (the client left, a time budget ran
+  out, the stream ended for another reason): prefill may have finished already, and vLLM does
+  not abort a finished request, so its blocks are held under the transfer id the gateway gave
+  it (`PrefillRequestParams.transfer_id`); an abort that comes before the hold ends the hold as
+  soon as it starts (the connector remembers it);
 - background calls (AbortTransfer) that outlive the request: bounded by a timeout, failures
   logged, never raised.
 
 `Aftercare` is that for one attempt: the request path (`pdplane.gateway.relay`) reports facts
-(`hold_kv`, `free_kv`, `succeeded`) and calls `settle` wherever the attempt ends (its last leg,
-its stream, or its reply dropped unread); `settle` decides the outcome and does the rest, once.
+(`expect_kv`, `hold_kv`, `nothing_held`, `free_kv`, `succeeded`) and calls `settle` wherever
+the attempt ends (its last leg, its stream, or its reply dropped unread); `settle` decides the
+outcome and does the rest, once.
 `Caretaker` holds what all attempts share: the scheduler port, the AbortTransfer client,
 metrics, background tasks.
 """
@@ -141,12 +147,13 @@ class Caretaker:
         if self._released is not None:
             self._released()
 
-    def abort_kv(self, params: DecodeRequestParams, reason: str) -> None:
-        """AbortTransfer, in the background, on the prefill instance holding `params`' KV."""
-        self._spawn(self._abort(params, reason))
+    def abort_kv(self, kv_endpoint: str, transfer_id: str, reason: str) -> None:
+        """AbortTransfer of `transfer_id`, in the background, on the prefill instance whose
+        KvTransfer server is `kv_endpoint` (host:port)."""
+        self._spawn(self._abort(kv_endpoint, transfer_id, reason))
 
-    async def _abort(self, params: DecodeRequestParams, reason: str) -> None:
-        freed = await self._aborter.abort(params.kv_endpoint, params.transfer_id, reason)
+    async def _abort(self, kv_endpoint: str, transfer_id: str, reason: str) -> None:
+        freed = await self._aborter.abort(kv_endpoint, transfer_id, reason)
         self._metrics.kv_aborts.labels("freed" if freed else "not_freed").inc()
 
     def cancelled(self) -> None:
@@ -176,19 +183,32 @@ class Aftercare:
     def __init__(self, caretaker: Caretaker, request_id: str) -> None:
         self._caretaker = caretaker
         self.request_id = request_id
-        self._kv: DecodeRequestParams | None = None
+        #: (prefill's KvTransfer host:port, transfer id) of KV prefill holds or may hold
+        self._kv: tuple[str, str] | None = None
         self._succeeded = False
         self.outcome: Outcome | None = None
 
+    def expect_kv(self, kv_endpoint: str, transfer_id: str) -> None:
+        """A prefill call is going out: until its answer is read, prefill may hold KV under
+        `transfer_id` (the gateway's choice) at `kv_endpoint` that only this attempt can
+        free (vLLM aborts an unfinished request whose client left, not a finished one)."""
+        self._kv = (kv_endpoint, transfer_id)
+
     def hold_kv(self, params: DecodeRequestParams) -> None:
         """Prefill answered: it holds the KV `params` name until decode pulls it."""
-        self._kv = params
+        self._kv = (params.kv_endpoint, params.transfer_id)
+
+    def nothing_held(self) -> None:
+        """Prefill holds nothing for this attempt: it answered an error, or the request never
+        reached it."""
+        self._kv = None
 
     def free_kv(self, reason: str) -> None:
-        """Decode will not pull the held KV (it refused, failed, or another pair takes over):
-        AbortTransfer now, in the background. At most once per attempt."""
+        """Decode will not pull the held KV (it refused, failed, or another pair takes over;
+        or the prefill call was given up on): AbortTransfer now, in the background. At most
+        once per attempt."""
         if self._kv is not None:
-            self._caretaker.abort_kv(self._kv, reason)
+            self._caretaker.abort_kv(*self._kv, reason)
             self._kv = None
 
     def succeeded(self) -> None:

@@ -135,9 +135,16 @@ class SSEResponse(Response):
             try:
                 await self._watch.run(self._pump(send))
             except asyncio.CancelledError:
-                if not self._watch.gone:  # the server's shutdown bound ran out (uvicorn)
-                    await _say_shutting_down(send)
-                raise
+                if self._watch.gone:
+                    raise
+                # The server's shutdown bound ran out (uvicorn cancels the request's task): the
+                # stream ends as an answer, with its error event, and the cancellation is
+                # consumed here, so the server logs no "Exception in ASGI application" for a
+                # stream that ended as it should.
+                await _say_shutting_down(send)
+                task = asyncio.current_task()
+                if task is not None:
+                    task.uncancel()
         finally:
             await self._reply.aclose()
             self._watch.close()

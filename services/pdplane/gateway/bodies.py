@@ -109,11 +109,13 @@ def prefill_body(
     decode_kv_endpoint: str = "",
     *,
     token_ids: bool = False,
+    transfer_id: str | None = None,
 ) -> bytes:
     """JSON bytes of the prefill leg for the client `body` (not modified). `decode_id` and
     `decode_kv_endpoint` name the scheduled decode (a push-mode prefill sends the KV there).
     `token_ids` asks prefill for its prompt and output token ids (`return_token_ids`), which
-    the first token from prefill needs.
+    the first token from prefill needs. `transfer_id`: the id prefill is to hold the KV under
+    (`pdplane.core.kv_params.make_transfer_id`; None: prefill issues one).
 
     With `n` > 1 the decode is not named: vLLM fans such a request out into several engine
     requests on decode, and a pushed transfer serves only the first of them, while pulls serve
@@ -134,7 +136,7 @@ def prefill_body(
     if token_ids:
         out["return_token_ids"] = True
     out["kv_transfer_params"] = PrefillRequestParams(
-        request_id, decode_id or None, decode_kv_endpoint or None
+        request_id, decode_id or None, decode_kv_endpoint or None, transfer_id
     ).to_dict()
     return _json(out)
 

@@ -147,7 +147,7 @@ class RelayEndpoints:
         limiter: the keys' rate limits (`pdplane.gateway.ratelimit`).
         body_timeout_s: longest read of one request body (s); then 408.
         tokenizers: the models' tokenizers (exact prompt ids and prefix hashes); none = the
-            estimated prompt lengths of `pdplane.gateway.tokens`.
+            estimated prompt lengths of `pdplane.gateway.prompt_length`.
         access_log: write one line per request to `pdplane.gateway.access`
             (`pdplane.gateway.route_note`).
     """

@@ -6,7 +6,7 @@ chat stream opens with a role chunk per choice, each with the prompt's ids when 
 completions give them on each choice's first chunk. When that decode is lost the choices stop
 together, each after its own number of tokens, and one resumed request cannot carry them (a
 batch shares one `max_tokens`). So each unfinished choice continues as a stream of one choice
-does (`pdplane.gateway.relay`, `_migrate`): its own `/v1/completions` leg, scheduled on its
+does (`pdplane.gateway.resume`): its own `/v1/completions` leg, scheduled on its
 own, with its own tokens sent and what it has left. `Choices` follows the client's stream per
 choice (a `pdplane.gateway.migration.Transcript` each); `FanOut` runs the choices' legs at once
 and writes their events into the client's one stream under each choice's `index`, dropping
@@ -21,6 +21,7 @@ from collections.abc import AsyncGenerator, Callable, Iterator
 from dataclasses import dataclass
 
 from pdplane.gateway.migration import Transcript
+from pdplane.gateway.replies import SSE_DONE, SSE_ERROR
 from pdplane.gateway.splice import FirstToken
 
 __all__ = ["Choices", "FanOut", "Leg"]
@@ -29,8 +30,7 @@ __all__ = ["Choices", "FanOut", "Leg"]
 _INDEX = re.compile(rb'"index":(\d+)')
 #: A one-choice leg's choice index, as vLLM and `pdplane.gateway.splice.Splice` write it.
 _LEG_INDEX = re.compile(rb'("choices":\[\{"index":)0(?=[,}])')
-_ERROR_EVENT = b'data: {"error"'
-_DONE = b"data: [DONE]"
+_DONE = SSE_DONE.rstrip(b"\n")  # as `events.split(b"\n\n")` leaves it
 #: Events a leg writes that the client gets one of, at the end, for all choices.
 _USAGE = b'"choices":[]'
 #: Events a leg may write ahead of the client reading them (per choice).
@@ -174,7 +174,7 @@ class FanOut:
                     running -= 1
                 elif isinstance(out, BaseException):
                     raise out
-                elif _ERROR_EVENT in out:
+                elif SSE_ERROR in out:
                     for other in self._legs:
                         if other is not leg:
                             other.abandon()

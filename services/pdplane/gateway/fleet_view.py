@@ -8,6 +8,7 @@ does.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,6 +50,8 @@ class ModelState:
         prefill_ids, decode_ids: the ids of the instances counted in `prefill` / `decode`.
         registered_ns: their registration times (Unix ns), by id: an id registered again
             (a restarted instance) is a new process.
+        changed_at: when this gateway saw `registered_ns` change last (time.monotonic(), s;
+            0.0 = as in the first snapshot): an instance came, left or registered again.
     """
 
     prefill: int
@@ -63,6 +66,7 @@ class ModelState:
     prefill_ids: frozenset[str] = frozenset()
     decode_ids: frozenset[str] = frozenset()
     registered_ns: Mapping[str, int] = field(default_factory=dict)
+    changed_at: float = 0.0
 
     def problem(self) -> str:
         """Why no request of this model can be served now; "" when a usable pair exists."""
@@ -145,11 +149,15 @@ class FleetView:
         return ready, body
 
 
-def _model_state(instances: list[instance_pb2.Instance], created: int) -> ModelState:
+def _model_state(
+    instances: list[instance_pb2.Instance], created: int, before: ModelState | None, now: float
+) -> ModelState:
     live = [i for i in instances if i.state == instance_pb2.INSTANCE_STATE_SERVING]
     serving = [i.spec for i in live]
     prefills = [spec for spec in serving if can_prefill(spec.role)]
     decodes = [spec for spec in serving if can_decode(spec.role)]
+    registered = {i.spec.instance_id: i.registered_at.ToNanoseconds() for i in live}
+    changed_at = now if before is None or before.registered_ns != registered else before.changed_at
     kv_tokens = sum(
         i.load.total_kv_blocks * i.spec.kv_layout.block_size
         for i in live
@@ -167,7 +175,8 @@ def _model_state(instances: list[instance_pb2.Instance], created: int) -> ModelS
         decode_kv_tokens=kv_tokens,
         prefill_ids=frozenset(spec.instance_id for spec in prefills),
         decode_ids=frozenset(spec.instance_id for spec in decodes),
-        registered_ns={i.spec.instance_id: i.registered_at.ToNanoseconds() for i in live},
+        registered_ns=registered,
+        changed_at=changed_at,
     )
 
 
@@ -189,9 +198,12 @@ def _publications(serving: list[instance_pb2.InstanceSpec]) -> tuple[Publication
     return tuple(out)
 
 
-def build_view(instances: Iterable[instance_pb2.Instance]) -> FleetView:
+def build_view(
+    instances: Iterable[instance_pb2.Instance], before: FleetView | None = None
+) -> FleetView:
     """A ready FleetView of the registry's `instances` (any state; DRAINING ones are listed but
-    never count towards a usable pair)."""
+    never count towards a usable pair). `before`: the view it follows, whose models' SERVING
+    instances are compared to date each model's `changed_at` (None or not ready: 0.0)."""
     by_model: dict[str, list[instance_pb2.Instance]] = {}
     created: dict[str, int] = {}
     for inst in instances:
@@ -199,9 +211,14 @@ def build_view(instances: Iterable[instance_pb2.Instance]) -> FleetView:
         by_model.setdefault(model, []).append(inst)
         seconds = inst.registered_at.seconds
         created[model] = min(created.get(model, seconds), seconds)
-    return FleetView(
-        models={m: _model_state(insts, created[m]) for m, insts in by_model.items()}, ready=True
-    )
+    now = time.monotonic()
+    if before is None or not before.ready:
+        old: dict[str, ModelState] = {}
+        now = 0.0
+    else:
+        old = before.models
+    models = {m: _model_state(insts, created[m], old.get(m), now) for m, insts in by_model.items()}
+    return FleetView(models=models, ready=True)
 
 
 class FleetTracker:
@@ -241,7 +258,7 @@ class FleetTracker:
         # The instances first, then the count: a reader that sees the new count sees them.
         self._instances = instances
         self._changes += 1
-        self.view = build_view(instances.values())
+        self.view = build_view(instances.values(), self.view)
         for listener in self._listeners:
             listener()
 

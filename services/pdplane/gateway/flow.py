@@ -29,6 +29,14 @@ need) from its admission until its answer ends. While the budget is full, reques
   The budget may then be exceeded by those shares, never past the ceiling (the decode
   instances' KV cache): `--inflight-budget` below 1 leaves that room (at 1 there is none,
   and every request waits for its turn).
+- **a burst of a tenant that is not flooding uses that room**: while other tenants' requests
+  wait (they filled the budget) and none of its own does, a tenant may go past its share of
+  the budget up to its share of the ceiling (ceiling x w / the active tenants' weights). A
+  flood always has requests waiting, so it never gets this room; a lone tenant has nobody
+  waiting beside it, so it stays within the budget. Why: a quiet tenant's requests arrive at
+  random; beside a flood that keeps the budget full, a burst of them past half the budget
+  waited for the flood's completions, which was most of its TTFT's rise beside a flood
+  (docs/benchmarks/flow-control.md).
 
 Under overload, requests are shed with 429 and `Retry-After` (never a hang), the lowest
 priority first: a request whose projected wait (tokens queued ahead of it / the model's drain
@@ -44,7 +52,9 @@ the requests that ended during the last 10 s of such time, over that time. What 
 drains while nothing waits is what it was given, not what it can do: over an idle window the
 rate would fall towards zero and a burst after a quiet spell would be shed on a false
 projection. Until 2 s of waiting were seen there is no rate, and nobody is shed on a
-projection (a full queue and the timeout still apply). Short waits that end with a
+projection (a full queue and the timeout still apply); nor until the window's completions
+add up to the tokens in flight: requests admitted together end together, and the first few
+to end would read as a rate a fraction of the model's. Short waits that end with a
 completion make the rate read high, which errs towards admitting, never towards shedding.
 """
 
@@ -129,13 +139,15 @@ class _Band:
 
 
 class _Use:
-    """A tenant's requests of one model: tokens admitted, requests not ended, its weight."""
+    """A tenant's requests of one model: tokens admitted, requests not ended (admitted or
+    waiting), requests waiting, its weight."""
 
-    __slots__ = ("inflight", "requests", "weight")
+    __slots__ = ("inflight", "requests", "waiting", "weight")
 
     def __init__(self, weight: float) -> None:
         self.inflight = 0
         self.requests = 0
+        self.waiting = 0
         self.weight = weight
 
 
@@ -322,11 +334,13 @@ class FlowControl:
         cost = ticket.cost
         return better + cost <= budget and flow.inflight + cost <= ceiling
 
-    def _within_share(self, flow: _ModelFlow, model: str, ticket: FlowTicket) -> bool:
-        """Whether the ticket's tenant stays within its weighted share of the budget among the
-        tenants with requests in flight or waiting, no better priority waits, and the model's
-        ceiling (its KV cache) holds it (fair policy): then it needs no turn, even when the
-        budget is full."""
+    def _within_share(
+        self, flow: _ModelFlow, model: str, ticket: FlowTicket, queued: bool = False
+    ) -> bool:
+        """Whether the ticket needs no turn (fair policy): no better priority waits, the model's
+        ceiling (its KV cache) holds it, and its tenant stays within its weighted share (among
+        the tenants with requests in flight or waiting) of the budget, or of the ceiling when
+        others' requests wait and none of its own does (`queued`: the ticket itself waits)."""
         if self.policy != "fair" or (flow.bands and min(flow.bands) < ticket.priority):
             return False
         limits = self._budget(model)
@@ -336,7 +350,14 @@ class FlowControl:
         if flow.inflight + ticket.cost > ceiling:
             return False
         use = flow.use[ticket.tenant]
-        return use.inflight + ticket.cost <= budget * use.weight / flow.active_weight
+        part = use.weight / flow.active_weight
+        need = use.inflight + ticket.cost
+        if need <= budget * part:
+            return True
+        # The room between the budget and the ceiling: for the bursts of a tenant that is not
+        # flooding (nothing of its own waits) while the budget is full (others' requests wait).
+        own_waiting = use.waiting - int(queued)
+        return own_waiting == 0 and flow.waiting > use.waiting and need <= ceiling * part
 
     def _use(self, flow: _ModelFlow, ticket: FlowTicket, weight: float) -> None:
         """Counts the ticket's tenant active (its weight in the shares) until `_unuse`."""
@@ -381,6 +402,7 @@ class FlowControl:
         if flow.waiting == 0:
             flow.saturated_since = self._clock()
         flow.waiting += 1
+        flow.use[ticket.tenant].waiting += 1
         self._child(self._metrics.flow_queued, ticket).inc()
 
     def _finish_tag(self, band: _Band, tenant_key: str, ticket: FlowTicket, weight: float) -> float:
@@ -396,6 +418,7 @@ class FlowControl:
         band.count -= 1
         band.tokens -= ticket.cost
         flow.waiting -= 1
+        flow.use[ticket.tenant].waiting -= 1
         if flow.waiting == 0:
             flow.saturated_s = flow.saturated_clock(self._clock())
             flow.saturated_since = None
@@ -410,7 +433,9 @@ class FlowControl:
             band = flow.bands[min(flow.bands)]
             head = band.head()
             assert head is not None
-            if not (self._fits(flow, model, head) or self._within_share(flow, model, head)):
+            if not (
+                self._fits(flow, model, head) or self._within_share(flow, model, head, queued=True)
+            ):
                 return
             heapq.heappop(band.heap)
             band.vclock = head.finish
@@ -437,6 +462,12 @@ class FlowControl:
             flow.drained_sum -= flow.drained.popleft()[1]
         span = min(_RATE_WINDOW_S, saturated)
         if not flow.drained or span < _RATE_MIN_SPAN_S:
+            return None
+        if flow.drained_sum < flow.inflight:
+            # Until what is admitted has turned over once, the completions seen are only the
+            # early finishers of requests admitted together: a rate from them projects waits
+            # several times too long (a GPU's batch of 8k-token requests shed 45 of 64 that
+            # it served within half the timeout).
             return None
         return flow.drained_sum / span
 

@@ -2,7 +2,7 @@
 
 A stream whose decode is lost mid-way (connection reset or closed before `[DONE]`, vLLM's
 error event, silence past `--stream-idle-timeout-s`, the instance leaving the registry or
-draining past `--drain-grace-s`) is resumed by the relay (`pdplane.gateway.relay`) on a new
+draining past `--drain-grace-s`) is resumed by the relay (`pdplane.gateway.resume`) on a new
 decode: a `/v1/completions` request on the prompt's token ids plus the tokens already sent,
 for what is left to generate (`pdplane.gateway.bodies.resumed_body`). Its events continue the
 client's stream through a `pdplane.gateway.splice.Splice` that counts the tokens sent before.

@@ -9,10 +9,13 @@ from typing import Any
 
 from pdplane.gateway.errors import GatewayError
 
-__all__ = ["SSE_DONE", "JsonReply", "RetryElsewhere", "StreamReply", "sse_event"]
+__all__ = ["SSE_DONE", "SSE_ERROR", "JsonReply", "RetryElsewhere", "StreamReply", "sse_event"]
 
 #: The last event of a well-formed OpenAI stream.
 SSE_DONE = b"data: [DONE]\n\n"
+#: How an error event starts (vLLM's mid-stream error: `data: {"error": {...}}`, then
+#: `[DONE]`; the gateway's own are written the same way).
+SSE_ERROR = b'data: {"error"'
 
 
 def sse_event(obj: dict[str, Any]) -> bytes:

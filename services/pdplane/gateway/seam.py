@@ -1,6 +1,6 @@
 """A resumed leg's events as the client's stream continues them (request migration).
 
-A stream resumed on another decode (`pdplane.gateway.relay`, `pdplane.gateway.migration`)
+A stream resumed on another decode (`pdplane.gateway.resume`, `pdplane.gateway.migration`)
 continues on a `/v1/completions` leg. Its events need, besides `pdplane.gateway.splice.Splice`'s
 rewriting:
 

@@ -131,7 +131,8 @@ class GatewaySettings(PolicySettings):
         60.0,
         gt=0,
         description="total time a request may spend continuing on other decodes (scheduling, "
-        "waiting for room, opening the new leg) before one error event ends it (s)",
+        "waiting for room or for a decode when no other serves, opening the new leg) before "
+        "one error event ends it (s)",
     )
     drain_grace_s: float = Field(
         30.0,

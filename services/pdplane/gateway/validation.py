@@ -27,7 +27,7 @@ from pydantic import (
 
 from pdplane.gateway.errors import bad_request
 from pdplane.gateway.json_guard import check_prompt, load_json
-from pdplane.gateway.tokens import estimate_chat_tokens, estimate_prompt_tokens
+from pdplane.gateway.prompt_length import estimate_chat_tokens, estimate_prompt_tokens
 
 __all__ = [
     "CHAT",
@@ -97,7 +97,8 @@ class ClientRequest:
         raw: the client's body bytes as received (`body` before parsing).
         model: served model name; "" when the client named none (the default model).
         stream: whether the client asked for SSE.
-        prompt_tokens: prompt length estimate for Schedule (tokens; see `pdplane.gateway.tokens`).
+        prompt_tokens: prompt length estimate for Schedule (tokens; see
+            `pdplane.gateway.prompt_length`).
         max_tokens: tokens to generate if the client said so, else 0 (unknown).
         routing_key: consistent-hash key (`X-Routing-Key` header, else the `user` field).
         prefix_hashes: block size -> the prompt's exact block hashes, set with the exact

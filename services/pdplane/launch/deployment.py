@@ -452,8 +452,13 @@ class Fleet:
     def _resolve_model(self) -> None:
         spec = self.spec
         if spec.engine == "sim":
-            self.model_name = spec.served_model_name or _TINY_MODEL_NAME
-            self._say(f"engines: pdplane sim, profile {spec.sim_profile} (no model)")
+            # Sims run no weights; with --model they tokenize with, and publish, its tokenizer.
+            self.model_dir = spec.model
+            self.model_name = spec.served_model_name or (
+                spec.model.name if spec.model is not None else _TINY_MODEL_NAME
+            )
+            tokenizer = f"{spec.model}'s tokenizer" if spec.model is not None else "no tokenizer"
+            self._say(f"engines: pdplane sim, profile {spec.sim_profile}, {tokenizer} (no model)")
             return
         if spec.model is not None:
             self.model_dir = spec.model
@@ -634,6 +639,7 @@ class Fleet:
                     host=self.spec.host,
                     profile=self.spec.sim_profile,
                     token=self.spec.token,
+                    tokenizer=self.model_dir,
                     extra_args=list(self.spec.vllm_args),
                 ),
                 log,
@@ -779,8 +785,16 @@ class Fleet:
         gateways = [p for p in self._services if p.name == "gateway"]
         for proc in gateways:
             proc.stop(grace_s=self.spec.gateway_shutdown_s + 5.0)
-        for inst in reversed(self.instances):
-            inst.stop()
+        # The engines stop side by side: each vLLM takes seconds to shut down, and one after
+        # another they made a 1P2D fleet's stop take tens of seconds.
+        stoppers = [
+            threading.Thread(target=inst.stop, name=f"stop-{i}", daemon=True)
+            for i, inst in enumerate(self.instances)
+        ]
+        for thread in stoppers:
+            thread.start()
+        for thread in stoppers:
+            thread.join()
         for proc in reversed(self._services):
             if proc not in gateways:
                 proc.stop()

@@ -29,11 +29,25 @@ from pdplane.launch.process import die_with_parent, end_group
 __all__ = ["run_in_foreground"]
 
 _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+#: Longest wait before a stop signal taken by another thread is forwarded (s).
+_WAKE_S = 0.2
 
 
 def _exit_status(returncode: int) -> int:
     """A child's status as a shell reports it (killed by signal N -> 128 + N)."""
     return 128 - returncode if returncode < 0 else returncode
+
+
+def _wait_running_handlers(proc: subprocess.Popen[bytes]) -> int:
+    """`proc.wait()`, waking every `_WAKE_S` so that Python runs a signal handler even when
+    the kernel gave the signal to another thread (gRPC's, a ready-line thread): a main thread
+    blocked in waitpid() is interrupted only by a signal delivered to it, and Python runs
+    handlers on the main thread alone."""
+    while True:
+        try:
+            return proc.wait(timeout=_WAKE_S)
+        except subprocess.TimeoutExpired:
+            continue
 
 
 def run_in_foreground(argv: Sequence[str], env: Mapping[str, str] | None = None) -> int:
@@ -62,7 +76,7 @@ def run_in_foreground(argv: Sequence[str], env: Mapping[str, str] | None = None)
 
     previous = {sig: signal.signal(sig, forward) for sig in _FORWARDED}
     try:
-        returncode = proc.wait()
+        returncode = _wait_running_handlers(proc)
     finally:
         end_group(proc.pid)
         for sig, handler in previous.items():

@@ -24,7 +24,9 @@ _ROLES = {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "both"}
 @dataclass
 class SimOptions:
     """What one sim serves and where: `role` is a KV role (kv_producer | kv_consumer |
-    kv_both); `profile` a `pdplane sim --profile` name or JSON file."""
+    kv_both); `profile` a `pdplane sim --profile` name or JSON file; `tokenizer` a Hugging Face
+    tokenizer folder the sim tokenizes with and publishes (None: its word tokenizer, unpublished).
+    """
 
     role: str
     port: int
@@ -35,6 +37,7 @@ class SimOptions:
     host: str = "127.0.0.1"
     profile: str = "tiny-cpu"
     token: str | None = None
+    tokenizer: Path | None = None
     extra_args: list[str] = field(default_factory=list)
 
     @property
@@ -83,6 +86,8 @@ class SimProcess:
             "--profile",
             o.profile,
         ]
+        if o.tokenizer is not None:
+            argv = [*argv, "--tokenizer", str(o.tokenizer)]
         return [*argv, *o.extra_args]
 
     def env(self) -> dict[str, str]:

@@ -12,17 +12,20 @@ passes) and prints the recommendation, its neighbours and the plain alternative
 Live advice: reads the registry's load reports (and the gateway's TTFT/TPOT) over the window
 and says which side is the bottleneck; with --serve-metrics it keeps going and exports the
 verdict as Prometheus gauges. Exit code 1 when the registry cannot be reached.
+
+The `pdplane` command runs this through `pdplane.cli.plan`, which gives `main` the local
+`pdplane up` fleet's credentials as the registry token's default (`token_for`).
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 
 import grpc
 from pydantic import Field
 
-from pdplane.cli import fleet_credentials
 from pdplane.core.settings import CommandSettings
 from pdplane.core.token_file import token_file_field
 from pdplane.plan.live_cli import parse_duration, run_live
@@ -31,7 +34,10 @@ from pdplane.plan.search import parse_slo, plan_fleet, window
 from pdplane.plan.workload import SHAPES, RequestSpec, Shape, load_workload
 from pdplane.sim.profiles import PROFILES, load_profile
 
-__all__ = ["PlanSettings", "main", "window"]
+__all__ = ["PlanSettings", "TokenFor", "main", "window"]
+
+#: (registry address, the --token flag or None) -> the bearer token to send, or None.
+TokenFor = Callable[[str, str | None], str | None]
 
 
 class PlanSettings(CommandSettings):
@@ -86,7 +92,7 @@ class PlanSettings(CommandSettings):
     )
 
 
-def _live(s: PlanSettings) -> int:
+def _live(s: PlanSettings, token_for: TokenFor | None) -> int:
     try:
         window_s = parse_duration(s.window)
         slo = parse_slo(s.slo)
@@ -104,7 +110,7 @@ def _live(s: PlanSettings) -> int:
             window_s=window_s,
             interval_s=s.interval_s,
             gateway=s.gateway,
-            token=fleet_credentials.token_for(registry, s.token),
+            token=token_for(registry, s.token) if token_for else (s.token or None),
             tls_ca=s.tls_ca,
             ttft_slo_s=slo.bound("ttft"),
             itl_slo_s=slo.bound("itl"),
@@ -121,11 +127,15 @@ def _live(s: PlanSettings) -> int:
     return 0
 
 
-def main(argv: list[str]) -> int:
-    """Runs `pdplane plan`; see the module docstring for exit codes."""
+def main(argv: list[str], *, token_for: TokenFor | None = None) -> int:
+    """Runs `pdplane plan`; see the module docstring for exit codes.
+
+    `token_for` picks live advice's registry token from the address and the --token flag
+    (None: the flag as given).
+    """
     s = PlanSettings.parse(argv, prog="pdplane plan")
     if s.registry:
-        return _live(s)
+        return _live(s, token_for)
     try:
         profile = load_profile(s.profile)
         slo = parse_slo(s.slo, s.kv_limit)

@@ -65,7 +65,7 @@ class ProfileSettings(CommandSettings):
     base: str = Field(
         "tiny-cpu", description="profile supplying what the API does not say (and fit start)"
     )
-    name: str = Field("", description="name of the measured profile (default <base>-measured)")
+    name: str = Field("", description="name of the measured profile (default: <base>-measured)")
     grid: Literal["cpu", "gpu"] = Field("cpu", description="sweep cells")
     repeats: int = Field(2, ge=1, description="runs of each cell")
     kv_blocks: int | None = Field(None, ge=1, description="KV blocks (default: from /metrics)")

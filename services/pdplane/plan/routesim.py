@@ -4,7 +4,7 @@
 simulated engines (`pdplane.sim.engine`, the model `pdplane sim` serves) on a virtual clock;
 the routers here choose each request's legs:
 
-- `SchedulerRouter`: a real `SchedulerService` (any policies, `kv_aware`'s options) over a
+- `SchedulerRouter`: a real `Decider` (any policies, `kv_aware`'s options) over a
   `StaticSource` that the engines' load reports update every `heartbeat_s` (each instance at
   its own phase, only when its load changed, as the registry publishes them), the scheduler's
   in-flight accounting on the virtual clock, and a real `PrefixIndex` fed by every engine's KV
@@ -33,7 +33,7 @@ from pdplane.core.kv_events.log import DEFAULT_MEDIUM
 from pdplane.plan.fleet_routing import FleetEngines, Routed
 from pdplane.plan.fleetsim import FleetConfig, FleetResult, simulate_fleet
 from pdplane.plan.workload import RequestSpec
-from pdplane.scheduler.decision import SchedulerService
+from pdplane.scheduler.decision import Decider
 from pdplane.scheduler.errors import NoRoom
 from pdplane.scheduler.inflight import InflightTracker
 from pdplane.scheduler.kv_index import InstanceBlocks, KvState, PrefixIndex
@@ -259,9 +259,9 @@ def _spec(instance_id: str, role: int, profile: Profile) -> instance_pb2.Instanc
 
 
 class SchedulerRouter(_Router):
-    """A `SchedulerService` deciding on the virtual clock (module doc).
+    """A `Decider` on the virtual clock (module doc).
 
-    `service` keyword arguments go to `SchedulerService` (policies, `kv_weights`,
+    `service` keyword arguments go to `Decider` (policies, `kv_weights`,
     `local_prefill_max_tokens`, ...); `kv_index` False runs it without a prefix index.
     """
 
@@ -286,7 +286,7 @@ class SchedulerRouter(_Router):
         self._seed = seed
         self._service_options = service
         self.source = StaticSource()
-        self.service: SchedulerService | None = None
+        self.service: Decider | None = None
         self._ids: dict[str, tuple[str, int]] = {}
         self._nodes: list[tuple[str, int, EngineCore, instance_pb2.InstanceSpec]] = []
         self._due: list[float] = []
@@ -310,7 +310,7 @@ class SchedulerRouter(_Router):
         self._last = [(-1, -1, -1.0, -1)] * n
         for k in range(n):
             self._report(k)
-        self.service = SchedulerService(
+        self.service = Decider(
             CandidateView(self.source),
             inflight=InflightTracker(clock=self._now),
             seed=self._seed,
@@ -449,8 +449,10 @@ class RoutedResult:
     extra: dict[str, float] = field(default_factory=dict)
 
     def numbers(self) -> dict[str, float]:
-        """Flat numbers (ms, fractions, counts) for reports."""
+        """Flat numbers (ms, fractions, counts) for reports; `*_busy`: the fraction of the
+        window a role's instances spent in steps (1.0: saturated)."""
         f, s = self.fleet, self.stats
+        busy = {role: r.utilisation for role, r in f.roles.items()}
         return {
             "requests": float(f.requests),
             "ttft_p50_ms": f.ttft_q(0.5) * 1e3,
@@ -463,6 +465,8 @@ class RoutedResult:
             "fleet_hit": s.fleet_hit,
             "prefill_legs_per_request": s.prefill_legs_per_request,
             "decode_hit": s.decode_hit_tokens / s.prompt_tokens if s.prompt_tokens else 0.0,
+            "prefill_busy": busy.get("prefill", 0.0),
+            "decode_busy": busy.get("decode", 0.0),
             **self.extra,
         }
 
@@ -483,7 +487,7 @@ def run_routed(
     """One run of `traffic` on `config` routed by `router`: "oracle", or a policy name for
     both sides of a `SchedulerRouter` ("kv_aware", "least_loaded", ...) with the shipped
     defaults of `pdplane scheduler`'s flags (`decision_options(PolicySettings())`), which
-    `service` keyword arguments of `SchedulerService` override, and kv_aware predicting with
+    `service` keyword arguments of `Decider` override, and kv_aware predicting with
     `profile`. Load-only policies run without a prefix index."""
     end = max((r.at for r in traffic.requests), default=0.0)
     window = (min(warmup_s, end), end)

@@ -35,7 +35,10 @@ def main(argv: list[str]) -> int:
     stopping = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stopping.set())
-    stopping.wait()
+    # Woken every 0.2 s: the kernel may hand SIGTERM to a gRPC thread, and a main thread
+    # blocked without a timeout would never run the handler Python keeps for it.
+    while not stopping.wait(0.2):
+        pass
     server.stop()
     return 0
 

@@ -34,8 +34,8 @@ def build_store(settings: RegistrySettings) -> InstanceStore:
         heartbeat_interval_ms=settings.heartbeat_interval_ms,
     )
     if settings.store == "etcd":
-        from pdplane.registry.etcd_client import parse_endpoints
-        from pdplane.registry.etcd_store import EtcdStore, EtcdStoreConfig
+        from pdplane.registry.etcd.client import parse_endpoints
+        from pdplane.registry.etcd.store import EtcdStore, EtcdStoreConfig
 
         config = EtcdStoreConfig(
             endpoints=parse_endpoints(settings.etcd_endpoints),

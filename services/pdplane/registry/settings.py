@@ -103,7 +103,7 @@ class RegistrySettings(CommandSettings):
         if bool(self.etcd_cert) != bool(self.etcd_key):
             raise ValueError("--etcd-cert and --etcd-key must be given together")
         if self.store == "etcd":
-            from pdplane.registry.etcd_client import parse_endpoints
+            from pdplane.registry.etcd.client import parse_endpoints
 
             parse_endpoints(self.etcd_endpoints)
             if not self.etcd_prefix.endswith("/"):

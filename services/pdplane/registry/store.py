@@ -1,7 +1,7 @@
 """The registry's storage interface: instances, leases, revisions and watch subscriptions.
 
 The servicer speaks only to `InstanceStore`; `memory_store.InMemoryStore` is the single-node
-default and `etcd_store.EtcdStore` the replicated one (any number of registry replicas over one
+default and `etcd.store.EtcdStore` the replicated one (any number of registry replicas over one
 etcd cluster). The lease model (TTL, renew by heartbeat, delete on expiry, a global revision
 that every change bumps, watch from a revision) maps onto etcd leases and watches.
 

@@ -9,9 +9,11 @@ Callers (the gateway) use only what this package exports, the port
 
 Inside: `candidate` (an instance as the scheduler sees it), `view` (live candidates from the
 registry watcher), `compat` (compatibility filter and decode guard), `inflight` (the scheduler's
-own assignments between load reports), `policies/` (one policy per module), `service` (the
-decision), `local` / `remote` (the port's two implementations), `wire` (port <-> protobuf),
-`servicer` (gRPC translation), `server` / `app` (wiring of a scheduler process).
+own assignments between load reports), `policies/` (one policy per module), `decision`
+(`Decider`: the decision), `kv_index/` (the prefix index and its KV events stream),
+`inflight_exchange` (in-flight assignments shared between replicas), `local` / `remote` (the
+port's two implementations), `wire` (port <-> protobuf), `servicer` (gRPC translation),
+`server` / `app` (wiring of a scheduler process).
 """
 
 from pdplane.scheduler import port

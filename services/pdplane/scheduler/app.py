@@ -18,7 +18,7 @@ from prometheus_client import start_http_server
 from pdplane.core.grpc import util as grpc_util
 from pdplane.registry.client import InstanceWatcher
 from pdplane.scheduler import inflight_exchange
-from pdplane.scheduler.decision import SchedulerService
+from pdplane.scheduler.decision import Decider
 from pdplane.scheduler.kv_index import KvIndexManager
 from pdplane.scheduler.local import LocalScheduler, open_local
 from pdplane.scheduler.metrics import SchedulerMetrics
@@ -49,7 +49,7 @@ class SchedulerApp:
         self.view: CandidateView | None = None
         self._local: LocalScheduler | None = None
         self.metrics = SchedulerMetrics()
-        self.service: SchedulerService | None = None
+        self.service: Decider | None = None
         self.exchange: inflight_exchange.InflightExchange | None = None
         self._server: grpc.aio.Server | None = None
         self._http: tuple[HTTPServer, threading.Thread] | None = None

@@ -32,7 +32,7 @@ from pdplane.scheduler.view import CandidateView
 if TYPE_CHECKING:
     from pdplane.scheduler.kv_index import PrefixIndex
 
-__all__ = ["SchedulerService"]
+__all__ = ["Decider"]
 
 _MAX_ID_LEN = 1024  # characters; bounds what one in-flight entry may hold
 _NO_LIVE = np.zeros(0, np.uint8)
@@ -40,7 +40,7 @@ _NO_LIVE = np.zeros(0, np.uint8)
 F64s = npt.NDArray[np.float64]
 
 
-class SchedulerService:
+class Decider:
     """Picks (prefill, decode) pairs over a live `CandidateView` and tracks them in flight.
 
     Policies are kept per side and per name, so round-robin counters and random generators of
@@ -218,8 +218,10 @@ class SchedulerService:
         blocks = blocks_for(tokens, d.block_size)
         d_cached = decode.cached_tokens
         rest = request.prompt_tokens - d_cached
+        # What the request attends over on decode, averaged over its answer.
+        context = request.prompt_tokens + request.max_tokens // 2
         if decode.skip_prefill and d_cached > 0 and rest <= self.local_prefill_max_tokens:
-            self.inflight.add(request.request_id, None, d, blocks)
+            self.inflight.add(request.request_id, None, d, blocks, decode_context=context)
             if self.metrics:
                 self.metrics.prefill_skipped(d.instance_id, d_cached)
             return Decision(
@@ -238,6 +240,7 @@ class SchedulerService:
             blocks,
             max(request.prompt_tokens - p_cached, 0),
             prefill.queue_s,
+            context,
         )
         if self.metrics and p_cached:
             self.metrics.predicted_hit(p.instance_id, p_cached)

@@ -3,7 +3,9 @@
 An instance's effective load is its last load report plus the assignments the scheduler made
 since that report and that are not released yet. A report is identified by the candidate's
 `epoch` (its lease and registry revision): when a newer report arrives, earlier assignments
-are assumed to be counted in it, and the pending counters start again from zero. The registry
+are assumed to be counted in it, and the pending counters start again from zero (on a decode,
+but for the assignments whose prompt is predicted still computing on their prefill: they
+cannot be in its report yet, `_new_epoch_locked`). The registry
 publishes a report only when the load changed, so an unchanged report keeps counting the
 assignments made since it (conservative: they are released or expire).
 
@@ -14,6 +16,9 @@ within a few heartbeats, so one that still does not (its report unchanged) is no
 trust any longer (counted in flight until released or expired, but no longer as pending load
 or KV room). 512 Schedule calls never released had kept every decode "no KV room" for the
 whole 600 s timeout. Thread-safe: the gRPC loop and the metrics scrape thread both read it.
+
+Per decode it also keeps the mean context its unreleased assignments are predicted to attend
+over (`decode_context`), which its KV cache usage understates when streams share a prefix.
 
 A prefill's queue is also predicted in time: each assignment with a predicted prefill duration
 (`add(..., prefill_s=...)`, kv_aware's latency model) moves the instance's `busy_until` (when
@@ -52,6 +57,8 @@ class Assignment:
     `prefill_id` is "" when decode computes the prompt itself (no prefill leg).
 
     `prefill_s`: the predicted time it adds to its prefill's queue (s; 0 = not predicted).
+    `decode_context`: the context (tokens) the request is predicted to hold on its decode,
+    averaged over its life (its prompt plus half its answer budget; 0 = not known).
     `origin` is "" for this replica's own assignments, else the peer replica's id. `pending`
     False: counted in flight but not as load since the current reports (a peer's assignments
     received in a snapshot, made before an unknown number of reports).
@@ -68,6 +75,7 @@ class Assignment:
     pending: bool = True
     prefill_tokens: int = 0
     prefill_s: float = 0.0
+    decode_context: int = 0
 
 
 #: Told of own changes, outside the tracker's lock: (assigned, released) assignments.
@@ -141,6 +149,11 @@ class InflightTracker:
         # assignment -> (its prefill, when its prompt is predicted computed): a release before
         # then ends it early (the request is done, so is its prefill)
         self._until: dict[_Key, tuple[str, float]] = {}
+        # decode id -> its pending assignments whose prompt is predicted still being computed
+        # on their prefill (`_new_epoch_locked`); stale keys are dropped when read
+        self._upstream: dict[str, set[_Key]] = {}
+        # decode id -> [unreleased assignments with a known decode_context, their sum]
+        self._context: dict[str, list[int]] = {}
         #: Predicted queue time (s) of a peer's assignment of N uncached prompt tokens
         #: (kv_aware's latency model; None: peers' assignments move no queue).
         self.queue_seconds: Callable[[int], float] | None = None
@@ -153,27 +166,41 @@ class InflightTracker:
         pending = self._pending.get(candidate.instance_id)
         return pending.requests if pending and pending.epoch == candidate.epoch else 0
 
-    def counts(self, candidate: Candidate, decode: bool) -> tuple[int, int, int, int, int]:
+    def counts(self, candidate: Candidate, decode: bool) -> tuple[int, int, int, int, int, float]:
         """(`pending_requests`, `pending_blocks`, `assigned_blocks`, `queued_prefill_tokens`,
-        released) of `candidate` in one lookup; the block counts only for a `decode` side (0
-        on prefill), and `pending_blocks` only when its report says how many blocks it has,
-        reading it then as `pending_blocks` does (its KV credit starts). `released`: on
-        decode, requests assigned before its report (so counted in it) and released since."""
+        released, `decode_context`) of `candidate` in one lookup; the block counts only for a
+        `decode` side (0 on prefill), and `pending_blocks` only when its report says how many
+        blocks it has, reading it then as `pending_blocks` does (its KV credit starts).
+        `released`: on decode, requests assigned before its report (so counted in it) and
+        released since."""
         pending = self._pending.get(candidate.instance_id)
+        context = self.decode_context(candidate.instance_id) if decode else 0.0
         if pending is None or pending.epoch != candidate.epoch:
-            if decode and candidate.total_kv_blocks and candidate.block_size:
-                self.pending_blocks(candidate)  # the report's credit starts now
-            elif not decode:
+            if not decode:
                 self._reported(candidate)
-            return 0, 0, 0, 0, 0
+                return 0, 0, 0, 0, 0, 0.0
+            if not (candidate.total_kv_blocks and candidate.block_size):
+                return 0, 0, 0, 0, 0, context
+            self.pending_blocks(candidate)  # the report's credit starts now
+            pending = self._pending.get(candidate.instance_id)
+            if pending is None or pending.epoch != candidate.epoch:
+                return 0, 0, 0, 0, 0, context
         if not decode:
-            return pending.requests, 0, 0, pending.tokens, 0
+            return pending.requests, 0, 0, pending.tokens, 0, 0.0
         blocks = 0
         if candidate.total_kv_blocks and candidate.block_size:
             net = pending.blocks - pending.freed
             floor = candidate.free_kv_blocks - candidate.total_kv_blocks
             blocks = net if net >= floor else floor
-        return pending.requests, blocks, pending.blocks, pending.tokens, pending.released
+        return pending.requests, blocks, pending.blocks, pending.tokens, pending.released, context
+
+    def decode_context(self, instance_id: str) -> float:
+        """The mean `Assignment.decode_context` (tokens) of the unreleased assignments to
+        decode `instance_id` that carry one (0 = none): what each of its sequences is
+        predicted to attend over. Its KV cache usage cannot say that: a block shared by
+        several sequences is one block of cache but is read by each of them."""
+        context = self._context.get(instance_id)
+        return context[1] / context[0] if context else 0.0
 
     def busy_until(self, instance_id: str) -> float:
         """When prefill `instance_id`'s queued prompts are predicted to be computed (clock
@@ -246,9 +273,9 @@ class InflightTracker:
             with self._lock:
                 pending = self._pending.get(instance_id)
                 if pending is None or pending.epoch != candidate.epoch:
-                    # Earlier assignments are inside this report: count from zero.
-                    pending = self._pending[instance_id] = _Pending(candidate.epoch)
-            return 0
+                    pending = self._new_epoch_locked(instance_id, candidate.epoch)
+            if not pending.blocks:
+                return 0
         net = pending.blocks - pending.freed
         floor = candidate.free_kv_blocks - candidate.total_kv_blocks
         return net if net >= floor else floor
@@ -276,11 +303,12 @@ class InflightTracker:
         decode_blocks: int,
         prefill_tokens: int = 0,
         prefill_s: float = 0.0,
+        decode_context: int = 0,
     ) -> Assignment | None:
         """Counts a new assignment (`prefill` None: decode computes the prompt itself, and
         `prefill_tokens` uncached prompt tokens go to the prefill, adding a predicted
-        `prefill_s` seconds to its queue); returns the one it replaced when the id was in
-        flight."""
+        `prefill_s` seconds to its queue; `decode_context` as `Assignment`'s); returns the
+        one it replaced when the id was in flight."""
         record = Assignment(
             request_id=request_id,
             prefill_id=prefill.instance_id if prefill is not None else "",
@@ -291,6 +319,7 @@ class InflightTracker:
             started_at=self._clock(),
             prefill_tokens=prefill_tokens if prefill is not None else 0,
             prefill_s=prefill_s if prefill is not None else 0.0,
+            decode_context=max(decode_context, 0),
         )
         with self._lock:
             replaced = self._put_locked(request_id, record)
@@ -396,12 +425,22 @@ class InflightTracker:
                 until = self._queue(record.prefill_id, record.started_at, record.prefill_s)
                 self._until[key] = (record.prefill_id, until)
         self._count(record.decode_id, record.decode_epoch, record.decode_blocks, record.pending)
+        if record.pending and key in self._until:  # after `_count`: not carried into its own
+            self._upstream.setdefault(record.decode_id, set()).add(key)
+        if record.decode_context:
+            context = self._context.setdefault(record.decode_id, [0, 0])
+            context[0] += 1
+            context[1] += record.decode_context
+            self._dirty.add(record.decode_id)
         return replaced
 
     def _pop_locked(self, key: _Key) -> Assignment | None:
         record = self._requests.pop(key, None)
         if record is not None:
             self._uncount(record)
+            upstream = self._upstream.get(record.decode_id)
+            if upstream is not None:
+                upstream.discard(key)
         until = self._until.pop(key, None)
         if until is not None:
             busy = self._busy.get(until[0])
@@ -468,10 +507,45 @@ class InflightTracker:
         self._dirty.add(instance_id)
         pending = self._pending.get(instance_id)
         if pending is None or pending.epoch != epoch:
-            pending = self._pending[instance_id] = _Pending(epoch)
+            pending = self._new_epoch_locked(instance_id, epoch)
         pending.requests += 1
         pending.blocks += blocks
         pending.tokens += tokens
+
+    def _new_epoch_locked(self, instance_id: str, epoch: int) -> _Pending:
+        """Starts counting `instance_id`'s assignments since its report `epoch`.
+
+        Assignments made before the report are inside it, except a decode's whose prompt is
+        predicted to be still computing on its prefill (`Assignment.prefill_s`): that request
+        has not reached its decode, so the report cannot show it, and it stays pending in the
+        new epoch. Dropping them had made every report of an overloaded fleet (seconds of
+        prefill queue) hide the requests on their way to that decode: the least loaded decode
+        by report took more and more until they arrived, and decodes swung between idle and
+        twice their share (`docs/benchmarks/routing.md`, cold prompts past saturation)."""
+        pending = self._pending[instance_id] = _Pending(epoch)
+        upstream = self._upstream.get(instance_id)
+        if not upstream:
+            return pending
+        now = self._clock()
+        for key in list(upstream):
+            record = self._requests.get(key)
+            until = self._until.get(key)
+            if (
+                record is None
+                or not record.pending
+                or record.decode_id != instance_id
+                or until is None
+                or until[1] <= now
+                or self.busy_until(until[0]) <= now  # its prefill reported its queue empty
+            ):
+                upstream.discard(key)  # released, aged, or its prompt computed: in reports
+                continue
+            pending.requests += 1
+            pending.blocks += record.decode_blocks
+            self._requests[key] = dataclasses.replace(record, decode_epoch=epoch)
+        if not upstream:
+            del self._upstream[instance_id]
+        return pending
 
     def _uncount(self, record: Assignment) -> None:
         for instance_id in (record.prefill_id, record.decode_id):
@@ -484,6 +558,14 @@ class InflightTracker:
                 self._total.pop(instance_id, None)
         if record.pending:
             self._unpend(record)
+        if record.decode_context:
+            context = self._context.get(record.decode_id)
+            if context is not None:
+                context[0] -= 1
+                context[1] -= record.decode_context
+                if context[0] <= 0:
+                    del self._context[record.decode_id]
+                self._dirty.add(record.decode_id)
         pending = self._pending.get(record.decode_id)
         if pending is not None and pending.epoch != record.decode_epoch:
             pending.freed += record.decode_blocks  # counted in an older report, freed now

@@ -38,6 +38,7 @@ from pdplane.scheduler.table import (
     BLOCK_SIZE,
     BUSY_UNTIL,
     COLUMNS,
+    CONTEXT,
     KV_SLOT,
     PENDING_BLOCKS,
     RELEASED,
@@ -171,6 +172,7 @@ def _compile(  # the columns are closure cells: part of numba's cache key
     pending_blocks_col: int = PENDING_BLOCKS,
     busy_col: int = BUSY_UNTIL,
     released_col: int = RELEASED,
+    context_col: int = CONTEXT,
 ) -> tuple[
     Callable[..., tuple[int, float, float, int, int]],
     Callable[..., tuple[int, float, float, int, bool, int]],
@@ -269,7 +271,10 @@ def _compile(  # the columns are closure cells: part of numba's cache key
                 ) * bs
             else:  # no KV report: every sequence as long as this one
                 context = seqs * (prompt + max_tokens / 2.0)
-            context = max(context, 0.0)
+            # Each sequence attends over its whole context, a prefix it shares with others
+            # too, which the KV usage counts once: at least the mean context of the requests
+            # sent there per sequence.
+            context = max(context, seqs * cols[row, context_col], 0.0)
             now_step = _step(k, seqs, context, 0.0, 0.0)
             after = _step(k, seqs + 1.0, context + prompt, 0.0, 0.0)
             ttft = prefill_ms + _transfer(k, prompt - hit) + k[7] + 1.5 * after

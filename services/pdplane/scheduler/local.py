@@ -2,7 +2,7 @@
 
 The remote scheduler costs two gRPC round trips per request (Schedule, Release) on both sides
 of the wire, which measured as roughly half of pdplane's proxy CPU per request. Locally the
-same `SchedulerService` (policies, compatibility filter, decode KV guard, in-flight accounting,
+same `Decider` (policies, compatibility filter, decode KV guard, in-flight accounting,
 prefix index, metric names) decides over an `InstanceSource` the caller already keeps, so
 scheduling is a function call.
 
@@ -21,7 +21,7 @@ import asyncio
 from typing import Any
 
 from pdplane.core import tracing
-from pdplane.scheduler.decision import SchedulerService
+from pdplane.scheduler.decision import Decider
 from pdplane.scheduler.inflight import InflightTracker
 from pdplane.scheduler.inflight_exchange import EmbeddedExchange, InflightExchange
 from pdplane.scheduler.kv_index import KvIndexManager
@@ -35,7 +35,7 @@ __all__ = ["LocalScheduler", "decision_options", "open_local"]
 
 
 class LocalScheduler:
-    """`SchedulerPort` over an in-process `SchedulerService` (`service`, e.g. for tests) and
+    """`SchedulerPort` over an in-process `Decider` (`service`, e.g. for tests) and
     the prefix index feeding it (`kv_index`, None when off).
 
     A decision's sides are the service's `Candidate`s (no copy). Errors are the service's own,
@@ -45,7 +45,7 @@ class LocalScheduler:
 
     def __init__(
         self,
-        service: SchedulerService,
+        service: Decider,
         kv_index: KvIndexManager | None = None,
         exchange: EmbeddedExchange | None = None,
     ) -> None:
@@ -88,7 +88,7 @@ class LocalScheduler:
 
 
 def decision_options(flags: PolicyFlags) -> dict[str, Any]:
-    """`SchedulerService` keyword arguments of kv_aware's flags (its engine profile, knobs and
+    """`Decider` keyword arguments of kv_aware's flags (its engine profile, knobs and
     conditional disaggregation's bound): one reading for every user of the flags."""
     return {
         "kv_weights": KvAwareWeights(
@@ -124,7 +124,7 @@ def open_local(
     `await close()`. Raises ValueError for an unknown policy name.
     """
     view = CandidateView(source)
-    service = SchedulerService(
+    service = Decider(
         view,
         prefill_policy=flags.prefill_policy,
         decode_policy=flags.decode_policy,

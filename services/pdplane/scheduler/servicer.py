@@ -1,4 +1,4 @@
-"""`pdplane.v1.Scheduler` over grpc.aio: translates protobuf <-> `SchedulerService` only."""
+"""`pdplane.v1.Scheduler` over grpc.aio: translates protobuf <-> `Decider` only."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 import grpc
 
 from pdplane.core import tracing
-from pdplane.scheduler.decision import SchedulerService
+from pdplane.scheduler.decision import Decider
 from pdplane.scheduler.errors import NO_ROOM_KEY, InvalidRequest, NoInstance, NoRoom
 from pdplane.scheduler.kv_index import KvInstanceStatus
 from pdplane.scheduler.wire import (
@@ -47,7 +47,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
     def __init__(
         self,
-        service: SchedulerService,
+        service: Decider,
         kv_states: Callable[[], Sequence[KvInstanceStatus]] | None = None,
     ) -> None:
         self._service = service

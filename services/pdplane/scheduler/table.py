@@ -35,6 +35,9 @@ RELEASED           decode: requests its report counts that were released since (
                    REQUESTS - RELEASED is what it runs, as far as this scheduler knows)
 BUSY_UNTIL         prefill: when its queued prompts are predicted to be computed (the
                    in-flight tracker's clock, s; `InflightTracker.busy_until`; 0 = idle)
+CONTEXT            decode: the mean context (tokens) each request this scheduler sent there
+                   and has not released is predicted to attend over
+                   (`InflightTracker.decode_context`; 0 = none)
 PAIR               code of the pair key (layout, transport, length) within the model
 KV_SLOT            the instance's slot in the prefix index (-1: not in it)
 =================  ======================================================================
@@ -62,6 +65,7 @@ __all__ = [
     "BLOCK_SIZE",
     "BUSY_UNTIL",
     "COLUMNS",
+    "CONTEXT",
     "FREE_BLOCKS",
     "KV_SLOT",
     "LOAD",
@@ -91,7 +95,7 @@ __all__ = [
     RECV_CAPACITY,
     RECV_HEADROOM,
     BLOCK_BYTES,
-    # What in-flight changes move (written alone then): LOAD .. BUSY_UNTIL, in this order.
+    # What in-flight changes move (written alone then): LOAD .. CONTEXT, in this order.
     LOAD,
     REQUESTS,
     PENDING_BLOCKS,
@@ -100,11 +104,12 @@ __all__ = [
     UNSEEN,
     RELEASED,
     BUSY_UNTIL,
+    CONTEXT,
     PAIR,
     KV_SLOT,
-) = range(19)
+) = range(20)
 #: Number of columns.
-COLUMNS = 19
+COLUMNS = 20
 
 F64s = npt.NDArray[np.float64]
 
@@ -161,11 +166,11 @@ class SideTable:
         self.write_counts(row, inflight)
 
     def write_counts(self, row: int, inflight: InflightTracker) -> None:
-        """Rewrites the in-flight columns (LOAD .. BUSY_UNTIL) of `row` from `inflight`. On
+        """Rewrites the in-flight columns (LOAD .. CONTEXT) of `row` from `inflight`. On
         decode, reading the pending blocks also starts the report's KV credit
         (`InflightTracker.counts`), as a scan of every decode did."""
         c = self.candidates[row]
-        requests, pending_blocks, assigned_blocks, queued, released = inflight.counts(
+        requests, pending_blocks, assigned_blocks, queued, released, context = inflight.counts(
             c, self.side == "decode"
         )
         # One slice assignment: a numpy item write costs ~100 ns each.
@@ -178,6 +183,7 @@ class SideTable:
             inflight.unseen_count(c.instance_id),
             released,
             inflight.busy_until(c.instance_id),
+            context,
         )
 
     def write_all(self, inflight: InflightTracker) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import uuid
 from itertools import accumulate
 from typing import Any
@@ -161,6 +162,7 @@ class CompletionRoutes:
                 await s.runner.progress(ereq)
             if ereq.first_token_step > 0:
                 record.first_token_step = ereq.first_token_step
+                record.first_token_at = time.time()
             if ereq.num_output == 0:  # the engine gave up on it: a failed KV load
                 result = str(record.kv.get("result", "")) if record.kv else "failed"
                 failure = SimApiError(500, f"KV load failed: {result}", "InternalServerError")
@@ -185,6 +187,12 @@ class CompletionRoutes:
                 response = await self._whole(request, req, writer, ereq, answers, record, kv_out)
             s.metrics.e2e.add((loop.time() - started) * c.time_scale)
             return response
+        except (asyncio.CancelledError, ConnectionResetError):
+            # The client left. Before the hold, the request is aborted (below); after it, the
+            # engine had finished the request and its connector holds the KV for a decode, as
+            # vLLM's does: an abort of a finished request frees nothing. The blocks wait for
+            # AbortTransfer (the gateway's) or the hold timeout.
+            raise
         except BaseException:
             if held is not None:  # nothing was delivered: the blocks go back
                 s.transfers.release(held.transfer_id, "failed")
@@ -204,7 +212,8 @@ class CompletionRoutes:
         s = self._s
         while ereq.phase != Phase.DONE:  # max_tokens=1: done with the first token
             await s.runner.progress(ereq)
-        held = HeldTransfer(uuid.uuid4().hex, intent.request_id, ereq.blocks, req.prompt_tokens)
+        transfer_id = intent.transfer_id or uuid.uuid4().hex
+        held = HeldTransfer(transfer_id, intent.request_id, ereq.blocks, req.prompt_tokens)
         ereq.blocks = []
         s.transfers.hold(held)
         pushed = False

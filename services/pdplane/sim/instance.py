@@ -10,7 +10,7 @@ import grpc
 from aiohttp import web
 
 from pdplane.core.grpc import util as grpc_util
-from pdplane.core.kv_events.server import add_kv_events_servicer
+from pdplane.core.kv_events.servicer import add_kv_events_servicer
 from pdplane.core.tokenizer.bundle import TokenizerBundle, TokenizerUnpublishable, collect
 from pdplane.core.tokenizer.servicer import Published, add_tokenizer_servicer
 from pdplane.sim.app import build_app

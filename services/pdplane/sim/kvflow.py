@@ -33,6 +33,8 @@ class KvIntent:
     #: producer side: the scheduled decode's KvTransfer endpoint and id (push mode)
     push_to: str = ""
     push_engine_id: str = ""
+    #: producer side: the transfer id the gateway chose ("": the sim issues one)
+    transfer_id: str = ""
 
 
 def classify(params: dict[str, Any] | None, header_request_id: str) -> KvIntent | None:
@@ -53,6 +55,7 @@ def classify(params: dict[str, Any] | None, header_request_id: str) -> KvIntent 
             prefill.request_id,
             push_to=prefill.decode_kv_endpoint or "",
             push_engine_id=prefill.decode_engine_id or "",
+            transfer_id=prefill.transfer_id or "",
         )
     if params.get("do_remote_prefill") is True:
         if "pdplane_version" in params:

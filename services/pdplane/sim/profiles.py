@@ -311,7 +311,7 @@ PROFILES: dict[str, Profile] = {
         description="pdplane.models.tiny (2 layers, hidden 128, fp32) on vLLM CPU 0.32, "
         "2-core AVX2 host, lean flags (eager, uni executor), one core",
         # Refitted by bench/sim/calibrate.py --fit on this machine from the 2026-12-01 run of
-        # docs/sim.md ("Calibration"); the earlier fit's ITL was ~2.3x the measured one.
+        # docs/benchmarks/sim.md ("On the CPU"); the earlier fit's ITL was ~2.3x the measured one.
         cost=CostModel(
             step_ms=2.07,
             token_ms=0.00729,
@@ -326,14 +326,14 @@ PROFILES: dict[str, Profile] = {
         block_size=128,
         num_blocks=512,
         max_model_len=1024,
-        sources=("measured: bench/sim/calibrate.py (docs/sim.md, calibration)",),
+        sources=("measured: bench/sim/calibrate.py (docs/benchmarks/sim.md, calibration)",),
     ),
     "llama3-8b-h100": _llama3_8b("h100", "H100 SXM 80 GB", 80, 3.35, _SRC_H100),
     "llama3-8b-h200": _llama3_8b("h200", "H200 SXM 141 GB", 141, 4.8, _SRC_H200),
     # Fitted by bench/sim/gpu_profile.sh (bench/sim/calibrate.py --target gpu) to vLLM 0.26
     # serving a Llama-3-8B-shaped model with random weights on one H200, 2026-12-01: median
     # error TTFT 6.1 % / ITL 0.8 % on the 9 fitted cells, 13.8 % / 1.4 % out of sample
-    # (docs/sim.md, "Calibration on the GPU"). Limits and transfer terms as the datasheet one.
+    # (docs/benchmarks/sim.md, "On the GPU"). Limits and transfer terms as the datasheet one.
     "llama3-8b-h200-measured": dataclasses.replace(
         _llama3_8b("h200", "H200 SXM 141 GB", 141, 4.8, _SRC_H200),
         name="llama3-8b-h200-measured",
@@ -351,7 +351,7 @@ PROFILES: dict[str, Profile] = {
         sources=(
             _SRC_LLAMA,
             "measured: bench/sim/gpu_profile.sh on one H200, vLLM 0.26, --load-format dummy, "
-            "fit score 0.055 over 9 cells (docs/sim.md, calibration on the GPU)",
+            "fit score 0.055 over 9 cells (docs/benchmarks/sim.md, calibration on the GPU)",
             "num_blocks: vLLM's own KV cache size at --gpu-memory-utilization 0.9 in that run",
             _SRC_VLLM,
             _SRC_NVLINK,

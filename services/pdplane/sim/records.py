@@ -34,6 +34,8 @@ class RequestRecord:
             token (None until then). Steps count the engine's own progress, so
             `first_token_step - queued_step` is the steps it waited and prefilled, whatever
             the machine's load (which only makes steps last longer).
+        first_token_at: when the handler had its first token (Unix s; None until then):
+            with `received_at`, the time it spent in this sim before its first token.
     """
 
     seq: int
@@ -49,6 +51,7 @@ class RequestRecord:
     tokens_sent: int = 0
     queued_step: int | None = None
     first_token_step: int | None = None
+    first_token_at: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -30,7 +30,7 @@ class SimSettings(CommandSettings):
     )
     instances: int = Field(1, ge=1, le=256, description="instances, on consecutive ports")
     model: str = Field("sim-model", description="served model name")
-    instance_id: str = Field("", description="registry id (default sim-<role>-<port>)")
+    instance_id: str = Field("", description="registry id (default: sim-<role>-<port>)")
     registry: str | None = Field(None, description="registry host:port; none = no registration")
     registry_token: str | None = Field(None, description="registry bearer token")
     registry_token_file: str | None = token_file_field("--registry-token")

@@ -2,15 +2,18 @@
 
 A prefill sim holds a transfer's blocks until the decode side calls CompleteTransfer, the
 gateway calls AbortTransfer, or `kv_hold_timeout_s` passes, exactly the lifecycle of the pdplane
-connector. No bytes move: the decode sim only waits for the simulated pull time. In push mode
-`PushBlocks` reserves room in the decode sim's receive buffer (`pdplane.sim.push`).
+connector: a CompleteTransfer or AbortTransfer for an id not held (yet) is remembered for
+`kv_hold_timeout_s`, and a hold arriving under it then ends at once (the gateway frees the KV of
+a prefill whose answer it gave up on by the transfer id it chose). No bytes move: the decode
+sim only waits for the simulated pull time. In push mode `PushBlocks` reserves room in the
+decode sim's receive buffer (`pdplane.sim.push`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -62,14 +65,39 @@ class TransferTable:
         self.held: dict[str, HeldTransfer] = {}
         #: finished transfers: dicts with transfer_id, request_id, reason, freed_at.
         self.freed: deque[dict[str, Any]] = deque(maxlen=max(history, 1))
+        #: ids ended before they were held: id -> (reason, loop time it is forgotten at);
+        #: oldest first, at most `history` of them
+        self._tombstones: OrderedDict[str, tuple[str, float]] = OrderedDict()
+        self._history = max(history, 1)
 
     def hold(self, transfer: HeldTransfer) -> None:
-        """Starts holding; frees by itself after the timeout."""
+        """Starts holding; frees by itself after the timeout, at once if the transfer was
+        ended before (`end`)."""
         loop = asyncio.get_running_loop()
+        self.held[transfer.transfer_id] = transfer
+        tombstone = self._tombstones.pop(transfer.transfer_id, None)
+        if tombstone is not None and tombstone[1] > loop.time():
+            self.release(transfer.transfer_id, f"{tombstone[0]} (before the hold started)")
+            return
         transfer.timer = loop.call_later(
             self._timeout_s, self.release, transfer.transfer_id, "timeout"
         )
-        self.held[transfer.transfer_id] = transfer
+
+    def end(self, transfer_id: str, reason: str) -> bool:
+        """CompleteTransfer or AbortTransfer: frees the transfer's blocks now. Returns False
+        when it is not held; then, unless it ended already, a hold arriving under
+        `transfer_id` within the hold timeout ends at once (as the connector's tombstones)."""
+        if self.release(transfer_id, reason):
+            return True
+        if not any(f["transfer_id"] == transfer_id for f in self.freed):
+            now = asyncio.get_running_loop().time()
+            while self._tombstones and (
+                len(self._tombstones) >= self._history
+                or next(iter(self._tombstones.values()))[1] <= now
+            ):
+                self._tombstones.popitem(last=False)
+            self._tombstones[transfer_id] = (reason, now + self._timeout_s)
+        return False
 
     def release(self, transfer_id: str, reason: str) -> bool:
         """Frees a transfer's blocks; False when it is unknown (already freed)."""
@@ -144,16 +172,16 @@ class TransferServicer(kv_transfer_pb2_grpc.KvTransferServicer):
         attrs = {"pdplane.transfer_id": request.transfer_id} if tracing.enabled() else None
         parent = tracing.grpc_parent(context)
         with tracing.span("pdplane.kv_serve", parent=parent, attributes=attrs, server=True):
-            freed = self._table.release(request.transfer_id, reason)
+            freed = self._table.end(request.transfer_id, reason)
         return kv_transfer_pb2.CompleteTransferResponse(freed=freed)
 
     async def AbortTransfer(
         self, request: kv_transfer_pb2.AbortTransferRequest, context: grpc.aio.ServicerContext
     ) -> kv_transfer_pb2.AbortTransferResponse:
-        """Frees the transfer's blocks now; freed=False if unknown."""
+        """Frees the transfer's blocks now; freed=False if unknown (then remembered)."""
         reason = f"aborted: {request.reason}" if request.reason else "aborted"
         return kv_transfer_pb2.AbortTransferResponse(
-            freed=self._table.release(request.transfer_id, reason)
+            freed=self._table.end(request.transfer_id, reason)
         )
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from pdplane.autoscale.leader import EtcdLeader
 from pdplane.launch.etcd import EtcdCluster, etcd_binary
-from pdplane.registry.etcd_client import parse_endpoints
+from pdplane.registry.etcd.client import parse_endpoints
 
 
 @pytest.fixture(scope="module")

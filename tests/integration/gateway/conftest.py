@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from pdplane.gateway.testing import running_gateway_app
-from pdplane.scheduler.decision import SchedulerService
+from pdplane.scheduler.decision import Decider
 from pdplane.scheduler.kv_index import KvIndexManager
 from pdplane.scheduler.local import LocalScheduler
 from pdplane.scheduler.server import SchedulerServer
@@ -41,7 +41,7 @@ class Stack:
     """Addresses of the running services plus helpers to start sims and read state.
 
     `scheduler` is the remote scheduler process (None when the gateway embeds it); `service` is
-    the `SchedulerService` deciding for the gateway either way.
+    the `Decider` deciding for the gateway either way.
     """
 
     def __init__(
@@ -49,7 +49,7 @@ class Stack:
         registry: str,
         scheduler: SchedulerServer | None,
         gateway: str,
-        service: SchedulerService,
+        service: Decider,
     ) -> None:
         self.registry = registry
         self.scheduler = scheduler

@@ -16,14 +16,15 @@ from pdplane.sim.testing import RunningSims
 from tests.integration.gateway.conftest import MODEL, Stack, wait_for
 
 
-def _open(url: str, path: str, body: dict[str, object]) -> socket.socket:
+def _open(url: str, path: str, body: dict[str, object], request_id: str = "") -> socket.socket:
     """Sends one POST over a fresh connection and returns the socket (response unread)."""
     parts = urlsplit(url)
     sock = socket.create_connection((parts.hostname, parts.port), timeout=10)
     data = json.dumps(body).encode()
+    extra = f"X-Request-Id: {request_id}\r\n" if request_id else ""
     head = (
         f"POST {path} HTTP/1.1\r\nHost: {parts.netloc}\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(data)}\r\n\r\n"
+        f"{extra}Content-Length: {len(data)}\r\n\r\n"
     )
     sock.sendall(head.encode() + data)
     return sock
@@ -108,3 +109,33 @@ def test_disconnect_while_decode_pulls_frees_prefill_kv(stack: Stack) -> None:
     assert freed["transfer_id"] == transfer_id
     assert freed["reason"].startswith("aborted")
     _assert_cleaned_up(stack)
+
+
+@pytest.mark.parametrize(
+    ("dispatch", "stream"),
+    [("sequential", True), ("concurrent", True), ("sequential", False)],
+    ids=["sequential", "concurrent", "not-streamed"],
+)
+def test_a_client_leaving_after_prefill_finished_frees_its_kv(
+    stack_factory,  # type: ignore[no-untyped-def]
+    dispatch: str,
+    stream: bool,
+) -> None:
+    # Prefill finished (it holds the KV for decode) but its answer has not reached the
+    # gateway when the client leaves: vLLM aborts nothing then (the request is over), so only
+    # the gateway can free the KV, by the transfer id it gave prefill.
+    stack = stack_factory(dispatch=dispatch)
+    sims = stack.sims(["prefill", "decode"])
+    stack.wait_ready(sims)
+    sims[0].set_faults(fail_request_prefix="late-", fail_mode="stall")  # held, no answer
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 5, "stream": stream}
+    sock = _open(stack.url, "/v1/completions", body, "late-1")
+    wait_for(lambda: len(sims[0].held_transfers()) == 1, 2.0, "prefill to hold the KV")
+    [held] = sims[0].held_transfers()
+    sock.close()
+    wait_for(lambda: sims[0].held_transfers() == [], 2.0, "the gateway to free prefill's KV")
+    [freed] = sims[0].freed_transfers()
+    assert freed["transfer_id"] == held and freed["reason"] == "aborted: cancelled"
+    assert sims[1].records() == [] or sims[1].records()[0]["cancelled"]
+    _assert_cleaned_up(stack)
+    wait_for(lambda: stack.background_tasks() == 0, 2.0, "no AbortTransfer still running")

@@ -35,14 +35,22 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
 
 
 def _expected_prefill(
-    path: str, body: dict[str, Any], request_id: str, decode: SimHandle
+    path: str, body: dict[str, Any], prefill: dict[str, Any], decode: SimHandle
 ) -> dict[str, Any]:
+    """The prefill body the gateway should have sent for the client's `body`, as `prefill`
+    (the prefill sim's record of it) received it."""
     expected = {k: v for k, v in body.items() if k not in ("min_tokens", "stream_options")}
     expected.update(max_tokens=1, stream=False, n=1)
     if path == "/v1/chat/completions":
         expected["max_completion_tokens"] = 1
+    # The gateway chose the transfer id prefill holds the KV under: `<request id>.<16 hex>`.
+    request_id = prefill["request_id"]
+    transfer_id = prefill["body"]["kv_transfer_params"]["pdplane_transfer_id"]
+    head, _, tail = transfer_id.rpartition(".")
+    assert head == request_id and len(tail) == 16 and int(tail, 16) >= 0, transfer_id
+    assert prefill["kv"]["transfer_id"] == transfer_id
     # The scheduled decode is named too (a push-mode prefill sends the KV there).
-    params = PrefillRequestParams(request_id, decode.instance_id, decode.kv_endpoint)
+    params = PrefillRequestParams(request_id, decode.instance_id, decode.kv_endpoint, transfer_id)
     expected["kv_transfer_params"] = params.to_dict()
     return expected
 
@@ -73,7 +81,7 @@ def test_prefill_and_decode_receive_the_contract_bodies(
     # Upstream gets the gateway's unique id, the client's id first (for the instances' logs).
     sent = prefill["request_id"]
     assert decode["request_id"] == sent and sent.startswith(f"{request_id}-pdp-")
-    assert prefill["body"] == _expected_prefill(path, body, sent, sims[1])
+    assert prefill["body"] == _expected_prefill(path, body, prefill, sims[1])
     returned = decode["body"]["kv_transfer_params"]
     assert decode["body"] == {**body, "kv_transfer_params": returned}
     params = DecodeRequestParams.from_dict(returned)
@@ -103,7 +111,7 @@ def test_concurrent_dispatch_sends_the_same_decode_body(stack_factory, stream: b
     assert r.status_code == 200, r.text
     [prefill] = sims[0].records()
     [decode] = sims[1].records()
-    assert prefill["body"] == _expected_prefill(path, body, prefill["request_id"], sims[1])
+    assert prefill["body"] == _expected_prefill(path, body, prefill, sims[1])
     returned = decode["body"]["kv_transfer_params"]
     # a stream's decode also streams its token ids (what migrating it needs)
     ids = {"return_token_ids": True} if stream else {}

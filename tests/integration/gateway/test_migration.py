@@ -23,6 +23,7 @@ from pdplane.core import tracing
 from pdplane.sim.testing import RunningSims, SimHandle, expected_text
 from pdplane.sim.tokens import WordTokenizer, generate, prompt_key
 from tests.integration.gateway.conftest import MODEL, Stack, wait_for
+from tests.integration.gateway.test_cancellation import _open
 from tests.integration.gateway.test_first_token_takeover import _metric
 from tests.integration.gateway.test_tracing import receiver  # noqa: F401 (a fixture)
 from tests.support.otlp import OtlpReceiver
@@ -198,6 +199,72 @@ def test_every_decode_dying_ends_in_one_error_after_the_limit(
     wait_for(lambda: stack.releases() == {"failed": 3.0}, what="three attempts failed")
 
 
+def _stream_in_background(
+    url: str, path: str, body: dict[str, Any], request_id: str
+) -> tuple[threading.Thread, list[tuple[list[dict[str, Any]], bool]]]:
+    """`_stream` on a thread, started: (the thread, a list that gets its result)."""
+    out: list[tuple[list[dict[str, Any]], bool]] = []
+    runner = threading.Thread(target=lambda: out.append(_stream(url, path, body, request_id)))
+    runner.start()
+    return runner, out
+
+
+def lose_the_decode_with_resumed_prefills_held(
+    stack: Stack, prefill: SimHandle, decodes: RunningSims, request_id: str
+) -> None:
+    """Once the stream `request_id` has sent tokens from one of `decodes`, makes `prefill`
+    finish its prefills for that request without answering them (their KV held), then drains
+    that decode (with `--drain-grace-s 0`: its stream is moved at once, and its resumed legs'
+    prefills hold their KV until the gateway frees it)."""
+
+    def sent() -> bool:
+        return any(r["tokens_sent"] >= 2 for d in decodes.handles for r in d.records())
+
+    wait_for(sent, what="the stream's tokens from a decode")
+    (victim,) = [d for d in decodes.handles if d.records()]
+    assert victim.records()[0]["request_id"].startswith(request_id)
+    prefill.set_faults(fail_request_prefix=request_id, fail_mode="stall")
+    assert drain.main([victim.instance_id, "--registry", stack.registry]) == 0
+
+
+def test_a_resumed_leg_given_up_on_during_its_prefill_frees_that_prefills_kv(
+    stack_factory: Callable[..., Stack],
+) -> None:
+    # The resumed leg's prefill finished (it holds the KV) but its answer never comes, so
+    # --migration-timeout-s ends the stream while the prefill call is in flight: vLLM frees
+    # nothing then (the request is over on prefill); the gateway frees the KV by the transfer
+    # id it gave prefill.
+    stack = stack_factory(drain_grace_s=0.0, migration_timeout_s=1.0)
+    prefill, decodes = _fleet(stack, 2, itl_ms=50)
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 200, "stream": True}
+    runner, out = _stream_in_background(stack.url, "/v1/completions", body, "held-1")
+    lose_the_decode_with_resumed_prefills_held(stack, prefill[0], decodes, "held-1")
+    runner.join(30)
+    ((events, done),) = out
+    assert not done
+    (error,) = _errors(events)
+    assert "not continued on another decode within --migration-timeout-s 1" in error["message"]
+    _nothing_held(stack, [*prefill.handles, *decodes.handles])
+    resumed = [f for f in prefill[0].freed_transfers() if f["reason"] != "completed"]
+    assert [f["reason"] for f in resumed] == ["aborted: failed"], resumed
+
+
+def test_a_client_leaving_during_a_resumed_legs_prefill_frees_that_prefills_kv(
+    stack_factory: Callable[..., Stack],
+) -> None:
+    stack = stack_factory(drain_grace_s=0.0)
+    prefill, decodes = _fleet(stack, 2, itl_ms=50)
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 200, "stream": True}
+    sock = _open(stack.url, "/v1/completions", body, "held-1")
+    lose_the_decode_with_resumed_prefills_held(stack, prefill[0], decodes, "held-1")
+    # the first prefill's KV went to the lost decode; the resumed leg's is held, unanswered
+    wait_for(lambda: len(prefill[0].held_transfers()) == 1, what="the resumed prefill's KV")
+    sock.close()
+    _nothing_held(stack, [*prefill.handles, *decodes.handles])
+    resumed = [f for f in prefill[0].freed_transfers() if f["reason"] != "completed"]
+    assert [f["reason"] for f in resumed] == ["aborted: cancelled"], resumed
+
+
 def test_limit_0_keeps_one_error_event(stack_factory: Callable[..., Stack]) -> None:
     stack = stack_factory(migration_limit=0)
     prefill, decodes = _fleet(stack, 2, itl_ms=2)
@@ -331,7 +398,7 @@ def test_a_migration_is_a_span_with_the_new_legs_and_a_log_line_naming_both_deco
     for d in decodes.handles:
         d.set_faults(fail_request_prefix="traced-", fail_mode="drop", fail_after_tokens=4)
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 7, "stream": True}
-    with caplog.at_level(logging.WARNING, logger="pdplane.gateway.relay"):
+    with caplog.at_level(logging.WARNING, logger="pdplane.gateway.resume"):
         events, done = _stream(stack.url, "/v1/completions", body, "traced-1")
     assert done and _text(events) == expected_text(PROMPT, 0, 7)
     (line,) = [r.getMessage() for r in caplog.records if "continued on decode" in r.getMessage()]
@@ -339,8 +406,18 @@ def test_a_migration_is_a_span_with_the_new_legs_and_a_log_line_naming_both_deco
     first, second = sorted(names, key=line.index)  # both named: the lost one first
     assert f"decode instance {first} " in line and f"continued on decode {second}" in line
     assert "after 5 tokens (lost)" in line, line
-    tracing.shutdown()  # flushes the batch
-    spans = receiver.wait_for(lambda s: any(x.name == "pdplane.migration" for x in s))
+
+    def exported() -> bool:
+        # The client has [DONE] before the gateway ends the request's span: flush until the
+        # migration's span and the request's span above it were both exported.
+        tracing.flush()
+        spans = list(receiver.spans)
+        ids = {s.span_id for s in spans if s.name == "pdplane.request"}
+        return any(s.name == "pdplane.migration" and s.parent_id in ids for s in spans)
+
+    wait_for(exported, 10, what="the migration's and the request's spans")
+    tracing.shutdown()
+    spans = list(receiver.spans)
     (migration,) = [s for s in spans if s.name == "pdplane.migration"]
     assert migration.attributes["pdplane.lost_decode"] == first
     assert migration.attributes["pdplane.reason"] == "lost"

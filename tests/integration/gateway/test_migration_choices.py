@@ -26,6 +26,8 @@ from tests.integration.gateway.test_migration import (
     _migrations,
     _nothing_held,
     _stream,
+    _stream_in_background,
+    lose_the_decode_with_resumed_prefills_held,
 )
 from tests.integration.gateway.test_migration_logprobs import logprobs_of
 
@@ -176,11 +178,6 @@ def test_stop_strings_per_choice_and_a_finished_choice_is_not_resumed(
     _nothing_held(stack, [*prefill.handles, *alive])
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="known: a choice's leg cancelled while its prefill call is in flight can leave that "
-    "prefill's KV held (about 1 run in 3); the error event itself is always right",
-)
 def test_a_choice_whose_every_leg_dies_ends_the_stream_with_one_error(
     stack_factory: Callable[..., Stack],
 ) -> None:
@@ -196,6 +193,27 @@ def test_a_choice_whose_every_leg_dies_ends_the_stream_with_one_error(
     assert "--migration-limit 2 spent" in errors[0]["message"], errors
     assert _migrations(stack, "lost") == 2
     _nothing_held(stack, [*prefill.handles, *decodes.handles])
+
+
+def test_choices_given_up_on_during_their_prefills_free_those_prefills_kv(
+    stack_factory: Callable[..., Stack],
+) -> None:
+    # Every choice's resumed leg is in its prefill call (prefill finished, its answer never
+    # comes) when --migration-timeout-s ends the stream: the first choice out of time ends it
+    # with its error, the others are closed mid-prefill; each prefill's KV is freed.
+    stack = stack_factory(drain_grace_s=0.0, migration_timeout_s=1.0)
+    prefill, decodes = _fleet(stack, 2, itl_ms=50)
+    body = _body("/v1/completions", max_tokens=200)
+    runner, out = _stream_in_background(stack.url, "/v1/completions", body, "held-1")
+    lose_the_decode_with_resumed_prefills_held(stack, prefill[0], decodes, "held-1")
+    runner.join(30)
+    ((events, done),) = out
+    assert not done
+    (error,) = _errors(events)
+    assert "error" in events[-1] and "--migration-timeout-s 1" in error["message"], events
+    _nothing_held(stack, [*prefill.handles, *decodes.handles])
+    resumed = [f for f in prefill[0].freed_transfers() if f["reason"] != "completed"]
+    assert len(resumed) == N and all(f["reason"].startswith("aborted") for f in resumed), resumed
 
 
 def test_a_non_streamed_n_above_1_whose_decode_dies_runs_again_on_another_pair(

@@ -12,7 +12,7 @@ import pytest
 
 from pdplane.core.grpc import util as grpc_util
 from pdplane.core.kv_events.log import KvEventLog
-from pdplane.core.kv_events.server import StreamOptions, add_kv_events_servicer
+from pdplane.core.kv_events.servicer import StreamOptions, add_kv_events_servicer
 from pdplane.core.prefix_hash import block_hashes
 from pdplane.scheduler.kv_index import KvIndexManager, KvState
 from pdplane.scheduler.view import StaticSource

@@ -13,10 +13,10 @@ import pytest
 
 from pdplane.core.grpc import util as grpc_util
 from pdplane.core.kv_events.log import KvEventLog
-from pdplane.core.kv_events.server import StreamOptions, add_kv_events_servicer
+from pdplane.core.kv_events.servicer import StreamOptions, add_kv_events_servicer
 from pdplane.scheduler.kv_index.stream import KvStreamReader
 from pdplane.v1 import kv_events_pb2, kv_events_pb2_grpc
-from tests.unit.core.kv_replica import Replica, log_state
+from tests.support.kv_replica import Replica, log_state
 
 TOKEN = "s3cret"
 

@@ -3,11 +3,45 @@
 from __future__ import annotations
 
 import os
+import queue
 import subprocess
 import sys
+import threading
 from collections.abc import Mapping
+from typing import IO
 
-__all__ = ["run_pdplane"]
+from pdplane.launch.ports import free_port_run
+
+__all__ = ["UP_PORT_FLAGS", "free_ports", "line_queue", "run_pdplane"]
+
+# The port flags of `pdplane up` a launch test usually pins (each to a free loopback port).
+UP_PORT_FLAGS = (
+    "gateway-port",
+    "registry-port",
+    "scheduler-port",
+    "vllm-base-port",
+    "kv-base-port",
+)
+
+
+def free_ports(*flags: str) -> dict[str, int]:
+    """A free loopback TCP port for each port flag of `pdplane up` in `flags` (default
+    `UP_PORT_FLAGS`), keyed by the flag without its leading `--` (`gateway-port`)."""
+    return {flag: free_port_run() for flag in (flags or UP_PORT_FLAGS)}
+
+
+def line_queue(stream: IO[str]) -> queue.Queue[str]:
+    """The lines of a child's text `stream` as they come, read by a daemon thread, with "" at
+    its end, so that a test's wait for a line is bounded by `queue.get(timeout=...)`."""
+    lines: queue.Queue[str] = queue.Queue()
+
+    def read() -> None:
+        for line in stream:
+            lines.put(line)
+        lines.put("")
+
+    threading.Thread(target=read, daemon=True).start()
+    return lines
 
 
 def run_pdplane(

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from pdplane.launch.ports import free_port_run
+from tests.integration.launch.cli import free_ports
 from tests.integration.registry.fixtures import running_registry
 
 
@@ -22,10 +23,7 @@ def _up(tmp_path: Path, ports: dict[str, int]) -> subprocess.CompletedProcess[st
 
 
 def test_up_on_a_running_registry_port_fails_before_starting_anything(tmp_path: Path) -> None:
-    ports = {
-        name: free_port_run()
-        for name in ("gateway-port", "scheduler-port", "vllm-base-port", "kv-base-port")
-    }
+    ports = free_ports("gateway-port", "scheduler-port", "vllm-base-port", "kv-base-port")
     with running_registry(port=free_port_run()) as registry:  # the first `pdplane up`'s
         ports["registry-port"] = int(registry.rsplit(":", 1)[1])
         result = _up(tmp_path, ports)
@@ -36,16 +34,7 @@ def test_up_on_a_running_registry_port_fails_before_starting_anything(tmp_path: 
 
 
 def test_up_names_every_taken_port(tmp_path: Path) -> None:
-    ports = {
-        name: free_port_run()
-        for name in (
-            "gateway-port",
-            "registry-port",
-            "scheduler-port",
-            "vllm-base-port",
-            "kv-base-port",
-        )
-    }
+    ports = free_ports()
     taken = []
     for name in ("gateway-port", "vllm-base-port", "kv-base-port"):
         sock = socket.socket()
@@ -69,16 +58,7 @@ def test_up_names_every_taken_port(tmp_path: Path) -> None:
 
 
 def test_up_names_a_taken_scheduler_metrics_port_and_every_port_flag(tmp_path: Path) -> None:
-    ports = {
-        name: free_port_run()
-        for name in (
-            "gateway-port",
-            "registry-port",
-            "scheduler-port",
-            "vllm-base-port",
-            "kv-base-port",
-        )
-    }
+    ports = free_ports()
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", free_port_run()))
         sock.listen()

@@ -2,7 +2,7 @@
 instances that publish a tokenizer, precise routing is on when the line is printed, and the
 banner says so; with instances that publish none, it says at once that routing is by load
 and why (no wait for a tokenizer that will not come). Sims stand in for vLLM (`--engine sim`;
-with `--tokenizer` they publish it as the connector does)."""
+with `--model DIR` they publish DIR's tokenizer as the connector does)."""
 
 from __future__ import annotations
 
@@ -10,46 +10,27 @@ import queue
 import signal
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import httpx
 
-from pdplane.launch.ports import free_port_run
+from tests.integration.launch.cli import UP_PORT_FLAGS, free_ports, line_queue
 
 
 def _up(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen[str], queue.Queue[str], str]:
-    ports = {
-        name: free_port_run()
-        for name in (
-            "gateway-port",
-            "registry-port",
-            "scheduler-port",
-            "scheduler-metrics-port",
-            "vllm-base-port",
-            "kv-base-port",
-        )
-    }
+    ports = free_ports(*UP_PORT_FLAGS, "scheduler-metrics-port")
     argv = [sys.executable, "-m", "pdplane.cli.main", "up", "--engine", "sim"]
     argv += ["--log-dir", str(tmp_path / "logs"), *extra]
     for name, port in ports.items():
         argv += [f"--{name}", str(port)]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines: queue.Queue[str] = queue.Queue()
-
-    def read() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.put(line)
-        lines.put("")
-
-    threading.Thread(target=read, daemon=True).start()
-    return proc, lines, f"http://127.0.0.1:{ports['gateway-port']}"
+    assert proc.stdout is not None
+    return proc, line_queue(proc.stdout), f"http://127.0.0.1:{ports['gateway-port']}"
 
 
 def _until(lines: queue.Queue[str], needle: str) -> list[str]:
     """Lines up to and including the first holding `needle` (fails at the end of output)."""
-    seen = []
+    seen: list[str] = []
     while True:
         line = lines.get(timeout=180)
         assert line, "".join(seen)
@@ -67,10 +48,11 @@ def _stop(proc: subprocess.Popen[str]) -> None:
 
 
 def test_ready_comes_once_routing_is_precise(tmp_path: Path, tiny_model: Path) -> None:
-    proc, lines, gateway = _up(tmp_path, "--vllm-args", f"--tokenizer {tiny_model}")
+    # Sims run no weights: `--model` gives them the model's tokenizer, which they publish.
+    proc, lines, gateway = _up(tmp_path, "--model", str(tiny_model))
     try:
         _until(lines, "] ready in ")
-        entry = httpx.get(f"{gateway}/health", timeout=5).json()["models"]["tiny-llama"]
+        entry = httpx.get(f"{gateway}/health", timeout=5).json()["models"][tiny_model.name]
         assert entry["routing"] == "precise", entry
         banner = _until(lines, "serving;")
         assert any("routing:" in line and "precise" in line for line in banner), banner
@@ -84,6 +66,8 @@ def test_without_a_published_tokenizer_ready_says_routing_is_by_load(tmp_path: P
         banner = _until(lines, "serving;")
         (said,) = [line for line in banner if "routing:" in line]
         assert "by load" in said and "publishes its tokenizer" in said, said
+        # ... and how to have it with sims, in a form `pdplane up` takes.
+        assert any("sims publish a tokenizer with --model DIR" in line for line in banner), banner
         entry = httpx.get(f"{gateway}/health", timeout=5).json()["models"]["tiny-llama"]
         assert entry["routing"] == "load", entry
     finally:

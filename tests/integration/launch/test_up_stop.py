@@ -79,3 +79,6 @@ def test_a_long_stream_ends_with_a_shutting_down_error(fleet: Fleet) -> None:
     error = json.loads(events[-2])["error"]
     assert "shutting down" in error["message"], error
     assert error["code"] != 502, error
+    # An expected end of a stream, not a failure: no traceback in the gateway's log.
+    log = (fleet.spec.log_dir / "gateway.log").read_text()
+    assert "Traceback" not in log and "Exception in ASGI application" not in log, log

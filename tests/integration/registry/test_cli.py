@@ -20,6 +20,7 @@ from pdplane.registry.server import RegistryServer
 from pdplane.v1 import instance_pb2, registry_pb2, registry_pb2_grpc
 from tests.integration.registry.conftest import wait_until
 from tests.integration.registry.fixtures import make_spec
+from tests.support.signals import other_threads, signal_thread
 
 PDPLANE = [sys.executable, "-m", "pdplane.cli.main"]
 
@@ -151,6 +152,21 @@ def test_registry_command_serves_and_stops_on_sigterm(free_port: Callable[[], in
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=10) == 0
+
+
+def test_registry_command_stops_on_a_sigterm_taken_by_a_grpc_thread(
+    free_port: Callable[[], int],
+) -> None:
+    port = free_port()
+    proc = subprocess.Popen([*PDPLANE, "registry", "--port", str(port)], stderr=subprocess.PIPE)
+    try:
+        with grpc_util.channel(f"127.0.0.1:{port}") as chan:
+            stub = registry_pb2_grpc.RegistryStub(chan)
+            stub.ListInstances(registry_pb2.ListInstancesRequest(), timeout=20, wait_for_ready=True)
+        signal_thread(proc.pid, other_threads(proc.pid)[-1], signal.SIGTERM)
+        assert proc.wait(timeout=10) == 0
+    finally:
+        proc.kill()
 
 
 def test_registry_command_rejects_bad_flags() -> None:

@@ -17,7 +17,7 @@ import grpc
 import pytest
 
 from pdplane.core.grpc import util as grpc_util
-from pdplane.scheduler.decision import SchedulerService
+from pdplane.scheduler.decision import Decider
 from pdplane.scheduler.inflight import InflightTracker
 from pdplane.scheduler.inflight_exchange import InflightExchange, serve_exchange
 from pdplane.scheduler.port import Outcome, RequestFeatures
@@ -31,7 +31,7 @@ FLEET = (instance("p0", "prefill"), instance("d0", "decode"), instance("d1", "de
 @dataclass
 class Replica:
     source: StaticSource
-    service: SchedulerService
+    service: Decider
     exchange: InflightExchange
     address: str
     server: grpc.aio.Server
@@ -53,7 +53,7 @@ async def replica(
     source = StaticSource(*FLEET)
     view = CandidateView(source)
     tracker = InflightTracker()
-    service = SchedulerService(view, inflight=tracker)
+    service = Decider(view, inflight=tracker)
     interceptors = [grpc_util.AioTokenAuthInterceptor(token)] if token else []
     server = grpc.aio.server(interceptors=interceptors)
     port = server.add_insecure_port("127.0.0.1:0")
@@ -236,7 +236,7 @@ async def test_over_tls_a_peer_is_verified_by_the_name_it_was_listed_under(
     cert, key = _dns_only_certificate(tmp_path)
     tracker = InflightTracker()
     view = CandidateView(StaticSource(*FLEET))
-    service = SchedulerService(view, inflight=tracker)
+    service = Decider(view, inflight=tracker)
     publisher = InflightExchange(tracker, view, replica_id="tls-a")
     server, port = await serve_exchange(publisher, "127.0.0.1", 0, tls_cert=cert, tls_key=key)
     await publisher.start()

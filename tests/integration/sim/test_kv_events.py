@@ -14,7 +14,7 @@ from pdplane.sim.testing import running_sims
 from pdplane.sim.tokens import WordTokenizer
 from pdplane.v1 import kv_events_pb2_grpc
 from tests.integration.sim.helpers import wait_for
-from tests.unit.core.kv_replica import Replica
+from tests.support.kv_replica import Replica
 
 PROMPT = " ".join(f"word{i}" for i in range(40))
 

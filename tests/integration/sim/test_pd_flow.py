@@ -6,7 +6,7 @@ import grpc
 import httpx
 import pytest
 
-from pdplane.core.kv_params import DecodeRequestParams, PrefillRequestParams
+from pdplane.core.kv_params import DecodeRequestParams, PrefillRequestParams, make_transfer_id
 from pdplane.sim.testing import running_sims
 from pdplane.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc, kv_transfer_tcp_pb2_grpc
 from tests.integration.sim.helpers import wait_for
@@ -70,6 +70,64 @@ def test_abort_frees_blocks_and_a_later_pull_fails_per_policy() -> None:
         assert p.freed_transfers()[0]["reason"] == "aborted: client disconnected"
         r = httpx.post(d.url + "/v1/completions", json={**PROMPT, "kv_transfer_params": kv})
         assert r.status_code == 500 and "KV load failed" in r.json()["error"]["message"]
+
+
+def _abort(kv_endpoint: str, transfer_id: str) -> bool:
+    with grpc.insecure_channel(kv_endpoint) as channel:
+        stub = kv_transfer_pb2_grpc.KvTransferStub(channel)
+        request = kv_transfer_pb2.AbortTransferRequest(transfer_id=transfer_id, reason="gone")
+        return bool(stub.AbortTransfer(request, timeout=5).freed)
+
+
+def test_prefill_holds_under_the_transfer_id_the_gateway_chose() -> None:
+    with running_sims(["prefill"]) as sims:
+        (p,) = sims
+        chosen = make_transfer_id("req-1")
+        params = PrefillRequestParams("req-1", transfer_id=chosen).to_dict()
+        r = httpx.post(
+            p.url + "/v1/completions",
+            json={**PROMPT, "max_tokens": 1, "kv_transfer_params": params},
+        )
+        assert r.json()["kv_transfer_params"]["pdplane_transfer_id"] == chosen
+        assert p.held_transfers() == [chosen]
+
+
+def test_an_abort_before_the_hold_ends_it_as_soon_as_it_starts() -> None:
+    # The gateway gave up on prefill's answer (its client left) before prefill held the KV.
+    with running_sims(["prefill"]) as sims:
+        (p,) = sims
+        chosen = make_transfer_id("req-1")
+        assert not _abort(p.kv_endpoint, chosen)
+        params = PrefillRequestParams("req-1", transfer_id=chosen).to_dict()
+        body = {**PROMPT, "max_tokens": 1, "kv_transfer_params": params}
+        assert httpx.post(p.url + "/v1/completions", json=body).status_code == 200
+        assert p.held_transfers() == []
+        [freed] = p.freed_transfers()
+        assert freed["transfer_id"] == chosen and freed["reason"].startswith("aborted: gone")
+        state = httpx.get(p.url + "/sim/state").json()["load"]
+        assert state["free_kv_blocks"] == state["total_kv_blocks"]
+
+
+def test_a_client_leaving_after_prefill_finished_leaves_the_kv_held() -> None:
+    # As vLLM: the engine finished the request, so the disconnect aborts nothing; the KV waits
+    # for AbortTransfer (or the hold timeout).
+    with running_sims(["prefill"]) as sims:
+        (p,) = sims
+        p.set_faults(fail_request_prefix="late-", fail_mode="stall")  # held, then no answer
+        chosen = make_transfer_id("late-1")
+        params = PrefillRequestParams("late-1", transfer_id=chosen).to_dict()
+        body = {**PROMPT, "max_tokens": 1, "kv_transfer_params": params}
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(
+                p.url + "/v1/completions",
+                json=body,
+                headers={"X-Request-Id": "late-1"},
+                timeout=httpx.Timeout(5, read=0.5),
+            )
+        wait_for(lambda: p.records()[0]["cancelled"])  # prefill saw its client leave
+        assert p.held_transfers() == [chosen]
+        assert _abort(p.kv_endpoint, chosen)
+        assert p.held_transfers() == []
 
 
 def test_failed_pull_recomputes_by_default() -> None:

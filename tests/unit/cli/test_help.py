@@ -1,10 +1,14 @@
-"""`--help` of the commands with positional arguments shows the form that works."""
+"""`--help` of the commands shows the form that works, each default said once."""
 
 from __future__ import annotations
+
+import importlib
+import re
 
 import pytest
 
 from pdplane.cli import drain, grpc
+from pdplane.cli.main import COMMANDS
 from pdplane.plan import __main__ as plan
 from pdplane.plan.workload import SHAPES
 from pdplane.sim.profiles import PROFILES
@@ -42,3 +46,18 @@ def test_plan_help_lists_the_built_in_profiles_and_workloads(
     text = " ".join(_help(plan.main, capsys).split())  # argparse wraps the lines
     for name in [*PROFILES, *SHAPES]:
         assert name in text, name
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_an_option_without_a_value_says_its_default_once_in_words(
+    command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    module = importlib.import_module(COMMANDS[command][0])
+    text = _help(module.main, capsys)
+    assert "null" not in text, text  # neither `{Path,null}` nor "(default: null)"
+    options = re.split(r"\n  (?=-)", text)
+    for option in options:
+        assert option.count("(default:") <= 1, option
+    if command in ("up", "vllm"):  # a None default the description says in words
+        model = next(o for o in options if o.startswith("--model "))
+        assert model.count("(default:") == 1, model

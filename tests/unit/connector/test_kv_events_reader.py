@@ -17,7 +17,7 @@ from vllm.distributed.kv_events import (
 
 from pdplane.connector.kv_events import KvEventsReader, reader_endpoint
 from pdplane.core.kv_events.log import KvEventLog
-from tests.unit.core.kv_replica import log_state
+from tests.support.kv_replica import log_state
 
 BS = 4
 _SENTINEL = 987_654_321

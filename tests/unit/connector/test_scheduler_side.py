@@ -5,9 +5,14 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from pdplane.connector.config import ConnectorConfig
-from pdplane.connector.scheduler_side import SchedulerSide, make_transfer_id
+from pdplane.connector.scheduler_side import SchedulerSide
 from pdplane.core.instance.layout import fingerprint
-from pdplane.core.kv_params import DecodeRequestParams, PrefillRequestParams, prompt_fingerprint
+from pdplane.core.kv_params import (
+    DecodeRequestParams,
+    PrefillRequestParams,
+    make_transfer_id,
+    prompt_fingerprint,
+)
 from pdplane.v1 import instance_pb2
 from tests.unit.connector.conftest import BLOCK, make_blocks, make_request
 
@@ -66,6 +71,17 @@ def test_transfer_ids_differ_for_the_same_gateway_request(layout) -> None:
         _finish(req, "FINISHED_STOPPED")
         ids.add(side.request_finished(req, [1])[1]["pdplane_transfer_id"])
     assert len(ids) == 2
+
+
+def test_prefill_holds_under_the_transfer_id_the_gateway_chose(layout) -> None:
+    # The gateway can then free the KV by AbortTransfer without reading prefill's answer.
+    side = _side(layout)
+    chosen = make_transfer_id("gw-1")
+    req = make_request("r", 4, PrefillRequestParams("gw-1", transfer_id=chosen).to_dict())
+    _finish(req, "FINISHED_LENGTH_CAPPED")
+    assert side.request_finished(req, [1])[1]["pdplane_transfer_id"] == chosen
+    meta = side.build_connector_meta(SimpleNamespace(num_scheduled_tokens={}))
+    assert [h.transfer_id for h in meta.holds] == [chosen]
 
 
 def test_transfer_id_keeps_a_safe_bounded_form_of_the_gateway_id() -> None:

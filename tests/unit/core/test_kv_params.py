@@ -12,6 +12,7 @@ from pdplane.core.kv_params import (
     DecodeRequestParams,
     KvParamsError,
     PrefillRequestParams,
+    make_transfer_id,
     prompt_fingerprint,
 )
 
@@ -101,6 +102,20 @@ def test_prefill_params_without_decode_target_stay_as_before() -> None:
     assert not any(k.startswith("pdplane_decode_") for k in d)
     back = PrefillRequestParams.from_dict(d)
     assert back.decode_kv_endpoint is None and back.decode_engine_id is None
+
+
+def test_prefill_params_carry_the_gateways_transfer_id_when_given() -> None:
+    assert "pdplane_transfer_id" not in PrefillRequestParams("req-1").to_dict()
+    params = PrefillRequestParams("req-1", transfer_id=make_transfer_id("req-1"))
+    d = json.loads(json.dumps(params.to_dict()))
+    assert PrefillRequestParams.from_dict(d) == params
+
+
+@pytest.mark.parametrize("bad", ["a b", "x\nlog line", "t" * 129, 7])
+def test_prefill_params_reject_a_transfer_id_unsafe_in_logs_or_too_long(bad: object) -> None:
+    d = PrefillRequestParams("req-1").to_dict() | {"pdplane_transfer_id": bad}
+    with pytest.raises(KvParamsError, match="pdplane_transfer_id"):
+        PrefillRequestParams.from_dict(d)
 
 
 def test_prefill_params_reject_a_non_string_decode_endpoint() -> None:

@@ -4,12 +4,14 @@ admits as many as fit at once (no per-waiter polling)."""
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import pytest
 
 from pdplane.gateway.admission import AdmissionQueue
 from pdplane.gateway.errors import GatewayError
+from pdplane.gateway.fleet_view import FleetView, ModelState
 from pdplane.gateway.metrics import GatewayMetrics
 from pdplane.scheduler import SchedulerBusy, SchedulerUnavailable
 
@@ -108,3 +110,49 @@ async def test_no_model_stays_behind_however_its_waiters_end() -> None:
         await left
     assert len(queue) == 0
     assert not queue._queues and not queue._reasons
+
+
+def _view(decode_registered_ns: int, changed_at: float = 0.0) -> FleetView:
+    """One prefill `p` and one decode `d` of model `m`, the decode registered at the given
+    time (0: none)."""
+    registered = {"p": 1}
+    if decode_registered_ns:
+        registered["d"] = decode_registered_ns
+    state = ModelState(
+        prefill=1,
+        decode=1 if decode_registered_ns else 0,
+        paired=bool(decode_registered_ns),
+        max_model_len=2048,
+        created=0,
+        prefill_ids=frozenset({"p"}),
+        decode_ids=frozenset({"d"} if decode_registered_ns else ()),
+        registered_ns=registered,
+        changed_at=changed_at,
+    )
+    return FleetView(models={"m": state}, ready=True)
+
+
+def test_an_instance_is_excluded_as_the_process_that_failed_until_it_registers_again() -> None:
+    views = [_view(100)]
+    queue = AdmissionQueue(30.0, 10, GatewayMetrics(), lambda: views[-1])
+    failed = {"d": queue.incarnation("m", "d")}
+    assert failed == {"d": 100}
+    assert queue.failed("m", failed) == ("d",)  # still the process that failed
+    views.append(_view(0))  # its lease expired: a scheduler may still list it
+    assert queue.failed("m", failed) == ("d",)
+    views.append(_view(200))  # restarted under the same id
+    assert queue.failed("m", failed) == ()
+    # one that failed while the view did not list it: any registration seen later is new
+    assert queue.failed("m", {"d": 0}) == ()
+
+
+def test_a_refusal_the_view_contradicts_waits_only_while_the_instances_just_changed() -> None:
+    views = [_view(100, changed_at=time.monotonic())]
+    queue = AdmissionQueue(30.0, 10, GatewayMetrics(), lambda: views[-1])
+    refusal = SchedulerUnavailable("no decode instance (the scheduler has not seen it yet)")
+    assert queue.waits_on("m", refusal)
+    views.append(_view(100, changed_at=time.monotonic() - 60))
+    assert not queue.waits_on("m", refusal)  # not a lag: the refusal is the answer
+    # only the instance that failed the request is left: a retry waits, a take-over does not
+    assert queue.waits_on("m", refusal, ("d",), room=False)
+    assert not queue.waits_on("m", refusal, ("d",), on_failed=False)

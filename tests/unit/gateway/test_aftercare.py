@@ -81,3 +81,25 @@ async def test_kv_freed_early_is_not_aborted_again_and_no_kv_means_no_abort() ->
     await caretaker.drain()
     assert aborter.calls == [("127.0.0.1:1", "t1", "decode answered 400")]
     assert sched.log == [("release", "failed"), ("release", "cancelled")]
+
+
+async def test_a_prefill_call_given_up_on_frees_the_kv_by_the_transfer_id_it_was_given() -> None:
+    # Cancelled with the call in flight: prefill may have finished and hold the KV under the
+    # id the gateway chose; once it answered, its own params count; an error answer holds none.
+    caretaker, _sched, aborter, _metrics = _caretaker()
+    cancelled = caretaker.begin("r1")
+    cancelled.expect_kv("127.0.0.1:2", "r1.chosen")
+    cancelled.settle(asyncio.CancelledError())
+    answered = caretaker.begin("r2")
+    answered.expect_kv("127.0.0.1:2", "r2.chosen")
+    answered.hold_kv(PARAMS)
+    answered.settle(ValueError("decode failed"))
+    refused = caretaker.begin("r3")
+    refused.expect_kv("127.0.0.1:2", "r3.chosen")
+    refused.nothing_held()  # prefill answered 400
+    refused.settle(ValueError("400 passed through"))
+    await caretaker.drain()
+    assert aborter.calls == [
+        ("127.0.0.1:2", "r1.chosen", "cancelled"),
+        ("127.0.0.1:1", "t1", "failed"),
+    ]

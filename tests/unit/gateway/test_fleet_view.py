@@ -109,3 +109,20 @@ def test_per_model_readiness_answers_for_that_model_alone() -> None:
     assert body["models"] == {}
     ready, body = FleetView().health("m")
     assert not ready and "registry not reachable" in body["reason"]
+
+
+def test_a_models_instances_changing_dates_it_and_nothing_else_does() -> None:
+    p, d = _inst("p", instance_pb2.ROLE_PREFILL), _inst("d", instance_pb2.ROLE_DECODE)
+    first = build_view([p, d])
+    assert first.models["m"].changed_at == 0.0  # as the first snapshot found it
+    d.load.num_running = 3  # a load report: the same processes
+    same = build_view([p, d], first)
+    assert same.models["m"].changed_at == 0.0
+    gone = build_view([p], same)
+    assert gone.models["m"].changed_at > 0.0 and gone.models["m"].decode == 0
+    restarted = _inst("d", instance_pb2.ROLE_DECODE)
+    restarted.registered_at.seconds += 60  # the same id registered again: a new process
+    back = build_view([p, restarted], gone)
+    assert back.models["m"].changed_at >= gone.models["m"].changed_at
+    assert back.models["m"].registered_ns["d"] != first.models["m"].registered_ns["d"]
+    assert build_view([p, restarted], back).models["m"].changed_at == back.models["m"].changed_at

@@ -93,15 +93,19 @@ async def test_fairness_is_by_tokens_not_requests() -> None:
 
 
 async def test_a_tenant_within_its_share_is_admitted_at_once_even_over_the_budget() -> None:
-    flow = _flow(budget=1000)
+    flow = _flow(budget=1000, ceiling=3000)
     noisy = [await flow.admit(M, "noisy", 0, 100) for _ in range(10)]  # the whole budget
     queued = [asyncio.create_task(flow.admit(M, "noisy", 0, 100)) for _ in range(5)]
     await asyncio.sleep(0.01)
     assert flow.queued(M) == 5
-    # Two active tenants: quiet's share is 500 tokens; within it, no wait.
+    # Two active tenants: quiet's share is 500 tokens of the budget; within it, no wait.
     quiet = [await asyncio.wait_for(flow.admit(M, "quiet", 0, 100), 0.1) for _ in range(5)]
     assert flow.inflight_tokens(M) == 1500
-    # Past its share it waits its turn like anyone (after noisy's earlier requests: fair).
+    # Past it, with noisy's requests waiting and none of its own, its burst takes the room
+    # between the budget and the ceiling (3000), up to its share of the ceiling (1500).
+    quiet += [await asyncio.wait_for(flow.admit(M, "quiet", 0, 100), 0.1) for _ in range(10)]
+    assert flow.inflight_tokens(M) == 2500
+    # Past that it waits its turn like anyone (after noisy's earlier requests: fair).
     late = asyncio.create_task(flow.admit(M, "quiet", 0, 100))
     await asyncio.sleep(0.01)
     assert not late.done()
@@ -128,6 +132,36 @@ async def test_a_tenant_within_its_share_is_admitted_at_once_even_over_the_budge
         flow.release(t)
     for task in [*queued, late]:
         flow.release(await task)
+    assert flow.inflight_tokens(M) == 0 and flow.queued(M) == 0
+
+
+async def test_the_room_past_the_budget_is_for_bursts_beside_a_flood_only() -> None:
+    # A lone tenant, however bursty, stays within the budget: nobody waits beside it.
+    lone = _flow(budget=1000, ceiling=3000)
+    held = [await lone.admit(M, "t", 0, 100) for _ in range(10)]
+    over = asyncio.create_task(lone.admit(M, "t", 0, 100))
+    await asyncio.sleep(0.01)
+    assert not over.done()
+    lone.release(held.pop())
+    held.append(await asyncio.wait_for(over, 1))
+    for t in held:
+        lone.release(t)
+    # A tenant with a request of its own waiting is flooding too: no room for it, even once
+    # its share of the ceiling would hold the newcomer again.
+    flow = _flow(budget=1000, ceiling=3000)
+    noisy = [await flow.admit(M, "noisy", 0, 100) for _ in range(10)]
+    queued = [asyncio.create_task(flow.admit(M, "noisy", 0, 100)) for _ in range(3)]
+    quiet = [await asyncio.wait_for(flow.admit(M, "quiet", 0, 100), 0.1) for _ in range(15)]
+    late = [asyncio.create_task(flow.admit(M, "quiet", 0, 100))]
+    await asyncio.sleep(0.01)
+    flow.release(quiet.pop())
+    late.append(asyncio.create_task(flow.admit(M, "quiet", 0, 100)))
+    await asyncio.sleep(0.01)
+    assert not any(t.done() for t in late) and flow.queued(M) == 5
+    for t in [*noisy, *quiet]:
+        flow.release(t)
+    for task in [*queued, *late]:
+        flow.release(await asyncio.wait_for(task, 1))
     assert flow.inflight_tokens(M) == 0 and flow.queued(M) == 0
 
 
@@ -232,6 +266,35 @@ async def test_projected_wait_past_the_timeout_is_shed_lowest_priority_first() -
     flow.release(holder)
     for task in [*high, more]:
         flow.release(await task)
+
+
+async def test_no_shedding_on_a_rate_until_what_is_in_flight_turned_over_once() -> None:
+    # Ten requests of 100 tokens admitted together (the budget); after 3 s with requests
+    # waiting, only two ended: 200 tokens against 1,000 in flight say little of the rate.
+    now = [0.0]
+    flow = _flow(budget=1000, ceiling=1000, timeout_s=5.0, max_queued=1000, clock=lambda: now[0])
+    batch = [await flow.admit(M, "b", 0, 100, 1e6) for _ in range(10)]
+    queue = [asyncio.create_task(flow.admit(M, "b", 0, 100, 1e6)) for _ in range(40)]
+    await asyncio.sleep(0.01)
+    for _ in range(2):
+        now[0] += 1.5
+        flow.release(batch.pop())
+    await asyncio.sleep(0.15)  # a check of the queue ran
+    # 200 tokens in 3 s would project the last of 40 waiters (4,000 tokens) at 60 s: none shed.
+    assert not any(t.done() for t in queue[2:])
+    assert flow.queued(M) == 38
+    # Once what was admitted turned over, the measured rate sheds what cannot make it.
+    for _ in range(8):
+        now[0] += 0.1
+        flow.release(batch.pop())
+    await asyncio.sleep(0.15)
+    shed = [t for t in queue if t.done() and isinstance(t.exception(), GatewayError)]
+    assert shed, "a measured rate past one turnover sheds the waits it projects past 5 s"
+    for t in queue:
+        if t.done() and t.exception() is None:
+            flow.release(t.result())
+        elif not t.done():
+            t.cancel()
 
 
 async def _burst(flow: FlowControl, now: list[float], waiting: int) -> list[int]:

@@ -8,7 +8,9 @@ import time
 from collections.abc import Awaitable, Callable
 
 import pytest
+from aiohttp import web
 
+from pdplane.core.kv_params import PrefillRequestParams
 from pdplane.gateway.aftercare import KvAborter
 from pdplane.gateway.config import RelayConfig
 from pdplane.gateway.metrics import GatewayMetrics
@@ -89,3 +91,56 @@ async def test_first_tokens_are_counted_once_per_request_not_per_attempt(serve: 
     ]
     assert metrics.first_from_decode._value.get() == 1
     assert metrics.first_from_prefill._value.get() == 0
+
+
+class _RecordingAborter(KvAborter):
+    """Records AbortTransfer calls instead of sending them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, str, str]] = []
+
+    async def abort(self, kv_endpoint: str, transfer_id: str, reason: str) -> bool:
+        self.calls.append((kv_endpoint, transfer_id, reason))
+        return True
+
+
+@pytest.mark.parametrize("point", ["before_headers", "mid_body"])
+async def test_a_request_cancelled_while_prefill_answers_frees_the_kv_prefill_holds(
+    serve: Serve, point: str
+) -> None:
+    # Prefill finished (it holds the KV under the transfer id the gateway gave it) and its
+    # answer is on the way when the request is cancelled: the answer is never read, so only
+    # that id lets the gateway free the KV.
+    held: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+
+    async def finished_prefill(request: web.Request) -> web.StreamResponse:
+        params = PrefillRequestParams.from_dict((await request.json())["kv_transfer_params"])
+        assert params.transfer_id is not None, "the gateway chose no transfer id"
+        resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+        resp.content_length = 1000
+        if point == "mid_body":
+            await resp.prepare(request)
+            await resp.write(b'{"choices":[{"text":"x"}],')
+        held.set_result(params.transfer_id)
+        await asyncio.Event().wait()  # the rest never comes: the gateway gives up first
+        return resp
+
+    sched = FakeScheduler([(await serve(finished_prefill), await serve(sse_decode))])
+    upstream, aborter, metrics = UpstreamClient(), _RecordingAborter(), GatewayMetrics()
+    relay = Relay(sched, upstream, aborter, metrics, RelayConfig())
+    raw = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 3, "stream": True}).encode()
+    task = asyncio.create_task(
+        relay.handle(parse_request(COMPLETIONS, raw), "r1", time.perf_counter(), 0)
+    )
+    try:
+        transfer_id = await asyncio.wait_for(held, 5)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await relay.drain()
+    finally:
+        await upstream.close()
+        await aborter.close()
+    assert aborter.calls == [("127.0.0.1:1", transfer_id, "cancelled")]
+    assert sched.log == [("schedule", []), ("release", "cancelled")]

@@ -49,10 +49,31 @@ _SUPERVISOR = textwrap.dedent(
 )
 
 
-def _start(tmp_path: Path, *server_args: str) -> tuple[subprocess.Popen[bytes], Path]:
+# The supervisor with one more thread (as gRPC's or `pdplane vllm`'s ready-line thread are)
+# that takes the stop signal itself once the server runs: Linux hands a process-directed
+# signal to any thread, and a main thread blocked in waitpid() never learns of it.
+_SUPERVISOR_SIGNALLED_ON_A_THREAD = textwrap.dedent(
+    """
+    import signal, sys, threading
+    from pathlib import Path
+    from pdplane.launch.foreground import run_in_foreground
+    from pdplane.launch.process import wait_until
+    pid_file = Path(sys.argv[2] + ".pid")
+    def stop_from_this_thread():
+        wait_until(lambda: pid_file.exists() and pid_file.read_text() != "", 30.0, what="engine")
+        signal.pthread_kill(threading.get_ident(), signal.SIGTERM)
+    threading.Thread(target=stop_from_this_thread, daemon=True).start()
+    sys.exit(run_in_foreground([sys.executable, *sys.argv[1:]]))
+    """
+)
+
+
+def _start(
+    tmp_path: Path, *server_args: str, supervisor: str = _SUPERVISOR
+) -> tuple[subprocess.Popen[bytes], Path]:
     (tmp_path / "server.py").write_text(_SERVER)
     out = tmp_path / "out"
-    argv = [sys.executable, "-c", _SUPERVISOR, str(tmp_path / "server.py"), str(out), *server_args]
+    argv = [sys.executable, "-c", supervisor, str(tmp_path / "server.py"), str(out), *server_args]
     # Its own session, like a terminal's foreground job; SIGINT to the group = Ctrl-C.
     return subprocess.Popen(argv, start_new_session=True), out
 
@@ -71,6 +92,17 @@ def test_ctrl_c_reaches_the_server_alone_which_stops_its_engine(tmp_path: Path) 
     engine.wait(timeout=10)
     assert out.read_text() == "server stopped"
     assert not out.with_suffix(".engine").exists()  # the engine never saw the Ctrl-C
+
+
+def test_a_stop_signal_taken_by_another_thread_still_stops_the_server(tmp_path: Path) -> None:
+    supervisor, out = _start(tmp_path, supervisor=_SUPERVISOR_SIGNALLED_ON_A_THREAD)
+    engine = _engine(out)
+    try:
+        assert supervisor.wait(timeout=30) == 0
+    finally:
+        supervisor.kill()
+    engine.wait(timeout=10)
+    assert out.read_text() == "server stopped"
 
 
 def test_a_sigkilled_supervisor_takes_the_server_and_its_engine_along(tmp_path: Path) -> None:

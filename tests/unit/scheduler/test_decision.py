@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from pdplane.scheduler.candidate import Candidate
-from pdplane.scheduler.decision import SchedulerService
+from pdplane.scheduler.decision import Decider
 from pdplane.scheduler.errors import InvalidRequest, NoInstance, NoRoom
 from pdplane.scheduler.metrics import SchedulerMetrics
 from pdplane.scheduler.policies import POLICIES, Pick, PickContext
@@ -21,10 +21,10 @@ MakeInstance = Callable[..., instance_pb2.Instance]
 
 
 @pytest.fixture
-def build(fake_source: type) -> Callable[..., tuple[SchedulerService, Any]]:
-    def make(*instances: instance_pb2.Instance, **kwargs: Any) -> tuple[SchedulerService, Any]:
+def build(fake_source: type) -> Callable[..., tuple[Decider, Any]]:
+    def make(*instances: instance_pb2.Instance, **kwargs: Any) -> tuple[Decider, Any]:
         source = fake_source(*instances)
-        return SchedulerService(CandidateView(source), **kwargs), source
+        return Decider(CandidateView(source), **kwargs), source
 
     return make
 
@@ -305,7 +305,7 @@ def test_prefix_hashes_must_fit_the_prompt(
 
 def test_unknown_default_policy_is_rejected_at_construction(fake_source: type) -> None:
     with pytest.raises(ValueError, match="unknown policy 'x'"):
-        SchedulerService(CandidateView(fake_source()), decode_policy="x")
+        Decider(CandidateView(fake_source()), decode_policy="x")
 
 
 def test_release_of_unknown_or_empty_id(build: Callable) -> None:

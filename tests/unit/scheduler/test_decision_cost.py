@@ -25,7 +25,7 @@ import statistics
 import time
 
 from pdplane.core.prefix_hash import block_hashes
-from pdplane.scheduler.decision import SchedulerService
+from pdplane.scheduler.decision import Decider
 from pdplane.scheduler.kv_index import KvState, PrefixIndex
 from pdplane.scheduler.port import RequestFeatures
 from pdplane.scheduler.view import CandidateView, StaticSource
@@ -73,7 +73,7 @@ class _Row:
                 [("prefill", i) for i in range(half)] + [("decode", i) for i in range(half)]
             )
         ]
-        self.service = SchedulerService(
+        self.service = Decider(
             CandidateView(StaticSource(*fleet)), prefill_policy=policy, decode_policy=policy
         )
         hashes: dict[int, list[int]] = {}

@@ -10,7 +10,7 @@ import numpy as np
 import numpy.typing as npt
 
 from pdplane.core.prefix_hash import block_hashes
-from pdplane.scheduler.decision import SchedulerService
+from pdplane.scheduler.decision import Decider
 from pdplane.scheduler.errors import NoInstance
 from pdplane.scheduler.inflight import InflightTracker
 from pdplane.scheduler.kv_index import KvState, PrefixIndex
@@ -60,7 +60,7 @@ def test_rows_follow_reports_assignments_releases_and_ageing(
         )
 
     source = fake_source(*(report(n, r) for n, r in names))
-    service = SchedulerService(CandidateView(source), inflight=tracker, seed=1)
+    service = Decider(CandidateView(source), inflight=tracker, seed=1)
     in_flight: list[str] = []
     for step in range(200):
         action = rng.random()

@@ -187,3 +187,57 @@ def test_releases_of_requests_a_report_counted_give_no_receive_buffer_back(
     assert tracker.pending_blocks(busy) < 0 and tracker.assigned_blocks(busy) == 10
     eligible = eligible_decodes([busy, roomy], tracker, tokens=544, push_tokens=544)
     assert eligible == [roomy]  # busy has KV room but no buffer room for 5 blocks
+
+
+def test_a_report_taken_while_their_prompts_are_on_prefill_keeps_them_pending(
+    pair: tuple[Candidate, Candidate],
+) -> None:
+    # Past saturation prompts wait seconds on prefill; a decode report taken meanwhile cannot
+    # show the requests on their way there. Dropping them with the old epoch made that
+    # decode look empty, take more, and swing between idle and twice its share.
+    p, d = pair
+    d = dataclasses.replace(d, total_kv_blocks=100, free_kv_blocks=100)
+    clock = Clock()
+    tracker = InflightTracker(clock=clock)
+    tracker.add("r1", p, d, decode_blocks=4, prefill_tokens=2000, prefill_s=2.0)
+    tracker.add("r2", p, d, decode_blocks=3, prefill_tokens=2000, prefill_s=2.0)  # done at +4
+    tracker.add("r3", p, d, decode_blocks=5)  # no predicted prefill: assumed in the report
+    clock.now += 3.0  # r1's prompt is computed, r2's not yet
+    reported = dataclasses.replace(d, epoch=d.epoch + 1, free_kv_blocks=91)
+    assert tracker.pending_blocks(reported) == 3
+    assert tracker.pending_requests(reported) == 1
+    tracker.release("r1")  # inside the report: its blocks credited
+    assert tracker.pending_blocks(reported) == 3 - 4
+    tracker.release("r2")  # counted since the report: no credit, its own blocks back
+    assert tracker.pending_blocks(reported) == -4 and tracker.pending_requests(reported) == 0
+
+
+def test_a_prefill_reporting_an_empty_queue_ends_the_wait(
+    pair: tuple[Candidate, Candidate],
+) -> None:
+    # A prefill faster than predicted: once it reports nothing running or waiting, every
+    # prompt it was sent is computed, so the decode's next report includes their requests.
+    p, d = pair
+    clock = Clock()
+    tracker = InflightTracker(clock=clock)
+    tracker.add("r1", p, d, decode_blocks=4, prefill_tokens=2000, prefill_s=2.0)
+    clock.now += 0.5
+    tracker.counts(dataclasses.replace(p, epoch=p.epoch + 1), decode=False)  # idle report
+    assert tracker.busy_until("p") == clock.now
+    assert tracker.pending_blocks(dataclasses.replace(d, epoch=d.epoch + 1)) == 0
+
+
+def test_decode_context_is_the_mean_of_the_unreleased_assignments(
+    pair: tuple[Candidate, Candidate],
+) -> None:
+    p, d = pair
+    tracker = InflightTracker()
+    tracker.add("r1", p, d, decode_blocks=4, decode_context=3000)
+    tracker.add("r2", None, d, decode_blocks=2, decode_context=1000)
+    tracker.add("r3", p, d, decode_blocks=2)  # not known: left out of the mean
+    assert tracker.decode_context("d") == 2000
+    assert tracker.counts(d, decode=True)[5] == 2000
+    tracker.release("r1")
+    assert tracker.decode_context("d") == 1000
+    tracker.release("r2")
+    assert tracker.decode_context("d") == 0 and tracker.decode_context("p") == 0

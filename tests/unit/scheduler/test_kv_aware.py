@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from pdplane.core.prefix_hash import block_hashes
-from pdplane.scheduler.decision import SchedulerService
+from pdplane.scheduler.decision import Decider
 from pdplane.scheduler.inflight import InflightTracker
 from pdplane.scheduler.kv_index import KvState, PrefixIndex
 from pdplane.scheduler.latency import LatencyModel
@@ -73,13 +73,11 @@ def clock() -> Clock:
 
 
 @pytest.fixture
-def fleet(
-    fake_source: type, make_instance: MakeInstance, clock: Clock
-) -> Callable[..., SchedulerService]:
+def fleet(fake_source: type, make_instance: MakeInstance, clock: Clock) -> Callable[..., Decider]:
     """2 prefill + 2 decode, kv_aware both sides (the default profile), an empty prefix index,
     the tracker on `clock`."""
 
-    def make(loads: dict[str, dict[str, Any]] | None = None, **kwargs: Any) -> SchedulerService:
+    def make(loads: dict[str, dict[str, Any]] | None = None, **kwargs: Any) -> Decider:
         loads = loads or {}
         instances = [
             make_instance(name, role, **loads.get(name, {}))
@@ -92,7 +90,7 @@ def fleet(
         ]
         kwargs.setdefault("local_prefill_max_tokens", 0)
         kwargs.setdefault("inflight", InflightTracker(clock=clock))
-        service = SchedulerService(
+        service = Decider(
             CandidateView(fake_source(*instances)),
             prefill_policy="kv_aware",
             decode_policy="kv_aware",
@@ -104,7 +102,7 @@ def fleet(
     return make
 
 
-def test_prefill_goes_where_the_prefix_is_cached(fleet: Callable[..., SchedulerService]) -> None:
+def test_prefill_goes_where_the_prefix_is_cached(fleet: Callable[..., Decider]) -> None:
     service = fleet()
     shared = tokens(0, 20 * BS)
     hold(service.kv_index, "p1", shared)  # type: ignore[arg-type]
@@ -116,7 +114,7 @@ def test_prefill_goes_where_the_prefix_is_cached(fleet: Callable[..., SchedulerS
         assert f"prefill kv_aware: cached={20 * BS}/{20 * BS + 40} tokens" in decision.reason
 
 
-def test_the_longest_prefix_wins(fleet: Callable[..., SchedulerService]) -> None:
+def test_the_longest_prefix_wins(fleet: Callable[..., Decider]) -> None:
     service = fleet()
     prompt = tokens(1, 16 * BS)
     hold(service.kv_index, "p0", prompt[: 4 * BS])  # type: ignore[arg-type]
@@ -127,7 +125,7 @@ def test_the_longest_prefix_wins(fleet: Callable[..., SchedulerService]) -> None
 
 
 def test_a_holder_whose_queue_outlasts_the_saving_loses_to_an_idle_instance(
-    fleet: Callable[..., SchedulerService], clock: Clock
+    fleet: Callable[..., Decider], clock: Clock
 ) -> None:
     # A 1,600-token shared prefix saves ~48 ms of prefill (default profile); the holder
     # takes the burst until its predicted queue is longer than that, then the idle one gets
@@ -155,7 +153,7 @@ def test_a_holder_whose_queue_outlasts_the_saving_loses_to_an_idle_instance(
 
 
 def test_without_hits_prompts_go_to_the_shortest_predicted_queue(
-    fleet: Callable[..., SchedulerService],
+    fleet: Callable[..., Decider],
 ) -> None:
     # No index entries: prefill by predicted queue, so a long prompt's instance is avoided
     # until the other has as much work queued.
@@ -171,7 +169,7 @@ def test_an_idle_report_clears_a_predicted_queue_and_a_busy_one_raises_it(
     fake_source: type, make_instance: MakeInstance, clock: Clock
 ) -> None:
     source = fake_source(make_instance("p0", "prefill"), make_instance("d0", "decode"))
-    service = SchedulerService(
+    service = Decider(
         CandidateView(source),
         prefill_policy="kv_aware",
         decode_policy="kv_aware",
@@ -192,7 +190,7 @@ def test_an_idle_report_clears_a_predicted_queue_and_a_busy_one_raises_it(
     assert service.inflight.busy_until("p0") > clock.now + 3 * service.latency.queue_s(10)
 
 
-def test_the_profile_sets_the_predictions(fleet: Callable[..., SchedulerService]) -> None:
+def test_the_profile_sets_the_predictions(fleet: Callable[..., Decider]) -> None:
     gpu = fleet()
     cpu = fleet(kv_profile="tiny-cpu")
     assert isinstance(cpu.latency, LatencyModel) and cpu.latency.name == "tiny-cpu"
@@ -208,7 +206,7 @@ def test_the_profile_sets_the_predictions(fleet: Callable[..., SchedulerService]
         fleet(kv_profile="no-such-profile")
 
 
-def test_stale_instances_are_routed_by_load_only(fleet: Callable[..., SchedulerService]) -> None:
+def test_stale_instances_are_routed_by_load_only(fleet: Callable[..., Decider]) -> None:
     service = fleet()
     prompt = tokens(6, 16 * BS)
     hold(service.kv_index, "p1", prompt, live=False)  # type: ignore[arg-type]
@@ -226,7 +224,7 @@ def test_stale_instances_are_routed_by_load_only(fleet: Callable[..., SchedulerS
 def test_without_an_index_it_routes_by_predicted_queue_and_step(
     fake_source: type, make_instance: MakeInstance, clock: Clock
 ) -> None:
-    service = SchedulerService(
+    service = Decider(
         CandidateView(
             fake_source(
                 make_instance("p0", "prefill"),
@@ -257,7 +255,7 @@ def test_decode_load_counts_releases_since_its_report(
         make_instance("d0", "decode", **kv),
         make_instance("d1", "decode", num_running=2, **kv),
     )
-    service = SchedulerService(
+    service = Decider(
         CandidateView(source),
         prefill_policy="kv_aware",
         decode_policy="kv_aware",
@@ -268,6 +266,7 @@ def test_decode_load_counts_releases_since_its_report(
             RequestFeatures(f"r{i}", "tiny", 64, 16, exclude_instance_ids=("d1",))
         )
         assert decision.decode.instance_id == "d0"
+    clock.now += 1.0  # their prompts computed on p0: they run on d0 when it reports
     report = {"num_running": 3, "free_kv_blocks": 985, "total_kv_blocks": 1000}
     source.put(make_instance("d0", "decode", revision=5, **report))
     assert service.schedule(RequestFeatures("r3", "tiny", 64, 16)).decode.instance_id == "d1"
@@ -278,8 +277,42 @@ def test_decode_load_counts_releases_since_its_report(
     assert service.schedule(RequestFeatures("r4", "tiny", 64, 16)).decode.instance_id == "d0"
 
 
+def test_streams_sharing_a_prefix_count_at_their_whole_context(
+    fake_source: type, make_instance: MakeInstance, clock: Clock
+) -> None:
+    # d1 runs 5 requests over one 1,500-token prompt, d0 4 over prompts of their own. d1's
+    # KV cache holds that prompt once, so by its usage d1 looked the emptier; but each of its
+    # streams attends over the whole prompt, so its steps are the longer.
+    kv = {"free_kv_blocks": 1000, "total_kv_blocks": 1000}
+    source = fake_source(
+        make_instance("p0", "prefill"),
+        make_instance("d0", "decode", **kv),
+        make_instance("d1", "decode", **kv),
+    )
+    service = Decider(
+        CandidateView(source),
+        prefill_policy="kv_aware",
+        decode_policy="kv_aware",
+        inflight=InflightTracker(clock=clock),
+    )
+    for i in range(9):
+        other = "d1" if i < 4 else "d0"
+        request = RequestFeatures(f"r{i}", "tiny", 1500, 100, exclude_instance_ids=(other,))
+        assert service.schedule(request).decode.instance_id != other
+    clock.now += 1.0  # their prompts computed: they run on their decodes when those report
+    for name, running, used in (("d0", 4, 4 * 95), ("d1", 5, 94 + 5 * 2)):
+        report = {"free_kv_blocks": 1000 - used, "kv_cache_usage": used / 1000}
+        source.put(
+            make_instance(
+                name, "decode", revision=5, num_running=running, total_kv_blocks=1000, **report
+            )
+        )
+    decision = service.schedule(RequestFeatures("r9", "tiny", 1500, 100))
+    assert decision.decode.instance_id == "d0"
+
+
 def test_decode_prefers_the_decode_holding_the_prefix(
-    fleet: Callable[..., SchedulerService],
+    fleet: Callable[..., Decider],
 ) -> None:
     service = fleet()
     prompt = tokens(7, 30 * BS)
@@ -293,7 +326,7 @@ def test_decode_prefers_the_decode_holding_the_prefix(
 
 
 def test_decode_guard_still_applies_to_the_holder(
-    fleet: Callable[..., SchedulerService],
+    fleet: Callable[..., Decider],
 ) -> None:
     service = fleet({"d1": {"free_kv_blocks": 1, "total_kv_blocks": 100}})
     prompt = tokens(8, 30 * BS)
@@ -303,7 +336,7 @@ def test_decode_guard_still_applies_to_the_holder(
 
 
 def test_conditional_disaggregation_skips_prefill(
-    fleet: Callable[..., SchedulerService],
+    fleet: Callable[..., Decider],
 ) -> None:
     metrics = SchedulerMetrics()
     service = fleet(local_prefill_max_tokens=64, metrics=metrics)
@@ -334,7 +367,7 @@ def test_conditional_disaggregation_skips_prefill(
 
 
 def test_a_local_prefill_that_would_slow_a_busy_decode_is_disaggregated(
-    fleet: Callable[..., SchedulerService],
+    fleet: Callable[..., Decider],
 ) -> None:
     # Both decodes run 200 streams over long contexts; d0 holds the prefix. 120 more tokens
     # in its step would lengthen it by ~9 % (past the default profile's memory-bound floor),
@@ -365,7 +398,7 @@ def test_an_idle_decode_holding_every_whole_block_computes_the_tail_itself(
         make_instance(name, role, block_size=bs)
         for name, role in (("p0", "prefill"), ("p1", "prefill"), ("d0", "decode"))
     ]
-    service = SchedulerService(
+    service = Decider(
         CandidateView(fake_source(*instances)),
         prefill_policy="kv_aware",
         decode_policy="kv_aware",
@@ -398,7 +431,7 @@ def test_an_idle_decode_holding_every_whole_block_computes_the_tail_itself(
 
 
 def test_a_short_prompt_decode_holds_nothing_of_is_still_disaggregated(
-    fleet: Callable[..., SchedulerService],
+    fleet: Callable[..., Decider],
 ) -> None:
     service = fleet(local_prefill_max_tokens=256)
     hold(service.kv_index, "d0", tokens(12, 4 * BS))  # type: ignore[arg-type]
@@ -421,7 +454,7 @@ def test_a_decision_without_prefill_crosses_the_wire() -> None:
     assert both.prefill is not None and both.prefill_cached_tokens == 128
 
 
-def test_hashes_of_another_block_size_never_match(fleet: Callable[..., SchedulerService]) -> None:
+def test_hashes_of_another_block_size_never_match(fleet: Callable[..., Decider]) -> None:
     service = fleet()
     prompt = tokens(14, 16 * BS)
     hold(service.kv_index, "p1", prompt)  # type: ignore[arg-type]

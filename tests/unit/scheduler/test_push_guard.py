@@ -31,8 +31,8 @@ class _Assigned:
     def __init__(self, blocks: int) -> None:
         self.blocks = blocks
 
-    def counts(self, candidate: Candidate, decode: bool) -> tuple[int, int, int, int, int]:
-        return 0, self.blocks, self.blocks, 0, 0
+    def counts(self, candidate: Candidate, decode: bool) -> tuple[int, int, int, int, int, float]:
+        return 0, self.blocks, self.blocks, 0, 0, 0.0
 
     def busy_until(self, instance_id: str) -> float:
         return 0.0

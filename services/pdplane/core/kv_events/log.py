@@ -17,7 +17,7 @@ exactly three methods as their cache changes: `stored`, `removed`, `cleared`. Th
 `SubscriptionCursor` turns the log into the message sequence of `KvEvents.Subscribe`
 (protos/pdplane/v1/kv_events.proto): snapshot chunks when needed, then batches of events, and
 a new snapshot whenever the subscriber fell out of the ring. The gRPC servicers that serve it
-are in `pdplane.core.kv_events.server`; both are re-exported here.
+are in `pdplane.core.kv_events.servicer`.
 
 Light: imports only the standard library and the generated protobuf code (no grpc), so the
 connector inside vLLM and the simulator can both use it. Thread-safe: writers and readers may

@@ -11,7 +11,7 @@ from pdplane.scheduler.kv_index.manager import KvIndexManager
 from pdplane.scheduler.port import InstanceSource, PolicyFlags
 
 if TYPE_CHECKING:
-    from pdplane.scheduler.decision import SchedulerService
+    from pdplane.scheduler.decision import Decider
 
 __all__ = ["start_kv_index"]
 
@@ -23,7 +23,7 @@ def start_kv_index(
     token: str | None,
     tls_ca: str | None,
     registry: CollectorRegistry | None = None,
-    service: SchedulerService | None = None,
+    service: Decider | None = None,
     subscriber: str = "scheduler",
 ) -> KvIndexManager | None:
     """A started `KvIndexManager` over `source` with `settings`' kv_* flags (None when

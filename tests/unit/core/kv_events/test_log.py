@@ -12,7 +12,7 @@ from pdplane.core.kv_events.log import (
 )
 from pdplane.scheduler.kv_index.stream import KvStreamReader, StreamGap
 from pdplane.v1 import kv_events_pb2
-from tests.unit.core.kv_replica import Replica, log_state
+from tests.support.kv_replica import Replica, log_state
 
 BS = 4
 

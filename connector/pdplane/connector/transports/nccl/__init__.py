@@ -3,7 +3,7 @@
 | module | responsibility |
 | --- | --- |
 | `transport.py` | `NcclTransport`: the `KvTransport` (pull, push, pre-connect, peers gone) |
-| `service.py` | `pdplane.v1.NcclKvTransfer` handlers (`Pair`, `Preconnect`) |
+| `servicer.py` | `pdplane.v1.NcclKvTransfer` handlers (`Pair`, `Preconnect`) |
 | `engine.py` | `NcclEngine`: pairs (handshake, cap, close, peers gone), the caller's pull |
 | `serving.py` | the server's end of a pair: join, warm its thread, serve pulls and push begins |
 | `pairs.py` | the pair table: one communicator per (peer, rank, purpose), cap, LRU eviction |

@@ -3,7 +3,7 @@
 | module | responsibility |
 | --- | --- |
 | `transport.py` | `TcpTransport`: the `KvTransport` (pull client, push sessions, services) |
-| `service.py` | `pdplane.v1.TcpKvTransfer` handlers: serve a pull, receive a push |
+| `servicer.py` | `pdplane.v1.TcpKvTransfer` handlers: serve a pull, receive a push |
 | `push.py` | prefill's push session (one client stream per pushed transfer) |
 | `buffer.py` | decode's bounded receive buffer (`ReceiveBuffer`) |
 """

@@ -1,6 +1,6 @@
 """TCP push mode, sender side: prefill streams a transfer's blocks layer by layer
 (`TcpKvTransfer.PushBlocks`) into decode's bounded `PushBuffer` (buffer.py; the receiving
-handler is in service.py); decode's request later copies them into its own blocks.
+handler is in servicer.py); decode's request later copies them into its own blocks.
 
 Sender (`TcpPushSession`, prefill's engine thread): one client stream per pushed transfer. The
 header goes out at once; `send_layer(l)` copies layer l's blocks (a snapshot: the bytes are

@@ -14,8 +14,8 @@ from collections.abc import Mapping
 
 from aetcd import rpc
 
-from pdplane.registry.etcd_client import EtcdClient
-from pdplane.registry.etcd_view import Record
+from pdplane.registry.etcd.client import EtcdClient
+from pdplane.registry.etcd.view import Record
 from pdplane.v1 import instance_pb2, registry_store_pb2
 
 __all__ = ["LoadReports"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdplane.gateway.tokens import (
+from pdplane.gateway.prompt_length import (
     estimate_chat_tokens,
     estimate_prompt_tokens,
     estimate_text_tokens,

@@ -4,7 +4,7 @@ Any number of registry replicas share one etcd cluster and serve every RPC. The 
 
 - Membership is consistent in etcd: register, drain, deregister and expiry are etcd
   transactions (compare-and-swap on the key's mod_revision); every replica's view follows one
-  etcd watch, so all derive the same events with the same revisions (`etcd_view`).
+  etcd watch, so all derive the same events with the same revisions (`view`).
 - A heartbeat costs no etcd request in the steady state. The replica that receives an
   instance's heartbeats owns it: the instance's key is attached to that replica's etcd lease
   (one keep-alive per replica per second, whatever the fleet size) and the replica enforces the
@@ -37,11 +37,11 @@ from typing import Any, TypeVar
 from aetcd import rpc
 
 from pdplane.core.grpc.echo import echo
-from pdplane.registry.etcd_client import EtcdClient, absent, delete_op, put_op, unchanged_since
-from pdplane.registry.etcd_follow import ViewFollower
-from pdplane.registry.etcd_lease import ReplicaLease, describe
-from pdplane.registry.etcd_loads import LoadReports
-from pdplane.registry.etcd_view import EtcdView, composite, etcd_revision
+from pdplane.registry.etcd.client import EtcdClient, absent, delete_op, put_op, unchanged_since
+from pdplane.registry.etcd.follow import ViewFollower
+from pdplane.registry.etcd.lease import ReplicaLease, describe
+from pdplane.registry.etcd.loads import LoadReports
+from pdplane.registry.etcd.view import EtcdView, composite, etcd_revision
 from pdplane.registry.store import (
     LeaseGrant,
     LeasePolicy,

@@ -6,7 +6,7 @@ from itertools import groupby
 
 from aetcd import rpc
 
-from pdplane.registry.etcd_view import SHIFT, EtcdView, composite, etcd_revision
+from pdplane.registry.etcd.view import SHIFT, EtcdView, composite, etcd_revision
 from pdplane.v1 import instance_pb2, registry_pb2, registry_store_pb2
 from tests.integration.registry.fixtures import make_spec
 

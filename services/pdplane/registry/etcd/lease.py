@@ -16,7 +16,7 @@ from collections.abc import Callable
 import grpc
 from aetcd import rpc
 
-from pdplane.registry.etcd_client import REQUIRE_LEADER, EtcdClient
+from pdplane.registry.etcd.client import REQUIRE_LEADER, EtcdClient
 from pdplane.registry.store import StoreError, StoreUnavailableError
 from pdplane.v1 import registry_store_pb2
 

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from pdplane.registry.etcd_lease import FailureStreak
+from pdplane.registry.etcd.lease import FailureStreak
 
 
 def test_a_streak_logs_one_warning_its_repeats_quietly_and_its_end(

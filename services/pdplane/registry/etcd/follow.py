@@ -12,9 +12,9 @@ import time
 
 from aetcd import rpc
 
-from pdplane.registry.etcd_client import REQUIRE_LEADER, EtcdClient, prefix_end
-from pdplane.registry.etcd_lease import FailureStreak, describe
-from pdplane.registry.etcd_view import EtcdView
+from pdplane.registry.etcd.client import REQUIRE_LEADER, EtcdClient, prefix_end
+from pdplane.registry.etcd.lease import FailureStreak, describe
+from pdplane.registry.etcd.view import EtcdView
 from pdplane.registry.store import StoreError
 
 __all__ = ["ViewFollower"]
