@@ -63,3 +63,19 @@ def test_generated_protobuf_code_is_current() -> None:
         text=True,
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+# A user reads a docs page through; a page past this is a subject to split (docs/benchmarks/
+# holds one page per subject for the measurements).
+_DOCS_PAGE_MAX_LINES = 400
+
+
+def test_no_docs_page_is_longer_than_the_bound() -> None:
+    pages = sorted((ROOT / "docs").rglob("*.md"))
+    assert pages
+    long = {
+        str(p.relative_to(ROOT)): n
+        for p in pages
+        if (n := len(p.read_text().splitlines())) > _DOCS_PAGE_MAX_LINES
+    }
+    assert long == {}
