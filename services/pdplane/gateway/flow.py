@@ -18,7 +18,7 @@ need) from its admission until its answer ends. While the budget is full, reques
   tag of the request admitted last in its band and `last_t` the tag of t's previous request;
   the smallest tag goes first. A tenant sending 10x the others' rate only lengthens its own
   queue; a 32k-token prompt weighs 320 times a 100-token one. `policy="fifo"` is one band in
-  arrival order (the behaviour without flow control, kept for comparison).
+  arrival order (`--flow-policy fifo`: no fairness between tenants, as a plain vLLM queue).
 - only the head of the best band is admitted, when its tokens fit the budget (or nothing is
   in flight: a request larger than the whole budget goes alone), so big requests never starve;
 - **a tenant within its share needs no turn**: every tenant with requests in flight or
