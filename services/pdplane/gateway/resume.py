@@ -116,7 +116,7 @@ async def migrate(r: Request, transcript: Transcript, loss: Loss, counted: bool 
         try:
             async with asyncio.timeout(max(left, 0.001)):
                 with tracing.span("pdplane.migration", attributes=attributes):
-                    r.resp = await _resumed_legs(r, body)
+                    r.resp = await _resumed_legs(r, body, loss.reason != "error_event")
         except RetryElsewhere as failed:
             lost, loss = failed.instance_id, Loss("lost", 502, failed.error.message)
             continue
@@ -154,19 +154,20 @@ async def migrate(r: Request, transcript: Transcript, loss: Loss, counted: bool 
         return Splice(r.req, transcript.as_first_token(), None, cached, sent, seam)
 
 
-async def _resumed_legs(r: Request, body: dict[str, Any]) -> UpstreamResponse:
+async def _resumed_legs(r: Request, body: dict[str, Any], wait: bool) -> UpstreamResponse:
     """The new legs of a resumed stream (`body`: `resumed_body`'s): Schedule, prefill's leg
-    when the decision has one, decode's response headers. Raises RetryElsewhere (an instance
-    unreachable: the next decode is tried), GatewayError."""
+    when the decision has one, decode's response headers. `wait`: with no decode but the lost
+    one, wait for one (the only decode restarting) within the time budget `migrate` holds
+    this to; else that is a GatewayError at once (a decode that sent its own error event is
+    alive: no restart of it is coming). Raises RetryElsewhere (an instance unreachable: the
+    next decode is tried), GatewayError."""
     try:
-        # No decode but the lost one (the only decode restarting): wait for one, within the
-        # time budget `migrate` holds this to.
         await schedule(
             r,
             queue=True,
             prompt_tokens=len(body["prompt"]),
             max_tokens=body["max_tokens"] or 0,
-            wait_s=math.inf,
+            wait_s=math.inf if wait else None,
         )
         kv = None
         if r.prefill is not None:

@@ -38,21 +38,29 @@ def test_decode_400_reaches_the_client_unchanged(
     wait_for(lambda: stack.scheduler_inflight() == 0, what="in-flight count back to 0")
 
 
+@pytest.mark.parametrize("embedded", [False, True], ids=["remote", "embedded"])
 def test_decode_dying_mid_stream_gives_one_error_event_and_closes(
-    pair: tuple[Stack, RunningSims],
+    stack_factory: Callable[..., Stack], embedded: bool
 ) -> None:
-    stack, sims = pair
+    # The only decode: the stream waits for one within --migration-timeout-s (a restart of it
+    # would continue the stream), then one error event naming the lost decode.
+    stack = stack_factory(embedded=embedded, migration_timeout_s=0.5)
+    sims = stack.sims(["prefill", "decode"], itl_ms=1)
+    stack.wait_ready(sims)
     sims[1].set_faults(fail_mode="drop", fail_after_tokens=2, fail_next=1)
     body = {"model": MODEL, "prompt": "hello", "max_tokens": 10, "stream": True}
+    started = time.monotonic()
     with httpx.stream("POST", f"{stack.url}/v1/completions", json=body, timeout=10) as r:
         assert r.status_code == 200
         raw = r.read()  # returns: the gateway closed the stream
+    assert time.monotonic() - started >= 0.5
     events = raw[:-2].split(b"\n\n")
     assert b"[DONE]" not in raw
     errors = [e for e in events if b'"error"' in e]
     assert errors == [events[-1]]
     error = json.loads(events[-1][len(b"data: ") :])["error"]
-    assert error["code"] == 502 and sims[1].instance_id in error["message"]
+    assert error["code"] == 504 and sims[1].instance_id in error["message"]
+    assert "--migration-timeout-s 0.5" in error["message"]
     # the first token (prefill's, gateway.first_token), decode's two, then the error event
     assert len(events) == 4
     wait_for(lambda: stack.scheduler_inflight() == 0, what="in-flight count back to 0")
