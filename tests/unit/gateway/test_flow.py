@@ -375,6 +375,7 @@ async def test_a_low_priority_request_behind_a_steady_better_stream_is_shed_earl
     flow = _flow(budget=100, ceiling=100, timeout_s=1.0, max_queued=1000, clock=lambda: now[0])
     current = await _stream(flow, now, 0.1, 25)  # 2.5 s of the stream: a measured rate
     low = asyncio.create_task(flow.admit(M, "lo", 5, 10))
+    await asyncio.sleep(0.01)  # it arrived
     for _ in range(40):
         if low.done():
             break
