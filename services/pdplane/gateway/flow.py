@@ -39,16 +39,21 @@ need) from its admission until its answer ends. While the budget is full, reques
   (docs/benchmarks/flow-control.md).
 
 Under overload, requests are shed with 429 and `Retry-After` (never a hang), the lowest
-priority first: a request whose projected wait (tokens queued ahead of it / the model's drain
-rate) exceeds `timeout_s` is refused at arrival or,
-once queued, as soon as its projection passes its remaining time (checked every 100 ms);
-with `max_queued` requests waiting, a newcomer of better priority takes the place of the
-last-served waiter of the worst band (429) and any other newcomer is refused. A request
-still waiting after `timeout_s` gets 503 (the shared `--queue-timeout-s`). `timeout_s` 0 =
-no flow control (every request admitted at once).
+priority first: a request whose projected wait exceeds `timeout_s` is refused at arrival or,
+once queued, as soon as its projection passes its remaining time (checked every 100 ms). The
+projection: tokens queued ahead of it / the rate the better priorities leave over, i.e. the
+model's drain rate less the tokens per second of better-priority requests that arrived over
+the same window (they keep going ahead of it: counting only those queued now, a low priority
+behind a steady better stream projected a short wait until its timeout). With `max_queued`
+requests waiting, a newcomer of better priority takes the place of the last-served waiter of
+the worst band (429) and any other newcomer is refused. A request still waiting after
+`timeout_s` (the shared `--queue-timeout-s`) gets 429 too when requests of the model ended
+during its wait (the model drains others' work: overloaded), 503 when none did (it makes no
+progress). `timeout_s` 0 = no flow control (every request admitted at once).
 
 The drain rate is measured only while requests wait (the model at its budget): the tokens of
-the requests that ended during the last 10 s of such time, over that time. What a model
+the requests that ended during the last 10 s of such time, over that time; the arrivals of
+each priority likewise (requests queued or admitted while others waited). What a model
 drains while nothing waits is what it was given, not what it can do: over an idle window the
 rate would fall towards zero and a burst after a quiet spell would be shed on a false
 projection. Until 2 s of waiting were seen there is no rate, and nobody is shed on a
@@ -92,6 +97,7 @@ class FlowTicket:
     __slots__ = (
         "arrived",
         "cost",
+        "ended",
         "finish",
         "future",
         "model",
@@ -108,6 +114,7 @@ class FlowTicket:
         self.cost = cost  # tokens
         self.arrived = arrived
         self.finish = 0.0
+        self.ended = 0  # the model's requests ended when this one started waiting
         self.seq = 0
         self.state = _WAITING
         self.future: asyncio.Future[None] | None = None
@@ -154,10 +161,13 @@ class _Use:
 class _ModelFlow:
     __slots__ = (
         "active_weight",
+        "arrived",
+        "arrived_sum",
         "bands",
         "by_priority",
         "drained",
         "drained_sum",
+        "ended",
         "inflight",
         "saturated_s",
         "saturated_since",
@@ -176,6 +186,11 @@ class _ModelFlow:
         # waited, and their sum: the drain rate's samples
         self.drained: collections.deque[tuple[float, int]] = collections.deque()
         self.drained_sum = 0
+        # (the saturated clock, priority, tokens) of requests that arrived while others waited
+        # and were not refused, and their sums by priority: what each band's betters take
+        self.arrived: collections.deque[tuple[float, int, int]] = collections.deque()
+        self.arrived_sum: dict[int, int] = {}
+        self.ended = 0  # requests admitted and ended, ever
         self.saturated_s = 0.0  # seconds with requests waiting, up to saturated_since
         self.saturated_since: float | None = None  # since when requests wait (None: none do)
 
@@ -245,6 +260,8 @@ class FlowControl:
             or (flow.waiting == 0 and self._fits(flow, model, ticket))
             or self._within_share(flow, model, ticket)
         ):
+            if flow.waiting:
+                self._arrival(flow, ticket, now)
             self._grant(flow, ticket, now)
             return ticket
         try:
@@ -272,18 +289,27 @@ class FlowControl:
             return ticket
         self._remove(flow, ticket)
         self._unuse(flow, ticket)
-        waited = self._clock() - now
+        later = self._clock()
+        waited = later - now
+        # Requests ended while it waited: the model drains, others' work holds its budget, so
+        # it is overloaded (429, retry later), not down; nothing ended: it makes no progress.
+        drains = flow.ended > ticket.ended
         self._child(self._metrics.flow_timeouts, ticket).inc()
         self._child(self._metrics.flow_wait, ticket).observe(waited)
         log.warning(
             "request of tenant %r (priority %d, %d tokens) for model %r waited %.1f s for "
-            "its turn, none came",
+            "its turn, none came (%s)",
             tenant,
             priority,
             ticket.cost,
             model,
             waited,
+            "429: the model drained others' requests" if drains else "503: nothing ended",
         )
+        if drains:
+            raise self._shed(
+                ticket, "timeout", self._retry_s(flow, later), f"no turn within {waited:.1f} s"
+            )
         raise unavailable(
             f"model {model!r} is over its in-flight budget: no turn within {waited:.1f} s "
             f"(--queue-timeout-s {self.timeout_s:g})"
@@ -296,6 +322,7 @@ class FlowControl:
             return
         ticket.state = _GONE
         flow = self._flows[ticket.model]
+        flow.ended += 1
         flow.inflight -= ticket.cost
         flow.by_priority[ticket.priority] -= ticket.cost
         use = flow.use[ticket.tenant]
@@ -399,8 +426,11 @@ class FlowControl:
         heapq.heappush(band.heap, ticket)
         band.count += 1
         band.tokens += ticket.cost
+        now = self._clock()
         if flow.waiting == 0:
-            flow.saturated_since = self._clock()
+            flow.saturated_since = now
+        self._arrival(flow, ticket, now)
+        ticket.ended = flow.ended
         flow.waiting += 1
         flow.use[ticket.tenant].waiting += 1
         self._child(self._metrics.flow_queued, ticket).inc()
@@ -458,8 +488,16 @@ class FlowControl:
         which requests waited (None until `_RATE_MIN_SPAN_S` of such time was seen); idle
         time does not dilute it (see the module's docstring)."""
         saturated = flow.saturated_clock(now)
-        while flow.drained and flow.drained[0][0] < saturated - _RATE_WINDOW_S:
+        horizon = saturated - _RATE_WINDOW_S
+        while flow.drained and flow.drained[0][0] < horizon:
             flow.drained_sum -= flow.drained.popleft()[1]
+        while flow.arrived and flow.arrived[0][0] < horizon:
+            _, priority, tokens = flow.arrived.popleft()
+            left = flow.arrived_sum[priority] - tokens
+            if left:
+                flow.arrived_sum[priority] = left
+            else:
+                del flow.arrived_sum[priority]
         span = min(_RATE_WINDOW_S, saturated)
         if not flow.drained or span < _RATE_MIN_SPAN_S:
             return None
@@ -470,6 +508,30 @@ class FlowControl:
             # it served within half the timeout).
             return None
         return flow.drained_sum / span
+
+    @staticmethod
+    def _arrival(flow: _ModelFlow, ticket: FlowTicket, now: float) -> None:
+        """Counts the tokens of a request that arrived while others waited and was taken (queued
+        or admitted): a sample of what its priority takes of the drain rate."""
+        flow.arrived.append((flow.saturated_clock(now), ticket.priority, ticket.cost))
+        flow.arrived_sum[ticket.priority] = flow.arrived_sum.get(ticket.priority, 0) + ticket.cost
+
+    @staticmethod
+    def _projected_s(flow: _ModelFlow, now: float, rate: float, priority: int, ahead: int) -> float:
+        """Seconds until `ahead` tokens queued before a waiter of `priority` (its own included)
+        are served: at the drain rate `rate` (from `_rate`, which also pruned the arrivals) less
+        the tokens per second of better priorities that arrived over the same window, as
+        those keep going ahead of it. Infinite when they take the whole rate."""
+        span = min(_RATE_WINDOW_S, flow.saturated_clock(now))
+        better = sum(t for p, t in flow.arrived_sum.items() if p < priority)
+        left = rate - better / span
+        return ahead / left if left > 0 else float("inf")
+
+    @staticmethod
+    def _projection(projected_s: float) -> str:
+        if projected_s == float("inf"):
+            return "better priorities take all the model drains"
+        return f"its projected wait {projected_s:.0f} s"
 
     def _refuse_if_overloaded(
         self, flow: _ModelFlow, ticket: FlowTicket, tenant_key: str, weight: float
@@ -482,14 +544,12 @@ class FlowControl:
             if band is not None:
                 tag = self._finish_tag(band, tenant_key, ticket, weight)
                 ahead += sum(t.cost for t in band.heap if t.state == _WAITING and t.finish <= tag)
-            wait_s = (ahead + ticket.cost) / rate
+            wait_s = self._projected_s(flow, now, rate, ticket.priority, ahead + ticket.cost)
             if wait_s > self.timeout_s:
-                raise self._shed(
-                    ticket,
-                    "overload",
-                    wait_s - self.timeout_s,
-                    f"its projected wait {wait_s:.0f} s",
-                )
+                retry_s = wait_s - self.timeout_s
+                if retry_s == float("inf"):
+                    retry_s = self._retry_s(flow, now)
+                raise self._shed(ticket, "overload", retry_s, self._projection(wait_s))
         if flow.waiting < self.max_queued:
             return
         worst = max(flow.bands)
@@ -539,12 +599,12 @@ class FlowControl:
             shed: list[tuple[FlowTicket, float]] = []
             for t in band.live():
                 ahead += t.cost
-                projected = ahead / rate
+                projected = self._projected_s(flow, now, rate, priority, ahead)
                 if now - t.arrived + projected > self.timeout_s:
                     shed.append((t, projected))
                     ahead -= t.cost
             for t, projected in shed:
-                self._shed_waiter(flow, t, "overload", f"its projected wait {projected:.0f} s more")
+                self._shed_waiter(flow, t, "overload", f"{self._projection(projected)} more")
 
     def _ensure_ticker(self) -> None:
         if self._ticker is None or self._ticker.done():

@@ -350,3 +350,69 @@ async def test_worse_priorities_in_flight_do_not_count_against_a_better_one() ->
     for t in low + high:
         flow.release(t)
     assert flow.inflight_tokens(M) == 0
+
+
+async def _stream(flow: FlowControl, now: list[float], step_s: float, steps: int) -> FlowTicket:
+    """Keeps the budget of 100 full with priority-0 requests of 100 tokens: each step one more
+    arrives and waits, the fake clock `now` moves `step_s`, the one in flight ends and the
+    newcomer takes its place (100 tokens per `step_s` arrive and drain). Returns the request
+    left in flight."""
+    current = await flow.admit(M, "hi", 0, 100)
+    for _ in range(steps):
+        nxt = asyncio.create_task(flow.admit(M, "hi", 0, 100))
+        await asyncio.sleep(0.01)
+        now[0] += step_s
+        flow.release(current)
+        current = await asyncio.wait_for(nxt, 1)
+    return current
+
+
+async def test_a_low_priority_request_behind_a_steady_better_stream_is_shed_early() -> None:
+    # The better priority arrives as fast as the model drains (1,000 tokens/s), so a worse
+    # one is never served; the tokens queued ahead of it at any moment are few (one request),
+    # so a projection from them alone kept it waiting until its timeout and a 503.
+    now = [0.0]
+    flow = _flow(budget=100, ceiling=100, timeout_s=1.0, max_queued=1000, clock=lambda: now[0])
+    current = await _stream(flow, now, 0.1, 25)  # 2.5 s of the stream: a measured rate
+    low = asyncio.create_task(flow.admit(M, "lo", 5, 10))
+    await asyncio.sleep(0.01)  # it arrived
+    for _ in range(40):
+        if low.done():
+            break
+        nxt = asyncio.create_task(flow.admit(M, "hi", 0, 100))
+        await asyncio.sleep(0.15)  # a check of the queue ran
+        now[0] += 0.1
+        flow.release(current)
+        current = await asyncio.wait_for(nxt, 2)
+    shed = low.exception()
+    assert isinstance(shed, GatewayError)
+    assert shed.status == 429 and shed.type_ == "overloaded"
+    assert int(shed.headers["retry-after"]) >= 1
+    assert now[0] == pytest.approx(2.5), "shed at arrival, before the stream moved on"
+    flow.release(current)
+    assert flow.queued(M) == 0 and flow.inflight_tokens(M) == 0
+
+
+async def test_a_timeout_while_the_model_drains_is_a_429_and_while_it_stalls_a_503() -> None:
+    # No measured rate (the clock stands still), so nothing is shed on a projection: the low
+    # priority waits its whole timeout while the better one's requests go ahead of it. The
+    # model drained all along: it is overloaded, not down, so the answer is 429 to retry.
+    flow = _flow(budget=100, ceiling=100, timeout_s=0.3)
+    current = await flow.admit(M, "hi", 0, 100)
+    low = asyncio.create_task(flow.admit(M, "lo", 5, 10))
+    while not low.done():
+        nxt = asyncio.create_task(flow.admit(M, "hi", 0, 100))
+        await asyncio.sleep(0.02)
+        flow.release(current)
+        current = await asyncio.wait_for(nxt, 1)
+    overloaded = low.exception()
+    assert isinstance(overloaded, GatewayError)
+    assert overloaded.status == 429 and overloaded.type_ == "overloaded"
+    assert int(overloaded.headers["retry-after"]) >= 1
+    assert "--queue-timeout-s 0.3" in overloaded.message
+    # Nothing ended during the wait: the model makes no progress, 503.
+    with pytest.raises(GatewayError) as stalled:
+        await flow.admit(M, "lo", 5, 10)
+    assert stalled.value.status == 503
+    flow.release(current)
+    assert flow.queued(M) == 0 and flow.inflight_tokens(M) == 0
