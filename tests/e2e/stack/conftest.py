@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -33,3 +34,21 @@ def gateway_url(registry_address: str, vllm_pair: VllmPair) -> Iterator[str]:
     ):
         wait_until(lambda: http_ok(f"{url}/health"), 60.0, what="gateway /health 200")
         yield url
+
+
+@pytest.fixture(scope="module")
+def whole_tokens(tiny_model: Path) -> list[int]:
+    """Ids of the tiny tokenizer's tokens that are text of their own. The tiny model samples
+    ids its tokenizer lacks (its vocabulary is padded) and byte tokens that are part of a
+    character: their text is "", and such a first token takes the usual path (see
+    `FirstToken.of`). Tests of the prefill path sample only these (`allowed_token_ids`)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_model))
+    special = set(tok.all_special_ids)
+    out = []
+    for i in range(len(tok)):
+        text = tok.decode([i])
+        if i not in special and text and "\ufffd" not in text:
+            out.append(i)
+    return out

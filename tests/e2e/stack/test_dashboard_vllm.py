@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tests.e2e.conftest import VllmPair
-from tests.integration.gateway.test_grafana_dashboard import dashboard_metrics, exported
+from tests.support.dashboard import dashboard_metrics, exported
 
 pytestmark = pytest.mark.vllm
 

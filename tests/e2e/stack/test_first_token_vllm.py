@@ -76,24 +76,6 @@ def _generated(pair: VllmPair) -> tuple[float, float]:
     return metric(pair.prefill_url, name), metric(pair.decode_url, name)
 
 
-@pytest.fixture(scope="module")
-def whole_tokens(tiny_model: Path) -> list[int]:
-    """Ids of the tiny tokenizer's tokens that are text of their own. The tiny model samples
-    ids its tokenizer lacks (its vocabulary is padded) and byte tokens that are part of a
-    character: their text is "", and such a first token takes the usual path (see
-    `FirstToken.of`). Tests of the prefill path sample only these (`allowed_token_ids`)."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(tiny_model))
-    special = set(tok.all_special_ids)
-    out = []
-    for i in range(len(tok)):
-        text = tok.decode([i])
-        if i not in special and text and "\ufffd" not in text:
-            out.append(i)
-    return out
-
-
 def _body(path: str, tag: str, **extra: Any) -> dict[str, Any]:
     body: dict[str, Any] = {
         "model": MODEL_NAME,

@@ -35,7 +35,6 @@ from tests.e2e.conftest import (
 )
 from tests.e2e.connector.helpers import idle_free_blocks, metric
 from tests.e2e.stack.conftest import fresh_text
-from tests.e2e.stack.test_first_token_vllm import whole_tokens  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.vllm
 
@@ -94,7 +93,7 @@ def test_a_decode_sigkilled_mid_stream_the_stream_continues_on_the_other(
     vllm_pair: VllmPair,
     vllm_reference: VllmCpuInstance,
     victim: VllmCpuInstance,
-    whole_tokens: list[int],  # noqa: F811 (the fixture imported above)
+    whole_tokens: list[int],
 ) -> None:
     prompt = fresh_text("migration")
     sampling = {

@@ -11,16 +11,18 @@ BLOCK_BYTES = LAYERS * 2 * 16 * 8 * 128 * 2  # K+V of 16 tokens, 8 heads x 128, 
 SMALL = {"layers": LAYERS, "num_blocks": NUM_BLOCKS}
 
 
-def _ok(answer: dict[str, Any]) -> dict[str, Any]:
+def ok(answer: dict[str, Any]) -> dict[str, Any]:
+    """`answer` (a node's reply), after checking it says ok."""
     assert answer.get("ok") is True, answer
     return answer
 
 
-def _sums(node: Any, ids: list[int]) -> list[int]:
-    return _ok(node.call("checksums", block_ids=ids))["checksums"]
+def block_sums(node: Any, ids: list[int]) -> list[int]:
+    """`node`'s checksums of the KV blocks `ids`."""
+    return ok(node.call("checksums", block_ids=ids))["checksums"]
 
 
-def _pull(
+def pull_blocks(
     decode: Any,
     prefill: Any,
     transfer_id: str,
@@ -30,7 +32,9 @@ def _pull(
     timeout_s: float = 60.0,
     **extra: Any,
 ) -> dict[str, Any]:
-    _ok(prefill.call("hold", transfer_id=transfer_id, block_ids=held))
+    """Has `prefill` hold blocks `held` under `transfer_id`, then `decode` pull those at
+    `positions` into its blocks `local`; returns decode's answer (not checked)."""
+    ok(prefill.call("hold", transfer_id=transfer_id, block_ids=held))
     return decode.call(
         "pull",
         endpoint=prefill.endpoint,
@@ -43,7 +47,7 @@ def _pull(
     )
 
 
-def _check_pull(
+def check_pull(
     decode: Any,
     prefill: Any,
     transfer_id: str,
@@ -62,9 +66,9 @@ def _check_pull(
         positions = sorted(rng.sample(range(48), 40))
         local = rng.sample(range(NUM_BLOCKS), 40)
     src = [held[p] for p in positions]
-    before = _sums(decode, local)
-    answer = _ok(_pull(decode, prefill, transfer_id, held, positions, local))
+    before = block_sums(decode, local)
+    answer = ok(pull_blocks(decode, prefill, transfer_id, held, positions, local))
     assert answer["bytes"] == 40 * BLOCK_BYTES
-    expected = _sums(prefill, src)
+    expected = block_sums(prefill, src)
     assert before != expected  # the destination did not hold these bytes already
-    assert _sums(decode, local) == expected
+    assert block_sums(decode, local) == expected

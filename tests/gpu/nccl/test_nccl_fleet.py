@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from tests.gpu.nccl.helpers import NUM_BLOCKS, SMALL, _check_pull, _ok, _sums
+from tests.gpu.nccl.helpers import NUM_BLOCKS, SMALL, block_sums, check_pull, ok
 from tests.integration.registry.fixtures import running_registry
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
@@ -22,7 +22,7 @@ TTL_MS = 1000
 
 
 def _comms(node: Any) -> dict[str, Any]:
-    return _ok(node.call("comms"))
+    return ok(node.call("comms"))
 
 
 def _wait_comms(node: Any, cond: Any, timeout: float, what: str) -> dict[str, Any]:
@@ -47,7 +47,7 @@ def test_more_peers_than_the_cap_evicts_idle_pairs_and_fails_no_transfer(
         p = prefills[k % len(prefills)]
         held = rng.sample(range(NUM_BLOCKS), 4)
         local = rng.sample(range(4 * k, 4 * k + 4), 4)  # disjoint: every pull is checked
-        _ok(p.call("hold", transfer_id=f"t{k}", block_ids=held))
+        ok(p.call("hold", transfer_id=f"t{k}", block_ids=held))
         pulls.append(
             {
                 "endpoint": p.endpoint,
@@ -59,10 +59,10 @@ def test_more_peers_than_the_cap_evicts_idle_pairs_and_fails_no_transfer(
             }
         )
         expected.append((p, held, local))
-    answer = _ok(decode.call("pulls", pulls=pulls, concurrency=3, timeout=300))
+    answer = ok(decode.call("pulls", pulls=pulls, concurrency=3, timeout=300))
     assert answer["failed"] == 0, [a for a in answer["answers"] if a.get("ok") is False]
     for p, held, local in expected:
-        assert _sums(decode, local) == _sums(p, held)
+        assert block_sums(decode, local) == block_sums(p, held)
     stats = _comms(decode)["stats"]
     assert stats["communicators_evicted"] >= 2 and stats["communicators_failed"] == 0
     assert stats["communicators"] <= 2
@@ -73,9 +73,9 @@ def test_a_preconnected_pair_costs_the_first_pull_no_handshake(start_node: Any) 
     prefill = start_node("p0", seed=1, **SMALL)
     decode = start_node("d0", seed=2, **SMALL)
     peers = [{"instance_id": "p0", "endpoint": prefill.endpoint, "pulls_from": True}]
-    assert _ok(decode.call("preconnect", peers=peers, timeout_s=30))["opened"] == 1
-    _ok(prefill.call("hold", transfer_id="t0", block_ids=[5]))
-    first = _ok(
+    assert ok(decode.call("preconnect", peers=peers, timeout_s=30))["opened"] == 1
+    ok(prefill.call("hold", transfer_id="t0", block_ids=[5]))
+    first = ok(
         decode.call(
             "pull",
             endpoint=prefill.endpoint,
@@ -87,16 +87,16 @@ def test_a_preconnected_pair_costs_the_first_pull_no_handshake(start_node: Any) 
         )
     )
     assert first["connect_s"] == 0
-    assert _sums(decode, [7]) == _sums(prefill, [5])
+    assert block_sums(decode, [7]) == block_sums(prefill, [5])
 
 
 def test_a_new_prefill_asks_its_decodes_to_connect(start_node: Any) -> None:
     decode = start_node("d0", seed=2, **SMALL)
     prefill = start_node("p0", seed=1, **SMALL)
     peers = [{"instance_id": "d0", "endpoint": decode.endpoint, "serves_to": True}]
-    assert _ok(prefill.call("preconnect", peers=peers, timeout_s=30))["opened"] == 1
+    assert ok(prefill.call("preconnect", peers=peers, timeout_s=30))["opened"] == 1
     assert _comms(decode)["comms"]["active"] == {"p0#0/pull": "ready"}
-    _check_pull(decode, prefill, "t", random.Random(4))
+    check_pull(decode, prefill, "t", random.Random(4))
 
 
 def test_peers_killed_or_drained_lose_their_communicators_within_the_ttl(
@@ -110,8 +110,8 @@ def test_peers_killed_or_drained_lose_their_communicators_within_the_ttl(
         # the new prefills asked the decode to connect before they registered
         both = {"p0#0/pull", "p1#0/pull"}
         _wait_comms(decode, lambda c: set(c["comms"]["active"]) == both, 30, "pairs up")
-        _check_pull(decode, killed, "k", random.Random(1))
-        _check_pull(decode, drained, "d", random.Random(2))
+        check_pull(decode, killed, "k", random.Random(1))
+        check_pull(decode, drained, "d", random.Random(2))
         # killed: its streams break at once, and the registry removes it at lease expiry
         t0 = time.monotonic()
         killed.kill()
@@ -122,7 +122,7 @@ def test_peers_killed_or_drained_lose_their_communicators_within_the_ttl(
         # drained: deregistered with drain, gone once idle; its pair with decode stays up
         # until then and is dropped when it leaves the registry
         t0 = time.monotonic()
-        _ok(drained.call("deregister", drain=True, timeout=30))
+        ok(drained.call("deregister", drain=True, timeout=30))
         after = _wait_comms(decode, lambda c: len(c["gone"]) >= 2, 5, "p1 left the registry")
         assert time.monotonic() - t0 < TTL_MS / 1000 + 2.0
         assert after["gone"][1] == {

@@ -13,7 +13,15 @@ from typing import Any
 
 import pytest
 
-from tests.gpu.nccl.helpers import BLOCK_BYTES, NUM_BLOCKS, SMALL, _check_pull, _ok, _pull, _sums
+from tests.gpu.nccl.helpers import (
+    BLOCK_BYTES,
+    NUM_BLOCKS,
+    SMALL,
+    block_sums,
+    check_pull,
+    ok,
+    pull_blocks,
+)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 
@@ -24,9 +32,9 @@ def test_pull_noncontiguous_blocks_arrive_byte_equal(start_node: Any) -> None:
     # 3 MiB chunks: a 10 MiB transfer takes several gather chunks, some splitting a layer.
     decode = start_node("d0", seed=2, chunk_bytes=3 << 20, **SMALL)
     for i in range(3):
-        _check_pull(decode, prefill, f"t{i}", rng)
-    _check_pull(decode, prefill, "run", rng, consecutive=True)
-    comms = _ok(decode.call("comms"))["comms"]
+        check_pull(decode, prefill, f"t{i}", rng)
+    check_pull(decode, prefill, "run", rng, consecutive=True)
+    comms = ok(decode.call("comms"))["comms"]
     assert comms["active"] == {"p0#0/pull": "ready"}  # one pair, kept for every transfer
 
 
@@ -45,13 +53,13 @@ def test_pull_errors_are_clean(start_node: Any) -> None:
     assert answer["ok"] is False and answer["code"] == "NOT_FOUND", answer
     # Decode posted the first receive before the verdict; prefill's filler matched it: the
     # communicator survives and is reused.
-    comms = _ok(decode.call("comms"))["comms"]
+    comms = ok(decode.call("comms"))["comms"]
     assert comms == {"active": {"p0#0/pull": "ready"}, "retired": {}}
     # Out-of-range block index: refused the same way.
-    bad = _pull(decode, prefill, "held", [4, 5], [0, 99], [1, 2], timeout_s=10)
+    bad = pull_blocks(decode, prefill, "held", [4, 5], [0, 99], [1, 2], timeout_s=10)
     assert bad["ok"] is False and bad["code"] == "INVALID_ARGUMENT", bad
-    _check_pull(decode, prefill, "after", random.Random(3))
-    assert _ok(decode.call("comms"))["comms"]["retired"] == {}
+    check_pull(decode, prefill, "after", random.Random(3))
+    assert ok(decode.call("comms"))["comms"]["retired"] == {}
 
 
 def test_push_spills_to_host_and_refuses_when_full(start_node: Any) -> None:
@@ -69,7 +77,7 @@ def test_push_spills_to_host_and_refuses_when_full(start_node: Any) -> None:
         {"transfer_id": f"push{i}", "block_ids": rng.sample(range(NUM_BLOCKS), 16)}
         for i in range(3)
     ]
-    answer = _ok(
+    answer = ok(
         prefill.call("push", endpoint=decode.endpoint, peer_id="d0", items=items[:2], timeout_s=30)
     )
     assert answer["spilled"] == [False, True]  # GPU buffer first, then pinned host memory
@@ -82,13 +90,13 @@ def test_push_spills_to_host_and_refuses_when_full(start_node: Any) -> None:
     assert time.monotonic() - t0 < 5  # refused at once, never waits for room
     for item in items[:2]:
         local = rng.sample(range(NUM_BLOCKS), 16)
-        _ok(decode.call("take", transfer_id=item["transfer_id"], local_ids=local, timeout_s=30))
-        assert _sums(decode, local) == _sums(prefill, item["block_ids"])
+        ok(decode.call("take", transfer_id=item["transfer_id"], local_ids=local, timeout_s=30))
+        assert block_sums(decode, local) == block_sums(prefill, item["block_ids"])
     # Room is back: the refused transfer now goes through.
-    _ok(prefill.call("push", endpoint=decode.endpoint, peer_id="d0", items=items[2:], timeout_s=30))
+    ok(prefill.call("push", endpoint=decode.endpoint, peer_id="d0", items=items[2:], timeout_s=30))
     local = rng.sample(range(NUM_BLOCKS), 16)
-    _ok(decode.call("take", transfer_id="push2", local_ids=local, timeout_s=30))
-    assert _sums(decode, local) == _sums(prefill, items[2]["block_ids"])
+    ok(decode.call("take", transfer_id="push2", local_ids=local, timeout_s=30))
+    assert block_sums(decode, local) == block_sums(prefill, items[2]["block_ids"])
     missing = decode.call("take", transfer_id="never-pushed", local_ids=[0], timeout_s=1)
     assert missing["ok"] is False and missing["code"] == "NOT_FOUND"
 
@@ -105,7 +113,7 @@ ABORT_GRACE_S = 5.0
 
 def _big_pull_async(decode: Any, prefill: Any, transfer_id: str) -> None:
     held = list(range(BIG_BLOCKS))
-    _ok(prefill.call("hold", transfer_id=transfer_id, block_ids=held))
+    ok(prefill.call("hold", transfer_id=transfer_id, block_ids=held))
     decode.send(
         "pull",
         endpoint=prefill.endpoint,
@@ -122,7 +130,7 @@ def test_prefill_killed_mid_transfer_decode_fails_in_time_then_recovers(
 ) -> None:
     prefill = start_node("p0", seed=1, **BIG)
     decode = start_node("d0", seed=2, **BIG)
-    _check_pull(decode, prefill, "warm", random.Random(1))
+    check_pull(decode, prefill, "warm", random.Random(1))
     _big_pull_async(decode, prefill, "big")
     # Mid-transfer: prefill accepted and sends, decode posted its receives.
     prefill.wait_event("send_started", timeout=30, transfer_id="big")
@@ -133,13 +141,13 @@ def test_prefill_killed_mid_transfer_decode_fails_in_time_then_recovers(
     waited = time.monotonic() - t0
     assert answer["ok"] is False, answer
     assert waited < TIMEOUT_S + ABORT_GRACE_S, (waited, answer)  # the wait is bounded
-    comms = _ok(decode.call("comms"))["comms"]
+    comms = ok(decode.call("comms"))["comms"]
     key = "p0#0/pull"
     assert key not in comms["active"], (comms, answer)
     assert comms["retired"][key] == "failed", (comms, answer)
     # A new prefill instance afterwards works.
     prefill2 = start_node("p1", seed=3, **BIG)
-    _check_pull(decode, prefill2, "after", random.Random(2))
+    check_pull(decode, prefill2, "after", random.Random(2))
 
 
 def test_decode_killed_mid_transfer_prefill_aborts_then_serves_new_peer(
@@ -147,7 +155,7 @@ def test_decode_killed_mid_transfer_prefill_aborts_then_serves_new_peer(
 ) -> None:
     prefill = start_node("p0", seed=1, **BIG)
     decode = start_node("d0", seed=2, **BIG)
-    _check_pull(decode, prefill, "warm", random.Random(1))
+    check_pull(decode, prefill, "warm", random.Random(1))
     _big_pull_async(decode, prefill, "big")
     prefill.wait_event("send_started", timeout=30, transfer_id="big")
     decode.wait_event("recv_posted", timeout=30, transfer_id="big")
@@ -155,7 +163,7 @@ def test_decode_killed_mid_transfer_prefill_aborts_then_serves_new_peer(
     decode.kill()
     key = "d0#0/pull"
     while True:  # poll prefill until its pair with the dead decode is gone
-        comms = _ok(prefill.call("comms"))["comms"]
+        comms = ok(prefill.call("comms"))["comms"]
         if comms["retired"].get(key) == "failed":
             break
         if time.monotonic() - t0 > TIMEOUT_S + ABORT_GRACE_S:
@@ -163,4 +171,4 @@ def test_decode_killed_mid_transfer_prefill_aborts_then_serves_new_peer(
         time.sleep(0.05)
     assert key not in comms["active"]
     decode2 = start_node("d1", seed=4, **BIG)
-    _check_pull(decode2, prefill, "after", random.Random(2))
+    check_pull(decode2, prefill, "after", random.Random(2))

@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
+from pdplane.core import tracing
 from pdplane.gateway.testing import running_gateway_app
 from pdplane.scheduler.decision import Decider
 from pdplane.scheduler.kv_index import KvIndexManager
@@ -24,6 +25,7 @@ from pdplane.scheduler.server import SchedulerServer
 from pdplane.sim.testing import RunningSims, running_sims
 from tests.integration.registry.fixtures import running_registry
 from tests.integration.scheduler.fixtures import running_scheduler_server
+from tests.support.otlp import OtlpReceiver, otlp_receiver
 
 MODEL = "sim-model"
 
@@ -166,3 +168,18 @@ def pair(stack: Stack) -> tuple[Stack, RunningSims]:
     sims = stack.sims(["prefill", "decode"], itl_ms=1)
     stack.wait_ready(sims)
     return stack, sims
+
+
+@pytest.fixture
+def receiver(monkeypatch: pytest.MonkeyPatch) -> Iterator[OtlpReceiver]:
+    """An OTLP receiver on loopback that this process's tracing exports to for the test
+    (tracing configured afresh, shut down after)."""
+    with otlp_receiver() as r:
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", r.endpoint)
+        monkeypatch.setenv("OTEL_SERVICE_NAME", "pdplane-test")
+        tracing.shutdown()
+        assert tracing.configure("unused")
+        try:
+            yield r
+        finally:
+            tracing.shutdown()

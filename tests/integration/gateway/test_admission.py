@@ -10,33 +10,14 @@ admission queue for KV room). A request whose room never comes gets 503 after
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 
 import httpx
 import pytest
 
 from tests.integration.gateway.conftest import MODEL, Stack, wait_for
-from tests.integration.gateway.test_cancellation import _open
-from tests.integration.gateway.test_kv_room import _BODY
+from tests.integration.gateway.helpers import SHORT_BODY, hold_decode, open_request
 from tests.support.loadgen import completion_burst
-
-# 401 prompt + 16 output tokens (estimated 516 without a tokenizer): 4-5 blocks of 128.
-_SHORT = {"model": MODEL, "prompt": "word " * 400, "max_tokens": 16, "stream": True}
-# 701 prompt + 199 output tokens, streamed at 50 ms a token (~10 s): its prompt alone holds 6
-# blocks of 128 (what decode's load reports show), 7 once decoded.
-_LONG = {"model": MODEL, "prompt": "word " * 700, "max_tokens": 199, "stream": True}
-
-
-def _hold(stack: Stack) -> socket.socket:
-    """A long request that holds 6-7 of the decode's 8 blocks; returns once it streams."""
-    sock = _open(stack.url, "/v1/completions", _LONG)
-    buf = b""
-    while b"data: " not in buf:
-        chunk = sock.recv(65536)
-        assert chunk, f"connection closed early: {buf!r}"
-        buf += chunk
-    return sock
 
 
 def _metric(stack: Stack, name: str) -> float:
@@ -72,7 +53,7 @@ def test_sixteen_at_a_time_on_a_five_request_decode_all_complete(  # type: ignor
     )
     stack.wait_ready(sims)
     wait_for(lambda: _reported(stack), 5.0, "the first load reports")
-    statuses = asyncio.run(completion_burst(stack.url, _BODY, 48, 16))
+    statuses = asyncio.run(completion_burst(stack.url, SHORT_BODY, 48, 16))
     assert statuses == {200: 48}
     if budget:
         waits = _metric(
@@ -101,10 +82,10 @@ def test_room_that_never_comes_is_a_503_after_the_queue_timeout(  # type: ignore
         inflight_budget=0,  # the scheduler's KV-room refusal, not the gateway's budget
     )
     _small_fleet(stack)
-    holder = _hold(stack)
+    holder = hold_decode(stack)
     try:
         started = time.monotonic()
-        body = {**_SHORT, "stream": stream}
+        body = {**SHORT_BODY, "stream": stream}
         r = httpx.post(f"{stack.url}/v1/completions", json=body, timeout=10)
         waited = time.monotonic() - started
         assert r.status_code == 503
@@ -125,8 +106,8 @@ def test_a_client_leaving_the_queue_leaves_nothing_behind(  # type: ignore[no-un
 ) -> None:
     stack: Stack = stack_factory(embedded=embedded, inflight_budget=0)
     _small_fleet(stack)
-    holder = _hold(stack)
-    queued = _open(stack.url, "/v1/completions", {**_SHORT, "stream": stream})
+    holder = hold_decode(stack)
+    queued = open_request(stack.url, "/v1/completions", {**SHORT_BODY, "stream": stream})
     wait_for(lambda: _metric(stack, "pdplane_gateway_queued_requests") == 1, 5.0, "1 queued")
     queued.close()
     wait_for(lambda: _metric(stack, "pdplane_gateway_queued_requests") == 0, 2.0, "0 queued")
@@ -134,7 +115,7 @@ def test_a_client_leaving_the_queue_leaves_nothing_behind(  # type: ignore[no-un
     holder.close()
     wait_for(lambda: stack.scheduler_inflight() == 0, 2.0, "scheduler in-flight count 0")
     # Room has come: a late Schedule of the leaver would be counted now.
-    r = httpx.post(f"{stack.url}/v1/completions", json=_SHORT, timeout=10)
+    r = httpx.post(f"{stack.url}/v1/completions", json=SHORT_BODY, timeout=10)
     assert r.status_code == 200
     wait_for(lambda: stack.scheduler_inflight() == 0, 2.0, "scheduler in-flight count 0")
     assert _metric(stack, "pdplane_gateway_inflight_requests") == 0
@@ -143,11 +124,11 @@ def test_a_client_leaving_the_queue_leaves_nothing_behind(  # type: ignore[no-un
 def test_a_request_past_the_queue_cap_gets_503_at_once(stack_factory) -> None:  # type: ignore[no-untyped-def]
     stack: Stack = stack_factory(max_queued_requests=1, embedded=True, inflight_budget=0)
     _small_fleet(stack)
-    holder = _hold(stack)
-    queued = _open(stack.url, "/v1/completions", _SHORT)
+    holder = hold_decode(stack)
+    queued = open_request(stack.url, "/v1/completions", SHORT_BODY)
     try:
         wait_for(lambda: _metric(stack, "pdplane_gateway_queued_requests") == 1, 5.0, "queued")
-        r = httpx.post(f"{stack.url}/v1/completions", json=_SHORT, timeout=10)
+        r = httpx.post(f"{stack.url}/v1/completions", json=SHORT_BODY, timeout=10)
         assert r.status_code == 503
         message = r.json()["error"]["message"]
         assert "no KV room" in message and "not queued: 1 requests already wait" in message

@@ -5,29 +5,14 @@ Clients here are raw sockets so that "going away" is exactly a closed TCP connec
 
 from __future__ import annotations
 
-import json
 import socket
 import time
-from urllib.parse import urlsplit
 
 import pytest
 
 from pdplane.sim.testing import RunningSims
 from tests.integration.gateway.conftest import MODEL, Stack, wait_for
-
-
-def _open(url: str, path: str, body: dict[str, object], request_id: str = "") -> socket.socket:
-    """Sends one POST over a fresh connection and returns the socket (response unread)."""
-    parts = urlsplit(url)
-    sock = socket.create_connection((parts.hostname, parts.port), timeout=10)
-    data = json.dumps(body).encode()
-    extra = f"X-Request-Id: {request_id}\r\n" if request_id else ""
-    head = (
-        f"POST {path} HTTP/1.1\r\nHost: {parts.netloc}\r\nContent-Type: application/json\r\n"
-        f"{extra}Content-Length: {len(data)}\r\n\r\n"
-    )
-    sock.sendall(head.encode() + data)
-    return sock
+from tests.integration.gateway.helpers import open_request
 
 
 def _read_until(sock: socket.socket, needle: bytes, count: int) -> bytes:
@@ -64,7 +49,7 @@ def test_disconnect_mid_stream_cancels_decode(stack: Stack) -> None:
     sims = stack.sims(["prefill", "decode"], itl_ms=50)
     stack.wait_ready(sims)
     body = {"model": MODEL, "prompt": "hello", "max_tokens": 400, "stream": True}
-    sock = _open(stack.url, "/v1/completions", body)
+    sock = open_request(stack.url, "/v1/completions", body)
     _read_until(sock, b"data: ", 2)
     assert stack.scheduler_inflight() == 1
     sock.close()
@@ -84,7 +69,7 @@ def test_disconnect_during_prefill_cancels_prefill(stack_factory, dispatch: str)
     sims = stack.sims(["prefill", "decode"], ttft_per_token_ms=200)  # "hello" -> >= 200 ms
     stack.wait_ready(sims)
     body = {"model": MODEL, "prompt": "hello " * 20, "max_tokens": 5, "stream": True}
-    sock = _open(stack.url, "/v1/completions", body)
+    sock = open_request(stack.url, "/v1/completions", body)
     wait_for(lambda: len(sims[0].records()) == 1, 2.0, "prefill to receive the request")
     sock.close()
     wait_for(lambda: _cancelled(sims, 0), 1.0, "prefill to see its request cancelled")
@@ -97,7 +82,7 @@ def test_disconnect_while_decode_pulls_frees_prefill_kv(stack: Stack) -> None:
     sims = stack.sims(["prefill", "decode"], kv_transfer_ms_per_token=500)
     stack.wait_ready(sims)
     body = {"model": MODEL, "prompt": "hello", "max_tokens": 5, "stream": True}
-    sock = _open(stack.url, "/v1/completions", body)
+    sock = open_request(stack.url, "/v1/completions", body)
     wait_for(lambda: len(sims[1].records()) == 1, 2.0, "decode to receive the request")
     [prefill] = sims[0].records()
     transfer_id = prefill["kv"]["transfer_id"]
@@ -129,7 +114,7 @@ def test_a_client_leaving_after_prefill_finished_frees_its_kv(
     stack.wait_ready(sims)
     sims[0].set_faults(fail_request_prefix="late-", fail_mode="stall")  # held, no answer
     body = {"model": MODEL, "prompt": "hello", "max_tokens": 5, "stream": stream}
-    sock = _open(stack.url, "/v1/completions", body, "late-1")
+    sock = open_request(stack.url, "/v1/completions", body, "late-1")
     wait_for(lambda: len(sims[0].held_transfers()) == 1, 2.0, "prefill to hold the KV")
     [held] = sims[0].held_transfers()
     sock.close()

@@ -5,7 +5,6 @@ the usual path, and a request that ends at its first token never reaches decode.
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -18,15 +17,16 @@ from pdplane.sim.testing import expected_text
 from pdplane.sim.tokens import WordTokenizer
 from pdplane.v1 import instance_pb2
 from tests.integration.gateway.conftest import MODEL, Stack, wait_for
-
-PROMPT = "The prefill instance computes the first token"
+from tests.integration.gateway.helpers import FIRST_TOKEN_PROMPT as PROMPT
+from tests.integration.gateway.helpers import client_stream, sse_text, timed_events
 
 
 def _stream(url: str, body: dict[str, Any]) -> tuple[list[float], str]:
     """(arrival time of each token event, s since the request, the joined text) of one
     stream."""
-    stamps, events = _events(url, body)
-    return [t for t, e in zip(stamps, events, strict=True) if e != b"data: [DONE]"], _text(events)
+    stamps, events = timed_events(url, body)
+    stamps = [t for t, e in zip(stamps, events, strict=True) if e != b"data: [DONE]"]
+    return stamps, sse_text(events)
 
 
 @pytest.mark.parametrize("embedded", [False, True], ids=["remote", "embedded"])
@@ -119,25 +119,6 @@ def test_a_prompt_one_token_short_of_the_model_length_ends_at_prefill(
     wait_for(lambda: stack.scheduler_inflight() == 0, what="in-flight count back to 0")
 
 
-def _client_stream(url: str, path: str, body: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-    """(the joined text, the last usage) of one streamed request on `path`."""
-    text: list[str] = []
-    usage: dict[str, Any] = {}
-    with httpx.stream("POST", f"{url}{path}", json=body, timeout=30) as r:
-        assert r.status_code == 200, r.read()
-        events = [e for e in r.read().split(b"\n\n") if e]
-    assert events[-1] == b"data: [DONE]"
-    for event in events[:-1]:
-        chunk = httpx.Response(200, content=event[6:]).json()
-        assert "error" not in chunk, chunk
-        for choice in chunk["choices"]:
-            text.append(
-                choice["delta"].get("content") or "" if "delta" in choice else choice["text"]
-            )
-        usage = chunk.get("usage") or usage
-    return "".join(text), usage
-
-
 @pytest.mark.parametrize("kv_mode", ["pull", "push"])
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_text_and_usage_are_those_of_the_usual_path(
@@ -154,7 +135,7 @@ def test_text_and_usage_are_those_of_the_usual_path(
         stack = stack_factory(first_token=mode)
         sims = stack.sims(["prefill", "decode"], itl_ms=1, kv_mode=kv_mode)
         stack.wait_ready(sims)
-        seen[mode] = _client_stream(stack.url, path, body)
+        seen[mode] = client_stream(stack.url, path, body)
         (decode,) = sims[1].records()
         assert decode["path"] == ("/v1/completions" if mode == "prefill" else path)
         wait_for(lambda s=stack: s.scheduler_inflight() == 0, what="in-flight count back to 0")
@@ -189,26 +170,6 @@ def test_max_tokens_over_the_model_length_gets_decodes_own_400(
     wait_for(lambda: stack.scheduler_inflight() == 0, what="in-flight count back to 0")
 
 
-def _events(url: str, body: dict[str, Any]) -> tuple[list[float], list[bytes]]:
-    """(arrival time of each event, s since the request; the events) of one stream."""
-    stamps: list[float] = []
-    events: list[bytes] = []
-    start = time.perf_counter()
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as r:
-        assert r.status_code == 200, r.read()
-        for line in r.iter_lines():
-            if line.startswith("data: "):
-                stamps.append(time.perf_counter() - start)
-                events.append(line.encode())
-    return stamps, events
-
-
-def _text(events: list[bytes]) -> str:
-    chunks = [json.loads(e[6:]) for e in events if e.startswith(b"data: {")]
-    assert all("error" not in c for c in chunks), chunks
-    return "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
-
-
 @pytest.mark.parametrize("embedded", [False, True], ids=["remote", "embedded"])
 def test_the_first_token_does_not_wait_for_decodes_answer(
     stack_factory: Callable[..., Stack], embedded: bool
@@ -221,8 +182,8 @@ def test_the_first_token_does_not_wait_for_decodes_answer(
     stack.wait_ready(prefill)
     stack.wait_ready(decode)
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "stream": True}
-    stamps, events = _events(stack.url, body)
-    assert _text(events) == expected_text(PROMPT, 0, 4) and events[-1] == b"data: [DONE]"
+    stamps, events = timed_events(stack.url, body)
+    assert sse_text(events) == expected_text(PROMPT, 0, 4) and events[-1] == b"data: [DONE]"
     # the second token comes from decode, >= 500 ms after its request; the first before it
     assert stamps[1] - stamps[0] > 0.4
     wait_for(lambda: stack.scheduler_inflight() == 0, what="in-flight count back to 0")
@@ -255,8 +216,8 @@ def test_an_unreachable_decode_is_replaced_after_the_first_token(
         for i in range(6):
             prompt = f"{PROMPT} {i}"
             body = {"model": MODEL, "prompt": prompt, "max_tokens": 5, "stream": True}
-            _, events = _events(stack.url, body)
-            assert _text(events) == expected_text(prompt, 0, 5)
+            _, events = timed_events(stack.url, body)
+            assert sse_text(events) == expected_text(prompt, 0, 5)
             assert events[-1] == b"data: [DONE]"
             takeovers = [r for r in sims[1].records() if "kv_transfer_params" not in r["body"]]
             if takeovers:
@@ -288,9 +249,9 @@ def test_a_decode_error_after_the_first_token_ends_the_stream_with_it(
     stack.wait_ready(sims)
     sims[1].set_faults(fail_mode="http500", fail_next=1)
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 5, "stream": True}
-    _, events = _events(stack.url, body)
+    _, events = timed_events(stack.url, body)
     assert len(events) == 2 and b"[DONE]" not in events[-1]
-    assert _text(events[:1]) == expected_text(PROMPT, 0, 1)
+    assert sse_text(events[:1]) == expected_text(PROMPT, 0, 1)
     error = json.loads(events[1][6:])["error"]
     assert error["code"] == 502 and sims[1].instance_id in error["message"]
     assert "500" in error["message"]

@@ -25,15 +25,16 @@ from pdplane.sim.profiles import CostModel
 from pdplane.sim.testing import RunningSims, expected_text
 from pdplane.v1 import instance_pb2
 from tests.integration.gateway.conftest import MODEL, Stack, wait_for
-from tests.integration.gateway.test_admission import _SHORT, _hold
-from tests.integration.gateway.test_cancellation import _open
-from tests.integration.gateway.test_first_token import (
-    PROMPT,
-    _client_stream,
-    _events,
-    _text,
+from tests.integration.gateway.helpers import FIRST_TOKEN_PROMPT as PROMPT
+from tests.integration.gateway.helpers import (
+    SHORT_BODY,
+    client_stream,
+    hold_decode,
+    metric,
+    open_request,
+    sse_text,
+    timed_events,
 )
-from tests.integration.gateway.test_tracing import receiver  # noqa: F401 (a fixture)
 from tests.support.otlp import OtlpReceiver
 
 DEAD = "a-dead-decode"
@@ -68,13 +69,6 @@ def _dead_decode(
         client.stop()
 
 
-def _metric(stack: Stack, line_start: str) -> float:
-    for line in httpx.get(f"{stack.url}/metrics", timeout=5).text.splitlines():
-        if line.startswith(line_start + " "):
-            return float(line.split()[1])
-    return 0.0
-
-
 def _nothing_held(stack: Stack, prefill: RunningSims) -> None:
     wait_for(lambda: prefill[0].held_transfers() == [], what="prefill's KV freed")
     wait_for(lambda: stack.scheduler_inflight() == 0, what="in-flight count back to 0")
@@ -91,9 +85,9 @@ def test_no_other_decode_ends_the_stream_with_one_error_event(
     with _dead_decode(stack, prefill, free_port):
         stack.wait_ready(prefill)
         body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 5, "stream": True}
-        _, events = _events(stack.url, body)
+        _, events = timed_events(stack.url, body)
         assert len(events) == 2, events
-        assert _text(events[:1]) == expected_text(PROMPT, 0, 1)
+        assert sse_text(events[:1]) == expected_text(PROMPT, 0, 1)
         error = json.loads(events[1][6:])["error"]
         assert error["code"] == 502 and DEAD in error["message"], error
         _nothing_held(stack, prefill)
@@ -111,11 +105,11 @@ def _until_the_dead_one_is_picked(
     for i in range(8):
         prompt = f"{PROMPT} {i}"
         body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "stream": True}
-        before = _metric(stack, 'pdplane_gateway_retries_total{side="decode"}')
-        _, events = _events(stack.url, body)
-        if _metric(stack, 'pdplane_gateway_retries_total{side="decode"}') > before:
+        before = metric(stack, 'pdplane_gateway_retries_total{side="decode"}')
+        _, events = timed_events(stack.url, body)
+        if metric(stack, 'pdplane_gateway_retries_total{side="decode"}') > before:
             return prompt, events, i
-        assert _text(events) == expected_text(prompt, 0, max_tokens)
+        assert sse_text(events) == expected_text(prompt, 0, max_tokens)
     pytest.fail("the dead decode was never chosen")
     raise AssertionError  # unreachable: for the type checker
 
@@ -130,12 +124,12 @@ def test_max_retries_0_ends_the_stream_and_frees_the_kv(
         for i in range(8):
             prompt = f"{PROMPT} {i}"
             body = {"model": MODEL, "prompt": prompt, "max_tokens": 5, "stream": True}
-            _, events = _events(stack.url, body)
+            _, events = timed_events(stack.url, body)
             if b"[DONE]" not in events[-1]:
                 break
         else:
             pytest.fail("the dead decode was never chosen")
-        assert len(events) == 2 and _text(events[:1]) == expected_text(prompt, 0, 1)
+        assert len(events) == 2 and sse_text(events[:1]) == expected_text(prompt, 0, 1)
         error = json.loads(events[1][6:])["error"]
         assert error["code"] == 502 and DEAD in error["message"], error
         _nothing_held(stack, sims)
@@ -143,7 +137,7 @@ def test_max_retries_0_ends_the_stream_and_frees_the_kv(
         wait_for(lambda: stack.releases() == expected, what="one failed, the rest succeeded")
         # no take-over was tried: decode saw no request without KV
         assert all("kv_transfer_params" in r["body"] for r in sims[1].records())
-        assert _metric(stack, 'pdplane_gateway_retries_total{side="decode"}') == 0
+        assert metric(stack, 'pdplane_gateway_retries_total{side="decode"}') == 0
 
 
 @pytest.mark.parametrize("kv_mode", ["pull", "push"])
@@ -156,17 +150,17 @@ def test_a_take_over_counts_once_and_leaves_nothing(
     with _dead_decode(stack, sims, free_port):
         stack.wait_ready(sims)
         prompt, events, before = _until_the_dead_one_is_picked(stack, sims)
-        assert _text(events) == expected_text(prompt, 0, 5) and events[-1] == b"data: [DONE]"
+        assert sse_text(events) == expected_text(prompt, 0, 5) and events[-1] == b"data: [DONE]"
         _nothing_held(stack, sims)
         wait_for(
             lambda: stack.releases() == {"failed": 1.0, "success": before + 1.0},
             what="one failed attempt, every request a success",
         )
-        assert _metric(stack, 'pdplane_gateway_retries_total{side="decode"}') == 1
+        assert metric(stack, 'pdplane_gateway_retries_total{side="decode"}') == 1
         requests = before + 1
-        assert _metric(stack, "pdplane_gateway_ttft_seconds_count") == requests
-        assert _metric(stack, 'pdplane_gateway_first_tokens_total{source="prefill"}') == requests
-        assert _metric(stack, "pdplane_gateway_inflight_requests") == 0
+        assert metric(stack, "pdplane_gateway_ttft_seconds_count") == requests
+        assert metric(stack, 'pdplane_gateway_first_tokens_total{source="prefill"}') == requests
+        assert metric(stack, "pdplane_gateway_inflight_requests") == 0
         if kv_mode == "push":
             buffer = sims[1].instance.state.push_buffer
             assert buffer is not None and buffer.used_bytes == 0
@@ -195,13 +189,13 @@ def test_sixty_four_streams_with_one_of_two_decodes_dead(
 
         for prompt, events in asyncio.run(burst()):
             assert events[-1] == b"data: [DONE]", events
-            assert _text(events) == expected_text(prompt, 0, 6)
+            assert sse_text(events) == expected_text(prompt, 0, 6)
         _nothing_held(stack, sims)
-        taken = _metric(stack, 'pdplane_gateway_retries_total{side="decode"}')
+        taken = metric(stack, 'pdplane_gateway_retries_total{side="decode"}')
         assert taken > 0  # the dead decode was chosen, and replaced
         wait_for(lambda: stack.releases() == {"failed": taken, "success": 64.0})
-        assert _metric(stack, "pdplane_gateway_ttft_seconds_count") == 64
-        assert _metric(stack, "pdplane_gateway_inflight_requests") == 0
+        assert metric(stack, "pdplane_gateway_ttft_seconds_count") == 64
+        assert metric(stack, "pdplane_gateway_inflight_requests") == 0
 
 
 def _full_fleet(
@@ -224,7 +218,7 @@ def _full_fleet(
         ),
         what="the first load reports",
     )
-    holder = _hold(stack)
+    holder = hold_decode(stack)
     exits.callback(holder.close)
     return exits, sims
 
@@ -247,10 +241,10 @@ def test_a_take_over_waits_for_room_when_every_other_decode_is_full(
     stack = stack_factory(queue_timeout_s=30, inflight_budget=0)  # the KV-room queue
     exits, sims = _full_fleet(stack, free_port)
     with exits:
-        sock = _open(stack.url, "/v1/completions", _SHORT)
+        sock = open_request(stack.url, "/v1/completions", SHORT_BODY)
         buf = _first_event(sock)
         assert b" 200 OK" in buf.split(b"\r\n", 1)[0] and b'"error"' not in buf, buf
-        wait_for(lambda: _metric(stack, "pdplane_gateway_queued_requests") == 1, what="queued")
+        wait_for(lambda: metric(stack, "pdplane_gateway_queued_requests") == 1, what="queued")
         exits.close()  # the long stream leaves: room for the take-over
         while not buf.endswith(b"data: [DONE]\n\n") and b"\r\n0\r\n" not in buf:
             chunk = sock.recv(65536)
@@ -260,9 +254,9 @@ def test_a_take_over_waits_for_room_when_every_other_decode_is_full(
     assert b'"error"' not in buf, buf
     body = buf.split(b"\r\n\r\n", 1)[1]
     events = [line for line in body.split(b"\n") if line.startswith(b"data: ")]
-    assert _text(events) == expected_text(_SHORT["prompt"], 0, 16)
+    assert sse_text(events) == expected_text(SHORT_BODY["prompt"], 0, 16)
     wait_for(lambda: stack.scheduler_inflight() == 0, what="in-flight count back to 0")
-    assert _metric(stack, "pdplane_gateway_queued_requests") == 0
+    assert metric(stack, "pdplane_gateway_queued_requests") == 0
     assert sims[0].held_transfers() == []
     assert stack.releases().get("success") == 1  # the short stream's take-over
 
@@ -273,15 +267,15 @@ def test_a_take_over_whose_room_never_comes_ends_with_a_503_event(
     stack = stack_factory(queue_timeout_s=0.5, inflight_budget=0)  # the KV-room queue
     exits, sims = _full_fleet(stack, free_port)
     with exits:
-        body = {**_SHORT, "prompt": _SHORT["prompt"] + "short"}
+        body = {**SHORT_BODY, "prompt": SHORT_BODY["prompt"] + "short"}
         with httpx.stream("POST", f"{stack.url}/v1/completions", json=body, timeout=30) as r:
             assert r.status_code == 200
             events = [e for e in r.read().split(b"\n\n") if e]
         assert len(events) == 2, events
-        assert _text(events[:1]) == expected_text(body["prompt"], 0, 1)
+        assert sse_text(events[:1]) == expected_text(body["prompt"], 0, 1)
         error = json.loads(events[1][6:])["error"]
         assert error["code"] == 503 and "--queue-timeout-s 0.5" in error["message"], error
-        assert _metric(stack, 'pdplane_gateway_queue_refusals_total{reason="timeout"}') == 1
+        assert metric(stack, 'pdplane_gateway_queue_refusals_total{reason="timeout"}') == 1
         assert sims[0].held_transfers() == []
         assert stack.scheduler_inflight() == 1  # the long stream only
     wait_for(lambda: stack.scheduler_inflight() == 0, what="in-flight count back to 0")
@@ -294,23 +288,23 @@ def test_a_client_leaving_while_the_take_over_waits_leaves_nothing(
     stack = stack_factory(queue_timeout_s=30, embedded=embedded, inflight_budget=0)
     exits, sims = _full_fleet(stack, free_port)
     with exits:
-        sock = _open(stack.url, "/v1/completions", _SHORT)
+        sock = open_request(stack.url, "/v1/completions", SHORT_BODY)
         _first_event(sock)
-        wait_for(lambda: _metric(stack, "pdplane_gateway_queued_requests") == 1, what="queued")
+        wait_for(lambda: metric(stack, "pdplane_gateway_queued_requests") == 1, what="queued")
         sock.close()
-        wait_for(lambda: _metric(stack, "pdplane_gateway_queued_requests") == 0, what="left")
+        wait_for(lambda: metric(stack, "pdplane_gateway_queued_requests") == 0, what="left")
         assert stack.scheduler_inflight() == 1  # the long stream only
         # its first attempt failed (the long stream's may have too), its take-over cancelled
         wait_for(lambda: stack.releases().get("cancelled") == 1, what="released cancelled")
         assert stack.releases().get("failed") in (1, 2), stack.releases()
-        assert _metric(stack, "pdplane_gateway_cancellations_total") == 1
+        assert metric(stack, "pdplane_gateway_cancellations_total") == 1
         assert sims[0].held_transfers() == []
     wait_for(lambda: stack.scheduler_inflight() == 0, what="in-flight count back to 0")
-    assert _metric(stack, "pdplane_gateway_inflight_requests") == 0
+    assert metric(stack, "pdplane_gateway_inflight_requests") == 0
 
 
 def test_both_decode_legs_of_a_take_over_are_children_of_the_request(
-    receiver: OtlpReceiver,  # noqa: F811 (the fixture)
+    receiver: OtlpReceiver,
     stack_factory: Callable[..., Stack],
     free_port: Callable[[], int],
 ) -> None:
@@ -321,7 +315,7 @@ def test_both_decode_legs_of_a_take_over_are_children_of_the_request(
         stack.wait_ready(prefill)
         stack.wait_ready(decode)
         prompt, events, before = _until_the_dead_one_is_picked(stack, decode)
-        assert _text(events) == expected_text(prompt, 0, 5)
+        assert sse_text(events) == expected_text(prompt, 0, 5)
     tracing.shutdown()  # flushes the batch
     legs = before + 2  # one decode leg per request, and the one that failed
 
@@ -370,8 +364,8 @@ def test_a_client_leaving_while_the_take_over_opens_leaves_nothing(
         _nothing_held(stack, prefill)
         expected = {"failed": 1.0, "cancelled": 1.0, **({"success": float(i)} if i else {})}
         wait_for(lambda: stack.releases() == expected, what="released failed, then cancelled")
-        assert _metric(stack, "pdplane_gateway_cancellations_total") == 1
-        assert _metric(stack, "pdplane_gateway_inflight_requests") == 0
+        assert metric(stack, "pdplane_gateway_cancellations_total") == 1
+        assert metric(stack, "pdplane_gateway_inflight_requests") == 0
 
 
 def test_a_chat_stream_taken_over_has_the_usual_paths_text_and_usage(
@@ -386,9 +380,9 @@ def test_a_chat_stream_taken_over_has_the_usual_paths_text_and_usage(
             body = {"model": MODEL, "messages": [{"role": "user", "content": f"{PROMPT} {i}"}],
                     "max_tokens": 6, "stream": True,
                     "stream_options": {"include_usage": True}}  # fmt: skip
-            before = _metric(stack, 'pdplane_gateway_retries_total{side="decode"}')
-            taken_over = _client_stream(stack.url, path, body)
-            if _metric(stack, 'pdplane_gateway_retries_total{side="decode"}') > before:
+            before = metric(stack, 'pdplane_gateway_retries_total{side="decode"}')
+            taken_over = client_stream(stack.url, path, body)
+            if metric(stack, 'pdplane_gateway_retries_total{side="decode"}') > before:
                 break
         else:
             pytest.fail("the dead decode was never chosen")
@@ -397,7 +391,7 @@ def test_a_chat_stream_taken_over_has_the_usual_paths_text_and_usage(
         what="the dead decode gone",
     )
     # the same request on the live pair, decode loading prefill's KV
-    assert _client_stream(stack.url, path, body) == taken_over
+    assert client_stream(stack.url, path, body) == taken_over
     assert taken_over[1]["completion_tokens"] == 6
     _nothing_held(stack, sims)
 
@@ -418,11 +412,11 @@ def test_a_take_over_with_the_scheduler_gone_ends_the_stream_and_frees_the_kv(
             stack.scheduler.stop(grace=0)
             events = [e for e in r.read().split(b"\n\n") if e]
         assert len(events) == 2, events
-        assert _text(events[:1]) == expected_text(PROMPT, 0, 1)
+        assert sse_text(events[:1]) == expected_text(PROMPT, 0, 1)
         error = json.loads(events[1][6:])["error"]
         assert error["code"] in (502, 503), error
         wait_for(lambda: prefill[0].held_transfers() == [], what="prefill's KV freed")
-        assert _metric(stack, "pdplane_gateway_inflight_requests") == 0
+        assert metric(stack, "pdplane_gateway_inflight_requests") == 0
 
 
 def test_two_dead_decodes_are_taken_over_in_turn_within_the_retries(
@@ -440,10 +434,10 @@ def test_two_dead_decodes_are_taken_over_in_turn_within_the_retries(
         stack.wait_ready(sims)
         for i in range(12):
             prompt = f"{PROMPT} {i}"
-            _, events = _events(stack.url, {**_BODY5, "prompt": prompt})
-            assert _text(events) == expected_text(prompt, 0, 5) and events[-1] == b"data: [DONE]"
+            _, events = timed_events(stack.url, {**_BODY5, "prompt": prompt})
+            assert sse_text(events) == expected_text(prompt, 0, 5) and events[-1] == b"data: [DONE]"
         _nothing_held(stack, sims)
-        retries = _metric(stack, 'pdplane_gateway_retries_total{side="decode"}')
+        retries = metric(stack, 'pdplane_gateway_retries_total{side="decode"}')
         assert retries > 0
         wait_for(lambda: stack.releases() == {"failed": retries, "success": 12.0})
         taken = [r for r in sims[1].records() if "kv_transfer_params" not in r["body"]]

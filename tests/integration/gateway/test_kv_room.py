@@ -12,10 +12,9 @@ import asyncio
 
 import pytest
 
-from tests.integration.gateway.conftest import MODEL, Stack
+from tests.integration.gateway.conftest import Stack
+from tests.integration.gateway.helpers import SHORT_BODY
 from tests.support.loadgen import completion_burst
-
-_BODY = {"model": MODEL, "prompt": "word " * 400, "max_tokens": 16, "stream": True}
 
 
 @pytest.mark.parametrize("dispatch", ["sequential", "concurrent"])
@@ -24,5 +23,5 @@ def test_eight_at_a_time_on_a_small_decode_all_complete(stack_factory, dispatch:
     # 401 prompt + 16 output tokens: 4 blocks of 128 of the decode's 40 (10 requests).
     sims = stack.sims(["prefill", "decode"], kv_blocks=40, block_size=128, itl_ms=2)
     stack.wait_ready(sims)
-    statuses = asyncio.run(completion_burst(stack.url, _BODY, 64, 8))
+    statuses = asyncio.run(completion_burst(stack.url, SHORT_BODY, 64, 8))
     assert statuses == {200: 64}

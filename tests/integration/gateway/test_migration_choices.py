@@ -18,18 +18,18 @@ import pytest
 
 from pdplane.sim.tokens import HfTokenizer, prompt_key
 from tests.integration.gateway.conftest import MODEL, Stack, wait_for
-from tests.integration.gateway.test_migration import (
-    PROMPT,
-    _errors,
-    _fleet,
-    _killed,
-    _migrations,
-    _nothing_held,
-    _stream,
-    _stream_in_background,
+from tests.integration.gateway.migration_helpers import MIGRATION_PROMPT as PROMPT
+from tests.integration.gateway.migration_helpers import (
+    errors_of,
+    fleet,
+    logprobs_of,
     lose_the_decode_with_resumed_prefills_held,
+    migrations,
+    nothing_held,
+    stream_events,
+    stream_in_background,
+    was_killed,
 )
-from tests.integration.gateway.test_migration_logprobs import logprobs_of
 
 N = 3
 KILL_AT = 12  # the decode dies once it streamed this many tokens of each choice
@@ -80,7 +80,7 @@ def test_each_choice_continues_on_its_own_leg_when_the_decode_dies(
     stack_factory: Callable[..., Stack], path: str, seed: int | None, logprobs: bool
 ) -> None:
     stack = stack_factory()
-    prefill, decodes = _fleet(stack, 2, itl_ms=2)
+    prefill, decodes = fleet(stack, 2, itl_ms=2)
     fields: dict[str, Any] = {"max_tokens": 22}
     if seed is not None:
         fields["seed"] = seed  # the sims' choices then differ (seed + index, as vLLM)
@@ -88,7 +88,7 @@ def test_each_choice_continues_on_its_own_leg_when_the_decode_dies(
         chat = path == "/v1/chat/completions"
         fields.update({"logprobs": True, "top_logprobs": 2} if chat else {"logprobs": 2})
     body = _body(path, **fields)
-    unbroken, done = _stream(stack.url, path, body)
+    unbroken, done = stream_events(stack.url, path, body)
     assert done
     want = _choices(unbroken)
     assert sorted(want) == list(range(N))
@@ -97,8 +97,8 @@ def test_each_choice_continues_on_its_own_leg_when_the_decode_dies(
     assert usage["completion_tokens"] == N * 22
     for d in decodes.handles:
         d.set_faults(kill_after_tokens=KILL_AT)
-    events, done = _stream(stack.url, path, body)
-    assert done and not _errors(events), events
+    events, done = stream_events(stack.url, path, body)
+    assert done and not errors_of(events), events
     assert _choices(events) == want
     assert all(c["finishes"] == [("length", None)] for c in want.values())
     assert _usage(events) == usage
@@ -106,8 +106,8 @@ def test_each_choice_continues_on_its_own_leg_when_the_decode_dies(
     assert all(c.get("token_ids") is None for e in events for c in e["choices"])
     if logprobs:
         assert all(len(c["logprobs"]) == 22 for c in want.values())
-    assert _migrations(stack, "lost") == 1  # one decode lost, whatever it carried
-    alive = [d for d in decodes.handles if not _killed(d)]
+    assert migrations(stack, "lost") == 1  # one decode lost, whatever it carried
+    alive = [d for d in decodes.handles if not was_killed(d)]
     assert len(alive) == 1
     # the survivor ran the unbroken request and one resumed leg per choice, each n=1
     legs = [r for r in alive[0].records() if isinstance(r["body"].get("prompt"), list)]
@@ -117,7 +117,7 @@ def test_each_choice_continues_on_its_own_leg_when_the_decode_dies(
     if seed is not None:
         assert sorted(r["body"]["seed"] for r in legs) == [seed + i for i in range(N)]
     wait_for(lambda: stack.releases().get("failed") == 1.0, what="the lost attempt released")
-    _nothing_held(stack, [*prefill.handles, *alive])
+    nothing_held(stack, [*prefill.handles, *alive])
 
 
 def _stop_inside(pieces: list[str], first: int, last: int) -> tuple[str, int]:
@@ -133,7 +133,7 @@ def test_stop_strings_per_choice_and_a_finished_choice_is_not_resumed(
 ) -> None:
     tokenizer = str(tiny_model)
     stack = stack_factory(tokenizer=tokenizer)
-    prefill, decodes = _fleet(stack, 2, itl_ms=2, tokenizer=tokenizer)
+    prefill, decodes = fleet(stack, 2, itl_ms=2, tokenizer=tokenizer)
     hf = HfTokenizer(tokenizer)
     chat = path == "/v1/chat/completions"
     messages = [{"role": "user", "content": PROMPT}]
@@ -156,7 +156,7 @@ def test_stop_strings_per_choice_and_a_finished_choice_is_not_resumed(
         stop=[across, early],
         **({"logprobs": True, "top_logprobs": 1} if chat else {"logprobs": 1}),
     )
-    unbroken, done = _stream(stack.url, path, body)
+    unbroken, done = stream_events(stack.url, path, body)
     assert done
     want = _choices(unbroken)
     assert want[0]["text"] == answers[0][:at0] and want[0]["finishes"] == [("stop", across)]
@@ -165,34 +165,34 @@ def test_stop_strings_per_choice_and_a_finished_choice_is_not_resumed(
     usage = _usage(unbroken)
     for d in decodes.handles:
         d.set_faults(kill_after_tokens=KILL_AT)
-    events, done = _stream(stack.url, path, body)
-    assert done and not _errors(events), events
+    events, done = stream_events(stack.url, path, body)
+    assert done and not errors_of(events), events
     assert _choices(events) == want
     assert _usage(events) == usage
-    alive = [d for d in decodes.handles if not _killed(d)]
+    alive = [d for d in decodes.handles if not was_killed(d)]
     assert len(alive) == 1
     legs = [r for r in alive[0].records() if isinstance(r["body"].get("prompt"), list)]
     # choice 1 had finished: only choices 0 and 2 were resumed
     assert sorted(r["body"]["seed"] for r in legs) == [seed, seed + 2], legs
-    assert _migrations(stack, "lost") == 1
-    _nothing_held(stack, [*prefill.handles, *alive])
+    assert migrations(stack, "lost") == 1
+    nothing_held(stack, [*prefill.handles, *alive])
 
 
 def test_a_choice_whose_every_leg_dies_ends_the_stream_with_one_error(
     stack_factory: Callable[..., Stack],
 ) -> None:
     stack = stack_factory(migration_limit=2)
-    prefill, decodes = _fleet(stack, 3, itl_ms=2)
+    prefill, decodes = fleet(stack, 3, itl_ms=2)
     for d in decodes.handles:  # every leg of this request (its choices' too) is cut
         d.set_faults(fail_request_prefix="doomed-", fail_mode="drop", fail_after_tokens=3)
     body = _body("/v1/completions", max_tokens=40)
-    events, done = _stream(stack.url, "/v1/completions", body, "doomed-1")
+    events, done = stream_events(stack.url, "/v1/completions", body, "doomed-1")
     assert not done
-    errors = _errors(events)
+    errors = errors_of(events)
     assert len(errors) == 1 and "error" in events[-1], events
     assert "--migration-limit 2 spent" in errors[0]["message"], errors
-    assert _migrations(stack, "lost") == 2
-    _nothing_held(stack, [*prefill.handles, *decodes.handles])
+    assert migrations(stack, "lost") == 2
+    nothing_held(stack, [*prefill.handles, *decodes.handles])
 
 
 def test_choices_given_up_on_during_their_prefills_free_those_prefills_kv(
@@ -202,16 +202,16 @@ def test_choices_given_up_on_during_their_prefills_free_those_prefills_kv(
     # comes) when --migration-timeout-s ends the stream: the first choice out of time ends it
     # with its error, the others are closed mid-prefill; each prefill's KV is freed.
     stack = stack_factory(drain_grace_s=0.0, migration_timeout_s=1.0)
-    prefill, decodes = _fleet(stack, 2, itl_ms=50)
+    prefill, decodes = fleet(stack, 2, itl_ms=50)
     body = _body("/v1/completions", max_tokens=200)
-    runner, out = _stream_in_background(stack.url, "/v1/completions", body, "held-1")
+    runner, out = stream_in_background(stack.url, "/v1/completions", body, "held-1")
     lose_the_decode_with_resumed_prefills_held(stack, prefill[0], decodes, "held-1")
     runner.join(30)
     ((events, done),) = out
     assert not done
-    (error,) = _errors(events)
+    (error,) = errors_of(events)
     assert "error" in events[-1] and "--migration-timeout-s 1" in error["message"], events
-    _nothing_held(stack, [*prefill.handles, *decodes.handles])
+    nothing_held(stack, [*prefill.handles, *decodes.handles])
     resumed = [f for f in prefill[0].freed_transfers() if f["reason"] != "completed"]
     assert len(resumed) == N and all(f["reason"].startswith("aborted") for f in resumed), resumed
 
@@ -220,7 +220,7 @@ def test_a_non_streamed_n_above_1_whose_decode_dies_runs_again_on_another_pair(
     stack_factory: Callable[..., Stack],
 ) -> None:
     stack = stack_factory()
-    prefill, decodes = _fleet(stack, 2, itl_ms=2)
+    prefill, decodes = fleet(stack, 2, itl_ms=2)
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 8, "n": N, "seed": 1}
     whole = httpx.post(f"{stack.url}/v1/completions", json=body, timeout=30)
     assert whole.status_code == 200, whole.text
@@ -240,5 +240,5 @@ def test_a_non_streamed_n_above_1_whose_decode_dies_runs_again_on_another_pair(
         assert answer["usage"]["completion_tokens"] == N * 8
     cut = len([r for r in decodes[0].records() if r["request_id"].startswith("whole-")])
     assert cut >= 1, "no request landed on the failing decode"
-    assert _migrations(stack, "lost") == cut
-    _nothing_held(stack, [*prefill.handles, *decodes.handles])
+    assert migrations(stack, "lost") == cut
+    nothing_held(stack, [*prefill.handles, *decodes.handles])

@@ -12,32 +12,16 @@ from typing import Any
 import pytest
 
 from tests.integration.gateway.conftest import MODEL, Stack
-from tests.integration.gateway.test_migration import (
-    PROMPT,
-    _errors,
-    _fleet,
-    _migrations,
-    _nothing_held,
-    _stream,
-    _text,
+from tests.integration.gateway.migration_helpers import MIGRATION_PROMPT as PROMPT
+from tests.integration.gateway.migration_helpers import (
+    errors_of,
+    fleet,
+    logprobs_of,
+    migrations,
+    nothing_held,
+    stream_events,
+    text_of,
 )
-
-
-def logprobs_of(events: list[dict[str, Any]]) -> list[Any]:
-    """Per token, its logprobs entry as the client got it (chat: a `content` item;
-    completions: the tuple of its lists' entries)."""
-    out: list[Any] = []
-    for event in events:
-        for choice in event.get("choices") or ():
-            lp = choice.get("logprobs")
-            if lp is None:
-                continue
-            if "content" in lp:
-                out += lp["content"]
-            else:
-                keys = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
-                out += list(zip(*(lp[k] for k in keys), strict=True))
-    return out
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
@@ -45,21 +29,21 @@ def test_logprobs_continue_across_the_seam_as_one_stream_gives_them(
     stack_factory: Callable[..., Stack], path: str
 ) -> None:
     stack = stack_factory()
-    prefill, decodes = _fleet(stack, 2, itl_ms=2)
+    prefill, decodes = fleet(stack, 2, itl_ms=2)
     body: dict[str, Any] = {"model": MODEL, "max_tokens": 16, "stream": True}
     if path == "/v1/chat/completions":
         body.update(messages=[{"role": "user", "content": PROMPT}], logprobs=True, top_logprobs=2)
     else:
         body.update(prompt=PROMPT, logprobs=2)
-    unbroken, done = _stream(stack.url, path, body)
+    unbroken, done = stream_events(stack.url, path, body)
     assert done and len(logprobs_of(unbroken)) == 16
     for d in decodes.handles:
         d.set_faults(kill_after_tokens=10)
-    events, done = _stream(stack.url, path, body)
-    assert done and not _errors(events), events
-    assert _migrations(stack, "lost") == 1
-    assert _text(events) == _text(unbroken)
+    events, done = stream_events(stack.url, path, body)
+    assert done and not errors_of(events), events
+    assert migrations(stack, "lost") == 1
+    assert text_of(events) == text_of(unbroken)
     assert logprobs_of(events) == logprobs_of(unbroken)
-    _nothing_held(
+    nothing_held(
         stack, [*prefill.handles, *(d for d in decodes.handles if d.instance._killing is None)]
     )

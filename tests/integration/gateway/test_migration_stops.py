@@ -20,17 +20,17 @@ import pytest
 
 from pdplane.sim.tokens import HfTokenizer, prompt_key
 from tests.integration.gateway.conftest import MODEL, Stack, wait_for
-from tests.integration.gateway.test_migration import (
-    PROMPT,
-    _errors,
-    _fleet,
-    _killed,
-    _migrations,
-    _nothing_held,
-    _stream,
-    _text,
+from tests.integration.gateway.migration_helpers import MIGRATION_PROMPT as PROMPT
+from tests.integration.gateway.migration_helpers import (
+    errors_of,
+    fleet,
+    logprobs_of,
+    migrations,
+    nothing_held,
+    stream_events,
+    text_of,
+    was_killed,
 )
-from tests.integration.gateway.test_migration_logprobs import logprobs_of
 
 KILL_AT = 12  # the decode dies after relaying this many tokens
 
@@ -42,7 +42,7 @@ def test_a_stop_string_spanning_the_seam_ends_the_stream_as_one_instance_would(
 ) -> None:
     tokenizer = str(tiny_model)
     stack = stack_factory(tokenizer=tokenizer)
-    prefill, decodes = _fleet(stack, 2, itl_ms=2, tokenizer=tokenizer)
+    prefill, decodes = fleet(stack, 2, itl_ms=2, tokenizer=tokenizer)
     hf = HfTokenizer(tokenizer)
     chat = path == "/v1/chat/completions"
     messages = [{"role": "user", "content": PROMPT}]
@@ -67,13 +67,13 @@ def test_a_stop_string_spanning_the_seam_ends_the_stream_as_one_instance_would(
     # logprobs too: those of tokens generated again at the seam are not repeated
     logprobs = {"logprobs": True, "top_logprobs": 1} if chat else {"logprobs": 1}
     body.update({"messages": messages, **logprobs} if chat else {"prompt": PROMPT, **logprobs})
-    unbroken, _ = _stream(stack.url, path, body)
-    assert _text(unbroken) == want
+    unbroken, _ = stream_events(stack.url, path, body)
+    assert text_of(unbroken) == want
     for d in decodes.handles:
         d.set_faults(kill_after_tokens=KILL_AT)
-    events, done = _stream(stack.url, path, body)
-    assert done and not _errors(events), events
-    assert _text(events) == want
+    events, done = stream_events(stack.url, path, body)
+    assert done and not errors_of(events), events
+    assert text_of(events) == want
     assert logprobs_of(events) == logprobs_of(unbroken)
     assert len(logprobs_of(events)) == 14
     finishes = [
@@ -85,23 +85,23 @@ def test_a_stop_string_spanning_the_seam_ends_the_stream_as_one_instance_would(
     assert finishes == [("stop", stop)]
     usage = events[-1]["usage"]
     assert usage["completion_tokens"] == 14 and usage["prompt_tokens"] == len(prompt_ids)
-    assert _migrations(stack, "lost") == 1
+    assert migrations(stack, "lost") == 1
     wait_for(lambda: stack.releases() == {"failed": 1.0, "success": 2.0}, what="releases")
-    alive = [d for d in decodes.handles if not _killed(d)]
+    alive = [d for d in decodes.handles if not was_killed(d)]
     assert len(alive) == 1
-    _nothing_held(stack, [*prefill.handles, *alive])
+    nothing_held(stack, [*prefill.handles, *alive])
 
 
 def test_without_the_models_tokenizer_a_stream_with_stop_strings_ends_with_one_error(
     stack_factory: Callable[..., Stack],
 ) -> None:
     stack = stack_factory()  # the sims' word tokenizer is nowhere for the gateway
-    prefill, decodes = _fleet(stack, 2, itl_ms=2)
+    prefill, decodes = fleet(stack, 2, itl_ms=2)
     for d in decodes.handles:
         d.set_faults(kill_after_tokens=KILL_AT)
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 30, "stream": True, "stop": ["zz"]}
-    events, done = _stream(stack.url, "/v1/completions", body)
-    assert not done and len(_errors(events)) == 1 and "error" in events[-1]
-    assert _migrations(stack, "lost") == 0
-    alive = [d for d in decodes.handles if not _killed(d)]
-    _nothing_held(stack, [*prefill.handles, *alive])
+    events, done = stream_events(stack.url, "/v1/completions", body)
+    assert not done and len(errors_of(events)) == 1 and "error" in events[-1]
+    assert migrations(stack, "lost") == 0
+    alive = [d for d in decodes.handles if not was_killed(d)]
+    nothing_held(stack, [*prefill.handles, *alive])

@@ -31,7 +31,7 @@ import pytest
 
 from pdplane.sim.testing import expected_text
 from tests.integration.gateway.conftest import MODEL, Stack, wait_for
-from tests.integration.gateway.test_migration import _errors, _migrations, _text
+from tests.integration.gateway.migration_helpers import errors_of, migrations, text_of
 
 _PDPLANE = str(Path(sys.executable).parent / "pdplane")
 
@@ -214,11 +214,11 @@ def test_a_stream_whose_only_decode_dies_continues_on_it_restarted(
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGTERM)
             proc.wait(10)
-    assert reader.done and not _errors(reader.events), reader.events
-    assert _text(reader.events) == expected_text(PROMPT, 0, 60)
+    assert reader.done and not errors_of(reader.events), reader.events
+    assert text_of(reader.events) == expected_text(PROMPT, 0, 60)
     usage = reader.events[-1]["usage"]
     assert usage["completion_tokens"] == 60, usage
-    assert _migrations(stack, "lost") + _migrations(stack, "deregistered") == 1
+    assert migrations(stack, "lost") + migrations(stack, "deregistered") == 1
 
 
 def test_a_stream_whose_only_decode_stays_dead_ends_with_one_error_at_the_timeout(
@@ -228,13 +228,13 @@ def test_a_stream_whose_only_decode_stays_dead_ends_with_one_error_at_the_timeou
     reader, _, _ = _only_decode_killed_mid_stream(stack, max_tokens=60)
     reader.join(30)
     assert not reader.is_alive() and not reader.done
-    errors = _errors(reader.events)
+    errors = errors_of(reader.events)
     assert len(errors) == 1 and "error" in reader.events[-1], reader.events
     assert (
         "not continued on another decode within --migration-timeout-s 3" in errors[0]["message"]
     ), errors
     assert errors[0]["code"] == 504
-    sent = _text(reader.events[:-1])
+    sent = text_of(reader.events[:-1])
     assert len(sent.split()) >= 4 and expected_text(PROMPT, 0, 60).startswith(sent)
     wait_for(lambda: stack.scheduler_inflight() == 0, what="in-flight count back to 0")
 
@@ -284,4 +284,4 @@ def test_a_non_streamed_request_whose_only_decode_dies_is_answered_by_it_restart
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["text"] == expected_text(PROMPT, 0, 60)
     assert r.json()["usage"]["completion_tokens"] == 60
-    assert _migrations(stack, "lost") == 1
+    assert migrations(stack, "lost") == 1

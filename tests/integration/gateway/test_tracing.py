@@ -9,14 +9,14 @@ in-process receiver, switched on by `OTEL_EXPORTER_OTLP_ENDPOINT` alone.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import httpx
 import pytest
 
 from pdplane.core import tracing
 from tests.integration.gateway.conftest import MODEL, Stack
-from tests.support.otlp import OtlpReceiver, ReceivedSpan, otlp_receiver
+from tests.support.otlp import OtlpReceiver, ReceivedSpan
 
 CLIENT_TRACE = "0af7651916cd43dd8448eb211c80319c"
 CLIENT_SPAN = "b7ad6b7169203331"
@@ -28,19 +28,6 @@ GATEWAY_CHILDREN = {
     "pdplane.first_byte",
     "pdplane.kv_pull",
 }
-
-
-@pytest.fixture
-def receiver(monkeypatch: pytest.MonkeyPatch) -> Iterator[OtlpReceiver]:
-    with otlp_receiver() as r:
-        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", r.endpoint)
-        monkeypatch.setenv("OTEL_SERVICE_NAME", "pdplane-test")
-        tracing.shutdown()
-        assert tracing.configure("unused")
-        try:
-            yield r
-        finally:
-            tracing.shutdown()
 
 
 def _complete(spans: list[ReceivedSpan]) -> bool:

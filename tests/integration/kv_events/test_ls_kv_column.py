@@ -10,7 +10,7 @@ import pytest
 
 from pdplane.cli import ls
 from pdplane.scheduler.kv_index import KvState
-from tests.integration.kv_events.test_index_manager import TOKEN, Engine, _tokens, _wait
+from tests.integration.kv_events.helpers import TOKEN, Engine, tokens, waited
 from tests.integration.registry.fixtures import make_spec, running_registry_server
 from tests.integration.scheduler.fixtures import running_scheduler_server
 
@@ -30,7 +30,7 @@ def _free_port() -> int:
 def test_ls_kv_index_column_follows_live_and_stale(capsys: pytest.CaptureFixture[str]) -> None:
     engine = Engine("p0")
     try:
-        engine.store(_tokens(0, 3))
+        engine.store(tokens(0, 3))
         with running_registry_server() as registry:
             spec = make_spec("p0", kv_endpoint=f"127.0.0.1:{engine.port}")
             registry.store.register(spec, 60_000)
@@ -50,7 +50,7 @@ def test_ls_kv_index_column_follows_live_and_stale(capsys: pytest.CaptureFixture
                 assert p0["kv_index"]["state"] == "live" and p0["kv_index"]["blocks"] == 3
 
                 engine.stop()  # its stream dies: stale at once, routed by load
-                _wait(lambda: {s.state for s in manager.states()} == {KvState.STALE})
+                waited(lambda: {s.state for s in manager.states()} == {KvState.STALE})
                 code, text = _ls(*base, "--token", TOKEN, "--json")
                 p0 = next(v for v in json.loads(text) if v["id"] == "p0")
                 assert p0["kv_index"]["state"] == "stale"

@@ -8,7 +8,7 @@ from pdplane.core.prefix_hash import block_hashes
 from pdplane.scheduler.app import SchedulerApp
 from pdplane.scheduler.settings import SchedulerSettings
 from pdplane.scheduler.view import StaticSource
-from tests.integration.kv_events.test_index_manager import BS, TOKEN, Engine
+from tests.integration.kv_events.helpers import BS, TOKEN, Engine
 
 
 async def test_scheduler_app_index_follows_its_view() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
 
@@ -11,6 +12,7 @@ from aiohttp import web
 
 from pdplane.core.kv_params import DecodeRequestParams, PrefillRequestParams
 from pdplane.gateway.fleet_view import FleetView, ModelState
+from pdplane.gateway.validation import CHAT, Endpoint, parse_request
 from pdplane.scheduler import Decision, Outcome, RequestFeatures
 from pdplane.v1 import scheduler_pb2
 
@@ -104,3 +106,14 @@ async def serve() -> AsyncIterator[Callable[[Handler], Awaitable[str]]]:
 
     yield start
     await asyncio.gather(*(r.cleanup() for r in runners))
+
+
+def parsed(endpoint: Endpoint, **body: Any) -> Any:
+    """A streamed request to model "m" on `endpoint` (prompt or chat message "hi"), with
+    `body`'s fields over those, as `parse_request` gives it."""
+    base: dict[str, Any] = {"model": "m", "stream": True}
+    if endpoint == CHAT:
+        base["messages"] = [{"role": "user", "content": "hi"}]
+    else:
+        base["prompt"] = "hi"
+    return parse_request(endpoint, json.dumps({**base, **body}).encode())

@@ -10,18 +10,10 @@ import pytest
 
 from pdplane.gateway.bodies import continuation_body, takes_first_token
 from pdplane.gateway.splice import FirstToken, Splice
-from pdplane.gateway.validation import CHAT, COMPLETIONS, Endpoint, parse_request
+from pdplane.gateway.validation import CHAT, COMPLETIONS, Endpoint
+from tests.unit.gateway.conftest import parsed
 
 KV = b'{"pdplane_transfer_id":"t"}'
-
-
-def _req(endpoint: Endpoint, **body: Any) -> Any:
-    base: dict[str, Any] = {"model": "m", "stream": True}
-    if endpoint == CHAT:
-        base["messages"] = [{"role": "user", "content": "hi"}]
-    else:
-        base["prompt"] = "hi"
-    return parse_request(endpoint, json.dumps({**base, **body}).encode())
 
 
 def _first(endpoint: Endpoint = COMPLETIONS, **kw: Any) -> FirstToken:
@@ -51,9 +43,9 @@ def _events(data: bytes) -> list[Any]:
 @pytest.mark.parametrize("endpoint", [COMPLETIONS, CHAT])
 def test_plain_streamed_requests_apply(endpoint: Endpoint) -> None:
     assert takes_first_token(
-        _req(endpoint, max_tokens=8, temperature=0.7, top_p=0.9, ignore_eos=True)
+        parsed(endpoint, max_tokens=8, temperature=0.7, top_p=0.9, ignore_eos=True)
     )
-    assert takes_first_token(_req(endpoint, stream_options={"include_usage": True}, n=1, stop=[]))
+    assert takes_first_token(parsed(endpoint, stream_options={"include_usage": True}, n=1, stop=[]))
 
 
 @pytest.mark.parametrize(
@@ -77,19 +69,19 @@ def test_plain_streamed_requests_apply(endpoint: Endpoint) -> None:
 def test_requests_that_would_sample_differently_when_split_do_not_apply(
     extra: dict[str, Any],
 ) -> None:
-    assert not takes_first_token(_req(COMPLETIONS, **extra))
+    assert not takes_first_token(parsed(COMPLETIONS, **extra))
 
 
 def test_neutral_values_of_the_checked_fields_apply() -> None:
     neutral = {"stop": [], "presence_penalty": 0.0, "frequency_penalty": 0, "min_tokens": 0}
-    assert takes_first_token(_req(COMPLETIONS, seed=None, logprobs=None, echo=False, **neutral))
+    assert takes_first_token(parsed(COMPLETIONS, seed=None, logprobs=None, echo=False, **neutral))
 
 
 def test_chat_with_tools_or_logprobs_does_not_apply() -> None:
     tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
-    assert not takes_first_token(_req(CHAT, tools=tools))
-    assert not takes_first_token(_req(CHAT, logprobs=True))
-    assert takes_first_token(_req(CHAT, logprobs=False))
+    assert not takes_first_token(parsed(CHAT, tools=tools))
+    assert not takes_first_token(parsed(CHAT, logprobs=True))
+    assert takes_first_token(parsed(CHAT, logprobs=False))
 
 
 def test_prefills_answer_gives_the_first_token_or_none_without_token_ids() -> None:
@@ -237,9 +229,9 @@ def test_a_held_character_streams_as_one_instance_streams_it(
 
     first = _first(endpoint, prompt_token_ids=prompt, token_id=out[0], text="")
     assert first.inside_character(decode)
-    splice = Splice(_req(endpoint), first, decode)
+    splice = Splice(parsed(endpoint), first, decode)
     assert splice.token_ids
-    body = continuation_body(_req(endpoint), first.decode_prompt, KV, splice.token_ids)
+    body = continuation_body(parsed(endpoint), first.decode_prompt, KV, splice.token_ids)
     assert json.loads(body)["return_token_ids"] is True
     events = _events(splice.opening())
     decode_events = _decode_stream([*prompt, out[0]], out[1:], per_chunk)
@@ -260,9 +252,9 @@ def test_a_held_character_streams_as_one_instance_streams_it(
 
 def test_decode_gets_no_token_ids_unless_a_character_is_held() -> None:
     assert "return_token_ids" not in json.loads(
-        continuation_body(_req(COMPLETIONS), _first().decode_prompt, KV)
+        continuation_body(parsed(COMPLETIONS), _first().decode_prompt, KV)
     )
-    assert not Splice(_req(COMPLETIONS), _first()).token_ids
+    assert not Splice(parsed(COMPLETIONS), _first()).token_ids
 
 
 def test_a_first_token_that_decodes_to_nothing_is_continued_when_the_tokenizer_says_so() -> None:
@@ -283,7 +275,7 @@ def test_a_first_token_that_decodes_to_nothing_is_continued_when_the_tokenizer_s
 
 
 def test_decode_gets_prompt_ids_plus_the_token_and_one_token_less() -> None:
-    req = _req(
+    req = parsed(
         CHAT, max_completion_tokens=9, temperature=0.3, stream_options={"include_usage": True}
     )
     body = json.loads(continuation_body(req, _first(CHAT).decode_prompt, KV))
@@ -298,11 +290,11 @@ def test_decode_gets_prompt_ids_plus_the_token_and_one_token_less() -> None:
     }
     # completions' default of 16, and chat's "up to the model's length"
     assert (
-        json.loads(continuation_body(_req(COMPLETIONS), _first().decode_prompt, KV))["max_tokens"]
+        json.loads(continuation_body(parsed(COMPLETIONS), _first().decode_prompt, KV))["max_tokens"]
         == 15
     )
     assert (
-        json.loads(continuation_body(_req(CHAT), _first(CHAT).decode_prompt, KV))["max_tokens"]
+        json.loads(continuation_body(parsed(CHAT), _first(CHAT).decode_prompt, KV))["max_tokens"]
         is None
     )
     # a decode taking over without prefill's KV: the same body, no kv_transfer_params
@@ -311,21 +303,21 @@ def test_decode_gets_prompt_ids_plus_the_token_and_one_token_less() -> None:
 
 
 def test_the_request_ends_at_prefill_on_a_stop_token_or_one_token_asked() -> None:
-    assert not _first().ends_request(_req(COMPLETIONS, max_tokens=5))
-    assert _first(finish_reason="stop", stop_reason=2).ends_request(_req(COMPLETIONS))
-    assert _first().ends_request(_req(COMPLETIONS, max_tokens=1))
+    assert not _first().ends_request(parsed(COMPLETIONS, max_tokens=5))
+    assert _first(finish_reason="stop", stop_reason=2).ends_request(parsed(COMPLETIONS))
+    assert _first().ends_request(parsed(COMPLETIONS, max_tokens=1))
 
 
 def test_the_request_ends_at_prefill_when_decodes_prompt_would_fill_the_model() -> None:
     # prompt of 3 tokens: decode's would be 4, which a max_model_len of 4 refuses
-    assert _first().ends_request(_req(CHAT), max_model_len=4)
-    assert _first().ends_request(_req(COMPLETIONS, max_tokens=5), max_model_len=4)
-    assert not _first().ends_request(_req(CHAT), max_model_len=5)
-    assert not _first().ends_request(_req(CHAT), max_model_len=0)  # unknown
+    assert _first().ends_request(parsed(CHAT), max_model_len=4)
+    assert _first().ends_request(parsed(COMPLETIONS, max_tokens=5), max_model_len=4)
+    assert not _first().ends_request(parsed(CHAT), max_model_len=5)
+    assert not _first().ends_request(parsed(CHAT), max_model_len=0)  # unknown
 
 
 def test_completions_chunks_pass_with_the_responses_id_and_usage_counts_the_first_token() -> None:
-    req = _req(COMPLETIONS, stream_options={"include_usage": True})
+    req = parsed(COMPLETIONS, stream_options={"include_usage": True})
     splice = Splice(req, _first())
     (opening,) = _events(splice.opening())
     assert opening["id"] == "cmpl-r1" and opening["choices"][0]["text"] == " Hello"
@@ -343,7 +335,7 @@ def test_completions_chunks_pass_with_the_responses_id_and_usage_counts_the_firs
 
 
 def test_chat_chunks_are_made_from_decodes_completions_chunks() -> None:
-    req = _req(CHAT, stream_options={"include_usage": True})
+    req = parsed(CHAT, stream_options={"include_usage": True})
     splice = Splice(req, _first(CHAT))
     role, token = _events(splice.opening())
     assert role["choices"][0]["delta"] == {"role": "assistant", "content": ""}
@@ -394,7 +386,7 @@ def test_chat_token_chunks_are_the_same_bytes_whatever_decodes_layout(
 ) -> None:
     # Token chunks in the engines' layouts are rebuilt from their text's bytes; the result is
     # byte for byte the chunk made by parsing the event (a layout that only parsing handles).
-    splice = Splice(_req(CHAT), _first(CHAT))
+    splice = Splice(parsed(CHAT), _first(CHAT))
     made = splice.rewrite(_token_event(text, layout) + b"\n\n")
     assert made == splice.rewrite(_token_event(text, "other") + b"\n\n")
     (chunk,) = _events(made)
@@ -417,7 +409,7 @@ def test_chat_token_chunks_are_the_same_bytes_whatever_decodes_layout(
 
 def test_chat_chunks_with_continuous_usage_count_the_first_token() -> None:
     options = {"include_usage": True, "continuous_usage_stats": True}
-    splice = Splice(_req(CHAT, stream_options=options), _first(CHAT))
+    splice = Splice(parsed(CHAT, stream_options=options), _first(CHAT))
     event = (
         b'data: {"id":"cmpl-d","object":"text_completion","created":7,"model":"m","choices":'
         b'[{"index":0,"text":" world","logprobs":null,"finish_reason":null}],"usage":'
@@ -429,13 +421,13 @@ def test_chat_chunks_with_continuous_usage_count_the_first_token() -> None:
 
 
 def test_a_malformed_token_event_passes_unchanged() -> None:
-    splice = Splice(_req(CHAT), _first(CHAT))
+    splice = Splice(parsed(CHAT), _first(CHAT))
     bad = _token_event("x", "sim").replace(b'"x"', b'"\\x"') + b"\n\n"  # invalid escape
     assert splice.rewrite(bad) == bad
 
 
 def test_an_error_event_from_decode_passes_unchanged() -> None:
-    splice = Splice(_req(CHAT), _first(CHAT))
+    splice = Splice(parsed(CHAT), _first(CHAT))
     error = b'data: {"error":{"message":"boom","code":500}}\n\n'
     assert splice.rewrite(error) == error
 
@@ -444,7 +436,7 @@ def test_an_error_event_from_decode_passes_unchanged() -> None:
 def test_a_request_ended_by_prefill_streams_one_token_then_usage_and_done(
     endpoint: Endpoint,
 ) -> None:
-    req = _req(endpoint, max_tokens=1, stream_options={"include_usage": True})
+    req = parsed(endpoint, max_tokens=1, stream_options={"include_usage": True})
     events = _events(Splice(req, _first(endpoint)).ending())
     assert events[-1] == "[DONE]"
     assert events[-2]["usage"] == {"prompt_tokens": 3, "total_tokens": 4, "completion_tokens": 1}
@@ -470,7 +462,7 @@ def test_a_special_token_inside_a_held_character_is_skipped_as_one_instance_skip
         return text
 
     first = _first(prompt_token_ids=prompt, token_id=out[0], text="")
-    splice = Splice(_req(COMPLETIONS), first, decode)
+    splice = Splice(parsed(COMPLETIONS), first, decode)
     rewritten = _events(splice.rewrite(_decode_stream([*prompt, out[0]], out[1:])))
     assert [c["text"] for e in rewritten if isinstance(e, dict) for c in e["choices"]] == [""]
 
@@ -501,12 +493,12 @@ def test_a_stop_token_ending_a_held_character_is_left_out_of_its_text(
         b'"finish_reason":"stop","stop_reason":'
         + (b"null" if stop == "eos" else str(eos).encode()),
     )
-    splice = Splice(_req(COMPLETIONS, **extra), first, decode)
+    splice = Splice(parsed(COMPLETIONS, **extra), first, decode)
     got = [c["text"] for e in _events(splice.rewrite(events)) if isinstance(e, dict)
            for c in e["choices"]]  # fmt: skip
     assert "".join(got) == ("" if per_chunk == 1 else "\U0001f600")
     # with include_stop_str_in_output the stop token's text is the client's
-    kept = Splice(_req(COMPLETIONS, include_stop_str_in_output=True, **extra), first, decode)
+    kept = Splice(parsed(COMPLETIONS, include_stop_str_in_output=True, **extra), first, decode)
     got = [c["text"] for e in _events(kept.rewrite(events)) if isinstance(e, dict)
            for c in e["choices"]]  # fmt: skip
     assert "".join(got).endswith("</s>")

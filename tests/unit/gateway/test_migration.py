@@ -14,28 +14,28 @@ from pdplane.gateway.seam import Seam, chat_logprobs, chat_top_logprobs
 from pdplane.gateway.splice import FirstToken, Splice
 from pdplane.gateway.validation import CHAT, COMPLETIONS
 from pdplane.v1 import instance_pb2
-from tests.unit.gateway.test_first_token import _req
+from tests.unit.gateway.conftest import parsed
 
 
 def test_which_streams_are_migratable() -> None:
-    assert migratable(_req(COMPLETIONS))
-    assert migratable(_req(CHAT, temperature=0, stop=[], seed=3))
+    assert migratable(parsed(COMPLETIONS))
+    assert migratable(parsed(CHAT, temperature=0, stop=[], seed=3))
     # vLLM holds back text that may start a stop string: only the tokenizer tells which
-    assert not migratable(_req(CHAT, stop=["x"]))
-    assert not migratable(_req(COMPLETIONS, stop="x", include_stop_str_in_output=True))
-    assert migratable(_req(CHAT, stop=["x"]), detokenizer=True)
-    assert migratable(_req(COMPLETIONS, stop="x", include_stop_str_in_output=True), True)
-    assert migratable(_req(COMPLETIONS, logprobs=2))  # completions logprobs continue
-    assert not migratable(_req(COMPLETIONS, stream=False))  # run again instead
-    assert migratable(_req(COMPLETIONS, n=2))  # each choice on its own leg
-    assert not migratable(_req(COMPLETIONS, echo=True))
-    assert migratable(_req(CHAT, logprobs=True, top_logprobs=2))  # continued as chat's
-    assert not migratable(_req(CHAT, tools=[{"type": "function"}]))
-    assert not migratable(_req(COMPLETIONS, return_token_ids=True))
+    assert not migratable(parsed(CHAT, stop=["x"]))
+    assert not migratable(parsed(COMPLETIONS, stop="x", include_stop_str_in_output=True))
+    assert migratable(parsed(CHAT, stop=["x"]), detokenizer=True)
+    assert migratable(parsed(COMPLETIONS, stop="x", include_stop_str_in_output=True), True)
+    assert migratable(parsed(COMPLETIONS, logprobs=2))  # completions logprobs continue
+    assert not migratable(parsed(COMPLETIONS, stream=False))  # run again instead
+    assert migratable(parsed(COMPLETIONS, n=2))  # each choice on its own leg
+    assert not migratable(parsed(COMPLETIONS, echo=True))
+    assert migratable(parsed(CHAT, logprobs=True, top_logprobs=2))  # continued as chat's
+    assert not migratable(parsed(CHAT, tools=[{"type": "function"}]))
+    assert not migratable(parsed(COMPLETIONS, return_token_ids=True))
 
 
 def test_the_resumed_leg_asks_for_what_is_left_with_the_clients_sampling() -> None:
-    req = _req(CHAT, max_completion_tokens=20, min_tokens=8, temperature=0.5,
+    req = parsed(CHAT, max_completion_tokens=20, min_tokens=8, temperature=0.5,
                stream_options={"include_usage": True}, seed=1)  # fmt: skip
     body = resumed_body(req, [1, 2, 3, 40, 41, 42], 3)
     assert body == {
@@ -50,7 +50,7 @@ def test_the_resumed_leg_asks_for_what_is_left_with_the_clients_sampling() -> No
         "return_token_ids": True,
     }
     # chat without a limit: up to the model's length; min_tokens already met is dropped
-    body = resumed_body(_req(CHAT, min_tokens=2), [1, 2], 3)
+    body = resumed_body(parsed(CHAT, min_tokens=2), [1, 2], 3)
     assert body["max_tokens"] is None and "min_tokens" not in body
 
 
@@ -180,7 +180,7 @@ def test_the_transcript_counts_the_characters_the_client_got() -> None:
 
 
 def test_a_resumed_leg_drops_the_text_and_logprobs_the_client_has() -> None:
-    req = _req(COMPLETIONS, logprobs=1)
+    req = parsed(COMPLETIONS, logprobs=1)
     first = FirstToken("cmpl-1", 1, "m", [1, 2], 9, "", None, None)
     splice = Splice(req, first, None, None, 5, Seam(overlap=4, repeated=2, text_offset=10))
 
@@ -215,9 +215,9 @@ def test_chat_logprobs_are_built_from_the_completions_legs() -> None:
     assert chat_logprobs(completions, 0)["content"][0]["top_logprobs"] == []
     assert chat_top_logprobs({"logprobs": True}) == 0
     assert chat_top_logprobs({"logprobs": False, "top_logprobs": 2}) is None
-    body = resumed_body(_req(CHAT, logprobs=True, top_logprobs=3), [1, 2], 1)
+    body = resumed_body(parsed(CHAT, logprobs=True, top_logprobs=3), [1, 2], 1)
     assert body["logprobs"] == 3 and "top_logprobs" not in body
-    assert "logprobs" not in resumed_body(_req(CHAT, logprobs=False), [1, 2], 1)
+    assert "logprobs" not in resumed_body(parsed(CHAT, logprobs=False), [1, 2], 1)
 
 
 def test_the_transcript_follows_text_offset_as_vllm_advances_it() -> None:
@@ -232,7 +232,7 @@ def test_the_transcript_follows_text_offset_as_vllm_advances_it() -> None:
 
 
 def test_a_choice_of_n_above_1_resumes_alone_with_its_own_seed() -> None:
-    req = _req(COMPLETIONS, n=3, max_tokens=20, seed=7)
+    req = parsed(COMPLETIONS, n=3, max_tokens=20, seed=7)
     body = resumed_body(req, [1, 2, 3, 40, 41], 2, choice=2)
     assert "n" not in body and body["max_tokens"] == 18 and body["seed"] == 9
-    assert resumed_body(_req(COMPLETIONS, n=3), [1, 2], 0, choice=1).get("seed") is None
+    assert resumed_body(parsed(COMPLETIONS, n=3), [1, 2], 0, choice=1).get("seed") is None

@@ -14,6 +14,10 @@
   `bench.vllm_cpu.ttft_breakdown`, ...), never an underscore helper (`bench._procs`,
   `bench.routing._openloop`) nor an underscore name of a module; what tests and bench share lives
   in `tests.support`, which imports nothing of bench/.
+- Tests import of other tests only their helper modules: `tests.support` (and under it), a
+  folder's `conftest.py` or helper module (`tests/integration/registry/fixtures.py`,
+  `tests/integration/gateway/helpers.py`, ...), never a test module (`test_*.py`) nor an
+  underscore name of any of them; what two test modules share lives in such a helper module.
 """
 
 from __future__ import annotations
@@ -142,7 +146,20 @@ def _violations(graph: dict[str, set[str]]) -> set[tuple[str, str]]:
                 and (_under(importer, "tests.support") or _private(target))
             ):
                 bad.add((importer, target))
+            if (
+                _under(importer, "tests")
+                and _under(target, "tests")
+                and not _under(target, importer)
+                and (_test_module(target) or _private(target))
+            ):
+                bad.add((importer, target))
     return bad
+
+
+def _test_module(name: str) -> bool:
+    """A pytest test module (`test_*.py`) anywhere in the dotted `name`
+    (`tests.integration.gateway.test_cancellation`, `...test_migration._text`)."""
+    return any(part.startswith("test_") for part in name.split("."))
 
 
 def _private(name: str) -> bool:
@@ -217,7 +234,9 @@ def test_no_import_cycles_within_a_part() -> None:
 
 
 def test_the_rules_catch_what_they_forbid() -> None:
-    # Guards the guard: a wrong import in each direction, and a cycle, are reported.
+    # Guards the guard: a wrong import in each direction (a test importing of another test
+    # module, or an underscore name of a helper module, too), and a cycle, are reported.
+    gw = "tests.integration.gateway"
     graph = _graph(
         {
             "pdplane.gateway.wrong": "from pdplane.scheduler.decision import Decider\n"
@@ -231,6 +250,10 @@ def test_the_rules_catch_what_they_forbid() -> None:
             "from bench.vllm_cpu.ttft_breakdown import _median, breakdown\n"
             "from bench.routing import workloads\nfrom tests.support import otlp\n",
             "tests.support.wrong": "from bench.routing.workloads import Turn\n",
+            f"{gw}.test_wrong": f"from {gw}.test_cancellation import _open\n"
+            "from .test_tracing import receiver\n"
+            "from tests.integration.registry.fixtures import _spec, make_spec\n"
+            f"from {gw}.conftest import MODEL\nfrom tests.support import otlp\n",
             "bench.relay.cycle_a": "from bench.routing import cycle_b\n",
             "bench.routing.cycle_b": "def f():\n    import bench.relay.cycle_a\n",
         }
@@ -250,6 +273,13 @@ def test_the_rules_catch_what_they_forbid() -> None:
         ("tests.unit.wrong", "bench.routing._openloop"),
         ("tests.unit.wrong", "bench.vllm_cpu.ttft_breakdown._median"),
         ("tests.support.wrong", "bench.routing.workloads"),
+        ("tests.integration.gateway.test_wrong", "tests.integration.gateway.test_cancellation"),
+        (
+            "tests.integration.gateway.test_wrong",
+            "tests.integration.gateway.test_cancellation._open",
+        ),
+        ("tests.integration.gateway.test_wrong", "tests.integration.gateway.test_tracing"),
+        ("tests.integration.gateway.test_wrong", "tests.integration.registry.fixtures._spec"),
     }
     cycles = _cycles(graph)
     assert ["pdplane.sim.cycle_a", "pdplane.sim.cycle_b"] in cycles
