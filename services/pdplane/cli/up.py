@@ -179,14 +179,14 @@ class _RestartBudget:
     """At most `per_minute` restarts of one service in any 60 s window (a crash loop stops)."""
 
     def __init__(self, per_minute: int) -> None:
-        self._per_minute = per_minute
+        self.per_minute = per_minute
         self._times: dict[str, list[float]] = {}
 
     def allow(self, name: str) -> bool:
         now = time.monotonic()
         recent = [t for t in self._times.get(name, []) if now - t < 60.0]
         self._times[name] = [*recent, now]
-        return len(recent) < self._per_minute
+        return len(recent) < self.per_minute
 
 
 def _say(message: str) -> None:
@@ -195,13 +195,25 @@ def _say(message: str) -> None:
 
 
 def _restart_instances(fleet: Fleet, restarts: _RestartBudget) -> bool:
-    """Restarts the vLLM instances that died; False when one keeps failing (give up)."""
+    """Restarts the vLLM instances that died. One that keeps failing (past its restart budget)
+    is left stopped and forgotten, as its tail says why, while the rest of the fleet serves:
+    one instance killed again and again (the OOM killer, a bad device) must not take the
+    others down. False (give up) when that leaves its role with no instance."""
     for name, inst in fleet.newly_dead_instances():
-        _say(f"{name} exited with status {inst.process.returncode}; restarting it")
-        if not restarts.allow(name):
-            _say(f"{name} keeps failing; giving up:\n{inst.process.tail()}")
+        if restarts.allow(name):
+            _say(f"{name} exited with status {inst.process.returncode}; restarting it")
+            fleet.restart_instance(inst)
+            continue
+        role, kind = inst.options.role, name.rsplit("-", 1)[0]  # decode-1 -> decode
+        fleet.remove_instance(inst)
+        left = [i for i in fleet.instances if i.options.role == role]
+        if not left:
+            _say(f"{name} keeps failing; giving up (no {kind} left):\n{inst.process.tail()}")
             return False
-        fleet.restart_instance(inst)
+        _say(
+            f"{name} keeps failing ({restarts.per_minute} restarts within a minute); left "
+            f"stopped, {len(left)} {kind} instance(s) serve on:\n{inst.process.tail()}"
+        )
     for name, inst in fleet.newly_healthy_instances():
         _say(f"{name} healthy again at {inst.url}")
     return True
