@@ -90,6 +90,9 @@ class _UpLike(Protocol):
     api_key: str | None
     inflight_budget: float
     max_queued_requests: int
+    migration_limit: int
+    migration_timeout_s: float
+    drain_grace_s: float
     log_dir: Path
     ready_timeout_s: float
     etcd_port: int
@@ -145,6 +148,11 @@ class FleetSpec:
     inflight_budget: float | None = None
     flow_policy: str | None = None
     max_queued_requests: int | None = None
+    #: The gateway's `--migration-limit`, `--migration-timeout-s`, `--drain-grace-s` (a
+    #: stream whose decode is lost or drains continues on another); None = its own default.
+    migration_limit: int | None = None
+    migration_timeout_s: float | None = None
+    drain_grace_s: float | None = None
     #: The gateway's `--shutdown-timeout-s`: on stop, open requests get this long to finish
     #: (the engines serve them meanwhile); a stream still open then ends with an error event
     #: saying the server is shutting down (s).
@@ -194,6 +202,9 @@ class FleetSpec:
             inflight_budget=s.inflight_budget,
             flow_policy=s.flow_policy,
             max_queued_requests=s.max_queued_requests,
+            migration_limit=s.migration_limit,
+            migration_timeout_s=s.migration_timeout_s,
+            drain_grace_s=s.drain_grace_s,
             log_dir=s.log_dir,
             ready_timeout_s=s.ready_timeout_s,
             store=s.store,
@@ -206,8 +217,8 @@ class FleetSpec:
         )
 
     def gateway_flags(self) -> list[str]:
-        """The flow-control flags the fleet's gateway is started with (those set: not None);
-        the API keys go through its environment instead."""
+        """The flow-control and migration flags the fleet's gateway is started with (those set:
+        not None); the API keys go through its environment instead."""
         flags: list[str] = []
         for flag, value in (
             ("--queue-timeout-s", self.queue_timeout_s),
@@ -215,6 +226,9 @@ class FleetSpec:
             ("--inflight-budget", self.inflight_budget),
             ("--flow-policy", self.flow_policy),
             ("--max-queued-requests", self.max_queued_requests),
+            ("--migration-limit", self.migration_limit),
+            ("--migration-timeout-s", self.migration_timeout_s),
+            ("--drain-grace-s", self.drain_grace_s),
         ):
             if value is not None:
                 flags += [flag, str(value)]

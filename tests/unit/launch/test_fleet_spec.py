@@ -57,22 +57,25 @@ def test_an_unknown_kv_profile_is_refused_before_anything_starts(
     assert "--kv-profile" in capsys.readouterr().err
 
 
-def test_flow_control_flags_reach_the_gateway_with_the_gateway_s_defaults() -> None:
-    spec = FleetSpec.from_settings(
-        UpSettings.parse(
-            ["--inflight-budget", "0.5", "--flow-policy", "fifo", "--max-queued-requests", "7"]
-        )
-    )
+_GATEWAY_FLAGS = (
+    ("--inflight-budget", "0.5"),
+    ("--flow-policy", "fifo"),
+    ("--max-queued-requests", "7"),
+    ("--migration-limit", "5"),
+    ("--migration-timeout-s", "20.0"),
+    ("--drain-grace-s", "2.5"),
+)
+
+
+def test_flow_control_and_migration_flags_reach_the_gateway_with_the_gateway_s_defaults() -> None:
+    spec = FleetSpec.from_settings(UpSettings.parse([a for pair in _GATEWAY_FLAGS for a in pair]))
     flags = spec.gateway_flags()
-    for flag, value in (
-        ("--inflight-budget", "0.5"),
-        ("--flow-policy", "fifo"),
-        ("--max-queued-requests", "7"),
-    ):
+    for flag, value in _GATEWAY_FLAGS:
         assert flags[flags.index(flag) + 1] == value
     gateway = GatewaySettings.parse([])
     defaults = UpSettings.parse([])
-    for name in ("inflight_budget", "flow_policy", "max_queued_requests", "api_key"):
+    names = [flag.removeprefix("--").replace("-", "_") for flag, _ in _GATEWAY_FLAGS]
+    for name in [*names, "api_key"]:
         assert getattr(defaults, name) == getattr(gateway, name), name
     assert FleetSpec().gateway_flags() == []  # the gateway's own defaults or its env
 
