@@ -5,8 +5,8 @@
 
 `Decider.schedule` over a static view of N instances (N/2 prefill, N/2 decode, random
 loads), same policy on both sides, metrics on, a steady 64 requests in flight (each decision
-releases the one scheduled 64 earlier); wall-clock and thread-CPU percentiles (CPU time
-excludes preemption on a busy machine, so compare the CPU columns). Rows marked "+report"
+releases the one scheduled 64 earlier); wall-clock and thread-CPU percentiles (nearest rank;
+CPU time excludes preemption on a busy machine, so compare the CPU columns). Rows marked "+report"
 apply one new load report (a registry revision) before every decision, so the view's refresh
 is included: the worst case of a fleet whose heartbeats all change load.
 
@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import statistics
 import time
 from typing import Any
 
@@ -43,6 +42,7 @@ from pdplane.scheduler.policies import POLICIES
 from pdplane.scheduler.port import Outcome, RequestFeatures
 from pdplane.scheduler.view import CandidateView, StaticSource
 from pdplane.v1 import instance_pb2
+from tests.support.stats import percentile
 
 _WINDOW = 64  # requests kept in flight during the runs
 _WARM = 200  # first decisions not timed (caches, tables)
@@ -121,8 +121,12 @@ def _index(
 
 
 def _percentiles(samples_ns: list[int]) -> dict[str, float]:
-    cuts = statistics.quantiles(samples_ns, n=100, method="inclusive")
-    return {"p50_us": cuts[49] / 1e3, "p99_us": cuts[98] / 1e3, "n": len(samples_ns)}
+    """Nearest-rank p50 / p99 of `samples_ns` (ns), in us, and their count."""
+    return {
+        "p50_us": percentile(samples_ns, 50) / 1e3,
+        "p99_us": percentile(samples_ns, 99) / 1e3,
+        "n": len(samples_ns),
+    }
 
 
 class _Row:

@@ -9,10 +9,10 @@ its default policies. `--clients` load-generator processes (each a gateway's
 `RemoteScheduler`: one `ScheduleStream`, Releases riding on the next Schedule) run `--callers`
 concurrent callers in all, each calling Schedule and then `release_nowait`, for `--duration-s`
 seconds after a warm-up. Printed per row: Schedule/s over all clients in that window, the
-round trip's p50 / p99 (ms), and the schedulers' CPU (all replicas, from /proc, over the whole
-client run) per Schedule of the run (us) and in % of one core: when the load generators and
-schedulers share few cores, CPU per Schedule is the scheduler's own cost and Schedule/s what
-this machine sustained.
+round trip's p50 / p99 (ms, nearest rank), and the schedulers' CPU (all replicas, from /proc,
+over the whole client run) per Schedule of the run (us) and in % of one core: when the load
+generators and schedulers share few cores, CPU per Schedule is the scheduler's own cost and
+Schedule/s what this machine sustained.
 
 The schedulers run with `--no-kv-index` unless `--kv-index`: the bench instances' KV event
 endpoints do not exist, and a prefix index retrying 1,000 of them cost an idle scheduler ~35 %
@@ -32,7 +32,6 @@ import asyncio
 import contextlib
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -47,6 +46,7 @@ from pdplane.launch.ports import free_port_run
 from pdplane.scheduler.port import Outcome, RequestFeatures, SchedulerUnavailable
 from pdplane.scheduler.remote import RemoteScheduler
 from pdplane.v1 import instance_pb2, registry_pb2, registry_pb2_grpc
+from tests.support.stats import percentile
 
 _LEASE_MS = 600_000
 _MODEL = "large"
@@ -212,14 +212,13 @@ def _row(
     )
     cpu = sum(_cpu_s(pid) for pid in pids) - cpu0
     wall = time.monotonic() - t0
-    cuts = statistics.quantiles(latencies, n=100) if len(latencies) > 1 else [float("nan")] * 99
     return {
         "scheduler": name,
         "replicas": len(pids),
         "callers": callers,
         "schedule_per_s": done / args.duration_s,
-        "p50_ms": cuts[49] * 1e3,
-        "p99_ms": cuts[98] * 1e3,
+        "p50_ms": percentile(latencies, 50) * 1e3,  # nearest rank; NaN when none
+        "p99_ms": percentile(latencies, 99) * 1e3,
         "scheduler_cpu_us_per_schedule": cpu / total * 1e6 if total else float("nan"),
         "scheduler_cpu_pct": 100 * cpu / wall,
     }
