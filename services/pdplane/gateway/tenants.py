@@ -23,8 +23,9 @@ when the gateway requires no key.
 The file is read again when it changes (its modification time, size or inode, checked every
 `reload_s`: a Kubernetes ConfigMap's symlink swap counts), without a restart; a file that
 does not parse or validate is refused with an error in the log and the previous
-configuration stays. Lookups compare SHA-256 digests of the presented key, so the time a
-lookup takes says nothing about the keys.
+configuration stays; so is a file that lists no key (an empty one, say, written by a tool
+that truncates before it writes), which would otherwise serve anyone. Lookups compare SHA-256
+digests of the presented key, so the time a lookup takes says nothing about the keys.
 """
 
 from __future__ import annotations
@@ -41,7 +42,14 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 __all__ = ["ANONYMOUS", "DEFAULT_TENANT", "Identity", "TenantBook", "TenantsConfig", "load_tenants"]
 
@@ -93,6 +101,18 @@ class TenantsConfig(BaseModel):
                 raise ValueError(f"key of tenant {k.tenant!r} listed twice")
             seen.add(k.key)
         return keys
+
+    @model_validator(mode="after")
+    def _some_key(self) -> TenantsConfig:
+        # A gateway given a tenants file requires one of its keys; one listing none would
+        # serve anyone: an empty file (a config tool's non-atomic write, caught by the reload
+        # poll) must not open the gateway.
+        if not self.keys:
+            raise ValueError(
+                "lists no key: a gateway with a tenants file serves only its keys, and one "
+                "listing none would serve anyone (run without --tenants for an open gateway)"
+            )
+        return self
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,7 +187,7 @@ class TenantBook:
         self._flag_count = len(flag_keys)
         self._on_reload = on_reload
         self._stamp: tuple[int, int, int] | None = None
-        self.config = TenantsConfig.model_validate({})
+        self.config = TenantsConfig.model_construct()  # no file: no key required, no tenants
         self._keys: dict[bytes, KeyConfig] = {}
         if path is not None:
             self._stamp = self._stat()

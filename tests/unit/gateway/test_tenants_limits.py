@@ -100,6 +100,25 @@ def test_reload_on_change_and_a_bad_file_keeps_the_previous(tmp_path: Path) -> N
     assert results == ["ok", "error", "error"]
 
 
+@pytest.mark.parametrize("emptied", ["", "keys: []\n", "tenants: {a: {weight: 2}}\n"])
+def test_a_file_listing_no_key_never_opens_the_gateway(tmp_path: Path, emptied: str) -> None:
+    # A tool that truncates the file before writing it can leave it empty for a moment the
+    # reload poll sees: the gateway keeps requiring the keys it had.
+    p = tmp_path / "t.yaml"
+    p.write_text(_YAML)
+    results: list[str] = []
+    book = TenantBook(str(p), on_reload=results.append)
+    p.write_text(emptied)
+    os.utime(p, ns=(1, 1))
+    assert not book.reload_if_changed()
+    assert results == ["error"]
+    assert book.required and book.identify(_bearer("sk-unknown")) is None
+    assert book.identify(_bearer("sk-chat")) is not None
+    # Given at start, such a file is refused (`pdplane gateway` / `up`: status 2).
+    with pytest.raises(ValueError, match="lists no key"):
+        TenantBook(str(p))
+
+
 def test_tokens_per_min_429_has_the_right_retry_after_and_usage_gives_back() -> None:
     now = [0.0]
     limits = RateLimiter(clock=lambda: now[0])
