@@ -314,7 +314,7 @@ class RelayEndpoints:
     ) -> JsonReply | StreamReply:
         """Waits for the request's turn in its model's in-flight budget, then relays it."""
         who = turn.who
-        priority = req.priority if req.priority is not None else who.priority
+        priority = who.priority_of(req.priority)
         turn.ticket = await self.flow.admit(req.model, who.tenant, priority, turn.cost, who.weight)
         return await self.relay.handle(req, request_id, started, max_model_len, note)
 

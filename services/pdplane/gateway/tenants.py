@@ -126,6 +126,9 @@ class Identity:
         bucket: the rate limits' key: the API key's digest (plus the tenant a trusted proxy
             named); "" = no limits.
         requests_per_s, tokens_per_min: the key's limits (None = unlimited).
+        capped: `priority` is the earliest a request may ask for (a key of the tenants file:
+            its `priority` field may only make it later, else any key jumps its tenant's
+            queue); False without a tenants file, where the field is vLLM's as sent.
     """
 
     tenant: str = DEFAULT_TENANT
@@ -134,6 +137,14 @@ class Identity:
     bucket: str = ""
     requests_per_s: float | None = None
     tokens_per_min: float | None = None
+    capped: bool = False
+
+    def priority_of(self, asked: int | None) -> int:
+        """The flow-control priority of a request that asked for `asked` (its `priority`
+        field; None = absent): the tenant's when absent, never earlier than it when capped."""
+        if asked is None:
+            return self.priority
+        return max(asked, self.priority) if self.capped else asked
 
 
 ANONYMOUS = Identity()
@@ -225,6 +236,7 @@ class TenantBook:
             bucket=f"{digest[:12].hex()}/{tenant}" if limited else "",
             requests_per_s=key.requests_per_s,
             tokens_per_min=key.tokens_per_min,
+            capped=True,
         )
 
     def _apply(self, config: TenantsConfig) -> None:

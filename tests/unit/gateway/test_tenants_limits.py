@@ -13,7 +13,7 @@ import pytest
 
 from pdplane.gateway.errors import GatewayError
 from pdplane.gateway.ratelimit import RateLimiter
-from pdplane.gateway.tenants import DEFAULT_TENANT, Identity, TenantBook, load_tenants
+from pdplane.gateway.tenants import ANONYMOUS, DEFAULT_TENANT, Identity, TenantBook, load_tenants
 
 _YAML = """
 tenants:
@@ -98,6 +98,16 @@ def test_reload_on_change_and_a_bad_file_keeps_the_previous(tmp_path: Path) -> N
     p.unlink()
     assert not book.reload_if_changed()
     assert results == ["ok", "error", "error"]
+
+
+def test_a_tenants_key_may_ask_for_a_later_priority_never_an_earlier_one(tmp_path: Path) -> None:
+    p = tmp_path / "t.yaml"
+    p.write_text(_YAML)
+    batch = TenantBook(str(p)).identify(_bearer("sk-batch"))  # tenant batch: priority 10
+    assert batch is not None
+    assert [batch.priority_of(asked) for asked in (None, -5, 0, 10, 20)] == [10, 10, 10, 10, 20]
+    # Without a tenants file the field is vLLM's, as sent.
+    assert [ANONYMOUS.priority_of(asked) for asked in (None, -5, 20)] == [0, -5, 20]
 
 
 @pytest.mark.parametrize("emptied", ["", "keys: []\n", "tenants: {a: {weight: 2}}\n"])
