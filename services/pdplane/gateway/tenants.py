@@ -151,8 +151,35 @@ ANONYMOUS = Identity()
 _PLAIN = TenantConfig.model_validate({})
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader refusing a mapping key given twice (PyYAML keeps the last one
+    silently: a tenant or `keys:` listed twice would drop the first without a word)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)  # type: ignore[no-untyped-call]
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"{key!r} given twice", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def _unique_json_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object, refusing a name given twice (json keeps the last one silently)."""
+    out: dict[str, Any] = {}
+    for name, value in pairs:
+        if name in out:
+            raise ValueError(f"{name!r} given twice")
+        out[name] = value
+    return out
+
+
 def load_tenants(path: str | os.PathLike[str]) -> TenantsConfig:
-    """Parses and validates a tenants file (by its suffix: YAML, TOML or JSON).
+    """Parses and validates a tenants file (by its suffix: YAML, TOML or JSON); a name given
+    twice in one mapping is refused in each format.
 
     Raises ValueError naming the file and the problem (unreadable, not parseable, invalid).
     """
@@ -162,11 +189,11 @@ def load_tenants(path: str | os.PathLike[str]) -> TenantsConfig:
         suffix = p.suffix.lower()
         data: Any
         if suffix in (".yaml", ".yml"):
-            data = yaml.safe_load(text)
+            data = yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader: no objects built
         elif suffix == ".toml":
             data = tomllib.loads(text.decode())
         elif suffix == ".json":
-            data = json.loads(text)
+            data = json.loads(text, object_pairs_hook=_unique_json_object)
         else:
             raise ValueError("unknown format: name it .yaml, .yml, .toml or .json")
         return TenantsConfig.model_validate(data if data is not None else {})

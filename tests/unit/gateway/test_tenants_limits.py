@@ -100,6 +100,22 @@ def test_reload_on_change_and_a_bad_file_keeps_the_previous(tmp_path: Path) -> N
     assert results == ["ok", "error", "error"]
 
 
+@pytest.mark.parametrize(
+    ("name", "text"),
+    [
+        ("t.yaml", "tenants:\n  a: {weight: 1}\n  a: {weight: 2}\nkeys: [{key: k, tenant: a}]\n"),
+        ("t.json", '{"keys": [{"key": "k", "tenant": "a"}], "keys": []}'),
+    ],
+)
+def test_a_name_given_twice_in_a_mapping_is_refused(tmp_path: Path, name: str, text: str) -> None:
+    # The parsers keep the last one silently: a `keys` given twice, the last one empty, lost
+    # every key without a word.
+    p = tmp_path / name
+    p.write_text(text)
+    with pytest.raises(ValueError, match="given twice"):
+        load_tenants(p)
+
+
 def test_a_tenants_key_may_ask_for_a_later_priority_never_an_earlier_one(tmp_path: Path) -> None:
     p = tmp_path / "t.yaml"
     p.write_text(_YAML)
