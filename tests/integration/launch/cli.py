@@ -1,4 +1,5 @@
-"""`pdplane ...` run as a subprocess, as a user's shell would, for the launch tests."""
+"""`pdplane ...` run as a subprocess, as a user's shell would, and `pdplane up --engine sim`'s
+fleet in process, for the launch tests."""
 
 from __future__ import annotations
 
@@ -8,11 +9,13 @@ import subprocess
 import sys
 import threading
 from collections.abc import Mapping
-from typing import IO
+from pathlib import Path
+from typing import IO, Any
 
+from pdplane.launch.deployment import FleetSpec
 from pdplane.launch.ports import free_port_run
 
-__all__ = ["UP_PORT_FLAGS", "free_ports", "line_queue", "run_pdplane"]
+__all__ = ["UP_PORT_FLAGS", "free_ports", "line_queue", "run_pdplane", "sim_fleet_spec"]
 
 # The port flags of `pdplane up` a launch test usually pins (each to a free loopback port).
 UP_PORT_FLAGS = (
@@ -22,6 +25,24 @@ UP_PORT_FLAGS = (
     "vllm-base-port",
     "kv-base-port",
 )
+
+
+def sim_fleet_spec(tmp_path: Path, **overrides: Any) -> FleetSpec:
+    """A fleet of sims on free loopback ports (no profile: steps of the sims' `--itl-ms`),
+    logs under `tmp_path`; `overrides` are FleetSpec fields (`decode=2`, ...). Ports are
+    reserved for up to 4 instances."""
+    spec: dict[str, Any] = {
+        "registry_port": free_port_run(),
+        "scheduler_port": free_port_run(),
+        "gateway_port": free_port_run(),
+        "vllm_base_port": free_port_run(4),
+        "kv_base_port": free_port_run(4),
+        "engine": "sim",
+        "sim_profile": "",
+        "log_dir": tmp_path / "logs",
+        "ready_timeout_s": 120,
+    }
+    return FleetSpec(**(spec | overrides))
 
 
 def free_ports(*flags: str) -> dict[str, int]:

@@ -17,6 +17,7 @@ from pdplane.cli import up
 from pdplane.launch.deployment import Fleet, FleetSpec
 from pdplane.launch.ports import free_port_run
 from pdplane.launch.process import wait_until
+from tests.integration.launch.cli import sim_fleet_spec
 
 
 @pytest.fixture
@@ -65,18 +66,7 @@ def test_a_killed_registry_is_restarted_and_its_return_is_logged(
 @pytest.fixture
 def sim_fleet(tmp_path: Path) -> Iterator[Fleet]:
     """1P2D of sims, as `pdplane up --engine sim --decode 2` starts them."""
-    spec = FleetSpec(
-        registry_port=free_port_run(),
-        scheduler_port=free_port_run(),
-        gateway_port=free_port_run(),
-        vllm_base_port=free_port_run(3),
-        kv_base_port=free_port_run(3),
-        engine="sim",
-        sim_profile="",
-        decode=2,
-        log_dir=tmp_path / "logs",
-        ready_timeout_s=120,
-    )
+    spec = sim_fleet_spec(tmp_path, decode=2)
     fleet = Fleet(spec)
     try:
         fleet.start()

@@ -13,8 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pdplane.launch.deployment import Fleet, FleetSpec
-from pdplane.launch.ports import free_port_run
+from pdplane.launch.deployment import Fleet
+from tests.integration.launch.cli import sim_fleet_spec
 
 ITL_MS = 100
 #: The gateway's shutdown bound of these tests (s).
@@ -23,18 +23,8 @@ SHUTDOWN_S = 3
 
 @pytest.fixture
 def fleet(tmp_path: Path) -> Iterator[Fleet]:
-    spec = FleetSpec(
-        registry_port=free_port_run(),
-        scheduler_port=free_port_run(),
-        gateway_port=free_port_run(),
-        vllm_base_port=free_port_run(2),
-        kv_base_port=free_port_run(2),
-        engine="sim",
-        sim_profile="",  # no profile: steps of --itl-ms
-        vllm_args=["--itl-ms", str(ITL_MS)],
-        gateway_shutdown_s=SHUTDOWN_S,
-        log_dir=tmp_path / "logs",
-        ready_timeout_s=120,
+    spec = sim_fleet_spec(
+        tmp_path, vllm_args=["--itl-ms", str(ITL_MS)], gateway_shutdown_s=SHUTDOWN_S
     )
     fleet = Fleet(spec)
     try:
