@@ -78,7 +78,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from bench.sim._calib_servers import LLAMA3_8B_CONFIG, SMALL_SHAPE, _dummy_model
+from bench.sim.calib_servers import LLAMA3_8B_CONFIG, SMALL_SHAPE, dummy_model
 from pdplane.launch.deployment import Fleet, FleetSpec
 from pdplane.launch.ports import free_port_run
 from pdplane.launch.process import ManagedProcess, http_ok, wait_until
@@ -735,7 +735,7 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     config = LLAMA31_8B_CONFIG if args.shape == "llama-3.1-8b" else SMALL_CONFIG
     tiny = build_tiny_model(args.work / "models")
-    args.model_dir = _dummy_model(tiny, args.work / args.shape, config)
+    args.model_dir = dummy_model(tiny, args.work / args.shape, config)
     results: dict[str, Any] = {
         "model": f"{args.shape} (dummy weights)",
         "device": args.device,

@@ -1,6 +1,6 @@
 """The floor of the gateway's libraries: a bare uvicorn + aiohttp prefill -> decode relay.
 
-For the relay benchmark's `python-floor` proxies only (`bench/relay/_proxies.py`): what the cheapest
+For the relay benchmark's `python-floor` proxies only (`bench/relay/proxies.py`): what the cheapest
 relay on the stack `pdplane gateway` is built on costs per request, next to pdplane's own.
 Served as `pdplane gateway` serves (uvicorn, loop "auto" = uvloop, httptools, no access log,
 no proxy headers); one aiohttp `ClientSession` with a pooled connector set up like the

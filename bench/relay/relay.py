@@ -45,7 +45,7 @@ import httpx
 
 from bench import ROOT
 from bench._procs import Proc, spawn
-from bench.relay._proxies import Fleet, install_hint, start_proxy
+from bench.relay.proxies import Fleet, install_hint, start_proxy
 from pdplane.launch.ports import free_port_run
 from tests.support.loadgen import run_load
 from tests.support.stats import percentile

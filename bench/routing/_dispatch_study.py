@@ -20,7 +20,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from bench.routing._openloop import closed_loop
+from bench.routing.openloop import closed_loop
 from tests.support.stats import percentile
 
 __all__ = ["Started", "run_study"]

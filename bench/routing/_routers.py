@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench._procs import spawn
-from bench.relay._proxies import PEERS_DIR, ProxyRun, install_hint, wait_ready
+from bench.relay.proxies import PEERS_DIR, ProxyRun, install_hint, wait_ready
 from pdplane.launch.ports import free_port_run
 
 __all__ = ["POLICY_FLAGS", "Endpoints", "Row", "parse_row", "start_row"]

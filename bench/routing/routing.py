@@ -2,9 +2,9 @@
 
 For each topology (XpYd), workload, offered load and router row, one point: a fresh registry
 and a fresh sim fleet (one process, bench/routing/_simfleet.py, empty caches), the router
-(bench/routing/_routers.py), the workload replayed open loop (bench/routing/_openloop.py) for
+(bench/routing/_routers.py), the workload replayed open loop (bench/routing/openloop.py) for
 `--duration` modelled seconds, the first `--warmup` fraction left out of the numbers; then the
-client's latencies (`_openloop.client_numbers`) and the sims' own counters
+client's latencies (`openloop.client_numbers`) and the sims' own counters
 (tests/support/routing_stats.py). Rows:
 
     pdplane:round_robin  pdplane:random  pdplane:least_loaded  pdplane:power_of_two
@@ -42,12 +42,12 @@ import aiohttp
 
 from bench import ROOT
 from bench._procs import Proc, spawn
-from bench.relay._proxies import ProxyRun
+from bench.relay.proxies import ProxyRun
 from bench.routing import workloads as wl
 from bench.routing._dispatch_study import run_study
-from bench.routing._openloop import client_numbers, replay
 from bench.routing._prewarm import prewarm_decodes
 from bench.routing._routers import Endpoints, parse_row, start_row
+from bench.routing.openloop import client_numbers, replay
 from pdplane.launch.ports import free_port_run
 from tests.support.routing_stats import fleet_numbers, router_kv_counters
 

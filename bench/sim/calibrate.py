@@ -8,7 +8,7 @@
 profile (or `--profile FILE.json`), both pinned to `--engine-cores`, the client on
 `--client-cores`. `--fit` first fits the cost model to the vLLM measurements
 (pdplane.plan.fit) and uses the fit. `--target gpu` (bench/sim/gpu_profile.sh runs it)
-serves a Llama-3-8B-shaped model with dummy weights (bench/sim/_calib_servers.py), always fits, and
+serves a Llama-3-8B-shaped model with dummy weights (bench/sim/calib_servers.py), always fits, and
 writes the measured profile `profile-llama3-8b-<gpu>.json` (`pdplane sim --profile FILE`) next
 to the error table. Starts vLLM: on the CPU machine run it when nothing else loads it.
 
@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import ROOT
-from bench.sim._calib_servers import MODEL, cache_config, start_sim, start_vllm, stop
+from bench.sim.calib_servers import MODEL, cache_config, start_sim, start_vllm, stop
 from pdplane.plan.fit import fit_cost, predict
 from pdplane.plan.sweep import Cell, CellResult, measure_cells, mixed_arrivals
 from pdplane.sim.profiles import PROFILES, CostModel, Profile, load_profile

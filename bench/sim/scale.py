@@ -28,7 +28,7 @@ from typing import Any
 from bench import ROOT
 from bench._procs import spawn
 from bench.routing import workloads as wl
-from bench.routing._openloop import replay
+from bench.routing.openloop import replay
 from pdplane.sim.config import SimConfig
 from pdplane.sim.sim_fleet import SimFleet, expand
 from pdplane.sim.stats import LogHistogram

@@ -8,7 +8,7 @@ caused, engine-side ITL percentiles, and the simulator's own lag (its event loop
 Router side (pdplane rows, one `GET /metrics` of the gateway at the end of the point): the prefix
 index's stale transitions, stream errors and snapshots since the router started, so a kv_aware
 point that missed cached prefixes says whether its index had stopped trusting an instance's KV
-events. The client's side (TTFT, TPOT, goodput) is `bench.routing._openloop.client_numbers`.
+events. The client's side (TTFT, TPOT, goodput) is `bench.routing.openloop.client_numbers`.
 """
 
 from __future__ import annotations

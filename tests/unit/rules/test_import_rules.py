@@ -12,8 +12,10 @@
   functions and under `TYPE_CHECKING` alike.
 - Tests import of bench/ its public modules only (`bench.routing.workloads`,
   `bench.vllm_cpu.ttft_breakdown`, ...), never an underscore helper (`bench._procs`,
-  `bench.routing._openloop`) nor an underscore name of a module; what tests and bench share lives
-  in `tests.support`, which imports nothing of bench/.
+  `bench.routing._simfleet`) nor an underscore name of a module; what tests and bench share
+  lives in `tests.support`, which imports nothing of bench/. Likewise a bench subject imports of
+  another subject its public modules only (`bench.relay.proxies`); bench's top-level underscore
+  helpers (`bench._procs`) are for every subject.
 - Tests import of other tests only their helper modules: `tests.support` (and under it), a
   folder's `conftest.py` or helper module (`tests/integration/registry/fixtures.py`,
   `tests/integration/gateway/helpers.py`, ...), never a test module (`test_*.py`) nor an
@@ -146,6 +148,9 @@ def _violations(graph: dict[str, set[str]]) -> set[tuple[str, str]]:
                 and (_under(importer, "tests.support") or _private(target))
             ):
                 bad.add((importer, target))
+            subject = _bench_subject(importer)
+            if subject and _bench_subject(target) not in (None, subject) and _private(target):
+                bad.add((importer, target))
             if (
                 _under(importer, "tests")
                 and _under(target, "tests")
@@ -154,6 +159,15 @@ def _violations(graph: dict[str, set[str]]) -> set[tuple[str, str]]:
             ):
                 bad.add((importer, target))
     return bad
+
+
+def _bench_subject(name: str) -> str | None:
+    """The bench subject folder of the dotted `name` (`relay` for `bench.relay.proxies`);
+    None outside bench/ and for bench's top-level helpers shared by subjects (`bench._procs`)."""
+    parts = name.split(".")
+    if parts[0] != "bench" or len(parts) < 3 or parts[1].startswith("_"):
+        return None
+    return parts[1]
 
 
 def _test_module(name: str) -> bool:
@@ -255,6 +269,9 @@ def test_the_rules_catch_what_they_forbid() -> None:
             "from tests.integration.registry.fixtures import _spec, make_spec\n"
             f"from {gw}.conftest import MODEL\nfrom tests.support import otlp\n",
             "bench.relay.cycle_a": "from bench.routing import cycle_b\n",
+            "bench.sim.wrong": "from bench.routing._openloop import replay\n"
+            "from bench.routing.workloads import Turn\nfrom bench._procs import spawn\n"
+            "from bench.sim import _own\n",
             "bench.routing.cycle_b": "def f():\n    import bench.relay.cycle_a\n",
         }
     )
@@ -280,6 +297,9 @@ def test_the_rules_catch_what_they_forbid() -> None:
         ),
         ("tests.integration.gateway.test_wrong", "tests.integration.gateway.test_tracing"),
         ("tests.integration.gateway.test_wrong", "tests.integration.registry.fixtures._spec"),
+    }
+    assert {v for v in found if v[0].startswith("bench.")} == {
+        ("bench.sim.wrong", "bench.routing._openloop"),
     }
     cycles = _cycles(graph)
     assert ["pdplane.sim.cycle_a", "pdplane.sim.cycle_b"] in cycles

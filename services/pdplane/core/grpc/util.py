@@ -19,7 +19,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from pdplane.core.grpc.auth import AUTH_KEY, AuthPolicy, ConflictingCredentials
-from pdplane.core.grpc.decode import AioDecodeErrorInterceptor, DecodeErrorInterceptor
+from pdplane.core.grpc.message_check import AioDecodeErrorInterceptor, DecodeErrorInterceptor
 from pdplane.core.grpc.reflection import enable_reflection
 from pdplane.core.server_id import METADATA_KEY, server_id
 

@@ -93,7 +93,7 @@ def cache_config(base_url: str) -> dict[str, str]:
     return {}
 
 
-def _dummy_model(tiny: Path, dest: Path, config: dict[str, Any]) -> Path:
+def dummy_model(tiny: Path, dest: Path, config: dict[str, Any]) -> Path:
     """A model directory: `config` + the tiny tokenizer padded to config's vocabulary."""
     from tokenizers import AddedToken, Tokenizer
 
@@ -133,7 +133,7 @@ def start_vllm(
         "VLLM_CPU_OMP_THREADS_BIND": cores or "all",
     }
     if target == "gpu":
-        model = _dummy_model(tiny, work / "llama3-8b-dummy", LLAMA3_8B_CONFIG)
+        model = dummy_model(tiny, work / "llama3-8b-dummy", LLAMA3_8B_CONFIG)
         argv = [*server, *common, "--model", str(model), "--load-format", "dummy"]
         argv += ["--dtype", "bfloat16", "--max-model-len", "8192"]
         argv += ["--gpu-memory-utilization", str(gpu_util)]
@@ -141,7 +141,7 @@ def start_vllm(
         env.update(VLLM_USE_FLASHINFER_SAMPLER="0", NCCL_NVLS_ENABLE="0")
         timeout = 900.0
     elif target == "cpu-dummy":
-        model = _dummy_model(tiny, work / "small-dummy", _SMALL_CONFIG)
+        model = dummy_model(tiny, work / "small-dummy", _SMALL_CONFIG)
         argv = [*_taskset(cores), *server, *common, "--model", str(model)]
         argv += ["--load-format", "dummy", "--dtype", "float32", "--max-model-len", "1024"]
         argv += ["--enforce-eager", "--distributed-executor-backend", "uni"]
