@@ -3,25 +3,11 @@
 from __future__ import annotations
 
 import os
-import socket
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from pdplane.models.tiny import build_tiny_model
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@pytest.fixture
-def free_port() -> Callable[[], int]:
-    """Returns a function giving a currently free TCP port on 127.0.0.1."""
-    return _free_port
 
 
 @pytest.fixture(scope="session")

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ from concurrent import futures
 import grpc
 
 from pdplane.core.grpc import util as grpc_util
+from pdplane.launch.ports import free_port_run
 from pdplane.v1 import instance_pb2, registry_pb2, registry_pb2_grpc
 
 
@@ -60,9 +60,7 @@ def main() -> None:
     parser.add_argument("--instances", type=int, default=5000)
     parser.add_argument("--spec-bytes", type=int, default=7800)
     args = parser.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port_run()
     env = {**os.environ, "PDPLANE_LOG_LEVEL": "WARNING"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "pdplane.registry", "--port", str(port), "--host", "127.0.0.1"],

@@ -12,7 +12,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
 
@@ -21,6 +21,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdplane.core.grpc import util as grpc_util
+from pdplane.launch.ports import free_port_run
 from pdplane.v1 import registry_pb2, registry_pb2_grpc
 from tests.integration.registry.conftest import wait_until
 from tests.integration.registry.fixtures import make_spec
@@ -54,13 +55,13 @@ def _register_bytes(payload_len: int) -> bytes:
 
 
 @pytest.fixture
-def registry_process(free_port: Callable[[], int], tmp_path: Path) -> Iterator[tuple[str, int]]:
+def registry_process(tmp_path: Path) -> Iterator[tuple[str, int]]:
     """`pdplane registry` with a token file; yields (address, pid)."""
     if not Path("/proc/self/status").exists():
         pytest.skip("needs Linux /proc for the peak RSS")
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN)
-    port = free_port()
+    port = free_port_run()
     proc = subprocess.Popen(
         [
             sys.executable,

@@ -1,13 +1,13 @@
-"""The gRPC server of one worker (TP rank) and the transport-neutral `pdplane.v1.KvTransfer`.
+"""The gRPC server of one worker (TP rank) and the held blocks it serves.
 
 The server hosts any number of services (`ServiceBinding`): `KvTransfer` (complete, abort: the
-end of a hold), the transport's own service(s) (`KvTransport.services`), and whatever else the
-connector serves next to them; it adds health and reflection for all of them. Transports reach
-held blocks only through `HoldAccess` (the `BlockAccess` of transports/base.py): it grants
-access by transfer id (issued by this instance, still held), checks the requester's KV layout
-and the block indices, and pins the hold while bytes are read. Sync gRPC (a thread pool),
-because it runs inside vLLM's engine process next to the engine loop, which must never wait on
-it.
+end of a hold; its servicer is `pdplane.connector.servicer`), the transport's own service(s)
+(`KvTransport.services`), and whatever else the connector serves next to them; it adds health
+and reflection for all of them. Transports reach held blocks only through `HoldAccess` (the
+`BlockAccess` of transports/base.py): it grants access by transfer id (issued by this instance,
+still held), checks the requester's KV layout and the block indices, and pins the hold while
+bytes are read. Sync gRPC (a thread pool), because it runs inside vLLM's engine process next to
+the engine loop, which must never wait on it.
 """
 
 from __future__ import annotations
@@ -23,29 +23,19 @@ import grpc
 from grpc_health.v1 import health, health_pb2
 
 from pdplane.connector.holds import HeldTransfer, HoldTable, HoldUnknown
+from pdplane.connector.servicer import REASON_CHARS, SERVICE_NAME, KvTransferServicer
 from pdplane.connector.transports.base import AccessDenied, KvTransport, ServiceBinding
 from pdplane.core import tracing
 from pdplane.core.grpc import util as grpc_util
 from pdplane.core.instance.layout import fingerprint
-from pdplane.v1 import instance_pb2, kv_transfer_pb2, kv_transfer_pb2_grpc
+from pdplane.v1 import instance_pb2, kv_transfer_pb2
 
-__all__ = [
-    "SERVICE_NAME",
-    "HoldAccess",
-    "KvServer",
-    "KvTransferServicer",
-    "start_kv_server",
-    "worker_services",
-]
+__all__ = ["HoldAccess", "KvServer", "start_kv_server", "worker_services"]
 
 log = logging.getLogger(__name__)
 
-SERVICE_NAME = "pdplane.v1.KvTransfer"
 #: server threads beyond the services' long-lived streams
 _BASE_WORKERS = 8
-#: Longest AbortTransfer reason kept, and transfer id quoted in a NOT_FOUND message (both come
-#: from peers; every other end reason is this module's or holds.py's, registry-bounded ids).
-_REASON_CHARS = 200
 
 
 def _serve_span(
@@ -156,7 +146,7 @@ class HoldAccess:
             # client leaves right after its first token): decode's log then says so.
             why = self.holds.ended.get(request.transfer_id) or "unknown, expired or freed"
             raise AccessDenied(
-                f"transfer {request.transfer_id[:_REASON_CHARS]} is not held: {why}",
+                f"transfer {request.transfer_id[:REASON_CHARS]} is not held: {why}",
                 grpc.StatusCode.NOT_FOUND,
             ) from None
         indices: Sequence[int] = request.block_indices or range(len(hold.block_ids))
@@ -181,43 +171,9 @@ class HoldAccess:
         return freed
 
 
-class KvTransferServicer(kv_transfer_pb2_grpc.KvTransferServicer):
-    """`pdplane.v1.KvTransfer`: the end of a hold, whatever the transport."""
-
-    def __init__(self, access: HoldAccess) -> None:
-        self._access = access
-
-    def binding(self) -> ServiceBinding:
-        """This service as one of the worker server's services."""
-        return ServiceBinding(
-            SERVICE_NAME,
-            lambda server: kv_transfer_pb2_grpc.add_KvTransferServicer_to_server(self, server),
-        )
-
-    def _release(self, transfer_id: str, reason: str, context: grpc.ServicerContext) -> bool:
-        if not transfer_id:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "transfer_id is required")
-        return self._access.release(transfer_id, reason)
-
-    def CompleteTransfer(
-        self, request: kv_transfer_pb2.CompleteTransferRequest, context: grpc.ServicerContext
-    ) -> kv_transfer_pb2.CompleteTransferResponse:
-        reason = "completed" if request.success else "completed (decode failed)"
-        freed = self._release(request.transfer_id, reason, context)
-        return kv_transfer_pb2.CompleteTransferResponse(freed=freed)
-
-    def AbortTransfer(
-        self, request: kv_transfer_pb2.AbortTransferRequest, context: grpc.ServicerContext
-    ) -> kv_transfer_pb2.AbortTransferResponse:
-        # Bounded where it arrives: it is kept with the ended hold and logged.
-        reason = f"aborted: {(request.reason or 'no reason given')[:_REASON_CHARS]}"
-        freed = self._release(request.transfer_id, reason, context)
-        return kv_transfer_pb2.AbortTransferResponse(freed=freed)
-
-
 def worker_services(transport: KvTransport, access: HoldAccess) -> list[ServiceBinding]:
     """`KvTransfer` plus the transport's own services, all serving through `access`."""
-    return [KvTransferServicer(access).binding(), *transport.services(access)]
+    return [KvTransferServicer(access.release).binding(), *transport.services(access)]
 
 
 @dataclass

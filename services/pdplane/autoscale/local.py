@@ -27,7 +27,7 @@ from pdplane.cli.drain import drain_instance
 from pdplane.core.grpc import util as grpc_util
 from pdplane.launch.deployment import Engine, Fleet
 from pdplane.launch.vllm_cpu import KvRole
-from pdplane.registry.endpoints import RegistryEndpoints
+from pdplane.registry.failover import RegistryEndpoints
 from pdplane.v1 import instance_pb2
 
 __all__ = ["LocalActuator"]

@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pdplane.autoscale.observe import InstanceSample, Observation, TrafficWindow
 from pdplane.core.grpc import util as grpc_util
 from pdplane.plan.live_cli import GatewayWindow
-from pdplane.registry.endpoints import RegistryEndpoints, call_any
+from pdplane.registry.failover import RegistryEndpoints, call_any
 from pdplane.v1 import instance_pb2, registry_pb2
 
 __all__ = ["FleetScraper", "counters", "role_of"]

@@ -39,7 +39,7 @@ from pdplane.core import defaults
 from pdplane.core.grpc import util as grpc_util
 from pdplane.core.settings import CommandSettings
 from pdplane.core.token_file import token_file_field
-from pdplane.registry.endpoints import FAILOVER_CODES, RegistryEndpoints, call_any
+from pdplane.registry.failover import FAILOVER_CODES, RegistryEndpoints, call_any
 from pdplane.v1 import instance_pb2, registry_pb2, scheduler_pb2, scheduler_pb2_grpc
 
 __all__ = ["LsSettings", "format_table", "main"]

@@ -18,7 +18,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "ls": ("pdplane.cli.ls", "list (or --watch) the instances in a registry"),
     "status": ("pdplane.cli.status", "how a gateway serves each model: pairs, precise routing"),
     "drain": ("pdplane.cli.drain", "stop scheduling onto an instance before removing it"),
-    "tokens": ("pdplane.cli.tokens", "write random bearer tokens into files once (init step)"),
+    "tokens": (
+        "pdplane.cli.bearer_tokens",
+        "write random bearer tokens into files once (init step)",
+    ),
     "grpc": ("pdplane.cli.grpc", "call any gRPC method by reflection (list, Service/Method JSON)"),
     "scheduler": ("pdplane.scheduler.__main__", "run the scheduler gRPC service"),
     "gateway": ("pdplane.gateway.__main__", "run the OpenAI-compatible gateway"),

@@ -21,7 +21,6 @@ from pdplane.core import defaults
 from pdplane.gateway.aftercare import KvAborter
 from pdplane.gateway.auth import ApiKeys
 from pdplane.gateway.config import RelayConfig
-from pdplane.gateway.endpoints import RelayEndpoints
 from pdplane.gateway.errors import error_body
 from pdplane.gateway.fleet_tokenizers import FleetTokenizers
 from pdplane.gateway.fleet_view import FleetTracker, FleetView
@@ -31,6 +30,7 @@ from pdplane.gateway.passthrough import Passthrough
 from pdplane.gateway.prompt_ids import TokenizerSet, load_tokenizers
 from pdplane.gateway.ratelimit import RateLimiter
 from pdplane.gateway.relay import Relay
+from pdplane.gateway.relay_endpoints import RelayEndpoints
 from pdplane.gateway.routes import build_router
 from pdplane.gateway.settings import GatewaySettings
 from pdplane.gateway.tenants import TenantBook
@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 class _GatewayApi(FastAPI):
     """FastAPI with the relay endpoints in front of its whole middleware stack.
 
-    They are the hot path and answer every error themselves (see pdplane.gateway.endpoints);
+    They are the hot path and answer every error themselves (see pdplane.gateway.relay_endpoints);
     behind Starlette's error middleware, its wrapper around every `send` (one per relayed SSE
     chunk) measured ~5% of the gateway's CPU per request.
     """

@@ -1,7 +1,7 @@
 """Every route of the gateway, declared here.
 
 - The relay endpoints, POST /v1/completions and /v1/chat/completions (`RELAY_PATHS`), are the
-  hot path: the ASGI front (`pdplane.gateway.endpoints`) answers them before FastAPI's routing
+  hot path: the ASGI front (`pdplane.gateway.relay_endpoints`) answers them before FastAPI's routing
   and dependency machinery, which costs a measurable share of a request's CPU. FastAPI routes
   of the same paths only document their bodies in /openapi.json (the models `parse_request`
   validates against), so clients and schema-driven fuzzers see the real shapes; FastAPI never
@@ -33,7 +33,7 @@ __all__ = ["RELAY_PATHS", "build_router"]
 
 _JSON = "application/json"
 
-#: The relay endpoints by path, answered by `pdplane.gateway.endpoints` in front of FastAPI.
+#: The relay endpoints by path, answered by `pdplane.gateway.relay_endpoints` in front of FastAPI.
 RELAY_PATHS: dict[str, Endpoint] = {COMPLETIONS: COMPLETIONS, CHAT: CHAT}
 
 _RELAY_ANSWERS: dict[int | str, dict[str, Any]] = {
@@ -50,7 +50,7 @@ def _relay_schema_routes(router: APIRouter) -> None:
     for path, model in REQUEST_SCHEMAS.items():
 
         async def relay(body: Any) -> Response:
-            raise AssertionError("relay endpoints are served by pdplane.gateway.endpoints")
+            raise AssertionError("relay endpoints are served by pdplane.gateway.relay_endpoints")
 
         # A pydantic model parameter is FastAPI's JSON body.
         relay.__annotations__["body"] = model

@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pdplane.core.grpc import util as grpc_util
 from pdplane.plan.live import Advice, LoadWindow, advise, histogram_quantile
-from pdplane.registry.endpoints import RegistryEndpoints, call_any
+from pdplane.registry.failover import RegistryEndpoints, call_any
 from pdplane.v1 import registry_pb2
 
 __all__ = ["AdviceGauges", "GatewayWindow", "parse_duration", "run_live"]

@@ -16,7 +16,7 @@ import grpc
 from pdplane.core.grpc import util as grpc_util
 from pdplane.core.instance.change_log import ChangeLog
 from pdplane.registry._backoff import Backoff
-from pdplane.registry.endpoints import FAILOVER_CODES, RegistryEndpoints
+from pdplane.registry.failover import FAILOVER_CODES, RegistryEndpoints
 from pdplane.v1 import instance_pb2, registry_pb2
 
 __all__ = ["InstanceWatcher"]

@@ -11,9 +11,9 @@ Inside: `candidate` (an instance as the scheduler sees it), `view` (live candida
 registry watcher), `compat` (compatibility filter and decode guard), `inflight` (the scheduler's
 own assignments between load reports), `policies/` (one policy per module), `decision`
 (`Decider`: the decision), `kv_index/` (the prefix index and its KV events stream),
-`inflight_exchange` (in-flight assignments shared between replicas), `local` / `remote` (the
-port's two implementations), `wire` (port <-> protobuf), `servicer` (gRPC translation),
-`server` / `app` (wiring of a scheduler process).
+`inflight_exchange` (in-flight assignments shared between replicas; its gRPC servicer
+`inflight_servicer`), `local` / `remote` (the port's two implementations), `wire` (port <->
+protobuf), `servicer` (gRPC translation), `server` / `app` (wiring of a scheduler process).
 """
 
 from pdplane.scheduler import port

@@ -19,6 +19,7 @@ from pdplane.core.grpc import util as grpc_util
 from pdplane.registry.client import InstanceWatcher
 from pdplane.scheduler import inflight_exchange
 from pdplane.scheduler.decision import Decider
+from pdplane.scheduler.inflight_servicer import SERVICE_NAME as INFLIGHT_SERVICE_NAME
 from pdplane.scheduler.kv_index import KvIndexManager
 from pdplane.scheduler.local import LocalScheduler, open_local
 from pdplane.scheduler.metrics import SchedulerMetrics
@@ -131,9 +132,7 @@ class SchedulerApp:
         assert self._local is not None and self._local.exchange is not None
         self.exchange = self._local.exchange.exchange
         inflight_pb2_grpc.add_InflightExchangeServicer_to_server(self.exchange.servicer, server)
-        await grpc_util.aio_add_health_and_reflection(
-            server, [SERVICE_NAME, inflight_exchange.SERVICE_NAME]
-        )
+        await grpc_util.aio_add_health_and_reflection(server, [SERVICE_NAME, INFLIGHT_SERVICE_NAME])
         host = f"[{s.host}]" if ":" in s.host else s.host
         port = grpc_util.add_port(server, f"{host}:{s.port}", s.tls_cert, s.tls_key)
         self._server = server

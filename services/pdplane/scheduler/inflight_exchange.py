@@ -38,19 +38,18 @@ import secrets
 import socket
 import threading
 from collections.abc import AsyncIterator, Sequence
-from typing import Any
 
 import grpc
 from prometheus_client import CollectorRegistry, Gauge
 
 from pdplane.core.grpc import util as grpc_util
 from pdplane.scheduler.inflight import Assignment, InflightTracker
+from pdplane.scheduler.inflight_servicer import SERVICE_NAME, InflightExchangeServicer
 from pdplane.scheduler.unseen import UnseenPeers
 from pdplane.scheduler.view import CandidateView
 from pdplane.v1 import inflight_pb2, inflight_pb2_grpc
 
 __all__ = [
-    "SERVICE_NAME",
     "EmbeddedExchange",
     "InflightExchange",
     "default_replica_id",
@@ -58,8 +57,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-SERVICE_NAME = inflight_pb2.DESCRIPTOR.services_by_name["InflightExchange"].full_name
 
 _ASSIGNED = inflight_pb2.InflightEvent.KIND_ASSIGNED
 _RELEASED = inflight_pb2.InflightEvent.KIND_RELEASED
@@ -117,7 +114,7 @@ class InflightExchange:
         self._skip: set[str] = set()  # addresses of this replica, or of a peer already followed
         self._resolver: asyncio.Task[None] | None = None
         self.connected: dict[str, str] = {}  # peer address -> its replica id, while streaming
-        self.servicer = _Servicer(self)
+        self.servicer = InflightExchangeServicer(self.subscribe)
         self._lag_s = lag_s
         self._tick_s = tick_s
         self._ticker: asyncio.Task[None] | None = None
@@ -320,23 +317,6 @@ class InflightExchange:
                     pending=not update.snapshot,
                     prefill_tokens=event.prefill_tokens,
                 )
-
-
-class _Servicer(inflight_pb2_grpc.InflightExchangeServicer):
-    def __init__(self, exchange: InflightExchange) -> None:
-        self._exchange = exchange
-
-    async def Subscribe(
-        self,
-        request: inflight_pb2.SubscribeInflightRequest,
-        context: grpc.aio.ServicerContext[Any, Any],
-    ) -> AsyncIterator[inflight_pb2.InflightUpdate]:
-        try:
-            updates = self._exchange.subscribe(request.replica_id)
-            async for update in updates:
-                yield update
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
 
 
 async def serve_exchange(

@@ -15,9 +15,9 @@ from pdplane.core.tokenizer.bundle import TokenizerBundle, TokenizerUnpublishabl
 from pdplane.core.tokenizer.servicer import Published, add_tokenizer_servicer
 from pdplane.sim.app import build_app
 from pdplane.sim.config import SimConfig
+from pdplane.sim.servicer import TcpDataServicer, TransferServicer
 from pdplane.sim.state import SimState
 from pdplane.sim.tokens import Tokenizer
-from pdplane.sim.transfers import TcpDataServicer, TransferServicer
 from pdplane.v1 import instance_pb2, kv_transfer_pb2_grpc, kv_transfer_tcp_pb2_grpc
 
 __all__ = ["SimInstance"]

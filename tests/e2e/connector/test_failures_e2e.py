@@ -21,6 +21,7 @@ from pdplane.connector.transports.tcp import TcpTransport
 from pdplane.core.grpc import util as grpc_util
 from pdplane.core.instance.layout import fingerprint
 from pdplane.core.kv_params import DecodeRequestParams
+from pdplane.launch.ports import free_port_run
 from pdplane.launch.vllm_cpu import VllmCpuInstance
 from pdplane.v1 import instance_pb2, kv_transfer_pb2, kv_transfer_pb2_grpc, kv_transfer_tcp_pb2_grpc
 from tests.e2e.conftest import PULL_TIMEOUT_S, TRANSFER_TIMEOUT_S, RegistryHandle, VllmPair
@@ -118,7 +119,6 @@ def test_dead_prefill_recomputes_within_timeout_and_leaks_no_blocks(
     vllm_pair: VllmPair,
     vllm_reference: VllmCpuInstance,
     registry: RegistryHandle,
-    free_port: Any,
 ) -> None:
     prompt = fresh_prompt(seed=20)
     reference = text(complete(vllm_reference.url, prompt))
@@ -128,7 +128,7 @@ def test_dead_prefill_recomputes_within_timeout_and_leaks_no_blocks(
         request_id="e2e-dead",
         transfer_id="e2e-dead.0000",
         engine_id="gone",
-        kv_endpoint=f"127.0.0.1:{free_port()}",  # nothing listens here
+        kv_endpoint=f"127.0.0.1:{free_port_run()}",  # nothing listens here
         block_ids=[1, 2, 3, 4],
         num_tokens=len(prompt),
         kv_layout=fingerprint(layout),

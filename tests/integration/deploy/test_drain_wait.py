@@ -8,7 +8,6 @@ import importlib.util
 import sys
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -16,6 +15,7 @@ import grpc
 import httpx
 import pytest
 
+from pdplane.launch.ports import free_port_run
 from pdplane.sim.testing import running_sims
 from pdplane.v1 import instance_pb2, registry_pb2, registry_pb2_grpc
 from tests.integration.registry.fixtures import running_registry
@@ -128,9 +128,7 @@ def test_wait_gives_up_at_its_deadline_while_requests_run(drain_wait: ModuleType
     assert 0.3 <= waited < 0.3 + 5.0  # one poll (bounded RPC) past the deadline at most
 
 
-def test_without_a_registry_it_reads_vllm_metrics(
-    drain_wait: ModuleType, free_port: Callable[[], int]
-) -> None:
+def test_without_a_registry_it_reads_vllm_metrics(drain_wait: ModuleType) -> None:
     with running_sims(["decode"], itl_ms=ITL_MS, model=MODEL) as sims:
         decode = sims[0]
         metrics = f"{decode.url}/metrics"
@@ -141,7 +139,7 @@ def test_without_a_registry_it_reads_vllm_metrics(
         wait_for(lambda: drain_wait.vllm_busy(metrics).requests == 1, 10)
         idle = drain_wait.wait_idle(
             decode.instance_id,
-            f"127.0.0.1:{free_port()}",  # nothing listens there
+            f"127.0.0.1:{free_port_run()}",  # nothing listens there
             token=None,
             tls_ca=None,
             metrics_url=metrics,

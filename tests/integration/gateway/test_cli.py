@@ -9,17 +9,16 @@ from collections.abc import Callable
 
 import httpx
 
+from pdplane.launch.ports import free_port_run
 from tests.integration.gateway.conftest import MODEL, Stack, wait_for
 
 
-def test_gateway_command_serves_and_shuts_down_cleanly(
-    stack_factory: Callable[..., Stack], free_port: Callable[[], int]
-) -> None:
+def test_gateway_command_serves_and_shuts_down_cleanly(stack_factory: Callable[..., Stack]) -> None:
     stack = stack_factory()
     assert stack.scheduler is not None
     sims = stack.sims(["prefill", "decode"], itl_ms=100)
     stack.wait_ready(sims)
-    port = free_port()
+    port = free_port_run()
     cmd = [sys.executable, "-m", "pdplane.cli.main", "gateway", "--scheduler",
            stack.scheduler.address, "--registry", stack.registry, "--port", str(port),
            "--shutdown-timeout-s", "1", "--log-level", "warning"]  # fmt: skip
@@ -57,13 +56,11 @@ def test_gateway_command_serves_and_shuts_down_cleanly(
         proc.stdout.close()
 
 
-def test_gateway_command_with_embedded_scheduler(
-    stack_factory: Callable[..., Stack], free_port: Callable[[], int]
-) -> None:
+def test_gateway_command_with_embedded_scheduler(stack_factory: Callable[..., Stack]) -> None:
     stack = stack_factory(embedded=True)
     sims = stack.sims(["prefill", "decode"])
     stack.wait_ready(sims)
-    port = free_port()
+    port = free_port_run()
     cmd = [sys.executable, "-m", "pdplane.cli.main", "gateway", "--scheduler", "embedded",
            "--decode-policy", "round_robin", "--registry", stack.registry, "--port", str(port),
            "--log-level", "warning"]  # fmt: skip

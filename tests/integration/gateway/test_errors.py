@@ -76,7 +76,7 @@ def test_only_decode_registered_waits_then_503_naming_prefill_or_200_once_it_com
     decode = stack.sims(["decode"])
     wait_for(lambda: stack.health().json()["models"].get(MODEL) is not None)
     body = {"model": MODEL, "prompt": "hello", "max_tokens": 3}
-    with caplog.at_level(logging.WARNING, logger="pdplane.gateway.endpoints"):
+    with caplog.at_level(logging.WARNING, logger="pdplane.gateway.relay_endpoints"):
         started = time.monotonic()
         r = httpx.post(
             f"{stack.url}/v1/completions", json=body, headers={"X-Request-Id": "r503"}, timeout=10

@@ -11,6 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
+from pdplane.launch.ports import free_port_run
 from pdplane.registry.client import RegistrationClient
 from pdplane.sim.profiles import CostModel
 from pdplane.sim.testing import expected_text
@@ -191,7 +192,7 @@ def test_the_first_token_does_not_wait_for_decodes_answer(
 
 
 def test_an_unreachable_decode_is_replaced_after_the_first_token(
-    stack_factory: Callable[..., Stack], free_port: Callable[[], int]
+    stack_factory: Callable[..., Stack],
 ) -> None:
     # A decode that is registered but refuses connections (it died; its lease has not run
     # out): the first token already reached the client, so another decode takes over,
@@ -201,7 +202,7 @@ def test_an_unreachable_decode_is_replaced_after_the_first_token(
     stack.wait_ready(sims)
     dead = instance_pb2.InstanceSpec()
     dead.CopyFrom(sims[1].instance.spec())
-    dead.instance_id, dead.url = "a-dead-decode", f"http://127.0.0.1:{free_port()}"
+    dead.instance_id, dead.url = "a-dead-decode", f"http://127.0.0.1:{free_port_run()}"
     client = RegistrationClient(stack.registry, dead, instance_pb2.LoadReport)
     client.start()
     try:

@@ -20,6 +20,7 @@ import httpx
 import pytest
 
 from pdplane.core import tracing
+from pdplane.launch.ports import free_port_run
 from pdplane.registry.client import RegistrationClient
 from pdplane.sim.profiles import CostModel
 from pdplane.sim.testing import RunningSims, expected_text
@@ -44,7 +45,6 @@ DEAD = "a-dead-decode"
 def _dead_decode(
     stack: Stack,
     like: RunningSims,
-    free_port: Callable[[], int],
     kv_alive: bool = False,
     instance_id: str = DEAD,
 ) -> Iterator[None]:
@@ -53,9 +53,9 @@ def _dead_decode(
     dead = instance_pb2.InstanceSpec()
     dead.CopyFrom(like[0].instance.spec())
     dead.instance_id, dead.role = instance_id, instance_pb2.ROLE_DECODE
-    dead.url = f"http://127.0.0.1:{free_port()}"
+    dead.url = f"http://127.0.0.1:{free_port_run()}"
     if not kv_alive:
-        dead.kv_endpoint = f"127.0.0.1:{free_port()}"
+        dead.kv_endpoint = f"127.0.0.1:{free_port_run()}"
     client = RegistrationClient(stack.registry, dead, instance_pb2.LoadReport)
     client.start()
     try:
@@ -78,11 +78,11 @@ def _nothing_held(stack: Stack, prefill: RunningSims) -> None:
 
 @pytest.mark.parametrize("embedded", [False, True], ids=["remote", "embedded"])
 def test_no_other_decode_ends_the_stream_with_one_error_event(
-    stack_factory: Callable[..., Stack], free_port: Callable[[], int], embedded: bool
+    stack_factory: Callable[..., Stack], embedded: bool
 ) -> None:
     stack = stack_factory(embedded=embedded)
     prefill = stack.sims(["prefill"], itl_ms=1)
-    with _dead_decode(stack, prefill, free_port):
+    with _dead_decode(stack, prefill):
         stack.wait_ready(prefill)
         body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 5, "stream": True}
         _, events = timed_events(stack.url, body)
@@ -115,11 +115,11 @@ def _until_the_dead_one_is_picked(
 
 
 def test_max_retries_0_ends_the_stream_and_frees_the_kv(
-    stack_factory: Callable[..., Stack], free_port: Callable[[], int]
+    stack_factory: Callable[..., Stack],
 ) -> None:
     stack = stack_factory(max_retries=0)
     sims = stack.sims(["prefill", "decode"], itl_ms=1)
-    with _dead_decode(stack, sims, free_port):
+    with _dead_decode(stack, sims):
         stack.wait_ready(sims)
         for i in range(8):
             prompt = f"{PROMPT} {i}"
@@ -143,11 +143,11 @@ def test_max_retries_0_ends_the_stream_and_frees_the_kv(
 @pytest.mark.parametrize("kv_mode", ["pull", "push"])
 @pytest.mark.parametrize("embedded", [False, True], ids=["remote", "embedded"])
 def test_a_take_over_counts_once_and_leaves_nothing(
-    stack_factory: Callable[..., Stack], free_port: Callable[[], int], embedded: bool, kv_mode: str
+    stack_factory: Callable[..., Stack], embedded: bool, kv_mode: str
 ) -> None:
     stack = stack_factory(embedded=embedded)
     sims = stack.sims(["prefill", "decode"], itl_ms=1, kv_mode=kv_mode)
-    with _dead_decode(stack, sims, free_port):
+    with _dead_decode(stack, sims):
         stack.wait_ready(sims)
         prompt, events, before = _until_the_dead_one_is_picked(stack, sims)
         assert sse_text(events) == expected_text(prompt, 0, 5) and events[-1] == b"data: [DONE]"
@@ -167,11 +167,11 @@ def test_a_take_over_counts_once_and_leaves_nothing(
 
 
 def test_sixty_four_streams_with_one_of_two_decodes_dead(
-    stack_factory: Callable[..., Stack], free_port: Callable[[], int]
+    stack_factory: Callable[..., Stack],
 ) -> None:
     stack = stack_factory()
     sims = stack.sims(["prefill", "decode"], itl_ms=1)
-    with _dead_decode(stack, sims, free_port):
+    with _dead_decode(stack, sims):
         stack.wait_ready(sims)
 
         async def one(client: httpx.AsyncClient, i: int) -> tuple[str, list[bytes]]:
@@ -198,9 +198,7 @@ def test_sixty_four_streams_with_one_of_two_decodes_dead(
         assert metric(stack, "pdplane_gateway_inflight_requests") == 0
 
 
-def _full_fleet(
-    stack: Stack, free_port: Callable[[], int]
-) -> tuple[contextlib.ExitStack, RunningSims]:
+def _full_fleet(stack: Stack) -> tuple[contextlib.ExitStack, RunningSims]:
     """A prefill, a decode of 8 KV blocks (of 128 tokens) held by a long stream, and the dead
     decode (no load report: room unknown, so a short request is scheduled on it); closing the
     exit stack ends the long stream."""
@@ -208,7 +206,7 @@ def _full_fleet(
         ["prefill", "decode"], kv_blocks=8, block_size=128, itl_ms=50, max_model_len=1024
     )
     exits = contextlib.ExitStack()
-    exits.enter_context(_dead_decode(stack, sims, free_port))
+    exits.enter_context(_dead_decode(stack, sims))
     stack.wait_ready(sims)
     wait_for(
         lambda: all(
@@ -234,12 +232,12 @@ def _first_event(sock: socket.socket) -> bytes:
 
 
 def test_a_take_over_waits_for_room_when_every_other_decode_is_full(
-    stack_factory: Callable[..., Stack], free_port: Callable[[], int]
+    stack_factory: Callable[..., Stack],
 ) -> None:
     # The dead decode is the only one with room; the live one is full: the take-over's
     # Schedule is refused for room, as a new request's would be, and waits for it.
     stack = stack_factory(queue_timeout_s=30, inflight_budget=0)  # the KV-room queue
-    exits, sims = _full_fleet(stack, free_port)
+    exits, sims = _full_fleet(stack)
     with exits:
         sock = open_request(stack.url, "/v1/completions", SHORT_BODY)
         buf = _first_event(sock)
@@ -262,10 +260,10 @@ def test_a_take_over_waits_for_room_when_every_other_decode_is_full(
 
 
 def test_a_take_over_whose_room_never_comes_ends_with_a_503_event(
-    stack_factory: Callable[..., Stack], free_port: Callable[[], int]
+    stack_factory: Callable[..., Stack],
 ) -> None:
     stack = stack_factory(queue_timeout_s=0.5, inflight_budget=0)  # the KV-room queue
-    exits, sims = _full_fleet(stack, free_port)
+    exits, sims = _full_fleet(stack)
     with exits:
         body = {**SHORT_BODY, "prompt": SHORT_BODY["prompt"] + "short"}
         with httpx.stream("POST", f"{stack.url}/v1/completions", json=body, timeout=30) as r:
@@ -283,10 +281,10 @@ def test_a_take_over_whose_room_never_comes_ends_with_a_503_event(
 
 @pytest.mark.parametrize("embedded", [False, True], ids=["remote", "embedded"])
 def test_a_client_leaving_while_the_take_over_waits_leaves_nothing(
-    stack_factory: Callable[..., Stack], free_port: Callable[[], int], embedded: bool
+    stack_factory: Callable[..., Stack], embedded: bool
 ) -> None:
     stack = stack_factory(queue_timeout_s=30, embedded=embedded, inflight_budget=0)
-    exits, sims = _full_fleet(stack, free_port)
+    exits, sims = _full_fleet(stack)
     with exits:
         sock = open_request(stack.url, "/v1/completions", SHORT_BODY)
         _first_event(sock)
@@ -306,11 +304,10 @@ def test_a_client_leaving_while_the_take_over_waits_leaves_nothing(
 def test_both_decode_legs_of_a_take_over_are_children_of_the_request(
     receiver: OtlpReceiver,
     stack_factory: Callable[..., Stack],
-    free_port: Callable[[], int],
 ) -> None:
     stack = stack_factory()
     prefill = stack.sims(["prefill"], itl_ms=1)
-    with _dead_decode(stack, prefill, free_port):
+    with _dead_decode(stack, prefill):
         decode = stack.sims(["decode"], itl_ms=1)
         stack.wait_ready(prefill)
         stack.wait_ready(decode)
@@ -339,12 +336,12 @@ def test_both_decode_legs_of_a_take_over_are_children_of_the_request(
 
 @pytest.mark.parametrize("embedded", [False, True], ids=["remote", "embedded"])
 def test_a_client_leaving_while_the_take_over_opens_leaves_nothing(
-    stack_factory: Callable[..., Stack], free_port: Callable[[], int], embedded: bool
+    stack_factory: Callable[..., Stack], embedded: bool
 ) -> None:
     # The decode that takes over is 2 s from answering; the client leaves meanwhile.
     stack = stack_factory(embedded=embedded)
     prefill = stack.sims(["prefill"], itl_ms=1)
-    with _dead_decode(stack, prefill, free_port):
+    with _dead_decode(stack, prefill):
         decode = stack.sims(["decode"], cost=CostModel(step_ms=1.0, request_ms=2000.0))
         stack.wait_ready(prefill)
         stack.wait_ready(decode)
@@ -369,12 +366,12 @@ def test_a_client_leaving_while_the_take_over_opens_leaves_nothing(
 
 
 def test_a_chat_stream_taken_over_has_the_usual_paths_text_and_usage(
-    stack_factory: Callable[..., Stack], free_port: Callable[[], int]
+    stack_factory: Callable[..., Stack],
 ) -> None:
     stack = stack_factory()
     sims = stack.sims(["prefill", "decode"], itl_ms=1)
     path = "/v1/chat/completions"
-    with _dead_decode(stack, sims, free_port):
+    with _dead_decode(stack, sims):
         stack.wait_ready(sims)
         for i in range(8):
             body = {"model": MODEL, "messages": [{"role": "user", "content": f"{PROMPT} {i}"}],
@@ -397,13 +394,13 @@ def test_a_chat_stream_taken_over_has_the_usual_paths_text_and_usage(
 
 
 def test_a_take_over_with_the_scheduler_gone_ends_the_stream_and_frees_the_kv(
-    stack_factory: Callable[..., Stack], free_port: Callable[[], int]
+    stack_factory: Callable[..., Stack],
 ) -> None:
     # The scheduler process stops while prefill computes (500 ms): the take-over's Schedule
     # cannot be answered. The stream ends with one error event, at once, prefill's KV freed.
     stack = stack_factory()
     prefill = stack.sims(["prefill"], cost=CostModel(step_ms=1.0, request_ms=500.0))
-    with _dead_decode(stack, prefill, free_port):
+    with _dead_decode(stack, prefill):
         stack.wait_ready(prefill)
         body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 5, "stream": True}
         with httpx.stream("POST", f"{stack.url}/v1/completions", json=body, timeout=30) as r:
@@ -420,7 +417,7 @@ def test_a_take_over_with_the_scheduler_gone_ends_the_stream_and_frees_the_kv(
 
 
 def test_two_dead_decodes_are_taken_over_in_turn_within_the_retries(
-    stack_factory: Callable[..., Stack], free_port: Callable[[], int]
+    stack_factory: Callable[..., Stack],
 ) -> None:
     # --max-retries 2, two dead decodes and a live one: whichever dead one is picked first,
     # a stream whose take-over picks the other dead one too is taken over again, each failed
@@ -428,8 +425,8 @@ def test_two_dead_decodes_are_taken_over_in_turn_within_the_retries(
     stack = stack_factory(max_retries=2)
     sims = stack.sims(["prefill", "decode"], itl_ms=1)
     with (
-        _dead_decode(stack, sims, free_port),
-        _dead_decode(stack, sims, free_port, instance_id="another-dead-decode"),
+        _dead_decode(stack, sims),
+        _dead_decode(stack, sims, instance_id="another-dead-decode"),
     ):
         stack.wait_ready(sims)
         for i in range(12):

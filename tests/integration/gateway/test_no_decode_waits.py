@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -29,17 +28,12 @@ from typing import Any
 import httpx
 import pytest
 
+from pdplane.launch.ports import free_port_run
 from pdplane.sim.testing import expected_text
 from tests.integration.gateway.conftest import MODEL, Stack, wait_for
 from tests.integration.gateway.migration_helpers import errors_of, migrations, text_of
 
 _PDPLANE = str(Path(sys.executable).parent / "pdplane")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _decode(registry: str, port: int, itl_ms: float = 2) -> subprocess.Popen[bytes]:
@@ -81,7 +75,7 @@ def test_decode_sigkilled_and_restarted_under_a_trickle_no_request_fails(
     # when no other decode serves (continuing it is request migration's part).
     stack: Stack = stack_factory(embedded=embedded, queue_timeout_s=60, first_token="decode")
     stack.sims(["prefill"], itl_ms=2)
-    port = _free_port()
+    port = free_port_run()
     proc = _decode(stack.registry, port)
     try:
         wait_for(lambda: stack.health().status_code == 200, 20, "1P1D serving")
@@ -182,7 +176,7 @@ def _only_decode_killed_mid_stream(
     left to expire (no decode at all). Returns (the stream's reader, the dead process, its
     port)."""
     stack.sims(["prefill"], itl_ms=2)
-    port = _free_port()
+    port = free_port_run()
     proc = _decode(stack.registry, port, itl_ms=20)
     wait_for(lambda: stack.health().status_code == 200, 20, "1P1D serving")
     options = {"stream_options": {"include_usage": True}}
@@ -257,7 +251,7 @@ def test_a_non_streamed_request_whose_only_decode_dies_is_answered_by_it_restart
     # Bounded by --migration-timeout-s, not --queue-timeout-s (shorter than the outage here).
     stack = stack_factory(migration_timeout_s=60, queue_timeout_s=0.5)
     stack.sims(["prefill"], itl_ms=2)
-    port = _free_port()
+    port = free_port_run()
     proc = _decode(stack.registry, port, itl_ms=20)
     try:
         wait_for(lambda: stack.health().status_code == 200, 20, "1P1D serving")

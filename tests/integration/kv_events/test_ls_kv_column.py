@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import io
 import json
-import socket
 
 import pytest
 
 from pdplane.cli import ls
+from pdplane.launch.ports import free_port_run
 from pdplane.scheduler.kv_index import KvState
 from tests.integration.kv_events.helpers import TOKEN, Engine, tokens, waited
 from tests.integration.registry.fixtures import make_spec, running_registry_server
@@ -19,12 +19,6 @@ def _ls(*args: str) -> tuple[int, str]:
     out = io.StringIO()
     code = ls.main(list(args), out=out)
     return code, out.getvalue()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_ls_kv_index_column_follows_live_and_stale(capsys: pytest.CaptureFixture[str]) -> None:
@@ -62,7 +56,7 @@ def test_ls_kv_index_column_follows_live_and_stale(capsys: pytest.CaptureFixture
                 assert "UNAUTHENTICATED" in capsys.readouterr().err
             # No scheduler there: same; `--scheduler ""` leaves the column out.
             code, text = _ls(
-                "--registry", registry.address, "--scheduler", f"127.0.0.1:{_free_port()}"
+                "--registry", registry.address, "--scheduler", f"127.0.0.1:{free_port_run()}"
             )
             assert code == 0 and text.splitlines()[1].split()[4] == "?"
             assert "UNAVAILABLE" in capsys.readouterr().err

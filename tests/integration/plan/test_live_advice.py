@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from pdplane.cli.main import main as pdplane_main
+from pdplane.launch.ports import free_port_run
 from pdplane.plan.live import Advice
 from pdplane.plan.live_cli import run_live
 from pdplane.v1 import instance_pb2, registry_pb2, registry_pb2_grpc
@@ -102,13 +103,11 @@ def test_long_prompts_make_it_prefill_bound(
     assert out["delta"] == {"prefill": 1, "decode": 0}
 
 
-def test_gauges_follow_the_verdict(
-    stack_factory: Callable[..., Stack], free_port: Callable[[], int]
-) -> None:
+def test_gauges_follow_the_verdict(stack_factory: Callable[..., Stack]) -> None:
     stack = stack_factory(embedded=True)
     sims = stack.sims(["prefill", "decode"], itl_ms=1)
     stack.wait_ready(sims)
-    port = free_port()
+    port = free_port_run()
     stop = threading.Event()
     seen: list[Advice] = []
 
@@ -139,9 +138,7 @@ def test_gauges_follow_the_verdict(
     assert seen[-1].summary == "balanced, keep"
 
 
-def test_unreachable_registry_exits_1(
-    free_port: Callable[[], int], capsys: pytest.CaptureFixture[str]
-) -> None:
-    argv = ["plan", "--registry", f"127.0.0.1:{free_port()}", "--window", "0.1s"]
+def test_unreachable_registry_exits_1(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["plan", "--registry", f"127.0.0.1:{free_port_run()}", "--window", "0.1s"]
     assert pdplane_main(argv) == 1
     assert "UNAVAILABLE" in capsys.readouterr().err

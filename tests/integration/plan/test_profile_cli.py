@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from pdplane.cli.main import main as pdplane_main
+from pdplane.launch.ports import free_port_run
 from pdplane.plan.profile_cli import GRIDS, error_table, instance_capacity, measure_profile
 from pdplane.plan.sweep import Cell
 from pdplane.sim.profiles import PROFILES, load_profile
@@ -45,15 +46,14 @@ def test_cli_writes_a_loadable_profile(tmp_path: Path, capsys: pytest.CaptureFix
     assert json.loads(out.read_text())["sources"][0].startswith("measured: pdplane profile")
 
 
-def test_cli_unreachable_instance_exits_1(tmp_path: Path, free_port) -> None:  # type: ignore[no-untyped-def]
-    url = f"http://127.0.0.1:{free_port()}"
+def test_cli_unreachable_instance_exits_1(tmp_path: Path) -> None:
+    url = f"http://127.0.0.1:{free_port_run()}"
     assert pdplane_main(["profile", "--url", url, "--out", str(tmp_path / "x.json")]) == 1
 
 
 @pytest.mark.parametrize("kind", ["no-parent", "a-directory", "read-only-parent"])
 def test_cli_unwritable_out_exits_2_before_the_sweep(
     tmp_path: Path,
-    free_port,  # type: ignore[no-untyped-def]
     capsys: pytest.CaptureFixture[str],
     kind: str,
 ) -> None:
@@ -68,7 +68,7 @@ def test_cli_unwritable_out_exits_2_before_the_sweep(
             pytest.skip("root may write into a read-only directory")
         out.parent.mkdir()
         out.parent.chmod(0o500)
-    url = f"http://127.0.0.1:{free_port()}"
+    url = f"http://127.0.0.1:{free_port_run()}"
     try:
         assert pdplane_main(["profile", "--url", url, "--out", str(out)]) == 2
     finally:

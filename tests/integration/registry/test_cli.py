@@ -9,13 +9,14 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdplane.core.grpc import util as grpc_util
+from pdplane.launch.ports import free_port_run
 from pdplane.registry.server import RegistryServer
 from pdplane.v1 import instance_pb2, registry_pb2, registry_pb2_grpc
 from tests.integration.registry.conftest import wait_until
@@ -78,8 +79,8 @@ def test_ls_filters_and_table(populated: RegistryServer) -> None:
     assert table[3].split()[6:9] == ["2", "1", "25"]  # RUN WAIT KV%
 
 
-def test_ls_errors(registry: RegistryServer, free_port: Callable[[], int]) -> None:
-    down = _pdplane("ls", "--registry", f"127.0.0.1:{free_port()}", "--timeout-s", "1")
+def test_ls_errors(registry: RegistryServer) -> None:
+    down = _pdplane("ls", "--registry", f"127.0.0.1:{free_port_run()}", "--timeout-s", "1")
     assert down.returncode == 1 and "UNAVAILABLE" in down.stderr
     bad = _pdplane("ls", "--registry", registry.address, "--role", "middle")
     assert bad.returncode == 2 and "--role" in bad.stderr
@@ -118,8 +119,8 @@ def test_ls_watch_streams_events(registry: RegistryServer) -> None:
         reader.join(timeout=5)
 
 
-def test_registry_command_serves_and_stops_on_sigterm(free_port: Callable[[], int]) -> None:
-    port = free_port()
+def test_registry_command_serves_and_stops_on_sigterm() -> None:
+    port = free_port_run()
     proc = subprocess.Popen(
         [
             *PDPLANE,
@@ -154,10 +155,8 @@ def test_registry_command_serves_and_stops_on_sigterm(free_port: Callable[[], in
         assert proc.wait(timeout=10) == 0
 
 
-def test_registry_command_stops_on_a_sigterm_taken_by_a_grpc_thread(
-    free_port: Callable[[], int],
-) -> None:
-    port = free_port()
+def test_registry_command_stops_on_a_sigterm_taken_by_a_grpc_thread() -> None:
+    port = free_port_run()
     proc = subprocess.Popen([*PDPLANE, "registry", "--port", str(port)], stderr=subprocess.PIPE)
     try:
         with grpc_util.channel(f"127.0.0.1:{port}") as chan:

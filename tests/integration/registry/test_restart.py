@@ -6,10 +6,10 @@ re-registration, and a watcher resumes where it was, without a snapshot."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 
 import pytest
 
+from pdplane.launch.ports import free_port_run
 from pdplane.registry.client import InstanceWatcher, RegistrationClient
 from pdplane.v1 import instance_pb2
 from tests.integration.registry.conftest import wait_until
@@ -17,10 +17,8 @@ from tests.integration.registry.fixtures import make_spec, running_registry_serv
 
 
 @pytest.mark.parametrize("downtime_s", [0.3, 3.0])
-def test_instances_come_back_after_registry_restart(
-    free_port: Callable[[], int], downtime_s: float, registry_store: str
-) -> None:
-    port = free_port()
+def test_instances_come_back_after_registry_restart(downtime_s: float, registry_store: str) -> None:
+    port = free_port_run()
     clients = [RegistrationClient(f"127.0.0.1:{port}", make_spec(f"p{i}")) for i in range(3)] + [
         RegistrationClient(f"127.0.0.1:{port}", make_spec("d0", instance_pb2.ROLE_DECODE))
     ]
@@ -69,8 +67,8 @@ def test_instances_come_back_after_registry_restart(
         watcher.stop()
 
 
-def test_watcher_serves_last_view_while_registry_is_down(free_port: Callable[[], int]) -> None:
-    port = free_port()
+def test_watcher_serves_last_view_while_registry_is_down() -> None:
+    port = free_port_run()
     client = RegistrationClient(f"127.0.0.1:{port}", make_spec("p0"))
     watcher = InstanceWatcher(f"127.0.0.1:{port}")
     try:

@@ -9,13 +9,14 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
 
 from pdplane.core.grpc import util as grpc_util
+from pdplane.launch.ports import free_port_run
 from pdplane.v1 import instance_pb2, registry_pb2, registry_pb2_grpc
 from tests.integration.registry.conftest import wait_until
 from tests.integration.registry.fixtures import make_spec, running_registry_server
@@ -48,11 +49,11 @@ def _alive(pid: int) -> bool:
 
 @pytest.fixture
 def registry_command(
-    free_port: Callable[[], int], tmp_path: Path
+    tmp_path: Path,
 ) -> Iterator[tuple[subprocess.Popen[str], str, list[int]]]:
     """`pdplane registry --workers 2` as a process (its temporary folder in `tmp_path`):
     (process, address, worker pids) once it serves."""
-    port = free_port()
+    port = free_port_run()
     proc = subprocess.Popen(
         [*PDPLANE, "registry", "--port", str(port), "--workers", "2", "--token", "t"],
         stderr=subprocess.PIPE,

@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 import pytest
 
+from pdplane.launch.ports import free_port_run
 from pdplane.scheduler import RequestFeatures, SchedulerUnavailable
 from pdplane.scheduler.remote import RemoteScheduler
 from pdplane.scheduler.server import SchedulerServer
@@ -65,9 +66,9 @@ async def test_empty_registry_and_unknown_model(
 
 
 async def test_serves_from_the_last_view_while_the_registry_restarts(
-    free_port: Callable[[], int], client_factory: Callable[..., RemoteScheduler]
+    client_factory: Callable[..., RemoteScheduler],
 ) -> None:
-    port = free_port()
+    port = free_port_run()
     settings = {"lease_ttl_ms": 1000, "heartbeat_interval_ms": 100}
     with contextlib.ExitStack() as stack:
         first = contextlib.ExitStack()  # the first registry's lifetime; close() is idempotent
@@ -99,9 +100,9 @@ async def test_serves_from_the_last_view_while_the_registry_restarts(
 
 
 async def test_starts_before_the_registry_and_serves_once_it_appears(
-    free_port: Callable[[], int], client_factory: Callable[..., RemoteScheduler]
+    client_factory: Callable[..., RemoteScheduler],
 ) -> None:
-    registry = f"127.0.0.1:{free_port()}"
+    registry = f"127.0.0.1:{free_port_run()}"
     with running_scheduler_server(registry, registry_wait_s=0.2) as server:
         client = client_factory(server.address)
         with pytest.raises(SchedulerUnavailable, match="none registered"):

@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable
 
 from pdplane.core.grpc.util import FAST_RECONNECT_OPTIONS
+from pdplane.launch.ports import free_port_run
 from pdplane.scheduler import RequestFeatures, SchedulerUnavailable
 from pdplane.scheduler.remote import RemoteScheduler
 from tests.integration.scheduler.conftest import Fleet, sees, wait_for
@@ -28,11 +28,11 @@ async def _first_success_s(client: RemoteScheduler, start: float, limit_s: float
 
 
 async def test_reconnects_within_one_capped_backoff_and_reports_unreachable_meanwhile(
-    fleet: Fleet, free_port: Callable[[], int]
+    fleet: Fleet,
 ) -> None:
     fleet.add("p0", "prefill")
     fleet.add("d0", "decode")
-    port = free_port()
+    port = free_port_run()
     client = RemoteScheduler(f"127.0.0.1:{port}", timeout_s=1.0)
     try:
         with running_scheduler_server(fleet.registry, port=port) as server:

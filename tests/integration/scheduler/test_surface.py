@@ -15,6 +15,7 @@ import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pdplane.launch.ports import free_port_run
 from pdplane.scheduler import RequestFeatures, SchedulerError, SchedulerUnavailable
 from pdplane.scheduler.remote import RemoteScheduler
 from pdplane.scheduler.server import SchedulerServer
@@ -110,9 +111,9 @@ async def test_tls_towards_callers_and_the_registry(
 
 
 async def test_unreachable_scheduler_is_unavailable(
-    free_port: Callable[[], int], client_factory: Callable[..., RemoteScheduler]
+    client_factory: Callable[..., RemoteScheduler],
 ) -> None:
-    client = client_factory(f"127.0.0.1:{free_port()}", timeout_s=2.0)
+    client = client_factory(f"127.0.0.1:{free_port_run()}", timeout_s=2.0)
     started = time.monotonic()
     with pytest.raises(SchedulerUnavailable):
         await client.schedule(RequestFeatures("r", "tiny", 10))
@@ -122,9 +123,8 @@ async def test_unreachable_scheduler_is_unavailable(
 async def test_metrics_are_served(
     pair_server: Callable[..., SchedulerServer],
     client_factory: Callable[..., RemoteScheduler],
-    free_port: Callable[[], int],
 ) -> None:
-    server = pair_server(metrics_port=free_port())
+    server = pair_server(metrics_port=free_port_run())
     client = client_factory(server.address)
     await client.schedule(RequestFeatures("r1", "tiny", 10))
     with pytest.raises(SchedulerUnavailable):
@@ -141,12 +141,10 @@ async def test_metrics_are_served(
     assert "pdplane_scheduler_decision_seconds_bucket" in text
 
 
-def test_cli_serves_until_sigterm(
-    registry: str, fleet: Fleet, free_port: Callable[[], int]
-) -> None:
+def test_cli_serves_until_sigterm(registry: str, fleet: Fleet) -> None:
     fleet.add("p0", "prefill")
     fleet.add("d0", "decode")
-    port = free_port()
+    port = free_port_run()
     env = {k: v for k, v in os.environ.items() if not k.startswith("PDPLANE_")}
     proc = subprocess.Popen(
         [sys.executable, "-m", "pdplane.cli.main", "scheduler", "--registry", registry,

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from pdplane.core.grpc import util as grpc_util
+from pdplane.launch.ports import free_port_run
 from pdplane.models.tiny import build_tiny_model
 from pdplane.v1 import instance_pb2, registry_pb2, registry_pb2_grpc
 from tests.integration.registry.fixtures import running_registry
@@ -103,14 +104,14 @@ def _wait(pred: Any, timeout: float = 10.0) -> None:
     ],
 )
 def test_registers_once_healthy_with_its_role_and_deregisters(
-    kv_role: str, role: int, model_dir: Path, health: _Health, free_port: Any
+    kv_role: str, role: int, model_dir: Path, health: _Health
 ) -> None:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
     from pdplane.connector import PdPlaneConnector
 
     with running_registry() as address:
-        extra = {"registry": address, "url": health.url, "kv_port": free_port()}
+        extra = {"registry": address, "url": health.url, "kv_port": free_port_run()}
         cfg = _vllm_config(model_dir, kv_role, extra)
         conn = PdPlaneConnector(cfg, KVConnectorRole.SCHEDULER, None)
         try:
@@ -150,12 +151,10 @@ def _registered_decode(model_dir: Path, health: _Health, port: int) -> Iterator[
             conn.shutdown()
 
 
-def test_deregisters_when_its_http_server_is_gone(
-    model_dir: Path, health: _Health, free_port: Any
-) -> None:
+def test_deregisters_when_its_http_server_is_gone(model_dir: Path, health: _Health) -> None:
     # An HTTP server gone while its engine (and this connector) runs on: the instance must
     # leave the registry within about a second, not heartbeat on until a restart or the lease.
-    with _registered_decode(model_dir, health, free_port()) as address:
+    with _registered_decode(model_dir, health, free_port_run()) as address:
         health.close()  # nothing listens at the instance's URL any more
         closed = time.monotonic()
         _wait(lambda: _listed(address) == [], timeout=10.0)
@@ -164,10 +163,10 @@ def test_deregisters_when_its_http_server_is_gone(
 
 
 def test_a_slow_or_failing_health_answer_keeps_the_registration(
-    model_dir: Path, health: _Health, free_port: Any
+    model_dir: Path, health: _Health
 ) -> None:
     # 503 (or a late answer) means a busy or starting server, not a dead one.
-    with _registered_decode(model_dir, health, free_port()) as address:
+    with _registered_decode(model_dir, health, free_port_run()) as address:
         health.ready.clear()  # /health now answers 503
         deadline = time.monotonic() + 2.0  # > 3 liveness probes
         while time.monotonic() < deadline:

@@ -20,6 +20,7 @@ from pdplane.connector.metadata import HoldSpec, LoadSpec, PdPlaneConnectorMetad
 from pdplane.connector.server import start_kv_server
 from pdplane.connector.transports.base import ServiceBinding
 from pdplane.connector.worker_side import WorkerSide
+from pdplane.launch.ports import free_port_run
 from pdplane.v1 import instance_pb2, kv_transfer_tcp_pb2_grpc
 
 SHAPE = (16, 2, 4, 16)
@@ -88,9 +89,9 @@ def test_pull_moves_blocks_and_both_sides_report_once(pair) -> None:
     assert decode.get_finished() == (None, None)
 
 
-def test_failed_pull_reports_finished_and_its_blocks_in_the_same_step(pair, free_port) -> None:
+def test_failed_pull_reports_finished_and_its_blocks_in_the_same_step(pair) -> None:
     _, _, decode, _ = pair
-    dead = f"127.0.0.1:{free_port()}"
+    dead = f"127.0.0.1:{free_port_run()}"
     decode.handle_metadata(_meta(1, loads=[LoadSpec("d-req", "gw.2", dead, (0, 1), (4, 6), 8)]))
     start = time.monotonic()
     recving = _until(lambda: decode.get_finished()[1])

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pdplane.cli import tokens
+from pdplane.cli import bearer_tokens
 from pdplane.cli.drain import DrainSettings
 from pdplane.core.token_file import ensure_token, read_token
 from pdplane.registry.settings import RegistrySettings
@@ -63,14 +63,14 @@ def test_pdplane_tokens_writes_both_files_once_and_never_prints_them(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     argv = ["--token-file", str(tmp_path / "t"), "--admin-token-file", str(tmp_path / "a")]
-    assert tokens.main(argv) == 0
+    assert bearer_tokens.main(argv) == 0
     first = (read_token(tmp_path / "t"), read_token(tmp_path / "a"))
     assert first[0] != first[1]
-    assert tokens.main(argv) == 0
+    assert bearer_tokens.main(argv) == 0
     assert (read_token(tmp_path / "t"), read_token(tmp_path / "a")) == first
     out = capsys.readouterr().out
     assert "kept the token in" in out and not any(t in out for t in first)
-    assert tokens.main(["--token-file", str(tmp_path / "no" / "dir")]) == 1
+    assert bearer_tokens.main(["--token-file", str(tmp_path / "no" / "dir")]) == 1
 
 
 def test_generated_tokens_never_start_with_a_dash_and_carry_256_bits() -> None:

@@ -12,6 +12,7 @@ import pytest
 from grpc_health.v1 import health, health_pb2
 
 from pdplane.core.grpc import util as grpc_util
+from pdplane.launch.ports import free_port_run
 from tests.loopback_http import serving
 
 
@@ -73,10 +74,8 @@ def test_grpc_unknown_service_is_unhealthy(
     assert reason is not None and "NOT_FOUND" in reason
 
 
-def test_grpc_unreachable_is_unhealthy_within_timeout(
-    healthcheck: ModuleType, free_port: object
-) -> None:
-    target = f"127.0.0.1:{free_port()}"  # type: ignore[operator]
+def test_grpc_unreachable_is_unhealthy_within_timeout(healthcheck: ModuleType) -> None:
+    target = f"127.0.0.1:{free_port_run()}"  # type: ignore[operator]
     reason = healthcheck.check_grpc(target, "", 1.0)
     assert reason is not None and target in reason
 
@@ -91,8 +90,8 @@ def test_http_2xx_is_healthy_and_503_is_not(
     assert "HTTP 503" in err and "no usable prefill/decode pair" in err
 
 
-def test_http_unreachable_is_unhealthy(healthcheck: ModuleType, free_port: object) -> None:
-    url = f"http://127.0.0.1:{free_port()}/health"  # type: ignore[operator]
+def test_http_unreachable_is_unhealthy(healthcheck: ModuleType) -> None:
+    url = f"http://127.0.0.1:{free_port_run()}/health"  # type: ignore[operator]
     reason = healthcheck.check_http(url, 1.0)
     assert reason is not None and url in reason
 

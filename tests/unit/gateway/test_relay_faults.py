@@ -12,6 +12,7 @@ import pytest
 from aiohttp import web
 
 from pdplane.gateway.testing import running_gateway
+from pdplane.launch.ports import free_port_run
 from pdplane.scheduler import Decision, RequestFeatures, SchedulerBusy, SchedulerUnavailable
 from tests.unit.gateway.conftest import (
     MODEL,
@@ -101,11 +102,9 @@ async def test_stream_ending_badly_gives_one_error_event(serve: Serve, ending: s
     assert sched.log[-1] == ("release", "failed")
 
 
-async def test_unreachable_decode_retries_on_another_pair_after_releasing(
-    serve: Serve, free_port: Callable[[], int]
-) -> None:
+async def test_unreachable_decode_retries_on_another_pair_after_releasing(serve: Serve) -> None:
     prefill, decode = await serve(good_prefill), await serve(sse_decode)
-    dead = f"http://127.0.0.1:{free_port()}"
+    dead = f"http://127.0.0.1:{free_port_run()}"
     sched = FakeScheduler([(prefill, dead), (prefill, decode)])
     with running_gateway(scheduler_port=sched, fleet=lambda: VIEW) as url:
         r = await _post(url, {**BODY, "stream": True})
@@ -122,10 +121,8 @@ async def test_unreachable_decode_retries_on_another_pair_after_releasing(
     ]
 
 
-async def test_no_retry_left_is_502_and_max_retries_zero_does_not_retry(
-    serve: Serve, free_port: Callable[[], int]
-) -> None:
-    dead = f"http://127.0.0.1:{free_port()}"
+async def test_no_retry_left_is_502_and_max_retries_zero_does_not_retry(serve: Serve) -> None:
+    dead = f"http://127.0.0.1:{free_port_run()}"
     sched = FakeScheduler([(dead, dead), SchedulerUnavailable("no prefill instance: excluded")])
     with running_gateway(scheduler_port=sched, fleet=lambda: VIEW) as url:
         r = await _post(url, BODY)
@@ -272,8 +269,8 @@ async def test_a_stream_silent_past_the_idle_timeout_ends_in_one_error_event(
     assert sched.log[-1] == ("release", "failed")
 
 
-async def test_health_says_scheduler_unreachable(free_port: Callable[[], int]) -> None:
-    address = f"127.0.0.1:{free_port()}"  # nothing listens there
+async def test_health_says_scheduler_unreachable() -> None:
+    address = f"127.0.0.1:{free_port_run()}"  # nothing listens there
     with running_gateway(scheduler=address, fleet=lambda: VIEW) as url:
         async with httpx.AsyncClient() as client:
             deadline = time.monotonic() + 5.0

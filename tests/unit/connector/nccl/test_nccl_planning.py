@@ -9,7 +9,7 @@ import torch
 
 from pdplane.connector.transports.nccl.binding import UniqueId, _Config, nccl_version_code
 from pdplane.connector.transports.nccl.blocks import layer_byte_view, physical_order
-from pdplane.connector.transports.nccl.plan import Chunk, Piece, plan_chunks
+from pdplane.connector.transports.nccl.chunk_plan import Chunk, Piece, plan_chunks
 
 
 def test_plan_chunks_packs_whole_layers_while_they_fit() -> None:

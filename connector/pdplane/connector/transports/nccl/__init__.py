@@ -12,7 +12,7 @@
 | `communicator.py` | one rank of a 2-rank communicator: non-blocking init, bounded waits, abort |
 | `errors.py` | `NcclTransferError` |
 | `blocks.py` | physical byte view of any backend's KV tensor; gather, send, receive, scatter |
-| `plan.py` | how requested blocks become messages (pure Python) |
+| `chunk_plan.py` | how requested blocks become messages (pure Python) |
 | `binding.py` | ctypes binding of the few libnccl calls used |
 
 Imports nothing heavy: libnccl and torch.cuda are loaded on first use, so CPU-only machines can

@@ -8,7 +8,7 @@ slices of `inner_bytes` contiguous bytes (FlashAttention: outer = 2, K and V). T
 with the same backend and fingerprint have identical views, which is all a byte copy needs.
 
 `BlockMover` enqueues, on a communicator's stream, the gather/scatter kernels and NCCL
-operations of one transfer following a `plan` (see plan.py); the caller waits with
+operations of one transfer following a `plan` (see chunk_plan.py); the caller waits with
 `NcclCommunicator.wait`.
 """
 
@@ -17,8 +17,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from pdplane.connector.transports.nccl.chunk_plan import Chunk, plan_chunks
 from pdplane.connector.transports.nccl.communicator import NcclCommunicator, P2pOp
-from pdplane.connector.transports.nccl.plan import Chunk, plan_chunks
 
 if TYPE_CHECKING:
     import torch
@@ -214,7 +214,7 @@ class BlockMover:
         gate: Callable[[], None] | None = None,
     ) -> int:
         """Enqueues one transfer of blocks `ids` (in request order) on `comm`'s stream, in
-        messages of at most `chunk_bytes` (plan.py): sends when `is_send`, else receives into
+        messages of at most `chunk_bytes` (chunk_plan.py): sends when `is_send`, else receives into
         `ids`. Returns the bytes it moves. `gate()` runs once,
         right after the first message's operation is enqueued (a receiver's before its
         scatter; a sender's before the next gather), whatever it raises ends the enqueue;

@@ -35,11 +35,11 @@ import grpc
 
 from pdplane.connector.transports.base import BlockAccess, Peer
 from pdplane.connector.transports.nccl.blocks import BlockMover
+from pdplane.connector.transports.nccl.chunk_plan import DEFAULT_CHUNK_BYTES
 from pdplane.connector.transports.nccl.communicator import CommFactory, NcclComms
 from pdplane.connector.transports.nccl.control import CallerLink
 from pdplane.connector.transports.nccl.errors import NcclTransferError, status_of
 from pdplane.connector.transports.nccl.pairs import Pair, PairKey, PairTable, Purpose
-from pdplane.connector.transports.nccl.plan import DEFAULT_CHUNK_BYTES
 from pdplane.connector.transports.nccl.serving import PairServing, PushBegins, ServeTiming
 from pdplane.v1 import kv_transfer_nccl_pb2, kv_transfer_nccl_pb2_grpc, kv_transfer_pb2
 
@@ -97,7 +97,7 @@ class NcclEngine(PairServing):
     Args:
         device: CUDA device index of this worker's KV cache.
         views: the KV cache layers' byte views (`blocks.layer_byte_view`), model order.
-        chunk_bytes: staging size (bytes) of the messages this receiver asks for (plan.py);
+        chunk_bytes: staging size (bytes) of the messages this receiver asks for (chunk_plan.py);
             senders follow the receiver's plan.
         connect_timeout_s: bound on creating a communicator (s).
         max_pairs: communicators at most (`max_peer_communicators`).

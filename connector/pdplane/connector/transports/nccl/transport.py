@@ -37,6 +37,7 @@ from pdplane.connector.transports.base import (
     TransferError,
 )
 from pdplane.connector.transports.nccl.blocks import layer_byte_view
+from pdplane.connector.transports.nccl.chunk_plan import DEFAULT_CHUNK_BYTES
 from pdplane.connector.transports.nccl.engine import (
     DEFAULT_MAX_PEER_COMMUNICATORS,
     NcclEngine,
@@ -44,7 +45,6 @@ from pdplane.connector.transports.nccl.engine import (
     PullTiming,
 )
 from pdplane.connector.transports.nccl.pairs import PairKey, Purpose
-from pdplane.connector.transports.nccl.plan import DEFAULT_CHUNK_BYTES
 from pdplane.connector.transports.nccl.push import PushReceiver, PushSession
 from pdplane.connector.transports.nccl.servicer import SERVICE_NAME, NcclKvTransferServicer
 from pdplane.connector.transports.receive_buffer import ReceiveBuffer

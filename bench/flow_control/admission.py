@@ -1,7 +1,7 @@
 """A full fleet with and without the gateway's admission queue, side by side (sims, loopback).
 
-    .venv/bin/python bench/vllm_cpu/admission.py [--requests 48] [--concurrency 16] [--kv-blocks 20]
-        [--rounds 2]
+    .venv/bin/python bench/flow_control/admission.py [--requests 48] [--concurrency 16]
+        [--kv-blocks 20] [--rounds 2]
 
 One registry, one sim prefill and one sim decode whose KV cache holds `kv_blocks` blocks of 128
 tokens (a request of 401 prompt + 16 output tokens takes 4-5), a gateway with the scheduler
