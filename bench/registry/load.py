@@ -162,8 +162,15 @@ async def _beat_unary(
 async def _generate(args: argparse.Namespace) -> dict[str, Any]:
     ids = range(args.first, args.first + args.count)
     addresses = args.address.split(",")
-    channels = [grpc_util.aio_channel(a) for a in addresses]
-    # Instance i talks to replica i % replicas (as clients listing the replicas in turn).
+    # Instance i talks to replica i % replicas (as clients listing the replicas in turn), over
+    # one of the connections of `--per-connection` instances each (their own TCP connections:
+    # a registry's worker processes share connections, not streams, between them).
+    per_replica = max(1, -(-args.count // (len(addresses) * args.per_connection)))
+    channels = [
+        grpc_util.aio_channel(a, extra_options=[("grpc.use_local_subchannel_pool", 1)])
+        for a in addresses
+        for _ in range(per_replica)
+    ]
     stubs = [registry_pb2_grpc.RegistryStub(c) for c in channels]
     gate = asyncio.Semaphore(_REGISTER_CONCURRENCY)
     out: dict[str, Any] = {"lat": [], "late": [], "errors": {}, "details": {}}
@@ -176,7 +183,7 @@ async def _generate(args: argparse.Namespace) -> dict[str, Any]:
         # the others register); only the window's heartbeats are measured. A refused Register
         # is counted and tried again, as the client library does: an instance left out would
         # pass for a heartbeat the registry could not answer.
-        stub = stubs[i % len(stubs)]
+        stub = stubs[(i % len(addresses)) * per_replica + (i // len(addresses)) % per_replica]
         request = registry_pb2.RegisterRequest(spec=_spec(i), request_id=os.urandom(16).hex())
         for attempt in range(_REGISTER_ATTEMPTS):
             async with gate:
@@ -331,6 +338,7 @@ def _run_one(
         for first in range(0, n, share):
             count = min(share, n - first)
             command = [*common, "--generate", "--first", str(first), "--count", str(count)]
+            command += ["--per-connection", str(args.per_connection)]
             children.append(_child(_pinned([*command, "--mode", mode], args.load_cpus)))
         for gen in children:
             assert gen.stdout is not None
@@ -419,6 +427,12 @@ def main() -> int:
     parser.add_argument("--duration-s", type=float, default=15.0, help="heartbeat window (s)")
     parser.add_argument("--clients", type=int, default=4, help="load-generator processes")
     parser.add_argument("--replicas", type=int, default=1, help="registry replicas (etcd store)")
+    parser.add_argument(
+        "--per-connection",
+        type=int,
+        default=50,
+        help="instances sharing one connection of a generator (each its own TCP connection)",
+    )
     parser.add_argument(
         "--workers", default="1", help="each registry's --workers, comma-separated (e.g. 1,2)"
     )
