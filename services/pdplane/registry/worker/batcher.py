@@ -1,11 +1,9 @@
 """Heartbeats of many streams handed to the store process as batches.
 
-One batch in flight on one `RegistryWorkers.Heartbeats` stream; a heartbeat waits up to
-`BATCH_WINDOW_S` for others to join its batch (and, while a batch is in flight, for its
-answer), so the store process pays one gRPC read and write per batch instead of per
-heartbeat: at 5,000 heartbeats/s a worker sends batches of ~25. Without the window, batches
-stayed at 1-3 heartbeats (the store process answers a small batch in ~100 us), and the store
-process paid nearly as much per heartbeat as the workers.
+Self-clocked batching: one batch in flight on one `RegistryWorkers.Heartbeats` stream; the
+heartbeats that arrive meanwhile go together in the next batch as soon as its answer is in.
+No timer: alone, a heartbeat goes at once; under load, batches grow with the rate, so the
+store process pays one gRPC read and write per batch instead of per heartbeat.
 """
 
 from __future__ import annotations
@@ -27,8 +25,6 @@ log = logging.getLogger(__name__)
 _Pending = tuple[registry_pb2.HeartbeatRequest, "asyncio.Future[workers_pb2.HeartbeatResult]"]
 #: Most heartbeats in one batch (~100 bytes each: far below the 4 MiB message limit).
 MAX_BATCH = 4096
-#: How long the first heartbeat of a batch waits for others to join it (s).
-BATCH_WINDOW_S = 0.005
 #: Wait before opening the stream again after it failed (s).
 _RETRY_S = 0.1
 
@@ -85,7 +81,6 @@ class HeartbeatBatcher:
     async def _carry(self, call: grpc.aio.StreamStreamCall) -> None:
         while True:
             await self._wake.wait()
-            await asyncio.sleep(BATCH_WINDOW_S)
             self._wake.clear()
             batch, self._pending = self._pending[:MAX_BATCH], self._pending[MAX_BATCH:]
             if self._pending:
