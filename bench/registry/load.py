@@ -164,7 +164,8 @@ async def _generate(args: argparse.Namespace) -> dict[str, Any]:
     addresses = args.address.split(",")
     # Instance i talks to replica i % replicas (as clients listing the replicas in turn), over
     # one of the connections of `--per-connection` instances each (their own TCP connections:
-    # a registry's worker processes share connections, not streams, between them).
+    # instances are processes of their own; a few shared connections would let gRPC read many
+    # heartbeats per system call, which a real fleet does not give the registry).
     per_replica = max(1, -(-args.count // (len(addresses) * args.per_connection)))
     channels = [
         grpc_util.aio_channel(a, extra_options=[("grpc.use_local_subchannel_pool", 1)])
@@ -242,16 +243,6 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / _TICKS_PER_S  # utime + stime
 
 
-def _tree_cpu_seconds(pid: int) -> float:
-    """CPU seconds of `pid` and its child processes (a registry's workers)."""
-    children = [
-        int(child)
-        for task in Path(f"/proc/{pid}/task").iterdir()
-        for child in (task / "children").read_text().split()
-    ]
-    return _cpu_seconds(pid) + sum(_cpu_seconds(child) for child in children)
-
-
 def _proposals(cluster: EtcdCluster | None) -> float:
     """Raft proposals committed, summed over the members (etcd's /metrics)."""
     if cluster is None:
@@ -296,16 +287,13 @@ def _pin_running(cluster: EtcdCluster, cpus: set[int] | None) -> None:
                 os.sched_setaffinity(int(task.name), cpus)
 
 
-def _run_one(
-    store: str, mode: str, n: int, workers: int, args: argparse.Namespace, root: Path
-) -> dict[str, Any]:
-    head = {"store": store, "mode": mode, "n": n, "replicas": args.replicas, "workers": workers}
+def _run_one(store: str, mode: str, n: int, args: argparse.Namespace, root: Path) -> dict[str, Any]:
+    head = {"store": store, "mode": mode, "n": n, "replicas": args.replicas}
     cluster: EtcdCluster | None = None
     registries: list[ManagedProcess] = []
     children: list[subprocess.Popen[str]] = []
     try:
         flags = ["--log-level", "WARNING", "--lease-ttl-ms", str(args.lease_ttl_ms)]
-        flags += ["--workers", str(workers)]
         if store == "etcd":
             cluster = EtcdCluster(Path(tempfile.mkdtemp(dir=root)), size=args.etcd_members)
             cluster.start()
@@ -357,10 +345,10 @@ def _run_one(
             if cluster
             else []
         )
-        cpu0 = sum(_tree_cpu_seconds(p) for p in pids)
+        cpu0 = sum(_cpu_seconds(p) for p in pids)
         etcd0, props0 = sum(_cpu_seconds(p) for p in etcd_pids), _proposals(cluster)
         time.sleep(args.duration_s)
-        cpu = sum(_tree_cpu_seconds(p) for p in pids) - cpu0
+        cpu = sum(_cpu_seconds(p) for p in pids) - cpu0
         etcd_cpu = sum(_cpu_seconds(p) for p in etcd_pids) - etcd0
         props = _proposals(cluster) - props0
         results = [json.loads(gen.communicate(timeout=180)[0]) for gen in children]
@@ -401,13 +389,13 @@ def _run_one(
 
 
 _HEADER = (
-    "store  mode    rep  w      N   hb/s achieved   p50ms   p99ms  reg%1c us/hb etcd%1c etcdW/s "
+    "store  mode    rep      N   hb/s achieved   p50ms   p99ms  reg%1c us/hb etcd%1c etcdW/s "
     "fanout50 fanout99 lost late99 load1 errors"
 )
 
 
 def _row(r: dict[str, Any]) -> str:
-    head = f"{r['store']:<6} {r['mode']:<6} {r['replicas']:>3} {r['workers']:>2} {r['n']:>6} "
+    head = f"{r['store']:<6} {r['mode']:<6} {r['replicas']:>3} {r['n']:>6} "
     if "failed" in r:
         return head + "FAILED: " + r["failed"]
     return head + (
@@ -432,9 +420,6 @@ def main() -> int:
         type=int,
         default=50,
         help="instances sharing one connection of a generator (each its own TCP connection)",
-    )
-    parser.add_argument(
-        "--workers", default="1", help="each registry's --workers, comma-separated (e.g. 1,2)"
     )
     parser.add_argument("--etcd-members", type=int, default=1, help="etcd cluster size")
     parser.add_argument("--lease-ttl-ms", type=int, default=5000, help="instances' lease TTL")
@@ -476,9 +461,8 @@ def main() -> int:
         for store in args.store.split(","):
             for mode in args.mode.split(","):
                 for n in (int(x) for x in args.n.split(",")):
-                    for workers in (int(x) for x in args.workers.split(",")):
-                        result = _run_one(store, mode, n, workers, args, root)
-                        print(json.dumps(result) if args.json else _row(result), flush=True)
+                    result = _run_one(store, mode, n, args, root)
+                    print(json.dumps(result) if args.json else _row(result), flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return 0

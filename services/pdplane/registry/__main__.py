@@ -26,17 +26,15 @@ def main(argv: list[str]) -> int:
         level=settings.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    # Handlers first: a stop signal that comes while the server (and its workers) start
-    # stops it once started, instead of killing the process before it can stop its workers.
-    stopping = threading.Event()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: stopping.set())
     server = RegistryServer(settings)
     try:
         server.start()
     except (RuntimeError, OSError, ValueError, StoreError) as exc:
         sys.stderr.write(f"pdplane registry: {exc}\n")
         return 1
+    stopping = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stopping.set())
     # Woken every 0.2 s: the kernel may hand SIGTERM to a gRPC thread, and a main thread
     # blocked without a timeout would never run the handler Python keeps for it.
     while not stopping.wait(0.2):

@@ -9,10 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import shutil
-import tempfile
 import threading
-from pathlib import Path
 
 import grpc
 
@@ -22,11 +19,7 @@ from pdplane.registry.memory_store import InMemoryStore
 from pdplane.registry.servicer import SERVICE_NAME, RegistryServicer
 from pdplane.registry.settings import RegistrySettings
 from pdplane.registry.store import InstanceStore, LeasePolicy
-from pdplane.registry.workers import WorkerProcesses
-from pdplane.registry.workers_servicer import SERVICE_NAME as WORKERS_SERVICE_NAME
-from pdplane.registry.workers_servicer import WorkersServicer
 from pdplane.v1 import registry_pb2_grpc
-from pdplane.v1 import registry_workers_pb2_grpc as workers_pb2_grpc
 
 __all__ = ["LeaseReaper", "RegistryServer", "build_store"]
 
@@ -99,8 +92,6 @@ class RegistryServer:
 
     `start()` binds and returns the bound port (raises RuntimeError when the port cannot be
     bound); `stop(grace)` cancels open watches, stops serving and joins every thread it started.
-    With `settings.workers` > 1 this process serves only a private unix socket and the worker
-    processes it starts serve the port (`pdplane.registry.workers`); `stop` stops them first.
     """
 
     def __init__(self, settings: RegistrySettings, store: InstanceStore | None = None) -> None:
@@ -114,16 +105,6 @@ class RegistryServer:
         self._started = threading.Event()
         self._start_error: BaseException | None = None
         self.port = 0
-        self._workers: WorkerProcesses | None = None
-        # Private to this user (mkdtemp makes it 0700): only the workers reach the store.
-        self._socket_dir = (
-            tempfile.mkdtemp(prefix="pdplane-registry-") if settings.workers > 1 else None
-        )
-
-    @property
-    def _store_socket(self) -> str:
-        assert self._socket_dir is not None
-        return f"unix:{Path(self._socket_dir) / 'store.sock'}"
 
     @property
     def address(self) -> str:
@@ -133,9 +114,6 @@ class RegistryServer:
 
     def _bind(self, server: grpc.aio.Server) -> int:
         s = self.settings
-        if self._socket_dir is not None:
-            grpc_util.add_port(server, self._store_socket)
-            return 0
         return grpc_util.add_port(server, f"{s.host}:{s.port}", s.tls_cert, s.tls_key)
 
     def start(self) -> int:
@@ -156,15 +134,6 @@ class RegistryServer:
             self._thread.join()
             raise self._start_error
         self._reaper.start()
-        if self._socket_dir is not None:
-            self._workers = WorkerProcesses(
-                self.settings, self._store_socket, self.settings.workers
-            )
-            try:
-                self.port = self._workers.start()
-            except BaseException:
-                self.stop()
-                raise
         log.info("registry serving on %s", self.address)
         return self.port
 
@@ -188,13 +157,7 @@ class RegistryServer:
             self.store, AuthPolicy(s.token, s.admin_token), s.watch_coalesce_ms
         )
         registry_pb2_grpc.add_RegistryServicer_to_server(servicer, server)
-        names = [SERVICE_NAME]
-        if self._socket_dir is not None:
-            workers_pb2_grpc.add_RegistryWorkersServicer_to_server(
-                WorkersServicer(self.store), server
-            )
-            names.append(WORKERS_SERVICE_NAME)
-        await grpc_util.aio_add_health_and_reflection(server, names)
+        await grpc_util.aio_add_health_and_reflection(server, [SERVICE_NAME])
         self.port = self._bind(server)
         await server.start()
         self._shutdown = asyncio.Event()
@@ -204,9 +167,6 @@ class RegistryServer:
 
     def stop(self, grace: float = 0.5) -> None:
         """Stops serving (open watch streams are cancelled) and joins the threads."""
-        if self._workers is not None:
-            self._workers.stop()
-            self._workers = None
         self._reaper.stop()
         if self._shutdown is not None and self._loop is not None:
             self._grace = grace
@@ -216,6 +176,4 @@ class RegistryServer:
             self._thread.join(timeout=grace + 5.0)
             self._thread = None
         self.store.close()
-        if self._socket_dir is not None:
-            shutil.rmtree(self._socket_dir, ignore_errors=True)
         log.info("registry on %s stopped", self.address)

@@ -27,7 +27,7 @@ from pdplane.registry.store import (
 )
 from pdplane.v1 import instance_pb2, registry_pb2, registry_pb2_grpc
 
-__all__ = ["ERRORS", "SERVICE_NAME", "RegistryServicer", "beat", "public", "status_of"]
+__all__ = ["SERVICE_NAME", "RegistryServicer", "public"]
 
 SERVICE_NAME = "pdplane.v1.Registry"
 #: Longest lease a client may ask for (ms); anything above is a mistake, not a wish.
@@ -54,29 +54,21 @@ _STATUS: list[tuple[type[Exception], grpc.StatusCode]] = [
     (StoreUnavailableError, grpc.StatusCode.UNAVAILABLE),
     (StoreError, grpc.StatusCode.INTERNAL),
 ]
-#: The errors a registry RPC turns into a status (`status_of`); anything else is a bug.
-ERRORS = (ValidationError, StoreError)
+_ERRORS = (ValidationError, StoreError)
 _MAX_DETAILS = 1000
 
 
-def status_of(exc: Exception) -> tuple[grpc.StatusCode, str]:
-    """The status and message (at most 1,000 characters) a registry RPC answers `exc` (one
-    of `ERRORS`) with."""
-    code = next(code for kind, code in _STATUS if isinstance(exc, kind))
-    return code, str(exc)[:_MAX_DETAILS]
-
-
 def _fail(context: Any, exc: Exception) -> None:
-    code, details = status_of(exc)
+    code = next(code for kind, code in _STATUS if isinstance(exc, kind))
     context.set_code(code)
-    context.set_details(details)
+    context.set_details(str(exc)[:_MAX_DETAILS])
 
 
 def _call(context: Any, empty: _R, fn: Callable[[], _R]) -> _R:
     """Runs `fn`, turning the registry's errors into a gRPC status on `context`."""
     try:
         return fn()
-    except ERRORS as exc:
+    except _ERRORS as exc:
         _fail(context, exc)
         return empty
 
@@ -85,7 +77,7 @@ async def _acall(context: Any, empty: _R, fn: Callable[[], Awaitable[_R]]) -> _R
     """`_call` for coroutines."""
     try:
         return await fn()
-    except ERRORS as exc:
+    except _ERRORS as exc:
         _fail(context, exc)
         return empty
 
@@ -119,17 +111,6 @@ def _check_heartbeat(request: registry_pb2.HeartbeatRequest) -> None:
     _require("instance_id", request.instance_id)
     _require("lease_id", request.lease_id)
     validate_load(request.load)
-
-
-async def beat(
-    store: InstanceStore, request: registry_pb2.HeartbeatRequest
-) -> registry_pb2.HeartbeatResponse:
-    """One heartbeat: validates it, renews the lease and records the load report. Raises one
-    of `ERRORS` (ValidationError for a bad request, NotFoundError for an unknown or expired
-    lease, StoreUnavailableError, ...)."""
-    _check_heartbeat(request)
-    ttl_ms, state = await store.aheartbeat(request.instance_id, request.lease_id, request.load)
-    return registry_pb2.HeartbeatResponse(lease_ttl_ms=ttl_ms, state=state)
 
 
 def _check_deregister(request: registry_pb2.DeregisterRequest) -> None:
@@ -262,13 +243,18 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
 
         return await _acall(context, registry_pb2.RegisterResponse(), run)
 
+    async def _beat(self, request: registry_pb2.HeartbeatRequest) -> registry_pb2.HeartbeatResponse:
+        _check_heartbeat(request)
+        ttl_ms, state = await self._store.aheartbeat(
+            request.instance_id, request.lease_id, request.load
+        )
+        return registry_pb2.HeartbeatResponse(lease_ttl_ms=ttl_ms, state=state)
+
     async def Heartbeat(  # type: ignore[override]
         self, request: registry_pb2.HeartbeatRequest, context: grpc.aio.ServicerContext
     ) -> registry_pb2.HeartbeatResponse:
         """Renews a lease with the load report; NOT_FOUND for an unknown lease."""
-        return await _acall(
-            context, registry_pb2.HeartbeatResponse(), lambda: beat(self._store, request)
-        )
+        return await _acall(context, registry_pb2.HeartbeatResponse(), lambda: self._beat(request))
 
     async def HeartbeatStream(  # type: ignore[override]
         self,
@@ -281,8 +267,8 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
         # one write, without the async generators an iterated stream puts around each message.
         try:
             while (request := await context.read()) is not grpc.aio.EOF:
-                await context.write(await beat(self._store, request))
-        except ERRORS as exc:
+                await context.write(await self._beat(request))
+        except _ERRORS as exc:
             _fail(context, exc)
 
     async def Deregister(  # type: ignore[override]
@@ -329,7 +315,7 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
         """ListInstances' list in messages of about `SNAPSHOT_PART_BYTES`, one revision."""
         try:
             instances, revision = self._listed(request)
-        except ERRORS as exc:
+        except _ERRORS as exc:
             _fail(context, exc)
             return
         for part in _parts(instances):

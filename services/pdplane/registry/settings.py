@@ -60,14 +60,6 @@ class RegistrySettings(CommandSettings):
         10_000, ge=0, description="events kept to replay to re-watching clients"
     )
     log_level: str = Field("INFO", description="logging level")
-    workers: int = Field(
-        1,
-        ge=1,
-        le=64,
-        description="processes serving --port: above 1, worker processes share the port and "
-        "hand heartbeats to the process holding the store in batches (about one per core "
-        "beyond ~5,000 instances at 1 Hz; docs/registry.md)",
-    )
     store: Literal["memory", "etcd"] = Field(
         "memory", description="where instances live: memory (one node) or etcd (replicated)"
     )

@@ -104,21 +104,17 @@ def etcd_cluster() -> Iterator[EtcdCluster]:
         shutil.rmtree(data, ignore_errors=True)
 
 
-@pytest.fixture(params=["memory", "etcd", "workers"], autouse=True)
+@pytest.fixture(params=["memory", "etcd"], autouse=True)
 def registry_store(request: pytest.FixtureRequest) -> Iterator[str]:
-    """Runs every registry test on both stores, and on the memory store behind two worker
-    processes (`--workers 2`: the same answers through the processes sharing the port): on
-    etcd, each test's registries share a key prefix of their own in the session's cluster (so
-    a restarted registry finds its data). Yields the store's name."""
-    if request.param == "workers":
-        fixtures.store_defaults.update(workers=2)
+    """Runs every registry test on both stores: on etcd, each test's registries share a key
+    prefix of their own in the session's cluster (so a restarted registry finds its data)."""
     if request.param == "etcd":
         cluster: EtcdCluster = request.getfixturevalue("etcd_cluster")
         fixtures.store_defaults.update(
             store="etcd", etcd_endpoints=cluster.endpoints, etcd_prefix=f"/t-{uuid.uuid4().hex}/"
         )
     try:
-        yield "etcd" if request.param == "etcd" else "memory"
+        yield request.param
     finally:
         fixtures.store_defaults.clear()
 
