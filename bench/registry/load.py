@@ -166,7 +166,11 @@ async def _generate(args: argparse.Namespace) -> dict[str, Any]:
     # one of the connections of `--per-connection` instances each (their own TCP connections:
     # instances are processes of their own; a few shared connections would let gRPC read many
     # heartbeats per system call, which a real fleet does not give the registry).
-    per_replica = max(1, -(-args.count // (len(addresses) * args.per_connection)))
+    per_replica = (
+        max(1, -(-args.count // (len(addresses) * args.per_connection)))
+        if args.per_connection
+        else 1
+    )
     channels = [
         grpc_util.aio_channel(a, extra_options=[("grpc.use_local_subchannel_pool", 1)])
         for a in addresses
@@ -418,8 +422,9 @@ def main() -> int:
     parser.add_argument(
         "--per-connection",
         type=int,
-        default=50,
-        help="instances sharing one connection of a generator (each its own TCP connection)",
+        default=0,
+        help="instances sharing one connection of a generator (each its own TCP connection; "
+        "0: one connection per generator and replica)",
     )
     parser.add_argument("--etcd-members", type=int, default=1, help="etcd cluster size")
     parser.add_argument("--lease-ttl-ms", type=int, default=5000, help="instances' lease TTL")
