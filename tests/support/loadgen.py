@@ -108,6 +108,8 @@ async def _one(
     end = time.perf_counter()
     if not buf.endswith(b"data: [DONE]\n\n"):
         raise ValueError(f"stream did not end with [DONE]: {bytes(buf[-80:])!r}")
+    if (at := buf.find(b'data: {"error"')) >= 0:  # then [DONE], as vLLM ends a failed request
+        raise ValueError(f"error event: {bytes(buf[at : at + 200])!r}")
     tokens = _token_chunks(bytes(buf))
     if tokens != max_tokens:
         raise ValueError(f"{tokens} token chunks, expected {max_tokens}")
@@ -165,8 +167,9 @@ async def completion_burst(
     url: str, body: dict[str, object], total: int, concurrency: int, timeout_s: float = 30.0
 ) -> collections.Counter[int]:
     """Sends `total` streamed requests `body` to `url`/v1/completions, `concurrency` at a time,
-    and counts them by HTTP status: the status when the stream ended with `data: [DONE]`,
-    minus the status when it did not (an error answer or a truncated stream)."""
+    and counts them by HTTP status: the status when the stream ended whole (`data: [DONE]`,
+    no error event), minus the status when it did not (an error answer or event, or a
+    truncated stream)."""
     statuses: collections.Counter[int] = collections.Counter()
     gate = asyncio.Semaphore(concurrency)
 
@@ -174,7 +177,7 @@ async def completion_burst(
         async with gate:
             async with client.stream("POST", url + "/v1/completions", json=body) as r:
                 data = b"".join([chunk async for chunk in r.aiter_bytes()])
-            done = data.endswith(b"data: [DONE]\n\n")
+            done = data.endswith(b"data: [DONE]\n\n") and b'data: {"error"' not in data
             statuses[r.status_code if done else -r.status_code] += 1
 
     async with httpx.AsyncClient(timeout=timeout_s) as client:

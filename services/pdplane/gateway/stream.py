@@ -33,6 +33,12 @@ from pdplane.gateway.upstream import UpstreamTimeout, UpstreamUnreachable
 __all__ = ["relay_legs", "stream"]
 
 
+def _failed(error: GatewayError) -> bytes:
+    """The end of a stream the gateway cannot finish: `error`'s event, then `[DONE]` (as vLLM
+    ends a stream whose request failed)."""
+    return error.sse_event() + SSE_DONE
+
+
 async def stream(
     r: Request, splice: Splice | None, continuation: tuple[FirstToken, bytes] | None = None
 ) -> AsyncGenerator[bytes, None]:
@@ -61,7 +67,7 @@ async def stream(
                     r, *continuation, splice.token_ids or r.transcript is not None
                 )
             except GatewayError as exc:
-                yield exc.sse_event()
+                yield _failed(exc)
                 return
         async for out in relay_legs(r, splice, tally):
             yield out
@@ -160,7 +166,7 @@ async def relay_legs(
                 tally.ok = not failed
                 return
         if transcript is None or not transcript.resumable():
-            yield loss.event or GatewayError(loss.status, loss.message).sse_event()
+            yield loss.event or _failed(GatewayError(loss.status, loss.message))
             return
         if transcript.finished and not loss.event:
             # The last token went out: the stream only misses its usage and [DONE].
@@ -175,7 +181,7 @@ async def relay_legs(
             else:
                 splice = await migrate(r, transcript, loss, counted)
         except GatewayError as exc:
-            yield loss.event or exc.sse_event()
+            yield loss.event or _failed(exc)
             return
         metrics.migration_seconds.observe(time.perf_counter() - lost_at)
         if isinstance(transcript, Choices):

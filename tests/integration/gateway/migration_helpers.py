@@ -26,8 +26,8 @@ def stream_events(
     request_id: str = "",
     gaps: list[float] | None = None,
 ) -> tuple[list[dict[str, Any]], bool]:
-    """(the parsed events, whether the stream ended with one [DONE]) of one stream; `gaps`
-    gets its longest wait between two events (s)."""
+    """(the parsed events, whether the stream ended whole: one [DONE] and no error event) of
+    one stream; `gaps` gets its longest wait between two events (s)."""
     headers = {"X-Request-Id": request_id} if request_id else {}
     raw: list[bytes] = []
     gap = last = 0.0
@@ -40,9 +40,11 @@ def stream_events(
                 raw.append(line.encode())
     if gaps is not None:
         gaps.append(gap)
-    done = raw[-1] == b"data: [DONE]"
-    assert raw.count(b"data: [DONE]") == (1 if done else 0), raw
-    return [json.loads(e[6:]) for e in raw if e != b"data: [DONE]"], done
+    ended = raw[-1] == b"data: [DONE]"
+    assert raw.count(b"data: [DONE]") == (1 if ended else 0), raw
+    failed = any(e.startswith(b'data: {"error"') for e in raw)
+    assert ended or not failed, raw  # an error event is followed by [DONE], as vLLM's are
+    return [json.loads(e[6:]) for e in raw if e != b"data: [DONE]"], ended and not failed
 
 
 def stream_in_background(

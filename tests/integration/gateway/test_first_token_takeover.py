@@ -86,7 +86,7 @@ def test_no_other_decode_ends_the_stream_with_one_error_event(
         stack.wait_ready(prefill)
         body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 5, "stream": True}
         _, events = timed_events(stack.url, body)
-        assert len(events) == 2, events
+        assert len(events) == 3 and events[2] == b"data: [DONE]", events
         assert sse_text(events[:1]) == expected_text(PROMPT, 0, 1)
         error = json.loads(events[1][6:])["error"]
         assert error["code"] == 502 and DEAD in error["message"], error
@@ -125,11 +125,12 @@ def test_max_retries_0_ends_the_stream_and_frees_the_kv(
             prompt = f"{PROMPT} {i}"
             body = {"model": MODEL, "prompt": prompt, "max_tokens": 5, "stream": True}
             _, events = timed_events(stack.url, body)
-            if b"[DONE]" not in events[-1]:
+            if b'"error"' in events[-2]:
                 break
         else:
             pytest.fail("the dead decode was never chosen")
-        assert len(events) == 2 and sse_text(events[:1]) == expected_text(prompt, 0, 1)
+        assert len(events) == 3 and sse_text(events[:1]) == expected_text(prompt, 0, 1)
+        assert events[2] == b"data: [DONE]"
         error = json.loads(events[1][6:])["error"]
         assert error["code"] == 502 and DEAD in error["message"], error
         _nothing_held(stack, sims)
@@ -269,7 +270,7 @@ def test_a_take_over_whose_room_never_comes_ends_with_a_503_event(
         with httpx.stream("POST", f"{stack.url}/v1/completions", json=body, timeout=30) as r:
             assert r.status_code == 200
             events = [e for e in r.read().split(b"\n\n") if e]
-        assert len(events) == 2, events
+        assert len(events) == 3 and events[2] == b"data: [DONE]", events
         assert sse_text(events[:1]) == expected_text(body["prompt"], 0, 1)
         error = json.loads(events[1][6:])["error"]
         assert error["code"] == 503 and "--queue-timeout-s 0.5" in error["message"], error
@@ -408,7 +409,7 @@ def test_a_take_over_with_the_scheduler_gone_ends_the_stream_and_frees_the_kv(
             assert stack.scheduler is not None
             stack.scheduler.stop(grace=0)
             events = [e for e in r.read().split(b"\n\n") if e]
-        assert len(events) == 2, events
+        assert len(events) == 3 and events[2] == b"data: [DONE]", events
         assert sse_text(events[:1]) == expected_text(PROMPT, 0, 1)
         error = json.loads(events[1][6:])["error"]
         assert error["code"] in (502, 503), error

@@ -146,7 +146,8 @@ PROMPT = "The only decode dies while it streams"
 
 class _Reader(threading.Thread):
     """One stream of `body` read on a thread: `events` (parsed, `[DONE]` left out) as they
-    come, `done` whether it ended with `[DONE]`; `started` is set once `after` events came."""
+    come, `done` whether it ended whole (`[DONE]`, no error event); `started` is set once
+    `after` events came."""
 
     def __init__(self, url: str, body: dict[str, Any], after: int) -> None:
         super().__init__()
@@ -160,7 +161,8 @@ class _Reader(threading.Thread):
             assert r.status_code == 200, r.read()
             for line in r.iter_lines():
                 if line == "data: [DONE]":
-                    self.done = True
+                    # Whole only without an error event (one is followed by [DONE] too).
+                    self.done = not any("error" in e for e in self.events)
                 elif line.startswith("data: "):
                     self.events.append(json.loads(line[6:]))
                     if len(self.events) >= self.after:

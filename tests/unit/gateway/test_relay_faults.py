@@ -96,7 +96,7 @@ async def test_stream_ending_badly_gives_one_error_event(serve: Serve, ending: s
         r = await _post(url, {**BODY, "stream": True})
     events = r.content[:-2].split(b"\n\n")
     assert events[0] == b'data: {"choices":[{"text":"a"}]}'  # the partial event is not relayed
-    assert len(events) == 2
+    assert len(events) == 3 and events[2] == b"data: [DONE]"  # as vLLM ends a failed request
     error = json.loads(events[1][len(b"data: ") :])["error"]
     assert error["code"] == (504 if ending == "stall" else 502)
     assert sched.log[-1] == ("release", "failed")
@@ -264,7 +264,7 @@ async def test_a_stream_silent_past_the_idle_timeout_ends_in_one_error_event(
     events = r.content[:-2].split(b"\n\n")
     assert events[0] == b'data: {"choices":[{"text":"a"}]}'
     error = json.loads(events[1][len(b"data: ") :])["error"]
-    assert (len(events), error["code"]) == (2, 504)
+    assert (len(events), error["code"], events[2]) == (3, 504, b"data: [DONE]")
     assert "sent nothing for 0.3 s" in error["message"]
     assert sched.log[-1] == ("release", "failed")
 
