@@ -76,6 +76,12 @@ class Loss:
     message: str
     event: bytes = b""
 
+    @property
+    def decode_alive(self) -> bool:
+        """The decode answered (its own error event): no restart of it is coming, so a stream
+        with no other decode does not wait for one."""
+        return self.reason == "error_event"
+
 
 @dataclass(slots=True)
 class Budget:

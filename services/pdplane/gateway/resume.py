@@ -116,7 +116,7 @@ async def migrate(r: Request, transcript: Transcript, loss: Loss, counted: bool 
         try:
             async with asyncio.timeout(max(left, 0.001)):
                 with tracing.span("pdplane.migration", attributes=attributes):
-                    r.resp = await _resumed_legs(r, body, loss.reason != "error_event")
+                    r.resp = await _resumed_legs(r, body, not loss.decode_alive)
         except RetryElsewhere as failed:
             lost, loss = failed.instance_id, Loss("lost", 502, failed.error.message)
             continue
