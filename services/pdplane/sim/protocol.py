@@ -83,6 +83,10 @@ class SimRequest:
         return self.seed + choice if self.seeded else self.seed
 
 
+#: Below this temperature vLLM samples greedily (vllm/sampling_params.py, `_SAMPLING_EPS`).
+_SAMPLING_EPS = 1e-5
+
+
 def _bad(message: str, param: str | None = None) -> SimApiError:
     return SimApiError(400, message, "BadRequestError", param)
 
@@ -175,6 +179,10 @@ def parse_request(
     n = _int_field(body, "n") or 1
     if n > _MAX_N:
         raise _bad(f"n must be at most {_MAX_N}", "n")
+    temperature = body.get("temperature")
+    greedy = isinstance(temperature, int | float) and temperature < _SAMPLING_EPS
+    if greedy and n > 1:  # vLLM's SamplingParams._verify_greedy_sampling
+        raise _bad(f"n must be 1 when using greedy sampling, got {n}.")
     tok = tokenizer or _DEFAULT_TOKENIZER
     as_ids = False
     if chat:

@@ -69,6 +69,14 @@ def test_errors_are_openai_json() -> None:
         assert r.status_code == 400 and "error" in r.json()
         r = httpx.post(url + "/v1/chat/completions", json={**CHAT, "model": "nope"})
         assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+        # vLLM's SamplingParams: several choices need sampling (temperature under 1e-5 is greedy).
+        for path, body in [("/v1/completions", {"prompt": "x"}), ("/v1/chat/completions", CHAT)]:
+            greedy = {**body, "max_tokens": 2, "n": 2, "temperature": 0}
+            r = httpx.post(url + path, json=greedy)
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["message"] == "n must be 1 when using greedy sampling, got 2."
+            r = httpx.post(url + path, json={**greedy, "temperature": 0.7})
+            assert r.status_code == 200 and len(r.json()["choices"]) == 2
 
 
 def test_models_health_and_vllm_metric_names() -> None:
