@@ -29,6 +29,7 @@ Needs vLLM (>= 0.26) importable; `bench/gpu/e2e.sh` prepares the environment on 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -384,7 +385,7 @@ def main() -> int:
             (o, v) for s in stacks for o, v in zip((s.prefill, s.decode), s.vllms, strict=True)
         ]:
             wait_until(
-                lambda o=opts: http_ok(f"{o.url}/health"),
+                functools.partial(http_ok, f"{opts.url}/health"),
                 600,
                 watch=[proc],
                 what=f"vLLM {proc.name}",
