@@ -140,15 +140,59 @@ async def open_decode(r: Request, body: Any, endpoint: str = "") -> UpstreamResp
     t0 = time.perf_counter()
     d = r.decode
     with tracing.span("pdplane.decode_leg"), leg_errors(r, "decode", d):
-        resp = await r.relay.upstream.open(
-            d.url + (endpoint or r.req.endpoint),
-            body,
-            tracing.inject_headers(r.headers),
-            read_timeout_s=r.timeout_s,
+        opening = asyncio.ensure_future(
+            r.relay.upstream.open(
+                d.url + (endpoint or r.req.endpoint),
+                body,
+                tracing.inject_headers(r.headers),
+                read_timeout_s=r.timeout_s,
+            )
         )
+        resp = await _unless_decode_leaves(r, opening)
     r.relay.metrics.decode_leg.observe(time.perf_counter() - t0)
     r.decode_answered_ns = time.time_ns()
     return resp
+
+
+class _Opening:
+    """A decode request awaiting its response headers (a non-streamed one: the whole
+    generation), closed if its decode leaves the registry or drains past its grace."""
+
+    def __init__(self, opening: asyncio.Future[UpstreamResponse]) -> None:
+        self.opening = opening
+        self.reason = ""
+
+    def evict(self, reason: str) -> None:
+        self.reason = reason
+        self.opening.cancel()
+
+
+async def _unless_decode_leaves(
+    r: Request, opening: asyncio.Future[UpstreamResponse]
+) -> UpstreamResponse:
+    """`opening`'s response. A request the client has seen nothing of (`r.restartable()`)
+    whose decode leaves meanwhile (lease expired: a frozen process keeps its connection open
+    and silent; drained past `--drain-grace-s`) is DecodeLost: the relay runs it again on
+    another pair instead of waiting out `--upstream-timeout-s`."""
+    if not r.restartable():
+        return await opening
+    name = r.decode.instance_id
+    leaving = _Opening(opening)
+    r.relay.departures.add(name, leaving)
+    try:
+        return await opening
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if not leaving.reason or (task is not None and task.cancelling()):
+            raise  # cancelled from outside (the client left), not by a departure
+        message = (
+            f"decode instance {name} drained past its grace before answering"
+            if leaving.reason == "drain"
+            else f"decode instance {name} left the registry before answering"
+        )
+        raise DecodeLost(name, Loss(leaving.reason, 502, message)) from None
+    finally:
+        r.relay.departures.discard(name, leaving)
 
 
 async def open_concurrently(r: Request) -> UpstreamResponse:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import statistics
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -206,6 +207,43 @@ def test_a_non_streamed_request_whose_decode_dies_is_answered_by_another(
     assert cut >= 1, "no request landed on the failing decode"
     assert migrations(stack, "lost") == cut
     nothing_held(stack, [*prefill.handles, *decodes.handles])
+
+
+def test_a_non_streamed_request_on_a_silent_decode_that_leaves_is_answered_by_another(
+    stack_factory: Callable[..., Stack],
+) -> None:
+    # The decode takes the request and goes silent (as SIGSTOPped: its connection stays open),
+    # then leaves (here drained with --drain-grace-s 0; a frozen process's lease expires): the
+    # request runs again on the other decode, long before --upstream-timeout-s.
+    stack = stack_factory(drain_grace_s=0.0)
+    prefill, decodes = fleet(stack, 2, itl_ms=2)
+    for d in decodes.handles:
+        d.set_faults(fail_request_prefix="frozen-", fail_mode="stall")
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 8}
+    answers: list[httpx.Response] = []
+    sender = threading.Thread(
+        target=lambda: answers.append(
+            httpx.post(
+                f"{stack.url}/v1/completions",
+                json=body,
+                headers={"X-Request-Id": "frozen-1"},
+                timeout=60,
+            )
+        )
+    )
+    sender.start()
+    wait_for(lambda: any(d.records() for d in decodes.handles), what="a decode took it")
+    (victim,) = [d for d in decodes.handles if d.records()]
+    (other,) = [d for d in decodes.handles if d is not victim]
+    other.set_faults(fail_request_prefix="never-")
+    started = time.monotonic()
+    assert drain.main([victim.instance_id, "--registry", stack.registry]) == 0
+    sender.join(30)
+    assert answers and answers[0].status_code == 200, answers
+    assert answers[0].json()["choices"][0]["text"] == expected_text(PROMPT, 0, 8)
+    assert time.monotonic() - started < 20
+    assert migrations(stack, "drain") == 1
+    nothing_held(stack, [*prefill.handles, other])
 
 
 def _run_streams(
