@@ -50,10 +50,13 @@ def leg_errors(r: Request, side: str, ref: InstanceRef) -> Iterator[None]:
     try:
         yield
     except UpstreamUnreachable as exc:
-        if exc.accepted and side == "decode" and r.restartable():
-            # A non-streamed request's decode died while computing it: run it again.
+        if exc.accepted and side == "decode" and not r.req.stream:
+            # A non-streamed request's decode died while computing it: run it again, unless
+            # --migration-limit 0 says never.
             message = f"decode instance {ref.instance_id} failed before answering: {exc}"
-            raise DecodeLost(ref.instance_id, Loss("lost", 502, message)) from None
+            if r.restartable():
+                raise DecodeLost(ref.instance_id, Loss("lost", 502, message)) from None
+            raise bad_gateway(f"{message}; {_NOT_AGAIN}") from None
         err = bad_gateway(f"{side} instance {ref.instance_id} unreachable: {exc}")
         raise RetryElsewhere(side, ref.instance_id, err) from None
     except UpstreamTimeout:
@@ -154,6 +157,9 @@ async def open_decode(r: Request, body: Any, endpoint: str = "") -> UpstreamResp
     return resp
 
 
+_NOT_AGAIN = "not run again on another decode: --migration-limit 0"
+
+
 class _Opening:
     """A decode request awaiting its response headers (a non-streamed one: the whole
     generation), closed if its decode leaves the registry or drains past its grace."""
@@ -170,11 +176,12 @@ class _Opening:
 async def _unless_decode_leaves(
     r: Request, opening: asyncio.Future[UpstreamResponse]
 ) -> UpstreamResponse:
-    """`opening`'s response. A request the client has seen nothing of (`r.restartable()`)
-    whose decode leaves meanwhile (lease expired: a frozen process keeps its connection open
-    and silent; drained past `--drain-grace-s`) is DecodeLost: the relay runs it again on
-    another pair instead of waiting out `--upstream-timeout-s`."""
-    if not r.restartable():
+    """`opening`'s response. A non-streamed request whose decode leaves meanwhile (lease
+    expired: a frozen process keeps its connection open and silent; drained past
+    `--drain-grace-s`) is DecodeLost (the relay runs it again on another pair) or, with
+    `--migration-limit 0`, a 502 at once: never a wait for `--upstream-timeout-s`. (A
+    stream's headers come at once; its leg is watched while it is relayed.)"""
+    if r.req.stream:
         return await opening
     name = r.decode.instance_id
     leaving = _Opening(opening)
@@ -190,6 +197,8 @@ async def _unless_decode_leaves(
             if leaving.reason == "drain"
             else f"decode instance {name} left the registry before answering"
         )
+        if not r.restartable():
+            raise bad_gateway(f"{message}; {_NOT_AGAIN}") from None
         raise DecodeLost(name, Loss(leaving.reason, 502, message)) from None
     finally:
         r.relay.departures.discard(name, leaving)

@@ -104,8 +104,9 @@ async def relay_legs(
             name = r.decode.instance_id
             carry = b""
             r.evicted = ""
-            if transcript is not None:
-                r.relay.departures.add(name, r)
+            # Watched even when it cannot move (--migration-limit 0): a decode that leaves
+            # ends the stream with an error event then, not after --stream-idle-timeout-s.
+            r.relay.departures.add(name, r)
             chunks = resp.chunks(idle_s)
             try:
                 async for chunk in chunks:
@@ -158,8 +159,7 @@ async def relay_legs(
                 loss = r.decode_lost(name, exc, idle_s)
             finally:
                 await chunks.aclose()
-                if transcript is not None:
-                    r.relay.departures.discard(name, r)
+                r.relay.departures.discard(name, r)
             if loss is None and not done:
                 loss = r.decode_lost(name, None, idle_s)
             if loss is None:

@@ -188,6 +188,62 @@ def test_limit_0_keeps_one_error_event(stack_factory: Callable[..., Stack]) -> N
     nothing_held(stack, [*prefill.handles, *decodes.handles])
 
 
+def test_limit_0_a_non_streamed_request_whose_decode_dies_after_taking_it_is_not_run_again(
+    stack_factory: Callable[..., Stack],
+) -> None:
+    stack = stack_factory(migration_limit=0)
+    prefill, decodes = fleet(stack, 2, itl_ms=2)
+    for d in decodes.handles:
+        d.set_faults(fail_request_prefix="once-", fail_mode="drop")
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 8}
+    r = httpx.post(f"{stack.url}/v1/completions", json=body, headers={"X-Request-Id": "once-1"})
+    assert r.status_code == 502, r.text
+    assert "failed before answering" in r.json()["error"]["message"]
+    assert "--migration-limit 0" in r.json()["error"]["message"]
+    assert len([rec for d in decodes.handles for rec in d.records()]) == 1  # never run again
+    nothing_held(stack, [*prefill.handles, *decodes.handles])
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_limit_0_a_request_on_a_silent_decode_that_leaves_ends_with_an_error_at_once(
+    stack_factory: Callable[..., Stack], stream: bool
+) -> None:
+    # Not moved (--migration-limit 0), but not left waiting for --upstream-timeout-s either.
+    stack = stack_factory(migration_limit=0, drain_grace_s=0.0)
+    prefill, decodes = fleet(stack, 2, itl_ms=2)
+    for d in decodes.handles:
+        d.set_faults(fail_request_prefix="frozen-", fail_mode="stall", fail_after_tokens=2)
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 8, "stream": stream}
+    answers: list[httpx.Response] = []
+    sender = threading.Thread(
+        target=lambda: answers.append(
+            httpx.post(
+                f"{stack.url}/v1/completions",
+                json=body,
+                headers={"X-Request-Id": "frozen-1"},
+                timeout=60,
+            )
+        )
+    )
+    sender.start()
+    wait_for(lambda: any(d.records() for d in decodes.handles), what="a decode took it")
+    (victim,) = [d for d in decodes.handles if d.records()]
+    started = time.monotonic()
+    assert drain.main([victim.instance_id, "--registry", stack.registry]) == 0
+    sender.join(30)
+    assert answers and time.monotonic() - started < 20, answers
+    if stream:
+        events = [e for e in answers[0].content.split(b"\n\n") if e]
+        assert events[-1] == b"data: [DONE]" and b'"error"' in events[-2], events
+        assert victim.instance_id.encode() in events[-2]
+    else:
+        assert answers[0].status_code == 502, answers[0].text
+        message = answers[0].json()["error"]["message"]
+        assert victim.instance_id in message and "--migration-limit 0" in message
+    assert len([rec for d in decodes.handles for rec in d.records()]) == 1  # never run again
+    nothing_held(stack, [*prefill.handles, *decodes.handles])
+
+
 def test_a_non_streamed_request_whose_decode_dies_is_answered_by_another(
     stack_factory: Callable[..., Stack],
 ) -> None:
