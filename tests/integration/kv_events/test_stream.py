@@ -248,7 +248,9 @@ async def test_asyncio_server_serves_the_same_stream() -> None:
             await asyncio.to_thread(writer.join)
             await follow()
             assert replica.blocks == log_state(log)
-            assert replica.snapshots >= 2  # 300 blocks > the 64 kept, or it kept up: both exact
+            # Exact either way: the 300 blocks outran the 64 kept (a fresh snapshot) or the
+            # stream's buffers held them (none); which one depends on the machine's timing.
+            assert replica.snapshots >= 1
             msg = await asyncio.wait_for(call.read(), 5)
             assert msg.WhichOneof("body") == "heartbeat"
             call.cancel()
