@@ -19,7 +19,7 @@ import pytest
 
 from pdplane.cli import drain
 from pdplane.core import tracing
-from pdplane.sim.testing import expected_text
+from pdplane.sim.testing import RunningSims, SimHandle, expected_text
 from pdplane.sim.tokens import WordTokenizer, generate, prompt_key
 from tests.integration.gateway.conftest import MODEL, Stack, wait_for
 from tests.integration.gateway.helpers import metric, open_request
@@ -188,6 +188,26 @@ def test_limit_0_keeps_one_error_event(stack_factory: Callable[..., Stack]) -> N
     nothing_held(stack, [*prefill.handles, *decodes.handles])
 
 
+def _post_in_background(
+    stack: Stack, body: dict[str, Any], request_id: str
+) -> tuple[threading.Thread, list[httpx.Response]]:
+    """POSTs `body` to /v1/completions on a started thread; its response lands in the list."""
+    answers: list[httpx.Response] = []
+    headers = {"X-Request-Id": request_id}
+    url = f"{stack.url}/v1/completions"
+    sender = threading.Thread(
+        target=lambda: answers.append(httpx.post(url, json=body, headers=headers, timeout=60))
+    )
+    sender.start()
+    return sender, answers
+
+
+def _the_decode_that_took_it(decodes: RunningSims) -> SimHandle:
+    wait_for(lambda: any(d.records() for d in decodes.handles), what="a decode took it")
+    (victim,) = [d for d in decodes.handles if d.records()]
+    return victim
+
+
 def test_limit_0_a_non_streamed_request_whose_decode_dies_after_taking_it_is_not_run_again(
     stack_factory: Callable[..., Stack],
 ) -> None:
@@ -214,20 +234,8 @@ def test_limit_0_a_request_on_a_silent_decode_that_leaves_ends_with_an_error_at_
     for d in decodes.handles:
         d.set_faults(fail_request_prefix="frozen-", fail_mode="stall", fail_after_tokens=2)
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 8, "stream": stream}
-    answers: list[httpx.Response] = []
-    sender = threading.Thread(
-        target=lambda: answers.append(
-            httpx.post(
-                f"{stack.url}/v1/completions",
-                json=body,
-                headers={"X-Request-Id": "frozen-1"},
-                timeout=60,
-            )
-        )
-    )
-    sender.start()
-    wait_for(lambda: any(d.records() for d in decodes.handles), what="a decode took it")
-    (victim,) = [d for d in decodes.handles if d.records()]
+    sender, answers = _post_in_background(stack, body, "frozen-1")
+    victim = _the_decode_that_took_it(decodes)
     started = time.monotonic()
     assert drain.main([victim.instance_id, "--registry", stack.registry]) == 0
     sender.join(30)
@@ -276,20 +284,8 @@ def test_a_non_streamed_request_on_a_silent_decode_that_leaves_is_answered_by_an
     for d in decodes.handles:
         d.set_faults(fail_request_prefix="frozen-", fail_mode="stall")
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 8}
-    answers: list[httpx.Response] = []
-    sender = threading.Thread(
-        target=lambda: answers.append(
-            httpx.post(
-                f"{stack.url}/v1/completions",
-                json=body,
-                headers={"X-Request-Id": "frozen-1"},
-                timeout=60,
-            )
-        )
-    )
-    sender.start()
-    wait_for(lambda: any(d.records() for d in decodes.handles), what="a decode took it")
-    (victim,) = [d for d in decodes.handles if d.records()]
+    sender, answers = _post_in_background(stack, body, "frozen-1")
+    victim = _the_decode_that_took_it(decodes)
     (other,) = [d for d in decodes.handles if d is not victim]
     other.set_faults(fail_request_prefix="never-")
     started = time.monotonic()
