@@ -3,21 +3,24 @@ modelled hour (virtual time: `pdplane.autoscale.proof`, docs/plan.md "Autoscalin
 simulator").
 
     python bench/plan/autoscale_hour.py --gpus 8 16 --seeds 0 1 2 [--profile llama3-8b-h100] \\
-        [--jobs 16] [--out logs/autoscale-hour]
+        [--mean-gpus N] [--jobs 16] [--out logs/autoscale-hour]
 
 Every budget serves the same hour (the 8-GPU cap binds where the traffic needs more). Every
 policy of one (budget, seed) serves the same requests from the same start (the static split,
 `pdplane plan`'s recommendation for the hour's average). Every run (budget x seed x policy)
 is an independent process (`--jobs` at once; a run starts as soon as its budget and seed's
-static split is known); the result does not depend on how many.
+static split is known); the result does not depend on how many. The controller's spend target
+(`--mean-gpus`, docs/autoscale.md) is by default what the static split holds: the controller
+is judged at no more GPU-hours than static; `--mean-gpus 0` runs it without one.
 
 Written as it goes, to OUT: each static split to start-GPUS-SEED.json and each run's details
-(summary, moves, fleet timeline, failed windows) to run-GPUS-SEED-POLICY.json as soon as it
-ends, with the table of the runs finished so far in autoscale-hour.md. A second call with the
-same OUT, profile and SLO reuses what is there and runs only what is missing (delete OUT to
-start over). At the end it prints the Markdown table (per budget and policy: SLO attainment
-over 1-minute windows, goodput, GPU-hours, moves, unfinished requests) and writes it to
-OUT/autoscale-hour.md, with every run's details in OUT/autoscale-hour.json.
+(summary, moves, fleet timeline, failed windows, the controller's decisions with their
+reasons) to run-GPUS-SEED-POLICY.json as soon as it ends, with the table of the runs finished
+so far in autoscale-hour.md. A second call with the same OUT, profile, SLO and spend target
+reuses what is there and runs only what is missing (delete OUT to start over). At the end it
+prints the Markdown table (per budget and policy: SLO attainment over 1-minute windows,
+goodput, GPU-hours, moves, unfinished requests) and writes it to OUT/autoscale-hour.md, with
+every run's details in OUT/autoscale-hour.json.
 """
 
 from __future__ import annotations
@@ -57,7 +60,13 @@ def _start(profile: str, slo: str, gpus: int, seed: int) -> tuple[int, int]:
 
 
 def _run(
-    profile: str, slo: str, gpus: int, seed: int, policy: str, start: tuple[int, int]
+    profile: str,
+    slo: str,
+    gpus: int,
+    seed: int,
+    policy: str,
+    start: tuple[int, int],
+    mean_gpus: float | None,
 ) -> dict[str, Any]:
     t0 = time.process_time()
     (row,) = run_policies(
@@ -68,6 +77,7 @@ def _run(
         seed=seed,
         policies=[policy],
         start=start,
+        mean_gpus=mean_gpus,
     )
     details = _details(row)
     details["cpu_s"] = round(time.process_time() - t0)
@@ -85,6 +95,7 @@ def _details(row: Row) -> dict[str, Any]:
             for w in r.windows
             if not w.met
         ],
+        "decisions": [(round(t), line) for t, line in row.decisions],
     }
 
 
@@ -97,12 +108,13 @@ def _summary(details: dict[str, Any]) -> Summary:
 class _Out:
     """OUT's files: what a run needs to be skipped on the next call, written as it ends."""
 
-    def __init__(self, folder: Path, profile: str, slo: str) -> None:
+    def __init__(self, folder: Path, profile: str, slo: str, mean_gpus: float | None) -> None:
         self.folder = folder
-        # A file counts only for the same profile, SLO and controller defaults.
+        # A file counts only for the same profile, SLO, controller defaults and spend target.
         self.key = {
             "profile": profile,
             "slo": slo,
+            "mean_gpus": "static" if mean_gpus is None else mean_gpus,
             "controller": asdict(ControllerSettings()),
             "elastic": asdict(ElasticSettings()),
         }
@@ -150,10 +162,17 @@ def main() -> int:
     ap.add_argument("--profile", default="llama3-8b-h100")
     ap.add_argument("--slo", default="ttft_p90<=1s,itl_p90<=50ms")
     ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
+    ap.add_argument(
+        "--mean-gpus",
+        type=float,
+        default=None,
+        help="the controller's spend target, mean GPUs (default: what the static split holds; "
+        "0: none)",
+    )
     ap.add_argument("--jobs", type=int, default=3, help="runs at once (processes)")
     ap.add_argument("--out", type=Path, default=Path("logs/autoscale-hour"))
     args = ap.parse_args()
-    out = _Out(args.out, args.profile, args.slo)
+    out = _Out(args.out, args.profile, args.slo, args.mean_gpus)
     cells: list[Cell] = [(g, s) for g in args.gpus for s in args.seeds]
     done: dict[tuple[Cell, str], dict[str, Any]] = {}
     for cell in cells:
@@ -169,7 +188,7 @@ def main() -> int:
         def submit_runs(cell: Cell, split: tuple[int, int]) -> None:
             for p in args.policies:
                 if (cell, p) not in done:
-                    f = pool.submit(_run, args.profile, args.slo, *cell, p, split)
+                    f = pool.submit(_run, args.profile, args.slo, *cell, p, split, args.mean_gpus)
                     pending[f] = (cell, p)
 
         for cell in cells:

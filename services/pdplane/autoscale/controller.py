@@ -28,6 +28,14 @@ Each call (`Controller.decide`, every `interval_s` of the caller) reads one `Obs
    falling or that the planned prefills serve within a start-up: the simulation's profile may
    be wrong, the measurement is not. What it added stays while the traffic it was added for
    lasts (the same length buckets, the rate not down by the scale-in margin).
+4. **Spend target** (`mean_gpus`, `pdplane.autoscale.spend`): the lines are planned within
+   the GPU cap only while the account pays for it: a fleet above the target is bought only
+   when the plan for the arrivals (without the queue) within the cap meets the SLO and the
+   credit pays for the extra GPUs through a start-up and a cooldown. Otherwise they are
+   planned within the target (or, when only the credit is short, within what the fleet
+   already holds), and the roles above them give back at once; likewise once the credit no
+   longer pays for what is held above the target until the next call and while the drains
+   run.
 
 Every change comes with the predicted before/after (the current and the wanted fleet
 simulated on the measured traffic), logged by the caller and exported as metrics.
@@ -39,7 +47,8 @@ import math
 from dataclasses import dataclass, field
 
 from pdplane.autoscale.observe import Observation, Traffic
-from pdplane.autoscale.predictor import Bounds, Predictor
+from pdplane.autoscale.predictor import Bounds, FleetPlan, Predictor
+from pdplane.autoscale.spend import SpendAccount, SpendLimit
 from pdplane.autoscale.state import ROLES, FleetState
 from pdplane.plan.fleetsim import FleetResult
 from pdplane.plan.live import advise
@@ -68,6 +77,9 @@ class ControllerSettings:
     #: from a start until the instance serves (s; vLLM loads the weights and warms up): a
     #: start helps only with what is still waiting then
     startup_s: float = 90.0
+    #: spend target: mean GPUs held over `spend_window_s` (0 = none; `pdplane.autoscale.spend`)
+    mean_gpus: float = 0.0
+    spend_window_s: float = 3600.0
 
 
 @dataclass(slots=True)
@@ -127,6 +139,17 @@ class Controller:
     _readied: set[str] = field(default_factory=set)
     #: role -> (count, window traffic) the observed check last grew it to
     _observed: dict[str, tuple[int, Traffic]] = field(default_factory=dict)
+    #: the spend target (None: none; `settings.mean_gpus`)
+    spend: SpendLimit | None = None
+    #: when the spend target was last looked at (s)
+    _spend_at: float | None = None
+
+    def __post_init__(self) -> None:
+        s = self.settings
+        if self.spend is None and s.mean_gpus > 0:
+            # A purchase serves after its start-up and is held at least a cooldown.
+            account = SpendAccount(s.mean_gpus, s.spend_window_s)
+            self.spend = SpendLimit(account, self.bounds, s.startup_s + s.cooldown_s)
 
     def __call__(self, obs: Observation, state: FleetState, now: float) -> dict[str, int] | None:
         return self.decide(obs, state, now).wanted
@@ -137,11 +160,17 @@ class Controller:
         ready = {role: state.count(role).ready for role in ROLES}
         self._readied = {r for r in ROLES if ready[r] > self._ready.get(r, ready[r])}
         self._ready = ready
+        if self.spend is not None:
+            self.spend.account.record(now, state.gpus_held)
         traffic = obs.traffic
         if not traffic.known or obs.span_s < self.settings.min_span_s:
             return Decision(now, traffic, current, None, "no traffic measured yet")
         s, p = self.settings, self.predictor
-        up = p.plan(self._rising(obs, state), self.bounds)
+        rising = self._rising(obs, state)
+        up = p.plan(rising, self.bounds)
+        bounds, spend_note = self._spend_bounds(obs, state, up, now)
+        if bounds != self.bounds:
+            up = p.plan(rising, bounds)
         down = up
         # A window comfortably within the targets (those a planned fleet must meet) with no
         # prefill queue shows the fleet is more than enough: it may shrink to the scale-out
@@ -151,7 +180,7 @@ class Controller:
             current[role] > n for role, n in (("prefill", up.prefill), ("decode", up.decode))
         ):
             # Only a role above the scale-out line can shrink: plan the scale-in line then.
-            down = p.plan(traffic.scaled(1 + s.down_margin), self.bounds)
+            down = p.plan(traffic.scaled(1 + s.down_margin), bounds)
         lines = {"prefill": (up.prefill, down.prefill), "decode": (up.decode, down.decode)}
         # While the measured latency breaks a target, nothing shrinks: the simulated scale-in
         # line is planned for the arrivals, and a fleet still working off a queue (after a
@@ -188,15 +217,26 @@ class Controller:
                 continue
             self._above_since.pop(role, None)
             self._lines.pop(role, None)
-        if sum(wanted.values()) > self.bounds.max_instances:
-            # A move between roles with the budget full: the role waiting to shrink goes now.
+        if sum(wanted.values()) > bounds.max_instances:
+            # A move between roles with the budget full, or a fleet over what the spend
+            # target lets it hold: the role waiting to shrink goes now.
             for role in waiting:
                 wanted[role] = max(*lines[role], self._observed_floor(role, traffic))
-                reasons.append(f"{role} gives back for the other role (budget full)")
+                why = spend_note if bounds != self.bounds else "for the other role (budget full)"
+                reasons.append(f"{role} gives back {why}")
         if broken:
             self._observed_check(obs, state, current, wanted, reasons)
-        x, y = self.bounds.clamp(wanted["prefill"], wanted["decode"])
+            spend = self.spend
+            if spend and bounds == self.bounds and not spend.pays(sum(wanted.values()), state, now):
+                # The check's instance is a purchase above the target like any other.
+                bounds = spend.within(max(spend.target, sum(current.values())))
+                reasons.append("(spend: the credit does not pay for the observed check's)")
+        x, y = bounds.clamp(wanted["prefill"], wanted["decode"])
         wanted = {"prefill": x, "decode": y}
+        if bounds != self.bounds:
+            # Under the spend target, a start waits for a drained GPU as under the GPU cap.
+            wanted = SpendLimit.starts_within(wanted, state, bounds)
+            x, y = wanted["prefill"], wanted["decode"]
         if wanted == current:
             return Decision(now, traffic, current, None, "; ".join(reasons) or "within the lines")
         for role in ROLES:
@@ -217,10 +257,45 @@ class Controller:
         self.decisions.append(decision)
         return decision
 
+    def _spend_bounds(
+        self, obs: Observation, state: FleetState, plan: FleetPlan, now: float
+    ) -> tuple[Bounds, str]:
+        """The bounds the lines are planned within under the spend target (module docstring,
+        4), given `plan`, the scale-out line within the GPU cap, and why when they are
+        narrower than the cap."""
+        last, self._spend_at = self._spend_at, now
+        spend = self.spend
+        if spend is None:
+            return self.bounds, ""
+        # Giving back is not instant: what is held above the target now is held until the
+        # next decision, and beyond the instances still starting (they stop at once), each
+        # one given back is a serving instance that drains: a prefill holds its GPU until its
+        # share of the queue is served. The credit must pay for that.
+        gpi = self.bounds.gpus_per_instance
+        extra = max(0.0, state.gpus_held - spend.account.mean_gpus)
+        starting = sum(state.count(role).starting for role in ROLES) * gpi
+        per_prefill = self.predictor.capacity(1, 0, obs.traffic)
+        drain_s = obs.queued / max(1, state.count("prefill").ready) / per_prefill
+        interval = now - last if last is not None else 0.0
+        keep = extra * interval + max(0.0, extra - starting) * drain_s
+        return spend.bounds(plan, lambda: self._steady(obs).meets, state, keep, now)
+
+    def _steady(self, obs: Observation) -> FleetPlan:
+        """The plan within the GPU cap for the arrivals of the scale-out line, without the
+        part for a queue."""
+        arrivals = self._arrivals(obs).scaled(1 + self.settings.up_margin)
+        return self.predictor.plan(arrivals, self.bounds)
+
+    @staticmethod
+    def _arrivals(obs: Observation) -> Traffic:
+        """The higher rate of the window and of its last quarter, with the last quarter's
+        lengths (a rise or a shift shows there first)."""
+        t, r = obs.traffic, obs.recent
+        return Traffic(max(r.rate, t.rate), r.isl, r.osl) if r.known else t
+
     def _rising(self, obs: Observation, state: FleetState) -> Traffic:
         """The traffic the scale-out line is planned for (see the module docstring)."""
-        t, r = obs.traffic, obs.recent
-        base = Traffic(max(r.rate, t.rate), r.isl, r.osl) if r.known else t
+        base = self._arrivals(obs)
         rate = base.rate * (1 + self.settings.up_margin)
         backlog = self._lasting_queue(obs, state, base)
         return Traffic(rate + backlog / self.settings.backlog_s, base.isl, base.osl)

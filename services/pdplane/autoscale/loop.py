@@ -13,7 +13,9 @@ Prometheus gauges (`AutoscaleMetrics`, on the caller's registry):
 `pdplane_autoscale_predicted_ttft_p90_seconds{fleet}`,
 `pdplane_autoscale_predicted_itl_p90_seconds{fleet}`,
 `pdplane_autoscale_predicted_goodput_rps{fleet}` (fleet = before | after, of the last move),
-`pdplane_autoscale_leader` (1 on the replica that acts).
+`pdplane_autoscale_leader` (1 on the replica that acts),
+`pdplane_autoscale_spend_credit_gpu_seconds` (with a spend target: what time below it earned
+and time above it has not spent yet, `pdplane.autoscale.spend`).
 """
 
 from __future__ import annotations
@@ -102,10 +104,24 @@ class AutoscaleMetrics:
         self.leader = Gauge(
             "pdplane_autoscale_leader", "1 on the controller replica that acts", registry=r
         )
+        self.credit = Gauge(
+            "pdplane_autoscale_spend_credit_gpu_seconds",
+            "GPU-seconds the spend target (--mean-gpus) allows beyond what was held over its "
+            "window: earned below the target, spent above it",
+            registry=r,
+        )
 
     def update(
-        self, obs: Observation, state: FleetState, decision: Decision | None, leader: bool
+        self,
+        obs: Observation,
+        state: FleetState,
+        decision: Decision | None,
+        leader: bool,
+        credit: float | None = None,
     ) -> None:
+        """Sets the gauges from one step (`credit`: the spend account's, None without one)."""
+        if credit is not None:
+            self.credit.set(credit)
         t = obs.traffic
         for name, value in (
             ("rate_rps", t.rate),
@@ -174,5 +190,7 @@ class Autoscaler:
                 self.metrics.moves.labels(move.role, move.action).inc()
                 self.moves.append((now, move))
             state = replace(self.actuator.state(), gpus_per_instance=gpi)
-        self.metrics.update(obs, state, decision, leader)
+        spend = self.controller.spend
+        credit = spend.account.credit(now) if spend is not None else None
+        self.metrics.update(obs, state, decision, leader, credit)
         return decision

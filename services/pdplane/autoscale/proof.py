@@ -11,7 +11,8 @@ by fleets sized four ways within one GPU budget:
 - **reactive**: the live rules of `pdplane plan --registry` acted on at once
   (`pdplane.plan.live.advise`: a side whose queue grows or whose KV cache fills gets one more
   instance, a nearly idle side gives one back), one move per role per `cooldown_s`;
-- **controller**: `pdplane.autoscale.controller.Controller`;
+- **controller**: `pdplane.autoscale.controller.Controller`, by default with the spend target
+  (`mean_gpus`) of what static holds: its SLO at no more GPU-hours;
 - **oracle**: knows the phases: at each time, the plan (same predictor and margin as the
   controller) for the phase running now and for the one running a start-up later, whichever
   is larger per role, so new instances are healthy when their phase begins.
@@ -190,13 +191,15 @@ class _Oracle:
 
 @dataclass(frozen=True, slots=True)
 class Row:
-    """One policy's run: its result and the split it started from."""
+    """One policy's run: its result, the split it started from and (the controller) the log
+    line of each decision that changed something, with its time (s)."""
 
     policy: str
     seed: int
     gpus: int
     start: tuple[int, int]
     result: ElasticResult
+    decisions: tuple[tuple[float, str], ...] = ()
 
 
 def run_policies(
@@ -210,9 +213,12 @@ def run_policies(
     controller: ControllerSettings | None = None,
     policies: Sequence[str] = POLICIES,
     start: tuple[int, int] | None = None,
+    mean_gpus: float | None = None,
 ) -> list[Row]:
     """Runs each of `policies` on the same requests (`seed`) within `settings.gpus`, from
-    `start` (default: `static_split`, which every policy starts from and static keeps).
+    `start` (default: `static_split`, which every policy starts from and static keeps). The
+    controller's spend target is `mean_gpus` (None: the GPUs of `start`, what static holds;
+    0: none).
 
     `predictor` may be shared between calls (its answers depend on the traffic bucket only).
     """
@@ -229,14 +235,17 @@ def run_policies(
         if name == "reactive":
             policy = _Reactive(slo, bounds, ctl.cooldown_s, {})
         elif name == "controller":
-            policy = Controller(predictor, bounds, ctl)
+            target = sum(start) if mean_gpus is None else mean_gpus
+            policy = Controller(predictor, bounds, replace(ctl, mean_gpus=target))
         elif name == "oracle":
             lead = settings.startup_s + settings.interval_s
             policy = _Oracle(phases, predictor, bounds, ctl.up_margin, lead)
         elif name != "static":
             raise ValueError(f"unknown policy {name!r}; known: {', '.join(POLICIES)}")
         result = simulate_elastic(profile, requests, start, settings, policy, span_s=span)
-        rows.append(Row(name, seed, settings.gpus, start, result))
+        said = policy.decisions if isinstance(policy, Controller) else []
+        decisions = tuple((d.at, d.describe()) for d in said)
+        rows.append(Row(name, seed, settings.gpus, start, result, decisions))
     return rows
 
 

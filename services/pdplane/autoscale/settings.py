@@ -37,6 +37,14 @@ class AutoscaleOptions(CommandSettings):
         "(0 = max-prefill + max-decode instances)",
     )
     gpus_per_instance: int = Field(1, ge=1, description="GPUs one instance holds (its TP size)")
+    mean_gpus: float = Field(
+        0.0,
+        ge=0,
+        description="spend target: mean GPUs held over --spend-window-s, e.g. what the static "
+        "split `pdplane plan` recommends for the average traffic holds; time below it earns "
+        "credit, spent on more only where the plan meets the SLO (0 = none)",
+    )
+    spend_window_s: float = Field(3600.0, gt=0, description="the spend target's rolling window (s)")
     autoscale_interval_s: float = Field(5.0, gt=0, description="time between decisions (s)")
     autoscale_window_s: float = Field(
         60.0, gt=0, description="traffic and load are measured over this sliding window (s)"
@@ -74,6 +82,10 @@ class AutoscaleOptions(CommandSettings):
             raise ValueError("down-margin must be at least up-margin (the hysteresis band)")
         if self.gpus and self.gpus < (self.min_prefill + self.min_decode) * self.gpus_per_instance:
             raise ValueError("gpus is below what min-prefill + min-decode instances hold")
+        if self.mean_gpus and self.mean_gpus < (
+            (self.min_prefill + self.min_decode) * self.gpus_per_instance
+        ):
+            raise ValueError("mean-gpus is below what min-prefill + min-decode instances hold")
         return self
 
     def bounds(self) -> Bounds:
@@ -97,5 +109,7 @@ class AutoscaleOptions(CommandSettings):
             cooldown_s=self.cooldown_s,
             startup_s=self.instance_startup_s,
             min_span_s=min(30.0, self.autoscale_window_s / 2),
+            mean_gpus=self.mean_gpus,
+            spend_window_s=self.spend_window_s,
         )
         return Controller(predictor, self.bounds(), settings)

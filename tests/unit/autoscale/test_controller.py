@@ -30,6 +30,8 @@ class FakePredictor:
         )
     )
     asked: list[Traffic] = field(default_factory=list)
+    #: above this rate no fleet within the bounds meets the SLO (the plan is the budget's split)
+    fails_above: float = math.inf
 
     @staticmethod
     def per_prefill(traffic: Traffic) -> float:
@@ -40,7 +42,7 @@ class FakePredictor:
         x, y = bounds.clamp(
             math.ceil(traffic.rate / self.per_prefill(traffic)), math.ceil(traffic.rate / 20)
         )
-        return FleetPlan(x, y, True)
+        return FleetPlan(x, y, traffic.rate <= self.fails_above)
 
     def key(self, traffic: Traffic) -> tuple[int, int, int]:
         return round(traffic.rate), round(traffic.isl), round(traffic.osl)
@@ -219,3 +221,125 @@ def test_a_role_shrinks_to_the_highest_line_of_its_wait_not_the_last_one() -> No
     for now in (200, 215, 230, 245):
         assert c.decide(_obs(14), _fleet(3, 1), now=now).wanted is None
     assert c.decide(_obs(8), _fleet(3, 1), now=260).wanted == {"prefill": 2, "decode": 1}
+
+
+def _spending(mean_gpus: float, **kw: float) -> Controller:
+    """A controller within 8 GPUs with a spend target of `mean_gpus` GPUs on average."""
+    s = ControllerSettings(
+        scale_in_after_s=60, cooldown_s=120, up_margin=0.0, down_margin=0.0, mean_gpus=mean_gpus
+    )
+    return Controller(FakePredictor(**kw), Bounds(gpus=8), s)  # type: ignore[arg-type]
+
+
+def _quiet(c: Controller, until: float) -> None:
+    """10 req/s (1P1D) on 1P1D from 0 to `until` s, a decision every 15 s: 2 GPUs held."""
+    for now in range(0, int(until), 15):
+        quiet = _obs(10, ttft_p90_s=0.3, itl_p90_s=0.02)
+        assert c.decide(quiet, _fleet(1, 1), now=now).wanted is None
+
+
+def test_a_spend_target_buys_more_gpus_only_with_credit_earned_below_it() -> None:
+    # 30 req/s needs 3P2D (5 GPUs); the target is 4. Without credit the fleet stays within 4.
+    d = _spending(4).decide(_obs(30), _fleet(1, 1), now=0)
+    assert d.wanted == {"prefill": 2, "decode": 2}
+    # Ten minutes on 1P1D earned 2 GPUs x 600 s: 3P2D is bought.
+    c = _spending(4)
+    _quiet(c, 600)
+    assert c.decide(_obs(30), _fleet(1, 1), now=600).wanted == {"prefill": 3, "decode": 2}
+    # One GPU over the target (held from the next decision on, 615 s) spends 1230 GPU-s in
+    # 1230 s; then the fleet gives back at once, without waiting for the hysteresis (the
+    # traffic has not fallen).
+    for now in range(615, 1845, 15):
+        assert c.decide(_obs(30), _fleet(3, 2), now=now).wanted is None, now
+    d = c.decide(_obs(30), _fleet(3, 2), now=1845)
+    assert d.wanted == {"prefill": 2, "decode": 2}
+    assert "spend" in d.reason
+    # Without a target the same controller keeps 3P2D.
+    free = _spending(0)
+    _quiet(free, 600)
+    for now in range(600, 2000, 15):
+        d = free.decide(_obs(30), _fleet(3, 2) if now > 600 else _fleet(1, 1), now=now)
+        assert now == 600 or d.wanted is None
+
+
+def test_a_spend_target_buys_nothing_for_traffic_no_fleet_within_the_cap_serves() -> None:
+    # At 30 req/s no fleet within 8 GPUs meets the SLO: the credit stays for a phase where
+    # more GPUs make it met; the fleet holds the target, and what it held above gives back.
+    c = _spending(4, fails_above=25)
+    _quiet(c, 600)
+    assert c.decide(_obs(30), _fleet(1, 1), now=600).wanted == {"prefill": 2, "decode": 2}
+    d = c.decide(_obs(30), _fleet(4, 2), now=615)
+    assert d.wanted is not None and sum(d.wanted.values()) == 4
+    assert "no fleet within 8 GPUs meets the SLO" in d.reason
+    # Within the cap, the same traffic is served: the credit buys it.
+    c = _spending(4, fails_above=25)
+    _quiet(c, 600)
+    assert c.decide(_obs(24), _fleet(1, 1), now=600).wanted == {"prefill": 3, "decode": 2}
+    # So is a queue on top of traffic the cap serves (20 req/s and 3000 waiting on one
+    # prefill: planned as 70 req/s): it is served once the queue is, and the credit pays.
+    c = _spending(4, fails_above=25)
+    _quiet(c, 600)
+    d = c.decide(_obs(20, waiting=3000), _fleet(1, 1), now=600)
+    assert d.wanted is not None and sum(d.wanted.values()) == 8
+
+
+def test_a_spend_target_buys_only_what_its_credit_holds_through_a_start_up_and_cooldown() -> None:
+    # 2 GPUs below the target for 105 s earned 210 GPU-s: 3P2D (one GPU over 4) needs
+    # 1 GPU x (90 s start-up + 120 s cooldown); 6P3D (5 over) 1050: the smaller purchase is
+    # made, the larger is not (the fleet keeps what it holds); with 15 s less credit, none.
+    c = _spending(4)
+    _quiet(c, 90)
+    assert c.decide(_obs(30), _fleet(1, 1), now=90).wanted == {"prefill": 2, "decode": 2}
+    c = _spending(4)
+    _quiet(c, 105)
+    assert c.decide(_obs(30), _fleet(1, 1), now=105).wanted == {"prefill": 3, "decode": 2}
+    d = c.decide(_obs(60), _fleet(3, 2), now=120)
+    assert d.wanted is None or sum(d.wanted.values()) <= 5
+
+
+def test_a_spend_target_gives_back_early_enough_to_pay_for_the_drain() -> None:
+    # 25 req/s on 3P2D (one GPU over the target of 4) with 3000 requests waiting that the
+    # prefills serve within a start-up (600 s here): no start for them, but a drained
+    # prefill holds its GPU ~100 s until its share is served. It gives back ~100 s earlier
+    # than without the queue (1845 s: the credit is gone).
+    def give_back_at(waiting: float) -> int:
+        s = ControllerSettings(
+            scale_in_after_s=60,
+            cooldown_s=120,
+            up_margin=0.0,
+            down_margin=0.0,
+            mean_gpus=4,
+            startup_s=600,
+        )
+        c = Controller(FakePredictor(), Bounds(gpus=8), s)  # type: ignore[arg-type]
+        _quiet(c, 600)
+        assert c.decide(_obs(25), _fleet(1, 1), now=600).wanted == {"prefill": 3, "decode": 2}
+        for now in range(615, 2000, 15):
+            d = c.decide(_obs(25, waiting=waiting), _fleet(3, 2), now=now)
+            if d.wanted is not None:
+                assert sum(d.wanted.values()) == 4 and "spend" in d.reason
+                return now
+        raise AssertionError("never gave back")
+
+    assert give_back_at(0) == 1845
+    assert give_back_at(3000) == 1740
+
+
+def test_under_a_spend_target_a_move_between_roles_starts_once_the_drained_gpu_is_free() -> None:
+    # No credit yet, the target (4) held: 40 req/s wants 2P2D within it. The prefill gives
+    # back at once, but the decode starts only once the drained prefill's GPU is free:
+    # starting it beside the draining one would hold 5.
+    c = _spending(4)
+    assert c.decide(_obs(40), _fleet(3, 1), now=0).wanted == {"prefill": 2, "decode": 1}
+    draining = FleetState({"prefill": RoleCount(2, 0, 1), "decode": RoleCount(1)})
+    assert c.decide(_obs(40), draining, now=15).wanted is None
+    assert c.decide(_obs(40), _fleet(2, 1), now=30).wanted == {"prefill": 2, "decode": 2}
+
+
+def test_under_a_spend_target_the_observed_check_adds_only_what_the_credit_pays_for() -> None:
+    # The measured breach asks for a fourth prefill beside the planned 3P2D (see
+    # test_an_observed_slo_breach_on_a_queue_adds_one_to_that_side): 6 GPUs, one over a target
+    # of 5, with no credit earned yet.
+    grown = _spending(0).decide(_late(3000, 2500), _fleet(3, 2), now=0)
+    assert grown.wanted == {"prefill": 4, "decode": 2}
+    assert _spending(5).decide(_late(3000, 2500), _fleet(3, 2), now=0).wanted is None

@@ -89,6 +89,14 @@ def test_several_replicas_elect_a_leader_on_the_registry_s_etcd() -> None:
     assert "--etcd-endpoints" not in single
 
 
+def test_the_spend_target_reaches_the_controller() -> None:
+    values = {"autoscaler": {"enabled": True, "meanGpus": 4.5, "spendWindowS": 7200}}
+    args = _args(Rendered(render(preset("cpu-demo"), values)))
+    assert (_flag(args, "--mean-gpus"), _flag(args, "--spend-window-s")) == ("4.5", "7200")
+    off = _args(Rendered(render(preset("cpu-demo"), ON)))
+    assert _flag(off, "--mean-gpus") == "0"  # none by default
+
+
 @pytest.mark.parametrize(
     ("values", "message"),
     [
@@ -99,6 +107,7 @@ def test_several_replicas_elect_a_leader_on_the_registry_s_etcd() -> None:
             "prefillGroup must have role prefill",
         ),
         ({"autoscaler": {"enabled": True, "interval": 5}}, "additional properties"),
+        ({"autoscaler": {"enabled": True, "meanGpus": -1}}, "meanGpus"),
     ],
 )
 def test_bad_autoscaler_values_fail_the_render(values: dict[str, Any], message: str) -> None:

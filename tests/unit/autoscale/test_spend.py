@@ -1,0 +1,65 @@
+"""The spend account's credit (pdplane.autoscale.spend) and the flags that set the target."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdplane.autoscale.__main__ import AutoscaleSettings
+from pdplane.autoscale.loop import AutoscaleMetrics
+from pdplane.autoscale.observe import Observation, Traffic
+from pdplane.autoscale.spend import SpendAccount
+from pdplane.autoscale.state import FleetState
+from pdplane.cli.up import UpSettings
+
+
+def test_credit_is_earned_below_the_target_and_spent_above_it() -> None:
+    a = SpendAccount(4)
+    assert a.credit(0) == 0 and not a.affords(0, 5, hold_s=1)  # before anything was held
+    a.record(0, 2)
+    a.record(100, 6)
+    # 4 GPUs x 100 s allowed, 2 x 100 held: 200 GPU-s of credit; then 2 over the target.
+    assert a.credit(100) == pytest.approx(200)
+    assert a.affords(100, 6, hold_s=100) and not a.affords(100, 6, hold_s=101)
+    assert a.affords(100, 4, hold_s=1e9)  # within the target: always
+    assert a.credit(200) == pytest.approx(0) and not a.affords(200, 5, hold_s=1)
+
+
+def test_the_credit_is_that_of_the_last_window() -> None:
+    a = SpendAccount(4, window_s=150)
+    a.record(0, 2)
+    a.record(100, 6)
+    # Within [50, 200]: 2 x 50 + 6 x 100 held against 4 x 150: 100 over.
+    assert a.credit(200) == pytest.approx(-100)
+    a.record(200, 2)
+    # Within [400, 550]: 2 GPUs all along: 300 under.
+    assert a.credit(550) == pytest.approx(300)
+
+
+@pytest.mark.parametrize("command", [AutoscaleSettings, UpSettings])
+def test_both_commands_take_the_spend_target(command: type) -> None:
+    required = (
+        ["--model", "m", "--prefill-workload", "deployment/p", "--decode-workload", "deployment/d"]
+        if command is AutoscaleSettings
+        else []
+    )
+    s = command.parse([*required, "--mean-gpus", "4.5", "--spend-window-s", "7200"])
+    c = s.controller("llama3-8b-h100")
+    assert c.spend is not None
+    assert (c.spend.account.mean_gpus, c.spend.account.window_s) == (4.5, 7200)
+    assert command.parse(required).controller("llama3-8b-h100").spend is None  # default: none
+
+
+def test_a_spend_target_below_the_smallest_fleet_is_refused(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        UpSettings.parse(["--mean-gpus", "1"])
+    assert exc.value.code == 2
+    assert "mean-gpus is below" in capsys.readouterr().err
+
+
+def test_the_credit_is_exported() -> None:
+    metrics = AutoscaleMetrics()
+    metrics.update(Observation(Traffic(1, 100, 10), {}), FleetState(), None, True, credit=-42.0)
+    value = metrics.registry.get_sample_value("pdplane_autoscale_spend_credit_gpu_seconds")
+    assert value == -42.0
