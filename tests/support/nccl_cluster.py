@@ -54,14 +54,19 @@ class NodeProcess:
         argv = [sys.executable, str(NODE), "--instance-id", instance_id]
         for key, value in options.items():
             argv += [f"--{key.replace('_', '-')}", str(value)]
-        stderr = (
+        #: the node's log (None: its stderr goes nowhere)
+        self._stderr = (
             open(log_dir / f"{instance_id}.log", "w")  # noqa: SIM115 - closed in stop()
             if log_dir
-            else subprocess.DEVNULL
+            else None
         )
-        self._stderr = stderr
         self.proc = subprocess.Popen(
-            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env
+            argv,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._stderr or subprocess.DEVNULL,
+            text=True,
+            env=env,
         )
         self._answers: queue.Queue[dict[str, Any]] = queue.Queue()
         self.events: queue.Queue[dict[str, Any]] = queue.Queue()
@@ -129,7 +134,7 @@ class NodeProcess:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGUSR1)
             time.sleep(1.0)
-        if self._stderr is subprocess.DEVNULL:
+        if self._stderr is None:
             return ""
         self._stderr.flush()
         return "".join(Path(self._stderr.name).read_text().splitlines(True)[-lines:])
@@ -148,5 +153,5 @@ class NodeProcess:
             except (OSError, subprocess.TimeoutExpired):
                 self.proc.kill()
                 self.proc.wait(timeout=30)
-        if self._stderr is not subprocess.DEVNULL:
+        if self._stderr is not None:
             self._stderr.close()

@@ -6,8 +6,11 @@ running and waiting requests, KV cache usage). Two samples of the same instance 
 deltas; the window's traffic follows (`TrafficWindow.traffic`):
 
 - arrival rate (req/s) = prefill completions + growth of the prefill queues (running +
-  waiting), over the window's span;
-- mean prompt length (tokens) = prompt tokens / those arrivals (prefill instances);
+  waiting), over the window's span, + what the gateway held back: the growth of the requests
+  waiting at its flow control and those it shed or timed out there (a sample of role
+  "gateway", `pdplane.autoscale.scrape.gateway_demand`; in an overload the instances' queues
+  stop growing at the in-flight budget while the demand goes on);
+- mean prompt length (tokens) = prompt tokens / the prefill instances' arrivals;
 - mean output length (tokens) = generated tokens / completions (decode instances; in steady
   state a decode finishes one request per `osl` tokens it generates).
 
@@ -23,13 +26,19 @@ from dataclasses import dataclass, field
 
 from pdplane.plan.live import RoleLoad, mean_loads
 
-__all__ = ["InstanceSample", "Observation", "Traffic", "TrafficWindow"]
+__all__ = ["GATEWAY", "InstanceSample", "Observation", "Traffic", "TrafficWindow"]
+
+#: the key of the gateway's sample among the instances' (not an instance id: ids have no
+#: parentheses in `pdplane up`, and a collision would only merge two samples' counts)
+GATEWAY = "(gateway)"
 
 
 @dataclass(frozen=True, slots=True)
 class InstanceSample:
     """One instance at one time: `role` prefill | decode; counters since it started
-    (requests finished, prompt tokens, generated tokens) and its load now."""
+    (requests finished, prompt tokens, generated tokens) and its load now. Role "gateway":
+    `finished` = requests the gateway shed or timed out so far, `waiting` = requests waiting
+    at its flow control now (module docstring)."""
 
     role: str
     finished: float
@@ -105,7 +114,7 @@ class TrafficWindow:
         if span <= 0:
             return Traffic(0.0, 0.0, 0.0)
         new = samples[-1][1]
-        done = prompt = queue = gen = dec_done = 0.0
+        done = prompt = queue = gen = dec_done = held = 0.0
         for iid, s in new.items():
             # The instance's oldest sample in the window (one that started inside the window,
             # or whose earlier scrapes failed, counts from its first one).
@@ -117,18 +126,22 @@ class TrafficWindow:
             elif s.role == "decode":
                 gen += s.generation_tokens - base.generation_tokens
                 dec_done += s.finished - base.finished
+            elif s.role == "gateway":
+                held += s.finished - base.finished + s.waiting - base.waiting
         arrivals = max(done + queue, 0.0)
         isl = prompt / arrivals if arrivals > 0 else 0.0
         osl = gen / dec_done if dec_done > 0 else 0.0
-        return Traffic(arrivals / span, isl, osl)
+        return Traffic(max(arrivals + held, 0.0) / span, isl, osl)
 
     def waiting(self, role: str, ago_s: float = 0.0) -> float:
         """Requests waiting on the instances of `role` in the last sample at least `ago_s`
-        old (NaN when there is none)."""
+        old (NaN when there is none); for "prefill", with those waiting at the gateway for
+        their turn (they wait for a prefill too)."""
+        roles = ("prefill", "gateway") if role == "prefill" else (role,)
         now = self.samples[-1][0] if self.samples else 0.0
         for t, rows in reversed(self.samples):
             if t <= now - ago_s:
-                return sum(s.waiting for s in rows.values() if s.role == role)
+                return sum(s.waiting for s in rows.values() if s.role in roles)
         return math.nan
 
     def observation(self, ttft_p90_s: float, itl_p90_s: float) -> Observation:
@@ -148,6 +161,10 @@ class TrafficWindow:
     def loads(self) -> dict[str, RoleLoad]:
         """Mean load per instance of each role over the window's samples (`RoleLoad`)."""
         return mean_loads(
-            [(s.role, s.running, s.waiting, s.kv_usage) for s in rows.values()]
+            [
+                (s.role, s.running, s.waiting, s.kv_usage)
+                for s in rows.values()
+                if s.role != "gateway"
+            ]
             for _, rows in self.samples
         )

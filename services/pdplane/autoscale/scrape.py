@@ -1,6 +1,16 @@
 """Reads a running fleet for the controller: the registry's list (roles, states, load
 reports), each serving instance's Prometheus `/metrics` (vLLM's request and token counters),
-and optionally the gateway's TTFT / TPOT histograms, into `Observation`s.
+and optionally the gateway's TTFT / TPOT histograms and the model's demand the instances do
+not see, into `Observation`s.
+
+The gateway's flow control holds requests past the model's in-flight budget and sheds them
+under overload (docs/flow-control.md), so in an overload the instances' queues stop growing
+while the demand still does. `gateway_demand` reads that part from the gateway's page:
+requests waiting for their turn (`pdplane_gateway_flow_queued_requests`) and those that
+left without reaching an instance (`pdplane_gateway_flow_shed_total`: 429, and
+`pdplane_gateway_flow_timeouts_total`: every wait that timed out, 429 or 503), for the
+model; the observation counts them as arrivals (`pdplane.autoscale.observe`, role
+"gateway").
 
 vLLM (and `pdplane sim`) count on `/metrics`: `vllm:request_success_total` (finished
 requests, by finish reason), `vllm:prompt_tokens_total`, `vllm:generation_tokens_total`;
@@ -17,19 +27,43 @@ from collections.abc import Sequence
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdplane.autoscale.observe import InstanceSample, Observation, TrafficWindow
+from pdplane.autoscale.observe import GATEWAY, InstanceSample, Observation, TrafficWindow
 from pdplane.core.grpc import util as grpc_util
 from pdplane.plan.live_cli import GatewayWindow
 from pdplane.registry.failover import RegistryEndpoints, call_any
 from pdplane.v1 import instance_pb2, registry_pb2
 
-__all__ = ["FleetScraper", "counters", "role_of"]
+__all__ = ["FleetScraper", "counters", "gateway_demand", "role_of"]
 
 _COUNTERS = {
     "vllm:request_success": "finished",
     "vllm:prompt_tokens": "prompt_tokens",
     "vllm:generation_tokens": "generation_tokens",
 }
+
+
+_WAITING = "pdplane_gateway_flow_queued_requests"
+_LEFT = ("pdplane_gateway_flow_shed", "pdplane_gateway_flow_timeouts")
+
+
+def gateway_demand(text: str, model: str | None) -> InstanceSample:
+    """The gateway's part of `model`'s demand (None: every model) from its `/metrics` page:
+    a sample of role "gateway" whose `waiting` is the requests waiting for their turn now
+    and `finished` the requests shed or timed out there so far (counters; module
+    docstring). Raises ValueError on text that is not Prometheus' format."""
+    waiting = left = 0.0
+    for family in text_string_to_metric_families(text):
+        if family.name != _WAITING and family.name not in _LEFT:
+            continue
+        for s in family.samples:
+            if model is not None and s.labels.get("model") != model:
+                continue
+            if family.name == _WAITING:
+                waiting += s.value
+            elif s.name.endswith("_total") and s.labels.get("reason") != "timeout":
+                # A timeout answered 429 is in both counters: once, from flow_timeouts.
+                left += s.value
+    return InstanceSample("gateway", left, 0.0, 0.0, waiting=waiting)
 
 
 def role_of(inst: instance_pb2.Instance) -> str:
@@ -116,12 +150,14 @@ class FleetScraper:
             s = self._sample(inst)
             if s is not None:
                 samples[inst.spec.instance_id] = s
-        self.window.add(t, samples)
         ttft = itl = math.nan
         if self.gateway is not None:
-            self.gateway.scrape(t)
+            page = self.gateway.scrape(t)
+            if page is not None:  # parsed once already by the scrape
+                samples[GATEWAY] = gateway_demand(page, self.model)
             ttft = self.gateway.p90("pdplane_gateway_ttft_seconds")
             itl = self.gateway.p90("pdplane_gateway_tpot_seconds")
+        self.window.add(t, samples)
         return self.window.observation(ttft, itl)
 
     def close(self) -> None:

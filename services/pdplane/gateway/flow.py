@@ -569,7 +569,8 @@ class FlowControl:
         return queued / rate if rate else self.timeout_s
 
     def _shed(self, ticket: FlowTicket, reason: str, retry_s: float, why: str) -> GatewayError:
-        self._metrics.flow_shed.labels(ticket.tenant, str(ticket.priority), reason).inc()
+        labels = (ticket.model, ticket.tenant, str(ticket.priority), reason)
+        self._metrics.flow_shed.labels(*labels).inc()
         return too_many_requests(
             f"Model {ticket.model!r} is overloaded: request of priority {ticket.priority} shed "
             f"({why}; --queue-timeout-s {self.timeout_s:g}).",
@@ -620,12 +621,13 @@ class FlowControl:
                     self._check(model, flow)
 
     def _child(self, family: Any, ticket: FlowTicket) -> Any:
-        """`family`'s child for the ticket's (tenant, priority), cached (labels() hashes and
-        locks on every call)."""
-        key = (id(family), ticket.tenant, ticket.priority)
+        """`family`'s child for the ticket's (model, tenant, priority), cached (labels()
+        hashes and locks on every call)."""
+        key = (id(family), ticket.model, ticket.tenant, ticket.priority)
         child = self._children.get(key)
         if child is None:
-            child = self._children[key] = family.labels(ticket.tenant, str(ticket.priority))
+            labels = (ticket.model, ticket.tenant, str(ticket.priority))
+            child = self._children[key] = family.labels(*labels)
         return child
 
     def _per_model(self, family: Any, model: str) -> Any:

@@ -169,17 +169,19 @@ class GatewayMetrics:
         self._flow_metrics(r)
 
     def _flow_metrics(self, r: CollectorRegistry) -> None:
-        """Flow control (`pdplane.gateway.flow`) and rate limits, by tenant and priority."""
+        """Flow control (`pdplane.gateway.flow`) and rate limits, by model, tenant and
+        priority (the autoscaler counts a model's waiting and shed requests as its demand)."""
         self.flow_queued = Gauge(
             "pdplane_gateway_flow_queued_requests",
-            "Requests waiting for their turn in the in-flight budget, by tenant and priority",
-            ["tenant", "priority"],
+            "Requests waiting for their turn in the in-flight budget, by model, tenant and "
+            "priority",
+            ["model", "tenant", "priority"],
             registry=r,
         )
         self.flow_wait = Histogram(
             "pdplane_gateway_flow_wait_seconds",
             "Time a request waited for its turn (admitted requests and timeouts)",
-            ["tenant", "priority"],
+            ["model", "tenant", "priority"],
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
@@ -187,13 +189,13 @@ class GatewayMetrics:
             "pdplane_gateway_flow_shed",
             "Requests shed with 429 under overload: overload (projected wait past "
             "--queue-timeout-s) or queue_full (--max-queued-requests)",
-            ["tenant", "priority", "reason"],
+            ["model", "tenant", "priority", "reason"],
             registry=r,
         )
         self.flow_timeouts = Counter(
             "pdplane_gateway_flow_timeouts",
             "Requests answered 503: no turn within --queue-timeout-s",
-            ["tenant", "priority"],
+            ["model", "tenant", "priority"],
             registry=r,
         )
         self.flow_inflight_tokens = Gauge(

@@ -60,15 +60,17 @@ class GatewayWindow:
         self.window_s = window_s
         self.scrapes: deque[tuple[float, dict[str, list[tuple[float, float]]]]] = deque()
 
-    def scrape(self, now: float) -> None:
-        """One scrape (a failed scrape is skipped: the window keeps the others)."""
+    def scrape(self, now: float) -> str | None:
+        """One scrape, whose page it returns for other readers (None: it failed and is
+        skipped; the window keeps the others)."""
         try:
             text = httpx.get(self.url, timeout=5).text
         except httpx.HTTPError:
-            return
+            return None
         self.scrapes.append((now, _buckets(text)))
         while len(self.scrapes) > 2 and self.scrapes[1][0] < now - self.window_s:
             self.scrapes.popleft()
+        return text
 
     def p90(self, name: str) -> float:
         if len(self.scrapes) < 2:

@@ -58,7 +58,8 @@ def test_sixteen_at_a_time_on_a_five_request_decode_all_complete(  # type: ignor
     if budget:
         waits = _metric(
             stack,
-            'pdplane_gateway_flow_wait_seconds_bucket{le="0.005",priority="0",tenant="default"}',
+            'pdplane_gateway_flow_wait_seconds_bucket{le="0.005",model="sim-model",priority="0",'
+            'tenant="default"}',
         )
         assert waits < 48  # some waited for their turn
         assert _metric(stack, 'pdplane_gateway_flow_inflight_tokens{model="sim-model"}') == 0

@@ -37,7 +37,10 @@ _BURST = 4
 _FLOOD = 16
 #: Admitted without waiting: the flow wait histogram's first bucket (an immediate admission
 #: observes 0 s).
-_AT_ONCE = 'pdplane_gateway_flow_wait_seconds_bucket{le="0.005",priority="0",tenant="quiet"}'
+_AT_ONCE = (
+    f'pdplane_gateway_flow_wait_seconds_bucket{{le="0.005",model="{MODEL}",priority="0",'
+    'tenant="quiet"}'
+)
 
 
 def _stream(url: str, key: str, out: list[float], i: int) -> None:

@@ -1,10 +1,14 @@
-"""TrafficWindow: arrival rate, prompt and output lengths from instance counters."""
+"""TrafficWindow: arrival rate, prompt and output lengths from instance counters, and the
+demand the gateway held back (`gateway_demand`)."""
 
 from __future__ import annotations
 
 import pytest
+from prometheus_client import generate_latest
 
-from pdplane.autoscale.observe import InstanceSample, TrafficWindow
+from pdplane.autoscale.observe import GATEWAY, InstanceSample, TrafficWindow
+from pdplane.autoscale.scrape import gateway_demand
+from pdplane.gateway.metrics import GatewayMetrics
 
 
 def _p(finished: float, prompt: float, waiting: float = 0.0) -> InstanceSample:
@@ -54,3 +58,40 @@ def test_no_traffic_before_two_samples() -> None:
     assert not w.traffic().known
     w.add(0.0, {"p": _p(1, 10)})
     assert not w.traffic().known
+
+
+def _gw(left: float, waiting: float) -> InstanceSample:
+    return InstanceSample("gateway", left, 0.0, 0.0, waiting=waiting)
+
+
+def test_demand_held_back_at_the_gateway_counts_as_arrivals() -> None:
+    # An overload: the prefill's queue stays at its in-flight budget (40 waiting) while the
+    # gateway's flow control holds 30 more and shed 20 within the 10 s.
+    w = TrafficWindow(60.0)
+    w.add(0.0, {"p": _p(100, 100_000, waiting=40), GATEWAY: _gw(5, 0)})
+    w.add(10.0, {"p": _p(150, 150_000, waiting=40), GATEWAY: _gw(25, 30)})
+    t = w.traffic()
+    assert t.rate == pytest.approx((50 + 30 + 20) / 10)
+    assert t.isl == pytest.approx(1000.0)  # prompts are measured on what the prefill got
+    obs = w.observation(float("nan"), float("nan"))
+    assert obs.queued == 40 + 30  # those at the gateway wait for a prefill too
+    assert set(obs.loads) <= {"prefill", "decode"}
+    assert obs.loads["prefill"].waiting == pytest.approx(40.0)  # the instances' own load
+
+
+def test_gateway_demand_reads_the_gateways_page_for_one_model() -> None:
+    m = GatewayMetrics()
+    m.flow_queued.labels("m1", "default", "0").set(3)
+    m.flow_queued.labels("m1", "gold", "1").set(2)
+    m.flow_queued.labels("m2", "default", "0").set(100)
+    m.flow_shed.labels("m1", "default", "0", "overload").inc(7)
+    m.flow_shed.labels("m1", "default", "0", "queue_full").inc(1)
+    m.flow_timeouts.labels("m1", "default", "0").inc(2)
+    m.flow_shed.labels("m1", "default", "0", "timeout").inc(1)  # one of those 2, answered 429
+    m.flow_shed.labels("m2", "default", "0", "overload").inc(50)
+    page = generate_latest(m.registry).decode()
+    one = gateway_demand(page, "m1")
+    assert (one.role, one.waiting, one.finished) == ("gateway", 5.0, 10.0)
+    every = gateway_demand(page, None)
+    assert (every.waiting, every.finished) == (105.0, 60.0)
+    assert gateway_demand(page, "m3").waiting == 0.0
