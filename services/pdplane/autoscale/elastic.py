@@ -10,7 +10,16 @@ a real move costs:
   decodes still pull), then stops, holding its GPU until then. An instance still starting
   stops at once. No request is lost; what its prefix cache held is (these workloads share no
   prefix between requests, so that costs nothing here);
-- requests are routed when they arrive, among the instances that take requests.
+- requests are routed when they arrive, among the instances that take requests;
+- with `inflight_budget` > 0, the gateway's flow control in front (docs/flow-control.md, one
+  tenant and priority): the tokens (prompt + output) of the requests sent and not finished
+  stay within `inflight_budget` x the serving decodes' KV cache (tokens); a request past it
+  waits at the gateway in arrival order, is shed at once (429) when its projected wait (the
+  tokens waiting ahead of it, its own included, / the tokens per second that finished over
+  the last `drain_window_s`) is past `queue_timeout_s`, and leaves (429 or 503) when its wait
+  reaches it. A shed or timed-out request gets no token and counts in its window with a TTFT
+  of `queue_timeout_s`. The controller sees the gateway as `pdplane.autoscale.scrape` reads
+  it (an `InstanceSample` of role "gateway": requests waiting, requests shed or timed out).
 
 Every `interval_s` a policy (`Policy`) sees what a controller would (`Observation`: the
 engines' counters and load over the last `window_s`, the window's TTFT / ITL p90) and the
@@ -32,7 +41,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdplane.autoscale.observe import InstanceSample, Observation, TrafficWindow
+from pdplane.autoscale.observe import GATEWAY, InstanceSample, Observation, TrafficWindow
 from pdplane.autoscale.state import ROLES, FleetState, Move, RoleCount, plan_moves
 from pdplane.plan.fleetsim import FIRST_FREE_EVENT, FleetConfig, FleetRun, Node, Req
 from pdplane.plan.workload import RequestSpec
@@ -41,7 +50,7 @@ from pdplane.sim.stats import LogHistogram
 
 __all__ = ["ElasticResult", "ElasticSettings", "Policy", "Window", "simulate_elastic"]
 
-_ARRIVE, _READY, _TICK, _MINUTE = range(FIRST_FREE_EVENT, FIRST_FREE_EVENT + 4)
+_ARRIVE, _READY, _TICK, _MINUTE, _GIVE_UP = range(FIRST_FREE_EVENT, FIRST_FREE_EVENT + 5)
 
 #: (observation, fleet state, now s) -> wanted instances per role, or None to keep the fleet
 Policy = Callable[[Observation, FleetState, float], "dict[str, int] | None"]
@@ -60,6 +69,11 @@ class ElasticSettings:
     minute_s: float = 60.0
     #: how long the run goes on after the last arrival (requests finish; not in GPU-hours)
     tail_s: float = 60.0
+    #: the gateway's flow control (module docstring): `--inflight-budget` (0 = none: every
+    #: request goes to the engines at once) and `--queue-timeout-s`; the drain rate's window
+    inflight_budget: float = 0.0
+    queue_timeout_s: float = 60.0
+    drain_window_s: float = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +100,8 @@ class ElasticResult:
     moves: list[tuple[float, Move]] = field(default_factory=list)
     #: (time s, fleet label) after each tick that changed something
     timeline: list[tuple[float, str]] = field(default_factory=list)
+    #: requests the gateway's flow control shed or timed out (no token)
+    shed: int = 0
 
     @property
     def attainment(self) -> float:
@@ -126,6 +142,13 @@ class _ElasticRun(FleetRun):
         self.timeline: list[tuple[float, str]] = []
         for node in self.every:
             self._hold(node, 0.0)
+        # The gateway's flow control (module docstring).
+        self.inflight_tokens = 0
+        self.waiting: deque[tuple[int, Req]] = deque()  # (request number, request)
+        self.waiting_ids: set[int] = set()  # id() of those
+        self.waiting_tokens = 0
+        self.shed: set[int] = set()  # id() of the requests shed or timed out
+        self.finished_tokens: deque[tuple[float, int]] = deque()  # (time s, tokens)
 
     # --- the fleet's instances ------------------------------------------------------------
     def _hold(self, node: Node, now: float) -> None:
@@ -179,16 +202,88 @@ class _ElasticRun(FleetRun):
             self.held_until[node] = now
 
     # --- events -----------------------------------------------------------------------------
+    # --- the gateway's flow control -------------------------------------------------------
+    @staticmethod
+    def _cost(r: Req) -> int:
+        return r.spec.prompt_tokens + r.spec.output_tokens
+
+    def _budget(self) -> float:
+        kv_tokens = self.profile.num_blocks * self.profile.block_size
+        return self.settings.inflight_budget * kv_tokens * len(self.dec)
+
+    def _drain_rate(self, now: float) -> float:
+        """Tokens per second of the requests that finished over the last `drain_window_s`;
+        0 (no rate: nobody is shed on a projection) until they add up to the tokens in
+        flight, as the gateway's (the first few to end say little of the rate)."""
+        lo = now - self.settings.drain_window_s
+        while self.finished_tokens and self.finished_tokens[0][0] < lo:
+            self.finished_tokens.popleft()
+        ended = sum(t for _, t in self.finished_tokens)
+        return ended / self.settings.drain_window_s if ended >= self.inflight_tokens else 0.0
+
+    def _admit(self, i: int, r: Req, now: float) -> None:
+        self.inflight_tokens += self._cost(r)
+        self.send(i, r, now)
+
+    def gate(self, i: int, r: Req, now: float) -> None:
+        """A request at the gateway: sent, waiting for its turn, or shed."""
+        if self.settings.inflight_budget <= 0:
+            self.send(i, r, now)
+            return
+        cost = self._cost(r)
+        if not self.waiting and self.inflight_tokens + cost <= self._budget():
+            self._admit(i, r, now)
+            return
+        rate = self._drain_rate(now)
+        if rate > 0 and (self.waiting_tokens + cost) / rate > self.settings.queue_timeout_s:
+            self.shed.add(id(r))
+            return
+        self.waiting.append((i, r))
+        self.waiting_ids.add(id(r))
+        self.waiting_tokens += cost
+        self.push(now + self.settings.queue_timeout_s, _GIVE_UP, r)
+
+    def _dispatch(self, now: float) -> None:
+        budget = self._budget()
+        while self.waiting:
+            i, r = self.waiting[0]
+            if id(r) not in self.waiting_ids:  # timed out
+                self.waiting.popleft()
+                continue
+            cost = self._cost(r)
+            if self.inflight_tokens + cost > budget:
+                return
+            self.waiting.popleft()
+            self.waiting_ids.discard(id(r))
+            self.waiting_tokens -= cost
+            self._admit(i, r, now)
+
+    def ended(self, r: Req, now: float) -> None:
+        if self.settings.inflight_budget <= 0:
+            return
+        cost = self._cost(r)
+        self.inflight_tokens -= cost
+        self.finished_tokens.append((now, cost))
+        self._dispatch(now)
+
     def other(self, kind: int, obj: Any, now: float) -> None:
         if kind == _ARRIVE:
             i, spec = obj
             r = Req(spec, True)
             self.requests.append(r)
-            self.send(i, r)
+            self.gate(i, r, now)
+        elif kind == _GIVE_UP:
+            if id(obj) in self.waiting_ids:  # still waiting at the gateway: 429 or 503
+                self.waiting_ids.discard(id(obj))
+                self.shed.add(id(obj))
+                self.waiting_tokens -= self._cost(obj)
+                self._dispatch(now)  # the head may have been the one that left
         elif kind == _READY:
             if self.starting.pop(obj):
                 self.every.append(obj)
                 self.routable(obj.role).append(obj)
+                if obj.role == "decode" and self.settings.inflight_budget > 0:
+                    self._dispatch(now)  # the budget grew with the decodes' KV cache
         elif kind == _TICK:
             self.tick(now)
             self.push(now + self.settings.interval_s, _TICK, None)
@@ -216,6 +311,10 @@ class _ElasticRun(FleetRun):
                 node.core.num_waiting,
                 node.core.pool.usage,
             )
+        if self.settings.inflight_budget > 0:
+            samples[GATEWAY] = InstanceSample(
+                "gateway", float(len(self.shed)), 0.0, 0.0, waiting=float(len(self.waiting_ids))
+            )
         self.traffic_window.add(now, samples)
         itl_now = self.itl_total()
         self.itl_snaps.append((now, itl_now))
@@ -235,6 +334,8 @@ class _ElasticRun(FleetRun):
         hist = LogHistogram()
         for r in self.requests[start:]:
             er = r.served
+            if id(r) in self.shed:
+                continue  # answered 429 / 503: not in the gateway's TTFT histogram
             if er is not None and er.first_token_at >= 0:
                 if er.first_token_at > lo:
                     hist.add(max(er.first_token_at - r.arrival, 1e-6))
@@ -267,6 +368,9 @@ def _windows(
     for r in run.requests:
         k = min(int(r.arrival // settings.minute_s), n - 1)
         er = r.served
+        if id(r) in run.shed:  # no token: it counts as a wait of the whole timeout
+            ttft[k].add(settings.queue_timeout_s)
+            continue
         if er is None or er.first_token_at < 0:
             ttft[k].add(max(stopped_at - r.arrival, 1e-6))
             unfinished += 1
@@ -328,4 +432,5 @@ def simulate_elastic(
         max(gpu_s, 0.0),
         run.moves,
         run.timeline,
+        len(run.shed),
     )

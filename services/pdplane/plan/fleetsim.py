@@ -249,9 +249,11 @@ class FleetRun:
         self.seq += 1
         heapq.heappush(self.events, (t, self.seq, kind, obj))
 
-    def send(self, i: int, r: Req) -> None:
-        """Routes a new request to its first engine (prefill, or a plain instance)."""
+    def send(self, i: int, r: Req, now: float | None = None) -> None:
+        """Routes a new request to its first engine (prefill, or a plain instance) at `now`
+        (s; default its arrival)."""
         spec = r.spec
+        at = spec.at if now is None else now
         base = i << 20
         prompt = _tokens(base, spec.prompt_tokens)
         if self.config.disaggregated:
@@ -266,7 +268,7 @@ class FleetRun:
                 str(i), prompt, _tokens(base + spec.prompt_tokens, spec.output_tokens)
             )
         er.waiter = r
-        self.push(node.frontend.admit(spec.at), _ADD, (node, er))
+        self.push(node.frontend.admit(at), _ADD, (node, er))
 
     def arrive(self, r: Req, now: float) -> None:
         """A routed request arrives: the router picks its legs and it goes to the first."""
@@ -325,6 +327,7 @@ class FleetRun:
             assert isinstance(r, Req)
             if node.role != "prefill":
                 node.outstanding -= 1
+                self.ended(r, now)
                 if self.router is not None:
                     for spec in self.router.finished(r.index, er, r.prefill, now):
                         self.follow_up(spec)
@@ -408,6 +411,9 @@ class FleetRun:
 
     def settled(self, node: Node, now: float) -> None:
         """Called after an event that may have left `node` without work (here: nothing)."""
+
+    def ended(self, r: Req, now: float) -> None:
+        """Called when request `r` finished on the instance serving it (here: nothing)."""
 
     def other(self, kind: int, obj: Any, now: float) -> None:
         """Handles an event kind >= `FIRST_FREE_EVENT` (a subclass's)."""
