@@ -3,7 +3,7 @@ modelled hour (virtual time: `pdplane.autoscale.proof`, docs/plan.md "Autoscalin
 simulator").
 
     python bench/plan/autoscale_hour.py --gpus 8 16 --seeds 0 1 2 [--profile llama3-8b-h100] \\
-        [--mean-gpus N] [--jobs 16] [--out logs/autoscale-hour]
+        [--mean-gpus N] [--inflight-budget F] [--jobs 16] [--out logs/autoscale-hour]
 
 Every budget serves the same hour (the 8-GPU cap binds where the traffic needs more). Every
 policy of one (budget, seed) serves the same requests from the same start (the static split,
@@ -12,6 +12,10 @@ is an independent process (`--jobs` at once; a run starts as soon as its budget 
 static split is known); the result does not depend on how many. The controller's spend target
 (`--mean-gpus`, docs/autoscale.md) is by default what the static split holds: the controller
 is judged at no more GPU-hours than static; `--mean-gpus 0` runs it without one.
+`--inflight-budget F` puts the gateway's flow control in front of every policy's fleet
+(`pdplane.autoscale.elastic`: the gateway's `--inflight-budget`, 1.0 by default there, and
+its `--queue-timeout-s` 60 s): requests past the budget wait at the gateway and an overload
+is shed (429) instead of queueing on the prefills without bound; default 0 (none).
 
 Written as it goes, to OUT: each static split to start-GPUS-SEED.json and each run's details
 (summary, moves, fleet timeline, failed windows, the controller's decisions with their
@@ -67,13 +71,14 @@ def _run(
     policy: str,
     start: tuple[int, int],
     mean_gpus: float | None,
+    inflight_budget: float,
 ) -> dict[str, Any]:
     t0 = time.process_time()
     (row,) = run_policies(
         load_profile(profile),
         parse_slo(slo),
         hour(),
-        ElasticSettings(gpus=gpus),
+        ElasticSettings(gpus=gpus, inflight_budget=inflight_budget),
         seed=seed,
         policies=[policy],
         start=start,
@@ -89,6 +94,7 @@ def _details(row: Row) -> dict[str, Any]:
     return {
         "summary": asdict(Summary.of(row)),
         "moves": [(round(t), str(m)) for t, m in r.moves],
+        "shed": r.shed,
         "timeline": [(round(t), label) for t, label in r.timeline],
         "failed_windows": [
             (round(w.start), round(w.ttft_p90_s, 3), round(w.itl_p90_s * 1e3, 1))
@@ -108,15 +114,18 @@ def _summary(details: dict[str, Any]) -> Summary:
 class _Out:
     """OUT's files: what a run needs to be skipped on the next call, written as it ends."""
 
-    def __init__(self, folder: Path, profile: str, slo: str, mean_gpus: float | None) -> None:
+    def __init__(
+        self, folder: Path, profile: str, slo: str, mean_gpus: float | None, budget: float
+    ) -> None:
         self.folder = folder
-        # A file counts only for the same profile, SLO, controller defaults and spend target.
+        # A file counts only for the same profile, SLO, controller defaults, spend target and
+        # gateway model.
         self.key = {
             "profile": profile,
             "slo": slo,
             "mean_gpus": "static" if mean_gpus is None else mean_gpus,
             "controller": asdict(ControllerSettings()),
-            "elastic": asdict(ElasticSettings()),
+            "elastic": asdict(ElasticSettings(inflight_budget=budget)),
         }
         folder.mkdir(parents=True, exist_ok=True)
 
@@ -169,10 +178,16 @@ def main() -> int:
         help="the controller's spend target, mean GPUs (default: what the static split holds; "
         "0: none)",
     )
+    ap.add_argument(
+        "--inflight-budget",
+        type=float,
+        default=0.0,
+        help="the gateway's flow control in front of the fleet: its --inflight-budget (0: none)",
+    )
     ap.add_argument("--jobs", type=int, default=3, help="runs at once (processes)")
     ap.add_argument("--out", type=Path, default=Path("logs/autoscale-hour"))
     args = ap.parse_args()
-    out = _Out(args.out, args.profile, args.slo, args.mean_gpus)
+    out = _Out(args.out, args.profile, args.slo, args.mean_gpus, args.inflight_budget)
     cells: list[Cell] = [(g, s) for g in args.gpus for s in args.seeds]
     done: dict[tuple[Cell, str], dict[str, Any]] = {}
     for cell in cells:
@@ -188,7 +203,16 @@ def main() -> int:
         def submit_runs(cell: Cell, split: tuple[int, int]) -> None:
             for p in args.policies:
                 if (cell, p) not in done:
-                    f = pool.submit(_run, args.profile, args.slo, *cell, p, split, args.mean_gpus)
+                    f = pool.submit(
+                        _run,
+                        args.profile,
+                        args.slo,
+                        *cell,
+                        p,
+                        split,
+                        args.mean_gpus,
+                        args.inflight_budget,
+                    )
                     pending[f] = (cell, p)
 
         for cell in cells:
