@@ -40,11 +40,15 @@ class AutoscaleOptions(CommandSettings):
     mean_gpus: float = Field(
         0.0,
         ge=0,
-        description="spend target: mean GPUs held over --spend-window-s, e.g. what the static "
-        "split `pdplane plan` recommends for the average traffic holds; time below it earns "
-        "credit, spent on more only where the plan meets the SLO (0 = none)",
+        allow_inf_nan=False,
+        description="spend target: mean GPUs held over --spend-window-s, e.g. the GPUs of the "
+        "static split `pdplane plan` recommends for the average traffic; time below it earns "
+        "credit, spent on more only where the plan meets the SLO; planned in whole instances "
+        "(0 = none)",
     )
-    spend_window_s: float = Field(3600.0, gt=0, description="the spend target's rolling window (s)")
+    spend_window_s: float = Field(
+        3600.0, gt=0, allow_inf_nan=False, description="the spend target's rolling window (s)"
+    )
     autoscale_interval_s: float = Field(5.0, gt=0, description="time between decisions (s)")
     autoscale_window_s: float = Field(
         60.0, gt=0, description="traffic and load are measured over this sliding window (s)"
@@ -82,10 +86,12 @@ class AutoscaleOptions(CommandSettings):
             raise ValueError("down-margin must be at least up-margin (the hysteresis band)")
         if self.gpus and self.gpus < (self.min_prefill + self.min_decode) * self.gpus_per_instance:
             raise ValueError("gpus is below what min-prefill + min-decode instances hold")
-        if self.mean_gpus and self.mean_gpus < (
-            (self.min_prefill + self.min_decode) * self.gpus_per_instance
-        ):
-            raise ValueError("mean-gpus is below what min-prefill + min-decode instances hold")
+        smallest = (self.min_prefill + self.min_decode) * self.gpus_per_instance
+        if self.mean_gpus and self.mean_gpus < smallest:
+            raise ValueError(
+                f"mean-gpus {self.mean_gpus:g} is below the {smallest} GPUs that min-prefill + "
+                "min-decode instances hold"
+            )
         return self
 
     def bounds(self) -> Bounds:

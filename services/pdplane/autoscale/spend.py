@@ -8,7 +8,9 @@ the controller spends it on holding more than M where that meets the SLO, and no
 - **Credit** (`SpendAccount.credit`): M x the time the account has run (at most `window_s`)
   minus the GPU-seconds held within the last `window_s`. It starts at zero: credit is earned
   before it is spent, never borrowed against a quiet phase that may not come, so the mean
-  over any window the account has seen whole stays within M.
+  over any window the account has seen whole stays within M (up to the estimate of the
+  drains below). Credit leaves the window `window_s` after it was earned, so a purchase is
+  paid for with what is still in the window when it ends (`SpendAccount.affords`).
 - **Buying above M** (`SpendLimit.bounds`): a fleet of more than M GPUs is bought only when
   the plan for the arrivals (without the queue: a fleet catching up on a queue meets the SLO
   once it is served) within the GPU cap meets the SLO (a phase the cap cannot serve within
@@ -63,12 +65,15 @@ class SpendAccount:
 
     def held_gpu_s(self, now: float) -> float:
         """GPU-seconds held within the last `window_s` up to `now`."""
-        lo = now - self.window_s
+        return self._held_between(now - self.window_s, now)
+
+    def _held_between(self, lo: float, hi: float) -> float:
+        """GPU-seconds held within [lo, hi] (hi: at most the latest time asked about)."""
         total = 0.0
         samples = list(self._held)
         for i, (t, gpus) in enumerate(samples):
-            end = samples[i + 1][0] if i + 1 < len(samples) else now
-            total += gpus * max(0.0, min(end, now) - max(t, lo))
+            end = samples[i + 1][0] if i + 1 < len(samples) else hi
+            total += gpus * max(0.0, min(end, hi) - max(t, lo))
         return total
 
     def credit(self, now: float) -> float:
@@ -80,10 +85,19 @@ class SpendAccount:
         return allowed - self.held_gpu_s(now)
 
     def affords(self, now: float, gpus: float, hold_s: float) -> bool:
-        """Whether the credit pays for holding `gpus` GPUs for `hold_s` seconds: what they
-        are over the target x `hold_s` (always, for `gpus` within the target)."""
-        extra = gpus - self.mean_gpus
-        return extra <= 0 or self.credit(now) >= extra * hold_s
+        """Whether the credit pays for holding `gpus` GPUs from `now` for `hold_s` seconds
+        (always, for `gpus` within the target): the credit `hold_s` later, with `gpus` held
+        meanwhile, is not negative. Credit earned more than `window_s` before then has left
+        the window by then: a young account spends (gpus - target) x `hold_s` of its
+        credit, an older one also what the window's oldest part earned."""
+        if gpus <= self.mean_gpus:
+            return True
+        if self._start is None:
+            return False
+        later = now + hold_s
+        allowed = self.mean_gpus * min(later - self._start, self.window_s)
+        past = self._held_between(later - self.window_s, now)
+        return allowed - past - gpus * min(hold_s, self.window_s) >= 0
 
 
 @dataclass

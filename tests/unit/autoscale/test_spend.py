@@ -35,6 +35,21 @@ def test_the_credit_is_that_of_the_last_window() -> None:
     assert a.credit(550) == pytest.approx(300)
 
 
+def test_a_purchase_is_paid_for_with_the_credit_still_in_the_window_when_it_ends() -> None:
+    # 70 s at 2 GPUs under a target of 8, then 8: 420 GPU-s of credit at 3,600 s, earned in
+    # the window's first 70 s. 10 GPUs for 210 s spend 2 x 210 = 420 over the target, but
+    # by then the 70 s that earned it have left the window: the purchase is not paid for.
+    a = SpendAccount(8.0, window_s=3600)
+    a.record(0, 2)
+    a.record(70, 8)
+    assert a.credit(3600) == pytest.approx(420)
+    assert not a.affords(3600, 10, hold_s=210)
+    # Young, the same account pays for exactly (gpus - target) x hold_s.
+    assert a.affords(3000, 10, hold_s=210)
+    a.record(3600, 10)
+    assert a.credit(3600 + 210) < 0  # what holding them would have come to
+
+
 @pytest.mark.parametrize("command", [AutoscaleSettings, UpSettings])
 def test_both_commands_take_the_spend_target(command: type) -> None:
     required = (
@@ -55,7 +70,7 @@ def test_a_spend_target_below_the_smallest_fleet_is_refused(
     with pytest.raises(SystemExit) as exc:
         UpSettings.parse(["--mean-gpus", "1"])
     assert exc.value.code == 2
-    assert "mean-gpus is below" in capsys.readouterr().err
+    assert "mean-gpus 1 is below the 2 GPUs" in capsys.readouterr().err
 
 
 def test_the_credit_is_exported() -> None:

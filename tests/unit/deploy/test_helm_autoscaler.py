@@ -108,6 +108,10 @@ def test_the_spend_target_reaches_the_controller() -> None:
         ),
         ({"autoscaler": {"enabled": True, "interval": 5}}, "additional properties"),
         ({"autoscaler": {"enabled": True, "meanGpus": -1}}, "meanGpus"),
+        (
+            {"autoscaler": {"enabled": True, "meanGpus": 1}},
+            "autoscaler.meanGpus 1 is below the 2 GPUs",
+        ),
     ],
 )
 def test_bad_autoscaler_values_fail_the_render(values: dict[str, Any], message: str) -> None:
