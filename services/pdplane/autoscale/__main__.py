@@ -73,10 +73,11 @@ def main(argv: list[str]) -> int:
             "decode": parse_workload(s.decode_workload, s.namespace),
         }
         controller = s.controller("llama3-8b-h100")
+        api = apps_api(s.kube_api)
     except ValueError as exc:
         sys.stderr.write(f"error: pdplane autoscale: {exc}\n")
         return 2
-    actuator = KubernetesActuator(apps_api(s.kube_api), workloads)
+    actuator = KubernetesActuator(api, workloads)
     scraper = FleetScraper(
         s.registry,
         window_s=s.autoscale_window_s,

@@ -49,7 +49,8 @@ def parse_workload(text: str, namespace: str) -> Workload:
 def apps_api(host: str | None = None) -> Any:
     """An `AppsV1Api` with in-cluster credentials, or talking to `host` (an API server URL:
     tests, `kubectl proxy`) without any. Raises ImportError naming the extra when the client
-    is not installed."""
+    is not installed, ValueError when there is no host and no in-cluster service account
+    (run outside a pod)."""
     try:
         from kubernetes import client, config
     except ImportError as exc:  # optional dependency
@@ -57,7 +58,13 @@ def apps_api(host: str | None = None) -> Any:
             "the Kubernetes actuator needs the kubernetes client: pip install 'pdplane[kubernetes]'"
         ) from exc
     if host is None:
-        config.load_incluster_config()
+        try:
+            config.load_incluster_config()
+        except config.ConfigException as exc:
+            raise ValueError(
+                f"no in-cluster Kubernetes credentials ({exc}): run it in a pod with a service "
+                "account (the chart's autoscaler), or give --kube-api URL (e.g. kubectl proxy)"
+            ) from exc
         return client.AppsV1Api()
     configuration = client.Configuration()
     configuration.host = host
