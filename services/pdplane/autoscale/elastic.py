@@ -149,6 +149,7 @@ class _ElasticRun(FleetRun):
         self.waiting_tokens = 0
         self.shed: set[int] = set()  # id() of the requests shed or timed out
         self.finished_tokens: deque[tuple[float, int]] = deque()  # (time s, tokens)
+        self.finished_sum = 0  # tokens in finished_tokens (kept, not summed per arrival)
 
     # --- the fleet's instances ------------------------------------------------------------
     def _hold(self, node: Node, now: float) -> None:
@@ -217,8 +218,8 @@ class _ElasticRun(FleetRun):
         flight, as the gateway's (the first few to end say little of the rate)."""
         lo = now - self.settings.drain_window_s
         while self.finished_tokens and self.finished_tokens[0][0] < lo:
-            self.finished_tokens.popleft()
-        ended = sum(t for _, t in self.finished_tokens)
+            self.finished_sum -= self.finished_tokens.popleft()[1]
+        ended = self.finished_sum
         return ended / self.settings.drain_window_s if ended >= self.inflight_tokens else 0.0
 
     def _admit(self, i: int, r: Req, now: float) -> None:
@@ -264,6 +265,7 @@ class _ElasticRun(FleetRun):
         cost = self._cost(r)
         self.inflight_tokens -= cost
         self.finished_tokens.append((now, cost))
+        self.finished_sum += cost
         self._dispatch(now)
 
     def other(self, kind: int, obj: Any, now: float) -> None:
