@@ -271,10 +271,37 @@ def _supervise(
     return 0
 
 
+def controller_flags_without_autoscale(argv: list[str], settings: UpSettings) -> list[str]:
+    """The controller's flags (`AutoscaleOptions`) given in `argv` although `--autoscale` is
+    off: they would be accepted and do nothing, so `main` refuses them."""
+    if settings.autoscale:
+        return []
+    given = []
+    for name in AutoscaleOptions.model_fields:
+        flags = {f"--{name.replace('_', '-')}", f"--{name}"}
+        if any(arg.split("=", 1)[0] in flags for arg in argv):
+            given.append(f"--{name.replace('_', '-')}")
+    return given
+
+
+def parse(argv: list[str]) -> UpSettings:
+    """`pdplane up`'s settings from `argv` and `PDPLANE_*`; exits with status 2 and a message on
+    bad flags, including a controller flag without --autoscale."""
+    settings = UpSettings.parse(argv)
+    idle = controller_flags_without_autoscale(argv, settings)
+    if idle:
+        sys.stderr.write(
+            f"error: pdplane up: {', '.join(idle)}: the autoscaling controller's, which runs "
+            "only with --autoscale (add it, or leave them out)\n"
+        )
+        raise SystemExit(2)
+    return settings
+
+
 def main(argv: list[str]) -> int:
     """Runs `pdplane up`; returns 0 after a clean Ctrl-C/SIGTERM, 2 when a port it needs is
-    taken (nothing started), 1 if a child failed."""
-    settings = UpSettings.parse(argv)
+    taken (nothing started), 1 if a child failed; exits 2 on bad flags (`parse`)."""
+    settings = parse(argv)
     stop = _Stop()
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
