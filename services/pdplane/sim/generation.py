@@ -337,8 +337,14 @@ class CompletionRoutes:
                         await _forever()
                 if sent == strike:
                     return await self._strike(request, response, record)
-                if sent >= total or ereq.phase == Phase.DONE:
+                if sent >= total:
                     break
+                if ereq.phase == Phase.DONE:
+                    # The engine may have finished while a write waited on a slow client:
+                    # what it produced meanwhile is still to be written (vLLM keeps it too).
+                    if sent >= ereq.num_output:
+                        break
+                    continue
                 await s.runner.progress(ereq)
             if req.include_usage:
                 await response.write(

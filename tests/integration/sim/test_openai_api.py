@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
+import socket
 import time
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
 from aiohttp import web
 from aiohttp.client_exceptions import ClientConnectionResetError
+from prometheus_client.parser import text_string_to_metric_families
 
 from pdplane.sim.testing import running_sims
 from tests.integration.sim.helpers import wait_for
@@ -234,3 +238,55 @@ def test_hostile_body_is_400_and_the_sim_keeps_serving(path: str, raw: bytes) ->
         assert r.json()["error"]["type"] == "BadRequestError"
         ok = httpx.post(sims.urls[0] + "/v1/chat/completions", json=CHAT, timeout=10)
         assert ok.status_code == 200, ok.text
+
+
+def _engine_idle(url: str) -> bool:
+    families = text_string_to_metric_families(httpx.get(url + "/metrics").text)
+    running = {
+        s.value
+        for f in families
+        for s in f.samples
+        if s.name in ("vllm:num_requests_running", "vllm:num_requests_waiting")
+    }
+    return running == {0.0}
+
+
+def test_a_slow_reader_gets_every_token_and_the_finish_reason() -> None:
+    # vLLM keeps what its engine produced until the client reads it: the engine may finish
+    # long before a slow client has read the stream, which must still end whole.
+    with running_sims("both") as sims:
+        url = urlsplit(sims.urls[0])
+        body = {
+            **CHAT,
+            "n": 8,
+            "max_tokens": 300,
+            "ignore_eos": True,
+            "stream": True,
+            "logprobs": True,
+            "top_logprobs": 20,
+        }
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: the window
+        sock.settimeout(30)
+        sock.connect((url.hostname, url.port))
+        conn = http.client.HTTPConnection(url.hostname or "", url.port)
+        conn.sock = sock
+        conn.request(
+            "POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"}
+        )
+        reply = conn.getresponse()
+        # The engine finishes every choice while the stream waits on this client's window.
+        wait_for(lambda: _engine_idle(sims.urls[0]), timeout=30)
+        events = _events(reply.read().decode())
+        conn.close()
+    assert events[-1] == "[DONE]"
+    tokens = [0] * 8
+    finished = [None] * 8
+    for event in events[:-1]:
+        for choice in json.loads(event)["choices"]:
+            tokens[choice["index"]] += choice["delta"].get("content") is not None and bool(
+                choice["logprobs"]
+            )
+            finished[choice["index"]] = finished[choice["index"]] or choice["finish_reason"]
+    assert tokens == [300] * 8
+    assert finished == ["length"] * 8
