@@ -202,7 +202,15 @@ def create_app(
     )
     passthrough = Passthrough(fleet, upstream, settings.upstream_api_key)
     app.include_router(
-        build_router(fleet, metrics, keys, passthrough, fleet_tokenizers.states, scheduler.problem)
+        build_router(
+            fleet,
+            metrics,
+            keys,
+            passthrough,
+            fleet_tokenizers.states,
+            scheduler.problem,
+            settings.body_timeout_s,
+        )
     )
     app.add_exception_handler(HTTPException, _http_error)
     app.state.relay = relay

@@ -7,7 +7,6 @@ goes on to the FastAPI app.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import itertools
 import logging
@@ -38,6 +37,7 @@ from pdplane.gateway.prompt_ids import Tokenizers, TokenizerSet, exact_prompt_as
 from pdplane.gateway.ratelimit import RateLimiter
 from pdplane.gateway.relay import Relay
 from pdplane.gateway.replies import JsonReply, StreamReply
+from pdplane.gateway.request_body import CLIENT_CLOSED, ClientGone, read_body
 from pdplane.gateway.route_note import ROUTE_HEADER, RouteNote
 from pdplane.gateway.routes import RELAY_PATHS
 from pdplane.gateway.tenants import ANONYMOUS, Identity
@@ -50,45 +50,12 @@ log = logging.getLogger(__name__)
 _JSON = "application/json"
 #: Longest accepted client X-Request-Id (characters); it travels in headers and KV params.
 _MAX_REQUEST_ID = 256
-#: Largest accepted request body (bytes).
-_MAX_BODY = 64 * 1024 * 1024
-#: Status recorded for requests whose client went away before an answer (nginx's convention).
-_CLIENT_CLOSED = 499
 
 
 #: Generated request ids: "pdp-<64-bit random per process>-<counter>", unique across gateways
 #: sharing a scheduler (as uuid4 would be) for a fraction of uuid4's cost per request.
 _ID_PREFIX = f"pdp-{os.urandom(8).hex()}-"
 _id_counter = itertools.count(1)
-
-
-class _ClientGone(Exception):
-    """The client disconnected while its body was being read."""
-
-
-async def _read_body(receive: Receive, timeout_s: float) -> bytes:
-    """The request body; GatewayError 408 when it takes longer than `timeout_s` (s)."""
-    try:
-        async with asyncio.timeout(timeout_s):
-            return await _receive_body(receive)
-    except TimeoutError:
-        raise GatewayError(408, f"request body not received within {timeout_s:g} s") from None
-
-
-async def _receive_body(receive: Receive) -> bytes:
-    chunks: list[bytes] = []
-    size = 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise _ClientGone
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > _MAX_BODY:
-            raise GatewayError(413, f"request body larger than {_MAX_BODY} bytes")
-        chunks.append(chunk)
-        if not message.get("more_body", False):
-            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 def _headers(scope: Scope, tenant_header: bytes) -> tuple[bytes | None, str, str, bool, str]:
@@ -245,7 +212,7 @@ class RelayEndpoints:
             view = self.fleet()
             req = parse_request(
                 endpoint,
-                await _read_body(receive, self.body_timeout_s),
+                await read_body(receive, self.body_timeout_s),
                 routing_key,
                 max_model_len=view.longest_model_len(),
             )
@@ -271,8 +238,8 @@ class RelayEndpoints:
                 self._in_turn(turn, req, request_id, started, model.max_model_len, note)
             )
             if not answered or reply is None:
-                status = _CLIENT_CLOSED
-                return Response(status_code=_CLIENT_CLOSED, headers=headers)
+                status = CLIENT_CLOSED
+                return Response(status_code=CLIENT_CLOSED, headers=headers)
             if show_route:
                 headers.update(note.headers())
             if isinstance(reply, JsonReply):
@@ -281,9 +248,9 @@ class RelayEndpoints:
                 return Response(reply.body, status, headers=headers, media_type=reply.content_type)
             status, streaming = 200, True
             return SSEResponse(turn.counted(reply), watch, headers, done)
-        except _ClientGone:
-            status = _CLIENT_CLOSED
-            return Response(status_code=_CLIENT_CLOSED, headers=headers)
+        except ClientGone:
+            status = CLIENT_CLOSED
+            return Response(status_code=CLIENT_CLOSED, headers=headers)
         except GatewayError as exc:
             status = exc.status
             if status >= 500:
@@ -322,8 +289,9 @@ class RelayEndpoints:
 class _Turn:
     """One request's place in flow control and its rate-limit charge, ended once (`end`).
 
-    Its weight (`cost`, tokens) is its KV need: prompt + max_tokens, or the rest of the model
-    length when the client set no max_tokens (vLLM's default)."""
+    Its weight (`cost`, tokens) is its KV need: prompt + max_tokens per choice (`n`; the
+    choices share the prompt's KV), max_tokens being the rest of the model length when the
+    client set none (vLLM's default)."""
 
     __slots__ = ("charged", "completion", "cost", "prompt", "ticket", "who")
 
@@ -341,8 +309,9 @@ class _Turn:
         """Takes the request from its key's rate limits (GatewayError 429 when over)."""
         self.who = who
         new = req.max_tokens or max(0, max_model_len - req.prompt_tokens)
+        choices = req.body.get("n") or 1  # a validated int; below 1 refused before this
         self.prompt = req.prompt_tokens
-        self.cost = max(1, req.prompt_tokens + new)
+        self.cost = max(1, req.prompt_tokens + max(1, choices) * new)
         limiter.take(who, self.cost)
         self.charged = self.cost if who.tokens_per_min else 0
         self.completion = 0

@@ -27,6 +27,7 @@ from pdplane.gateway.fleet_tokenizers import RoutingState
 from pdplane.gateway.fleet_view import FleetView
 from pdplane.gateway.metrics import GatewayMetrics
 from pdplane.gateway.passthrough import Passthrough
+from pdplane.gateway.request_body import CLIENT_CLOSED, ClientGone, read_body
 from pdplane.gateway.validation import CHAT, COMPLETIONS, REQUEST_SCHEMAS, Endpoint
 
 __all__ = ["RELAY_PATHS", "build_router"]
@@ -70,11 +71,13 @@ def build_router(
     passthrough: Passthrough,
     routing: Callable[[], Mapping[str, RoutingState]] = dict,
     scheduler_problem: Callable[[], str | None] = lambda: None,
+    body_timeout_s: float = 60.0,
 ) -> APIRouter:
     """The gateway's FastAPI routes (the relay endpoints' only for /openapi.json);
     `fleet()` returns the current FleetView, `routing()` each model's routing state (added to
     its /health entry), and `scheduler_problem()` (e.g. "scheduler unreachable at ...", else
-    None) makes /health 503."""
+    None) makes /health 503. Bodies passed on (/tokenize, /detokenize) are read within
+    `body_timeout_s` (s) and `request_body.MAX_BODY` bytes, as the relay endpoints'."""
     router = APIRouter()
     _relay_schema_routes(router)
 
@@ -95,6 +98,15 @@ def build_router(
         except GatewayError as exc:
             return Response(exc.body(), exc.status, media_type=_JSON)
         return Response(answer.body, answer.status, media_type=answer.content_type)
+
+    async def forward_body(request: Request, path: str) -> Response:
+        try:
+            body = await read_body(request.receive, body_timeout_s)
+        except GatewayError as exc:
+            return Response(exc.body(), exc.status, media_type=_JSON)
+        except ClientGone:
+            return Response(status_code=CLIENT_CLOSED)  # nobody to send it to
+        return await forward("POST", path, body)
 
     def checked_health(model: str | None = None) -> tuple[bool, dict[str, object]]:
         healthy, body = fleet().health(model)
@@ -120,12 +132,12 @@ def build_router(
     @router.post("/tokenize")
     async def tokenize(request: Request) -> Response:
         """vLLM's /tokenize, answered by an instance of the body's model."""
-        return refused(request) or await forward("POST", "/tokenize", await request.body())
+        return refused(request) or await forward_body(request, "/tokenize")
 
     @router.post("/detokenize")
     async def detokenize(request: Request) -> Response:
         """vLLM's /detokenize, answered by an instance of the body's model."""
-        return refused(request) or await forward("POST", "/detokenize", await request.body())
+        return refused(request) or await forward_body(request, "/detokenize")
 
     @router.get("/version")
     async def version() -> Response:

@@ -138,3 +138,22 @@ def test_a_request_past_the_queue_cap_gets_503_at_once(stack_factory) -> None:  
         queued.close()
         holder.close()
     wait_for(lambda: stack.scheduler_inflight() == 0, 2.0, "scheduler in-flight count 0")
+
+
+def test_a_request_for_n_choices_takes_n_answers_of_the_budget(stack: Stack) -> None:
+    # vLLM holds the prompt once (shared by the choices) and each choice's answer: a request
+    # for 3 choices of 100 tokens needs 3 x 100 answer tokens of KV, not 100.
+    sims = stack.sims(["prefill", "decode"], itl_ms=200, max_model_len=1024)
+    stack.wait_ready(sims)
+    body = {"model": MODEL, "prompt": [7] * 20, "max_tokens": 100, "n": 3, "stream": True}
+    sock = open_request(stack.url, "/v1/completions", body)
+    try:
+        buf = b""
+        while b"data: " not in buf:  # admitted and streaming
+            chunk = sock.recv(65536)
+            assert chunk, f"connection closed early: {buf!r}"
+            buf += chunk
+        tokens = _metric(stack, f'pdplane_gateway_flow_inflight_tokens{{model="{MODEL}"}}')
+        assert tokens == 20 + 3 * 100
+    finally:
+        sock.close()

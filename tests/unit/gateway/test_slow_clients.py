@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import socket
 import time
 from collections.abc import Iterator
@@ -58,12 +59,29 @@ def test_a_connection_without_complete_headers_is_closed(
     assert closed
 
 
-def test_a_body_slower_than_the_body_timeout_is_408(gateway: tuple[str, int]) -> None:
+def _head(path: str) -> bytes:
+    return _HEAD.replace(b"/v1/completions", path.encode())
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/tokenize", "/detokenize"])
+def test_a_body_slower_than_the_body_timeout_is_408(gateway: tuple[str, int], path: str) -> None:
     with socket.create_connection(gateway) as sock:
-        sock.sendall(_HEAD + b"Content-Length: 100\r\n\r\n" + b'{"prompt": ')
+        sock.sendall(_head(path) + b"Content-Length: 100\r\n\r\n" + b'{"prompt": ')
         _, answer = _closed_within(sock, 5)
     assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
     assert b'"RequestTimeoutError"' in answer
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/tokenize"])
+def test_a_client_gone_mid_body_leaves_no_error_logged(
+    gateway: tuple[str, int], path: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    with socket.create_connection(gateway) as sock:
+        sock.sendall(_head(path) + b"Content-Length: 100\r\n\r\n" + b'{"prompt": ')
+    with socket.create_connection(gateway) as sock:  # then the gateway still answers
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: gw\r\nConnection: close\r\n\r\n")
+        _closed_within(sock, 5)
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
 
 
 def test_connections_past_the_cap_get_503(gateway: tuple[str, int]) -> None:
