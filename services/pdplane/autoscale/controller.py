@@ -163,6 +163,8 @@ class Controller:
         if self.spend is not None:
             self.spend.account.record(now, state.gpus_held)
         traffic = obs.traffic
+        if obs.span_s >= self.settings.min_span_s and traffic.rate == 0 and not obs.queued:
+            return self._idle(obs, current, now)
         if not traffic.known or obs.span_s < self.settings.min_span_s:
             return Decision(now, traffic, current, None, "no traffic measured yet")
         s, p = self.settings, self.predictor
@@ -254,6 +256,32 @@ class Controller:
             p.predict(current["prefill"], current["decode"], traffic),
             p.predict(x, y, traffic),
         )
+        self.decisions.append(decision)
+        return decision
+
+    def _idle(self, obs: Observation, current: dict[str, int], now: float) -> Decision:
+        """No request arrived within the window and none waits: each role shrinks to its
+        minimum, with a falling rate's hysteresis (above it for `scale_in_after_s`, and
+        `cooldown_s` after it grew). No plan to ask for: the predictor plans for a rate."""
+        s, b = self.settings, self.bounds
+        wanted = dict(current)
+        reasons: list[str] = []
+        for role, least in (("prefill", b.min_prefill), ("decode", b.min_decode)):
+            if current[role] <= least:
+                self._above_since.pop(role, None)
+                continue
+            since = self._above_since.setdefault(role, now)
+            cooled = now - self._grew_at.get(role, -math.inf) >= s.cooldown_s
+            if now - since >= s.scale_in_after_s and cooled:
+                wanted[role] = least
+                reasons.append(f"{role}: no requests for {obs.span_s:.0f} s")
+        if wanted == current:
+            return Decision(now, obs.traffic, current, None, "no requests in the window")
+        for role in ROLES:
+            if wanted[role] != current[role]:
+                self._above_since.pop(role, None)
+                self._lines.pop(role, None)
+        decision = Decision(now, obs.traffic, current, wanted, "; ".join(reasons))
         self.decisions.append(decision)
         return decision
 

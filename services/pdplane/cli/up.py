@@ -158,6 +158,12 @@ class UpSettings(AutoscaleOptions):
         load_profile(name)  # ValueError names the known profiles or what is wrong with the file
         return name
 
+    @field_validator("sim_profile")
+    @classmethod
+    def _known_sim_profile(cls, name: str) -> str:
+        load_profile(name)  # ValueError names the known profiles or what is wrong with the file
+        return name
+
     @field_validator("tenants")
     @classmethod
     def _valid_tenants(cls, path: Path | None) -> Path | None:
@@ -222,9 +228,14 @@ def _restart_instances(fleet: Fleet, restarts: _RestartBudget) -> bool:
     return True
 
 
+def _controller_profile(settings: UpSettings) -> str:
+    """The engine profile the controller simulates with unless --autoscale-profile says."""
+    return settings.sim_profile if settings.engine == "sim" else "tiny-cpu"
+
+
 def _autoscaler(settings: UpSettings, fleet: Fleet) -> Autoscaler:
     """The controller acting on `fleet` through the local actuator (`--autoscale`)."""
-    profile = settings.sim_profile if settings.engine == "sim" else "tiny-cpu"
+    profile = _controller_profile(settings)
     scraper = FleetScraper(
         fleet.registry_address,
         window_s=settings.autoscale_window_s,
@@ -284,9 +295,32 @@ def controller_flags_without_autoscale(argv: list[str], settings: UpSettings) ->
     return given
 
 
+def autoscale_problem(settings: UpSettings) -> str | None:
+    """What keeps `--autoscale` from starting with these settings (a bad SLO or profile, a
+    starting fleet outside the controller's bounds), checked before anything starts; None
+    when nothing."""
+    if not settings.autoscale:
+        return None
+    try:
+        settings.controller(_controller_profile(settings))
+    except ValueError as exc:
+        return str(exc)
+    for role, have, least, most in (
+        ("prefill", settings.prefill, settings.min_prefill, settings.max_prefill),
+        ("decode", settings.decode, settings.min_decode, settings.max_decode),
+    ):
+        if not least <= have <= most:
+            return f"--{role} {have} is outside --min-{role} {least} .. --max-{role} {most}"
+    held = (settings.prefill + settings.decode) * settings.gpus_per_instance
+    if settings.gpus and held > settings.gpus:
+        return f"--prefill + --decode hold {held} GPUs, more than --gpus {settings.gpus}"
+    return None
+
+
 def parse(argv: list[str]) -> UpSettings:
     """`pdplane up`'s settings from `argv` and `PDPLANE_*`; exits with status 2 and a message on
-    bad flags, including a controller flag without --autoscale."""
+    bad flags, including a controller flag without --autoscale and a starting fleet the
+    controller could not act on (`autoscale_problem`)."""
     settings = UpSettings.parse(argv)
     idle = controller_flags_without_autoscale(argv, settings)
     if idle:
@@ -294,6 +328,10 @@ def parse(argv: list[str]) -> UpSettings:
             f"error: pdplane up: {', '.join(idle)}: the autoscaling controller's, which runs "
             "only with --autoscale (add it, or leave them out)\n"
         )
+        raise SystemExit(2)
+    problem = autoscale_problem(settings)
+    if problem:
+        sys.stderr.write(f"error: pdplane up: --autoscale: {problem}\n")
         raise SystemExit(2)
     return settings
 

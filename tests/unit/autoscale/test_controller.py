@@ -173,6 +173,23 @@ def test_no_decision_before_the_window_has_measured_anything() -> None:
     assert c.decide(obs, _fleet(1, 1), now=0).wanted is None
 
 
+def test_a_fleet_with_no_traffic_at_all_shrinks_to_its_minimum_after_the_wait() -> None:
+    c = _controller()
+    assert c.decide(_obs(40), _fleet(1, 1), now=0).wanted == {"prefill": 4, "decode": 2}
+    idle = Observation(Traffic(0.0, 0.0, 0.0), {}, span_s=60.0)
+    # The same hysteresis as for a falling rate: the wait, and the cooldown after growing.
+    for now in (30, 90, 119):
+        assert c.decide(idle, _fleet(4, 2), now=now).wanted is None
+    d = c.decide(idle, _fleet(4, 2), now=150)
+    assert d.wanted == {"prefill": 1, "decode": 1}
+    assert "no requests" in d.reason
+    # Requests still waiting on a prefill are traffic, whatever the arrivals say.
+    c = _controller()
+    waiting = Observation(Traffic(0.0, 0.0, 0.0), {}, span_s=60.0, queued=3)
+    for now in (0, 100, 200):
+        assert c.decide(waiting, _fleet(4, 2), now=now).wanted is None
+
+
 def test_a_queue_the_ready_prefills_serve_within_a_start_up_starts_nothing() -> None:
     # 10 req/s on 3 prefills that serve 30: 20 req/s spare, 1800 requests within the 90 s
     # start-up. A start now would serve after a queue of 1000 is gone; one of 5000 outlasts it.

@@ -34,3 +34,29 @@ def test_a_controller_flag_without_autoscale_exits_2_naming_it(
 )
 def test_controller_flags_with_autoscale_or_none_are_accepted(argv: list[str]) -> None:
     assert isinstance(up.parse(argv), up.UpSettings)
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["--slo", "bogus"], "bad SLO term 'bogus'"),
+        (["--autoscale-profile", "nosuch"], "nosuch"),
+        (["--prefill", "5", "--max-prefill", "4"], "--prefill 5 is outside"),
+        (["--decode", "3", "--min-decode", "4"], "--decode 3 is outside"),
+        (["--prefill", "3", "--decode", "3", "--gpus", "4"], "hold 6 GPUs, more than --gpus 4"),
+    ],
+)
+def test_autoscale_with_a_bad_slo_profile_or_starting_fleet_exits_2_before_starting(
+    argv: list[str], said: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        up.parse(["--autoscale", "--engine", "sim", *argv])
+    assert exited.value.code == 2
+    assert said in capsys.readouterr().err
+
+
+def test_a_bad_sim_profile_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        up.parse(["--engine", "sim", "--sim-profile", "nosuch.json"])
+    assert exited.value.code == 2
+    assert "--sim-profile" in capsys.readouterr().err
