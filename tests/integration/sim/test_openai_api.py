@@ -228,6 +228,8 @@ def test_malformed_chat_content_is_400_like_vllm(content: object) -> None:
         ("/v1/chat/completions", b"[" * 100_000),
         # a token id outside uint32 raised inside the engine loop: every later request hung
         ("/v1/completions", json.dumps({"model": "sim-model", "prompt": [1, 2**40]}).encode()),
+        # past aiohttp's 1 MiB default body: vLLM (uvicorn) reads it and refuses the length
+        ("/v1/completions", json.dumps({"prompt": "a " * 1_000_000, "max_tokens": 2}).encode()),
     ],
 )
 def test_hostile_body_is_400_and_the_sim_keeps_serving(path: str, raw: bytes) -> None:
