@@ -233,12 +233,17 @@ class Controller:
                 # The check's instance is a purchase above the target like any other.
                 bounds = spend.within(max(spend.target, sum(current.values())))
                 reasons.append("(spend: the credit does not pay for the observed check's)")
+        asked = wanted
         x, y = bounds.clamp(wanted["prefill"], wanted["decode"])
         wanted = {"prefill": x, "decode": y}
         if bounds != self.bounds:
             # Under the spend target, a start waits for a drained GPU as under the GPU cap.
             wanted = SpendLimit.starts_within(wanted, state, bounds)
             x, y = wanted["prefill"], wanted["decode"]
+        for role in ROLES:
+            if wanted[role] < asked[role]:  # the reasons above asked for more than this
+                why = spend_note if bounds != self.bounds and spend_note else "(the bounds)"
+                reasons.append(f"{role} held to {wanted[role]} {why}")
         if wanted == current:
             return Decision(now, traffic, current, None, "; ".join(reasons) or "within the lines")
         for role in ROLES:

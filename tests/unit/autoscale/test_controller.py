@@ -190,6 +190,16 @@ def test_a_fleet_with_no_traffic_at_all_shrinks_to_its_minimum_after_the_wait() 
         assert c.decide(waiting, _fleet(4, 2), now=now).wanted is None
 
 
+def test_a_role_held_down_by_the_bounds_says_so() -> None:
+    # A fleet above --max-prefill (the bounds lowered while it ran) gives back at once; the
+    # reason names it, not only the other role's growth.
+    s = ControllerSettings(scale_in_after_s=60, cooldown_s=120, up_margin=0.0)
+    c = Controller(FakePredictor(), Bounds(max_prefill=2, gpus=8), s)  # type: ignore[arg-type]
+    d = c.decide(_obs(40), _fleet(4, 1), now=0)
+    assert d.wanted == {"prefill": 2, "decode": 2}
+    assert "prefill held to 2 (the bounds)" in d.reason
+
+
 def test_a_queue_the_ready_prefills_serve_within_a_start_up_starts_nothing() -> None:
     # 10 req/s on 3 prefills that serve 30: 20 req/s spare, 1800 requests within the 90 s
     # start-up. A start now would serve after a queue of 1000 is gone; one of 5000 outlasts it.
