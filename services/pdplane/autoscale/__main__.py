@@ -121,7 +121,12 @@ def main(argv: list[str]) -> int:
                 autoscaler.step()
             except grpc.RpcError as exc:
                 code = exc.code().name if isinstance(exc, grpc.Call) else "ERROR"
-                log.warning("autoscale: registry %s; step skipped", code)
+                hint = (
+                    " (give the registry's token: --token-file or PDPLANE_TOKEN)"
+                    if code == "UNAUTHENTICATED"
+                    else ""
+                )
+                log.warning("autoscale: registry %s%s; step skipped", code, hint)
             except Exception as exc:  # the Kubernetes API refused or failed: next step retries
                 log.warning("autoscale: step failed: %s: %s", type(exc).__name__, str(exc)[:300])
     finally:
