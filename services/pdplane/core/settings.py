@@ -82,5 +82,7 @@ class CommandSettings(BaseSettings):
                 flag = "-".join(str(p) for p in err["loc"]).replace("_", "-")
                 where = f"--{flag}: " if flag else ""
                 got = f" (got {err['input']!r})" if flag and "input" in err else ""
-                sys.stderr.write(f"error: {name}: {where}{err['msg']}{got}\n")
+                # A validator's own ValueError reads as its message, without pydantic's prefix.
+                msg = err["msg"].removeprefix("Value error, ")
+                sys.stderr.write(f"error: {name}: {where}{msg}{got}\n")
             raise SystemExit(2) from None
