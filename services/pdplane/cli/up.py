@@ -396,7 +396,10 @@ def main(argv: list[str]) -> int:
             _say(
                 f"autoscale: every {settings.autoscale_interval_s:g} s, prefill "
                 f"{b.min_prefill}..{b.max_prefill}, decode {b.min_decode}..{b.max_decode}, "
-                f"SLO {settings.slo}"
+                f"at most {b.max_instances * b.gpus_per_instance} GPUs"
+                + (f", mean {settings.mean_gpus:g} GPUs" if settings.mean_gpus else "")
+                + f", SLO {settings.slo}, profile "
+                + (settings.autoscale_profile or _controller_profile(settings))
             )
         _say("serving; Ctrl-C stops everything")
         status = _supervise(fleet, stop.event, autoscaler, settings.autoscale_interval_s)
