@@ -8,9 +8,6 @@
         --clients 12
     .venv/bin/python bench/registry/load.py --n 10000 --store etcd --replicas 2 \
         --registry-cpus 0,1 --clients 12
-    # one registry process against two serving its port (--workers), run after each other:
-    .venv/bin/python bench/registry/load.py --n 10000 --store memory --registry-cpus 0,1 \
-        --clients 12 --workers 1,2
 
 For each store, heartbeat mode and N it starts `pdplane registry` as its own process (or
 `--replicas` of them over one etcd cluster of `--etcd-members` members on loopback, data on
@@ -25,7 +22,7 @@ others (a registry on 2 cores driven by load generators that do not compete with
 refused Register is counted and retried (5 attempts, the same request id), as instances do.
 
 Printed per run: heartbeats/s achieved vs. target; p50/p99 heartbeat latency (ms, client side,
-send to answer); the registry's CPU (% of one core, all replicas and their workers, from /proc) and per heartbeat
+send to answer); the registry's CPU (% of one core, all replicas, from /proc) and per heartbeat
 (us); etcd's CPU (% of one core, all members) and its raft proposals committed per second (its
 writes: every Put/Txn is one; lease keep-alives are not); watch fan-out p50/p99 (ms); instances
 lost (REMOVED events); the generators' p99 lateness (when it grows past a few ms the load side,
@@ -52,7 +49,6 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-import psutil
 
 from pdplane.core.grpc import util as grpc_util
 from pdplane.launch.etcd import EtcdCluster
@@ -295,25 +291,13 @@ def _pin_running(cluster: EtcdCluster, cpus: set[int] | None) -> None:
                 os.sched_setaffinity(int(task.name), cpus)
 
 
-def _with_children(pids: list[int]) -> list[int]:
-    """`pids` and their descendants (a registry's `--workers`)."""
-    found = list(pids)
-    for pid in pids:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            found += [child.pid for child in psutil.Process(pid).children(recursive=True)]
-    return found
-
-
-def _run_one(
-    store: str, mode: str, n: int, workers: int, args: argparse.Namespace, root: Path
-) -> dict[str, Any]:
-    head = {"store": store, "mode": mode, "n": n, "replicas": args.replicas, "workers": workers}
+def _run_one(store: str, mode: str, n: int, args: argparse.Namespace, root: Path) -> dict[str, Any]:
+    head = {"store": store, "mode": mode, "n": n, "replicas": args.replicas}
     cluster: EtcdCluster | None = None
     registries: list[ManagedProcess] = []
     children: list[subprocess.Popen[str]] = []
     try:
         flags = ["--log-level", "WARNING", "--lease-ttl-ms", str(args.lease_ttl_ms)]
-        flags += ["--workers", str(workers)]
         if store == "etcd":
             cluster = EtcdCluster(Path(tempfile.mkdtemp(dir=root)), size=args.etcd_members)
             cluster.start()
@@ -359,7 +343,7 @@ def _run_one(
             child.stdin.write(f"{start}\n")
             child.stdin.flush()
         time.sleep(max(0.0, start - time.time()))
-        pids = _with_children([p.pid for p in registries if p.pid])
+        pids = [p.pid for p in registries if p.pid]
         etcd_pids = (
             [m.process.pid for m in cluster.members if m.process and m.process.pid]
             if cluster
@@ -409,13 +393,13 @@ def _run_one(
 
 
 _HEADER = (
-    "store  mode    rep wk      N   hb/s achieved   p50ms   p99ms  reg%1c us/hb etcd%1c etcdW/s "
+    "store  mode    rep      N   hb/s achieved   p50ms   p99ms  reg%1c us/hb etcd%1c etcdW/s "
     "fanout50 fanout99 lost late99 load1 errors"
 )
 
 
 def _row(r: dict[str, Any]) -> str:
-    head = f"{r['store']:<6} {r['mode']:<6} {r['replicas']:>3} {r['workers']:>2} {r['n']:>6} "
+    head = f"{r['store']:<6} {r['mode']:<6} {r['replicas']:>3} {r['n']:>6} "
     if "failed" in r:
         return head + "FAILED: " + r["failed"]
     return head + (
@@ -441,12 +425,6 @@ def main() -> int:
         default=0,
         help="instances sharing one connection of a generator (each its own TCP connection; "
         "0: one connection per generator and replica)",
-    )
-    parser.add_argument(
-        "--workers",
-        default="1",
-        help="the registry's --workers (processes serving its port), comma-separated to run "
-        "each in turn, e.g. 1,2",
     )
     parser.add_argument("--etcd-members", type=int, default=1, help="etcd cluster size")
     parser.add_argument("--lease-ttl-ms", type=int, default=5000, help="instances' lease TTL")
@@ -488,9 +466,8 @@ def main() -> int:
         for store in args.store.split(","):
             for mode in args.mode.split(","):
                 for n in (int(x) for x in args.n.split(",")):
-                    for workers in (int(x) for x in args.workers.split(",")):
-                        result = _run_one(store, mode, n, workers, args, root)
-                        print(json.dumps(result) if args.json else _row(result), flush=True)
+                    result = _run_one(store, mode, n, args, root)
+                    print(json.dumps(result) if args.json else _row(result), flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return 0

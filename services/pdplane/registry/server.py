@@ -9,21 +9,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import shutil
-import tempfile
 import threading
 
 import grpc
 
 from pdplane.core.grpc import util as grpc_util
 from pdplane.core.grpc.auth import AuthPolicy
-from pdplane.registry.link import RegistryLinkServicer
 from pdplane.registry.memory_store import InMemoryStore
 from pdplane.registry.servicer import SERVICE_NAME, RegistryServicer
 from pdplane.registry.settings import RegistrySettings
 from pdplane.registry.store import InstanceStore, LeasePolicy
-from pdplane.registry.workers import WorkerPool
-from pdplane.v1 import registry_link_pb2_grpc, registry_pb2_grpc
+from pdplane.v1 import registry_pb2_grpc
 
 __all__ = ["LeaseReaper", "RegistryServer", "build_store"]
 
@@ -108,8 +104,6 @@ class RegistryServer:
         self._grace = 0.5
         self._started = threading.Event()
         self._start_error: BaseException | None = None
-        self._link_dir: str | None = None
-        self._workers: WorkerPool | None = None
         self.port = 0
 
     @property
@@ -139,30 +133,9 @@ class RegistryServer:
         if self._start_error is not None:
             self._thread.join()
             raise self._start_error
-        if self._link_dir is not None:
-            self._workers = WorkerPool(
-                self.settings, self.port, self._link_address, self.settings.workers - 1
-            )
-            try:
-                self._workers.start()
-            except BaseException:
-                self._workers = None
-                self.stop(0.0)
-                raise
         self._reaper.start()
-        log.info(
-            "registry serving on %s (%d process(es))", self.address, self.settings.workers
-        )
+        log.info("registry serving on %s", self.address)
         return self.port
-
-    @property
-    def _link_address(self) -> str:
-        return f"unix:{self._link_dir}/link.sock"
-
-    @property
-    def worker_pids(self) -> list[int]:
-        """The process ids of the workers serving beside this one (`--workers`)."""
-        return self._workers.pids if self._workers is not None else []
 
     def _run_aio(self) -> None:
         try:
@@ -176,10 +149,9 @@ class RegistryServer:
     async def _serve_aio(self) -> None:
         self._loop = asyncio.get_running_loop()
         s = self.settings
-        shared = s.workers > 1
         server = grpc.aio.server(
             interceptors=grpc_util.aio_server_interceptors(s.token, s.admin_token),
-            options=grpc_util.SHARED_PORT_SERVER_OPTIONS if shared else grpc_util.SERVER_OPTIONS,
+            options=grpc_util.SERVER_OPTIONS,
         )
         servicer = RegistryServicer(
             self.store, AuthPolicy(s.token, s.admin_token), s.watch_coalesce_ms
@@ -187,40 +159,14 @@ class RegistryServer:
         registry_pb2_grpc.add_RegistryServicer_to_server(servicer, server)
         await grpc_util.aio_add_health_and_reflection(server, [SERVICE_NAME])
         self.port = self._bind(server)
-        servers = [server]
-        if shared:
-            servers.append(await self._link_server(servicer))
-        for each in servers:
-            await each.start()
+        await server.start()
         self._shutdown = asyncio.Event()
         self._started.set()
         await self._shutdown.wait()
-        await asyncio.gather(*(each.stop(self._grace) for each in servers))
-
-    async def _link_server(self, servicer: RegistryServicer) -> grpc.aio.Server:
-        """The workers' way in: the registry's services plus `RegistryLink`, on a Unix socket
-        in a directory only this user can enter (mkdtemp: mode 0700), with the same
-        credentials required as on the port."""
-        s = self.settings
-        self._link_dir = tempfile.mkdtemp(prefix="pdplane-registry-")
-        link = grpc.aio.server(
-            interceptors=grpc_util.aio_server_interceptors(s.token, s.admin_token),
-            options=grpc_util.SERVER_OPTIONS,
-        )
-        registry_pb2_grpc.add_RegistryServicer_to_server(servicer, link)
-        registry_link_pb2_grpc.add_RegistryLinkServicer_to_server(
-            RegistryLinkServicer(servicer), link
-        )
-        await grpc_util.aio_add_health_and_reflection(link, [SERVICE_NAME])
-        link.add_insecure_port(self._link_address)
-        return link
+        await server.stop(self._grace)
 
     def stop(self, grace: float = 0.5) -> None:
-        """Stops serving (workers first; open watch streams are cancelled) and joins the
-        threads."""
-        if self._workers is not None:
-            self._workers.stop(grace)
-            self._workers = None
+        """Stops serving (open watch streams are cancelled) and joins the threads."""
         self._reaper.stop()
         if self._shutdown is not None and self._loop is not None:
             self._grace = grace
@@ -230,7 +176,4 @@ class RegistryServer:
             self._thread.join(timeout=grace + 5.0)
             self._thread = None
         self.store.close()
-        if self._link_dir is not None:
-            shutil.rmtree(self._link_dir, ignore_errors=True)
-            self._link_dir = None
         log.info("registry on %s stopped", self.address)

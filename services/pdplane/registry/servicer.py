@@ -25,7 +25,7 @@ from pdplane.registry.store import (
     StoreError,
     StoreUnavailableError,
 )
-from pdplane.v1 import instance_pb2, registry_link_pb2, registry_pb2, registry_pb2_grpc
+from pdplane.v1 import instance_pb2, registry_pb2, registry_pb2_grpc
 
 __all__ = ["SERVICE_NAME", "RegistryServicer", "public"]
 
@@ -58,15 +58,10 @@ _ERRORS = (ValidationError, StoreError)
 _MAX_DETAILS = 1000
 
 
-def _status(exc: Exception) -> tuple[grpc.StatusCode, str]:
-    code = next(code for kind, code in _STATUS if isinstance(exc, kind))
-    return code, str(exc)[:_MAX_DETAILS]
-
-
 def _fail(context: Any, exc: Exception) -> None:
-    code, details = _status(exc)
+    code = next(code for kind, code in _STATUS if isinstance(exc, kind))
     context.set_code(code)
-    context.set_details(details)
+    context.set_details(str(exc)[:_MAX_DETAILS])
 
 
 def _call(context: Any, empty: _R, fn: Callable[[], _R]) -> _R:
@@ -254,18 +249,6 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
             request.instance_id, request.lease_id, request.load
         )
         return registry_pb2.HeartbeatResponse(lease_ttl_ms=ttl_ms, state=state)
-
-    async def heartbeat_outcome(
-        self, request: registry_pb2.HeartbeatRequest
-    ) -> registry_link_pb2.HeartbeatOutcome:
-        """One heartbeat applied as HeartbeatStream applies it, the answer as a value: the
-        response, or the status (code, details) the stream would end with. For heartbeats a
-        registry worker batched (`pdplane.registry.link`)."""
-        try:
-            return registry_link_pb2.HeartbeatOutcome(response=await self._beat(request))
-        except _ERRORS as exc:
-            code, details = _status(exc)
-            return registry_link_pb2.HeartbeatOutcome(code=code.value[0], details=details)
 
     async def Heartbeat(  # type: ignore[override]
         self, request: registry_pb2.HeartbeatRequest, context: grpc.aio.ServicerContext

@@ -59,14 +59,6 @@ class RegistrySettings(CommandSettings):
     event_history: int = Field(
         10_000, ge=0, description="events kept to replay to re-watching clients"
     )
-    workers: int = Field(
-        1,
-        ge=1,
-        le=64,
-        description="processes serving the port (SO_REUSEPORT): this one owns the store, the "
-        "others answer heartbeats in batches through it and forward every other call; one per "
-        "core the registry may use",
-    )
     log_level: str = Field("INFO", description="logging level")
     store: Literal["memory", "etcd"] = Field(
         "memory", description="where instances live: memory (one node) or etcd (replicated)"

@@ -29,7 +29,6 @@ __all__ = [
     "FAST_RECONNECT_OPTIONS",
     "KV_SERVER_OPTIONS",
     "SERVER_OPTIONS",
-    "SHARED_PORT_SERVER_OPTIONS",
     "AioTokenAuthInterceptor",
     "TokenAuthInterceptor",
     "add_health_and_reflection",
@@ -73,12 +72,6 @@ CONTROL_MAX_RECEIVE_BYTES = 4 * 1024 * 1024
 SERVER_OPTIONS: list[tuple[str, Any]] = [
     *_SERVER_BASE_OPTIONS,
     ("grpc.max_receive_message_length", CONTROL_MAX_RECEIVE_BYTES),
-]
-#: `SERVER_OPTIONS` for a server that shares its port with processes of the same service
-#: (SO_REUSEPORT: the registry's `--workers`); elsewhere a port taken twice is an error.
-SHARED_PORT_SERVER_OPTIONS: list[tuple[str, Any]] = [
-    *(option for option in SERVER_OPTIONS if option[0] != "grpc.so_reuseport"),
-    ("grpc.so_reuseport", 1),
 ]
 #: Options of the KV data path servers (the connector's KvTransfer server, the sim instance's):
 #: a pushed KV chunk (TCP PushBlocks) may be up to 64 MiB (bytes).
