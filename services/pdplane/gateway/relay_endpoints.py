@@ -309,9 +309,9 @@ class _Turn:
         """Takes the request from its key's rate limits (GatewayError 429 when over)."""
         self.who = who
         new = req.max_tokens or max(0, max_model_len - req.prompt_tokens)
-        choices = req.body.get("n") or 1  # a validated int; below 1 refused before this
+        choices = max(1, req.body.get("n") or 1)  # n: a validated int or absent (vLLM refuses < 1)
         self.prompt = req.prompt_tokens
-        self.cost = max(1, req.prompt_tokens + max(1, choices) * new)
+        self.cost = max(1, req.prompt_tokens + choices * new)
         limiter.take(who, self.cost)
         self.charged = self.cost if who.tokens_per_min else 0
         self.completion = 0
