@@ -15,6 +15,10 @@ __all__ = ["COMMANDS", "main"]
 #: command -> (module exposing main(argv), one-line help). Adding a command is one line here.
 COMMANDS: dict[str, tuple[str, str]] = {
     "registry": ("pdplane.registry.__main__", "run the registry gRPC service"),
+    "registry-relay": (
+        "pdplane.registry.relay",
+        "relay a host's heartbeats to the registry in one message a second (large fleets)",
+    ),
     "ls": ("pdplane.cli.ls", "list (or --watch) the instances in a registry"),
     "status": ("pdplane.cli.status", "how a gateway serves each model: pairs, precise routing"),
     "drain": ("pdplane.cli.drain", "stop scheduling onto an instance before removing it"),

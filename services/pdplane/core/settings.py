@@ -82,7 +82,8 @@ class CommandSettings(BaseSettings):
                 flag = "-".join(str(p) for p in err["loc"]).replace("_", "-")
                 where = f"--{flag}: " if flag else ""
                 got = f" (got {err['input']!r})" if flag and "input" in err else ""
-                # A validator's own ValueError reads as its message, without pydantic's prefix.
-                msg = err["msg"].removeprefix("Value error, ")
+                # A validator's own ValueError reads as its message, without pydantic's prefix
+                # and without the command's name when the message already starts with it.
+                msg = err["msg"].removeprefix("Value error, ").removeprefix(f"{name}: ")
                 sys.stderr.write(f"error: {name}: {where}{msg}{got}\n")
             raise SystemExit(2) from None

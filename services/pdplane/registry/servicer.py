@@ -41,6 +41,9 @@ _R = TypeVar("_R")
 _Event = registry_pb2.WatchEvent
 #: Largest BATCH the registry sends, whatever a watcher asks for (bounds message size).
 MAX_BATCH = 1024
+#: Most heartbeats in one HeartbeatBatch (a host's relay sends one per instance on its host;
+#: 4,096 load reports are ~400 KiB).
+MAX_HEARTBEAT_BATCH = 4096
 #: About the most bytes of one SNAPSHOT part (to watchers that accept parts) and of one
 #: ListInstancesStream message: far below gRPC's 64 MiB limit, which 5,000 large specs (88 MB)
 #: had outgrown. A part holds at least one instance (a spec is at most 8 KiB).
@@ -58,10 +61,15 @@ _ERRORS = (ValidationError, StoreError)
 _MAX_DETAILS = 1000
 
 
-def _fail(context: Any, exc: Exception) -> None:
+def _status(exc: Exception) -> tuple[grpc.StatusCode, str]:
     code = next(code for kind, code in _STATUS if isinstance(exc, kind))
+    return code, str(exc)[:_MAX_DETAILS]
+
+
+def _fail(context: Any, exc: Exception) -> None:
+    code, details = _status(exc)
     context.set_code(code)
-    context.set_details(str(exc)[:_MAX_DETAILS])
+    context.set_details(details)
 
 
 def _call(context: Any, empty: _R, fn: Callable[[], _R]) -> _R:
@@ -270,6 +278,36 @@ class RegistryServicer(registry_pb2_grpc.RegistryServicer):
                 await context.write(await self._beat(request))
         except _ERRORS as exc:
             _fail(context, exc)
+
+    async def _outcome(
+        self, request: registry_pb2.HeartbeatRequest
+    ) -> registry_pb2.HeartbeatOutcome:
+        try:
+            return registry_pb2.HeartbeatOutcome(response=await self._beat(request))
+        except _ERRORS as exc:
+            code, details = _status(exc)
+            return registry_pb2.HeartbeatOutcome(code=code.value[0], details=details)
+
+    async def HeartbeatBatchStream(  # type: ignore[override]
+        self,
+        request_iterator: AsyncIterator[registry_pb2.HeartbeatBatch],
+        context: grpc.aio.ServicerContext,
+    ) -> None:
+        """One HeartbeatBatchResponse per HeartbeatBatch, its outcomes in the batch's order;
+        INVALID_ARGUMENT ends the stream for a batch over `MAX_HEARTBEAT_BATCH`."""
+        while (batch := await context.read()) is not grpc.aio.EOF:
+            if len(batch.heartbeats) > MAX_HEARTBEAT_BATCH:
+                context.set_code(grpc.StatusCode.INVALID_ARGUMENT)
+                context.set_details(
+                    f"heartbeats: {len(batch.heartbeats)} in one batch, at most "
+                    f"{MAX_HEARTBEAT_BATCH}"
+                )
+                return
+            # One after the other: each is a dictionary update in the steady state (a task per
+            # heartbeat would cost more than the heartbeat); only an etcd replica taking an
+            # instance over waits on the store, and then the batch waits with it.
+            outcomes = [await self._outcome(request) for request in batch.heartbeats]
+            await context.write(registry_pb2.HeartbeatBatchResponse(outcomes=outcomes))
 
     async def Deregister(  # type: ignore[override]
         self, request: registry_pb2.DeregisterRequest, context: grpc.aio.ServicerContext

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdplane.v1 import instance_pb2 as pdplane_dot_v1_dot_instance__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19pdplane/v1/registry.proto\x12\npdplane.v1\x1a\x19pdplane/v1/instance.proto\"u\n\x0fRegisterRequest\x12&\n\x04spec\x18\x01 \x01(\x0b\x32\x18.pdplane.v1.InstanceSpec\x12\x14\n\x0clease_ttl_ms\x18\x02 \x01(\r\x12\x10\n\x08lease_id\x18\x03 \x01(\t\x12\x12\n\nrequest_id\x18\x04 \x01(\t\"k\n\x10RegisterResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x14\n\x0clease_ttl_ms\x18\x02 \x01(\r\x12\x1d\n\x15heartbeat_interval_ms\x18\x03 \x01(\r\x12\x10\n\x08revision\x18\x04 \x01(\x04\"_\n\x10HeartbeatRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12$\n\x04load\x18\x03 \x01(\x0b\x32\x16.pdplane.v1.LoadReport\"S\n\x11HeartbeatResponse\x12\x14\n\x0clease_ttl_ms\x18\x01 \x01(\r\x12(\n\x05state\x18\x02 \x01(\x0e\x32\x19.pdplane.v1.InstanceState\"I\n\x11\x44\x65registerRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\r\n\x05\x64rain\x18\x03 \x01(\x08\">\n\x12\x44\x65registerResponse\x12(\n\x05state\x18\x01 \x01(\x0e\x32\x19.pdplane.v1.InstanceState\"o\n\x14ListInstancesRequest\x12\x1e\n\x04role\x18\x01 \x01(\x0e\x32\x10.pdplane.v1.Role\x12\r\n\x05model\x18\x02 \x01(\t\x12(\n\x05state\x18\x03 \x01(\x0e\x32\x19.pdplane.v1.InstanceState\"R\n\x15ListInstancesResponse\x12\'\n\tinstances\x18\x01 \x03(\x0b\x32\x14.pdplane.v1.Instance\x12\x10\n\x08revision\x18\x02 \x01(\x04\")\n\x12GetInstanceRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\"\\\n\x15WatchInstancesRequest\x12\x15\n\rfrom_revision\x18\x01 \x01(\x04\x12\x11\n\tmax_batch\x18\x02 \x01(\r\x12\x19\n\x11\x63hunked_snapshots\x18\x03 \x01(\x08\"\xbc\x02\n\nWatchEvent\x12)\n\x04type\x18\x01 \x01(\x0e\x32\x1b.pdplane.v1.WatchEvent.Type\x12\x10\n\x08revision\x18\x02 \x01(\x04\x12&\n\x08instance\x18\x03 \x01(\x0b\x32\x14.pdplane.v1.Instance\x12\'\n\tinstances\x18\x04 \x03(\x0b\x32\x14.pdplane.v1.Instance\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12&\n\x06\x65vents\x18\x06 \x03(\x0b\x32\x16.pdplane.v1.WatchEvent\x12\x0c\n\x04more\x18\x07 \x01(\x08\"Z\n\x04Type\x12\x14\n\x10TYPE_UNSPECIFIED\x10\x00\x12\x0c\n\x08SNAPSHOT\x10\x01\x12\t\n\x05\x41\x44\x44\x45\x44\x10\x02\x12\x0b\n\x07UPDATED\x10\x03\x12\x0b\n\x07REMOVED\x10\x04\x12\t\n\x05\x42\x41TCH\x10\x05\x32\x84\x05\n\x08Registry\x12\x45\n\x08Register\x12\x1b.pdplane.v1.RegisterRequest\x1a\x1c.pdplane.v1.RegisterResponse\x12H\n\tHeartbeat\x12\x1c.pdplane.v1.HeartbeatRequest\x1a\x1d.pdplane.v1.HeartbeatResponse\x12R\n\x0fHeartbeatStream\x12\x1c.pdplane.v1.HeartbeatRequest\x1a\x1d.pdplane.v1.HeartbeatResponse(\x01\x30\x01\x12K\n\nDeregister\x12\x1d.pdplane.v1.DeregisterRequest\x1a\x1e.pdplane.v1.DeregisterResponse\x12T\n\rListInstances\x12 .pdplane.v1.ListInstancesRequest\x1a!.pdplane.v1.ListInstancesResponse\x12\\\n\x13ListInstancesStream\x12 .pdplane.v1.ListInstancesRequest\x1a!.pdplane.v1.ListInstancesResponse0\x01\x12\x43\n\x0bGetInstance\x12\x1e.pdplane.v1.GetInstanceRequest\x1a\x14.pdplane.v1.Instance\x12M\n\x0eWatchInstances\x12!.pdplane.v1.WatchInstancesRequest\x1a\x16.pdplane.v1.WatchEvent0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19pdplane/v1/registry.proto\x12\npdplane.v1\x1a\x19pdplane/v1/instance.proto\"u\n\x0fRegisterRequest\x12&\n\x04spec\x18\x01 \x01(\x0b\x32\x18.pdplane.v1.InstanceSpec\x12\x14\n\x0clease_ttl_ms\x18\x02 \x01(\r\x12\x10\n\x08lease_id\x18\x03 \x01(\t\x12\x12\n\nrequest_id\x18\x04 \x01(\t\"k\n\x10RegisterResponse\x12\x10\n\x08lease_id\x18\x01 \x01(\t\x12\x14\n\x0clease_ttl_ms\x18\x02 \x01(\r\x12\x1d\n\x15heartbeat_interval_ms\x18\x03 \x01(\r\x12\x10\n\x08revision\x18\x04 \x01(\x04\"_\n\x10HeartbeatRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12$\n\x04load\x18\x03 \x01(\x0b\x32\x16.pdplane.v1.LoadReport\"S\n\x11HeartbeatResponse\x12\x14\n\x0clease_ttl_ms\x18\x01 \x01(\r\x12(\n\x05state\x18\x02 \x01(\x0e\x32\x19.pdplane.v1.InstanceState\"B\n\x0eHeartbeatBatch\x12\x30\n\nheartbeats\x18\x01 \x03(\x0b\x32\x1c.pdplane.v1.HeartbeatRequest\"b\n\x10HeartbeatOutcome\x12/\n\x08response\x18\x01 \x01(\x0b\x32\x1d.pdplane.v1.HeartbeatResponse\x12\x0c\n\x04\x63ode\x18\x02 \x01(\r\x12\x0f\n\x07\x64\x65tails\x18\x03 \x01(\t\"H\n\x16HeartbeatBatchResponse\x12.\n\x08outcomes\x18\x01 \x03(\x0b\x32\x1c.pdplane.v1.HeartbeatOutcome\"I\n\x11\x44\x65registerRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\r\n\x05\x64rain\x18\x03 \x01(\x08\">\n\x12\x44\x65registerResponse\x12(\n\x05state\x18\x01 \x01(\x0e\x32\x19.pdplane.v1.InstanceState\"o\n\x14ListInstancesRequest\x12\x1e\n\x04role\x18\x01 \x01(\x0e\x32\x10.pdplane.v1.Role\x12\r\n\x05model\x18\x02 \x01(\t\x12(\n\x05state\x18\x03 \x01(\x0e\x32\x19.pdplane.v1.InstanceState\"R\n\x15ListInstancesResponse\x12\'\n\tinstances\x18\x01 \x03(\x0b\x32\x14.pdplane.v1.Instance\x12\x10\n\x08revision\x18\x02 \x01(\x04\")\n\x12GetInstanceRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\"\\\n\x15WatchInstancesRequest\x12\x15\n\rfrom_revision\x18\x01 \x01(\x04\x12\x11\n\tmax_batch\x18\x02 \x01(\r\x12\x19\n\x11\x63hunked_snapshots\x18\x03 \x01(\x08\"\xbc\x02\n\nWatchEvent\x12)\n\x04type\x18\x01 \x01(\x0e\x32\x1b.pdplane.v1.WatchEvent.Type\x12\x10\n\x08revision\x18\x02 \x01(\x04\x12&\n\x08instance\x18\x03 \x01(\x0b\x32\x14.pdplane.v1.Instance\x12\'\n\tinstances\x18\x04 \x03(\x0b\x32\x14.pdplane.v1.Instance\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12&\n\x06\x65vents\x18\x06 \x03(\x0b\x32\x16.pdplane.v1.WatchEvent\x12\x0c\n\x04more\x18\x07 \x01(\x08\"Z\n\x04Type\x12\x14\n\x10TYPE_UNSPECIFIED\x10\x00\x12\x0c\n\x08SNAPSHOT\x10\x01\x12\t\n\x05\x41\x44\x44\x45\x44\x10\x02\x12\x0b\n\x07UPDATED\x10\x03\x12\x0b\n\x07REMOVED\x10\x04\x12\t\n\x05\x42\x41TCH\x10\x05\x32\xe0\x05\n\x08Registry\x12\x45\n\x08Register\x12\x1b.pdplane.v1.RegisterRequest\x1a\x1c.pdplane.v1.RegisterResponse\x12H\n\tHeartbeat\x12\x1c.pdplane.v1.HeartbeatRequest\x1a\x1d.pdplane.v1.HeartbeatResponse\x12R\n\x0fHeartbeatStream\x12\x1c.pdplane.v1.HeartbeatRequest\x1a\x1d.pdplane.v1.HeartbeatResponse(\x01\x30\x01\x12Z\n\x14HeartbeatBatchStream\x12\x1a.pdplane.v1.HeartbeatBatch\x1a\".pdplane.v1.HeartbeatBatchResponse(\x01\x30\x01\x12K\n\nDeregister\x12\x1d.pdplane.v1.DeregisterRequest\x1a\x1e.pdplane.v1.DeregisterResponse\x12T\n\rListInstances\x12 .pdplane.v1.ListInstancesRequest\x1a!.pdplane.v1.ListInstancesResponse\x12\\\n\x13ListInstancesStream\x12 .pdplane.v1.ListInstancesRequest\x1a!.pdplane.v1.ListInstancesResponse0\x01\x12\x43\n\x0bGetInstance\x12\x1e.pdplane.v1.GetInstanceRequest\x1a\x14.pdplane.v1.Instance\x12M\n\x0eWatchInstances\x12!.pdplane.v1.WatchInstancesRequest\x1a\x16.pdplane.v1.WatchEvent0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,22 +40,28 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HEARTBEATREQUEST']._serialized_end=391
   _globals['_HEARTBEATRESPONSE']._serialized_start=393
   _globals['_HEARTBEATRESPONSE']._serialized_end=476
-  _globals['_DEREGISTERREQUEST']._serialized_start=478
-  _globals['_DEREGISTERREQUEST']._serialized_end=551
-  _globals['_DEREGISTERRESPONSE']._serialized_start=553
-  _globals['_DEREGISTERRESPONSE']._serialized_end=615
-  _globals['_LISTINSTANCESREQUEST']._serialized_start=617
-  _globals['_LISTINSTANCESREQUEST']._serialized_end=728
-  _globals['_LISTINSTANCESRESPONSE']._serialized_start=730
-  _globals['_LISTINSTANCESRESPONSE']._serialized_end=812
-  _globals['_GETINSTANCEREQUEST']._serialized_start=814
-  _globals['_GETINSTANCEREQUEST']._serialized_end=855
-  _globals['_WATCHINSTANCESREQUEST']._serialized_start=857
-  _globals['_WATCHINSTANCESREQUEST']._serialized_end=949
-  _globals['_WATCHEVENT']._serialized_start=952
-  _globals['_WATCHEVENT']._serialized_end=1268
-  _globals['_WATCHEVENT_TYPE']._serialized_start=1178
-  _globals['_WATCHEVENT_TYPE']._serialized_end=1268
-  _globals['_REGISTRY']._serialized_start=1271
-  _globals['_REGISTRY']._serialized_end=1915
+  _globals['_HEARTBEATBATCH']._serialized_start=478
+  _globals['_HEARTBEATBATCH']._serialized_end=544
+  _globals['_HEARTBEATOUTCOME']._serialized_start=546
+  _globals['_HEARTBEATOUTCOME']._serialized_end=644
+  _globals['_HEARTBEATBATCHRESPONSE']._serialized_start=646
+  _globals['_HEARTBEATBATCHRESPONSE']._serialized_end=718
+  _globals['_DEREGISTERREQUEST']._serialized_start=720
+  _globals['_DEREGISTERREQUEST']._serialized_end=793
+  _globals['_DEREGISTERRESPONSE']._serialized_start=795
+  _globals['_DEREGISTERRESPONSE']._serialized_end=857
+  _globals['_LISTINSTANCESREQUEST']._serialized_start=859
+  _globals['_LISTINSTANCESREQUEST']._serialized_end=970
+  _globals['_LISTINSTANCESRESPONSE']._serialized_start=972
+  _globals['_LISTINSTANCESRESPONSE']._serialized_end=1054
+  _globals['_GETINSTANCEREQUEST']._serialized_start=1056
+  _globals['_GETINSTANCEREQUEST']._serialized_end=1097
+  _globals['_WATCHINSTANCESREQUEST']._serialized_start=1099
+  _globals['_WATCHINSTANCESREQUEST']._serialized_end=1191
+  _globals['_WATCHEVENT']._serialized_start=1194
+  _globals['_WATCHEVENT']._serialized_end=1510
+  _globals['_WATCHEVENT_TYPE']._serialized_start=1420
+  _globals['_WATCHEVENT_TYPE']._serialized_end=1510
+  _globals['_REGISTRY']._serialized_start=1513
+  _globals['_REGISTRY']._serialized_end=2249
 # @@protoc_insertion_point(module_scope)

@@ -150,6 +150,82 @@ class HeartbeatResponse(_message.Message):
 Global___HeartbeatResponse: _TypeAlias = HeartbeatResponse  # noqa: Y015
 
 @_typing.final
+class HeartbeatBatch(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HEARTBEATS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def heartbeats(self) -> _containers.RepeatedCompositeFieldContainer[Global___HeartbeatRequest]:
+        """at most 4,096"""
+
+    def __init__(
+        self,
+        *,
+        heartbeats: _abc.Iterable[Global___HeartbeatRequest] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["heartbeats", b"heartbeats"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HeartbeatBatch: _TypeAlias = HeartbeatBatch  # noqa: Y015
+
+@_typing.final
+class HeartbeatOutcome(_message.Message):
+    """What the registry answered one heartbeat of a batch: `response` when `code` is 0, else the
+    status HeartbeatStream would have ended with (a google.rpc.Code value, e.g. 5 NOT_FOUND:
+    register again; 14 UNAVAILABLE: this replica cannot vouch for the lease now) and its
+    message.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESPONSE_FIELD_NUMBER: _builtins.int
+    CODE_FIELD_NUMBER: _builtins.int
+    DETAILS_FIELD_NUMBER: _builtins.int
+    code: _builtins.int
+    details: _builtins.str
+    @_builtins.property
+    def response(self) -> Global___HeartbeatResponse: ...
+    def __init__(
+        self,
+        *,
+        response: Global___HeartbeatResponse | None = ...,
+        code: _builtins.int = ...,
+        details: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["response", b"response"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "details", b"details", "response", b"response"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HeartbeatOutcome: _TypeAlias = HeartbeatOutcome  # noqa: Y015
+
+@_typing.final
+class HeartbeatBatchResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OUTCOMES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def outcomes(self) -> _containers.RepeatedCompositeFieldContainer[Global___HeartbeatOutcome]:
+        """one per heartbeat of the batch, in its order"""
+
+    def __init__(
+        self,
+        *,
+        outcomes: _abc.Iterable[Global___HeartbeatOutcome] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["outcomes", b"outcomes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HeartbeatBatchResponse: _TypeAlias = HeartbeatBatchResponse  # noqa: Y015
+
+@_typing.final
 class DeregisterRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -50,6 +50,11 @@ class RegistryStub:
                 request_serializer=pdplane_dot_v1_dot_registry__pb2.HeartbeatRequest.SerializeToString,
                 response_deserializer=pdplane_dot_v1_dot_registry__pb2.HeartbeatResponse.FromString,
                 _registered_method=True)
+        self.HeartbeatBatchStream = channel.stream_stream(
+                '/pdplane.v1.Registry/HeartbeatBatchStream',
+                request_serializer=pdplane_dot_v1_dot_registry__pb2.HeartbeatBatch.SerializeToString,
+                response_deserializer=pdplane_dot_v1_dot_registry__pb2.HeartbeatBatchResponse.FromString,
+                _registered_method=True)
         self.Deregister = channel.unary_unary(
                 '/pdplane.v1.Registry/Deregister',
                 request_serializer=pdplane_dot_v1_dot_registry__pb2.DeregisterRequest.SerializeToString,
@@ -105,6 +110,20 @@ class RegistryServicer:
         response, in order. The stream ends with the status a unary Heartbeat would have answered:
         NOT_FOUND (register again), INVALID_ARGUMENT, UNAVAILABLE (this replica cannot vouch for
         the lease right now: try another one).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def HeartbeatBatchStream(self, request_iterator, context):
+        """Heartbeats of many instances in one message: what a host's heartbeat relay
+        (`pdplane registry-relay`) sends for the instances on its host, so that the registry reads
+        one message per host and second instead of one per instance (docs/registry.md, "A fleet
+        of thousands"). Each batch's heartbeats are applied exactly as HeartbeatStream applies
+        them, and the batch is answered by one HeartbeatBatchResponse: one outcome per heartbeat,
+        in order. A refused heartbeat is an outcome (its status), not the end of the stream; the
+        stream itself ends only with INVALID_ARGUMENT (a batch of more than 4,096 heartbeats) or
+        UNAUTHENTICATED.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -166,6 +185,11 @@ def add_RegistryServicer_to_server(servicer, server):
                     servicer.HeartbeatStream,
                     request_deserializer=pdplane_dot_v1_dot_registry__pb2.HeartbeatRequest.FromString,
                     response_serializer=pdplane_dot_v1_dot_registry__pb2.HeartbeatResponse.SerializeToString,
+            ),
+            'HeartbeatBatchStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.HeartbeatBatchStream,
+                    request_deserializer=pdplane_dot_v1_dot_registry__pb2.HeartbeatBatch.FromString,
+                    response_serializer=pdplane_dot_v1_dot_registry__pb2.HeartbeatBatchResponse.SerializeToString,
             ),
             'Deregister': grpc.unary_unary_rpc_method_handler(
                     servicer.Deregister,
@@ -274,6 +298,33 @@ class Registry:
             '/pdplane.v1.Registry/HeartbeatStream',
             pdplane_dot_v1_dot_registry__pb2.HeartbeatRequest.SerializeToString,
             pdplane_dot_v1_dot_registry__pb2.HeartbeatResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def HeartbeatBatchStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pdplane.v1.Registry/HeartbeatBatchStream',
+            pdplane_dot_v1_dot_registry__pb2.HeartbeatBatch.SerializeToString,
+            pdplane_dot_v1_dot_registry__pb2.HeartbeatBatchResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -52,6 +52,16 @@ class RegistryStub:
     NOT_FOUND (register again), INVALID_ARGUMENT, UNAVAILABLE (this replica cannot vouch for
     the lease right now: try another one).
     """
+    HeartbeatBatchStream: _grpc.StreamStreamMultiCallable[_registry_pb2.HeartbeatBatch, _registry_pb2.HeartbeatBatchResponse]
+    """Heartbeats of many instances in one message: what a host's heartbeat relay
+    (`pdplane registry-relay`) sends for the instances on its host, so that the registry reads
+    one message per host and second instead of one per instance (docs/registry.md, "A fleet
+    of thousands"). Each batch's heartbeats are applied exactly as HeartbeatStream applies
+    them, and the batch is answered by one HeartbeatBatchResponse: one outcome per heartbeat,
+    in order. A refused heartbeat is an outcome (its status), not the end of the stream; the
+    stream itself ends only with INVALID_ARGUMENT (a batch of more than 4,096 heartbeats) or
+    UNAUTHENTICATED.
+    """
     Deregister: _grpc.UnaryUnaryMultiCallable[_registry_pb2.DeregisterRequest, _registry_pb2.DeregisterResponse]
     """Removes an instance now, or with drain=true marks it DRAINING (listed, never scheduled)."""
     ListInstances: _grpc.UnaryUnaryMultiCallable[_registry_pb2.ListInstancesRequest, _registry_pb2.ListInstancesResponse]
@@ -90,6 +100,16 @@ class RegistryAsyncStub(RegistryStub):
     response, in order. The stream ends with the status a unary Heartbeat would have answered:
     NOT_FOUND (register again), INVALID_ARGUMENT, UNAVAILABLE (this replica cannot vouch for
     the lease right now: try another one).
+    """
+    HeartbeatBatchStream: _aio.StreamStreamMultiCallable[_registry_pb2.HeartbeatBatch, _registry_pb2.HeartbeatBatchResponse]  # type: ignore[assignment]
+    """Heartbeats of many instances in one message: what a host's heartbeat relay
+    (`pdplane registry-relay`) sends for the instances on its host, so that the registry reads
+    one message per host and second instead of one per instance (docs/registry.md, "A fleet
+    of thousands"). Each batch's heartbeats are applied exactly as HeartbeatStream applies
+    them, and the batch is answered by one HeartbeatBatchResponse: one outcome per heartbeat,
+    in order. A refused heartbeat is an outcome (its status), not the end of the stream; the
+    stream itself ends only with INVALID_ARGUMENT (a batch of more than 4,096 heartbeats) or
+    UNAUTHENTICATED.
     """
     Deregister: _aio.UnaryUnaryMultiCallable[_registry_pb2.DeregisterRequest, _registry_pb2.DeregisterResponse]  # type: ignore[assignment]
     """Removes an instance now, or with drain=true marks it DRAINING (listed, never scheduled)."""
@@ -144,6 +164,22 @@ class RegistryServicer(metaclass=_abc_1.ABCMeta):
         response, in order. The stream ends with the status a unary Heartbeat would have answered:
         NOT_FOUND (register again), INVALID_ARGUMENT, UNAVAILABLE (this replica cannot vouch for
         the lease right now: try another one).
+        """
+
+    @_abc_1.abstractmethod
+    def HeartbeatBatchStream(
+        self,
+        request_iterator: _MaybeAsyncIterator[_registry_pb2.HeartbeatBatch],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_registry_pb2.HeartbeatBatchResponse], _abc.AsyncIterator[_registry_pb2.HeartbeatBatchResponse]]:
+        """Heartbeats of many instances in one message: what a host's heartbeat relay
+        (`pdplane registry-relay`) sends for the instances on its host, so that the registry reads
+        one message per host and second instead of one per instance (docs/registry.md, "A fleet
+        of thousands"). Each batch's heartbeats are applied exactly as HeartbeatStream applies
+        them, and the batch is answered by one HeartbeatBatchResponse: one outcome per heartbeat,
+        in order. A refused heartbeat is an outcome (its status), not the end of the stream; the
+        stream itself ends only with INVALID_ARGUMENT (a batch of more than 4,096 heartbeats) or
+        UNAUTHENTICATED.
         """
 
     @_abc_1.abstractmethod

@@ -9,22 +9,32 @@
 
 `running_registry` starts the real gRPC service in-process on 127.0.0.1 (port 0 = any free
 port), with any `RegistrySettings` field as a keyword, and stops it (joining its threads) on
-exit. `make_spec` builds a valid InstanceSpec for tests. `store_defaults` holds settings every
+exit; `running_relay` does the same for a host's heartbeat relay in front of a registry.
+`make_spec` builds a valid InstanceSpec for tests. `store_defaults` holds settings every
 registry started here gets unless the call overrides them (the registry suite sets the etcd
 store's there, to run the same tests on both stores).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import threading
 from collections.abc import Iterator
 from typing import Any
 
+from pdplane.registry.relay import RegistryRelay, RelaySettings
 from pdplane.registry.server import RegistryServer
 from pdplane.registry.settings import RegistrySettings
 from pdplane.v1 import instance_pb2
 
-__all__ = ["make_spec", "running_registry", "running_registry_server", "store_defaults"]
+__all__ = [
+    "make_spec",
+    "running_registry",
+    "running_registry_server",
+    "running_relay",
+    "store_defaults",
+]
 
 #: Settings merged under every `running_registry_server` call's own keywords.
 store_defaults: dict[str, Any] = {}
@@ -50,6 +60,32 @@ def running_registry(port: int = 0, **settings: Any) -> Iterator[str]:
     address "127.0.0.1:<bound port>". Keywords are `RegistrySettings` fields."""
     with running_registry_server(port, **settings) as server:
         yield server.address
+
+
+@contextlib.contextmanager
+def running_relay(registry: str, **settings: Any) -> Iterator[RegistryRelay]:
+    """`pdplane registry-relay` for `registry`, served on 127.0.0.1 (any free port) from an
+    event loop on a thread of its own for the block; yields the `RegistryRelay` (`.port`,
+    `.relay`'s counters). Keywords are `RelaySettings` fields."""
+    config = RelaySettings.model_validate(
+        {"host": "127.0.0.1", "port": 0, "registry": registry, **settings}
+    )
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="pdplane-test-relay", daemon=True)
+    thread.start()
+    relay = asyncio.run_coroutine_threadsafe(_made(config), loop).result(10)
+    try:
+        asyncio.run_coroutine_threadsafe(relay.start(), loop).result(10)
+        yield relay
+    finally:
+        asyncio.run_coroutine_threadsafe(relay.stop(0.2), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+        loop.close()
+
+
+async def _made(config: RelaySettings) -> RegistryRelay:
+    return RegistryRelay(config)  # its asyncio channels belong to the loop that made them
 
 
 def make_spec(

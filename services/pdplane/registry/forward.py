@@ -1,0 +1,123 @@
+"""Forwards gRPC calls unchanged to another server: a heartbeat relay's calls to the registry.
+
+A host's heartbeat relay (`pdplane.registry.relay`) answers HeartbeatStream itself and hands
+every other Registry call to the registry, as bytes: nothing is decoded or re-encoded on the
+way, the caller's metadata (its bearer token) and deadline go with the call, and the registry's
+status and details come back as they were. So the registry authenticates, validates and
+answers exactly as if it had been called directly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from typing import Any
+
+import grpc
+from google.protobuf.descriptor import ServiceDescriptor
+
+__all__ = ["ForwardingHandler", "shapes"]
+
+#: Metadata gRPC itself sets on a call (pseudo-headers, transport details): never copied.
+_TRANSPORT_KEYS = ("grpc-", ":", "user-agent", "content-type", "te")
+
+
+def shapes(services: Iterable[ServiceDescriptor]) -> dict[str, tuple[bool, bool]]:
+    """`"/package.Service/Method"` -> (request streaming, response streaming) of each method."""
+    return {
+        f"/{service.full_name}/{method.name}": (method.client_streaming, method.server_streaming)
+        for service in services
+        for method in service.methods
+    }
+
+
+def _metadata(context: grpc.aio.ServicerContext[Any, Any]) -> tuple[tuple[str, Any], ...]:
+    return tuple(
+        (m.key, m.value)
+        for m in context.invocation_metadata() or ()
+        if not m.key.startswith(_TRANSPORT_KEYS)
+    )
+
+
+async def _relay_error(context: grpc.aio.ServicerContext[Any, Any], exc: grpc.RpcError) -> None:
+    # The registry's status, as it sent it; UNKNOWN when the call broke without one.
+    code = exc.code() if isinstance(exc, grpc.aio.AioRpcError) else grpc.StatusCode.UNKNOWN
+    await context.abort(code, exc.details() if isinstance(exc, grpc.aio.AioRpcError) else "")
+
+
+class ForwardingHandler(grpc.GenericRpcHandler):
+    """Serves each method of `shapes` by calling the same method on `channel()` (the channel
+    to use now: a relay moves to another registry replica when one fails), as bytes.
+
+    `local` maps methods to handlers served here instead (the relay's HeartbeatStream). A
+    method in neither is UNIMPLEMENTED, as on the registry.
+    """
+
+    def __init__(
+        self,
+        channel: Callable[[], grpc.aio.Channel],
+        shapes: Mapping[str, tuple[bool, bool]],
+        local: Mapping[str, grpc.RpcMethodHandler],
+    ) -> None:
+        self._handlers: dict[str, grpc.RpcMethodHandler] = {
+            method: self._forwarder(channel, method, *shape) for method, shape in shapes.items()
+        }
+        self._handlers.update(local)
+
+    def service(
+        self, handler_call_details: grpc.HandlerCallDetails
+    ) -> grpc.RpcMethodHandler | None:
+        return self._handlers.get(handler_call_details.method)
+
+    @staticmethod
+    def _forwarder(
+        channel: Callable[[], grpc.aio.Channel],
+        method: str,
+        request_streaming: bool,
+        response_streaming: bool,
+    ) -> grpc.RpcMethodHandler:
+        # serializer/deserializer None on both sides: the messages stay bytes.
+        if not request_streaming and not response_streaming:
+
+            async def unary_unary(request: bytes, context: Any) -> bytes:
+                try:
+                    reply: bytes = await channel().unary_unary(method)(
+                        request, metadata=_metadata(context), timeout=context.time_remaining()
+                    )
+                except grpc.RpcError as exc:
+                    await _relay_error(context, exc)
+                return reply
+
+            return grpc.unary_unary_rpc_method_handler(unary_unary)
+        if not request_streaming:
+
+            async def unary_stream(request: bytes, context: Any) -> AsyncIterator[bytes]:
+                call = channel().unary_stream(method)(
+                    request, metadata=_metadata(context), timeout=context.time_remaining()
+                )
+                try:
+                    async for reply in call:
+                        yield reply
+                except grpc.RpcError as exc:
+                    await _relay_error(context, exc)
+                finally:
+                    call.cancel()  # the caller left: end the registry's side too
+
+            return grpc.unary_stream_rpc_method_handler(unary_stream)
+
+        async def stream_stream(
+            requests: AsyncIterator[bytes], context: Any
+        ) -> AsyncIterator[bytes]:
+            call = channel().stream_stream(method)(
+                requests, metadata=_metadata(context), timeout=context.time_remaining()
+            )
+            try:
+                async for reply in call:
+                    yield reply
+            except grpc.RpcError as exc:
+                await _relay_error(context, exc)
+            finally:
+                call.cancel()
+
+        # The registry's port has no request-streaming unary-response method; one would be
+        # forwarded as a stream (its single reply relayed), which gRPC accepts on the wire.
+        return grpc.stream_stream_rpc_method_handler(stream_stream)

@@ -1,0 +1,236 @@
+"""A host's heartbeat relay (`pdplane registry-relay`) and the registry's HeartbeatBatchStream:
+instances behind a relay keep their leases and report their load while the registry reads one
+message per tick for all of them; refusals and a lost registry reach the instances."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+import queue
+import threading
+from collections.abc import Callable, Iterator
+
+import grpc
+import pytest
+
+from pdplane.core.grpc import util as grpc_util
+from pdplane.registry.client import RegistrationClient
+from pdplane.registry.servicer import MAX_HEARTBEAT_BATCH
+from pdplane.v1 import instance_pb2, registry_pb2, registry_pb2_grpc
+from tests.integration.registry.conftest import WatchRecorder, wait_until
+from tests.integration.registry.fixtures import (
+    make_spec,
+    running_registry,
+    running_registry_server,
+    running_relay,
+)
+
+Ev = registry_pb2.WatchEvent
+TOKEN, ADMIN = "relay-test-token", "relay-test-admin"
+NOT_FOUND = grpc.StatusCode.NOT_FOUND.value[0]
+
+
+def _beat(instance_id: str, lease_id: str, running: int = 0) -> registry_pb2.HeartbeatRequest:
+    return registry_pb2.HeartbeatRequest(
+        instance_id=instance_id,
+        lease_id=lease_id,
+        load=instance_pb2.LoadReport(num_running=running),
+    )
+
+
+def _climbing_load(counter: Iterator[int]) -> instance_pb2.LoadReport:
+    return instance_pb2.LoadReport(num_running=next(counter))
+
+
+class _Stream:
+    """One bidirectional stream driven message by message from the test's thread."""
+
+    def __init__(self, method: Callable[..., Iterator[object]], **kwargs: object) -> None:
+        self._requests: queue.Queue[object] = queue.Queue()
+        self._replies = method(iter(self._requests.get, None), **kwargs)
+
+    def send(self, message: object) -> object:
+        self._requests.put(message)
+        return next(self._replies)
+
+    def close(self) -> None:
+        self._requests.put(None)
+
+
+def test_a_batch_is_answered_in_order_and_a_refused_heartbeat_does_not_end_the_stream() -> None:
+    with running_registry(lease_ttl_ms=5000) as address, grpc_util.channel(address) as chan:
+        stub = registry_pb2_grpc.RegistryStub(chan)
+        leases = {
+            name: stub.Register(registry_pb2.RegisterRequest(spec=make_spec(name))).lease_id
+            for name in ("p0", "p1")
+        }
+        stream = _Stream(stub.HeartbeatBatchStream, timeout=10)
+        first = stream.send(
+            registry_pb2.HeartbeatBatch(
+                heartbeats=[
+                    _beat("p0", leases["p0"], 3),
+                    _beat("p1", "no-such-lease"),
+                    _beat("p1", leases["p1"], 5),
+                ]
+            )
+        )
+        assert isinstance(first, registry_pb2.HeartbeatBatchResponse)
+        assert [o.code for o in first.outcomes] == [0, NOT_FOUND, 0]
+        assert first.outcomes[0].response.state == instance_pb2.INSTANCE_STATE_SERVING
+        assert first.outcomes[0].response.lease_ttl_ms == 5000
+        assert "p1" in first.outcomes[1].details
+        running = {
+            name: stub.GetInstance(
+                registry_pb2.GetInstanceRequest(instance_id=name)
+            ).load.num_running
+            for name in ("p0", "p1")
+        }
+        assert running == {"p0": 3, "p1": 5}
+        # The stream goes on after a refusal: the next batch is answered as well.
+        second = stream.send(registry_pb2.HeartbeatBatch(heartbeats=[_beat("p0", leases["p0"], 7)]))
+        assert isinstance(second, registry_pb2.HeartbeatBatchResponse)
+        assert [o.code for o in second.outcomes] == [0]
+        stream.close()
+
+
+def test_a_batch_over_the_limit_ends_the_stream_with_invalid_argument() -> None:
+    with running_registry() as address, grpc_util.channel(address) as chan:
+        stub = registry_pb2_grpc.RegistryStub(chan)
+        stream = _Stream(stub.HeartbeatBatchStream, timeout=10)
+        with pytest.raises(grpc.RpcError) as refused:
+            stream.send(
+                registry_pb2.HeartbeatBatch(
+                    heartbeats=[_beat("p0", "x")] * (MAX_HEARTBEAT_BATCH + 1)
+                )
+            )
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert str(MAX_HEARTBEAT_BATCH) in (refused.value.details() or "")
+
+
+def test_instances_behind_a_relay_keep_their_leases_and_report_load_in_few_messages(
+    recorder_factory: Callable[..., WatchRecorder],
+) -> None:
+    # Leases of 1 s renewed by 200 ms heartbeats that reach the registry as one batch per
+    # 200 ms tick: over 3 TTLs no instance may lapse, and each one's load must arrive.
+    with (
+        running_registry(lease_ttl_ms=1000, heartbeat_interval_ms=200) as address,
+        running_relay(address, flush_interval_ms=200, stale_after_ms=1000) as relay,
+        grpc_util.channel(address) as chan,
+    ):
+        stub = registry_pb2_grpc.RegistryStub(chan)
+        watch = recorder_factory(address)
+        counters = {f"i{n}": itertools.count(1) for n in range(6)}
+        clients = [
+            RegistrationClient(
+                f"127.0.0.1:{relay.port}",
+                make_spec(name),
+                functools.partial(_climbing_load, counter),
+            )
+            for name, counter in counters.items()
+        ]
+        for client in clients:
+            client.start()
+        try:
+            assert all(client.wait_registered(5) for client in clients)
+            beats_at_start = relay.relay.heartbeats_sent
+            # Every instance's load climbs past 10 at the registry (>= 10 heartbeats each).
+            assert wait_until(
+                lambda: all(
+                    stub.GetInstance(
+                        registry_pb2.GetInstanceRequest(instance_id=name)
+                    ).load.num_running
+                    > 10
+                    for name in counters
+                ),
+                10,
+            )
+            assert not watch.of_type(Ev.REMOVED), "a lease lapsed behind the relay"
+            heartbeats = relay.relay.heartbeats_sent - beats_at_start
+            assert heartbeats >= 6 * 8
+            # Six instances on one host: a batch carries about six heartbeats, not one.
+            assert relay.relay.batches_sent * 3 <= relay.relay.heartbeats_sent
+        finally:
+            for client in clients:
+                client.stop()
+
+
+def test_a_refusal_reaches_the_instance_behind_the_relay_and_it_registers_again(
+    recorder_factory: Callable[..., WatchRecorder],
+) -> None:
+    with (
+        running_registry_server(
+            lease_ttl_ms=2000, heartbeat_interval_ms=200, token=TOKEN, admin_token=ADMIN
+        ) as registry,
+        running_relay(
+            registry.address, token=TOKEN, flush_interval_ms=200, stale_after_ms=1000
+        ) as relay,
+        grpc_util.channel(registry.address) as chan,
+    ):
+        stub = registry_pb2_grpc.RegistryStub(chan)
+        watch = recorder_factory(registry.address, token=TOKEN)
+        client = RegistrationClient(f"127.0.0.1:{relay.port}", make_spec("p0"), token=TOKEN)
+        client.start()
+        try:
+            assert client.wait_registered(5)
+            assert wait_until(lambda: len(watch.of_type(Ev.ADDED)) == 1, 5)
+            # An operator removes it at the registry: its lease is gone, so the next batch's
+            # heartbeat is NOT_FOUND, the relay ends the instance's stream with it, and the
+            # instance registers again (through the relay).
+            stub.Deregister(
+                registry_pb2.DeregisterRequest(instance_id="p0"),
+                metadata=grpc_util.token_metadata(ADMIN),
+            )
+            assert wait_until(lambda: len(watch.of_type(Ev.ADDED)) == 2, 5)
+            assert len(watch.of_type(Ev.REMOVED)) == 1
+        finally:
+            client.stop()
+
+
+def test_the_relay_checks_the_token_and_forwards_calls_with_the_callers_own() -> None:
+    with (
+        running_registry(token=TOKEN) as address,
+        running_relay(address, token=TOKEN) as relay,
+        grpc_util.channel(f"127.0.0.1:{relay.port}") as chan,
+    ):
+        stub = registry_pb2_grpc.RegistryStub(chan)
+        request = registry_pb2.RegisterRequest(spec=make_spec("p0"))
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.Register(request, timeout=5)
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        reply = stub.Register(request, timeout=5, metadata=grpc_util.token_metadata(TOKEN))
+        assert reply.lease_id
+        # The registry's own refusals come back as it sent them.
+        with pytest.raises(grpc.RpcError) as taken:
+            stub.Register(request, timeout=5, metadata=grpc_util.token_metadata(TOKEN))
+        assert taken.value.code() == grpc.StatusCode.ALREADY_EXISTS
+        listed = stub.ListInstances(
+            registry_pb2.ListInstancesRequest(), metadata=grpc_util.token_metadata(TOKEN)
+        )
+        assert [i.spec.instance_id for i in listed.instances] == ["p0"]
+
+
+def test_heartbeats_through_a_relay_that_lost_its_registry_end_unavailable() -> None:
+    with contextlib.ExitStack() as registry_running:
+        server = registry_running.enter_context(
+            running_registry_server(lease_ttl_ms=5000, heartbeat_interval_ms=200)
+        )
+        with (
+            running_relay(server.address, flush_interval_ms=200, stale_after_ms=600) as relay,
+            grpc_util.channel(f"127.0.0.1:{relay.port}") as chan,
+        ):
+            stub = registry_pb2_grpc.RegistryStub(chan)
+            lease = stub.Register(registry_pb2.RegisterRequest(spec=make_spec("p0"))).lease_id
+            stream = _Stream(stub.HeartbeatStream, timeout=20)
+            answer = stream.send(_beat("p0", lease))
+            assert isinstance(answer, registry_pb2.HeartbeatResponse)
+            assert answer.lease_ttl_ms == 5000
+            registry_running.close()  # the registry stops
+            # Answered from the relay's last answer until the registry has been silent for
+            # stale_after (0.6 s), then UNAVAILABLE: the instance's client retries elsewhere.
+            paced = threading.Event()
+            with pytest.raises(grpc.RpcError) as lost:
+                while not paced.wait(0.05):
+                    stream.send(_beat("p0", lease))
+            assert lost.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "registry" in (lost.value.details() or "")
