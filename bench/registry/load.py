@@ -8,18 +8,26 @@
         --clients 12
     .venv/bin/python bench/registry/load.py --n 10000 --store etcd --replicas 2 \
         --registry-cpus 0,1 --clients 12
+    # 10,000 instances behind a heartbeat relay per 8-instance host (pdplane registry-relay):
+    .venv/bin/python bench/registry/load.py --n 10000 --store memory,etcd --mode relay \
+        --per-host 8 --registry-cpus 0
 
 For each store, heartbeat mode and N it starts `pdplane registry` as its own process (or
 `--replicas` of them over one etcd cluster of `--etcd-members` members on loopback, data on
 tmpfs), registers N instances from `--clients` load-generator processes (asyncio gRPC; each
 instance one `HeartbeatStream`, or unary `Heartbeat` calls with `--mode unary`), then sends
-every instance's heartbeat once a second, evenly spread. Every heartbeat carries a changed load
-report whose `recv_buffer_headroom_bytes` is its send time (us), so every heartbeat is an
-UPDATED event and a watcher process (one WatchInstances stream, batches of 256, on the first
-replica) measures the fan-out latency: heartbeat sent -> event received. `--registry-cpus`
-pins the registry processes to those CPUs and the generators, the watcher and etcd to the
-others (a registry on 2 cores driven by load generators that do not compete with it). A
-refused Register is counted and retried (5 attempts, the same request id), as instances do.
+every instance's heartbeat once a second, evenly spread. `--mode relay` plays what the
+registry receives from hosts running `pdplane registry-relay`: each group of `--per-host`
+instances is one host with its own connection and one `HeartbeatBatchStream`, which sends the
+host's heartbeats as one batch a second (hosts evenly spread over the second); the latency is
+then a batch's, send to answer (an instance behind a relay is answered by the relay at once).
+Every heartbeat carries a changed load report whose `recv_buffer_headroom_bytes` is its send
+time (us), so every heartbeat is an UPDATED event and a watcher process (one WatchInstances
+stream, batches of 256, on the first replica) measures the fan-out latency: heartbeat sent ->
+event received. `--registry-cpus` pins the registry processes to those CPUs and the generators,
+the watcher and etcd to the others (a registry on 2 cores driven by load generators that do not
+compete with it). A refused Register is counted and retried (5 attempts, the same request id),
+as instances do.
 
 Printed per run: heartbeats/s achieved vs. target; p50/p99 heartbeat latency (ms, client side,
 send to answer); the registry's CPU (% of one core, all replicas, from /proc) and per heartbeat
@@ -103,6 +111,46 @@ class _Window:
         return self.start <= t <= self.end
 
 
+async def _beat_host(
+    stub: registry_pb2_grpc.RegistryStub, members: list[tuple[int, str]], window: _Window, out: Any
+) -> None:
+    """One host's relay: the heartbeats of `members` ((instance index, lease id)) as one
+    HeartbeatBatch a second."""
+    call = stub.HeartbeatBatchStream()
+    next_at = time.time() + random.random()
+    try:
+        while next_at < window.end:
+            await asyncio.sleep(max(0.0, next_at - time.time()))
+            if window.measured(next_at):
+                out["late"].append((time.time() - next_at) * 1000)
+            sent = time.perf_counter()
+            batch = registry_pb2.HeartbeatBatch(
+                heartbeats=[
+                    registry_pb2.HeartbeatRequest(
+                        instance_id=f"sim-{i:05d}", lease_id=lease, load=_load()
+                    )
+                    for i, lease in members
+                ]
+            )
+            await call.write(batch)
+            reply = await call.read()
+            if reply is grpc.aio.EOF:
+                _failed(out, (await call.code()).name, await call.details())
+                return
+            for outcome in reply.outcomes:
+                if outcome.code:
+                    _failed(out, grpc.StatusCode.NOT_FOUND.name, outcome.details)
+            if window.measured(next_at):
+                out["lat"].append((time.perf_counter() - sent) * 1000)
+                out["beats"] += len(members)
+            next_at += 1.0
+        await call.done_writing()
+    except grpc.aio.AioRpcError as exc:
+        _failed(out, exc.code().name, exc.details() or "")
+    except asyncio.InvalidStateError:
+        _failed(out, (await call.code()).name, await call.details())
+
+
 def _failed(out: Any, code: str, details: str) -> None:
     out["errors"][code] = out["errors"].get(code, 0) + 1
     out["details"].setdefault(code, details)
@@ -166,10 +214,9 @@ async def _generate(args: argparse.Namespace) -> dict[str, Any]:
     # one of the connections of `--per-connection` instances each (their own TCP connections:
     # instances are processes of their own; a few shared connections would let gRPC read many
     # heartbeats per system call, which a real fleet does not give the registry).
+    per_connection = args.per_host if args.mode == "relay" else args.per_connection
     per_replica = (
-        max(1, -(-args.count // (len(addresses) * args.per_connection)))
-        if args.per_connection
-        else 1
+        max(1, -(-args.count // (len(addresses) * per_connection))) if per_connection else 1
     )
     channels = [
         grpc_util.aio_channel(a, extra_options=[("grpc.use_local_subchannel_pool", 1)])
@@ -178,8 +225,9 @@ async def _generate(args: argparse.Namespace) -> dict[str, Any]:
     ]
     stubs = [registry_pb2_grpc.RegistryStub(c) for c in channels]
     gate = asyncio.Semaphore(_REGISTER_CONCURRENCY)
-    out: dict[str, Any] = {"lat": [], "late": [], "errors": {}, "details": {}}
+    out: dict[str, Any] = {"lat": [], "late": [], "errors": {}, "details": {}, "beats": 0}
     beat = _beat_stream if args.mode == "stream" else _beat_unary
+    hosts: dict[int, list[tuple[int, str]]] = {}
     window = _Window()
     beating: list[asyncio.Task[None]] = []
 
@@ -199,6 +247,15 @@ async def _generate(args: argparse.Namespace) -> dict[str, Any]:
                     _failed(out, f"Register {exc.code().name}", exc.details() or "")
             await asyncio.sleep(0.5 * (attempt + 1))
         else:
+            return
+        if args.mode == "relay":  # a host's instances are consecutive and share its connection
+            host = (i - args.first) // args.per_host
+            members = hosts.setdefault(host, [])
+            members.append((i, reply.lease_id))
+            # The host beats from its last member's registration on (no lease may lapse).
+            if len(members) == min(args.per_host, args.count - host * args.per_host):
+                host_stub = stubs[host % len(stubs)]
+                beating.append(asyncio.create_task(_beat_host(host_stub, members, window, out)))
             return
         beating.append(asyncio.create_task(beat(stub, i, str(reply.lease_id), window, out)))
 
@@ -372,7 +429,7 @@ def _run_one(store: str, mode: str, n: int, args: argparse.Namespace, root: Path
     for r in results:
         for code, count in r["errors"].items():
             errors[code] = errors.get(code, 0) + count
-    beats = len(lat)
+    beats = sum(r["beats"] for r in results) if mode == "relay" else len(lat)
     return {
         **head,
         "achieved_hb_s": round(beats / args.duration_s, 1),
@@ -415,7 +472,16 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--n", default="1000,10000", help="instance counts, comma-separated")
     parser.add_argument("--store", default="memory,etcd", help="memory, etcd or both")
-    parser.add_argument("--mode", default="stream", help="stream, unary or stream,unary")
+    parser.add_argument(
+        "--mode", default="stream", help="stream, unary, relay (see --per-host) or a list"
+    )
+    parser.add_argument(
+        "--per-host",
+        type=int,
+        default=8,
+        help="--mode relay: instances per host (one relay, one connection and one batch a "
+        "second each)",
+    )
     parser.add_argument("--duration-s", type=float, default=15.0, help="heartbeat window (s)")
     parser.add_argument("--clients", type=int, default=4, help="load-generator processes")
     parser.add_argument("--replicas", type=int, default=1, help="registry replicas (etcd store)")
