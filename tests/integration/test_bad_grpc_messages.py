@@ -1,8 +1,9 @@
 """Every pdplane gRPC server answers bad messages with INVALID_ARGUMENT and a bounded detail.
 
-Garbage bytes (not the RPC's protobuf message) on each RPC of the registry, the
-scheduler, the connector's KvTransfer + KvEvents server and the sim; a 10,000-character label
-key at Register and a 1 MB model name at Schedule, whose details must fit gRPC's trailers.
+Garbage bytes (not the RPC's protobuf message) on each RPC of the registry (directly and
+through a host's heartbeat relay), the scheduler, the connector's KvTransfer + KvEvents server
+and the sim; a 10,000-character label key at Register and a 1 MB model name at Schedule, whose
+details must fit gRPC's trailers.
 """
 
 from __future__ import annotations
@@ -15,14 +16,14 @@ import pytest
 from pdplane.core.kv_events.log import KvEventLog
 from pdplane.core.kv_events.servicer import add_kv_events_servicer
 from pdplane.v1 import registry_pb2, registry_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
-from tests.integration.registry.fixtures import make_spec, running_registry
+from tests.integration.registry.fixtures import make_spec, running_registry, running_relay
 from tests.integration.scheduler.fixtures import running_scheduler
 
 GARBAGE = b"\xff\xff\xff\xff\x0f"
 
 REGISTRY = ["Register", "Heartbeat", "Deregister", "ListInstances", "GetInstance"]
 REGISTRY_STREAMS = ["WatchInstances"]
-REGISTRY_BIDI = ["HeartbeatStream"]
+REGISTRY_BIDI = ["HeartbeatStream", "HeartbeatBatchStream"]
 KV_TRANSFER = ["CompleteTransfer", "AbortTransfer"]
 NCCL = ["Preconnect"]
 
@@ -74,6 +75,23 @@ def test_registry_answers_garbage_with_invalid_argument(registry: str) -> None:
         registry_pb2_grpc.RegistryStub(channel).ListInstances(
             registry_pb2.ListInstancesRequest(), timeout=5
         )
+
+
+def test_a_heartbeat_relay_answers_garbage_with_invalid_argument(registry: str) -> None:
+    # HeartbeatStream is the relay's own; the rest reach the registry as the bytes they were.
+    with running_relay(registry) as relay:
+        svc = "/pdplane.v1.Registry/"
+        address = f"127.0.0.1:{relay.port}"
+        _garbage_everywhere(
+            address,
+            unary=[svc + m for m in REGISTRY],
+            server_streams=[svc + m for m in REGISTRY_STREAMS],
+            client_streams=[svc + m for m in REGISTRY_BIDI],
+        )
+        with grpc.insecure_channel(address) as channel:
+            registry_pb2_grpc.RegistryStub(channel).ListInstances(
+                registry_pb2.ListInstancesRequest(), timeout=5
+            )
 
 
 def test_registry_bounds_an_echoed_10k_label_key(registry: str) -> None:

@@ -35,6 +35,8 @@ from typing import Any
 
 import grpc
 
+from pdplane.core.grpc.auth import AuthPolicy, ConflictingCredentials
+from pdplane.core.grpc.util import DENIED
 from pdplane.registry.servicer import MAX_HEARTBEAT_BATCH
 from pdplane.v1 import registry_pb2, registry_pb2_grpc
 
@@ -217,12 +219,19 @@ class HeartbeatRelay:
         self._waiters.clear()
 
 
-def heartbeat_stream_handler(relay: HeartbeatRelay) -> grpc.RpcMethodHandler:
+def heartbeat_stream_handler(relay: HeartbeatRelay, auth: AuthPolicy) -> grpc.RpcMethodHandler:
     """`Registry/HeartbeatStream` served by the relay: one answer per heartbeat, in order; a
-    refusal ends the stream with the registry's status and details."""
+    refusal ends the stream with the registry's status and details. UNAUTHENTICATED, before
+    any heartbeat is read, for a caller without `auth`'s credentials."""
 
     # A coroutine function (not a callable object): gRPC runs anything else on its thread pool.
     async def heartbeat_stream(_requests: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        try:
+            role = auth.role(context.invocation_metadata())
+        except ConflictingCredentials as exc:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(exc))
+        if role is None:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, DENIED)
         key: _Key | None = None
         try:
             while (request := await context.read()) is not grpc.aio.EOF:

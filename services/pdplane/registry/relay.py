@@ -2,10 +2,11 @@
 
 Run one per host (a DaemonSet in Kubernetes) and point the instances on the host at it instead
 of at the registry (`--registry`, `PDPLANE_REGISTRY`, the connector's `registry`): it serves
-the whole Registry API, answers `HeartbeatStream` itself and sends the host's heartbeats to the
-registry in one `HeartbeatBatch` a tick (`pdplane.registry.heartbeat_relay`); every other call
-(Register, Deregister, List, Watch, ...) goes to the registry unchanged, with the caller's
-token, deadline and status (`pdplane.registry.forward`). Its own health and reflection are
+the whole Registry API, answers `HeartbeatStream` itself (to callers with the registry's shared
+token) and sends the host's heartbeats to the registry in one `HeartbeatBatch` a tick
+(`pdplane.registry.heartbeat_relay`); every other call (Register, Deregister, List, Watch, ...)
+goes to the registry unchanged, with the caller's token, deadline and status
+(`pdplane.registry.forward`), and the registry authenticates it. Its own health and reflection are
 served here. A fleet of a few thousand instances does not need it; docs/registry.md says when
 one does.
 """
@@ -24,7 +25,8 @@ from pydantic import Field, model_validator
 
 from pdplane.core import defaults
 from pdplane.core.grpc import util as grpc_util
-from pdplane.core.grpc.auth import check_bind
+from pdplane.core.grpc.auth import AuthPolicy, check_bind
+from pdplane.core.grpc.message_check import AioDecodeErrorInterceptor
 from pdplane.core.listen import refuse_taken
 from pdplane.core.settings import CommandSettings
 from pdplane.core.token_file import token_file_field
@@ -126,16 +128,18 @@ class RegistryRelay:
         """Binds `settings.host:settings.port`, starts serving and sending batches; returns
         the bound port (RuntimeError when it cannot be bound)."""
         s = self.settings
+        # No token check here but on the relay's own HeartbeatStream: every other call is
+        # the registry's to authenticate (an operator's drain with the admin token, which the
+        # relay never holds, passes through it as any call does).
         server = grpc.aio.server(
-            interceptors=grpc_util.aio_server_interceptors(s.token),
-            options=grpc_util.SERVER_OPTIONS,
+            interceptors=[AioDecodeErrorInterceptor()], options=grpc_util.SERVER_OPTIONS
         )
         server.add_generic_rpc_handlers(
             [
                 ForwardingHandler(
                     lambda: self._channels[self._current],
                     shapes([registry_pb2.DESCRIPTOR.services_by_name["Registry"]]),
-                    {HEARTBEAT_STREAM: heartbeat_stream_handler(self.relay)},
+                    {HEARTBEAT_STREAM: heartbeat_stream_handler(self.relay, AuthPolicy(s.token))},
                 )
             ]
         )

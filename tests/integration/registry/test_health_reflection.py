@@ -31,6 +31,7 @@ def test_reflection_lists_registry_and_health(registry: RegistryServer) -> None:
             "Register",
             "Heartbeat",
             "HeartbeatStream",
+            "HeartbeatBatchStream",
             "Deregister",
             "ListInstances",
             "ListInstancesStream",

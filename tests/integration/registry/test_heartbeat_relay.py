@@ -188,8 +188,10 @@ def test_a_refusal_reaches_the_instance_behind_the_relay_and_it_registers_again(
 
 
 def test_the_relay_checks_the_token_and_forwards_calls_with_the_callers_own() -> None:
+    # The relay holds the shared token only; an operator's admin call passes through it and
+    # the registry, which holds both, authenticates it.
     with (
-        running_registry(token=TOKEN) as address,
+        running_registry(token=TOKEN, admin_token=ADMIN) as address,
         running_relay(address, token=TOKEN) as relay,
         grpc_util.channel(f"127.0.0.1:{relay.port}") as chan,
     ):
@@ -200,6 +202,11 @@ def test_the_relay_checks_the_token_and_forwards_calls_with_the_callers_own() ->
         assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
         reply = stub.Register(request, timeout=5, metadata=grpc_util.token_metadata(TOKEN))
         assert reply.lease_id
+        # The relay's own HeartbeatStream refuses a caller without the token.
+        stream = _Stream(stub.HeartbeatStream, timeout=5)
+        with pytest.raises(grpc.RpcError) as anonymous:
+            stream.send(_beat("p0", reply.lease_id))
+        assert anonymous.value.code() == grpc.StatusCode.UNAUTHENTICATED
         # The registry's own refusals come back as it sent them.
         with pytest.raises(grpc.RpcError) as taken:
             stub.Register(request, timeout=5, metadata=grpc_util.token_metadata(TOKEN))
@@ -208,6 +215,12 @@ def test_the_relay_checks_the_token_and_forwards_calls_with_the_callers_own() ->
             registry_pb2.ListInstancesRequest(), metadata=grpc_util.token_metadata(TOKEN)
         )
         assert [i.spec.instance_id for i in listed.instances] == ["p0"]
+        drained = stub.Deregister(
+            registry_pb2.DeregisterRequest(instance_id="p0", drain=True),
+            timeout=5,
+            metadata=grpc_util.token_metadata(ADMIN),
+        )
+        assert drained.state == instance_pb2.INSTANCE_STATE_DRAINING
 
 
 def test_heartbeats_through_a_relay_that_lost_its_registry_end_unavailable() -> None:

@@ -26,6 +26,7 @@ from pdplane.core.server_id import METADATA_KEY, server_id
 __all__ = [
     "CHANNEL_OPTIONS",
     "CONTROL_MAX_RECEIVE_BYTES",
+    "DENIED",
     "FAST_RECONNECT_OPTIONS",
     "KV_SERVER_OPTIONS",
     "SERVER_OPTIONS",
@@ -91,7 +92,8 @@ def _is_open(method: str) -> bool:
     return method.startswith(("/grpc.health.v1.", "/grpc.reflection."))
 
 
-_DENIED = "missing or invalid bearer token"
+#: The details of UNAUTHENTICATED for a call without the configured credential.
+DENIED = "missing or invalid bearer token"
 
 
 def _refusal(policy: AuthPolicy, details: grpc.HandlerCallDetails) -> str | None:
@@ -102,7 +104,7 @@ def _refusal(policy: AuthPolicy, details: grpc.HandlerCallDetails) -> str | None
         role = policy.role(details.invocation_metadata)
     except ConflictingCredentials as exc:
         return str(exc)
-    return None if role is not None else _DENIED
+    return None if role is not None else DENIED
 
 
 # The refusals are request-streaming whatever the method's shape: gRPC then reads a request

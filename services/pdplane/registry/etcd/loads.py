@@ -23,6 +23,8 @@ __all__ = ["LoadReports"]
 #: Entries per LoadBatch value (~60 bytes each: far below etcd's 1.5 MiB request limit).
 BATCH_ENTRIES = 4096
 _Pending = tuple[str, instance_pb2.LoadReport, int]  # (lease id, load, heartbeat unix ms)
+#: A report to write: (instance id, lease id, load, heartbeat unix ms, refresh).
+_Entry = tuple[str, str, instance_pb2.LoadReport, int, bool]
 
 
 class LoadReports:
@@ -67,14 +69,12 @@ class LoadReports:
 
     def take(
         self, owned: list[str], records: Mapping[str, Record], lease: int
-    ) -> tuple[list[registry_store_pb2.LoadEntry], dict[str, _Pending]]:
-        """(the entries of the next flush, the changed reports they hold)."""
+    ) -> tuple[list[_Entry], dict[str, _Pending]]:
+        """(the entries of the next flush, the changed reports they hold); under the lock,
+        which is why the entries are tuples: `entries()` makes the messages after it."""
         pending, self._pending = self._pending, {}
-        entries = [
-            registry_store_pb2.LoadEntry(
-                instance_id=i, lease_id=lease_id, load=load, heartbeat_unix_ms=ms
-            )
-            for i, (lease_id, load, ms) in pending.items()
+        entries: list[_Entry] = [
+            (i, lease_id, load, ms, False) for i, (lease_id, load, ms) in pending.items()
         ]
         if owned:
             share = math.ceil(len(owned) * self.flush_s / self._refresh_s)
@@ -84,16 +84,27 @@ class LoadReports:
                 if instance_id in pending or record is None or record.owner_lease != lease:
                     continue
                 entries.append(
-                    registry_store_pb2.LoadEntry(
-                        instance_id=instance_id,
-                        lease_id=record.instance.lease_id,
-                        load=record.local_load or record.instance.load,
-                        heartbeat_unix_ms=record.heartbeat_ns // 1_000_000,
-                        refresh=True,
+                    (
+                        instance_id,
+                        record.instance.lease_id,
+                        record.local_load or record.instance.load,
+                        record.heartbeat_ns // 1_000_000,
+                        True,
                     )
                 )
             self._refresh_at = (self._refresh_at + share) % len(owned)
         return entries, pending
+
+    @staticmethod
+    def entries(taken: list[_Entry]) -> list[registry_store_pb2.LoadEntry]:
+        """The LoadEntry messages of `take()`'s entries (reports are never changed in place:
+        a heartbeat's or a record's load is replaced, so this needs no lock)."""
+        return [
+            registry_store_pb2.LoadEntry(
+                instance_id=i, lease_id=lease_id, load=load, heartbeat_unix_ms=ms, refresh=refresh
+            )
+            for i, lease_id, load, ms, refresh in taken
+        ]
 
     def restore(self, pending: dict[str, _Pending]) -> None:
         """Puts back the reports of a failed flush (reports kept since are newer and win)."""
