@@ -237,6 +237,8 @@ async def _generate(args: argparse.Namespace) -> dict[str, Any]:
         # is counted and tried again, as the client library does: an instance left out would
         # pass for a heartbeat the registry could not answer.
         stub = stubs[(i % len(addresses)) * per_replica + (i // len(addresses)) % per_replica]
+        if args.mode == "relay":  # through its host's relay: the replica its host talks to
+            stub = stubs[((i - args.first) // args.per_host) % len(stubs)]
         request = registry_pb2.RegisterRequest(spec=_spec(i), request_id=os.urandom(16).hex())
         for attempt in range(_REGISTER_ATTEMPTS):
             async with gate:
