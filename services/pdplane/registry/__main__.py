@@ -31,7 +31,7 @@ def main(argv: list[str]) -> int:
     # registry holding 10,000 instances (etcd store) paused 140-160 ms for it several times a
     # minute, which was its heartbeat p99. Young collections 14x rarer keep objects that die
     # by reference count (most of them) out of the old generation: p99 32-74 ms instead of
-    # 114-165 (bench/registry/load.py --mode relay, docs/benchmarks/registry.md).
+    # 114-165 (bench/registry/load.py --mode relay, one core).
     gc.set_threshold(10_000, 10, 10)
     server = RegistryServer(settings)
     try:

@@ -35,7 +35,7 @@ PRESETS = sorted(p.stem for p in (CHART_DIR / "presets").glob("*.yaml"))
 RELEASE = "pd"
 NAMESPACE = "serving"
 
-WORKLOADS = ("Deployment", "StatefulSet")
+WORKLOADS = ("Deployment", "StatefulSet", "DaemonSet")
 
 
 def preset(name: str) -> dict[str, Any]:

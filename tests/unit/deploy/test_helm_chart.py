@@ -20,6 +20,7 @@ from pdplane.autoscale.__main__ import AutoscaleSettings
 from pdplane.connector.config import ConnectorConfig
 from pdplane.core.settings import CommandSettings
 from pdplane.gateway.settings import GatewaySettings
+from pdplane.registry.relay import RelaySettings
 from pdplane.registry.settings import RegistrySettings
 from pdplane.scheduler.settings import SchedulerSettings
 from tests.unit.deploy.helm_chart import (
@@ -55,6 +56,7 @@ VARIANTS: dict[str, list[dict[str, Any]]] = {
         {"engineDefaults": {"workload": "StatefulSet"}, "serviceMonitor": {"enabled": True}},
     ],
     "cpu-demo+autoscaler": [preset("cpu-demo"), {"autoscaler": {"enabled": True}}],
+    "gpu-xpyd+registry-relay+tls": [preset("gpu-xpyd"), TLS, {"registryRelay": {"enabled": True}}],
     "gpu-xpyd+autoscaler+statefulset+tls": [
         preset("gpu-xpyd"),
         TLS,
@@ -88,6 +90,7 @@ EXTERNAL_SECRETS = {
 EXTERNAL_ADDRESSES = {"etcd-a.infra:2379", "etcd-b.infra:2379"}
 PDPLANE_COMMANDS: dict[str, type[CommandSettings]] = {
     "registry": RegistrySettings,
+    "registry-relay": RelaySettings,
     "scheduler": SchedulerSettings,
     "gateway": GatewaySettings,
     "autoscale": AutoscaleSettings,
@@ -444,6 +447,34 @@ def test_engines_register_under_their_pod_name_and_drain_on_scale_in(rendered: R
         assert grace > int(env["PDPLANE_DRAIN_TIMEOUT_S"]["value"]), c.where
         if (config := _kv_transfer_config(c)) is not None:
             assert config["kv_connector_extra_config"]["instance_id"] == "$(POD_NAME)"
+
+
+def test_with_the_registry_relay_engines_heartbeat_through_their_node_s_relay() -> None:
+    r = Rendered(render(preset("gpu-xpyd"), {"registryRelay": {"enabled": True}}))
+    relay = "pd-pdplane-registry-relay"
+    service = r.one("Service", relay)
+    assert service["spec"]["internalTrafficPolicy"] == "Local"
+    (container,) = [c for c in r.containers() if c.workload["metadata"]["name"] == relay]
+    assert container.workload["kind"] == "DaemonSet"
+    assert _flag(container.args(), "--registry") == "pd-pdplane-registry:8051"
+    engines = [c for c in r.containers() if _is_engine(c)]
+    assert engines
+    for c in engines:
+        assert c.env()["PDPLANE_REGISTRY"]["value"] == f"{relay}:8054", c.where
+        if (config := _kv_transfer_config(c)) is not None:
+            assert config["kv_connector_extra_config"]["registry"] == f"{relay}:8054"
+    # The control plane still reads the registry itself.
+    for c in r.containers():
+        if _is_pdplane_service(c) and c.args()[0] in ("scheduler", "gateway"):
+            assert _flag(c.args(), "--registry") == "pd-pdplane-registry:8051", c.where
+    # Off by default: no relay, engines dial the registry.
+    plain = Rendered(render(preset("gpu-xpyd")))
+    assert relay not in plain.names("DaemonSet")
+    assert all(
+        c.env()["PDPLANE_REGISTRY"]["value"] == "pd-pdplane-registry:8051"
+        for c in plain.containers()
+        if _is_engine(c)
+    )
 
 
 def test_gpu_engines_request_their_gpus_and_nccl_settings() -> None:

@@ -56,6 +56,15 @@ app.kubernetes.io/component: {{ index . 1 }}
 {{- printf "%s:%d" (include "pdplane.component" (list . "registry")) (int .Values.registry.port) -}}
 {{- end -}}
 
+{{/* The registry address the engines use: their node's heartbeat relay when it is enabled. */}}
+{{- define "pdplane.engineRegistryAddress" -}}
+{{- if .Values.registryRelay.enabled -}}
+{{- printf "%s:%d" (include "pdplane.component" (list . "registry-relay")) (int .Values.registryRelay.port) -}}
+{{- else -}}
+{{- include "pdplane.registryAddress" . -}}
+{{- end -}}
+{{- end -}}
+
 {{/*
 The gateways' scheduler target. Several replicas: every scheduler pod by the headless -peers
 Service (gRPC takes one and moves to the next when it dies; the replicas share their in-flight
