@@ -111,12 +111,17 @@ class _Window:
         return self.start <= t <= self.end
 
 
-async def _beat_host(
-    stub: registry_pb2_grpc.RegistryStub, members: list[tuple[int, str]], window: _Window, out: Any
+async def _paced(
+    call: Any,
+    request: Any,
+    count: int,
+    window: _Window,
+    out: Any,
+    refused: Any = lambda reply: (),
 ) -> None:
-    """One host's relay: the heartbeats of `members` ((instance index, lease id)) as one
-    HeartbeatBatch a second."""
-    call = stub.HeartbeatBatchStream()
+    """Writes `request()` on the bidirectional `call` once a second (first at a random phase:
+    the generators' streams spread evenly over each second) and reads each answer; `count`
+    heartbeats per message; `refused(reply)` lists (code, details) of heartbeats it refused."""
     next_at = time.time() + random.random()
     try:
         while next_at < window.end:
@@ -124,25 +129,16 @@ async def _beat_host(
             if window.measured(next_at):
                 out["late"].append((time.time() - next_at) * 1000)
             sent = time.perf_counter()
-            batch = registry_pb2.HeartbeatBatch(
-                heartbeats=[
-                    registry_pb2.HeartbeatRequest(
-                        instance_id=f"sim-{i:05d}", lease_id=lease, load=_load()
-                    )
-                    for i, lease in members
-                ]
-            )
-            await call.write(batch)
+            await call.write(request())
             reply = await call.read()
             if reply is grpc.aio.EOF:
                 _failed(out, (await call.code()).name, await call.details())
                 return
-            for outcome in reply.outcomes:
-                if outcome.code:
-                    _failed(out, grpc.StatusCode.NOT_FOUND.name, outcome.details)
+            for code, details in refused(reply):
+                _failed(out, code, details)
             if window.measured(next_at):
                 out["lat"].append((time.perf_counter() - sent) * 1000)
-                out["beats"] += len(members)
+                out["beats"] += count
             next_at += 1.0
         await call.done_writing()
     except grpc.aio.AioRpcError as exc:
@@ -156,34 +152,40 @@ def _failed(out: Any, code: str, details: str) -> None:
     out["details"].setdefault(code, details)
 
 
+_CODE_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
+
+
+async def _beat_host(
+    stub: registry_pb2_grpc.RegistryStub, members: list[tuple[int, str]], window: _Window, out: Any
+) -> None:
+    """One host's relay: the heartbeats of `members` ((instance index, lease id)) as one
+    HeartbeatBatch a second."""
+
+    def batch() -> registry_pb2.HeartbeatBatch:
+        return registry_pb2.HeartbeatBatch(
+            heartbeats=[
+                registry_pb2.HeartbeatRequest(
+                    instance_id=f"sim-{i:05d}", lease_id=lease, load=_load()
+                )
+                for i, lease in members
+            ]
+        )
+
+    def refused(reply: registry_pb2.HeartbeatBatchResponse) -> list[tuple[str, str]]:
+        return [(_CODE_NAMES[o.code], o.details) for o in reply.outcomes if o.code]
+
+    await _paced(stub.HeartbeatBatchStream(), batch, len(members), window, out, refused)
+
+
 async def _beat_stream(
     stub: registry_pb2_grpc.RegistryStub, i: int, lease: str, window: _Window, out: Any
 ) -> None:
-    call = stub.HeartbeatStream()
-    next_at = time.time() + random.random()  # spread the N heartbeats evenly over each second
-    try:
-        while next_at < window.end:
-            await asyncio.sleep(max(0.0, next_at - time.time()))
-            if window.measured(next_at):
-                out["late"].append((time.time() - next_at) * 1000)
-            sent = time.perf_counter()
-            request = registry_pb2.HeartbeatRequest(
-                instance_id=f"sim-{i:05d}", lease_id=lease, load=_load()
-            )
-            await call.write(request)
-            reply = await call.read()
-            if reply is grpc.aio.EOF:
-                code = await call.code()
-                _failed(out, code.name, await call.details())
-                return
-            if window.measured(next_at):
-                out["lat"].append((time.perf_counter() - sent) * 1000)
-            next_at += 1.0
-        await call.done_writing()
-    except grpc.aio.AioRpcError as exc:
-        _failed(out, exc.code().name, exc.details() or "")
-    except asyncio.InvalidStateError:
-        _failed(out, (await call.code()).name, await call.details())
+    def beat() -> registry_pb2.HeartbeatRequest:
+        return registry_pb2.HeartbeatRequest(
+            instance_id=f"sim-{i:05d}", lease_id=lease, load=_load()
+        )
+
+    await _paced(stub.HeartbeatStream(), beat, 1, window, out)
 
 
 async def _beat_unary(
@@ -431,7 +433,7 @@ def _run_one(store: str, mode: str, n: int, args: argparse.Namespace, root: Path
     for r in results:
         for code, count in r["errors"].items():
             errors[code] = errors.get(code, 0) + count
-    beats = sum(r["beats"] for r in results) if mode == "relay" else len(lat)
+    beats = sum(r["beats"] for r in results) if mode != "unary" else len(lat)
     return {
         **head,
         "achieved_hb_s": round(beats / args.duration_s, 1),

@@ -44,6 +44,17 @@ async def _relay_error(context: grpc.aio.ServicerContext[Any, Any], exc: grpc.Rp
     await context.abort(code, exc.details() if isinstance(exc, grpc.aio.AioRpcError) else "")
 
 
+async def _replies(call: Any, context: Any) -> AsyncIterator[bytes]:
+    """The replies of the registry's streaming `call`, then its status."""
+    try:
+        async for reply in call:
+            yield reply
+    except grpc.RpcError as exc:
+        await _relay_error(context, exc)
+    finally:
+        call.cancel()  # the caller left: end the registry's side too
+
+
 class ForwardingHandler(grpc.GenericRpcHandler):
     """Serves each method of `shapes` by calling the same method on `channel()` (the channel
     to use now: a relay moves to another registry replica when one fails), as bytes.
@@ -89,18 +100,13 @@ class ForwardingHandler(grpc.GenericRpcHandler):
 
             return grpc.unary_unary_rpc_method_handler(unary_unary)
         if not request_streaming:
-
+            # Async generator functions: gRPC runs any other callable on its thread pool.
             async def unary_stream(request: bytes, context: Any) -> AsyncIterator[bytes]:
                 call = channel().unary_stream(method)(
                     request, metadata=_metadata(context), timeout=context.time_remaining()
                 )
-                try:
-                    async for reply in call:
-                        yield reply
-                except grpc.RpcError as exc:
-                    await _relay_error(context, exc)
-                finally:
-                    call.cancel()  # the caller left: end the registry's side too
+                async for reply in _replies(call, context):
+                    yield reply
 
             return grpc.unary_stream_rpc_method_handler(unary_stream)
 
@@ -110,13 +116,8 @@ class ForwardingHandler(grpc.GenericRpcHandler):
             call = channel().stream_stream(method)(
                 requests, metadata=_metadata(context), timeout=context.time_remaining()
             )
-            try:
-                async for reply in call:
-                    yield reply
-            except grpc.RpcError as exc:
-                await _relay_error(context, exc)
-            finally:
-                call.cancel()
+            async for reply in _replies(call, context):
+                yield reply
 
         # The registry's port has no request-streaming unary-response method; one would be
         # forwarded as a stream (its single reply relayed), which gRPC accepts on the wire.

@@ -215,6 +215,10 @@ def test_the_relay_checks_the_token_and_forwards_calls_with_the_callers_own() ->
             registry_pb2.ListInstancesRequest(), metadata=grpc_util.token_metadata(TOKEN)
         )
         assert [i.spec.instance_id for i in listed.instances] == ["p0"]
+        streamed = stub.ListInstancesStream(
+            registry_pb2.ListInstancesRequest(), metadata=grpc_util.token_metadata(TOKEN)
+        )
+        assert [i.spec.instance_id for part in streamed for i in part.instances] == ["p0"]
         drained = stub.Deregister(
             registry_pb2.DeregisterRequest(instance_id="p0", drain=True),
             timeout=5,
