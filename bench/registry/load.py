@@ -356,6 +356,7 @@ def _run_one(store: str, mode: str, n: int, args: argparse.Namespace, root: Path
     head = {"store": store, "mode": mode, "n": n, "replicas": args.replicas}
     cluster: EtcdCluster | None = None
     registries: list[ManagedProcess] = []
+    relay: ManagedProcess | None = None
     children: list[subprocess.Popen[str]] = []
     try:
         flags = ["--log-level", "WARNING", "--lease-ttl-ms", str(args.lease_ttl_ms)]
@@ -375,15 +376,17 @@ def _run_one(store: str, mode: str, n: int, args: argparse.Namespace, root: Path
         for address, proc in zip(addresses, registries, strict=True):
             wait_until(functools.partial(grpc_serving, address), 30, watch=[proc])
         target = ",".join(addresses)
-        common = [
-            sys.executable,
-            __file__,
-            "--address",
-            target,
-            "--duration-s",
-            str(args.duration_s),
-        ]
-        watcher = _child(_pinned([*common, "--watch-child"], args.load_cpus))
+        common = [sys.executable, __file__, "--duration-s", str(args.duration_s)]
+        watcher = _child(_pinned([*common, "--address", target, "--watch-child"], args.load_cpus))
+        if args.through_relay:  # the instances' streams end at one relay, on the load's CPUs
+            port = free_port_run()
+            argv = [sys.executable, "-m", "pdplane.cli.main", "registry-relay", "--port"]
+            argv += [str(port), "--registry", target, "--log-level", "WARNING"]
+            relay = ManagedProcess("relay", _pinned(argv, args.load_cpus), root / "relay.log")
+            relay.start()
+            wait_until(functools.partial(grpc_serving, f"127.0.0.1:{port}"), 30, watch=[relay])
+            target = f"127.0.0.1:{port}"
+        common += ["--address", target]
         assert watcher.stdout is not None
         if watcher.stdout.readline().strip() != "watching":
             return {**head, "failed": "watcher did not start"}
@@ -404,16 +407,19 @@ def _run_one(store: str, mode: str, n: int, args: argparse.Namespace, root: Path
             child.stdin.write(f"{start}\n")
             child.stdin.flush()
         time.sleep(max(0.0, start - time.time()))
+        relay_pid = relay.pid if relay is not None else None
         pids = [p.pid for p in registries if p.pid]
         etcd_pids = (
             [m.process.pid for m in cluster.members if m.process and m.process.pid]
             if cluster
             else []
         )
+        relay0 = _cpu_seconds(relay_pid) if relay_pid else 0.0
         cpu0 = sum(_cpu_seconds(p) for p in pids)
         etcd0, props0 = sum(_cpu_seconds(p) for p in etcd_pids), _proposals(cluster)
         time.sleep(args.duration_s)
         cpu = sum(_cpu_seconds(p) for p in pids) - cpu0
+        relay_cpu = _cpu_seconds(relay_pid) - relay0 if relay_pid else None
         etcd_cpu = sum(_cpu_seconds(p) for p in etcd_pids) - etcd0
         props = _proposals(cluster) - props0
         results = [json.loads(gen.communicate(timeout=180)[0]) for gen in children]
@@ -422,7 +428,7 @@ def _run_one(store: str, mode: str, n: int, args: argparse.Namespace, root: Path
         for child in [*children]:
             if child.poll() is None:
                 child.kill()
-        for proc in registries:
+        for proc in [*registries, *([relay] if relay is not None else [])]:
             proc.stop(grace_s=10)
         if cluster is not None:
             cluster.stop()
@@ -449,6 +455,7 @@ def _run_one(store: str, mode: str, n: int, args: argparse.Namespace, root: Path
         "errors": errors,
         "error_details": {k: v for r in results for k, v in r.get("details", {}).items()},
         "generator_late_p99_ms": round(percentile(late, 99), 1),
+        "relay_cpu_pct": None if relay_cpu is None else round(100 * relay_cpu / args.duration_s, 1),
         "loadavg_1m": round(os.getloadavg()[0], 1),
     }
 
@@ -469,6 +476,7 @@ def _row(r: dict[str, Any]) -> str:
         f"{r['etcd_writes_s']:>7} {r['fanout_p50_ms']:>8} {r['fanout_p99_ms']:>8} "
         f"{r['lost_instances']:>4} {r['generator_late_p99_ms']:>6} {r['loadavg_1m']:>5} "
         f"{r['errors'] or ''}"
+        + (f" relay {r['relay_cpu_pct']} %1c" if r.get("relay_cpu_pct") is not None else "")
     )
 
 
@@ -495,6 +503,12 @@ def main() -> int:
         default=0,
         help="instances sharing one connection of a generator (each its own TCP connection; "
         "0: one connection per generator and replica)",
+    )
+    parser.add_argument(
+        "--through-relay",
+        action="store_true",
+        help="stream/unary modes: the instances talk to one `pdplane registry-relay` (on the "
+        "load's CPUs) in front of the registry; its CPU is printed at the end of the row",
     )
     parser.add_argument("--etcd-members", type=int, default=1, help="etcd cluster size")
     parser.add_argument("--lease-ttl-ms", type=int, default=5000, help="instances' lease TTL")
