@@ -36,8 +36,10 @@ import time
 from pathlib import Path
 from types import FrameType
 from typing import Any, Literal
+from wsgiref.simple_server import WSGIServer
 
 import grpc
+from prometheus_client import start_http_server
 from pydantic import Field, field_validator
 
 from pdplane.autoscale.local import LocalActuator
@@ -150,6 +152,13 @@ class UpSettings(AutoscaleOptions):
         False,
         description="resize the fleet while serving: the controller (docs/autoscale.md) starts "
         "and drains instances within --min/--max-prefill, --min/--max-decode and --gpus",
+    )
+    autoscale_metrics_port: int = Field(
+        defaults.AUTOSCALE_METRICS_PORT,
+        ge=0,
+        le=65535,
+        description="with --autoscale: the controller's Prometheus /metrics HTTP (wanted and "
+        "running instances, moves, predicted before/after; 0 = off)",
     )
 
     @field_validator("kv_profile")
@@ -288,7 +297,7 @@ def controller_flags_without_autoscale(argv: list[str], settings: UpSettings) ->
     if settings.autoscale:
         return []
     given = []
-    for name in AutoscaleOptions.model_fields:
+    for name in [*AutoscaleOptions.model_fields, "autoscale_metrics_port"]:
         flags = {f"--{name.replace('_', '-')}", f"--{name}"}
         if any(arg.split("=", 1)[0] in flags for arg in argv):
             given.append(f"--{name.replace('_', '-')}")
@@ -354,6 +363,7 @@ def main(argv: list[str]) -> int:
     # Local tools (`pdplane grpc`) send the shared token to the scheduler and KV servers too.
     creds = dataclasses.replace(creds, services=fleet.service_addresses())
     status = 0
+    metrics_server: WSGIServer | None = None
     try:
         # Not over another running fleet's file: start() reports its ports taken instead.
         path = fleet_credentials.credentials_path()
@@ -401,6 +411,13 @@ def main(argv: list[str]) -> int:
                 + f", SLO {settings.slo}, profile "
                 + (settings.autoscale_profile or _controller_profile(settings))
             )
+            if fleet.spec.autoscale_metrics_port:
+                metrics_server, _ = start_http_server(
+                    fleet.spec.autoscale_metrics_port,
+                    addr=settings.host,
+                    registry=autoscaler.metrics.registry,
+                )
+                _say(f"  autoscale metrics:    {fleet.autoscale_metrics_url}")
         _say("serving; Ctrl-C stops everything")
         status = _supervise(fleet, stop.event, autoscaler, settings.autoscale_interval_s)
     except Cancelled:
@@ -414,6 +431,9 @@ def main(argv: list[str]) -> int:
     finally:
         _say("stopping")
         started = time.monotonic()
+        if metrics_server is not None:
+            metrics_server.shutdown()
+            metrics_server.server_close()
         fleet.stop()
         fleet_credentials.remove(creds)
         _say(f"stopped in {time.monotonic() - started:.1f} s")

@@ -18,6 +18,7 @@ REGISTRY_PORT = 8051  #: pdplane registry gRPC
 SCHEDULER_PORT = 8052  #: pdplane scheduler gRPC
 REGISTRY_RELAY_PORT = 8054  #: a host's `pdplane registry-relay` gRPC (8053: in-flight peers)
 SCHEDULER_METRICS_PORT = 8090  #: the scheduler's Prometheus /metrics under `pdplane up`
+AUTOSCALE_METRICS_PORT = 8091  #: the controller's /metrics under `pdplane up --autoscale`
 VLLM_BASE_PORT = 8100  #: first port `pdplane up` gives a vLLM instance (instance i: +i)
 KV_BASE_PORT = 8200  #: first port `pdplane up` gives a connector's KvTransfer server (+i)
 

@@ -76,6 +76,8 @@ class _UpLike(Protocol):
     registry_port: int
     scheduler_port: int
     scheduler_metrics_port: int
+    autoscale: bool
+    autoscale_metrics_port: int
     vllm_base_port: int
     kv_base_port: int
     model: Path | None
@@ -123,6 +125,9 @@ class FleetSpec:
     scheduler_port: int = defaults.SCHEDULER_PORT
     #: The scheduler's Prometheus /metrics port; 0 = not served.
     scheduler_metrics_port: int = 0
+    #: The autoscale controller's Prometheus /metrics port (served by `pdplane up` itself);
+    #: 0 = no controller, or not served.
+    autoscale_metrics_port: int = 0
     vllm_base_port: int = defaults.VLLM_BASE_PORT
     kv_base_port: int = defaults.KV_BASE_PORT
     model: Path | None = None
@@ -187,6 +192,7 @@ class FleetSpec:
             registry_port=s.registry_port,
             scheduler_port=s.scheduler_port,
             scheduler_metrics_port=s.scheduler_metrics_port,
+            autoscale_metrics_port=s.autoscale_metrics_port if s.autoscale else 0,
             vllm_base_port=s.vllm_base_port,
             kv_base_port=s.kv_base_port,
             model=s.model,
@@ -317,6 +323,12 @@ class Fleet:
         port = self.spec.scheduler_metrics_port
         return f"http://{self.spec.host}:{port}/metrics" if port else "off"
 
+    @property
+    def autoscale_metrics_url(self) -> str:
+        """The autoscale controller's Prometheus endpoint; "off" when not served."""
+        port = self.spec.autoscale_metrics_port
+        return f"http://{self.spec.host}:{port}/metrics" if port else "off"
+
     # -- lifecycle --------------------------------------------------------------------------
     def start(self, cancel: threading.Event | None = None) -> None:
         """Starts everything and waits until the gateway serves a usable pair.
@@ -373,6 +385,10 @@ class Fleet:
         if s.scheduler_metrics_port:
             metrics = (s.scheduler_metrics_port, "scheduler metrics", "--scheduler-metrics-port")
             wanted.append(metrics)
+        if s.autoscale_metrics_port:
+            wanted.append(
+                (s.autoscale_metrics_port, "autoscale metrics", "--autoscale-metrics-port")
+            )
         if s.store == "etcd":
             wanted += [
                 (s.etcd_port, "etcd client", "--etcd-port"),

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from pdplane.launch.ports import free_port_run
 from pdplane.sim.profiles import PROFILES
@@ -58,6 +59,7 @@ def _profile(path: Path) -> Path:
 class _Up:
     proc: subprocess.Popen[str]
     gateway: str
+    metrics: str  # the controller's Prometheus endpoint
     lines: list[str] = field(default_factory=list)
 
     def read(self) -> None:
@@ -79,7 +81,7 @@ class _Up:
 
 @pytest.fixture
 def up(tmp_path: Path) -> Iterator[_Up]:
-    base = free_port_run(4)
+    base = free_port_run(5)
     vllm, kv = free_port_run(8), free_port_run(8)
     argv = [
         sys.executable, "-m", "pdplane.cli.main", "up",
@@ -87,6 +89,7 @@ def up(tmp_path: Path) -> Iterator[_Up]:
         "--prefill", "1", "--decode", "3",
         "--registry-port", str(base), "--scheduler-port", str(base + 1),
         "--gateway-port", str(base + 2), "--scheduler-metrics-port", str(base + 3),
+        "--autoscale-metrics-port", str(base + 4),
         "--vllm-base-port", str(vllm), "--kv-base-port", str(kv),
         "--log-dir", str(tmp_path / "logs"), "--ready-timeout-s", "120",
         *FLAGS,
@@ -96,7 +99,7 @@ def up(tmp_path: Path) -> Iterator[_Up]:
         env.pop(name, None)
     out = subprocess.PIPE
     proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, text=True, env=env)
-    running = _Up(proc, f"http://127.0.0.1:{base + 2}")
+    running = _Up(proc, f"http://127.0.0.1:{base + 2}", f"http://127.0.0.1:{base + 4}/metrics")
     reader = threading.Thread(target=running.read, daemon=True)
     reader.start()
     try:
@@ -167,6 +170,14 @@ def test_more_prefill_when_prompts_grow_and_back_with_no_failed_request(up: _Up)
     up.wait_for(r"prefill-\d+ \(prefill\) healthy and registered: serving", 30)
     peak = max(_counts(ln)[0] for ln in _decisions(up))
     assert peak >= 2, "\n".join(up.lines[-40:])
+    # The controller's metrics say what it wants and what it did.
+    families = {f.name: f for f in text_string_to_metric_families(httpx.get(up.metrics).text)}
+    wanted = {
+        s.labels["role"]: s.value for s in families["pdplane_autoscale_wanted_instances"].samples
+    }
+    assert wanted["prefill"] >= 2
+    moves = families["pdplane_autoscale_moves"].samples
+    assert any(s.labels["role"] == "prefill" and s.value >= 1 for s in moves), moves
     traffic.phase(SHORT, 20, 2000)
     traffic.join()
     up.wait_for(r"\(prefill\) drained \(idle\) after", 20)

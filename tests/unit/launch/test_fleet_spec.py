@@ -109,9 +109,20 @@ def test_a_bad_tenants_file_is_refused_before_anything_starts(
 
 
 def test_the_port_check_covers_every_port_flag_of_up() -> None:
-    settings = UpSettings.parse(["--store", "etcd"])  # every port in use
+    settings = UpSettings.parse(["--store", "etcd", "--engine", "sim", "--autoscale"])  # all
     checked = {flag for _, _, flag in Fleet(FleetSpec.from_settings(settings)).wanted_ports()}
     port_flags = {
         "--" + name.replace("_", "-") for name in UpSettings.model_fields if name.endswith("_port")
     }
     assert checked == port_flags
+
+
+def test_the_autoscale_metrics_port_is_bound_only_with_a_controller() -> None:
+    plain = Fleet(FleetSpec.from_settings(UpSettings.parse([])))
+    assert plain.spec.autoscale_metrics_port == 0
+    assert plain.autoscale_metrics_url == "off"
+    assert "autoscale metrics" not in [what for _, what, _ in plain.wanted_ports()]
+    args = ["--engine", "sim", "--autoscale", "--autoscale-metrics-port", "18091"]
+    controlled = Fleet(FleetSpec.from_settings(UpSettings.parse(args)))
+    assert (18091, "autoscale metrics", "--autoscale-metrics-port") in controlled.wanted_ports()
+    assert controlled.autoscale_metrics_url.endswith(":18091/metrics")
