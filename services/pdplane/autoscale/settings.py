@@ -92,6 +92,18 @@ class AutoscaleOptions(CommandSettings):
                 f"mean-gpus {self.mean_gpus:g} is below the {smallest} GPUs that min-prefill + "
                 "min-decode instances hold"
             )
+        cap = self.gpus or (self.max_prefill + self.max_decode) * self.gpus_per_instance
+        if self.mean_gpus > cap:
+            raise ValueError(
+                f"mean-gpus {self.mean_gpus:g} is above the {cap} GPUs the fleet may hold at "
+                "once (--gpus, else max-prefill + max-decode instances): a target it can never "
+                "reach is no target"
+            )
+        if self.autoscale_window_s < self.autoscale_interval_s:
+            raise ValueError(
+                "autoscale-window-s must be at least autoscale-interval-s (traffic between two "
+                "decisions would go unmeasured)"
+            )
         return self
 
     def bounds(self) -> Bounds:

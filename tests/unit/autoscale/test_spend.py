@@ -74,6 +74,26 @@ def test_a_spend_target_below_the_smallest_fleet_is_refused(
     assert "error: pdplane up: mean-gpus 1 is below the 2 GPUs" in err  # no pydantic prefix
 
 
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--mean-gpus", "20", "--gpus", "8"], "mean-gpus 20 is above the 8 GPUs"),
+        (["--mean-gpus", "17"], "mean-gpus 17 is above the 16 GPUs"),  # 8 + 8 instances
+        (
+            ["--autoscale-window-s", "5", "--autoscale-interval-s", "10"],
+            "autoscale-window-s must be at least autoscale-interval-s",
+        ),
+    ],
+)
+def test_a_spend_target_above_the_cap_or_a_window_shorter_than_a_step_is_refused(
+    flags: list[str], says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        UpSettings.parse(flags)
+    assert exc.value.code == 2
+    assert says in capsys.readouterr().err
+
+
 def test_the_credit_is_exported() -> None:
     metrics = AutoscaleMetrics()
     metrics.update(Observation(Traffic(1, 100, 10), {}), FleetState(), None, True, credit=-42.0)
