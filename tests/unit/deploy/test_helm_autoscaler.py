@@ -112,6 +112,18 @@ def test_the_spend_target_reaches_the_controller() -> None:
             {"autoscaler": {"enabled": True, "meanGpus": 1}},
             "autoscaler.meanGpus 1 is below the 2 GPUs",
         ),
+        (
+            {"autoscaler": {"enabled": True, "meanGpus": 17}},
+            "autoscaler.meanGpus 17 is above the 16 GPUs",
+        ),
+        (
+            {"autoscaler": {"enabled": True, "meanGpus": 5, "gpus": 4}},
+            "autoscaler.meanGpus 5 is above the 4 GPUs",
+        ),
+        (
+            {"autoscaler": {"enabled": True, "intervalS": 30, "windowS": 20}},
+            "autoscaler.windowS must be at least autoscaler.intervalS",
+        ),
     ],
 )
 def test_bad_autoscaler_values_fail_the_render(values: dict[str, Any], message: str) -> None:
