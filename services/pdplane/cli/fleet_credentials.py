@@ -53,6 +53,7 @@ class FleetCredentials:
     token: str
     admin_token: str
     services: tuple[str, ...] = ()
+    scheduler: str = ""  # its scheduler's gRPC address (also in `services`); "" = unknown
 
 
 def generate(registry: str, services: tuple[str, ...] = ()) -> FleetCredentials:
@@ -85,6 +86,7 @@ def _read(path: Path) -> FleetCredentials | None:
             str(data["token"]),
             str(data["admin_token"]),
             tuple(str(a) for a in services),
+            str(data.get("scheduler") or ""),
         )
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None

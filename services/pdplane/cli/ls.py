@@ -16,8 +16,9 @@ The KV_INDEX column (JSON: `kv_index`) is the scheduler's prefix index's state o
 (no snapshot yet), `stale` (stream down or lagging: routed by load), `-` (not followed: no
 KV endpoint), `off` (the scheduler has no index), `?` (the scheduler did not answer; the
 reason goes to stderr and the listing still succeeds). The registry does not hold it: each
-scheduler replica has its own index, and `--scheduler` picks the one to ask (default: the
-port `pdplane up` gives it; `--scheduler ""` leaves the column out).
+scheduler replica has its own index, and `--scheduler` picks the one to ask (default: the local
+`pdplane up` fleet's scheduler when `--registry` is its registry, else the port `pdplane up`
+gives it by default; `--scheduler ""` leaves the column out).
 
 Exit codes: 0 success, 1 registry unreachable or refused the call, 2 bad flags.
 """
@@ -67,9 +68,11 @@ class LsSettings(CommandSettings):
     tls_ca: str | None = Field(
         None, description="CA certificate (PEM) to verify the registry's and scheduler's TLS"
     )
-    scheduler: str = Field(
-        f"127.0.0.1:{defaults.SCHEDULER_PORT}",
-        description="scheduler gRPC address whose prefix index fills KV_INDEX; '' = no column",
+    scheduler: str | None = Field(
+        None,
+        description="scheduler gRPC address whose prefix index fills KV_INDEX (default: the "
+        f"local `pdplane up` fleet's if this is its registry, else 127.0.0.1:"
+        f"{defaults.SCHEDULER_PORT}); '' = no column",
     )
     scheduler_token: str | None = Field(
         None, description="scheduler bearer token (default: --token)"
@@ -160,19 +163,19 @@ def _list(
     )
     views = [instance_to_dict(i) for part in parts for i in part.instances]
     if s.scheduler:
-        states = _kv_states(s)
+        states = _kv_states(s, s.scheduler)
         for v in views:
             v["kv_index"] = states.get(v["id"]) if isinstance(states, dict) else states
     text = format_table(views, kv_column=bool(s.scheduler))
     out.write(json.dumps(views, indent=2) + "\n" if s.json_ else text)
 
 
-def _kv_states(s: LsSettings) -> dict[str, dict[str, Any]] | str:
+def _kv_states(s: LsSettings, scheduler: str) -> dict[str, dict[str, Any]] | str:
     """instance id -> its prefix index state (a dict of `KvIndexState`'s fields), or a marker
     for every row: "off" (no index there), "?" (no answer; the reason goes to stderr)."""
     metadata = grpc_util.token_metadata(s.scheduler_token or s.token)
     try:
-        with grpc_util.channel(s.scheduler, s.tls_ca) as channel:
+        with grpc_util.channel(scheduler, s.tls_ca) as channel:
             stub = scheduler_pb2_grpc.SchedulerStub(channel)
             response = stub.ListKvStates(
                 scheduler_pb2.ListKvStatesRequest(), timeout=s.timeout_s, metadata=metadata
@@ -183,7 +186,7 @@ def _kv_states(s: LsSettings) -> dict[str, dict[str, Any]] | str:
             return "off"
         details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
         name = code.name if code is not None else "UNKNOWN"
-        sys.stderr.write(f"pdplane ls: scheduler {s.scheduler}: {name}: {details} (KV_INDEX ?)\n")
+        sys.stderr.write(f"pdplane ls: scheduler {scheduler}: {name}: {details} (KV_INDEX ?)\n")
         return "?"
     return {
         st.instance_id: {
@@ -310,6 +313,10 @@ def main(argv: list[str], out: TextIO | None = None) -> int:
     settings = LsSettings.parse(argv)
     # The local `pdplane up` fleet's token when none was given: nothing to type.
     settings.token = fleet_credentials.token_for(settings.registry, settings.token)
+    if settings.scheduler is None:  # the local fleet's, wherever `pdplane up` put it
+        local = fleet_credentials.for_registry(settings.registry)
+        default = f"127.0.0.1:{defaults.SCHEDULER_PORT}"
+        settings.scheduler = local.scheduler if local and local.scheduler else default
     out = out or sys.stdout
     role = parse_role(settings.role) if settings.role else instance_pb2.ROLE_UNSPECIFIED
     endpoints = RegistryEndpoints(settings.registry, settings.tls_ca)

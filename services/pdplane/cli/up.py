@@ -361,7 +361,9 @@ def main(argv: list[str]) -> int:
     fleet = Fleet(spec, say=_say)
     fleet.die_with_parent = True
     # Local tools (`pdplane grpc`) send the shared token to the scheduler and KV servers too.
-    creds = dataclasses.replace(creds, services=fleet.service_addresses())
+    creds = dataclasses.replace(
+        creds, services=fleet.service_addresses(), scheduler=fleet.scheduler_address
+    )
     status = 0
     metrics_server: WSGIServer | None = None
     try:

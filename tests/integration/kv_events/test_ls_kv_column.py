@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import io
 import json
+from pathlib import Path
 
 import pytest
 
-from pdplane.cli import ls
+from pdplane.cli import fleet_credentials, ls
 from pdplane.launch.ports import free_port_run
 from pdplane.scheduler.kv_index import KvState
 from tests.integration.kv_events.helpers import TOKEN, Engine, tokens, waited
@@ -21,7 +22,10 @@ def _ls(*args: str) -> tuple[int, str]:
     return code, out.getvalue()
 
 
-def test_ls_kv_index_column_follows_live_and_stale(capsys: pytest.CaptureFixture[str]) -> None:
+def test_ls_kv_index_column_follows_live_and_stale(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PDPLANE_CACHE_DIR", str(tmp_path))
     engine = Engine("p0")
     try:
         engine.store(tokens(0, 3))
@@ -42,6 +46,18 @@ def test_ls_kv_index_column_follows_live_and_stale(capsys: pytest.CaptureFixture
                 code, text = _ls(*base, "--token", TOKEN, "--json")
                 p0 = next(v for v in json.loads(text) if v["id"] == "p0")
                 assert p0["kv_index"]["state"] == "live" and p0["kv_index"]["blocks"] == 3
+                # Without --scheduler, the local `pdplane up` fleet's scheduler (from its
+                # credentials file) when --registry is its registry, whatever its port.
+                creds = fleet_credentials.FleetCredentials(
+                    registry.address, TOKEN, "admin", (sched.address,), sched.address
+                )
+                fleet_credentials.write(creds)
+                try:
+                    code, text = _ls("--registry", registry.address)
+                finally:
+                    fleet_credentials.remove(creds)
+                rows = {line.split()[0]: line.split()[4] for line in text.splitlines()[1:]}
+                assert code == 0 and rows == {"d0": "-", "p0": "live"}
 
                 engine.stop()  # its stream dies: stale at once, routed by load
                 waited(lambda: {s.state for s in manager.states()} == {KvState.STALE})
