@@ -29,6 +29,7 @@ from pdplane.autoscale.leader import EtcdLeader
 from pdplane.autoscale.loop import AutoscaleMetrics, Autoscaler
 from pdplane.autoscale.scrape import FleetScraper
 from pdplane.autoscale.settings import AutoscaleOptions
+from pdplane.core.settings import LogLevel
 from pdplane.core.token_file import token_file_field
 from pdplane.registry.etcd.client import parse_endpoints
 
@@ -60,7 +61,7 @@ class AutoscaleSettings(AutoscaleOptions):
     etcd_cert: str | None = Field(None, description="client certificate (PEM) for etcd")
     etcd_key: str | None = Field(None, description="client private key (PEM) for etcd")
     metrics_port: int = Field(9402, ge=0, le=65535, description="Prometheus /metrics; 0 = off")
-    log_level: str = Field("INFO", description="Python logging level")
+    log_level: LogLevel = Field("INFO", description="Python logging level")
 
 
 def main(argv: list[str]) -> int:

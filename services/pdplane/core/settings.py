@@ -8,16 +8,27 @@ with a `<name>_file` companion is read from that file when it is empty
 
 from __future__ import annotations
 
+import logging
 import re
 import sys
-from typing import Any, Self
+from typing import Annotated, Any, Self
 
-from pydantic import ValidationError, model_validator
+from pydantic import AfterValidator, ValidationError, model_validator
 from pydantic_settings import BaseSettings, CliApp, CliSettingsSource, SettingsConfigDict
 
 from pdplane.core.token_file import resolve_token_files
 
-__all__ = ["CommandSettings"]
+__all__ = ["CommandSettings", "LogLevel"]
+
+
+def _log_level(name: str) -> str:
+    if name.upper() not in logging.getLevelNamesMapping():
+        raise ValueError(f"unknown logging level {name!r} (DEBUG, INFO, WARNING, ERROR, CRITICAL)")
+    return name
+
+
+#: A Python logging level by name, in any case ("info", "WARNING"); others are refused.
+LogLevel = Annotated[str, AfterValidator(_log_level)]
 
 
 class _HelpSource(CliSettingsSource[Any]):

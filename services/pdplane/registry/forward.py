@@ -15,7 +15,10 @@ from typing import Any
 import grpc
 from google.protobuf.descriptor import ServiceDescriptor
 
-__all__ = ["ForwardingHandler", "shapes"]
+__all__ = ["HOP_KEY", "ForwardingHandler", "shapes"]
+
+#: Metadata a forwarding relay adds to every call it sends on: (HOP_KEY, its id).
+HOP_KEY = "pdplane-relay-hop"
 
 #: Metadata gRPC itself sets on a call (pseudo-headers, transport details): never copied.
 _TRANSPORT_KEYS = ("grpc-", ":", "user-agent", "content-type", "te")
@@ -30,12 +33,23 @@ def shapes(services: Iterable[ServiceDescriptor]) -> dict[str, tuple[bool, bool]
     }
 
 
-def _metadata(context: grpc.aio.ServicerContext[Any, Any]) -> tuple[tuple[str, Any], ...]:
-    return tuple(
+async def _onward(
+    context: grpc.aio.ServicerContext[Any, Any], hop: tuple[str, str]
+) -> tuple[tuple[str, Any], ...]:
+    """The caller's metadata and this relay's `hop` mark, for the call sent on; aborts with
+    FAILED_PRECONDITION when the call already carries the mark (it came round a loop)."""
+    kept = tuple(
         (m.key, m.value)
         for m in context.invocation_metadata() or ()
         if not m.key.startswith(_TRANSPORT_KEYS)
     )
+    if hop in kept:
+        await context.abort(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "this call came back to the heartbeat relay that sent it on: its --registry leads "
+            "back to itself",
+        )
+    return (*kept, hop)
 
 
 async def _relay_error(context: grpc.aio.ServicerContext[Any, Any], exc: grpc.RpcError) -> None:
@@ -57,7 +71,8 @@ async def _replies(call: Any, context: Any) -> AsyncIterator[bytes]:
 
 class ForwardingHandler(grpc.GenericRpcHandler):
     """Serves each method of `shapes` by calling the same method on `channel()` (the channel
-    to use now: a relay moves to another registry replica when one fails), as bytes.
+    to use now: a relay moves to another registry replica when one fails), as bytes, marked
+    with `hop` (metadata key and this relay's id: a call already marked is refused).
 
     `local` maps methods to handlers served here instead (the relay's HeartbeatStream). A
     method in neither is UNIMPLEMENTED, as on the registry.
@@ -67,10 +82,12 @@ class ForwardingHandler(grpc.GenericRpcHandler):
         self,
         channel: Callable[[], grpc.aio.Channel],
         shapes: Mapping[str, tuple[bool, bool]],
+        hop: tuple[str, str],
         local: Mapping[str, grpc.RpcMethodHandler],
     ) -> None:
         self._handlers: dict[str, grpc.RpcMethodHandler] = {
-            method: self._forwarder(channel, method, *shape) for method, shape in shapes.items()
+            method: self._forwarder(channel, method, hop, *shape)
+            for method, shape in shapes.items()
         }
         self._handlers.update(local)
 
@@ -83,6 +100,7 @@ class ForwardingHandler(grpc.GenericRpcHandler):
     def _forwarder(
         channel: Callable[[], grpc.aio.Channel],
         method: str,
+        hop: tuple[str, str],
         request_streaming: bool,
         response_streaming: bool,
     ) -> grpc.RpcMethodHandler:
@@ -91,8 +109,9 @@ class ForwardingHandler(grpc.GenericRpcHandler):
 
             async def unary_unary(request: bytes, context: Any) -> bytes:
                 try:
+                    metadata = await _onward(context, hop)
                     reply: bytes = await channel().unary_unary(method)(
-                        request, metadata=_metadata(context), timeout=context.time_remaining()
+                        request, metadata=metadata, timeout=context.time_remaining()
                     )
                 except grpc.RpcError as exc:
                     await _relay_error(context, exc)
@@ -102,8 +121,9 @@ class ForwardingHandler(grpc.GenericRpcHandler):
         if not request_streaming:
             # Async generator functions: gRPC runs any other callable on its thread pool.
             async def unary_stream(request: bytes, context: Any) -> AsyncIterator[bytes]:
+                metadata = await _onward(context, hop)
                 call = channel().unary_stream(method)(
-                    request, metadata=_metadata(context), timeout=context.time_remaining()
+                    request, metadata=metadata, timeout=context.time_remaining()
                 )
                 async for reply in _replies(call, context):
                     yield reply
@@ -113,8 +133,9 @@ class ForwardingHandler(grpc.GenericRpcHandler):
         async def stream_stream(
             requests: AsyncIterator[bytes], context: Any
         ) -> AsyncIterator[bytes]:
+            metadata = await _onward(context, hop)
             call = channel().stream_stream(method)(
-                requests, metadata=_metadata(context), timeout=context.time_remaining()
+                requests, metadata=metadata, timeout=context.time_remaining()
             )
             async for reply in _replies(call, context):
                 yield reply

@@ -30,13 +30,14 @@ import collections
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
 
 from pdplane.core.grpc.auth import AuthPolicy, ConflictingCredentials
 from pdplane.core.grpc.util import DENIED
+from pdplane.registry._backoff import Backoff
 from pdplane.registry.servicer import MAX_HEARTBEAT_BATCH
 from pdplane.v1 import registry_pb2, registry_pb2_grpc
 
@@ -47,8 +48,11 @@ log = logging.getLogger(__name__)
 #: How long the first heartbeat of a new lease waits for others to share its message (s): a
 #: fleet starting up sends a few batches, not one message per instance.
 FIRST_WINDOW_S = 0.005
-#: Pause before the link to the registry is opened again after it broke (s).
-_RELINK_S = 0.1
+#: Pause before the link to the registry is opened again after it broke (s), doubling up to
+#: the maximum while it keeps breaking.
+_RELINK_S, _RELINK_MAX_S = 0.1, 2.0
+#: The same reason for a broken link is logged again only after this long (s).
+_RELOG_S = 60.0
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 #: One lease held by one instance: (instance_id, lease_id).
@@ -77,12 +81,18 @@ class HeartbeatRelay:
         flush_interval_s: float,
         stale_after_s: float,
         relink: Callable[[], None] = lambda: None,
+        on_vouching: Callable[[bool], Awaitable[None]] | None = None,
     ) -> None:
         self._stub = stub
         self._metadata = metadata
         self._interval_s = flush_interval_s
         self._stale_after_s = stale_after_s
         self._relink = relink
+        self._on_vouching = on_vouching
+        self._vouching = True
+        self._link_error = ""  # why the last link broke (said to instances it leaves waiting)
+        self._logged: tuple[str, float] = ("", 0.0)  # the last reason logged, and when
+        self._backoff = Backoff(_RELINK_S, _RELINK_MAX_S)
         self._pending: dict[_Key, registry_pb2.HeartbeatRequest] = {}
         self._answers: dict[_Key, registry_pb2.HeartbeatResponse] = {}
         self._waiters: dict[_Key, list[asyncio.Future[registry_pb2.HeartbeatOutcome]]] = {}
@@ -91,6 +101,7 @@ class HeartbeatRelay:
         self._in_flight: collections.deque[tuple[float, list[_Key]]] = collections.deque()
         self._first = asyncio.Event()  # a heartbeat waits for its lease's first answer
         self._down_since: float | None = None  # the link broke then and is not back
+        self._next_tick = 0.0  # time.monotonic() of the next batch of every pending heartbeat
         self.batches_sent = 0
         self.heartbeats_sent = 0
 
@@ -116,9 +127,10 @@ class HeartbeatRelay:
         answer = self._answers.get(key)
         if answer is not None:
             if self._stale():
+                why = f" (last: {self._link_error})" if self._link_error else ""
                 return _unavailable(
                     f"the heartbeat relay has had no answer from the registry for "
-                    f"{self._stale_after_s:.1f} s"
+                    f"{self._stale_after_s:.1f} s{why}"
                 )
             return registry_pb2.HeartbeatOutcome(response=answer)
         waiter: asyncio.Future[registry_pb2.HeartbeatOutcome] = (
@@ -150,33 +162,69 @@ class HeartbeatRelay:
             try:
                 await self._send(call, reader)
             except (grpc.RpcError, asyncio.InvalidStateError, ConnectionError) as exc:
-                details = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
-                log.warning("heartbeat batch stream to the registry broke: %s", details)
-                self._fail_in_flight(f"the heartbeat relay lost its registry link: {details}")
+                self._broken(exc)
+                self._fail_in_flight(
+                    f"the heartbeat relay lost its registry link: {self._link_error}"
+                )
                 self._relink()
             finally:
                 reader.cancel()
                 call.cancel()
-            await asyncio.sleep(_RELINK_S)
+            await self._publish_vouching()
+            await asyncio.sleep(self._backoff.next_delay())
+
+    def _broken(self, exc: BaseException) -> None:
+        """Notes (and logs, once per reason a minute) why the link broke."""
+        if isinstance(exc, grpc.aio.AioRpcError):
+            code = exc.code()
+            why = f"{code.name}: {exc.details()}"
+            if code == grpc.StatusCode.UNAUTHENTICATED:
+                why += " (the registry refused the relay's --token)"
+            elif code == grpc.StatusCode.UNIMPLEMENTED:
+                why += " (the registry has no HeartbeatBatchStream: upgrade it before its relays)"
+        else:
+            why = str(exc) or type(exc).__name__
+        self._link_error = why
+        now = time.monotonic()
+        if why != self._logged[0] or now - self._logged[1] > _RELOG_S:
+            self._logged = (why, now)
+            log.warning("heartbeat batch stream to the registry broke: %s", why)
+
+    async def _publish_vouching(self) -> None:
+        """Tells `on_vouching` when the relay starts or stops vouching for its leases."""
+        vouching = not self._stale()
+        if vouching != self._vouching:
+            self._vouching = vouching
+            if self._on_vouching is not None:
+                await self._on_vouching(vouching)
 
     async def _send(self, call: Any, reader: asyncio.Future[None]) -> None:
-        next_tick = time.monotonic() + self._interval_s
+        self._next_tick = time.monotonic()  # a new link is tried at once (an empty batch)
         while True:
-            remaining = next_tick - time.monotonic()
+            remaining = self._next_tick - time.monotonic()
             if remaining > 0 and not self._first.is_set():
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._first.wait(), remaining)
             if reader.done():
                 reader.result()  # raises what ended the link
                 raise ConnectionError("the registry ended the heartbeat batch stream")
-            if self._stale():
+            await self._publish_vouching()
+            # Only this link's own batches count: a link opened after an outage must get to
+            # send before it can be judged.
+            if self._in_flight and time.monotonic() - self._in_flight[0][0] > self._stale_after_s:
                 raise ConnectionError(f"a batch unanswered for {self._stale_after_s:.1f} s")
             if self._first.is_set():
                 await asyncio.sleep(FIRST_WINDOW_S)
                 self._first.clear()
-            if time.monotonic() >= next_tick:
+            if time.monotonic() >= self._next_tick:
                 keys = list(self._pending)
-                next_tick = max(next_tick + self._interval_s, time.monotonic())
+                self._next_tick = max(self._next_tick + self._interval_s, time.monotonic())
+                if not keys and not self._in_flight:
+                    # Nothing to send: an empty batch keeps the link's answers (and so the
+                    # relay's health and its instances' next first answers) current.
+                    self._in_flight.append((time.monotonic(), []))
+                    await call.write(registry_pb2.HeartbeatBatch())
+                    continue
             else:  # only the heartbeats waiting for their lease's first answer
                 keys = [key for key in self._pending if key in self._waiters]
             await self._write(call, keys)
@@ -194,6 +242,8 @@ class HeartbeatRelay:
         async for result in call:
             _, keys = self._in_flight.popleft()
             self._down_since = None
+            self._backoff.reset()
+            await self._publish_vouching()
             for key, outcome in zip(keys, result.outcomes, strict=True):
                 waiters = self._waiters.pop(key, [])
                 if outcome.code:
@@ -201,9 +251,24 @@ class HeartbeatRelay:
                     self._answers.pop(key, None)
                 elif key in self._open:
                     self._answers[key] = outcome.response
+                    self._within_ttl(outcome.response.lease_ttl_ms)
                 for waiter in waiters:
                     if not waiter.done():
                         waiter.set_result(outcome)
+
+    def _within_ttl(self, ttl_ms: int) -> None:
+        # A lease is renewed up to a tick after its instance's heartbeat: ticks of a third of
+        # the shortest TTL granted keep every lease at least two ticks from expiring.
+        if ttl_ms and self._interval_s > ttl_ms / 3000:
+            self._interval_s = ttl_ms / 3000
+            self._next_tick = min(self._next_tick, time.monotonic() + self._interval_s)
+            self._first.set()  # wakes the sender, which waits for the old tick
+            log.warning(
+                "the registry grants leases of %d ms: batches now every %.0f ms (a third of "
+                "it) instead of --flush-interval-ms",
+                ttl_ms,
+                self._interval_s * 1000,
+            )
 
     def _fail_in_flight(self, why: str) -> None:
         # Heartbeats sent on the broken link are lost: each is sent again with its instance's
@@ -231,7 +296,9 @@ def heartbeat_stream_handler(relay: HeartbeatRelay, auth: AuthPolicy) -> grpc.Rp
         except ConflictingCredentials as exc:
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(exc))
         if role is None:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, DENIED)
+            await context.abort(
+                grpc.StatusCode.UNAUTHENTICATED, f"{DENIED} (at the host's heartbeat relay)"
+            )
         key: _Key | None = None
         try:
             while (request := await context.read()) is not grpc.aio.EOF:

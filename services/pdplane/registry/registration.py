@@ -101,6 +101,7 @@ class RegistrationClient:
         self.last_answer_at = 0.0  # time.monotonic() of the last answered heartbeat
         self.failovers = 0  # moves to another registry replica
         self._misses = 0  # replicas that failed since the last answered heartbeat
+        self._unanswered_since_log = False  # said that heartbeats fail; not said they are back
 
     @property
     def registry(self) -> str:
@@ -255,6 +256,9 @@ class RegistrationClient:
         self.heartbeats += 1
         self.last_answer_at = time.monotonic()
         self._misses = 0
+        if self._unanswered_since_log:
+            self._unanswered_since_log = False
+            log.info("registry %s answers %s's heartbeats again", self.registry, self.instance_id)
 
     def _heartbeat_stream(self, lease: str) -> None:
         """Heartbeats on one stream until it breaks (raises grpc.RpcError), the lease changes
@@ -353,4 +357,10 @@ class RegistrationClient:
             log.info("registry unreachable for %s; trying %s", self.instance_id, self.registry)
             if self._misses % len(self._endpoints.addresses):
                 return 0.05  # the next replica is probably up: do not wait the full backoff
+        if code in FAILOVER_CODES and not self._unanswered_since_log:
+            # Once per outage: an instance whose heartbeats fail must say so where it logs.
+            self._unanswered_since_log = True
+            log.warning(
+                "heartbeats of %s unanswered (%s); retrying", self.instance_id, self.last_error
+            )
         return backoff.next_delay()

@@ -16,11 +16,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 import grpc
+from grpc_health.v1 import health_pb2
 from pydantic import Field, model_validator
 
 from pdplane.core import defaults
@@ -28,10 +31,10 @@ from pdplane.core.grpc import util as grpc_util
 from pdplane.core.grpc.auth import AuthPolicy, check_bind
 from pdplane.core.grpc.message_check import AioDecodeErrorInterceptor
 from pdplane.core.listen import refuse_taken
-from pdplane.core.settings import CommandSettings
+from pdplane.core.settings import CommandSettings, LogLevel
 from pdplane.core.token_file import token_file_field
 from pdplane.registry.failover import split_addresses
-from pdplane.registry.forward import ForwardingHandler, shapes
+from pdplane.registry.forward import HOP_KEY, ForwardingHandler, shapes
 from pdplane.registry.heartbeat_relay import HeartbeatRelay, heartbeat_stream_handler
 from pdplane.registry.servicer import SERVICE_NAME
 from pdplane.v1 import registry_pb2, registry_pb2_grpc
@@ -81,17 +84,35 @@ class RelaySettings(CommandSettings):
         description="after this long without an answer from the registry the relay answers "
         "heartbeats UNAVAILABLE (ms)",
     )
-    log_level: str = Field("INFO", description="logging level")
+    log_level: LogLevel = Field("INFO", description="logging level")
 
     @model_validator(mode="after")
     def _check(self) -> RelaySettings:
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("--tls-cert and --tls-key must be given together")
-        split_addresses(self.registry)
+        for address in self.registry.split(","):
+            _check_address(address.strip(), self.host, self.port)
         check_bind("pdplane registry-relay", self.host, self.token, self.insecure)
         if self.stale_after_ms <= self.flush_interval_ms:
             raise ValueError("--stale-after-ms must be longer than --flush-interval-ms")
         return self
+
+
+#: Hosts that reach a relay listening on loopback or on every address of this host.
+_THIS_HOST = {"127.0.0.1", "localhost", "::1", "0.0.0.0", "::"}
+
+
+def _check_address(address: str, host: str, port: int) -> None:
+    """Raises ValueError for a --registry entry that is no host:port (or gRPC target such as
+    dns:///name:port), or that is this relay itself."""
+    if "://" in address or address.startswith("unix:"):
+        return
+    name, _, digits = address.rpartition(":")
+    name = name.strip("[]")
+    if not name or not digits.isdigit() or not 0 < int(digits) < 65536:
+        raise ValueError(f"--registry: {address!r} is not host:port")
+    if int(digits) == port and (name == host.strip("[]") or name in _THIS_HOST):
+        raise ValueError(f"--registry: {address} is this relay itself (--port {port})")
 
 
 class RegistryRelay:
@@ -110,19 +131,37 @@ class RegistryRelay:
         ]
         self._stubs = [registry_pb2_grpc.RegistryStub(c) for c in self._channels]
         self._current = 0
+        # Marks every call this relay sends on, so that one that comes back (a --registry that
+        # leads to this relay again) is refused instead of going round without end.
+        self._hop = (HOP_KEY, secrets.token_hex(8))
         self.relay = HeartbeatRelay(
             lambda: self._stubs[self._current],
-            grpc_util.token_metadata(settings.token),
+            (*grpc_util.token_metadata(settings.token), self._hop),
             settings.flush_interval_ms / 1000,
             settings.stale_after_ms / 1000,
             relink=self._next_replica,
+            on_vouching=self._vouching,
         )
+        self._health: Any = None
         self._server: grpc.aio.Server | None = None
         self._sender: asyncio.Task[None] | None = None
         self.port = 0
 
     def _next_replica(self) -> None:
         self._current = (self._current + 1) % len(self._channels)
+
+    async def _vouching(self, vouching: bool) -> None:
+        # NOT_SERVING while the registry does not answer: a probe takes the relay out of its
+        # Service, and a relay that stays so is restarted.
+        if self._health is None:
+            return
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if vouching
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for name in (SERVICE_NAME, ""):
+            await self._health.set(name, status)
 
     async def start(self) -> int:
         """Binds `settings.host:settings.port`, starts serving and sending batches; returns
@@ -139,11 +178,12 @@ class RegistryRelay:
                 ForwardingHandler(
                     lambda: self._channels[self._current],
                     shapes([registry_pb2.DESCRIPTOR.services_by_name["Registry"]]),
+                    self._hop,
                     {HEARTBEAT_STREAM: heartbeat_stream_handler(self.relay, AuthPolicy(s.token))},
                 )
             ]
         )
-        await grpc_util.aio_add_health_and_reflection(server, [SERVICE_NAME])
+        self._health = await grpc_util.aio_add_health_and_reflection(server, [SERVICE_NAME])
         self.port = grpc_util.add_port(server, f"{s.host}:{s.port}", s.tls_cert, s.tls_key)
         await server.start()
         self._server = server

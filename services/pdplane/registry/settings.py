@@ -8,7 +8,7 @@ from pydantic import Field, model_validator
 
 from pdplane.core import defaults
 from pdplane.core.grpc.auth import check_bind
-from pdplane.core.settings import CommandSettings
+from pdplane.core.settings import CommandSettings, LogLevel
 from pdplane.core.token_file import token_file_field
 
 __all__ = ["RegistrySettings"]
@@ -59,7 +59,7 @@ class RegistrySettings(CommandSettings):
     event_history: int = Field(
         10_000, ge=0, description="events kept to replay to re-watching clients"
     )
-    log_level: str = Field("INFO", description="logging level")
+    log_level: LogLevel = Field("INFO", description="logging level")
     store: Literal["memory", "etcd"] = Field(
         "memory", description="where instances live: memory (one node) or etcd (replicated)"
     )

@@ -12,7 +12,7 @@ from typing import Literal
 from pydantic import Field
 
 from pdplane.core.defaults import KV_TRANSFER_TIMEOUT_S
-from pdplane.core.settings import CommandSettings
+from pdplane.core.settings import CommandSettings, LogLevel
 from pdplane.core.token_file import token_file_field
 from pdplane.sim.config import SimConfig
 
@@ -91,7 +91,7 @@ class SimSettings(CommandSettings):
         False, description="serve /sim/* to any client (default: loopback clients only)"
     )
     uvloop: bool = Field(True, description="run on uvloop when installed")
-    log_level: str = Field("WARNING", description="Python logging level")
+    log_level: LogLevel = Field("WARNING", description="Python logging level")
 
     def sim_config(self) -> SimConfig:
         """The per-instance knobs (the first instance's ports). Raises ValueError."""

@@ -9,12 +9,15 @@ import functools
 import itertools
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdplane.core.grpc import util as grpc_util
+from pdplane.launch.ports import free_port_run
 from pdplane.registry.client import RegistrationClient
 from pdplane.registry.servicer import MAX_HEARTBEAT_BATCH
 from pdplane.v1 import instance_pb2, registry_pb2, registry_pb2_grpc
@@ -251,3 +254,101 @@ def test_heartbeats_through_a_relay_that_lost_its_registry_end_unavailable() -> 
                     stream.send(_beat("p0", lease))
             assert lost.value.code() == grpc.StatusCode.UNAVAILABLE
             assert "registry" in (lost.value.details() or "")
+
+
+def test_after_a_registry_outage_longer_than_stale_after_the_relay_recovers(
+    recorder_factory: Callable[..., WatchRecorder],
+) -> None:
+    # The registry is away for 3x stale_after: the relay stops vouching (health NOT_SERVING),
+    # then the registry is back on its port with no leases (memory store): the relay links
+    # again, the instance is told NOT_FOUND, registers again and is listed; health SERVING.
+    port = free_port_run()
+    settings = {"lease_ttl_ms": 1000, "heartbeat_interval_ms": 200}
+    with contextlib.ExitStack() as first_registry:
+        first_registry.enter_context(running_registry_server(port, **settings))
+        with (
+            running_relay(f"127.0.0.1:{port}", flush_interval_ms=200, stale_after_ms=600) as relay,
+            grpc_util.channel(f"127.0.0.1:{relay.port}") as chan,
+        ):
+            health = health_pb2_grpc.HealthStub(chan)
+
+            def status() -> int:
+                return health.Check(health_pb2.HealthCheckRequest(), timeout=5).status
+
+            client = RegistrationClient(f"127.0.0.1:{relay.port}", make_spec("p0"))
+            client.start()
+            try:
+                assert client.wait_registered(5)
+                assert status() == health_pb2.HealthCheckResponse.SERVING
+                first_registry.close()
+                assert wait_until(lambda: status() == health_pb2.HealthCheckResponse.NOT_SERVING, 5)
+                time.sleep(1.8)  # the outage: three times stale_after
+                with (
+                    running_registry_server(port, **settings) as registry,
+                    grpc_util.channel(registry.address) as direct,
+                ):
+                    stub = registry_pb2_grpc.RegistryStub(direct)
+
+                    def heartbeat_ns() -> int:
+                        listed = stub.ListInstances(registry_pb2.ListInstancesRequest())
+                        beats = [i.last_heartbeat.ToNanoseconds() for i in listed.instances]
+                        return max(beats, default=0)
+
+                    # Listed again (registered anew on the memory store, taken over from
+                    # etcd on the other), its heartbeats arriving through the relay.
+                    assert wait_until(lambda: heartbeat_ns() > 0, 10), client.last_error
+                    assert wait_until(lambda: status() == health_pb2.HealthCheckResponse.SERVING, 5)
+                    watch = recorder_factory(registry.address)
+                    before = heartbeat_ns()
+                    time.sleep(2.0)  # it stays: heartbeats renew its lease
+                    assert not watch.of_type(Ev.REMOVED), client.last_error
+                    assert heartbeat_ns() > before
+            finally:
+                client.stop()
+
+
+def test_a_relay_loop_is_refused_not_followed() -> None:
+    a = free_port_run(2)
+    b = a + 1
+    with (
+        running_relay(f"127.0.0.1:{b}", port=a) as relay_a,
+        running_relay(f"127.0.0.1:{a}", port=b),
+        grpc_util.channel(f"127.0.0.1:{relay_a.port}") as chan,
+    ):
+        stub = registry_pb2_grpc.RegistryStub(chan)
+        errors: list[grpc.RpcError] = []
+
+        def refused() -> bool:
+            # The relays' channels to each other may still be in their reconnect backoff
+            # (each started before the other listened): UNAVAILABLE until they connect.
+            try:
+                stub.ListInstances(registry_pb2.ListInstancesRequest(), timeout=5)
+            except grpc.RpcError as exc:
+                errors.append(exc)
+                return exc.code() != grpc.StatusCode.UNAVAILABLE
+            return True
+
+        assert wait_until(refused, 10, interval=0.2)
+        assert errors[-1].code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "leads back" in (errors[-1].details() or "")
+
+
+def test_leases_shorter_than_the_flush_interval_shorten_the_relay_s_ticks(
+    recorder_factory: Callable[..., WatchRecorder],
+) -> None:
+    # Leases of 600 ms behind ticks of 1 s would lapse between two batches; the relay learns
+    # the TTL from the first answer and sends every 200 ms instead.
+    with (
+        running_registry(lease_ttl_ms=600, heartbeat_interval_ms=150) as address,
+        running_relay(address, flush_interval_ms=1000, stale_after_ms=3000) as relay,
+    ):
+        watch = recorder_factory(address)
+        client = RegistrationClient(f"127.0.0.1:{relay.port}", make_spec("p0"))
+        client.start()
+        try:
+            assert client.wait_registered(5)
+            assert wait_until(lambda: watch.of_type(Ev.ADDED), 5)
+            time.sleep(3.0)  # five TTLs
+            assert not watch.of_type(Ev.REMOVED)
+        finally:
+            client.stop()
