@@ -67,11 +67,12 @@ class HeartbeatRelay:
     """Collects the heartbeats of the streams it serves and sends them to the registry in
     batches (see the module docstring for what an instance sees).
 
-    `stubs()` gives the registry stub to use now; `relink()` is called when the link broke, to
+    `stub()` gives the registry stub to use now; `relink()` is called when the link broke, to
     move to another replica. `metadata` goes with the batch stream (the relay's bearer token).
     `flush_interval_s`: seconds between batches; `stale_after_s`: seconds the link may be down
-    or a batch unanswered before heartbeats are answered UNAVAILABLE.
-    Counters for tests and metrics: `batches_sent`, `heartbeats_sent`.
+    or a batch unanswered before heartbeats are answered UNAVAILABLE; `on_vouching(bool)` is
+    awaited when that starts or ends (the relay's health).
+    Counters for tests: `batches_sent`, `heartbeats_sent` (non-empty batches only).
     """
 
     def __init__(
