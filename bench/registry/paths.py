@@ -89,7 +89,8 @@ def main() -> int:
         def encode() -> None:
             etcd_beats()
             with store.lock:
-                entries, _ = store.loads.take([], store.view.records, 0)
+                taken, _ = store.loads.take([], store.view.records, 0)
+            entries = store.loads.entries(taken)
             registry_store_pb2.LoadBatch(entries=entries).SerializeToString()
 
         rows.append(
