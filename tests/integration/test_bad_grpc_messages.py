@@ -8,6 +8,7 @@ details must fit gRPC's trailers.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 
 import grpc
@@ -62,32 +63,22 @@ def registry() -> Iterator[str]:
         yield address
 
 
-def test_registry_answers_garbage_with_invalid_argument(registry: str) -> None:
-    svc = "/pdplane.v1.Registry/"
-    _garbage_everywhere(
-        registry,
-        unary=[svc + m for m in REGISTRY],
-        server_streams=[svc + m for m in REGISTRY_STREAMS],
-        client_streams=[svc + m for m in REGISTRY_BIDI],
-    )
-    # ... and still serves.
-    with grpc.insecure_channel(registry) as channel:
-        registry_pb2_grpc.RegistryStub(channel).ListInstances(
-            registry_pb2.ListInstancesRequest(), timeout=5
-        )
-
-
-def test_a_heartbeat_relay_answers_garbage_with_invalid_argument(registry: str) -> None:
-    # HeartbeatStream is the relay's own; the rest reach the registry as the bytes they were.
-    with running_relay(registry) as relay:
+@pytest.mark.parametrize("through_relay", [False, True], ids=["direct", "relay"])
+def test_registry_answers_garbage_with_invalid_argument(registry: str, through_relay: bool) -> None:
+    # Through a host's heartbeat relay, HeartbeatStream is the relay's own; the rest reach the
+    # registry as the bytes they were.
+    with contextlib.ExitStack() as stack:
+        address = registry
+        if through_relay:
+            address = f"127.0.0.1:{stack.enter_context(running_relay(registry)).port}"
         svc = "/pdplane.v1.Registry/"
-        address = f"127.0.0.1:{relay.port}"
         _garbage_everywhere(
             address,
             unary=[svc + m for m in REGISTRY],
             server_streams=[svc + m for m in REGISTRY_STREAMS],
             client_streams=[svc + m for m in REGISTRY_BIDI],
         )
+        # ... and still serves.
         with grpc.insecure_channel(address) as channel:
             registry_pb2_grpc.RegistryStub(channel).ListInstances(
                 registry_pb2.ListInstancesRequest(), timeout=5
