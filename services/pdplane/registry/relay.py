@@ -151,8 +151,9 @@ class RegistryRelay:
         self._current = (self._current + 1) % len(self._channels)
 
     async def _vouching(self, vouching: bool) -> None:
-        # NOT_SERVING while the registry does not answer: a probe takes the relay out of its
-        # Service, and a relay that stays so is restarted.
+        # The Registry service is NOT_SERVING while the registry does not answer (a readiness
+        # probe takes the relay out of its Service); the server ("") stays SERVING while the
+        # process lives, for a liveness probe: restarting it would not bring the registry back.
         if self._health is None:
             return
         status = (
@@ -160,8 +161,7 @@ class RegistryRelay:
             if vouching
             else health_pb2.HealthCheckResponse.NOT_SERVING
         )
-        for name in (SERVICE_NAME, ""):
-            await self._health.set(name, status)
+        await self._health.set(SERVICE_NAME, status)
 
     async def start(self) -> int:
         """Binds `settings.host:settings.port`, starts serving and sending batches; returns

@@ -272,8 +272,9 @@ def test_after_a_registry_outage_longer_than_stale_after_the_relay_recovers(
         ):
             health = health_pb2_grpc.HealthStub(chan)
 
-            def status() -> int:
-                return health.Check(health_pb2.HealthCheckRequest(), timeout=5).status
+            def status(service: str = "pdplane.v1.Registry") -> int:
+                request = health_pb2.HealthCheckRequest(service=service)
+                return health.Check(request, timeout=5).status
 
             client = RegistrationClient(f"127.0.0.1:{relay.port}", make_spec("p0"))
             client.start()
@@ -282,6 +283,8 @@ def test_after_a_registry_outage_longer_than_stale_after_the_relay_recovers(
                 assert status() == health_pb2.HealthCheckResponse.SERVING
                 first_registry.close()
                 assert wait_until(lambda: status() == health_pb2.HealthCheckResponse.NOT_SERVING, 5)
+                # The process itself stays SERVING (for a liveness probe).
+                assert status("") == health_pb2.HealthCheckResponse.SERVING
                 time.sleep(1.8)  # the outage: three times stale_after
                 with (
                     running_registry_server(port, **settings) as registry,

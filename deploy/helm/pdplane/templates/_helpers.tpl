@@ -156,6 +156,8 @@ Call with (list . port serverName).
 */}}
 {{- define "pdplane.grpcProbe" -}}
 {{- $root := index . 0 -}}
+{{- $service := "" -}}
+{{- if gt (len .) 3 }}{{ $service = index . 3 }}{{ end -}}
 {{- if $root.Values.tls.enabled -}}
 exec:
   command:
@@ -166,9 +168,16 @@ exec:
     - {{ printf "%s/ca.crt" $root.Values.tls.mountPath | quote }}
     - --tls-server-name
     - {{ index . 2 | quote }}
+    {{- if $service }}
+    - --service
+    - {{ $service | quote }}
+    {{- end }}
 {{- else -}}
 grpc:
   port: {{ index . 1 }}
+  {{- if $service }}
+  service: {{ $service | quote }}
+  {{- end }}
 {{- end -}}
 {{- end -}}
 
