@@ -35,13 +35,15 @@ from typing import Any
 
 import grpc
 
-from pdplane.core.grpc.auth import AuthPolicy, ConflictingCredentials
-from pdplane.core.grpc.util import DENIED
+from pdplane.core.grpc.auth import AuthPolicy
+from pdplane.core.grpc.util import refusal
 from pdplane.registry._backoff import Backoff
 from pdplane.registry.servicer import MAX_HEARTBEAT_BATCH
 from pdplane.v1 import registry_pb2, registry_pb2_grpc
 
-__all__ = ["FIRST_WINDOW_S", "HeartbeatRelay", "heartbeat_stream_handler"]
+__all__ = ["FIRST_WINDOW_S", "HEARTBEAT_STREAM", "HeartbeatRelay", "heartbeat_stream_handler"]
+
+HEARTBEAT_STREAM = "/pdplane.v1.Registry/HeartbeatStream"
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +102,9 @@ class HeartbeatRelay:
         self._open: collections.Counter[_Key] = collections.Counter()
         # Batches sent and not answered yet: (monotonic send time, their keys), oldest first.
         self._in_flight: collections.deque[tuple[float, list[_Key]]] = collections.deque()
-        self._first = asyncio.Event()  # a heartbeat waits for its lease's first answer
+        self._wake = (
+            asyncio.Event()
+        )  # a heartbeat waits for its lease's first answer, or the tick moved
         self._down_since: float | None = None  # the link broke then and is not back
         self._next_tick = 0.0  # time.monotonic() of the next batch of every pending heartbeat
         self.batches_sent = 0
@@ -138,7 +142,7 @@ class HeartbeatRelay:
             asyncio.get_running_loop().create_future()
         )
         self._waiters.setdefault(key, []).append(waiter)
-        self._first.set()
+        self._wake.set()
         return await waiter
 
     def _silent_since(self) -> float | None:
@@ -159,7 +163,7 @@ class HeartbeatRelay:
         while True:
             call = self._stub().HeartbeatBatchStream(metadata=self._metadata)
             reader = asyncio.ensure_future(self._read(call))
-            reader.add_done_callback(lambda _: self._first.set())  # a broken link ends _send
+            reader.add_done_callback(lambda _: self._wake.set())  # a broken link ends _send
             try:
                 await self._send(call, reader)
             except (grpc.RpcError, asyncio.InvalidStateError, ConnectionError) as exc:
@@ -203,9 +207,9 @@ class HeartbeatRelay:
         self._next_tick = time.monotonic()  # a new link is tried at once (an empty batch)
         while True:
             remaining = self._next_tick - time.monotonic()
-            if remaining > 0 and not self._first.is_set():
+            if remaining > 0 and not self._wake.is_set():
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._first.wait(), remaining)
+                    await asyncio.wait_for(self._wake.wait(), remaining)
             if reader.done():
                 reader.result()  # raises what ended the link
                 raise ConnectionError("the registry ended the heartbeat batch stream")
@@ -214,9 +218,9 @@ class HeartbeatRelay:
             # send before it can be judged.
             if self._in_flight and time.monotonic() - self._in_flight[0][0] > self._stale_after_s:
                 raise ConnectionError(f"a batch unanswered for {self._stale_after_s:.1f} s")
-            if self._first.is_set():
+            if self._wake.is_set():
                 await asyncio.sleep(FIRST_WINDOW_S)
-                self._first.clear()
+                self._wake.clear()
             if time.monotonic() >= self._next_tick:
                 keys = list(self._pending)
                 self._next_tick = max(self._next_tick + self._interval_s, time.monotonic())
@@ -263,7 +267,7 @@ class HeartbeatRelay:
         if ttl_ms and self._interval_s > ttl_ms / 3000:
             self._interval_s = ttl_ms / 3000
             self._next_tick = min(self._next_tick, time.monotonic() + self._interval_s)
-            self._first.set()  # wakes the sender, which waits for the old tick
+            self._wake.set()  # the sender waits for the old tick
             log.warning(
                 "the registry grants leases of %d ms: batches now every %.0f ms (a third of "
                 "it) instead of --flush-interval-ms",
@@ -292,13 +296,10 @@ def heartbeat_stream_handler(relay: HeartbeatRelay, auth: AuthPolicy) -> grpc.Rp
 
     # A coroutine function (not a callable object): gRPC runs anything else on its thread pool.
     async def heartbeat_stream(_requests: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
-        try:
-            role = auth.role(context.invocation_metadata())
-        except ConflictingCredentials as exc:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(exc))
-        if role is None:
+        why = refusal(auth, HEARTBEAT_STREAM, context.invocation_metadata())
+        if why is not None:
             await context.abort(
-                grpc.StatusCode.UNAUTHENTICATED, f"{DENIED} (at the host's heartbeat relay)"
+                grpc.StatusCode.UNAUTHENTICATED, f"{why} (at the host's heartbeat relay)"
             )
         key: _Key | None = None
         try:

@@ -35,15 +35,17 @@ from pdplane.core.settings import CommandSettings, LogLevel
 from pdplane.core.token_file import token_file_field
 from pdplane.registry.failover import split_addresses
 from pdplane.registry.forward import HOP_KEY, ForwardingHandler, shapes
-from pdplane.registry.heartbeat_relay import HeartbeatRelay, heartbeat_stream_handler
+from pdplane.registry.heartbeat_relay import (
+    HEARTBEAT_STREAM,
+    HeartbeatRelay,
+    heartbeat_stream_handler,
+)
 from pdplane.registry.servicer import SERVICE_NAME
 from pdplane.v1 import registry_pb2, registry_pb2_grpc
 
 __all__ = ["RegistryRelay", "RelaySettings", "main"]
 
 log = logging.getLogger(__name__)
-
-HEARTBEAT_STREAM = f"/{SERVICE_NAME}/HeartbeatStream"
 
 
 class RelaySettings(CommandSettings):

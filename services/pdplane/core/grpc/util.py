@@ -26,7 +26,6 @@ from pdplane.core.server_id import METADATA_KEY, server_id
 __all__ = [
     "CHANNEL_OPTIONS",
     "CONTROL_MAX_RECEIVE_BYTES",
-    "DENIED",
     "FAST_RECONNECT_OPTIONS",
     "KV_SERVER_OPTIONS",
     "SERVER_OPTIONS",
@@ -38,6 +37,7 @@ __all__ = [
     "aio_channel",
     "aio_server_interceptors",
     "channel",
+    "refusal",
     "server_interceptors",
     "token_metadata",
 ]
@@ -92,16 +92,19 @@ def _is_open(method: str) -> bool:
     return method.startswith(("/grpc.health.v1.", "/grpc.reflection."))
 
 
-#: The details of UNAUTHENTICATED for a call without the configured credential.
 DENIED = "missing or invalid bearer token"
 
 
-def _refusal(policy: AuthPolicy, details: grpc.HandlerCallDetails) -> str | None:
-    """Why the call is refused (UNAUTHENTICATED), or None to let it through."""
-    if _is_open(details.method):
+def refusal(
+    policy: AuthPolicy, method: str, metadata: Iterable[tuple[str, str | bytes]] | None
+) -> str | None:
+    """Why a call of `method` with `metadata` is refused (its UNAUTHENTICATED details), or
+    None to let it through: health and reflection are open; conflicting credentials and a
+    missing or wrong one are refused."""
+    if _is_open(method):
         return None
     try:
-        role = policy.role(details.invocation_metadata)
+        role = policy.role(metadata)
     except ConflictingCredentials as exc:
         return str(exc)
     return None if role is not None else DENIED
@@ -156,7 +159,13 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler | None:
         handler = continuation(handler_call_details)
-        why = None if handler is None else _refusal(self._policy, handler_call_details)
+        why = (
+            None
+            if handler is None
+            else refusal(
+                self._policy, handler_call_details.method, handler_call_details.invocation_metadata
+            )
+        )
         if handler is None or why is None:
             return handler
         return _deny_handler(handler, why)
@@ -175,7 +184,13 @@ class AioTokenAuthInterceptor(grpc.aio.ServerInterceptor):
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(handler_call_details)
-        why = None if handler is None else _refusal(self._policy, handler_call_details)
+        why = (
+            None
+            if handler is None
+            else refusal(
+                self._policy, handler_call_details.method, handler_call_details.invocation_metadata
+            )
+        )
         if handler is None or why is None:
             return handler
         return _aio_deny_handler(handler, why)
