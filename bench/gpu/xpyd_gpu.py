@@ -9,6 +9,8 @@ are measured one after the other, so each row has the GPU's compute to itself wh
   instances publish) and a 1P1D pair of `vllm serve` with the pdplane connector: pull, the
   first token from prefill (the defaults);
 - `pdplane-ft-decode`: a second gateway over the same pair with `--first-token decode`;
+- `pdplane-embedded`: a second gateway over the same pair with `--scheduler embedded` (the
+  decision in the gateway's process: no Schedule round trip to the scheduler);
 - `pdplane-push`: its own registry, scheduler, gateway and pair with the connector's push mode;
 - `nixl-router`: vLLM's own P/D, a 1P1D pair of `vllm serve` with `NixlConnector` (`kv_role:
   kv_both`, each its own `VLLM_NIXL_SIDE_CHANNEL_PORT`; `--nixl-env` sets UCX's environment, e.g.
@@ -92,7 +94,20 @@ from pdplane.launch.vllm_cpu import (
 from pdplane.models.tiny import build_tiny_model
 
 MODEL = "llama-3.1-8b-dummy"
-ROWS = ("plain", "pdplane", "pdplane-ft-decode", "pdplane-push", "nixl-router", "nixl-proxy")
+ROWS = (
+    "plain",
+    "pdplane",
+    "pdplane-ft-decode",
+    "pdplane-embedded",
+    "pdplane-push",
+    "nixl-router",
+    "nixl-proxy",
+)
+#: the second gateways over pdplane's pair: row -> the gateway's flags
+SECOND_GATEWAYS = {
+    "pdplane-ft-decode": ("--first-token", "decode"),
+    "pdplane-embedded": ("--scheduler", "embedded"),
+}
 #: the rows served by vLLM's NixlConnector pair, and the front each puts before it
 NIXL_ROWS = ("nixl-router", "nixl-proxy")
 GPU_BLOCK_SIZE = 16  #: tokens per KV block on GPU
@@ -316,10 +331,13 @@ class Launcher:
         return Target(row, url, self.args.work / "nixl-decode.log", metrics=dict(pair))
 
     def gateway(self, fleet: Fleet, name: str, *flags: str) -> Target:
-        """Another gateway over `fleet`'s scheduler and registry, with `flags`."""
+        """Another gateway over `fleet`'s registry and scheduler (unless `flags` name their own
+        `--scheduler`), with `flags`."""
         port = free_port_run()
         argv = [sys.executable, "-m", "pdplane.cli.main", "gateway"]
-        argv += ["--scheduler", fleet.scheduler_address, "--registry", fleet.registry_address]
+        if "--scheduler" not in flags:
+            argv += ["--scheduler", fleet.scheduler_address]
+        argv += ["--registry", fleet.registry_address]
         argv += ["--host", "127.0.0.1", "--port", str(port), *flags]
         env = {**os.environ, "PDPLANE_TOKEN": fleet.spec.token or ""}
         log = self.args.work / f"{name}-gateway.log"
@@ -517,15 +535,16 @@ class Bench:
         return keep
 
 
-#: rows measured on a pair an earlier row's cells left their prompts cached in
-_SECOND_ON_PAIR = ("pdplane-ft-decode", "nixl-proxy")
+#: rows measured on a pair an earlier row's cells left their prompts cached in -> the offset
+#: of their seeds (each its own prompts)
+_SECOND_ON_PAIR = {"pdplane-ft-decode": 7, "nixl-proxy": 7, "pdplane-embedded": 11}
 
 
 def _seed(base: int, row: str, input_len: int, concurrency: int) -> int:
     """A cell's dataset seed: the same prompts for every row on its own instances; other
-    prompts for a second row on a pair (pdplane-ft-decode, nixl-proxy), which the first row's
-    cells left their prompts cached in."""
-    return base + input_len + concurrency + (7 if row in _SECOND_ON_PAIR else 0)
+    prompts for a second row on a pair (`_SECOND_ON_PAIR`), which the first row's cells left
+    their prompts cached in."""
+    return base + input_len + concurrency + _SECOND_ON_PAIR.get(row, 0)
 
 
 def _cell_key(row: str, input_len: int, concurrency: int) -> str:
@@ -541,7 +560,7 @@ def _cells(args: argparse.Namespace) -> list[tuple[int, int, str]]:
     for c in concs:
         for n in lens:
             for row in rows:
-                if row in ("pdplane-ft-decode", "pdplane-push") and c > args.variant_max_c:
+                if row in (*SECOND_GATEWAYS, "pdplane-push") and c > args.variant_max_c:
                     continue
                 cells.append((n, c, row))
     if args.order == "by-length":
@@ -686,7 +705,7 @@ def main() -> int:
         "--variant-max-c",
         type=int,
         default=16,
-        help="pdplane-ft-decode and pdplane-push run at concurrencies up to this",
+        help="pdplane-ft-decode, pdplane-embedded and pdplane-push run at concurrencies up to this",
     )
     p.add_argument("--goodput-ttft-ms", type=float, default=1000.0)
     p.add_argument("--seed", type=int, default=1234)
@@ -763,18 +782,18 @@ def main() -> int:
             _, url = launcher.vllm("plain", "plain", 0, None)
             targets["plain"] = Target("plain", url, metrics={"plain": url})
         for row, mode in (("pdplane", "pull"), ("pdplane-push", "push")):
-            wanted = {row} | ({"pdplane-ft-decode"} if row == "pdplane" else set())
+            wanted = {row} | (set(SECOND_GATEWAYS) if row == "pdplane" else set())
             if not rows_needed & wanted:
                 continue
             try:
                 fleet, t = launcher.pdplane(row, mode, (0, decode_gpu))
                 targets[row] = t
-                if "pdplane-ft-decode" in rows_needed & wanted:
-                    ft = launcher.gateway(fleet, "pdplane-ft-decode", "--first-token", "decode")
-                    targets[ft.row] = replace(
-                        ft,
+                for second in sorted(rows_needed & wanted & set(SECOND_GATEWAYS)):
+                    g = launcher.gateway(fleet, second, *SECOND_GATEWAYS[second])
+                    targets[g.row] = replace(
+                        g,
                         decode_log=t.decode_log,
-                        metrics={**t.metrics, "gateway": ft.url},
+                        metrics={**t.metrics, "gateway": g.url},
                     )
             except Exception as exc:  # the other rows still run
                 for r in wanted:
@@ -796,7 +815,7 @@ def main() -> int:
                     r
                     for r in (*targets, *NIXL_ROWS)
                     if r == row
-                    or (row == "pdplane" and r.startswith("pdplane-ft"))
+                    or (row == "pdplane" and r in SECOND_GATEWAYS)
                     or (row == "nixl" and r in NIXL_ROWS and r in rows_needed)
                 ]:
                     failed[r] = why
