@@ -53,7 +53,9 @@ every pull ("transfer T: pulled N blocks, B bytes in X ms"); the script reads th
 the NIXL rows it keeps decode's "KV Transfer metrics" lines (vLLM's own transfer statistics).
 Where the time goes (`results.json` `breakdown`, per cell): the mean of each latency histogram
 the row's processes export (the gateway's TTFT and prefill/decode legs, each vLLM instance's
-TTFT, queue and prefill time), from their `/metrics` before and after the cell.
+TTFT, queue and prefill time), from their `/metrics` before and after the cell; and
+(`first_tokens`) how many streams took their first token from prefill and how many from
+decode (the gateway's `pdplane_gateway_first_tokens_total`).
 
     python bench/gpu/xpyd_gpu.py --out /tmp/xpyd --rows plain,pdplane --input-lens 1000,8000 \
         --concurrency 1,16,64 --kv-cache-memory 16000000000
@@ -142,6 +144,8 @@ _BREAKDOWN = (
     "vllm:request_prefill_time_seconds",
     "vllm:e2e_request_latency_seconds",
 )
+#: the gateway's first tokens by source (prefill, decode): a counter, read per cell
+_FIRST_TOKENS = "pdplane_gateway_first_tokens_total"
 #: (result key, column) of the table, in the seed's order
 _COLUMNS = (
     ("request_throughput", "Req/s"),
@@ -424,7 +428,8 @@ def route_counts(text: str) -> dict[str, int]:
 def _histogram_sums(urls: dict[str, str]) -> dict[str, float]:
     """`{"<role> <histogram>{labels} sum|count": value}` of the `_BREAKDOWN` histograms that
     each of `urls` (role -> base URL) exports on /metrics (Prometheus text format, parsed by
-    prometheus_client); a URL that does not answer adds nothing."""
+    prometheus_client), and `{"first_tokens <source>": count}` of the gateway's first tokens; a
+    URL that does not answer adds nothing."""
     from prometheus_client.parser import text_string_to_metric_families
 
     out: dict[str, float] = {}
@@ -435,6 +440,10 @@ def _histogram_sums(urls: dict[str, str]) -> dict[str, float]:
             continue
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
+                if sample.name == _FIRST_TOKENS:
+                    key = f"first_tokens {sample.labels.get('source', '')}"
+                    out[key] = out.get(key, 0.0) + sample.value
+                    continue
                 base = sample.name.removesuffix("_sum").removesuffix("_count")
                 if base not in _BREAKDOWN or sample.name == base:
                     continue
@@ -643,6 +652,13 @@ def table(results: dict[str, Any]) -> str:
         for k, b in spent:
             parts = [f"{name.replace('{}', '')} {v['mean_ms']}" for name, v in sorted(b.items())]
             out.append(f"- {k.replace('|', ' ')}: " + "; ".join(parts))
+    firsts = [(k, v["first_tokens"]) for k, v in cells.items() if v.get("first_tokens")]
+    if firsts:
+        out += ["", "First tokens by source (the gateway's streams in the cell, warm-ups too):"]
+        out += [
+            f"- {k.replace('|', ' ')}: " + ", ".join(f"{s} {n}" for s, n in sorted(f.items()))
+            for k, f in firsts
+        ]
     stats = [(k, v["nixl_stats"]) for k, v in cells.items() if v.get("nixl_stats")]
     if stats:
         out += ["", "NIXL's transfer statistics (decode's log, the cell's last line):"]
@@ -875,7 +891,15 @@ def main() -> int:
                 cell = {"error": f"{type(exc).__name__}: {exc}"}
                 print(f"cell {row} {n} c={c} failed: {cell['error']}", flush=True)
             cell["wall_s"] = round(time.monotonic() - t0, 1)
-            cell["breakdown"] = _breakdown(sums, _histogram_sums(target.metrics))
+            after = _histogram_sums(target.metrics)
+            cell["breakdown"] = _breakdown(sums, after)
+            firsts = {
+                k.split(" ", 1)[1]: int(v - sums.get(k, 0.0))
+                for k, v in after.items()
+                if k.startswith("first_tokens ")
+            }
+            if firsts:
+                cell["first_tokens"] = firsts
             if target.decode_log is not None:
                 text = _new_text(target.decode_log, offsets)
                 cell["pulls"] = _pull_summary(_pulls(text), block)

@@ -47,7 +47,6 @@ import asyncio
 import logging
 import math
 import time
-from functools import partial
 from typing import Any
 
 from pdplane.gateway import usage_details
@@ -61,7 +60,7 @@ from pdplane.gateway.request import DecodeLost, Request, Shared
 from pdplane.gateway.resume import count_migration
 from pdplane.gateway.route_note import RouteNote
 from pdplane.gateway.schedule import schedule
-from pdplane.gateway.splice import FirstToken, Splice
+from pdplane.gateway.splice import FirstToken, splice_for
 from pdplane.gateway.stream import stream
 from pdplane.gateway.upstream import UpstreamResponse
 from pdplane.gateway.validation import ClientRequest
@@ -204,8 +203,12 @@ def _first_token(r: Request, answer: dict[str, Any], kv: bytes) -> StreamReply |
     """The stream from prefill's first token on (decode is opened inside it, after the token
     went out); None when decode cannot continue it (the usual path then)."""
     first = FirstToken.of(r.req.endpoint, answer)
-    splice = _splice(r, first) if first is not None else None
-    if first is None or splice is None:
+    if first is None:
+        return None
+    tokenizers = r.relay.tokenizers
+    tokenizer = tokenizers.get(r.req.model) if tokenizers is not None else None
+    splice = splice_for(r.req, first, tokenizer, r.cached)
+    if splice is None:
         return None
     r.relay.metrics.first_from_prefill.inc()
     if r.transcript is not None:
@@ -216,21 +219,3 @@ def _first_token(r: Request, answer: dict[str, Any], kv: bytes) -> StreamReply |
         r.care.succeeded()
         return StreamReply(stream(r, splice), _SSE_HEADERS, r.abandon)
     return StreamReply(stream(r, splice, (first, kv)), _SSE_HEADERS, r.abandon)
-
-
-def _splice(r: Request, first: FirstToken) -> Splice | None:
-    """The client's stream from prefill's `first` on; None when decode cannot continue it
-    (`FirstToken.continuable`). Only a first token without text asks the tokenizer: whether
-    it ends inside a character, which `Splice` then rebuilds with the client's detokenizer
-    settings (special tokens skipped unless the client keeps them)."""
-    kept = client = None
-    tokenizers = r.relay.tokenizers
-    if not first.text and tokenizers is not None:
-        tokenizer = tokenizers.get(r.req.model)
-        if tokenizer is not None:
-            skip = r.req.body.get("skip_special_tokens") is not False
-            kept = partial(tokenizer.decode, skip_special_tokens=False)
-            client = partial(tokenizer.decode, skip_special_tokens=skip)
-    if not first.continuable(kept, client):
-        return None
-    return Splice(r.req, first, client if first.inside_character(kept) else None, r.cached)

@@ -28,8 +28,9 @@ import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from json.encoder import encode_basestring_ascii
-from typing import Any
+from typing import Any, Protocol
 
 from pdplane.gateway.bodies import requested_max
 from pdplane.gateway.replies import SSE_DONE, sse_event
@@ -37,7 +38,7 @@ from pdplane.gateway.seam import Seam, chat_logprobs, chat_top_logprobs, parsed
 from pdplane.gateway.usage_details import with_cached_tokens
 from pdplane.gateway.validation import CHAT, ClientRequest, Endpoint
 
-__all__ = ["FirstToken", "Splice"]
+__all__ = ["Detokenizer", "FirstToken", "Splice", "splice_for"]
 
 
 def _json_string(text: object) -> bytes:
@@ -95,7 +96,9 @@ class FirstToken:
             or len(tokens) != 1
             or type(tokens[0]) is not int
             or not isinstance(text, str)
-            or "\ufffd" in text  # part of a character: decode's text would repeat it
+            # half a character flushed: decode's text would repeat it (U+FFFD inside is
+            # text vLLM wrote whole, e.g. the pending text of a prompt that ends with it)
+            or text.endswith("\ufffd")
         ):
             return None
         return cls(
@@ -113,6 +116,7 @@ class FirstToken:
         self,
         decode: Callable[[list[int]], str] | None,
         client_decode: Callable[[list[int]], str] | None = None,
+        text_prompt: bool = False,
     ) -> bool:
         """Whether decode can continue after this token with the client's stream right. A
         token with text of its own, or one that ends the request ("stop"), is fine. A token
@@ -125,12 +129,15 @@ class FirstToken:
         one instance's detokenizer then emits the prompt's bytes with the character's end,
         which decode's, primed further on, would not. `client_decode` is the prompt as the
         client's detokenizer sees it (special tokens skipped unless the client keeps them;
-        default `decode`): a special token after the bytes hides nothing from it."""
+        default `decode`): a special token after the bytes hides nothing from it.
+        `text_prompt`: the client sent its prompt as text (a completions string, chat
+        messages), which ends on a whole character whatever it is; only a prompt of token ids
+        can end inside one (its text ending with U+FFFD cannot tell the two apart)."""
         if self.text or self.finish_reason == "stop":
             return True
         if decode is None:
             return False
-        return not (client_decode or decode)(self.prompt_tail()).endswith("\ufffd")
+        return text_prompt or not (client_decode or decode)(self.prompt_tail()).endswith("\ufffd")
 
     def inside_character(self, decode: Callable[[list[int]], str] | None) -> bool:
         """Whether this token ends inside a UTF-8 character (`decode`: the model's ids ->
@@ -139,8 +146,12 @@ class FirstToken:
         ends inside the character, would emit its prompt's text again with it."""
         if self.text or decode is None:
             return False
-        # The prompt's tail gives the token the bytes it may continue.
-        return decode([*self.prompt_tail(), self.token_id]).endswith("\ufffd")
+        # The prompt's tail gives the token the bytes it may continue; a token that adds
+        # nothing to it (an id past the vocabulary) holds nothing, even after a tail that
+        # ends with U+FFFD.
+        tail = self.prompt_tail()
+        text = decode([*tail, self.token_id])
+        return text.endswith("\ufffd") and text != decode(tail)
 
     @property
     def decode_prompt(self) -> list[int]:
@@ -160,6 +171,37 @@ class FirstToken:
         if self.finish_reason not in (None, "length") or requested_max(req) == 1:
             return True
         return 0 < max_model_len <= len(self.prompt_token_ids) + 1
+
+
+class Detokenizer(Protocol):
+    """A model's ids -> text (`pdplane.gateway.prompt_ids.PromptTokenizer`, a `tokenizers`
+    `Tokenizer`): bytes that end inside a UTF-8 character decode to U+FFFD, ids the
+    vocabulary lacks to nothing."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+
+
+def splice_for(
+    req: ClientRequest,
+    first: FirstToken,
+    tokenizer: Detokenizer | None,
+    cached_tokens: int | None = None,
+) -> Splice | None:
+    """The client's stream from prefill's `first` token on, or None when decode cannot continue
+    it right (`FirstToken.continuable`; the first token then comes from decode). Only a first
+    token without text asks `tokenizer` (the model's; None: such a token takes the usual
+    path): whether it ends inside a character, which the `Splice` then rebuilds with the
+    client's detokenizer settings (special tokens skipped unless the client keeps them).
+    `cached_tokens`: usage's `prompt_tokens_details.cached_tokens`, if asked."""
+    kept = client = None
+    if not first.text and tokenizer is not None:
+        skip = req.body.get("skip_special_tokens") is not False
+        kept = partial(tokenizer.decode, skip_special_tokens=False)
+        client = partial(tokenizer.decode, skip_special_tokens=skip)
+    text_prompt = req.endpoint == CHAT or isinstance(req.body.get("prompt"), str)
+    if not first.continuable(kept, client, text_prompt):
+        return None
+    return Splice(req, first, client if first.inside_character(kept) else None, cached_tokens)
 
 
 #: Token ids in decode's completions chunks, asked for only after a first token inside a

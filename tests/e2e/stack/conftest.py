@@ -9,6 +9,11 @@ from pathlib import Path
 
 import pytest
 
+# Imported here, once, before any fixture starts a gateway: a gateway loading the fleet's
+# tokenizer on its own thread while a fixture's first `from transformers import ...` runs
+# can see transformers' lazy module half made ("cannot import name 'AutoTokenizer'").
+from transformers import AutoTokenizer
+
 from pdplane.gateway.testing import running_gateway
 from pdplane.launch.process import http_ok, wait_until
 from tests.e2e.conftest import VllmPair
@@ -42,8 +47,6 @@ def whole_tokens(tiny_model: Path) -> list[int]:
     ids its tokenizer lacks (its vocabulary is padded) and byte tokens that are part of a
     character: their text is "", and such a first token takes the usual path (see
     `FirstToken.of`). Tests of the prefill path sample only these (`allowed_token_ids`)."""
-    from transformers import AutoTokenizer
-
     tok = AutoTokenizer.from_pretrained(str(tiny_model))
     special = set(tok.all_special_ids)
     out = []

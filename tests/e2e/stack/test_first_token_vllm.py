@@ -114,6 +114,28 @@ def test_streamed_events_match_one_instance_and_the_first_token_is_prefills(
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_prompt_ending_with_a_replacement_character_still_takes_prefills_first_token(
+    gateway_url: str,
+    vllm_pair: VllmPair,
+    vllm_reference: VllmCpuInstance,
+    whole_tokens: list[int],
+    path: str,
+) -> None:
+    # Prompts made of random token ids (`vllm bench serve`'s random dataset) often end with
+    # U+FFFD; vLLM's detokenizer then writes the prompt's pending text with the first token.
+    body = _body(path, "fffd" + path[-5:], allowed_token_ids=whole_tokens)
+    if path == "/v1/chat/completions":
+        body["messages"][0]["content"] += " \ufffd\ufffd\ufffd"
+    else:
+        body["prompt"] += " \ufffd\ufffd\ufffd"
+    expected = _events(vllm_reference.url, path, body)
+    prefill0, decode0 = _generated(vllm_pair)
+    _assert_same_stream(_events(gateway_url, path, body), expected)
+    prefill1, decode1 = _generated(vllm_pair)
+    assert (prefill1 - prefill0, decode1 - decode0) == (1, MAX_TOKENS - 1)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_one_token_is_answered_by_prefill_alone(
     gateway_url: str,
     vllm_pair: VllmPair,

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from pdplane.gateway.bodies import continuation_body, takes_first_token
-from pdplane.gateway.splice import FirstToken, Splice
+from pdplane.gateway.splice import FirstToken, Splice, splice_for
 from pdplane.gateway.validation import CHAT, COMPLETIONS, Endpoint
 from tests.unit.gateway.conftest import parsed
 
@@ -105,6 +105,13 @@ def test_prefills_answer_gives_the_first_token_or_none_without_token_ids() -> No
     assert FirstToken.of(COMPLETIONS, older) is None  # an older vLLM: the usual path
     partial = {**answer, "choices": [{**answer["choices"][0], "text": "\ufffd"}]}
     assert FirstToken.of(COMPLETIONS, partial) is None  # half a character
+    # vLLM's detokenizer, after a prompt whose text ends with U+FFFD (random-token prompts),
+    # writes the prompt's pending text with the first token: U+FFFD inside, a whole token at
+    # the end. One instance streams that text as its first token: so does the gateway.
+    pending = "\ufffd\ufffd\x7f\ufffd\ufffd<x2591>"
+    junk = {**answer, "choices": [{**answer["choices"][0], "text": pending}]}
+    first = FirstToken.of(COMPLETIONS, junk)
+    assert first is not None and first.text == pending
 
 
 def _byte_level_tokenizer() -> Any:
@@ -524,3 +531,38 @@ def test_a_special_token_after_a_prompts_open_character_is_seen_as_the_client_se
     first = _first(prompt_token_ids=prompt, token_id=emoji[1], text="")
     assert first.continuable(kept)  # special tokens kept by the client too
     assert not first.continuable(kept, skipped)
+
+
+@pytest.mark.parametrize("endpoint", [COMPLETIONS, CHAT])
+def test_a_text_prompt_ending_with_a_replacement_character_still_takes_prefills_token(
+    endpoint: Endpoint,
+) -> None:
+    # A prompt sent as text ends on a whole character, whatever that character is: one that
+    # is U+FFFD itself (common in prompts made of random token ids, e.g. `vllm bench serve`'s
+    # random dataset) is no open character, and the first token from prefill still goes out.
+    tok = _byte_level_tokenizer()
+    prompt = tok.encode("hello \ufffd").ids
+    assert tok.decode(prompt).endswith("\ufffd")
+    padded = tok.get_vocab_size() + 5  # decodes to nothing, as most ids of a padded vocabulary
+    first = _first(endpoint, prompt_token_ids=prompt, token_id=padded, text="")
+    req = parsed(endpoint, **({"prompt": "hello \ufffd"} if endpoint == COMPLETIONS else {}))
+    splice = splice_for(req, first, tok)
+    assert splice is not None
+    assert not splice.token_ids  # nothing held: the token adds no bytes to a character
+    # a token that opens a character after it is held as before
+    emoji = tok.encode("\U0001f600").ids
+    opening = _first(endpoint, prompt_token_ids=prompt, token_id=emoji[0], text="")
+    held = splice_for(req, opening, tok)
+    assert held is not None and held.token_ids
+
+
+def test_a_token_id_prompt_ending_with_a_replacement_character_takes_the_usual_path() -> None:
+    # Ids may end inside a character, and the tokenizer's text cannot tell that from a whole
+    # U+FFFD: such a prompt keeps the usual path (the first token from decode).
+    tok = _byte_level_tokenizer()
+    prompt = tok.encode("hello \ufffd").ids
+    padded = tok.get_vocab_size() + 5
+    first = _first(prompt_token_ids=prompt, token_id=padded, text="")
+    assert splice_for(parsed(COMPLETIONS, prompt=prompt), first, tok) is None
+    assert splice_for(parsed(COMPLETIONS, prompt=prompt), _first(), tok) is not None
+    assert splice_for(parsed(COMPLETIONS, prompt=prompt), first, None) is None  # no tokenizer
