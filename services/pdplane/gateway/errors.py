@@ -94,19 +94,36 @@ class GatewayError(Exception):
 
 
 class UpstreamReply(Exception):
-    """An upstream answered with an error status; the gateway passes it through unchanged.
+    """An upstream answered with an error status; the gateway passes it through unchanged
+    when it is JSON (vLLM's own OpenAI-style errors).
 
     Attributes:
         status: the upstream's HTTP status (e.g. 400 for `max_tokens` over the model length).
-        body: the upstream's body bytes, relayed as-is.
+        body: the upstream's body bytes.
         content_type: the upstream's Content-Type.
+        source: who answered, for the message of a body that is not JSON (e.g. "prefill
+            instance p-0").
     """
 
-    def __init__(self, status: int, body: bytes, content_type: str) -> None:
+    def __init__(self, status: int, body: bytes, content_type: str, source: str = "") -> None:
         super().__init__(f"upstream answered {status}")
         self.status = status
         self.body = body
         self.content_type = content_type
+        self.source = source or "the instance"
+
+    def client_body(self) -> tuple[bytes, str]:
+        """(body, content type) for the client: the upstream's when it is a JSON object, else
+        an OpenAI-style error with the same status quoting its first 300 bytes (a plain-text
+        or HTML answer of a proxy or framework in front of the engine)."""
+        try:
+            if isinstance(json.loads(self.body), dict):
+                return self.body, self.content_type or "application/json"
+        except ValueError:  # not JSON (UnicodeDecodeError is a ValueError too)
+            pass
+        excerpt = self.body[:300].decode(errors="replace")
+        message = f"{self.source} answered {self.status}: {excerpt}"
+        return error_body(self.status, message), "application/json"
 
 
 def bad_request(message: str, param: str | None = None) -> GatewayError:

@@ -118,7 +118,8 @@ async def prefill_leg(
     if resp.status >= 400:
         care.nothing_held()  # vLLM holds KV only for a request that finished
         if resp.status < 500:
-            raise UpstreamReply(resp.status, data, resp.headers.get("content-type", ""))
+            kind = resp.headers.get("content-type", "")
+            raise UpstreamReply(resp.status, data, kind, f"prefill instance {p.instance_id}")
         raise status_error("prefill", p.instance_id, resp.status, data)
     try:
         answer = from_json(data)
@@ -235,7 +236,8 @@ async def decode_error(r: Request, resp: UpstreamResponse) -> NoReturn:
         data = b""
     r.care.free_kv(f"decode answered {resp.status}")
     if resp.status < 500:
-        raise UpstreamReply(resp.status, data, resp.headers.get("content-type", ""))
+        source = f"decode instance {r.decode.instance_id}"
+        raise UpstreamReply(resp.status, data, resp.headers.get("content-type", ""), source)
     raise status_error("decode", r.decode.instance_id, resp.status, data)
 
 

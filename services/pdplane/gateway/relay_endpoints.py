@@ -263,7 +263,8 @@ class RelayEndpoints:
             )
         except UpstreamReply as exc:
             status = exc.status
-            return Response(exc.body, status, headers=headers, media_type=exc.content_type or _JSON)
+            body, kind = exc.client_body()
+            return Response(body, status, headers=headers, media_type=kind)
         finally:
             if not streaming:
                 if watch is not None:

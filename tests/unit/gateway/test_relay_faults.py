@@ -71,6 +71,29 @@ async def test_prefill_4xx_passes_through_and_5xx_is_502(serve: Serve) -> None:
         assert r.json()["error"]["message"] == "prefill instance p answered 500: boom"
 
 
+@pytest.mark.parametrize("leg", ["prefill", "decode"])
+async def test_a_4xx_that_is_not_json_becomes_an_openai_error_naming_the_instance(
+    serve: Serve, leg: str
+) -> None:
+    # A proxy or an engine's framework in front of the instance may answer 4xx in plain text
+    # or HTML: the client still gets an OpenAI-style JSON error, with that status.
+    async def refuse(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        return web.Response(text="413 Request Entity Too Large", status=413)
+
+    prefill = await serve(refuse if leg == "prefill" else good_prefill)
+    decode = await serve(refuse if leg == "decode" else sse_decode)
+    sched = FakeScheduler([(prefill, decode)])
+    with running_gateway(scheduler_port=sched, fleet=lambda: VIEW) as url:
+        r = await _post(url, BODY)
+    assert r.status_code == 413
+    assert r.headers["content-type"] == "application/json"
+    error = r.json()["error"]
+    name = "p" if leg == "prefill" else "d"
+    assert error["message"] == f"{leg} instance {name} answered 413: 413 Request Entity Too Large"
+    assert error["code"] == 413
+
+
 async def test_silent_prefill_is_504(serve: Serve) -> None:
     sched = FakeScheduler([(await serve(_silent), await serve(sse_decode))])
     with running_gateway(scheduler_port=sched, fleet=lambda: VIEW, upstream_timeout_s=0.3) as url:
