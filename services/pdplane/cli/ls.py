@@ -218,7 +218,12 @@ class _Stream:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._call: Any = None
+        self._stopped = threading.Event()
         self.cancelled = False
+
+    def pause(self, seconds: float) -> None:
+        """Waits `seconds`, or less when cancelled meanwhile."""
+        self._stopped.wait(seconds)
 
     def open(self, call: Any) -> Any:
         """Makes `call` the current stream (cancelled at once after `cancel`); returns it."""
@@ -232,6 +237,7 @@ class _Stream:
         """Cancels the current stream and any opened later."""
         with self._lock:
             self.cancelled = True
+            self._stopped.set()
             if self._call is not None:
                 self._call.cancel()
 
@@ -268,6 +274,11 @@ def _watch(
         raise failed[0]
 
 
+#: the pause before the watch asks every replica again after all of them broke (s), doubled
+#: per round up to the last
+_RETRY_S = (0.2, 0.4, 0.8, 1.6, 2.0)
+
+
 def _follow(
     endpoints: RegistryEndpoints,
     s: LsSettings,
@@ -275,15 +286,24 @@ def _follow(
     out: TextIO,
     stream: _Stream,
 ) -> None:
+    """Writes the watch's events to `out` until cancelled. Replicas that break are failed
+    over; when every one broke, the watch raises the last error if none ever answered (a
+    wrong address fails fast), else it says so on stderr once and asks again (pauses of
+    `_RETRY_S`) until one answers: a registry restarted under a watch is followed, and its
+    new snapshot printed."""
     revision = 0
     failures = 0  # replicas in a row that broke without sending anything
+    followed = False  # some replica answered: losing every one is an outage, not a typo
+    rounds = 0  # rounds of every replica broken, since one last answered
     while not stream.cancelled:
         request = registry_pb2.WatchInstancesRequest(from_revision=revision)
         try:
             for event in stream.open(
                 endpoints.stub.WatchInstances(request, metadata=grpc_util.token_metadata(s.token))
             ):
-                failures = 0
+                if rounds:
+                    sys.stderr.write("pdplane ls: the registry answers again\n")
+                failures, followed, rounds = 0, True, 0
                 if event.revision <= revision and event.type != registry_pb2.WatchEvent.SNAPSHOT:
                     continue  # replayed by the next replica
                 revision = event.revision
@@ -303,8 +323,19 @@ def _follow(
                 return
             code = exc.code() if isinstance(exc, grpc.Call) else None
             failures += 1
-            if code not in FAILOVER_CODES or failures >= len(endpoints.addresses):
+            if code not in FAILOVER_CODES:
                 raise
+            if failures < len(endpoints.addresses):
+                endpoints.failover()
+                continue
+            if not followed:
+                raise
+            if not rounds:
+                name = code.name if code is not None else "UNKNOWN"
+                sys.stderr.write(f"pdplane ls: the registry broke off ({name}); reconnecting\n")
+            stream.pause(_RETRY_S[min(rounds, len(_RETRY_S) - 1)])
+            rounds += 1
+            failures = 0
             endpoints.failover()
 
 

@@ -20,7 +20,7 @@ from pdplane.launch.ports import free_port_run
 from pdplane.registry.server import RegistryServer
 from pdplane.v1 import instance_pb2, registry_pb2, registry_pb2_grpc
 from tests.integration.registry.conftest import wait_until
-from tests.integration.registry.fixtures import make_spec
+from tests.integration.registry.fixtures import make_spec, running_registry_server
 from tests.support.signals import other_threads, signal_thread
 
 PDPLANE = [sys.executable, "-m", "pdplane.cli.main"]
@@ -117,6 +117,41 @@ def test_ls_watch_streams_events(registry: RegistryServer) -> None:
         # interpreter's teardown (gRPC's threads, the channel) took over 10 s once.
         assert proc.wait(timeout=60) == 0
         reader.join(timeout=5)
+
+
+def test_ls_watch_follows_its_one_registry_through_a_restart() -> None:
+    # A registry restarted (an upgrade, a crash) under a watch that was following it: the
+    # watch says so on stderr, reconnects, and goes on from the new registry's snapshot.
+    port = free_port_run()
+    with running_registry_server(port) as first:
+        proc = subprocess.Popen(
+            [*PDPLANE, "ls", "--registry", first.address, "--watch", "--json"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        lines: queue.Queue[str] = queue.Queue()
+
+        def read() -> None:
+            for line in proc.stdout or ():
+                lines.put(line)
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        assert json.loads(lines.get(timeout=20))["type"] == "SNAPSHOT"
+    with running_registry_server(port) as second:
+        try:
+            again = json.loads(lines.get(timeout=30))
+            assert (again["type"], again.get("instances", [])) == ("SNAPSHOT", [])
+            second.store.register(make_spec("p9"), 30_000)
+            added = json.loads(lines.get(timeout=10))
+            assert (added["type"], added["instance"]["id"]) == ("ADDED", "p9")
+        finally:
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(timeout=60) == 0
+            reader.join(timeout=5)
+    stderr = proc.stderr.read() if proc.stderr else ""
+    assert stderr.count("reconnecting") == 1, stderr
 
 
 def test_registry_command_serves_and_stops_on_sigterm() -> None:
