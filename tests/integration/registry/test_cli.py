@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import grpc
 import pytest
@@ -86,37 +87,55 @@ def test_ls_errors(registry: RegistryServer) -> None:
     assert bad.returncode == 2 and "--role" in bad.stderr
 
 
+class _Watch:
+    """`pdplane ls --watch --json` on `address` as a process: its stdout lines as they come
+    (`next`), its stderr once it ended (`stop`)."""
+
+    def __init__(self, address: str) -> None:
+        self.proc = subprocess.Popen(
+            [*PDPLANE, "ls", "--registry", address, "--watch", "--json"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        self._lines: queue.Queue[str] = queue.Queue()
+        self._reader = threading.Thread(target=self._read)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout or ():
+            self._lines.put(line)
+
+    def next(self, timeout_s: float) -> dict[str, Any]:
+        """The next event (raises queue.Empty after `timeout_s`)."""
+        event: dict[str, Any] = json.loads(self._lines.get(timeout=timeout_s))
+        return event
+
+    def stop(self) -> str:
+        """SIGINT; asserts exit code 0; returns what it wrote on stderr."""
+        self.proc.send_signal(signal.SIGINT)
+        # A bound on the exit, not a pause: under a fully loaded 2-core machine the
+        # interpreter's teardown (gRPC's threads, the channel) took over 10 s once.
+        assert self.proc.wait(timeout=60) == 0
+        self._reader.join(timeout=5)
+        return self.proc.stderr.read() if self.proc.stderr else ""
+
+
 def test_ls_watch_streams_events(registry: RegistryServer) -> None:
-    proc = subprocess.Popen(
-        [*PDPLANE, "ls", "--registry", registry.address, "--watch", "--json"],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    lines: queue.Queue[str] = queue.Queue()
-
-    def read() -> None:
-        for line in proc.stdout or ():
-            lines.put(line)
-
-    reader = threading.Thread(target=read)
-    reader.start()
+    watch = _Watch(registry.address)
     try:
-        assert json.loads(lines.get(timeout=20))["type"] == "SNAPSHOT"
+        assert watch.next(20)["type"] == "SNAPSHOT"
         # A lease far longer than the fixture's 1 s default: nothing heartbeats it here, and on
         # a loaded machine it must not expire before the test deregisters it.
         lease = registry.store.register(make_spec("p9"), 30_000)
-        added = json.loads(lines.get(timeout=10))
+        added = watch.next(10)
         assert (added["type"], added["instance"]["id"]) == ("ADDED", "p9")
         registry.store.deregister("p9", lease.lease_id, drain=False)
-        removed = json.loads(lines.get(timeout=10))
+        removed = watch.next(10)
         assert (removed["type"], removed["reason"]) == ("REMOVED", "deregistered")
         assert removed["revision"] > added["revision"]
     finally:
-        proc.send_signal(signal.SIGINT)
-        # A bound on the exit, not a pause: under a fully loaded 2-core machine the
-        # interpreter's teardown (gRPC's threads, the channel) took over 10 s once.
-        assert proc.wait(timeout=60) == 0
-        reader.join(timeout=5)
+        watch.stop()
 
 
 def test_ls_watch_follows_its_one_registry_through_a_restart() -> None:
@@ -124,33 +143,21 @@ def test_ls_watch_follows_its_one_registry_through_a_restart() -> None:
     # watch says so on stderr, reconnects, and goes on from the new registry's snapshot.
     port = free_port_run()
     with running_registry_server(port) as first:
-        proc = subprocess.Popen(
-            [*PDPLANE, "ls", "--registry", first.address, "--watch", "--json"],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        lines: queue.Queue[str] = queue.Queue()
-
-        def read() -> None:
-            for line in proc.stdout or ():
-                lines.put(line)
-
-        reader = threading.Thread(target=read)
-        reader.start()
-        assert json.loads(lines.get(timeout=20))["type"] == "SNAPSHOT"
+        watch = _Watch(first.address)
+        try:
+            assert watch.next(20)["type"] == "SNAPSHOT"
+        except BaseException:
+            watch.proc.kill()
+            raise
     with running_registry_server(port) as second:
         try:
-            again = json.loads(lines.get(timeout=30))
+            again = watch.next(30)
             assert (again["type"], again.get("instances", [])) == ("SNAPSHOT", [])
             second.store.register(make_spec("p9"), 30_000)
-            added = json.loads(lines.get(timeout=10))
+            added = watch.next(10)
             assert (added["type"], added["instance"]["id"]) == ("ADDED", "p9")
         finally:
-            proc.send_signal(signal.SIGINT)
-            assert proc.wait(timeout=60) == 0
-            reader.join(timeout=5)
-    stderr = proc.stderr.read() if proc.stderr else ""
+            stderr = watch.stop()
     assert stderr.count("reconnecting") == 1, stderr
 
 
