@@ -73,8 +73,8 @@ class GatewayMetrics:
             "pdplane_gateway_first_tokens",
             "Streamed requests eligible for the first token from prefill (--first-token "
             "prefill), by where their first token came from: prefill, or decode (prefill "
-            "returned no token ids, a token without text and no tokenizer, or the prompt ends "
-            "inside a character); once per request "
+            "returned no token ids, a token without text and no tokenizer, a token-id prompt "
+            "ends inside a character, or prefill's text ends with U+FFFD); once per request "
             "whose stream began",
             ["source"],
             registry=r,
