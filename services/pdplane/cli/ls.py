@@ -302,7 +302,7 @@ def _follow(
                 endpoints.stub.WatchInstances(request, metadata=grpc_util.token_metadata(s.token))
             ):
                 if rounds:
-                    sys.stderr.write("pdplane ls: the registry answers again\n")
+                    sys.stderr.write(f"pdplane ls: registry {endpoints.address} answers again\n")
                 failures, followed, rounds = 0, True, 0
                 if event.revision <= revision and event.type != registry_pb2.WatchEvent.SNAPSHOT:
                     continue  # replayed by the next replica
@@ -332,7 +332,12 @@ def _follow(
                 raise
             if not rounds:
                 name = code.name if code is not None else "UNKNOWN"
-                sys.stderr.write(f"pdplane ls: the registry broke off ({name}); reconnecting\n")
+                which = (
+                    f"every registry replica ({', '.join(endpoints.addresses)})"
+                    if endpoints.several
+                    else f"registry {endpoints.address}"
+                )
+                sys.stderr.write(f"pdplane ls: {which} broke off ({name}); reconnecting\n")
             stream.pause(_RETRY_S[min(rounds, len(_RETRY_S) - 1)])
             rounds += 1
             failures = 0
@@ -350,7 +355,12 @@ def main(argv: list[str], out: TextIO | None = None) -> int:
         settings.scheduler = local.scheduler if local and local.scheduler else default
     out = out or sys.stdout
     role = parse_role(settings.role) if settings.role else instance_pb2.ROLE_UNSPECIFIED
-    endpoints = RegistryEndpoints(settings.registry, settings.tls_ca)
+    # The registration client's reconnect backoff (capped at 0.5 s), not gRPC's (up to 120
+    # s): a watch that lost its registry for a minute would otherwise see it back a minute
+    # or two late.
+    endpoints = RegistryEndpoints(
+        settings.registry, settings.tls_ca, grpc_util.FAST_RECONNECT_OPTIONS
+    )
     try:
         try:
             if settings.watch:

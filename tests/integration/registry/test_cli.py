@@ -158,7 +158,8 @@ def test_ls_watch_follows_its_one_registry_through_a_restart() -> None:
             assert (added["type"], added["instance"]["id"]) == ("ADDED", "p9")
         finally:
             stderr = watch.stop()
-    assert stderr.count("reconnecting") == 1, stderr
+    assert stderr.count(f"registry {second.address} broke off") == 1, stderr
+    assert stderr.count(f"registry {second.address} answers again") == 1, stderr
 
 
 def test_registry_command_serves_and_stops_on_sigterm() -> None:
