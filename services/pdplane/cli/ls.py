@@ -368,9 +368,14 @@ def main(argv: list[str], out: TextIO | None = None) -> int:
             else:
                 _list(endpoints, settings, role, out)
         except grpc.RpcError as exc:
-            code = exc.code().name if isinstance(exc, grpc.Call) else "UNKNOWN"
+            status = exc.code() if isinstance(exc, grpc.Call) else None
+            code = status.name if status is not None else "UNKNOWN"
             details = exc.details() if isinstance(exc, grpc.Call) else str(exc)
-            sys.stderr.write(f"pdplane ls: registry {endpoints.address}: {code}: {details}\n")
+            where = f"registry {endpoints.address}"
+            if endpoints.several and status in FAILOVER_CODES:  # every replica was tried
+                tried = ", ".join(endpoints.addresses)
+                where = f"every registry replica ({tried}); the last, {endpoints.address}"
+            sys.stderr.write(f"pdplane ls: {where}: {code}: {details}\n")
             return 1
         except KeyboardInterrupt:
             return 0

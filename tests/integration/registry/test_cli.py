@@ -83,6 +83,10 @@ def test_ls_filters_and_table(populated: RegistryServer) -> None:
 def test_ls_errors(registry: RegistryServer) -> None:
     down = _pdplane("ls", "--registry", f"127.0.0.1:{free_port_run()}", "--timeout-s", "1")
     assert down.returncode == 1 and "UNAVAILABLE" in down.stderr
+    a, b = f"127.0.0.1:{free_port_run()}", f"127.0.0.1:{free_port_run()}"
+    for flags in ([], ["--watch"]):
+        both = _pdplane("ls", "--registry", f"{a},{b}", "--timeout-s", "1", *flags)
+        assert both.returncode == 1 and f"every registry replica ({a}, {b})" in both.stderr
     bad = _pdplane("ls", "--registry", registry.address, "--role", "middle")
     assert bad.returncode == 2 and "--role" in bad.stderr
 
