@@ -199,7 +199,7 @@ class RegistryRelay:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._sender
         if self._server is not None:
-            await self._server.stop(grace)
+            await grpc_util.aio_stop(self._server, grace)
         for channel in self._channels:
             await channel.close()
 

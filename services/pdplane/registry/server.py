@@ -163,7 +163,7 @@ class RegistryServer:
         self._shutdown = asyncio.Event()
         self._started.set()
         await self._shutdown.wait()
-        await server.stop(self._grace)
+        await grpc_util.aio_stop(server, self._grace)
 
     def stop(self, grace: float = 0.5) -> None:
         """Stops serving (open watch streams are cancelled) and joins the threads."""

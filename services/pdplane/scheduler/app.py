@@ -143,7 +143,7 @@ class SchedulerApp:
         """Stops gRPC (letting calls finish for `grace` seconds), metrics and the watcher."""
         server, self._server = self._server, None
         if server is not None:
-            await server.stop(grace)
+            await grpc_util.aio_stop(server, grace)
         http, self._http = self._http, None
         if http is not None:
             http[0].shutdown()

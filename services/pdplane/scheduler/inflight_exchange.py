@@ -375,7 +375,7 @@ class EmbeddedExchange:
         await self.exchange.stop()
         server, self._server = self._server, None
         if server is not None:
-            await server.stop(0.5)
+            await grpc_util.aio_stop(server, 0.5)
 
 
 def _assigned(a: Assignment) -> inflight_pb2.InflightEvent:

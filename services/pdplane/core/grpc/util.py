@@ -11,6 +11,7 @@ flavours are covered.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,7 @@ __all__ = [
     "aio_add_health_and_reflection",
     "aio_channel",
     "aio_server_interceptors",
+    "aio_stop",
     "channel",
     "refusal",
     "server_interceptors",
@@ -251,6 +253,27 @@ def add_health_and_reflection(
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
     _reflect(server, names)
     return servicer
+
+
+#: Names of the coroutines of gRPC's own per-call tasks (grpc.aio's server): `aio_stop` waits
+#: for these.
+_GRPC_CALL_TASKS = frozenset({"_schedule_rpc_coro", "_handle_exceptions"})
+
+
+async def aio_stop(server: grpc.aio.Server, grace: float | None, settle_s: float = 1.0) -> None:
+    """`server.stop(grace)` (s; None: cancel at once), then waits up to `settle_s` (s) for
+    gRPC's per-call tasks to end. gRPC cancels the calls still open at the end of the grace
+    (watch and heartbeat streams) and each call's task settles a few loop turns after `stop`
+    returned; a loop closed before that (`asyncio.run` cancels what is left) cancels gRPC's
+    own task, which logs an ERROR with a CancelledError traceback per open stream."""
+    await server.stop(grace)
+    calls = [
+        t
+        for t in asyncio.all_tasks()
+        if getattr(t.get_coro(), "__name__", None) in _GRPC_CALL_TASKS
+    ]
+    if calls:
+        await asyncio.wait(calls, timeout=settle_s)
 
 
 async def aio_add_health_and_reflection(
