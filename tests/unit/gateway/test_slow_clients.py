@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import socket
 import time
@@ -90,6 +91,11 @@ def test_connections_past_the_cap_get_503(gateway: tuple[str, int]) -> None:
             stack.enter_context(socket.create_connection(gateway))
         with socket.create_connection(gateway) as sock:
             sock.sendall(b"GET /health HTTP/1.1\r\nHost: gw\r\n\r\n")
-            sock.settimeout(5)
-            answer = sock.recv(65536)
+            closed, answer = _closed_within(sock, 5)
+    assert closed  # the refusal closes the connection
     assert answer.startswith(b"HTTP/1.1 503"), answer[:200]
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert b"content-type: application/json" in head.lower(), head
+    error = json.loads(body)["error"]  # an OpenAI-style error, as every other refusal
+    assert (error["type"], error["code"]) == ("ServiceUnavailableError", 503)
+    assert "--max-client-connections 8" in error["message"]
