@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 
 import grpc
 import pytest
@@ -15,6 +16,20 @@ from pdplane.core.grpc import util as grpc_util
 from pdplane.launch.ports import free_port_run
 from pdplane.v1 import registry_pb2, registry_pb2_grpc
 from tests.integration.registry.fixtures import make_spec, running_registry_server
+
+
+def _open_heartbeat_stream(stub: registry_pb2_grpc.RegistryStub) -> threading.Event:
+    """Registers "p0" through `stub` and keeps a HeartbeatStream of it open (answered once)
+    until the returned event is set."""
+    lease = stub.Register(registry_pb2.RegisterRequest(spec=make_spec("p0")))
+    done = threading.Event()
+
+    def heartbeats() -> Iterator[registry_pb2.HeartbeatRequest]:
+        yield registry_pb2.HeartbeatRequest(instance_id="p0", lease_id=lease.lease_id)
+        done.wait(30)
+
+    next(stub.HeartbeatStream(heartbeats()))  # the stream is open on the server
+    return done
 
 
 def test_stopping_under_open_watch_and_heartbeat_streams_logs_no_error(
@@ -27,17 +42,9 @@ def test_stopping_under_open_watch_and_heartbeat_streams_logs_no_error(
     with running_registry_server(lease_ttl_ms=30_000) as server:
         chan = grpc_util.channel(server.address)
         stub = registry_pb2_grpc.RegistryStub(chan)
-        lease = stub.Register(registry_pb2.RegisterRequest(spec=make_spec("p0")))
         watch = stub.WatchInstances(registry_pb2.WatchInstancesRequest())
         assert next(watch).type == registry_pb2.WatchEvent.SNAPSHOT
-        beats = threading.Event()
-
-        def heartbeats() -> object:
-            yield registry_pb2.HeartbeatRequest(instance_id="p0", lease_id=lease.lease_id)
-            beats.wait(30)
-
-        stream = stub.HeartbeatStream(heartbeats())
-        next(stream)  # the stream is open on the registry
+        beats = _open_heartbeat_stream(stub)
     beats.set()
     with pytest.raises(grpc.RpcError):
         for _ in watch:  # the events sent before the stop, then the stream's end
@@ -59,19 +66,13 @@ def test_a_relay_stopped_by_sigterm_under_open_heartbeat_streams_logs_no_error()
             chan = grpc_util.channel(f"127.0.0.1:{port}")
             grpc.channel_ready_future(chan).result(timeout=30)
             stub = registry_pb2_grpc.RegistryStub(chan)
-            lease = stub.Register(registry_pb2.RegisterRequest(spec=make_spec("p0")))
-            beats = threading.Event()
-
-            def heartbeats() -> object:
-                yield registry_pb2.HeartbeatRequest(instance_id="p0", lease_id=lease.lease_id)
-                beats.wait(30)
-
-            stream = stub.HeartbeatStream(heartbeats())
-            next(stream)  # the stream is open on the relay
-            relay.send_signal(signal.SIGTERM)
-            assert relay.wait(timeout=30) == 0
+            beats = _open_heartbeat_stream(stub)
+            try:
+                relay.send_signal(signal.SIGTERM)
+                assert relay.wait(timeout=30) == 0
+            finally:
+                beats.set()
         finally:
-            beats.set()
             relay.kill()
             chan.close()
         stderr = relay.stderr.read() if relay.stderr else ""
