@@ -52,7 +52,12 @@ def _ls(registry_port: str) -> str:
         text=True,
         timeout=30,
     )
+    _last_ls[:] = [f"rc={out.returncode}\n{out.stdout}{out.stderr}"]
     return out.stdout
+
+
+#: the last `_ls` output, for the message of a wait that timed out
+_last_ls: list[str] = []
 
 
 def test_up_serves_a_demo_request_and_stops_cleanly_on_sigterm(tmp_path: Path) -> None:
@@ -160,11 +165,14 @@ def test_up_serves_a_demo_request_and_stops_cleanly_on_sigterm(tmp_path: Path) -
             30.0,
             what="`pdplane up` to restart the registry",
         )
-        wait_until(
-            lambda: "prefill-0" in _ls(ports["registry"]),
-            30.0,
-            what="prefill-0 to re-register with the restarted registry",
-        )
+        try:
+            wait_until(
+                lambda: "prefill-0" in _ls(ports["registry"]),
+                30.0,
+                what="prefill-0 to re-register with the restarted registry",
+            )
+        except TimeoutError as exc:
+            raise AssertionError(f"{exc}; the last pdplane ls: {_last_ls}") from None
         assert up.poll() is None, log.read_text()
         # A second `pdplane up` on the same ports fails at once and says why (bad input: 2).
         second = subprocess.run(argv, capture_output=True, text=True, timeout=120)
