@@ -50,6 +50,7 @@ from pdplane.plan.fleetsim import FleetConfig
 from pdplane.plan.routesim import ChatTraffic, ChatTurn, run_routed
 from pdplane.plan.search import capacity
 from pdplane.scheduler.policies.kv_aware import KvAwareWeights
+from pdplane.scheduler.warming import WarmSettings
 from pdplane.sim.profiles import load_profile
 
 TOPOLOGIES = {"4P4D": (4, 4), "8P16D": (8, 16)}
@@ -130,6 +131,13 @@ def run_point(p: Point) -> dict[str, Any]:
     options: dict[str, Any] = {}
     if p.kv and p.router == "kv_aware":
         knobs = dict(kv.split("=", 1) for kv in p.kv.split(","))
+        warm = {k[5:]: knobs.pop(k) for k in list(knobs) if k.startswith("warm_")}
+        if warm:
+            options["warm"] = WarmSettings(
+                min_tokens=int(warm.get("min_tokens", 1024)),
+                window_s=float(warm.get("window_s", 10.0)),
+                requests_per_holder=int(warm.get("requests_per_holder", 8)),
+            )
         limit = knobs.pop("local_prefill_max_tokens", None)
         if limit is not None:
             options["local_prefill_max_tokens"] = int(limit)

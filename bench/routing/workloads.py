@@ -64,6 +64,7 @@ __all__ = [
     "seed_long_output",
     "shared_prefix",
     "tenant_mix",
+    "trending_docs",
 ]
 
 _QUESTION = Lengths(100, "uniform", 50, 150)
@@ -83,6 +84,7 @@ _LONG_ANSWER = Lengths(1200, "uniform", 800, 1600)
 _TASK = Lengths(300, "uniform", 100, 500)
 _TOOL_RESULT = Lengths(500, "uniform", 200, 800)
 _OSL_AGENT = Lengths(200, "uniform", 100, 300)
+_TRENDING_DOC = Lengths(3500, "uniform", 2000, 5000)
 
 # The tiny model's corpus words: each is one token for its tokenizer (with the leading space)
 # and for the simulator's word tokenizer, so both count a prompt of N words as N tokens.
@@ -445,6 +447,55 @@ def hot_prefix(
     return w
 
 
+def trending_docs(
+    rate: float,
+    count: int,
+    *,
+    documents: int = 12,
+    document: Lengths = _TRENDING_DOC,
+    zipf: float = 1.4,
+    shift_s: float = 15.0,
+    question: Lengths = _QUESTION,
+    follow_share: float = 0.3,
+    follow: Lengths = _FOLLOW,
+    think_s: float = 3.0,
+    osl: Lengths = _OSL_CHAT,
+    seed: int = 0,
+) -> Workload:
+    """Long documents asked about by many users, the most read ones changing every `shift_s`
+    seconds (Zipf popularity over a shuffled order per period: what trends now was cold
+    before); a `follow_share` of askers asks one follow-up after `think_s` (mean) seconds."""
+    rng = random.Random(seed)
+    srng = random.Random(f"trending-sizes-{seed}")
+    docs = _texts("trending-doc", seed, [document.draw(srng) for _ in range(documents)])
+    rank = _zipf(rng, documents, zipf)
+    orders: dict[int, list[int]] = {}
+    turns = []
+    for s, at in enumerate(_arrivals(rng, rate, count)):
+        period = int(at // shift_s)
+        order = orders.get(period)
+        if order is None:
+            order = orders[period] = random.Random(f"trending-order-{seed}-{period}").sample(
+                range(documents), documents
+            )
+        sid = f"d{s}"
+        content = docs[order[rank()]] + " " + _words(rng, question.draw(rng))
+        turns.append(
+            Turn(at, [{"role": "user", "content": content}], osl.draw(rng), session=sid, user=sid)
+        )
+        if rng.random() < follow_share:
+            msg = {"role": "user", "content": _words(rng, follow.draw(rng))}
+            pause = rng.expovariate(1 / think_s)
+            turns.append(Turn(pause, [msg], osl.draw(rng), session=sid, user=sid, turn=1))
+    return Workload(
+        "trending-docs",
+        turns,
+        f"{documents} documents (Zipf {zipf}, reshuffled every {shift_s:g} s), "
+        f"{follow_share:.0%} ask a follow-up",
+        {"rate": rate, "count": count, "documents": documents},
+    )
+
+
 def _per_session(
     turns: Lengths, make: Callable[[float, int, int], Workload]
 ) -> Callable[[float, float, int], Workload]:
@@ -464,6 +515,16 @@ def _per_request(make: Callable[..., Workload]) -> Callable[[float, float, int],
 
 
 _MULTI_TURNS = Lengths(5)
+_TRENDING_FOLLOW = 0.3
+
+
+def _trending_per_request(rate: float, duration_s: float, seed: int) -> Workload:
+    # `rate` counts follow-ups too: first questions arrive at rate / (1 + follow-up share).
+    first = rate / (1 + _TRENDING_FOLLOW)
+    return trending_docs(
+        first, max(1, round(first * duration_s)), follow_share=_TRENDING_FOLLOW, seed=seed
+    )
+
 
 #: The routing scorecard's training set: (rate req/s, duration s, seed) -> Workload.
 TRAIN: dict[str, Callable[[float, float, int], Workload]] = {
@@ -480,6 +541,8 @@ TRAIN: dict[str, Callable[[float, float, int], Workload]] = {
     "rag": _per_request(rag),
     "cold": _per_request(cold),
     "long-output": _per_request(long_output),
+    # Held out until prefix warming was built for it (docs/benchmarks/routing.md).
+    "hot-prefix": _per_request(hot_prefix),
 }
 #: Held out: never used to choose a parameter; checked last.
 HELD_OUT: dict[str, Callable[[float, float, int], Workload]] = {
@@ -487,7 +550,7 @@ HELD_OUT: dict[str, Callable[[float, float, int], Workload]] = {
         lambda rate, n, seed: tenant_mix(rate, n, tenants=50, zipf=1.3, cv=3.0, seed=seed)
     ),
     "agent": _per_session(_AGENT_TURNS, lambda rate, n, seed: agent(rate, n, seed=seed)),
-    "hot-prefix": _per_request(hot_prefix),
+    "trending-docs": _trending_per_request,
 }
 FAMILY = {**TRAIN, **HELD_OUT}
 

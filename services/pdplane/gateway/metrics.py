@@ -79,6 +79,14 @@ class GatewayMetrics:
             ["source"],
             registry=r,
         )
+        self.prefix_warms = Counter(
+            "pdplane_gateway_prefix_warms",
+            "Prefix warms the scheduler proposed, by result: sent (the prefill answered 200), "
+            "failed (unreachable, timed out or another status), dropped (too many running, "
+            "or the prompt's ids unknown)",
+            ["result"],
+            registry=r,
+        )
         self.cancellations = Counter(
             "pdplane_gateway_cancellations",
             "Requests cancelled by a client disconnect",

@@ -346,7 +346,9 @@ def exact_prompt(
         hashes = {bs: block_hashes(ids, bs) for bs in block_sizes}
     except ValueError:
         return req  # a token id beyond uint32: vLLM refuses it, the estimate routes it there
-    return dataclasses.replace(req, prompt_tokens=max(1, len(ids)), prefix_hashes=hashes)
+    return dataclasses.replace(
+        req, prompt_tokens=max(1, len(ids)), prefix_hashes=hashes, prompt_ids=ids
+    )
 
 
 async def exact_prompt_async(

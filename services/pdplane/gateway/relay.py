@@ -95,7 +95,9 @@ class Relay(Shared):
         return await _run(Request(self, req, request_id, started, max_model_len, note))
 
     async def drain(self, timeout_s: float = 5.0) -> None:
-        """Waits (bounded, s) for background AbortTransfer calls; used at shutdown."""
+        """Waits (bounded, s) for background AbortTransfer calls and cancels the prefix warms
+        still running; used at shutdown."""
+        await self.warms.close()
         await self.caretaker.drain(timeout_s)
 
 

@@ -35,6 +35,7 @@ from pdplane.gateway.replies import RetryElsewhere
 from pdplane.gateway.route_note import RouteNote
 from pdplane.gateway.upstream import UpstreamClient, UpstreamResponse, UpstreamTimeout
 from pdplane.gateway.validation import COMPLETIONS, ClientRequest
+from pdplane.gateway.warm import PrefixWarms
 from pdplane.scheduler import InstanceRef, Outcome, SchedulerPort
 
 __all__ = ["DecodeLost", "Request", "Shared", "Tally", "status_error"]
@@ -84,6 +85,8 @@ class Shared:
         self.headers = {"content-type": "application/json"}
         if config.upstream_api_key:
             self.headers["authorization"] = f"Bearer {config.upstream_api_key}"
+        #: the scheduler's prefix warms, sent in the background
+        self.warms = PrefixWarms(upstream, self.headers, metrics, config.upstream_timeout_s)
 
 
 class Request:

@@ -99,6 +99,8 @@ async def schedule(
         raise bad_request(str(exc)) from None
     except SchedulerError as exc:
         raise unavailable(f"scheduler error: {exc}") from None
+    if decision.warm is not None:
+        relay.warms.send(req.model, req.prompt_ids, decision.warm)
     r.prefill, r.decode = decision.prefill, decision.decode
     r.decode_cached = decision.decode_cached_tokens
     if r.note is not None:

@@ -104,6 +104,8 @@ class ClientRequest:
         prefix_hashes: block size -> the prompt's exact block hashes, set with the exact
             `prompt_tokens` by `pdplane.gateway.prompt_ids` when the model's tokenizer is known.
         priority: vLLM's `priority` field (lower is served first), None when absent.
+        prompt_ids: the prompt's token ids, set with `prefix_hashes` (a prefix warm sends a
+            part of them, `pdplane.gateway.warm`); empty when unknown.
     """
 
     endpoint: Endpoint
@@ -116,6 +118,7 @@ class ClientRequest:
     routing_key: str
     prefix_hashes: Mapping[int, Sequence[int]] = field(default_factory=dict)
     priority: int | None = None
+    prompt_ids: Sequence[int] = ()
 
 
 _UNION_TAGS = frozenset({"str", "int", "bool", "float"})

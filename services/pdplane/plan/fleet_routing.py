@@ -30,13 +30,16 @@ class FleetEngines:
 class Routed:
     """A router's choice for one request: its token ids and its legs.
 
-    `prefill` None: no prefill leg, the decode computes the prompt itself.
+    `prefill` None: no prefill leg, the decode computes the prompt itself. `warm`: (prefill
+    index, tokens): that prefill also computes the prompt's first `tokens` tokens as a request
+    of its own (a prefix warm, `pdplane.scheduler.warming`).
     """
 
     prompt: Sequence[int]
     outputs: Sequence[int]
     prefill: int | None
     decode: int
+    warm: tuple[int, int] | None = None
 
 
 class FleetRouter(Protocol):

@@ -278,6 +278,12 @@ class FleetRun:
             self.push(now + self.router.retry_s, _ARRIVE, r)
             return
         r.outputs = routed.outputs
+        if routed.warm is not None:  # a request of its own: nobody waits for it
+            w, tokens = routed.warm
+            node = self.pre[w]
+            node.outstanding += tokens
+            warm = EngineRequest(f"warm-{r.index}", routed.prompt[:tokens], range(1))
+            self.push(node.frontend.admit(now), _ADD, (node, warm))
         d = self.dec[routed.decode]
         d.outstanding += 1
         if routed.prefill is None:  # the decode computes the prompt itself
@@ -322,6 +328,9 @@ class FleetRun:
         node.busy = False
         for er in node.core.complete(step, now):
             if er.phase != Phase.DONE:
+                continue
+            if er.waiter is None:  # a prefix warm
+                node.outstanding -= len(er.prompt)
                 continue
             r = er.waiter
             assert isinstance(r, Req)

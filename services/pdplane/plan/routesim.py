@@ -378,7 +378,10 @@ class SchedulerRouter(_Router):
         prefill = None
         if decision.prefill is not None:
             prefill = self._ids[decision.prefill.instance_id][1]
-        return Routed(prompt, self._outputs(request, spec), prefill, decode)
+        warm = None
+        if decision.warm is not None:
+            warm = (self._ids[decision.warm.instance.instance_id][1], decision.warm.prefix_tokens)
+        return Routed(prompt, self._outputs(request, spec), prefill, decode, warm)
 
     def released(self, request: int, now: float) -> None:
         self.clock = now

@@ -25,9 +25,20 @@ from pdplane.scheduler.latency import DEFAULT_PROFILE, LatencyModel
 from pdplane.scheduler.metrics import SchedulerMetrics
 from pdplane.scheduler.policies import POLICIES, PickContext, Policy, Pool, kv_aware, make_policy
 from pdplane.scheduler.policies.base import warm_up as warm_up_pool
-from pdplane.scheduler.port import Decision, Outcome, RequestFeatures
-from pdplane.scheduler.table import PAIR, ModelTables, SideTable
+from pdplane.scheduler.port import Decision, Outcome, RequestFeatures, WarmHint
+from pdplane.scheduler.table import (
+    BLOCK_SIZE,
+    BUSY_UNTIL,
+    KV_SLOT,
+    PAIR,
+    REQUESTS,
+    SERVING,
+    UNSEEN,
+    ModelTables,
+    SideTable,
+)
 from pdplane.scheduler.view import CandidateView
+from pdplane.scheduler.warming import WARM_SETTLE_S, PrefixWarmer, WarmSettings
 
 if TYPE_CHECKING:
     from pdplane.scheduler.kv_index import PrefixIndex
@@ -67,6 +78,7 @@ class Decider:
         kv_weights: kv_aware.KvAwareWeights | None = None,
         local_prefill_max_tokens: int = 0,
         kv_profile: LatencyModel | str | None = None,
+        warm: WarmSettings | None = None,
     ) -> None:
         if local_prefill_max_tokens < 0:
             raise ValueError("local_prefill_max_tokens must be >= 0")
@@ -93,6 +105,8 @@ class Decider:
             }
         }
         self.local_prefill_max_tokens = local_prefill_max_tokens
+        #: Prefix warming (`pdplane.scheduler.warming`); off without a prefix index.
+        self.warmer = PrefixWarmer(warm or WarmSettings(min_tokens=0))
         self._policies: dict[tuple[str, str], Policy] = {}
         #: The prefix index of the instances' KV caches (set by the wiring when enabled).
         self.kv_index: PrefixIndex | None = None
@@ -244,9 +258,71 @@ class Decider:
         )
         if self.metrics and p_cached:
             self.metrics.predicted_hit(p.instance_id, p_cached)
+        warm = None
+        if (
+            self.warmer.enabled
+            and p_cached >= self.warmer.settings.min_tokens
+            and prefill_policy.name == kv_aware.NAME
+        ):
+            warm = self._warm(request, prefill_table, pairable, cached, per_block, p, now)
         return Decision(
-            p, d, f"prefill {prefill.reason}; decode {decode.reason}", p_cached, d_cached
+            p, d, f"prefill {prefill.reason}; decode {decode.reason}", p_cached, d_cached, warm
         )
+
+    def _warm(
+        self,
+        request: RequestFeatures,
+        table: SideTable,
+        rows: npt.NDArray[np.int64],
+        cached: F64s | None,
+        per_block: bool,
+        chosen: Candidate,
+        now: float,
+    ) -> WarmHint | None:
+        """A warm of the prompt's prefix that `chosen` holds onto an idle prefill of `rows`
+        that does not, when the prefix is read often enough (`pdplane.scheduler.warming`)."""
+        bs = chosen.block_size
+        hashes = request.prefix_hashes.get(bs)
+        index = self.kv_index
+        if cached is None or index is None or hashes is None or bs <= 0:
+            return None
+        cols = table.cols
+        slots = cols[rows, KV_SLOT].astype(np.int64)
+        ok = (slots >= 0) & (slots < len(cached))
+        hits = np.where(ok, cached[np.where(ok, slots, 0)], 0.0)
+        if per_block:
+            hits = hits * cols[rows, BLOCK_SIZE]
+        prefix_tokens = int(hits.max()) // bs * bs
+        if prefix_tokens < self.warmer.settings.min_tokens:
+            return None
+        prefix = int(hashes[prefix_tokens // bs - 1])
+        warmer = self.warmer
+        reads = warmer.read(prefix, now)
+        holders = hits >= prefix_tokens
+        if warmer.busy(prefix, now) or not warmer.wanted(reads, int(holders.sum())):
+            return None
+        live = index.live_slots
+        idle = (
+            ~holders
+            & ok
+            & (cols[rows, SERVING] == 1)
+            & (cols[rows, REQUESTS] == 0)
+            & (cols[rows, UNSEEN] == 0)
+            & (cols[rows, BUSY_UNTIL] <= now)
+        )
+        idle &= np.array([bool(live[s]) if 0 <= s < len(live) else False for s in slots])
+        if not idle.any():
+            return None
+        target = table.candidates[int(rows[int(np.argmax(idle))])]
+        done = self.inflight.queue_prefill(
+            target.instance_id, self.latency.queue_s(prefix_tokens, 0)
+        )
+        # Until its KV events can have said it holds the copy, the same prefix is not
+        # warmed again (the index learns of it within ~10 ms, --kv-events-interval-ms).
+        warmer.started(prefix, done + WARM_SETTLE_S)
+        if self.metrics:
+            self.metrics.prefix_warmed(target.instance_id, prefix_tokens)
+        return WarmHint(target, prefix_tokens)
 
     def _cached(self, request: RequestFeatures) -> tuple[F64s | None, bool]:
         """The prompt's predicted prefix hits per prefix index slot (tokens, or blocks when the

@@ -450,6 +450,12 @@ class InflightTracker:
                 self._dirty.add(until[0])
         return record
 
+    def queue_prefill(self, instance_id: str, seconds: float) -> float:
+        """Adds `seconds` of predicted work that is no assignment (a prefix warm) to prefill
+        `instance_id`'s queue; returns when it is predicted done (the tracker's clock, s)."""
+        with self._lock:
+            return self._queue(instance_id, self._clock(), seconds)
+
     def _queue(self, instance_id: str, now: float, seconds: float) -> float:
         """Adds `seconds` of predicted work to a prefill's queue; returns when it is done."""
         busy = self._busy.get(instance_id)

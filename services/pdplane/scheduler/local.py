@@ -30,6 +30,7 @@ from pdplane.scheduler.metrics import SchedulerMetrics
 from pdplane.scheduler.policies.kv_aware import KvAwareWeights
 from pdplane.scheduler.port import Decision, InstanceSource, Outcome, PolicyFlags, RequestFeatures
 from pdplane.scheduler.view import CandidateView
+from pdplane.scheduler.warming import WarmSettings
 
 __all__ = ["LocalScheduler", "decision_options", "open_local"]
 
@@ -96,6 +97,11 @@ def decision_options(flags: PolicyFlags) -> dict[str, Any]:
         ),
         "kv_profile": flags.kv_profile,
         "local_prefill_max_tokens": flags.local_prefill_max_tokens,
+        "warm": WarmSettings(
+            min_tokens=flags.kv_warm_min_tokens,
+            window_s=flags.kv_warm_window_s,
+            requests_per_holder=flags.kv_warm_requests_per_holder,
+        ),
     }
 
 

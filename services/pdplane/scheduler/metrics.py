@@ -110,6 +110,17 @@ class SchedulerMetrics:
             "prompt and computes the rest itself",
             registry=self.registry,
         )
+        self._warms = Counter(
+            "pdplane_scheduler_prefix_warms",
+            "Prefix warms proposed (a prefix many requests read, copied onto an idle prefill "
+            "that did not hold it: docs/prefix-warming.md)",
+            registry=self.registry,
+        )
+        self._warm_tokens = Counter(
+            "pdplane_scheduler_prefix_warm_tokens",
+            "Prompt tokens of the prefix warms proposed",
+            registry=self.registry,
+        )
         # labels() hashes and locks on every call; the hot path reuses the children instead.
         self._decision_children: dict[tuple[str, str], Any] = {}
         self._release_children: dict[tuple[str, bool], Any] = {}
@@ -146,6 +157,11 @@ class SchedulerMetrics:
                 self._hit_children.clear()  # bounded: instances come and go
             child = self._hit_children[instance_id] = self._predicted_hits.labels(instance_id)
         child.inc(tokens)
+
+    def prefix_warmed(self, instance_id: str, tokens: int) -> None:
+        """Counts one prefix warm of `tokens` tokens proposed onto prefill `instance_id`."""
+        self._warms.inc()
+        self._warm_tokens.inc(tokens)
 
     def prefill_skipped(self, decode_id: str, cached_tokens: int) -> None:
         """Counts a decision without prefill; decode `decode_id` predicted to hit

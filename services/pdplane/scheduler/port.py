@@ -50,6 +50,7 @@ __all__ = [
     "SchedulerError",
     "SchedulerPort",
     "SchedulerUnavailable",
+    "WarmHint",
 ]
 
 #: `PortSettings.scheduler` value that selects the local (in-process) implementation.
@@ -132,6 +133,19 @@ class Decision:
     reason: str = ""
     prefill_cached_tokens: int = 0
     decode_cached_tokens: int = 0
+    warm: WarmHint | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class WarmHint:
+    """Prefix warming (`pdplane.scheduler.warming`): many requests read this request's first
+    `prefix_tokens` tokens (whole KV cache blocks) and prefill `instance`, idle, does not hold
+    them. The caller sends `instance` those tokens as a request of its own (prompt token ids,
+    one output token, no `kv_transfer_params`) and forgets its answer; nothing is released.
+    """
+
+    instance: InstanceRef
+    prefix_tokens: int
 
 
 class Outcome(enum.StrEnum):
@@ -248,8 +262,8 @@ class PolicyFlags(Protocol):
     """The decision flags of a local scheduler (`pdplane.scheduler.settings.PolicySettings`):
     default policy names per side, in-flight expiry (seconds), seed of randomised policies,
     the prefix index's (on/off, staleness after seconds or events behind, events batching
-    interval in ms, size bound), kv_aware's engine profile (name or JSON file) and knobs, and
-    conditional disaggregation's bound (tokens)."""
+    interval in ms, size bound), kv_aware's engine profile (name or JSON file) and knobs,
+    conditional disaggregation's bound (tokens) and prefix warming's rule."""
 
     prefill_policy: str
     decode_policy: str
@@ -265,6 +279,9 @@ class PolicyFlags(Protocol):
     kv_itl_weight: float
     kv_local_slack: float
     local_prefill_max_tokens: int
+    kv_warm_min_tokens: int
+    kv_warm_window_s: float
+    kv_warm_requests_per_holder: int
     peers: str
     peer_lag_ms: float
     replica_id: str | None

@@ -11,6 +11,7 @@ from pdplane.core.token_file import token_file_field
 from pdplane.scheduler.latency import DEFAULT_PROFILE, LatencyModel
 from pdplane.scheduler.policies import POLICIES
 from pdplane.scheduler.policies.kv_aware import ITL_WEIGHT, LOCAL_PREFILL_MAX_TOKENS, LOCAL_SLACK
+from pdplane.scheduler.warming import WARM_MIN_TOKENS, WARM_REQUESTS_PER_HOLDER, WARM_WINDOW_S
 
 __all__ = ["PolicySettings", "SchedulerSettings"]
 
@@ -113,6 +114,24 @@ class PolicySettings(CommandSettings):
         description="kv_aware: at most this many prompt tokens computed on decode without a "
         "prefill leg (when it holds the rest and the model predicts it faster without hurting "
         "its streams); 0 = always disaggregate",
+    )
+
+    kv_warm_min_tokens: int = Field(
+        default=WARM_MIN_TOKENS,
+        ge=0,
+        description="prefix warming: the shortest prefix (tokens) copied onto an idle prefill "
+        "that does not hold it when many requests read it (docs/scheduler.md); 0 = off",
+    )
+    kv_warm_window_s: float = Field(
+        default=WARM_WINDOW_S,
+        gt=0,
+        description="prefix warming: how far back reads of a prefix count (s)",
+    )
+    kv_warm_requests_per_holder: int = Field(
+        default=WARM_REQUESTS_PER_HOLDER,
+        ge=1,
+        description="prefix warming: reads within --kv-warm-window-s per prefill holding a "
+        "prefix that make it worth one more holder",
     )
 
     _check_prefill = field_validator("prefill_policy")(_known_policy)

@@ -14,7 +14,7 @@ import numpy as np
 
 from pdplane.core.prefix_hash import HASH_VERSION
 from pdplane.scheduler.errors import InvalidRequest
-from pdplane.scheduler.port import Decision, InstanceRef, Outcome, RequestFeatures
+from pdplane.scheduler.port import Decision, InstanceRef, Outcome, RequestFeatures, WarmHint
 from pdplane.v1 import scheduler_pb2
 
 if TYPE_CHECKING:
@@ -117,6 +117,15 @@ def decision_to_pb(decision: Decision) -> scheduler_pb2.ScheduleResponse:
         reason=decision.reason,
         prefill_cached_tokens=decision.prefill_cached_tokens,
         decode_cached_tokens=decision.decode_cached_tokens,
+        warm=_warm_to_pb(decision.warm),
+    )
+
+
+def _warm_to_pb(warm: WarmHint | None) -> scheduler_pb2.WarmHint | None:
+    if warm is None:
+        return None
+    return scheduler_pb2.WarmHint(
+        instance=_ref_to_pb(warm.instance), prefix_tokens=warm.prefix_tokens
     )
 
 
@@ -129,6 +138,9 @@ def decision_from_pb(response: scheduler_pb2.ScheduleResponse) -> Decision:
         response.reason,
         response.prefill_cached_tokens,
         response.decode_cached_tokens,
+        WarmHint(response.warm.instance, response.warm.prefix_tokens)
+        if response.HasField("warm") and response.warm.instance.instance_id
+        else None,
     )
 
 

@@ -302,6 +302,7 @@ class ScheduleResponse(_message.Message):
     REASON_FIELD_NUMBER: _builtins.int
     PREFILL_CACHED_TOKENS_FIELD_NUMBER: _builtins.int
     DECODE_CACHED_TOKENS_FIELD_NUMBER: _builtins.int
+    WARM_FIELD_NUMBER: _builtins.int
     reason: _builtins.str
     """the policies' explanation, e.g. "least_loaded: load=0.12" """
     prefill_cached_tokens: _builtins.int
@@ -317,6 +318,14 @@ class ScheduleResponse(_message.Message):
 
     @_builtins.property
     def decode(self) -> Global___InstanceRef: ...
+    @_builtins.property
+    def warm(self) -> Global___WarmHint:
+        """Prefix warming (docs/prefix-warming.md); unset when none. Many requests read
+        this prompt's first `prefix_tokens` tokens and `warm.instance`, an idle prefill, does not
+        hold them: send it those token ids as a request of its own (one output token, no
+        kv_transfer_params) and drop its answer. Nothing is released for it.
+        """
+
     def __init__(
         self,
         *,
@@ -325,14 +334,39 @@ class ScheduleResponse(_message.Message):
         reason: _builtins.str = ...,
         prefill_cached_tokens: _builtins.int = ...,
         decode_cached_tokens: _builtins.int = ...,
+        warm: Global___WarmHint | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["decode", b"decode", "prefill", b"prefill"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["decode", b"decode", "prefill", b"prefill", "warm", b"warm"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode", b"decode", "decode_cached_tokens", b"decode_cached_tokens", "prefill", b"prefill", "prefill_cached_tokens", b"prefill_cached_tokens", "reason", b"reason"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode", b"decode", "decode_cached_tokens", b"decode_cached_tokens", "prefill", b"prefill", "prefill_cached_tokens", b"prefill_cached_tokens", "reason", b"reason", "warm", b"warm"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ScheduleResponse: _TypeAlias = ScheduleResponse  # noqa: Y015
+
+@_typing.final
+class WarmHint(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INSTANCE_FIELD_NUMBER: _builtins.int
+    PREFIX_TOKENS_FIELD_NUMBER: _builtins.int
+    prefix_tokens: _builtins.int
+    """whole KV cache blocks of the prompt's prefix"""
+    @_builtins.property
+    def instance(self) -> Global___InstanceRef: ...
+    def __init__(
+        self,
+        *,
+        instance: Global___InstanceRef | None = ...,
+        prefix_tokens: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["instance", b"instance"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["instance", b"instance", "prefix_tokens", b"prefix_tokens"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WarmHint: _TypeAlias = WarmHint  # noqa: Y015
 
 @_typing.final
 class ReleaseRequest(_message.Message):

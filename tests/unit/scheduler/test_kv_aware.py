@@ -3,8 +3,6 @@ disaggregation (on a clock the tests move)."""
 
 from __future__ import annotations
 
-import itertools
-import random
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -21,50 +19,16 @@ from pdplane.scheduler.policies.kv_aware import KvAwareWeights
 from pdplane.scheduler.port import Decision, RequestFeatures
 from pdplane.scheduler.view import CandidateView
 from pdplane.scheduler.wire import decision_from_pb, decision_to_pb
-from pdplane.v1 import instance_pb2, kv_events_pb2, scheduler_pb2
-
-MakeInstance = Callable[..., instance_pb2.Instance]
-BS = 16  # the conftest instances' block size
-_engine_hashes = itertools.count(1)
-
-
-def tokens(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(50_000) for _ in range(n)]
-
-
-def hold(index: PrefixIndex, instance_id: str, prompt: list[int], *, live: bool = True) -> None:
-    """`instance_id` caches the full blocks of `prompt` (as its BlockStored events would say)."""
-    inst = index.add_instance(instance_id)
-    n = len(prompt) // BS
-    inst.stored(
-        kv_events_pb2.BlockStored(
-            block_hashes=[next(_engine_hashes) for _ in range(n)],
-            token_ids=prompt[: n * BS],
-            block_size=BS,
-        )
-    )
-    index.set_state(inst, KvState.LIVE if live else KvState.STALE)
-
-
-def req(n: int, prompt: list[int], **kwargs: Any) -> RequestFeatures:
-    return RequestFeatures(
-        request_id=f"r{n}",
-        model="tiny",
-        prompt_tokens=len(prompt),
-        prefix_hashes={BS: block_hashes(prompt, BS)},
-        **kwargs,
-    )
-
-
-class Clock:
-    """The in-flight tracker's clock (s), moved by the test."""
-
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
+from pdplane.v1 import kv_events_pb2, scheduler_pb2
+from tests.unit.scheduler.helpers import (
+    BS,
+    Clock,
+    MakeInstance,
+    engine_hashes,
+    hold,
+    req,
+    tokens,
+)
 
 
 @pytest.fixture
@@ -411,7 +375,7 @@ def test_an_idle_decode_holding_every_whole_block_computes_the_tail_itself(
     d0 = index.add_instance("d0")
     d0.stored(
         kv_events_pb2.BlockStored(
-            block_hashes=[next(_engine_hashes) for _ in range(15)],
+            block_hashes=[next(engine_hashes) for _ in range(15)],
             token_ids=turn1,
             block_size=bs,
         )
