@@ -1,6 +1,7 @@
 """Real vLLM CPU, 2 prefill + 2 decode: kv_aware routes by what the engines' caches hold.
 
-Its own registry, scheduler (kv_aware both sides, the prefix index on) and gateway, plus one
+Its own registry, scheduler (kv_aware both sides, the prefix index on, prefix warming after
+two reads per holder) and gateway, plus one
 plain vLLM instance for the expected greedy text. The gateway gets no tokenizer flag: it takes
 the tokenizer and chat template the instances' connectors publish, so text and chat prompts
 get exact ids and prefix hashes. The gateway's scheduler port records every decision, so the
@@ -36,6 +37,7 @@ pytestmark = pytest.mark.vllm
 
 BS = 128  # vLLM CPU's block size
 LOCAL_PREFILL_MAX = 256
+WARM_READS = 2
 PREFILLS = ("kva-prefill-0", "kva-prefill-1")
 DECODES = ("kva-decode-0", "kva-decode-1")
 
@@ -110,6 +112,9 @@ def stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
             registry.address,
             local_prefill_max_tokens=LOCAL_PREFILL_MAX,
             kv_stale_after_s=30.0,  # a busy 2-core machine must not mark streams stale
+            # Prefix warming after 2 reads per holder (8 by default): the other tests' shared
+            # prefixes are shorter than --kv-warm-min-tokens, so only the warming test warms.
+            kv_warm_requests_per_holder=WARM_READS,
         ) as scheduler:
             manager = scheduler.app.kv_index
             assert manager is not None
@@ -287,3 +292,43 @@ def test_second_chat_turn_goes_to_turn_ones_decode_without_prefill(stack: Stack)
     assert features.prompt_tokens - second.decode_cached_tokens <= LOCAL_PREFILL_MAX
     # No prefill leg reached either prefill instance.
     assert {n: _requests(stack.instances[n]) for n in PREFILLS} == prefill_requests
+
+
+def test_a_prefix_read_often_is_warmed_onto_the_other_prefill_and_vllm_keeps_it(
+    stack: Stack,
+) -> None:
+    # 9 blocks of shared token ids (above --kv-warm-min-tokens, 1024) and own parts longer
+    # than --local-prefill-max-tokens: every request has a prefill leg. The first computes
+    # the prefix, the next two read it on its holder; the second read asks for a warm.
+    shared = _ids(7, 9 * BS)
+    body: dict[str, Any] = {"model": MODEL_NAME, "max_tokens": 4, "temperature": 0}
+    before = {n: _requests(stack.instances[n]) for n in PREFILLS}
+    holders = []
+    for n in range(1 + WARM_READS):
+        prompt = shared + _ids(100 + n, LOCAL_PREFILL_MAX + 2 * BS)
+        _post(stack.url, "/v1/completions", {**body, "prompt": prompt})
+        _, decision = stack.port.decisions[-1]
+        assert decision.prefill is not None, decision.reason
+        holders.append(decision.prefill.instance_id)
+        _settle(stack)
+    assert holders == [holders[0]] * len(holders)
+    (other,) = set(PREFILLS) - {holders[0]}
+    warms = [d.warm for _, d in stack.port.decisions[-WARM_READS - 1 :] if d.warm is not None]
+    assert len(warms) == 1 and warms[0].instance.instance_id == other
+    assert warms[0].prefix_tokens == len(shared)
+    # vLLM computed the warm as a request of its own and its KV events say it keeps the
+    # prefix's blocks: the prefix index holds them on the other prefill.
+    wait_until(
+        lambda: _requests(stack.instances[other]) == before[other] + 1,
+        60.0,
+        what="the warm request served by the other prefill",
+    )
+    manager = stack.scheduler.app.kv_index
+    assert manager is not None
+    hashes = stack.port.decisions[-1][0].prefix_hashes[BS][:9]
+    wait_until(
+        lambda: manager.index.match(hashes, instances=[other]).get(other, 0) >= 9,
+        30.0,
+        what="the prefix index to hold the warmed prefix on the other prefill",
+    )
+    assert metric(stack.url, "pdplane_gateway_prefix_warms_total", result="sent") == 1

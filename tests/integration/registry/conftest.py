@@ -48,6 +48,8 @@ class WatchRecorder:
         )
         self.events: list[tuple[float, registry_pb2.WatchEvent]] = []
         self.error: grpc.RpcError | None = None
+        #: set once the stream's first message (its snapshot) or its error arrived
+        self.started = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
@@ -55,8 +57,11 @@ class WatchRecorder:
         try:
             for event in self._call:
                 self.events.append((time.monotonic(), event))
+                self.started.set()
         except grpc.RpcError as exc:
             self.error = exc
+        finally:
+            self.started.set()
 
     def of_type(self, kind: int) -> list[registry_pb2.WatchEvent]:
         return [e for _, e in list(self.events) if e.type == kind]
@@ -140,6 +145,11 @@ def recorder_factory() -> Iterator[Callable[..., WatchRecorder]]:
         address: str, from_revision: int = 0, token: str | None = None, max_batch: int = 0
     ) -> WatchRecorder:
         made.append(WatchRecorder(address, from_revision, token, max_batch))
+        # What happens after this returns is an event, not part of the snapshot: a test that
+        # registers an instance right away and waits for its ADDED saw it in the snapshot
+        # instead when the stream opened late (once, on a loaded CI machine).
+        if not from_revision:  # a resumed watch may have nothing to send yet
+            made[-1].started.wait(10)
         return made[-1]
 
     yield make
