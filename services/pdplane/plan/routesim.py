@@ -149,6 +149,9 @@ class RouteStats:
     prefill_legs: int = 0
     #: prompt tokens a disaggregated request's decode already held (not pulled)
     decode_hit_tokens: int = 0
+    #: prefix warms sent (the whole run, warm-up included) and their tokens
+    warms: int = 0
+    warm_tokens: int = 0
 
     @property
     def fleet_hit(self) -> float:
@@ -381,6 +384,8 @@ class SchedulerRouter(_Router):
         warm = None
         if decision.warm is not None:
             warm = (self._ids[decision.warm.instance.instance_id][1], decision.warm.prefix_tokens)
+            self.stats.warms += 1
+            self.stats.warm_tokens += decision.warm.prefix_tokens
         return Routed(prompt, self._outputs(request, spec), prefill, decode, warm)
 
     def released(self, request: int, now: float) -> None:
@@ -468,6 +473,8 @@ class RoutedResult:
             "fleet_hit": s.fleet_hit,
             "prefill_legs_per_request": s.prefill_legs_per_request,
             "decode_hit": s.decode_hit_tokens / s.prompt_tokens if s.prompt_tokens else 0.0,
+            "warms": float(s.warms),
+            "warm_tokens": float(s.warm_tokens),
             "prefill_busy": busy.get("prefill", 0.0),
             "decode_busy": busy.get("decode", 0.0),
             **self.extra,
