@@ -321,6 +321,8 @@ def run_served(p: Point, time_scale: float, logs: Path) -> dict[str, Any]:
         "sim_lag_fraction": r["sim_lag_fraction"],
         "valid": r["valid"],
         "proxy_cpu_ms_per_request": r["proxy_cpu_ms_per_request"],
+        # prefix warms proposed by the gateway's scheduler / sent, failed or dropped by it
+        **{k: r[k] for k in ("warms", "warms_sent_failed_dropped") if k in r},
     }
 
 

@@ -541,7 +541,7 @@ TRAIN: dict[str, Callable[[float, float, int], Workload]] = {
     "rag": _per_request(rag),
     "cold": _per_request(cold),
     "long-output": _per_request(long_output),
-    # Held out until prefix warming was built for it (docs/benchmarks/routing.md).
+    # Held out until prefix warming was built for it (docs/benchmarks/scorecard.md).
     "hot-prefix": _per_request(hot_prefix),
 }
 #: Held out: never used to choose a parameter; checked last.

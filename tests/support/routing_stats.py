@@ -30,12 +30,14 @@ __all__ = [
     "router_kv_counters",
 ]
 
-#: The embedded scheduler's prefix-index counters a pdplane gateway exports: metric family ->
-#: result key (totals since the router started).
+#: The embedded scheduler's prefix-index and prefix warming counters a pdplane gateway
+#: exports: metric family -> result key (totals since the router started).
 ROUTER_KV_COUNTERS = {
     "pdplane_scheduler_kv_stale_transitions": "kv_stale_transitions",
     "pdplane_scheduler_kv_stream_errors": "kv_stream_errors",
     "pdplane_scheduler_kv_snapshots": "kv_snapshots",
+    "pdplane_scheduler_prefix_warms": "warms",
+    "pdplane_gateway_prefix_warms": "warms_sent_failed_dropped",
 }
 
 

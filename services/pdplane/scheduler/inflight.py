@@ -527,7 +527,7 @@ class InflightTracker:
         new epoch. Dropping them had made every report of an overloaded fleet (seconds of
         prefill queue) hide the requests on their way to that decode: the least loaded decode
         by report took more and more until they arrived, and decodes swung between idle and
-        twice their share (`docs/benchmarks/routing.md`, cold prompts past saturation)."""
+        twice their share (`docs/benchmarks/scorecard.md`, cold prompts past saturation)."""
         pending = self._pending[instance_id] = _Pending(epoch)
         upstream = self._upstream.get(instance_id)
         if not upstream:
