@@ -310,7 +310,11 @@ class Decider:
             & (cols[rows, UNSEEN] == 0)
             & (cols[rows, BUSY_UNTIL] <= now)
         )
-        idle &= np.array([bool(live[s]) if 0 <= s < len(live) else False for s in slots])
+        # LIVE in the index, so its KV events will show the copy (one gather, no Python loop).
+        known = (slots >= 0) & (slots < len(live))
+        idle &= known
+        if idle.any():
+            idle[idle] = live[slots[idle]] != 0
         if not idle.any():
             return None
         target = table.candidates[int(rows[int(np.argmax(idle))])]

@@ -144,3 +144,13 @@ def test_the_read_counts_stay_bounded_by_the_window() -> None:
     for i in range(10_000):
         warmer.read(i, i * 0.01)  # each prefix read once: all but the last second forgotten
     assert len(warmer) <= 2 * 100 + 2
+
+
+def test_a_prefill_not_live_in_the_index_is_not_warmed(
+    fleet: Callable[..., Decider], clock: Clock
+) -> None:
+    service = fleet()
+    assert service.kv_index is not None
+    hold(service.kv_index, "p1", [], live=False)  # its KV events stale: a copy would not show
+    warms = [d.warm for d in _reads(service, 4, clock) if d.warm is not None]
+    assert [w.instance.instance_id for w in warms] == ["p2"]
