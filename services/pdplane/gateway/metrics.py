@@ -82,8 +82,8 @@ class GatewayMetrics:
         self.prefix_warms = Counter(
             "pdplane_gateway_prefix_warms",
             "Prefix warms the scheduler proposed, by result: sent (the prefill answered 200), "
-            "failed (unreachable, timed out or another status), dropped (too many running, "
-            "or the prompt's ids unknown)",
+            "failed (unreachable, timed out or another status), dropped (too many running, one "
+            "running on that instance, or the prompt's ids unknown)",
             ["result"],
             registry=r,
         )

@@ -9,13 +9,17 @@ its prefix cache (the connector holds nothing for a request without `do_remote_d
 KV events then tell the scheduler's prefix index that the instance holds the prefix.
 
 Warming is an optimisation, so it never delays or fails a client's request: each warm runs in
-a task of its own, at most `MAX_RUNNING` at once (a hint beyond that is dropped and counted),
-its answer is read and dropped, and a failure is counted and logged at DEBUG.
+a task of its own, at most `MAX_RUNNING` at once and one per instance (a hint beyond that is
+dropped and counted: an instance slower than the scheduler predicts, or stopped, is not sent
+the same prefix again while its first warm runs), its answer is read and dropped, and a
+failure is counted and logged at DEBUG. Each warm has its own `X-Request-Id`
+(`pdplane-warm-<n>`), so engine logs name it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 from collections.abc import Mapping, Sequence
@@ -54,31 +58,46 @@ class PrefixWarms:
         self._metrics = metrics
         self._timeout_s = timeout_s
         self._running: set[asyncio.Task[None]] = set()
+        self._busy: set[str] = set()  # instances with a warm running
+        self._seq = itertools.count(1)
 
     def send(self, model: str, prompt_ids: Sequence[int], hint: WarmHint) -> None:
         """Starts the warm of `hint` for a request of `model` ("" = the instance's default)
         whose prompt is `prompt_ids`; returns at once. Drops it (counted `dropped`) when
-        `MAX_RUNNING` warms run or the ids are shorter than the hint's prefix."""
+        `MAX_RUNNING` warms run, one runs on that instance already, or the ids are shorter
+        than the hint's prefix."""
         tokens = hint.prefix_tokens
-        if len(self._running) >= MAX_RUNNING or not 0 < tokens <= len(prompt_ids):
+        instance = hint.instance.instance_id
+        if (
+            len(self._running) >= MAX_RUNNING
+            or instance in self._busy
+            or not 0 < tokens <= len(prompt_ids)
+        ):
             self._metrics.prefix_warms.labels("dropped").inc()
             return
         body: dict[str, object] = {"prompt": list(prompt_ids[:tokens]), "max_tokens": 1}
         if model:
             body["model"] = model
+        headers = {**self._headers, "x-request-id": f"pdplane-warm-{next(self._seq)}"}
         task = asyncio.create_task(
-            self._warm(hint, json.dumps(body).encode()), name="pdplane-prefix-warm"
+            self._warm(hint, json.dumps(body).encode(), headers), name="pdplane-prefix-warm"
         )
         self._running.add(task)
-        task.add_done_callback(self._running.discard)
+        self._busy.add(instance)
 
-    async def _warm(self, hint: WarmHint, body: bytes) -> None:
+        def done(t: asyncio.Task[None]) -> None:
+            self._running.discard(t)
+            self._busy.discard(instance)
+
+        task.add_done_callback(done)
+
+    async def _warm(self, hint: WarmHint, body: bytes, headers: Mapping[str, str]) -> None:
         url = hint.instance.url + "/v1/completions"
         try:
             resp = await self._upstream.open(
                 url,
                 body,
-                self._headers,
+                headers,
                 read_timeout_s=self._timeout_s,
                 total_timeout_s=self._timeout_s,
             )

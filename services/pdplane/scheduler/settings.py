@@ -120,11 +120,12 @@ class PolicySettings(CommandSettings):
         default=WARM_MIN_TOKENS,
         ge=0,
         description="prefix warming: the shortest prefix (tokens) copied onto an idle prefill "
-        "that does not hold it when many requests read it (docs/scheduler.md); 0 = off",
+        "that does not hold it when many requests read it (docs/prefix-warming.md); 0 = off",
     )
     kv_warm_window_s: float = Field(
         default=WARM_WINDOW_S,
         gt=0,
+        allow_inf_nan=False,
         description="prefix warming: how far back reads of a prefix count (s)",
     )
     kv_warm_requests_per_holder: int = Field(

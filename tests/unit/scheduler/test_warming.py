@@ -7,12 +7,14 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from pydantic import ValidationError
 
 from pdplane.scheduler.decision import Decider
 from pdplane.scheduler.inflight import InflightTracker
 from pdplane.scheduler.kv_index import PrefixIndex
 from pdplane.scheduler.metrics import SchedulerMetrics
-from pdplane.scheduler.port import Decision
+from pdplane.scheduler.port import Decision, Outcome
+from pdplane.scheduler.settings import PolicySettings
 from pdplane.scheduler.view import CandidateView
 from pdplane.scheduler.warming import PrefixWarmer, WarmSettings
 from pdplane.scheduler.wire import decision_from_pb, decision_to_pb
@@ -61,7 +63,7 @@ def _reads(service: Decider, count: int, clock: Clock, start: int = 0) -> list[D
     out = []
     for i in range(start, start + count):
         decision = service.schedule(req(i, tokens(0, SHARED) + tokens(1000 + i, 40)))
-        service.release(f"r{i}", "success")
+        service.release(f"r{i}", Outcome.SUCCESS)
         out.append(decision)
         clock.now += 0.1
     return out
@@ -154,3 +156,17 @@ def test_a_prefill_not_live_in_the_index_is_not_warmed(
     hold(service.kv_index, "p1", [], live=False)  # its KV events stale: a copy would not show
     warms = [d.warm for d in _reads(service, 4, clock) if d.warm is not None]
     assert [w.instance.instance_id for w in warms] == ["p2"]
+
+
+@pytest.mark.parametrize(
+    "field",
+    [
+        {"kv_warm_min_tokens": -1},
+        {"kv_warm_window_s": 0.0},
+        {"kv_warm_window_s": float("inf")},  # reads would never age out
+        {"kv_warm_requests_per_holder": 0},
+    ],
+)
+def test_the_warming_flags_refuse_values_out_of_range(field: dict[str, float]) -> None:
+    with pytest.raises(ValidationError):
+        PolicySettings(**field)  # type: ignore[arg-type]
