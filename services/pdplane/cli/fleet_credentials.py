@@ -1,23 +1,27 @@
-"""The credentials of a fleet started on this machine (`pdplane up`), kept for its local tools.
+"""The credentials of the fleets started on this machine (`pdplane up`), kept for local tools.
 
 `pdplane up` generates a shared token and an admin token (`generate`), hands them to the
 processes it starts through their environment (`PDPLANE_TOKEN`; `PDPLANE_ADMIN_TOKEN` to the
 registry only), never their argv (which `ps` shows), and writes them with the registry's
-address to `credentials_path()` (mode 0600, in a 0700 folder). `pdplane ls`, `pdplane drain`,
-`pdplane vllm`, `pdplane grpc` and `pdplane plan --registry` read that file (`token_for`) when
-they talk to that registry, or (the shared token only) to another gRPC service of the fleet that
-it lists (the scheduler, the instances' KvTransfer endpoints), and were not given a token, so
-nothing has to be typed. The admin token goes to the registry alone, the only service that
-checks it.
+address to a file of that fleet's own, `fleets/<registry address>.json` under the cache root,
+and to `credentials_path()`, which names the fleet started last (the one a script reads with
+`jq -r .token`); all mode 0600 in 0700 folders. `pdplane ls`, `pdplane drain`, `pdplane vllm`,
+`pdplane grpc` and `pdplane plan --registry` look an address up among those files (`token_for`)
+when they talk to a fleet's registry, or (the shared token only) to another gRPC service of the
+fleet that it lists (the scheduler, the instances' KvTransfer endpoints), and were not given a
+token, so nothing has to be typed, however many fleets run side by side. The admin token goes to
+the registry alone, the only service that checks it.
 
 File format (JSON): {"registry": "127.0.0.1:8051", "token": "...", "admin_token": "...",
-"services": ["127.0.0.1:8052", ...]} ("services" absent in files of older versions: none).
+"services": ["127.0.0.1:8052", ...], "scheduler": "127.0.0.1:8052"} ("services" absent in files
+of older versions: none).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -37,11 +41,19 @@ __all__ = [
 ]
 
 _FILE = "fleet-credentials.json"
+_FLEETS = "fleets"
 
 
 def credentials_path() -> Path:
-    """$PDPLANE_CACHE_DIR/fleet-credentials.json, else ~/.cache/pdplane/fleet-credentials.json."""
+    """The file of the fleet started last: $PDPLANE_CACHE_DIR/fleet-credentials.json, else
+    ~/.cache/pdplane/fleet-credentials.json. Each running fleet also has its own file in the
+    `fleets` folder beside it (named by its registry's address)."""
     return defaults.cache_root() / _FILE
+
+
+def _fleet_path(main: Path, registry: str) -> Path:
+    """The file of the fleet whose registry is `registry` ("host:port"), beside `main`."""
+    return main.parent / _FLEETS / (re.sub(r"[^A-Za-z0-9.-]", "_", registry) + ".json")
 
 
 @dataclass(frozen=True)
@@ -62,16 +74,23 @@ def generate(registry: str, services: tuple[str, ...] = ()) -> FleetCredentials:
     return FleetCredentials(registry, new_token(), new_token(), tuple(services))
 
 
-def write(creds: FleetCredentials, path: Path | None = None) -> Path:
-    """Writes `creds` to `path` (default `credentials_path()`), readable by this user only;
-    returns the path. Raises OSError when the folder cannot be made or written."""
-    target = path or credentials_path()
+def _write_one(creds: FleetCredentials, target: Path) -> None:
     target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.{os.getpid()}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as out:
         json.dump({**asdict(creds), "services": list(creds.services)}, out)
     os.replace(tmp, target)  # readers never see a half-written file
+
+
+def write(creds: FleetCredentials, path: Path | None = None) -> Path:
+    """Writes `creds` to the fleet's own file and to `path` (default `credentials_path()`,
+    the fleet started last), readable by this user only; returns `path`. A file an earlier run
+    on the same registry address left is replaced. Raises OSError when a folder cannot be made
+    or a file written."""
+    target = path or credentials_path()
+    _write_one(creds, _fleet_path(target, creds.registry))
+    _write_one(creds, target)
     return target
 
 
@@ -93,9 +112,27 @@ def _read(path: Path) -> FleetCredentials | None:
 
 
 def local(path: Path | None = None) -> FleetCredentials | None:
-    """The local fleet's credentials (`path`, default `credentials_path()`); None when there is
-    no readable file."""
+    """The credentials of the local fleet started last (`path`, default `credentials_path()`);
+    None when there is no readable file."""
     return _read(path or credentials_path())
+
+
+def _known(path: Path | None) -> list[FleetCredentials]:
+    """Every running local fleet's credentials: the fleet started last first, then the others
+    (their own files, newest first)."""
+    main = path or credentials_path()
+    found = [c for c in [_read(main)] if c is not None]
+    try:
+        own = sorted(
+            (main.parent / _FLEETS).glob("*.json"), key=lambda p: p.stat().st_mtime, reverse=True
+        )
+    except OSError:  # a file removed while listed: that fleet has stopped
+        own = []
+    for file in own:
+        creds = _read(file)
+        if creds is not None and creds not in found:
+            found.append(creds)
+    return found
 
 
 def _addresses(address: str) -> set[str]:
@@ -105,20 +142,15 @@ def _addresses(address: str) -> set[str]:
 def for_registry(registry: str, path: Path | None = None) -> FleetCredentials | None:
     """The local fleet's credentials when `registry` (one address or comma-separated replicas)
     names its registry; None when there is no (readable) file or it is another fleet's."""
-    creds = _read(path or credentials_path())
-    if creds is None:
-        return None
-    return creds if creds.registry in _addresses(registry) else None
+    wanted = _addresses(registry)
+    return next((c for c in _known(path) if c.registry in wanted), None)
 
 
 def for_address(address: str, path: Path | None = None) -> FleetCredentials | None:
     """The local fleet's credentials when `address` (one or comma-separated "host:port") names
     its registry or one of its other gRPC services; None otherwise (or without a file)."""
-    creds = _read(path or credentials_path())
-    if creds is None:
-        return None
-    ours = {creds.registry, *creds.services}
-    return creds if _addresses(address) & ours else None
+    wanted = _addresses(address)
+    return next((c for c in _known(path) if wanted & {c.registry, *c.services}), None)
 
 
 def token_for(address: str, token: str | None, *, admin: bool = False) -> str | None:
@@ -134,7 +166,15 @@ def token_for(address: str, token: str | None, *, admin: bool = False) -> str | 
 
 
 def remove(creds: FleetCredentials, path: Path | None = None) -> None:
-    """Deletes the file when it still holds `creds` (a later fleet's file is left alone)."""
+    """Deletes the fleet's files that still hold `creds` (a later run's are left alone); when
+    `path` (default `credentials_path()`) was this fleet's, it then names the newest other
+    fleet still running, if any."""
     target = path or credentials_path()
+    own = _fleet_path(target, creds.registry)
+    if _read(own) == creds:
+        own.unlink(missing_ok=True)
     if _read(target) == creds:
         target.unlink(missing_ok=True)
+        others = _known(target)
+        if others:
+            _write_one(others[0], target)

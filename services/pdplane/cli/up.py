@@ -9,8 +9,9 @@ SIGTERM if `pdplane up` itself is killed.
 
 The fleet is token-protected with nothing to type: `pdplane up` generates a shared token and
 an admin token for each run, gives them to its children through their environment and writes
-them (0600) to `pdplane.cli.fleet_credentials.credentials_path()`, where `pdplane ls`,
-`pdplane drain` and `pdplane vllm` find them when they talk to this registry.
+them (0600) to the fleet's own file and `pdplane.cli.fleet_credentials.credentials_path()`,
+where `pdplane ls`, `pdplane drain` and `pdplane vllm` find them when they talk to this
+registry (another fleet on other ports keeps its own).
 
 It refuses to start (status 2, naming them) when any port it needs is taken, e.g. by another
 `pdplane up`, and it reports a process "up" or "healthy" only once the answer comes from the

@@ -165,10 +165,11 @@ def test_a_credentials_file_without_services_still_reaches_the_registry(
 ) -> None:
     # A file written by an older version: registry and tokens only.
     running, creds = fleet
-    path = fleet_credentials.credentials_path()
-    data = json.loads(path.read_text())
-    del data["services"]
-    path.write_text(json.dumps(data))
+    for path in cache_dir.rglob("*.json"):  # the fleet's own file and the latest fleet's
+        data = json.loads(path.read_text())
+        if data.get("registry") == running.registry_address:
+            del data["services"]
+            path.write_text(json.dumps(data))
     assert fleet_credentials.token_for(running.registry_address, None) == creds.token
     assert fleet_credentials.token_for(running.scheduler_address, None) is None
 
