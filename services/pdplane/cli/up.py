@@ -53,6 +53,7 @@ from pdplane.gateway.settings import GatewaySettings
 from pdplane.gateway.tenants import load_tenants
 from pdplane.launch.deployment import DemoRequestFailed, Fleet, FleetSpec, PortsInUse
 from pdplane.launch.process import Cancelled
+from pdplane.scheduler.settings import PolicySettings
 from pdplane.sim.profiles import load_profile
 
 __all__ = ["UpSettings", "main"]
@@ -63,6 +64,14 @@ def _gateway_flag(name: str) -> Any:
     marked "gateway:"), which passes it on to its gateway."""
     field = copy.copy(GatewaySettings.model_fields[name])
     field.description = f"gateway: {field.description}"
+    return field
+
+
+def _scheduler_flag(name: str) -> Any:
+    """The scheduler's field `name` as a flag of `pdplane up` (same default, bounds and help,
+    marked "scheduler:"), which passes it on to its scheduler."""
+    field = copy.copy(PolicySettings.model_fields[name])
+    field.description = f"scheduler: {field.description}"
     return field
 
 
@@ -116,6 +125,9 @@ class UpSettings(AutoscaleOptions):
         "`pdplane profile` JSON (tiny-cpu: the tiny model on vLLM CPU, what up serves without "
         "--model)",
     )
+    kv_warm_min_tokens: int = _scheduler_flag("kv_warm_min_tokens")
+    kv_warm_window_s: float = _scheduler_flag("kv_warm_window_s")
+    kv_warm_requests_per_holder: int = _scheduler_flag("kv_warm_requests_per_holder")
     queue_timeout_s: float = Field(
         60.0,
         ge=0,

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -344,10 +345,13 @@ def exact_prompt(
         )
     try:
         hashes = {bs: block_hashes(ids, bs) for bs in block_sizes}
-    except ValueError:
+        # Kept for the request's life (a prefix warm sends a part of them): 4 bytes a token,
+        # where a list of ints takes ~36 (~1 MB for a 32k-token prompt).
+        kept = array("I", ids)
+    except (ValueError, OverflowError):
         return req  # a token id beyond uint32: vLLM refuses it, the estimate routes it there
     return dataclasses.replace(
-        req, prompt_tokens=max(1, len(ids)), prefix_hashes=hashes, prompt_ids=ids
+        req, prompt_tokens=max(1, len(ids)), prefix_hashes=hashes, prompt_ids=kept
     )
 
 

@@ -104,7 +104,8 @@ class ClientRequest:
         prefix_hashes: block size -> the prompt's exact block hashes, set with the exact
             `prompt_tokens` by `pdplane.gateway.prompt_ids` when the model's tokenizer is known.
         priority: vLLM's `priority` field (lower is served first), None when absent.
-        prompt_ids: the prompt's token ids, set with `prefix_hashes` (a prefix warm sends a
+        prompt_ids: the prompt's token ids (`array("I")` from `pdplane.gateway.prompt_ids`: 4 bytes
+            a token), set with `prefix_hashes` (a prefix warm sends a
             part of them, `pdplane.gateway.warm`); empty when unknown.
     """
 

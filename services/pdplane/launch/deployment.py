@@ -87,6 +87,9 @@ class _UpLike(Protocol):
     prefill_policy: str
     decode_policy: str
     kv_profile: str
+    kv_warm_min_tokens: int
+    kv_warm_window_s: float
+    kv_warm_requests_per_holder: int
     queue_timeout_s: float
     tenants: Path | None
     api_key: str | None
@@ -111,6 +114,11 @@ class _UpLike(Protocol):
 
     @property
     def flow_policy(self) -> str: ...
+
+
+def _set_flags(*pairs: tuple[str, object]) -> list[str]:
+    """["--flag", "value", ...] for each (flag, value) whose value is set (not None)."""
+    return [a for flag, value in pairs if value is not None for a in (flag, str(value))]
 
 
 @dataclass
@@ -140,6 +148,11 @@ class FleetSpec:
     #: The engine profile the scheduler's kv_aware predicts latencies with (--kv-profile);
     #: None = the scheduler's default or its PDPLANE_KV_PROFILE.
     kv_profile: str | None = None
+    #: The scheduler's prefix-warming flags (`--kv-warm-min-tokens`, `--kv-warm-window-s`,
+    #: `--kv-warm-requests-per-holder`, docs/prefix-warming.md); None = its own default.
+    kv_warm_min_tokens: int | None = None
+    kv_warm_window_s: float | None = None
+    kv_warm_requests_per_holder: int | None = None
     #: The gateway's `--queue-timeout-s` (how long a request waits for room on a full fleet);
     #: None = the gateway's own default or its PDPLANE_QUEUE_TIMEOUT_S.
     queue_timeout_s: float | None = None
@@ -202,6 +215,9 @@ class FleetSpec:
             prefill_policy=s.prefill_policy,
             decode_policy=s.decode_policy,
             kv_profile=s.kv_profile,
+            kv_warm_min_tokens=s.kv_warm_min_tokens,
+            kv_warm_window_s=s.kv_warm_window_s,
+            kv_warm_requests_per_holder=s.kv_warm_requests_per_holder,
             queue_timeout_s=s.queue_timeout_s,
             tenants=s.tenants,
             api_key=s.api_key,
@@ -225,8 +241,7 @@ class FleetSpec:
     def gateway_flags(self) -> list[str]:
         """The flow-control and migration flags the fleet's gateway is started with (those set:
         not None); the API keys go through its environment instead."""
-        flags: list[str] = []
-        for flag, value in (
+        return _set_flags(
             ("--queue-timeout-s", self.queue_timeout_s),
             ("--tenants", self.tenants),
             ("--inflight-budget", self.inflight_budget),
@@ -235,10 +250,16 @@ class FleetSpec:
             ("--migration-limit", self.migration_limit),
             ("--migration-timeout-s", self.migration_timeout_s),
             ("--drain-grace-s", self.drain_grace_s),
-        ):
-            if value is not None:
-                flags += [flag, str(value)]
-        return flags
+        )
+
+    def scheduler_flags(self) -> list[str]:
+        """The policy flags the fleet's scheduler is started with besides its policies and
+        profile (those set: not None)."""
+        return _set_flags(
+            ("--kv-warm-min-tokens", self.kv_warm_min_tokens),
+            ("--kv-warm-window-s", self.kv_warm_window_s),
+            ("--kv-warm-requests-per-holder", self.kv_warm_requests_per_holder),
+        )
 
     def client_key(self) -> str | None:
         """A key the fleet's gateway accepts (for the demo request): the first of `api_key`,
@@ -595,6 +616,7 @@ class Fleet:
                 "--metrics-port",
                 str(s.scheduler_metrics_port),
                 *(["--kv-profile", s.kv_profile] if s.kv_profile else []),
+                *s.scheduler_flags(),
             ),
         )
         self._answers[sch] = (

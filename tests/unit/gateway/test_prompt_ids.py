@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +87,17 @@ def test_exact_prompt_hashes_the_ids_at_every_block_size(tok: PromptTokenizer) -
     assert ids is not None and req.prompt_tokens == len(ids)
     assert req.prefix_hashes == {4: block_hashes(ids, 4), 16: block_hashes(ids, 16)}
     assert len(req.prefix_hashes[16]) == len(ids) // 16 > 0
+
+
+def test_the_ids_a_request_keeps_take_four_bytes_a_token(tok: PromptTokenizer) -> None:
+    # Kept for the request's life (a prefix warm sends a part of them): a list of ints would
+    # take ~36 bytes a token, ~1 MB for a 32k-token prompt.
+    text = "the cache " * 8_000
+    req = exact_prompt(tok, _req(COMPLETIONS, prompt=text), 65_536, (16,))
+    ids = tok.completion_ids({"prompt": text}, 65_536)
+    assert ids is not None and len(ids) > 10_000
+    assert list(req.prompt_ids) == ids
+    assert sys.getsizeof(req.prompt_ids) <= 4 * len(ids) + 256
 
 
 async def test_a_long_prompt_is_tokenized_off_the_loop_with_the_same_result(

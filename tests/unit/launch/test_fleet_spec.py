@@ -9,6 +9,7 @@ import pytest
 from pdplane.cli.up import UpSettings
 from pdplane.gateway.settings import GatewaySettings
 from pdplane.launch.deployment import Fleet, FleetSpec
+from pdplane.scheduler.settings import SchedulerSettings
 
 
 def test_defaults_pull_and_split_vllm_args() -> None:
@@ -126,3 +127,27 @@ def test_the_autoscale_metrics_port_is_bound_only_with_a_controller() -> None:
     controlled = Fleet(FleetSpec.from_settings(UpSettings.parse(args)))
     assert (18091, "autoscale metrics", "--autoscale-metrics-port") in controlled.wanted_ports()
     assert controlled.autoscale_metrics_url.endswith(":18091/metrics")
+
+
+_WARM_FLAGS = (
+    ("--kv-warm-min-tokens", "0"),
+    ("--kv-warm-window-s", "2.5"),
+    ("--kv-warm-requests-per-holder", "3"),
+)
+
+
+def test_prefix_warming_flags_reach_the_scheduler_with_the_scheduler_s_defaults() -> None:
+    spec = FleetSpec.from_settings(UpSettings.parse([a for pair in _WARM_FLAGS for a in pair]))
+    flags = spec.scheduler_flags()
+    for flag, value in _WARM_FLAGS:
+        assert flags[flags.index(flag) + 1] == value
+    # The scheduler takes what up hands it.
+    parsed = SchedulerSettings.parse(["--registry", "127.0.0.1:1", *flags])
+    assert (parsed.kv_warm_min_tokens, parsed.kv_warm_window_s) == (0, 2.5)
+    assert parsed.kv_warm_requests_per_holder == 3
+    scheduler = SchedulerSettings.parse(["--registry", "127.0.0.1:1"])
+    defaults = UpSettings.parse([])
+    for flag, _ in _WARM_FLAGS:
+        name = flag.removeprefix("--").replace("-", "_")
+        assert getattr(defaults, name) == getattr(scheduler, name), name
+    assert FleetSpec().scheduler_flags() == []  # the scheduler's own defaults or its env
