@@ -10,14 +10,18 @@ CPU time excludes preemption on a busy machine, so compare the CPU columns). Row
 apply one new load report (a registry revision) before every decision, so the view's refresh
 is included: the worst case of a fleet whose heartbeats all change load.
 
-`kv_aware` rows decide with a prefix index in which every instance is LIVE and holds a shared
-512-token system prefix plus blocks of its own, and 3 instances hold the whole prompt (the
-lookup's worst case: its walk runs to the end); each request carries the exact hashes of a
-`--prompt-tokens` prompt (block size 16) sharing that prefix, as a uint64 array (what a
-scheduler process has once `wire.features_from_pb` read the request).
+`kv_aware` rows decide as `pdplane scheduler` does by default, prefix warming on
+(`pdplane.scheduler.warming`, its default settings; "-warm" rows with it off), with a prefix
+index in which every instance is LIVE and holds a shared 512-token system prefix plus blocks
+of its own, and 3 instances hold the whole prompt (the lookup's worst case: its walk runs to
+the end); each request carries the exact hashes of a `--prompt-tokens` prompt (block size 16)
+sharing that prefix, as a uint64 array (what a scheduler process has once
+`wire.features_from_pb` read the request). Every request reads that one hot prefix: warming's
+worst case too (the "warms" column counts the hints given).
 
-All rows are measured in one loop, taking turns of 50 decisions, so that every row sees the
-same machine (a shared one: compare ratios, not absolute times).
+All rows are measured in one loop, taking turns of 50 decisions (in the opposite order every
+other turn), so that every row sees the same machine (a shared one: compare ratios, not
+absolute times).
 
 The ratios printed at the end are the goals of docs/scheduler.md, measured in this run against
 a trivial baseline: round_robin at the smallest fleet size. The gRPC side is
@@ -41,6 +45,7 @@ from pdplane.scheduler.metrics import SchedulerMetrics
 from pdplane.scheduler.policies import POLICIES
 from pdplane.scheduler.port import Outcome, RequestFeatures
 from pdplane.scheduler.view import CandidateView, StaticSource
+from pdplane.scheduler.warming import WarmSettings
 from pdplane.v1 import instance_pb2
 from tests.support.stats import percentile
 
@@ -133,10 +138,10 @@ class _Row:
     """One row of the table: a service over its own fleet and the requests it decides."""
 
     def __init__(
-        self, size: int, policy: str, decisions: int, churn: bool, prompt_tokens: int
+        self, size: int, policy: str, decisions: int, churn: bool, prompt_tokens: int, warm: bool
     ) -> None:
         rng = self.rng = random.Random(size)
-        self.size, self.policy, self.churn = size, policy, churn
+        self.size, self.policy, self.churn, self.warm = size, policy, churn, warm
         self.fleet = _fleet(size, rng)
         self.source = StaticSource(*self.fleet)
         self.service = Decider(
@@ -145,6 +150,7 @@ class _Row:
             decode_policy=policy,
             metrics=SchedulerMetrics(),
             seed=0,
+            warm=WarmSettings() if warm else WarmSettings(min_tokens=0),
         )
         hashes: dict[int, Any] = {}
         if policy == "kv_aware":
@@ -166,6 +172,7 @@ class _Row:
         self.revision = len(self.fleet)
         self.wall: list[int] = []
         self.cpu: list[int] = []  # CPU time of this thread: what the decision costs unpreempted
+        self.warms = 0  # decisions that carried a prefix warm
 
     def decide(self, i: int) -> None:
         """Decision `i` (timed after the warm-up), then the release of the one 64 before."""
@@ -177,8 +184,9 @@ class _Row:
             self.source.put(_instance(index % half, role, self.rng, self.revision))
         request = self.requests[i]
         started, cpu_started = time.perf_counter_ns(), time.thread_time_ns()
-        self.service.schedule(request)
+        decision = self.service.schedule(request)
         elapsed, cpu = time.perf_counter_ns() - started, time.thread_time_ns() - cpu_started
+        self.warms += decision.warm is not None
         if i >= _WARM:
             self.wall.append(elapsed)
             self.cpu.append(cpu)
@@ -188,20 +196,28 @@ class _Row:
     def result(self) -> dict[str, Any]:
         return {
             "instances": self.size,
-            "policy": self.policy + (" +report" if self.churn else ""),
+            "policy": self.policy
+            + (" +report" if self.churn else "")
+            + (" -warm" if self.policy == "kv_aware" and not self.warm else ""),
+            "warms": self.warms,
             **_percentiles(self.wall),
             **{f"cpu_{k}": v for k, v in _percentiles(self.cpu).items() if k != "n"},
         }
 
 
 def bench_in_process(
-    rows: list[tuple[int, str, bool]], decisions: int, prompt_tokens: int = 8192
+    rows: list[tuple[int, str, bool, bool]], decisions: int, prompt_tokens: int = 8192
 ) -> list[dict[str, Any]]:
-    """Times `decisions` calls of Decider.schedule per (size, policy, +report) row,
+    """Times `decisions` calls of Decider.schedule per (size, policy, +report, warming) row,
     the rows taking turns (`_TURN` decisions each) so that all see the same machine."""
-    setups = [_Row(size, policy, decisions, churn, prompt_tokens) for size, policy, churn in rows]
-    for start in range(0, decisions + _WARM, _TURN):
-        for setup in setups:
+    setups = [
+        _Row(size, policy, decisions, churn, prompt_tokens, warm)
+        for size, policy, churn, warm in rows
+    ]
+    for turn, start in enumerate(range(0, decisions + _WARM, _TURN)):
+        # The order flips every turn: a row that always ran first paid the cache misses of
+        # the rows before it (2% of its decisions: its p99) and its neighbour did not.
+        for setup in setups if turn % 2 == 0 else setups[::-1]:
             for i in range(start, min(start + _TURN, decisions + _WARM)):
                 setup.decide(i)
     return [setup.result() for setup in setups]
@@ -232,14 +248,23 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
-    wanted = [(size, policy, False) for size in sizes for policy in args.policies.split(",")]
-    wanted += [(size, "least_loaded", True) for size in sizes]
+    policies = args.policies.split(",")
+    # kv_aware without warming right after kv_aware: neighbours in a turn see the same caches.
+    wanted = [
+        row
+        for size in sizes
+        for policy in policies
+        for row in [(size, policy, False, True)]
+        + ([(size, policy, False, False)] if policy == "kv_aware" else [])
+    ]
+    wanted += [(size, "least_loaded", True, True) for size in sizes]
     rows = bench_in_process(wanted, args.decisions, args.prompt_tokens)
     if args.json:
         print(json.dumps({"in_process": rows, "ratios": ratios(rows)}, indent=2))
         return
     print("In-process decision latency (us)")
-    print(_table(rows, ["instances", "policy", "p50_us", "p99_us", "cpu_p50_us", "cpu_p99_us"]))
+    columns = ["instances", "policy", "p50_us", "p99_us", "cpu_p50_us", "cpu_p99_us", "warms"]
+    print(_table(rows, columns))
     print(f"\nCPU p99 / round_robin's at {min(sizes)} instances (same run)")
     for name, ratio in ratios(rows).items():
         print(f"  {name}: {ratio:.2f}x")

@@ -38,7 +38,7 @@ from pdplane.scheduler.table import (
     SideTable,
 )
 from pdplane.scheduler.view import CandidateView
-from pdplane.scheduler.warming import WARM_SETTLE_S, PrefixWarmer, WarmSettings
+from pdplane.scheduler.warming import PrefixWarmer, WarmSettings
 
 if TYPE_CHECKING:
     from pdplane.scheduler.kv_index import PrefixIndex
@@ -264,7 +264,7 @@ class Decider:
             and p_cached >= self.warmer.settings.min_tokens
             and prefill_policy.name == kv_aware.NAME
         ):
-            warm = self._warm(request, prefill_table, pairable, cached, per_block, p, now)
+            warm = self._warm(request, prefill_table, pairable, cached, per_block, p, p_cached, now)
         return Decision(
             p, d, f"prefill {prefill.reason}; decode {decode.reason}", p_cached, d_cached, warm
         )
@@ -277,14 +277,26 @@ class Decider:
         cached: F64s | None,
         per_block: bool,
         chosen: Candidate,
+        chosen_cached: int,
         now: float,
     ) -> WarmHint | None:
-        """A warm of the prompt's prefix that `chosen` holds onto an idle prefill of `rows`
-        that does not, when the prefix is read often enough (`pdplane.scheduler.warming`)."""
+        """A warm of the prompt's prefix that `chosen` holds (`chosen_cached` tokens) onto an
+        idle prefill of `rows` that does not, when that prefix is read often enough
+        (`pdplane.scheduler.warming`)."""
         bs = chosen.block_size
         hashes = request.prefix_hashes.get(bs)
         index = self.kv_index
         if cached is None or index is None or hashes is None or bs <= 0:
+            return None
+        prefix_tokens = min(chosen_cached, len(hashes) * bs) // bs * bs
+        warmer = self.warmer
+        if prefix_tokens < warmer.settings.min_tokens:
+            return None
+        prefix = int(hashes[prefix_tokens // bs - 1])
+        reads = warmer.read(prefix, now)
+        # Most decisions stop here, before any pass over the side: a prefix read fewer times
+        # than one holder's share, or one being warmed already.
+        if not warmer.wanted(reads, 1) or warmer.busy(prefix, now):
             return None
         cols = table.cols
         slots = cols[rows, KV_SLOT].astype(np.int64)
@@ -292,14 +304,9 @@ class Decider:
         hits = np.where(ok, cached[np.where(ok, slots, 0)], 0.0)
         if per_block:
             hits = hits * cols[rows, BLOCK_SIZE]
-        prefix_tokens = int(hits.max()) // bs * bs
-        if prefix_tokens < self.warmer.settings.min_tokens:
-            return None
-        prefix = int(hashes[prefix_tokens // bs - 1])
-        warmer = self.warmer
-        reads = warmer.read(prefix, now)
         holders = hits >= prefix_tokens
-        if warmer.busy(prefix, now) or not warmer.wanted(reads, int(holders.sum())):
+        if not warmer.wanted(reads, int(holders.sum())):
+            warmer.nothing_to_do(prefix, now)
             return None
         live = index.live_slots
         idle = (
@@ -316,6 +323,7 @@ class Decider:
         if idle.any():
             idle[idle] = live[slots[idle]] != 0
         if not idle.any():
+            warmer.nothing_to_do(prefix, now)
             return None
         target = table.candidates[int(rows[int(np.argmax(idle))])]
         done = self.inflight.queue_prefill(
@@ -323,7 +331,7 @@ class Decider:
         )
         # Until its KV events can have said it holds the copy, the same prefix is not
         # warmed again (the index learns of it within ~10 ms, --kv-events-interval-ms).
-        warmer.started(prefix, done + WARM_SETTLE_S)
+        warmer.started(prefix, done)
         if self.metrics:
             self.metrics.prefix_warmed(target.instance_id, prefix_tokens)
         return WarmHint(target, prefix_tokens)

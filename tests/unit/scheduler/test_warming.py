@@ -16,7 +16,7 @@ from pdplane.scheduler.metrics import SchedulerMetrics
 from pdplane.scheduler.port import Decision, Outcome
 from pdplane.scheduler.settings import PolicySettings
 from pdplane.scheduler.view import CandidateView
-from pdplane.scheduler.warming import PrefixWarmer, WarmSettings
+from pdplane.scheduler.warming import WARM_RECHECK_S, PrefixWarmer, WarmSettings
 from pdplane.scheduler.wire import decision_from_pb, decision_to_pb
 from tests.unit.scheduler.helpers import BS, Clock, MakeInstance, hold, req, tokens
 
@@ -97,6 +97,37 @@ def test_once_the_copy_is_held_more_reads_are_needed_for_the_next(
     later = _reads(service, 4, clock, start=4)
     assert [d.warm for d in later[:3]] == [None, None, None]
     assert later[3].warm is not None and later[3].warm.instance.instance_id == "p2"
+
+
+def test_a_hot_prefix_without_an_idle_prefill_is_looked_at_again_only_after_the_recheck(
+    fake_source: type, make_instance: MakeInstance, clock: Clock
+) -> None:
+    busy = {"num_running": 1}
+    instances = [
+        make_instance("p0", "prefill"),
+        make_instance("p1", "prefill", **busy),
+        make_instance("d0", "decode"),
+    ]
+    source = fake_source(*instances)
+    service = Decider(
+        CandidateView(source),
+        prefill_policy="kv_aware",
+        decode_policy="kv_aware",
+        inflight=InflightTracker(clock=clock),
+        warm=RULE,
+    )
+    service.kv_index = PrefixIndex()
+    hold(service.kv_index, "p0", tokens(0, SHARED))
+    for other in ("p1", "d0"):
+        hold(service.kv_index, other, [])
+    assert all(d.warm is None for d in _reads(service, 4, clock))  # hot, p1 busy
+    source.put(make_instance("p1", "prefill"))  # p1 has nothing to do now
+    clock.now -= 0.1 - WARM_RECHECK_S / 2  # half the recheck after the 4th read's look
+    soon = _reads(service, 1, clock, start=4)[0]
+    assert soon.warm is None
+    clock.now += WARM_RECHECK_S
+    later = _reads(service, 1, clock, start=5)[0]
+    assert later.warm is not None and later.warm.instance.instance_id == "p1"
 
 
 def test_no_warm_without_enough_reads_or_after_they_age_out(
