@@ -46,7 +46,7 @@ from typing import Any
 
 from bench import ROOT
 from bench.routing import workloads as wl
-from pdplane.plan.fleetsim import FleetConfig
+from pdplane.plan.fleetsim import FIRST_TOKEN_MODES, FleetConfig
 from pdplane.plan.routesim import ChatTraffic, ChatTurn, run_routed
 from pdplane.plan.search import capacity
 from pdplane.scheduler.policies.kv_aware import KvAwareWeights
@@ -79,10 +79,20 @@ class Point:
     ttft_slo_s: float = 2.0
     #: kv_aware's knobs other than the shipped defaults: "itl_weight=0.5,local_slack=0"
     kv: str = ""
+    #: where the client's first token comes from (`pdplane.plan.fleetsim.FIRST_TOKEN_MODES`)
+    first_token: str = "decode"
 
     @property
     def key(self) -> tuple[Any, ...]:
-        return (self.topology, self.workload, self.load, self.router, self.seed, self.kv)
+        return (
+            self.topology,
+            self.workload,
+            self.load,
+            self.router,
+            self.seed,
+            self.kv,
+            self.first_token,
+        )
 
 
 def sessions(workload: wl.Workload) -> list[list[ChatTurn]]:
@@ -152,6 +162,7 @@ def run_point(p: Point) -> dict[str, Any]:
         ttft_slo_s=p.ttft_slo_s,
         itl_slo_s=p.itl_slo_s,
         seed=p.seed,
+        first_token=p.first_token,
         **options,
     )
     return {
@@ -369,6 +380,13 @@ def main(argv: list[str] | None = None) -> int:
         help="kv_aware knobs other than the defaults: itl_weight=X,local_slack=X,"
         "local_prefill_max_tokens=N",
     )
+    ap.add_argument(
+        "--first-token",
+        choices=FIRST_TOKEN_MODES,
+        default="decode",
+        help="virtual runs: the client's first token from decode, or from prefill as the "
+        "gateway streams it by default (docs/first-token.md)",
+    )
     ap.add_argument("--jobs", type=int, default=1, help="processes")
     ap.add_argument("--out", type=Path, default=None, help="results JSONL (appended)")
     ap.add_argument("--report", type=Path, default=None, help="only print the tables of FILE")
@@ -399,6 +417,7 @@ def main(argv: list[str] | None = None) -> int:
             args.duration,
             args.warmup,
             kv=args.kv if router == "kv_aware" else "",
+            first_token=args.first_token,
         )
         for topo in args.topologies.split(",")
         for work in args.workloads.split(",")

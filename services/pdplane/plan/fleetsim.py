@@ -12,8 +12,13 @@ sequential dispatch (docs/gateway.md) and the connector's pull mode (docs/connec
 - disaggregated: the prefill computes the prompt and one token and keeps its KV blocks; the
   request then goes to a decode, which allocates blocks for the prompt, waits for the pull
   (`transfer_latency_ms + prompt KV bytes / transfer_gbps`), recomputes the last prompt token
-  and decodes; the prefill's blocks are freed when the pull ends. The client's first token is
-  the decode's first token (TTFT counts prefill queue + prefill + pull + decode admission);
+  and decodes; the prefill's blocks are freed when the pull ends. With `first_token="decode"`
+  (`--first-token decode`) the client's first token is the decode's first token (TTFT counts
+  prefill queue + prefill + pull + decode admission); with "prefill" (the gateway's default,
+  docs/first-token.md) it is the prefill's one token, and the decode gets the prompt plus that
+  token, computes the appended token after the pull and yields tokens 2..n (the gap from the
+  first token to the second, pull and decode admission included, is an ITL sample; a request
+  for one token still goes to decode, which the gateway skips);
 - plain: every instance serves whole requests (role `both`);
 - routing: least outstanding work — prefill by unfinished prompt tokens, decode and plain by
   unfinished requests (the scheduler's `least_loaded` in spirit, without heartbeat lag); or,
@@ -43,6 +48,7 @@ from pdplane.sim.stats import LogHistogram
 
 __all__ = [
     "FIRST_FREE_EVENT",
+    "FIRST_TOKEN_MODES",
     "FleetConfig",
     "FleetEngines",
     "FleetResult",
@@ -59,6 +65,8 @@ __all__ = [
 _ADD, _STEP_END, _LOAD_DONE, _SNAPSHOT, _ARRIVE, _TICK = 0, 1, 2, 3, 4, 5
 FIRST_FREE_EVENT = 6
 _NO_STREAM = 1 << 30  # the waiters are ours: wake only on the first and the last token
+#: where the client's first token of a disaggregated request comes from (docs/first-token.md)
+FIRST_TOKEN_MODES = ("decode", "prefill")
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,6 +163,7 @@ class Req:
     __slots__ = (
         "arrival",
         "decode_node",
+        "first_at",
         "index",
         "measured",
         "node",
@@ -178,6 +187,8 @@ class Req:
         self.outputs: Sequence[int] = ()
         #: the engine request whose tokens the client sees (decode's or plain's)
         self.served: EngineRequest | None = None
+        #: first token from prefill: when the client had it (s; -1 until then)
+        self.first_at = -1.0
 
 
 def _limits(profile: Profile, seqs: int | None, tokens: int | None) -> EngineLimits:
@@ -214,11 +225,18 @@ class FleetRun:
     the subclass pushes."""
 
     def __init__(
-        self, profile: Profile, config: FleetConfig, router: FleetRouter | None = None
+        self,
+        profile: Profile,
+        config: FleetConfig,
+        router: FleetRouter | None = None,
+        first_token: str = "decode",
     ) -> None:
+        if first_token not in FIRST_TOKEN_MODES:
+            raise ValueError(f"first_token: one of {', '.join(FIRST_TOKEN_MODES)}")
         self.profile = profile
         self.config = config
         self.router = router
+        self.first_from_prefill = first_token == "prefill"
         self.kv_per_token = profile.kv_bytes_per_token
         self.gbps = profile.transfer_gbps
         self.latency = profile.transfer_latency_ms * 1e-3
@@ -353,7 +371,13 @@ class FleetRun:
                 d = min(self.dec, key=lambda n: n.outstanding)
                 d.outstanding += 1
                 out = _tokens((int(er.request_id) << 20) + spec.prompt_tokens, spec.output_tokens)
-            der = EngineRequest(er.request_id, er.prompt, out, remote_tokens=len(er.prompt))
+            prompt: Sequence[int] = er.prompt
+            if self.first_from_prefill and len(out) > 1:
+                # The client has its first token; decode continues after it (the prompt one
+                # token longer than the KV it pulls, docs/first-token.md).
+                r.first_at = now
+                prompt, out = [*er.prompt, out[0]], out[1:]
+            der = EngineRequest(er.request_id, prompt, out, remote_tokens=len(er.prompt))
             der.waiter = r
             self.push(d.frontend.admit(now), _ADD, (d, der))
         self.kick(node, now)
@@ -470,6 +494,7 @@ def simulate_fleet(
     warmup_s: float = 0.0,
     tail_s: float | None = None,
     router: FleetRouter | None = None,
+    first_token: str = "decode",
 ) -> FleetResult:
     """Runs `requests` on the fleet `config` in modelled time and measures the window.
 
@@ -477,8 +502,9 @@ def simulate_fleet(
     tokens they got before the stop) <= `itl_slo_s`. `tail_s` (default 2 x `ttft_slo_s`):
     how long after the last arrival the run goes on. `router` (disaggregated fleets): chooses
     each request's legs and token ids (`FleetRouter`); its follow-ups arriving in the window
-    count in it. Raises ValueError for an empty fleet, a router on a plain fleet, or a request
-    longer than the profile's context.
+    count in it. `first_token`: where a disaggregated request's first token comes from
+    (`FIRST_TOKEN_MODES`, module doc). Raises ValueError for an empty fleet, a router on a
+    plain fleet, a request longer than the profile's context, or an unknown `first_token`.
     """
     if config.disaggregated and (config.prefill < 1 or config.decode < 1):
         raise ValueError("a disaggregated fleet needs at least one prefill and one decode")
@@ -492,7 +518,7 @@ def simulate_fleet(
                 f"request of {spec.prompt_tokens}+{spec.output_tokens} tokens exceeds "
                 f"max_model_len {profile.max_model_len} of profile {profile.name}"
             )
-    fleet = FleetRun(profile, config, router)
+    fleet = FleetRun(profile, config, router, first_token)
     end = max((r.at for r in requests), default=0.0)
     warmup_s = min(warmup_s, end)
     stop = end + (2 * ttft_slo_s if tail_s is None else tail_s)
@@ -517,22 +543,35 @@ def simulate_fleet(
     stopped_at = fleet.run(stop)
 
     ttft = LogHistogram()
+    handoff = LogHistogram()  # first token from prefill: the gaps from token 1 to token 2
     good = unfinished = 0
     for r in window:
         er = r.served
-        if er is None or er.first_token_at < 0:
+        if er is not None and er.first_token_at < 0:
+            er = None  # its engine has not answered yet
+        if r.first_at >= 0:
+            first = r.first_at
+        elif er is not None:
+            first = er.first_token_at
+        else:
             ttft.add(max(stopped_at - r.arrival, 1e-6))  # no first token: a lower bound
             unfinished += 1
             continue
-        t = er.first_token_at - r.arrival
+        t = first - r.arrival
         ttft.add(max(t, 1e-6))
-        n = er.num_output
-        tpot = (er.last_token_at - er.first_token_at) / (n - 1) if n > 1 else 0.0
+        if er is None:  # the first token only: decode never answered
+            unfinished += 1
+            continue
+        n = er.num_output + (r.first_at >= 0)
+        if r.first_at >= 0:
+            handoff.add(max(er.first_token_at - r.first_at, 1e-6))
+        tpot = (er.last_token_at - first) / (n - 1) if n > 1 else 0.0
         if not er.finished:
             unfinished += 1
         if t <= ttft_slo_s and tpot <= itl_slo_s:
             good += 1
     span = end - warmup_s
+    itl = fleet.itl().merge(handoff) if handoff.total else fleet.itl()
     return FleetResult(
-        config, len(window), ttft, fleet.itl(), good, max(span, 1e-9), fleet.roles(span), unfinished
+        config, len(window), ttft, itl, good, max(span, 1e-9), fleet.roles(span), unfinished
     )

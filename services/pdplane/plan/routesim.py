@@ -492,13 +492,15 @@ def run_routed(
     itl_slo_s: float = 0.05,
     tail_s: float | None = None,
     seed: int = 0,
+    first_token: str = "decode",
     **service: Any,
 ) -> RoutedResult:
     """One run of `traffic` on `config` routed by `router`: "oracle", or a policy name for
     both sides of a `SchedulerRouter` ("kv_aware", "least_loaded", ...) with the shipped
     defaults of `pdplane scheduler`'s flags (`decision_options(PolicySettings())`), which
     `service` keyword arguments of `Decider` override, and kv_aware predicting with
-    `profile`. Load-only policies run without a prefix index."""
+    `profile`. Load-only policies run without a prefix index. `first_token`: where the
+    client's first token comes from (`pdplane.plan.fleetsim.FIRST_TOKEN_MODES`)."""
     end = max((r.at for r in traffic.requests), default=0.0)
     window = (min(warmup_s, end), end)
     routed: _Router
@@ -526,5 +528,6 @@ def run_routed(
         warmup_s=warmup_s,
         tail_s=tail_s,
         router=routed,
+        first_token=first_token,
     )
     return RoutedResult(fleet, routed.stats)

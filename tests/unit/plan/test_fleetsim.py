@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from pdplane.plan.fleetsim import FleetConfig, simulate_fleet
+from pdplane.plan.fleetsim import FleetConfig, FleetResult, simulate_fleet
 from pdplane.plan.workload import Lengths, RequestSpec, Shape
 from pdplane.sim.profiles import PROFILES, CostModel, Profile
 
@@ -33,6 +33,32 @@ def test_disaggregated_ttft_is_prefill_step_plus_pull_plus_one_decode_step() -> 
     # prefill step 0-10 ms, pull 10-15 ms, recompute of the last prompt token 15-25 ms
     assert r.ttft_q(0.5) == pytest.approx(0.025, rel=0.03)
     assert r.requests == 1 and r.good == 1 and r.unfinished == 0
+
+
+def test_first_token_from_prefill_ttft_is_the_prefill_step_and_the_pull_moves_into_itl() -> None:
+    def runs(first_token: str, n: int) -> FleetResult:
+        return simulate_fleet(
+            FLAT,
+            [RequestSpec(0.0, 16, n)],
+            FleetConfig(prefill=1, decode=1),
+            ttft_slo_s=1.0,
+            itl_slo_s=0.05,
+            tail_s=10.0,
+            first_token=first_token,
+        )
+
+    split = runs("prefill", 4)
+    # the first token at the end of prefill's step (10 ms); decode pulls 10-15 ms and computes
+    # the appended token 15-25 ms: the gap to token 2 is an ITL sample of 15 ms (the window
+    # ends at the last arrival, so the engine's own gaps after it are not counted)
+    assert split.ttft_q(0.5) == pytest.approx(0.010, rel=0.03)
+    assert split.itl.total == 1 and split.itl_q(1.0) == pytest.approx(0.015, rel=0.03)
+    assert split.requests == 1 and split.good == 1 and split.unfinished == 0
+    whole = runs("decode", 4)
+    assert whole.ttft_q(0.5) == pytest.approx(0.025, rel=0.03)
+    assert whole.itl.total == 0
+    with pytest.raises(ValueError, match="first_token"):
+        runs("gateway", 4)
 
 
 def test_plain_ttft_is_one_step() -> None:

@@ -82,6 +82,22 @@ def test_follow_up_turns_carry_the_answers_and_hit_their_prefix() -> None:
     assert kv["fleet_hit"] > rr["fleet_hit"], (kv, rr)
 
 
+def test_with_the_first_token_from_prefill_follow_ups_still_hit_and_ttft_drops() -> None:
+    # Decode's prompt is one token longer (the first token appended): the follow-up turns
+    # carry the whole answer all the same, and the TTFT holds neither the pull nor decode.
+    work = wl.multi_turn(1.5, 30, turns=4, system_tokens=300, think_s=1.0, seed=2)
+    runs = {
+        mode: run_routed(
+            PROFILE, FLEET, ChatTraffic(sessions(work)), "kv_aware", warmup_s=10.0, first_token=mode
+        ).numbers()
+        for mode in ("decode", "prefill")
+    }
+    split, whole = runs["prefill"], runs["decode"]
+    assert split["requests"] == whole["requests"] > 50
+    assert split["fleet_hit"] == pytest.approx(whole["fleet_hit"], abs=0.02)
+    assert split["ttft_p50_ms"] < whole["ttft_p50_ms"]
+
+
 def test_the_traffic_repeats_the_answer_in_the_next_turn() -> None:
     turns = [
         ChatTurn(0.0, [{"role": "user", "content": "the first question"}], 5),
