@@ -82,7 +82,11 @@ def main(argv: list[str]) -> int:
     try:
         state = drain_instance(endpoints, s.instance_id, metadata, s.timeout_s)
     except grpc.RpcError as exc:
-        sys.stderr.write(f"pdplane drain: {exc.code().name}: {exc.details()}\n")
+        hint = ""
+        if exc.code() == grpc.StatusCode.UNAUTHENTICATED and not s.admin_token:
+            flags = "--admin-token or --admin-token-file"
+            hint = f" ({fleet_credentials.unauthenticated_hint(s.registry, flags)})"
+        sys.stderr.write(f"pdplane drain: {exc.code().name}: {exc.details()}{hint}\n")
         return 1
     finally:
         endpoints.close()

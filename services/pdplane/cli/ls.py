@@ -375,7 +375,10 @@ def main(argv: list[str], out: TextIO | None = None) -> int:
             if endpoints.several and status in FAILOVER_CODES:  # every replica was tried
                 tried = ", ".join(endpoints.addresses)
                 where = f"every registry replica ({tried}); the last, {endpoints.address}"
-            sys.stderr.write(f"pdplane ls: {where}: {code}: {details}\n")
+            hint = ""
+            if status == grpc.StatusCode.UNAUTHENTICATED and not settings.token:
+                hint = f" ({fleet_credentials.unauthenticated_hint(settings.registry)})"
+            sys.stderr.write(f"pdplane ls: {where}: {code}: {details}{hint}\n")
             return 1
         except KeyboardInterrupt:
             return 0

@@ -112,7 +112,8 @@ class UpSettings(AutoscaleOptions):
         ge=16,
         le=8192,
         description="tokens per request, prompt + output, of every vLLM instance (vLLM's "
-        "--max-model-len; the KV cache of 64 blocks x 128 tokens holds 8192)",
+        "--max-model-len; the KV cache of 64 blocks x 128 tokens holds 8192); with --engine "
+        "sim, given: the sims' (else their profile's)",
     )
     kv_mode: Literal["pull", "push"] = Field(
         "pull", description="KV hand-off: decode pulls (default) or prefill pushes layer by layer"
@@ -387,7 +388,10 @@ def main(argv: list[str]) -> int:
         fleet.start(cancel=stop.event)
         _say(f"ready in {fleet.ready_after_s:.0f} s")
         _say(f"  gateway (OpenAI API): {fleet.gateway_url}/v1   model: {fleet.model_name}")
-        _say(f"  registry (gRPC):      {fleet.registry_address}   try: pdplane ls")
+        ls = "pdplane ls"
+        if fleet.registry_address != f"127.0.0.1:{defaults.REGISTRY_PORT}":
+            ls += f" --registry {fleet.registry_address}"
+        _say(f"  registry (gRPC):      {fleet.registry_address}   try: {ls}")
         _say(f"  scheduler (gRPC):     {fleet.scheduler_address}")
         _say(f"  scheduler metrics:    {fleet.scheduler_metrics_url}")
         if fleet.routing == "precise":
@@ -402,7 +406,10 @@ def main(argv: list[str]) -> int:
             if settings.engine == "sim" and settings.model is None:
                 _say(f"  {'':<22}(sims publish a tokenizer with --model DIR: its tokenizer)")
         _say(f"  logs:                 {spec.log_dir.resolve()}")
-        _say(f"  tokens:               {path} (read by pdplane ls, drain, vllm)")
+        _say(
+            f"  tokens:               {path} and {fleet_credentials.fleet_path(creds)} "
+            "(read by pdplane ls, drain, vllm, grpc)"
+        )
         if settings.demo:
             _say("demo request: POST /v1/chat/completions")
             try:

@@ -1,7 +1,8 @@
 """A whole pdplane deployment on one machine: registry, scheduler, gateway and an XpYd fleet of
 vLLM CPU instances with the pdplane connector. Used by `pdplane up` and the end-to-end tests.
 
-Start order and readiness: every port free (else `PortsInUse` before anything starts) ->
+Start order and readiness: every port its own and free (else `PortsInUse` before anything
+starts) ->
 registry (gRPC health) -> scheduler (gRPC health) -> gateway (HTTP up) -> all vLLM instances in
 parallel (/health) -> every instance listed in the registry -> gateway /health 200 (a usable
 pair per model) -> the gateway routes the model precisely (it has fetched the tokenizer the
@@ -69,6 +70,9 @@ class PortsInUse(RuntimeError):
 
 
 class _UpLike(Protocol):
+    @property
+    def model_fields_set(self) -> set[str]: ...  # the flags given (pydantic)
+
     prefill: int
     decode: int
     host: str
@@ -190,6 +194,8 @@ class FleetSpec:
     #: "vllm": vLLM CPU instances; "sim": `pdplane sim` instances of `sim_profile` (no model)
     engine: str = "vllm"
     sim_profile: str = "tiny-cpu"
+    #: the sims' context length (tokens) when `--max-model-len` was given; None = the profile's
+    sim_max_model_len: int | None = None
 
     @classmethod
     def from_settings(
@@ -236,6 +242,7 @@ class FleetSpec:
             admin_token=admin_token,
             engine=s.engine,
             sim_profile=s.sim_profile,
+            sim_max_model_len=(s.max_model_len if "max_model_len" in s.model_fields_set else None),
         )
 
     def gateway_flags(self) -> list[str]:
@@ -361,6 +368,9 @@ class Fleet:
         started = time.monotonic()
         deadline = started + self.spec.ready_timeout_s
         self._cancel = cancel
+        clash = self.port_clash()
+        if clash:
+            raise PortsInUse(clash)
         busy = self.busy_ports()
         if busy:
             listed = ", ".join(f"{port} ({what})" for port, what in busy)
@@ -423,6 +433,22 @@ class Fleet:
                 (s.kv_base_port + index, f"{name} KV", "--kv-base-port"),
             ]
         return wanted
+
+    def port_clash(self) -> str | None:
+        """Why two parts of the fleet would bind one port (its flags collide, e.g. a KV base
+        port inside the vLLM ports' range), naming both flags; None when every port is its
+        own."""
+        first: dict[int, tuple[str, str]] = {}
+        for port, what, flag in self.wanted_ports():
+            if port in first:
+                other, other_flag = first[port]
+                flags = other_flag if other_flag == flag else f"{other_flag}, {flag}"
+                return (
+                    f"port {port} is given to both the {other} and the {what}; choose other "
+                    f"ports ({flags})"
+                )
+            first[port] = (what, flag)
+        return None
 
     def _routing(self) -> dict[str, Any]:
         """The served model's entry of the gateway's /health ({} when it does not answer)."""
@@ -692,6 +718,7 @@ class Fleet:
                     profile=self.spec.sim_profile,
                     token=self.spec.token,
                     tokenizer=self.model_dir,
+                    max_model_len=self.spec.sim_max_model_len,
                     extra_args=list(self.spec.vllm_args),
                 ),
                 log,

@@ -38,6 +38,8 @@ class SimOptions:
     profile: str = "tiny-cpu"
     token: str | None = None
     tokenizer: Path | None = None
+    #: context length (tokens); None = the profile's
+    max_model_len: int | None = None
     extra_args: list[str] = field(default_factory=list)
 
     @property
@@ -88,6 +90,8 @@ class SimProcess:
         ]
         if o.tokenizer is not None:
             argv = [*argv, "--tokenizer", str(o.tokenizer)]
+        if o.max_model_len is not None:
+            argv = [*argv, "--max-model-len", str(o.max_model_len)]
         return [*argv, *o.extra_args]
 
     def env(self) -> dict[str, str]:

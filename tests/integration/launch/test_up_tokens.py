@@ -127,6 +127,11 @@ def test_plan_reads_a_token_file(
     argv = ["plan", "--registry", running.registry_address, "--window", "0.5s"]
     refused = run_pdplane(*argv, "--interval-s", "0.2")
     assert refused.returncode == 1 and "UNAUTHENTICATED" in refused.stderr
+    # Without the file, `pdplane ls` says how to give the token instead of only refusing.
+    listed = run_pdplane("ls", "--registry", running.registry_address)
+    assert listed.returncode == 1 and "UNAUTHENTICATED" in listed.stderr
+    assert "pass --token or --token-file" in listed.stderr, listed.stderr
+    assert creds.token not in listed.stderr
     planned = run_pdplane(*argv, "--interval-s", "0.2", "--token-file", str(token_file))
     assert planned.returncode == 0, planned.stderr
 

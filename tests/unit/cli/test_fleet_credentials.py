@@ -4,7 +4,9 @@ stops removes only its own."""
 
 from __future__ import annotations
 
+import dataclasses
 import stat
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -65,3 +67,38 @@ def test_every_credentials_file_is_readable_by_its_user_only(cache_dir: Path) ->
         assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
     for folder in [p for p in cache_dir.rglob("*") if p.is_dir()]:
         assert stat.S_IMODE(folder.stat().st_mode) == 0o700, folder
+
+
+def _dead_pid() -> int:
+    child = subprocess.Popen(["true"])
+    child.wait()
+    return child.pid
+
+
+def test_a_fleet_killed_without_its_cleanup_is_ignored_and_never_named_the_local_one() -> None:
+    first = _fleet(8051)
+    killed = dataclasses.replace(_fleet(9051), pid=_dead_pid())  # SIGKILLed: files left
+    fc.write(first)
+    fc.write(killed)
+    assert fc.for_registry("127.0.0.1:9051") is None  # its token goes nowhere
+    assert fc.token_for("127.0.0.1:9052", None) is None
+    assert fc.local() == first
+    fc.remove(first)
+    assert fc.local() is None  # not the dead fleet's file
+    assert not fc.credentials_path().exists()
+
+
+def test_localhost_names_the_same_registry_as_127_0_0_1() -> None:
+    creds = _fleet(8051)
+    fc.write(creds)
+    assert fc.for_registry("localhost:8051") == creds
+    assert fc.token_for("localhost:8052", None) == creds.token
+
+
+def test_a_refusal_says_which_fleets_run_here_and_how_to_give_a_token() -> None:
+    fc.write(_fleet(8051))
+    other = fc.unauthenticated_hint("127.0.0.1:9051")
+    assert "no token known for 127.0.0.1:9051" in other
+    assert "--token or --token-file" in other and "127.0.0.1:8051" in other
+    ours = fc.unauthenticated_hint("localhost:8051", "--admin-token or --admin-token-file")
+    assert "sent and refused" in ours and "--admin-token" in ours

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 
 from pdplane.cli.up import UpSettings
 from pdplane.gateway.settings import GatewaySettings
-from pdplane.launch.deployment import Fleet, FleetSpec
+from pdplane.launch.deployment import Fleet, FleetSpec, PortsInUse
+from pdplane.launch.sim_process import SimOptions, SimProcess
 from pdplane.scheduler.settings import SchedulerSettings
 
 
@@ -151,3 +153,42 @@ def test_prefix_warming_flags_reach_the_scheduler_with_the_scheduler_s_defaults(
         name = flag.removeprefix("--").replace("-", "_")
         assert getattr(defaults, name) == getattr(scheduler, name), name
     assert FleetSpec().scheduler_flags() == []  # the scheduler's own defaults or its env
+
+
+def test_max_model_len_reaches_the_sims_only_when_given() -> None:
+    given = FleetSpec.from_settings(
+        UpSettings.parse(["--engine", "sim", "--max-model-len", "8192"])
+    )
+    assert given.sim_max_model_len == 8192
+    # Not given: the sims keep their profile's context (a large profile's is not cut to 1024).
+    assert FleetSpec.from_settings(UpSettings.parse(["--engine", "sim"])).sim_max_model_len is None
+    options = SimOptions("kv_producer", 1, 2, "127.0.0.1:3", "prefill-0", "m", max_model_len=8192)
+    argv = SimProcess(options, Path("/dev/null")).command()
+    assert argv[argv.index("--max-model-len") + 1] == "8192"
+    plain = SimProcess(dataclasses.replace(options, max_model_len=None), Path("/dev/null"))
+    assert "--max-model-len" not in plain.command()
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (
+            ["--gateway-port", "26300", "--registry-port", "26300"],
+            "--registry-port, --gateway-port",
+        ),
+        (
+            ["--vllm-base-port", "26310", "--kv-base-port", "26311"],
+            "--kv-base-port, --vllm-base-port",
+        ),
+        (["--scheduler-port", "26320", "--scheduler-metrics-port", "26320"], "scheduler metrics"),
+    ],
+)
+def test_flags_that_give_one_port_twice_are_refused_before_anything_starts(
+    argv: list[str], said: str
+) -> None:
+    fleet = Fleet(FleetSpec.from_settings(UpSettings.parse(["--engine", "sim", *argv])))
+    with pytest.raises(PortsInUse, match="is given to both") as refused:
+        fleet.start()
+    assert said in str(refused.value)
+    assert fleet.service_pids() == []  # nothing started
+    assert Fleet(FleetSpec.from_settings(UpSettings.parse([]))).port_clash() is None
