@@ -65,6 +65,7 @@ async def schedule(
         routing_key=req.routing_key,
         exclude_instance_ids=failed(),
         prefix_hashes=req.prefix_hashes,
+        first_token_from_prefill=r.first_token,
     )
 
     def again() -> Awaitable[Decision]:

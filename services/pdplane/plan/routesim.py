@@ -265,7 +265,9 @@ class SchedulerRouter(_Router):
     """A `Decider` on the virtual clock (module doc).
 
     `service` keyword arguments go to `Decider` (policies, `kv_weights`,
-    `local_prefill_max_tokens`, ...); `kv_index` False runs it without a prefix index.
+    `local_prefill_max_tokens`, ...); `kv_index` False runs it without a prefix index;
+    `first_token` "prefill" tells it a request's first token comes from prefill (as the fleet
+    runs it, `pdplane.plan.fleetsim.FIRST_TOKEN_MODES`), as the gateway does.
     """
 
     tick_s = 0.05
@@ -279,10 +281,12 @@ class SchedulerRouter(_Router):
         kv_index: bool = True,
         heartbeat_s: float = 1.0,
         seed: int = 0,
+        first_token: str = "decode",
         **service: Any,
     ) -> None:
         super().__init__(traffic, window)
         self.profile = profile
+        self._first_from_prefill = first_token == "prefill"
         self.clock = 0.0
         self._kv_index = kv_index
         self._heartbeat_s = heartbeat_s
@@ -372,6 +376,8 @@ class SchedulerRouter(_Router):
             len(prompt),
             spec.output_tokens,
             prefix_hashes={bs: chain_hashes(prompt, bs)} if self._kv_index else {},
+            # as the gateway asks: a request of one token takes the usual path
+            first_token_from_prefill=self._first_from_prefill and spec.output_tokens > 1,
         )
         try:
             decision = self.service.schedule(features)
@@ -515,6 +521,7 @@ def run_routed(
             window,
             kv_index=router == "kv_aware",
             seed=seed,
+            first_token=first_token,
             prefill_policy=router,
             decode_policy=router,
             **options,

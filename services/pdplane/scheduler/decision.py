@@ -226,7 +226,14 @@ class Decider:
             matching = others if len(others) else matching
         decode = decode_policy.pick(
             Pool(decode_table, matching, cached, live, per_block),
-            PickContext(*features, "decode", request.max_tokens, now, prefill.predicted_ms),
+            PickContext(
+                *features,
+                "decode",
+                request.max_tokens,
+                now,
+                prefill.predicted_ms,
+                request.first_token_from_prefill,
+            ),
         )
         d = decode.candidate
         blocks = blocks_for(tokens, d.block_size)

@@ -22,8 +22,10 @@ one compiled pass over a side's table (`pdplane.scheduler.table`), for `kv_aware
   recompute the last prompt token), or, when decode holds a prefix, computing the rest itself
   in its next step (conditional disaggregation) if that step grows by at most `slack` of the
   step its running streams would have had (any step when it runs none and only the prompt's
-  partial last block is left); plus `itl_weight` x
-  the step time its streams will see with this request added (its ITL, and theirs).
+  partial last block is left) and that predicts the client's first token sooner (with the first
+  token from prefill, docs/first-token.md, the prefill leg's first token is prefill's own);
+  plus `itl_weight` x the step time its streams will see with this request added (its ITL, and
+  theirs).
 """
 
 from __future__ import annotations
@@ -247,10 +249,14 @@ def _compile(  # the columns are closure cells: part of numba's cache key
         local_max: int,
         slack: float,
         itl_weight: float,
+        first_from_prefill: bool,
         turn: int,
     ) -> tuple[int, float, float, int, bool, int]:  # pragma: no cover - compiled
         """(position chosen, its score (ms), its predicted time to first token (ms), its
-        cached tokens, whether it computes the prompt itself, LIVE candidates)."""
+        cached tokens, whether it computes the prompt itself, LIVE candidates). With
+        `first_from_prefill` the client's first token of a prefill leg is prefill's, at
+        `prefill_ms`: a decode computes the prompt itself only when its own first token is
+        predicted sooner than that."""
         n = rows.shape[0]
         scores = np.empty(n)
         ttfts = np.empty(n)
@@ -278,6 +284,8 @@ def _compile(  # the columns are closure cells: part of numba's cache key
             now_step = _step(k, seqs, context, 0.0, 0.0)
             after = _step(k, seqs + 1.0, context + prompt, 0.0, 0.0)
             ttft = prefill_ms + _transfer(k, prompt - hit) + k[7] + 1.5 * after
+            # the client's first token over the prefill leg
+            first = prefill_ms if first_from_prefill else ttft
             new = prompt - hit
             if local_max > 0 and hit >= bs and new <= local_max:
                 with_local = _step(k, seqs, context, new, hit)
@@ -287,7 +295,7 @@ def _compile(  # the columns are closure cells: part of numba's cache key
                 tail_only = seqs < 1.0 and new < bs
                 if tail_only or with_local - now_step <= slack * now_step:
                     own = k[7] + 0.5 * now_step + with_local
-                    if own < ttft:
+                    if own < first:
                         ttft = own
                         local[i] = True
             scores[i] = ttft + itl_weight * after
@@ -309,4 +317,4 @@ def warm_up() -> None:
     rows = np.zeros(1, np.int64)
     hits, live = np.zeros(1), np.ones(1, np.uint8)
     score_prefill(cols, rows, hits, False, live, 1, k, 0.0, 0)
-    score_decode(cols, rows, hits, False, live, 1, 1, k, 0.0, 0, 0.0, 1.0, 0)
+    score_decode(cols, rows, hits, False, live, 1, 1, k, 0.0, 0, 0.0, 1.0, False, 0)

@@ -79,6 +79,8 @@ class RequestFeatures:
             numpy array, as a scheduler process receives them); one entry per block size among
             the model's instances, empty when the token ids are unknown. What `kv_aware`
             matches against the prefix index.
+        first_token_from_prefill: the client's first token comes from prefill's answer (the
+            gateway's first token from prefill, docs/first-token.md), not from decode.
     """
 
     request_id: str
@@ -91,6 +93,7 @@ class RequestFeatures:
     prefill_policy: str = ""
     decode_policy: str = ""
     prefix_hashes: Mapping[int, Sequence[int]] = field(default_factory=dict)
+    first_token_from_prefill: bool = False
 
 
 class InstanceRef(Protocol):

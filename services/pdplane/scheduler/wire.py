@@ -54,6 +54,7 @@ def features_to_pb(features: RequestFeatures) -> scheduler_pb2.ScheduleRequest:
         prefill_policy=features.prefill_policy,
         decode_policy=features.decode_policy,
         prefix_hashes=_prefix_hashes_to_pb(features.prefix_hashes),
+        first_token_from_prefill=features.first_token_from_prefill,
     )
 
 
@@ -96,6 +97,7 @@ def features_from_pb(request: scheduler_pb2.ScheduleRequest) -> RequestFeatures:
         prefill_policy=request.prefill_policy,
         decode_policy=request.decode_policy,
         prefix_hashes=_prefix_hashes_from_pb(request.prefix_hashes),
+        first_token_from_prefill=request.first_token_from_prefill,
     )
 
 

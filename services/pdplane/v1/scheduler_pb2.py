@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from pdplane.v1 import instance_pb2 as pdplane_dot_v1_dot_instance__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apdplane/v1/scheduler.proto\x12\npdplane.v1\x1a\x19pdplane/v1/instance.proto\"f\n\rScheduleCalls\x12\'\n\x05\x63\x61lls\x18\x01 \x03(\x0b\x32\x18.pdplane.v1.ScheduleCall\x12,\n\x08releases\x18\x02 \x03(\x0b\x32\x1a.pdplane.v1.ReleaseRequest\">\n\x0fScheduleResults\x12+\n\x07results\x18\x01 \x03(\x0b\x32\x1a.pdplane.v1.ScheduleResult\"b\n\x0cScheduleCall\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12,\n\x07request\x18\x02 \x01(\x0b\x32\x1b.pdplane.v1.ScheduleRequest\x12\x13\n\x0btraceparent\x18\x03 \x01(\t\"p\n\x0eScheduleResult\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12.\n\x08response\x18\x02 \x01(\x0b\x32\x1c.pdplane.v1.ScheduleResponse\x12\x0c\n\x04\x63ode\x18\x03 \x01(\x05\x12\x0f\n\x07message\x18\x04 \x01(\t\"\xbd\x02\n\x0fScheduleRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\x12\x1b\n\x13prefix_block_hashes\x18\x04 \x03(\x04\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\x12\x13\n\x0brouting_key\x18\x06 \x01(\t\x12\x1c\n\x14\x65xclude_instance_ids\x18\x07 \x03(\t\x12\x16\n\x0eprefill_policy\x18\x08 \x01(\t\x12\x15\n\rdecode_policy\x18\t \x01(\t\x12,\n\x08releases\x18\n \x03(\x0b\x32\x1a.pdplane.v1.ReleaseRequest\x12/\n\rprefix_hashes\x18\x0b \x03(\x0b\x32\x18.pdplane.v1.PrefixHashes\"N\n\x0cPrefixHashes\x12\x12\n\nblock_size\x18\x01 \x01(\r\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x04\x12\x14\n\x0chash_version\x18\x03 \x01(\r\"n\n\x0bInstanceRef\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0b\n\x03url\x18\x02 \x01(\t\x12\x13\n\x0bkv_endpoint\x18\x03 \x01(\t\x12(\n\ttransport\x18\x04 \x01(\x0e\x32\x15.pdplane.v1.Transport\"\xd6\x01\n\x10ScheduleResponse\x12(\n\x07prefill\x18\x01 \x01(\x0b\x32\x17.pdplane.v1.InstanceRef\x12\'\n\x06\x64\x65\x63ode\x18\x02 \x01(\x0b\x32\x17.pdplane.v1.InstanceRef\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x1d\n\x15prefill_cached_tokens\x18\x04 \x01(\r\x12\x1c\n\x14\x64\x65\x63ode_cached_tokens\x18\x05 \x01(\r\x12\"\n\x04warm\x18\x06 \x01(\x0b\x32\x14.pdplane.v1.WarmHint\"L\n\x08WarmHint\x12)\n\x08instance\x18\x01 \x01(\x0b\x32\x17.pdplane.v1.InstanceRef\x12\x15\n\rprefix_tokens\x18\x02 \x01(\r\"J\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12$\n\x07outcome\x18\x02 \x01(\x0e\x32\x13.pdplane.v1.Outcome\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"C\n\x13ReleaseBatchRequest\x12,\n\x08releases\x18\x01 \x03(\x0b\x32\x1a.pdplane.v1.ReleaseRequest\"(\n\x14ReleaseBatchResponse\x12\x10\n\x08released\x18\x01 \x01(\r\"\x15\n\x13ListKvStatesRequest\"\x96\x01\n\x0cKvIndexState\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x0e\n\x06\x62locks\x18\x04 \x01(\x04\x12\x12\n\nlag_events\x18\x05 \x01(\x04\x12\x1b\n\x13last_message_age_ms\x18\x06 \x01(\r\x12\x11\n\tsnapshots\x18\x07 \x01(\r\"C\n\x14ListKvStatesResponse\x12+\n\tinstances\x18\x01 \x03(\x0b\x32\x18.pdplane.v1.KvIndexState*b\n\x07Outcome\x12\x17\n\x13OUTCOME_UNSPECIFIED\x10\x00\x12\x13\n\x0fOUTCOME_SUCCESS\x10\x01\x12\x12\n\x0eOUTCOME_FAILED\x10\x02\x12\x15\n\x11OUTCOME_CANCELLED\x10\x03\x32\x8a\x03\n\tScheduler\x12\x45\n\x08Schedule\x12\x1b.pdplane.v1.ScheduleRequest\x1a\x1c.pdplane.v1.ScheduleResponse\x12\x42\n\x07Release\x12\x1a.pdplane.v1.ReleaseRequest\x1a\x1b.pdplane.v1.ReleaseResponse\x12Q\n\x0cReleaseBatch\x12\x1f.pdplane.v1.ReleaseBatchRequest\x1a .pdplane.v1.ReleaseBatchResponse\x12Q\n\x0cListKvStates\x12\x1f.pdplane.v1.ListKvStatesRequest\x1a .pdplane.v1.ListKvStatesResponse\x12L\n\x0eScheduleStream\x12\x19.pdplane.v1.ScheduleCalls\x1a\x1b.pdplane.v1.ScheduleResults(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apdplane/v1/scheduler.proto\x12\npdplane.v1\x1a\x19pdplane/v1/instance.proto\"f\n\rScheduleCalls\x12\'\n\x05\x63\x61lls\x18\x01 \x03(\x0b\x32\x18.pdplane.v1.ScheduleCall\x12,\n\x08releases\x18\x02 \x03(\x0b\x32\x1a.pdplane.v1.ReleaseRequest\">\n\x0fScheduleResults\x12+\n\x07results\x18\x01 \x03(\x0b\x32\x1a.pdplane.v1.ScheduleResult\"b\n\x0cScheduleCall\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12,\n\x07request\x18\x02 \x01(\x0b\x32\x1b.pdplane.v1.ScheduleRequest\x12\x13\n\x0btraceparent\x18\x03 \x01(\t\"p\n\x0eScheduleResult\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12.\n\x08response\x18\x02 \x01(\x0b\x32\x1c.pdplane.v1.ScheduleResponse\x12\x0c\n\x04\x63ode\x18\x03 \x01(\x05\x12\x0f\n\x07message\x18\x04 \x01(\t\"\xdf\x02\n\x0fScheduleRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\x12\x1b\n\x13prefix_block_hashes\x18\x04 \x03(\x04\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\x12\x13\n\x0brouting_key\x18\x06 \x01(\t\x12\x1c\n\x14\x65xclude_instance_ids\x18\x07 \x03(\t\x12\x16\n\x0eprefill_policy\x18\x08 \x01(\t\x12\x15\n\rdecode_policy\x18\t \x01(\t\x12,\n\x08releases\x18\n \x03(\x0b\x32\x1a.pdplane.v1.ReleaseRequest\x12/\n\rprefix_hashes\x18\x0b \x03(\x0b\x32\x18.pdplane.v1.PrefixHashes\x12 \n\x18\x66irst_token_from_prefill\x18\x0c \x01(\x08\"N\n\x0cPrefixHashes\x12\x12\n\nblock_size\x18\x01 \x01(\r\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x04\x12\x14\n\x0chash_version\x18\x03 \x01(\r\"n\n\x0bInstanceRef\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0b\n\x03url\x18\x02 \x01(\t\x12\x13\n\x0bkv_endpoint\x18\x03 \x01(\t\x12(\n\ttransport\x18\x04 \x01(\x0e\x32\x15.pdplane.v1.Transport\"\xd6\x01\n\x10ScheduleResponse\x12(\n\x07prefill\x18\x01 \x01(\x0b\x32\x17.pdplane.v1.InstanceRef\x12\'\n\x06\x64\x65\x63ode\x18\x02 \x01(\x0b\x32\x17.pdplane.v1.InstanceRef\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x1d\n\x15prefill_cached_tokens\x18\x04 \x01(\r\x12\x1c\n\x14\x64\x65\x63ode_cached_tokens\x18\x05 \x01(\r\x12\"\n\x04warm\x18\x06 \x01(\x0b\x32\x14.pdplane.v1.WarmHint\"L\n\x08WarmHint\x12)\n\x08instance\x18\x01 \x01(\x0b\x32\x17.pdplane.v1.InstanceRef\x12\x15\n\rprefix_tokens\x18\x02 \x01(\r\"J\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12$\n\x07outcome\x18\x02 \x01(\x0e\x32\x13.pdplane.v1.Outcome\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"C\n\x13ReleaseBatchRequest\x12,\n\x08releases\x18\x01 \x03(\x0b\x32\x1a.pdplane.v1.ReleaseRequest\"(\n\x14ReleaseBatchResponse\x12\x10\n\x08released\x18\x01 \x01(\r\"\x15\n\x13ListKvStatesRequest\"\x96\x01\n\x0cKvIndexState\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x0e\n\x06\x62locks\x18\x04 \x01(\x04\x12\x12\n\nlag_events\x18\x05 \x01(\x04\x12\x1b\n\x13last_message_age_ms\x18\x06 \x01(\r\x12\x11\n\tsnapshots\x18\x07 \x01(\r\"C\n\x14ListKvStatesResponse\x12+\n\tinstances\x18\x01 \x03(\x0b\x32\x18.pdplane.v1.KvIndexState*b\n\x07Outcome\x12\x17\n\x13OUTCOME_UNSPECIFIED\x10\x00\x12\x13\n\x0fOUTCOME_SUCCESS\x10\x01\x12\x12\n\x0eOUTCOME_FAILED\x10\x02\x12\x15\n\x11OUTCOME_CANCELLED\x10\x03\x32\x8a\x03\n\tScheduler\x12\x45\n\x08Schedule\x12\x1b.pdplane.v1.ScheduleRequest\x1a\x1c.pdplane.v1.ScheduleResponse\x12\x42\n\x07Release\x12\x1a.pdplane.v1.ReleaseRequest\x1a\x1b.pdplane.v1.ReleaseResponse\x12Q\n\x0cReleaseBatch\x12\x1f.pdplane.v1.ReleaseBatchRequest\x1a .pdplane.v1.ReleaseBatchResponse\x12Q\n\x0cListKvStates\x12\x1f.pdplane.v1.ListKvStatesRequest\x1a .pdplane.v1.ListKvStatesResponse\x12L\n\x0eScheduleStream\x12\x19.pdplane.v1.ScheduleCalls\x1a\x1b.pdplane.v1.ScheduleResults(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdplane.v1.scheduler_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_OUTCOME']._serialized_start=1727
-  _globals['_OUTCOME']._serialized_end=1825
+  _globals['_OUTCOME']._serialized_start=1761
+  _globals['_OUTCOME']._serialized_end=1859
   _globals['_SCHEDULECALLS']._serialized_start=69
   _globals['_SCHEDULECALLS']._serialized_end=171
   _globals['_SCHEDULERESULTS']._serialized_start=173
@@ -43,29 +43,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SCHEDULERESULT']._serialized_start=337
   _globals['_SCHEDULERESULT']._serialized_end=449
   _globals['_SCHEDULEREQUEST']._serialized_start=452
-  _globals['_SCHEDULEREQUEST']._serialized_end=769
-  _globals['_PREFIXHASHES']._serialized_start=771
-  _globals['_PREFIXHASHES']._serialized_end=849
-  _globals['_INSTANCEREF']._serialized_start=851
-  _globals['_INSTANCEREF']._serialized_end=961
-  _globals['_SCHEDULERESPONSE']._serialized_start=964
-  _globals['_SCHEDULERESPONSE']._serialized_end=1178
-  _globals['_WARMHINT']._serialized_start=1180
-  _globals['_WARMHINT']._serialized_end=1256
-  _globals['_RELEASEREQUEST']._serialized_start=1258
-  _globals['_RELEASEREQUEST']._serialized_end=1332
-  _globals['_RELEASERESPONSE']._serialized_start=1334
-  _globals['_RELEASERESPONSE']._serialized_end=1369
-  _globals['_RELEASEBATCHREQUEST']._serialized_start=1371
-  _globals['_RELEASEBATCHREQUEST']._serialized_end=1438
-  _globals['_RELEASEBATCHRESPONSE']._serialized_start=1440
-  _globals['_RELEASEBATCHRESPONSE']._serialized_end=1480
-  _globals['_LISTKVSTATESREQUEST']._serialized_start=1482
-  _globals['_LISTKVSTATESREQUEST']._serialized_end=1503
-  _globals['_KVINDEXSTATE']._serialized_start=1506
-  _globals['_KVINDEXSTATE']._serialized_end=1656
-  _globals['_LISTKVSTATESRESPONSE']._serialized_start=1658
-  _globals['_LISTKVSTATESRESPONSE']._serialized_end=1725
-  _globals['_SCHEDULER']._serialized_start=1828
-  _globals['_SCHEDULER']._serialized_end=2222
+  _globals['_SCHEDULEREQUEST']._serialized_end=803
+  _globals['_PREFIXHASHES']._serialized_start=805
+  _globals['_PREFIXHASHES']._serialized_end=883
+  _globals['_INSTANCEREF']._serialized_start=885
+  _globals['_INSTANCEREF']._serialized_end=995
+  _globals['_SCHEDULERESPONSE']._serialized_start=998
+  _globals['_SCHEDULERESPONSE']._serialized_end=1212
+  _globals['_WARMHINT']._serialized_start=1214
+  _globals['_WARMHINT']._serialized_end=1290
+  _globals['_RELEASEREQUEST']._serialized_start=1292
+  _globals['_RELEASEREQUEST']._serialized_end=1366
+  _globals['_RELEASERESPONSE']._serialized_start=1368
+  _globals['_RELEASERESPONSE']._serialized_end=1403
+  _globals['_RELEASEBATCHREQUEST']._serialized_start=1405
+  _globals['_RELEASEBATCHREQUEST']._serialized_end=1472
+  _globals['_RELEASEBATCHRESPONSE']._serialized_start=1474
+  _globals['_RELEASEBATCHRESPONSE']._serialized_end=1514
+  _globals['_LISTKVSTATESREQUEST']._serialized_start=1516
+  _globals['_LISTKVSTATESREQUEST']._serialized_end=1537
+  _globals['_KVINDEXSTATE']._serialized_start=1540
+  _globals['_KVINDEXSTATE']._serialized_end=1690
+  _globals['_LISTKVSTATESRESPONSE']._serialized_start=1692
+  _globals['_LISTKVSTATESRESPONSE']._serialized_end=1759
+  _globals['_SCHEDULER']._serialized_start=1862
+  _globals['_SCHEDULER']._serialized_end=2256
 # @@protoc_insertion_point(module_scope)

@@ -172,6 +172,7 @@ class ScheduleRequest(_message.Message):
     DECODE_POLICY_FIELD_NUMBER: _builtins.int
     RELEASES_FIELD_NUMBER: _builtins.int
     PREFIX_HASHES_FIELD_NUMBER: _builtins.int
+    FIRST_TOKEN_FROM_PREFILL_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     model: _builtins.str
     prompt_tokens: _builtins.int
@@ -185,6 +186,11 @@ class ScheduleRequest(_message.Message):
     An unknown name is INVALID_ARGUMENT.
     """
     decode_policy: _builtins.str
+    first_token_from_prefill: _builtins.bool
+    """The client's first token comes from prefill's answer (the gateway's `--first-token
+    prefill` path, docs/first-token.md): kv_aware lets a decode compute the prompt itself
+    only when it predicts that decode's first token before prefill's.
+    """
     @_builtins.property
     def prefix_block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """hashes of the prompt's full blocks, if known"""
@@ -220,10 +226,11 @@ class ScheduleRequest(_message.Message):
         decode_policy: _builtins.str = ...,
         releases: _abc.Iterable[Global___ReleaseRequest] | None = ...,
         prefix_hashes: _abc.Iterable[Global___PrefixHashes] | None = ...,
+        first_token_from_prefill: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_policy", b"decode_policy", "exclude_instance_ids", b"exclude_instance_ids", "max_tokens", b"max_tokens", "model", b"model", "prefill_policy", b"prefill_policy", "prefix_block_hashes", b"prefix_block_hashes", "prefix_hashes", b"prefix_hashes", "prompt_tokens", b"prompt_tokens", "releases", b"releases", "request_id", b"request_id", "routing_key", b"routing_key"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_policy", b"decode_policy", "exclude_instance_ids", b"exclude_instance_ids", "first_token_from_prefill", b"first_token_from_prefill", "max_tokens", b"max_tokens", "model", b"model", "prefill_policy", b"prefill_policy", "prefix_block_hashes", b"prefix_block_hashes", "prefix_hashes", b"prefix_hashes", "prompt_tokens", b"prompt_tokens", "releases", b"releases", "request_id", b"request_id", "routing_key", b"routing_key"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -304,3 +304,23 @@ async def test_health_says_scheduler_unreachable() -> None:
             assert r.status_code == 503
             assert r.json()["reason"] == f"scheduler unreachable at {address}"
             assert (await client.get(f"{url}/ping")).status_code == 503
+
+
+async def test_the_scheduler_is_told_which_requests_take_their_first_token_from_prefill(
+    serve: Serve,
+) -> None:
+    class Recording(FakeScheduler):
+        def __init__(self, pairs: list[tuple[str, str]]) -> None:
+            super().__init__(pairs)
+            self.features: list[RequestFeatures] = []
+
+        async def schedule(self, features: RequestFeatures) -> Decision:
+            self.features.append(features)
+            return await super().schedule(features)
+
+    pair = (await serve(good_prefill), await serve(sse_decode))
+    sched = Recording([pair, pair])
+    with running_gateway(scheduler_port=sched, fleet=lambda: VIEW) as url:
+        await _post(url, {**BODY, "stream": True})  # streamed: the first token from prefill
+        await _post(url, BODY)  # not streamed: the usual path
+    assert [f.first_token_from_prefill for f in sched.features] == [True, False]

@@ -3,6 +3,8 @@ disaggregation (on a clock the tests move)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -328,6 +330,29 @@ def test_conditional_disaggregation_skips_prefill(
     # More than 64 tokens beyond decode's prefix: disaggregated as usual.
     longer = service.schedule(req(1, turn1 + tokens(11, 100)))
     assert longer.prefill is not None and longer.decode_cached_tokens == 20 * BS
+
+
+def test_with_the_first_token_from_prefill_an_idle_prefill_answers_sooner_than_decode(
+    fleet: Callable[..., Decider],
+) -> None:
+    # A chat turn 40 tokens past a prefix the busy d0 holds (200 streams over long contexts:
+    # a long step). Computing them there answers after half a step's wait and a step, sooner
+    # than prefill + pull + decode's step; but when the client's first token is prefill's own
+    # (docs/first-token.md), the idle prefill's short step answers far sooner, so the request
+    # is disaggregated.
+    load = {"num_running": 200, "kv_cache_usage": 0.9, "free_kv_blocks": 5_000}
+    busy = {d: {**load, "total_kv_blocks": 50_000} for d in ("d0", "d1")}
+    turn1 = tokens(9, 20 * BS)
+    turn2 = turn1 + tokens(10, 40)
+    for from_prefill, local in ((False, True), (True, False)):
+        service = fleet(
+            busy, local_prefill_max_tokens=64, kv_weights=KvAwareWeights(local_slack=1.0)
+        )
+        hold(service.kv_index, "d0", turn1)  # type: ignore[arg-type]
+        request = dataclasses.replace(req(0, turn2), first_token_from_prefill=from_prefill)
+        decision = service.schedule(request)
+        assert (decision.prefill is None) is local, (from_prefill, decision.reason)
+        assert decision.decode.instance_id == "d0"  # the holder either way: a shorter pull
 
 
 def test_a_local_prefill_that_would_slow_a_busy_decode_is_disaggregated(

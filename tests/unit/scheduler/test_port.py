@@ -43,6 +43,7 @@ FEATURES = RequestFeatures(
     prefill_policy="round_robin",
     decode_policy="random",
     prefix_hashes={16: (5, 2**64 - 1, 7), 64: (9,)},
+    first_token_from_prefill=True,
 )
 
 

@@ -47,6 +47,8 @@ class PickContext:
     (the half picked now). `max_tokens`: tokens to generate (0 = unknown). `now`: the
     in-flight tracker's clock (s; the table's BUSY_UNTIL is on it). `prefill_ms`: on decode,
     the prefill pick's predicted time to its prompt's KV (`Pick.predicted_ms`, 0 = unknown).
+    `first_from_prefill`: the client's first token comes from prefill's answer
+    (`RequestFeatures.first_token_from_prefill`).
     """
 
     request_id: str
@@ -58,6 +60,7 @@ class PickContext:
     max_tokens: int = 0
     now: float = 0.0
     prefill_ms: float = 0.0
+    first_from_prefill: bool = False
 
     def block_hashes(self, block_size: int) -> Sequence[int]:
         """The prompt's block hashes at `block_size` tokens per block; () when unknown."""

@@ -137,6 +137,7 @@ class KvAware:
             self.local_max_tokens,
             w.local_slack,
             w.itl_weight,
+            ctx.first_from_prefill,
             next(self._turn),
         )
         how = "computes the rest" if local else "pulls"
