@@ -4,7 +4,6 @@ disaggregation (on a clock the tests move)."""
 from __future__ import annotations
 
 import dataclasses
-
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
