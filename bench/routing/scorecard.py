@@ -7,6 +7,11 @@ seed), routed by the scheduler's own decision code and prefix index (`pdplane.pl
 `kv_aware` with the shipped defaults, and the load-only policies `least_loaded`,
 `power_of_two`, `round_robin`) or by the cache-knowing oracle.
 
+The client's first token comes from prefill, as the gateway streams it by default
+(docs/first-token.md; `--first-token decode` for the other path): TTFT is prefill's answer, and
+the gap from the first token to the second (the pull, decode's admission and step) is an ITL
+sample.
+
 Capacity: requests per second at which `pdplane plan`'s closed form (`pdplane.plan.search.
 capacity`) has the fleet's bottleneck role fully busy with no prefix cache hits, for the
 workload's mean prompt and answer lengths (every turn counted); load 1.0 is that rate.
@@ -79,7 +84,8 @@ class Point:
     ttft_slo_s: float = 2.0
     #: kv_aware's knobs other than the shipped defaults: "itl_weight=0.5,local_slack=0"
     kv: str = ""
-    #: where the client's first token comes from (`pdplane.plan.fleetsim.FIRST_TOKEN_MODES`)
+    #: where the client's first token comes from (`pdplane.plan.fleetsim.FIRST_TOKEN_MODES`;
+    #: "decode" in result files written before the flag existed)
     first_token: str = "decode"
 
     @property
@@ -383,9 +389,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--first-token",
         choices=FIRST_TOKEN_MODES,
-        default="decode",
-        help="virtual runs: the client's first token from decode, or from prefill as the "
-        "gateway streams it by default (docs/first-token.md)",
+        default="prefill",
+        help="virtual runs: the client's first token from prefill, as the gateway streams it "
+        "by default (docs/first-token.md), or from decode",
     )
     ap.add_argument("--jobs", type=int, default=1, help="processes")
     ap.add_argument("--out", type=Path, default=None, help="results JSONL (appended)")
