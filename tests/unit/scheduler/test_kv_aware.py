@@ -331,6 +331,18 @@ def test_conditional_disaggregation_skips_prefill(
     assert longer.prefill is not None and longer.decode_cached_tokens == 20 * BS
 
 
+#: Both decodes run 200 streams over long contexts: a long step.
+BUSY_DECODES = {
+    d: {
+        "num_running": 200,
+        "kv_cache_usage": 0.9,
+        "free_kv_blocks": 5_000,
+        "total_kv_blocks": 50_000,
+    }
+    for d in ("d0", "d1")
+}
+
+
 def test_with_the_first_token_from_prefill_an_idle_prefill_answers_sooner_than_decode(
     fleet: Callable[..., Decider],
 ) -> None:
@@ -339,13 +351,11 @@ def test_with_the_first_token_from_prefill_an_idle_prefill_answers_sooner_than_d
     # than prefill + pull + decode's step; but when the client's first token is prefill's own
     # (docs/first-token.md), the idle prefill's short step answers far sooner, so the request
     # is disaggregated.
-    load = {"num_running": 200, "kv_cache_usage": 0.9, "free_kv_blocks": 5_000}
-    busy = {d: {**load, "total_kv_blocks": 50_000} for d in ("d0", "d1")}
     turn1 = tokens(9, 20 * BS)
     turn2 = turn1 + tokens(10, 40)
     for from_prefill, local in ((False, True), (True, False)):
         service = fleet(
-            busy, local_prefill_max_tokens=64, kv_weights=KvAwareWeights(local_slack=1.0)
+            BUSY_DECODES, local_prefill_max_tokens=64, kv_weights=KvAwareWeights(local_slack=1.0)
         )
         hold(service.kv_index, "d0", turn1)  # type: ignore[arg-type]
         request = dataclasses.replace(req(0, turn2), first_token_from_prefill=from_prefill)
@@ -360,13 +370,13 @@ def test_a_local_prefill_that_would_slow_a_busy_decode_is_disaggregated(
     # Both decodes run 200 streams over long contexts; d0 holds the prefix. 120 more tokens
     # in its step would lengthen it by ~9 % (past the default profile's memory-bound floor),
     # so the rest is prefilled and pulled; with a large slack it is computed there.
-    load = {"num_running": 200, "kv_cache_usage": 0.9, "free_kv_blocks": 5_000}
-    busy = {d: {**load, "total_kv_blocks": 50_000} for d in ("d0", "d1")}
     turn1 = tokens(12, 100 * BS)
     turn2 = turn1 + tokens(13, 120)
     for slack, local in ((0.02, False), (1.0, True)):
         service = fleet(
-            busy, local_prefill_max_tokens=2048, kv_weights=KvAwareWeights(local_slack=slack)
+            BUSY_DECODES,
+            local_prefill_max_tokens=2048,
+            kv_weights=KvAwareWeights(local_slack=slack),
         )
         hold(service.kv_index, "d0", turn1)  # type: ignore[arg-type]
         hold(service.kv_index, "d1", turn1[: 4 * BS])  # type: ignore[arg-type]
