@@ -200,7 +200,8 @@ class _Router:
         if lo <= arrived <= hi:
             s = self.stats
             s.requests += 1
-            s.prompt_tokens += len(served.prompt)
+            # prefill's prompt: with the first token from prefill decode's is one token longer
+            s.prompt_tokens += len(served.prompt if prefill is None else prefill.prompt)
             if prefill is None:
                 s.hit_tokens += served.local_hit
             else:
