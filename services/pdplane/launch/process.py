@@ -124,6 +124,9 @@ class ManagedProcess:
         self.cwd = cwd
         self.server_id = ""
         self._proc: subprocess.Popen[bytes] | None = None
+        # Where this run's lines start in the log (bytes): logs are appended across runs and
+        # restarts, and `tail` shows only the current run's.
+        self._log_start = 0
 
     @property
     def pid(self) -> int | None:
@@ -142,6 +145,7 @@ class ManagedProcess:
         env = {**(os.environ if self.env is None else self.env), server_ids.ENV: self.server_id}
         argv = die_with_parent(self.argv) if self.die_with_parent else self.argv
         with self.log_path.open("ab") as log:
+            self._log_start = log.tell()
             self._proc = subprocess.Popen(
                 argv,
                 stdout=log,
@@ -197,10 +201,14 @@ class ManagedProcess:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self._proc.pid, sig)
 
-    def tail(self, lines: int = 30) -> str:
-        """The last `lines` lines of the log (for error messages)."""
+    def tail(self, lines: int = 30, max_bytes: int = 1 << 20) -> str:
+        """The last `lines` lines the current run wrote to the log, from at most its last
+        `max_bytes` bytes (for error messages)."""
         try:
-            text = self.log_path.read_text(errors="replace")
+            with self.log_path.open("rb") as log:
+                end = log.seek(0, os.SEEK_END)
+                log.seek(max(self._log_start, end - max_bytes))
+                text = log.read().decode(errors="replace")
         except OSError:
             return ""
         return "\n".join(text.splitlines()[-lines:])

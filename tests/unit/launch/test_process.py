@@ -105,3 +105,23 @@ def test_wait_is_cancelled_at_once() -> None:
     with pytest.raises(Cancelled):
         wait_until(lambda: False, 60.0, cancel=cancel, what="never")
     assert time.monotonic() - started < 5.0  # not its 60 s timeout
+
+
+def test_a_died_message_shows_this_run_s_lines_not_an_earlier_run_s(tmp_path: Path) -> None:
+    # --log-dir files are appended across runs: the tail of a process that died names only
+    # what it printed itself.
+    log = tmp_path / "svc.log"
+    log.write_text("an earlier run's last words\n")
+    script = "import sys; print('this run', flush=True); sys.exit(3)"
+    proc = ManagedProcess("svc", [sys.executable, "-c", script], log)
+    for _ in range(2):  # a restart on the same log shows its own lines only, too
+        proc.start()
+        deadline = time.monotonic() + 10
+        while proc.returncode is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with pytest.raises(ProcessDied) as died:
+            proc.check_alive()
+        assert "this run" in str(died.value)
+        assert "earlier run" not in str(died.value)
+        assert str(died.value).count("this run") == 1
+    assert log.read_text().count("this run") == 2  # the log itself keeps everything
