@@ -203,73 +203,95 @@ def _ratio_cell(pairs: list[tuple[float, float]]) -> tuple[str, float, float]:
 
 
 def verdicts(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per (topology, workload, load): kv_aware against the best load-only policy per metric
-    and against the oracle and round_robin, with the seed spreads (the rows of `report`)."""
-    by: dict[tuple[Any, ...], dict[str, list[dict[str, Any]]]] = {}
+    """Per (topology, workload, load, first-token mode) and kv_aware variant (`Point.kv`, ""
+    = the shipped defaults): kv_aware against the best load-only policy per metric and
+    against the oracle and round_robin, with the seed spreads (the rows of `report`). Runs of
+    another first-token mode are never compared (files written before the flag: "decode")."""
+    by: dict[tuple[Any, ...], dict[tuple[str, str], list[dict[str, Any]]]] = {}
     for r in results:
         p = r["point"]
-        by.setdefault((p["topology"], p["workload"], p["load"]), {}).setdefault(
-            p["router"], []
-        ).append(r)
+        key = (p["topology"], p["workload"], p["load"], p.get("first_token") or "decode")
+        variant = p.get("kv", "") if p["router"] == "kv_aware" else ""
+        by.setdefault(key, {}).setdefault((p["router"], variant), []).append(r)
     rows = []
-    for (topo, work, load), routers in sorted(by.items(), key=lambda kv: _order(kv[0])):
-        kv = {r["point"]["seed"]: r for r in routers.get("kv_aware", [])}
-        if not kv:
-            continue
-        row: dict[str, Any] = {"topology": topo, "workload": work, "load": load, "cells": {}}
-        ok = True
-        for metric in METRICS:
-            best_name, best_mean = "", float("inf")
-            for name in LOAD_ONLY:
-                m = _mean(r[metric] for r in routers.get(name, []))
-                if m < best_mean:
-                    best_name, best_mean = name, m
-            base = {r["point"]["seed"]: r for r in routers.get(best_name, [])}
-            pairs = [(kv[s][metric], base[s][metric]) for s in kv if s in base]
-            cell, ratio, spread = _ratio_cell(pairs)
-            allowed = 1.0 + min(spread, 0.05)
-            row["cells"][metric] = (cell, best_name, ratio, spread)
-            if load < 1.0 and ratio > allowed:
-                ok = False
-        oracle = {r["point"]["seed"]: r for r in routers.get("oracle", [])}
-        rr = {r["point"]["seed"]: r for r in routers.get("round_robin", [])}
-        hit_gap = _mean(kv[s]["fleet_hit"] - oracle[s]["fleet_hit"] for s in kv if s in oracle)
-        row["hit_gap_points"] = hit_gap * 100
-        row["oracle_p90"] = _ratio_cell(
-            [(kv[s]["ttft_p90_ms"], oracle[s]["ttft_p90_ms"]) for s in kv if s in oracle]
-        )
-        row["rr_p90"] = _ratio_cell(
-            [(rr[s]["ttft_p90_ms"], kv[s]["ttft_p90_ms"]) for s in kv if s in rr]
-        )
-        row["kv_hit"] = _mean(r["fleet_hit"] for r in kv.values())
-        row["legs"] = _mean(r["prefill_legs_per_request"] for r in kv.values())
-        row["ok"] = ok and hit_gap >= -0.03
-        rows.append(row)
+    for (topo, work, load, first), runs in sorted(by.items(), key=lambda kv: _order(kv[0])):
+        routers = {name: found for (name, variant), found in runs.items() if name != "kv_aware"}
+        for (name, variant), found in sorted(runs.items()):
+            if name == "kv_aware":
+                row = _verdict({r["point"]["seed"]: r for r in found}, routers, load)
+                rows.append(
+                    {"topology": topo, "workload": work, "load": load, "first_token": first}
+                    | {"kv": variant}
+                    | row
+                )
     return rows
 
 
+def _verdict(
+    kv: dict[int, dict[str, Any]], routers: dict[str, list[dict[str, Any]]], load: float
+) -> dict[str, Any]:
+    """One row's cells: kv_aware's runs by seed against the other routers' runs."""
+    row: dict[str, Any] = {"cells": {}}
+    ok = True
+    for metric in METRICS:
+        best_name, best_mean = "", float("inf")
+        for name in LOAD_ONLY:
+            m = _mean(r[metric] for r in routers.get(name, []))
+            if m < best_mean:
+                best_name, best_mean = name, m
+        base = {r["point"]["seed"]: r for r in routers.get(best_name, [])}
+        pairs = [(kv[s][metric], base[s][metric]) for s in kv if s in base]
+        cell, ratio, spread = _ratio_cell(pairs)
+        allowed = 1.0 + min(spread, 0.05)
+        row["cells"][metric] = (cell, best_name, ratio, spread)
+        if load < 1.0 and ratio > allowed:
+            ok = False
+    oracle = {r["point"]["seed"]: r for r in routers.get("oracle", [])}
+    rr = {r["point"]["seed"]: r for r in routers.get("round_robin", [])}
+    hit_gap = _mean(kv[s]["fleet_hit"] - oracle[s]["fleet_hit"] for s in kv if s in oracle)
+    row["hit_gap_points"] = hit_gap * 100
+    row["oracle_p90"] = _ratio_cell(
+        [(kv[s]["ttft_p90_ms"], oracle[s]["ttft_p90_ms"]) for s in kv if s in oracle]
+    )
+    row["rr_p90"] = _ratio_cell(
+        [(rr[s]["ttft_p90_ms"], kv[s]["ttft_p90_ms"]) for s in kv if s in rr]
+    )
+    row["kv_hit"] = _mean(r["fleet_hit"] for r in kv.values())
+    row["legs"] = _mean(r["prefill_legs_per_request"] for r in kv.values())
+    row["ok"] = ok and hit_gap >= -0.03
+    return row
+
+
 def _order(key: tuple[Any, ...]) -> tuple[Any, ...]:
-    topo, work, load = key
+    topo, work, load, first = key
     names = list(wl.FAMILY)
-    return (list(TOPOLOGIES).index(topo), names.index(work) if work in names else 99, load)
+    topos = list(TOPOLOGIES)
+    return (
+        topos.index(topo) if topo in topos else 99,
+        first,
+        names.index(work) if work in names else 99,
+        load,
+    )
 
 
 def report(results: list[dict[str, Any]]) -> str:
     """Markdown: one table per topology (module doc)."""
     out: list[str] = []
     rows = verdicts(results)
-    for topo in TOPOLOGIES:
-        mine = [r for r in rows if r["topology"] == topo]
+    modes = sorted({r["first_token"] for r in rows})
+    for topo, first in [(t, m) for t in TOPOLOGIES for m in modes]:
+        mine = [r for r in rows if r["topology"] == topo and r["first_token"] == first]
         if not mine:
             continue
         out += [
-            f"\n### {topo}\n",
+            f"\n### {topo}, first token from {first}\n",
             "| workload | load | TTFT p50 | TTFT p90 | TTFT p99 | ITL p99 | fleet hit (vs oracle) "
             "| P legs/req | p90 / oracle | RR p90 / kv_aware | |",
             "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in mine:
             held = " (held out)" if r["workload"] in wl.HELD_OUT else ""
+            held += f" [kv {r['kv']}]" if r["kv"] else ""
             cells = [f"{c[0]} {_short(c[1])}" for c in (r["cells"][m] for m in METRICS)]
             out.append(
                 f"| {r['workload']}{held} | {r['load']:g} | "
