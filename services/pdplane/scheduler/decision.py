@@ -334,7 +334,7 @@ class Decider:
             return None
         target = table.candidates[int(rows[int(np.argmax(idle))])]
         done = self.inflight.queue_prefill(
-            target.instance_id, self.latency.queue_s(prefix_tokens, 0)
+            target.instance_id, self.latency.idle_s(prefix_tokens, 0)
         )
         # Until its KV events can have said it holds the copy, the same prefix is not
         # warmed again (the index learns of it within ~10 ms, --kv-events-interval-ms).

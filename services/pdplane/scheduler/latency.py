@@ -14,9 +14,10 @@ float64 array (order: `COEFFICIENTS`); the kernels here evaluate the formula per
 one compiled pass over a side's table (`pdplane.scheduler.table`), for `kv_aware`:
 
 * prefill (`score_prefill`): the predicted time until the prompt's KV is computed = the API
-  server (`request_ms`) + the instance's queue (BUSY_UNTIL - now; each prompt sent there adds
-  the parts of a step that grow with it, `LatencyModel.queue_s`) + a step of the uncached
-  tokens after the cached ones (a prompt longer than the token budget takes several);
+  server (`request_ms`) + the instance's queue (BUSY_UNTIL - now: a prompt sent to an idle
+  prefill keeps it busy for that whole prediction, `LatencyModel.idle_s`; each prompt queued
+  behind it adds the parts of a step that grow with it, `LatencyModel.queue_s`) + a step of the
+  uncached tokens after the cached ones (a prompt longer than the token budget takes several);
 * decode (`score_decode`): after that prefill, the pull of the tokens decode does not hold
   (`transfer_latency_ms` + bytes / `transfer_gbps`) and admission (half a step to wait, one to
   recompute the last prompt token), or, when decode holds a prefix, computing the rest itself
@@ -132,6 +133,14 @@ class LatencyModel:
         k = self.coefficients
         pairs = new * (cached + new / 2.0)
         return float((k[2] + k[3]) * new + k[4] + k[6] * pairs * 1e-6) * 1e-3
+
+    def idle_s(self, new: float, cached: float = 0.0) -> float:
+        """How long a prompt of `new` uncached tokens after `cached` ones keeps an idle prefill
+        busy (s): the API server, then a step of its own (the step's fixed part and weight
+        reads are all its own: nothing shares them). The same as `score_prefill`'s
+        prediction with no queue."""
+        k = self.coefficients
+        return float(k[7] + _step(k, 0.0, 0.0, new, cached)) * 1e-3
 
     def transfer_ms(self, tokens: float) -> float:
         """A KV pull of `tokens` tokens between two instances (ms)."""

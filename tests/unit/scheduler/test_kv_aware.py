@@ -108,13 +108,41 @@ def test_a_holder_whose_queue_outlasts_the_saving_loses_to_an_idle_instance(
     assert counts["p1"] > 0 and counts["p0"] > counts["p1"], counts
     model = service.latency
     busy = service.inflight.busy_until
-    # What each has queued matches what the model says its prompts take.
-    p0_work = counts["p0"] * model.queue_s(160, 100 * BS)
+    # What each has queued matches what the model says its prompts take: the first a whole
+    # step, each one after it its share of a step.
+    p0_work = model.idle_s(160, 100 * BS) + (counts["p0"] - 1) * model.queue_s(160, 100 * BS)
     assert busy("p0") == pytest.approx(clock.now + p0_work)
     # Time passes: both queues drain, and the holder gets the next prompt again.
     clock.now += 10.0
     decision = service.schedule(req(99, shared + tokens(300, 160)))
     assert decision.prefill is not None and decision.prefill.instance_id == "p0"
+
+
+def test_a_prompt_keeps_an_idle_prefill_busy_for_its_whole_step(
+    fleet: Callable[..., Decider], clock: Clock
+) -> None:
+    # p0 holds the prefix, p1 all of it but the last block. A prompt's step on idle p0 (its
+    # fixed part and weight reads included: ~8 ms here, most of it not the prompt's own
+    # tokens) is still running half way through, so a prompt sent then goes to p1, which
+    # computes one block more at once rather than wait. Counting only the prompt's share of a
+    # step (what it adds to a busy queue) had let the second prompt queue behind the first
+    # while p1 idled (long-output's TTFT p99 at 8P16D).
+    service = fleet()
+    shared = tokens(5, 100 * BS)
+    hold(service.kv_index, "p0", shared)  # type: ignore[arg-type]
+    hold(service.kv_index, "p1", shared[: 99 * BS])  # type: ignore[arg-type]
+    model = service.latency
+    step_s = (model.step_ms(0.0, 0.0, 100, 100 * BS) + model.coefficients[7]) * 1e-3
+    first = service.schedule(req(0, shared + tokens(600, 100)))
+    assert first.prefill is not None and first.prefill.instance_id == "p0"
+    assert service.inflight.busy_until("p0") == pytest.approx(clock.now + step_s)
+    clock.now += step_s / 2
+    second = service.schedule(req(1, shared + tokens(601, 100)))
+    assert second.prefill is not None and second.prefill.instance_id == "p1"
+    # Once that step is over, p0 is the better again.
+    clock.now += step_s
+    third = service.schedule(req(2, shared + tokens(602, 100)))
+    assert third.prefill is not None and third.prefill.instance_id == "p0"
 
 
 def test_without_hits_prompts_go_to_the_shortest_predicted_queue(
@@ -143,7 +171,8 @@ def test_an_idle_report_clears_a_predicted_queue_and_a_busy_one_raises_it(
     for i in range(3):
         service.schedule(req(i, tokens(30 + i, 1000)))
     queued = service.inflight.busy_until("p0") - clock.now
-    assert queued == pytest.approx(3 * service.latency.queue_s(1000))
+    model = service.latency
+    assert queued == pytest.approx(model.idle_s(1000) + 2 * model.queue_s(1000))
     clock.now += 0.001
     source.put(make_instance("p0", "prefill", revision=2))  # nothing running or waiting
     service.schedule(req(3, tokens(40, 10)))  # reads the report

@@ -121,7 +121,9 @@ class KvAware:
                 f"(queue {wait:.0f}) of {n} ({live} live)",
                 pool.cached_tokens(i),
                 ttft,
-                self.model.queue_s(ctx.prompt_tokens - hit, hit),
+                # On an idle prefill the prompt's step is its own, fixed part and weight reads
+                # too (`idle_s`); behind queued prompts it adds only its share (`queue_s`).
+                self.model.queue_s(ctx.prompt_tokens - hit, hit) if wait > 0 else ttft * 1e-3,
             )
         w = self.weights
         i, score, ttft, hit, local, live = score_decode(
