@@ -119,6 +119,9 @@ class FleetResult:
     window_s: float
     roles: dict[str, RoleStats] = field(default_factory=dict)
     unfinished: int = 0
+    #: With the first token from prefill: the gaps from the first token to the second (the
+    #: pull, decode's admission and its step; s), which `itl` holds too, one per request.
+    handoff: LogHistogram = field(default_factory=LogHistogram)
 
     def ttft_q(self, q: float) -> float:
         return self.ttft.quantile(q)
@@ -573,5 +576,13 @@ def simulate_fleet(
     span = end - warmup_s
     itl = fleet.itl().merge(handoff) if handoff.total else fleet.itl()
     return FleetResult(
-        config, len(window), ttft, itl, good, max(span, 1e-9), fleet.roles(span), unfinished
+        config,
+        len(window),
+        ttft,
+        itl,
+        good,
+        max(span, 1e-9),
+        fleet.roles(span),
+        unfinished,
+        handoff,
     )

@@ -475,6 +475,9 @@ class RoutedResult:
             "ttft_p99_ms": f.ttft_q(0.99) * 1e3,
             "itl_p50_ms": f.itl_q(0.5) * 1e3,
             "itl_p99_ms": f.itl_q(0.99) * 1e3,
+            # first token from prefill: the token 1 -> 2 gaps apart (0 when none)
+            "handoff_p50_ms": f.handoff.quantile(0.5) * 1e3 if f.handoff.total else 0.0,
+            "handoff_share": f.handoff.total / f.itl.total if f.itl.total else 0.0,
             "goodput_rps": f.goodput,
             "unfinished": float(f.unfinished),
             "fleet_hit": s.fleet_hit,
