@@ -155,8 +155,11 @@ class InflightTracker:
         # decode id -> [unreleased assignments with a known decode_context, their sum]
         self._context: dict[str, list[int]] = {}
         #: Predicted queue time (s) of a peer's assignment of N uncached prompt tokens
-        #: (kv_aware's latency model; None: peers' assignments move no queue).
+        #: queued behind others, and on an idle prefill (a whole step of its own; kv_aware's
+        #: latency model, `LatencyModel.queue_s` / `idle_s`; None: peers' assignments move
+        #: no queue).
         self.queue_seconds: Callable[[int], float] | None = None
+        self.idle_seconds: Callable[[int], float] | None = None
 
     def __len__(self) -> int:
         return len(self._requests)
@@ -381,9 +384,10 @@ class InflightTracker:
         know the instance yet: counted in flight only). Replaces the peer's earlier one of
         that id. `prefill_id`/`decode_id` name the instances when the candidate is None
         (`prefill_id` "": no prefill leg); `prefill_tokens` as in `add`."""
+        record_prefill_id = prefill.instance_id if prefill else prefill_id
         record = Assignment(
             request_id=request_id,
-            prefill_id=prefill.instance_id if prefill else prefill_id,
+            prefill_id=record_prefill_id,
             prefill_epoch=prefill.epoch if prefill else 0,
             decode_id=decode.instance_id if decode else decode_id,
             decode_epoch=decode.epoch if decode else 0,
@@ -392,12 +396,19 @@ class InflightTracker:
             origin=origin,
             pending=pending and (prefill is not None or not prefill_id) and decode is not None,
             prefill_tokens=prefill_tokens,
-            prefill_s=self.queue_seconds(prefill_tokens)
-            if self.queue_seconds is not None and prefill_tokens
-            else 0.0,
+            prefill_s=self._peer_prefill_s(record_prefill_id, prefill_tokens),
         )
         with self._lock:
             self._put_locked((origin, request_id), record)
+
+    def _peer_prefill_s(self, prefill_id: str, tokens: int) -> float:
+        """What a peer's prompt of `tokens` uncached tokens adds to `prefill_id`'s queue (s)."""
+        queued, idle = self.queue_seconds, self.idle_seconds
+        if not tokens or not prefill_id or queued is None:
+            return 0.0
+        if idle is not None and self.busy_until(prefill_id) <= self._clock():
+            return idle(tokens)
+        return queued(tokens)
 
     def release_peer(self, origin: str, request_id: str) -> bool:
         """Ends peer `origin`'s assignment of `request_id`; False when it was not counted."""

@@ -241,3 +241,23 @@ def test_decode_context_is_the_mean_of_the_unreleased_assignments(
     assert tracker.decode_context("d") == 1000
     tracker.release("r2")
     assert tracker.decode_context("d") == 0 and tracker.decode_context("p") == 0
+
+
+def test_a_peer_prompt_on_an_idle_prefill_takes_a_whole_step_and_queued_ones_their_share(
+    pair: tuple[Candidate, Candidate],
+) -> None:
+    # As an own kv_aware decision does (`LatencyModel.idle_s` / `queue_s`): a replica
+    # counting a peer's prompt as only its share of a step had seen an instance still
+    # computing it as idle.
+    p, d = pair
+    clock = Clock()
+    tracker = InflightTracker(clock=clock)
+    tracker.queue_seconds = lambda tokens: tokens * 1e-4
+    tracker.idle_seconds = lambda tokens: 0.008 + tokens * 1e-4
+    tracker.add_peer("peer", "r1", p, d, 4, prefill_tokens=100)
+    assert tracker.busy_until("p") == pytest.approx(clock.now + 0.018)
+    tracker.add_peer("peer", "r2", p, d, 4, prefill_tokens=100)
+    assert tracker.busy_until("p") == pytest.approx(clock.now + 0.028)
+    clock.now += 1.0  # both done: idle again
+    tracker.add_peer("peer", "r3", p, d, 4, prefill_tokens=100)
+    assert tracker.busy_until("p") == pytest.approx(clock.now + 0.018)
