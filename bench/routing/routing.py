@@ -49,6 +49,7 @@ from bench.routing._prewarm import prewarm_decodes
 from bench.routing._routers import Endpoints, parse_row, start_row
 from bench.routing.openloop import client_numbers, replay
 from pdplane.launch.ports import free_port_run
+from pdplane.sim.profiles import CostModel, load_profile
 from tests.support.routing_stats import fleet_numbers, router_kv_counters
 
 TOPOLOGIES = {"1P7D": (1, 7), "2P2D": (2, 2), "4P4D": (4, 4), "8P16D": (8, 16)}
@@ -189,6 +190,30 @@ def _kv_subscriber(registry: str, cpus: str, logs: Path) -> Proc:
     return spawn("kv-subscriber", argv, cpus, logs)
 
 
+def kv_profile_for(profile: str, time_scale: float, logs: Path) -> str:
+    """The `--kv-profile` that predicts sims of `profile` running at `time_scale` (modelled s
+    per wall s) on the gateway's wall clock: the profile's own name at real time, else a JSON
+    file written under `logs` with every time 1/time_scale as long (step costs, request and
+    transfer latency) and the transfer 1/time_scale as fast. With the profile itself kv_aware
+    took a prefill busy for 350 wall ms (a 70 ms prompt at 0.2) to be free after 70."""
+    if time_scale == 1.0:
+        return profile
+    p = load_profile(profile)
+    slow = 1.0 / time_scale
+    cost = CostModel(**{k: v * slow for k, v in dataclasses.asdict(p.cost).items()})
+    wall = dataclasses.replace(
+        p,
+        name=f"{p.name}-at-{time_scale:g}x",
+        cost=cost,
+        transfer_latency_ms=p.transfer_latency_ms * slow,
+        transfer_gbps=p.transfer_gbps * time_scale,
+    )
+    logs.mkdir(parents=True, exist_ok=True)
+    path = logs / f"kv-profile-{time_scale:g}x.json"
+    path.write_text(json.dumps(wall.to_dict()))
+    return str(path)
+
+
 def _wait_registered(registry: str, count: int, timeout_s: float = 30.0) -> None:
     import grpc
 
@@ -270,7 +295,8 @@ def started(
         row = parse_row(p.row)
         if "kv_aware" in (row.prefill, row.decode) and "--kv-profile" not in row.flags:
             # kv_aware predicts with the engines' own profile, as a deployment configures it
-            row = dataclasses.replace(row, flags=(*row.flags, "--kv-profile", p.profile))
+            kv_profile = kv_profile_for(p.profile, p.time_scale, logs)
+            row = dataclasses.replace(row, flags=(*row.flags, "--kv-profile", kv_profile))
         proxy = start_row(row, ep, proxy_cpus, logs, dispatch=p.dispatch)
         if p.tokenizer and p.row.startswith("pdplane:"):
             _wait_precise(proxy.url, ep.model)
