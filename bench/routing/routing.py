@@ -196,6 +196,8 @@ def kv_profile_for(profile: str, time_scale: float, logs: Path) -> str:
     file written under `logs` with every time 1/time_scale as long (step costs, request and
     transfer latency) and the transfer 1/time_scale as fast. With the profile itself kv_aware
     took a prefill busy for 350 wall ms (a 70 ms prompt at 0.2) to be free after 70."""
+    if time_scale <= 0:
+        raise ValueError(f"time_scale must be > 0, not {time_scale:g}")
     if time_scale == 1.0:
         return profile
     p = load_profile(profile)
@@ -609,6 +611,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sim-cpus", default="1")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
+    if args.time_scale is not None and args.time_scale <= 0:
+        ap.error("--time-scale must be > 0 (modelled seconds per real second)")
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     out = args.out or ROOT / "logs" / "bench" / f"routing-{stamp}"
     out.mkdir(parents=True, exist_ok=True)

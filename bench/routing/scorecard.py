@@ -422,6 +422,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--time-scale", type=float, default=0.5, help="--served: modelled s per s")
     ap.add_argument("--virtual", type=Path, default=None, help="--served: the grid's results")
     args = ap.parse_args(argv)
+    if args.time_scale <= 0:
+        ap.error("--time-scale must be > 0 (modelled seconds per real second)")
     if args.report:
         results = [json.loads(line) for line in args.report.read_text().splitlines() if line]
         print(report([r for r in results if "error" not in r]))

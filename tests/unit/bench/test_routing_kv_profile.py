@@ -24,3 +24,8 @@ def test_at_a_fifth_of_real_time_every_prediction_is_five_times_longer(tmp_path:
         assert wall.queue_s(new, cached) == pytest.approx(5 * modelled.queue_s(new, cached))
     assert wall.transfer_ms(4000) == pytest.approx(5 * modelled.transfer_ms(4000))
     assert wall.step_ms(32, 40_000) == pytest.approx(5 * modelled.step_ms(32, 40_000))
+
+
+def test_a_time_scale_of_zero_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="time_scale must be > 0"):
+        kv_profile_for("llama3-8b-h100", 0.0, tmp_path)
