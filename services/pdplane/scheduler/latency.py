@@ -13,11 +13,12 @@ prefill query-key pairs). `LatencyModel.coefficients` carries the profile's numb
 float64 array (order: `COEFFICIENTS`); the kernels here evaluate the formula per candidate in
 one compiled pass over a side's table (`pdplane.scheduler.table`), for `kv_aware`:
 
-* prefill (`score_prefill`): the predicted time until the prompt's KV is computed = the API
-  server (`request_ms`) + the instance's queue (BUSY_UNTIL - now: a prompt sent to an idle
-  prefill keeps it busy for that whole prediction, `LatencyModel.idle_s`; each prompt queued
-  behind it adds the parts of a step that grow with it, `LatencyModel.queue_s`) + a step of the
-  uncached tokens after the cached ones (a prompt longer than the token budget takes several);
+* prefill (`score_prefill`): the predicted time until the prompt's KV is computed = the longer
+  of the API server (`request_ms`) and the instance's queue (BUSY_UNTIL - now: a prompt sent to
+  an idle prefill keeps it busy for that whole prediction, `LatencyModel.idle_s`; each prompt
+  queued behind it adds the parts of a step that grow with it, `LatencyModel.queue_s`) + a step
+  of the uncached tokens after the cached ones (a prompt longer than the token budget takes
+  several);
 * decode (`score_decode`): after that prefill, the pull of the tokens decode does not hold
   (`transfer_latency_ms` + bytes / `transfer_gbps`) and admission (half a step to wait, one to
   recompute the last prompt token), or, when decode holds a prefix, computing the rest itself
@@ -237,7 +238,9 @@ def _compile(  # the columns are closure cells: part of numba's cache key
             live += is_live(cols, row, live_slots)
             hit = hit_of(cols, row, cached, per_block, live_slots, prompt)
             wait = max(cols[row, busy_col] - now, 0.0) * 1e3
-            t = k[7] + wait + _step(k, 0.0, 0.0, prompt - hit, hit)
+            # The API server's time and the queue overlap: the engine takes the prompt when
+            # both are over (busy_until is when the queued prompts' KV is computed).
+            t = max(k[7], wait) + _step(k, 0.0, 0.0, prompt - hit, hit)
             scores[i] = t
             waits[i] = wait
             hits[i] = hit

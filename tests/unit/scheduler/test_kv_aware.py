@@ -145,6 +145,31 @@ def test_a_prompt_keeps_an_idle_prefill_busy_for_its_whole_step(
     assert third.prefill is not None and third.prefill.instance_id == "p0"
 
 
+def test_a_prompt_whose_api_server_time_outlasts_the_queue_waits_for_nothing(
+    fleet: Callable[..., Decider], clock: Clock
+) -> None:
+    # tiny-cpu's API server takes 5.88 ms per request before the engine sees it. A prompt
+    # sent while p0's step has less than that left reaches the engine after the step: no
+    # wait, so p0 (the longer hit) still wins, and it keeps p0 busy for a whole step of its
+    # own from its arrival there.
+    service = fleet(kv_profile="tiny-cpu")
+    shared = tokens(6, 100 * BS)
+    hold(service.kv_index, "p0", shared)  # type: ignore[arg-type]
+    hold(service.kv_index, "p1", shared[: 99 * BS])  # type: ignore[arg-type]
+    model = service.latency
+    api_s = model.coefficients[7] * 1e-3
+    assert api_s > 0.005
+    first = service.schedule(req(0, shared + tokens(700, 100)))
+    assert first.prefill is not None and first.prefill.instance_id == "p0"
+    clock.now = service.inflight.busy_until("p0") - api_s / 2  # half the API time left
+    second = service.schedule(req(1, shared + tokens(701, 100)))
+    assert second.prefill is not None and second.prefill.instance_id == "p0"
+    assert "(queue 3)" in second.reason, second.reason
+    assert service.inflight.busy_until("p0") == pytest.approx(
+        clock.now + model.idle_s(100, 100 * BS)
+    )
+
+
 def test_without_hits_prompts_go_to_the_shortest_predicted_queue(
     fleet: Callable[..., Decider],
 ) -> None:
