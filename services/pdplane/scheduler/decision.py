@@ -114,8 +114,7 @@ class Decider:
         warm_up_filter()
         warm_up_pool()
         # A peer's assignment moves its prefill's predicted queue as an own one does.
-        self.inflight.queue_seconds = model.queue_s
-        self.inflight.idle_seconds = model.idle_s
+        self.inflight.prefill_seconds = model.busy_s
         self._policy("prefill", "")
         self._policy("decode", "")
 

@@ -154,12 +154,11 @@ class InflightTracker:
         self._upstream: dict[str, set[_Key]] = {}
         # decode id -> [unreleased assignments with a known decode_context, their sum]
         self._context: dict[str, list[int]] = {}
-        #: Predicted queue time (s) of a peer's assignment of N uncached prompt tokens
-        #: queued behind others, and on an idle prefill (a whole step of its own; kv_aware's
-        #: latency model, `LatencyModel.queue_s` / `idle_s`; None: peers' assignments move
-        #: no queue).
-        self.queue_seconds: Callable[[int], float] | None = None
-        self.idle_seconds: Callable[[int], float] | None = None
+        #: What a peer's assignment of N uncached prompt tokens adds to its prefill's queue
+        #: (s), given the queue it finds there (s): kv_aware's latency model,
+        #: `LatencyModel.busy_s(new, cached, wait_s)`, as for an own decision (the peer's
+        #: cached tokens are not on the wire: 0). None: peers' assignments move no queue.
+        self.prefill_seconds: Callable[[int, int, float], float] | None = None
 
     def __len__(self) -> int:
         return len(self._requests)
@@ -396,19 +395,19 @@ class InflightTracker:
             origin=origin,
             pending=pending and (prefill is not None or not prefill_id) and decode is not None,
             prefill_tokens=prefill_tokens,
-            prefill_s=self._peer_prefill_s(record_prefill_id, prefill_tokens),
+            # A snapshot's assignments (pending False) were sent before this replica knew of
+            # them, most of their prompts computed long ago: they move no queue.
+            prefill_s=self._peer_prefill_s(record_prefill_id, prefill_tokens) if pending else 0.0,
         )
         with self._lock:
             self._put_locked((origin, request_id), record)
 
     def _peer_prefill_s(self, prefill_id: str, tokens: int) -> float:
         """What a peer's prompt of `tokens` uncached tokens adds to `prefill_id`'s queue (s)."""
-        queued, idle = self.queue_seconds, self.idle_seconds
-        if not tokens or not prefill_id or queued is None:
+        seconds = self.prefill_seconds
+        if not tokens or not prefill_id or seconds is None:
             return 0.0
-        if idle is not None and self.busy_until(prefill_id) <= self._clock():
-            return idle(tokens)
-        return queued(tokens)
+        return seconds(tokens, 0, max(self.busy_until(prefill_id) - self._clock(), 0.0))
 
     def release_peer(self, origin: str, request_id: str) -> bool:
         """Ends peer `origin`'s assignment of `request_id`; False when it was not counted."""

@@ -143,6 +143,16 @@ class LatencyModel:
         k = self.coefficients
         return float(k[7] + _step(k, 0.0, 0.0, new, cached)) * 1e-3
 
+    def busy_s(self, new: float, cached: float, wait_s: float) -> float:
+        """How much later a prefill whose queue ends `wait_s` from now (s) is busy after a
+        prompt of `new` uncached tokens after `cached` ones is sent there (s): its share of a
+        step (`queue_s`) when the queue outlasts the API server's time (it joins queued
+        prompts), else until its own predicted KV (`idle_s`: it reaches an idle engine).
+        One rule for a replica's own decisions and its peers'."""
+        if wait_s * 1e3 > self.coefficients[7]:
+            return self.queue_s(new, cached)
+        return self.idle_s(new, cached) - max(wait_s, 0.0)
+
     def transfer_ms(self, tokens: float) -> float:
         """A KV pull of `tokens` tokens between two instances (ms)."""
         return float(_transfer(self.coefficients, tokens))

@@ -10,6 +10,7 @@ import pytest
 from pdplane.scheduler.candidate import Candidate
 from pdplane.scheduler.compat import split_sides
 from pdplane.scheduler.inflight import InflightTracker
+from pdplane.scheduler.latency import LatencyModel
 from pdplane.scheduler.table import ModelTables
 
 
@@ -243,21 +244,35 @@ def test_decode_context_is_the_mean_of_the_unreleased_assignments(
     assert tracker.decode_context("d") == 0 and tracker.decode_context("p") == 0
 
 
-def test_a_peer_prompt_on_an_idle_prefill_takes_a_whole_step_and_queued_ones_their_share(
+def test_a_peer_prompt_moves_the_prefill_queue_as_an_own_decision_does(
     pair: tuple[Candidate, Candidate],
 ) -> None:
-    # As an own kv_aware decision does (`LatencyModel.idle_s` / `queue_s`): a replica
-    # counting a peer's prompt as only its share of a step had seen an instance still
-    # computing it as idle.
+    # The same rule as an own kv_aware decision (`LatencyModel.busy_s`): on an idle prefill a
+    # whole step, behind a queue its share. A replica counting a peer's prompt as only its
+    # share of a step had seen an instance still computing it as idle.
     p, d = pair
     clock = Clock()
     tracker = InflightTracker(clock=clock)
-    tracker.queue_seconds = lambda tokens: tokens * 1e-4
-    tracker.idle_seconds = lambda tokens: 0.008 + tokens * 1e-4
+    model = LatencyModel("tiny-cpu")  # an API server time of 5.88 ms
+    tracker.prefill_seconds = model.busy_s
     tracker.add_peer("peer", "r1", p, d, 4, prefill_tokens=100)
-    assert tracker.busy_until("p") == pytest.approx(clock.now + 0.018)
+    whole = model.idle_s(100)
+    assert tracker.busy_until("p") == pytest.approx(clock.now + whole)
     tracker.add_peer("peer", "r2", p, d, 4, prefill_tokens=100)
-    assert tracker.busy_until("p") == pytest.approx(clock.now + 0.028)
-    clock.now += 1.0  # both done: idle again
+    assert tracker.busy_until("p") == pytest.approx(clock.now + whole + model.queue_s(100))
+    clock.now = tracker.busy_until("p") - 0.002  # less left than the API server's time
     tracker.add_peer("peer", "r3", p, d, 4, prefill_tokens=100)
-    assert tracker.busy_until("p") == pytest.approx(clock.now + 0.018)
+    assert tracker.busy_until("p") == pytest.approx(clock.now + whole)
+
+
+def test_a_peer_snapshot_moves_no_prefill_queue(pair: tuple[Candidate, Candidate]) -> None:
+    # A snapshot (a peer's assignments in flight when this replica connects) holds prompts
+    # computed long ago: stacking them from now had made a prefill look busy for seconds.
+    p, d = pair
+    clock = Clock()
+    tracker = InflightTracker(clock=clock)
+    tracker.prefill_seconds = LatencyModel().busy_s
+    for i in range(300):
+        tracker.add_peer("peer", f"r{i}", p, d, 4, pending=False, prefill_tokens=2000)
+    assert tracker.busy_until("p") == 0.0
+    assert len(tracker) == 300

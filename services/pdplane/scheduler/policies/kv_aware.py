@@ -121,13 +121,7 @@ class KvAware:
                 f"(queue {wait:.0f}) of {n} ({live} live)",
                 pool.cached_tokens(i),
                 ttft,
-                # Reaching an idle engine (its queue over before the API server is done), the
-                # prompt's step is its own, fixed part and weight reads too: the instance is
-                # busy until its predicted KV (`idle_s`). Behind queued prompts it adds only
-                # its share of a step (`queue_s`).
-                self.model.queue_s(ctx.prompt_tokens - hit, hit)
-                if wait > k[7]
-                else (ttft - wait) * 1e-3,
+                self.model.busy_s(ctx.prompt_tokens - hit, hit, wait * 1e-3),
             )
         w = self.weights
         i, score, ttft, hit, local, live = score_decode(
