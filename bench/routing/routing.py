@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import sys
 import time
@@ -196,7 +197,7 @@ def kv_profile_for(profile: str, time_scale: float, logs: Path) -> str:
     file written under `logs` with every time 1/time_scale as long (step costs, request and
     transfer latency) and the transfer 1/time_scale as fast. With the profile itself kv_aware
     took a prefill busy for 350 wall ms (a 70 ms prompt at 0.2) to be free after 70."""
-    if time_scale <= 0:
+    if not (math.isfinite(time_scale) and time_scale > 0):
         raise ValueError(f"time_scale must be > 0, not {time_scale:g}")
     if time_scale == 1.0:
         return profile
@@ -611,7 +612,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sim-cpus", default="1")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
-    if args.time_scale is not None and args.time_scale <= 0:
+    if args.time_scale is not None and not (math.isfinite(args.time_scale) and args.time_scale > 0):
         ap.error("--time-scale must be > 0 (modelled seconds per real second)")
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     out = args.out or ROOT / "logs" / "bench" / f"routing-{stamp}"

@@ -40,12 +40,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import multiprocessing
 import statistics
 import sys
 import time
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +56,12 @@ from pdplane.plan.fleetsim import FIRST_TOKEN_MODES, FleetConfig
 from pdplane.plan.routesim import ChatTraffic, ChatTurn, run_routed
 from pdplane.plan.search import capacity
 from pdplane.scheduler.policies.kv_aware import KvAwareWeights
-from pdplane.scheduler.warming import WarmSettings
+from pdplane.scheduler.warming import (
+    WARM_MIN_TOKENS,
+    WARM_REQUESTS_PER_HOLDER,
+    WARM_WINDOW_S,
+    WarmSettings,
+)
 from pdplane.sim.profiles import load_profile
 
 TOPOLOGIES = {"4P4D": (4, 4), "8P16D": (8, 16)}
@@ -138,27 +144,54 @@ def fleet_capacity(p: Point) -> float:
     return capacity(load_profile(p.profile), isl, osl, p.itl_slo_s, x, y)
 
 
+def kv_options(kv: str) -> dict[str, Any]:
+    """`Decider` keyword arguments of a `--kv` value ("itl_weight=10,warm_min_tokens=0,...":
+    `KvAwareWeights` fields, `local_prefill_max_tokens`, `warm_` + `WarmSettings` fields).
+    Raises ValueError naming a knob that is unknown, repeated or not a number."""
+    if not kv:
+        return {}
+    knobs: dict[str, str] = {}
+    for item in kv.split(","):
+        name, eq, value = item.partition("=")
+        if not eq or not name or name in knobs:
+            raise ValueError(f"--kv: {item!r} is not NAME=VALUE or repeats a knob")
+        knobs[name] = value
+    warm_fields = {f.name for f in fields(WarmSettings)}
+    weight_fields = {f.name for f in fields(KvAwareWeights)}
+    known = {f"warm_{f}" for f in warm_fields} | weight_fields | {"local_prefill_max_tokens"}
+    unknown = sorted(set(knobs) - known)
+    if unknown:
+        raise ValueError(f"--kv: unknown knob {unknown[0]!r}; known: {', '.join(sorted(known))}")
+
+    def number(name: str, kind: type[int] | type[float]) -> Any:
+        try:
+            return kind(knobs[name])
+        except ValueError:
+            raise ValueError(f"--kv: {name}={knobs[name]!r} is not a number") from None
+
+    options: dict[str, Any] = {}
+    warm = {k: number(k, float) for k in knobs if k.startswith("warm_")}
+    if warm:
+        options["warm"] = WarmSettings(
+            min_tokens=int(warm.get("warm_min_tokens", WARM_MIN_TOKENS)),
+            window_s=float(warm.get("warm_window_s", WARM_WINDOW_S)),
+            requests_per_holder=int(warm.get("warm_requests_per_holder", WARM_REQUESTS_PER_HOLDER)),
+        )
+    if "local_prefill_max_tokens" in knobs:
+        options["local_prefill_max_tokens"] = number("local_prefill_max_tokens", int)
+    weights = {k: number(k, float) for k in knobs if k in weight_fields}
+    if weights:
+        options["kv_weights"] = KvAwareWeights(**weights)
+    return options
+
+
 def run_point(p: Point) -> dict[str, Any]:
     """Runs one point; returns its settings, rate, numbers and the run's CPU seconds."""
     started = time.process_time()
     rate = p.load * fleet_capacity(p)
     workload = wl.FAMILY[p.workload](rate, p.duration_s, p.seed)
     x, y = TOPOLOGIES[p.topology]
-    options: dict[str, Any] = {}
-    if p.kv and p.router == "kv_aware":
-        knobs = dict(kv.split("=", 1) for kv in p.kv.split(","))
-        warm = {k[5:]: knobs.pop(k) for k in list(knobs) if k.startswith("warm_")}
-        if warm:
-            options["warm"] = WarmSettings(
-                min_tokens=int(warm.get("min_tokens", 1024)),
-                window_s=float(warm.get("window_s", 10.0)),
-                requests_per_holder=int(warm.get("requests_per_holder", 8)),
-            )
-        limit = knobs.pop("local_prefill_max_tokens", None)
-        if limit is not None:
-            options["local_prefill_max_tokens"] = int(limit)
-        if knobs:
-            options["kv_weights"] = KvAwareWeights(**{k: float(v) for k, v in knobs.items()})
+    options = kv_options(p.kv) if p.router == "kv_aware" else {}
     result = run_routed(
         load_profile(p.profile),
         FleetConfig(prefill=x, decode=y),
@@ -422,12 +455,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--time-scale", type=float, default=0.5, help="--served: modelled s per s")
     ap.add_argument("--virtual", type=Path, default=None, help="--served: the grid's results")
     args = ap.parse_args(argv)
-    if args.time_scale <= 0:
+    if not (math.isfinite(args.time_scale) and args.time_scale > 0):
         ap.error("--time-scale must be > 0 (modelled seconds per real second)")
     if args.report:
-        results = [json.loads(line) for line in args.report.read_text().splitlines() if line]
+        try:
+            results = read_results(args.report)
+        except ValueError as exc:
+            ap.error(str(exc))
         print(report([r for r in results if "error" not in r]))
         return 0
+    try:
+        grid = _grid(args)
+        kv_options(args.kv)
+        if args.served and args.virtual:
+            virtual = read_results(args.virtual)
+    except ValueError as exc:
+        ap.error(str(exc))
+    if args.jobs < 1:
+        ap.error("--jobs must be >= 1")
     out = args.out or ROOT / "logs" / "bench" / f"scorecard-{time.strftime('%Y%m%dT%H%M%S')}.jsonl"
     out.parent.mkdir(parents=True, exist_ok=True)
     done = {}
@@ -440,20 +485,16 @@ def main(argv: list[str] | None = None) -> int:
         Point(
             topo,
             work,
-            float(load),
+            load,
             router,
-            int(seed),
+            seed,
             args.profile,
             args.duration,
             args.warmup,
             kv=args.kv if router == "kv_aware" else "",
             first_token=args.first_token,
         )
-        for topo in args.topologies.split(",")
-        for work in args.workloads.split(",")
-        for load in args.loads.split(",")
-        for seed in args.seeds.split(",")
-        for router in args.routers.split(",")
+        for topo, work, load, seed, router in grid
     ]
     todo = [p for p in points if p.key not in done]
     print(f"{len(points)} points, {len(todo)} to run -> {out}", file=sys.stderr, flush=True)
@@ -466,9 +507,8 @@ def main(argv: list[str] | None = None) -> int:
                 f.flush()
                 _progress(r)
                 served.append(r)
-        virtual = []
-        if args.virtual:
-            virtual = [json.loads(x) for x in args.virtual.read_text().splitlines() if x]
+        if not args.virtual:
+            virtual = []
         print(served_report(served, [v for v in virtual if "error" not in v]))
         return 0
     with out.open("a") as f:
@@ -491,6 +531,64 @@ def main(argv: list[str] | None = None) -> int:
     wanted = {p.key for p in points}
     print(report([r for k, r in done.items() if k in wanted and "error" not in r]))
     return 0
+
+
+def read_results(path: Path) -> list[dict[str, Any]]:
+    """The result lines of a JSONL file this script wrote. Raises ValueError (one line) for a
+    file that cannot be read, holds no result, or has a line that is not one."""
+    try:
+        lines = path.read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path}: cannot read it ({exc})") from None
+    results = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError:
+            r = None
+        if not isinstance(r, dict) or not isinstance(r.get("point"), dict):
+            raise ValueError(f"{path} line {n}: not a result line of this script")
+        results.append(r)
+    if not any("error" not in r for r in results):
+        raise ValueError(f"{path}: no results in it")
+    return results
+
+
+def _grid(args: argparse.Namespace) -> list[tuple[str, str, float, int, str]]:
+    """The (topology, workload, load, seed, router) points asked for. Raises ValueError
+    naming the first bad value."""
+
+    def names(flag: str, value: str, known: Iterable[str]) -> list[str]:
+        got = [x for x in value.split(",") if x]
+        bad = [x for x in got if x not in known]
+        if bad or not got:
+            raise ValueError(
+                f"{flag}: unknown {bad[0]!r}; known: {', '.join(known)}"
+                if bad
+                else f"{flag}: none given"
+            )
+        return got
+
+    topologies = names("--topologies", args.topologies, TOPOLOGIES)
+    workloads = names("--workloads", args.workloads, wl.FAMILY)
+    routers = names("--routers", args.routers, ROUTERS)
+    try:
+        loads = [float(x) for x in args.loads.split(",")]
+        seeds = [int(x) for x in args.seeds.split(",")]
+    except ValueError:
+        raise ValueError("--loads takes numbers and --seeds integers, comma separated") from None
+    if not all(math.isfinite(x) and x > 0 for x in loads):
+        raise ValueError("--loads must be > 0 (fractions of the fleet's capacity)")
+    return [
+        (t, w, load, seed, r)
+        for t in topologies
+        for w in workloads
+        for load in loads
+        for seed in seeds
+        for r in routers
+    ]
 
 
 def _progress(r: dict[str, Any]) -> None:
