@@ -13,12 +13,13 @@ prefill query-key pairs). `LatencyModel.coefficients` carries the profile's numb
 float64 array (order: `COEFFICIENTS`); the kernels here evaluate the formula per candidate in
 one compiled pass over a side's table (`pdplane.scheduler.table`), for `kv_aware`:
 
-* prefill (`score_prefill`): the predicted time until the prompt's KV is computed = the longer
-  of the API server (`request_ms`) and the instance's queue (BUSY_UNTIL - now: a prompt sent to
-  an idle prefill keeps it busy for that whole prediction, `LatencyModel.idle_s`; each prompt
-  queued behind it adds the parts of a step that grow with it, `LatencyModel.queue_s`) + a step
-  of the uncached tokens after the cached ones (a prompt longer than the token budget takes
-  several);
+* prefill (`score_prefill`): the predicted time until the prompt's KV is computed = max(the API
+  server's time `request_ms`, the instance's queue BUSY_UNTIL - now) + a step of the uncached
+  tokens after the cached ones (a prompt longer than the token budget takes several). What a
+  prompt adds to the queue is `LatencyModel.busy_s`: reaching an idle engine (a queue no longer
+  than the API time), until its own predicted KV (`idle_s`: the step's fixed part and weight
+  reads are its own); meeting a queue, the parts of a step that grow with it (`queue_s`; the
+  first prompt behind a running step starts a step of its own, so that one is under-predicted);
 * decode (`score_decode`): after that prefill, the pull of the tokens decode does not hold
   (`transfer_latency_ms` + bytes / `transfer_gbps`) and admission (half a step to wait, one to
   recompute the last prompt token), or, when decode holds a prefix, computing the rest itself
