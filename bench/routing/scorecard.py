@@ -31,7 +31,8 @@ mean over seeds of the paired (same workload draw) ratios with their range.
 `--served` runs the same points through `bench/routing/routing.py` instead: served sims (one
 process, `pdplane sim`'s real-time runner at `--time-scale`), a registry, the pdplane gateway with
 its embedded scheduler (every row tokenizes with the tiny model's tokenizer, every row's sims serve
-KV events streams to a subscriber) or the sims' own oracle; a point whose sims lag the clock by
+KV events streams to a subscriber; kv_aware predicts with the sims' profile stretched to the wall
+clock, `routing.kv_profile_for`) or the sims' own oracle; a point whose sims lag the clock by
 more than 5 % is marked invalid. With `--virtual FILE` (the grid's results) each served number
 is shown beside the virtual one of the same point and seed.
 """
