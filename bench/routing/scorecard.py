@@ -47,7 +47,7 @@ import statistics
 import sys
 import time
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -57,12 +57,7 @@ from pdplane.plan.fleetsim import FIRST_TOKEN_MODES, FleetConfig
 from pdplane.plan.routesim import ChatTraffic, ChatTurn, run_routed
 from pdplane.plan.search import capacity
 from pdplane.scheduler.policies.kv_aware import KvAwareWeights
-from pdplane.scheduler.warming import (
-    WARM_MIN_TOKENS,
-    WARM_REQUESTS_PER_HOLDER,
-    WARM_WINDOW_S,
-    WarmSettings,
-)
+from pdplane.scheduler.warming import WarmSettings
 from pdplane.sim.profiles import load_profile
 
 TOPOLOGIES = {"4P4D": (4, 4), "8P16D": (8, 16)}
@@ -171,13 +166,12 @@ def kv_options(kv: str) -> dict[str, Any]:
             raise ValueError(f"--kv: {name}={knobs[name]!r} is not a number") from None
 
     options: dict[str, Any] = {}
-    warm = {k: number(k, float) for k in knobs if k.startswith("warm_")}
+    defaults = WarmSettings()
+    warm = {
+        k[5:]: number(k, type(getattr(defaults, k[5:]))) for k in knobs if k.startswith("warm_")
+    }
     if warm:
-        options["warm"] = WarmSettings(
-            min_tokens=int(warm.get("warm_min_tokens", WARM_MIN_TOKENS)),
-            window_s=float(warm.get("warm_window_s", WARM_WINDOW_S)),
-            requests_per_holder=int(warm.get("warm_requests_per_holder", WARM_REQUESTS_PER_HOLDER)),
-        )
+        options["warm"] = replace(defaults, **warm)
     if "local_prefill_max_tokens" in knobs:
         options["local_prefill_max_tokens"] = number("local_prefill_max_tokens", int)
     weights = {k: number(k, float) for k in knobs if k in weight_fields}
