@@ -57,9 +57,14 @@ class PlanSettings(CommandSettings):
     gpus: int = Field(0, ge=0, description="GPU budget (one instance = one GPU); 0 = no limit")
     max_prefill: int = Field(32, ge=1, description="most prefill instances to consider")
     max_decode: int = Field(32, ge=1, description="most decode instances to consider")
-    rate: float = Field(0.0, ge=0, description="request rate (req/s); 0 = the workload's")
+    rate: float = Field(
+        0.0, ge=0, allow_inf_nan=False, description="request rate (req/s); 0 = the workload's"
+    )
     duration_s: float = Field(
-        0.0, ge=0, description="simulated traffic (s); 0 = one request lifetime + max(half, 60 s)"
+        0.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="simulated traffic (s); 0 = one request lifetime + max(half, 60 s)",
     )
     decode_max_num_seqs: int | None = Field(None, ge=1, description="decode --max-num-seqs")
     kv_limit: float = Field(

@@ -105,13 +105,26 @@ def _poisson(spec: str) -> Shape:
     unknown = set(fields) - {"isl", "osl", "rate", "cv"}
     if unknown:
         raise ValueError(f"workload {spec!r}: unknown fields {sorted(unknown)}")
-    return Shape(
-        spec,
-        float(fields.get("rate", 1.0)),
-        Lengths(int(fields.get("isl", 1000))),
-        Lengths(int(fields.get("osl", 200))),
-        float(fields.get("cv", 1.0)),
-    )
+    isl, osl = _field(spec, fields, "isl", 1000, int), _field(spec, fields, "osl", 200, int)
+    rate, cv = _field(spec, fields, "rate", 1.0, float), _field(spec, fields, "cv", 1.0, float)
+    return Shape(spec, rate, Lengths(int(isl)), Lengths(int(osl)), cv)
+
+
+def _field(spec: str, fields: dict[str, str], name: str, default: float, kind: type) -> float:
+    """One field of a `poisson:` workload: a finite number above 0 (`kind` int: a whole one).
+
+    Raises ValueError naming the field and the workload."""
+    raw = fields.get(name)
+    if raw is None:
+        return default
+    try:
+        value = kind(raw)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        what = "a whole number" if kind is int else "a finite number"
+        raise ValueError(f"workload {spec!r}: {name} must be {what} above 0 (got {raw!r})")
+    return float(value)
 
 
 def _trace(path: Path) -> list[RequestSpec]:

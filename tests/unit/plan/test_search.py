@@ -71,3 +71,34 @@ def test_cli_bad_input_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert pdplane_main(["plan", "--slo", "ttft<2"]) == 2
     assert "bad SLO term" in capsys.readouterr().err
     assert pdplane_main(["plan", "--profile", "nope"]) == 2
+
+
+@pytest.mark.parametrize(
+    ("field", "bad"),
+    [
+        ("rate", "-4"),
+        ("rate", "0"),
+        ("rate", "inf"),
+        ("rate", "nan"),
+        ("isl", "0"),
+        ("isl", "1.5"),
+        ("osl", "-5"),
+        ("cv", "0"),
+    ],
+)
+def test_a_poisson_workload_field_out_of_range_is_one_line_and_exit_2(
+    field: str, bad: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    spec = f"poisson:{field}={bad}"
+    assert pdplane_main(["plan", "--workload", spec, "--duration-s", "5"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and f"{field} must be" in err and repr(bad) in err
+
+
+@pytest.mark.parametrize("flag", ["--rate", "--duration-s"])
+def test_an_infinite_rate_or_duration_is_refused(
+    flag: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        pdplane_main(["plan", "--workload", "poisson:rate=4", flag, "inf"])
+    assert exited.value.code == 2 and "finite" in capsys.readouterr().err
