@@ -49,33 +49,57 @@ class AutoscaleOptions(CommandSettings):
     spend_window_s: float = Field(
         3600.0, gt=0, allow_inf_nan=False, description="the spend target's rolling window (s)"
     )
-    autoscale_interval_s: float = Field(5.0, gt=0, description="time between decisions (s)")
+    autoscale_interval_s: float = Field(
+        5.0, gt=0, allow_inf_nan=False, description="time between decisions (s)"
+    )
     autoscale_window_s: float = Field(
-        60.0, gt=0, description="traffic and load are measured over this sliding window (s)"
+        60.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="traffic and load are measured over this sliding window (s)",
     )
     up_margin: float = Field(
-        0.1, ge=0, description="scale out to the plan for the measured rate x (1 + this)"
+        0.1,
+        ge=0,
+        allow_inf_nan=False,
+        description="scale out to the plan for the measured rate x (1 + this)",
     )
     down_margin: float = Field(
-        0.3, ge=0, description="scale in only to the plan for the measured rate x (1 + this)"
+        0.3,
+        ge=0,
+        allow_inf_nan=False,
+        description="scale in only to the plan for the measured rate x (1 + this)",
     )
     scale_in_after_s: float = Field(
-        60.0, ge=0, description="a role shrinks only after it stayed above its line this long"
+        60.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="a role shrinks only after it stayed above its line this long",
     )
     cooldown_s: float = Field(
-        120.0, ge=0, description="a role does not shrink sooner than this after it grew (s)"
+        120.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="a role does not shrink sooner than this after it grew (s)",
     )
     instance_startup_s: float = Field(
         90.0,
         ge=0,
+        allow_inf_nan=False,
         description="time from starting an instance until it serves (s): a prefill queue the "
         "ready instances serve within it starts nothing",
     )
     predict_measure_s: float = Field(
-        30.0, gt=0, description="traffic each simulated fleet serves after its warm-up (s)"
+        30.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="traffic each simulated fleet serves after its warm-up (s)",
     )
     drain_timeout_s: float = Field(
-        600.0, gt=0, description="longest wait for a drained instance to finish its requests (s)"
+        600.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="longest wait for a drained instance to finish its requests (s)",
     )
 
     @model_validator(mode="after")
@@ -84,9 +108,12 @@ class AutoscaleOptions(CommandSettings):
             raise ValueError("min-prefill/min-decode must not exceed max-prefill/max-decode")
         if self.down_margin < self.up_margin:
             raise ValueError("down-margin must be at least up-margin (the hysteresis band)")
-        if self.gpus and self.gpus < (self.min_prefill + self.min_decode) * self.gpus_per_instance:
-            raise ValueError("gpus is below what min-prefill + min-decode instances hold")
         smallest = (self.min_prefill + self.min_decode) * self.gpus_per_instance
+        if self.gpus and self.gpus < smallest:
+            raise ValueError(
+                f"gpus {self.gpus} is below the {smallest} GPUs that min-prefill + min-decode "
+                "instances hold"
+            )
         if self.mean_gpus and self.mean_gpus < smallest:
             raise ValueError(
                 f"mean-gpus {self.mean_gpus:g} is below the {smallest} GPUs that min-prefill + "

@@ -41,7 +41,7 @@ from wsgiref.simple_server import WSGIServer
 
 import grpc
 from prometheus_client import start_http_server
-from pydantic import Field, field_validator
+from pydantic import Field, TypeAdapter, ValidationError, field_validator, model_validator
 
 from pdplane.autoscale.local import LocalActuator
 from pdplane.autoscale.loop import Autoscaler
@@ -174,6 +174,22 @@ class UpSettings(AutoscaleOptions):
         description="with --autoscale: the controller's Prometheus /metrics HTTP (wanted and "
         "running instances, moves, predicted before/after; 0 = off)",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _controller_only_with_autoscale(cls, data: Any) -> Any:
+        # The controller's PDPLANE_* variables are read only with --autoscale (docs/autoscale.md):
+        # without it a PDPLANE_GPUS meant for `pdplane plan` must not stop the fleet from
+        # starting. Its flags given without --autoscale are refused by `parse` (argv).
+        if not isinstance(data, dict):
+            return data
+        try:
+            on = TypeAdapter(bool).validate_python(data.get("autoscale", False))
+        except ValidationError:
+            return data  # the field's own check reports it
+        if on:
+            return data
+        return {k: v for k, v in data.items() if k not in AutoscaleOptions.model_fields}
 
     @field_validator("kv_profile")
     @classmethod
