@@ -424,7 +424,7 @@ def main(argv: list[str]) -> int:
         _say(f"  logs:                 {spec.log_dir.resolve()}")
         _say(
             f"  tokens:               {path} and {fleet_credentials.fleet_path(creds)} "
-            "(read by pdplane ls, drain, vllm, grpc)"
+            "(read by pdplane ls, drain, vllm, grpc, plan --registry)"
         )
         if settings.demo:
             _say("demo request: POST /v1/chat/completions")
