@@ -55,7 +55,7 @@ def test_both_commands_take_the_spend_target(command: type) -> None:
     required = (
         ["--model", "m", "--prefill-workload", "deployment/p", "--decode-workload", "deployment/d"]
         if command is AutoscaleSettings
-        else []
+        else ["--autoscale"]  # pdplane up reads the controller's settings only with it
     )
     s = command.parse([*required, "--mean-gpus", "4.5", "--spend-window-s", "7200"])
     c = s.controller("llama3-8b-h100")
@@ -68,7 +68,7 @@ def test_a_spend_target_below_the_smallest_fleet_is_refused(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     with pytest.raises(SystemExit) as exc:
-        UpSettings.parse(["--mean-gpus", "1"])
+        UpSettings.parse(["--autoscale", "--mean-gpus", "1"])
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "error: pdplane up: mean-gpus 1 is below the 2 GPUs" in err  # no pydantic prefix
@@ -89,7 +89,7 @@ def test_a_spend_target_above_the_cap_or_a_window_shorter_than_a_step_is_refused
     flags: list[str], says: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     with pytest.raises(SystemExit) as exc:
-        UpSettings.parse(flags)
+        UpSettings.parse(["--autoscale", *flags])
     assert exc.value.code == 2
     assert says in capsys.readouterr().err
 
