@@ -24,9 +24,10 @@ Each call (`Controller.decide`, every `interval_s` of the caller) reads one `Obs
 3. **Observed check**: when the window's TTFT or ITL p90 breaks its target and the live rules
    (`pdplane.plan.live.advise`: queues, KV cache) name a side, that side gets one more instance
    than it has, unless one of that role is starting or became ready since the last call (the
-   window does not show it yet), or (prefill) the breach comes from a prefill queue that is
-   falling or that the planned prefills serve within a start-up: the simulation's profile may
-   be wrong, the measurement is not. What it added stays while the traffic it was added for
+   window does not show it yet), or (prefill) no prefill queue that is not falling outlasts
+   what the planned prefills serve within a start-up (a falling queue, or none left while the window's
+   p90 still shows the requests that waited in it, explains the breach): the simulation's
+   profile may be wrong, the measurement is not. What it added stays while the traffic it was added for
    lasts (the same length buckets, the rate not down by the scale-in margin).
 4. **Spend target** (`mean_gpus`, `pdplane.autoscale.spend`): the lines are planned within
    the GPU cap only while the account pays for it: a fleet above the target is bought only
@@ -397,13 +398,13 @@ class Controller:
                 # it does yet.
                 if state.count(role).starting or role in self._readied:
                     continue
-                # A prefill queue that is falling, or that the ready prefills serve within a
-                # start-up, explains the breach: a start would serve after it is gone (requests
-                # already queued stay on their instance).
-                if (
-                    role == "prefill"
-                    and queue
-                    and (falling or not self._lasting_queue(obs, state, obs.traffic))
+                # Only a prefill queue that is not falling and outlasts a start-up is one more
+                # prefill's to serve: one that is falling or that the ready prefills serve within a
+                # start-up explains the breach, and with none left the window's p90 still shows
+                # the requests that waited in it. A start would serve after they are gone
+                # (requests already queued stay on their instance).
+                if role == "prefill" and not (
+                    queue and not falling and self._lasting_queue(obs, state, obs.traffic)
                 ):
                     continue
                 wanted[role] = current[role] + 1

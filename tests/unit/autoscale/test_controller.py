@@ -166,6 +166,18 @@ def test_an_observed_breach_with_a_falling_prefill_queue_adds_nothing() -> None:
     )
 
 
+def test_an_observed_breach_after_the_prefill_queue_emptied_adds_nothing() -> None:
+    # The queue was worked off within the window (500 a quarter-window ago, none now); the
+    # window's TTFT p90 still shows the requests that waited. A prefill started now has
+    # nothing to serve, and what the check adds would stay while the traffic lasts.
+    c = _controller(down_margin=0.0)
+    d = c.decide(_late(0, 500), _fleet(3, 2), now=0)
+    assert d.wanted is None or d.wanted["prefill"] <= 3
+    # ...nor a quarter-window later, with the queue still empty and the p90 still broken.
+    d = c.decide(_late(0, 0), _fleet(3, 2), now=15)
+    assert d.wanted is None or d.wanted["prefill"] <= 3
+
+
 def test_no_decision_before_the_window_has_measured_anything() -> None:
     c = _controller()
     obs = _obs(30)
