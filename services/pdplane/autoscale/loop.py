@@ -181,7 +181,9 @@ class Autoscaler:
         decision = self.controller.decide(obs, state, now) if leader else None
         if decision is not None and decision.wanted:
             moves = plan_moves(decision.wanted, state, self.controller.bounds.gpus)
-            self.say(decision.describe() + (f"; moves: {', '.join(map(str, moves))}"))
+            # A start that does not fit the GPU budget waits for a draining instance's GPU.
+            done = ", ".join(map(str, moves)) or "none yet (waiting for draining instances' GPUs)"
+            self.say(f"{decision.describe()}; moves: {done}")
             for move in moves:
                 if move.action == "start":
                     self.actuator.start(move.role)
