@@ -25,10 +25,11 @@ Each call (`Controller.decide`, every `interval_s` of the caller) reads one `Obs
    (`pdplane.plan.live.advise`: queues, KV cache) name a side, that side gets one more instance
    than it has, unless one of that role is starting or became ready since the last call (the
    window does not show it yet), or (prefill) no prefill queue that is not falling outlasts
-   what the planned prefills serve within a start-up (a falling queue, or none left while the window's
-   p90 still shows the requests that waited in it, explains the breach): the simulation's
-   profile may be wrong, the measurement is not. What it added stays while the traffic it was added for
-   lasts (the same length buckets, the rate not down by the scale-in margin).
+   what the planned prefills serve within a start-up (a falling queue, or none left while the
+   window's p90 still shows the requests that waited in it, explains the breach): the
+   simulation's profile may be wrong, the measurement is not. What it added stays while the
+   traffic it was added for lasts (the same length buckets, the rate not down by the scale-in
+   margin).
 4. **Spend target** (`mean_gpus`, `pdplane.autoscale.spend`): the lines are planned within
    the GPU cap only while the account pays for it: a fleet above the target is bought only
    when the plan for the arrivals (without the queue) within the cap meets the SLO and the
