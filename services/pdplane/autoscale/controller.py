@@ -33,8 +33,12 @@ Each call (`Controller.decide`, every `interval_s` of the caller) reads one `Obs
 4. **Spend target** (`mean_gpus`, `pdplane.autoscale.spend`): the lines are planned within
    the GPU cap only while the account pays for it: a fleet above the target is bought only
    when the plan for the arrivals (without the queue) within the cap meets the SLO and the
-   credit pays for the extra GPUs through a start-up and a cooldown. Otherwise they are
-   planned within the target (or, when only the credit is short, within what the fleet
+   credit pays for the extra GPUs through a start-up and a cooldown; what is bought above the
+   target is the plan for the traffic as it is now (the last quarter, its own rate and
+   lengths, with the scale-out margin), not for the queue or the window's higher rate (when
+   that plan fits within the target, the whole scale-out line is planned within it), and a
+   fleet above the target shrinks to the scale-out line, not the scale-in line. Otherwise
+   they are planned within the target (or, when only the credit is short, within what the fleet
    already holds), and the roles above them give back at once; likewise once the credit no
    longer pays for what is held above the target until the next call and while the drains
    run.
@@ -172,15 +176,27 @@ class Controller:
         s, p = self.settings, self.predictor
         rising = self._rising(obs, state)
         up = p.plan(rising, self.bounds)
+        spend = self.spend
+        if spend is not None and up.prefill + up.decode > spend.target:
+            # Above the spend target the credit pays for the traffic as it is now, not for
+            # the queue or the window's higher rate (module docstring, 4); within the target
+            # the whole line is planned (those GPUs are paid for).
+            now_line = p.plan(self._now(obs), self.bounds)
+            if now_line.prefill + now_line.decode > spend.target:
+                rising, up = self._now(obs), now_line
+            else:
+                up = p.plan(rising, spend.within(spend.target))
         bounds, spend_note = self._spend_bounds(obs, state, up, now)
         if bounds != self.bounds:
             up = p.plan(rising, bounds)
         down = up
         # A window comfortably within the targets (those a planned fleet must meet) with no
         # prefill queue shows the fleet is more than enough: it may shrink to the scale-out
-        # line. Otherwise only to the scale-in line, planned with the wider margin.
+        # line. Otherwise only to the scale-in line, planned with the wider margin, which a
+        # fleet held above the spend target does not pay for.
         comfortable = self._comfortable(obs, state)
-        if not comfortable and any(
+        lean = spend is not None and state.gpus_held > spend.account.mean_gpus
+        if not (comfortable or lean) and any(
             current[role] > n for role, n in (("prefill", up.prefill), ("decode", up.decode))
         ):
             # Only a role above the scale-out line can shrink: plan the scale-in line then.
@@ -210,11 +226,14 @@ class Controller:
                 cooled = now - self._grew_at.get(role, -math.inf) >= s.cooldown_s
                 if now - since >= s.scale_in_after_s and cooled and not broken:
                     wanted[role] = peak
-                    line = (
-                        f"the plan for +{s.up_margin:.0%} ({up.label}), latency comfortable"
-                        if comfortable
-                        else f"the plan for +{s.down_margin:.0%} ({down.label})"
-                    )
+                    if comfortable:
+                        line = f"the plan for +{s.up_margin:.0%} ({up.label}), latency comfortable"
+                    elif lean:
+                        line = (
+                            f"the plan for +{s.up_margin:.0%} ({up.label}), above the spend target"
+                        )
+                    else:
+                        line = f"the plan for +{s.down_margin:.0%} ({down.label})"
                     reasons.append(f"{role} above {line} for {now - since:.0f} s")
                 else:
                     waiting.append(role)
@@ -348,6 +367,12 @@ class Controller:
             return n
         del self._observed[role]
         return 0
+
+    def _now(self, obs: Observation) -> Traffic:
+        """The traffic as it is now, with the scale-out margin: the window's last quarter
+        (its own rate and lengths), else the window."""
+        now = obs.recent if obs.recent.known else obs.traffic
+        return now.scaled(1 + self.settings.up_margin)
 
     def _lasting_queue(self, obs: Observation, state: FleetState, traffic: Traffic) -> float:
         """Requests waiting on the prefills now that the planned prefills (ready and

@@ -314,12 +314,46 @@ def test_a_spend_target_buys_nothing_for_traffic_no_fleet_within_the_cap_serves(
     c = _spending(4, fails_above=25)
     _quiet(c, 600)
     assert c.decide(_obs(24), _fleet(1, 1), now=600).wanted == {"prefill": 3, "decode": 2}
-    # So is a queue on top of traffic the cap serves (20 req/s and 3000 waiting on one
-    # prefill: planned as 70 req/s): it is served once the queue is, and the credit pays.
+    # A queue on top of traffic the cap serves (20 req/s and 3000 waiting on one prefill:
+    # planned as 70 req/s) is served within the target's GPUs: the credit is not spent on a
+    # queue (the traffic as it is now, 20 req/s, needs 2P1D; the queue's 7P4D within 4 GPUs
+    # is 2P2D).
     c = _spending(4, fails_above=25)
     _quiet(c, 600)
     d = c.decide(_obs(20, waiting=3000), _fleet(1, 1), now=600)
-    assert d.wanted is not None and sum(d.wanted.values()) == 8
+    assert d.wanted == {"prefill": 2, "decode": 2}
+
+
+def test_above_a_spend_target_the_credit_buys_the_traffic_as_it_is_now() -> None:
+    # A shift to 8k-token prompts at 10 req/s after 20 req/s of 1k ones: the window's higher
+    # rate with the last quarter's lengths (20 req/s of 8k) asks for 8P1D; the last quarter
+    # itself (10 req/s of 8k) for 4P1D, one GPU over the target of 4: the credit buys that.
+    window, recent = Traffic(20, 1000, 300), Traffic(10, 8000, 300)
+    loads = {"prefill": RoleLoad(1, 1, 0.0, 0.1), "decode": RoleLoad(1, 5)}
+    shift = Observation(window, loads, span_s=60.0, recent=recent)
+    c = _spending(4)
+    _quiet(c, 600)
+    assert c.decide(shift, _fleet(1, 1), now=600).wanted == {"prefill": 4, "decode": 1}
+    # Without a target the higher rate is planned for (a rise shows in the last quarter first).
+    free = _spending(0)
+    assert free.decide(shift, _fleet(1, 1), now=600).wanted == {"prefill": 7, "decode": 1}
+
+
+def test_above_a_spend_target_a_role_shrinks_to_the_scale_out_line() -> None:
+    # 4P2D (two GPUs over the target) at 30 req/s, unmeasured latency (not comfortable): the
+    # scale-in line (+50 %: 45 req/s) is 5P3D, the scale-out line 3P2D. Without a target the
+    # fleet holds; above a target the wider margin is not paid for: the prefill shrinks to
+    # 3 once it stayed above the line for `scale_in_after_s`.
+    def held(mean_gpus: float) -> list[dict[str, int] | None]:
+        s = ControllerSettings(
+            scale_in_after_s=60, cooldown_s=120, up_margin=0.0, down_margin=0.5, mean_gpus=mean_gpus
+        )
+        c = Controller(FakePredictor(), Bounds(gpus=8), s)  # type: ignore[arg-type]
+        _quiet(c, 600)
+        return [c.decide(_obs(30), _fleet(4, 2), now=now).wanted for now in range(600, 700, 15)]
+
+    assert held(0) == [None] * 7
+    assert held(4) == [None] * 4 + [{"prefill": 3, "decode": 2}] + [None] * 2
 
 
 def test_a_spend_target_buys_only_what_its_credit_holds_through_a_start_up_and_cooldown() -> None:
