@@ -20,6 +20,7 @@ fleet (`pdplane.autoscale.elastic`), so the controller sees the same quantities 
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import deque
 from dataclasses import dataclass, field
@@ -64,6 +65,29 @@ class Traffic:
     def scaled(self, factor: float) -> Traffic:
         """The same lengths at `factor` x the rate."""
         return Traffic(self.rate * factor, self.isl, self.osl)
+
+
+def _increase(seen: list[InstanceSample]) -> tuple[float, float, float]:
+    """What one instance's counters (finished, prompt tokens, generation tokens) grew by
+    over its samples `seen`, oldest first. A counter lower than in the sample before means
+    the instance restarted under the same id (its counters begin again at zero): that step
+    adds the new values, as Prometheus' `increase()` reads a counter reset."""
+    finished = prompt = generated = 0.0
+    for before, after in itertools.pairwise(seen):
+        reset = (
+            after.finished < before.finished
+            or after.prompt_tokens < before.prompt_tokens
+            or after.generation_tokens < before.generation_tokens
+        )
+        base = (
+            (0.0, 0.0, 0.0)
+            if reset
+            else (before.finished, before.prompt_tokens, before.generation_tokens)
+        )
+        finished += after.finished - base[0]
+        prompt += after.prompt_tokens - base[1]
+        generated += after.generation_tokens - base[2]
+    return finished, prompt, generated
 
 
 @dataclass(slots=True)
@@ -116,18 +140,20 @@ class TrafficWindow:
         new = samples[-1][1]
         done = prompt = queue = gen = dec_done = held = 0.0
         for iid, s in new.items():
-            # The instance's oldest sample in the window (one that started inside the window,
-            # or whose earlier scrapes failed, counts from its first one).
-            base = next(rows[iid] for _, rows in samples if iid in rows)
+            # The instance's samples in the window (one that started inside the window, or
+            # whose earlier scrapes failed, counts from its first one).
+            seen = [rows[iid] for _, rows in samples if iid in rows]
+            base = seen[0]
+            finished, prompts, generated = _increase(seen)
             if s.role == "prefill":
-                done += s.finished - base.finished
-                prompt += s.prompt_tokens - base.prompt_tokens
+                done += finished
+                prompt += prompts
                 queue += s.running + s.waiting - (base.running + base.waiting)
             elif s.role == "decode":
-                gen += s.generation_tokens - base.generation_tokens
-                dec_done += s.finished - base.finished
+                gen += generated
+                dec_done += finished
             elif s.role == "gateway":
-                held += s.finished - base.finished + s.waiting - base.waiting
+                held += finished + s.waiting - base.waiting
         arrivals = max(done + queue, 0.0)
         isl = prompt / arrivals if arrivals > 0 else 0.0
         osl = gen / dec_done if dec_done > 0 else 0.0

@@ -38,6 +38,19 @@ def test_an_instance_counts_from_its_first_sample_in_the_window() -> None:
     assert w.traffic().rate == pytest.approx((40 + 20) / 20)
 
 
+def test_an_instance_restarted_under_the_same_id_counts_from_its_restart() -> None:
+    # p2 restarts between 3 s and 6 s under the same id: its counters begin again at zero
+    # (as a Prometheus counter reset). Both prefills finish 4 req/s of 1000-token prompts:
+    # 48 requests in 6 s, not a negative count clamped to no traffic.
+    w = TrafficWindow(60.0)
+    w.add(0.0, {"p1": _p(100, 100_000), "p2": _p(200, 200_000)})
+    w.add(3.0, {"p1": _p(112, 112_000), "p2": _p(212, 212_000)})
+    w.add(6.0, {"p1": _p(124, 124_000), "p2": _p(12, 12_000)})
+    t = w.traffic()
+    assert t.rate == pytest.approx(8.0)
+    assert t.isl == pytest.approx(1000.0)
+
+
 def test_old_samples_leave_the_window_and_the_last_part_can_be_read_alone() -> None:
     w = TrafficWindow(30.0)
     for k in range(7):  # 1 req/s for 30 s, then 5 req/s
