@@ -37,7 +37,10 @@ Each call (`Controller.decide`, every `interval_s` of the caller) reads one `Obs
    target is the plan for the traffic as it is now (the last quarter, its own rate and
    lengths, with the scale-out margin), not for the queue or the window's higher rate (when
    that plan fits within the target, the whole scale-out line is planned within it), and a
-   fleet above the target shrinks to the scale-out line, not the scale-in line. Otherwise
+   fleet above the target shrinks to the scale-out line, not the scale-in line. What is
+   held above the target for a phase no fleet within the cap serves gives back once that
+   judgement has held for `scale_in_after_s`; a fleet above the target with no credit (one
+   started so) gives back at the first call, traffic measured or not. Otherwise
    they are planned within the target (or, when only the credit is short, within what the fleet
    already holds), and the roles above them give back at once; likewise once the credit no
    longer pays for what is held above the target until the next call and while the drains
@@ -149,6 +152,8 @@ class Controller:
     spend: SpendLimit | None = None
     #: when the spend target was last looked at (s)
     _spend_at: float | None = None
+    #: since when (s) no fleet within the cap has met the SLO, on every decision since
+    _unmet_since: float | None = None
 
     def __post_init__(self) -> None:
         s = self.settings
@@ -169,9 +174,15 @@ class Controller:
         if self.spend is not None:
             self.spend.account.record(now, state.gpus_held)
         traffic = obs.traffic
-        if obs.span_s >= self.settings.min_span_s and traffic.rate == 0 and not obs.queued:
-            return self._idle(obs, current, now)
-        if not traffic.known or obs.span_s < self.settings.min_span_s:
+        idle = obs.span_s >= self.settings.min_span_s and traffic.rate == 0 and not obs.queued
+        if idle or not traffic.known or obs.span_s < self.settings.min_span_s:
+            # Nothing to plan for; a fleet above the spend target still gives back at once
+            # when the credit does not pay for it (one started above it, say).
+            over = self._over_spend(state, current, traffic, now)
+            if over is not None:
+                return over
+            if idle:
+                return self._idle(obs, current, now)
             return Decision(now, traffic, current, None, "no traffic measured yet")
         s, p = self.settings, self.predictor
         rising = self._rising(obs, state)
@@ -285,6 +296,35 @@ class Controller:
         self.decisions.append(decision)
         return decision
 
+    def _over_spend(
+        self, state: FleetState, current: dict[str, int], traffic: Traffic, now: float
+    ) -> Decision | None:
+        """Before anything is measured (or with no traffic): the fleet within the spend
+        target when it holds more than the target and the credit does not pay for that
+        until this decision (the account never borrows); None otherwise."""
+        spend, last = self.spend, self._spend_at
+        self._spend_at = now
+        if spend is None:
+            return None
+        extra = state.gpus_held - spend.account.mean_gpus
+        credit = spend.account.credit(now)
+        if extra <= 0 or (credit > 0 and credit >= extra * (now - (last or now))):
+            return None
+        x, y = spend.within(spend.target).clamp(current["prefill"], current["decode"])
+        wanted = {"prefill": x, "decode": y}
+        if wanted == current:
+            return None
+        for role in ROLES:
+            self._above_since.pop(role, None)
+            self._lines.pop(role, None)
+        why = f"(spend: the credit for more than {spend.account.mean_gpus:g} GPUs is spent)"
+        changed = [role for role in ROLES if wanted[role] < current[role]]
+        decision = Decision(
+            now, traffic, current, wanted, "; ".join(f"{role} gives back {why}" for role in changed)
+        )
+        self.decisions.append(decision)
+        return decision
+
     def _idle(self, obs: Observation, current: dict[str, int], now: float) -> Decision:
         """No request arrived within the window and none waits: each role shrinks to its
         minimum, with a falling rate's hysteresis (above it for `scale_in_after_s`, and
@@ -332,7 +372,20 @@ class Controller:
         drain_s = obs.queued / max(1, state.count("prefill").ready) / per_prefill
         interval = now - last if last is not None else 0.0
         keep = extra * interval + max(0.0, extra - starting) * drain_s
-        return spend.bounds(plan, lambda: self._steady(obs).meets, state, keep, now)
+        # "No fleet within the cap meets the SLO" gives back to the target only once that
+        # judgement held for `scale_in_after_s`: on traffic near what the cap serves, one
+        # window's noise would otherwise give back and buy again each decision.
+        verdicts: list[bool] = []
+
+        def arrivals_met() -> bool:
+            verdicts.append(self._steady(obs).meets)
+            return verdicts[-1]
+
+        since = self._unmet_since
+        keep_unmet = since is None or now - since < self.settings.scale_in_after_s
+        bounds = spend.bounds(plan, arrivals_met, state, keep, now, keep_unmet)
+        self._unmet_since = (since if since is not None else now) if verdicts == [False] else None
+        return bounds
 
     def _steady(self, obs: Observation) -> FleetPlan:
         """The plan within the GPU cap for the arrivals of the scale-out line, without the

@@ -137,24 +137,28 @@ class SpendLimit:
         state: FleetState,
         keep_gpu_s: float,
         now: float,
+        keep_unmet: bool = False,
     ) -> tuple[Bounds, str]:
         """The bounds to plan within, and why when narrower than the cap: `plan` is the
         scale-out line within the cap, `arrivals_met()` whether the plan for the arrivals
         alone (no queue) within the cap meets the SLO, `keep_gpu_s` what giving back what is
         held above the target costs from now on (held until the next decision, then the
-        drains; GPU-seconds)."""
+        drains; GPU-seconds). `keep_unmet`: when no fleet within the cap meets the SLO,
+        keep what is held (buying nothing more) instead of giving back to the target: the
+        caller's judgement has not held long enough yet (one window's noise)."""
         if self.account.credit(now) < keep_gpu_s:
             why = f"(spend: the credit for more than {self.account.mean_gpus:g} GPUs is spent)"
             return self.within(self.target), why
         wanted = plan.prefill + plan.decode
+        held = max(self.target, sum(state.count(role).planned for role in ROLES))
         if wanted > self.target and not arrivals_met():
             gpus = self.cap.max_instances * self.cap.gpus_per_instance
-            return self.within(self.target), f"(spend: no fleet within {gpus} GPUs meets the SLO)"
+            why = f"(spend: no fleet within {gpus} GPUs meets the SLO)"
+            return self.within(held if keep_unmet else self.target), why
         if self.pays(wanted, state, now):
             return self.cap, ""
         # Keep what the credit already bought; buy nothing more.
-        kept = max(self.target, sum(state.count(role).planned for role in ROLES))
-        return self.within(kept), f"(spend: the credit does not pay for {plan.label})"
+        return self.within(held), f"(spend: the credit does not pay for {plan.label})"
 
     @staticmethod
     def starts_within(wanted: dict[str, int], state: FleetState, bounds: Bounds) -> dict[str, int]:

@@ -303,11 +303,14 @@ def test_a_spend_target_buys_more_gpus_only_with_credit_earned_below_it() -> Non
 
 def test_a_spend_target_buys_nothing_for_traffic_no_fleet_within_the_cap_serves() -> None:
     # At 30 req/s no fleet within 8 GPUs meets the SLO: the credit stays for a phase where
-    # more GPUs make it met; the fleet holds the target, and what it held above gives back.
+    # more GPUs make it met; the fleet holds the target, and what it held above gives back
+    # once that judgement held for scale_in_after_s (60 s from the first, at 600 s).
     c = _spending(4, fails_above=25)
     _quiet(c, 600)
     assert c.decide(_obs(30), _fleet(1, 1), now=600).wanted == {"prefill": 2, "decode": 2}
-    d = c.decide(_obs(30), _fleet(4, 2), now=615)
+    for now in (615, 630, 645):
+        assert c.decide(_obs(30), _fleet(4, 2), now=now).wanted is None
+    d = c.decide(_obs(30), _fleet(4, 2), now=660)
     assert d.wanted is not None and sum(d.wanted.values()) == 4
     assert "no fleet within 8 GPUs meets the SLO" in d.reason
     # Within the cap, the same traffic is served: the credit buys it.
@@ -354,6 +357,31 @@ def test_above_a_spend_target_a_role_shrinks_to_the_scale_out_line() -> None:
 
     assert held(0) == [None] * 7
     assert held(4) == [None] * 4 + [{"prefill": 3, "decode": 2}] + [None] * 2
+
+
+def test_a_fleet_started_above_the_spend_target_gives_back_before_any_traffic() -> None:
+    # 1P4D (5 GPUs) started with a target of 4 and no credit: the account never borrows, so
+    # the first decision gives back a decode, traffic measured or not (here: none yet, then
+    # an idle window).
+    unmeasured = Observation(Traffic(0, 0, 0), {}, span_s=5.0)
+    d = _spending(4).decide(unmeasured, _fleet(1, 4), now=0)
+    assert d.wanted == {"prefill": 1, "decode": 3} and "spend" in d.reason
+    idle = Observation(Traffic(0, 0, 0), {}, span_s=60.0)
+    assert _spending(4).decide(idle, _fleet(1, 4), now=0).wanted == {"prefill": 1, "decode": 3}
+    # Within the target nothing moves before traffic is measured.
+    assert _spending(5).decide(unmeasured, _fleet(1, 4), now=0).wanted is None
+
+
+def test_a_spend_target_does_not_flap_on_traffic_at_the_edge_of_what_the_cap_serves() -> None:
+    # 4P2D bought on credit; the measured rate alternates between 24 req/s (the cap serves
+    # it) and 30 (it does not): one window's verdict does not give back what is held, so
+    # nothing is drained and bought again.
+    c = _spending(4, fails_above=25)
+    _quiet(c, 600)
+    assert c.decide(_obs(24), _fleet(1, 1), now=600).wanted == {"prefill": 3, "decode": 2}
+    for i, now in enumerate(range(615, 900, 15)):
+        d = c.decide(_obs(30 if i % 2 == 0 else 24), _fleet(3, 2), now=now)
+        assert d.wanted is None, (now, d.reason)
 
 
 def test_a_spend_target_buys_only_what_its_credit_holds_through_a_start_up_and_cooldown() -> None:
