@@ -3,7 +3,7 @@ modelled hour (virtual time: `pdplane.autoscale.proof`, docs/plan.md "Autoscalin
 simulator").
 
     python bench/plan/autoscale_hour.py --gpus 8 16 --seeds 0 1 2 [--profile llama3-8b-h100] \\
-        [--mean-gpus N] [--inflight-budget F] [--jobs 16] [--out logs/autoscale-hour]
+        [--mean-gpus N] [--inflight-budget F] [--jobs 3] [--out logs/autoscale-hour]
 
 Every budget serves the same hour (the 8-GPU cap binds where the traffic needs more). Every
 policy of one (budget, seed) serves the same requests from the same start (the static split,
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
@@ -164,28 +165,67 @@ def _report(details: dict[str, Any]) -> None:
     )
 
 
+def _at_least(least: float, cast: type[int] | type[float]) -> Any:
+    """An argparse type: a finite number of `cast` no smaller than `least`."""
+
+    def parse(text: str) -> float:
+        try:
+            value = cast(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if not math.isfinite(value) or value < least:
+            raise argparse.ArgumentTypeError(f"{text} is below {least:g} or not finite")
+        return value
+
+    return parse
+
+
 def main() -> int:
-    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    ap.add_argument("--gpus", type=int, nargs="+", default=[8, 16])
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    ap.add_argument("--profile", default="llama3-8b-h100")
-    ap.add_argument("--slo", default="ttft_p90<=1s,itl_p90<=50ms")
+    ap = argparse.ArgumentParser(
+        description=(__doc__ or "").split("\n\n")[0].replace("\n", " "),
+    )
+    ap.add_argument(
+        "--gpus",
+        type=_at_least(2, int),
+        nargs="+",
+        default=[8, 16],
+        help="GPU budgets (one instance per GPU, at least 2: 1P1D; default 8 16)",
+    )
+    ap.add_argument(
+        "--seeds", type=int, nargs="+", default=[0, 1, 2], help="traffic seeds (default 0 1 2)"
+    )
+    ap.add_argument(
+        "--profile", default="llama3-8b-h100", help="engine profile (default llama3-8b-h100)"
+    )
+    ap.add_argument(
+        "--slo",
+        default="ttft_p90<=1s,itl_p90<=50ms",
+        help="the SLO judged (default ttft_p90<=1s,itl_p90<=50ms)",
+    )
     ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
     ap.add_argument(
         "--mean-gpus",
-        type=float,
+        type=_at_least(0, float),
         default=None,
         help="the controller's spend target, mean GPUs (default: what the static split holds; "
         "0: none)",
     )
     ap.add_argument(
         "--inflight-budget",
-        type=float,
+        type=_at_least(0, float),
         default=0.0,
-        help="the gateway's flow control in front of the fleet: its --inflight-budget (0: none)",
+        help="the gateway's flow control in front of the fleet: its --inflight-budget (default 0: "
+        "none)",
     )
-    ap.add_argument("--jobs", type=int, default=3, help="runs at once (processes)")
-    ap.add_argument("--out", type=Path, default=Path("logs/autoscale-hour"))
+    ap.add_argument(
+        "--jobs", type=_at_least(1, int), default=3, help="runs at once (processes; default 3)"
+    )
+    ap.add_argument(
+        "--out",
+        type=Path,
+        default=Path("logs/autoscale-hour"),
+        help="results (default logs/autoscale-hour)",
+    )
     args = ap.parse_args()
     out = _Out(args.out, args.profile, args.slo, args.mean_gpus, args.inflight_budget)
     cells: list[Cell] = [(g, s) for g in args.gpus for s in args.seeds]
