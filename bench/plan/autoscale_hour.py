@@ -23,8 +23,8 @@ reasons) to run-GPUS-SEED-POLICY.json as soon as it ends, with the table of the 
 so far in autoscale-hour.md. A second call with the same OUT, profile, SLO and spend target
 reuses what is there and runs only what is missing (delete OUT to start over). At the end it
 prints the Markdown table (per budget and policy: SLO attainment over 1-minute windows,
-goodput, GPU-hours, moves, unfinished requests) and writes it to OUT/autoscale-hour.md, with
-every run's details in OUT/autoscale-hour.json.
+goodput, GPU-hours, moves, unfinished and shed requests) and writes it to
+OUT/autoscale-hour.md, with every run's details in OUT/autoscale-hour.json.
 """
 
 from __future__ import annotations
@@ -109,6 +109,7 @@ def _details(row: Row) -> dict[str, Any]:
 def _summary(details: dict[str, Any]) -> Summary:
     s = dict(details["summary"])
     s["start"] = tuple(s["start"])
+    s.setdefault("shed", details.get("shed", 0))  # a run written before the column
     return Summary(**s)
 
 
@@ -161,7 +162,7 @@ def _report(details: dict[str, Any]) -> None:
     sys.stderr.write(
         f"gpus {s.gpus} seed {s.seed} {s.policy}: attainment {s.attainment:.0%}, goodput "
         f"{s.goodput:.2f} req/s, {s.gpu_hours:.2f} GPU-h, {s.moves} moves, "
-        f"{s.unfinished} unfinished ({details['cpu_s']} s CPU)\n"
+        f"{s.unfinished} unfinished, {s.shed} shed ({details['cpu_s']} s CPU)\n"
     )
 
 

@@ -252,7 +252,8 @@ def run_policies(
 @dataclass(frozen=True, slots=True)
 class Summary:
     """What the table shows of one run: SLO attainment (fraction of 1-minute windows),
-    goodput (req/s), GPU-hours, moves (starts + drains), unfinished requests."""
+    goodput (req/s), GPU-hours, moves (starts + drains), unfinished requests, requests the
+    gateway's flow control shed or timed out (429/503, no token)."""
 
     policy: str
     seed: int
@@ -263,6 +264,7 @@ class Summary:
     gpu_hours: float
     moves: int
     unfinished: int
+    shed: int = 0
 
     @classmethod
     def of(cls, row: Row) -> Summary:
@@ -277,16 +279,18 @@ class Summary:
             r.gpu_hours,
             len(r.moves),
             r.unfinished,
+            r.shed,
         )
 
 
 def table(runs: Sequence[Summary]) -> str:
     """A Markdown table: per budget and policy, the mean over seeds of SLO attainment (and
-    each seed's), goodput, GPU-hours, moves (starts + drains) and unfinished requests."""
+    each seed's), goodput, GPU-hours, moves (starts + drains), unfinished requests and
+    those the gateway shed."""
     lines = [
         "| GPUs | policy | SLO attainment (per seed) | goodput req/s | GPU-hours | moves | "
-        "unfinished |",
-        "|---|---|---|---|---|---|---|",
+        "unfinished | shed |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     keys = sorted({(r.gpus, POLICIES.index(r.policy)) for r in runs})
     for gpus, k in keys:
@@ -302,7 +306,8 @@ def table(runs: Sequence[Summary]) -> str:
             f"{sum(r.goodput for r in group) / n:.2f} | "
             f"{sum(r.gpu_hours for r in group) / n:.2f} | "
             f"{sum(r.moves for r in group) / n:.1f} | "
-            f"{sum(r.unfinished for r in group) / n:.0f} |"
+            f"{sum(r.unfinished for r in group) / n:.0f} | "
+            f"{sum(r.shed for r in group) / n:.0f} |"
         )
     return "\n".join(lines) + "\n"
 

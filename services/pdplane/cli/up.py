@@ -445,7 +445,11 @@ def main(argv: list[str]) -> int:
                 f"autoscale: every {settings.autoscale_interval_s:g} s, prefill "
                 f"{b.min_prefill}..{b.max_prefill}, decode {b.min_decode}..{b.max_decode}, "
                 f"at most {b.max_instances * b.gpus_per_instance} GPUs"
-                + (f", mean {settings.mean_gpus:g} GPUs" if settings.mean_gpus else "")
+                + (
+                    f", mean {settings.mean_gpus:g} GPUs over {settings.spend_window_s:g} s"
+                    if settings.mean_gpus
+                    else ""
+                )
                 + f", SLO {settings.slo}, profile "
                 + (settings.autoscale_profile or _controller_profile(settings))
             )

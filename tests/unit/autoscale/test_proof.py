@@ -23,10 +23,12 @@ from pdplane.autoscale.proof import (
     CHAT,
     SUMMARISE,
     Row,
+    Summary,
     hour,
     requests_of,
     run_policies,
     static_split,
+    table,
 )
 from pdplane.plan.search import parse_slo
 from pdplane.plan.workload import Lengths
@@ -113,3 +115,15 @@ def test_a_run_is_deterministic_for_its_seed() -> None:
     ]
     assert runs[0].moves and runs[0].moves == runs[1].moves
     assert runs[0].windows == runs[1].windows and runs[0].good == runs[1].good
+
+
+def test_the_table_shows_the_requests_the_gateway_shed() -> None:
+    # A run can answer every request it admitted (0 unfinished) while its gateway shed many:
+    # the table says both, as means over the seeds.
+    runs = [
+        Summary("controller", seed, 8, (3, 1), 0.5, 10.0, 4.0, 20, 0, shed)
+        for seed, shed in ((0, 100), (1, 300))
+    ]
+    header, _, row = table(runs).splitlines()
+    assert header.endswith("| unfinished | shed |")
+    assert row.endswith("| 0 | 200 |")
