@@ -3,6 +3,8 @@ argparse line and exit 2, not a traceback or a run that never ends."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -26,13 +28,21 @@ ROOT = Path(__file__).resolve().parents[3]
     ],
 )
 def test_bad_numbers_are_refused_before_any_run(args: list[str], said: str) -> None:
-    out = subprocess.run(
+    # Its own session: a run that did start (the bug) is stopped with its worker processes.
+    proc = subprocess.Popen(
         [sys.executable, "bench/plan/autoscale_hour.py", *args, "--out", "/nonexistent/x"],
         cwd=ROOT,
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=60,
+        start_new_session=True,
     )
-    assert out.returncode == 2, out.stderr
-    assert said in out.stderr
-    assert "Traceback" not in out.stderr
+    try:
+        _, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise AssertionError(f"{args} started a run instead of being refused") from None
+    assert proc.returncode == 2, err
+    assert said in err
+    assert "Traceback" not in err
