@@ -260,7 +260,6 @@ class Controller:
                 reasons.append(f"{role} gives back {why}")
         if broken:
             self._observed_check(obs, state, current, wanted, reasons)
-            spend = self.spend
             if spend and bounds == self.bounds and not spend.pays(sum(wanted.values()), state, now):
                 # The check's instance is a purchase above the target like any other.
                 bounds = spend.within(max(spend.target, sum(current.values())))
