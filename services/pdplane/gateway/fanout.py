@@ -76,11 +76,13 @@ class Choices:
 
     def resumable(self) -> bool:
         """Whether the choices can continue elsewhere: the prompt's ids and the response's id
-        are known (from any choice: one that sent nothing yet gets them too)."""
+        are known (from any choice: one that sent nothing yet gets them too, and continues
+        from them, not as a request run again whole)."""
         known = next((t for t in self.choices if t.resumable()), None)
         if known is None:
             return False
         for t in self.choices:
+            t.started = True
             if t.prompt_ids is None:
                 t.prompt_ids = list(known.prompt_ids or ())
             if not t.response_id:

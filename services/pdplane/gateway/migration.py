@@ -35,7 +35,7 @@ from typing import Any
 from pydantic_core import from_json
 
 from pdplane.gateway.seam import parsed
-from pdplane.gateway.splice import FirstToken
+from pdplane.gateway.splice import FirstToken, strip_token_ids
 
 __all__ = ["Budget", "Loss", "Transcript", "stop_lookback", "stop_seam", "whole_characters"]
 
@@ -46,7 +46,6 @@ _MAX_CHARACTER_TOKENS = 4
 #: before `prompt_`).
 _IDS = re.compile(rb'"token_ids":\[([0-9,]*)\]')
 _PROMPT_IDS = re.compile(rb'"prompt_token_ids":\[([0-9,]*)\]')
-_ANY_IDS = re.compile(rb'("(?:prompt_)?token_ids":)\[[0-9,]*\]')
 _FINISHED = re.compile(rb'"finish_reason":"')
 #: A token event's text (completions' `text`, chat's `content`) as a JSON string.
 _TEXT = re.compile(rb'"(?:text|content)":("(?:[^"\\]|\\.)*")')
@@ -129,6 +128,7 @@ class Transcript:
         "prompt_ids",
         "response_id",
         "sent",
+        "started",
     )
 
     def __init__(
@@ -146,6 +146,7 @@ class Transcript:
         self.prompt_ids: list[int] | None = None
         self.sent: list[int] = []  # ids of the output tokens relayed, in order
         self.finished = False  # a finish_reason went out: nothing left to generate
+        self.started = first is not None  # an event reached the client
         self.response_id = ""
         self.created = 0
         self.model = ""
@@ -161,6 +162,9 @@ class Transcript:
     def observe(self, events: bytes, resumed: bool = False) -> None:
         """Reads decode's whole SSE `events` (bytes) before they are relayed. `resumed`: a
         resumed leg's events (their prompt ids are the resumed prompt's, not the client's)."""
+        if not events:
+            return
+        self.started = True
         if not self.response_id and events.startswith(b"data: {"):
             self._head(events[6 : events.find(b"\n\n")])
         if self.prompt_ids is None and not resumed:
@@ -212,7 +216,7 @@ class Transcript:
     def strip(events: bytes) -> bytes:
         """`events` with the token ids that only the gateway asked for set to null, as vLLM
         writes them when not asked."""
-        return _ANY_IDS.sub(rb"\1null", events)
+        return strip_token_ids(events)
 
     def _head(self, event: bytes) -> None:
         try:

@@ -35,7 +35,8 @@ another that continues from the prompt plus the tokens sent (`pdplane.gateway.re
 choices of n > 1 each on their own, `pdplane.gateway.choice_legs`), within `--migration-limit`
 and `--migration-timeout-s` (waiting for a decode when no other serves: the only one
 restarting); then one error event ends the stream. A non-streamed request whose decode died
-while computing it runs again on another pair, within the same limits.
+while computing it, or a stream of one choice whose decode was lost before any of its events
+reached the client, runs again on another pair, within the same limits.
 Cancellation (client gone): upstream connections closed (vLLM aborts the request), prefill's
 KV freed (a prefill call in flight by the transfer id the gateway gave it), Release
 "cancelled".

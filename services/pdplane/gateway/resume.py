@@ -21,7 +21,7 @@ from functools import partial
 from typing import Any
 
 from pdplane.core import tracing
-from pdplane.gateway.bodies import resumed_body
+from pdplane.gateway.bodies import resumed_body, with_token_ids
 from pdplane.gateway.errors import GatewayError, gateway_timeout
 from pdplane.gateway.legs import open_decode, prefill_leg, refused_mid_stream
 from pdplane.gateway.migration import Loss, Transcript, stop_seam, whole_characters
@@ -69,9 +69,14 @@ def count_migration(r: Request, loss: Loss, instance_id: str) -> None:
     metrics.migrations.labels(loss.reason).inc()
 
 
-async def migrate(r: Request, transcript: Transcript, loss: Loss, counted: bool = False) -> Splice:
+async def migrate(
+    r: Request, transcript: Transcript, loss: Loss, counted: bool = False
+) -> Splice | None:
     """Continues `r`'s stream, whose decode leg was lost (`loss`), on another decode; returns
-    the splice that continues the client's stream with the new leg's events (`r.resp`).
+    the splice that continues the client's stream with the new leg's events (`r.resp`). A
+    stream that had sent the client nothing (`transcript.started` False: its decode was lost
+    inside its first event) runs again whole instead: the client's request on a new pair,
+    whose events go to the client as they come (returns None).
 
     Tries again on another decode when the new one fails too, within `--migration-limit` and
     `--migration-timeout-s`; raises GatewayError when either is spent, when no decode is left,
@@ -82,6 +87,7 @@ async def migrate(r: Request, transcript: Transcript, loss: Loss, counted: bool 
     lost = r.decode.instance_id
     tokenizer = r.tokenizer
     overlap = repeated = 0
+    fresh = not transcript.started
     if tokenizer is not None and transcript.prompt_ids is not None:
         decode = partial(tokenizer.decode, skip_special_tokens=False)
         context, sent_ids = transcript.prompt_ids, transcript.sent
@@ -95,7 +101,8 @@ async def migrate(r: Request, transcript: Transcript, loss: Loss, counted: bool 
         else:
             keep = whole_characters(context, sent_ids, decode)
         transcript.rewind(keep)
-    prompt = transcript.resumed_prompt()
+    prompt = None if fresh else transcript.resumed_prompt()
+    recomputed = r.req.prompt_tokens if prompt is None else len(prompt)
     sent = len(transcript.sent)
     cached = r.cached  # the client's prompt's, not the resumed prompt's
     while True:
@@ -106,7 +113,7 @@ async def migrate(r: Request, transcript: Transcript, loss: Loss, counted: bool 
             count_migration(r, loss, lost)
         counted = False
         r.exclude(lost)
-        body = resumed_body(r.req, prompt, sent, r.choice)
+        body = None if prompt is None else resumed_body(r.req, prompt, sent, r.choice)
         left = config.migration_timeout_s - (time.perf_counter() - r.budget.since)
         attributes = {
             "pdplane.lost_decode": lost,
@@ -134,8 +141,18 @@ async def migrate(r: Request, transcript: Transcript, loss: Loss, counted: bool 
                 exc.status if exc.status < 500 else loss.status,
                 f"{loss.message}; not continued on another decode: {exc.message}",
             ) from None
-        metrics.migration_recomputed.inc(len(prompt))
+        metrics.migration_recomputed.inc(recomputed)
         prefill = r.prefill.instance_id if r.prefill is not None else "none"
+        r.cached = cached
+        if prompt is None:
+            log.warning(
+                "request %s: %s before its first token; run again on decode %s (prefill %s)",
+                r.id,
+                loss.message,
+                r.decode.instance_id,
+                prefill,
+            )
+            return None
         log.warning(
             "request %s: %s after %d tokens (%s); continued on decode %s (prefill %s), "
             "%d tokens recomputed",
@@ -147,35 +164,38 @@ async def migrate(r: Request, transcript: Transcript, loss: Loss, counted: bool 
             prefill,
             len(prompt),
         )
-        r.cached = cached
         # completions' text_offset goes on from the client's (the leg counts from 0)
         offset = transcript.next_offset if transcript.offsets is not None else None
         seam = Seam(overlap, repeated, offset)
         return Splice(r.req, transcript.as_first_token(), None, cached, sent, seam)
 
 
-async def _resumed_legs(r: Request, body: dict[str, Any], wait: bool) -> UpstreamResponse:
-    """The new legs of a resumed stream (`body`: `resumed_body`'s): Schedule, prefill's leg
-    when the decision has one, decode's response headers. `wait`: with no decode but the lost
-    one, wait for one (the only decode restarting) within the time budget `migrate` holds
-    this to; else that is a GatewayError at once (a decode that sent its own error event is
-    alive: no restart of it is coming). Raises RetryElsewhere (an instance unreachable: the
-    next decode is tried), GatewayError."""
+async def _resumed_legs(r: Request, body: dict[str, Any] | None, wait: bool) -> UpstreamResponse:
+    """The new legs of a resumed stream (`body`: `resumed_body`'s; None: the client's request
+    again, whole): Schedule, prefill's leg when the decision has one, decode's response
+    headers. `wait`: with no decode but the lost one, wait for one (the only decode
+    restarting) within the time budget `migrate` holds this to; else that is a GatewayError
+    at once (a decode that sent its own error event is alive: no restart of it is coming).
+    Raises RetryElsewhere (an instance unreachable: the next decode is tried), GatewayError."""
     try:
+        endpoint = "" if body is None else COMPLETIONS  # "": the client's
         await schedule(
             r,
             queue=True,
-            prompt_tokens=len(body["prompt"]),
-            max_tokens=body["max_tokens"] or 0,
+            prompt_tokens=None if body is None else len(body["prompt"]),
+            max_tokens=None if body is None else body["max_tokens"] or 0,
             wait_s=math.inf if wait else None,
         )
         kv = None
         if r.prefill is not None:
-            _, kv = await prefill_leg(r, COMPLETIONS, body)
-        data = json.dumps(body, separators=(",", ":")).encode()
-        if kv is not None:
-            data = data[:-1] + b',"kv_transfer_params":' + kv + b"}"
-        resp = await open_decode(r, data, COMPLETIONS)
+            _, kv = await prefill_leg(r, endpoint, body)
+        if body is None:
+            data = with_token_ids(r.req.raw, r.req.body, kv)
+        else:
+            data = json.dumps(body, separators=(",", ":")).encode()
+            if kv is not None:
+                data = data[:-1] + b',"kv_transfer_params":' + kv + b"}"
+        resp = await open_decode(r, data, endpoint)
         if resp.status < 400:
             return resp
         await refused_mid_stream(r, resp)

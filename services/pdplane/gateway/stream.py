@@ -22,7 +22,7 @@ from pdplane.gateway import usage_details
 from pdplane.gateway.choice_legs import fan_out
 from pdplane.gateway.errors import GatewayError
 from pdplane.gateway.fanout import Choices
-from pdplane.gateway.migration import Loss
+from pdplane.gateway.migration import Loss, Transcript
 from pdplane.gateway.replies import SSE_DONE, SSE_ERROR
 from pdplane.gateway.request import Request, Tally
 from pdplane.gateway.resume import migrate
@@ -139,7 +139,7 @@ async def relay_legs(
                             )
                             out = out[:at]
                         transcript.observe(out, resumed)
-                        if splice is None or not splice.token_ids:
+                        if splice is None or splice.passes_token_ids:
                             out = transcript.strip(out)
                     tally.events += out.count(b"\n\n")
                     done = out.endswith(SSE_DONE)
@@ -165,7 +165,9 @@ async def relay_legs(
             if loss is None:
                 tally.ok = not failed
                 return
-        if transcript is None or not transcript.resumable():
+        # A stream that sent nothing yet runs again whole (`migrate`).
+        fresh = isinstance(transcript, Transcript) and not transcript.started
+        if transcript is None or not (fresh or transcript.resumable()):
             yield loss.event or _failed(GatewayError(loss.status, loss.message))
             return
         if transcript.finished and not loss.event:
@@ -189,4 +191,4 @@ async def relay_legs(
                 yield out
             tally.ok = fan.ok
             return
-        resumed, counted, loss = True, False, None
+        resumed, counted, loss = not fresh, False, None

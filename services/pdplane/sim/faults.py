@@ -26,7 +26,9 @@ class FaultPlan:
         failure_rate: probability (0..1) that a request fails.
         fail_mode: "http500" (error before any byte), "drop" (connection closed after
             `fail_after_tokens` streamed tokens, or before a non-streamed body) or "stall" (no
-            more bytes after `fail_after_tokens` tokens, until the client gives up).
+            more bytes after `fail_after_tokens` tokens, until the client gives up). A stream
+            with `fail_after_tokens` 0 fails inside its first token's event: the headers (and
+            chat's role chunk) and half of that event's bytes go out first.
         fail_next: the next N requests fail regardless of the rate (deterministic tests).
         fail_request_prefix: requests whose id starts with this fail ("" = none), whatever the
             rate: one chosen stream of many.

@@ -317,6 +317,12 @@ class CompletionRoutes:
                 head = echo if head is None else head + echo
             if head is not None:
                 await response.write(head)
+            if strike == 0:
+                # Cut inside the first token's event, its first half written: an engine
+                # killed while it writes (the client has headers and no whole token).
+                event = chunk(0, 0)
+                await response.write(event[: len(event) // 2])
+                return await self._strike(request, response, record)
             sent = 0
             while True:
                 ready = ereq.num_output

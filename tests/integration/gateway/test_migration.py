@@ -98,6 +98,35 @@ def test_a_decode_killed_mid_stream_the_stream_continues_on_another(
     nothing_held(stack, [*prefill.handles, *alive])
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_stream_whose_decode_dies_before_its_first_token_is_served_by_another(
+    stack_factory: Callable[..., Stack], path: str
+) -> None:
+    # The first token from decode: a decode cut right after its headers (completions) or its
+    # role chunk (chat) sent the client no token; the stream is served whole by another.
+    stack = stack_factory(first_token="decode")
+    prefill, decodes = fleet(stack, 2, itl_ms=2)
+    decodes[0].set_faults(fail_request_prefix="early-", fail_mode="drop", fail_after_tokens=0)
+    options = {"stream_options": {"include_usage": True}}
+    for i in range(4):  # decodes are picked by load, ties in turn: some land on decodes[0]
+        prompt = f"{PROMPT} {i}"
+        body: dict[str, Any] = {"model": MODEL, "max_tokens": 8, "stream": True, **options}
+        if path == "/v1/chat/completions":
+            messages = [{"role": "user", "content": prompt}]
+            body["messages"], want = messages, _chat_text(messages, 8)
+        else:
+            body["prompt"], want = prompt, expected_text(prompt, 0, 8)
+        events, done = stream_events(stack.url, path, body, f"early-{i}")
+        assert done and not errors_of(events), events
+        assert text_of(events) == want
+        assert events[-1]["usage"]["completion_tokens"] == 8
+        assert {e["id"] for e in events} == {events[0]["id"]}
+    cut = len(decodes[0].records())
+    assert cut >= 1, "no request landed on the failing decode"
+    assert migrations(stack, "lost") == cut
+    nothing_held(stack, [*prefill.handles, *decodes.handles])
+
+
 def test_a_stalled_decode_is_left_and_the_stream_continues(
     stack_factory: Callable[..., Stack],
 ) -> None:

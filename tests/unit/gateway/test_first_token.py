@@ -257,6 +257,27 @@ def test_a_held_character_streams_as_one_instance_streams_it(
     assert b'token_ids":[' not in rewritten
 
 
+def test_only_completions_chunks_carry_decodes_token_ids_through_the_splice() -> None:
+    # A migratable stream's decode leg streams token ids the client did not ask for; the relay
+    # takes them out only where the splice would pass them (`passes_token_ids`).
+    ids = b'"prompt_token_ids":[5,6],"token_ids":[17]'
+    decode = (
+        b'data: {"id":"cmpl-d","object":"text_completion","created":1,"model":"m","choices":'
+        b'[{"index":0,"text":" a","finish_reason":null,"stop_reason":null,' + ids + b"}]}\n\n"
+        b'data: {"id":"cmpl-d","object":"text_completion","created":1,"model":"m","choices":'
+        b'[{"index":0,"text":"!","finish_reason":"length","stop_reason":null,' + ids + b"}]}\n\n"
+        b'data: {"id":"cmpl-d","object":"text_completion","created":1,"model":"m",'
+        b'"choices":[],"usage":{"prompt_tokens":4,"total_tokens":7,"completion_tokens":3}}\n\n'
+        b"data: [DONE]\n\n"
+    )
+    chat = Splice(parsed(CHAT, stream_options={"include_usage": True}), _first(CHAT))
+    assert not chat.passes_token_ids
+    assert b'token_ids":[' not in chat.rewrite(decode)
+    completions = Splice(parsed(COMPLETIONS), _first())
+    assert completions.passes_token_ids
+    assert b'token_ids":[17]' in completions.rewrite(decode)
+
+
 def test_decode_gets_no_token_ids_unless_a_character_is_held() -> None:
     assert "return_token_ids" not in json.loads(
         continuation_body(parsed(COMPLETIONS), _first().decode_prompt, KV)
