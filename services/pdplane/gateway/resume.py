@@ -143,8 +143,8 @@ async def migrate(
             ) from None
         metrics.migration_recomputed.inc(recomputed)
         prefill = r.prefill.instance_id if r.prefill is not None else "none"
-        r.cached = cached
         if prompt is None:
+            # Run again whole: the new attempt's prefix cache hit is the client's (r.cached).
             log.warning(
                 "request %s: %s before its first token; run again on decode %s (prefill %s)",
                 r.id,
@@ -164,6 +164,7 @@ async def migrate(
             prefill,
             len(prompt),
         )
+        r.cached = cached
         # completions' text_offset goes on from the client's (the leg counts from 0)
         offset = transcript.next_offset if transcript.offsets is not None else None
         seam = Seam(overlap, repeated, offset)

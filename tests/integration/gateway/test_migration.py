@@ -127,6 +127,29 @@ def test_a_stream_whose_decode_dies_before_its_first_token_is_served_by_another(
     nothing_held(stack, [*prefill.handles, *decodes.handles])
 
 
+def test_a_stream_run_again_reports_the_cached_tokens_of_the_attempt_that_served_it(
+    stack_factory: Callable[..., Stack],
+) -> None:
+    # As a non-streamed request run again does: the attempt that served the client is the new
+    # one, whose prefill found the first attempt's prompt in its prefix cache.
+    stack = stack_factory(enable_prompt_tokens_details=True, first_token="decode")
+    prefill, decodes = fleet(stack, 2, itl_ms=2)
+    decodes[0].set_faults(fail_request_prefix="early-", fail_mode="drop", fail_after_tokens=0)
+    cached = {}
+    for i in range(4):  # a prompt of its own each: a first attempt has no prefix cache hit
+        options = {"stream_options": {"include_usage": True}}
+        prompt = f"w{i} " + " ".join([PROMPT] * 8)
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 4, "stream": True, **options}
+        events, done = stream_events(stack.url, "/v1/completions", body, f"early-{i}")
+        assert done and not errors_of(events), events
+        cached[f"early-{i}"] = events[-1]["usage"]["prompt_tokens_details"]["cached_tokens"]
+    cut = {r["request_id"].split("-pdp-")[0] for r in decodes[0].records()}
+    assert cut, "no request landed on the failing decode"
+    assert all(cached[i] > 0 for i in cut), (cached, cut)
+    assert all(cached[i] == 0 for i in cached.keys() - cut), (cached, cut)
+    nothing_held(stack, [*prefill.handles, *decodes.handles])
+
+
 def test_a_stalled_decode_is_left_and_the_stream_continues(
     stack_factory: Callable[..., Stack],
 ) -> None:
