@@ -46,7 +46,8 @@ _MAX_CHARACTER_TOKENS = 4
 #: before `prompt_`).
 _IDS = re.compile(rb'"token_ids":\[([0-9,]*)\]')
 _PROMPT_IDS = re.compile(rb'"prompt_token_ids":\[([0-9,]*)\]')
-_FINISHED = re.compile(rb'"finish_reason":"')
+#: A choice that finished (its reason a string; null while it streams).
+_FINISHED = b'"finish_reason":"'
 #: A token event's text (completions' `text`, chat's `content`) as a JSON string.
 _TEXT = re.compile(rb'"(?:text|content)":("(?:[^"\\]|\\.)*")')
 
@@ -171,9 +172,10 @@ class Transcript:
             found = _PROMPT_IDS.search(events)
             if found is not None:
                 self.prompt_ids = _ints(found.group(1))
-        for found in _IDS.finditer(events):
-            self.sent += _ints(found.group(1))
-        if not self.finished and _FINISHED.search(events) is not None:
+        for ids in _IDS.findall(events):
+            if ids:
+                self.sent.extend(map(int, ids.split(b",")))
+        if not self.finished and _FINISHED in events:
             self.finished = True
 
     @property

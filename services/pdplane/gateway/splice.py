@@ -484,6 +484,15 @@ class Splice:
         if not isinstance(obj, dict) or "error" in obj:
             return event + b"\n\n"
         usage = obj.get("usage")
+        if usage is None and self._token_frame is not None:
+            # Most of a chat stream: one token's chunk, its text between the frame's two
+            # halves (the bytes `_chunk` would write for it).
+            choices = obj.get("choices")
+            if type(choices) is list and len(choices) == 1:
+                c = choices[0]
+                if type(c) is dict and c.get("finish_reason") is None:
+                    text = _json_string(c.get("text") or "")
+                    return self._token_frame[0] + text + self._token_frame[1]
         if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
             fixed = self._usage_of(usage["completion_tokens"] + self._sent)
             usage = {**usage, **fixed}
@@ -496,13 +505,6 @@ class Splice:
             return sse_event(obj)
         choices = obj.get("choices")
         choices = [c for c in choices if isinstance(c, dict)] if isinstance(choices, list) else []
-        if usage is None and len(choices) == 1 and self._token_frame is not None:
-            c = choices[0]
-            if c.get("finish_reason") is None:
-                # A token's chunk: its text between the frame's two halves (the bytes
-                # `_chunk` would write for it).
-                token = _json_string(c.get("text") or "")
-                return self._token_frame[0] + token + self._token_frame[1]
         out = []
         for c in choices:
             text, reason = c.get("text") or "", c.get("finish_reason")
