@@ -491,8 +491,8 @@ class Splice:
             if type(choices) is list and len(choices) == 1:
                 c = choices[0]
                 if type(c) is dict and c.get("finish_reason") is None:
-                    text = _json_string(c.get("text") or "")
-                    return self._token_frame[0] + text + self._token_frame[1]
+                    token = _json_string(c.get("text") or "")
+                    return self._token_frame[0] + token + self._token_frame[1]
         if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
             fixed = self._usage_of(usage["completion_tokens"] + self._sent)
             usage = {**usage, **fixed}
