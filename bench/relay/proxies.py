@@ -18,7 +18,15 @@ import httpx
 from bench._procs import Proc, spawn
 from pdplane.launch.ports import free_port_run
 
-__all__ = ["PEERS_DIR", "Fleet", "ProxyRun", "install_hint", "start_proxy", "wait_ready"]
+__all__ = [
+    "PEERS_DIR",
+    "Fleet",
+    "ProxyRun",
+    "check_name",
+    "install_hint",
+    "start_proxy",
+    "wait_ready",
+]
 
 from bench import ROOT
 
@@ -140,6 +148,10 @@ def _tree_env(variants: frozenset[str]) -> dict[str, str] | None:
         tree = os.environ.get("PDPLANE_BENCH_BASE_TREE", "")
         if not tree:
             raise RuntimeError("+base needs PDPLANE_BENCH_BASE_TREE (a checkout to compare with)")
+        # A path without pdplane's code would not fail: `pdplane` is a namespace package, so
+        # the installed code would run as the base, compared with itself.
+        if not (Path(tree) / "services" / "pdplane" / "gateway").is_dir():
+            raise RuntimeError(f"PDPLANE_BENCH_BASE_TREE={tree} is not a pdplane checkout")
         env["PYTHONPATH"] = f"{tree}/services:{tree}/connector"
     return env or None
 
@@ -320,6 +332,24 @@ def _floor(fleet: Fleet, cpus: str, logs: Path, name: str) -> ProxyRun:
     argv += ["--prefill", fleet.prefill[0], "--decode", fleet.decode[0], "--port", str(port)]
     proc = spawn(name, argv, cpus, logs)
     return ProxyRun(name, f"http://127.0.0.1:{port}", [proc])
+
+
+#: Proxy names without variants (`start_proxy`).
+_NAMES = ("direct", "pdplane", "pdplane-sequential", "pdplane-concurrent", "pdplane-embedded")
+_PEERS = ("vllm-router", "xpyd-proxy")
+
+
+def check_name(name: str) -> None:
+    """Raises ValueError naming what is wrong when `start_proxy` does not know `name`."""
+    base, *rest = name.split("+")
+    known = (*_NAMES, *_PEERS, *_FLOOR_APPS)
+    if base not in known:
+        raise ValueError(f"unknown proxy {base!r}; known: {', '.join(known)}")
+    if rest and not base.startswith("pdplane"):
+        raise ValueError(f"variants are for pdplane proxies only: {name!r}")
+    unknown = sorted(set(rest) - set(VARIANTS))
+    if unknown:
+        raise ValueError(f"unknown pdplane variant(s) {unknown} in {name!r}; known: {VARIANTS}")
 
 
 def start_proxy(name: str, fleet: Fleet, cpus: str, logs: Path) -> ProxyRun:

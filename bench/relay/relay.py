@@ -22,7 +22,7 @@ medians.
     .venv/bin/python bench/relay/relay.py                      # full run (~10 min)
     .venv/bin/python bench/relay/relay.py --quick              # 1P1D, zero knobs, short windows
 
-Peers are installed in their own venvs (see `--help` of a missing one's message):
+Peers are installed in their own venvs (a run without one prints these commands and skips it):
     python3 -m venv .cache/peers/vllm-router && .cache/peers/vllm-router/bin/pip install vllm-router
     python3 -m venv .cache/peers/xpyd-proxy && .cache/peers/xpyd-proxy/bin/pip install xpyd-proxy
 """
@@ -38,6 +38,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +46,7 @@ import httpx
 
 from bench import ROOT
 from bench._procs import Proc, spawn
-from bench.relay.proxies import Fleet, install_hint, start_proxy
+from bench.relay.proxies import Fleet, check_name, install_hint, start_proxy
 from pdplane.launch.ports import free_port_run
 from tests.support.loadgen import run_load
 from tests.support.stats import percentile
@@ -369,15 +370,62 @@ def _ratios(cell: list[dict[str, Any]], floor: dict[int, dict[str, Any]]) -> lis
     return lines
 
 
+def _names(known: tuple[str, ...] | None) -> Callable[[str], str]:
+    """An argparse type: a comma-separated list whose names are all in `known` (None: proxy
+    names, `check_name`)."""
+
+    def parse(text: str) -> str:
+        for name in text.split(","):
+            if known is None:
+                try:
+                    check_name(name)
+                except ValueError as exc:
+                    raise argparse.ArgumentTypeError(str(exc)) from None
+            elif name not in known:
+                raise argparse.ArgumentTypeError(f"{name!r}: one of {', '.join(known)}")
+        return text
+
+    return parse
+
+
+def _counts(text: str) -> list[int]:
+    """An argparse type: comma-separated positive integers."""
+    try:
+        counts = [int(c) for c in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: comma-separated integers") from None
+    if min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: each at least 1")
+    return counts
+
+
+def _at_least(kind: Callable[[str], float], least: float) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not value >= least:
+            raise argparse.ArgumentTypeError(f"{text!r}: at least {least:g}")
+        return value
+
+    return parse
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--topologies", default="1P1D,2P4D")
-    parser.add_argument("--knobs", default="zero,realistic")
+    parser.add_argument("--topologies", default="1P1D,2P4D", type=_names(tuple(TOPOLOGIES)))
+    parser.add_argument("--knobs", default="zero,realistic", type=_names(tuple(KNOBS)))
     parser.add_argument(
-        "--proxies", default="direct,pdplane,pdplane-embedded,vllm-router,xpyd-proxy"
+        "--proxies",
+        default="direct,pdplane,pdplane-embedded,vllm-router,xpyd-proxy",
+        type=_names(None),
+        help="comma-separated; latency added is counted over `direct`, when it is among them",
     )
-    parser.add_argument("--concurrency", default="1,16,64,256")
-    parser.add_argument("--duration", type=float, default=3.0, help="measured seconds per point")
+    parser.add_argument("--concurrency", default="1,16,64,256", type=_counts)
+    parser.add_argument(
+        "--duration", type=_at_least(float, 0.1), default=3.0, help="measured seconds per point"
+    )
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--proxy-cpus", default="0", help="taskset CPU list for proxies")
     parser.add_argument("--load-cpus", default="1", help="CPU list: sims, registry, load gen")
@@ -394,16 +442,22 @@ def main(argv: list[str] | None = None) -> int:
         '"" = the sims\' word tokenizer',
     )
     parser.add_argument(
-        "--repeat", type=int, default=1, help="runs of every point (medians are reported)"
+        "--repeat",
+        type=_at_least(int, 1),
+        default=1,
+        help="runs of every point (medians are reported)",
     )
-    parser.add_argument("--quick", action="store_true", help="1P1D, zero knobs, 1 s windows")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="1P1D, zero knobs, 1 s windows (in place of --topologies, --knobs, --duration)",
+    )
     parser.add_argument(
         "--out", default="", help="results JSON (default logs/bench/relay-<UTC time>/relay.json)"
     )
     args = parser.parse_args(argv)
     if args.quick:
         args.topologies, args.knobs, args.duration = "1P1D", "zero", 1.0
-    args.concurrency = [int(c) for c in args.concurrency.split(",")]
     proxies = args.proxies.split(",")
     if args.tokenizer == "auto":
         from pdplane.models.tiny import build_tiny_model
