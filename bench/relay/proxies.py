@@ -119,9 +119,10 @@ def wait_ready(run: ProxyRun, model: str, timeout_s: float = 90.0, precise: bool
 #: Variants of a pdplane proxy, appended to its name with "+" (e.g. "pdplane-embedded+tok"):
 #: tok = the gateway is handed the sims' tokenizer folder itself (`--tokenizer`, which overrides
 #: the one the fleet publishes; with the sims publishing one, every gateway takes it from the
-#: fleet anyway); kv_aware = the kv_aware policy on both sides instead of round_robin (the
-#: gateway's default; precise only with a tokenizer); access-log = the gateway logs at INFO, so
-#: that its access log (on by default, one line per request) is written; no-kv-index = no prefix
+#: fleet anyway); kv_aware = the kv_aware policy on both sides (the scheduler's default; the
+#: benchmark's pdplane proxies run round_robin otherwise; precise only with a tokenizer);
+#: access-log = the gateway logs at INFO, so that its access log (on by default, one line per
+#: request) is written; no-kv-index = no prefix
 #: index fed by the instances' KV events (`--no-kv-index`); unary = a remote gateway's Schedules
 #: as unary calls instead of on one ScheduleStream (`--no-schedule-stream`); base = the
 #: gateway and scheduler run the code of another checkout, `PDPLANE_BENCH_BASE_TREE` (an A/B

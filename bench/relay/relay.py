@@ -36,6 +36,7 @@ import json
 import math
 import os
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -412,6 +413,17 @@ def _at_least(kind: Callable[[str], float], least: float) -> Callable[[str], flo
     return parse
 
 
+def _commit(tree: Path) -> str:
+    """The checked-out commit of `tree` ("" when it is not a git checkout)."""
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(tree), "rev-parse", "HEAD"], capture_output=True, text=True
+        )
+    except OSError:
+        return ""
+    return out.stdout.strip() if out.returncode == 0 else ""
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--topologies", default="1P1D,2P4D", type=_names(tuple(TOPOLOGIES)))
@@ -474,6 +486,7 @@ def main(argv: list[str] | None = None) -> int:
     out = ROOT / (args.out or f"logs/bench/relay-{stamp}/relay.json")
     logs = out.parent
     logs.mkdir(parents=True, exist_ok=True)
+    load_before = os.getloadavg()
     os.sched_setaffinity(0, {int(c) for c in args.load_cpus.split(",")})
     reg_port = free_port_run()
     registry = spawn(
@@ -504,8 +517,10 @@ def main(argv: list[str] | None = None) -> int:
         registry.stop()
     meta = {
         "argv": sys.argv,
+        "commit": _commit(ROOT),
+        "base_tree": os.environ.get("PDPLANE_BENCH_BASE_TREE", ""),
         "tokenizer": args.tokenizer or "off",
-        "load_avg_before_after": os.getloadavg(),
+        "load_avg_before_after": [load_before, os.getloadavg()],
         "cpus": os.cpu_count(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
