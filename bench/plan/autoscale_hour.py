@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
@@ -39,6 +38,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from bench._args import at_least
 from pdplane.autoscale.controller import ControllerSettings
 from pdplane.autoscale.elastic import ElasticSettings
 from pdplane.autoscale.predictor import Bounds
@@ -166,28 +166,13 @@ def _report(details: dict[str, Any]) -> None:
     )
 
 
-def _at_least(least: float, cast: type[int] | type[float]) -> Any:
-    """An argparse type: a finite number of `cast` no smaller than `least`."""
-
-    def parse(text: str) -> float:
-        try:
-            value = cast(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-        if not math.isfinite(value) or value < least:
-            raise argparse.ArgumentTypeError(f"{text} is below {least:g} or not finite")
-        return value
-
-    return parse
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(
         description=(__doc__ or "").split("\n\n")[0].replace("\n", " "),
     )
     ap.add_argument(
         "--gpus",
-        type=_at_least(2, int),
+        type=at_least(2, int),
         nargs="+",
         default=[8, 16],
         help="GPU budgets (one instance per GPU, at least 2: 1P1D; default 8 16)",
@@ -206,20 +191,20 @@ def main() -> int:
     ap.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
     ap.add_argument(
         "--mean-gpus",
-        type=_at_least(0, float),
+        type=at_least(0, float),
         default=None,
         help="the controller's spend target, mean GPUs (default: what the static split holds; "
         "0: none)",
     )
     ap.add_argument(
         "--inflight-budget",
-        type=_at_least(0, float),
+        type=at_least(0, float),
         default=0.0,
         help="the gateway's flow control in front of the fleet: its --inflight-budget (default 0: "
         "none)",
     )
     ap.add_argument(
-        "--jobs", type=_at_least(1, int), default=3, help="runs at once (processes; default 3)"
+        "--jobs", type=at_least(1, int), default=3, help="runs at once (processes; default 3)"
     )
     ap.add_argument(
         "--out",

@@ -46,6 +46,7 @@ from typing import Any
 import httpx
 
 from bench import ROOT
+from bench._args import at_least
 from bench._procs import Proc, spawn
 from bench.relay.proxies import Fleet, check_name, install_hint, start_proxy
 from pdplane.launch.ports import free_port_run
@@ -400,19 +401,6 @@ def _counts(text: str) -> list[int]:
     return counts
 
 
-def _at_least(kind: Callable[[str], float], least: float) -> Callable[[str], float]:
-    def parse(text: str) -> float:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-        if not value >= least:
-            raise argparse.ArgumentTypeError(f"{text!r}: at least {least:g}")
-        return value
-
-    return parse
-
-
 def _commit(tree: Path) -> str:
     """The checked-out commit of `tree` ("" when it is not a git checkout)."""
     try:
@@ -436,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--concurrency", default="1,16,64,256", type=_counts)
     parser.add_argument(
-        "--duration", type=_at_least(float, 0.1), default=3.0, help="measured seconds per point"
+        "--duration", type=at_least(0.1, float), default=3.0, help="measured seconds per point"
     )
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--proxy-cpus", default="0", help="taskset CPU list for proxies")
@@ -455,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--repeat",
-        type=_at_least(int, 1),
+        type=at_least(1, int),
         default=1,
         help="runs of every point (medians are reported)",
     )

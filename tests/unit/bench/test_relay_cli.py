@@ -22,8 +22,8 @@ from bench.relay import proxies, relay
         (["--knobs", "realstic"], "'realstic': one of zero, realistic"),
         (["--concurrency", "16,x"], "comma-separated integers"),
         (["--concurrency", "0"], "each at least 1"),
-        (["--repeat", "0"], "at least 1"),
-        (["--duration", "0"], "at least 0.1"),
+        (["--repeat", "0"], "0 is below 1"),
+        (["--duration", "0"], "0 is below 0.1"),
     ],
 )
 def test_arguments_a_run_cannot_use_are_refused_before_it_starts(
